@@ -1,0 +1,45 @@
+# HarmonicIO: the commands a newcomer needs.
+#   make run    set up (virtualenv, pinned deps, generated code) and run the demo
+#   make test   set up and run the test suite
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PROTOS  := $(wildcard proto/hio/proto/*.proto)
+GEN     := $(PROTOS:.proto=_pb2.py)
+PYTEST_ARGS ?=
+
+.PHONY: setup proto run test test-quick images bench bench-kd clean
+
+setup: $(VENV)/.installed proto
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[kd,docker,dev]'
+	touch $@
+
+proto: $(GEN)
+
+proto/hio/proto/%_pb2.py: proto/hio/proto/%.proto $(VENV)/.installed
+	$(BIN)/python -c "import hio.proto as p; p.generate()"
+
+run: setup
+	$(BIN)/hio up
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-quick: setup
+	$(BIN)/python -m pytest -m "not slow and not spark and not docker" $(PYTEST_ARGS)
+
+images: setup
+	$(BIN)/python -m hio.cli images build
+
+bench: setup
+	$(BIN)/hio bench
+
+bench-kd: setup
+	$(BIN)/hio bench-kd
+
+clean:
+	rm -rf $(VENV) var build *.egg-info proto/hio/proto/*_pb2*.py* .pytest_cache

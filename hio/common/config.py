@@ -1,0 +1,178 @@
+"""One way to configure every role: a TOML file, then environment, then flags.
+
+Each role declares a frozen dataclass of settings. Its fields become command
+line flags (``--queue-bytes``), environment variables (``HIO_MASTER_QUEUE_BYTES``
+first, then ``HIO_QUEUE_BYTES``) and keys of the file's ``[master]`` section
+(after the shared ``[cluster]`` section). Later sources win: defaults < file <
+environment < flags. Defaults run everything on one machine.
+
+Example ``hio.toml``::
+
+    [cluster]
+    master_address = "master.example.org:7000"
+    token_file = "/etc/hio/token"
+
+    [worker]
+    engines = ["hio/microscopy=4"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+C = TypeVar("C")
+
+CONFIG_ENV = "HIO_CONFIG"
+
+
+class ConfigError(ValueError):
+    """A setting has a value that cannot be used; the message names it."""
+
+
+def setting(default: Any, help: str, *, factory: Any = None) -> Any:
+    """Declare a configuration field with its help text."""
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _env_names(role: str, name: str) -> list[str]:
+    return [f"HIO_{role.upper()}_{name.upper()}", f"HIO_{name.upper()}"]
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _convert(value: Any, typ: Any, where: str) -> Any:
+    """Turn a string (env/flag) or TOML value into the field's type."""
+    origin = typing.get_origin(typ)
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(f"not a boolean: {value!r}")
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError("not an integer")
+            return int(_scaled(value)) if isinstance(value, str) else int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            return str(value)
+        if origin is tuple:
+            items = value if isinstance(value, (list, tuple)) else [
+                v for v in str(value).split(",") if v.strip()]
+            return tuple(str(v).strip() for v in items)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    raise ConfigError(f"{where}: unsupported setting type {typ!r}")
+
+
+_UNITS = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def _scaled(text: str) -> int:
+    """Parse sizes like '64M', '1g', '512k' (binary units) or plain integers."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in _UNITS:
+        return int(float(t[:-1]) * _UNITS[t[-1]])
+    return int(t)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, role: str) -> None:
+    """Add one flag per field of ``cls``; the help shows the environment fallback."""
+    parser.add_argument("--config", default=None,
+                        help=f"TOML configuration file (env {CONFIG_ENV})")
+    types = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        typ = types[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_text = f"{f.metadata.get('help', '')} [default: {default!r}; env {_env_names(role, f.name)[0]}]"
+        if typ is bool:
+            parser.add_argument(flag, dest=f.name, default=None,
+                                action=argparse.BooleanOptionalAction, help=help_text)
+        elif typing.get_origin(typ) is tuple:
+            parser.add_argument(flag, dest=f.name, default=None, action="append",
+                                help=help_text + " (repeatable)")
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, help=help_text)
+
+
+def load_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """Read the TOML file named by ``path`` or ``$HIO_CONFIG``; {} if neither."""
+    path = path or os.environ.get(CONFIG_ENV)
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"configuration file {path} is not valid TOML: {exc}") from None
+
+
+def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
+          overrides: dict[str, Any] | None = None, file_data: dict[str, Any] | None = None) -> C:
+    """Build the frozen config of ``role`` from defaults, file, env, flags, overrides."""
+    types = _field_types(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    if file_data is None:
+        file_data = load_file(getattr(args, "config", None) if args else None)
+    values: dict[str, Any] = {}
+    for section in ("cluster", role):
+        table = file_data.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] in the configuration file must be a table")
+        for key, value in table.items():
+            if key in names:
+                values[key] = _convert(value, types[key], f"[{section}] {key}")
+            elif section == role:
+                raise ConfigError(f"unknown setting '{key}' in [{section}]; known: {', '.join(sorted(names))}")
+    for name in names:
+        for env in _env_names(role, name):
+            if env in os.environ:
+                values[name] = _convert(os.environ[env], types[name], f"environment {env}")
+                break
+    if args is not None:
+        for name in names:
+            value = getattr(args, name, None)
+            if value is not None:
+                if isinstance(value, list) and typing.get_origin(types[name]) is tuple:
+                    value = [v for item in value for v in str(item).split(",") if v.strip()]
+                values[name] = _convert(value, types[name], "--" + name.replace("_", "-"))
+    for name, value in (overrides or {}).items():
+        if name not in names:
+            raise ConfigError(f"unknown setting '{name}' for {role}")
+        values[name] = value
+    config = cls(**values)
+    validate = getattr(config, "validate", None)
+    if callable(validate):
+        validate()
+    return config
+
+
+def positive(name: str, value: float) -> None:
+    """Refuse a bound that must be positive."""
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value}")
+
+
+def state_dir(base: str, role: str) -> Path:
+    """The folder where ``role`` keeps its files under the data directory."""
+    path = Path(base).expanduser() / role
+    path.mkdir(parents=True, exist_ok=True)
+    return path

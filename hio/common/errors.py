@@ -1,0 +1,129 @@
+"""The one error table: domain errors carry a gRPC status and a public message.
+
+Domain classes raise :class:`HioError` subclasses and never import grpc;
+servicers wrap their methods with :func:`grpc_errors`, which turns them into a
+status. Anything unexpected becomes ``INTERNAL`` with a reference the log
+carries, without leaking internals to the caller.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import uuid
+from typing import Any, Callable
+
+import grpc
+
+log = logging.getLogger("hio.errors")
+
+
+class HioError(Exception):
+    """A refusal with a gRPC status code and a message safe to show callers."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+class InvalidArgument(HioError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(HioError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(HioError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(HioError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(HioError):
+    """A bound is reached; the caller should slow down and retry after a while."""
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DataLoss(HioError):
+    """Bytes arrived damaged (checksum or size mismatch); the sender should resend."""
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class Unavailable(HioError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(HioError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(HioError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Aborted(HioError):
+    code = grpc.StatusCode.ABORTED
+
+
+class DeadlineExceeded(HioError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+RETRY_AFTER_KEY = "hio-retry-after"
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, HioError):
+        if exc.retry_after is not None:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{exc.retry_after:.3f}"),))
+        context.abort(exc.code, exc.message)
+    ref = uuid.uuid4().hex[:12]
+    log.exception("internal error ref=%s", ref)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error (ref {ref}); see the server log")
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # context.abort raises a plain Exception subclass private to grpc; let it through.
+    return type(exc).__name__ == "_AbortionException" or isinstance(exc, grpc.RpcError)
+
+
+def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a servicer method (unary or streaming) so errors become statuses."""
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - this is the one place that maps errors
+                if _is_abort(exc):
+                    raise
+                _abort(context, exc)
+        return stream_wrapper
+
+    @functools.wraps(method)
+    def unary_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # noqa: BLE001
+            if _is_abort(exc):
+                raise
+            _abort(context, exc)
+    return unary_wrapper
+
+
+def retry_after(error: grpc.RpcError) -> float | None:
+    """The server's retry hint carried by a RESOURCE_EXHAUSTED status, if any."""
+    try:
+        for key, value in error.trailing_metadata() or ():  # type: ignore[attr-defined]
+            if key == RETRY_AFTER_KEY:
+                return float(value)
+    except Exception:  # noqa: BLE001 - not every RpcError carries metadata
+        return None
+    return None

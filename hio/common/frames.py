@@ -1,0 +1,150 @@
+"""Tuples on the wire: cutting them into frames and reading them back, verified.
+
+Every role that sends tuples uses :func:`frames_for_bytes` or
+:func:`frames_for_file`; every role that receives them uses
+:class:`FrameReader`, which checks the metadata, bounds each chunk and the
+tuple, and verifies the size and CRC-32 as bytes arrive, so a damaged tuple is
+refused (``DATA_LOSS``) before anyone acts on it.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import BinaryIO, Callable, Iterable, Iterator
+
+from hio.common.errors import DataLoss, InvalidArgument
+from hio.proto import tuple_pb2
+
+TupleMeta = tuple_pb2.TupleMeta
+TupleFrame = tuple_pb2.TupleFrame
+TupleReceipt = tuple_pb2.TupleReceipt
+
+
+def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC-32 (zlib polynomial) as an unsigned 32-bit integer."""
+    return zlib.crc32(data, value) & 0xFFFFFFFF
+
+
+def crc32_of_file(path: str | os.PathLike[str], block: int = 4 * 1024 * 1024) -> tuple[int, int]:
+    """(CRC-32, size) of a file, read in blocks."""
+    value, size = 0, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            value = zlib.crc32(chunk, value)
+            size += len(chunk)
+    return value & 0xFFFFFFFF, size
+
+
+def frames_for_bytes(meta: TupleMeta, data: bytes, chunk_bytes: int) -> Iterator[TupleFrame]:
+    """Frames of one in-memory tuple: meta with the first chunk, `last` on the final one."""
+    size = len(data)
+    if size <= chunk_bytes:
+        yield TupleFrame(meta=meta, data=data, last=True)
+        return
+    view = memoryview(data)
+    for start in range(0, size, chunk_bytes):
+        end = min(start + chunk_bytes, size)
+        yield TupleFrame(meta=meta if start == 0 else None, data=bytes(view[start:end]), last=end == size)
+
+
+def frames_for_stream(meta: TupleMeta, fh: BinaryIO, chunk_bytes: int) -> Iterator[TupleFrame]:
+    """Frames of one tuple read from an open binary file of exactly ``meta.size`` bytes."""
+    remaining = meta.size
+    first = True
+    while True:
+        chunk = fh.read(min(chunk_bytes, remaining)) if remaining else b""
+        remaining -= len(chunk)
+        last = remaining == 0 or not chunk
+        yield TupleFrame(meta=meta if first else None, data=chunk, last=last)
+        first = False
+        if last:
+            return
+
+
+def frames_for_file(meta: TupleMeta, path: str | os.PathLike[str], chunk_bytes: int) -> Iterator[TupleFrame]:
+    """Frames of one tuple stored in a file; the file is read chunk by chunk."""
+    with open(path, "rb") as fh:
+        yield from frames_for_stream(meta, fh, chunk_bytes)
+
+
+def check_meta(meta: TupleMeta, max_tuple_bytes: int, *, need_id: bool) -> None:
+    """Refuse metadata that is missing, inconsistent or over the bounds."""
+    what = f"tuple {meta.tuple_id}" if meta.tuple_id else f"tuple '{meta.name or '?'}'"
+    if need_id and meta.tuple_id == 0:
+        raise InvalidArgument(f"{what}: no tuple id (ask the master for a route first)")
+    if not meta.image:
+        raise InvalidArgument(f"{what}: metadata names no image")
+    if len(meta.image) > 256 or len(meta.source) > 256 or len(meta.name) > 1024:
+        raise InvalidArgument(f"{what}: image, source or name too long")
+    if meta.size > max_tuple_bytes:
+        raise InvalidArgument(f"{what}: {meta.size} bytes is over the limit of {max_tuple_bytes}")
+    if len(meta.attributes) > 256 or sum(len(k) + len(v) for k, v in meta.attributes.items()) > 64 * 1024:
+        raise InvalidArgument(f"{what}: too many or too large attributes (at most 256, 64 KiB)")
+
+
+class FrameReader:
+    """Reads tuples one after the other from a stream of frames, verifying each.
+
+    Not thread-safe: one reader per stream. ``index`` counts tuples read so far.
+    """
+
+    def __init__(self, frames: Iterable[TupleFrame], *, max_tuple_bytes: int,
+                 max_chunk_bytes: int, need_id: bool = True) -> None:
+        self._frames = iter(frames)
+        self._max_tuple = max_tuple_bytes
+        self._max_chunk = max_chunk_bytes
+        self._need_id = need_id
+        self.index = 0
+
+    def next_tuple(self, sink: Callable[[bytes], None]) -> TupleMeta | None:
+        """Read the next tuple, passing its chunks to ``sink``; None at the stream's end.
+
+        Raises DataLoss for a truncated or corrupt tuple, InvalidArgument for
+        bad metadata or an oversized chunk. The sink sees only verified-size
+        data; the checksum is known only at the end, so sinks that persist must
+        not publish before this returns.
+        """
+        try:
+            frame = next(self._frames)
+        except StopIteration:
+            return None
+        if not frame.HasField("meta"):
+            raise InvalidArgument(f"frame {self.index}: the first frame of a tuple must carry its metadata")
+        meta = TupleMeta()
+        meta.CopyFrom(frame.meta)
+        check_meta(meta, self._max_tuple, need_id=self._need_id)
+        label = f"tuple {meta.tuple_id or meta.name or self.index}"
+        received, value = 0, 0
+        while True:
+            data = frame.data
+            if len(data) > self._max_chunk:
+                raise InvalidArgument(f"{label}: chunk of {len(data)} bytes is over the limit of {self._max_chunk}")
+            received += len(data)
+            if received > meta.size:
+                raise DataLoss(f"{label}: more bytes than the {meta.size} its metadata declares")
+            if data:
+                value = zlib.crc32(data, value)
+                sink(data)
+            if frame.last:
+                break
+            try:
+                frame = next(self._frames)
+            except StopIteration:
+                raise DataLoss(f"{label}: stream ended after {received} of {meta.size} bytes") from None
+            if frame.HasField("meta"):
+                raise InvalidArgument(f"{label}: a new tuple began before this one's last frame")
+        if received != meta.size:
+            raise DataLoss(f"{label}: got {received} bytes, metadata declares {meta.size}")
+        if (value & 0xFFFFFFFF) != meta.crc32:
+            raise DataLoss(f"{label}: checksum mismatch (CRC-32 {value & 0xFFFFFFFF:08x}, expected {meta.crc32:08x})")
+        self.index += 1
+        return meta
+
+    def next_tuple_bytes(self) -> tuple[TupleMeta, bytes] | None:
+        """Read the next tuple into memory; None at the stream's end."""
+        chunks: list[bytes] = []
+        meta = self.next_tuple(chunks.append)
+        if meta is None:
+            return None
+        return meta, chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -1,0 +1,47 @@
+"""Structured, quiet logging: ``key=value`` lines (or JSON) on stderr.
+
+Call :func:`setup_logging` once per process. Pass fields with
+``log.info("routed", extra={"tuple_id": 7, "channel": "w1/0"})``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_STD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+class _Formatter(logging.Formatter):
+    def __init__(self, as_json: bool) -> None:
+        super().__init__()
+        self._json = as_json
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = {k: v for k, v in vars(record).items() if k not in _STD and not k.startswith("_")}
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
+        if self._json:
+            doc = {"ts": ts, "level": record.levelname.lower(), "logger": record.name,
+                   "msg": record.getMessage(), **fields}
+            if record.exc_info:
+                doc["exc"] = self.formatException(record.exc_info)
+            return json.dumps(doc, default=str)
+        extra = "".join(f" {k}={v}" for k, v in fields.items())
+        line = f"{ts} {record.levelname.lower():7s} {record.name}: {record.getMessage()}{extra}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(level: str = "warning", as_json: bool = False) -> None:
+    """Configure the root logger once: one handler on stderr."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter(as_json))
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper(), logging.WARNING))
+    logging.getLogger("py4j").setLevel(logging.WARNING)

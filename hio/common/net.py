@@ -1,0 +1,260 @@
+"""gRPC servers and channels, built one way for every role.
+
+``create_server`` applies message bounds, keepalive, authentication, TLS and
+the standard health service; ``run_until_signal`` drains on SIGTERM/SIGINT
+within a deadline. ``create_channel`` is the client side: the same bounds,
+TLS, and the caller's token on every call.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from hio.common.config import ConfigError
+from hio.common.settings import ClusterSettings
+
+log = logging.getLogger("hio.net")
+
+AUTH_HEADER = "authorization"
+
+
+def message_limit(settings: ClusterSettings) -> int:
+    """Largest gRPC message: one chunk plus headroom, never less than 16 MiB."""
+    return max(settings.chunk_bytes + 4 * 1024 * 1024, 16 * 1024 * 1024)
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+class TokenTable:
+    """Accepted tokens and the role each grants; compared in constant time."""
+
+    def __init__(self, entries: Sequence[tuple[str, str, str]]) -> None:
+        self._entries = [(t.encode(), role, name) for t, role, name in entries]
+
+    @classmethod
+    def from_settings(cls, settings: ClusterSettings) -> "TokenTable | None":
+        """From --tokens-file ('token role name' a line), else the shared token; None = open."""
+        if settings.tokens_file:
+            entries = []
+            for n, line in enumerate(_read(settings.tokens_file, "tokens file").decode().splitlines(), 1):
+                line = line.split("#", 1)[0].strip()
+                if not line:
+                    continue
+                parts = line.split()
+                if len(parts) < 2:
+                    raise ConfigError(f"{settings.tokens_file}:{n}: expected 'token role [name]'")
+                entries.append((parts[0], parts[1], parts[2] if len(parts) > 2 else parts[1]))
+            return cls(entries)
+        shared = settings.presented_token()
+        if shared:
+            return cls([(shared, "any", "cluster")])
+        return None
+
+    def lookup(self, token: str) -> tuple[str, str] | None:
+        """(role, name) for a known token, else None. Every entry is compared."""
+        given = token.encode()
+        found = None
+        for expected, role, name in self._entries:
+            if hmac.compare_digest(expected, given):
+                found = (role, name)
+        return found
+
+
+class _AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without a known bearer token; roles limit which methods."""
+
+    OPEN_METHODS = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, table: TokenTable, policy: dict[str, set[str]] | None) -> None:
+        self._table = table
+        self._policy = policy or {}
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        method = handler_call_details.method
+        if method.startswith(self.OPEN_METHODS):
+            return continuation(handler_call_details)
+        token = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTH_HEADER and isinstance(value, str) and value.startswith("Bearer "):
+                token = value[len("Bearer "):]
+        who = self._table.lookup(token) if token else None
+        if who is None:
+            reason = "missing token" if not token else "invalid token"
+            return _refusal(grpc.StatusCode.UNAUTHENTICATED, f"{reason}: present a valid token (--token-file)")
+        role, _name = who
+        allowed = self._policy.get(method.rsplit("/", 1)[-1])
+        if role != "any" and allowed is not None and role not in allowed and "admin" != role:
+            return _refusal(grpc.StatusCode.PERMISSION_DENIED, f"role '{role}' may not call {method}")
+        return continuation(handler_call_details)
+
+
+def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    def deny(request_or_iterator, context):  # type: ignore[no-untyped-def]
+        context.abort(code, message)
+    # A stream-stream handler refuses every kind of call before reading it.
+    return grpc.stream_stream_rpc_method_handler(deny)
+
+
+def _server_options(settings: ClusterSettings) -> list[tuple[str, int]]:
+    limit = message_limit(settings)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 32,
+                  policy: dict[str, set[str]] | None = None,
+                  register: Iterable[Callable[[grpc.Server], None]] = ()) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Build a started-not-yet server bound to ``listen`` ('host:port', port 0 = any).
+
+    Returns (server, bound port, health servicer). The caller adds servicers via
+    ``register`` callbacks, then calls ``server.start()``.
+    """
+    interceptors = []
+    table = TokenTable.from_settings(settings)
+    if table is not None:
+        interceptors.append(_AuthInterceptor(table, policy))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                         interceptors=interceptors, options=_server_options(settings))
+    for add in register:
+        add(server)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if settings.tls_cert:
+        creds = grpc.ssl_server_credentials(
+            [(_read(settings.tls_key, "TLS key"), _read(settings.tls_cert, "TLS certificate"))],
+            root_certificates=_read(settings.tls_ca, "TLS CA") if settings.tls_ca else None,
+            require_client_auth=settings.tls_client_auth)
+        port = server.add_secure_port(listen, creds)
+    else:
+        port = server.add_insecure_port(listen)
+    if port == 0:
+        raise ConfigError(f"cannot listen on {listen} (address in use or invalid)")
+    return server, port, health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, serving: bool = True) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    health_servicer.set("", status)
+
+
+class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._md = (AUTH_HEADER, f"Bearer {token}")
+
+    def _details(self, details):  # type: ignore[no-untyped-def]
+        md = list(details.metadata or ())
+        md.append(self._md)
+        return details._replace(metadata=md) if hasattr(details, "_replace") else _Details(details, md)
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request_iterator)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base, metadata):  # type: ignore[no-untyped-def]
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+def create_channel(address: str, settings: ClusterSettings, token: str | None = None) -> grpc.Channel:
+    """A channel to another role with our bounds, TLS if configured, and the token."""
+    limit = message_limit(settings)
+    options = [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.enable_retries", 0),
+    ]
+    if settings.tls_ca or settings.tls_cert:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_read(settings.tls_ca, "TLS CA") if settings.tls_ca else None,
+            private_key=_read(settings.tls_key, "TLS key") if settings.tls_key else None,
+            certificate_chain=_read(settings.tls_cert, "TLS certificate") if settings.tls_cert else None)
+        channel = grpc.secure_channel(address, creds, options=options)
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    token = settings.presented_token() if token is None else token
+    if token:
+        channel = grpc.intercept_channel(channel, _TokenClientInterceptor(token))
+    return channel
+
+
+def wait_healthy(address: str, settings: ClusterSettings, timeout: float = 30.0) -> None:
+    """Block until the server at ``address`` reports SERVING, or raise TimeoutError."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    with create_channel(address, settings) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as exc:
+                last = exc
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} did not become healthy within {timeout:.0f}s ({last})")
+
+
+def run_until_signal(server: grpc.Server, *, grace: float = 5.0,
+                     on_stop: Sequence[Callable[[], None]] = (),
+                     stop_event: threading.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or ``stop_event``); drain within ``grace`` seconds.
+
+    Exit code 0 after a clean stop. ``on_stop`` callbacks run before the server
+    stops accepting, so roles can deregister and flush.
+    """
+    stop = stop_event or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("stopping", extra={"grace_s": grace})
+    for callback in on_stop:
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - keep stopping whatever a callback does
+            log.exception("stop callback failed")
+    server.stop(grace).wait(grace + 1.0)
+    return 0

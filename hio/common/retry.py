@@ -1,0 +1,54 @@
+"""Retrying calls that may succeed later: only UNAVAILABLE and RESOURCE_EXHAUSTED
+(plus DATA_LOSS for resends of damaged tuples when the caller asks), with full
+jitter exponential backoff, honouring the server's retry hint."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, TypeVar
+
+import grpc
+
+from hio.common.errors import retry_after
+
+T = TypeVar("T")
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+class Backoff:
+    """Full-jitter exponential backoff: sleep U(0, min(cap, base * 2**n))."""
+
+    def __init__(self, base: float = 0.05, cap: float = 5.0) -> None:
+        self.base, self.cap, self.attempt = base, cap, 0
+
+    def delay(self, hint: float | None = None) -> float:
+        bound = min(self.cap, self.base * (2 ** self.attempt))
+        self.attempt += 1
+        wait = random.uniform(0, bound)
+        return max(wait, hint) if hint else wait
+
+    def sleep(self, hint: float | None = None) -> None:
+        time.sleep(self.delay(hint))
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+def call_with_retry(fn: Callable[[], T], *, deadline: float = 60.0,
+                    retryable: frozenset[grpc.StatusCode] = RETRYABLE,
+                    on_retry: Callable[[grpc.RpcError], None] | None = None) -> T:
+    """Call ``fn`` until it succeeds, a non-retryable status arrives, or ``deadline`` s pass."""
+    end = time.monotonic() + deadline
+    backoff = Backoff()
+    while True:
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code not in retryable or time.monotonic() >= end:
+                raise
+            if on_retry:
+                on_retry(exc)
+            backoff.sleep(retry_after(exc))

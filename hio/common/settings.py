@@ -1,0 +1,52 @@
+"""Settings every role shares: where the other roles are, credentials, TLS,
+wire bounds. Role configs inherit from :class:`ClusterSettings`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from hio.common.config import ConfigError, setting
+
+MiB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSettings:
+    master_address: str = setting("127.0.0.1:7000", "host:port of the master")
+    repository_address: str = setting("127.0.0.1:7100", "host:port of the repository")
+    data_dir: str = setting("./var", "folder for this role's durable state")
+    token: str = setting("", "token this process presents to other roles")
+    token_file: str = setting("", "file holding the token to present (preferred over --token)")
+    tokens_file: str = setting("", "server side: file of accepted tokens, one 'token role name' a line; empty = no authentication")
+    tls_cert: str = setting("", "PEM certificate this process serves (enables TLS)")
+    tls_key: str = setting("", "PEM private key for --tls-cert")
+    tls_ca: str = setting("", "PEM CA bundle to verify peers (clients: servers; servers: client certs for mutual TLS)")
+    tls_client_auth: bool = setting(False, "servers: require client certificates signed by --tls-ca (mutual TLS)")
+    chunk_bytes: int = setting(1 * MiB, "bytes per chunk when streaming tuples")
+    max_tuple_bytes: int = setting(256 * MiB, "largest tuple accepted anywhere")
+    log_level: str = setting("warning", "debug, info, warning or error")
+    log_json: bool = setting(False, "log one JSON object per line")
+
+    def presented_token(self) -> str:
+        """The token this process sends, from --token-file or --token."""
+        if self.token_file:
+            try:
+                return Path(self.token_file).expanduser().read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read token file {self.token_file}: {exc.strerror}") from None
+        return self.token or os.environ.get("HIO_TOKEN", "")
+
+    def validate_cluster(self) -> None:
+        if self.chunk_bytes < 1024 or self.chunk_bytes > 64 * MiB:
+            raise ConfigError(f"chunk_bytes must be between 1 KiB and 64 MiB, got {self.chunk_bytes}")
+        if self.max_tuple_bytes < 1:
+            raise ConfigError("max_tuple_bytes must be positive")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key go together")
+        if self.tls_client_auth and not self.tls_ca:
+            raise ConfigError("tls_client_auth needs tls_ca to verify client certificates")
+
+    def validate(self) -> None:
+        self.validate_cluster()

@@ -1,0 +1,23 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Tests run from a checkout; make `tests.harness` importable without installing tests.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.harness import free_port  # noqa: E402
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_hio_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings in the caller's environment must not leak into tests."""
+    for key in list(os.environ):
+        if key.startswith("HIO_"):
+            monkeypatch.delenv(key)
