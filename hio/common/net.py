@@ -218,15 +218,22 @@ def create_channel(address: str, settings: ClusterSettings, token: str | None = 
     return channel
 
 
-def wait_healthy(address: str, settings: ClusterSettings, timeout: float = 30.0) -> None:
-    """Block until the server at ``address`` reports SERVING, or raise TimeoutError."""
+def wait_healthy(address: str, settings: ClusterSettings, timeout: float = 30.0,
+                 alive: Callable[[], bool] | None = None) -> None:
+    """Block until the server at ``address`` reports SERVING, or raise TimeoutError.
+
+    ``alive`` (optional) is polled too: when it turns false, give up at once.
+    """
     import time
 
     deadline = time.monotonic() + timeout
-    last: Exception | None = None
+    last: Exception | str | None = None
     with create_channel(address, settings) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
+            if alive is not None and not alive():
+                last = "the process exited"
+                break
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:

@@ -1,0 +1,142 @@
+"""`hio bench-core`: throughput of the streaming core on this machine.
+
+Starts a repository, a master and a worker with synthetic engines (no
+processing cost), then streams N tuples of each size through a gateway,
+directly to the channels and forced through the backlog queue, and prints
+tuples/s and MB/s from the first submit until every tuple's features are
+stored. Also prints the loopback bound of this machine for reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from hio.common.config import setting
+from hio.common.settings import ClusterSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreBenchConfig(ClusterSettings):
+    sizes: tuple[str, ...] = setting(None, "tuple sizes to measure", factory=lambda: ("1M", "10M"))
+    seconds: float = setting(10.0, "approximate time to spend per measurement")
+    max_tuples: int = setting(2000, "at most this many tuples per measurement")
+    engines: int = setting(2, "synthetic engines on the worker")
+    streams: int = setting(4, "gateway delivery streams")
+    modes: tuple[str, ...] = setting(None, "paths to measure", factory=lambda: ("direct", "queue"))
+
+
+def loopback_bandwidth(seconds: float = 1.0, block: int = 1 << 20) -> float:
+    """Bytes/s one TCP stream moves over loopback (sender and receiver threads)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    received = [0]
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        buf = bytearray(block)
+        while (n := conn.recv_into(buf)) > 0:
+            received[0] += n
+        conn.close()
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    sender = socket.create_connection(("127.0.0.1", port))
+    payload = os.urandom(block)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        sender.sendall(payload)
+    sender.close()
+    thread.join()
+    elapsed = time.perf_counter() - start
+    server.close()
+    return received[0] / elapsed
+
+
+def _parse_size(text: str) -> int:
+    from hio.common.config import _scaled
+    return _scaled(text)
+
+
+def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> dict[str, float]:
+    """Stream tuples of ``size`` bytes; tuples/s and MB/s until all are stored."""
+    from hio.gateway import Gateway
+
+    payload = os.urandom(size)
+    count = max(8, min(config.max_tuples, int(config.seconds * 400e6 / max(size, 1)) or 8))
+    started = time.perf_counter()
+    with Gateway(master_address=config.master_address, repository_address=config.repository_address,
+                 data_dir=str(data_dir / f"gw-{mode}-{size}"), source=f"bench-{mode}",
+                 chunk_bytes=config.chunk_bytes, streams=config.streams, progress=False,
+                 force_queue=(mode == "queue"), token=config.token, token_file=config.token_file) as gateway:
+        futures = [gateway.submit(payload, image="hio/synthetic", name=f"t{i}", attributes={"cost_ms": "0"})
+                   for i in range(count)]
+        for future in futures:
+            future.result(timeout=600)
+    _wait_done(config, mode, count)
+    elapsed = time.perf_counter() - started
+    return {"size": size, "mode": mode, "tuples": count, "seconds": elapsed,
+            "tuples_per_s": count / elapsed, "mb_per_s": count * size / elapsed / 1e6}
+
+
+_done_before: dict[str, int] = {}
+
+
+def _wait_done(config: CoreBenchConfig, mode: str, count: int) -> None:
+    """Queued tuples are ENQUEUED before processed: wait until the master counts them done."""
+    import grpc
+
+    from hio.common.net import create_channel
+    from hio.proto import master_pb2, master_pb2_grpc
+
+    with create_channel(config.master_address, config) as channel:
+        stub = master_pb2_grpc.MasterStub(channel)
+        target = _done_before.get("done", 0) + count
+        while True:
+            try:
+                status = stub.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
+            except grpc.RpcError:
+                time.sleep(0.05)
+                continue
+            if status.tuples_done + status.tuples_failed >= target:
+                _done_before["done"] = status.tuples_done + status.tuples_failed
+                return
+            time.sleep(0.01)
+
+
+def run_core_bench(config: CoreBenchConfig) -> int:
+    from hio.common.procs import free_port
+    from hio.up import Cluster, UpConfig
+
+    data_dir = Path(config.data_dir).expanduser().resolve() / "bench-core"
+    master = f"127.0.0.1:{free_port()}"
+    repository = f"127.0.0.1:{free_port()}"
+    up = UpConfig(master_address=master, repository_address=repository, data_dir=str(data_dir),
+                  chunk_bytes=config.chunk_bytes, token=config.token, token_file=config.token_file)
+    bench = dataclasses.replace(config, master_address=master, repository_address=repository)
+    cluster = Cluster(up, data_dir)
+    bound = loopback_bandwidth()
+    print(f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; "
+          f"{os.cpu_count()} cores; {config.engines} synthetic engines; chunk {config.chunk_bytes} B")
+    try:
+        cluster.start("repository", ["--listen", repository, "--http-listen", ""], health=repository)
+        cluster.start("master", ["--listen", master], health=master)
+        cluster.start("worker", ["--runtime", "process", "--engines", f"hio/synthetic={config.engines}"], health=None)
+        from hio.up import _wait_channels
+        _wait_channels(up, config.engines, time.monotonic() + 60)
+        print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}")
+        for text in config.sizes:
+            size = _parse_size(text)
+            for mode in config.modes:
+                r = measure(bench, data_dir, size, mode)
+                print(f"{text:>8} {mode:>7} {r['tuples']:>7.0f} {r['seconds']:>8.2f} {r['tuples_per_s']:>9.1f}"
+                      f" {r['mb_per_s']:>8.1f} {r['mb_per_s'] * 1e6 / bound:>8.1%}", flush=True)
+    finally:
+        cluster.stop()
+    return 0

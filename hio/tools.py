@@ -1,0 +1,145 @@
+"""Small user commands that talk to running roles: status, knowledge, dead letters."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+import grpc
+from google.protobuf import json_format
+
+from hio.common.config import ConfigError, setting
+from hio.common.net import create_channel
+from hio.common.settings import ClusterSettings
+from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusConfig(ClusterSettings):
+    json: bool = setting(False, "print the status as JSON")
+    watch: float = setting(0.0, "refresh every N seconds (0 = once)")
+
+
+@dataclasses.dataclass(frozen=True)
+class KnowledgeConfig(ClusterSettings):
+    json: bool = setting(False, "print the knowledge as JSON (assignments included)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadLettersConfig(ClusterSettings):
+    retry: int = setting(0, "send the dead letter with this tuple id again")
+    json: bool = setting(False, "print as JSON")
+
+
+_STATE = {master_pb2.FREE: "free", master_pb2.DIRECT: "direct", master_pb2.QUEUE: "queue",
+          master_pb2.DOWN: "DOWN"}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def format_status(s: master_pb2.GetStatusResponse) -> str:
+    """A status report for people: throughput, channels, queues, warnings."""
+    lines = [
+        f"master up {s.uptime_seconds:,.0f}s   last tuple id {s.last_tuple_id}",
+        f"throughput  {s.tuples_per_second:,.1f} tuples/s   {s.bytes_per_second / 1e6:,.1f} MB/s (last minute)",
+        f"tuples      done {s.tuples_done:,}   failed {s.tuples_failed:,}   dead letters {s.dead_letters:,}"
+        f"   routed direct {s.routed_direct:,} / queue {s.routed_queue:,}",
+        f"channels    free {s.channels_free}   busy {s.channels_busy}   down {s.channels_down}",
+    ]
+    for w in s.workers:
+        lines.append(f"  worker {w.worker_id} ({w.host}), heartbeat {w.last_heartbeat_age_seconds:.1f}s ago")
+        for c in w.channels:
+            detail = f"  {c.detail}" if c.detail else ""
+            lines.append(f"    {c.channel_id:<24} {c.image:<18} {_STATE.get(c.state, '?'):<7}"
+                         f" {c.address:<22} done {c.tuples_done:,}{detail}")
+    if s.queues:
+        lines.append(f"queues (limit {_mb(s.queue_bytes_limit)})")
+        for q in s.queues:
+            lines.append(f"  {q.image:<20} {q.length:,} tuples  {_mb(q.bytes)}  leased {q.leased}")
+    for warning in s.warnings:
+        lines.append(f"WARNING: {warning}")
+    return "\n".join(lines)
+
+
+def _fail(what: str, address: str, exc: grpc.RpcError) -> int:
+    print(f"hio: cannot {what} at {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    return 1
+
+
+def run_status(config: StatusConfig) -> int:
+    with create_channel(config.master_address, config) as channel:
+        stub = master_pb2_grpc.MasterStub(channel)
+        while True:
+            try:
+                status = stub.GetStatus(master_pb2.GetStatusRequest(), timeout=10)
+            except grpc.RpcError as exc:
+                return _fail("get status from the master", config.master_address, exc)
+            if config.json:
+                print(json_format.MessageToJson(status, always_print_fields_with_no_presence=True))
+            else:
+                if config.watch:
+                    print("\033[2J\033[H", end="")
+                print(format_status(status))
+            if not config.watch:
+                return 0
+            time.sleep(config.watch)
+
+
+def fetch_knowledge(config: ClusterSettings) -> features_pb2.Knowledge | None:
+    """The knowledge stored in the repository, or None when KD has not written any."""
+    with create_channel(config.repository_address, config) as channel:
+        reply = repository_pb2_grpc.RepositoryStub(channel).GetKnowledge(
+            repository_pb2.GetKnowledgeRequest(), timeout=30)
+    if not reply.knowledge:
+        return None
+    knowledge = features_pb2.Knowledge()
+    knowledge.ParseFromString(reply.knowledge)
+    return knowledge
+
+
+def run_knowledge(config: KnowledgeConfig) -> int:
+    try:
+        knowledge = fetch_knowledge(config)
+    except grpc.RpcError as exc:
+        return _fail("read knowledge from the repository", config.repository_address, exc)
+    if knowledge is None:
+        print("no knowledge yet: run `hio kd --once` (or keep `hio kd` running) after tuples are stored")
+        return 1
+    if config.json:
+        print(json_format.MessageToJson(knowledge))
+        return 0
+    from hio.kd.report import format_knowledge
+    print(format_knowledge(knowledge))
+    return 0
+
+
+def run_dead_letters(config: DeadLettersConfig) -> int:
+    with create_channel(config.master_address, config) as channel:
+        stub = master_pb2_grpc.MasterStub(channel)
+        try:
+            if config.retry:
+                stub.RetryDeadLetter(master_pb2.RetryDeadLetterRequest(tuple_id=config.retry), timeout=30)
+                print(f"tuple {config.retry} is back in its queue")
+                return 0
+            reply = stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=30)
+        except grpc.RpcError as exc:
+            return _fail("reach the master", config.master_address, exc)
+    if config.json:
+        print(json.dumps([json_format.MessageToDict(d) for d in reply.dead_letters], indent=2))
+        return 0
+    if not reply.dead_letters:
+        print("no dead letters")
+        return 0
+    for d in reply.dead_letters:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.failed_unix))
+        print(f"{d.meta.tuple_id:>12}  {d.meta.image:<18} {d.meta.name or '-':<24} attempts {d.meta.attempt}  {when}  {d.reason}")
+    print(f"{len(reply.dead_letters)} dead letters; send one again with: hio dead-letters --retry TUPLE_ID")
+    return 0
+
+
+__all__ = ["StatusConfig", "KnowledgeConfig", "DeadLettersConfig", "run_status", "run_knowledge",
+           "run_dead_letters", "format_status", "fetch_knowledge", "ConfigError"]

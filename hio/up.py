@@ -1,0 +1,252 @@
+"""`hio up`: every role on this machine, and the demo that streams the sample dataset.
+
+Starts the repository, the master and a worker (one engine per image, local
+processes or containers), generates the sample dataset (microscopy images and
+stochastic reaction-diffusion realizations, made deterministically on this
+machine), streams it through an in-process gateway with a progress bar,
+waits until every tuple's features are stored, runs knowledge discovery
+(Spark) over them, and ends with a summary read back from the repository.
+With ``--keep`` everything stays up (KD on its interval) until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import grpc
+import zstandard
+
+from hio.common.config import ConfigError, setting
+from hio.common.net import create_channel
+from hio.common.procs import RoleProcess
+from hio.common.settings import ClusterSettings
+from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+
+
+@dataclasses.dataclass(frozen=True)
+class UpConfig(ClusterSettings):
+    http_listen: str = setting("127.0.0.1:7180", "repository's HTTP preview page")
+    engines: tuple[str, ...] = setting(None, "engines of the worker (IMAGE or IMAGE=COUNT)",
+                                       factory=lambda: ("hio/microscopy", "hio/simulation"))
+    runtime: str = setting("auto", "engine runtime: auto, process or docker")
+    samples_dir: str = setting("", "where the sample dataset is generated (default DATA_DIR/samples)")
+    kd: bool = setting(True, "run knowledge discovery on Spark over the demo's features")
+    keep: bool = setting(False, "keep every role running after the demo, until Ctrl-C")
+    kd_interval: float = setting(30.0, "with --keep: seconds between KD intervals")
+    timeout: float = setting(600.0, "give up on the demo after this many seconds")
+
+    def validate(self) -> None:
+        self.validate_cluster()
+        if self.runtime not in ("auto", "process", "docker"):
+            raise ConfigError(f"runtime must be auto, process or docker, got {self.runtime!r}")
+
+
+def _say(message: str) -> None:
+    print(f"hio up: {message}", flush=True)
+
+
+def _cluster_args(config: UpConfig, data_dir: Path) -> list[str]:
+    args = ["--master-address", config.master_address, "--repository-address", config.repository_address,
+            "--data-dir", str(data_dir), "--chunk-bytes", str(config.chunk_bytes),
+            "--log-level", config.log_level if config.log_level != "warning" else "info"]
+    for name in ("token_file", "tokens_file", "tls_cert", "tls_key", "tls_ca"):
+        value = getattr(config, name)
+        if value:
+            args += ["--" + name.replace("_", "-"), value]
+    return args
+
+
+class Cluster:
+    """The roles of one machine as child processes, stopped in reverse order."""
+
+    def __init__(self, config: UpConfig, data_dir: Path) -> None:
+        self.config = config
+        self.data_dir = data_dir
+        self.logs = data_dir / "logs"
+        self.roles: list[RoleProcess] = []
+
+    def start(self, command: str, extra: list[str], health: str | None) -> RoleProcess:
+        proc = RoleProcess(command, [*extra, *_cluster_args(self.config, self.data_dir)], self.logs)
+        proc.start()
+        self.roles.append(proc)
+        if health:
+            proc.wait_healthy(health, settings=self.config)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.roles):
+            code = proc.stop(timeout=20.0)
+            if code not in (0, None, -signal.SIGTERM):
+                _say(f"{proc.name} exited with {code}; see {proc.log_path}")
+        self.roles.clear()
+
+
+def _wait_channels(config: UpConfig, expected: int, deadline: float) -> None:
+    """Wait until the worker's engines are up (FREE) at the master."""
+    with create_channel(config.master_address, config) as channel:
+        stub = master_pb2_grpc.MasterStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                status = stub.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
+                if status.channels_free >= expected:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError("the worker's engines did not come up in time; see logs")
+
+
+def _expected_engines(config: UpConfig) -> int:
+    import os
+    cpus = os.cpu_count() or 1
+    total = 0
+    for entry in config.engines:
+        image, _, count = entry.partition("=")
+        total += int(count) if count else max(1, cpus // len(config.engines))
+    return total
+
+
+def _stream_samples(config: UpConfig, data_dir: Path, files: list[tuple[Path, str]]) -> list[int]:
+    """Send the sample files through an in-process gateway, with a progress bar."""
+    from tqdm import tqdm
+
+    from hio.gateway import Gateway
+
+    total = sum(path.stat().st_size for path, _ in files)
+    ids: list[int] = []
+    with Gateway(master_address=config.master_address, repository_address=config.repository_address,
+                 data_dir=str(data_dir), source="hio-up-demo", chunk_bytes=config.chunk_bytes,
+                 token=config.token, token_file=config.token_file, tls_ca=config.tls_ca,
+                 tls_cert=config.tls_cert, tls_key=config.tls_key, progress=False) as gateway:
+        futures = [(path, gateway.submit_file(str(path), image=image)) for path, image in files]
+        with tqdm(total=total, unit="B", unit_scale=True, desc="streaming samples",
+                  disable=None, file=sys.stdout) as bar:
+            for path, future in futures:
+                ids.append(future.result(timeout=config.timeout))
+                bar.update(path.stat().st_size)
+    return ids
+
+
+def _wait_stored(config: UpConfig, count: int, deadline: float) -> None:
+    with create_channel(config.repository_address, config) as channel:
+        stub = repository_pb2_grpc.RepositoryStub(channel)
+        while time.monotonic() < deadline:
+            if stub.GetOffsets(repository_pb2.GetOffsetsRequest(), timeout=5).records >= count:
+                return
+            time.sleep(0.2)
+    raise RuntimeError(f"not all {count} tuples' features reached the repository in time")
+
+
+def read_features(config: ClusterSettings) -> list[features_pb2.FeatureRecord]:
+    """Every feature record in the repository (for summaries of small stores)."""
+    records = []
+    decompressor = zstandard.ZstdDecompressor()
+    with create_channel(config.repository_address, config) as channel:
+        stub = repository_pb2_grpc.RepositoryStub(channel)
+        for batch in stub.ReadFeatures(repository_pb2.ReadFeaturesRequest(after=0), timeout=60):
+            for stored in batch.records:
+                record = features_pb2.FeatureRecord()
+                record.ParseFromString(decompressor.decompress(stored.record_zstd))
+                records.append(record)
+    return records
+
+
+def format_summary(records: list[features_pb2.FeatureRecord]) -> str:
+    """Per image: tuples, bytes, processing time, and the mean of its KD features."""
+    by_image: dict[str, list[features_pb2.FeatureRecord]] = defaultdict(list)
+    for record in records:
+        by_image[record.meta.image].append(record)
+    lines = [f"{len(records)} feature records in the repository"]
+    for image, group in sorted(by_image.items()):
+        size = sum(r.meta.size for r in group)
+        cpu = sum(r.processing_seconds for r in group)
+        lines.append(f"  {image}: {len(group)} tuples, {size / 1e6:.1f} MB, {cpu:.2f} s of processing")
+        names = list(group[0].kd_features) or [k for k, v in group[0].features.items()
+                                              if v.WhichOneof("kind") == "number"]
+        for name in names[:8]:
+            values = [r.features[name].number for r in group
+                      if name in r.features and r.features[name].WhichOneof("kind") == "number"]
+            if values:
+                lines.append(f"      {name:<28} mean {sum(values) / len(values):>14.4g}"
+                             f"   min {min(values):>12.4g}   max {max(values):>12.4g}")
+    engines = Counter(r.engine for r in records)
+    lines.append("  processed by: " + ", ".join(f"{e} ({n})" for e, n in sorted(engines.items())))
+    return "\n".join(lines)
+
+
+def _run_kd(cluster: Cluster, config: UpConfig, once: bool) -> RoleProcess:
+    args = ["--once"] if once else ["--interval", str(config.kd_interval)]
+    return cluster.start("kd", args, health=None)
+
+
+def run_up(config: UpConfig) -> int:
+    data_dir = Path(config.data_dir).expanduser().resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + config.timeout
+    from hio.worker.pipelines.samples import generate_demo_dataset
+
+    samples_dir = Path(config.samples_dir) if config.samples_dir else data_dir / "samples"
+    _say(f"generating the sample dataset in {samples_dir} (cached after the first run)")
+    files = generate_demo_dataset(samples_dir)
+    cluster = Cluster(config, data_dir)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        _say(f"starting repository ({config.repository_address}), master ({config.master_address}) "
+             f"and a worker; logs in {cluster.logs}")
+        cluster.start("repository", ["--listen", config.repository_address, "--http-listen", config.http_listen],
+                      health=config.repository_address)
+        cluster.start("master", ["--listen", config.master_address], health=config.master_address)
+        worker_args = ["--runtime", config.runtime]
+        for engine in config.engines:
+            worker_args += ["--engines", engine]
+        cluster.start("worker", worker_args, health=None)
+        _wait_channels(config, _expected_engines(config), deadline)
+        _say(f"streaming {len(files)} sample tuples "
+             f"({sum(p.stat().st_size for p, _ in files) / 1e6:.1f} MB)")
+        started = time.monotonic()
+        ids = _stream_samples(config, data_dir, files)
+        _wait_stored(config, len(ids), deadline)
+        elapsed = time.monotonic() - started
+        _say(f"all {len(ids)} tuples processed and stored in {elapsed:.1f} s")
+        records = read_features(config)
+        print(format_summary(records))
+        if config.kd:
+            _say("running knowledge discovery on Spark (local) over the stored features")
+            kd = _run_kd(cluster, config, once=True)
+            assert kd.proc is not None
+            code = kd.proc.wait(max(30.0, deadline - time.monotonic()))
+            cluster.roles.remove(kd)
+            if code != 0:
+                _say(f"knowledge discovery failed (exit {code}); see {kd.log_path}")
+                return 1
+            from hio.kd.report import format_knowledge
+            from hio.tools import fetch_knowledge
+
+            knowledge = fetch_knowledge(config)
+            if knowledge is not None:
+                print(format_knowledge(knowledge))
+            if config.http_listen:
+                _say(f"preview: http://{config.http_listen}/  (image: http://{config.http_listen}/preview.png)")
+        if config.keep:
+            if config.kd:
+                _run_kd(cluster, config, once=False)
+            _say("everything keeps running; `hio status` shows it, `hio send FILE --image IMG` adds tuples; "
+                 "Ctrl-C stops")
+            try:
+                while not stop.wait(1.0):
+                    pass
+            except KeyboardInterrupt:
+                pass
+        return 0
+    except RuntimeError as exc:
+        _say(str(exc))
+        return 1
+    finally:
+        cluster.stop()
