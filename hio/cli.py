@@ -38,6 +38,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                   "print the knowledge KD last wrote to the repository"),
     "dead-letters": ("hio.tools:DeadLettersConfig", "dead_letters", "hio.tools:run_dead_letters",
                      "list tuples that failed too often, or send one again"),
+    "certs": ("hio.common.certs:CertsConfig", "certs", "hio.common.certs:run_certs",
+              "make a private CA and certificates for TLS / mutual TLS between roles"),
     "bench": ("hio.bench:BenchConfig", "bench", "hio.bench:run_bench",
               "benchmark against Spark Structured Streaming over size x cost"),
     "bench-core": ("hio.bench_core:CoreBenchConfig", "bench_core", "hio.bench_core:run_core_bench",

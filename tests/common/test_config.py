@@ -1,0 +1,84 @@
+import argparse
+import dataclasses
+
+import pytest
+
+from hio.common import config as cfg
+from hio.common.settings import ClusterSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig(ClusterSettings):
+    listen: str = cfg.setting("127.0.0.1:1", "where")
+    queue_bytes: int = cfg.setting(10, "bound")
+    ratio: float = cfg.setting(0.5, "ratio")
+    fast: bool = cfg.setting(False, "flag")
+    engines: tuple[str, ...] = cfg.setting(None, "list", factory=lambda: ("a",))
+
+    def validate(self) -> None:
+        self.validate_cluster()
+        cfg.positive("queue_bytes", self.queue_bytes)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cfg.add_arguments(parser, DemoConfig, "demo")
+    return parser.parse_args(argv)
+
+
+def test_defaults_run_on_one_machine() -> None:
+    c = cfg.build(DemoConfig, "demo", parse([]))
+    assert c.listen == "127.0.0.1:1" and c.master_address == "127.0.0.1:7000" and c.engines == ("a",)
+
+
+def test_precedence_file_then_env_then_flags(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "hio.toml"
+    path.write_text('[cluster]\nmaster_address = "m:1"\nchunk_bytes = 2048\n'
+                    '[demo]\nqueue_bytes = 20\nratio = 0.25\nengines = ["x=2", "y"]\n')
+    monkeypatch.setenv("HIO_DEMO_QUEUE_BYTES", "30")
+    monkeypatch.setenv("HIO_FAST", "yes")
+    c = cfg.build(DemoConfig, "demo", parse(["--config", str(path), "--ratio", "0.75"]))
+    assert c.master_address == "m:1" and c.chunk_bytes == 2048
+    assert c.queue_bytes == 30, "role-prefixed environment beats the file"
+    assert c.ratio == 0.75, "flags beat everything"
+    assert c.fast is True and c.engines == ("x=2", "y")
+
+
+def test_sizes_with_units_and_repeatable_lists(monkeypatch) -> None:
+    monkeypatch.setenv("HIO_QUEUE_BYTES", "64M")
+    c = cfg.build(DemoConfig, "demo", parse(["--engines", "a=1", "--engines", "b,c"]))
+    assert c.queue_bytes == 64 * 1024 * 1024 and c.engines == ("a=1", "b", "c")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--queue-bytes", "lots"], "--queue-bytes"),
+    (["--queue-bytes", "0"], "queue_bytes must be positive"),
+    (["--chunk-bytes", "10"], "chunk_bytes"),
+    (["--tls-cert", "x.pem"], "tls_cert and tls_key"),
+])
+def test_bad_values_name_the_setting(argv, message) -> None:
+    with pytest.raises(cfg.ConfigError, match=message):
+        cfg.build(DemoConfig, "demo", parse(argv))
+
+
+def test_unknown_key_in_the_role_section_is_refused(tmp_path) -> None:
+    path = tmp_path / "hio.toml"
+    path.write_text("[demo]\nqueue_byte = 1\n")
+    with pytest.raises(cfg.ConfigError, match="unknown setting 'queue_byte'"):
+        cfg.build(DemoConfig, "demo", parse(["--config", str(path)]))
+
+
+def test_missing_or_broken_file_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(cfg.ConfigError, match="not found"):
+        cfg.build(DemoConfig, "demo", parse(["--config", str(tmp_path / "nope.toml")]))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[demo\n")
+    with pytest.raises(cfg.ConfigError, match="not valid TOML"):
+        cfg.build(DemoConfig, "demo", parse(["--config", str(bad)]))
+
+
+def test_cli_reports_config_errors_with_exit_2(capsys) -> None:
+    from hio.cli import main
+    assert main(["status", "--chunk-bytes", "abc"]) == 2
+    assert "chunk-bytes" in capsys.readouterr().err
+    assert main(["no-such-command"]) == 2

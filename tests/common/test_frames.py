@@ -1,0 +1,71 @@
+import os
+
+import pytest
+
+from hio.common.errors import DataLoss, InvalidArgument
+from hio.common.frames import FrameReader, TupleFrame, TupleMeta, crc32, frames_for_bytes, frames_for_file
+
+
+def meta_for(data: bytes, tuple_id: int = 7, **kw) -> TupleMeta:
+    return TupleMeta(tuple_id=tuple_id, image="hio/synthetic", size=len(data), crc32=crc32(data), **kw)
+
+
+def reader(frames, **kw) -> FrameReader:
+    return FrameReader(frames, max_tuple_bytes=kw.pop("max_tuple", 1 << 30), max_chunk_bytes=kw.pop("max_chunk", 1 << 20), **kw)
+
+
+def test_many_tuples_of_many_chunks_round_trip(tmp_path) -> None:
+    payloads = [os.urandom(n) for n in (0, 1, 1000, 3 * 65536 + 5)]
+    frames = [f for i, p in enumerate(payloads) for f in frames_for_bytes(meta_for(p, i + 1), p, 65536)]
+    assert sum(1 for f in frames if f.HasField("meta")) == len(payloads)
+    r = reader(frames)
+    got = []
+    while (item := r.next_tuple_bytes()) is not None:
+        got.append(item)
+    assert [d for _, d in got] == payloads and [m.tuple_id for m, _ in got] == [1, 2, 3, 4]
+
+
+def test_file_frames_stream_from_disk(tmp_path) -> None:
+    data = os.urandom(300_000)
+    path = tmp_path / "t.bin"
+    path.write_bytes(data)
+    frames = list(frames_for_file(meta_for(data), path, 100_000))
+    assert len(frames) == 3 and frames[-1].last and not frames[0].last
+    assert reader(frames).next_tuple_bytes()[1] == data
+
+
+def test_corrupt_chunk_is_data_loss_naming_the_tuple() -> None:
+    data = os.urandom(5000)
+    frames = list(frames_for_bytes(meta_for(data, 42), data, 1000))
+    frames[2] = TupleFrame(data=bytes(1000))
+    with pytest.raises(DataLoss, match="tuple 42: checksum mismatch"):
+        reader(frames).next_tuple_bytes()
+
+
+def test_truncated_stream_and_size_lies_are_data_loss() -> None:
+    data = os.urandom(5000)
+    frames = list(frames_for_bytes(meta_for(data, 9), data, 1000))
+    with pytest.raises(DataLoss, match="stream ended after 3000 of 5000"):
+        reader(frames[:3]).next_tuple_bytes()
+    lying = meta_for(data, 9)
+    lying.size = 10
+    with pytest.raises(DataLoss, match="more bytes"):
+        reader(frames_for_bytes(lying, data, 1000)).next_tuple_bytes()
+
+
+@pytest.mark.parametrize("meta,message", [
+    (TupleMeta(tuple_id=0, image="x", size=1), "no tuple id"),
+    (TupleMeta(tuple_id=1, image="", size=1), "names no image"),
+    (TupleMeta(tuple_id=1, image="x", size=1 << 40), "over the limit"),
+])
+def test_bad_metadata_is_invalid_argument(meta, message) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        reader([TupleFrame(meta=meta, data=b"x", last=True)]).next_tuple_bytes()
+
+
+def test_oversized_chunk_and_missing_meta_are_refused() -> None:
+    data = os.urandom(4096)
+    with pytest.raises(InvalidArgument, match="chunk of 4096 bytes"):
+        reader(frames_for_bytes(meta_for(data), data, 1 << 20), max_chunk=1024).next_tuple_bytes()
+    with pytest.raises(InvalidArgument, match="must carry its metadata"):
+        reader([TupleFrame(data=b"abc", last=True)]).next_tuple_bytes()

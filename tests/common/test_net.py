@@ -1,0 +1,91 @@
+"""Tokens, roles and TLS as every role's server and channel apply them."""
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from hio.common.certs import generate
+from hio.common.net import create_channel, create_server, set_serving, wait_healthy
+from hio.common.settings import ClusterSettings
+
+
+def echo_server(settings: ClusterSettings, policy=None):
+    handler = grpc.method_handlers_generic_handler("test.Echo", {
+        "Say": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req),
+        "Admin": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"ok"),
+    })
+    server, port, health = create_server(settings, "127.0.0.1:0", policy=policy,
+                                         register=[lambda s: s.add_generic_rpc_handlers((handler,))])
+    server.start()
+    set_serving(health)
+    return server, f"127.0.0.1:{port}"
+
+
+def say(address: str, settings: ClusterSettings, method: str = "Say", token: str | None = None) -> bytes:
+    with create_channel(address, settings, token=token) as channel:
+        return channel.unary_unary(f"/test.Echo/{method}")(b"hi", timeout=5)
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens"
+    path.write_text("# token role name\ngw-secret gateway gw1\nwk-secret worker w1\nadm-secret admin ops\n")
+    return path
+
+
+def test_calls_without_a_valid_token_are_unauthenticated(tokens: Path) -> None:
+    server, address = echo_server(ClusterSettings(tokens_file=str(tokens)))
+    try:
+        client = ClusterSettings()
+        for token, message in ((None, "missing token"), ("wrong", "invalid token")):
+            with pytest.raises(grpc.RpcError) as err:
+                say(address, client, token=token or "")
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert message in err.value.details()
+        assert say(address, client, token="gw-secret") == b"hi"
+        wait_healthy(address, client, timeout=5)  # health stays open for probes
+    finally:
+        server.stop(0)
+
+
+def test_roles_limit_methods(tokens: Path) -> None:
+    server, address = echo_server(ClusterSettings(tokens_file=str(tokens)), policy={"Admin": {"worker"}})
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            say(address, ClusterSettings(), "Admin", token="gw-secret")
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "gateway" in err.value.details()
+        assert say(address, ClusterSettings(), "Admin", token="wk-secret") == b"ok"
+        assert say(address, ClusterSettings(), "Admin", token="adm-secret") == b"ok"
+    finally:
+        server.stop(0)
+
+
+def test_token_file_is_what_a_client_presents(tmp_path: Path, tokens: Path) -> None:
+    mine = tmp_path / "my-token"
+    mine.write_text("wk-secret\n")
+    server, address = echo_server(ClusterSettings(tokens_file=str(tokens)))
+    try:
+        assert say(address, ClusterSettings(token_file=str(mine))) == b"hi"
+    finally:
+        server.stop(0)
+
+
+def test_tls_and_mutual_tls(tmp_path: Path) -> None:
+    certs = generate(tmp_path / "certs", ("server", "client"), ("127.0.0.1", "localhost"))
+    other = generate(tmp_path / "other", ("client",), ("127.0.0.1",))
+    serve = ClusterSettings(tls_cert=str(certs["server"]), tls_key=str(certs["server-key"]),
+                            tls_ca=str(certs["ca"]), tls_client_auth=True)
+    server, address = echo_server(serve)
+    try:
+        good = ClusterSettings(tls_cert=str(certs["client"]), tls_key=str(certs["client-key"]), tls_ca=str(certs["ca"]))
+        assert say(address, good) == b"hi"
+        for bad in (ClusterSettings(tls_ca=str(certs["ca"])),   # no client certificate
+                    ClusterSettings(tls_cert=str(other["client"]), tls_key=str(other["client-key"]),
+                                    tls_ca=str(certs["ca"])),  # client cert from another CA
+                    ClusterSettings()):                         # plaintext to a TLS port
+            with pytest.raises(grpc.RpcError) as err:
+                say(address, bad)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(0)
