@@ -49,3 +49,80 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: floa
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class CuttingProxy:
+    """A loopback TCP proxy whose connections can all be cut at once.
+
+    Put it between two roles (give the client ``proxy.address``) and call
+    ``cut()`` to sever every open connection mid-stream, as a flaky network
+    would. New connections are accepted again right away.
+    """
+
+    def __init__(self, target: str) -> None:
+        import socket
+        import threading
+
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._open: list[Any] = []
+        self._closed = False
+        self.cuts = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self._target, timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: Any, dst: Any) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        """Sever every connection open right now (RST, as a dead link)."""
+        import socket
+        import struct
+
+        with self._lock:
+            conns, self._open = self._open, []
+        for s in conns:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+            except OSError:
+                pass
+        self.cuts += 1
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self.cut()

@@ -89,8 +89,14 @@ def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
     context.abort(grpc.StatusCode.INTERNAL, f"internal error (ref {ref}); see the server log")
 
 
-def _is_abort(exc: BaseException) -> bool:
-    # context.abort raises a plain Exception subclass private to grpc; let it through.
+def _is_abort(exc: BaseException, context: grpc.ServicerContext) -> bool:
+    """True when ``exc`` is grpc's own signal that ``context.abort`` was called.
+
+    Depending on the version, abort raises a private exception class or a bare
+    ``Exception()``; the context's state says for sure.
+    """
+    if getattr(getattr(context, "_state", None), "aborted", False):
+        return True
     return type(exc).__name__ == "_AbortionException" or isinstance(exc, grpc.RpcError)
 
 
@@ -102,7 +108,7 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 yield from method(self, request, context)
             except Exception as exc:  # noqa: BLE001 - this is the one place that maps errors
-                if _is_abort(exc):
+                if _is_abort(exc, context):
                     raise
                 _abort(context, exc)
         return stream_wrapper
@@ -112,7 +118,7 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, request, context)
         except Exception as exc:  # noqa: BLE001
-            if _is_abort(exc):
+            if _is_abort(exc, context):
                 raise
             _abort(context, exc)
     return unary_wrapper

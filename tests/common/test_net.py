@@ -89,3 +89,41 @@ def test_tls_and_mutual_tls(tmp_path: Path) -> None:
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(0)
+
+
+def test_servicer_errors_become_statuses_and_aborts_pass_through() -> None:
+    from hio.common.errors import ResourceExhausted, grpc_errors, retry_after
+
+    class Servicer:
+        @grpc_errors
+        def full(self, request, context):
+            raise ResourceExhausted("queue full (4 GiB of 4 GiB)", retry_after=1.5)
+
+        @grpc_errors
+        def aborts(self, request, context):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+
+        @grpc_errors
+        def bug(self, request, context):
+            raise KeyError("secret internals")
+
+    s = Servicer()
+    handler = grpc.method_handlers_generic_handler("test.Err", {
+        name: grpc.unary_unary_rpc_method_handler(getattr(s, name)) for name in ("full", "aborts", "bug")})
+    server, port, _ = create_server(ClusterSettings(), "127.0.0.1:0",
+                                    register=[lambda srv: srv.add_generic_rpc_handlers((handler,))])
+    server.start()
+    try:
+        with create_channel(f"127.0.0.1:{port}", ClusterSettings()) as channel:
+            def call(name):
+                with pytest.raises(grpc.RpcError) as err:
+                    channel.unary_unary(f"/test.Err/{name}")(b"", timeout=5)
+                return err.value
+            e = call("full")
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in e.details()
+            assert retry_after(e) == 1.5
+            assert call("aborts").code() == grpc.StatusCode.UNAVAILABLE
+            e = call("bug")
+            assert e.code() == grpc.StatusCode.INTERNAL and "secret" not in e.details() and "ref" in e.details()
+    finally:
+        server.stop(0)

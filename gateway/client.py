@@ -1,0 +1,329 @@
+"""The gateway client library: what instrument software and scripts call.
+
+    from hio.gateway import Gateway
+
+    with Gateway(master_address="master:7000") as gw:
+        tuple_id = gw.send(image_bytes, image="hio/microscopy", name="plate1.tif")
+        ids = gw.send_many(["a.tif", "b.tif"])            # paths or bytes, concurrent
+
+Every tuple is first written to the durable on-disk spool (``submit`` returns
+once it is there), then delivered in the background; it leaves the spool only
+once the master says ENQUEUED or an engine says STORED. A tuple still in the
+spool when the process stops is delivered at the next start.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from hio.common import config as cfg
+from hio.common.config import state_dir
+from hio.common.frames import check_meta
+from hio.gateway.config import GatewayConfig, infer_image
+from hio.gateway.dispatch import Dispatcher, Outcome
+from hio.gateway.spool import MoveOnDone, Spool, SpoolEntry, SpoolFull, safe_name
+from hio.proto.tuple_pb2 import TupleMeta
+
+log = logging.getLogger("hio.gateway")
+
+__all__ = ["Gateway", "GatewayStatus", "DeliveryError", "DeliveryTimeout", "SpoolFull", "TupleFuture"]
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class DeliveryError(Exception):
+    """A tuple was not delivered: dead-lettered after ``max_attempts``, refused, or
+    the gateway closed first. ``reason`` says why; ``tuple_id`` is 0 if never routed."""
+
+    def __init__(self, message: str, *, tuple_id: int = 0, reason: str = "", name: str = "") -> None:
+        super().__init__(message)
+        self.tuple_id = tuple_id
+        self.reason = reason or message
+        self.name = name
+
+
+class DeliveryTimeout(DeliveryError, TimeoutError):
+    """``send`` gave up waiting; the tuple stays spooled and delivery goes on."""
+
+
+class TupleFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """Future of one tuple: resolves to its id once STORED or ENQUEUED.
+
+    ``outcome`` ("stored", "enqueued", ...) and ``tuple_id`` are set before it
+    resolves; ``name`` and ``size`` describe the tuple.
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        super().__init__()
+        self.name = name
+        self.size = size
+        self.outcome = ""
+        self.tuple_id = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayStatus:
+    """A snapshot of the gateway's counters (since this Gateway started)."""
+
+    spooled_tuples: int
+    spooled_bytes: int
+    spool_bytes_limit: int
+    sent_direct: int
+    sent_queue: int
+    stored: int
+    enqueued: int
+    failed: int
+    retries: int
+    master_unreachable_seconds: float
+
+
+class Gateway:
+    """Client library of the gateway. Thread-safe; a context manager.
+
+    ``Gateway(config=None, **overrides)``: ``config`` is a :class:`GatewayConfig`
+    (default: built from ``$HIO_CONFIG``, ``HIO_*`` environment and defaults);
+    keyword ``overrides`` replace single settings (``master_address=...``).
+    Opening the gateway locks its spool folder and resumes any tuples left
+    there by an earlier run. ``spool_name`` picks the spool subfolder (default:
+    the source name), so several gateways can share a ``data_dir``.
+    """
+
+    def __init__(self, config: GatewayConfig | None = None, *, spool_name: str | None = None,
+                 **overrides: Any) -> None:
+        if config is None:
+            config = cfg.build(GatewayConfig, "gateway", overrides=overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+            config.validate()
+        self.config = config
+        self._source = config.resolved_source()
+        root = state_dir(config.data_dir, "gateway") / "spool" / safe_name(spool_name or self._source)
+        self.spool = Spool(root, config.spool_bytes)
+        self._lock = threading.Lock()
+        self._futures: dict[int, TupleFuture] = {}
+        self._closed = False
+        self._dispatcher = Dispatcher(config, persist=self.spool.update, on_complete=self._finish)
+        resumed = self.spool.entries()
+        for entry in resumed:
+            self._track(entry)
+        self._dispatcher.start()
+        self.resumed = len(resumed)
+
+    # -- submitting (non-blocking) -------------------------------------------------
+
+    def submit(self, data: bytes, *, image: str | None = None, name: str = "",
+               attributes: Mapping[str, str] | None = None, created_unix: float | None = None,
+               timeout: float | None = DEFAULT_TIMEOUT) -> TupleFuture:
+        """Spool ``data`` as one tuple and return a future of its id.
+
+        Returns once the tuple is durably spooled (an fsync), without waiting
+        for delivery. Blocks only when the spool is full: then it waits up to
+        ``timeout`` s (None = as long as needed) and raises :class:`SpoolFull`.
+        Raises ``InvalidArgument`` for a tuple over ``max_tuple_bytes`` or
+        without an image. Thread-safe. The future resolves to the tuple id, or
+        raises :class:`DeliveryError`.
+        """
+        meta = self._meta(image or self.config.image, name, len(data), attributes, created_unix)
+        entry = self.spool.put_bytes(bytes(data), meta, timeout=timeout)
+        return self._enqueue(entry)
+
+    def submit_file(self, path: str | os.PathLike[str], *, image: str | None = None, name: str | None = None,
+                    attributes: Mapping[str, str] | None = None, created_unix: float | None = None,
+                    move_to: str | os.PathLike[str] | None = None,
+                    timeout: float | None = DEFAULT_TIMEOUT) -> TupleFuture:
+        """Spool a file as one tuple (hard link or copy; never modified) and return a future.
+
+        ``image`` defaults to the configured one, else the file extension's.
+        ``name`` defaults to the file name, ``created_unix`` to its mtime.
+        ``move_to``: move the original there once delivered. Blocking and
+        errors as :meth:`submit`; ``ConfigError`` when no image can be inferred.
+        """
+        path = Path(path)
+        stat = path.stat()
+        image = infer_image(path, image or self.config.image)
+        meta = self._meta(image, path.name if name is None else name, stat.st_size, attributes,
+                          stat.st_mtime if created_unix is None else created_unix)
+        move = MoveOnDone(str(path.resolve()), str(Path(move_to).resolve())) if move_to else None
+        entry = self.spool.put_file(path, meta, move=move, timeout=timeout)
+        return self._enqueue(entry)
+
+    # -- sending (blocking) -------------------------------------------------------
+
+    def send(self, data: bytes, *, image: str | None = None, name: str = "",
+             attributes: Mapping[str, str] | None = None, created_unix: float | None = None,
+             timeout: float | None = DEFAULT_TIMEOUT) -> int:
+        """Send one tuple and block until it is STORED or ENQUEUED; return its id.
+
+        Retries as the delivery policy says (re-routing, ``max_attempts``).
+        Raises :class:`DeliveryError` when it was dead-lettered or refused and
+        :class:`DeliveryTimeout` after ``timeout`` s (the tuple stays spooled
+        and is still delivered). Thread-safe.
+        """
+        start = time.monotonic()
+        future = self.submit(data, image=image, name=name, attributes=attributes,
+                             created_unix=created_unix, timeout=timeout)
+        return self.result(future, _left(start, timeout))
+
+    def send_file(self, path: str | os.PathLike[str], *, timeout: float | None = DEFAULT_TIMEOUT,
+                  **kwargs: Any) -> int:
+        """:meth:`submit_file` and wait like :meth:`send`; returns the tuple id."""
+        start = time.monotonic()
+        future = self.submit_file(path, timeout=timeout, **kwargs)
+        return self.result(future, _left(start, timeout))
+
+    def send_many(self, items: Iterable[bytes | str | os.PathLike[str]], *, image: str | None = None,
+                  attributes: Mapping[str, str] | None = None,
+                  timeout: float | None = DEFAULT_TIMEOUT) -> list[int]:
+        """Send many tuples (bytes, or paths of files) concurrently; their ids in order.
+
+        All are spooled first, then delivered over ``streams`` parallel streams
+        in batches. Blocks until every one is STORED or ENQUEUED; raises the
+        first :class:`DeliveryError` (others still complete). ``timeout`` bounds
+        the whole call.
+        """
+        start = time.monotonic()
+        futures = [self.submit(item, image=image, attributes=attributes, timeout=timeout)
+                   if isinstance(item, (bytes, bytearray, memoryview))
+                   else self.submit_file(item, image=image, attributes=attributes, timeout=timeout)
+                   for item in items]
+        return [self.result(f, _left(start, timeout)) for f in futures]
+
+    def result(self, future: TupleFuture, timeout: float | None = None) -> int:
+        """Wait for a future from ``submit``; its id, or DeliveryError/DeliveryTimeout."""
+        try:
+            return int(future.result(timeout))
+        except concurrent.futures.TimeoutError:
+            seq = getattr(future, "seq", 0)
+            last = self._dispatcher.last_error(seq) if seq else ""
+            down = self._dispatcher.master_unreachable_for()
+            why = last or (f"master {self.config.master_address} unreachable for {down:.0f}s" if down else
+                           "still waiting for a channel or the queue")
+            raise DeliveryTimeout(f"tuple '{future.name}' not delivered within {timeout:.0f}s "
+                                  f"(it stays spooled): {why}", name=future.name, reason=why) from None
+
+    # -- waiting and closing ------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every spooled tuple is delivered (or failed); False on timeout."""
+        with self._lock:
+            pending = list(self._futures.values())
+        done, not_done = concurrent.futures.wait(pending, timeout=timeout)
+        return not not_done
+
+    def close(self, timeout: float | None = None, *, drain: bool = True) -> None:
+        """Stop delivering; blocks at most about ``timeout`` s (default ``grace_seconds``).
+
+        With ``drain`` (the default) it first waits for spooled tuples to be
+        delivered; without, it only lets in-flight streams finish. Tuples not
+        delivered by then stay in the spool for the next start, and their
+        futures raise DeliveryError. Idempotent.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        grace = self.config.grace_seconds if timeout is None else timeout
+        start = time.monotonic()
+        if drain:
+            self.flush(grace)
+        self._dispatcher.stop(_left(start, grace) or 0.0)
+        with self._lock:
+            pending = list(self._futures.values())
+            self._futures.clear()
+        for future in pending:
+            if not future.done():
+                future.set_exception(DeliveryError(
+                    f"tuple '{future.name}': gateway closed before delivery; it stays spooled and "
+                    "is sent at the next start", name=future.name))
+        self.spool.close()
+
+    def __enter__(self) -> "Gateway":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def status(self) -> GatewayStatus:
+        """Counters and spool usage. Non-blocking, thread-safe."""
+        s = self._dispatcher.stats
+        return GatewayStatus(
+            spooled_tuples=len(self.spool), spooled_bytes=self.spool.used_bytes,
+            spool_bytes_limit=self.spool.limit, sent_direct=s.sent_direct, sent_queue=s.sent_queue,
+            stored=s.stored, enqueued=s.enqueued, failed=s.failed, retries=s.retries,
+            master_unreachable_seconds=self._dispatcher.master_unreachable_for())
+
+    # -- internals ------------------------------------------------------------------
+
+    def _meta(self, image: str, name: str, size: int, attributes: Mapping[str, str] | None,
+              created_unix: float | None) -> TupleMeta:
+        now = time.time()
+        meta = TupleMeta(source=self._source, image=image or "", size=size, name=name,
+                         created_unix=now if created_unix is None else float(created_unix),
+                         attempt=1, accepted_unix=now, attributes=dict(attributes or {}))
+        check_meta(meta, self.config.max_tuple_bytes, need_id=False)
+        return meta
+
+    def _enqueue(self, entry: SpoolEntry) -> TupleFuture:
+        with self._lock:
+            closed = self._closed
+        future = self._track(entry)
+        if closed:
+            future.set_exception(DeliveryError(f"tuple '{future.name}': gateway is closed; it stays "
+                                               "spooled and is sent at the next start", name=future.name))
+        return future
+
+    def _track(self, entry: SpoolEntry) -> TupleFuture:
+        future = TupleFuture(entry.meta.name, entry.size)
+        future.seq = entry.seq  # type: ignore[attr-defined]
+        with self._lock:
+            self._futures[entry.seq] = future
+            closed = self._closed
+        if not closed:
+            self._dispatcher.add(entry)
+        return future
+
+    def _finish(self, entry: SpoolEntry, outcome: Outcome, detail: str) -> None:
+        """Delivery hook: move the original, drop the spool entry, resolve the future."""
+        if entry.move is not None:
+            _move(entry.move, outcome)
+        self.spool.remove(entry)
+        with self._lock:
+            future = self._futures.pop(entry.seq, None)
+        if future is None or future.done():
+            return
+        future.outcome, future.tuple_id = outcome.value, int(entry.meta.tuple_id)
+        if outcome in (Outcome.STORED, Outcome.ENQUEUED):
+            future.set_result(int(entry.meta.tuple_id))
+        else:
+            label = f"tuple '{entry.meta.name}' (id {entry.meta.tuple_id})" if entry.meta.name \
+                else f"tuple {entry.meta.tuple_id}"
+            future.set_exception(DeliveryError(
+                f"{label} {outcome.value}: {detail}",
+                tuple_id=int(entry.meta.tuple_id), reason=detail, name=entry.meta.name))
+
+
+def _move(move: MoveOnDone, outcome: Outcome) -> None:
+    """Move a delivered original to its done folder (rejected ones under .rejected/)."""
+    target = Path(move.target)
+    if outcome is Outcome.REJECTED:
+        target = target.parent / ".rejected" / target.name
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(move.source, target)
+    except FileNotFoundError:
+        log.info("original already moved", extra={"path": move.source})
+    except OSError as exc:
+        log.error("cannot move delivered file", extra={"path": move.source, "target": str(target),
+                                                       "error": str(exc)})
+
+
+def _left(start: float, timeout: float | None) -> float | None:
+    return None if timeout is None else max(0.0, timeout - (time.monotonic() - start))

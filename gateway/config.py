@@ -1,0 +1,122 @@
+"""Settings of the gateway (``hio gateway``) and of ``hio send``.
+
+Imports nothing heavy (no grpc): ``hio.cli`` loads this module to build flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from pathlib import Path
+from typing import ClassVar
+
+from hio.common.config import ConfigError, positive, setting
+from hio.common.settings import MiB, ClusterSettings
+
+GiB = 1024 * MiB
+
+# File extension -> engine image, used when no image is given.
+IMAGE_BY_EXTENSION: dict[str, str] = {
+    ".tif": "hio/microscopy", ".tiff": "hio/microscopy", ".png": "hio/microscopy",
+    ".jpg": "hio/microscopy", ".jpeg": "hio/microscopy",
+    ".npz": "hio/simulation", ".npy": "hio/simulation",
+}
+
+# Files a directory walk or watch never takes: still being written, or hidden.
+IGNORED_SUFFIXES = (".part", ".tmp", ".partial")
+
+
+def default_source() -> str:
+    """The host name: who produced the tuples, unless told otherwise."""
+    return socket.gethostname() or "gateway"
+
+
+def is_ignored(name: str) -> bool:
+    """True for hidden files and files an instrument is still writing."""
+    return name.startswith(".") or name.lower().endswith(IGNORED_SUFFIXES)
+
+
+def infer_image(path: str | os.PathLike[str], image: str = "") -> str:
+    """The engine image for a file: ``image`` if given, else by extension.
+
+    Raises ConfigError naming the file when the extension is unknown.
+    """
+    if image:
+        return image
+    suffix = Path(path).suffix.lower()
+    try:
+        return IMAGE_BY_EXTENSION[suffix]
+    except KeyError:
+        known = ", ".join(sorted(IMAGE_BY_EXTENSION))
+        raise ConfigError(f"{path}: cannot tell the image from the extension "
+                          f"'{suffix or '(none)'}' (known: {known}); pass --image") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig(ClusterSettings):
+    """Everything ``hio gateway`` and the :class:`hio.gateway.Gateway` library use."""
+
+    source: str = setting("", "who produces the tuples (TupleMeta.source); empty = this host's name")
+    image: str = setting("", "engine image of the tuples; empty = infer from the file extension "
+                             "(.tif/.tiff/.png/.jpg -> hio/microscopy, .npz/.npy -> hio/simulation)")
+    spool_bytes: int = setting(2 * GiB, "bound of the on-disk spool; a full spool refuses (or blocks) new tuples")
+    streams: int = setting(4, "parallel delivery streams (batches in flight)")
+    batch_tuples: int = setting(64, "most tuples per route and stream")
+    batch_bytes: int = setting(8 * MiB, "most bytes per batch; a larger tuple goes alone")
+    max_attempts: int = setting(3, "delivery attempts before a tuple is handed to the master's dead letters")
+    force_queue: bool = setting(False, "always route through the master's backlog queue")
+    ingest_listen: str = setting("127.0.0.1:7300", "host:port of the local ingest gRPC API; empty = off")
+    watch: str = setting("", "folder to watch for new files; empty = no watch")
+    done_dir: str = setting("", "where watched files go once stored; empty = <watch>/.hio-done")
+    settle_seconds: float = setting(1.0, "a watched file is complete once its size and mtime are unchanged this long")
+    poll_seconds: float = setting(0.25, "how often the watched folder is scanned")
+    progress: bool = setting(True, "show a progress bar when stderr is a terminal")
+    grace_seconds: float = setting(10.0, "on SIGTERM: time to finish in-flight streams")
+    route_timeout_seconds: float = setting(15.0, "deadline of one RouteTuples call")
+    stream_timeout_seconds: float = setting(900.0, "deadline of one delivery stream (a whole batch)")
+    connect_seconds: float = setting(20.0, "hio send / the library: how long the master may stay "
+                                           "unreachable before giving up")
+
+    def resolved_source(self) -> str:
+        return self.source or default_source()
+
+    def resolved_done_dir(self) -> str:
+        if self.done_dir:
+            return self.done_dir
+        return str(Path(self.watch) / ".hio-done") if self.watch else ""
+
+    def validate(self) -> None:
+        self.validate_cluster()
+        for name in ("spool_bytes", "streams", "batch_tuples", "batch_bytes", "max_attempts",
+                     "settle_seconds", "poll_seconds", "route_timeout_seconds",
+                     "stream_timeout_seconds", "connect_seconds"):
+            positive(name, getattr(self, name))
+        if self.grace_seconds < 0:
+            raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
+        if self.streams > 256:
+            raise ConfigError(f"streams must be at most 256, got {self.streams}")
+        if self.spool_bytes < self.chunk_bytes:
+            raise ConfigError(f"spool_bytes ({self.spool_bytes}) must hold at least one chunk ({self.chunk_bytes})")
+        if self.watch and not Path(self.watch).is_dir():
+            raise ConfigError(f"watch: {self.watch} is not a folder")
+        if len(self.resolved_source()) > 256:
+            raise ConfigError("source must be at most 256 characters")
+
+
+@dataclasses.dataclass(frozen=True)
+class SendConfig(GatewayConfig):
+    """``hio send FILE...``: send files as tuples and report what became of them."""
+
+    POSITIONAL: ClassVar[tuple[str, str, str]] = ("files", "FILE", "files to send (directories are walked)")
+
+    files: tuple[str, ...] = setting((), "files to send (directories are walked)", factory=tuple)
+    wait: bool = setting(True, "wait until stored or enqueued; --no-wait hands the files to the "
+                               "gateway daemon at --ingest-listen and returns once it spooled them")
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.files:
+            raise ConfigError("name at least one FILE or folder to send")
+        if not self.wait and not self.ingest_listen:
+            raise ConfigError("--no-wait hands files to a gateway daemon: give its --ingest-listen address")

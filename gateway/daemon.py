@@ -1,0 +1,73 @@
+"""``hio gateway``: the long-running gateway beside the instrument.
+
+Resumes spooled tuples, serves the ingest API, watches a folder. On SIGTERM it
+stops accepting, lets in-flight streams finish within ``grace_seconds`` and
+exits 0; undelivered tuples stay spooled for the next start.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+from hio.common.net import create_server, set_serving
+from hio.gateway.client import Gateway
+from hio.gateway.config import GatewayConfig
+from hio.gateway.ingest import IngestReceiver, IngestServicer
+from hio.gateway.watch import DirectoryWatcher
+from hio.proto import ingest_pb2_grpc
+
+log = logging.getLogger("hio.gateway")
+
+
+def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None) -> int:
+    """Run until SIGTERM/SIGINT (or ``stop_event``); 0 after a clean stop. Blocks."""
+    stop = stop_event or threading.Event()
+    _on_signals(stop)
+    gateway = Gateway(config)
+    receiver = IngestReceiver(gateway)
+    server = health = None
+    watcher = None
+    try:
+        if config.ingest_listen:
+            servicer = IngestServicer(gateway, receiver)
+            server, port, health = create_server(
+                config, config.ingest_listen,
+                register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)])
+            server.start()
+            set_serving(health)
+        if config.watch:
+            watcher = DirectoryWatcher(gateway, config.watch, config.resolved_done_dir(),
+                                       settle_seconds=config.settle_seconds,
+                                       poll_seconds=config.poll_seconds, image=config.image)
+            watcher.start()
+        log.info("gateway ready", extra={"ingest": config.ingest_listen or "off",
+                                            "watch": config.watch or "off", "resumed": gateway.resumed,
+                                            "master": config.master_address})
+        stop.wait()
+    finally:
+        _shutdown(config, gateway, receiver, server, health, watcher)
+    return 0
+
+
+def _on_signals(stop: threading.Event) -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+
+
+def _shutdown(config: GatewayConfig, gateway: Gateway, receiver: IngestReceiver, server, health,  # type: ignore[no-untyped-def]
+              watcher: DirectoryWatcher | None) -> None:
+    """Stop taking tuples, finish in-flight work within the grace period, keep the spool."""
+    start = time.monotonic()
+    grace = config.grace_seconds
+    log.info("stopping", extra={"grace_s": grace})
+    if watcher is not None:
+        watcher.stop()
+    receiver.stop_accepting()
+    if server is not None:
+        set_serving(health, False)
+        server.stop(grace / 2).wait(grace / 2 + 1.0)
+    gateway.close(max(0.0, grace - (time.monotonic() - start)), drain=False)

@@ -1,0 +1,455 @@
+"""Delivery of spooled tuples: route at the master, stream to a channel or the queue.
+
+``streams`` worker threads each take a batch of consecutive spooled tuples of
+one image (at most ``batch_tuples`` and ``batch_bytes``; a bigger tuple goes
+alone), ask ``Master.RouteTuples`` for one route, persist the ids, and stream
+the batch over one ``Engine.Deliver`` (or ``Master.Enqueue``) call, reading
+receipts as they arrive. Payloads are read from the spool chunk by chunk, so a
+batch never sits in memory.
+
+Retry policy (the master owns the rest):
+
+* engine ``RESOURCE_EXHAUSTED`` (channel busy): route again at once, no attempt counted;
+* broken stream, ``UNAVAILABLE``, ``DATA_LOSS``, a ``FAILED`` receipt: route
+  again with the same id and ``attempt + 1`` after a short jittered backoff;
+* master queue full: back off by the server's hint (logged once), no attempt counted;
+* master unreachable: back off and retry, forever (callers decide when to give up);
+* ``attempt > max_attempts``: the tuple goes to the master queue anyway, which
+  dead-letters it; the caller learns it as :attr:`Outcome.DEAD_LETTERED`.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import grpc
+
+from hio.common.errors import retry_after
+from hio.common.frames import frames_for_file
+from hio.common.net import create_channel
+from hio.gateway.config import GatewayConfig
+from hio.gateway.spool import SpoolEntry
+from hio.proto import engine_pb2_grpc, master_pb2, master_pb2_grpc
+from hio.proto.tuple_pb2 import TupleFrame, TupleReceipt
+
+log = logging.getLogger("hio.gateway")
+
+LAST_ERROR_ATTRIBUTE = "hio.last_error"
+_MASTER_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class Outcome(enum.Enum):
+    """How a tuple left the spool."""
+
+    STORED = "stored"              # features in the repository
+    ENQUEUED = "enqueued"          # durably in the master's backlog queue
+    DEAD_LETTERED = "dead-lettered"  # failed max_attempts times; the master keeps it
+    REJECTED = "rejected"          # refused for good (bad tuple); dropped from the spool
+
+
+CompletionHook = Callable[[SpoolEntry, Outcome, str], None]
+
+
+@dataclass(order=True)
+class _Pending:
+    """A spooled tuple waiting for (or in) delivery."""
+
+    seq: int
+    entry: SpoolEntry = field(compare=False)
+    not_before: float = field(default=0.0, compare=False)
+    last_error: str = field(default="", compare=False)   # the latest problem (shown on timeouts)
+    failure: str = field(default="", compare=False)      # the last counted failure (dead-letter reason)
+    solo: bool = field(default=False, compare=False)  # route alone (its batch was refused)
+
+
+@dataclass
+class DispatchStats:
+    """Counters since start (monotonic, never reset)."""
+
+    sent_direct: int = 0
+    sent_queue: int = 0
+    stored: int = 0
+    enqueued: int = 0
+    failed: int = 0
+    retries: int = 0
+
+
+class Dispatcher:
+    """Delivers spooled tuples with ``config.streams`` threads. Thread-safe.
+
+    ``add`` hands it an entry; ``on_complete(entry, outcome, detail)`` is called
+    (from a worker thread) once the tuple is STORED, ENQUEUED, dead-lettered or
+    rejected; the hook removes it from the spool.
+    """
+
+    def __init__(self, config: GatewayConfig, *, persist: Callable[[SpoolEntry], None],
+                 on_complete: CompletionHook) -> None:
+        self._config = config
+        self._persist_entry = persist
+        self._on_complete = on_complete
+        self._source = config.resolved_source()
+        self._cond = threading.Condition()
+        self._ready: list[_Pending] = []                       # heap by seq
+        self._delayed: list[tuple[float, int, _Pending]] = []  # heap by time
+        self._errors: dict[int, str] = {}                      # seq -> last error, for callers
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self._calls: set[grpc.Future] = set()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._master_down_since: float | None = None
+        self._queue_full_logged = False
+        self._warned_images: set[str] = set()
+        self._counter = itertools.count()
+        self.stats = DispatchStats()
+
+    # -- public ----------------------------------------------------------------
+
+    def start(self) -> None:
+        for n in range(self._config.streams):
+            thread = threading.Thread(target=self._run, name=f"hio-gateway-stream-{n}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def add(self, entry: SpoolEntry) -> None:
+        """Queue a spooled tuple for delivery (in spool order). Non-blocking."""
+        with self._cond:
+            heapq.heappush(self._ready, _Pending(entry.seq, entry))
+            self._cond.notify()
+
+    def last_error(self, seq: int) -> str:
+        """Why the tuple's last delivery attempt failed ('' if none did)."""
+        with self._cond:
+            return self._errors.get(seq, "")
+
+    def master_unreachable_for(self) -> float:
+        """Seconds the master has been failing every call (0 when reachable)."""
+        with self._cond:
+            since = self._master_down_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._ready) + len(self._delayed)
+
+    def stop(self, grace: float) -> None:
+        """Take no new batch; let in-flight streams finish for ``grace`` s, then cancel them."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        deadline = time.monotonic() + grace
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        for thread in self._threads:
+            thread.join(5.0)
+        for channel in list(self._channels.values()):
+            channel.close()
+        self._channels.clear()
+
+    # -- batching ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                self._deliver(batch)
+            except Exception as exc:  # noqa: BLE001 - a worker must never die; the tuple stays spooled
+                log.exception("delivery failed unexpectedly")
+                self._retry(batch, f"gateway error: {exc}", count_attempt=False, delay=1.0)
+
+    def _next_batch(self) -> list[_Pending] | None:
+        with self._cond:
+            while True:
+                if self._stopping:
+                    return None
+                now = time.monotonic()
+                while self._delayed and self._delayed[0][0] <= now:
+                    heapq.heappush(self._ready, heapq.heappop(self._delayed)[2])
+                if self._ready:
+                    return self._take_batch()
+                wait = self._delayed[0][0] - now if self._delayed else None
+                self._cond.wait(wait)
+
+    def _take_batch(self) -> list[_Pending]:
+        """Consecutive ready tuples of the head's image within the batch bounds."""
+        head = heapq.heappop(self._ready)
+        batch, total = [head], head.entry.size
+        if head.solo or self._is_dead(head):
+            return batch
+        image = head.entry.meta.image
+        while self._ready and len(batch) < self._config.batch_tuples:
+            nxt = self._ready[0]
+            if (nxt.entry.meta.image != image or nxt.solo or self._is_dead(nxt)
+                    or total + nxt.entry.size > self._config.batch_bytes):
+                break
+            batch.append(heapq.heappop(self._ready))
+            total += nxt.entry.size
+        return batch
+
+    def _is_dead(self, pending: _Pending) -> bool:
+        return pending.entry.meta.attempt > self._config.max_attempts
+
+    # -- one batch -----------------------------------------------------------
+
+    def _deliver(self, batch: list[_Pending]) -> None:
+        dead = self._is_dead(batch[0])
+        try:
+            route = self._route(batch, force_queue=dead or self._config.force_queue)
+        except grpc.RpcError as exc:
+            self._route_failed(batch, exc)
+            return
+        self._master_reachable()
+        for pending, tuple_id, ticket in zip(batch, route.tuple_ids, route.tickets):
+            meta = pending.entry.meta
+            meta.tuple_id, meta.ticket = tuple_id, ticket
+            if dead and pending.failure:
+                meta.attributes[LAST_ERROR_ATTRIBUTE] = pending.failure[:1000]
+            self._persist(pending)
+        if route.HasField("channel") and not dead:
+            self._stream(batch, route.channel.address, direct=True)
+        else:
+            self._stream(batch, self._config.master_address, direct=False)
+
+    def _route(self, batch: list[_Pending], *, force_queue: bool) -> master_pb2.RouteTuplesResponse:
+        request = master_pb2.RouteTuplesRequest(
+            source=self._source, image=batch[0].entry.meta.image, force_queue=force_queue,
+            items=[master_pb2.RouteItem(size=p.entry.size, tuple_id=p.entry.meta.tuple_id) for p in batch])
+        stub = master_pb2_grpc.MasterStub(self._channel(self._config.master_address))
+        response = stub.RouteTuples(request, timeout=self._config.route_timeout_seconds)
+        if len(response.tuple_ids) != len(batch) or len(response.tickets) != len(batch):
+            raise _Protocol(f"master answered {len(response.tuple_ids)} ids for {len(batch)} tuples")
+        return response
+
+    def _persist(self, pending: _Pending) -> None:
+        """Record the id and attempt in the spool, so any redelivery keeps them."""
+        self._persist_entry(pending.entry)
+
+    def _stream(self, batch: list[_Pending], address: str, *, direct: bool) -> None:
+        """One Deliver/Enqueue stream for the batch; settle each tuple by its receipt."""
+        sent: list[_Pending] = []
+        skipped: set[int] = set()
+        frames = self._frames(batch, sent, skipped)
+        channel = self._channel(address)
+        timeout = self._config.stream_timeout_seconds
+        if direct:
+            call = engine_pb2_grpc.EngineStub(channel).Deliver(frames, timeout=timeout)
+        else:
+            call = master_pb2_grpc.MasterStub(channel).Enqueue(frames, timeout=timeout)
+        with self._cond:
+            self._calls.add(call)
+        settled: set[int] = set()
+        try:
+            for receipt in call:
+                self._settle(receipt, sent, settled, direct=direct)
+        except grpc.RpcError as exc:
+            self._stream_failed(_unsettled(batch, sent, settled, skipped), exc, address, direct=direct)
+            return
+        finally:
+            with self._cond:
+                self._calls.discard(call)
+        if not direct:
+            self._queue_full_logged = False
+        left = _unsettled(batch, sent, settled, skipped)
+        if left:
+            self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
+
+    def _frames(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int]) -> Iterator[TupleFrame]:
+        """Frames of the batch, read from the spool chunk by chunk; ``sent`` records the order."""
+        for pending in batch:
+            entry = pending.entry
+            if not entry.data_path.exists():
+                skipped.add(pending.seq)
+                self._complete(pending, Outcome.REJECTED, f"spooled payload {entry.data_path} is missing")
+                continue
+            sent.append(pending)
+            yield from frames_for_file(entry.meta, entry.data_path, self._config.chunk_bytes)
+
+    def _settle(self, receipt: TupleReceipt, sent: list[_Pending], settled: set[int], *, direct: bool) -> None:
+        if receipt.index >= len(sent) or receipt.index in settled:
+            log.warning("receipt for an unknown tuple ignored", extra={"index": receipt.index})
+            return
+        pending = sent[receipt.index]
+        state = receipt.state
+        if state == TupleReceipt.STORED:
+            settled.add(receipt.index)
+            self._complete(pending, Outcome.STORED, "", direct=direct)
+        elif state == TupleReceipt.ENQUEUED:
+            settled.add(receipt.index)
+            dead = self._is_dead(pending)
+            outcome = Outcome.DEAD_LETTERED if dead else Outcome.ENQUEUED
+            self._complete(pending, outcome, pending.failure if dead else "", direct=direct)
+        elif state == TupleReceipt.FAILED:
+            settled.add(receipt.index)
+            self._retry([pending], f"processing failed: {receipt.message}", count_attempt=True)
+
+    # -- outcomes ----------------------------------------------------------------
+
+    def _complete(self, pending: _Pending, outcome: Outcome, detail: str, *, direct: bool = False) -> None:
+        with self._cond:
+            self._errors.pop(pending.seq, None)
+            stats = self.stats
+            if outcome in (Outcome.STORED, Outcome.ENQUEUED):
+                if direct:
+                    stats.sent_direct += 1
+                else:
+                    stats.sent_queue += 1
+                if outcome is Outcome.STORED:
+                    stats.stored += 1
+                else:
+                    stats.enqueued += 1
+            else:
+                stats.failed += 1
+        if outcome is Outcome.DEAD_LETTERED:
+            log.warning("tuple dead-lettered at the master", extra={
+                "tuple_id": pending.entry.meta.tuple_id, "tuple_name": pending.entry.meta.name, "error": detail})
+        try:
+            self._on_complete(pending.entry, outcome, detail)
+        except Exception:  # noqa: BLE001 - the hook's failure must not stop delivery of others
+            log.exception("completion hook failed", extra={"seq": pending.seq})
+
+    def _retry(self, batch: list[_Pending], error: str, *, count_attempt: bool,
+               delay: float | None = None, solo: bool = False) -> None:
+        """Put tuples back for another route after a delay; count the attempt if asked."""
+        now = time.monotonic()
+        with self._cond:
+            for pending in batch:
+                meta = pending.entry.meta
+                if count_attempt:
+                    meta.attempt = max(meta.attempt, 1) + 1
+                    self.stats.retries += 1
+                    pending.failure = error
+                pending.last_error = error
+                pending.solo = pending.solo or solo
+                self._errors[pending.seq] = error
+                wait = delay if delay is not None else _jitter(meta.attempt)
+                pending.not_before = now + wait
+                heapq.heappush(self._delayed, (pending.not_before, next(self._counter), pending))
+            self._cond.notify_all()
+        if count_attempt:
+            for pending in batch:
+                self._persist(pending)
+        log.info("tuples back for redelivery", extra={"tuples": len(batch), "error": error,
+                                                      "attempt_counted": count_attempt})
+
+    def _route_failed(self, batch: list[_Pending], exc: grpc.RpcError) -> None:
+        code, details = _status(exc)
+        error = f"master {self._config.master_address}: {code.name if code else 'error'}: {details}"
+        if code in _MASTER_DOWN:
+            self._master_unreachable(error)
+            self._retry(batch, error, count_attempt=False, delay=self._master_delay())
+        elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._retry(batch, error, count_attempt=False, delay=_hinted(exc))
+        elif code == grpc.StatusCode.NOT_FOUND:
+            image = batch[0].entry.meta.image
+            if image not in self._warned_images:
+                self._warned_images.add(image)
+                log.warning("no channel serves this image; tuples wait in the spool",
+                            extra={"image": image, "error": details})
+            self._retry(batch, error, count_attempt=False, delay=random.uniform(2.0, 4.0))
+        elif code == grpc.StatusCode.INVALID_ARGUMENT and len(batch) > 1:
+            self._retry(batch, error, count_attempt=False, delay=0.0, solo=True)
+        elif code == grpc.StatusCode.INVALID_ARGUMENT:
+            self._complete(batch[0], Outcome.REJECTED, error)
+        else:
+            log.warning("routing failed", extra={"error": error})
+            self._retry(batch, error, count_attempt=False, delay=random.uniform(1.0, 3.0))
+
+    def _stream_failed(self, left: list[_Pending], exc: grpc.RpcError, address: str, *, direct: bool) -> None:
+        code, details = _status(exc)
+        error = f"{'engine' if direct else 'master'} {address}: {code.name if code else 'error'}: {details}"
+        if not left:
+            return
+        if code == grpc.StatusCode.CANCELLED and self._stopping:
+            return  # stopping: the tuples stay spooled for the next start
+        if direct and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._retry(left, error, count_attempt=False, delay=random.uniform(0.0, 0.05))
+        elif not direct and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if not self._queue_full_logged:
+                self._queue_full_logged = True
+                log.warning("queue full, slowing down", extra={"master": address, "error": details})
+            self._retry(left, error, count_attempt=False, delay=_hinted(exc))
+        elif not direct and code in _MASTER_DOWN:
+            self._master_unreachable(error)
+            self._retry(left, error, count_attempt=False, delay=self._master_delay())
+        else:
+            self._retry(left, error, count_attempt=True)
+
+    # -- master health -------------------------------------------------------------
+
+    def _master_unreachable(self, error: str) -> None:
+        with self._cond:
+            first = self._master_down_since is None
+            if first:
+                self._master_down_since = time.monotonic()
+        if first:
+            log.warning("master unreachable; retrying", extra={"error": error})
+
+    def _master_reachable(self) -> None:
+        with self._cond:
+            was_down = self._master_down_since is not None
+            self._master_down_since = None
+        if was_down:
+            log.warning("master reachable again", extra={"master": self._config.master_address})
+
+    def _master_delay(self) -> float:
+        down = self.master_unreachable_for()
+        return random.uniform(0.5, 1.0) * min(5.0, 0.2 + down / 2)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._cond:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = create_channel(address, self._config)
+                self._channels[address] = channel
+            return channel
+
+
+class _Protocol(grpc.RpcError):
+    """A peer answered something the contract does not allow."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self._message = message
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.INTERNAL
+
+    def details(self) -> str:
+        return self._message
+
+
+def _unsettled(batch: list[_Pending], sent: list[_Pending], settled: set[int],
+               skipped: set[int]) -> list[_Pending]:
+    """Tuples of the batch without a final receipt: sent but unanswered, or never sent."""
+    sent_seqs = {p.seq for p in sent}
+    left = [p for i, p in enumerate(sent) if i not in settled]
+    return left + [p for p in batch if p.seq not in sent_seqs and p.seq not in skipped]
+
+
+def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return code, details or ""
+
+
+def _hinted(exc: grpc.RpcError) -> float:
+    hint = retry_after(exc)
+    return max(hint or 0.0, random.uniform(0.2, 1.0))
+
+
+def _jitter(attempt: int) -> float:
+    """Short jittered backoff that grows with the attempt: ~0.1 s, 0.2 s, 0.4 s ... up to 5 s."""
+    return random.uniform(0.5, 1.0) * min(5.0, 0.1 * 2 ** max(0, attempt - 2))

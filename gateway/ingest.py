@@ -1,0 +1,162 @@
+"""The local ingest API (``hio.proto.Ingest``) for instrument software in any language.
+
+:class:`IngestReceiver` is the domain side (no grpc): it verifies incoming
+tuples with :class:`~hio.common.frames.FrameReader`, spools them chunk by chunk
+and reports ACCEPTED, then (when the metadata asks ``hio.wait = stored``) the
+final outcome. :class:`IngestServicer` only translates to and from gRPC.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Callable, Iterable, Iterator
+
+import grpc
+
+from hio.common.errors import InvalidArgument, Unavailable, grpc_errors
+from hio.common.frames import FrameReader
+from hio.gateway.client import DeliveryError, Gateway, TupleFuture
+from hio.gateway.spool import SpoolWriter
+from hio.proto import ingest_pb2, ingest_pb2_grpc
+from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
+
+WAIT_ATTRIBUTE = "hio.wait"
+_POLL = 0.5
+
+
+class IngestReceiver:
+    """Spools tuples arriving as frames; yields receipts. Thread-safe (one call per stream)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+        self._accepting = threading.Event()
+        self._accepting.set()
+
+    def stop_accepting(self) -> None:
+        """New streams and tuples are refused with UNAVAILABLE from now on."""
+        self._accepting.clear()
+
+    def receive(self, frames: Iterable[TupleFrame],
+                still_wanted: Callable[[], bool] = lambda: True) -> Iterator[TupleReceipt]:
+        """Receipts for a stream of tuples: ACCEPTED each, then final ones for waiting tuples.
+
+        Raises InvalidArgument (bad metadata, oversized), DataLoss (size or
+        CRC-32 mismatch), SpoolFull (ResourceExhausted), Unavailable (stopping).
+        Tuples accepted before an error stay accepted.
+        """
+        config = self._gateway.config
+        stream = _MetaTracker(frames)
+        reader = FrameReader(stream, max_tuple_bytes=config.max_tuple_bytes,
+                             max_chunk_bytes=config.chunk_bytes, need_id=False)
+        waiting: dict[TupleFuture, int] = {}
+        while True:
+            self._check_accepting()
+            index = reader.index
+            future, wait = self._receive_one(reader, stream)
+            if future is None:
+                break
+            yield TupleReceipt(index=index, state=TupleReceipt.ACCEPTED)
+            if wait:
+                waiting[future] = index
+            yield from self._finished(waiting, timeout=0)
+        while waiting and still_wanted():
+            yield from self._finished(waiting, timeout=_POLL)
+
+    def _check_accepting(self) -> None:
+        if not self._accepting.is_set():
+            raise Unavailable("the gateway is stopping; submit again to its next start")
+
+    def _receive_one(self, reader: FrameReader, stream: "_MetaTracker") -> tuple[TupleFuture | None, bool]:
+        holder: list[SpoolWriter] = []
+
+        def sink(chunk: bytes) -> None:
+            if not holder:
+                holder.append(self._gateway.spool.writer(stream.current.size, timeout=0))
+            holder[0].write(chunk)
+
+        try:
+            meta = reader.next_tuple(sink)
+            if meta is None:
+                return None, False
+            if not holder:  # an empty tuple: nothing went through the sink
+                holder.append(self._gateway.spool.writer(0, timeout=0))
+            wait = self._prepare(meta)
+            entry = holder[0].commit(meta)
+        except BaseException:
+            if holder:
+                holder[0].abort()
+            raise
+        return self._gateway._enqueue(entry), wait
+
+    def _prepare(self, meta: TupleMeta) -> bool:
+        """Fill in what the gateway owns; True when the sender waits for the outcome."""
+        if meta.tuple_id:
+            raise InvalidArgument(f"tuple '{meta.name}': tuple_id must be 0 (the master assigns ids)")
+        wait_value = meta.attributes.pop(WAIT_ATTRIBUTE, "")
+        if wait_value not in ("", "stored", "accepted"):
+            raise InvalidArgument(f"tuple '{meta.name}': attribute {WAIT_ATTRIBUTE} must be 'stored' "
+                                  f"or 'accepted', got '{wait_value[:40]}'")
+        now = time.time()
+        meta.source = meta.source or self._gateway.config.resolved_source()
+        meta.created_unix = meta.created_unix or now
+        meta.accepted_unix = now
+        meta.attempt = 1
+        meta.ClearField("ticket")
+        return wait_value == "stored"
+
+    @staticmethod
+    def _finished(waiting: dict[TupleFuture, int], timeout: float) -> Iterator[TupleReceipt]:
+        done, _ = concurrent.futures.wait(list(waiting), timeout=timeout,
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+            yield _final_receipt(waiting.pop(future), future)
+
+
+def _final_receipt(index: int, future: TupleFuture) -> TupleReceipt:
+    error = future.exception()
+    if error is None:
+        state = TupleReceipt.STORED if future.outcome == "stored" else TupleReceipt.ENQUEUED
+        return TupleReceipt(index=index, tuple_id=future.tuple_id, state=state)
+    tuple_id = error.tuple_id if isinstance(error, DeliveryError) else 0
+    return TupleReceipt(index=index, tuple_id=tuple_id, state=TupleReceipt.FAILED, message=str(error)[:2000])
+
+
+class _MetaTracker:
+    """Passes frames through, remembering the metadata of the tuple being read."""
+
+    def __init__(self, frames: Iterable[TupleFrame]) -> None:
+        self._frames = iter(frames)
+        self.current = TupleMeta()
+
+    def __iter__(self) -> "_MetaTracker":
+        return self
+
+    def __next__(self) -> TupleFrame:
+        frame = next(self._frames)
+        if frame.HasField("meta"):
+            self.current = frame.meta
+        return frame
+
+
+class IngestServicer(ingest_pb2_grpc.IngestServicer):
+    """gRPC face of the gateway: decode, call the receiver or the gateway, encode."""
+
+    def __init__(self, gateway: Gateway, receiver: IngestReceiver) -> None:
+        self._gateway = gateway
+        self._receiver = receiver
+
+    @grpc_errors
+    def Submit(self, request_iterator: Iterator[TupleFrame],
+               context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
+        yield from self._receiver.receive(request_iterator, still_wanted=context.is_active)
+
+    @grpc_errors
+    def GetGatewayStatus(self, request: ingest_pb2.GetGatewayStatusRequest,
+                         context: grpc.ServicerContext) -> ingest_pb2.GetGatewayStatusResponse:
+        s = self._gateway.status()
+        return ingest_pb2.GetGatewayStatusResponse(
+            spooled_tuples=s.spooled_tuples, spooled_bytes=s.spooled_bytes,
+            spool_bytes_limit=s.spool_bytes_limit, sent_direct=s.sent_direct, sent_queue=s.sent_queue,
+            stored=s.stored, failed=s.failed, retries=s.retries)

@@ -1,0 +1,211 @@
+"""``hio send FILE...``: send files as tuples, wait until stored, report.
+
+Exit codes: 0 when every file was STORED or ENQUEUED; 1 when some failed (one
+line each) or the master went away mid-way (what was not delivered stays
+spooled and goes with the next ``hio send``); 2 for unusable input or a master
+unreachable from the start.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, TextIO
+
+import grpc
+
+from hio.common.config import ConfigError
+from hio.common.frames import crc32_of_file, frames_for_file
+from hio.common.net import create_channel
+from hio.gateway.client import Gateway, TupleFuture
+from hio.gateway.config import SendConfig, infer_image, is_ignored
+from hio.gateway.spool import SpoolFull
+from hio.proto import ingest_pb2_grpc
+from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
+
+MB = 1e6
+
+
+def run_send(config: SendConfig) -> int:
+    """Send ``config.files`` (folders walked); print a summary. Blocks; returns the exit code."""
+    try:
+        files = _collect(config.files)
+        images = {path: infer_image(path, config.image) for path in files}
+    except ConfigError as exc:
+        print(f"hio send: {exc}", file=sys.stderr)
+        return 2
+    if not files:
+        print("hio send: no files to send (hidden and .part/.tmp files are skipped)", file=sys.stderr)
+        return 2
+    if not config.wait:
+        return _hand_over(config, files, images)
+    problem = _master_problem(config)
+    if problem:
+        print(f"hio send: {problem}", file=sys.stderr)
+        return 2
+    return _Sender(config, files, images).run()
+
+
+def _collect(names: tuple[str, ...]) -> list[Path]:
+    """Files named, with folders walked in name order; refuses missing paths."""
+    files: list[Path] = []
+    for name in names:
+        path = Path(name)
+        if path.is_dir():
+            for folder, dirs, entries in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                files += [Path(folder) / e for e in sorted(entries) if not is_ignored(e)]
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ConfigError(f"{name}: no such file or folder")
+    return files
+
+
+def _master_problem(config: SendConfig) -> str:
+    """'' when the master answers within connect_seconds, else a message naming it."""
+    channel = create_channel(config.master_address, config)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=config.connect_seconds)
+        return ""
+    except grpc.FutureTimeoutError:
+        return (f"cannot reach the master at {config.master_address} within {config.connect_seconds:.0f}s; "
+                "is it running? (--master-address)")
+    finally:
+        channel.close()
+
+
+class _Sender:
+    """One ``hio send`` run: spool, wait with a progress bar, summarise."""
+
+    def __init__(self, config: SendConfig, files: list[Path], images: dict[Path, str]) -> None:
+        self.config = config
+        self.files = files
+        self.images = images
+        self.failures: list[str] = []
+        self.bar = None
+        self._tick_lock = threading.Lock()
+        self._settled = 0
+
+    def run(self) -> int:
+        try:
+            gateway = Gateway(self.config, spool_name=f"send-{self.config.resolved_source()}")
+        except ConfigError as exc:
+            print(f"hio send: {exc}", file=sys.stderr)
+            return 2
+        start = time.monotonic()
+        total = sum(p.stat().st_size for p in self.files)
+        self.bar = _progress(self.config, total, len(self.files))
+        try:
+            if gateway.resumed:
+                print(f"resuming {gateway.resumed} tuples left by an earlier run", file=sys.stderr)
+            futures = self._submit_all(gateway)
+            gave_up = self._wait(gateway, futures)
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            gateway.close(timeout=self.config.grace_seconds, drain=False)
+        return self._summary(gateway, futures, time.monotonic() - start, gave_up)
+
+    def _submit_all(self, gateway: Gateway) -> dict[TupleFuture, Path]:
+        futures: dict[TupleFuture, Path] = {}
+        for path in self.files:
+            future = self._submit(gateway, path)
+            if future is not None:
+                future.add_done_callback(self._tick)
+                futures[future] = path
+        return futures
+
+    def _submit(self, gateway: Gateway, path: Path) -> TupleFuture | None:
+        """Spool one file, waiting while the spool is full (as long as the master answers)."""
+        while True:
+            try:
+                return gateway.submit_file(path, image=self.images[path], timeout=1.0)
+            except SpoolFull:
+                if gateway.status().master_unreachable_seconds > self.config.connect_seconds:
+                    self.failures.append(f"{path}: not spooled: spool full and the master is unreachable")
+                    return None
+            except (OSError, ConfigError, ValueError) as exc:
+                self.failures.append(f"{path}: {exc}")
+                return None
+            except Exception as exc:  # noqa: BLE001 - hio errors (InvalidArgument) carry a message
+                self.failures.append(f"{path}: {getattr(exc, 'message', exc)}")
+                return None
+
+    def _tick(self, future: concurrent.futures.Future) -> None:  # type: ignore[type-arg]
+        """Progress: called from delivery threads as each tuple settles."""
+        with self._tick_lock:
+            self._settled += 1
+            if self.bar is not None:
+                self.bar.update(getattr(future, "size", 0))
+                self.bar.set_postfix_str(f"{self._settled}/{len(self.files)} tuples", refresh=False)
+
+    def _wait(self, gateway: Gateway, futures: dict[TupleFuture, Path]) -> bool:
+        """Wait for every future; True when we gave up because the master stayed away."""
+        pending = set(futures)
+        while pending:
+            _, pending = concurrent.futures.wait(pending, timeout=0.5)
+            if pending and gateway.status().master_unreachable_seconds > self.config.connect_seconds:
+                return True
+        return False
+
+    def _summary(self, gateway: Gateway, futures: dict[TupleFuture, Path], seconds: float, gave_up: bool) -> int:
+        ok = [f for f in futures if f.done() and not f.cancelled() and f.exception() is None]
+        for future, path in futures.items():
+            if future.done() and future.exception() is not None:
+                self.failures.append(f"{path}: {future.exception()}")
+            elif not future.done():
+                self.failures.append(f"{path}: not delivered (stays spooled for the next hio send)")
+        status = gateway.status()
+        mbytes = sum(f.size for f in ok) / MB
+        out: TextIO = sys.stdout
+        print(f"sent {len(ok)} of {len(self.files)} tuples ({mbytes:.1f} MB) in {seconds:.1f} s: "
+              f"{status.sent_direct} direct, {status.sent_queue} queued, {len(self.failures)} failed; "
+              f"{mbytes / max(seconds, 1e-9):.1f} MB/s", file=out)
+        for line in self.failures:
+            print(f"FAILED {line}", file=out)
+        if gave_up:
+            print(f"hio send: the master at {self.config.master_address} was unreachable for more than "
+                  f"{self.config.connect_seconds:.0f}s; gave up waiting", file=sys.stderr)
+        return 0 if not self.failures and not gave_up else 1
+
+
+def _progress(config: SendConfig, total_bytes: int, tuples: int):  # type: ignore[no-untyped-def]
+    if not (config.progress and sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000,
+                desc="sending", file=sys.stderr)
+
+
+# -- --no-wait: hand the files to the gateway daemon ------------------------------------
+
+
+def _hand_over(config: SendConfig, files: list[Path], images: dict[Path, str]) -> int:
+    """Stream the files to the daemon's ingest API; done once it spooled (ACCEPTED) each."""
+    channel = create_channel(config.ingest_listen, config)
+    try:
+        stub = ingest_pb2_grpc.IngestStub(channel)
+        accepted = 0
+        for receipt in stub.Submit(_ingest_frames(config, files, images), timeout=config.stream_timeout_seconds):
+            accepted += receipt.state == TupleReceipt.ACCEPTED
+    except grpc.RpcError as exc:
+        print(f"hio send: gateway at {config.ingest_listen}: {exc.code().name}: {exc.details()} "
+              f"({accepted} of {len(files)} accepted)", file=sys.stderr)
+        return 2 if exc.code() == grpc.StatusCode.UNAVAILABLE and not accepted else 1
+    finally:
+        channel.close()
+    print(f"handed {accepted} of {len(files)} tuples to the gateway at {config.ingest_listen}")
+    return 0 if accepted == len(files) else 1
+
+
+def _ingest_frames(config: SendConfig, files: list[Path], images: dict[Path, str]) -> Iterator[TupleFrame]:
+    for path in files:
+        crc, size = crc32_of_file(path)
+        meta = TupleMeta(image=images[path], name=path.name, size=size, crc32=crc,
+                         created_unix=path.stat().st_mtime, source=config.source)
+        yield from frames_for_file(meta, path, config.chunk_bytes)

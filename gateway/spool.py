@@ -1,0 +1,394 @@
+"""The durable on-disk spool: every tuple the gateway accepted and has not yet
+seen STORED or ENQUEUED.
+
+Layout, one folder per gateway instance (``data_dir/gateway/spool/<source>/``)::
+
+    .lock                      flock held by the one process using this spool
+    00000000000000000042.data  the payload (hard link of the instrument's file, or a copy)
+    00000000000000000042.meta  serialized TupleMeta; its presence commits the entry
+    00000000000000000042.move  optional: where to move the original file once delivered (JSON)
+
+Sequence numbers give the original order, so a restart resumes in that order.
+The meta file is written last, atomically (temp file, fsync, rename, fsync of
+the folder): an entry either exists whole or not at all. Updates after routing
+(the id, the attempt) are atomic renames too; they skip fsync, so a process
+crash never loses them, and an OS crash at worst gives a tuple a new id.
+
+The spool holds at most ``limit_bytes`` of payload (committed plus being
+written); a full spool refuses with :class:`SpoolFull` or makes callers wait.
+Thread-safe. Does not import grpc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+from google.protobuf.message import DecodeError
+
+from hio.common.config import ConfigError
+from hio.common.errors import InvalidArgument, ResourceExhausted
+from hio.proto.tuple_pb2 import TupleMeta
+
+log = logging.getLogger("hio.gateway")
+
+_NAME = re.compile(r"^(\d{20})\.meta$")
+_READ_BLOCK = 1024 * 1024
+
+
+class SpoolFull(ResourceExhausted):
+    """The spool holds ``spool_bytes`` of undelivered tuples; retry once some are delivered."""
+
+
+@dataclasses.dataclass
+class MoveOnDone:
+    """Move ``source`` to ``target`` once the tuple is delivered (watched files)."""
+
+    source: str
+    target: str
+
+
+@dataclasses.dataclass
+class SpoolEntry:
+    """One spooled tuple. ``meta`` is the persisted metadata (id once routed)."""
+
+    seq: int
+    meta: TupleMeta
+    data_path: Path
+    move: MoveOnDone | None = None
+
+    @property
+    def size(self) -> int:
+        return int(self.meta.size)
+
+
+def safe_name(text: str) -> str:
+    """A folder name derived from a gateway's source name (no separators, not hidden)."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "default"
+    return cleaned[:100]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes, *, durable: bool) -> None:
+    """Replace ``path`` with ``data`` all at once (temp file + rename)."""
+    tmp = path.with_name(f".tmp-{uuid.uuid4().hex}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    if durable:
+        _fsync_dir(path.parent)
+
+
+class SpoolWriter:
+    """Streams one tuple's payload into the spool; ``commit`` makes it an entry.
+
+    Obtained from :meth:`Spool.writer`, which reserved ``size`` bytes of the
+    bound. Not thread-safe (one writer per tuple). Always ``commit`` or ``abort``.
+    """
+
+    def __init__(self, spool: "Spool", size: int) -> None:
+        self._spool = spool
+        self._reserved = size
+        self.path = spool.root / f".tmp-{uuid.uuid4().hex}.data"
+        self._fh = open(self.path, "wb")
+        self.crc = 0
+        self.written = 0
+
+    def write(self, chunk: bytes) -> None:
+        if self.written + len(chunk) > self._reserved:
+            raise InvalidArgument(f"more bytes than the {self._reserved} declared for this tuple")
+        self._fh.write(chunk)
+        self.crc = zlib.crc32(chunk, self.crc)
+        self.written += len(chunk)
+
+    def commit(self, meta: TupleMeta, move: MoveOnDone | None = None) -> SpoolEntry:
+        """Make the payload durable and record the entry; sets meta.size and meta.crc32."""
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        meta.size = self.written
+        meta.crc32 = self.crc & 0xFFFFFFFF
+        return self._spool._commit(self.path, meta, move, self._reserved)
+
+    def abort(self) -> None:
+        """Drop the partial payload and give its reservation back. Idempotent."""
+        if not self._fh.closed:
+            self._fh.close()
+        self.path.unlink(missing_ok=True)
+        if self._reserved:
+            self._spool._release(self._reserved)
+            self._reserved = 0
+
+
+class Spool:
+    """The durable, bounded spool of one gateway instance (see the module doc)."""
+
+    def __init__(self, root: str | os.PathLike[str], limit_bytes: int) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.limit = int(limit_bytes)
+        self._cond = threading.Condition()
+        self._used = 0
+        self._reserved = 0
+        self._entries: dict[int, SpoolEntry] = {}
+        self._next_seq = 1
+        self._lock_fh = self._lock()
+        self._load()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def _lock(self):  # type: ignore[no-untyped-def]
+        fh = open(self.root / ".lock", "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            fh.close()
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise ConfigError(f"spool {self.root} is in use by another gateway process; "
+                                  "give each gateway its own --source or --data-dir") from None
+            raise
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        return fh
+
+    def close(self) -> None:
+        """Release the folder lock. Entries stay on disk for the next start."""
+        if self._lock_fh is not None:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
+            self._lock_fh.close()
+            self._lock_fh = None
+
+    def _load(self) -> None:
+        """Pick up committed entries; remove leftovers of interrupted writes."""
+        committed: set[int] = set()
+        for path in sorted(self.root.iterdir()):
+            match = _NAME.match(path.name)
+            if path.name.startswith(".tmp-"):
+                path.unlink(missing_ok=True)
+            elif match:
+                entry = self._read_entry(int(match.group(1)))
+                if entry is not None:
+                    self._entries[entry.seq] = entry
+                    self._used += entry.size
+                    committed.add(entry.seq)
+        for path in self.root.iterdir():  # payloads whose meta never got written
+            stem = path.name.split(".", 1)[0]
+            if stem.isdigit() and int(stem) not in committed and not path.name.endswith(".bad"):
+                path.unlink(missing_ok=True)
+        self._next_seq = max(committed, default=0) + 1
+        if self._entries:
+            log.info("spool resumed", extra={"tuples": len(self._entries), "bytes": self._used,
+                                             "spool": str(self.root)})
+
+    def _read_entry(self, seq: int) -> SpoolEntry | None:
+        meta_path = self._path(seq, "meta")
+        data_path = self._path(seq, "data")
+        try:
+            meta = TupleMeta.FromString(meta_path.read_bytes())
+            if data_path.stat().st_size != meta.size:
+                raise ValueError(f"payload has {data_path.stat().st_size} bytes, meta says {meta.size}")
+            move_path = self._path(seq, "move")
+            move = MoveOnDone(**json.loads(move_path.read_text())) if move_path.exists() else None
+        except (OSError, ValueError, TypeError, DecodeError) as exc:
+            log.error("unreadable spool entry set aside", extra={"seq": seq, "error": str(exc)})
+            for path in (meta_path, data_path):
+                if path.exists():
+                    path.rename(path.with_name(path.name + ".bad"))
+            return None
+        return SpoolEntry(seq, meta, data_path, move)
+
+    def _path(self, seq: int, kind: str) -> Path:
+        return self.root / f"{seq:020d}.{kind}"
+
+    # -- the bound -----------------------------------------------------------
+
+    def _reserve(self, size: int, timeout: float | None) -> None:
+        """Take ``size`` bytes of the bound, waiting up to ``timeout`` s (None = forever)."""
+        if size > self.limit:
+            raise InvalidArgument(f"a tuple of {size} bytes can never fit in the spool "
+                                  f"(spool_bytes={self.limit})")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._used + self._reserved + size > self.limit:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise SpoolFull(f"spool full: {self._used + self._reserved} of {self.limit} bytes "
+                                    f"(spool_bytes) hold tuples not yet delivered; retry later",
+                                    retry_after=1.0)
+                self._cond.wait(left)
+            self._reserved += size
+
+    def _release(self, size: int) -> None:
+        with self._cond:
+            self._reserved -= size
+            self._cond.notify_all()
+
+    # -- adding --------------------------------------------------------------
+
+    def writer(self, size: int, timeout: float | None = 0.0) -> SpoolWriter:
+        """A writer for a tuple of ``size`` bytes; waits up to ``timeout`` s for room.
+
+        Raises SpoolFull when there is no room in time, InvalidArgument when it
+        could never fit.
+        """
+        self._reserve(size, timeout)
+        try:
+            return SpoolWriter(self, size)
+        except BaseException:
+            self._release(size)
+            raise
+
+    def put_bytes(self, data: bytes, meta: TupleMeta, timeout: float | None = 0.0) -> SpoolEntry:
+        """Spool an in-memory payload (copied to disk); returns the committed entry."""
+        writer = self.writer(len(data), timeout)
+        try:
+            writer.write(data)
+            return writer.commit(meta)
+        except BaseException:
+            writer.abort()
+            raise
+
+    def put_file(self, path: str | os.PathLike[str], meta: TupleMeta, *,
+                 move: MoveOnDone | None = None, timeout: float | None = 0.0) -> SpoolEntry:
+        """Spool a file: hard-linked when on the same filesystem, else copied.
+
+        The original is never modified. Its CRC-32 and size are computed here,
+        once, from the spooled bytes.
+        """
+        size = os.stat(path).st_size
+        self._reserve(size, timeout)
+        tmp = self.root / f".tmp-{uuid.uuid4().hex}.data"
+        try:
+            linked = self._link_or_copy(Path(path), tmp)
+            crc, actual = self._checksum(tmp)
+            if actual != size:
+                raise InvalidArgument(f"{path} changed size while being spooled ({size} -> {actual} bytes)")
+            meta.size, meta.crc32 = actual, crc
+            entry = self._commit(tmp, meta, move, size)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            self._release(size)
+            raise
+        log.debug("spooled file", extra={"path": str(path), "seq": entry.seq, "linked": linked})
+        return entry
+
+    @staticmethod
+    def _link_or_copy(source: Path, tmp: Path) -> bool:
+        try:
+            os.link(source, tmp)
+            _fsync_dir(tmp.parent)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+                raise
+        with open(source, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, _READ_BLOCK)
+            dst.flush()
+            os.fsync(dst.fileno())
+        return False
+
+    @staticmethod
+    def _checksum(path: Path) -> tuple[int, int]:
+        value, size = 0, 0
+        with open(path, "rb") as fh:
+            while chunk := fh.read(_READ_BLOCK):
+                value = zlib.crc32(chunk, value)
+                size += len(chunk)
+        return value & 0xFFFFFFFF, size
+
+    def _commit(self, tmp: Path, meta: TupleMeta, move: MoveOnDone | None, reserved: int) -> SpoolEntry:
+        """Turn a written payload into an entry: rename, then the meta file last."""
+        with self._cond:
+            seq = self._next_seq
+            self._next_seq += 1
+        data_path = self._path(seq, "data")
+        try:
+            os.replace(tmp, data_path)
+            if move is not None:
+                _write_atomic(self._path(seq, "move"), json.dumps(dataclasses.asdict(move)).encode(),
+                              durable=True)
+            _write_atomic(self._path(seq, "meta"), meta.SerializeToString(), durable=True)
+        except BaseException:
+            for kind in ("data", "move", "meta"):
+                self._path(seq, kind).unlink(missing_ok=True)
+            raise
+        entry = SpoolEntry(seq, meta, data_path, move)
+        with self._cond:
+            self._entries[seq] = entry
+            self._reserved -= reserved
+            self._used += entry.size
+        return entry
+
+    # -- updating and removing ----------------------------------------------------
+
+    def update(self, entry: SpoolEntry) -> None:
+        """Persist the entry's metadata (id, ticket, attempt) atomically."""
+        with self._cond:
+            if entry.seq not in self._entries:
+                return
+        _write_atomic(self._path(entry.seq, "meta"), entry.meta.SerializeToString(), durable=False)
+
+    def remove(self, entry: SpoolEntry) -> None:
+        """Forget a delivered tuple: the meta goes first, so a crash leaves no half entry."""
+        with self._cond:
+            if self._entries.pop(entry.seq, None) is None:
+                return
+        self._path(entry.seq, "meta").unlink(missing_ok=True)
+        self._path(entry.seq, "move").unlink(missing_ok=True)
+        entry.data_path.unlink(missing_ok=True)
+        with self._cond:
+            self._used -= entry.size
+            self._cond.notify_all()
+
+    # -- reading ---------------------------------------------------------------
+
+    def entries(self) -> list[SpoolEntry]:
+        """Committed entries in their original order."""
+        with self._cond:
+            return [self._entries[s] for s in sorted(self._entries)]
+
+    def __iter__(self) -> Iterator[SpoolEntry]:
+        return iter(self.entries())
+
+    def move_sources(self) -> set[str]:
+        """Original paths of spooled files that move on delivery (what the watcher took)."""
+        with self._cond:
+            return {e.move.source for e in self._entries.values() if e.move is not None}
+
+    @property
+    def used_bytes(self) -> int:
+        with self._cond:
+            return self._used
+
+    @property
+    def reserved_bytes(self) -> int:
+        with self._cond:
+            return self._reserved
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._entries)

@@ -1,0 +1,174 @@
+"""Never lose a tuple: kill -9 every role in turn, cut connections, count.
+
+500 files are written into the folder a real `hio gateway` watches, while
+the gateway, the master, the worker controller, an engine, the repository
+and KD are each killed with SIGKILL and restarted, and every connection
+through the master's and repository's proxies is cut. At the end each file's
+features are in the repository exactly once, and KD counted each once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from hio.common.net import create_channel
+from hio.common.settings import ClusterSettings
+from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+from hio.up import read_features
+from tests.harness import CuttingProxy, HioProcess, free_port, wait_for
+
+pytestmark = [pytest.mark.slow]
+
+TUPLES = int(os.environ.get("HIO_FAULT_TUPLES", "500"))
+
+
+class FaultCluster:
+    def __init__(self, root: Path, with_kd: bool) -> None:
+        self.root = root
+        self.master = f"127.0.0.1:{free_port()}"
+        self.repository = f"127.0.0.1:{free_port()}"
+        self.master_proxy = CuttingProxy(self.master)
+        self.repo_proxy = CuttingProxy(self.repository)
+        self.watch = root / "incoming"
+        self.watch.mkdir()
+        self.settings = ClusterSettings(master_address=self.master, repository_address=self.repository)
+        via = ["--master-address", self.master_proxy.address, "--repository-address", self.repo_proxy.address]
+        self.procs = {
+            "repository": HioProcess("repository", ["--listen", self.repository, "--http-listen", "",
+                                                    "--data-dir", str(root / "repo")], root),
+            "master": HioProcess("master", ["--listen", self.master, "--data-dir", str(root / "master"),
+                                            "--expiry-seconds", "3", "--heartbeat-interval", "0.5",
+                                            "--lease-seconds", "10", "--reservation-seconds", "6"], root),
+            "worker": HioProcess("worker", ["--worker-id", "fw", "--runtime", "process",
+                                            "--engines", "hio/synthetic=2", "--data-dir", str(root / "worker"),
+                                            *via], root),
+            "gateway": HioProcess("gateway", ["--watch", str(self.watch), "--image", "hio/synthetic",
+                                              "--settle-seconds", "0.2", "--ingest-listen", "",
+                                              "--data-dir", str(root / "gateway"), "--source", "fault", *via], root),
+        }
+        if with_kd:
+            self.procs["kd"] = HioProcess("kd", ["--interval", "3", "--repository-address", self.repository,
+                                                 "--data-dir", str(root / "kd"), "--k", "2"], root)
+
+    def start(self) -> "FaultCluster":
+        for name, proc in self.procs.items():
+            proc.start()
+            if name in ("repository", "master"):
+                proc.wait_healthy(getattr(self, name))
+        wait_for(lambda: self.status().channels_free >= 2, timeout=60, what="engines up")
+        return self
+
+    def restart(self, name: str) -> None:
+        proc = self.procs[name]
+        if name == "worker":
+            # Only the controller dies: its engines must notice and go too.
+            assert proc.proc is not None
+            os.kill(proc.proc.pid, signal.SIGKILL)
+            proc.proc.wait(10)
+        else:
+            proc.kill()
+        time.sleep(random.uniform(0.2, 1.0))
+        proc.start()
+        if name in ("repository", "master"):
+            proc.wait_healthy(getattr(self, name))
+
+    def kill_an_engine(self) -> bool:
+        out = subprocess.run(["pgrep", "-f", "hio.cli engine"], capture_output=True, text=True).stdout.split()
+        if not out:
+            return False
+        os.kill(int(random.choice(out)), signal.SIGKILL)
+        return True
+
+    def status(self) -> master_pb2.GetStatusResponse:
+        with create_channel(self.master, self.settings) as channel:
+            return master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=10)
+
+    def knowledge(self) -> features_pb2.Knowledge | None:
+        with create_channel(self.repository, self.settings) as channel:
+            reply = repository_pb2_grpc.RepositoryStub(channel).GetKnowledge(
+                repository_pb2.GetKnowledgeRequest(), timeout=10)
+        if not reply.knowledge:
+            return None
+        k = features_pb2.Knowledge()
+        k.ParseFromString(reply.knowledge)
+        return k
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.stop()
+        self.master_proxy.close()
+        self.repo_proxy.close()
+
+
+def write_files(watch: Path, count: int, seconds: float) -> list[str]:
+    names = []
+    for i in range(count):
+        name = f"tuple-{i:04d}.bin"
+        tmp = watch / f".{name}.part"
+        tmp.write_bytes(os.urandom(random.randint(2_000, 60_000)))
+        tmp.rename(watch / name)  # complete files appear atomically, as a careful instrument writes them
+        names.append(name)
+        time.sleep(seconds / count)
+    return names
+
+
+def chaos(cluster: FaultCluster, stop: threading.Event, log: list[str]) -> None:
+    order = ["gateway", "master", "worker", "engine", "repository", "cut"]
+    if "kd" in cluster.procs:
+        order.insert(5, "kd")
+    i = 0
+    while not stop.wait(random.uniform(2.0, 4.0)):
+        what = order[i % len(order)]
+        i += 1
+        if what == "engine":
+            cluster.kill_an_engine()
+        elif what == "cut":
+            cluster.master_proxy.cut()
+            cluster.repo_proxy.cut()
+        else:
+            cluster.restart(what)
+        log.append(f"{time.strftime('%H:%M:%S')} {what}")
+
+
+def count_stored(cluster: FaultCluster, names: list[str]) -> tuple[int, int, int]:
+    counts = Counter(r.meta.name for r in read_features(cluster.settings) if r.meta.source == "fault")
+    stored = sum(1 for n in names if counts[n] >= 1)
+    duplicated = sum(c - 1 for c in counts.values() if c > 1)
+    return stored, duplicated, len(names) - stored
+
+
+@pytest.mark.spark
+def test_every_role_killed_in_turn_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    random.seed(int(os.environ.get("HIO_FAULT_SEED", "5")))
+    cluster = FaultCluster(tmp_path, with_kd=True).start()
+    stop, log = threading.Event(), []
+    chaos_thread = threading.Thread(target=chaos, args=(cluster, stop, log), daemon=True)
+    try:
+        chaos_thread.start()
+        names = write_files(cluster.watch, TUPLES, seconds=45)
+        time.sleep(8)  # let the chaos reach every role while the tail is in flight
+        stop.set()
+        chaos_thread.join(60)
+        wait_for(lambda: count_stored(cluster, names)[2] == 0, timeout=240, interval=1.0,
+                 what="every tuple stored")
+        stored, duplicated, lost = count_stored(cluster, names)
+        k = wait_for(lambda: (k := cluster.knowledge()) is not None and k.tuple_count >= TUPLES and k,
+                     timeout=180, interval=1.0, what="KD to count every tuple")
+        print(f"\nfault test: sent {len(names)}, stored {stored}, duplicated {duplicated}, lost {lost}; "
+              f"KD counted {k.tuple_count}; chaos: {', '.join(log)}")
+        assert duplicated == 0 and lost == 0 and stored == len(names)
+        assert k.tuple_count == TUPLES, "KD counted each tuple exactly once"
+        done = set(p.name for p in (cluster.watch / ".hio-done").rglob("*") if p.is_file())
+        assert done == set(names), "every file was moved aside once its features were safe"
+    finally:
+        stop.set()
+        cluster.stop()

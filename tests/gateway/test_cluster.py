@@ -1,0 +1,244 @@
+"""The gateway against the real master, worker (hio/synthetic engines) and
+repository, each a real `hio` process on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from hio.gateway import Gateway, GatewayConfig
+from hio.proto import features_pb2, ingest_pb2, ingest_pb2_grpc, master_pb2, master_pb2_grpc
+from hio.proto import repository_pb2, repository_pb2_grpc
+from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
+from tests.harness import HioProcess, free_port, hio_env, wait_for
+
+IMAGE = "hio/synthetic"
+
+
+def _roles_built() -> str:
+    """'' when the master, worker and repository roles can run, else what is missing."""
+    import importlib
+
+    for module, name in (("hio.master", "run_master"), ("hio.worker", "run_worker"),
+                         ("hio.repository", "run_repository"), ("hio.worker.pipelines.synthetic", "process")):
+        try:
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            return f"{module}.{name} not available yet ({exc})"
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(_roles_built()), reason=_roles_built() or "roles built")
+
+
+@dataclass
+class Cluster:
+    master: str
+    repository: str
+    root: Path
+
+    def config(self, name: str, **overrides: object) -> GatewayConfig:
+        values = dict(master_address=self.master, repository_address=self.repository,
+                      data_dir=str(self.root / name), source=name, ingest_listen="", grace_seconds=2.0)
+        values.update(overrides)
+        return GatewayConfig(**values)  # type: ignore[arg-type]
+
+    def records(self) -> dict[int, features_pb2.FeatureRecord]:
+        """Every feature record in the repository, by tuple id."""
+        import zstandard
+
+        out: dict[int, features_pb2.FeatureRecord] = {}
+        with grpc.insecure_channel(self.repository) as channel:
+            stub = repository_pb2_grpc.RepositoryStub(channel)
+            for batch in stub.ReadFeatures(repository_pb2.ReadFeaturesRequest(after=0), timeout=10):
+                for stored in batch.records:
+                    raw = zstandard.ZstdDecompressor().decompressobj().decompress(stored.record_zstd)
+                    out[stored.tuple_id] = features_pb2.FeatureRecord.FromString(raw)
+        return out
+
+    def wait_records(self, ids: list[int], timeout: float = 60.0) -> dict[int, features_pb2.FeatureRecord]:
+        def ready() -> dict[int, features_pb2.FeatureRecord] | None:
+            found = self.records()
+            return found if all(i in found for i in ids) else None
+        return wait_for(ready, timeout=timeout, interval=0.3, what=f"features of tuples {ids}")
+
+
+def _free_channels(master: str) -> int:
+    try:
+        with grpc.insecure_channel(master) as channel:
+            status = master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=2)
+        return status.channels_free
+    except grpc.RpcError:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("cluster")
+    master, repository = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    common = ["--master-address", master, "--repository-address", repository]
+    with HioProcess("repository", ["--listen", repository, "--http-listen", "",
+                                   "--data-dir", str(root / "repo")], root) as repo_proc, \
+         HioProcess("master", ["--listen", master, "--data-dir", str(root / "master"), *common], root) as m_proc:
+        repo_proc.wait_healthy(repository)
+        m_proc.wait_healthy(master)
+        with HioProcess("worker", ["--engines", f"{IMAGE}=2", "--runtime", "process",
+                                   "--data-dir", str(root / "worker"), *common], root) as w_proc:
+            try:
+                wait_for(lambda: _free_channels(master) >= 2, timeout=60, what="two free channels")
+            except AssertionError:
+                raise AssertionError(f"worker did not offer channels:\n{w_proc.output()}") from None
+            yield Cluster(master, repository, root)
+
+
+def test_send_bytes_stores_features(cluster: Cluster) -> None:
+    data = os.urandom(50_000)
+    with Gateway(cluster.config("bytes")) as gw:
+        tuple_id = gw.send(data, image=IMAGE, name="first", attributes={"plate": "7"}, timeout=60)
+        assert tuple_id > 0
+        status = gw.status()
+    record = cluster.wait_records([tuple_id])[tuple_id]
+    assert (record.meta.size, record.meta.crc32) == (len(data), zlib.crc32(data) & 0xFFFFFFFF)
+    assert (record.meta.name, record.meta.source, record.meta.attributes["plate"]) == ("first", "bytes", "7")
+    assert record.features
+    assert status.stored + status.enqueued == 1 and status.spooled_tuples == 0
+
+
+def test_ten_megabyte_tuple_is_chunked(cluster: Cluster, tmp_path: Path) -> None:
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(10 * 1000 * 1000))
+    with Gateway(cluster.config("big", chunk_bytes=256 * 1024)) as gw:
+        tuple_id = gw.send_file(big, image=IMAGE, timeout=120)
+    record = cluster.wait_records([tuple_id])[tuple_id]
+    # 10 MB cannot travel in one 256 KiB frame: the engine verified all ~39 frames.
+    assert record.meta.size == 10 * 1000 * 1000
+    assert big.read_bytes()[:4] and big.exists()  # the caller's file is untouched
+
+
+def test_send_many_concurrently(cluster: Cluster) -> None:
+    payloads = [os.urandom(2000 + i) for i in range(30)]
+    with Gateway(cluster.config("many", streams=4, batch_tuples=8)) as gw:
+        ids = gw.send_many(payloads, image=IMAGE, timeout=120)
+    assert len(set(ids)) == 30
+    records = cluster.wait_records(ids)
+    assert [records[i].meta.size for i in ids] == [len(p) for p in payloads]
+
+
+def test_forced_queue_path(cluster: Cluster) -> None:
+    with Gateway(cluster.config("queued", force_queue=True)) as gw:
+        tuple_id = gw.send(b"q" * 5000, image=IMAGE, timeout=60)
+        assert gw.status().sent_queue == 1 and gw.status().sent_direct == 0
+    assert cluster.wait_records([tuple_id])[tuple_id].meta.size == 5000  # an idle engine pulled it
+
+
+def test_ingest_submit_from_a_raw_stub(cluster: Cluster, tmp_path: Path) -> None:
+    port = free_port()
+    args = ["--master-address", cluster.master, "--ingest-listen", f"127.0.0.1:{port}",
+            "--data-dir", str(tmp_path / "var"), "--source", "ingest"]
+    with HioProcess("gateway", args, tmp_path) as gateway:
+        gateway.wait_healthy(f"127.0.0.1:{port}")
+        data = os.urandom(2 * 1024 * 1024 + 500_017)
+        meta = TupleMeta(image=IMAGE, name="from-c++", size=len(data), crc32=zlib.crc32(data) & 0xFFFFFFFF,
+                         attributes={"hio.wait": "stored"})
+        frames = [TupleFrame(meta=meta, data=data[:1 << 20]), TupleFrame(data=data[1 << 20:2 << 20]),
+                  TupleFrame(data=data[2 << 20:], last=True)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            receipts = list(ingest_pb2_grpc.IngestStub(channel).Submit(iter(frames), timeout=60))
+            status = ingest_pb2_grpc.IngestStub(channel).GetGatewayStatus(
+                ingest_pb2.GetGatewayStatusRequest(), timeout=5)
+    assert [r.state for r in receipts] == [TupleReceipt.ACCEPTED, TupleReceipt.STORED]
+    tuple_id = receipts[1].tuple_id
+    assert tuple_id > 0 and status.stored == 1 and status.spooled_tuples == 0
+    record = cluster.wait_records([tuple_id])[tuple_id]
+    assert (record.meta.name, record.meta.size, record.meta.source) == ("from-c++", len(data), "ingest")
+    assert "hio.wait" not in record.meta.attributes
+
+
+def test_watch_takes_a_slowly_written_file_once_settled(cluster: Cluster, tmp_path: Path) -> None:
+    watch = tmp_path / "instrument"
+    (watch / "day1").mkdir(parents=True)
+    args = ["--master-address", cluster.master, "--ingest-listen", "", "--watch", str(watch),
+            "--image", IMAGE, "--settle-seconds", "1.0", "--data-dir", str(tmp_path / "var"), "--source", "watch"]
+    target = watch / "day1" / "slow.bin"
+    with HioProcess("gateway", args, tmp_path):
+        with open(target, "wb") as fh:
+            for _ in range(4):  # 4 writes 0.4 s apart: never still for the settle time
+                fh.write(os.urandom(100_000))
+                fh.flush()
+                time.sleep(0.4)
+                assert target.exists(), "taken before it settled"
+        done = watch / ".hio-done" / "day1" / "slow.bin"
+        wait_for(done.exists, timeout=60, what="the file in the done folder")
+        assert not target.exists()
+    records = [r for r in cluster.records().values() if r.meta.source == "watch"]
+    assert [(r.meta.name, r.meta.size) for r in records] == [("slow.bin", 400_000)]
+
+
+def test_spooled_tuples_survive_kill_9(cluster: Cluster, tmp_path: Path) -> None:
+    port = free_port()
+    base = ["--ingest-listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "var"), "--source", "crashy"]
+    payloads = [os.urandom(10_000 + i) for i in range(3)]
+    dead_master = f"127.0.0.1:{free_port()}"  # nothing listens: tuples stay spooled
+    first = HioProcess("gateway", ["--master-address", dead_master, *base], tmp_path, name="gateway-1").start()
+    try:
+        first.wait_healthy(f"127.0.0.1:{port}")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = ingest_pb2_grpc.IngestStub(channel)
+            for n, data in enumerate(payloads):
+                meta = TupleMeta(image=IMAGE, name=f"t{n}", size=len(data), crc32=zlib.crc32(data) & 0xFFFFFFFF)
+                receipts = list(stub.Submit(iter([TupleFrame(meta=meta, data=data, last=True)]), timeout=10))
+                assert receipts[0].state == TupleReceipt.ACCEPTED
+    finally:
+        first.kill()
+    with HioProcess("gateway", ["--master-address", cluster.master, *base], tmp_path, name="gateway-2") as second:
+        second.wait_healthy(f"127.0.0.1:{port}")
+
+        def drained() -> bool:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                status = ingest_pb2_grpc.IngestStub(channel).GetGatewayStatus(
+                    ingest_pb2.GetGatewayStatusRequest(), timeout=5)
+            return status.spooled_tuples == 0 and status.stored + status.sent_queue == 3
+        wait_for(drained, timeout=60, what="the resumed tuples delivered")
+    records = [r for r in cluster.records().values() if r.meta.source == "crashy"]
+    assert sorted(r.meta.name for r in records) == ["t0", "t1", "t2"]
+
+
+def test_hio_send_prints_a_summary(cluster: Cluster, tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for n in range(3):
+        (folder / f"r{n}.bin").write_bytes(os.urandom(20_000))
+    (folder / "skip.part").write_bytes(b"still being written")
+    proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", str(folder), "--image", IMAGE,
+                           "--master-address", cluster.master, "--data-dir", str(tmp_path / "var")],
+                          capture_output=True, text=True, env=hio_env(), timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "sent 3 of 3 tuples" in proc.stdout and "0 failed" in proc.stdout and "MB/s" in proc.stdout
+
+
+def test_hio_send_no_wait_hands_files_to_the_daemon(cluster: Cluster, tmp_path: Path) -> None:
+    port = free_port()
+    files = []
+    for n in range(2):
+        files.append(tmp_path / f"h{n}.bin")
+        files[-1].write_bytes(os.urandom(30_000))
+    args = ["--master-address", cluster.master, "--ingest-listen", f"127.0.0.1:{port}",
+            "--data-dir", str(tmp_path / "var"), "--source", "handover"]
+    with HioProcess("gateway", args, tmp_path) as gateway:
+        gateway.wait_healthy(f"127.0.0.1:{port}")
+        proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", *map(str, files), "--no-wait",
+                               "--image", IMAGE, "--ingest-listen", f"127.0.0.1:{port}"],
+                              capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "handed 2 of 2 tuples" in proc.stdout
+        wait_for(lambda: len([r for r in cluster.records().values() if r.meta.source == "handover"]) == 2,
+                 timeout=60, what="the handed-over tuples stored")

@@ -1,0 +1,183 @@
+"""The gateway on its own (no master needed): ingest API refusals and
+acceptance, spool-full back-pressure, the watcher's settle rule, config, and
+`hio send` against an unreachable master. Real gRPC over loopback, real files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from hio.common.config import ConfigError, build
+from hio.gateway import Gateway, GatewayConfig, SendConfig
+from hio.gateway.config import infer_image
+from hio.gateway.daemon import run_gateway
+from hio.gateway.watch import DirectoryWatcher
+from hio.proto import ingest_pb2, ingest_pb2_grpc
+from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
+from tests.harness import free_port, hio_env
+
+DEAD_MASTER = "127.0.0.1:1"  # nothing listens on port 1: every call is UNAVAILABLE
+
+
+def frames(data: bytes, chunk: int = 1 << 20, **fields: object) -> Iterator[TupleFrame]:
+    meta = TupleMeta(size=len(data), crc32=zlib.crc32(data) & 0xFFFFFFFF, **fields)
+    for start in range(0, max(len(data), 1), chunk):
+        part = data[start:start + chunk]
+        yield TupleFrame(meta=meta if start == 0 else None, data=part, last=start + chunk >= len(data))
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[tuple[ingest_pb2_grpc.IngestStub, Path]]:
+    """`run_gateway` in a thread with an unreachable master: tuples are accepted and stay spooled."""
+    port = free_port()
+    config = GatewayConfig(master_address=DEAD_MASTER, data_dir=str(tmp_path / "var"), source="lab",
+                           ingest_listen=f"127.0.0.1:{port}", max_tuple_bytes=1 << 20,
+                           spool_bytes=64 * 1024, chunk_bytes=16 * 1024, grace_seconds=1.0)
+    stop = threading.Event()
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(run_gateway(config, stop)), daemon=True)
+    thread.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(channel).result(timeout=10)
+    yield ingest_pb2_grpc.IngestStub(channel), tmp_path / "var" / "gateway" / "spool" / "lab"
+    channel.close()
+    stop.set()
+    thread.join(15)
+    assert result == [0]
+
+
+def test_ingest_accepts_and_spools(daemon: tuple[ingest_pb2_grpc.IngestStub, Path]) -> None:
+    stub, spool_dir = daemon
+    data = os.urandom(40_000)
+    receipts = list(stub.Submit(frames(data, chunk=16 * 1024, image="hio/synthetic", name="a.bin"), timeout=10))
+    assert [(r.index, r.state) for r in receipts] == [(0, TupleReceipt.ACCEPTED)]
+    status = stub.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5)
+    assert (status.spooled_tuples, status.spooled_bytes, status.spool_bytes_limit) == (1, 40_000, 64 * 1024)
+    payloads = list(spool_dir.glob("*.data"))
+    assert len(payloads) == 1 and payloads[0].read_bytes() == data
+    meta = TupleMeta.FromString(payloads[0].with_suffix(".meta").read_bytes())
+    assert (meta.source, meta.image, meta.name, meta.attempt) == ("lab", "hio/synthetic", "a.bin", 1)
+
+
+def test_ingest_refuses_missing_image(daemon: tuple[ingest_pb2_grpc.IngestStub, Path]) -> None:
+    stub, _ = daemon
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Submit(frames(b"abc", name="noimage.bin"), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no image" in info.value.details()
+
+
+def test_ingest_refuses_oversized_tuple(daemon: tuple[ingest_pb2_grpc.IngestStub, Path]) -> None:
+    stub, spool_dir = daemon
+    meta = TupleMeta(image="hio/synthetic", name="huge", size=2 << 20, crc32=0)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Submit(iter([TupleFrame(meta=meta, data=b"x", last=False)]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "over the limit" in info.value.details()
+    assert not list(spool_dir.glob("*.data"))
+
+
+def test_ingest_refuses_corrupt_tuple_and_keeps_nothing(daemon: tuple[ingest_pb2_grpc.IngestStub, Path]) -> None:
+    stub, spool_dir = daemon
+    bad = TupleFrame(meta=TupleMeta(image="hio/synthetic", size=3, crc32=12345), data=b"abc", last=True)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Submit(iter([bad]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.DATA_LOSS
+    assert not list(spool_dir.glob("*.data")) and not list(spool_dir.glob(".tmp-*"))
+
+
+def test_ingest_spool_full_is_resource_exhausted(daemon: tuple[ingest_pb2_grpc.IngestStub, Path]) -> None:
+    stub, _ = daemon
+    list(stub.Submit(frames(b"a" * 50_000, chunk=16 * 1024, image="hio/synthetic"), timeout=10))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Submit(frames(b"b" * 50_000, chunk=16 * 1024, image="hio/synthetic"), timeout=10))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "spool_bytes" in info.value.details()
+
+
+def test_library_blocks_then_raises_spool_full(tmp_path: Path) -> None:
+    from hio.gateway import SpoolFull
+
+    with Gateway(master_address=DEAD_MASTER, data_dir=str(tmp_path), spool_bytes=4096,
+                 chunk_bytes=1024, grace_seconds=0.2) as gw:
+        gw.submit(b"x" * 3000, image="hio/synthetic")
+        start = time.monotonic()
+        with pytest.raises(SpoolFull, match="spool_bytes"):
+            gw.submit(b"y" * 3000, image="hio/synthetic", timeout=0.5)
+        assert time.monotonic() - start >= 0.45
+        with pytest.raises(Exception, match="DEAD|unreachable|within"):
+            gw.send(b"z" * 10, image="hio/synthetic", timeout=1.0)
+
+
+def test_watcher_takes_a_file_only_once_it_settles(tmp_path: Path) -> None:
+    watch = tmp_path / "in"
+    (watch / "plate").mkdir(parents=True)
+    with Gateway(master_address=DEAD_MASTER, data_dir=str(tmp_path / "var"), grace_seconds=0.2) as gw:
+        watcher = DirectoryWatcher(gw, watch, watch / ".hio-done", settle_seconds=1.0)
+        growing = watch / "plate" / "a.tif"
+        growing.write_bytes(b"1" * 100)
+        (watch / "b.tif.part").write_bytes(b"ignored")
+        (watch / ".hidden.tif").write_bytes(b"ignored")
+        (watch / "notes.txt").write_bytes(b"no image for this one")
+        assert watcher.scan_once(now=0.0) == 0
+        with open(growing, "ab") as fh:
+            fh.write(b"2" * 100)
+        os.utime(growing, ns=(1, 1))  # the writer touched it: the clock restarts
+        assert watcher.scan_once(now=0.9) == 0
+        assert watcher.scan_once(now=1.5) == 0   # unchanged for 0.6 s only
+        assert watcher.scan_once(now=2.0) == 1   # unchanged for 1.1 s: taken
+        assert watcher.scan_once(now=9.0) == 0   # never twice
+        [entry] = gw.spool.entries()
+        assert (entry.meta.image, entry.meta.name, entry.meta.size) == ("hio/microscopy", "a.tif", 200)
+        assert entry.move.target == str((watch / ".hio-done" / "plate" / "a.tif").resolve())
+        assert growing.exists()  # moved only once delivered
+
+
+def test_image_inference() -> None:
+    assert infer_image("x/plate.TIFF") == "hio/microscopy"
+    assert infer_image("run.npz") == "hio/simulation"
+    assert infer_image("notes.txt", "my/image") == "my/image"
+    with pytest.raises(ConfigError, match=r"notes\.txt.*--image"):
+        infer_image("notes.txt")
+
+
+def test_config_validation(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="streams"):
+        build(GatewayConfig, "gateway", overrides={"streams": 0})
+    with pytest.raises(ConfigError, match="watch"):
+        build(GatewayConfig, "gateway", overrides={"watch": str(tmp_path / "missing")})
+    config = build(GatewayConfig, "gateway", overrides={"watch": str(tmp_path)})
+    assert config.resolved_done_dir() == str(tmp_path / ".hio-done")
+    assert config.resolved_source()
+    with pytest.raises(ConfigError, match="FILE"):
+        build(SendConfig, "gateway")
+
+
+def test_send_fails_fast_naming_an_unreachable_master(tmp_path: Path) -> None:
+    sample = tmp_path / "plate.tif"
+    sample.write_bytes(b"x" * 100)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", str(sample), "--master-address", DEAD_MASTER,
+                           "--connect-seconds", "1", "--data-dir", str(tmp_path / "var")],
+                          capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert DEAD_MASTER in proc.stderr and "cannot reach the master" in proc.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_send_refuses_a_file_without_image(tmp_path: Path) -> None:
+    sample = tmp_path / "notes.txt"
+    sample.write_text("hello")
+    proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", str(sample), "--master-address", DEAD_MASTER],
+                          capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "notes.txt" in proc.stderr and "--image" in proc.stderr
