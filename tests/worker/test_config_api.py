@@ -1,0 +1,142 @@
+"""Worker settings, engine environment, pipeline loading, feature conversion."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hio.common.config import ConfigError, build
+from hio.proto import features_pb2, tuple_pb2
+from hio.worker.api import TupleInfo, load_pipeline, pipeline_for_image
+from hio.worker.config import EngineConfig, WorkerConfig, engine_counts
+from hio.worker.controller import EngineSlot, engine_env
+from hio.worker.features import FeatureError, build_record, feature_value
+
+
+def test_engine_counts_spread_cpus_over_images() -> None:
+    assert engine_counts(("a", "b"), 8) == [("a", 4), ("b", 4)]
+    assert engine_counts(("a", "b", "c"), 2) == [("a", 1), ("b", 1), ("c", 1)]
+    assert engine_counts(("a=3", "b"), 4) == [("a", 3), ("b", 2)]
+
+
+@pytest.mark.parametrize("engines, needle", [
+    (("a=x",), "not an integer"), (("a=0",), "between 1 and 1024"), (("a", "a=2"), "twice"), (("=2",), "no image"),
+])
+def test_engine_counts_refuse_bad_entries(engines: tuple[str, ...], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        engine_counts(engines, 4)
+
+
+def test_worker_config_validates_with_names() -> None:
+    with pytest.raises(ConfigError, match="runtime"):
+        build(WorkerConfig, "worker", overrides={"runtime": "vm"})
+    with pytest.raises(ConfigError, match="pipelines entry"):
+        build(WorkerConfig, "worker", overrides={"pipelines": ("nomapping",)})
+    with pytest.raises(ConfigError, match="worker_id"):
+        build(WorkerConfig, "worker", overrides={"worker_id": "a/b"})
+    assert build(WorkerConfig, "worker").effective_worker_id()
+
+
+def test_engine_env_builds_the_engine_config(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    worker = build(WorkerConfig, "worker", overrides={
+        "master_address": "m:1", "repository_address": "r:2", "token": "s3cret", "tuple_timeout": 7.5,
+        "chunk_bytes": 65536, "tls_ca": str(tmp_path / "ca.pem")})
+    env = engine_env(worker, channel_id="w/3", image="hio/synthetic", pipeline="", port=4321)
+    assert "HIO_ENGINE_PIPELINE" not in env  # the image's own HIO_PIPELINE may apply
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    engine = build(EngineConfig, "engine")
+    assert (engine.channel_id, engine.image, engine.listen) == ("w/3", "hio/synthetic", "127.0.0.1:4321")
+    assert (engine.master_address, engine.repository_address, engine.token) == ("m:1", "r:2", "s3cret")
+    assert (engine.tuple_timeout, engine.chunk_bytes, engine.tls_ca) == (7.5, 65536, str(tmp_path / "ca.pem"))
+    monkeypatch.setenv("HIO_PIPELINE", "image.module:process")
+    assert build(EngineConfig, "engine").pipeline == "image.module:process"
+
+
+def test_engine_config_requires_identity() -> None:
+    with pytest.raises(ConfigError, match="channel_id"):
+        build(EngineConfig, "engine", overrides={"image": "x"})
+
+
+def test_restart_backoff_doubles_to_the_cap_and_resets_after_a_healthy_run() -> None:
+    slot = EngineSlot(channel_id="w/0", image="x", pipeline="m:f", port=1)
+    assert slot.on_exit(-9, 0.0, 2.0) == "exited with code -9; restart 1 in 0.5s"
+    assert slot.on_exit(1, 1.0, 2.0) == "exited with code 1; restart 2 in 1.0s"
+    slot.on_exit(1, 2.0, 2.0)
+    assert slot.on_exit(1, 3.0, 2.0).endswith("restart 4 in 2.0s")
+    assert slot.next_start == 5.0 and slot.failed_starts == 4
+    slot.on_healthy(10.0)
+    slot.settle(30.0)
+    assert slot.backoff == 2.0
+    slot.settle(70.0)
+    assert slot.backoff == 0.5 and slot.failed_starts == 0
+
+
+def test_load_pipeline_runs_setup_once_and_reads_kd_features() -> None:
+    pipe = load_pipeline("tests.worker.pipe_test:process")
+    assert pipe.kd_features == ("size",)
+    info = TupleInfo(tuple_id=1, source="s", image="test/echo", name="n", size=3, created_unix=0.0)
+    assert pipe.process(b"abb", info)["histogram"] == [1.0, 2.0]
+    bare = load_pipeline("tests.worker.pipe_nokd:process")
+    assert bare.kd_features == ()
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("nocolon", "module:function"), ("tests.worker.pipe_nokd:missing", "no function"),
+    ("tests.worker.pipe_nokd:NOT_CALLABLE", "no function"), ("tests.worker.pipe_broken:process", "cannot import"),
+])
+def test_load_pipeline_refuses_with_the_spec_named(spec: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle) as err:
+        load_pipeline(spec)
+    assert spec in str(err.value)
+
+
+def test_pipeline_for_image_builtins_extras_and_unknown() -> None:
+    assert pipeline_for_image("hio/microscopy") == "hio.worker.pipelines.microscopy:process"
+    assert pipeline_for_image("lab/x", ("lab/x=my.mod:run",)) == "my.mod:run"
+    assert pipeline_for_image("hio/synthetic", ("hio/synthetic=my.mod:run",)) == "my.mod:run"
+    with pytest.raises(ConfigError, match="no pipeline for image 'lab/y'"):
+        pipeline_for_image("lab/y")
+
+
+def test_tuple_info_from_meta_is_read_only() -> None:
+    meta = tuple_pb2.TupleMeta(tuple_id=9, source="g", image="i", size=4, name="f", created_unix=1.5,
+                               attributes={"k": "v"})
+    info = TupleInfo.from_meta(meta)
+    assert (info.tuple_id, info.attributes["k"]) == (9, "v")
+    with pytest.raises(TypeError):
+        info.attributes["k"] = "w"  # type: ignore[index]
+
+
+def test_feature_conversion_of_supported_types() -> None:
+    assert feature_value("a", 3).number == 3.0
+    assert feature_value("a", True).number == 1.0
+    assert feature_value("a", np.float32(2.5)).number == 2.5
+    assert feature_value("a", np.int64(4)).number == 4.0
+    assert feature_value("a", "label").text == "label"
+    assert list(feature_value("a", [1, 2.5, False]).array.values) == [1.0, 2.5, 0.0]
+    assert list(feature_value("a", np.arange(3, dtype=np.uint8)).array.values) == [0.0, 1.0, 2.0]
+    assert list(feature_value("a", ()).array.values) == []
+
+
+@pytest.mark.parametrize("value, needle", [
+    (b"raw", "bytes"), ({"x": 1}, "dict"), (None, "NoneType"), ([1, "x"], "item 1 is str"),
+    (np.zeros((2, 2)), "2 dimensions"), (np.array(["a"]), "not numeric"), ([[1.0]], "item 0 is list"),
+])
+def test_feature_conversion_refuses_with_the_feature_named(value: object, needle: str) -> None:
+    with pytest.raises(FeatureError, match=needle) as err:
+        feature_value("feat", value)
+    assert "'feat'" in str(err.value)
+
+
+def test_build_record_copies_meta_without_ticket_and_checks_kd_features() -> None:
+    meta = tuple_pb2.TupleMeta(tuple_id=5, image="i", size=1, ticket=b"proof", name="n")
+    record = build_record({"size": 1, "tag": "x"}, meta, kd_features=("size",), engine="w/0",
+                          processed_unix=10.0, processing_seconds=0.25)
+    again = features_pb2.FeatureRecord.FromString(record.SerializeToString())
+    assert (again.tuple_id, again.meta.name, again.meta.ticket, again.engine) == (5, "n", b"", "w/0")
+    assert list(again.kd_features) == ["size"] and again.processing_seconds == 0.25
+    with pytest.raises(FeatureError, match="KD feature 'size'"):
+        build_record({"tag": "x"}, meta, kd_features=("size",), engine="e", processed_unix=0, processing_seconds=0)
+    with pytest.raises(FeatureError, match="must return a dict"):
+        build_record([1], meta, kd_features=(), engine="e", processed_unix=0, processing_seconds=0)

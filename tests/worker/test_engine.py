@@ -1,0 +1,152 @@
+"""The engine's data path against a real repository (and a real master when built)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+import grpc
+import pytest
+
+from hio.common.frames import TupleReceipt, frames_for_bytes
+from hio.proto import master_pb2
+from tests.harness import free_port, wait_for
+from tests.worker.conftest import (SETTINGS, TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple)
+
+
+@pytest.fixture
+def engine(repo: Repo) -> Iterator[RunningEngine]:
+    """An engine whose master is absent: reports retry in the background, the data path goes on."""
+    e = RunningEngine(engine_config(master=f"127.0.0.1:{free_port()}", repository=repo.address))
+    yield e
+    e.close()
+
+
+def test_deliver_stores_each_tuple_and_answers_in_order(engine: RunningEngine, repo: Repo) -> None:
+    big = bytes(range(256)) * 20  # 5120 bytes: five chunks of 1 KiB
+    receipts = engine.deliver([make_tuple(11, b"aab"), make_tuple(12, big), make_tuple(13, b"")])
+    assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
+        (0, 11, TupleReceipt.STORED), (1, 12, TupleReceipt.STORED), (2, 13, TupleReceipt.STORED)]
+    records = repo.records()
+    assert set(records) == {11, 12, 13}
+    first = records[11]
+    assert first.features["size"].number == 3 and list(first.features["histogram"].array.values) == [2.0, 1.0]
+    assert first.features["name"].text == "t11" and first.features["setup_calls"].number >= 1
+    assert list(first.kd_features) == ["size"] and first.engine == "w1/0" and first.meta.image == TEST_IMAGE
+    assert records[12].features["size"].number == len(big) and records[13].features["first"].number == -1
+
+
+def test_redelivery_stores_features_once(engine: RunningEngine, repo: Repo) -> None:
+    for _ in range(2):
+        receipts = engine.deliver([make_tuple(21, b"same")])
+        assert receipts[0].state == TupleReceipt.STORED
+    assert list(repo.records()) == [21]
+
+
+def test_tuple_of_another_image_is_refused_naming_both(engine: RunningEngine, repo: Repo) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        engine.deliver([make_tuple(31, b"x", image="hio/other")])
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "hio/other" in err.value.details() and TEST_IMAGE in err.value.details()
+    assert repo.records() == {}
+
+
+def test_corrupt_tuple_ends_the_stream_after_the_good_ones(engine: RunningEngine, repo: Repo) -> None:
+    good = make_tuple(41, b"fine")
+    bad_meta, bad_data = make_tuple(42, b"damaged")
+    bad_meta.crc32 ^= 1
+    frames = [f for meta, data in (good, (bad_meta, bad_data)) for f in frames_for_bytes(meta, data, 1024)]
+    call = engine.stub.Deliver(iter(frames), timeout=10)
+    first = next(call)
+    assert (first.tuple_id, first.state) == (41, TupleReceipt.STORED)
+    with pytest.raises(grpc.RpcError) as err:
+        next(call)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and "42" in err.value.details()
+    assert list(repo.records()) == [41]
+
+
+def test_tuple_without_id_is_refused(engine: RunningEngine) -> None:
+    meta, data = make_tuple(0, b"x")
+    with pytest.raises(grpc.RpcError) as err:
+        engine.deliver([(meta, data)])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no tuple id" in err.value.details()
+
+
+def test_second_stream_is_refused_busy_and_the_channel_frees_after(engine: RunningEngine, repo: Repo) -> None:
+    results: list[object] = []
+    slow = threading.Thread(target=lambda: results.append(
+        engine.deliver([make_tuple(51, b"slow", mode="sleep", seconds="1.0")])))
+    slow.start()
+    time.sleep(0.3)
+    with pytest.raises(grpc.RpcError) as err:
+        engine.deliver([make_tuple(52, b"fast")])
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in err.value.details()
+    slow.join(10)
+    assert results and results[0][0].state == TupleReceipt.STORED  # type: ignore[index]
+    assert engine.deliver([make_tuple(52, b"fast")])[0].state == TupleReceipt.STORED
+
+
+def test_repository_down_breaks_the_stream_unavailable(repo: Repo) -> None:
+    engine = RunningEngine(engine_config(master=f"127.0.0.1:{free_port()}",
+                                         repository=f"127.0.0.1:{free_port()}", rpc_deadline=0.5))
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            engine.deliver([make_tuple(61, b"x")])
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "repository" in err.value.details()
+    finally:
+        engine.close()
+
+
+# ---- with a real master ------------------------------------------------------------------------
+
+
+def _register(master: Master, engine: RunningEngine, channel_id: str = "w1/0") -> None:
+    master.stub.RegisterWorker(master_pb2.RegisterWorkerRequest(
+        worker_id=channel_id.split("/")[0], host="test", cpus=1, channels=[master_pb2.ChannelInfo(
+            channel_id=channel_id, image=TEST_IMAGE, address=engine.address, state=master_pb2.FREE)]), timeout=5)
+
+
+def _route(master: Master, size: int, force_queue: bool = False) -> master_pb2.RouteTuplesResponse:
+    return master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
+        source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=size)], force_queue=force_queue), timeout=5)
+
+
+def test_failing_pipeline_hands_the_tuple_to_the_master(master: Master, repo: Repo) -> None:
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address, max_attempts=3))
+    try:
+        _register(master, engine)
+        route = _route(master, 4)
+        assert route.WhichOneof("route") == "channel" and route.channel.channel_id == "w1/0"
+        meta, data = make_tuple(route.tuple_ids[0], b"oops", mode="fail")
+        meta.ticket = route.tickets[0]
+        receipt = engine.deliver([(meta, data)])[0]
+        assert receipt.state == TupleReceipt.ENQUEUED and "ValueError: cannot analyse" in receipt.message
+        # the idle engine pulls it again, fails again, until the master gives up on it
+        letters = wait_for(lambda: master.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5)
+                           .dead_letters, timeout=30, what="a dead letter")
+        assert letters[0].meta.tuple_id == meta.tuple_id
+        assert "ValueError" in letters[0].meta.attributes["hio.last_error"] or "ValueError" in letters[0].reason
+        assert repo.records() == {}
+        assert master.status().tuples_failed >= 1
+    finally:
+        engine.close()
+
+
+def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Repo) -> None:
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
+    try:
+        _register(master, engine)
+        route = _route(master, 6, force_queue=True)
+        assert route.WhichOneof("route") == "queue"
+        meta, data = make_tuple(route.tuple_ids[0], b"queued")
+        meta.ticket = route.tickets[0]
+        receipts = list(master.stub.Enqueue(frames_for_bytes(meta, data, SETTINGS.chunk_bytes), timeout=10))
+        assert receipts[0].state == TupleReceipt.ENQUEUED
+        wait_for(lambda: meta.tuple_id in repo.records(), timeout=20, what="the queued tuple's features")
+        wait_for(lambda: master.status().tuples_done >= 1 and all(q.length == 0 and q.leased == 0
+                                                                    for q in master.status().queues),
+                 timeout=10, what="the lease acknowledged")
+        assert repo.records()[meta.tuple_id].features["size"].number == 6
+    finally:
+        engine.close()

@@ -1,0 +1,88 @@
+"""Reporter batching, ordering, keep-alive and retry, without a network.
+
+``send`` here is the one function the reporter calls; a recording function
+shows what the master would receive and can answer like it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from hio.common.errors import InvalidArgument, Unavailable
+from hio.proto import master_pb2
+from hio.worker.reporter import Reporter
+from tests.harness import wait_for
+
+
+class Recorder:
+    def __init__(self, fail_first: int = 0, pull_queue: bool = False) -> None:
+        self.requests: list[master_pb2.ReportTuplesRequest] = []
+        self.fail_first = fail_first
+        self.pull_queue = pull_queue
+        self.lock = threading.Lock()
+
+    def __call__(self, request: master_pb2.ReportTuplesRequest) -> master_pb2.ReportTuplesResponse:
+        with self.lock:
+            if self.fail_first > 0:
+                self.fail_first -= 1
+                raise Unavailable("master: UNAVAILABLE: connection refused")
+            self.requests.append(request)
+        return master_pb2.ReportTuplesResponse(pull_queue=self.pull_queue)
+
+
+def _outcome(tuple_id: int) -> master_pb2.TupleOutcome:
+    return master_pb2.TupleOutcome(tuple_id=tuple_id, ok=True, size=1)
+
+
+def test_outcomes_are_batched_and_a_release_closes_a_request() -> None:
+    send = Recorder(pull_queue=True)
+    reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.2).start()
+    answers: list[bool] = []
+    for i in range(1, 4):
+        reporter.outcome(_outcome(i))
+    reporter.release(answers.append)
+    reporter.outcome(_outcome(4))
+    wait_for(lambda: answers, timeout=5, what="the release callback")
+    reporter.stop(timeout=2)
+    assert answers == [True]
+    ids = [[o.tuple_id for o in r.outcomes] for r in send.requests]
+    assert ids[0] == [1, 2, 3] and send.requests[0].release and send.requests[0].channel_id == "w/0"
+    assert ids[1:] == [[4]] and not send.requests[1].release  # flushed on stop
+
+
+def test_unavailable_master_is_retried_in_order() -> None:
+    send = Recorder(fail_first=3)
+    reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.01).start()
+    reporter.outcome(_outcome(1))
+    done = threading.Event()
+    reporter.release(lambda _pull: done.set())
+    assert done.wait(10)
+    reporter.stop(timeout=1)
+    assert [o.tuple_id for r in send.requests for o in r.outcomes] == [1]
+    assert any(r.release for r in send.requests)
+
+
+def test_refused_report_is_dropped_and_the_release_still_answers() -> None:
+    def refuse(request: master_pb2.ReportTuplesRequest) -> master_pb2.ReportTuplesResponse:
+        raise InvalidArgument("master: INVALID_ARGUMENT: unknown channel")
+
+    reporter = Reporter("w/0", refuse, keepalive=60.0).start()
+    answers: list[bool] = []
+    reporter.release(answers.append)
+    wait_for(lambda: answers, timeout=5, what="the release callback")
+    reporter.stop(timeout=1)
+    assert answers == [False]
+
+
+def test_busy_channel_sends_keepalives_and_idle_one_does_not() -> None:
+    send = Recorder()
+    reporter = Reporter("w/0", send, keepalive=0.1).start()
+    time.sleep(0.35)
+    assert send.requests == []
+    reporter.set_busy(True)
+    time.sleep(0.45)
+    reporter.set_busy(False)
+    reporter.stop(timeout=1)
+    empties = [r for r in send.requests if not r.outcomes and not r.release]
+    assert 3 <= len(empties) <= 6

@@ -1,0 +1,182 @@
+"""`hio worker` as a real process beside a real master and repository.
+
+One cluster serves the whole module (starting it costs seconds); the tests
+run in file order and the last one stops the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from hio.common.frames import TupleReceipt, frames_for_bytes
+from hio.common.net import create_channel
+from hio.proto import engine_pb2_grpc, master_pb2
+from tests.harness import HioProcess, free_port, wait_for
+from tests.worker.conftest import REPO_ROOT, SETTINGS, TEST_IMAGE, TEST_PIPELINE, make_tuple, master_available
+
+pytestmark = pytest.mark.skipif(not master_available(), reason="hio.master.create_master_server not built yet")
+
+WORKER_ID = "wt"
+GRACE = 2.0
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.master_address = f"127.0.0.1:{free_port()}"
+        self.repo_address = f"127.0.0.1:{free_port()}"
+        self.repo = HioProcess("repository", ["--listen", self.repo_address, "--http-listen=",
+                                              "--data-dir", str(root / "data")], root / "repo")
+        self.master = HioProcess("master", ["--listen", self.master_address, "--data-dir", str(root / "data"),
+                                            "--expiry-seconds", "4", "--max-attempts", "2",
+                                            "--images", TEST_IMAGE], root / "master")
+        self.worker = HioProcess("worker", [
+            "--master-address", self.master_address, "--repository-address", self.repo_address,
+            "--data-dir", str(root / "data"), "--worker-id", WORKER_ID, "--runtime", "process",
+            "--engines", f"{TEST_IMAGE}=2", "--pipelines", f"{TEST_IMAGE}={TEST_PIPELINE}",
+            "--tuple-timeout", "1.5", "--pull-wait", "1", "--max-attempts", "2",
+            "--grace-seconds", str(GRACE), "--restart-backoff-max", "2"], root / "worker",
+            env={"PYTHONPATH": REPO_ROOT})
+        self._channel: grpc.Channel | None = None
+
+    def start(self) -> None:
+        self.repo.start()
+        self.master.start()
+        self.repo.wait_healthy(self.repo_address)
+        self.master.wait_healthy(self.master_address)
+        self.worker.start()
+        self._channel = create_channel(self.master_address, SETTINGS)
+        from hio.proto import master_pb2_grpc, repository_pb2_grpc
+        self.stub = master_pb2_grpc.MasterStub(self._channel)
+        self.repo_stub = repository_pb2_grpc.RepositoryStub(self._channel_repo())
+
+    def _channel_repo(self) -> grpc.Channel:
+        self._repo_channel = create_channel(self.repo_address, SETTINGS)
+        return self._repo_channel
+
+    def channels(self) -> dict[str, master_pb2.ChannelInfo]:
+        status = self.stub.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
+        return {c.channel_id: c for w in status.workers if w.worker_id == WORKER_ID for c in w.channels}
+
+    def stored_ids(self) -> set[int]:
+        from hio.proto import repository_pb2
+        return {r.tuple_id for batch in self.repo_stub.ReadFeatures(repository_pb2.ReadFeaturesRequest(), timeout=5)
+                for r in batch.records}
+
+    def stop(self) -> None:
+        for proc in (self.worker, self.master, self.repo):
+            try:
+                proc.stop()
+            except AssertionError:
+                pass
+        if self._channel is not None:
+            self._channel.close()
+            self._repo_channel.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("worker-e2e"))
+    c.start()
+    try:
+        yield c
+    except BaseException:
+        print(c.worker.output())
+        raise
+    finally:
+        c.stop()
+
+
+def _engine_pids(worker_pid: int) -> dict[str, int]:
+    """Child processes of the worker by channel id (Linux /proc)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != worker_pid:
+                continue
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        for item in env:
+            if item.startswith(b"HIO_ENGINE_CHANNEL_ID="):
+                found[item.split(b"=", 1)[1].decode()] = int(entry)
+    return found
+
+
+def _all_free(cluster: Cluster) -> dict[str, master_pb2.ChannelInfo] | None:
+    channels = cluster.channels()
+    ok = len(channels) == 2 and all(c.state == master_pb2.FREE for c in channels.values())
+    return channels if ok else None
+
+
+def _route_and_deliver(cluster: Cluster, data: bytes, **attributes: str) -> tuple[int, list[TupleReceipt]]:
+    route = cluster.stub.RouteTuples(master_pb2.RouteTuplesRequest(
+        source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=len(data))]), timeout=5)
+    assert route.WhichOneof("route") == "channel", route
+    meta, payload = make_tuple(route.tuple_ids[0], data, **attributes)
+    meta.ticket = route.tickets[0]
+    with create_channel(route.channel.address, SETTINGS) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        receipts = list(stub.Deliver(frames_for_bytes(meta, payload, SETTINGS.chunk_bytes), timeout=30))
+    return meta.tuple_id, receipts
+
+
+def test_worker_registers_its_channels(cluster: Cluster) -> None:
+    channels = wait_for(lambda: _all_free(cluster), timeout=60, what="two FREE channels")
+    assert set(channels) == {f"{WORKER_ID}/0", f"{WORKER_ID}/1"}
+    assert all(c.image == TEST_IMAGE and c.address.startswith("127.0.0.1:") for c in channels.values())
+
+
+def test_gateway_like_client_gets_stored(cluster: Cluster) -> None:
+    tuple_id, receipts = _route_and_deliver(cluster, b"hello engine")
+    assert [(r.tuple_id, r.state) for r in receipts] == [(tuple_id, TupleReceipt.STORED)]
+    assert tuple_id in cluster.stored_ids()
+
+
+def test_killed_engine_is_reported_down_and_restarted(cluster: Cluster) -> None:
+    wait_for(lambda: _all_free(cluster), timeout=30, what="FREE channels")
+    pids = _engine_pids(cluster.worker.proc.pid)  # type: ignore[union-attr]
+    victim = f"{WORKER_ID}/1"
+    os.kill(pids[victim], signal.SIGKILL)
+    down = wait_for(lambda: (c := cluster.channels().get(victim)) and c.state == master_pb2.DOWN and c,
+                    timeout=10, interval=0.05, what="the killed channel DOWN")
+    assert "exited with code -9" in down.detail
+    wait_for(lambda: _all_free(cluster), timeout=30, what="the channel FREE again")
+    assert _engine_pids(cluster.worker.proc.pid)[victim] != pids[victim]  # type: ignore[union-attr]
+
+
+def test_hung_tuple_times_out_and_goes_to_the_master(cluster: Cluster) -> None:
+    wait_for(lambda: _all_free(cluster), timeout=30, what="FREE channels")
+    with pytest.raises(grpc.RpcError) as err:  # the engine exits mid-tuple: the stream breaks
+        _route_and_deliver(cluster, b"never ends", mode="sleep", seconds="60")
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+    def dead() -> list[master_pb2.DeadLetter]:
+        return list(cluster.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5).dead_letters)
+
+    letters = wait_for(dead, timeout=60, what="the hung tuple to become a dead letter")
+    text = letters[0].reason + letters[0].meta.attributes.get("hio.last_error", "")
+    assert "timeout after 1.5 s" in text
+    wait_for(lambda: _all_free(cluster), timeout=30, what="channels restarted")
+
+
+def test_sigterm_stops_worker_and_engines(cluster: Cluster) -> None:
+    pids = _engine_pids(cluster.worker.proc.pid)  # type: ignore[union-attr]
+    assert len(pids) == 2
+    started = time.monotonic()
+    cluster.worker.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert cluster.worker.proc.wait(GRACE + 5) == 0  # type: ignore[union-attr]
+    assert time.monotonic() - started < GRACE + 5
+    for pid in pids.values():
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

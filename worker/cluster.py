@@ -1,0 +1,122 @@
+"""The engine's calls to the master and the repository, in one gRPC adapter.
+
+Everything above this module (``Engine``, ``Reporter``) sees plain methods
+that raise ``hio.common.errors`` classes, never ``grpc.RpcError``: the data
+path is testable and readable without the transport. Calls that may succeed
+later (``UNAVAILABLE``, ``RESOURCE_EXHAUSTED``) are retried here with
+jittered backoff up to ``rpc_deadline`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator, TypeVar
+
+import grpc
+
+from hio.common import errors
+from hio.common.frames import TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
+from hio.common.net import create_channel
+from hio.common.retry import call_with_retry
+from hio.common.settings import ClusterSettings
+from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+
+log = logging.getLogger("hio.worker")
+
+T = TypeVar("T")
+
+_BY_CODE: dict[grpc.StatusCode, type[errors.HioError]] = {
+    cls.code: cls for cls in (
+        errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.FailedPrecondition,
+        errors.ResourceExhausted, errors.DataLoss, errors.Unavailable, errors.Unauthenticated,
+        errors.PermissionDenied, errors.Aborted, errors.DeadlineExceeded)
+}
+
+CALL_TIMEOUT = 30.0  # seconds one attempt of a unary call may take
+
+
+def translate(exc: grpc.RpcError, peer: str) -> errors.HioError:
+    """The domain error for a failed call to ``peer`` ('master', 'repository')."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    cls = _BY_CODE.get(code, errors.HioError)
+    if code == grpc.StatusCode.CANCELLED:
+        cls = errors.Unavailable
+    return cls(f"{peer}: {code.name if code else 'UNKNOWN'}: {details}")
+
+
+class PullCall:
+    """An open ``PullTuple`` long-poll: iterate its frames, or cancel it from another thread."""
+
+    def __init__(self, call: grpc.Call) -> None:
+        self._call = call
+
+    def frames(self) -> Iterator[TupleFrame]:
+        """The frames of the pulled tuple; empty when the master had nothing."""
+        try:
+            yield from self._call  # type: ignore[misc]
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                return
+            raise translate(exc, "master") from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class ClusterLink:
+    """Stubs of the master and the repository for one engine (thread-safe)."""
+
+    def __init__(self, settings: ClusterSettings, *, rpc_deadline: float) -> None:
+        self._settings = settings
+        self._deadline = rpc_deadline
+        self._master_channel = create_channel(settings.master_address, settings)
+        self._repo_channel = create_channel(settings.repository_address, settings)
+        self._master = master_pb2_grpc.MasterStub(self._master_channel)
+        self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)
+
+    def close(self) -> None:
+        self._master_channel.close()
+        self._repo_channel.close()
+
+    def _retry(self, fn: Callable[[], T], peer: str, deadline: float | None = None) -> T:
+        try:
+            return call_with_retry(fn, deadline=self._deadline if deadline is None else deadline)
+        except grpc.RpcError as exc:
+            raise translate(exc, peer) from None
+
+    def store(self, tuple_id: int, record_zstd: bytes) -> bool:
+        """PutFeatures for one record; True when the id was already stored (idempotent)."""
+        upload = repository_pb2.FeaturesUpload(tuple_id=tuple_id, record_zstd=record_zstd,
+                                               crc32=crc32(record_zstd))
+        request = repository_pb2.PutFeaturesRequest(records=[upload])
+        reply = self._retry(lambda: self._repo.PutFeatures(request, timeout=CALL_TIMEOUT), "repository")
+        return bool(reply.duplicate and reply.duplicate[0])
+
+    def enqueue(self, meta: TupleMeta, data: bytes, deadline: float | None = None) -> TupleReceipt:
+        """Stream one tuple into the master's backlog; its receipt (ENQUEUED when durable)."""
+        chunk = self._settings.chunk_bytes
+
+        def send() -> list[TupleReceipt]:
+            return list(self._master.Enqueue(frames_for_bytes(meta, data, chunk), timeout=CALL_TIMEOUT))
+
+        receipts = self._retry(send, "master", deadline)
+        if len(receipts) != 1:
+            raise errors.HioError(f"master: Enqueue answered {len(receipts)} receipts for one tuple")
+        receipt = receipts[0]
+        if receipt.state != TupleReceipt.ENQUEUED:
+            state = TupleReceipt.State.Name(receipt.state)
+            raise errors.Unavailable(f"master: Enqueue of tuple {meta.tuple_id} answered {state}: {receipt.message}")
+        return receipt
+
+    def report(self, request: master_pb2.ReportTuplesRequest, timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
+        """One ReportTuples call, no retry (the reporter decides)."""
+        try:
+            return self._master.ReportTuples(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise translate(exc, "master") from None
+
+    def pull(self, channel_id: str, wait_seconds: float) -> PullCall:
+        """Open a PullTuple long-poll for ``channel_id``."""
+        request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds)
+        return PullCall(self._master.PullTuple(request, timeout=wait_seconds + 10.0))

@@ -1,0 +1,137 @@
+"""Settings of the worker controller (`hio worker`) and of one engine (`hio engine`).
+
+Kept free of heavy imports (no grpc, no numpy): the CLI imports this module
+to build flags before anything else happens.
+
+The controller hands each engine its :class:`EngineConfig` through the
+environment (``HIO_ENGINE_<FIELD>`` plus the cluster's ``HIO_<FIELD>``), so
+the same engine code runs as a local process or inside a container.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+from hio.common.config import ConfigError, positive, setting
+from hio.common.settings import ClusterSettings
+
+DEFAULT_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
+RUNTIMES = ("auto", "process", "docker")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig(ClusterSettings):
+    worker_id: str = setting("", "this worker's id, unique in the cluster; empty = <hostname>-<pid>")
+    advertise_host: str = setting("127.0.0.1", "host gateways use to reach this worker's engines")
+    engine_listen_host: str = setting("127.0.0.1", "interface engines listen on")
+    engines: tuple[str, ...] = setting(DEFAULT_IMAGES, "engines to run: IMAGE or IMAGE=COUNT; "
+                                       "without a count an image gets cpus / len(engines), at least 1")
+    cpus: int = setting(0, "CPUs this worker offers; 0 = all of this machine's")
+    runtime: str = setting("auto", "how engines run: auto (docker when usable, else process), process or docker")
+    pipelines: tuple[str, ...] = setting((), "extra IMAGE=module:function pipeline mappings (process runtime)")
+    engine_memory_bytes: int = setting(0, "memory limit per engine (docker runtime); 0 = no limit")
+    engine_cpus: float = setting(1.0, "CPUs per engine (docker runtime)")
+    restart_backoff_max: float = setting(30.0, "longest wait, in seconds, before restarting a crashed engine")
+    tuple_timeout: float = setting(600.0, "seconds one tuple may spend in process() before the engine "
+                                   "gives it back to the master and restarts; 0 = no limit")
+    pull_wait: float = setting(5.0, "seconds an idle engine's queue long-poll stays open")
+    max_attempts: int = setting(3, "delivery attempts per tuple (must match the master's)")
+    grace_seconds: float = setting(5.0, "on SIGTERM: seconds engines get to finish their current tuple")
+
+    def validate(self) -> None:
+        self.validate_cluster()
+        if self.runtime not in RUNTIMES:
+            raise ConfigError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+        if not self.engines:
+            raise ConfigError("engines is empty: name at least one IMAGE or IMAGE=COUNT")
+        engine_counts(self.engines, self.effective_cpus())
+        for mapping in self.pipelines:
+            image, sep, spec = mapping.partition("=")
+            if not sep or not image.strip() or ":" not in spec:
+                raise ConfigError(f"pipelines entry {mapping!r} must look like IMAGE=module:function")
+        if self.cpus < 0:
+            raise ConfigError(f"cpus must be 0 (all) or positive, got {self.cpus}")
+        if self.engine_memory_bytes < 0:
+            raise ConfigError(f"engine_memory_bytes must be 0 (no limit) or positive, got {self.engine_memory_bytes}")
+        positive("engine_cpus", self.engine_cpus)
+        positive("restart_backoff_max", self.restart_backoff_max)
+        positive("pull_wait", self.pull_wait)
+        positive("max_attempts", self.max_attempts)
+        positive("grace_seconds", self.grace_seconds)
+        if self.tuple_timeout < 0:
+            raise ConfigError(f"tuple_timeout must be 0 (no limit) or positive, got {self.tuple_timeout}")
+        if "/" in self.worker_id or any(c.isspace() for c in self.worker_id):
+            raise ConfigError(f"worker_id {self.worker_id!r} must not contain '/' or spaces")
+
+    def effective_cpus(self) -> int:
+        """The CPUs this worker offers: the setting, else the machine's count."""
+        return self.cpus or os.cpu_count() or 1
+
+    def effective_worker_id(self) -> str:
+        """The setting, else ``<hostname>-<pid>`` (unique per controller process)."""
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def engine_counts(engines: tuple[str, ...], cpus: int) -> list[tuple[str, int]]:
+    """Parse ``IMAGE`` / ``IMAGE=COUNT`` entries into (image, count), in order.
+
+    An entry without a count gets ``max(1, cpus // len(engines))`` engines, so
+    the default spreads the machine's CPUs over the images it runs.
+    """
+    share = max(1, cpus // max(1, len(engines)))
+    result: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    for entry in engines:
+        image, sep, count_text = entry.strip().partition("=")
+        image = image.strip()
+        if not image:
+            raise ConfigError(f"engines entry {entry!r} names no image")
+        if image in seen:
+            raise ConfigError(f"engines names image {image!r} twice; give one IMAGE=COUNT instead")
+        seen.add(image)
+        if not sep:
+            result.append((image, share))
+            continue
+        try:
+            count = int(count_text)
+        except ValueError:
+            raise ConfigError(f"engines entry {entry!r}: count {count_text!r} is not an integer") from None
+        if count < 1 or count > 1024:
+            raise ConfigError(f"engines entry {entry!r}: count must be between 1 and 1024")
+        result.append((image, count))
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig(ClusterSettings):
+    channel_id: str = setting("", "this engine's processing channel id (<worker_id>/<n>)")
+    image: str = setting("", "the engine image this channel runs; tuples of other images are refused")
+    pipeline: str = setting("", "module:function to call; empty = $HIO_PIPELINE, else the built-in for the image")
+    listen: str = setting("127.0.0.1:0", "host:port the Engine service listens on")
+    tuple_timeout: float = setting(600.0, "seconds one tuple may spend in process(); 0 = no limit")
+    pull_wait: float = setting(5.0, "seconds the idle queue long-poll stays open")
+    max_attempts: int = setting(3, "delivery attempts per tuple (must match the master's)")
+    reservation_seconds: float = setting(15.0, "the master's reservation time; keep-alive reports every third of it")
+    grace_seconds: float = setting(5.0, "on SIGTERM: seconds to finish the current tuple")
+    rpc_deadline: float = setting(60.0, "seconds to keep retrying the repository or master while unavailable")
+    parent_pid: int = setting(0, "stop when this process (the worker that started us) is gone; 0 = never")
+
+    def validate(self) -> None:
+        self.validate_cluster()
+        if not self.channel_id:
+            raise ConfigError("channel_id is required (HIO_ENGINE_CHANNEL_ID)")
+        if not self.image:
+            raise ConfigError("image is required (HIO_ENGINE_IMAGE)")
+        if ":" not in self.listen:
+            raise ConfigError(f"listen must be host:port, got {self.listen!r}")
+        if self.pipeline and ":" not in self.pipeline:
+            raise ConfigError(f"pipeline must look like module:function, got {self.pipeline!r}")
+        if self.tuple_timeout < 0:
+            raise ConfigError(f"tuple_timeout must be 0 (no limit) or positive, got {self.tuple_timeout}")
+        positive("pull_wait", self.pull_wait)
+        positive("max_attempts", self.max_attempts)
+        positive("reservation_seconds", self.reservation_seconds)
+        positive("grace_seconds", self.grace_seconds)
+        positive("rpc_deadline", self.rpc_deadline)

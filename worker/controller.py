@@ -1,0 +1,352 @@
+"""The worker controller (`hio worker`): starts engines, keeps them running,
+and keeps the master informed.
+
+Two loops run side by side. The supervisor (main thread, every 0.2 s) polls
+engines through the :class:`EngineLauncher`, marks an engine up once its
+health check answers SERVING, and restarts crashed ones with exponential
+backoff. The master session (a thread) registers the worker (retrying while
+the master is unavailable), heartbeats every interval the master asked for,
+reports channels that are down with the reason, and registers again when
+the master no longer knows the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import socket
+import threading
+import time
+from concurrent import futures
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hio.common.net import create_channel
+from hio.common.retry import Backoff
+from hio.proto import master_pb2, master_pb2_grpc
+from hio.worker.api import pipeline_for_image
+from hio.worker.config import WorkerConfig, engine_counts
+from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec, ProcessLauncher, select_launcher
+
+log = logging.getLogger("hio.worker")
+
+SUPERVISE_INTERVAL = 0.2     # seconds between engine polls
+RESTART_BACKOFF_MIN = 0.5    # first restart delay; doubles up to restart_backoff_max
+HEALTHY_RESET = 60.0         # seconds of healthy running that reset the backoff
+NEW_PORT_AFTER = 3           # failed starts in a row before an engine gets a new port
+HEALTH_TIMEOUT = 0.5
+MASTER_CALL_TIMEOUT = 5.0
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now (the engine binds it moments later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def local_host(listen_host: str) -> str:
+    """The address this machine reaches an engine on, given the host it listens on."""
+    return "127.0.0.1" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
+
+
+def engine_env(config: WorkerConfig, *, channel_id: str, image: str, pipeline: str, port: int) -> dict[str, str]:
+    """The complete environment of one engine: its settings and the cluster's.
+
+    Complete on purpose: the same variables configure a local process and a
+    container with host networking, which inherits nothing else from us.
+    """
+    env = {
+        "HIO_ENGINE_CHANNEL_ID": channel_id,
+        "HIO_ENGINE_IMAGE": image,
+        "HIO_ENGINE_LISTEN": f"{config.engine_listen_host}:{port}",
+        "HIO_ENGINE_TUPLE_TIMEOUT": repr(config.tuple_timeout),
+        "HIO_ENGINE_PULL_WAIT": repr(config.pull_wait),
+        "HIO_ENGINE_MAX_ATTEMPTS": str(config.max_attempts),
+        "HIO_ENGINE_GRACE_SECONDS": repr(config.grace_seconds),
+        "HIO_MASTER_ADDRESS": config.master_address,
+        "HIO_REPOSITORY_ADDRESS": config.repository_address,
+        "HIO_CHUNK_BYTES": str(config.chunk_bytes),
+        "HIO_MAX_TUPLE_BYTES": str(config.max_tuple_bytes),
+        "HIO_LOG_LEVEL": config.log_level,
+        "HIO_LOG_JSON": "true" if config.log_json else "false",
+        "HIO_TLS_CLIENT_AUTH": "true" if config.tls_client_auth else "false",
+    }
+    if pipeline:  # empty: the engine falls back to $HIO_PIPELINE of its image, then the built-in
+        env["HIO_ENGINE_PIPELINE"] = pipeline
+    token = config.presented_token()
+    if token:
+        env["HIO_TOKEN"] = token
+    for name in ("tokens_file", "tls_cert", "tls_key", "tls_ca"):
+        value = getattr(config, name)
+        if value:
+            env[f"HIO_{name.upper()}"] = value
+    return env
+
+
+@dataclasses.dataclass
+class EngineSlot:
+    """One channel: its engine, and the restart policy's memory of it."""
+
+    channel_id: str
+    image: str
+    pipeline: str
+    port: int
+    handle: EngineHandle | None = None
+    up: bool = False
+    detail: str = "starting"
+    restarts: int = 0
+    failed_starts: int = 0           # exits in a row before becoming healthy
+    backoff: float = RESTART_BACKOFF_MIN
+    next_start: float = 0.0          # monotonic time the engine may (re)start
+    up_since: float = 0.0
+
+    def on_exit(self, code: int, now: float, backoff_max: float) -> str:
+        """Record a crash; schedule the restart; the operator-facing reason."""
+        was_up = self.up
+        self.handle, self.up = None, False
+        self.restarts += 1
+        self.failed_starts = 0 if was_up else self.failed_starts + 1
+        delay = self.backoff
+        self.next_start = now + delay
+        self.backoff = min(self.backoff * 2, backoff_max)
+        self.detail = f"exited with code {code}; restart {self.restarts} in {delay:.1f}s"
+        return self.detail
+
+    def on_healthy(self, now: float) -> None:
+        self.up, self.up_since, self.failed_starts, self.detail = True, now, 0, ""
+
+    def settle(self, now: float) -> None:
+        """Forget past crashes after a long healthy run."""
+        if self.up and now - self.up_since >= HEALTHY_RESET:
+            self.backoff = RESTART_BACKOFF_MIN
+
+
+class MasterSession:
+    """Registration and heartbeats, on a thread of their own (never blocks supervision)."""
+
+    def __init__(self, config: WorkerConfig, worker_id: str, channels: Callable[[bool], list[master_pb2.ChannelInfo]]) -> None:
+        self._config = config
+        self._worker_id = worker_id
+        self._channels = channels
+        self._stop = threading.Event()
+        self._poke = threading.Event()
+        self._registered = False
+        self._interval = 1.0
+        self._channel = create_channel(config.master_address, config)
+        self._stub = master_pb2_grpc.MasterStub(self._channel)
+        self._thread = threading.Thread(target=self._run, name="master-session", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._poke.set()
+        self._thread.join(MASTER_CALL_TIMEOUT + 1.0)
+        self._channel.close()
+
+    def poke(self) -> None:
+        """A channel changed state: heartbeat now rather than at the next interval."""
+        self._poke.set()
+
+    def reregister(self) -> None:
+        """Channel addresses changed: register again."""
+        self._registered = False
+        self._poke.set()
+
+    def _run(self) -> None:
+        backoff = Backoff(base=0.2, cap=5.0)
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if not self._registered:
+                    self._register()
+                    backoff.reset()
+                else:
+                    self._heartbeat()
+                wait = self._interval
+                failures = 0
+            except grpc.RpcError as exc:
+                wait = backoff.delay()
+                failures += 1
+                # the first failure of a streak is a warning; the rest would only repeat it
+                log.log(logging.WARNING if failures == 1 else logging.DEBUG,
+                        "master unreachable" if not self._registered else "heartbeat failed",
+                        extra={"worker": self._worker_id, "code": exc.code().name if exc.code() else "?",
+                               "reason": exc.details(), "retry_in_s": round(wait, 2), "failures": failures})
+            self._poke.wait(wait)
+            self._poke.clear()
+
+    def _register(self) -> None:
+        request = master_pb2.RegisterWorkerRequest(worker_id=self._worker_id, host=socket.gethostname(),
+                                                   cpus=self._config.effective_cpus(), channels=self._channels(True))
+        reply = self._stub.RegisterWorker(request, timeout=MASTER_CALL_TIMEOUT)
+        self._interval = reply.heartbeat_interval_seconds if reply.heartbeat_interval_seconds > 0 else 1.0
+        self._registered = True
+        log.info("registered with the master", extra={"worker": self._worker_id, "channels": len(request.channels),
+                                                      "heartbeat_s": self._interval})
+
+    def _heartbeat(self) -> None:
+        request = master_pb2.HeartbeatRequest(worker_id=self._worker_id, channels=self._channels(False))
+        reply = self._stub.Heartbeat(request, timeout=MASTER_CALL_TIMEOUT)
+        if not reply.known:
+            log.warning("the master does not know this worker; registering again", extra={"worker": self._worker_id})
+            self._registered = False
+            self._poke.set()
+
+
+class Controller:
+    """Supervises this worker's engines; see the module docstring."""
+
+    def __init__(self, config: WorkerConfig, worker_id: str, launcher: EngineLauncher) -> None:
+        self._config = config
+        self._worker_id = worker_id
+        self._launcher = launcher
+        self._lock = threading.Lock()
+        self._slots = self._plan()
+        self._session = MasterSession(config, worker_id, self.channel_infos)
+
+    def _plan(self) -> list[EngineSlot]:
+        """One slot per engine, pipelines resolved now so a bad image fails at start."""
+        local = isinstance(self._launcher, ProcessLauncher)
+        slots: list[EngineSlot] = []
+        for image, count in engine_counts(self._config.engines, self._config.effective_cpus()):
+            pipeline = pipeline_for_image(image, self._config.pipelines) if local else self._extra_pipeline(image)
+            for _ in range(count):
+                slots.append(EngineSlot(channel_id=f"{self._worker_id}/{len(slots)}", image=image,
+                                        pipeline=pipeline, port=free_port(self._config.engine_listen_host)))
+        return slots
+
+    def _extra_pipeline(self, image: str) -> str:
+        for mapping in self._config.pipelines:
+            name, _, spec = mapping.partition("=")
+            if name.strip() == image:
+                return spec.strip()
+        return ""
+
+    @property
+    def slots(self) -> list[EngineSlot]:
+        return list(self._slots)
+
+    def channel_infos(self, everything: bool) -> list[master_pb2.ChannelInfo]:
+        """Channels for the master: all of them (register), or only those down (heartbeat)."""
+        host = self._config.advertise_host
+        infos = []
+        with self._lock:
+            for slot in self._slots:
+                if slot.up and not everything:
+                    continue
+                state = master_pb2.FREE if slot.up else master_pb2.DOWN
+                infos.append(master_pb2.ChannelInfo(channel_id=slot.channel_id, image=slot.image,
+                                                    address=f"{host}:{slot.port}", state=state, detail=slot.detail))
+        return infos
+
+    # ---- running
+
+    def run(self, stop: threading.Event) -> int:
+        """Supervise until ``stop`` is set; then stop every engine. Exit code 0."""
+        self._session.start()
+        try:
+            while not stop.is_set():
+                self.tick(time.monotonic())
+                stop.wait(SUPERVISE_INTERVAL)
+        finally:
+            self._session.stop()
+            self.stop_engines(self._config.grace_seconds)
+        return 0
+
+    def tick(self, now: float) -> None:
+        """One supervision pass over every slot."""
+        for slot in self._slots:
+            if slot.handle is None:
+                if now >= slot.next_start:
+                    self._start(slot)
+                continue
+            code = self._launcher.poll(slot.handle)
+            if code is not None:
+                self._on_exit(slot, code, now)
+            elif not slot.up:
+                self._check_health(slot, now)
+            else:
+                slot.settle(now)
+
+    def _start(self, slot: EngineSlot) -> None:
+        if slot.failed_starts >= NEW_PORT_AFTER:
+            port = free_port(self._config.engine_listen_host)
+            with self._lock:
+                slot.port, slot.failed_starts = port, 0
+            log.warning("engine keeps failing to start; moving it to a new port",
+                        extra={"channel": slot.channel_id, "port": slot.port})
+            self._session.reregister()
+        spec = EngineSpec(channel_id=slot.channel_id, image=slot.image, port=slot.port,
+                          env=engine_env(self._config, channel_id=slot.channel_id, image=slot.image,
+                                         pipeline=slot.pipeline, port=slot.port),
+                          cpus=self._config.engine_cpus, memory_bytes=self._config.engine_memory_bytes)
+        try:
+            handle = self._launcher.start(spec)
+        except Exception as exc:  # noqa: BLE001 - a launcher failure is one more crash to back off from
+            log.error("cannot start engine", extra={"channel": slot.channel_id, "reason": str(exc)})
+            with self._lock:
+                slot.on_exit(-1, time.monotonic(), self._config.restart_backoff_max)
+                slot.detail = f"cannot start: {str(exc)[:200]}; " + slot.detail.split("; ", 1)[1]
+            self._session.poke()
+            return
+        with self._lock:
+            slot.handle = handle
+            if slot.restarts:
+                slot.detail = f"restarting (restart {slot.restarts})"
+        log.info("engine started", extra={"channel": slot.channel_id, "image": slot.image, "port": slot.port,
+                                          "id": handle.ident})
+
+    def _on_exit(self, slot: EngineSlot, code: int, now: float) -> None:
+        handle = slot.handle
+        with self._lock:
+            detail = slot.on_exit(code, now, self._config.restart_backoff_max)
+        last = self._launcher.logs(handle, 3) if handle is not None else ""
+        log.warning("engine exited", extra={"channel": slot.channel_id, "detail": detail,
+                                            "log_tail": " | ".join(last.splitlines())[-1000:]})
+        self._session.poke()
+
+    def _check_health(self, slot: EngineSlot, now: float) -> None:
+        address = f"{local_host(self._config.engine_listen_host)}:{slot.port}"
+        try:
+            with create_channel(address, self._config) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                  timeout=HEALTH_TIMEOUT)
+        except grpc.RpcError:
+            return
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            with self._lock:
+                slot.on_healthy(now)
+            log.info("engine serving", extra={"channel": slot.channel_id, "address": address})
+            self._session.poke()
+
+    def stop_engines(self, grace: float) -> None:
+        """SIGTERM every engine at once; kill those still running after ``grace`` + 2 s."""
+        running = [slot.handle for slot in self._slots if slot.handle is not None]
+        if running:
+            with futures.ThreadPoolExecutor(max_workers=len(running)) as pool:
+                list(pool.map(lambda h: self._launcher.stop(h, grace + 2.0), running))
+        for slot in self._slots:
+            slot.handle, slot.up = None, False
+        self._launcher.cleanup()
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """`hio worker`: supervise engines until SIGTERM/SIGINT; exit 0 once they are stopped."""
+    worker_id = config.effective_worker_id()
+    launcher = select_launcher(config, worker_id)
+    controller = Controller(config, worker_id, launcher)
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    log.info("worker starting", extra={"worker": worker_id, "engines": len(controller.slots),
+                                       "launcher": type(launcher).__name__})
+    code = controller.run(stop)
+    log.info("worker stopped", extra={"worker": worker_id})
+    return code

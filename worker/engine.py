@@ -1,0 +1,500 @@
+"""One processing engine: a persistent micro-batch around a user's pipeline.
+
+The engine loads its pipeline once, then processes tuples that reach it two
+ways: a gateway's ``Deliver`` stream (direct, peer to peer) or ``PullTuple``
+from the master's backlog while it is idle. For each tuple it calls
+``process(data, info)``, stores the features in the repository, answers
+STORED, and reports the outcome. A pipeline failure hands the tuple back to
+the master (retry policy lives there). One tuple is processed at a time; at
+most one more is being received meanwhile.
+
+The same module runs as a local process and inside a container (``hio engine``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import zstandard
+
+from hio.common.errors import FailedPrecondition, HioError, ResourceExhausted, Unavailable, grpc_errors
+from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt
+from hio.common.net import create_server, message_limit, run_until_signal, set_serving
+from hio.common.retry import Backoff
+from hio.proto import engine_pb2_grpc, master_pb2
+from hio.worker.api import Pipeline, TupleInfo, load_pipeline, pipeline_for_image
+from hio.worker.cluster import ClusterLink, PullCall
+from hio.worker.config import EngineConfig
+from hio.worker.features import build_record
+from hio.worker.reporter import Reporter
+
+log = logging.getLogger("hio.worker.engine")
+
+LAST_ERROR_KEY = "hio.last_error"
+LAST_ERROR_BYTES = 1024
+TIMEOUT_EXIT_CODE = 75       # EX_TEMPFAIL: the controller restarts us
+ZSTD_LEVEL = 3
+HANDOFF_DEADLINE = 10.0      # seconds the watchdog may spend handing a hung tuple back
+RECORD_HEADROOM = 64 * 1024  # bytes of a PutFeatures message beyond the record itself
+MIN_EMPTY_PULL = 0.1         # seconds between long-polls the master answers at once
+PARENT_CHECK_SECONDS = 0.5
+
+
+def error_text(exc: BaseException) -> str:
+    """``<ExceptionType>: message`` cut to 1 KiB (UTF-8), for the tuple's hio.last_error."""
+    text = f"{type(exc).__name__}: {exc}"
+    return truncate(text)
+
+
+def truncate(text: str, limit: int = LAST_ERROR_BYTES) -> str:
+    data = text.encode("utf-8")
+    return text if len(data) <= limit else data[:limit].decode("utf-8", errors="ignore")
+
+
+@dataclasses.dataclass
+class _Job:
+    """The tuple being processed, as the watchdog sees it."""
+
+    meta: TupleMeta
+    data: bytes
+    from_queue: bool
+    started: float
+    taken: bool = False
+
+
+class Watchdog:
+    """Gives a tuple back when ``process()`` runs longer than ``timeout`` seconds.
+
+    A hung user function cannot be interrupted from Python, so ``on_timeout``
+    hands the tuple to the master and ends the process; the controller
+    restarts the engine. ``timeout`` 0 disables the watchdog.
+    """
+
+    def __init__(self, timeout: float, on_timeout: Callable[[_Job], None]) -> None:
+        self._timeout = timeout
+        self._on_timeout = on_timeout
+        self._lock = threading.Lock()
+        self._job: _Job | None = None
+        if timeout > 0:
+            threading.Thread(target=self._run, name="watchdog", daemon=True).start()
+
+    def begin(self, meta: TupleMeta, data: bytes, from_queue: bool) -> _Job:
+        job = _Job(meta=meta, data=data, from_queue=from_queue, started=time.monotonic())
+        with self._lock:
+            self._job = job
+        return job
+
+    def end(self, job: _Job) -> None:
+        """Mark ``job`` finished; if the watchdog already took it, wait for the exit."""
+        with self._lock:
+            taken = job.taken
+            self._job = None
+        if taken:
+            threading.Event().wait()  # the watchdog is handing it back and will end the process
+
+    def _run(self) -> None:
+        interval = min(0.1, self._timeout / 10)
+        while True:
+            time.sleep(interval)
+            with self._lock:
+                job = self._job
+                if job is None or job.taken or time.monotonic() - job.started < self._timeout:
+                    continue
+                job.taken = True
+            self._on_timeout(job)
+
+
+class _Prefetcher:
+    """Receives the next tuple of a stream while the caller processes the current one.
+
+    Holds at most one received tuple that the caller has not taken, so memory
+    stays at two tuples. Errors of the stream (DATA_LOSS, INVALID_ARGUMENT,
+    cancellation) come out of the iteration after the tuples before them.
+    """
+
+    def __init__(self, reader: FrameReader) -> None:
+        self._reader = reader
+        self._slot: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._want = threading.Semaphore(1)
+        self._closed = False
+        threading.Thread(target=self._run, name="receiver", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self._want.acquire()
+            if self._closed:
+                return
+            try:
+                item = self._reader.next_tuple_bytes()
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer in order
+                self._slot.put(exc)
+                return
+            self._slot.put(item)
+            if item is None:
+                return
+
+    def __iter__(self) -> Iterator[tuple[TupleMeta, bytes]]:
+        while True:
+            item = self._slot.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                return
+            self._want.release()
+            yield item
+
+    def close(self) -> None:
+        self._closed = True
+        self._want.release()
+
+
+class Engine:
+    """The data path of one channel. Thread-safe; not tied to gRPC.
+
+    At any time the channel is idle, serving one Deliver stream, or
+    processing one tuple pulled from the queue; never two of these.
+    """
+
+    def __init__(self, config: EngineConfig, pipeline: Pipeline, cluster: ClusterLink, reporter: Reporter,
+                 *, exit_process: Callable[[int], None] = os._exit) -> None:
+        self._config = config
+        self._pipeline = pipeline
+        self._cluster = cluster
+        self._reporter = reporter
+        self._exit = exit_process
+        self._channel = config.channel_id
+        self._cond = threading.Condition()
+        self._active: str | None = None   # "deliver" | "queue" | None
+        self._release_pending = False
+        self._stopping = False
+        self._pull_call: PullCall | None = None
+        self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        self._max_record = message_limit(config) - RECORD_HEADROOM
+        self._watchdog = Watchdog(config.tuple_timeout, self._on_timeout)
+        self._puller = threading.Thread(target=self._pull_loop, name="puller", daemon=True)
+
+    @property
+    def pipeline_spec(self) -> str:
+        return self._pipeline.spec
+
+    # ---- lifecycle
+
+    def start(self) -> "Engine":
+        self._puller.start()
+        return self
+
+    def stop(self, grace: float) -> None:
+        """Refuse new work, let the current tuple finish (up to ``grace`` s), flush reports."""
+        with self._cond:
+            self._stopping = True
+            call = self._pull_call
+            self._cond.notify_all()
+        if call is not None:
+            call.cancel()
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._active is None, timeout=grace):
+                log.warning("stopping with a tuple still in progress", extra={"channel": self._channel})
+        self._reporter.stop(timeout=min(2.0, grace))
+        self._puller.join(1.0)
+
+    # ---- claiming the channel
+
+    def _claim(self, kind: str) -> None:
+        with self._cond:
+            if self._stopping:
+                raise Unavailable(f"channel {self._channel} is stopping; send elsewhere")
+            if self._active is not None:
+                raise ResourceExhausted(f"channel {self._channel} busy", retry_after=0.05)
+            self._active = kind
+        self._reporter.set_busy(True)
+
+    def _unclaim(self) -> None:
+        """Free the channel and report the release; the puller waits until it is sent."""
+        self._reporter.set_busy(False)
+        with self._cond:
+            self._active = None
+            self._release_pending = True
+            self._cond.notify_all()
+        self._reporter.release(self._released)
+
+    def _released(self, pull_queue: bool) -> None:
+        with self._cond:
+            self._release_pending = False
+            self._cond.notify_all()
+        if pull_queue:
+            log.debug("master has queued work", extra={"channel": self._channel})
+
+    # ---- direct delivery
+
+    def deliver(self, frames: Iterable[TupleFrame]) -> Iterator[TupleReceipt]:
+        """Serve one Deliver stream: a receipt per tuple, in order.
+
+        Raises ResourceExhausted when the channel is busy, FailedPrecondition
+        for a tuple of another image, DataLoss/InvalidArgument for a damaged
+        stream (after the receipts of the tuples before it).
+        """
+        self._claim("deliver")
+        reader = FrameReader(frames, max_tuple_bytes=self._config.max_tuple_bytes,
+                             max_chunk_bytes=message_limit(self._config), need_id=True)
+        prefetch = _Prefetcher(reader)
+        try:
+            for index, (meta, data) in enumerate(prefetch):
+                if self._stopping:
+                    raise Unavailable(f"channel {self._channel} is stopping; send the rest elsewhere")
+                self._check_image(meta)
+                yield self._process_direct(index, meta, data)
+        finally:
+            prefetch.close()
+            self._unclaim()
+
+    def _check_image(self, meta: TupleMeta) -> None:
+        if meta.image != self._config.image:
+            raise FailedPrecondition(f"tuple {meta.tuple_id} is for image {meta.image!r} but channel "
+                                     f"{self._channel} runs {self._config.image!r}")
+
+    def _process_direct(self, index: int, meta: TupleMeta, data: bytes) -> TupleReceipt:
+        error = self._process(meta, data, from_queue=False)
+        if error is None:
+            return TupleReceipt(index=index, tuple_id=meta.tuple_id, state=TupleReceipt.STORED)
+        self._hand_back(meta, data, error)
+        self._report(meta, ok=False, from_queue=False, message=error)
+        return TupleReceipt(index=index, tuple_id=meta.tuple_id, state=TupleReceipt.ENQUEUED, message=error)
+
+    def _hand_back(self, meta: TupleMeta, data: bytes, error: str, deadline: float | None = None) -> None:
+        """Give a failed direct tuple to the master's queue with attempt+1 and the error."""
+        again = TupleMeta()
+        again.CopyFrom(meta)
+        again.attempt = max(meta.attempt, 1) + 1
+        again.attributes[LAST_ERROR_KEY] = truncate(error)
+        self._cluster.enqueue(again, data, deadline)
+        log.info("tuple failed; handed back to the master",
+                 extra={"channel": self._channel, "tuple_id": meta.tuple_id, "attempt": again.attempt,
+                        "error": error})
+
+    # ---- processing one tuple
+
+    def _process(self, meta: TupleMeta, data: bytes, *, from_queue: bool) -> str | None:
+        """Process and store one tuple; None when stored, else the pipeline's error.
+
+        Storage failures (repository unreachable) raise: they are not the
+        tuple's fault, so the sender keeps it and delivers again.
+        """
+        job = self._watchdog.begin(meta, data, from_queue)
+        cpu_start = time.thread_time()
+        try:
+            result = self._pipeline.process(data, TupleInfo.from_meta(meta))
+            cpu = time.thread_time() - cpu_start
+            record = build_record(result, meta, kd_features=self._pipeline.kd_features, engine=self._channel,
+                                  processed_unix=time.time(), processing_seconds=cpu)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code may raise anything
+            self._watchdog.end(job)
+            log.info("pipeline failed", extra={"channel": self._channel, "tuple_id": meta.tuple_id,
+                                               "error": error_text(exc)})
+            return error_text(exc)
+        self._watchdog.end(job)
+        blob = self._compressor.compress(record.SerializeToString())
+        if len(blob) > self._max_record:
+            return truncate(f"FeatureError: compressed features of {len(blob)} bytes are over the "
+                            f"limit of {self._max_record}")
+        duplicate = self._cluster.store(meta.tuple_id, blob)
+        self._report(meta, ok=True, from_queue=from_queue, seconds=cpu)
+        log.debug("tuple stored", extra={"channel": self._channel, "tuple_id": meta.tuple_id,
+                                         "bytes": len(blob), "duplicate": duplicate, "cpu_s": round(cpu, 4)})
+        return None
+
+    def _report(self, meta: TupleMeta, *, ok: bool, from_queue: bool, message: str = "",
+                seconds: float = 0.0) -> None:
+        self._reporter.outcome(self._outcome(meta, ok=ok, from_queue=from_queue, message=message,
+                                             seconds=seconds))
+
+    @staticmethod
+    def _outcome(meta: TupleMeta, *, ok: bool, from_queue: bool, message: str = "",
+                 seconds: float = 0.0) -> master_pb2.TupleOutcome:
+        return master_pb2.TupleOutcome(tuple_id=meta.tuple_id, ok=ok, message=message, from_queue=from_queue,
+                                       size=meta.size, processing_seconds=seconds,
+                                       accepted_unix=meta.accepted_unix)
+
+    # ---- the per-tuple timeout
+
+    def _on_timeout(self, job: _Job) -> None:
+        """Hand the hung tuple back (synchronously, bounded), then end the process."""
+        message = f"timeout after {self._config.tuple_timeout:g} s"
+        log.error("tuple timed out; handing it back and restarting",
+                  extra={"channel": self._channel, "tuple_id": job.meta.tuple_id, "timeout_s": self._config.tuple_timeout})
+        try:
+            if not job.from_queue:
+                self._hand_back(job.meta, job.data, message, deadline=HANDOFF_DEADLINE)
+            outcome = self._outcome(job.meta, ok=False, from_queue=job.from_queue, message=message)
+            self._cluster.report(master_pb2.ReportTuplesRequest(channel_id=self._channel, outcomes=[outcome]),
+                                 timeout=HANDOFF_DEADLINE)
+        except HioError as exc:
+            log.error("could not hand the timed-out tuple back; its sender will redeliver it",
+                      extra={"channel": self._channel, "tuple_id": job.meta.tuple_id, "reason": exc.message})
+        finally:
+            self._reporter.stop(timeout=1.0)  # outcomes of earlier tuples still on their way
+            logging.shutdown()
+            self._exit(TIMEOUT_EXIT_CODE)
+
+    # ---- pulling from the backlog queue
+
+    def _wait_idle(self) -> bool:
+        """Block until the channel is idle and its last release was sent; False when stopping."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopping or (self._active is None and not self._release_pending))
+            return not self._stopping
+
+    def _pull_loop(self) -> None:
+        backoff = Backoff(base=0.2, cap=2.0)
+        while self._wait_idle():
+            started = time.monotonic()
+            try:
+                got = self._pull_once()
+                backoff.reset()
+                if not got and time.monotonic() - started < MIN_EMPTY_PULL:
+                    with self._cond:  # the master answered "nothing" at once: do not spin
+                        self._cond.wait_for(lambda: self._stopping, timeout=MIN_EMPTY_PULL)
+            except HioError as exc:
+                delay = backoff.delay(exc.retry_after)
+                log.info("pulling from the queue failed; retrying",
+                         extra={"channel": self._channel, "reason": exc.message, "retry_in_s": round(delay, 2)})
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopping, timeout=delay)
+            except Exception:  # noqa: BLE001 - the puller must outlive any one tuple
+                log.exception("pulling from the queue failed unexpectedly", extra={"channel": self._channel})
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopping, timeout=backoff.delay())
+
+    def _pull_once(self) -> bool:
+        """One long-poll; process the tuple it brings. False when it brought none."""
+        call = self._cluster.pull(self._channel, self._config.pull_wait)
+        with self._cond:
+            if self._stopping:
+                call.cancel()
+                return False
+            self._pull_call = call
+        try:
+            frames = call.frames()
+            first = next(frames, None)
+            if first is None:
+                return False
+            if not self._claim_for_queue():
+                call.cancel()
+                return False
+            try:
+                self._process_pulled(itertools.chain([first], frames), first.meta)
+            finally:
+                self._unclaim()
+            return True
+        finally:
+            with self._cond:
+                self._pull_call = None
+
+    def _claim_for_queue(self) -> bool:
+        """Wait for a Deliver stream that raced us to end, then take the channel."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopping or self._active is None)
+            if self._stopping:
+                return False
+            self._active = "queue"
+        self._reporter.set_busy(True)
+        return True
+
+    def _process_pulled(self, frames: Iterable[TupleFrame], first_meta: TupleMeta) -> None:
+        reader = FrameReader(frames, max_tuple_bytes=self._config.max_tuple_bytes,
+                             max_chunk_bytes=message_limit(self._config), need_id=True)
+        try:
+            item = reader.next_tuple_bytes()
+        except HioError as exc:
+            self._report(first_meta, ok=False, from_queue=True, message=f"damaged queue tuple: {exc.message}")
+            return
+        if item is None:
+            return
+        meta, data = item
+        if meta.image != self._config.image:
+            self._report(meta, ok=False, from_queue=True,
+                         message=f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}")
+            return
+        try:
+            error = self._process(meta, data, from_queue=True)
+        except HioError as exc:  # repository unreachable: fail it so the master requeues it now
+            error = f"cannot store features: {exc.message}"
+        if error is not None:
+            self._report(meta, ok=False, from_queue=True, message=error)
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    """Thin gRPC face of :class:`Engine`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @grpc_errors
+    def Deliver(self, request_iterator: Iterable[TupleFrame], context: Any) -> Iterator[TupleReceipt]:
+        yield from self._engine.deliver(request_iterator)
+
+
+POLICY = {"Deliver": {"gateway", "worker"}}
+
+
+def resolve_pipeline(config: EngineConfig) -> str:
+    """The pipeline spec: the setting, else $HIO_PIPELINE (container images), else the built-in."""
+    return config.pipeline or os.environ.get("HIO_PIPELINE", "") or pipeline_for_image(config.image)
+
+
+def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], None] = os._exit
+                         ) -> tuple[Any, int, Any, Engine]:
+    """Load the pipeline and build (server not started, port, health, engine started).
+
+    Health is SERVING from the start: the pipeline is loaded before the
+    server exists.
+    """
+    pipeline = load_pipeline(resolve_pipeline(config))
+    cluster = ClusterLink(config, rpc_deadline=config.rpc_deadline)
+    reporter = Reporter(config.channel_id, cluster.report, keepalive=config.reservation_seconds / 3).start()
+    engine = Engine(config, pipeline, cluster, reporter, exit_process=exit_process)
+    server, port, health = create_server(
+        config, config.listen, max_workers=8, policy=POLICY,
+        register=[lambda s: engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), s)])
+    set_serving(health, True)
+    return server, port, health, engine
+
+
+def watch_parent(parent_pid: int, stop: threading.Event, interval: float = PARENT_CHECK_SECONDS) -> None:
+    """Set ``stop`` once ``parent_pid`` is no longer our parent (it died; we were re-parented).
+
+    An engine must not outlive a worker killed with SIGKILL: a new worker
+    would start engines for the same channels while the orphans keep pulling.
+    """
+    def run() -> None:
+        while not stop.wait(interval):
+            if os.getppid() != parent_pid:
+                log.warning("the worker that started this engine is gone; stopping", extra={"parent_pid": parent_pid})
+                stop.set()
+                return
+
+    threading.Thread(target=run, name="parent-watch", daemon=True).start()
+
+
+def run_engine(config: EngineConfig) -> int:
+    """`hio engine`: serve one channel until SIGTERM (or its worker's death); exit 0 after a clean stop."""
+    server, port, health, engine = create_engine_server(config)
+    server.start()
+    engine.start()
+    stop_event = threading.Event()
+    if config.parent_pid > 0:
+        watch_parent(config.parent_pid, stop_event)
+    log.info("engine serving", extra={"channel": config.channel_id, "image": config.image, "port": port,
+                                      "pipeline": engine.pipeline_spec})
+
+    def stop() -> None:
+        set_serving(health, False)
+        engine.stop(config.grace_seconds)
+
+    return run_until_signal(server, grace=1.0, on_stop=[stop], stop_event=stop_event)

@@ -1,0 +1,179 @@
+"""Telling the master what an engine did, without ever making the data path wait.
+
+Outcomes are batched and sent by one background thread, in order: at most
+every ``flush_interval`` seconds, at once when a release is asked for (a
+stream ended, a queued tuple is done). While the channel is busy the thread
+sends an empty report every ``keepalive`` seconds so the master keeps the
+channel's reservation and leases. Reports that fail with a retryable error
+are sent again (the master treats them idempotently).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Deque, Union
+
+from hio.common import errors
+from hio.common.retry import Backoff
+from hio.proto import master_pb2
+
+log = logging.getLogger("hio.worker")
+
+Send = Callable[[master_pb2.ReportTuplesRequest], master_pb2.ReportTuplesResponse]
+RETRYABLE = (errors.Unavailable, errors.ResourceExhausted, errors.DeadlineExceeded)
+MAX_BATCH = 1000  # outcomes per request, well under the master's bound
+
+
+@dataclasses.dataclass
+class _Release:
+    """A release marker: everything before it goes in the request that releases."""
+
+    callback: Callable[[bool], None] | None
+
+
+_Item = Union[master_pb2.TupleOutcome, _Release]
+
+
+class Reporter:
+    """Batches outcomes and releases for one channel; thread-safe, never blocks callers.
+
+    ``send`` performs one ReportTuples call and raises ``hio.common.errors``
+    classes on failure. Release callbacks receive the master's ``pull_queue``
+    answer (False when the report could not be delivered).
+    """
+
+    def __init__(self, channel_id: str, send: Send, *, keepalive: float, flush_interval: float = 0.05,
+                 max_pending: int = 10_000) -> None:
+        self._channel_id = channel_id
+        self._send = send
+        self._keepalive = keepalive
+        self._flush_interval = flush_interval
+        self._max_pending = max_pending
+        self._cond = threading.Condition()
+        self._items: Deque[_Item] = collections.deque()
+        self._busy = False
+        self._stopping = False
+        self._stop_deadline = float("inf")
+        self._last_sent = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=f"reporter-{channel_id}", daemon=True)
+
+    def start(self) -> "Reporter":
+        self._thread.start()
+        return self
+
+    def outcome(self, outcome: master_pb2.TupleOutcome) -> None:
+        """Queue one tuple's outcome; sent within ~flush_interval."""
+        with self._cond:
+            self._items.append(outcome)
+            self._drop_excess()
+            self._cond.notify()
+
+    def release(self, callback: Callable[[bool], None] | None = None) -> None:
+        """Queue a release of the channel; ``callback(pull_queue)`` runs once it was sent."""
+        with self._cond:
+            self._items.append(_Release(callback))
+            self._cond.notify()
+
+    def set_busy(self, busy: bool) -> None:
+        """While busy, empty keep-alive reports hold the channel's reservation."""
+        with self._cond:
+            self._busy = busy
+            self._cond.notify()
+
+    def stop(self, timeout: float) -> None:
+        """Send what is pending (for at most ``timeout`` seconds), then stop the thread."""
+        with self._cond:
+            self._stopping = True
+            self._stop_deadline = time.monotonic() + timeout
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout + 1.0)
+
+    def _drop_excess(self) -> None:
+        """Bound memory while the master is unreachable: forget the oldest outcomes."""
+        excess = len(self._items) - self._max_pending
+        if excess <= 0:
+            return
+        kept: Deque[_Item] = collections.deque()
+        for item in self._items:
+            if excess > 0 and isinstance(item, master_pb2.TupleOutcome):
+                excess -= 1
+                continue
+            kept.append(item)
+        self._items = kept
+        log.warning("master unreachable: dropped the oldest tuple outcomes",
+                    extra={"channel": self._channel_id, "pending": len(self._items)})
+
+    def _next_batch(self) -> tuple[list[master_pb2.TupleOutcome], list[_Release], bool] | None:
+        """Wait for something to send; (outcomes, releases, keepalive) or None to stop."""
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                has_release = any(isinstance(i, _Release) for i in self._items)
+                batch_due = bool(self._items) and (has_release or self._stopping
+                                                   or now - self._last_sent >= self._flush_interval)
+                keepalive_due = self._busy and now - self._last_sent >= self._keepalive
+                if batch_due or keepalive_due:
+                    return self._take()
+                if self._stopping and not self._items:
+                    return None
+                waits = [self._keepalive - (now - self._last_sent)] if self._busy else [self._keepalive]
+                if self._items:
+                    waits.append(self._flush_interval - (now - self._last_sent))
+                self._cond.wait(max(0.005, min(waits)))
+
+    def _take(self) -> tuple[list[master_pb2.TupleOutcome], list[_Release], bool]:
+        outcomes: list[master_pb2.TupleOutcome] = []
+        releases: list[_Release] = []
+        while self._items and len(outcomes) < MAX_BATCH:
+            item = self._items.popleft()
+            if isinstance(item, _Release):
+                releases.append(item)
+                break  # a release ends a request: later outcomes belong to the next use
+            outcomes.append(item)
+        return outcomes, releases, not outcomes and not releases
+
+    def _run(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            outcomes, releases, _keepalive = batch
+            request = master_pb2.ReportTuplesRequest(channel_id=self._channel_id, outcomes=outcomes,
+                                                     release=bool(releases))
+            pull_queue = self._deliver(request)
+            for release in releases:
+                if release.callback is not None:
+                    release.callback(pull_queue)
+
+    def _deliver(self, request: master_pb2.ReportTuplesRequest) -> bool:
+        """Send one request, retrying while the master is unavailable; its pull_queue."""
+        backoff = Backoff(base=0.05, cap=2.0)
+        while True:
+            try:
+                reply = self._send(request)
+                with self._cond:
+                    self._last_sent = time.monotonic()
+                return bool(reply.pull_queue)
+            except RETRYABLE as exc:
+                if self._give_up():
+                    log.warning("report not delivered before stopping",
+                                extra={"channel": self._channel_id, "reason": exc.message})
+                    return False
+                log.info("report failed; retrying", extra={"channel": self._channel_id, "reason": exc.message})
+                time.sleep(min(backoff.delay(exc.retry_after), max(0.0, self._stop_deadline - time.monotonic())))
+            except Exception as exc:  # noqa: BLE001 - refused (or broken): drop it, keep reporting
+                log.warning("master refused a report; dropped",
+                            extra={"channel": self._channel_id, "outcomes": len(request.outcomes),
+                                   "reason": exc.message if isinstance(exc, errors.HioError) else repr(exc)})
+                with self._cond:
+                    self._last_sent = time.monotonic()
+                return False
+
+    def _give_up(self) -> bool:
+        with self._cond:
+            return self._stopping and time.monotonic() >= self._stop_deadline
