@@ -1,1 +1,39 @@
-"""(being built)"""
+"""Built-in processing pipelines and the sample dataset.
+
+The pipeline contract (docs/architecture.md, "Processing pipelines"): a
+pipeline is a module with
+
+* ``KD_FEATURES: list[str]`` (optional): the numeric features knowledge
+  discovery clusters on;
+* ``setup() -> None`` (optional): called once per engine, before any tuple;
+* ``process(data: bytes, info) -> dict[str, float | str | list[float]]``:
+  the features of one tuple. ``info`` is a ``hio.worker.TupleInfo`` (tuple_id,
+  source, image, name, size, created_unix, attributes: a str -> str mapping,
+  from which a pipeline may read per-tuple parameters).
+
+``process`` must be deterministic for the same input (features are stored
+once per tuple id, and a redelivered tuple must not change them) and must
+raise ``ValueError`` with a clear message for input it cannot decode: the
+engine reports that tuple as failed, and the message is what an operator
+sees. Built-ins use only numpy, Pillow and the standard library (scipy, when
+installed, only speeds up connected-component labelling).
+
+Built-in pipelines (image name -> ``module:function``), in :data:`BUILTIN`:
+
+* ``hio/microscopy``: :mod:`hio.worker.pipelines.microscopy`, TIFF/PNG
+  fluorescence images: intensity statistics, focus measures, segmented objects.
+* ``hio/simulation``: :mod:`hio.worker.pipelines.simulation`, ``.npz``/``.npy``
+  realizations of stochastic reaction-diffusion models: per-species mean,
+  variance, CV, lag-1 autocorrelation, dominant period.
+* ``hio/synthetic``: :mod:`hio.worker.pipelines.synthetic`, benchmark load with
+  a CPU cost and output size set per tuple (``cost_ms``, ``features``).
+
+:mod:`hio.worker.pipelines.samples` generates the deterministic sample
+dataset (``generate_demo_dataset``) that the demo and the benchmarks stream.
+"""
+
+BUILTIN: dict[str, str] = {
+    "hio/microscopy": "hio.worker.pipelines.microscopy:process",
+    "hio/simulation": "hio.worker.pipelines.simulation:process",
+    "hio/synthetic": "hio.worker.pipelines.synthetic:process",
+}

@@ -1,0 +1,291 @@
+"""Simulation pipeline (image ``hio/simulation``): time-series features of one realization.
+
+A tuple is one realization of a stochastic (reaction-diffusion) model, stored
+with numpy's own formats and always loaded with ``allow_pickle=False`` (an
+array of Python objects is refused, never unpickled):
+
+* ``.npz`` (``numpy.savez`` or ``savez_compressed``) with
+    - ``x``: copy numbers, shape ``(S, T)`` (species x time) or ``(S, V, T)``
+      (species x voxels x time; voxels are summed to the whole-domain count),
+      or ``(T,)`` for a single species; integer or float.
+    - ``t``: ``(T,)`` strictly increasing sample times. Optional: without it
+      the samples are taken as 0, 1, 2, ... time units.
+    - ``species``: optional ``(S,)`` string array of names (letters, digits,
+      ``_ . -``; at most 64 characters). Default names: A, B, C, ... Z, S26, ...
+* ``.npy``: a plain ``(S, T)`` (or ``(T,)``) array, unit time step.
+
+Features per species ``N`` (the name): ``N_mean``, ``N_var`` (population
+variance), ``N_cv`` (std / |mean|, 0 for a zero mean), ``N_autocorr1`` (lag-1
+autocorrelation, 0 for a constant series) and ``N_period``: the dominant period,
+in the time units of ``t``, from the Hann-windowed periodogram of the linearly
+detrended series (resampled to a uniform grid when ``t`` is not uniform),
+refined by parabolic interpolation of the log power. It is 0 when there is no
+clear peak: the peak must lie at ``min_cycles`` or more cycles per series
+(default 3; slower "peaks" are trends or red noise) and hold at least
+``min_peak_power`` (default 0.15) of the detrended series' spectral power in
+its three bins. Plus ``species_count``, ``timepoints``, ``voxels``, ``t_span``.
+
+Tuple attributes (optional): ``min_cycles`` (1..1000), ``min_peak_power`` (0..1).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import re
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hio.worker.pipelines._params import attr_float, attributes_of
+
+log = logging.getLogger("hio.worker.pipelines.simulation")
+
+DEFAULT_SPECIES = ("A", "B")
+KD_FEATURES = [f"{s}_{f}" for s in DEFAULT_SPECIES for f in ("mean", "var", "autocorr1", "period")]
+"""Clustered features: the first two species under their default names A and B
+(the shipped sample data names its two Brusselator species so)."""
+
+MAX_SPECIES = 256
+MIN_TIMEPOINTS = 8
+MAX_UNPACKED_BYTES = 1 << 30     # a compressed .npz may not expand past this
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+@dataclass(frozen=True)
+class Params:
+    """Period-detection settings, from the tuple attributes."""
+
+    min_cycles: float = 3.0
+    min_peak_power: float = 0.15
+
+    @classmethod
+    def from_info(cls, info: Any) -> "Params":
+        attrs = attributes_of(info)
+        return cls(
+            min_cycles=attr_float(attrs, "min_cycles", cls.min_cycles, 1.0, 1000.0),
+            min_peak_power=attr_float(attrs, "min_peak_power", cls.min_peak_power, 0.0, 1.0),
+        )
+
+
+@dataclass(frozen=True)
+class Realization:
+    """One decoded realization: whole-domain counts per species over time."""
+
+    t: np.ndarray            # (T,) float64, strictly increasing
+    x: np.ndarray            # (S, T) float64
+    species: tuple[str, ...]
+    voxels: int
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def default_species_names(count: int) -> tuple[str, ...]:
+    """A, B, ..., Z, then S26, S27, ..."""
+    return tuple(chr(ord("A") + i) if i < 26 else f"S{i}" for i in range(count))
+
+
+def _load_npz(data: bytes) -> dict[str, np.ndarray]:
+    """The arrays of an .npz tuple, refusing pickles and oversized expansion."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        unpacked = sum(item.file_size for item in archive.infolist())
+    if unpacked > MAX_UNPACKED_BYTES:
+        raise ValueError(f"simulation: .npz expands to {unpacked} bytes; at most {MAX_UNPACKED_BYTES} allowed")
+    arrays: dict[str, np.ndarray] = {}
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        for key in ("t", "x", "species"):
+            if key in npz.files:
+                arrays[key] = _load_member(npz, key)
+    if "x" not in arrays:
+        raise ValueError("simulation: .npz has no array 'x' (species x [voxels x] time)")
+    return arrays
+
+
+def _load_member(npz: Any, key: str) -> np.ndarray:
+    try:
+        return npz[key]
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):
+            raise ValueError(f"simulation: array {key!r} holds Python objects; pickled data is refused") from None
+        raise ValueError(f"simulation: array {key!r} is unreadable ({exc})") from None
+
+
+def _load_arrays(data: bytes) -> dict[str, np.ndarray]:
+    """Arrays of an .npz or .npy tuple; every decode failure becomes a ValueError."""
+    head = bytes(data[:8])
+    try:
+        if head.startswith(_ZIP_MAGIC):
+            return _load_npz(data)
+        if head.startswith(_NPY_MAGIC):
+            return {"x": np.load(io.BytesIO(data), allow_pickle=False)}
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):
+            raise ValueError("simulation: .npy array holds Python objects; pickled data is refused") from None
+        if str(exc).startswith("simulation:"):
+            raise
+        raise ValueError(f"simulation: damaged numpy data ({exc})") from None
+    except (zipfile.BadZipFile, OSError, EOFError, KeyError) as exc:
+        raise ValueError(f"simulation: damaged .npz/.npy tuple ({type(exc).__name__}: {exc})") from None
+    raise ValueError(f"simulation: tuple of {len(data)} bytes is neither .npz nor .npy "
+                     f"(starts with {head[:8]!r})")
+
+
+def _counts(x: np.ndarray) -> tuple[np.ndarray, int]:
+    """(S, T) float counts from a (T,), (S, T) or (S, V, T) array, and the voxel count."""
+    if x.dtype.kind not in "biuf":
+        raise ValueError(f"simulation: 'x' has dtype {x.dtype}; a real numeric array is needed")
+    if x.ndim == 1:
+        x, voxels = x[np.newaxis, :], 1
+    elif x.ndim == 2:
+        voxels = 1
+    elif x.ndim == 3:
+        voxels = x.shape[1]
+        x = x.sum(axis=1, dtype=np.float64)
+    else:
+        raise ValueError(f"simulation: 'x' has shape {x.shape}; expected (T,), (S, T) or (S, V, T)")
+    if not 1 <= x.shape[0] <= MAX_SPECIES:
+        raise ValueError(f"simulation: 'x' has {x.shape[0]} species; 1..{MAX_SPECIES} allowed")
+    if x.shape[1] < MIN_TIMEPOINTS:
+        raise ValueError(f"simulation: 'x' has {x.shape[1]} time points; at least {MIN_TIMEPOINTS} needed")
+    x = np.asarray(x, dtype=np.float64)
+    if not np.all(np.isfinite(x)):
+        raise ValueError("simulation: 'x' contains NaN or infinite values")
+    return x, voxels
+
+
+def _times(t: np.ndarray | None, count: int) -> np.ndarray:
+    """Checked sample times, or 0..count-1 when absent."""
+    if t is None:
+        return np.arange(count, dtype=np.float64)
+    if t.dtype.kind not in "iuf" or t.ndim != 1 or t.shape[0] != count:
+        raise ValueError(f"simulation: 't' must be a numeric ({count},) array, not {t.dtype} {t.shape}")
+    t = t.astype(np.float64)
+    if not np.all(np.isfinite(t)) or not np.all(np.diff(t) > 0):
+        raise ValueError("simulation: 't' must be finite and strictly increasing")
+    return t
+
+
+def _species(names: np.ndarray | None, count: int) -> tuple[str, ...]:
+    """Checked species names, or the defaults."""
+    if names is None:
+        return default_species_names(count)
+    if names.dtype.kind not in "US" or names.ndim != 1 or names.shape[0] != count:
+        raise ValueError(f"simulation: 'species' must be a ({count},) string array, not {names.dtype} {names.shape}")
+    result = tuple(n.decode("ascii", "replace") if isinstance(n, bytes) else str(n) for n in names.tolist())
+    bad = [n for n in result if not _NAME.match(n)]
+    if bad:
+        raise ValueError(f"simulation: invalid species name {bad[0]!r} (letters, digits, _ . -; 1..64 chars)")
+    if len(set(result)) != len(result):
+        raise ValueError("simulation: species names are not unique")
+    return result
+
+
+def decode_realization(data: bytes) -> Realization:
+    """Decode an .npz/.npy tuple (see the module docstring) or raise ValueError."""
+    arrays = _load_arrays(data)
+    x, voxels = _counts(arrays["x"])
+    t = _times(arrays.get("t"), x.shape[1])
+    species = _species(arrays.get("species"), x.shape[0])
+    return Realization(t=t, x=x, species=species, voxels=voxels)
+
+
+# --------------------------------------------------------------------------- features
+
+
+def autocorrelation(series: np.ndarray, lag: int = 1) -> float:
+    """Sample autocorrelation at ``lag`` (0 for a constant series)."""
+    centred = series - series.mean()
+    denominator = float(np.dot(centred, centred))
+    if denominator <= 0 or lag >= len(series):
+        return 0.0
+    return float(np.dot(centred[:-lag], centred[lag:]) / denominator)
+
+
+def _uniform(t: np.ndarray, series: np.ndarray) -> tuple[np.ndarray, float]:
+    """The series on a uniform grid of the same length, and its step."""
+    step = (t[-1] - t[0]) / (len(t) - 1)
+    if np.allclose(np.diff(t), step, rtol=1e-6, atol=0.0):
+        return series, float(step)
+    grid = np.linspace(t[0], t[-1], len(t))
+    return np.interp(grid, t, series), float(step)
+
+
+def _detrend(series: np.ndarray) -> np.ndarray:
+    """The series minus its least-squares straight line."""
+    k = np.arange(len(series), dtype=np.float64)
+    k -= k.mean()
+    centred = series - series.mean()
+    denominator = float(np.dot(k, k))
+    slope = float(np.dot(k, centred)) / denominator if denominator > 0 else 0.0
+    return centred - slope * k
+
+
+def _refine_peak(power: np.ndarray, k: int) -> float:
+    """Sub-bin peak position from a parabola through the log power of bins k-1, k, k+1."""
+    if k <= 0 or k >= len(power) - 1:
+        return float(k)
+    a, b, c = np.log(power[k - 1:k + 2] + 1e-300)
+    curvature = a - 2.0 * b + c
+    if curvature >= 0:
+        return float(k)
+    return k + 0.5 * float(a - c) / float(curvature)
+
+
+def dominant_period(t: np.ndarray, series: np.ndarray, params: Params = Params()) -> float:
+    """The dominant period in units of ``t``, or 0 when the spectrum has no clear peak."""
+    values, step = _uniform(t, series)
+    detrended = _detrend(values)
+    n = len(detrended)
+    power = np.abs(np.fft.rfft(detrended * np.hanning(n))) ** 2
+    total = float(power[1:].sum())
+    if total <= 0 or len(power) < 3:
+        return 0.0
+    k = int(np.argmax(power[1:])) + 1
+    if k < params.min_cycles:
+        return 0.0
+    share = float(power[max(1, k - 1):k + 2].sum()) / total
+    if share < params.min_peak_power:
+        return 0.0
+    return n * step / _refine_peak(power, k)
+
+
+def series_features(name: str, t: np.ndarray, series: np.ndarray, params: Params) -> dict[str, float]:
+    """Mean, variance, CV, lag-1 autocorrelation and dominant period of one species."""
+    mean = float(series.mean())
+    variance = float(series.var())
+    return {
+        f"{name}_mean": mean,
+        f"{name}_var": variance,
+        f"{name}_cv": math.sqrt(variance) / abs(mean) if mean != 0 else 0.0,
+        f"{name}_autocorr1": autocorrelation(series, 1),
+        f"{name}_period": dominant_period(t, series, params),
+    }
+
+
+def analyse(realization: Realization, params: Params) -> dict[str, float | str | list[float]]:
+    """All features of a decoded realization."""
+    t = realization.t
+    features: dict[str, float | str | list[float]] = {
+        "species_count": float(len(realization.species)),
+        "timepoints": float(len(t)),
+        "voxels": float(realization.voxels),
+        "t_span": float(t[-1] - t[0]),
+    }
+    for name, series in zip(realization.species, realization.x):
+        features.update(series_features(name, t, series, params))
+    return features
+
+
+def process(data: bytes, info: Any) -> dict[str, float | str | list[float]]:
+    """Pipeline entry point: features of one .npz/.npy realization tuple."""
+    params = Params.from_info(info)
+    features = analyse(decode_realization(data), params)
+    log.debug("analysed realization", extra={"tuple_id": getattr(info, "tuple_id", None),
+                                              "species": features["species_count"]})
+    return features
