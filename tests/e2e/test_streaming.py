@@ -76,8 +76,12 @@ class Cluster:
 
 def wait_all_stored(cluster: Cluster, ids: list[int], timeout: float = 120) -> list:  # type: ignore[type-arg]
     wanted = set(ids)
-    return wait_for(lambda: (r := cluster.records()) if wanted <= {x.tuple_id for x in r} else None,
-                    timeout=timeout, interval=0.3, what=f"{len(ids)} tuples stored")
+
+    def all_there() -> list | None:  # type: ignore[type-arg]
+        records = cluster.records()
+        return records if wanted <= {r.tuple_id for r in records} else None
+
+    return wait_for(all_there, timeout=timeout, interval=0.3, what=f"{len(ids)} tuples stored")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,77 @@
+"""Settings of the feature repository (``hio repository``).
+
+Kept free of heavy imports: the CLI loads this module to build its flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from hio.common.config import ConfigError, positive, setting
+from hio.common.settings import MiB, ClusterSettings
+
+FSYNC_MODES = ("batch", "always", "never")
+
+# Bytes of a PutFeatures/ReadFeatures message beyond the record itself (the engine keeps the same).
+RECORD_HEADROOM = 64 * 1024
+
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*):\d{1,5}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class RepositoryConfig(ClusterSettings):
+    listen: str = setting("127.0.0.1:7100", "host:port the repository's gRPC service listens on")
+    http_listen: str = setting("127.0.0.1:7180", "host:port of the HTTP preview page; empty disables it")
+    segment_bytes: int = setting(64 * MiB, "size at which a feature segment file is sealed and a new one begun")
+    fsync: str = setting(
+        "batch",
+        "durability of PutFeatures: 'batch' = fsync before answering, concurrent puts share one "
+        "fsync (group commit); 'always' = one fsync per request, serialised; 'never' = leave "
+        "flushing to the OS (survives a process crash, not a power loss)")
+    fsync_interval_ms: int = setting(
+        0, "batch mode: least milliseconds between two fsyncs; puts arriving meanwhile share the "
+           "next one (more throughput under load, more latency per put). 0 = sync at once")
+    max_record_bytes: int = setting(16 * MiB - RECORD_HEADROOM,
+                                    "largest compressed feature record accepted (must fit one gRPC message)")
+    max_decompressed_bytes: int = setting(64 * MiB, "largest decompressed feature record accepted")
+    read_batch_records: int = setting(1000, "most records per ReadFeatures response message")
+    read_batch_bytes: int = setting(8 * MiB, "most record bytes per ReadFeatures response message (one larger record goes alone)")
+    max_consumers: int = setting(1024, "most named consumers whose offsets are kept")
+    max_workers: int = setting(32, "gRPC server threads")
+
+    def validate(self) -> None:
+        """Refuse settings the repository cannot honour; messages name the setting."""
+        self.validate_cluster()
+        _check_address("listen", self.listen, allow_empty=False)
+        _check_address("http_listen", self.http_listen, allow_empty=True)
+        if self.fsync not in FSYNC_MODES:
+            raise ConfigError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {self.fsync!r}")
+        if self.fsync_interval_ms < 0 or self.fsync_interval_ms > 10_000:
+            raise ConfigError(f"fsync_interval_ms must be between 0 and 10000, got {self.fsync_interval_ms}")
+        for name in ("segment_bytes", "max_record_bytes", "max_decompressed_bytes", "read_batch_records",
+                     "read_batch_bytes", "max_consumers", "max_workers"):
+            positive(name, getattr(self, name))
+        self._validate_sizes()
+
+    def _validate_sizes(self) -> None:
+        # Imported here: hio.common.net imports grpc, which the CLI should not pay for to parse flags.
+        from hio.common.net import message_limit
+
+        limit = message_limit(self) - RECORD_HEADROOM
+        if self.max_record_bytes > limit:
+            raise ConfigError(f"max_record_bytes ({self.max_record_bytes}) must leave room in one gRPC message "
+                              f"(at most {limit} with chunk_bytes={self.chunk_bytes})")
+        if self.read_batch_bytes > limit:
+            raise ConfigError(f"read_batch_bytes ({self.read_batch_bytes}) must be at most {limit}")
+        if self.segment_bytes < 64 * 1024:
+            raise ConfigError(f"segment_bytes must be at least 64 KiB, got {self.segment_bytes}")
+        if self.read_batch_records > 100_000:
+            raise ConfigError(f"read_batch_records must be at most 100000, got {self.read_batch_records}")
+
+
+def _check_address(name: str, value: str, *, allow_empty: bool) -> None:
+    if allow_empty and value == "":
+        return
+    if not _ADDRESS.match(value):
+        raise ConfigError(f"{name} must be host:port, got {value!r}")

@@ -1,0 +1,443 @@
+"""The append-only log of feature records: segments on disk, index in memory.
+
+Durability (``fsync``):
+
+* ``batch`` (default): a put returns only after an fsync covering its records
+  (and any duplicate it reports); concurrent puts share one fsync (group
+  commit), at most one every ``fsync_interval`` seconds. An acknowledged put
+  survives a power loss, and the engine may answer ``STORED``.
+* ``always``: every put fsyncs while holding the append lock (simplest
+  ordering, lowest throughput under concurrency).
+* ``never``: data reaches the OS before a put returns (survives a crash of
+  this process), fsync happens only when a segment is sealed and at close.
+
+A failed fsync leaves the log read-only: after such a failure the kernel may
+have dropped the dirty pages, so a later fsync succeeding proves nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from hio.common.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
+from hio.repository.config import FSYNC_MODES
+from hio.repository.files import fsync_dir
+from hio.repository.index import Location, OffsetIndex
+from hio.repository.segments import (MAGIC, decode_record, encode_record, parse_segment_name,
+                                     scan_segment, segment_name)
+
+log = logging.getLogger("hio.repository")
+
+_LOOKUP_CHUNK = 1024            # offsets resolved per lock acquisition when reading
+_READ_RUN_BYTES = 4 * 1024 * 1024  # adjacent records fetched with one pread, up to this much
+
+
+class CorruptSegment(DataLoss):
+    """A segment other than the last is damaged, or segments are missing: the
+    repository refuses to start rather than serve or renumber wrong data."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Appended:
+    """The outcome of one record of a put: its offset, and whether it was already there."""
+
+    offset: int
+    duplicate: bool
+
+
+class _GroupCommit:
+    """Tracks the highest durable offset; one caller at a time fsyncs for all waiting."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._cond = threading.Condition()
+        self._interval = interval_s
+        self._durable = 0
+        self._syncing = False
+        self._last_sync = 0.0
+
+    def mark_durable(self, offset: int) -> None:
+        with self._cond:
+            if offset > self._durable:
+                self._durable = offset
+                self._cond.notify_all()
+
+    def wait_durable(self, offset: int, sync: Callable[[], int]) -> None:
+        """Return once ``offset`` is durable, running ``sync`` (which returns the
+        offset it made durable) if no other caller is already doing so."""
+        while True:
+            with self._cond:
+                while self._durable < offset and self._syncing:
+                    self._cond.wait()
+                if self._durable >= offset:
+                    return
+                self._syncing = True
+            self._sync_once(sync)
+
+    def _sync_once(self, sync: Callable[[], int]) -> None:
+        covered = 0
+        try:
+            delay = self._last_sync + self._interval - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)  # puts arriving meanwhile ride on this fsync
+            covered = sync()
+        finally:
+            with self._cond:
+                self._syncing = False
+                self._last_sync = time.monotonic()
+                self._durable = max(self._durable, covered)
+                self._cond.notify_all()
+
+
+class FeatureLog:
+    """Append-only, idempotent-by-tuple-id record log. Thread safe."""
+
+    def __init__(self, folder: Path, *, segment_bytes: int, fsync: str = "batch",
+                 fsync_interval: float = 0.0) -> None:
+        if fsync not in FSYNC_MODES:
+            raise ValueError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
+        self._folder = folder
+        self._segment_bytes = segment_bytes
+        self._mode = fsync
+        self._lock = threading.Lock()
+        self._index = OffsetIndex()
+        self._paths: list[Path] = []
+        self._fd = -1
+        self._size = 0
+        self._closed = False
+        self._broken = ""
+        self._commit = _GroupCommit(fsync_interval)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_folder(folder)
+        try:
+            self._recover()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    # ----------------------------------------------------------------- startup
+
+    def _recover(self) -> None:
+        """Rebuild the index from the segments; truncate a torn tail of the last one."""
+        started = time.monotonic()
+        segments = sorted((first, p) for p in self._folder.iterdir()
+                          if (first := parse_segment_name(p)) is not None)
+        for i, (first, path) in enumerate(segments):
+            self._load_segment(first, path, last=i == len(segments) - 1)
+        if not segments:
+            self._create_segment(1)
+        else:
+            self._open_last()
+        self._commit.mark_durable(self._index.latest)
+        log.info("feature log opened", extra={
+            "records": self._index.latest, "segments": len(self._paths),
+            "rebuild_s": round(time.monotonic() - started, 3)})
+
+    def _load_segment(self, first: int, path: Path, *, last: bool) -> None:
+        if first != self._index.latest + 1:
+            raise CorruptSegment(f"segment {path.name} starts at offset {first} but the segments before it "
+                                 f"end at {self._index.latest}: a segment is missing or misnamed")
+        scan = scan_segment(path, first)
+        if scan.problem:
+            self._handle_damage(path, scan.problem, scan.valid_end, scan.torn_bytes, last=last)
+        self._index.begin_segment(first)
+        self._index.extend(scan.tuple_ids, scan.positions, scan.lengths)
+        self._paths.append(path)
+
+    def _handle_damage(self, path: Path, problem: str, valid_end: int, torn: int, *, last: bool) -> None:
+        """A torn tail of the last segment is cut off; damage anywhere else stops the start."""
+        if not last or (valid_end == 0 and path.stat().st_size >= len(MAGIC)):
+            raise CorruptSegment(f"segment {path} is damaged at byte {valid_end} ({problem}); "
+                                 "restore it from a backup or move it aside")
+        kept = self._keep_torn_tail(path, valid_end)
+        log.warning("truncating torn tail of feature segment", extra={
+            "segment": path.name, "at_byte": valid_end, "dropped_bytes": torn, "problem": problem,
+            "kept_in": kept})
+        with open(path, "r+b") as fh:
+            fh.truncate(valid_end)
+            if valid_end == 0:
+                fh.write(MAGIC)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def _keep_torn_tail(self, path: Path, valid_end: int) -> str:
+        """Copy the bytes about to be cut to ``torn/`` so an operator can inspect them."""
+        folder = self._folder / "torn"
+        folder.mkdir(exist_ok=True)
+        target = folder / f"{path.name}.{int(time.time())}.{valid_end}.tail"
+        with open(path, "rb") as src, open(target, "wb") as dst:
+            src.seek(valid_end)
+            while block := src.read(1024 * 1024):
+                dst.write(block)
+            dst.flush()
+            os.fsync(dst.fileno())
+        return str(target)
+
+    def _open_last(self) -> None:
+        path = self._paths[-1]
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._size = os.fstat(self._fd).st_size
+
+    def _create_segment(self, first: int) -> None:
+        """Start a new segment file beginning at offset ``first`` and make it current."""
+        path = self._folder / segment_name(first)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, MAGIC)
+            os.fsync(fd)
+            fsync_dir(self._folder)
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        self._index.begin_segment(first)
+        self._paths.append(path)
+        self._fd, self._size = fd, len(MAGIC)
+
+    # ------------------------------------------------------------------ writes
+
+    def append(self, items: Sequence[tuple[int, bytes]]) -> list[Appended]:
+        """Append (tuple_id, payload) records whose ids are not stored yet.
+
+        Ids already stored (or repeated within ``items``) get their existing
+        offset and ``duplicate=True``; nothing is written for them. Returns
+        once the outcome is as durable as the fsync mode promises.
+        """
+        with self._lock:
+            self._check_writable()
+            results, fresh = self._plan(items)
+            if fresh:
+                self._write(fresh)
+                if self._mode == "always":
+                    self._fsync_locked()
+        highest = max((r.offset for r in results), default=0)
+        if self._mode != "never":
+            self._commit.wait_durable(highest, self._sync_current)
+        return results
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise Unavailable("the repository is shutting down")
+        if self._broken:
+            raise Unavailable(f"the repository is read-only after a storage failure: {self._broken}")
+
+    def _plan(self, items: Sequence[tuple[int, bytes]]) -> tuple[list[Appended], list[tuple[int, int, bytes]]]:
+        """Offsets for each item; the (offset, tuple_id, payload) list of those to write."""
+        results: list[Appended] = []
+        fresh: list[tuple[int, int, bytes]] = []
+        in_batch: dict[int, int] = {}
+        next_offset = self._index.latest + 1
+        for tuple_id, payload in items:
+            existing = self._index.offset_of(tuple_id) or in_batch.get(tuple_id, 0)
+            if existing:
+                results.append(Appended(existing, True))
+                continue
+            in_batch[tuple_id] = next_offset
+            fresh.append((next_offset, tuple_id, payload))
+            results.append(Appended(next_offset, False))
+            next_offset += 1
+        return results, fresh
+
+    def _write(self, fresh: list[tuple[int, int, bytes]]) -> None:
+        """Write records in order, sealing segments that would outgrow ``segment_bytes``."""
+        chunk: list[tuple[int, bytes]] = []
+        chunk_bytes = 0
+        for offset, tuple_id, payload in fresh:
+            record = encode_record(offset, tuple_id, payload)
+            used = self._size + chunk_bytes
+            if used + len(record) > self._segment_bytes and used > len(MAGIC):
+                self._write_chunk(chunk)
+                chunk, chunk_bytes = [], 0
+                self._roll(offset)
+            chunk.append((tuple_id, record))
+            chunk_bytes += len(record)
+        self._write_chunk(chunk)
+
+    def _write_chunk(self, chunk: list[tuple[int, bytes]]) -> None:
+        """One write of records into the current segment, indexed only once written whole."""
+        if not chunk:
+            return
+        start = self._size
+        try:
+            _write_all(self._fd, b"".join(record for _, record in chunk))
+        except OSError as exc:
+            self._undo_partial(start, exc)
+            raise Unavailable(f"the repository cannot write features: {exc.strerror}") from None
+        position = start
+        for tuple_id, record in chunk:
+            self._index.add(tuple_id, position, len(record))
+            position += len(record)
+        self._size = position
+
+    def _undo_partial(self, start: int, exc: OSError) -> None:
+        """Cut a half-written chunk off so the segment ends on a whole record."""
+        log.error("feature write failed; truncating", extra={"error": exc.strerror, "at_byte": start})
+        try:
+            os.ftruncate(self._fd, start)
+        except OSError as again:
+            self._broken = f"cannot truncate after a failed write ({again.strerror})"
+
+    def _roll(self, next_offset: int) -> None:
+        """Seal the current segment (always fsynced, whatever the mode) and start the next."""
+        old = self._fd
+        try:
+            os.fsync(old)
+        except OSError as exc:
+            self._broken = f"fsync failed ({exc.strerror})"
+            raise Unavailable(f"the repository cannot persist features: {exc.strerror}") from None
+        self._commit.mark_durable(next_offset - 1)
+        try:
+            self._create_segment(next_offset)
+        except OSError as exc:
+            raise Unavailable(f"the repository cannot start a new segment: {exc.strerror}") from None
+        os.close(old)
+
+    def _fsync_locked(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._broken = f"fsync failed ({exc.strerror})"
+            raise Unavailable(f"the repository cannot persist features: {exc.strerror}") from None
+        self._commit.mark_durable(self._index.latest)
+
+    def _sync_current(self) -> int:
+        """fsync the current segment outside the lock; returns the offset now durable."""
+        with self._lock:
+            target = self._index.latest
+            if self._closed:
+                return target  # close() synced everything
+            self._check_writable()
+            fd = os.dup(self._fd)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            with self._lock:
+                self._broken = f"fsync failed ({exc.strerror})"
+            raise Unavailable(f"the repository cannot persist features: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+        return target
+
+    # ------------------------------------------------------------------- reads
+
+    @property
+    def latest(self) -> int:
+        """Highest offset stored; 0 when empty. Equals the number of records."""
+        with self._lock:
+            return self._index.latest
+
+    def offset_of(self, tuple_id: int) -> int:
+        """Offset of ``tuple_id``, 0 if not stored."""
+        with self._lock:
+            return self._index.offset_of(tuple_id)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"records": self._index.latest, "segments": len(self._paths),
+                    "bytes": sum(p.stat().st_size for p in self._paths[:-1]) + self._size}
+
+    def read(self, after: int, until: int = 0, max_records: int = 0) -> Iterator[tuple[int, int, bytes]]:
+        """(offset, tuple_id, payload) for ``after < offset <= until`` (0 = latest), in
+        order, at most ``max_records`` (0 = no limit). Arguments are checked now;
+        records are read from disk as the iterator advances."""
+        if after < 0 or until < 0 or max_records < 0:
+            raise InvalidArgument("after, until and max_records must not be negative")
+        if until and until < after:
+            raise InvalidArgument(f"until ({until}) is below after ({after})")
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the repository is shutting down")
+            last = self._index.latest if until == 0 else min(until, self._index.latest)
+        if max_records:
+            last = min(last, after + max_records)
+        return self._iterate(after + 1, last)
+
+    def _iterate(self, first: int, last: int) -> Iterator[tuple[int, int, bytes]]:
+        fds: dict[int, int] = {}
+        try:
+            for start in range(first, last + 1, _LOOKUP_CHUNK):
+                stop = min(start + _LOOKUP_CHUNK - 1, last)
+                with self._lock:
+                    locations = self._index.locations(start, stop)
+                    paths = self._paths[:]
+                for run_first, run in _runs(start, locations):
+                    fd = fds.get(run[0].segment)
+                    if fd is None:
+                        fd = fds[run[0].segment] = os.open(paths[run[0].segment], os.O_RDONLY)
+                    yield from _read_run(fd, paths[run[0].segment], run_first, run)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def close(self) -> None:
+        """Flush to disk and stop accepting writes. Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._fd >= 0:
+                try:
+                    os.fsync(self._fd)
+                except OSError as exc:
+                    log.error("fsync at close failed", extra={"error": exc.strerror})
+                os.close(self._fd)
+                self._fd = -1
+            os.close(self._lock_fd)  # releases the folder lock
+        self._commit.mark_durable(self._index.latest)
+
+
+def _lock_folder(folder: Path) -> int:
+    """Hold an exclusive lock on ``folder``: two writers would interleave records."""
+    fd = os.open(folder / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise FailedPrecondition(f"{folder} is in use by another repository process") from None
+    return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _runs(first: int, locations: list[Location]) -> Iterator[tuple[int, list[Location]]]:
+    """Group adjacent records of one segment so each group is one pread."""
+    run: list[Location] = []
+    run_first = first
+    run_bytes = 0
+    for offset, loc in enumerate(locations, first):
+        if run and (loc.segment != run[-1].segment or loc.position != run[-1].position + run[-1].length
+                    or run_bytes + loc.length > _READ_RUN_BYTES):
+            yield run_first, run
+            run, run_bytes = [], 0
+        if not run:
+            run_first = offset
+        run.append(loc)
+        run_bytes += loc.length
+    if run:
+        yield run_first, run
+
+
+def _read_run(fd: int, path: Path, first: int, run: list[Location]) -> Iterator[tuple[int, int, bytes]]:
+    start = run[0].position
+    size = run[-1].position + run[-1].length - start
+    buf = os.pread(fd, size, start)
+    view = memoryview(buf)
+    for offset, loc in enumerate(run, first):
+        piece = view[loc.position - start:loc.position - start + loc.length]
+        decoded = decode_record(piece, offset)
+        if decoded is None:
+            log.error("damaged feature record on disk", extra={"segment": path.name, "offset": offset})
+            raise DataLoss(f"the record at offset {offset} is damaged on disk ({path.name})")
+        yield offset, decoded[0], decoded[1]
+

@@ -1,0 +1,66 @@
+"""Running the repository: gRPC service, HTTP view, lifecycle."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health
+
+from hio.common.errors import HioError
+from hio.common.net import create_server, run_until_signal, set_serving
+from hio.proto import repository_pb2_grpc
+from hio.repository.config import RepositoryConfig
+from hio.repository.http import PreviewHttpServer
+from hio.repository.service import POLICY, RepositoryService
+from hio.repository.store import FeatureStore
+
+log = logging.getLogger("hio.repository")
+
+
+def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, health.HealthServicer, FeatureStore]:
+    store = FeatureStore.from_config(config)
+    service = RepositoryService(store, read_batch_records=config.read_batch_records,
+                                read_batch_bytes=config.read_batch_bytes)
+    try:
+        server, port, health_servicer = create_server(
+            config, config.listen, max_workers=config.max_workers, policy=POLICY,
+            register=[lambda s: repository_pb2_grpc.add_RepositoryServicer_to_server(service, s)])
+    except BaseException:
+        store.close()
+        raise
+    set_serving(health_servicer, False)
+    return server, port, health_servicer, store
+
+
+def create_repository_server(config: RepositoryConfig) -> tuple[grpc.Server, int, FeatureStore]:
+    """(server, bound port, store), not started; for in-process use and tests.
+
+    The caller starts the server, and stops it and closes the store when done.
+    """
+    server, port, health_servicer, store = _build(config)
+    set_serving(health_servicer, True)
+    return server, port, store
+
+
+def run_repository(config: RepositoryConfig) -> int:
+    """Serve until SIGTERM/SIGINT; exit code 0 after a clean stop, 1 if the store cannot open."""
+    try:
+        server, port, health_servicer, store = _build(config)
+    except HioError as exc:
+        log.error("repository cannot start", extra={"reason": exc.message})
+        return 1
+    http_server = None
+    try:
+        if config.http_listen:
+            http_server = PreviewHttpServer(store, config.http_listen).start()
+        server.start()
+        set_serving(health_servicer, True)
+        log.info("repository serving", extra={"port": port, "records": store.latest(),
+                                              "http_port": http_server.port if http_server else None})
+        return run_until_signal(server, on_stop=[lambda: set_serving(health_servicer, False)])
+    finally:
+        if http_server is not None:
+            http_server.close()
+        server.stop(0)
+        store.close()

@@ -1,0 +1,96 @@
+"""The Repository gRPC service: decode, call the FeatureStore, encode.
+
+Every method is wrapped with ``@grpc_errors`` so domain errors become statuses.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import grpc
+
+from hio.common.errors import InvalidArgument, NotFound, grpc_errors
+from hio.proto import repository_pb2 as pb
+from hio.proto import repository_pb2_grpc
+from hio.repository.store import FeatureStore
+
+log = logging.getLogger("hio.repository")
+
+# Which caller roles may call which method (see hio.common.net: 'admin' and 'any' pass everywhere).
+POLICY: dict[str, set[str]] = {
+    "PutFeatures": {"worker"},
+    "ReadFeatures": {"kd"},
+    "GetOffsets": {"kd"},
+    "CommitOffset": {"kd"},
+    "PutKnowledge": {"kd"},
+    "GetKnowledge": {"kd", "gateway", "viewer", "worker"},
+    "GetPreview": {"kd", "gateway", "viewer", "worker"},
+}
+
+
+class RepositoryService(repository_pb2_grpc.RepositoryServicer):
+    """Thin servicer over a :class:`FeatureStore`."""
+
+    def __init__(self, store: FeatureStore, *, read_batch_records: int, read_batch_bytes: int) -> None:
+        self._store = store
+        self._batch_records = read_batch_records
+        self._batch_bytes = read_batch_bytes
+
+    @grpc_errors
+    def PutFeatures(self, request: pb.PutFeaturesRequest, context: grpc.ServicerContext) -> pb.PutFeaturesResponse:
+        if not request.records:
+            raise InvalidArgument("PutFeatures carries no records")
+        results = self._store.put((r.tuple_id, r.record_zstd, r.crc32) for r in request.records)
+        stored = sum(not r.duplicate for r in results)
+        log.debug("features stored", extra={"records": len(results), "new": stored})
+        return pb.PutFeaturesResponse(offsets=[r.offset for r in results],
+                                      duplicate=[r.duplicate for r in results])
+
+    @grpc_errors
+    def GetOffsets(self, request: pb.GetOffsetsRequest, context: grpc.ServicerContext) -> pb.GetOffsetsResponse:
+        latest = self._store.latest()
+        return pb.GetOffsetsResponse(latest=latest, committed=self._store.committed(request.consumer),
+                                     records=self._store.count())
+
+    @grpc_errors
+    def ReadFeatures(self, request: pb.ReadFeaturesRequest,
+                     context: grpc.ServicerContext) -> Iterator[pb.ReadFeaturesResponse]:
+        batch: list[pb.StoredRecord] = []
+        batch_bytes = 0
+        for offset, tuple_id, data in self._store.read(request.after, request.until, request.max_records):
+            if batch and (len(batch) >= self._batch_records or batch_bytes + len(data) > self._batch_bytes):
+                yield pb.ReadFeaturesResponse(records=batch)
+                batch, batch_bytes = [], 0
+            batch.append(pb.StoredRecord(offset=offset, tuple_id=tuple_id, record_zstd=data))
+            batch_bytes += len(data)
+        if batch:
+            yield pb.ReadFeaturesResponse(records=batch)
+
+    @grpc_errors
+    def CommitOffset(self, request: pb.CommitOffsetRequest,
+                     context: grpc.ServicerContext) -> pb.CommitOffsetResponse:
+        self._store.commit(request.consumer, request.offset)
+        return pb.CommitOffsetResponse()
+
+    @grpc_errors
+    def PutKnowledge(self, request: pb.PutKnowledgeRequest,
+                     context: grpc.ServicerContext) -> pb.PutKnowledgeResponse:
+        knowledge = self._store.put_knowledge(request.knowledge, request.preview_png or None)
+        log.info("knowledge stored", extra={"tuples": knowledge.tuple_count, "clusters": len(knowledge.clusters),
+                                            "up_to_offset": knowledge.up_to_offset,
+                                            "preview": bool(request.preview_png)})
+        return pb.PutKnowledgeResponse()
+
+    @grpc_errors
+    def GetKnowledge(self, request: pb.GetKnowledgeRequest,
+                     context: grpc.ServicerContext) -> pb.GetKnowledgeResponse:
+        knowledge, preview = self._store.get_knowledge_and_preview()
+        return pb.GetKnowledgeResponse(knowledge=knowledge or b"", has_preview=preview is not None)
+
+    @grpc_errors
+    def GetPreview(self, request: pb.GetPreviewRequest, context: grpc.ServicerContext) -> pb.GetPreviewResponse:
+        png = self._store.get_preview()
+        if png is None:
+            raise NotFound("no preview yet: knowledge discovery has not written one")
+        return pb.GetPreviewResponse(png=png)

@@ -1,0 +1,377 @@
+"""FeatureStore on real files: idempotence, offsets, reads, recovery, consumers, knowledge."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hio.common.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
+from hio.common.frames import crc32
+from hio.proto import features_pb2
+from hio.repository.featurelog import CorruptSegment
+from hio.repository.segments import HEADER_SIZE, MAGIC
+from hio.repository.store import FeatureStore, StoreOptions
+
+from tests.repository.records import compress, decode, feature_record, knowledge, png_bytes, upload
+
+SMALL = StoreOptions(segment_bytes=4096)
+
+
+def segments(store_dir: Path) -> list[Path]:
+    return sorted((store_dir / "features").glob("*.seg"))
+
+
+def reopen(store: FeatureStore, options: StoreOptions = SMALL) -> FeatureStore:
+    store.close()
+    return FeatureStore(store.root, options)
+
+
+# ------------------------------------------------------------------ features
+
+def test_offsets_are_dense_and_put_is_idempotent(store: FeatureStore) -> None:
+    first = store.put([upload(10), upload(11), upload(12)])
+    assert [(r.offset, r.duplicate) for r in first] == [(1, False), (2, False), (3, False)]
+    again = store.put([upload(11), upload(13), upload(13)])
+    assert [(r.offset, r.duplicate) for r in again] == [(2, True), (4, False), (4, True)]
+    assert store.latest() == store.count() == 4
+    assert store.offset_of(13) == 4 and store.offset_of(99) == 0
+
+
+def test_duplicate_keeps_the_first_bytes(store: FeatureStore) -> None:
+    store.put([upload(5, value=1.0)])
+    store.put([upload(5, value=2.0)])
+    [(_, _, data)] = list(store.read())
+    assert decode(data).features["mean_intensity"].number == 1.0
+
+
+def test_read_ranges(store: FeatureStore) -> None:
+    store.put([upload(100 + i) for i in range(1, 51)])
+    offsets = lambda **kw: [o for o, _, _ in store.read(**kw)]  # noqa: E731
+    assert offsets() == list(range(1, 51))
+    assert offsets(after=10, until=15) == [11, 12, 13, 14, 15]
+    assert offsets(after=45) == [46, 47, 48, 49, 50]
+    assert offsets(after=20, max_records=3) == [21, 22, 23]
+    assert offsets(after=20, until=22, max_records=10) == [21, 22]
+    assert offsets(after=50) == [] and offsets(after=70) == []
+    assert offsets(after=7, until=7) == []
+    for offset, tuple_id, data in store.read(after=30, until=32):
+        assert tuple_id == 100 + offset and decode(data).tuple_id == tuple_id
+
+
+def test_read_refuses_until_below_after(store: FeatureStore) -> None:
+    with pytest.raises(InvalidArgument, match="until"):
+        store.read(after=5, until=2)
+
+
+def test_records_span_segments_and_survive_restart(store: FeatureStore, store_dir: Path) -> None:
+    expected = {}
+    for i in range(1, 201):
+        tid, data, crc = upload(1000 + i, value=float(i))
+        expected[i] = data
+        store.put([(tid, data, crc)])
+    assert len(segments(store_dir)) > 3, "small segment_bytes must roll segments"
+    store = reopen(store)
+    try:
+        assert store.latest() == 200
+        assert {o: d for o, _, d in store.read()} == expected
+        assert store.put([upload(1005)])[0].duplicate
+        assert store.put([upload(5000)])[0].offset == 201
+        assert [o for o, _, _ in store.read(after=198)] == [199, 200, 201]
+    finally:
+        store.close()
+
+
+def test_big_batch_rolls_within_one_put(store: FeatureStore, store_dir: Path) -> None:
+    results = store.put([upload(i) for i in range(1, 301)])
+    assert [r.offset for r in results] == list(range(1, 301))
+    assert len(segments(store_dir)) > 1
+    for path in segments(store_dir):
+        assert path.stat().st_size <= 4096
+    assert [t for _, t, _ in store.read()] == list(range(1, 301))
+
+
+@pytest.mark.parametrize("mode", ["batch", "always", "never"])
+def test_fsync_modes_store_and_reopen(tmp_path: Path, mode: str) -> None:
+    options = StoreOptions(segment_bytes=4096, fsync=mode, fsync_interval_ms=5 if mode == "batch" else 0)
+    with FeatureStore(tmp_path / mode, options) as s:
+        for i in range(1, 61):
+            s.put([upload(i)])
+    with FeatureStore(tmp_path / mode, options) as s:
+        assert s.latest() == 60
+
+
+def test_concurrent_puts_store_each_id_once(store: FeatureStore) -> None:
+    ids = list(range(1, 121))
+    errors: list[BaseException] = []
+
+    def writer(seed: int) -> None:
+        try:
+            order = ids[seed::3] + ids  # overlapping ids from every thread
+            for start in range(0, len(order), 7):
+                store.put([upload(t) for t in order[start:start + 7]])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert store.count() == len(ids)
+    assert sorted(t for _, t, _ in store.read()) == ids
+    assert [o for o, _, _ in store.read()] == list(range(1, len(ids) + 1))
+
+
+def test_one_store_per_folder(store: FeatureStore) -> None:
+    with pytest.raises(FailedPrecondition, match="in use"):
+        FeatureStore(store.root, SMALL)
+    store.close()
+    with FeatureStore(store.root, SMALL) as again:
+        assert again.latest() == 0
+
+
+def test_closed_store_refuses_writes(store: FeatureStore) -> None:
+    store.close()
+    with pytest.raises(Unavailable):
+        store.put([upload(1)])
+
+
+# ------------------------------------------------------------- bad uploads
+
+def bad_uploads() -> dict[str, tuple[type[Exception], str, tuple[int, bytes, int]]]:
+    tid, data, crc = upload(7)
+    mismatched = compress(feature_record(8).SerializeToString())
+    garbage = b"this is not zstd at all"
+    not_a_record = compress(b"\xff\xff\xff\xff")
+    bomb = compress(b"\x00" * (2 * 1024 * 1024))
+    trailing = data + b"junk"
+    return {
+        "crc": (DataLoss, "checksum", (tid, data, crc ^ 1)),
+        "garbage": (InvalidArgument, "not zstd", (tid, garbage, crc32(garbage))),
+        "truncated": (InvalidArgument, "does not decompress", (tid, data[:-4], crc32(data[:-4]))),
+        "trailing": (InvalidArgument, "does not decompress", (tid, trailing, crc32(trailing))),
+        "not_a_record": (InvalidArgument, "FeatureRecord", (tid, not_a_record, crc32(not_a_record))),
+        "id_mismatch": (InvalidArgument, "names tuple 8", (tid, mismatched, crc32(mismatched))),
+        "bomb": (InvalidArgument, "over the limit", (tid, bomb, crc32(bomb))),
+        "empty": (InvalidArgument, "empty", (tid, b"", 0)),
+        "zero_id": (InvalidArgument, "not a valid id", (0, data, crc)),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(bad_uploads()))
+def test_bad_record_refused_and_nothing_stored(tmp_path: Path, case: str) -> None:
+    error, message, bad = bad_uploads()[case]
+    options = StoreOptions(segment_bytes=4096, max_decompressed_bytes=1024 * 1024)
+    with FeatureStore(tmp_path, options) as s:
+        with pytest.raises(error, match=message):
+            s.put([upload(1), bad, upload(2)])
+        assert s.latest() == 0 and s.offset_of(1) == 0
+    with FeatureStore(tmp_path, options) as s:
+        assert s.latest() == 0
+
+
+def test_oversized_compressed_record_refused(tmp_path: Path) -> None:
+    with FeatureStore(tmp_path, StoreOptions(max_record_bytes=64)) as s:
+        tid, data, crc = upload(1)
+        big = data + b"\x00" * 64
+        with pytest.raises(InvalidArgument, match="over the limit of 64"):
+            s.put([(tid, big, crc32(big))])
+
+
+# ---------------------------------------------------------------- recovery
+
+def test_lowering_the_record_limit_keeps_stored_records(tmp_path: Path) -> None:
+    with FeatureStore(tmp_path) as s:
+        s.put([upload(1), upload(2)])
+    with FeatureStore(tmp_path, StoreOptions(max_record_bytes=8)) as s:
+        assert [t for _, t, _ in s.read()] == [1, 2]
+
+
+def test_torn_tail_is_truncated_with_a_warning(store: FeatureStore, store_dir: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    store.put([upload(i) for i in range(1, 11)])
+    store.close()
+    last = segments(store_dir)[-1]
+    good_size = last.stat().st_size
+    with open(last, "ab") as fh:  # a record header promising more bytes than were written
+        fh.write(bytes(upload(11)[1])[:3] + b"\x00" * (HEADER_SIZE - 3))
+        fh.write(b"partial payload")
+    with caplog.at_level(logging.WARNING, logger="hio.repository"):
+        store = FeatureStore(store_dir, SMALL)
+    try:
+        assert "torn tail" in caplog.text
+        assert last.stat().st_size == good_size
+        [kept] = (store_dir / "features" / "torn").iterdir()
+        assert kept.read_bytes().endswith(b"partial payload"), "the cut bytes are kept for inspection"
+        assert store.latest() == 10
+        assert store.put([upload(11)])[0].offset == 11
+    finally:
+        store.close()
+    with FeatureStore(store_dir, SMALL) as s:
+        assert [t for _, t, _ in s.read()] == list(range(1, 12))
+
+
+def test_record_cut_short_is_dropped_not_served(store: FeatureStore, store_dir: Path) -> None:
+    store.put([upload(i) for i in range(1, 6)])
+    store.close()
+    last = segments(store_dir)[-1]
+    with open(last, "r+b") as fh:
+        fh.truncate(last.stat().st_size - 3)
+    with FeatureStore(store_dir, SMALL) as s:
+        assert s.latest() == 4
+        assert [t for _, t, _ in s.read()] == [1, 2, 3, 4]
+        assert s.offset_of(5) == 0
+
+
+def test_flipped_bit_in_tail_record_is_dropped(store: FeatureStore, store_dir: Path) -> None:
+    store.put([upload(i) for i in range(1, 4)])
+    store.close()
+    last = segments(store_dir)[-1]
+    raw = bytearray(last.read_bytes())
+    raw[-2] ^= 0x40
+    last.write_bytes(bytes(raw))
+    with FeatureStore(store_dir, SMALL) as s:
+        assert s.latest() == 2
+
+
+def test_segment_torn_at_creation_is_repaired(store_dir: Path) -> None:
+    features = store_dir / "features"
+    features.mkdir(parents=True)
+    (features / f"{1:020d}.seg").write_bytes(MAGIC[:3])
+    with FeatureStore(store_dir, SMALL) as s:
+        assert s.latest() == 0
+        assert s.put([upload(1)])[0].offset == 1
+    with FeatureStore(store_dir, SMALL) as s:
+        assert s.latest() == 1
+
+
+def test_damage_in_a_sealed_segment_stops_the_start(store: FeatureStore, store_dir: Path) -> None:
+    store.put([upload(i) for i in range(1, 200)])
+    store.close()
+    first = segments(store_dir)[0]
+    raw = bytearray(first.read_bytes())
+    raw[len(MAGIC) + HEADER_SIZE + 2] ^= 0xFF
+    first.write_bytes(bytes(raw))
+    with pytest.raises(CorruptSegment, match="damaged"):
+        FeatureStore(store_dir, SMALL)
+    assert first.read_bytes() == bytes(raw), "a damaged sealed segment must be left as it is"
+
+
+def test_missing_segment_stops_the_start(store: FeatureStore, store_dir: Path) -> None:
+    store.put([upload(i) for i in range(1, 200)])
+    store.close()
+    segments(store_dir)[1].unlink()
+    with pytest.raises(CorruptSegment, match="missing"):
+        FeatureStore(store_dir, SMALL)
+
+
+def test_damage_found_on_read_is_data_loss(store: FeatureStore, store_dir: Path) -> None:
+    store.put([upload(i) for i in range(1, 4)])
+    path = segments(store_dir)[0]
+    raw = bytearray(path.read_bytes())
+    raw[len(MAGIC) + HEADER_SIZE + 1] ^= 0xFF  # inside record 1's payload, under the running store
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataLoss, match="offset 1"):
+        list(store.read())
+    assert [o for o, _, _ in store.read(after=1)] == [2, 3]
+
+
+@pytest.mark.slow
+def test_rebuild_of_200k_records(tmp_path: Path) -> None:
+    """Index rebuild speed: printed, bounded loosely (the machine is shared)."""
+    rest = feature_record(0).SerializeToString()  # id 0 is not serialized: prefixing an id is valid protobuf
+    count = 200_000
+    with FeatureStore(tmp_path, StoreOptions(fsync="never")) as s:
+        for start in range(1, count + 1, 5000):
+            batch = []
+            for tid in range(start, min(start + 5000, count + 1)):
+                data = compress(features_pb2.FeatureRecord(tuple_id=tid).SerializeToString() + rest)
+                batch.append((tid, data, crc32(data)))
+            s.put(batch)
+    started = time.perf_counter()
+    with FeatureStore(tmp_path) as s:
+        elapsed = time.perf_counter() - started
+        assert s.latest() == count and s.offset_of(count) == count
+        print(f"\nrebuilt index of {count} records in {elapsed:.3f}s")
+        assert elapsed < 10.0
+        started = time.perf_counter()
+        assert len(list(s.read(after=150_000, max_records=1000))) == 1000
+        assert time.perf_counter() - started < 1.0
+
+
+# --------------------------------------------------------------- consumers
+
+def test_consumer_commits_survive_restart(store: FeatureStore) -> None:
+    store.put([upload(i) for i in range(1, 11)])
+    assert store.committed("kd") == 0 and store.committed("") == 0
+    store.commit("kd", 7)
+    store.commit("kd.backup-2", 10)
+    store = reopen(store)
+    try:
+        assert store.committed("kd") == 7 and store.committed("kd.backup-2") == 10
+        store.commit("kd", 3)  # rewinding is allowed: the consumer re-reads
+        assert store.committed("kd") == 3
+    finally:
+        store.close()
+
+
+def test_commit_refuses_offsets_past_latest(store: FeatureStore) -> None:
+    store.put([upload(1)])
+    with pytest.raises(InvalidArgument, match="latest stored offset is 1"):
+        store.commit("kd", 2)
+    assert store.committed("kd") == 0
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "..", "x" * 129, "bad name", "ü"])
+def test_commit_refuses_bad_names(store: FeatureStore, name: str) -> None:
+    with pytest.raises(InvalidArgument, match="consumer name"):
+        store.commit(name, 0)
+
+
+def test_consumer_count_is_bounded(tmp_path: Path) -> None:
+    with FeatureStore(tmp_path, StoreOptions(max_consumers=2)) as s:
+        s.commit("a", 0)
+        s.commit("b", 0)
+        s.commit("a", 0)
+        with pytest.raises(FailedPrecondition, match="max_consumers"):
+            s.commit("c", 0)
+
+
+# --------------------------------------------------------------- knowledge
+
+def test_knowledge_round_trip_and_restart(store: FeatureStore) -> None:
+    assert store.get_knowledge() is None and store.get_preview() is None
+    k = knowledge().SerializeToString()
+    png = png_bytes()
+    parsed = store.put_knowledge(k, png)
+    assert len(parsed.clusters) == 3
+    store = reopen(store)
+    try:
+        assert store.get_knowledge() == k and store.get_preview() == png
+        newer = knowledge(tuple_count=20).SerializeToString()
+        store.put_knowledge(newer, None)  # no preview: the stale one goes
+        assert store.get_knowledge_and_preview() == (newer, None)
+    finally:
+        store.close()
+    with FeatureStore(store.root, SMALL) as s:
+        assert s.get_knowledge() == newer and s.get_preview() is None
+        assert not list((s.root / "knowledge").glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("payload, png, message", [
+    (b"", None, "empty"),
+    (b"\xff\xff\xff", None, "not a serialized"),
+    (None, b"GIF89a....", "not a PNG"),
+])
+def test_bad_knowledge_refused_and_old_kept(store: FeatureStore, payload: bytes | None,
+                                            png: bytes | None, message: str) -> None:
+    good = knowledge().SerializeToString()
+    store.put_knowledge(good, png_bytes())
+    with pytest.raises(InvalidArgument, match=message):
+        store.put_knowledge(good if payload is None else payload, png)
+    assert store.get_knowledge() == good and store.get_preview() == png_bytes()
