@@ -1,0 +1,778 @@
+"""The backlog queue: FIFO per image, bounded in bytes, durable on disk.
+
+Layout under ``data_dir/master/queue/``:
+
+* ``seg-<n>.q`` -- append-only segment files of records (head, TupleMeta,
+  payload, tail; see :mod:`hio.master.records`). Each tuple being received
+  gets a segment of its own for the time it is written (concurrent Enqueue
+  streams never interleave), so a record that fails verification is cut off
+  by truncating its segment back to where it began. A torn record (crash
+  mid-write) is truncated at start; the payload of every record still queued
+  is checked against ``meta.crc32`` at start.
+
+* ``journal.q`` -- append-only ACK (the record is done for good) and MOVE
+  (the record moved in its queue: new order key and attempt) entries.
+  Compacted by atomic rewrite.
+
+At start every record neither acknowledged nor a dead letter is queued again,
+ordered by its order key (its sequence number unless it moved), leases void.
+A segment whose records are all done is deleted.
+
+Locking: one condition (shared with the master) guards the in-memory state.
+Payload bytes are written and read outside it: methods that may copy a payload
+(to the dead letters) do it after releasing the lock, so they must be called
+by a thread that does not hold it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from hio.common.frames import FrameReader, TupleFrame, TupleMeta, check_meta, frames_for_bytes, frames_for_stream
+from hio.master.deadletters import DeadLetterStore, DeadWriter
+from hio.master.records import (ACK, MOVE, READ_BLOCK, Journal, RecordWriter, Segment, payload_intact,
+                                scan_segment)
+from hio.master.storage import Durability, fsync_dir
+
+log = logging.getLogger("hio.master")
+
+MAX_IDLE_SEGMENTS = 4          # open, partly filled segments kept for the next writers
+JOURNAL_COMPACT_BYTES = 1024 * 1024
+RETRY_AFTER_FULL = 1.0         # seconds: hint to a sender refused because the queue is full
+LAST_ERROR_ATTRIBUTE = "hio.last_error"
+
+
+class Placement(enum.Enum):
+    """What happened to a received tuple (each is receipted ENQUEUED)."""
+
+    ENQUEUED = "enqueued"
+    DUPLICATE = "duplicate"       # already in the queue: stored once
+    DEAD_LETTER = "dead_letter"   # attempts exhausted on arrival
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """The receipt of one received tuple."""
+
+    index: int
+    meta: TupleMeta
+    placement: Placement
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageQueue:
+    """One image's queue as reported in the status."""
+
+    image: str
+    length: int   # waiting plus leased
+    bytes: int
+    leased: int
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """A live record: waiting, leased, or on its way to the dead letters."""
+
+    seq: int
+    meta: TupleMeta
+    segment: int
+    offset: int           # where the payload starts in the segment
+    order: int            # sort key at recovery (sequence number unless moved)
+    moved: bool = False
+    cached: bytes | None = None
+    leased_to: str = ""
+    lease_deadline: float = 0.0
+    lease_token: int = 0
+
+    @property
+    def tuple_id(self) -> int:
+        return self.meta.tuple_id
+
+    @property
+    def image(self) -> str:
+        return self.meta.image
+
+    @property
+    def size(self) -> int:
+        return self.meta.size
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """A tuple handed to a channel; ``token`` identifies this lease among redeliveries."""
+
+    tuple_id: int
+    channel_id: str
+    token: int
+    meta: TupleMeta
+
+
+class BacklogQueue:
+    """Durable FIFO queues of tuples, one per image, bounded in total payload bytes."""
+
+    def __init__(self, root: str | os.PathLike[str], *, dead: DeadLetterStore, durability: Durability,
+                 queue_bytes: int, memory_bytes: int = 64 * 1024 * 1024,
+                 segment_bytes: int = 64 * 1024 * 1024, max_attempts: int = 3,
+                 cond: threading.Condition | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.dead = dead
+        self.queue_bytes = queue_bytes
+        self._memory_bytes = memory_bytes
+        self._segment_bytes = segment_bytes
+        self.max_attempts = max_attempts
+        self._durable = durability
+        self._cond = cond or threading.Condition(threading.RLock())
+        self._clock = clock
+        self._segments: dict[int, Segment] = {}
+        self._entries: dict[int, Entry] = {}                    # tuple id -> live entry
+        self._ready: dict[str, collections.OrderedDict[int, Entry]] = {}
+        self._leased: dict[int, Entry] = {}
+        self._by_channel: dict[str, set[int]] = {}
+        self._committing: set[int] = set()
+        self._to_dead: list[tuple[Entry, str]] = []
+        self._closing: list[tuple[int, bool]] = []     # (fd, fsync first): closed outside the lock
+        self._image_bytes: collections.Counter[str] = collections.Counter()
+        self._image_len: collections.Counter[str] = collections.Counter()
+        self._used = 0
+        self._reserved = 0
+        self._cached = 0
+        self._cache_reserved = 0
+        self._next_seq = 1
+        self._head_order = -1
+        self._next_segment = 1
+        self._next_token = 1
+        self._closed = False
+        self._journal = Journal(self.root / "journal.q", durability)
+        self._recover()
+
+    # ---- receiving ---------------------------------------------------------------
+
+    def receive(self, frames: Iterable[TupleFrame], *, max_tuple_bytes: int, max_chunk_bytes: int,
+                admit: Callable[[TupleMeta], None] = lambda meta: None) -> Iterator[Stored]:
+        """Store the tuples of a frame stream one after the other; yield one receipt each.
+
+        ``admit`` sees each tuple's metadata before any payload is stored and
+        may refuse it by raising. A tuple is visible to :meth:`lease` only once
+        its bytes are on disk and verified; on any error the partial record is
+        discarded and the error propagates (the stream ends).
+        """
+        tap = _MetaTap(frames)
+        reader = FrameReader(tap, max_tuple_bytes=max_tuple_bytes, max_chunk_bytes=max_chunk_bytes, need_id=True)
+        while True:
+            index = reader.index
+            job = _Receiving(self, max_tuple_bytes, admit)
+            tap.on_meta = job.begin
+            try:
+                meta = reader.next_tuple(job.write)
+                if meta is None:
+                    return
+                placement = job.commit()
+            except BaseException:
+                job.abort()
+                raise
+            yield Stored(index=index, meta=meta, placement=placement)
+
+    def _begin_record(self, meta: TupleMeta) -> "RecordWriter":
+        """Reserve room for ``meta.size`` bytes and a segment to write them into."""
+        with self._cond:
+            self._check_open()
+            if meta.size > self.queue_bytes:
+                raise InvalidArgument(f"tuple {meta.tuple_id}: {meta.size} bytes can never fit the backlog "
+                                      f"queue bound of {self.queue_bytes} bytes")
+            if self._used + self._reserved + meta.size > self.queue_bytes:
+                raise ResourceExhausted(
+                    f"backlog queue full: {self._used + self._reserved} of {self.queue_bytes} bytes used "
+                    f"({len(self._entries)} tuples); tuple {meta.tuple_id} needs {meta.size}",
+                    retry_after=RETRY_AFTER_FULL)
+            self._reserved += meta.size
+            cache = meta.size <= self._memory_bytes - self._cached - self._cache_reserved
+            if cache:
+                self._cache_reserved += meta.size
+            segment = self._take_segment()
+        start = segment.size
+        try:
+            return RecordWriter(segment, meta, cache)
+        except BaseException:
+            with self._cond:
+                if segment.fd is not None and segment.size != start:
+                    os.ftruncate(segment.fd, start)
+                    os.lseek(segment.fd, start, os.SEEK_SET)
+                    segment.size = start
+                self._reserved -= meta.size
+                if cache:
+                    self._cache_reserved -= meta.size
+                self._give_back(segment)
+            self._close_sealed()
+            raise
+
+    def _take_segment(self) -> Segment:
+        idle = [s for s in self._segments.values() if not s.sealed and not s.in_use]
+        if idle:
+            segment = min(idle, key=lambda s: s.id)
+        else:
+            segment = self._new_segment()
+        segment.in_use = True
+        return segment
+
+    def _new_segment(self) -> Segment:
+        seg_id = self._next_segment
+        self._next_segment += 1
+        path = self.root / f"seg-{seg_id:010d}.q"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        segment = Segment(id=seg_id, path=path, size=0, fd=fd)
+        self._segments[seg_id] = segment
+        if self._durable.syncs:
+            fsync_dir(self.root)
+        return segment
+
+    def _finish_record(self, writer: "RecordWriter") -> Placement:
+        """Publish a verified record, or drop it if the tuple is already queued."""
+        meta = writer.meta
+        with self._cond:
+            self._check_open()
+            duplicate = meta.tuple_id in self._entries or meta.tuple_id in self._committing
+            if not duplicate:
+                self._committing.add(meta.tuple_id)
+                seq = self._next_seq
+                self._next_seq += 1
+        if duplicate:
+            self._abort_record(writer)
+            return Placement.DUPLICATE
+        try:
+            writer.finish(seq)
+            self._durable.written(writer.segment.fd)  # type: ignore[arg-type]
+        except BaseException:
+            with self._cond:
+                self._committing.discard(meta.tuple_id)
+            self._abort_record(writer)
+            raise
+        entry = Entry(seq=seq, meta=meta, segment=writer.segment.id, offset=writer.payload_offset, order=seq,
+                      cached=writer.cached())
+        with self._cond:
+            self._committing.discard(meta.tuple_id)
+            self._end_record(writer, entry)
+        self._close_sealed()
+        return Placement.ENQUEUED
+
+    def _end_record(self, writer: "RecordWriter", entry: Entry | None) -> None:
+        """Settle reservations, hand the segment back, publish ``entry`` if any (once per writer)."""
+        with self._cond:
+            if writer.ended:
+                return
+            writer.ended = True
+            self._reserved -= writer.meta.size
+            if writer.cache:
+                self._cache_reserved -= writer.meta.size
+            segment = writer.segment
+            if entry is not None:
+                segment.live += 1
+                self._add(entry)
+                self._ready.setdefault(entry.image, collections.OrderedDict())[entry.tuple_id] = entry
+                self._cond.notify_all()
+            self._give_back(segment)
+
+    def _give_back(self, segment: Segment) -> None:
+        segment.in_use = False
+        idle = sum(1 for s in self._segments.values() if not s.sealed and not s.in_use)
+        if segment.size >= self._segment_bytes or idle > MAX_IDLE_SEGMENTS or self._closed:
+            self._seal(segment, sync=True)
+        self._maybe_delete(segment)
+
+    def _seal(self, segment: Segment, *, sync: bool) -> None:
+        """No more appends to ``segment``; its descriptor is synced and closed by :meth:`_close_sealed`."""
+        if segment.fd is not None:
+            fd, segment.fd = segment.fd, None
+            self._durable.forget(fd)
+            self._closing.append((fd, sync and self._durable.syncs))
+
+    def _close_sealed(self) -> None:
+        """Fsync and close sealed segments' descriptors (disk I/O: call without the lock)."""
+        with self._cond:
+            closing, self._closing = self._closing, []
+        for fd, sync in closing:
+            try:
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _maybe_delete(self, segment: Segment) -> None:
+        """Delete a segment none of whose records is still needed."""
+        if segment.live or segment.in_use or (not segment.sealed and segment.size < self._segment_bytes
+                                               and not self._closed):
+            return
+        self._seal(segment, sync=False)
+        segment.path.unlink(missing_ok=True)
+        del self._segments[segment.id]
+        if self._journal.size > JOURNAL_COMPACT_BYTES:
+            self._compact_journal()
+
+    # ---- entries -----------------------------------------------------------------
+
+    def _add(self, entry: Entry) -> None:
+        self._entries[entry.tuple_id] = entry
+        self._used += entry.size
+        self._image_bytes[entry.image] += entry.size
+        self._image_len[entry.image] += 1
+        if entry.cached is not None:
+            self._cached += entry.size
+
+    def _drop(self, entry: Entry) -> None:
+        """Remove a done entry for good: journal ACK, free its bytes, maybe its segment."""
+        del self._entries[entry.tuple_id]
+        self._used -= entry.size
+        self._image_bytes[entry.image] -= entry.size
+        self._image_len[entry.image] -= 1
+        if not self._image_len[entry.image]:
+            del self._image_len[entry.image]
+            del self._image_bytes[entry.image]
+        if entry.cached is not None:
+            self._cached -= entry.size
+            entry.cached = None
+        self._journal.append(ACK, entry.seq, 0, 0)
+        segment = self._segments.get(entry.segment)
+        if segment is not None:
+            segment.live -= 1
+            segment.acked.append(entry.seq)
+            self._maybe_delete(segment)
+
+    def _unlease(self, entry: Entry) -> None:
+        self._leased.pop(entry.tuple_id, None)
+        held = self._by_channel.get(entry.leased_to)
+        if held is not None:
+            held.discard(entry.tuple_id)
+            if not held:
+                del self._by_channel[entry.leased_to]
+        entry.leased_to = ""
+        entry.lease_deadline = 0.0
+
+    def _set_attempt(self, entry: Entry, attempt: int) -> None:
+        meta = TupleMeta()
+        meta.CopyFrom(entry.meta)
+        meta.attempt = attempt
+        entry.meta = meta
+
+    def _requeue(self, entry: Entry, *, head: bool, reason: str) -> None:
+        """Put an entry back (attempt + 1), or on its way to the dead letters when exhausted."""
+        attempt = max(entry.meta.attempt, 1) + 1
+        self._set_attempt(entry, attempt)
+        if attempt > self.max_attempts:
+            self._to_dead.append((entry, f"{reason} (attempt {attempt - 1} of {self.max_attempts})"))
+            return
+        if head:
+            entry.order = self._head_order
+            self._head_order -= 1
+        else:
+            entry.order = self._next_seq
+            self._next_seq += 1
+        entry.moved = True
+        self._journal.append(MOVE, entry.seq, entry.order, attempt)
+        ready = self._ready.setdefault(entry.image, collections.OrderedDict())
+        ready[entry.tuple_id] = entry
+        if head:
+            ready.move_to_end(entry.tuple_id, last=False)
+        self._cond.notify_all()
+
+    # ---- leasing -----------------------------------------------------------------
+
+    def lease(self, image: str, channel_id: str, lease_seconds: float) -> Lease | None:
+        """Lease the first waiting tuple of ``image`` to ``channel_id``; None if none waits."""
+        with self._cond:
+            ready = self._ready.get(image)
+            if not ready:
+                return None
+            _, entry = ready.popitem(last=False)
+            if not ready:
+                del self._ready[image]
+            entry.leased_to = channel_id
+            entry.lease_deadline = self._clock() + lease_seconds
+            entry.lease_token = self._next_token
+            self._next_token += 1
+            self._leased[entry.tuple_id] = entry
+            self._by_channel.setdefault(channel_id, set()).add(entry.tuple_id)
+            return Lease(tuple_id=entry.tuple_id, channel_id=channel_id, token=entry.lease_token, meta=entry.meta)
+
+    def frames(self, lease: Lease, chunk_bytes: int) -> Iterator[TupleFrame]:
+        """The frames of a leased tuple, from memory or read from disk chunk by chunk."""
+        with self._cond:
+            entry = self._leased.get(lease.tuple_id)
+            if entry is None or entry.lease_token != lease.token:
+                raise NotFound(f"tuple {lease.tuple_id} is no longer leased to {lease.channel_id}")
+            cached, meta = entry.cached, entry.meta
+            fh = None
+            if cached is None:
+                fh = open(self._segments[entry.segment].path, "rb")
+                fh.seek(entry.offset)
+        if cached is not None:
+            yield from frames_for_bytes(meta, cached, chunk_bytes)
+            return
+        assert fh is not None
+        with fh:
+            yield from frames_for_stream(meta, fh, chunk_bytes)
+
+    def refresh(self, channel_id: str, lease_seconds: float) -> None:
+        """A report from ``channel_id``: its leases live on."""
+        with self._cond:
+            deadline = self._clock() + lease_seconds
+            for tuple_id in self._by_channel.get(channel_id, ()):
+                self._leased[tuple_id].lease_deadline = deadline
+
+    def has_lease(self, channel_id: str) -> bool:
+        with self._cond:
+            return bool(self._by_channel.get(channel_id))
+
+    def void_leases(self, channel_id: str, reason: str) -> list[int]:
+        """The channel is gone: its tuples go back to the head of their queues."""
+        with self._cond:
+            voided = [self._leased[t] for t in list(self._by_channel.get(channel_id, ()))]
+            for entry in voided:
+                self._unlease(entry)
+                self._requeue(entry, head=True, reason=reason)
+        self.settle()
+        if voided:
+            log.info("leases voided", extra={"channel": channel_id, "tuples": len(voided), "reason": reason})
+        return [e.tuple_id for e in voided]
+
+    def void_lease(self, lease: Lease, reason: str) -> bool:
+        """Void one lease if it is still current (e.g. the pull stream was cancelled)."""
+        with self._cond:
+            entry = self._leased.get(lease.tuple_id)
+            current = entry is not None and entry.lease_token == lease.token
+            if current:
+                assert entry is not None
+                self._unlease(entry)
+                self._requeue(entry, head=True, reason=reason)
+        self.settle()
+        return current
+
+    def expire_leases(self) -> list[str]:
+        """Requeue tuples whose lease ran out; the channels that lost one."""
+        with self._cond:
+            now = self._clock()
+            expired = [e for e in self._leased.values() if e.lease_deadline <= now]
+            channels = sorted({e.leased_to for e in expired})
+            for entry in expired:
+                log.warning("lease expired", extra={"tuple_id": entry.tuple_id, "channel": entry.leased_to})
+                self._unlease(entry)
+                self._requeue(entry, head=True, reason="lease expired")
+        self.settle()
+        return channels
+
+    # ---- outcomes ----------------------------------------------------------------
+
+    def ack(self, tuple_id: int) -> bool:
+        """The tuple is processed: remove it for good. False if it is not (or no longer) queued."""
+        with self._cond:
+            entry = self._entries.get(tuple_id)
+            if entry is None or any(e is entry for e, _ in self._to_dead):
+                return False
+            if entry.leased_to:
+                self._unlease(entry)
+            else:
+                self._remove_ready(entry)
+            self._drop(entry)
+        self._durable_journal()
+        self._close_sealed()
+        return True
+
+    def fail(self, tuple_id: int, channel_id: str, reason: str) -> bool:
+        """Processing failed on ``channel_id``: requeue at the tail, or dead-letter when exhausted.
+
+        Ignored (False) unless the tuple is leased to that channel: after a
+        redelivery only the current holder's word counts.
+        """
+        with self._cond:
+            entry = self._leased.get(tuple_id)
+            if entry is None or entry.leased_to != channel_id:
+                return False
+            self._unlease(entry)
+            self._requeue(entry, head=False, reason=reason or "processing failed")
+        self.settle()
+        return True
+
+    def _remove_ready(self, entry: Entry) -> None:
+        ready = self._ready.get(entry.image)
+        if ready is not None:
+            ready.pop(entry.tuple_id, None)
+            if not ready:
+                del self._ready[entry.image]
+
+    # ---- dead letters ------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Copy entries marked for the dead letters out of the queue (disk I/O: call without the lock)."""
+        while True:
+            with self._cond:
+                if not self._to_dead:
+                    break
+                entry, reason = self._to_dead.pop(0)
+                cached = entry.cached
+                path = self._segments[entry.segment].path
+            try:
+                if cached is not None:
+                    self.dead.add(entry.meta, reason, cached, seq=entry.seq)
+                else:
+                    with open(path, "rb") as fh:
+                        fh.seek(entry.offset)
+                        self.dead.add(entry.meta, reason, fh, seq=entry.seq)
+            except OSError as exc:
+                log.error("cannot write dead letter; tuple stays queued",
+                          extra={"tuple_id": entry.tuple_id, "error": str(exc)})
+                with self._cond:
+                    self._ready.setdefault(entry.image, collections.OrderedDict())[entry.tuple_id] = entry
+                continue
+            with self._cond:
+                self._drop(entry)
+            self._durable_journal()
+            self._close_sealed()
+
+    def retry_dead(self, tuple_id: int) -> None:
+        """Put a dead letter back at the tail of its queue with attempt 1."""
+        letter = self.dead.get(tuple_id)
+        if letter is None:
+            raise NotFound(f"no dead letter with tuple id {tuple_id}")
+        meta = TupleMeta()
+        meta.CopyFrom(letter.meta)
+        meta.attempt = 1
+        meta.attributes.pop(LAST_ERROR_ATTRIBUTE, None)
+        with self._cond:
+            queued = tuple_id in self._entries or tuple_id in self._committing
+        if not queued:
+            writer = self._begin_record(meta)
+            try:
+                with self.dead.open_payload(tuple_id) as fh:
+                    remaining = meta.size
+                    while remaining:
+                        block = fh.read(min(READ_BLOCK, remaining))
+                        if not block:
+                            raise OSError(f"dead letter {tuple_id}: payload ends {remaining} bytes early")
+                        writer.write(block)
+                        remaining -= len(block)
+                self._finish_record(writer)
+            except BaseException:
+                self._abort_record(writer)
+                raise
+        self.dead.remove(tuple_id)
+        log.info("dead letter retried", extra={"tuple_id": tuple_id, "image": meta.image})
+
+    def _abort_record(self, writer: "RecordWriter") -> None:
+        """Cut an unpublished record off its segment and release what it reserved."""
+        if writer.ended:
+            return
+        try:
+            writer.discard()
+        finally:
+            self._end_record(writer, None)
+            self._close_sealed()
+
+    # ---- queries -----------------------------------------------------------------
+
+    def ready_count(self, image: str) -> int:
+        """Tuples of ``image`` waiting (not leased)."""
+        with self._cond:
+            return len(self._ready.get(image, ()))
+
+    def length(self, image: str | None = None) -> int:
+        """Tuples queued (waiting or leased), of one image or all."""
+        with self._cond:
+            return len(self._entries) if image is None else self._image_len.get(image, 0)
+
+    def contains(self, tuple_id: int) -> bool:
+        with self._cond:
+            return tuple_id in self._entries or tuple_id in self._committing
+
+    @property
+    def used_bytes(self) -> int:
+        with self._cond:
+            return self._used
+
+    @property
+    def cached_bytes(self) -> int:
+        with self._cond:
+            return self._cached
+
+    def images(self) -> list[str]:
+        """Images with tuples in the queue."""
+        with self._cond:
+            return sorted(self._image_len)
+
+    def status(self) -> list[ImageQueue]:
+        with self._cond:
+            leased = collections.Counter(e.image for e in self._leased.values())
+            return [ImageQueue(image=i, length=n, bytes=self._image_bytes[i], leased=leased.get(i, 0))
+                    for i, n in sorted(self._image_len.items())]
+
+    # ---- durability and lifecycle ------------------------------------------------
+
+    def flush_due(self) -> None:
+        """Fsync what the 'batch' policy has pending (the maintenance thread calls this)."""
+        self._durable.flush_due()
+
+    def _durable_journal(self) -> None:
+        # Under the lock so a compaction cannot swap the descriptor meanwhile; the
+        # journal is a few bytes per entry, never payload.
+        with self._cond:
+            if self._journal.fd is not None:
+                self._durable.written(self._journal.fd)
+
+    def close(self) -> None:
+        """Seal the open segments and the journal; the queue refuses new tuples afterwards."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            for segment in list(self._segments.values()):
+                if not segment.in_use:
+                    self._seal(segment, sync=True)
+                    self._maybe_delete(segment)
+            self._journal.close()
+            self._cond.notify_all()
+        self._close_sealed()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("the master is shutting down")
+
+    # ---- recovery ----------------------------------------------------------------
+
+    def _recover(self) -> None:
+        acked, moves = self._journal.load()
+        dead = self.dead.origins()
+        records: list[tuple[int, TupleMeta, int, int]] = []     # seq, meta, segment, payload offset
+        max_seq = max([0, *acked, *moves, *(order for order, _ in moves.values()), *(seq for seq, _ in dead)])
+        for path in sorted(self.root.glob("seg-*.q")):
+            seg_id = int(path.stem.split("-")[1])
+            self._next_segment = max(self._next_segment, seg_id + 1)
+            found, size = scan_segment(path)
+            segment = Segment(id=seg_id, path=path, size=size)
+            self._segments[seg_id] = segment
+            for seq, meta, offset in found:
+                max_seq = max(max_seq, seq)
+                if seq in acked:
+                    segment.acked.append(seq)
+                elif (seq, meta.tuple_id) in dead or not payload_intact(path, offset, meta):
+                    if (seq, meta.tuple_id) not in dead:
+                        log.error("queued tuple damaged on disk, dropped",
+                                  extra={"tuple_id": meta.tuple_id, "segment": path.name})
+                    segment.acked.append(seq)
+                    self._journal.append(ACK, seq, 0, 0)
+                else:
+                    records.append((seq, meta, seg_id, offset))
+        self._next_seq = max_seq + 1
+        self._rebuild(records, moves)
+        for segment in list(self._segments.values()):
+            self._maybe_delete(segment)
+        self._compact_journal()
+        if self._entries:
+            log.info("backlog recovered", extra={"tuples": len(self._entries), "bytes": self._used})
+
+    def _rebuild(self, records: list[tuple[int, TupleMeta, int, int]], moves: dict[int, tuple[int, int]]) -> None:
+        entries = []
+        for seq, meta, seg_id, offset in records:
+            order, attempt = moves.get(seq, (seq, meta.attempt))
+            entry = Entry(seq=seq, meta=meta, segment=seg_id, offset=offset, order=order, moved=seq in moves)
+            if attempt != meta.attempt:
+                self._set_attempt(entry, attempt)
+            entries.append(entry)
+        entries.sort(key=lambda e: e.order)
+        self._head_order = min([0, *(e.order for e in entries)]) - 1
+        for entry in entries:
+            self._segments[entry.segment].live += 1
+            if entry.tuple_id in self._entries:
+                self._entries_duplicate(entry)
+                continue
+            self._add(entry)
+            self._ready.setdefault(entry.image, collections.OrderedDict())[entry.tuple_id] = entry
+
+    def _entries_duplicate(self, entry: Entry) -> None:
+        segment = self._segments[entry.segment]
+        segment.live -= 1
+        segment.acked.append(entry.seq)
+        self._journal.append(ACK, entry.seq, 0, 0)
+
+    def _compact_journal(self) -> None:
+        """Rewrite the journal with only what the remaining segments still need."""
+        lines: list[tuple[int, int, int, int]] = []
+        for segment in self._segments.values():
+            lines.extend((ACK, seq, 0, 0) for seq in segment.acked)
+        lines.extend((MOVE, e.seq, e.order, e.meta.attempt) for e in self._entries.values() if e.moved)
+        self._journal.rewrite(lines)
+
+
+class _MetaTap:
+    """Passes frames through, showing each tuple's metadata to ``on_meta`` first."""
+
+    def __init__(self, frames: Iterable[TupleFrame]) -> None:
+        self._frames = iter(frames)
+        self.on_meta: Callable[[TupleMeta], None] | None = None
+
+    def __iter__(self) -> "_MetaTap":
+        return self
+
+    def __next__(self) -> TupleFrame:
+        frame = next(self._frames)
+        if frame.HasField("meta") and self.on_meta is not None:
+            self.on_meta(frame.meta)
+        return frame
+
+
+class _Receiving:
+    """One tuple on its way in: into a segment, into the dead letters, or discarded."""
+
+    def __init__(self, queue: BacklogQueue, max_tuple_bytes: int, admit: Callable[[TupleMeta], None]) -> None:
+        self._queue = queue
+        self._max_tuple = max_tuple_bytes
+        self._admit = admit
+        self._record: RecordWriter | None = None
+        self._dead: DeadWriter | None = None
+        self._began = False
+        self._duplicate = False
+
+    def begin(self, wire_meta: TupleMeta) -> None:
+        if self._began:  # a new tuple before this one's last frame: FrameReader refuses it
+            return
+        self._began = True
+        meta = TupleMeta()
+        meta.CopyFrom(wire_meta)
+        check_meta(meta, self._max_tuple, need_id=True)
+        self._admit(meta)
+        if self._queue.contains(meta.tuple_id):
+            self._duplicate = True
+        elif meta.attempt > self._queue.max_attempts:
+            self._dead = self._queue.dead.writer(meta)
+        else:
+            self._record = self._queue._begin_record(meta)
+
+    def write(self, data: bytes) -> None:
+        if self._record is not None:
+            self._record.write(data)
+        elif self._dead is not None:
+            self._dead.write(data)
+
+    def commit(self) -> Placement:
+        if self._record is not None:
+            return self._queue._finish_record(self._record)
+        if self._dead is not None:
+            meta = self._dead.meta
+            reason = meta.attributes.get(LAST_ERROR_ATTRIBUTE) or f"attempt {meta.attempt} exceeds max_attempts"
+            self._dead.commit(reason)
+            self._dead = None
+            return Placement.DEAD_LETTER
+        return Placement.DUPLICATE
+
+    def abort(self) -> None:
+        if self._record is not None:
+            self._queue._abort_record(self._record)
+        if self._dead is not None:
+            self._dead.abort()

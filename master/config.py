@@ -1,0 +1,76 @@
+"""Settings of the master (``hio master``). Imports nothing heavy: the CLI loads
+this module to build flags before it knows which role runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hio.common.config import ConfigError, positive, setting
+from hio.common.settings import ClusterSettings
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+BUILTIN_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
+FSYNC_POLICIES = ("batch", "always", "never")
+MAX_EXPIRY_SECONDS = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MasterConfig(ClusterSettings):
+    listen: str = setting("127.0.0.1:7000", "host:port the master serves on")
+    queue_bytes: int = setting(4 * GiB, "bound of the backlog queue on disk (payload bytes, all images)")
+    queue_memory_bytes: int = setting(
+        64 * MiB, "queued payload cached in memory; larger tuples are read back from disk chunk by chunk")
+    segment_bytes: int = setting(64 * MiB, "size at which a backlog segment file is sealed")
+    fsync: str = setting(
+        "batch", "durability of the backlog: 'batch' (fsync at most every 100 ms), 'always' "
+                 "(before every receipt and acknowledgement) or 'never' (leave it to the OS)")
+    heartbeat_interval: float = setting(1.0, "seconds between worker heartbeats (told to workers)")
+    expiry_seconds: float = setting(6.0, "a worker silent this long leaves routing (at most 10)")
+    reservation_seconds: float = setting(
+        15.0, "a channel routed to (or told to pull) without any report for this long is free again")
+    lease_seconds: float = setting(60.0, "a pulled tuple without reports from its channel for this long is redelivered")
+    max_attempts: int = setting(3, "processing attempts of a tuple before it becomes a dead letter")
+    images: tuple[str, ...] = setting(BUILTIN_IMAGES, "images always accepted, even before a worker offers them")
+    ticket_key_file: str = setting("", "file with the secret key for tuple tickets (HMAC-SHA256); empty = no tickets")
+    grace_seconds: float = setting(5.0, "on SIGTERM, seconds to let calls in flight finish")
+    server_threads: int = setting(64, "gRPC handler threads (long-polling PullTuple calls hold one each)")
+    pull_waiters: int = setting(
+        48, "at most this many PullTuple calls wait at once; more are refused with RESOURCE_EXHAUSTED")
+    dead_list_limit: int = setting(1000, "at most this many dead letters in one ListDeadLetters answer")
+    forget_seconds: float = setting(600.0, "an expired worker is forgotten (and its warning dropped) after this long")
+
+    def validate(self) -> None:
+        """Refuse settings the master cannot run with; each message names the setting."""
+        self.validate_cluster()
+        if not self.listen or ":" not in self.listen:
+            raise ConfigError(f"listen must be host:port, got {self.listen!r}")
+        for name in ("queue_bytes", "segment_bytes", "heartbeat_interval", "expiry_seconds",
+                     "reservation_seconds", "lease_seconds", "max_attempts", "server_threads",
+                     "pull_waiters", "dead_list_limit", "forget_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value}")
+            positive(name, value)
+        if self.queue_memory_bytes < 0:
+            raise ConfigError(f"queue_memory_bytes must not be negative, got {self.queue_memory_bytes}")
+        if not MiB <= self.segment_bytes <= GiB:
+            raise ConfigError(f"segment_bytes must be between 1 MiB and 1 GiB, got {self.segment_bytes}")
+        if self.fsync not in FSYNC_POLICIES:
+            raise ConfigError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got {self.fsync!r}")
+        if self.expiry_seconds > MAX_EXPIRY_SECONDS:
+            raise ConfigError(f"expiry_seconds must be at most {MAX_EXPIRY_SECONDS:g}, got {self.expiry_seconds}")
+        if self.expiry_seconds <= self.heartbeat_interval:
+            raise ConfigError(f"expiry_seconds ({self.expiry_seconds}) must exceed heartbeat_interval "
+                              f"({self.heartbeat_interval}), or live workers expire")
+        if self.grace_seconds < 0:
+            raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
+        if self.pull_waiters >= self.server_threads:
+            raise ConfigError(f"pull_waiters ({self.pull_waiters}) must be below server_threads "
+                              f"({self.server_threads}), or waiting pulls starve every other call")
+        for image in self.images:
+            if not image or len(image) > 256:
+                raise ConfigError(f"images: invalid image name {image!r}")

@@ -1,0 +1,448 @@
+"""The master's domain object: registry, routing, ids, backlog, stats, under one lock.
+
+No gRPC here: :mod:`hio.master.service` decodes requests, calls these
+methods, and encodes the answers. One condition variable guards all state
+(the backlog shares it) and wakes long-polling pulls. Payload disk I/O never
+happens under it: calls into the backlog that may copy payloads are made
+after the lock is released.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import hmac
+import logging
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from hio.common.config import ConfigError, state_dir
+from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted
+from hio.common.frames import TupleFrame, TupleMeta
+from hio.master.backlog import BacklogQueue, ImageQueue, Lease, Stored
+from hio.master.config import MasterConfig
+from hio.master.deadletters import DeadLetter, DeadLetterStore
+from hio.master.ids import TupleIdAllocator
+from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelSpec, ChannelState, Worker
+from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
+from hio.master.stats import Stats
+from hio.master.storage import Durability
+
+log = logging.getLogger("hio.master")
+
+MAX_ROUTE_ITEMS = 10_000
+MAX_OUTCOMES = 10_000
+MAX_PULL_WAIT = 30.0
+TICKET_BYTES = 16
+MIN_TICKET_KEY_BYTES = 16
+TICK_SECONDS = 0.1       # maintenance: fsync batches
+EXPIRY_EVERY = 0.25      # maintenance: worker expiry, reservations, leases
+QUEUE_FULL_WARNING = 0.9
+
+
+def make_ticket(key: bytes, tuple_id: int, image: str) -> bytes:
+    """HMAC-SHA256(key, tuple_id as 8 bytes big-endian + image UTF-8), first 16 bytes."""
+    return hmac.new(key, tuple_id.to_bytes(8, "big") + image.encode(), hashlib.sha256).digest()[:TICKET_BYTES]
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteItem:
+    size: int
+    tuple_id: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Routed:
+    tuple_ids: list[int]
+    tickets: list[bytes]
+    route: Route
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    tuple_id: int
+    ok: bool
+    message: str = ""
+    from_queue: bool = False
+    size: int = 0
+    processing_seconds: float = 0.0
+    accepted_unix: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    uptime_seconds: float
+    workers: list[tuple[Worker, float, list[Channel]]]     # worker, heartbeat age, channels (copies)
+    queues: list[ImageQueue]
+    channels_free: int
+    channels_busy: int
+    channels_down: int
+    routed_direct: int
+    routed_queue: int
+    tuples_done: int
+    tuples_failed: int
+    bytes_done: int
+    tuples_per_second: float
+    bytes_per_second: float
+    queue_bytes_limit: int
+    dead_letters: int
+    warnings: list[str]
+    last_tuple_id: int
+
+
+class Pulled:
+    """A tuple leased to a channel by :meth:`Master.pull`; stream it with :meth:`frames`."""
+
+    def __init__(self, master: "Master", lease: Lease) -> None:
+        self._master = master
+        self.lease = lease
+
+    @property
+    def meta(self) -> TupleMeta:
+        return self.lease.meta
+
+    def frames(self) -> Iterator[TupleFrame]:
+        return self._master.queue.frames(self.lease, self._master.config.chunk_bytes)
+
+    def abandon(self, reason: str = "pull stream ended early") -> None:
+        """The stream broke before the channel got the tuple: requeue it now, not at lease expiry."""
+        self._master.abandon(self, reason)
+
+
+class Master:
+    """The control plane's state and rules; thread-safe."""
+
+    def __init__(self, config: MasterConfig) -> None:
+        self.config = config
+        self.root = state_dir(config.data_dir, "master")
+        self._ticket_key = _ticket_key(config.ticket_key_file)
+        self._lock_fd: int | None = _lock_dir(self.root)
+        self._cond = threading.Condition(threading.RLock())
+        try:
+            durability = Durability(config.fsync)
+            self.ids = TupleIdAllocator(self.root / "ids")
+            self.dead = DeadLetterStore(self.root / "dead", durability)
+            self.queue = BacklogQueue(self.root / "queue", dead=self.dead, durability=durability,
+                                      queue_bytes=config.queue_bytes, memory_bytes=config.queue_memory_bytes,
+                                      segment_bytes=config.segment_bytes, max_attempts=config.max_attempts,
+                                      cond=self._cond)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self.registry = ChannelRegistry(expiry_seconds=config.expiry_seconds,
+                                        reservation_seconds=config.reservation_seconds,
+                                        forget_seconds=config.forget_seconds)
+        self.registry.offered_images.update(self.queue.images())
+        self.pending = PendingEnqueues(config.reservation_seconds)
+        self.stats = Stats()
+        self._waiters = 0
+        self._stopping = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> "Master":
+        """Start the maintenance thread (expiry, lease expiry, fsync batches)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._maintain, name="hio-master-maintenance", daemon=True)
+            self._thread.start()
+        return self
+
+    def begin_shutdown(self) -> None:
+        """Wake every waiting pull (they return empty) and refuse new waits."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop maintenance, seal the backlog; idempotent."""
+        self.begin_shutdown()
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        self.queue.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _maintain(self) -> None:
+        last_expiry = 0.0
+        while not self._stop.wait(TICK_SECONDS):
+            try:
+                self.queue.flush_due()
+                now = time.monotonic()
+                if now - last_expiry >= EXPIRY_EVERY:
+                    last_expiry = now
+                    self.expire()
+            except Exception:  # noqa: BLE001 - the maintenance thread must survive anything
+                log.exception("maintenance pass failed")
+
+    def expire(self) -> None:
+        """One maintenance pass: expire workers and reservations, void their leases, expire leases."""
+        with self._cond:
+            result = self.registry.expire()
+            self.pending.expire()
+            if result.expired_workers or result.lapsed_channels:
+                self._cond.notify_all()
+        for worker_id in result.expired_workers:
+            log.warning("worker expired", extra={"worker": worker_id, "after_s": self.config.expiry_seconds})
+        for channel_id in result.down_channels:
+            self.queue.void_leases(channel_id, "worker expired")
+        for channel_id in self.queue.expire_leases():
+            with self._cond:
+                channel = self.registry.channel(channel_id)
+                if channel is not None and channel.state == ChannelState.QUEUE and not self.queue.has_lease(channel_id):
+                    self.registry.set_free(channel)
+                self._cond.notify_all()
+
+    # ---- workers -----------------------------------------------------------------
+
+    def register_worker(self, worker_id: str, host: str, cpus: int, channels: Iterable[ChannelSpec]) -> None:
+        """Add or replace a worker; leases of its previous channels go back to the queue."""
+        with self._cond:
+            replaced = self.registry.register(worker_id, host, cpus, channels)
+            self._cond.notify_all()
+        for channel_id in replaced:
+            self.queue.void_leases(channel_id, "worker registered again")
+        log.info("worker registered", extra={"worker": worker_id, "host": host})
+
+    def heartbeat(self, worker_id: str, down: dict[str, str]) -> bool:
+        """Refresh a worker; False if it must register again."""
+        with self._cond:
+            known, went_down = self.registry.heartbeat(worker_id, down)
+            self._cond.notify_all()
+        for channel_id in went_down:
+            log.info("channel down", extra={"channel": channel_id, "detail": down.get(channel_id, "")})
+            self.queue.void_leases(channel_id, "channel down")
+        return known
+
+    # ---- routing -----------------------------------------------------------------
+
+    def route(self, *, source: str, image: str, items: list[RouteItem], force_queue: bool = False) -> Routed:
+        """Assign ids (keeping those already routed) and decide where the batch goes."""
+        self._check_route(image, items)
+        with self._cond:
+            for item in items:
+                if item.tuple_id and not self.ids.issued(item.tuple_id):
+                    raise InvalidArgument(f"tuple id {item.tuple_id} was never issued by this master "
+                                          f"(last issued {self.ids.last_issued})")
+            if not self._known_image(image):
+                raise NotFound(f"image '{image}': no worker offers it and it is not in the master's images")
+            fresh = iter(self.ids.allocate(sum(1 for i in items if not i.tuple_id)))
+            tuple_ids = [item.tuple_id or next(fresh) for item in items]
+            route = route_tuples(self.registry, self.pending, image=image, tuple_ids=tuple_ids,
+                                 queue_waiting=self.queue.ready_count(image),
+                                 queue_length=self.queue.length(image), force_queue=force_queue)
+            direct = not isinstance(route, QueueRoute)
+            self.stats.routed(direct=direct, count=len(items))
+            if direct:
+                self._cond.notify_all()   # a pull waiting on the reserved channel returns empty
+        tickets = [make_ticket(self._ticket_key, t, image) if self._ticket_key else b"" for t in tuple_ids]
+        log.debug("routed", extra={"source": source, "image": image, "tuples": len(items), "route": route})
+        return Routed(tuple_ids=tuple_ids, tickets=tickets, route=route)
+
+    def _check_route(self, image: str, items: list[RouteItem]) -> None:
+        if not image:
+            raise InvalidArgument("image must not be empty")
+        if len(image) > 256:
+            raise InvalidArgument("image name is longer than 256 characters")
+        if not 1 <= len(items) <= MAX_ROUTE_ITEMS:
+            raise InvalidArgument(f"a route request carries 1 to {MAX_ROUTE_ITEMS} items, got {len(items)}")
+        for n, item in enumerate(items):
+            if item.size > self.config.max_tuple_bytes:
+                raise InvalidArgument(f"item {n}: {item.size} bytes is over max_tuple_bytes "
+                                      f"({self.config.max_tuple_bytes})")
+
+    def _known_image(self, image: str) -> bool:
+        return image in self.config.images or image in self.registry.offered_images
+
+    # ---- the backlog -------------------------------------------------------------
+
+    def enqueue(self, frames: Iterable[TupleFrame]) -> Iterator[Stored]:
+        """Store a stream of tuples in the backlog; one receipt each (see BacklogQueue.receive)."""
+        stored_any = self.queue.receive(frames, max_tuple_bytes=self.config.max_tuple_bytes,
+                                        max_chunk_bytes=self.config.chunk_bytes, admit=self._admit)
+        for stored in stored_any:
+            with self._cond:
+                self.pending.arrived(stored.meta.image, stored.meta.tuple_id)
+            log.debug("enqueued", extra={"tuple_id": stored.meta.tuple_id, "image": stored.meta.image,
+                                         "placement": stored.placement.value})
+            yield stored
+
+    def _admit(self, meta: TupleMeta) -> None:
+        with self._cond:
+            if not self.ids.issued(meta.tuple_id):
+                raise InvalidArgument(f"tuple {meta.tuple_id}: id was never issued by this master "
+                                      f"(last issued {self.ids.last_issued}); route it first")
+            if not self._known_image(meta.image):
+                raise NotFound(f"tuple {meta.tuple_id}: image '{meta.image}' is neither configured nor "
+                               "offered by any worker")
+
+    def pull(self, channel_id: str, wait_seconds: float) -> Pulled | None:
+        """Lease the head of the channel's image queue, waiting up to ``wait_seconds``; None if nothing."""
+        if not math.isfinite(wait_seconds) or not 0 <= wait_seconds <= MAX_PULL_WAIT:
+            raise InvalidArgument(f"wait_seconds must be between 0 and {MAX_PULL_WAIT:g}, got {wait_seconds}")
+        deadline = time.monotonic() + wait_seconds
+        waiting = False
+        with self._cond:
+            if self.registry.channel(channel_id) is None:
+                raise NotFound(f"unknown channel '{channel_id}' (its worker must register it)")
+            try:
+                while not self._stopping:
+                    channel = self.registry.channel(channel_id)
+                    if channel is None or channel.state == ChannelState.DIRECT:
+                        return None
+                    if self.registry.routable(channel):
+                        lease = self.queue.lease(channel.image, channel_id, self.config.lease_seconds)
+                        if lease is not None:
+                            self.registry.set_queue(channel, leased=True)
+                            log.debug("pulled", extra={"tuple_id": lease.tuple_id, "channel": channel_id})
+                            return Pulled(self, lease)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        if channel.state == ChannelState.QUEUE and not self.queue.has_lease(channel_id):
+                            self.registry.set_free(channel)
+                        return None
+                    if not waiting:
+                        if self._waiters >= self.config.pull_waiters:
+                            raise ResourceExhausted(f"{self._waiters} PullTuple calls already wait "
+                                                    f"(pull_waiters={self.config.pull_waiters})",
+                                                    retry_after=min(1.0, wait_seconds))
+                        self._waiters += 1
+                        waiting = True
+                    self._cond.wait(remaining)
+                return None
+            finally:
+                if waiting:
+                    self._waiters -= 1
+
+    def abandon(self, pulled: Pulled, reason: str) -> None:
+        """Void a lease whose stream broke; the tuple goes back to the head of its queue."""
+        if self.queue.void_lease(pulled.lease, reason):
+            log.info("lease voided", extra={"tuple_id": pulled.lease.tuple_id,
+                                            "channel": pulled.lease.channel_id, "reason": reason})
+            with self._cond:
+                channel = self.registry.channel(pulled.lease.channel_id)
+                if channel is not None and channel.state == ChannelState.QUEUE \
+                        and not self.queue.has_lease(channel.channel_id):
+                    self.registry.set_free(channel)
+                self._cond.notify_all()
+
+    def report(self, channel_id: str, outcomes: list[Outcome], release: bool) -> bool:
+        """Record outcomes, settle queued tuples, release the channel; True: pull the queue next."""
+        if len(outcomes) > MAX_OUTCOMES:
+            raise InvalidArgument(f"at most {MAX_OUTCOMES} outcomes per report, got {len(outcomes)}")
+        now = time.time()
+        with self._cond:
+            channel = self.registry.channel(channel_id)
+            if channel is not None:
+                self.registry.touch(channel)
+            self.queue.refresh(channel_id, self.config.lease_seconds)
+            for outcome in outcomes:
+                latency = now - outcome.accepted_unix if outcome.accepted_unix > 0 else None
+                self.stats.outcome(ok=outcome.ok, size=outcome.size, latency=latency)
+                if outcome.ok and channel is not None:
+                    channel.tuples_done += 1
+        for outcome in outcomes:
+            if not outcome.from_queue:
+                continue
+            if outcome.ok:
+                self.queue.ack(outcome.tuple_id)
+            elif not self.queue.fail(outcome.tuple_id, channel_id, outcome.message):
+                log.info("failure report ignored: tuple not leased to this channel",
+                         extra={"tuple_id": outcome.tuple_id, "channel": channel_id})
+        if not release:
+            self._after_outcomes(channel_id)
+            return False
+        with self._cond:
+            channel = self.registry.channel(channel_id)
+            if channel is None or not self.registry.routable(channel):
+                return False
+            pull = self.queue.ready_count(channel.image) > 0
+            if pull:
+                self.registry.set_queue(channel, leased=self.queue.has_lease(channel_id))
+            elif not self.queue.has_lease(channel_id):
+                self.registry.set_free(channel)
+            self._cond.notify_all()
+            return pull
+
+    def _after_outcomes(self, channel_id: str) -> None:
+        """A QUEUE channel whose tuple is settled but not released lapses to FREE unless it pulls again."""
+        with self._cond:
+            channel = self.registry.channel(channel_id)
+            if channel is not None and channel.state == ChannelState.QUEUE and channel.deadline == NEVER \
+                    and not self.queue.has_lease(channel_id):
+                self.registry.set_queue(channel, leased=False)
+
+    # ---- dead letters and status -------------------------------------------------
+
+    def dead_letters(self) -> list[DeadLetter]:
+        return self.dead.list(self.config.dead_list_limit)
+
+    def retry_dead_letter(self, tuple_id: int) -> None:
+        self.queue.retry_dead(tuple_id)
+
+    def status(self) -> Status:
+        """A consistent snapshot of everything an operator looks at."""
+        with self._cond:
+            workers = [(w, self.registry.age(w), [dataclasses.replace(c) for c in w.channels.values()])
+                       for w in self.registry.workers()]
+            free, busy, down = self.registry.counts()
+            queues = self.queue.status()
+            rates = self.stats.rates()
+            used = self.queue.used_bytes
+            dead = len(self.dead)
+            warnings = self._warnings(queues, used, dead)
+            return Status(uptime_seconds=self.stats.uptime(), workers=workers, queues=queues,
+                          channels_free=free, channels_busy=busy, channels_down=down,
+                          routed_direct=self.stats.routed_direct, routed_queue=self.stats.routed_queue,
+                          tuples_done=self.stats.tuples_done, tuples_failed=self.stats.tuples_failed,
+                          bytes_done=self.stats.bytes_done, tuples_per_second=rates.tuples_per_second,
+                          bytes_per_second=rates.bytes_per_second, queue_bytes_limit=self.config.queue_bytes,
+                          dead_letters=dead, warnings=warnings, last_tuple_id=self.ids.last_issued)
+
+    def _warnings(self, queues: list[ImageQueue], used: int, dead: int) -> list[str]:
+        warnings = []
+        for q in queues:
+            if q.length and not self.registry.serves(q.image):
+                warnings.append(f"no channel offers image {q.image}; {q.length} tuples wait in its queue")
+        for worker in self.registry.workers():
+            if not worker.live:
+                warnings.append(f"worker {worker.worker_id} expired (no heartbeat for "
+                                f"{self.registry.age(worker):.0f} s)")
+        if used >= QUEUE_FULL_WARNING * self.config.queue_bytes:
+            warnings.append(f"backlog queue {100 * used / self.config.queue_bytes:.0f}% full "
+                            f"({used} of {self.config.queue_bytes} bytes)")
+        if dead:
+            warnings.append(f"{dead} dead letters (see `hio dead-letters`)")
+        return warnings
+
+
+def _ticket_key(path: str) -> bytes:
+    """The ticket key: the file's bytes without surrounding whitespace; b'' when unset."""
+    if not path:
+        return b""
+    try:
+        key = Path(path).expanduser().read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"ticket_key_file: cannot read {path}: {exc.strerror}") from None
+    if len(key) < MIN_TICKET_KEY_BYTES:
+        raise ConfigError(f"ticket_key_file: {path} holds {len(key)} bytes; use at least {MIN_TICKET_KEY_BYTES}")
+    return key
+
+
+def _lock_dir(root: Path) -> int:
+    """Hold an exclusive lock on the state folder: two masters must never share a backlog."""
+    fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"another master uses {root} (data_dir); stop it or choose another data_dir") from None
+    return fd

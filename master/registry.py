@@ -1,0 +1,250 @@
+"""Workers and their processing channels, as the master sees them.
+
+Not thread-safe by itself: the master calls it under its one lock. Times are
+monotonic seconds from the injected clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import time
+from typing import Callable, Iterable, Iterator
+
+from hio.common.errors import AlreadyExists, InvalidArgument
+
+MAX_CHANNELS_PER_WORKER = 1024
+MAX_NAME = 256
+NEVER = math.inf
+
+
+class ChannelState(enum.IntEnum):
+    """Same numbers as ``hio.proto.ChannelState``."""
+
+    FREE = 1
+    DIRECT = 2
+    QUEUE = 3
+    DOWN = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelSpec:
+    """A channel as a worker announces it."""
+
+    channel_id: str
+    image: str
+    address: str
+    down: bool = False
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class Channel:
+    channel_id: str
+    worker_id: str
+    image: str
+    address: str
+    state: ChannelState = ChannelState.FREE
+    detail: str = ""
+    tuples_done: int = 0
+    last_used: float = 0.0        # when it was last given work: free channels are chosen least recently used
+    deadline: float = NEVER       # DIRECT, or QUEUE before its pull: becomes FREE after this without reports
+
+
+@dataclasses.dataclass
+class Worker:
+    worker_id: str
+    host: str
+    cpus: int
+    last_seen: float
+    channels: dict[str, Channel]
+    expired_at: float | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.expired_at is None
+
+
+@dataclasses.dataclass(frozen=True)
+class Expiry:
+    """What one expiry pass changed."""
+
+    expired_workers: list[str]
+    down_channels: list[str]       # their leases must be voided
+    lapsed_channels: list[str]     # reservations that ran out (now FREE)
+
+
+class ChannelRegistry:
+    """Registered workers, their channels and channel states."""
+
+    def __init__(self, *, expiry_seconds: float, reservation_seconds: float, forget_seconds: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.expiry_seconds = expiry_seconds
+        self.reservation_seconds = reservation_seconds
+        self.forget_seconds = forget_seconds
+        self._clock = clock
+        self._workers: dict[str, Worker] = {}
+        self._channels: dict[str, Channel] = {}
+        self.offered_images: set[str] = set()
+
+    # ---- registration and liveness ----------------------------------------------
+
+    def register(self, worker_id: str, host: str, cpus: int, specs: Iterable[ChannelSpec]) -> list[str]:
+        """Add or replace a worker and its channels; the ids of replaced channels (void their leases)."""
+        specs = list(specs)
+        _check_name("worker_id", worker_id)
+        if len(specs) > MAX_CHANNELS_PER_WORKER:
+            raise InvalidArgument(f"worker {worker_id}: {len(specs)} channels, at most {MAX_CHANNELS_PER_WORKER}")
+        seen: set[str] = set()
+        for spec in specs:
+            _check_name("channel_id", spec.channel_id)
+            _check_name(f"channel {spec.channel_id}: image", spec.image)
+            _check_name(f"channel {spec.channel_id}: address", spec.address)
+            if spec.channel_id in seen:
+                raise InvalidArgument(f"worker {worker_id}: channel {spec.channel_id} listed twice")
+            seen.add(spec.channel_id)
+            other = self._channels.get(spec.channel_id)
+            if other is not None and other.worker_id != worker_id and self._workers[other.worker_id].live:
+                raise AlreadyExists(f"channel {spec.channel_id} belongs to live worker {other.worker_id}")
+        now = self._clock()
+        old = self._workers.pop(worker_id, None)
+        replaced = list(old.channels) if old else []
+        for channel_id in replaced:
+            self._channels.pop(channel_id, None)
+        channels: dict[str, Channel] = {}
+        for spec in specs:
+            previous = self._channels.pop(spec.channel_id, None)   # taken over from an expired worker
+            if previous is not None:
+                self._workers[previous.worker_id].channels.pop(spec.channel_id, None)
+                replaced.append(spec.channel_id)
+            done = old.channels[spec.channel_id].tuples_done if old and spec.channel_id in old.channels else 0
+            channel = Channel(channel_id=spec.channel_id, worker_id=worker_id, image=spec.image,
+                              address=spec.address, tuples_done=done,
+                              state=ChannelState.DOWN if spec.down else ChannelState.FREE,
+                              detail=spec.detail if spec.down else "")
+            channels[spec.channel_id] = channel
+            self._channels[spec.channel_id] = channel
+            self.offered_images.add(spec.image)
+        self._workers[worker_id] = Worker(worker_id=worker_id, host=host[:MAX_NAME], cpus=cpus,
+                                          last_seen=now, channels=channels)
+        return replaced
+
+    def heartbeat(self, worker_id: str, down: dict[str, str]) -> tuple[bool, list[str]]:
+        """(known, channels that just went DOWN); unknown or expired workers must register again."""
+        worker = self._workers.get(worker_id)
+        if worker is None or not worker.live:
+            return False, []
+        worker.last_seen = self._clock()
+        went_down = []
+        for channel in worker.channels.values():
+            if channel.channel_id in down:
+                if channel.state != ChannelState.DOWN:
+                    went_down.append(channel.channel_id)
+                channel.state = ChannelState.DOWN
+                channel.detail = down[channel.channel_id][:1024]
+                channel.deadline = NEVER
+            elif channel.state == ChannelState.DOWN:
+                channel.state = ChannelState.FREE
+                channel.detail = ""
+        return True, went_down
+
+    def expire(self) -> Expiry:
+        """Expire silent workers, lapse reservations, forget long-expired workers."""
+        now = self._clock()
+        expired, down, lapsed = [], [], []
+        for worker in list(self._workers.values()):
+            if not worker.live:
+                if now - worker.expired_at >= self.forget_seconds:  # type: ignore[operator]
+                    self._forget(worker)
+                continue
+            if now - worker.last_seen >= self.expiry_seconds:
+                worker.expired_at = now
+                expired.append(worker.worker_id)
+                for channel in worker.channels.values():
+                    channel.state = ChannelState.DOWN
+                    channel.detail = "worker expired"
+                    channel.deadline = NEVER
+                    down.append(channel.channel_id)
+                continue
+            for channel in worker.channels.values():
+                if channel.state in (ChannelState.DIRECT, ChannelState.QUEUE) and channel.deadline <= now:
+                    channel.state = ChannelState.FREE
+                    channel.deadline = NEVER
+                    lapsed.append(channel.channel_id)
+        return Expiry(expired_workers=expired, down_channels=down, lapsed_channels=lapsed)
+
+    def _forget(self, worker: Worker) -> None:
+        del self._workers[worker.worker_id]
+        for channel_id in worker.channels:
+            if self._channels.get(channel_id) is worker.channels[channel_id]:
+                del self._channels[channel_id]
+
+    # ---- channels ----------------------------------------------------------------
+
+    def channel(self, channel_id: str) -> Channel | None:
+        """The channel, also of an expired (not yet forgotten) worker; None if unknown."""
+        return self._channels.get(channel_id)
+
+    def routable(self, channel: Channel) -> bool:
+        """True if the channel belongs to a live worker and is not DOWN."""
+        return channel.state != ChannelState.DOWN and self._workers[channel.worker_id].live
+
+    def reserve_free(self, image: str) -> Channel | None:
+        """Reserve the least recently used FREE channel of ``image`` (now DIRECT), if any."""
+        free = [c for c in self._channels.values()
+                if c.image == image and c.state == ChannelState.FREE and self._workers[c.worker_id].live]
+        if not free:
+            return None
+        channel = min(free, key=lambda c: (c.last_used, c.channel_id))
+        now = self._clock()
+        channel.state = ChannelState.DIRECT
+        channel.last_used = now
+        channel.deadline = now + self.reservation_seconds
+        return channel
+
+    def touch(self, channel: Channel) -> None:
+        """A report from the channel: a reservation (not a lease-held QUEUE) lives on."""
+        if channel.state in (ChannelState.DIRECT, ChannelState.QUEUE) and channel.deadline != NEVER:
+            channel.deadline = self._clock() + self.reservation_seconds
+
+    def set_queue(self, channel: Channel, *, leased: bool) -> None:
+        """QUEUE state: held by a lease, or reserved until the channel pulls."""
+        now = self._clock()
+        channel.state = ChannelState.QUEUE
+        channel.last_used = now
+        channel.deadline = NEVER if leased else now + self.reservation_seconds
+
+    def set_free(self, channel: Channel) -> None:
+        if channel.state != ChannelState.DOWN:
+            channel.state = ChannelState.FREE
+            channel.deadline = NEVER
+
+    def serves(self, image: str) -> bool:
+        """True if a live, non-DOWN channel runs ``image``."""
+        return any(c.image == image and self.routable(c) for c in self._channels.values())
+
+    def workers(self) -> Iterator[Worker]:
+        return iter(sorted(self._workers.values(), key=lambda w: w.worker_id))
+
+    def counts(self) -> tuple[int, int, int]:
+        """(free, busy, down) channels of live workers; an expired worker's channels count as down."""
+        free = busy = down = 0
+        for channel in self._channels.values():
+            if channel.state == ChannelState.DOWN or not self._workers[channel.worker_id].live:
+                down += 1
+            elif channel.state == ChannelState.FREE:
+                free += 1
+            else:
+                busy += 1
+        return free, busy, down
+
+    def age(self, worker: Worker) -> float:
+        return max(0.0, self._clock() - worker.last_seen)
+
+
+def _check_name(what: str, value: str) -> None:
+    if not value:
+        raise InvalidArgument(f"{what} must not be empty")
+    if len(value) > MAX_NAME:
+        raise InvalidArgument(f"{what} is longer than {MAX_NAME} characters")

@@ -1,0 +1,150 @@
+"""The Master gRPC service: decode, call :class:`hio.master.core.Master`, encode.
+
+Every method is wrapped with ``@grpc_errors``: domain errors become their
+status, anything else ``INTERNAL`` with a log reference.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Iterator
+
+import grpc
+
+from hio.common.errors import grpc_errors
+from hio.common.frames import TupleFrame, TupleReceipt
+from hio.master.backlog import Placement
+from hio.master.core import Master, Outcome, RouteItem, Status
+from hio.master.deadletters import DeadLetter
+from hio.master.registry import ChannelSpec
+from hio.master.routing import DirectRoute
+from hio.proto import master_pb2, master_pb2_grpc
+
+# Method name -> roles allowed (passed to hio.common.net.create_server as `policy`).
+POLICY: dict[str, set[str]] = {
+    "RegisterWorker": {"worker"},
+    "Heartbeat": {"worker"},
+    "PullTuple": {"worker"},
+    "ReportTuples": {"worker"},
+    "RouteTuples": {"gateway", "worker"},
+    "Enqueue": {"gateway", "worker"},
+    "GetStatus": {"gateway", "worker", "kd", "admin", "viewer"},
+    "ListDeadLetters": {"gateway", "worker", "kd", "admin", "viewer"},
+    "RetryDeadLetter": {"admin"},
+}
+
+_RECEIPT_MESSAGES = {
+    Placement.ENQUEUED: "",
+    Placement.DUPLICATE: "already in the queue",
+    Placement.DEAD_LETTER: "attempts exhausted: stored as a dead letter",
+}
+
+
+class MasterService(master_pb2_grpc.MasterServicer):
+    """Thin adapter between the wire contract and the domain."""
+
+    def __init__(self, master: Master) -> None:
+        self._master = master
+
+    @grpc_errors
+    def RegisterWorker(self, request: master_pb2.RegisterWorkerRequest,
+                       context: grpc.ServicerContext) -> master_pb2.RegisterWorkerResponse:
+        specs = [ChannelSpec(channel_id=c.channel_id, image=c.image, address=c.address,
+                             down=c.state == master_pb2.DOWN, detail=c.detail) for c in request.channels]
+        self._master.register_worker(request.worker_id, request.host, request.cpus, specs)
+        config = self._master.config
+        return master_pb2.RegisterWorkerResponse(heartbeat_interval_seconds=config.heartbeat_interval,
+                                                 expiry_seconds=config.expiry_seconds)
+
+    @grpc_errors
+    def Heartbeat(self, request: master_pb2.HeartbeatRequest,
+                  context: grpc.ServicerContext) -> master_pb2.HeartbeatResponse:
+        down = {c.channel_id: c.detail for c in request.channels if c.state == master_pb2.DOWN}
+        return master_pb2.HeartbeatResponse(known=self._master.heartbeat(request.worker_id, down))
+
+    @grpc_errors
+    def RouteTuples(self, request: master_pb2.RouteTuplesRequest,
+                    context: grpc.ServicerContext) -> master_pb2.RouteTuplesResponse:
+        items = [RouteItem(size=i.size, tuple_id=i.tuple_id) for i in request.items]
+        routed = self._master.route(source=request.source, image=request.image, items=items,
+                                    force_queue=request.force_queue)
+        reply = master_pb2.RouteTuplesResponse(tuple_ids=routed.tuple_ids, tickets=routed.tickets)
+        if isinstance(routed.route, DirectRoute):
+            reply.channel.CopyFrom(master_pb2.ChannelRoute(
+                channel_id=routed.route.channel_id, address=routed.route.address,
+                reservation_seconds=routed.route.reservation_seconds))
+        else:
+            reply.queue.CopyFrom(master_pb2.QueueRoute(queue_length=routed.route.queue_length))
+        return reply
+
+    @grpc_errors
+    def Enqueue(self, request_iterator: Iterable[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
+        for stored in self._master.enqueue(request_iterator):
+            yield TupleReceipt(index=stored.index, tuple_id=stored.meta.tuple_id, state=TupleReceipt.ENQUEUED,
+                               message=_RECEIPT_MESSAGES[stored.placement])
+
+    @grpc_errors
+    def PullTuple(self, request: master_pb2.PullTupleRequest, context: grpc.ServicerContext) -> Iterator[TupleFrame]:
+        pulled = self._master.pull(request.channel_id, request.wait_seconds)
+        if pulled is None:
+            return
+        finished = threading.Event()
+
+        def on_end() -> None:
+            # Runs when the call ends either way; void the lease only if the stream broke.
+            if not finished.is_set():
+                pulled.abandon("pull stream cancelled")
+
+        if not context.add_callback(on_end):
+            pulled.abandon("pull call already ended")
+            return
+        yield from pulled.frames()
+        finished.set()
+
+    @grpc_errors
+    def ReportTuples(self, request: master_pb2.ReportTuplesRequest,
+                     context: grpc.ServicerContext) -> master_pb2.ReportTuplesResponse:
+        outcomes = [Outcome(tuple_id=o.tuple_id, ok=o.ok, message=o.message, from_queue=o.from_queue,
+                            size=o.size, processing_seconds=o.processing_seconds, accepted_unix=o.accepted_unix)
+                    for o in request.outcomes]
+        pull = self._master.report(request.channel_id, outcomes, request.release)
+        return master_pb2.ReportTuplesResponse(pull_queue=pull)
+
+    @grpc_errors
+    def GetStatus(self, request: master_pb2.GetStatusRequest,
+                  context: grpc.ServicerContext) -> master_pb2.GetStatusResponse:
+        return _encode_status(self._master.status())
+
+    @grpc_errors
+    def ListDeadLetters(self, request: master_pb2.ListDeadLettersRequest,
+                        context: grpc.ServicerContext) -> master_pb2.ListDeadLettersResponse:
+        return master_pb2.ListDeadLettersResponse(dead_letters=[_encode_dead(d) for d in self._master.dead_letters()])
+
+    @grpc_errors
+    def RetryDeadLetter(self, request: master_pb2.RetryDeadLetterRequest,
+                        context: grpc.ServicerContext) -> master_pb2.RetryDeadLetterResponse:
+        self._master.retry_dead_letter(request.tuple_id)
+        return master_pb2.RetryDeadLetterResponse()
+
+
+def _encode_dead(letter: DeadLetter) -> master_pb2.DeadLetter:
+    return master_pb2.DeadLetter(meta=letter.meta, reason=letter.reason, failed_unix=letter.failed_unix)
+
+
+def _encode_status(status: Status) -> master_pb2.GetStatusResponse:
+    workers = [master_pb2.WorkerStatus(
+        worker_id=worker.worker_id, host=worker.host, last_heartbeat_age_seconds=age,
+        channels=[master_pb2.ChannelInfo(channel_id=c.channel_id, image=c.image, address=c.address,
+                                         state=int(c.state), detail=c.detail, tuples_done=c.tuples_done)
+                  for c in channels])
+        for worker, age, channels in status.workers]
+    queues = [master_pb2.QueueStatus(image=q.image, length=q.length, bytes=q.bytes, leased=q.leased)
+              for q in status.queues]
+    return master_pb2.GetStatusResponse(
+        uptime_seconds=status.uptime_seconds, workers=workers, queues=queues,
+        channels_free=status.channels_free, channels_busy=status.channels_busy,
+        channels_down=status.channels_down, routed_direct=status.routed_direct,
+        routed_queue=status.routed_queue, tuples_done=status.tuples_done, tuples_failed=status.tuples_failed,
+        bytes_done=status.bytes_done, tuples_per_second=status.tuples_per_second,
+        bytes_per_second=status.bytes_per_second, queue_bytes_limit=status.queue_bytes_limit,
+        dead_letters=status.dead_letters, warnings=status.warnings, last_tuple_id=status.last_tuple_id)

@@ -1,0 +1,80 @@
+"""Counters and throughput over the last minute. Not thread-safe (master lock)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable
+
+WINDOW_SECONDS = 60
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    tuples_per_second: float
+    bytes_per_second: float
+    mean_latency_seconds: float   # accepted at a gateway -> outcome reported, last minute (0 if unknown)
+
+
+class Stats:
+    """What the master counts: routes, outcomes, bytes, and one-second buckets for rates."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.started = clock()
+        self.routed_direct = 0
+        self.routed_queue = 0
+        self.tuples_done = 0
+        self.tuples_failed = 0
+        self.bytes_done = 0
+        # second -> [tuples, bytes, latency sum, latency count]
+        self._buckets: collections.OrderedDict[int, list[float]] = collections.OrderedDict()
+
+    def routed(self, *, direct: bool, count: int) -> None:
+        if direct:
+            self.routed_direct += count
+        else:
+            self.routed_queue += count
+
+    def outcome(self, *, ok: bool, size: int, latency: float | None = None) -> None:
+        """One finished tuple; ``latency`` in seconds when the tuple carried its acceptance time."""
+        if not ok:
+            self.tuples_failed += 1
+            return
+        self.tuples_done += 1
+        self.bytes_done += size
+        bucket = self._bucket()
+        bucket[0] += 1
+        bucket[1] += size
+        if latency is not None and latency >= 0:
+            bucket[2] += latency
+            bucket[3] += 1
+
+    def rates(self) -> Rates:
+        now = self._clock()
+        self._trim(now)
+        tuples = sum(b[0] for b in self._buckets.values())
+        size = sum(b[1] for b in self._buckets.values())
+        lat_sum = sum(b[2] for b in self._buckets.values())
+        lat_n = sum(b[3] for b in self._buckets.values())
+        span = min(float(WINDOW_SECONDS), max(1.0, now - self.started))
+        return Rates(tuples_per_second=tuples / span, bytes_per_second=size / span,
+                     mean_latency_seconds=lat_sum / lat_n if lat_n else 0.0)
+
+    def uptime(self) -> float:
+        return self._clock() - self.started
+
+    def _bucket(self) -> list[float]:
+        now = self._clock()
+        second = int(now)
+        bucket = self._buckets.get(second)
+        if bucket is None:
+            bucket = self._buckets[second] = [0.0, 0.0, 0.0, 0.0]
+            self._trim(now)
+        return bucket
+
+    def _trim(self, now: float) -> None:
+        oldest = int(now) - WINDOW_SECONDS
+        while self._buckets and next(iter(self._buckets)) <= oldest:
+            self._buckets.popitem(last=False)

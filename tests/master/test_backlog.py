@@ -1,0 +1,351 @@
+"""BacklogQueue on real files: FIFO, bounds, durability, leases, dead letters, big tuples."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+from typing import Iterable
+
+import pytest
+
+from hio.common.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
+from hio.common.frames import TupleFrame, crc32
+from hio.master.backlog import BacklogQueue, Placement, Stored
+from hio.master.deadletters import DeadLetterStore
+from hio.master.storage import Durability
+
+from tests.master.helpers import big_frames, frames
+
+MiB = 1024 * 1024
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def open_queue(root: Path, clock: Clock | None = None, **kw: object) -> BacklogQueue:
+    durability = Durability(str(kw.pop("fsync", "always")))
+    dead = DeadLetterStore(root / "dead", durability)
+    params: dict[str, object] = dict(queue_bytes=100 * MiB, memory_bytes=1 * MiB, segment_bytes=4 * MiB,
+                                     max_attempts=3)
+    params.update(kw)
+    return BacklogQueue(root / "queue", dead=dead, durability=durability, clock=clock or Clock(),
+                        **params)  # type: ignore[arg-type]
+
+
+def put(queue: BacklogQueue, stream: Iterable[TupleFrame]) -> list[Stored]:
+    return list(queue.receive(stream, max_tuple_bytes=64 * MiB, max_chunk_bytes=2 * MiB))
+
+
+def take(queue: BacklogQueue, image: str = "hio/synthetic", channel: str = "w/0") -> tuple[int, bytes, int]:
+    """Lease the head and read it back: (tuple id, payload, attempt)."""
+    lease = queue.lease(image, channel, 60.0)
+    assert lease is not None, "expected a waiting tuple"
+    data = b"".join(f.data for f in queue.frames(lease, 64 * 1024))
+    return lease.tuple_id, data, lease.meta.attempt
+
+
+def payload(n: int, size: int = 1000) -> bytes:
+    return bytes([n % 256]) * size
+
+
+def test_fifo_per_image(tmp_path: Path) -> None:
+    q = open_queue(tmp_path)
+    for tid, image in [(1, "a"), (2, "b"), (3, "a"), (4, "b"), (5, "a")]:
+        assert put(q, frames(tid, payload(tid), image))[0].placement is Placement.ENQUEUED
+    assert [take(q, "a")[0] for _ in range(3)] == [1, 3, 5]
+    assert [take(q, "b")[0] for _ in range(2)] == [2, 4]
+    assert q.lease("a", "w/0", 60) is None
+    q.close()
+
+
+def test_payload_round_trip_and_receipt_indexes(tmp_path: Path) -> None:
+    q = open_queue(tmp_path)
+    stream = frames(1, payload(1, 200_000)) + frames(2, payload(2, 10)) + frames(3, b"")
+    stored = put(q, stream)
+    assert [(s.index, s.meta.tuple_id) for s in stored] == [(0, 1), (1, 2), (2, 3)]
+    assert take(q)[1] == payload(1, 200_000)
+    assert take(q)[1] == payload(2, 10)
+    assert take(q)[1] == b""
+    q.close()
+
+
+def test_bound_refuses_and_never_drops(tmp_path: Path) -> None:
+    q = open_queue(tmp_path, queue_bytes=1500)
+    put(q, frames(1, payload(1, 1000)))
+    with pytest.raises(ResourceExhausted) as err:
+        put(q, frames(2, payload(2, 1000)))
+    assert err.value.retry_after and err.value.retry_after > 0
+    assert "1000 of 1500 bytes" in err.value.message
+    assert q.length() == 1 and q.used_bytes == 1000
+    with pytest.raises(InvalidArgument, match="can never fit"):
+        put(q, frames(3, payload(3, 2000)))
+    tid, _, _ = take(q)
+    assert q.ack(tid)
+    put(q, frames(2, payload(2, 1000)))
+    assert take(q)[0] == 2
+    q.close()
+
+
+def test_corrupt_tuple_is_never_stored(tmp_path: Path) -> None:
+    q = open_queue(tmp_path)
+    put(q, frames(1, payload(1)))
+    bad = frames(2, payload(2, 300_000))
+    bad[0].meta.crc32 ^= 1
+    with pytest.raises(DataLoss, match="checksum"):
+        put(q, bad)
+    truncated = frames(3, payload(3, 300_000))[:-1]
+    with pytest.raises(DataLoss, match="stream ended"):
+        put(q, truncated)
+    assert q.length() == 1 and not q.contains(2) and not q.contains(3)
+    put(q, frames(4, payload(4)))
+    q.close()
+    q = open_queue(tmp_path)           # nothing of the refused tuples survives a restart either
+    assert [take(q)[0], take(q)[0]] == [1, 4]
+    assert q.lease("hio/synthetic", "w/0", 60) is None
+    q.close()
+
+
+def test_duplicate_enqueue_is_idempotent(tmp_path: Path) -> None:
+    q = open_queue(tmp_path)
+    put(q, frames(1, payload(1)))
+    assert put(q, frames(1, payload(1)))[0].placement is Placement.DUPLICATE
+    assert q.length() == 1 and q.used_bytes == 1000
+    q.close()
+
+
+def test_restart_recovers_unacked_in_order_and_voids_leases(tmp_path: Path) -> None:
+    q = open_queue(tmp_path)
+    for tid in range(1, 6):
+        put(q, frames(tid, payload(tid)))
+    first, _, _ = take(q)
+    q.ack(first)                      # 1 done for good
+    take(q)                           # 2 leased, never acknowledged
+    q.close()
+    q = open_queue(tmp_path)
+    assert q.length() == 4
+    assert [take(q)[0] for _ in range(4)] == [2, 3, 4, 5]
+    q.close()
+
+
+def test_torn_tail_is_truncated(tmp_path: Path) -> None:
+    q = open_queue(tmp_path, memory_bytes=0)
+    put(q, frames(1, payload(1)))
+    put(q, frames(2, payload(2)))
+    q.close()
+    (segment,) = sorted((tmp_path / "queue").glob("seg-*.q"))
+    whole = segment.stat().st_size
+    with open(segment, "r+b") as fh:      # crash in the middle of record 2
+        fh.truncate(whole - 100)
+    journal = tmp_path / "queue" / "journal.q"
+    with open(journal, "ab") as fh:       # and a torn journal entry
+        fh.write(b"\x01\x00\x00")
+    q = open_queue(tmp_path)
+    assert q.length() == 1 and take(q)[1] == payload(1)
+    assert segment.stat().st_size < whole - 100
+    put(q, frames(3, payload(3)))
+    q.close()
+    q = open_queue(tmp_path)
+    assert [take(q)[0], take(q)[0]] == [1, 3]
+    q.close()
+
+
+def test_damaged_payload_is_dropped_not_served(tmp_path: Path) -> None:
+    q = open_queue(tmp_path, memory_bytes=0)
+    put(q, frames(1, payload(1)))
+    put(q, frames(2, payload(2)))
+    q.close()
+    (segment,) = sorted((tmp_path / "queue").glob("seg-*.q"))
+    with open(segment, "r+b") as fh:
+        fh.seek(200)
+        fh.write(b"\xff\xfe")             # bit rot inside payload 1
+    q = open_queue(tmp_path)
+    assert q.length() == 1 and take(q) == (2, payload(2), 1)
+    q.close()
+
+
+def test_acked_never_reappears_and_segments_are_deleted(tmp_path: Path) -> None:
+    q = open_queue(tmp_path, segment_bytes=2048)    # about one record per segment
+    for tid in range(1, 7):
+        put(q, frames(tid, payload(tid)))
+    assert len(list((tmp_path / "queue").glob("seg-*.q"))) >= 3
+    for _ in range(6):
+        assert q.ack(take(q)[0])
+    q.close()
+    assert list((tmp_path / "queue").glob("seg-*.q")) == []
+    q = open_queue(tmp_path)
+    assert q.length() == 0
+    q.close()
+
+
+def test_lease_expiry_requeues_at_head_with_next_attempt(tmp_path: Path) -> None:
+    clock = Clock()
+    q = open_queue(tmp_path, clock)
+    for tid in (1, 2):
+        put(q, frames(tid, payload(tid)))
+    lease = q.lease("hio/synthetic", "w/0", 5.0)
+    assert lease is not None and lease.tuple_id == 1
+    clock.now += 3
+    q.refresh("w/0", 5.0)                 # a report keeps the lease
+    clock.now += 3
+    assert q.expire_leases() == []
+    clock.now += 3
+    assert q.expire_leases() == ["w/0"]
+    assert take(q, channel="w/1")[::2] == (1, 2)   # back at the head, attempt 2
+    assert not q.ack(99)
+    q.close()
+
+
+def test_void_leases_of_a_channel_and_stale_lease(tmp_path: Path) -> None:
+    q = open_queue(tmp_path)
+    put(q, frames(1, payload(1)))
+    lease = q.lease("hio/synthetic", "w/0", 60)
+    assert lease is not None
+    assert q.void_leases("w/0", "channel down") == [1]
+    assert not q.void_lease(lease, "cancelled")      # no longer the current lease
+    with pytest.raises(NotFound):
+        list(q.frames(lease, 1024))
+    again = q.lease("hio/synthetic", "w/1", 60)
+    assert again is not None and again.meta.attempt == 2
+    q.close()
+
+
+def test_failures_requeue_at_tail_then_dead_letter(tmp_path: Path) -> None:
+    q = open_queue(tmp_path, max_attempts=2)
+    put(q, frames(1, payload(1)))
+    put(q, frames(2, payload(2)))
+    assert take(q)[0] == 1
+    assert q.fail(1, "w/0", "bad pixels")
+    assert not q.fail(2, "w/0", "not leased")       # only the holder's word counts
+    assert take(q)[0] == 2                           # 1 went to the tail
+    tid, _, attempt = take(q)
+    assert (tid, attempt) == (1, 2)
+    assert q.fail(1, "w/0", "bad pixels again")
+    assert q.length() == 1 and not q.contains(1)
+    (letter,) = q.dead.list(10)
+    assert letter.tuple_id == 1 and "bad pixels again" in letter.reason and letter.meta.attempt == 3
+    with q.dead.open_payload(1) as fh:
+        assert fh.read() == payload(1)
+    q.close()
+    q = open_queue(tmp_path, max_attempts=2)         # dead letters and the queue survive a restart
+    assert [d.tuple_id for d in q.dead.list(10)] == [1] and q.length() == 1
+    q.retry_dead(1)
+    assert len(q.dead) == 0
+    assert take(q)[0] == 2
+    assert take(q) == (1, payload(1), 1)
+    with pytest.raises(NotFound):
+        q.retry_dead(1)
+    q.close()
+
+
+def test_enqueue_over_max_attempts_goes_to_dead_letters(tmp_path: Path) -> None:
+    q = open_queue(tmp_path, max_attempts=3)
+    stream = frames(7, payload(7), attributes={"hio.last_error": "engine crashed"})
+    stream[0].meta.attempt = 4
+    (stored,) = put(q, stream)
+    assert stored.placement is Placement.DEAD_LETTER
+    assert q.length() == 0
+    (letter,) = q.dead.list(10)
+    assert letter.reason == "engine crashed"
+    q.close()
+
+
+def test_moves_survive_restart(tmp_path: Path) -> None:
+    q = open_queue(tmp_path)
+    for tid in (1, 2, 3):
+        put(q, frames(tid, payload(tid)))
+    assert take(q)[0] == 1
+    q.fail(1, "w/0", "flaky")             # 1 -> tail, attempt 2
+    assert take(q)[0] == 2
+    q.void_leases("w/0", "down")          # 2 -> head, attempt 2
+    q.close()
+    q = open_queue(tmp_path)
+    assert [take(q)[::2] for _ in range(3)] == [(2, 2), (3, 1), (1, 2)]
+    q.close()
+
+
+def test_small_tuples_are_cached_big_ones_are_not(tmp_path: Path) -> None:
+    q = open_queue(tmp_path, memory_bytes=5000)
+    put(q, frames(1, payload(1, 4000)))
+    put(q, frames(2, payload(2, 4000)))   # over the remaining memory budget: disk only
+    assert q.cached_bytes == 4000
+    assert take(q)[1] == payload(1, 4000)
+    assert take(q)[1] == payload(2, 4000)
+    q.ack(1)
+    assert q.cached_bytes == 0
+    q.close()
+
+
+def test_big_tuple_streams_without_holding_it_in_memory(tmp_path: Path) -> None:
+    size = 20 * MiB
+    q = open_queue(tmp_path, memory_bytes=1 * MiB, segment_bytes=64 * MiB, fsync="never")
+    meta, stream = big_frames(1, size)
+    tracemalloc.start()
+    try:
+        (stored,) = put(q, stream)
+        _, peak_in = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        lease = q.lease("hio/synthetic", "w/0", 60)
+        assert lease is not None
+        value, received = 0, 0
+        for frame in q.frames(lease, 1 * MiB):
+            value = crc32(frame.data, value)
+            received += len(frame.data)
+        _, peak_out = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert stored.placement is Placement.ENQUEUED and q.cached_bytes == 0
+    assert (received, value) == (size, meta.crc32)
+    assert peak_in < 6 * MiB, f"enqueue held {peak_in} bytes"
+    assert peak_out < 6 * MiB, f"pull held {peak_out} bytes"
+    q.close()
+
+
+def test_new_records_never_take_a_dead_letters_sequence(tmp_path: Path) -> None:
+    q = open_queue(tmp_path, max_attempts=1, segment_bytes=1024)
+    put(q, frames(1, payload(1)))
+    take(q)
+    q.fail(1, "w/0", "boom")          # dead letter remembers the record's sequence number
+    q.close()
+    q = open_queue(tmp_path, max_attempts=1, segment_bytes=1024)   # segment gone, journal compacted
+    put(q, frames(2, payload(2)))
+    q.close()
+    q = open_queue(tmp_path, max_attempts=1)
+    assert q.length() == 1 and take(q)[0] == 2
+    q.close()
+
+
+def test_concurrent_streams_never_interleave_records(tmp_path: Path) -> None:
+    import threading
+
+    q = open_queue(tmp_path, fsync="batch", memory_bytes=0)
+    errors: list[BaseException] = []
+
+    def sender(first: int) -> None:
+        try:
+            stream = [f for tid in range(first, first + 20) for f in frames(tid, payload(tid, 30_000), chunk=4096)]
+            assert len(put(q, stream)) == 20
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sender, args=(base,)) for base in (1, 101, 201)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    q.close()
+    q = open_queue(tmp_path)
+    seen = {}
+    while (lease := q.lease("hio/synthetic", "w/0", 60)) is not None:
+        seen[lease.tuple_id] = b"".join(f.data for f in q.frames(lease, 8192))
+    assert sorted(seen) == [b + i for b in (1, 101, 201) for i in range(20)]
+    for base in (1, 101, 201):                    # each stream's tuples keep their order
+        mine = [tid for tid in seen if base <= tid < base + 20]
+        assert mine == sorted(mine)
+    assert all(data == payload(tid, 30_000) for tid, data in seen.items())
+    q.close()

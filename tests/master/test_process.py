@@ -1,0 +1,42 @@
+"""`hio master` as a real process: health, SIGTERM, and a queue that survives kill -9."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from hio.common.net import create_channel
+from hio.common.settings import ClusterSettings
+from hio.proto import master_pb2, master_pb2_grpc
+
+from tests.harness import HioProcess, free_port
+from tests.master.helpers import frames, pull, register, route
+
+
+def test_master_process_survives_kill_and_stops_on_sigterm(tmp_path: Path) -> None:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    args = ["--listen", address, "--data-dir", str(tmp_path / "data")]   # default fsync: batch
+    first = HioProcess("master", args, tmp_path, name="master-1").start()
+    try:
+        first.wait_healthy(address)
+        with create_channel(address, ClusterSettings()) as channel:
+            stub = master_pb2_grpc.MasterStub(channel)
+            ids = list(route(stub, [5, 5], force_queue=True).tuple_ids)
+            stream = frames(ids[0], b"first") + frames(ids[1], b"again")
+            assert len(list(stub.Enqueue(iter(stream), timeout=10))) == 2
+    finally:
+        first.kill()                                  # kill -9: no chance to flush anything
+    assert first.proc is not None and first.proc.returncode == -signal.SIGKILL
+
+    with HioProcess("master", args, tmp_path, name="master-2") as second:
+        second.wait_healthy(address)
+        with create_channel(address, ClusterSettings()) as channel:
+            stub = master_pb2_grpc.MasterStub(channel)
+            status = stub.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
+            assert [(q.length, q.bytes) for q in status.queues] == [(2, 10)]
+            assert status.last_tuple_id >= max(ids)
+            assert min(route(stub, [1], force_queue=True).tuple_ids) > max(ids)   # ids never reused
+            ch = register(stub, "w1")[0]
+            assert [pull(stub, ch)[1] for _ in range(2)] == [b"first", b"again"]
+    assert second.proc is not None and second.proc.returncode == 0

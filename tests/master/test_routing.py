@@ -1,0 +1,219 @@
+"""Routing decisions, channel states and expiry, on the Master domain object (no network)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from hio.common.config import ConfigError
+from hio.common.errors import InvalidArgument, NotFound
+from hio.master.config import MasterConfig
+from hio.master.core import Master, Outcome, RouteItem
+from hio.master.registry import ChannelSpec, ChannelState
+from hio.master.routing import DirectRoute, QueueRoute
+
+from tests.harness import wait_for
+from tests.master.helpers import config, frames
+
+IMAGE = "hio/synthetic"
+
+
+@pytest.fixture
+def make_master(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
+    made: list[Master] = []
+
+    def make(**overrides: object) -> Master:
+        master = Master(config(tmp_path / str(len(made)), **overrides)).start()
+        made.append(master)
+        return master
+
+    yield make
+    for master in made:
+        master.close()
+
+
+def add_worker(master: Master, worker_id: str, n: int = 1, image: str = IMAGE) -> list[str]:
+    specs = [ChannelSpec(channel_id=f"{worker_id}/{i}", image=image, address=f"127.0.0.1:{6000 + i}")
+             for i in range(n)]
+    master.register_worker(worker_id, "host", n, specs)
+    return [s.channel_id for s in specs]
+
+
+def route(master: Master, n: int = 1, **kw: object):  # type: ignore[no-untyped-def]
+    return master.route(source="t", image=kw.pop("image", IMAGE), items=[RouteItem(size=10)] * n,  # type: ignore[arg-type]
+                        **kw)  # type: ignore[arg-type]
+
+
+def enqueue(master: Master, tuple_id: int, image: str = IMAGE) -> None:
+    list(master.enqueue(frames(tuple_id, b"x" * 10, image)))
+
+
+def state(master: Master, channel_id: str) -> ChannelState:
+    channel = master.registry.channel(channel_id)
+    assert channel is not None
+    return channel.state
+
+
+def test_free_channel_gets_direct_route_and_is_reserved(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    (ch,) = add_worker(master, "w1")
+    routed = route(master, 3)
+    assert routed.tuple_ids == [1, 2, 3] and routed.tickets == [b"", b"", b""]
+    assert isinstance(routed.route, DirectRoute) and routed.route.channel_id == ch
+    assert state(master, ch) == ChannelState.DIRECT
+    second = route(master)                          # no FREE channel left
+    assert isinstance(second.route, QueueRoute) and second.tuple_ids == [4]
+    assert master.stats.routed_direct == 3 and master.stats.routed_queue == 1
+
+
+def test_least_recently_used_channel_spreads_load(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    a = add_worker(master, "wa")[0]
+    b = add_worker(master, "wb")[0]
+    first = route(master).route
+    second = route(master).route
+    assert {first.channel_id, second.channel_id} == {a, b}  # type: ignore[union-attr]
+    master.report(first.channel_id, [], release=True)       # type: ignore[union-attr]
+    master.report(second.channel_id, [], release=True)      # type: ignore[union-attr]
+    assert route(master).route.channel_id == first.channel_id  # type: ignore[union-attr]
+
+
+def test_nonempty_queue_routes_to_queue(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    routed = route(master)                          # no channel at all: queue
+    assert isinstance(routed.route, QueueRoute) and routed.route.queue_length == 0
+    enqueue(master, routed.tuple_ids[0])
+    add_worker(master, "w1")
+    later = route(master)
+    assert isinstance(later.route, QueueRoute) and later.route.queue_length == 1
+
+
+def test_pending_enqueue_routes_to_queue_until_it_arrives(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    ch = add_worker(master, "w1")[0]
+    forced = route(master, force_queue=True)
+    assert isinstance(forced.route, QueueRoute)
+    behind = route(master)                          # the forced tuple is still on its way
+    assert isinstance(behind.route, QueueRoute) and behind.route.queue_length == 1
+    for tuple_id in forced.tuple_ids + behind.tuple_ids:
+        enqueue(master, tuple_id)
+    for tuple_id in forced.tuple_ids + behind.tuple_ids:
+        pulled = master.pull(ch, 0)
+        assert pulled is not None and pulled.lease.tuple_id == tuple_id
+        master.report(ch, [Outcome(tuple_id=tuple_id, ok=True, from_queue=True)], release=True)
+    assert isinstance(route(master).route, DirectRoute)
+
+
+def test_pending_enqueue_expires(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master(reservation_seconds=0.5)
+    add_worker(master, "w1")
+    route(master, force_queue=True)                 # its sender never enqueues it
+    assert isinstance(route(master).route, QueueRoute)
+    time.sleep(0.55)
+    assert isinstance(route(master).route, DirectRoute)
+
+
+def test_release_with_waiting_queue_answers_pull(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    ch = add_worker(master, "w1")[0]
+    direct = route(master)
+    assert isinstance(direct.route, DirectRoute)
+    queued = route(master)
+    enqueue(master, queued.tuple_ids[0])
+    assert master.report(ch, [Outcome(tuple_id=direct.tuple_ids[0], ok=True, size=10)], release=True)
+    assert state(master, ch) == ChannelState.QUEUE
+    pulled = master.pull(ch, 0)
+    assert pulled is not None and pulled.lease.tuple_id == queued.tuple_ids[0]
+    assert not master.report(ch, [Outcome(tuple_id=queued.tuple_ids[0], ok=True, from_queue=True)], release=True)
+    assert state(master, ch) == ChannelState.FREE
+    assert master.queue.length() == 0 and master.stats.tuples_done == 2
+    assert master.registry.channel(ch).tuples_done == 2  # type: ignore[union-attr]
+
+
+def test_unknown_image_and_bad_requests(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    with pytest.raises(NotFound, match="no/such"):
+        route(master, image="no/such")
+    add_worker(master, "w1", image="lab/custom")
+    assert route(master, image="lab/custom").tuple_ids == [1]   # offered by a worker: accepted
+    with pytest.raises(InvalidArgument, match="never issued"):
+        master.route(source="t", image=IMAGE, items=[RouteItem(size=1, tuple_id=99)])
+    with pytest.raises(InvalidArgument, match="1 to 10000"):
+        master.route(source="t", image=IMAGE, items=[])
+    with pytest.raises(InvalidArgument, match="max_tuple_bytes"):
+        master.route(source="t", image=IMAGE, items=[RouteItem(size=2**40)])
+    with pytest.raises(InvalidArgument, match="image must not be empty"):
+        master.route(source="t", image="", items=[RouteItem(size=1)])
+    kept = master.route(source="t", image=IMAGE, items=[RouteItem(size=1, tuple_id=1), RouteItem(size=1)])
+    assert kept.tuple_ids == [1, 2]
+
+
+def test_tickets_are_hmac_of_id_and_image(make_master, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import hashlib
+    import hmac
+
+    key_file = tmp_path / "ticket.key"
+    key_file.write_text("k" * 32 + "\n")
+    master = make_master(ticket_key_file=str(key_file))
+    routed = route(master, 2)
+    for tuple_id, ticket in zip(routed.tuple_ids, routed.tickets):
+        expected = hmac.new(b"k" * 32, tuple_id.to_bytes(8, "big") + IMAGE.encode(), hashlib.sha256).digest()[:16]
+        assert ticket == expected
+    key_file.write_text("short")
+    with pytest.raises(ConfigError, match="ticket_key_file"):
+        make_master(ticket_key_file=str(key_file))
+
+
+def test_worker_expiry_requeues_leases_and_warns(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master(heartbeat_interval=0.1, expiry_seconds=1.0)
+    ch = add_worker(master, "w1")[0]
+    routed = route(master, force_queue=True)
+    enqueue(master, routed.tuple_ids[0])
+    pulled = master.pull(ch, 0)
+    assert pulled is not None
+    wait_for(lambda: state(master, ch) == ChannelState.DOWN, timeout=5, what="worker expiry")
+    status = master.status()
+    assert any("worker w1 expired" in w for w in status.warnings)
+    assert any("no channel offers image hio/synthetic; 1 tuples wait" in w for w in status.warnings)
+    assert status.channels_down == 1 and status.queues[0].leased == 0
+    assert not master.heartbeat("w1", {})           # it must register again
+    add_worker(master, "w1")
+    again = master.pull(ch, 0)
+    assert again is not None and again.meta.attempt == 2
+
+
+def test_heartbeat_down_and_up(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    ch = add_worker(master, "w1")[0]
+    assert master.heartbeat("w1", {ch: "engine crashed"})
+    assert state(master, ch) == ChannelState.DOWN
+    assert isinstance(route(master).route, QueueRoute)
+    assert master.heartbeat("w1", {})
+    assert state(master, ch) == ChannelState.FREE
+    assert not master.heartbeat("nobody", {})
+
+
+def test_reservation_lapses_without_reports(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master(reservation_seconds=1.0)
+    ch = add_worker(master, "w1")[0]
+    assert isinstance(route(master).route, DirectRoute)
+    time.sleep(0.6)
+    master.report(ch, [], release=False)            # a keep-alive report
+    time.sleep(0.5)
+    assert state(master, ch) == ChannelState.DIRECT
+    wait_for(lambda: state(master, ch) == ChannelState.FREE, timeout=3, what="reservation lapse")
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ConfigError, match="expiry_seconds must be at most 10"):
+        MasterConfig(expiry_seconds=11).validate()
+    with pytest.raises(ConfigError, match="fsync"):
+        MasterConfig(fsync="sometimes").validate()
+    with pytest.raises(ConfigError, match="max_attempts must be positive"):
+        MasterConfig(max_attempts=0).validate()
+    with pytest.raises(ConfigError, match="pull_waiters"):
+        MasterConfig(pull_waiters=64, server_threads=64).validate()
+    MasterConfig().validate()

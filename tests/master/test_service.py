@@ -1,0 +1,244 @@
+"""The Master service over real gRPC on loopback (in-process server on port 0)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from hio.common.errors import retry_after
+from hio.common.frames import TupleReceipt
+from hio.common.net import create_channel
+from hio.common.settings import ClusterSettings
+from hio.proto import master_pb2, master_pb2_grpc
+
+from tests.harness import wait_for
+from tests.master.helpers import frames, pull, register, report, route, running_master
+
+IMAGE = "hio/synthetic"
+
+
+def enqueue(stub: master_pb2_grpc.MasterStub, stream: list) -> list[TupleReceipt]:  # type: ignore[type-arg]
+    return list(stub.Enqueue(iter(stream), timeout=10))
+
+
+def status(stub: master_pb2_grpc.MasterStub) -> master_pb2.GetStatusResponse:
+    return stub.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
+
+
+def test_route_direct_then_queue_and_enqueue_receipts(tmp_path: Path) -> None:
+    with running_master(tmp_path) as m:
+        a = register(m.stub, "wa")[0]
+        b = register(m.stub, "wb")[0]
+        first, second = route(m.stub, [10]), route(m.stub, [10])
+        assert {first.channel.channel_id, second.channel.channel_id} == {a, b}
+        assert first.channel.reservation_seconds == m.config.reservation_seconds
+        third = route(m.stub, [10, 20])
+        assert third.WhichOneof("route") == "queue" and len(third.tuple_ids) == 2
+        stream = frames(third.tuple_ids[0], b"a" * 10) + frames(third.tuple_ids[1], b"b" * 20)
+        receipts = enqueue(m.stub, stream)
+        assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
+            (0, third.tuple_ids[0], TupleReceipt.ENQUEUED), (1, third.tuple_ids[1], TupleReceipt.ENQUEUED)]
+        again = enqueue(m.stub, frames(third.tuple_ids[0], b"a" * 10))   # duplicate: idempotent
+        assert again[0].state == TupleReceipt.ENQUEUED and "already" in again[0].message
+        st = status(m.stub)
+        assert st.routed_direct == 2 and st.routed_queue == 2 and st.last_tuple_id == 4
+        assert [(q.image, q.length, q.bytes, q.leased) for q in st.queues] == [(IMAGE, 2, 30, 0)]
+        assert st.channels_busy == 2 and st.channels_free == 0 and st.queue_bytes_limit == m.config.queue_bytes
+
+
+def test_enqueue_refusals_store_nothing(tmp_path: Path) -> None:
+    with running_master(tmp_path) as m:
+        ids = list(route(m.stub, [1000, 1000], force_queue=True).tuple_ids)
+        corrupt = frames(ids[0], b"x" * 1000)
+        corrupt[0].meta.crc32 ^= 0xFF
+        with pytest.raises(grpc.RpcError) as err:
+            enqueue(m.stub, corrupt)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and str(ids[0]) in err.value.details()
+        truncated = frames(ids[1], b"y" * 1000, chunk=100)[:-1]
+        with pytest.raises(grpc.RpcError) as err:
+            enqueue(m.stub, truncated)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        for tuple_id, code in [(0, grpc.StatusCode.INVALID_ARGUMENT), (999, grpc.StatusCode.INVALID_ARGUMENT)]:
+            with pytest.raises(grpc.RpcError) as err:
+                enqueue(m.stub, frames(tuple_id, b"z"))
+            assert err.value.code() == code
+        with pytest.raises(grpc.RpcError) as err:
+            enqueue(m.stub, frames(ids[0], b"z", image="no/such"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert status(m.stub).queues == []
+        assert enqueue(m.stub, frames(ids[0], b"x" * 1000))[0].state == TupleReceipt.ENQUEUED
+
+
+def test_queue_full_is_resource_exhausted_with_hint(tmp_path: Path) -> None:
+    with running_master(tmp_path, queue_bytes=1500) as m:
+        ids = list(route(m.stub, [1000, 1000], force_queue=True).tuple_ids)
+        enqueue(m.stub, frames(ids[0], b"x" * 1000))
+        with pytest.raises(grpc.RpcError) as err:
+            enqueue(m.stub, frames(ids[1], b"y" * 1000))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1000 of 1500 bytes" in err.value.details() and retry_after(err.value) == pytest.approx(1.0)
+
+
+def test_pull_long_poll_wakes_on_enqueue(tmp_path: Path) -> None:
+    with running_master(tmp_path) as m:
+        ch = register(m.stub, "w1")[0]
+        got: dict[str, object] = {}
+
+        def poll() -> None:
+            start = time.monotonic()
+            got["result"] = pull(m.stub, ch, wait=10)
+            got["took"] = time.monotonic() - start
+
+        thread = threading.Thread(target=poll)
+        thread.start()
+        time.sleep(0.3)
+        tuple_id = route(m.stub, [5], force_queue=True).tuple_ids[0]
+        enqueue(m.stub, frames(tuple_id, b"hello"))
+        thread.join(10)
+        meta, data = got["result"]  # type: ignore[misc]
+        assert meta.tuple_id == tuple_id and data == b"hello" and got["took"] < 5  # type: ignore[operator]
+        st = status(m.stub)
+        assert st.queues[0].leased == 1 and st.workers[0].channels[0].state == master_pb2.QUEUE
+        with pytest.raises(grpc.RpcError) as err:
+            pull(m.stub, "nobody/0")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as err:
+            pull(m.stub, ch, wait=31)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_pull_times_out_empty_and_returns_when_routed_direct(tmp_path: Path) -> None:
+    with running_master(tmp_path) as m:
+        ch = register(m.stub, "w1")[0]
+        start = time.monotonic()
+        assert pull(m.stub, ch, wait=0.3) == (None, b"")
+        assert time.monotonic() - start >= 0.25
+        got: dict[str, object] = {}
+        thread = threading.Thread(target=lambda: got.update(r=pull(m.stub, ch, wait=10)))
+        thread.start()
+        time.sleep(0.3)
+        assert route(m.stub, [5]).channel.channel_id == ch
+        thread.join(5)
+        assert got["r"] == (None, b"")
+
+
+def test_fifo_drain_with_reports(tmp_path: Path) -> None:
+    with running_master(tmp_path) as m:
+        ids = list(route(m.stub, [3] * 5, force_queue=True).tuple_ids)
+        stream = [f for t in ids for f in frames(t, str(t).encode().rjust(3, b"0"))]
+        enqueue(m.stub, stream)
+        ch = register(m.stub, "w1")[0]
+        order = []
+        while True:
+            meta, data = pull(m.stub, ch)
+            if meta is None:
+                break
+            order.append(meta.tuple_id)
+            assert data == str(meta.tuple_id).encode().rjust(3, b"0")
+            more = report(m.stub, ch, meta.tuple_id, size=3)
+            assert more == (len(order) < len(ids))
+        assert order == ids
+        st = status(m.stub)
+        assert st.tuples_done == 5 and st.bytes_done == 15 and st.queues == [] and st.tuples_per_second > 0
+        assert st.workers[0].channels[0].tuples_done == 5 and st.channels_free == 1
+
+
+def test_lease_expiry_redelivers_to_another_channel(tmp_path: Path) -> None:
+    with running_master(tmp_path, lease_seconds=0.5) as m:
+        a, b = register(m.stub, "w1", n=2)
+        tuple_id = route(m.stub, [4], force_queue=True).tuple_ids[0]
+        enqueue(m.stub, frames(tuple_id, b"data"))
+        meta, _ = pull(m.stub, a)
+        assert meta is not None and meta.attempt == 1
+        meta2, data = pull(m.stub, b, wait=5)      # wakes when a's lease expires
+        assert meta2 is not None and (meta2.tuple_id, meta2.attempt, data) == (tuple_id, 2, b"data")
+
+
+def test_cancelled_pull_voids_the_lease(tmp_path: Path) -> None:
+    with running_master(tmp_path) as m:
+        ch = register(m.stub, "w1")[0]
+        tuple_id = route(m.stub, [400_000], force_queue=True).tuple_ids[0]
+        enqueue(m.stub, frames(tuple_id, b"q" * 400_000, chunk=16 * 1024))
+        call = m.stub.PullTuple(master_pb2.PullTupleRequest(channel_id=ch, wait_seconds=1), timeout=10)
+        assert next(call).meta.tuple_id == tuple_id
+        call.cancel()
+        wait_for(lambda: status(m.stub).queues[0].leased == 0, timeout=5, what="lease voided")
+        meta, data = pull(m.stub, ch)
+        assert meta is not None and meta.attempt == 2 and len(data) == 400_000
+
+
+def test_dead_letters_list_and_retry(tmp_path: Path) -> None:
+    with running_master(tmp_path, max_attempts=2) as m:
+        ch = register(m.stub, "w1")[0]
+        tuple_id = route(m.stub, [3], force_queue=True).tuple_ids[0]
+        enqueue(m.stub, frames(tuple_id, b"bad"))
+        for attempt in (1, 2):
+            meta, _ = pull(m.stub, ch)
+            assert meta is not None and meta.attempt == attempt
+            report(m.stub, ch, tuple_id, ok=False, message=f"boom {attempt}")
+        listed = m.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5).dead_letters
+        assert len(listed) == 1 and listed[0].meta.tuple_id == tuple_id and "boom 2" in listed[0].reason
+        assert listed[0].failed_unix > time.time() - 60
+        st = status(m.stub)
+        assert st.dead_letters == 1 and st.tuples_failed == 2 and any("dead letters" in w for w in st.warnings)
+        m.stub.RetryDeadLetter(master_pb2.RetryDeadLetterRequest(tuple_id=tuple_id), timeout=5)
+        meta, data = pull(m.stub, ch)
+        assert meta is not None and (meta.tuple_id, meta.attempt, data) == (tuple_id, 1, b"bad")
+        with pytest.raises(grpc.RpcError) as err:
+            m.stub.RetryDeadLetter(master_pb2.RetryDeadLetterRequest(tuple_id=12345), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_direct_failure_handed_to_master_goes_dead_when_exhausted(tmp_path: Path) -> None:
+    with running_master(tmp_path, max_attempts=3) as m:
+        tuple_id = route(m.stub, [3]).tuple_ids[0]
+        stream = frames(tuple_id, b"bad", attributes={"hio.last_error": "segfault in process()"})
+        stream[0].meta.attempt = 4
+        (receipt,) = enqueue(m.stub, stream)
+        assert receipt.state == TupleReceipt.ENQUEUED
+        (letter,) = m.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5).dead_letters
+        assert letter.reason == "segfault in process()" and status(m.stub).queues == []
+
+
+def test_heartbeat_and_register_over_grpc(tmp_path: Path) -> None:
+    with running_master(tmp_path) as m:
+        reply = m.stub.RegisterWorker(master_pb2.RegisterWorkerRequest(
+            worker_id="w1", host="h", cpus=2, channels=[
+                master_pb2.ChannelInfo(channel_id="w1/0", image=IMAGE, address="127.0.0.1:1"),
+                master_pb2.ChannelInfo(channel_id="w1/1", image=IMAGE, address="127.0.0.1:2",
+                                       state=master_pb2.DOWN, detail="starting")]), timeout=5)
+        assert reply.heartbeat_interval_seconds == 1.0 and reply.expiry_seconds == 6.0
+        st = status(m.stub)
+        assert (st.channels_free, st.channels_down) == (1, 1) and st.workers[0].host == "h"
+        hb = m.stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="w1"), timeout=5)
+        assert hb.known and status(m.stub).channels_free == 2
+        assert not m.stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="ghost"), timeout=5).known
+        with pytest.raises(grpc.RpcError) as err:
+            m.stub.RegisterWorker(master_pb2.RegisterWorkerRequest(worker_id=""), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as err:
+            route(m.stub, [1], image="no/such")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_roles_are_enforced(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok-worker worker w\ntok-admin admin ops\n")
+    with running_master(tmp_path, tokens_file=str(tokens), token="tok-worker") as m:
+        register(m.stub, "w1")
+        with pytest.raises(grpc.RpcError) as err:
+            m.stub.RetryDeadLetter(master_pb2.RetryDeadLetterRequest(tuple_id=1), timeout=5)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with create_channel(f"127.0.0.1:{m.port}", ClusterSettings(), token="tok-admin") as channel:
+            admin = master_pb2_grpc.MasterStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                admin.RetryDeadLetter(master_pb2.RetryDeadLetterRequest(tuple_id=1), timeout=5)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with create_channel(f"127.0.0.1:{m.port}", ClusterSettings(), token="") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
