@@ -19,7 +19,8 @@ from grpc_health.v1 import health
 
 from hio.common.net import create_server, run_until_signal, set_serving
 from hio.master.config import MasterConfig
-from hio.master.core import Master, make_ticket
+from hio.common.tickets import make_ticket
+from hio.master.core import Master
 from hio.master.service import POLICY, MasterService
 from hio.proto import master_pb2_grpc
 

@@ -35,7 +35,6 @@ class MasterConfig(ClusterSettings):
     lease_seconds: float = setting(60.0, "a pulled tuple without reports from its channel for this long is redelivered")
     max_attempts: int = setting(3, "processing attempts of a tuple before it becomes a dead letter")
     images: tuple[str, ...] = setting(BUILTIN_IMAGES, "images always accepted, even before a worker offers them")
-    ticket_key_file: str = setting("", "file with the secret key for tuple tickets (HMAC-SHA256); empty = no tickets")
     grace_seconds: float = setting(5.0, "on SIGTERM, seconds to let calls in flight finish")
     server_threads: int = setting(64, "gRPC handler threads (long-polling PullTuple calls hold one each)")
     pull_waiters: int = setting(

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import hashlib
-import hmac
 import logging
 import math
 import os
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from hio.common.config import ConfigError, state_dir
+from hio.common.tickets import load_ticket_key, make_ticket
 from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from hio.common.frames import TupleFrame, TupleMeta
 from hio.master.backlog import BacklogQueue, ImageQueue, Lease, Stored
@@ -38,16 +37,11 @@ log = logging.getLogger("hio.master")
 MAX_ROUTE_ITEMS = 10_000
 MAX_OUTCOMES = 10_000
 MAX_PULL_WAIT = 30.0
-TICKET_BYTES = 16
-MIN_TICKET_KEY_BYTES = 16
 TICK_SECONDS = 0.1       # maintenance: fsync batches
 EXPIRY_EVERY = 0.25      # maintenance: worker expiry, reservations, leases
 QUEUE_FULL_WARNING = 0.9
 
 
-def make_ticket(key: bytes, tuple_id: int, image: str) -> bytes:
-    """HMAC-SHA256(key, tuple_id as 8 bytes big-endian + image UTF-8), first 16 bytes."""
-    return hmac.new(key, tuple_id.to_bytes(8, "big") + image.encode(), hashlib.sha256).digest()[:TICKET_BYTES]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +114,7 @@ class Master:
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
         self.root = state_dir(config.data_dir, "master")
-        self._ticket_key = _ticket_key(config.ticket_key_file)
+        self._ticket_key = load_ticket_key(config.ticket_key_file)
         self._lock_fd: int | None = _lock_dir(self.root)
         self._cond = threading.Condition(threading.RLock())
         try:
@@ -422,19 +416,6 @@ class Master:
         if dead:
             warnings.append(f"{dead} dead letters (see `hio dead-letters`)")
         return warnings
-
-
-def _ticket_key(path: str) -> bytes:
-    """The ticket key: the file's bytes without surrounding whitespace; b'' when unset."""
-    if not path:
-        return b""
-    try:
-        key = Path(path).expanduser().read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"ticket_key_file: cannot read {path}: {exc.strerror}") from None
-    if len(key) < MIN_TICKET_KEY_BYTES:
-        raise ConfigError(f"ticket_key_file: {path} holds {len(key)} bytes; use at least {MIN_TICKET_KEY_BYTES}")
-    return key
 
 
 def _lock_dir(root: Path) -> int:

@@ -108,7 +108,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
                             size=o.size, processing_seconds=o.processing_seconds, accepted_unix=o.accepted_unix)
                     for o in request.outcomes]
         pull = self._master.report(request.channel_id, outcomes, request.release)
-        return master_pb2.ReportTuplesResponse(pull_queue=pull)
+        config = self._master.config
+        return master_pb2.ReportTuplesResponse(pull_queue=pull, reservation_seconds=config.reservation_seconds,
+                                               lease_seconds=config.lease_seconds)
 
     @grpc_errors
     def GetStatus(self, request: master_pb2.GetStatusRequest,

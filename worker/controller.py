@@ -80,7 +80,7 @@ def engine_env(config: WorkerConfig, *, channel_id: str, image: str, pipeline: s
     token = config.presented_token()
     if token:
         env["HIO_TOKEN"] = token
-    for name in ("tokens_file", "tls_cert", "tls_key", "tls_ca"):
+    for name in ("tokens_file", "tls_cert", "tls_key", "tls_ca", "ticket_key_file"):
         value = getattr(config, name)
         if value:
             env[f"HIO_{name.upper()}"] = value

@@ -24,7 +24,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import zstandard
 
-from hio.common.errors import FailedPrecondition, HioError, ResourceExhausted, Unavailable, grpc_errors
+from hio.common.errors import (FailedPrecondition, HioError, PermissionDenied, ResourceExhausted, Unavailable,
+                               grpc_errors)
+from hio.common.tickets import load_ticket_key, verify_ticket
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt
 from hio.common.net import create_server, message_limit, run_until_signal, set_serving
 from hio.common.retry import Backoff
@@ -176,6 +178,7 @@ class Engine:
         self._stopping = False
         self._pull_call: PullCall | None = None
         self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        self._ticket_key = load_ticket_key(config.ticket_key_file)
         self._max_record = message_limit(config) - RECORD_HEADROOM
         self._watchdog = Watchdog(config.tuple_timeout, self._on_timeout)
         self._puller = threading.Thread(target=self._pull_loop, name="puller", daemon=True)
@@ -255,9 +258,13 @@ class Engine:
             self._unclaim()
 
     def _check_image(self, meta: TupleMeta) -> None:
+        """Refuse a tuple of another image, or one the master did not route (ticket)."""
         if meta.image != self._config.image:
             raise FailedPrecondition(f"tuple {meta.tuple_id} is for image {meta.image!r} but channel "
                                      f"{self._channel} runs {self._config.image!r}")
+        if self._ticket_key and not verify_ticket(self._ticket_key, meta.tuple_id, meta.image, meta.ticket):
+            raise PermissionDenied(f"tuple {meta.tuple_id}: its ticket does not match; "
+                                   "only tuples routed by this cluster's master are accepted")
 
     def _process_direct(self, index: int, meta: TupleMeta, data: bytes) -> TupleReceipt:
         error = self._process(meta, data, from_queue=False)

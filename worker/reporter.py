@@ -51,6 +51,7 @@ class Reporter:
         self._channel_id = channel_id
         self._send = send
         self._keepalive = keepalive
+        self._configured_keepalive = keepalive
         self._flush_interval = flush_interval
         self._max_pending = max_pending
         self._cond = threading.Condition()
@@ -158,6 +159,7 @@ class Reporter:
                 reply = self._send(request)
                 with self._cond:
                     self._last_sent = time.monotonic()
+                    self._adopt_master_times(reply)
                 return bool(reply.pull_queue)
             except RETRYABLE as exc:
                 if self._give_up():
@@ -173,6 +175,12 @@ class Reporter:
                 with self._cond:
                     self._last_sent = time.monotonic()
                 return False
+
+    def _adopt_master_times(self, reply: master_pb2.ReportTuplesResponse) -> None:
+        """Keep alive at least every third of the master's shorter hold time (lock held)."""
+        holds = [t for t in (reply.reservation_seconds, reply.lease_seconds) if t > 0]
+        if holds:
+            self._keepalive = min(self._configured_keepalive, min(holds) / 3)
 
     def _give_up(self) -> bool:
         with self._cond:

@@ -24,6 +24,7 @@ class ClusterSettings:
     tls_key: str = setting("", "PEM private key for --tls-cert")
     tls_ca: str = setting("", "PEM CA bundle to verify peers (clients: servers; servers: client certs for mutual TLS)")
     tls_client_auth: bool = setting(False, "servers: require client certificates signed by --tls-ca (mutual TLS)")
+    ticket_key_file: str = setting("", "secret key (file) the master signs routed tuple ids with and engines check; empty = off")
     chunk_bytes: int = setting(1 * MiB, "bytes per chunk when streaming tuples")
     max_tuple_bytes: int = setting(256 * MiB, "largest tuple accepted anywhere")
     log_level: str = setting("warning", "debug, info, warning or error")
