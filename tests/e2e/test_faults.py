@@ -28,7 +28,7 @@ from tests.harness import CuttingProxy, HioProcess, free_port, wait_for
 
 pytestmark = [pytest.mark.slow]
 
-TUPLES = int(os.environ.get("HIO_FAULT_TUPLES", "500"))
+TUPLES = int(os.environ.get("FAULT_TUPLES", "500"))
 
 
 class FaultCluster:
@@ -148,8 +148,9 @@ def count_stored(cluster: FaultCluster, names: list[str]) -> tuple[int, int, int
 
 @pytest.mark.spark
 def test_every_role_killed_in_turn_loses_and_duplicates_nothing(tmp_path: Path) -> None:
-    random.seed(int(os.environ.get("HIO_FAULT_SEED", "5")))
-    cluster = FaultCluster(tmp_path, with_kd=True).start()
+    random.seed(int(os.environ.get("FAULT_SEED", "5")))
+    with_kd = os.environ.get("FAULT_KD", "1") != "0"  # 0: quicker runs while debugging
+    cluster = FaultCluster(tmp_path, with_kd=with_kd).start()
     stop, log = threading.Event(), []
     chaos_thread = threading.Thread(target=chaos, args=(cluster, stop, log), daemon=True)
     try:
@@ -161,12 +162,14 @@ def test_every_role_killed_in_turn_loses_and_duplicates_nothing(tmp_path: Path) 
         wait_for(lambda: count_stored(cluster, names)[2] == 0, timeout=240, interval=1.0,
                  what="every tuple stored")
         stored, duplicated, lost = count_stored(cluster, names)
-        k = wait_for(lambda: (k := cluster.knowledge()) is not None and k.tuple_count >= TUPLES and k,
-                     timeout=180, interval=1.0, what="KD to count every tuple")
         print(f"\nfault test: sent {len(names)}, stored {stored}, duplicated {duplicated}, lost {lost}; "
-              f"KD counted {k.tuple_count}; chaos: {', '.join(log)}")
+              f"chaos: {', '.join(log)}")
         assert duplicated == 0 and lost == 0 and stored == len(names)
-        assert k.tuple_count == TUPLES, "KD counted each tuple exactly once"
+        if with_kd:
+            k = wait_for(lambda: (k := cluster.knowledge()) is not None and k.tuple_count >= TUPLES and k,
+                         timeout=180, interval=1.0, what="KD to count every tuple")
+            print(f"fault test: KD counted {k.tuple_count} tuples")
+            assert k.tuple_count == TUPLES, "KD counted each tuple exactly once"
         done = set(p.name for p in (cluster.watch / ".hio-done").rglob("*") if p.is_file())
         assert done == set(names), "every file was moved aside once its features were safe"
     finally:

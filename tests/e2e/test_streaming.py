@@ -162,17 +162,19 @@ def test_a_killed_worker_loses_nothing(tmp_path: Path) -> None:
 def test_queue_drains_first_come_first_served(tmp_path: Path) -> None:
     c = Cluster(tmp_path, {"solo": "hio/synthetic=1"}).start(channels=1)
     try:
-        with c.gateway("fifo", streams=1, batch_tuples=1) as gw:
-            ids = []
-            for i in range(10):  # one stream, one tuple a batch: ids follow arrival order
-                ids.append(gw.submit(os.urandom(10_000), image="hio/synthetic", name=f"f-{i}",
-                                     attributes={"cost_ms": "150"}))
-                time.sleep(0.02)
-            ids = [f.result(timeout=120) for f in ids]
+        with c.gateway("fifo", streams=4) as gw:
+            first = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-first",
+                              attributes={"cost_ms": "1500"})
+            wait_for(lambda: c.status().channels_busy == 1, timeout=30, what="the only channel busy")
+            # One at a time, each returning once durably queued: the queue's order is known.
+            queued = [gw.send(os.urandom(10_000), image="hio/synthetic", name=f"f-{i}",
+                              attributes={"cost_ms": "50"}, timeout=60) for i in range(8)]
+            ids = [first.result(timeout=60), *queued]
         records = wait_all_stored(c, ids)
-        order = [r.tuple_id for r in sorted(records, key=lambda r: r.processed_unix)]
-        assert order == sorted(ids), "one channel processes queued tuples in arrival order"
+        order = [r.tuple_id for r in sorted(records, key=lambda r: r.processed_unix) if r.tuple_id in set(ids)]
+        assert order == ids, "the channel took the queue head, first come first served"
         status = c.status()
         assert status.routed_queue >= 8, "with the channel busy, later tuples waited in the queue"
+        assert status.routed_direct >= 1
     finally:
         c.stop()
