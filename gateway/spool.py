@@ -40,6 +40,8 @@ from google.protobuf.message import DecodeError
 
 from hio.common.config import ConfigError
 from hio.common.errors import InvalidArgument, ResourceExhausted
+from hio.common.files import atomic_write, clean_temporaries, fsync_dir
+from hio.common.frames import crc32_of_file
 from hio.proto.tuple_pb2 import TupleMeta
 
 log = logging.getLogger("hio.gateway")
@@ -78,27 +80,6 @@ def safe_name(text: str) -> str:
     """A folder name derived from a gateway's source name (no separators, not hidden)."""
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "default"
     return cleaned[:100]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes, *, durable: bool) -> None:
-    """Replace ``path`` with ``data`` all at once (temp file + rename)."""
-    tmp = path.with_name(f".tmp-{uuid.uuid4().hex}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    if durable:
-        _fsync_dir(path.parent)
 
 
 class SpoolWriter:
@@ -185,6 +166,7 @@ class Spool:
     def _load(self) -> None:
         """Pick up committed entries; remove leftovers of interrupted writes."""
         committed: set[int] = set()
+        clean_temporaries(self.root)  # metadata replacements a crash interrupted
         for path in sorted(self.root.iterdir()):
             match = _NAME.match(path.name)
             if path.name.startswith(".tmp-"):
@@ -284,7 +266,7 @@ class Spool:
         tmp = self.root / f".tmp-{uuid.uuid4().hex}.data"
         try:
             linked = self._link_or_copy(Path(path), tmp)
-            crc, actual = self._checksum(tmp)
+            crc, actual = crc32_of_file(tmp)
             if actual != size:
                 raise InvalidArgument(f"{path} changed size while being spooled ({size} -> {actual} bytes)")
             meta.size, meta.crc32 = actual, crc
@@ -300,7 +282,7 @@ class Spool:
     def _link_or_copy(source: Path, tmp: Path) -> bool:
         try:
             os.link(source, tmp)
-            _fsync_dir(tmp.parent)
+            fsync_dir(tmp.parent)
             return True
         except OSError as exc:
             if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
@@ -311,14 +293,6 @@ class Spool:
             os.fsync(dst.fileno())
         return False
 
-    @staticmethod
-    def _checksum(path: Path) -> tuple[int, int]:
-        value, size = 0, 0
-        with open(path, "rb") as fh:
-            while chunk := fh.read(_READ_BLOCK):
-                value = zlib.crc32(chunk, value)
-                size += len(chunk)
-        return value & 0xFFFFFFFF, size
 
     def _commit(self, tmp: Path, meta: TupleMeta, move: MoveOnDone | None, reserved: int) -> SpoolEntry:
         """Turn a written payload into an entry: rename, then the meta file last."""
@@ -329,9 +303,9 @@ class Spool:
         try:
             os.replace(tmp, data_path)
             if move is not None:
-                _write_atomic(self._path(seq, "move"), json.dumps(dataclasses.asdict(move)).encode(),
+                atomic_write(self._path(seq, "move"), json.dumps(dataclasses.asdict(move)).encode(),
                               durable=True)
-            _write_atomic(self._path(seq, "meta"), meta.SerializeToString(), durable=True)
+            atomic_write(self._path(seq, "meta"), meta.SerializeToString(), durable=True)
         except BaseException:
             for kind in ("data", "move", "meta"):
                 self._path(seq, kind).unlink(missing_ok=True)
@@ -350,7 +324,7 @@ class Spool:
         with self._cond:
             if entry.seq not in self._entries:
                 return
-        _write_atomic(self._path(entry.seq, "meta"), entry.meta.SerializeToString(), durable=False)
+        atomic_write(self._path(entry.seq, "meta"), entry.meta.SerializeToString(), durable=False)
 
     def remove(self, entry: SpoolEntry) -> None:
         """Forget a delivered tuple: the meta goes first, so a crash leaves no half entry."""

@@ -10,7 +10,6 @@ after the lock is released.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import math
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from hio.common.config import ConfigError, state_dir
+from hio.common.files import lock_folder
 from hio.common.tickets import load_ticket_key, make_ticket
 from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from hio.common.frames import TupleFrame, TupleMeta
@@ -420,10 +420,7 @@ class Master:
 
 def _lock_dir(root: Path) -> int:
     """Hold an exclusive lock on the state folder: two masters must never share a backlog."""
-    fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ConfigError(f"another master uses {root} (data_dir); stop it or choose another data_dir") from None
+    fd = lock_folder(root)
+    if fd is None:
+        raise ConfigError(f"another master uses {root} (data_dir); stop it or choose another data_dir")
     return fd

@@ -8,24 +8,11 @@ import threading
 import time
 from pathlib import Path
 
+from hio.common.files import fsync_dir, write_all
+
+__all__ = ["Durability", "fsync_dir", "replace_durably", "write_all"]
+
 BATCH_INTERVAL = 0.1  # seconds: 'batch' fsyncs dirty files at most this often
-
-
-def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    """Write every byte (os.write may write fewer than asked)."""
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make creations, renames and removals in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def replace_durably(tmp: Path, final: Path, data: bytes, *, sync: bool = True) -> None:

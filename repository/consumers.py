@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from hio.common.errors import FailedPrecondition, InvalidArgument
-from hio.repository.files import atomic_write, clean_temporaries
+from hio.common.files import atomic_write, clean_temporaries
 
 log = logging.getLogger("hio.repository")
 

@@ -18,7 +18,6 @@ have dropped the dirty pages, so a later fsync succeeding proves nothing.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import os
 import threading
@@ -28,7 +27,7 @@ from typing import Callable, Iterator, Sequence
 
 from hio.common.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 from hio.repository.config import FSYNC_MODES
-from hio.repository.files import fsync_dir
+from hio.common.files import fsync_dir, lock_folder
 from hio.repository.index import Location, OffsetIndex
 from hio.repository.segments import (MAGIC, decode_record, encode_record, parse_segment_name,
                                      scan_segment, segment_name)
@@ -394,12 +393,9 @@ class FeatureLog:
 
 def _lock_folder(folder: Path) -> int:
     """Hold an exclusive lock on ``folder``: two writers would interleave records."""
-    fd = os.open(folder / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise FailedPrecondition(f"{folder} is in use by another repository process") from None
+    fd = lock_folder(folder)
+    if fd is None:
+        raise FailedPrecondition(f"{folder} is in use by another repository process")
     return fd
 
 

@@ -1,4 +1,4 @@
-"""Small file helpers for crash-safe replacement.
+"""File helpers for durable state, shared by every role that keeps some.
 
 A file is replaced by writing a temporary sibling, fsyncing it, renaming it
 over the old one and fsyncing the folder: a reader (or a restart after a
@@ -7,6 +7,7 @@ crash) sees either the old content or the new, never a mix.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 from pathlib import Path
@@ -56,3 +57,29 @@ def clean_temporaries(folder: Path) -> None:
     """Remove temporaries a crash left behind in ``folder``."""
     for leftover in folder.glob(".*.tmp"):
         leftover.unlink(missing_ok=True)
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Write every byte (os.write may write fewer than asked)."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def lock_folder(folder: Path) -> int | None:
+    """Take an exclusive lock on ``folder`` (its LOCK file, holding our pid).
+
+    Returns the descriptor that holds the lock (close it to release), or None
+    when another process holds it: two writers must never share durable
+    state. The caller words the refusal for its role.
+    """
+    fd = os.open(folder / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
