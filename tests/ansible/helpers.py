@@ -1,0 +1,151 @@
+"""Running the project's Ansible content locally, without a cloud.
+
+Playbooks run with ``ansible-playbook`` from the same virtualenv as the tests
+(ansible-core plus the collections of the ``ansible`` package, or
+``ansible/collections`` filled by ``ansible-galaxy``). Every run is against
+``localhost`` with a local connection and folders under a test's tmp dir.
+"""
+
+from __future__ import annotations
+
+import getpass
+import grp
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE_DIR = REPO / "ansible"
+BIN = Path(sys.executable).parent
+COLLECTIONS = ("openstack.cloud", "community.crypto")
+
+
+def ansible_tool(name: str) -> str:
+    """Path of an Ansible command next to this interpreter; skip the test if missing."""
+    path = BIN / name
+    if not path.exists():
+        pytest.skip(f"{name} is not installed: .venv/bin/pip install ansible-core==2.19.14 ansible==12.3.0")
+    return str(path)
+
+
+def collection_available(name: str) -> bool:
+    """True when ``namespace.collection`` resolves from the venv or ansible/collections."""
+    namespace, collection = name.split(".")
+    local = ANSIBLE_DIR / "collections" / "ansible_collections" / namespace / collection
+    if local.is_dir():
+        return True
+    try:
+        return importlib.util.find_spec(f"ansible_collections.{namespace}.{collection}") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def require_collections() -> None:
+    missing = [c for c in COLLECTIONS if not collection_available(c)]
+    if missing:
+        pytest.skip(f"collections {', '.join(missing)} missing: ansible-galaxy collection install "
+                    f"-r ansible/requirements.yml -p ansible/collections (or pip install ansible==12.3.0)")
+
+
+def ansible_env(tmp: Path) -> dict[str, str]:
+    """Environment for ansible-playbook: our ansible.cfg, a private local temp, no HIO_*."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HIO_", "ANSIBLE_"))}
+    env.update({
+        "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
+        "ANSIBLE_LOCAL_TEMP": str(tmp / "ansible-local"),
+        "ANSIBLE_REMOTE_TEMP": str(tmp / "ansible-remote"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_FORCE_COLOR": "0",
+        "ANSIBLE_RETRY_FILES_ENABLED": "0",
+        "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+    })
+    return env
+
+
+def run_playbook(playbook: Path, inventory: Path, tmp: Path, *args: str,
+                 timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """Run a playbook; fail the test with its output when it fails."""
+    cmd = [ansible_tool("ansible-playbook"), "-i", str(inventory), str(playbook), *args]
+    proc = subprocess.run(cmd, cwd=ANSIBLE_DIR, env=ansible_env(tmp), capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def recap(output: str, host: str) -> dict[str, int]:
+    """The PLAY RECAP counters of ``host`` (ok, changed, failed, ...)."""
+    for line in output.splitlines():
+        if line.startswith(host + " ") and "ok=" in line:
+            return {k: int(v) for k, v in (item.split("=") for item in line.split(":", 1)[1].split())}
+    raise AssertionError(f"no PLAY RECAP line for {host} in:\n{output[-3000:]}")
+
+
+def local_identity() -> dict[str, str]:
+    """Run services as whoever runs the tests: no users are created on this machine."""
+    user = getpass.getuser()
+    return {"hio_user": user, "hio_group": grp.getgrgid(os.getgid()).gr_name, "hio_config_owner": user}
+
+
+def write_inventory(path: Path, groups: dict[str, list[str]], host_vars: dict[str, dict[str, Any]],
+                    common_vars: dict[str, Any]) -> Path:
+    """A YAML inventory of local hosts: ``groups`` maps group -> host names."""
+    inventory: dict[str, Any] = {"all": {"vars": common_vars, "hosts": host_vars,
+                                         "children": {g: {"hosts": {h: {} for h in hosts}}
+                                                      for g, hosts in groups.items()}}}
+    path.write_text(yaml.safe_dump(inventory, sort_keys=False))
+    return path
+
+
+def local_vars(tmp: Path) -> dict[str, Any]:
+    """Variables that confine a deployment to ``tmp/<host>/``: no apt, no users, no systemd."""
+    per_host = str(tmp) + "/{{ inventory_hostname }}"
+    return {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "hio_become": False,
+        "hio_gather_facts": False,
+        "hio_manage_user": False,
+        "hio_manage_packages": False,
+        "hio_systemd": False,
+        "hio_cli_link": "",
+        "hio_prefix": per_host + "/opt/hio",
+        "hio_etc_dir": per_host + "/etc/hio",
+        "hio_data_dir": per_host + "/var/lib/hio",
+        "hio_systemd_dir": per_host + "/etc/systemd/system",
+        "hio_credentials_dir": str(tmp / "credentials"),
+        **local_identity(),
+    }
+
+
+def read_unit(path: Path) -> dict[str, list[str]]:
+    """A systemd unit as key -> values (keys may repeat, e.g. Environment)."""
+    values: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", "[")) or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        values.setdefault(key, []).append(value)
+    return values
+
+
+def inventory_json(inventory: Path, tmp: Path) -> dict[str, Any]:
+    out = subprocess.run([ansible_tool("ansible-inventory"), "-i", str(inventory), "--list"],
+                         cwd=ANSIBLE_DIR, env=ansible_env(tmp), capture_output=True, text=True,
+                         timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+def base_python() -> str:
+    """The interpreter this venv was made from (a fresh venv is made from it)."""
+    base = getattr(sys, "_base_executable", "") or sys.executable
+    return shutil.which(base) or base

@@ -1,0 +1,201 @@
+"""The common role's configuration, units, tokens and certificates, rendered
+by Ansible for a four-host cluster on this machine, and checked with the
+project's own code: every role config builds from its host's hio.toml, the
+tokens files accept exactly the right clients, and the TLS certificates
+carry a real gRPC health check."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import stat
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hio.common import config as cfg
+from hio.common.net import TokenTable, create_server, set_serving, wait_healthy
+from hio.common.settings import ClusterSettings
+from tests.ansible.helpers import (local_vars, read_unit, require_collections, run_playbook,
+                                   write_inventory)
+
+ROLE_CONFIGS = {
+    "master": "hio.master.config:MasterConfig",
+    "repository": "hio.repository.config:RepositoryConfig",
+    "worker": "hio.worker.config:WorkerConfig",
+    "gateway": "hio.gateway.config:GatewayConfig",
+    "kd": "hio.kd.config:KDConfig",
+}
+# hio-m runs master, repository and kd (KD beside the repository, as provisioned).
+GROUPS = {"master": ["hio-m"], "repository": ["hio-m"], "kd": ["hio-m"],
+          "workers": ["hio-w1", "hio-w2"], "gateways": ["hio-g1"]}
+HOST_ROLES = {"hio-m": ["master", "repository", "kd"], "hio-w1": ["worker"], "hio-w2": ["worker"],
+              "hio-g1": ["gateway"]}
+# One Ansible run over four hosts, TLS included: well over 20 s on two cores.
+pytestmark = pytest.mark.slow
+
+PRIVATE_IP = {"hio-m": "10.9.0.10", "hio-w1": "10.9.0.21", "hio-w2": "10.9.0.22", "hio-g1": "10.9.0.31"}
+
+RENDER_PLAYBOOK = """
+- name: Render what the common role writes, without installing anything
+  hosts: all
+  gather_facts: false
+  tasks:
+    - ansible.builtin.include_role: {name: common, tasks_from: system}
+    - ansible.builtin.include_role: {name: common, tasks_from: tokens}
+    - ansible.builtin.include_role: {name: common, tasks_from: tls}
+    - ansible.builtin.include_role: {name: common, tasks_from: config}
+"""
+
+
+@dataclasses.dataclass
+class Rendered:
+    root: Path
+
+    def host(self, name: str) -> Path:
+        return self.root / name
+
+    def toml(self, host: str) -> dict[str, Any]:
+        with open(self.host(host) / "etc/hio/hio.toml", "rb") as fh:
+            return tomllib.load(fh)
+
+    def token(self, name: str) -> str:
+        return (self.root / "credentials" / "tokens" / name).read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+    require_collections()
+    root = tmp_path_factory.mktemp("render")
+    playbook = root / "render.yml"
+    playbook.write_text(RENDER_PLAYBOOK)
+    common = {**local_vars(root), "hio_tls": True, "hio_tls_client_auth": True,
+              "hio_gateway_watch": str(root) + "/{{ inventory_hostname }}/incoming"}
+    hosts = {h: {"hio_private_ip": ip} for h, ip in PRIVATE_IP.items()}
+    inventory = write_inventory(root / "inventory.yml", GROUPS, hosts, common)
+    for host in HOST_ROLES:  # GatewayConfig checks that the watched folder exists
+        (root / host / "incoming").mkdir(parents=True)
+    run_playbook(playbook, inventory, root)
+    return Rendered(root)
+
+
+def _config_class(role: str) -> type:
+    module, _, name = ROLE_CONFIGS[role].partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        pytest.skip(f"{ROLE_CONFIGS[role]} is not available yet: {exc}")
+
+
+@pytest.mark.parametrize("host,role", [(h, r) for h, roles in HOST_ROLES.items() for r in roles])
+def test_role_config_builds_from_the_rendered_file(rendered: Rendered, host: str, role: str) -> None:
+    data = rendered.toml(host)
+    assert set(data) >= {"cluster", role}
+    config = cfg.build(_config_class(role), role, file_data=data)
+    assert config.master_address == f"{PRIVATE_IP['hio-m']}:7000"
+    assert config.repository_address == f"{PRIVATE_IP['hio-m']}:7100"
+    assert config.tls_cert.endswith("/tls/host.crt") and config.tls_client_auth is True
+    assert config.log_json is True and config.chunk_bytes == 1024 * 1024
+
+
+def test_sections_only_for_the_roles_a_host_runs(rendered: Rendered) -> None:
+    assert set(rendered.toml("hio-w1")) == {"cluster", "worker"}
+    assert set(rendered.toml("hio-g1")) == {"cluster", "gateway"}
+    # Operators' tools on the master present the admin token.
+    master = rendered.toml("hio-m")
+    assert set(master) == {"cluster", "master", "repository", "kd", "status", "dead_letters", "knowledge"}
+    assert master["status"]["token_file"].endswith("/tokens/admin.token")
+
+
+def test_worker_advertises_its_private_address(rendered: Rendered) -> None:
+    worker = cfg.build(_config_class("worker"), "worker", file_data=rendered.toml("hio-w2"))
+    assert worker.advertise_host == PRIVATE_IP["hio-w2"]
+    assert worker.worker_id == "hio-w2"
+    assert worker.engine_listen_host == "0.0.0.0"
+
+
+@pytest.mark.parametrize("host", list(HOST_ROLES))
+def test_one_systemd_unit_per_role(rendered: Rendered, host: str) -> None:
+    units = sorted(p.name for p in (rendered.host(host) / "etc/systemd/system").iterdir())
+    assert units == sorted(f"hio-{r}.service" for r in HOST_ROLES[host])
+    for role in HOST_ROLES[host]:
+        unit = read_unit(rendered.host(host) / f"etc/systemd/system/hio-{role}.service")
+        assert unit["ExecStart"] == [f"{rendered.host(host)}/opt/hio/bin/hio {role}"]
+        assert f"HIO_CONFIG={rendered.host(host)}/etc/hio/hio.toml" in unit["Environment"]
+        assert unit["KillSignal"] == ["SIGTERM"] and unit["Restart"] == ["on-failure"]
+        assert unit["TimeoutStopSec"] == ["60"] and unit["LimitNOFILE"] == ["65536"]
+        assert unit["User"] == [os.environ.get("USER") or unit["User"][0]]
+        assert ("SupplementaryGroups" in unit) == (role == "worker")
+        assert unit["WantedBy"] == ["multi-user.target"]
+
+
+def test_each_host_gets_only_its_own_token(rendered: Rendered) -> None:
+    def tokens(host: str) -> set[str]:
+        return {p.name for p in (rendered.host(host) / "etc/hio/tokens").iterdir()}
+
+    assert tokens("hio-w1") == {"worker.token", "worker.tokens"}
+    assert tokens("hio-g1") == {"gateway.token"}
+    assert tokens("hio-m") == {"kd.token", "admin.token", "master.tokens", "repository.tokens"}
+    assert (rendered.host("hio-w1") / "etc/hio/tokens/worker.token").read_text().strip() == \
+        rendered.token("worker-hio-w1")
+    assert rendered.token("worker-hio-w1") != rendered.token("worker-hio-w2")
+    for path in (rendered.host("hio-w1") / "etc/hio/tokens").iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, path
+
+
+def _table(rendered: Rendered, host: str, role: str) -> TokenTable:
+    table = TokenTable.from_settings(ClusterSettings(
+        tokens_file=str(rendered.host(host) / f"etc/hio/tokens/{role}.tokens")))
+    assert table is not None
+    return table
+
+
+def test_servers_accept_exactly_their_clients(rendered: Rendered) -> None:
+    master = _table(rendered, "hio-m", "master")
+    repository = _table(rendered, "hio-m", "repository")
+    engines = _table(rendered, "hio-w1", "worker")
+    gateway, kd, admin = rendered.token("gateway-hio-g1"), rendered.token("kd-hio-m"), rendered.token("admin")
+    assert master.lookup(rendered.token("worker-hio-w2")) == ("worker", "worker-hio-w2")
+    assert master.lookup(gateway) == ("gateway", "gateway-hio-g1")
+    assert master.lookup(admin) == ("admin", "admin")
+    assert repository.lookup(kd) == ("kd", "kd-hio-m")
+    assert engines.lookup(gateway) == ("gateway", "gateway-hio-g1")
+    assert engines.lookup(kd) is None
+    assert master.lookup("not-a-token") is None
+
+
+def test_clients_present_the_token_the_servers_know(rendered: Rendered) -> None:
+    worker = cfg.build(_config_class("worker"), "worker", file_data=rendered.toml("hio-w1"))
+    gateway = cfg.build(_config_class("gateway"), "gateway", file_data=rendered.toml("hio-g1"))
+    master = _table(rendered, "hio-m", "master")
+    assert master.lookup(worker.presented_token()) == ("worker", "worker-hio-w1")
+    assert master.lookup(gateway.presented_token()) == ("gateway", "gateway-hio-g1")
+
+
+def test_host_certificates_serve_mutual_tls(rendered: Rendered) -> None:
+    """The master host's certificate serves; a worker's certificate is accepted as a client."""
+    server_settings = cfg.build(ClusterSettings, "cluster", file_data={"cluster": rendered.toml("hio-m")["cluster"]})
+    client_settings = cfg.build(ClusterSettings, "cluster", file_data={"cluster": rendered.toml("hio-w1")["cluster"]})
+    server, port, health = create_server(server_settings, "127.0.0.1:0")
+    server.start()
+    try:
+        set_serving(health)
+        wait_healthy(f"127.0.0.1:{port}", client_settings, timeout=20)
+    finally:
+        server.stop(0)
+
+
+def test_certificates_name_the_private_address(rendered: Rendered) -> None:
+    from cryptography import x509
+
+    ca = x509.load_pem_x509_certificate((rendered.root / "credentials/tls/ca.crt").read_bytes())
+    cert = x509.load_pem_x509_certificate((rendered.host("hio-w1") / "etc/hio/tls/host.crt").read_bytes())
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "hio-w1" in names.get_values_for_type(x509.DNSName)
+    assert PRIVATE_IP["hio-w1"] in {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
+    key_mode = stat.S_IMODE((rendered.host("hio-w1") / "etc/hio/tls/host.key").stat().st_mode)
+    assert key_mode == 0o640
