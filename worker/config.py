@@ -26,6 +26,8 @@ class WorkerConfig(ClusterSettings):
     worker_id: str = setting("", "this worker's id, unique in the cluster; empty = <hostname>-<pid>")
     advertise_host: str = setting("127.0.0.1", "host gateways use to reach this worker's engines")
     engine_listen_host: str = setting("127.0.0.1", "interface engines listen on")
+    engine_ports: str = setting("", "port range engines listen in, e.g. 20000-21000 (for firewalls); "
+                                "empty = any free port")
     engines: tuple[str, ...] = setting(DEFAULT_IMAGES, "engines to run: IMAGE or IMAGE=COUNT; "
                                        "without a count an image gets cpus / len(engines), at least 1")
     cpus: int = setting(0, "CPUs this worker offers; 0 = all of this machine's")
@@ -62,8 +64,22 @@ class WorkerConfig(ClusterSettings):
         positive("grace_seconds", self.grace_seconds)
         if self.tuple_timeout < 0:
             raise ConfigError(f"tuple_timeout must be 0 (no limit) or positive, got {self.tuple_timeout}")
+        self.engine_port_range()
         if "/" in self.worker_id or any(c.isspace() for c in self.worker_id):
             raise ConfigError(f"worker_id {self.worker_id!r} must not contain '/' or spaces")
+
+    def engine_port_range(self) -> tuple[int, int] | None:
+        """(first, last) of ``engine_ports``, or None for any free port."""
+        if not self.engine_ports:
+            return None
+        first, sep, last = self.engine_ports.partition("-")
+        try:
+            low, high = int(first), int(last if sep else first)
+        except ValueError:
+            raise ConfigError(f"engine_ports must look like 20000-21000, got {self.engine_ports!r}") from None
+        if not 1 <= low <= high <= 65535:
+            raise ConfigError(f"engine_ports {self.engine_ports!r} is not a range of ports (1-65535)")
+        return low, high
 
     def effective_cpus(self) -> int:
         """The CPUs this worker offers: the setting, else the machine's count."""

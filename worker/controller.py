@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import signal
 import socket
 import threading
@@ -41,11 +42,25 @@ HEALTH_TIMEOUT = 0.5
 MASTER_CALL_TIMEOUT = 5.0
 
 
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` right now (the engine binds it moments later)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def free_port(host: str, port_range: tuple[int, int] | None = None) -> int:
+    """A TCP port free on ``host`` right now (the engine binds it moments later).
+
+    With ``port_range`` the port comes from that range (tried in random order),
+    so firewalls between gateways and workers can stay narrow.
+    """
+    candidates = [0]
+    if port_range is not None:
+        candidates = list(range(port_range[0], port_range[1] + 1))
+        random.shuffle(candidates)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for candidate in candidates:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, candidate))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise RuntimeError(f"no free port for an engine in {port_range[0]}-{port_range[1]} on {host}")  # type: ignore[index]
 
 
 def local_host(listen_host: str) -> str:
@@ -218,7 +233,7 @@ class Controller:
             pipeline = pipeline_for_image(image, self._config.pipelines) if local else self._extra_pipeline(image)
             for _ in range(count):
                 slots.append(EngineSlot(channel_id=f"{self._worker_id}/{len(slots)}", image=image,
-                                        pipeline=pipeline, port=free_port(self._config.engine_listen_host)))
+                                        pipeline=pipeline, port=free_port(self._config.engine_listen_host, self._config.engine_port_range())))
         return slots
 
     def _extra_pipeline(self, image: str) -> str:
@@ -276,7 +291,7 @@ class Controller:
 
     def _start(self, slot: EngineSlot) -> None:
         if slot.failed_starts >= NEW_PORT_AFTER:
-            port = free_port(self._config.engine_listen_host)
+            port = free_port(self._config.engine_listen_host, self._config.engine_port_range())
             with self._lock:
                 slot.port, slot.failed_starts = port, 0
             log.warning("engine keeps failing to start; moving it to a new port",

@@ -140,3 +140,16 @@ def test_build_record_copies_meta_without_ticket_and_checks_kd_features() -> Non
         build_record({"tag": "x"}, meta, kd_features=("size",), engine="e", processed_unix=0, processing_seconds=0)
     with pytest.raises(FeatureError, match="must return a dict"):
         build_record([1], meta, kd_features=(), engine="e", processed_unix=0, processing_seconds=0)
+
+
+def test_engine_ports_come_from_the_configured_range() -> None:
+    from hio.common.config import ConfigError
+    from hio.worker.config import WorkerConfig
+    from hio.worker.controller import free_port
+
+    config = WorkerConfig(engine_ports="20100-20110")
+    ports = {free_port("127.0.0.1", config.engine_port_range()) for _ in range(20)}
+    assert ports <= set(range(20100, 20111))
+    for bad in ("abc", "9-1", "0-10", "70000"):
+        with pytest.raises(ConfigError, match="engine_ports"):
+            WorkerConfig(engine_ports=bad).validate()
