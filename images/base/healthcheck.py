@@ -1,0 +1,45 @@
+"""Container health probe: is the engine in this container serving gRPC?
+
+Docker runs this (HEALTHCHECK in images/base/Dockerfile) inside the
+container. It asks the standard gRPC health service at HIO_ENGINE_LISTEN,
+using the same TLS settings as the engine (HIO_TLS_*), and exits 0 only on
+SERVING. Host networking means a wildcard listen address is reachable on
+loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+PROBE_SECONDS = float(os.environ.get("HIO_HEALTH_PROBE_SECONDS", "3"))
+
+
+def probe_address(listen: str) -> str:
+    """The address to probe for a listen address like 0.0.0.0:7400 or [::]:7400."""
+    host, _, port = listen.rpartition(":")
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
+def main() -> int:
+    listen = os.environ.get("HIO_ENGINE_LISTEN", "")
+    if not listen.rpartition(":")[2].isdigit():
+        print(f"healthcheck: HIO_ENGINE_LISTEN is not host:port: {listen!r}", file=sys.stderr)
+        return 1
+    from hio.common import config
+    from hio.common.net import wait_healthy
+    from hio.common.settings import ClusterSettings
+
+    settings = config.build(ClusterSettings, "engine")
+    try:
+        wait_healthy(probe_address(listen), settings, timeout=PROBE_SECONDS)
+    except TimeoutError as exc:
+        print(f"healthcheck: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
