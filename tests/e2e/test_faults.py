@@ -146,6 +146,20 @@ def count_stored(cluster: FaultCluster, names: list[str]) -> tuple[int, int, int
     return stored, duplicated, len(names) - stored
 
 
+def diagnose(cluster: FaultCluster, names: list[str], log: list[str]) -> str:
+    """Where the missing tuples are: still in the watch folder, the spool, the queue, dead letters."""
+    stored, duplicated, lost = count_stored(cluster, names)
+    status = cluster.status()
+    waiting = sorted(p.name for p in cluster.watch.iterdir() if p.is_file())
+    spooled = sum(1 for p in (cluster.root / "gateway").rglob("*") if p.is_file())
+    return (f"\nDIAGNOSIS: stored {stored}, duplicated {duplicated}, lost {lost}; "
+            f"files not yet taken {len(waiting)} {waiting[:5]}; files under gateway/ {spooled}; "
+            f"queues {[(q.image, q.length, q.leased) for q in status.queues]}; dead letters {status.dead_letters}; "
+            f"channels free/busy/down {status.channels_free}/{status.channels_busy}/{status.channels_down}; "
+            f"warnings {list(status.warnings)}; chaos {log}\n"
+            f"--- gateway log tail ---\n{cluster.procs['gateway'].output(3000)}")
+
+
 @pytest.mark.spark
 def test_every_role_killed_in_turn_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     random.seed(int(os.environ.get("FAULT_SEED", "5")))
@@ -159,8 +173,12 @@ def test_every_role_killed_in_turn_loses_and_duplicates_nothing(tmp_path: Path) 
         time.sleep(8)  # let the chaos reach every role while the tail is in flight
         stop.set()
         chaos_thread.join(60)
-        wait_for(lambda: count_stored(cluster, names)[2] == 0, timeout=240, interval=1.0,
-                 what="every tuple stored")
+        try:
+            wait_for(lambda: count_stored(cluster, names)[2] == 0, timeout=300, interval=1.0,
+                     what="every tuple stored")
+        except AssertionError:
+            print(diagnose(cluster, names, log))
+            raise
         stored, duplicated, lost = count_stored(cluster, names)
         print(f"\nfault test: sent {len(names)}, stored {stored}, duplicated {duplicated}, lost {lost}; "
               f"chaos: {', '.join(log)}")
