@@ -102,6 +102,48 @@ class _AuthInterceptor(grpc.ServerInterceptor):
         return continuation(handler_call_details)
 
 
+class _ParsingInterceptor(grpc.ServerInterceptor):
+    """Parses requests inside the handler, so unparseable bytes are INVALID_ARGUMENT.
+
+    grpc answers a request deserializer that raises with INTERNAL before any
+    servicer code runs; a client's bug would then look like a server crash.
+    """
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        type_name = getattr(getattr(parse, "__self__", None), "__name__", "request")
+
+        def decode(raw: bytes, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
+            try:
+                return parse(raw)
+            except Exception as exc:  # noqa: BLE001 - any parse failure is the client's
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {type_name}: {exc}")
+
+        def decode_all(raws, context):  # type: ignore[no-untyped-def]
+            for raw in raws:
+                yield decode(raw, context)
+
+        serialize = handler.response_serializer
+        if handler.unary_unary:
+            inner = handler.unary_unary
+            return grpc.unary_unary_rpc_method_handler(
+                lambda raw, ctx: inner(decode(raw, ctx), ctx), response_serializer=serialize)
+        if handler.unary_stream:
+            inner_us = handler.unary_stream
+            return grpc.unary_stream_rpc_method_handler(
+                lambda raw, ctx: inner_us(decode(raw, ctx), ctx), response_serializer=serialize)
+        if handler.stream_unary:
+            inner_su = handler.stream_unary
+            return grpc.stream_unary_rpc_method_handler(
+                lambda raws, ctx: inner_su(decode_all(raws, ctx), ctx), response_serializer=serialize)
+        inner_ss = handler.stream_stream
+        return grpc.stream_stream_rpc_method_handler(
+            lambda raws, ctx: inner_ss(decode_all(raws, ctx), ctx), response_serializer=serialize)
+
+
 def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     def deny(request_or_iterator, context):  # type: ignore[no-untyped-def]
         context.abort(code, message)
@@ -135,6 +177,7 @@ def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 
     table = TokenTable.from_settings(settings)
     if table is not None:
         interceptors.append(_AuthInterceptor(table, policy))
+    interceptors.append(_ParsingInterceptor())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                          interceptors=interceptors, options=_server_options(settings))
     for add in register:
