@@ -92,6 +92,9 @@ class Entry:
     leased_to: str = ""
     lease_deadline: float = 0.0
     lease_token: int = 0
+    # Channels that held it before (expired or voided leases): a late report
+    # of success from one of them still counts, a stranger's never does.
+    past_holders: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def tuple_id(self) -> int:
@@ -349,6 +352,8 @@ class BacklogQueue:
 
     def _unlease(self, entry: Entry) -> None:
         self._leased.pop(entry.tuple_id, None)
+        if entry.leased_to:
+            entry.past_holders.add(entry.leased_to)
         held = self._by_channel.get(entry.leased_to)
         if held is not None:
             held.discard(entry.tuple_id)
@@ -471,11 +476,17 @@ class BacklogQueue:
 
     # ---- outcomes ----------------------------------------------------------------
 
-    def ack(self, tuple_id: int) -> bool:
-        """The tuple is processed: remove it for good. False if it is not (or no longer) queued."""
+    def ack(self, tuple_id: int, channel_id: str) -> bool:
+        """``channel_id`` processed the tuple: remove it for good.
+
+        False (nothing changes) if it is not queued, or if that channel never
+        held it: only a holder's word removes a tuple.
+        """
         with self._cond:
             entry = self._entries.get(tuple_id)
             if entry is None or any(e is entry for e, _ in self._to_dead):
+                return False
+            if entry.leased_to != channel_id and channel_id not in entry.past_holders:
                 return False
             if entry.leased_to:
                 self._unlease(entry)

@@ -347,7 +347,9 @@ class Master:
             if not outcome.from_queue:
                 continue
             if outcome.ok:
-                self.queue.ack(outcome.tuple_id)
+                if not self.queue.ack(outcome.tuple_id, channel_id):
+                    log.info("success report ignored: tuple not queued or never held by this channel",
+                             extra={"tuple_id": outcome.tuple_id, "channel": channel_id})
             elif not self.queue.fail(outcome.tuple_id, channel_id, outcome.message):
                 log.info("failure report ignored: tuple not leased to this channel",
                          extra={"tuple_id": outcome.tuple_id, "channel": channel_id})

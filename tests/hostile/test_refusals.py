@@ -306,13 +306,6 @@ def test_replayed_ids_are_stored_once(cluster: HostileCluster) -> None:
     assert cluster.drain_queue() == {queued: b"q"}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Master.report acks (deletes for good) a queued tuple on any outcome ok=true, from_queue=true, whatever the "
-    "channel: BacklogQueue.ack(tuple_id) checks neither the lease nor that the channel exists, so a report "
-    "from an unknown channel (a confused engine, a replayed or forged report) drops a tuple that was never "
-    "processed. Fix: pass channel_id to BacklogQueue.ack and ack only if the tuple is leased to that channel "
-    "or was leased to it before (remember the last holder in Entry when a lease expires/voids, for the late "
-    "report case); otherwise ignore it and log, as BacklogQueue.fail already does."))
 def test_report_from_a_stranger_does_not_drop_a_queued_tuple(cluster: HostileCluster) -> None:
     tuple_id = cluster.route(1, QUEUE_IMAGE).tuple_ids[0]
     assert cluster.enqueue(frames(meta_for(tuple_id, b"keep me", QUEUE_IMAGE), b"keep me"))[0].state == \

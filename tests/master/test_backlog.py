@@ -85,7 +85,7 @@ def test_bound_refuses_and_never_drops(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="can never fit"):
         put(q, frames(3, payload(3, 2000)))
     tid, _, _ = take(q)
-    assert q.ack(tid)
+    assert q.ack(tid, "w/0")
     put(q, frames(2, payload(2, 1000)))
     assert take(q)[0] == 2
     q.close()
@@ -123,7 +123,7 @@ def test_restart_recovers_unacked_in_order_and_voids_leases(tmp_path: Path) -> N
     for tid in range(1, 6):
         put(q, frames(tid, payload(tid)))
     first, _, _ = take(q)
-    q.ack(first)                      # 1 done for good
+    q.ack(first, "w/0")                      # 1 done for good
     take(q)                           # 2 leased, never acknowledged
     q.close()
     q = open_queue(tmp_path)
@@ -174,7 +174,7 @@ def test_acked_never_reappears_and_segments_are_deleted(tmp_path: Path) -> None:
         put(q, frames(tid, payload(tid)))
     assert len(list((tmp_path / "queue").glob("seg-*.q"))) >= 3
     for _ in range(6):
-        assert q.ack(take(q)[0])
+        assert q.ack(take(q)[0], "w/0")
     q.close()
     assert list((tmp_path / "queue").glob("seg-*.q")) == []
     q = open_queue(tmp_path)
@@ -196,7 +196,9 @@ def test_lease_expiry_requeues_at_head_with_next_attempt(tmp_path: Path) -> None
     clock.now += 3
     assert q.expire_leases() == ["w/0"]
     assert take(q, channel="w/1")[::2] == (1, 2)   # back at the head, attempt 2
-    assert not q.ack(99)
+    assert not q.ack(99, "w/0")
+    assert not q.ack(1, "stranger/0"), "only a channel that held the tuple may acknowledge it"
+    assert q.ack(1, "w/0"), "a late success from the earlier holder still counts"
     q.close()
 
 
@@ -275,7 +277,7 @@ def test_small_tuples_are_cached_big_ones_are_not(tmp_path: Path) -> None:
     assert q.cached_bytes == 4000
     assert take(q)[1] == payload(1, 4000)
     assert take(q)[1] == payload(2, 4000)
-    q.ack(1)
+    q.ack(1, "w/0")
     assert q.cached_bytes == 0
     q.close()
 
