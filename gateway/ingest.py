@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator
 import grpc
 
 from hio.common.errors import InvalidArgument, Unavailable, grpc_errors
-from hio.common.frames import FrameReader
+from hio.common.frames import FrameReader, idle_bounded
 from hio.gateway.client import DeliveryError, Gateway, TupleFuture
 from hio.gateway.spool import SpoolWriter
 from hio.proto import ingest_pb2, ingest_pb2_grpc
@@ -150,7 +150,8 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
     @grpc_errors
     def Submit(self, request_iterator: Iterator[TupleFrame],
                context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
-        yield from self._receiver.receive(request_iterator, still_wanted=context.is_active)
+        frames = idle_bounded(request_iterator, self._gateway.config.stream_idle_seconds, context.cancel)
+        yield from self._receiver.receive(frames, still_wanted=context.is_active)
 
     @grpc_errors
     def GetGatewayStatus(self, request: ingest_pb2.GetGatewayStatusRequest,

@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 import grpc
 
 from hio.common.errors import grpc_errors
-from hio.common.frames import TupleFrame, TupleReceipt
+from hio.common.frames import TupleFrame, TupleReceipt, idle_bounded
 from hio.master.backlog import Placement
 from hio.master.core import Master, Outcome, RouteItem, Status
 from hio.master.deadletters import DeadLetter
@@ -79,7 +79,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     @grpc_errors
     def Enqueue(self, request_iterator: Iterable[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
-        for stored in self._master.enqueue(request_iterator):
+        frames = idle_bounded(request_iterator, self._master.config.stream_idle_seconds, context.cancel)
+        for stored in self._master.enqueue(frames):
             yield TupleReceipt(index=stored.index, tuple_id=stored.meta.tuple_id, state=TupleReceipt.ENQUEUED,
                                message=_RECEIPT_MESSAGES[stored.placement])
 

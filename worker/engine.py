@@ -27,7 +27,7 @@ import zstandard
 from hio.common.errors import (FailedPrecondition, HioError, PermissionDenied, ResourceExhausted, Unavailable,
                                grpc_errors)
 from hio.common.tickets import load_ticket_key, verify_ticket
-from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt
+from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded
 from hio.common.net import create_server, message_limit, run_until_signal, set_serving
 from hio.common.retry import Backoff
 from hio.proto import engine_pb2_grpc, master_pb2
@@ -179,6 +179,7 @@ class Engine:
         self._pull_call: PullCall | None = None
         self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self._ticket_key = load_ticket_key(config.ticket_key_file)
+        self.idle_seconds = config.stream_idle_seconds
         self._max_record = message_limit(config) - RECORD_HEADROOM
         self._watchdog = Watchdog(config.tuple_timeout, self._on_timeout)
         self._puller = threading.Thread(target=self._pull_loop, name="puller", daemon=True)
@@ -444,7 +445,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     @grpc_errors
     def Deliver(self, request_iterator: Iterable[TupleFrame], context: Any) -> Iterator[TupleReceipt]:
-        yield from self._engine.deliver(request_iterator)
+        yield from self._engine.deliver(idle_bounded(request_iterator, self._engine.idle_seconds, context.cancel))
 
 
 POLICY = {"Deliver": {"gateway", "worker"}}

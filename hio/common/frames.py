@@ -10,10 +10,12 @@ refused (``DATA_LOSS``) before anyone acts on it.
 from __future__ import annotations
 
 import os
+import threading
+import time
 import zlib
 from typing import BinaryIO, Callable, Iterable, Iterator
 
-from hio.common.errors import DataLoss, InvalidArgument
+from hio.common.errors import DataLoss, DeadlineExceeded, InvalidArgument
 from hio.proto import tuple_pb2
 
 TupleMeta = tuple_pb2.TupleMeta
@@ -148,3 +150,87 @@ class FrameReader:
         if meta is None:
             return None
         return meta, chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class _Watch:
+    __slots__ = ("seconds", "on_idle", "waiting_since", "fired")
+
+    def __init__(self, seconds: float, on_idle: Callable[[], None]) -> None:
+        self.seconds = seconds
+        self.on_idle = on_idle
+        self.waiting_since: float | None = None
+        self.fired = False
+
+
+class _IdleWatchdog:
+    """One thread per process that ends streams whose sender stalled."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watches: set[_Watch] = set()
+        self._thread: threading.Thread | None = None
+
+    def add(self, watch: _Watch) -> None:
+        with self._lock:
+            self._watches.add(watch)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stream-idle-watchdog", daemon=True)
+                self._thread.start()
+
+    def remove(self, watch: _Watch) -> None:
+        with self._lock:
+            self._watches.discard(watch)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.2)
+            now = time.monotonic()
+            with self._lock:
+                stalled = [w for w in self._watches if not w.fired and w.waiting_since is not None
+                           and now - w.waiting_since > w.seconds]
+                for watch in stalled:
+                    watch.fired = True
+            for watch in stalled:
+                try:
+                    watch.on_idle()
+                except Exception:  # noqa: BLE001 - ending a stream must not kill the watchdog
+                    pass
+
+
+_WATCHDOG = _IdleWatchdog()
+
+
+def idle_bounded(frames: Iterable[TupleFrame], seconds: float,
+                 on_idle: Callable[[], None]) -> Iterator[TupleFrame]:
+    """The frames of a stream, ended when the sender sends nothing for ``seconds``.
+
+    Only time spent waiting for the sender counts (not time the receiver
+    spends processing). When the bound passes, ``on_idle`` runs (a servicer
+    passes ``context.cancel``, which ends the request iterator) and the
+    iteration raises DeadlineExceeded, so the receiver's cleanup frees the
+    channel, queue room or spool room the stream held. ``seconds`` <= 0: no bound.
+    """
+    if seconds <= 0:
+        yield from frames
+        return
+    watch = _Watch(seconds, on_idle)
+    _WATCHDOG.add(watch)
+    iterator = iter(frames)
+    try:
+        while True:
+            watch.waiting_since = time.monotonic()
+            try:
+                frame = next(iterator)
+            except StopIteration:
+                if watch.fired:
+                    raise DeadlineExceeded(f"no frame for {seconds:g} s: the sender stalled") from None
+                return
+            except Exception:
+                if watch.fired:
+                    raise DeadlineExceeded(f"no frame for {seconds:g} s: the sender stalled") from None
+                raise
+            finally:
+                watch.waiting_since = None
+            yield frame
+    finally:
+        _WATCHDOG.remove(watch)

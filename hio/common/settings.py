@@ -25,6 +25,8 @@ class ClusterSettings:
     tls_ca: str = setting("", "PEM CA bundle to verify peers (clients: servers; servers: client certs for mutual TLS)")
     tls_client_auth: bool = setting(False, "servers: require client certificates signed by --tls-ca (mutual TLS)")
     ticket_key_file: str = setting("", "secret key (file) the master signs routed tuple ids with and engines check; empty = off")
+    stream_idle_seconds: float = setting(30.0, "end an incoming tuple stream whose sender sends nothing for this "
+                                         "long (frees the channel, queue or spool room it held); 0 = never")
     chunk_bytes: int = setting(1 * MiB, "bytes per chunk when streaming tuples")
     max_tuple_bytes: int = setting(256 * MiB, "largest tuple accepted anywhere")
     log_level: str = setting("warning", "debug, info, warning or error")

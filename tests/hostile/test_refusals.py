@@ -484,18 +484,6 @@ def _idle_fields(config_cls: type) -> dict[str, float]:
     return {"stream_idle_seconds": IDLE_BOUND} if "stream_idle_seconds" in names else {}
 
 
-STALL_REASON = ("no idle bound on incoming tuple streams: FrameReader's consumers block in next(request_iterator) "
-                "for as long as the client keeps the HTTP/2 connection alive (keepalive pings are answered), so "
-                "a stalled sender holds {what} forever. Fix: add a cluster setting `stream_idle_seconds` "
-                "(e.g. 30) and have FrameReader take the frames from a reader thread with a per-frame "
-                "timeout (or a watchdog that calls context.cancel()), raising DeadlineExceeded "
-                "('no frame for N s') so the stream ends, the partial tuple is discarded and {release}")
-
-
-@pytest.mark.xfail(strict=True, reason=STALL_REASON.format(
-    what="the engine's only channel (every other Deliver gets RESOURCE_EXHAUSTED 'busy', and the engine's "
-         "keep-alive reports keep the master's reservation alive too)",
-    release="Engine.deliver's finally unclaims the channel"))
 def test_stalled_deliver_does_not_hold_the_channel(cluster: HostileCluster) -> None:
     from hio.worker.config import EngineConfig
 
@@ -522,10 +510,6 @@ def test_stalled_deliver_does_not_hold_the_channel(cluster: HostileCluster) -> N
     assert meta.tuple_id not in cluster.stored()
 
 
-@pytest.mark.xfail(strict=True, reason=STALL_REASON.format(
-    what="its queue_bytes reservation (meta.size, reserved when the metadata arrives), a segment and a "
-         "server thread, so a few stalled streams fill the backlog and every Enqueue gets 'backlog queue full'",
-    release="BacklogQueue.receive's job.abort() returns the reservation"))
 def test_stalled_enqueue_does_not_hold_queue_room(tmp_path: Path) -> None:
     from hio.master import MasterConfig
 
@@ -557,10 +541,6 @@ def test_stalled_enqueue_does_not_hold_queue_room(tmp_path: Path) -> None:
         small.close()
 
 
-@pytest.mark.xfail(strict=True, reason=STALL_REASON.format(
-    what="its spool reservation (meta.size) and an ingest server thread, so stalled instruments fill the "
-         "spool and every Submit gets 'spool full'",
-    release="IngestReceiver._receive_one aborts the SpoolWriter"))
 def test_stalled_submit_does_not_hold_spool_room(cluster: HostileCluster) -> None:
     from hio.gateway.config import GatewayConfig
 
