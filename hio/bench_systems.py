@@ -1,0 +1,583 @@
+"""The systems `hio bench` measures, behind one small interface.
+
+Every system gets the same messages from :class:`MessageGenerator`, burns the
+same CPU per message with :func:`hio.worker.pipelines.synthetic.burn_cpu`, and
+has two processing slots (our worker with two ``hio/synthetic`` engines; Spark
+``local[2]``). A system reports, per step tag, which messages it finished and
+when, so the step runner can judge every system by the same rules:
+
+* ``hio-direct`` / ``hio-queue``: a repository, a master and a worker as real
+  child processes (``hio.up.Cluster``), fed by an in-process
+  :class:`hio.gateway.Gateway` (``force_queue`` for the queue path). Finished
+  means the features are in the repository; latency is
+  ``FeatureRecord.processed_unix - meta.accepted_unix``.
+* ``spark-file``: Structured Streaming over the ``binaryFile`` source; each
+  message is written beside the watched folder and renamed into it
+  (atomically); a fresh folder and checkpoint per grid point.
+* ``spark-socket``: Structured Streaming over the ``socket`` source (lines of
+  text, so the payload is text-safe); we are the server Spark connects to.
+
+For Spark, finished means the micro-batch that processed the message has
+completed (``foreachBatch`` returned); latency is that moment minus the send
+time the message carries in its header.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import os
+import random
+import socket
+import string
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger("hio.bench")
+
+HEADER_BYTES = 48            # "<tag>|<seq>|<sent_unix>|" padded with '.'; ASCII
+SLOTS = 2                    # processing slots every system gets
+HIO_IMAGE = "hio/synthetic"
+
+
+# -- messages -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """One message a system finished: its sequence number, send and finish times."""
+
+    seq: int
+    sent_unix: float
+    done_unix: float
+
+
+class MessageGenerator:
+    """The one message source of every system: ``size`` bytes with a header.
+
+    The header (``HEADER_BYTES`` of ASCII) names the step tag, the sequence
+    number and the send time, so any system can say which message it
+    finished and how long it took. The body is random bytes, or random
+    letters when ``text`` (the socket source reads lines). The body is built
+    once per generator; each message copies it once behind a fresh header.
+    """
+
+    def __init__(self, size: int, *, text: bool, seed: int = 1) -> None:
+        if size < HEADER_BYTES:
+            raise ValueError(f"message size {size} is below the {HEADER_BYTES}-byte header")
+        self.size = size
+        rng = random.Random(seed)
+        body = max(0, size - HEADER_BYTES)
+        if text:
+            alphabet = (string.ascii_letters + string.digits).encode()
+            block = bytes(rng.choice(alphabet) for _ in range(min(body, 65536)))
+        else:
+            block = rng.randbytes(min(body, 65536))
+        reps = body // max(1, len(block)) + 1
+        self._body = (block * reps)[:body] if block else b""
+
+    def message(self, tag: str, seq: int, sent_unix: float) -> bytes:
+        """The message ``seq`` of step ``tag`` sent at ``sent_unix``; exactly ``size`` bytes."""
+        header = f"{tag}|{seq}|{sent_unix:.6f}|".encode("ascii")
+        if len(header) > HEADER_BYTES:
+            raise ValueError(f"header {header!r} longer than {HEADER_BYTES} bytes; shorten the tag")
+        return header.ljust(HEADER_BYTES, b".") + self._body
+
+
+def parse_header(head: bytes | str) -> tuple[str, int, float] | None:
+    """(tag, seq, sent_unix) from a message's first bytes; None if it is not ours."""
+    if isinstance(head, (bytes, bytearray, memoryview)):
+        head = bytes(head[:HEADER_BYTES]).decode("ascii", "replace")
+    parts = head[:HEADER_BYTES].split("|")
+    if len(parts) < 3:
+        return None
+    try:
+        return parts[0], int(parts[1]), float(parts[2])
+    except ValueError:
+        return None
+
+
+# -- the interface ----------------------------------------------------------------
+
+class System(abc.ABC):
+    """One system under test. ``send`` is called from several threads at once."""
+
+    name: str = ""
+    text_payload: bool = False      # needs text-safe messages (line-based source)
+    sender_threads: int = 1         # how many threads may call ``send`` concurrently
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Bring the system up (processes, Spark session). Called once per run."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Tear everything down; idempotent."""
+
+    def begin_point(self, size: int, cost_s: float) -> None:
+        """A new grid point starts (Spark: a fresh query)."""
+
+    def end_point(self) -> None:
+        """The grid point is done."""
+
+    @abc.abstractmethod
+    def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
+        """Hand one message to the system's source; may block (back-pressure)."""
+
+    @abc.abstractmethod
+    def finished_count(self) -> int:
+        """Messages finished since the system (or point) started; cheap, monotonic."""
+
+    @abc.abstractmethod
+    def finished(self, tag: str) -> list[Finished]:
+        """Every message of step ``tag`` finished so far."""
+
+    def errors(self) -> list[str]:
+        """Errors seen so far (never cleared; the step runner diffs them)."""
+        return []
+
+    def reset(self) -> None:
+        """Throw away a backlog left by an overloaded step (restart what holds it)."""
+
+
+# -- HarmonicIO ---------------------------------------------------------------------
+
+class HioCluster:
+    """Repository, master and worker as child processes (shared by both HIO paths)."""
+
+    def __init__(self, data_dir: Path, *, chunk_bytes: int, engines: int = SLOTS,
+                 extra_master: tuple[str, ...] = ()) -> None:
+        self.data_dir = data_dir
+        self.chunk_bytes = chunk_bytes
+        self.engines = engines
+        self.extra_master = extra_master
+        self.cluster: Any = None
+        self.master = ""
+        self.repository = ""
+        self.settings: Any = None
+
+    def start(self) -> None:
+        from hio.common.procs import free_port
+        from hio.up import Cluster, UpConfig, _wait_channels
+
+        self.master = f"127.0.0.1:{free_port()}"
+        self.repository = f"127.0.0.1:{free_port()}"
+        self.settings = UpConfig(master_address=self.master, repository_address=self.repository,
+                                 data_dir=str(self.data_dir), chunk_bytes=self.chunk_bytes,
+                                 log_level="warning")
+        self.cluster = Cluster(self.settings, self.data_dir)
+        self.cluster.logs = self.data_dir / "logs"
+        self.cluster.start("repository", ["--listen", self.repository, "--http-listen", ""],
+                           health=self.repository)
+        self.cluster.start("master", ["--listen", self.master, *self.extra_master], health=self.master)
+        self.cluster.start("worker", ["--runtime", "process", "--engines", f"{HIO_IMAGE}={self.engines}"],
+                           health=None)
+        _wait_channels(self.settings, self.engines, time.monotonic() + 90)
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+
+class HioSystem(System):
+    """This system: gateway -> (direct | queue) -> two synthetic engines -> repository."""
+
+    sender_threads = 4
+
+    def __init__(self, data_dir: Path, *, force_queue: bool, chunk_bytes: int, streams: int,
+                 batch_tuples: int) -> None:
+        self.name = "hio-queue" if force_queue else "hio-direct"
+        self.force_queue = force_queue
+        self.root = data_dir
+        self.chunk_bytes = chunk_bytes
+        self.streams = streams
+        self.batch_tuples = batch_tuples
+        self._generation = 0
+        self._cluster: HioCluster | None = None
+        self._gateway: Any = None
+        self._repo_channel: Any = None
+        self._repo: Any = None
+        self._master: Any = None
+        self._errors: list[str] = []
+        self._lock = threading.Lock()
+        self._read_offset = 0          # repository offset read up to
+        self._failed_seen = 0          # master's failed + dead-lettered count already reported
+        self._by_tag: dict[str, list[Finished]] = {}
+
+    # lifecycle
+    def start(self) -> None:
+        import grpc  # noqa: F401  (fail early if missing)
+
+        from hio.common.net import create_channel
+        from hio.gateway import Gateway
+        from hio.proto import master_pb2_grpc, repository_pb2_grpc
+
+        self._generation += 1
+        data_dir = self.root / f"{self.name}-{self._generation}"
+        self._cluster = HioCluster(data_dir, chunk_bytes=self.chunk_bytes)
+        self._cluster.start()
+        settings = self._cluster.settings
+        self._repo_channel = create_channel(self._cluster.repository, settings)
+        self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)
+        self._master_channel = create_channel(self._cluster.master, settings)
+        self._master = master_pb2_grpc.MasterStub(self._master_channel)
+        self._gateway = Gateway(master_address=self._cluster.master,
+                                repository_address=self._cluster.repository,
+                                data_dir=str(data_dir), source=f"bench-{self.name}",
+                                chunk_bytes=self.chunk_bytes, streams=self.streams,
+                                batch_tuples=self.batch_tuples, force_queue=self.force_queue,
+                                progress=False, grace_seconds=2.0)
+        self._read_offset = 0
+        self._failed_seen = 0
+        self._by_tag.clear()
+
+    def stop(self) -> None:
+        if self._gateway is not None:
+            try:
+                self._gateway.close(timeout=2.0, drain=False)
+            except Exception as exc:  # closing must never hide the benchmark's result
+                log.warning("gateway close failed", extra={"error": str(exc)})
+            self._gateway = None
+        for channel in (self._repo_channel, getattr(self, "_master_channel", None)):
+            if channel is not None:
+                channel.close()
+        self._repo_channel = None
+        if self._cluster is not None:
+            self._cluster.stop()
+            self._cluster = None
+
+    def reset(self) -> None:
+        """A backlog sits in the gateway spool and the master queue: start afresh."""
+        self.stop()
+        self.start()
+
+    # data path
+    def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
+        future = self._gateway.submit(payload, image=HIO_IMAGE, name=f"{tag}|{seq}",
+                                      attributes={"cost_ms": f"{cost_s * 1000:g}"})
+        future.add_done_callback(self._check_future)
+
+    def _check_future(self, future: Any) -> None:
+        exc = future.exception()
+        if exc is not None:
+            with self._lock:
+                self._errors.append(f"delivery: {exc}")
+
+    def begin_point(self, size: int, cost_s: float) -> None:
+        self.finished("")            # index what is stored so far, then forget it
+        self._by_tag.clear()
+
+    def finished_count(self) -> int:
+        from hio.proto import repository_pb2
+        try:
+            return int(self._repo.GetOffsets(repository_pb2.GetOffsetsRequest(), timeout=5).records)
+        except Exception as exc:
+            with self._lock:
+                self._errors.append(f"repository GetOffsets: {exc}")
+            return 0
+
+    def finished(self, tag: str) -> list[Finished]:
+        """Read new feature records from the repository and index them by step tag."""
+        import zstandard
+
+        from hio.proto import features_pb2, repository_pb2
+
+        decompressor = zstandard.ZstdDecompressor()
+        request = repository_pb2.ReadFeaturesRequest(after=self._read_offset)
+        for batch in self._repo.ReadFeatures(request, timeout=120):
+            for stored in batch.records:
+                record = features_pb2.FeatureRecord()
+                record.ParseFromString(decompressor.decompress(stored.record_zstd))
+                self._read_offset = max(self._read_offset, int(stored.offset))
+                step, _, seq = record.meta.name.partition("|")
+                if not seq.isdigit():
+                    continue
+                self._by_tag.setdefault(step, []).append(
+                    Finished(int(seq), record.meta.accepted_unix, record.processed_unix))
+        return list(self._by_tag.get(tag, []))
+
+    def errors(self) -> list[str]:
+        """Delivery failures, plus one entry each time the master's failure counters rise."""
+        from hio.proto import master_pb2
+
+        try:
+            status = self._master.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
+            failed = int(status.tuples_failed) + int(status.dead_letters)
+            if failed > self._failed_seen:
+                with self._lock:
+                    self._errors.append(f"master: {failed - self._failed_seen} more tuples failed "
+                                        f"or dead-lettered")
+                self._failed_seen = failed
+        except Exception as exc:
+            with self._lock:
+                self._errors.append(f"master GetStatus: {exc}")
+        with self._lock:
+            return list(self._errors)
+
+
+# -- Spark ------------------------------------------------------------------------------
+
+def build_spark_session(app_name: str, slots: int = SLOTS, conf: tuple[str, ...] = ()) -> Any:
+    """``local[slots]``, no UI, two shuffle partitions, Python workers on this interpreter."""
+    import warnings
+
+    from pyspark.sql import SparkSession
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"pyspark\..*")
+    warnings.filterwarnings("ignore", message="Cannot infer the eval type", module=r"pyspark\..*")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = (SparkSession.builder.master(f"local[{slots}]").appName(app_name)
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", str(slots))
+               .config("spark.pyspark.python", sys.executable)
+               .config("spark.pyspark.driver.python", sys.executable)
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.driver.memory", "4g")
+               .config("spark.sql.streaming.minBatchesToRetain", "2"))
+    for item in conf:
+        key, _, value = item.partition("=")
+        builder = builder.config(key.strip(), value.strip())
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def burn_and_header(cost_s: float) -> Callable[[Any], str]:
+    """The Spark UDF body: burn ``cost_s`` of CPU (the same function as our engines),
+    return the message header so the driver knows what finished."""
+
+    def process(content: Any) -> str:
+        from hio.worker.pipelines.synthetic import burn_cpu
+
+        burn_cpu(cost_s)
+        if content is None:
+            return ""
+        head = content[:HEADER_BYTES]
+        return head if isinstance(head, str) else bytes(head).decode("ascii", "replace")
+
+    return process
+
+
+class SparkSystem(System):
+    """Common part of both Spark sources: the session, the query, the finish log."""
+
+    def __init__(self, data_dir: Path, conf: tuple[str, ...] = ()) -> None:
+        self.root = data_dir
+        self.conf = conf
+        self.spark: Any = None
+        self.query: Any = None
+        self._lock = threading.Lock()
+        self._by_tag: dict[str, list[Finished]] = {}
+        self._count = 0
+        self._errors: list[str] = []
+        self._stopping = False
+        self._point = 0
+        self._size = 0
+        self._cost = 0.0
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.spark = build_spark_session(f"hio-bench-{self.name}", SLOTS, self.conf)
+
+    def stop(self) -> None:
+        self.end_point()
+        if self.spark is not None:
+            self.spark.stop()
+            self.spark = None
+
+    def begin_point(self, size: int, cost_s: float) -> None:
+        self._point += 1
+        self._size, self._cost = size, cost_s
+        with self._lock:
+            self._by_tag.clear()
+            self._count = 0
+        point_dir = self.root / f"{self.name}-p{self._point}"
+        point_dir.mkdir(parents=True, exist_ok=True)
+        frame = self._source(point_dir)
+        from pyspark.sql import functions as F
+        from pyspark.sql.types import StringType
+
+        udf = F.udf(burn_and_header(cost_s), StringType())
+        self.query = (frame.select(udf(self._column()).alias("head")).writeStream
+                      .foreachBatch(self._on_batch)
+                      .option("checkpointLocation", str(point_dir / "checkpoint"))
+                      .queryName(f"bench_{self.name.replace('-', '_')}_{self._point}")
+                      .start())
+        self._after_start()
+
+    def end_point(self) -> None:
+        if self.query is not None:
+            self._stopping = True
+            try:
+                self.query.stop()
+            except Exception as exc:
+                log.warning("stopping the Spark query failed", extra={"error": str(exc)})
+            finally:
+                self._stopping = False
+            self.query = None
+        self._close_source()
+
+    def reset(self) -> None:
+        """A fresh query and source: the backlog of the old one is dropped."""
+        self.end_point()
+        self.begin_point(self._size, self._cost)
+
+    def _on_batch(self, frame: Any, batch_id: int) -> None:
+        try:
+            heads = [row[0] for row in frame.collect()]
+        except Exception as exc:
+            if self._stopping:       # the query is being stopped under a running batch: expected
+                return
+            with self._lock:
+                self._errors.append(f"spark batch {batch_id}: {str(exc)[:300]}")
+            raise
+        done = time.time()
+        parsed = [p for p in (parse_header(h) for h in heads) if p is not None]
+        with self._lock:
+            self._count += len(heads)
+            for tag, seq, sent in parsed:
+                self._by_tag.setdefault(tag, []).append(Finished(seq, sent, done))
+
+    def finished_count(self) -> int:
+        with self._lock:
+            return self._count
+
+    def finished(self, tag: str) -> list[Finished]:
+        with self._lock:
+            return list(self._by_tag.get(tag, []))
+
+    def errors(self) -> list[str]:
+        with self._lock:
+            found = list(self._errors)
+        if self.query is not None:
+            exc = self.query.exception()
+            if exc is not None:
+                found.append(f"spark query: {str(exc)[:300]}")
+        return found
+
+    @abc.abstractmethod
+    def _source(self, point_dir: Path) -> Any:
+        """The streaming DataFrame of this point."""
+
+    @abc.abstractmethod
+    def _column(self) -> str:
+        """The column holding the message."""
+
+    def _after_start(self) -> None:
+        """Hook: after the query started (the socket source connects now)."""
+
+    def _close_source(self) -> None:
+        """Hook: the point ended."""
+
+
+class SparkFileSystem(SparkSystem):
+    """``binaryFile`` source; messages written beside the folder and renamed into it."""
+
+    name = "spark-file"
+    sender_threads = 2
+
+    def __init__(self, data_dir: Path, conf: tuple[str, ...] = ()) -> None:
+        super().__init__(data_dir, conf)
+        self._incoming: Path | None = None
+        self._staging: Path | None = None
+
+    def _source(self, point_dir: Path) -> Any:
+        self._incoming = point_dir / "incoming"
+        self._staging = point_dir / "staging"
+        self._incoming.mkdir(exist_ok=True)
+        self._staging.mkdir(exist_ok=True)
+        from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType, TimestampType
+
+        schema = StructType([StructField("path", StringType(), False),
+                             StructField("modificationTime", TimestampType(), False),
+                             StructField("length", LongType(), False),
+                             StructField("content", BinaryType(), True)])
+        return self.spark.readStream.format("binaryFile").schema(schema).load(str(self._incoming))
+
+    def _column(self) -> str:
+        return "content"
+
+    def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
+        assert self._staging is not None and self._incoming is not None
+        name = f"{tag}-{seq:09d}.bin"
+        staged = self._staging / name
+        with open(staged, "wb") as fh:
+            fh.write(payload)
+        os.rename(staged, self._incoming / name)  # atomic: Spark never sees a partial file
+
+
+class SparkSocketSystem(SparkSystem):
+    """``socket`` source: Spark connects to our server and reads lines."""
+
+    name = "spark-socket"
+    text_payload = True
+    sender_threads = 1
+
+    def __init__(self, data_dir: Path, conf: tuple[str, ...] = ()) -> None:
+        super().__init__(data_dir, conf)
+        self._server: socket.socket | None = None
+        self._conn: socket.socket | None = None
+        self._send_lock = threading.Lock()
+
+    def _source(self, point_dir: Path) -> Any:
+        self._server = socket.socket()
+        self._server.bind(("127.0.0.1", 0))
+        self._server.listen(1)
+        port = self._server.getsockname()[1]
+        return (self.spark.readStream.format("socket").option("host", "127.0.0.1")
+                .option("port", port).load())
+
+    def _column(self) -> str:
+        return "value"
+
+    def _after_start(self) -> None:
+        assert self._server is not None
+        self._server.settimeout(60)
+        try:
+            self._conn, _ = self._server.accept()
+        except socket.timeout:
+            raise RuntimeError("Spark's socket source did not connect within 60 s") from None
+        self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _close_source(self) -> None:
+        for sock in (self._conn, self._server):
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+        self._conn = self._server = None
+
+    def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
+        with self._send_lock:
+            if self._conn is None:
+                raise RuntimeError("socket source is not connected")
+            try:
+                self._conn.sendall(payload + b"\n")
+            except OSError as exc:
+                with self._lock:
+                    self._errors.append(f"socket send: {exc}")
+                raise
+
+
+SYSTEMS = ("hio-direct", "hio-queue", "spark-file", "spark-socket")
+
+
+def make_system(name: str, data_dir: Path, *, chunk_bytes: int, streams: int, batch_tuples: int,
+                spark_conf: tuple[str, ...] = ()) -> System:
+    """The system called ``name`` (one of :data:`SYSTEMS`), its state under ``data_dir``."""
+    if name in ("hio-direct", "hio-queue"):
+        return HioSystem(data_dir, force_queue=name == "hio-queue", chunk_bytes=chunk_bytes,
+                         streams=streams, batch_tuples=batch_tuples)
+    if name == "spark-file":
+        return SparkFileSystem(data_dir, spark_conf)
+    if name == "spark-socket":
+        return SparkSocketSystem(data_dir, spark_conf)
+    raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")

@@ -1,0 +1,176 @@
+"""`hio bench`: the search, the pass rules' arithmetic, the report, and a smoke
+run of the whole machinery (real roles, real Spark) on a tiny grid."""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hio.bench import (BenchConfig, StepResult, bound_rate, find_max, parse_cost, parse_size, percentile,
+                       read_done, slope)
+from hio.bench_report import check_targets, read_rows, spark_wins, write_report
+from hio.bench_systems import HEADER_BYTES, MessageGenerator, parse_header
+from hio.common.config import ConfigError
+
+
+def test_sizes_and_costs_parse_in_the_papers_units() -> None:
+    assert [parse_size(s) for s in ("100", "10K", "100KB", "1M", "10M")] == [100, 10**4, 10**5, 10**6, 10**7]
+    assert [parse_cost(c) for c in ("0", "10ms", "0.1s", "1s")] == [0.0, 0.01, 0.1, 1.0]
+    with pytest.raises(ConfigError, match="costs"):
+        parse_cost("fast")
+    with pytest.raises(ConfigError, match="sizes"):
+        parse_size("big")
+
+
+def test_config_refuses_unknown_system_and_tiny_size() -> None:
+    with pytest.raises(ConfigError, match="unknown system 'flink'"):
+        BenchConfig(systems=("flink",)).validate()
+    with pytest.raises(ConfigError, match="below 64 bytes"):
+        BenchConfig(sizes=("10",)).validate()
+    assert BenchConfig(quick=True).grid_sizes() == ("100", "1M")
+
+
+def test_bound_is_the_tighter_of_network_and_cpu() -> None:
+    assert bound_rate(10**6, 0.0, 500e6, 2) == pytest.approx(500)
+    assert bound_rate(100, 1.0, 500e6, 2) == pytest.approx(2)
+    assert bound_rate(10**7, 0.1, 500e6, 2) == pytest.approx(20)
+
+
+def _step(capacity: float, calls: list[float]):
+    def run(rate: float) -> StepResult:
+        calls.append(rate)
+        passed = rate <= capacity
+        return StepResult(rate, 10, 1.0, rate, 10 if passed else 5, 0.0, passed,
+                          "" if passed else "backlog grew", [])
+    return run
+
+
+def test_find_max_ramps_then_bisects_within_tolerance() -> None:
+    calls: list[float] = []
+    result = find_max(_step(370.0, calls), 10.0, math.inf, tolerance=0.05, min_rate=0.1,
+                      max_steps=30, deadline=math.inf)
+    assert 370 * 0.95 <= result.max_rate <= 370
+    assert result.first_fail is not None and result.first_fail.reason == "backlog grew"
+    assert calls[:3] == [10.0, 40.0, 160.0]          # x4 ramp while far from any cap
+
+
+def test_find_max_starting_too_high_halves_then_bisects() -> None:
+    calls: list[float] = []
+    result = find_max(_step(3.0, calls), 18.0, 20.0, tolerance=0.05, min_rate=0.1, max_steps=30,
+                      deadline=math.inf)
+    assert 3.0 * 0.95 <= result.max_rate <= 3.0
+    assert calls[:4] == [18.0, 9.0, 4.5, 2.25]
+
+
+def test_find_max_passing_at_the_bound_stops_there() -> None:
+    calls: list[float] = []
+    result = find_max(_step(100.0, calls), 18.0, 20.0, tolerance=0.05, min_rate=0.1, max_steps=30,
+                      deadline=math.inf)
+    assert result.max_rate == 20.0 and calls == [18.0, 20.0] and result.first_fail is None
+
+
+def test_find_max_gives_zero_when_nothing_passes() -> None:
+    result = find_max(_step(0.0, []), 1.0, 10.0, tolerance=0.05, min_rate=0.1, max_steps=30,
+                      deadline=math.inf)
+    assert result.max_rate == 0.0
+
+
+def test_messages_have_exact_size_and_a_readable_header() -> None:
+    binary = MessageGenerator(1000, text=False).message("s12", 7, 1700000000.25)
+    text = MessageGenerator(100, text=True).message("s1", 123456, 1700000000.5)
+    assert len(binary) == 1000 and len(text) == 100
+    assert parse_header(binary) == ("s12", 7, 1700000000.25)
+    assert parse_header(text.decode()) == ("s1", 123456, 1700000000.5)
+    assert b"\n" not in text and text.isascii()
+    with pytest.raises(ValueError):
+        MessageGenerator(HEADER_BYTES - 1, text=False)
+
+
+def test_percentile_and_slope() -> None:
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert math.isnan(percentile([], 0.5))
+    assert slope([(0, 1), (1, 3), (2, 5)]) == pytest.approx(2.0)
+    assert slope([(1, 1)]) == 0.0
+
+
+def _write_results(path: Path) -> None:
+    from hio.bench import RESULT_FIELDS
+    rows = []
+    for system, rates in {"hio-direct": (12000, 300, 19, 19.5), "spark-file": (40, 30, 18, 19.8),
+                          "spark-socket": (30000, 5, 2, 1)}.items():
+        for (size, cost), rate in zip([(100, 0), (10**6, 0), (100, 100), (10**6, 100)], rates):
+            bound = min(500e6 / size, 2 / (cost / 1000)) if cost else 500e6 / size
+            rows.append({"system": system, "size": size, "cost_ms": cost, "max_rate": rate, "bound": bound,
+                         "fraction": rate / bound, "loopback_mb_s": 500, "steps": 5, "seconds": 30,
+                         "first_fail_rate": rate * 1.1, "first_fail_reason": "backlog grew by 9 messages",
+                         "latency_rate": rate / 2 if size == 10**6 else "",
+                         "p50_ms": 12 if size == 10**6 else "", "p99_ms": 40 if size == 10**6 else "",
+                         "load_avg": 1.5, "finished_at": "2026-01-01T00:00:00"})
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(RESULT_FIELDS))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_report_has_tables_plots_targets_and_spark_wins(tmp_path: Path) -> None:
+    results = tmp_path / "docs" / "benchmarks" / "results-quick.csv"
+    results.parent.mkdir(parents=True)
+    _write_results(results)
+    doc = write_report(results, tmp_path / "docs")
+    text = doc.read_text()
+    for png in ("results-quick-best.png", "results-quick-frequency.png"):
+        assert (results.parent / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"benchmarks/{png}" in text
+    assert "| hio-direct | 0 | 12,000 (0.24%) | 300 (60%) |" in text
+    rows = read_rows(results)
+    wins = {(r["size"], r["cost_ms"], r["system"]): round(x, 2) for r, x in spark_wins(rows)}
+    assert wins == {(100, 0.0, "spark-socket"): 2.5, (10**6, 100.0, "spark-file"): 1.02}
+    targets = {t: s for t, s, _ in check_targets(rows)}
+    assert targets["100-byte tuples: >= 10,000/s"] == "met"
+    assert targets["no cell where Spark beats this system by more than 2x"] == "NOT met"
+    assert targets["1 MB, no cost: >= 5x Spark file source"] == "met"
+    assert "100 B x 0: spark-socket 30,000/s, 2.50x this system." in text
+    assert read_done(results)[("hio-direct", 100, 0.0)]["max_rate"] == "12000"
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_smoke_whole_machinery_on_a_tiny_grid_and_resume(tmp_path: Path) -> None:
+    """Every system for real on one cell (1 KB x 100 ms), few steps; then a resume adds nothing."""
+    out = tmp_path / "docs"
+    args = [sys.executable, "-m", "hio.cli", "bench", "--data-dir", str(tmp_path / "var"),
+            "--out-dir", str(out), "--results-name", "smoke.csv", "--sizes", "1K", "--costs", "100ms",
+            "--latency-sizes", "1K", "--latency-messages", "4", "--max-steps", "1", "--start-fraction", "0.1",
+            "--min-step-seconds", "2", "--max-step-seconds", "2", "--min-step-messages", "4",
+            "--grace-seconds", "2", "--drain-seconds", "5", "--point-seconds", "20"]
+    # About 1.5 min on an idle 2-core machine (most of it Spark's start); generous for a loaded one.
+    run = subprocess.run(args, capture_output=True, text=True, timeout=420, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = read_rows(out / "benchmarks" / "smoke.csv")
+    assert sorted(r["system"] for r in rows) == ["hio-direct", "hio-queue", "spark-file", "spark-socket"]
+    for row in rows:
+        assert row["bound"] == pytest.approx(20.0)          # 2 slots / 100 ms
+        assert int(row["steps"]) == 1                        # --max-steps bounds the search
+    steps = list(csv.DictReader(open(out / "benchmarks" / "smoke-steps.csv")))
+    assert {s["system"] for s in steps} == {r["system"] for r in rows}
+    assert any(s["passed"] == "1" for s in steps), steps
+    assert "## Targets" in (out / "benchmarks.md").read_text()
+    again = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("points done earlier") == 4
+    assert len(read_rows(out / "benchmarks" / "smoke.csv")) == 4
+
+
+def test_resumed_csv_from_an_older_version_gets_the_new_columns(tmp_path: Path) -> None:
+    from hio.bench import append_row
+    path = tmp_path / "r.csv"
+    path.write_text("system,size\nhio-direct,100\n")
+    append_row(path, ("system", "size", "cost_ms"), {"system": "spark-file", "size": 200, "cost_ms": 10})
+    rows = list(csv.DictReader(open(path)))
+    assert rows == [{"system": "hio-direct", "size": "100", "cost_ms": ""},
+                    {"system": "spark-file", "size": "200", "cost_ms": "10"}]
