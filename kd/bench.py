@@ -1,0 +1,182 @@
+"""``hio bench-kd``: does an interval cost what is new, or what is stored?
+
+Against a real repository (in-process, port 0, in a temporary folder) and one
+Spark session, it times one KD interval with ``new`` new feature records
+twice: over an empty store, and over a store that already holds ``stored``
+records (accumulated by KD in rate-limited catch-up batches first). A warm-up
+pass runs before either, so neither pays for Python workers starting or the
+JVM warming up. The interval time is measured inside the micro-batch (read
+from the repository by executors, accumulate, cluster, preview, publish) and
+broken down; the bound is ``ratio_bound`` x (default 2x). Exit code 1 when the
+bound is exceeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hio.common.config import ConfigError, positive, setting
+from hio.common.settings import ClusterSettings
+
+WARMUP_RECORDS = 500
+
+
+@dataclasses.dataclass(frozen=True)
+class KDBenchConfig(ClusterSettings):
+    stored: int = setting(200_000, "feature records already accumulated in the large-store case")
+    new: int = setting(1_000, "new feature records in the timed interval")
+    features: int = setting(6, "numeric features per record")
+    k: int = setting(4, "clusters")
+    sample_size: int = setting(10_000, "KD's clustering sample bound")
+    max_records_per_interval: int = setting(50_000, "KD's micro-batch bound (the catch-up uses it)")
+    spark_master: str = setting("local[2]", "Spark master URL")
+    ratio_bound: float = setting(2.0, "largest accepted ratio large-store / empty-store interval time")
+    work_dir: str = setting("", "folder for the repository and KD state; empty = a temporary folder, removed after")
+    seed: int = setting(1, "random seed")
+
+    def validate(self) -> None:
+        self.validate_cluster()
+        for name in ("stored", "new", "features", "k", "sample_size", "max_records_per_interval", "ratio_bound"):
+            positive(name, getattr(self, name))
+        if self.features > 64:
+            raise ConfigError(f"features must be at most 64, got {self.features}")
+
+
+def _uploads(first_id: int, count: int, features: int, seed: int) -> list[Any]:
+    """PutFeatures uploads of ``count`` records drawn from ``features``-d blobs."""
+    import zstandard
+    from hio.proto import features_pb2, repository_pb2
+
+    from hio.common.frames import crc32
+
+    rng = np.random.default_rng(seed + first_id)
+    centres = rng.uniform(-20, 20, size=(5, features))
+    points = centres[rng.integers(0, len(centres), count)] + rng.normal(size=(count, features))
+    names = [f"f{j}" for j in range(features)]
+    compressor = zstandard.ZstdCompressor()
+    uploads = []
+    for offset, row in enumerate(points.tolist()):
+        tuple_id = first_id + offset
+        record = features_pb2.FeatureRecord(tuple_id=tuple_id, processed_unix=time.time(), kd_features=names)
+        record.meta.tuple_id = tuple_id
+        record.meta.image = "hio/bench"
+        for name, value in zip(names, row):
+            record.features[name].number = value
+        data = compressor.compress(record.SerializeToString())
+        uploads.append(repository_pb2.FeaturesUpload(tuple_id=tuple_id, record_zstd=data, crc32=crc32(data)))
+    return uploads
+
+
+class _Bench:
+    """One repository + one Spark session; KD runs are `--once` passes."""
+
+    def __init__(self, config: KDBenchConfig, work: Path) -> None:
+        from hio.kd.config import KDConfig
+        from hio.kd.job import build_session
+        from hio.proto import repository_pb2_grpc
+        from hio.repository import RepositoryConfig, create_repository_server
+
+        from hio.common.net import create_channel
+
+        self.config = config
+        self.work = work
+        # Spark first: launching the JVM forks, which gRPC threads started before it dislike.
+        self.spark = build_session(KDConfig(spark_master=config.spark_master, data_dir=str(work)),
+                                   app_name="hio-bench-kd")
+        repo_config = RepositoryConfig(listen="127.0.0.1:0", http_listen="", data_dir=str(work / "repo"), fsync="never")
+        self.server, port, self.repo_store = create_repository_server(repo_config)
+        self.server.start()
+        self.address = f"127.0.0.1:{port}"
+        self.channel = create_channel(self.address, ClusterSettings())
+        self.stub = repository_pb2_grpc.RepositoryStub(self.channel)
+        self.next_id = 1
+
+    def close(self) -> None:
+        self.spark.stop()
+        self.channel.close()
+        self.server.stop(0).wait(5)
+        self.repo_store.close()
+
+    def put(self, count: int) -> None:
+        from hio.proto import repository_pb2
+
+        for start in range(0, count, 5000):
+            n = min(5000, count - start)
+            uploads = _uploads(self.next_id, n, self.config.features, self.config.seed)
+            self.stub.PutFeatures(repository_pb2.PutFeaturesRequest(records=uploads), timeout=120)
+            self.next_id += n
+
+    def commit(self, consumer: str, offset: int) -> None:
+        from hio.proto import repository_pb2
+
+        self.stub.CommitOffset(repository_pb2.CommitOffsetRequest(consumer=consumer, offset=offset), timeout=10)
+
+    def kd_pass(self, name: str) -> Any:
+        """One `hio kd --once` pass with state under ``work/name``; the job (with its timings)."""
+        import threading
+
+        from hio.kd.config import KDConfig
+        from hio.kd.job import KnowledgeJob, supervise
+        from hio.kd.store import AccumulatedStore
+
+        c = self.config
+        kd = KDConfig(repository_address=self.address, data_dir=str(self.work / name), once=True, k=c.k,
+                      consumer=name, sample_size=c.sample_size, max_records_per_interval=c.max_records_per_interval,
+                      seed=c.seed)
+        job = KnowledgeJob(kd, self.spark, AccumulatedStore(kd.parquet_dir).open())
+        try:
+            if supervise(self.spark, kd, job, threading.Event()) != 0:
+                raise RuntimeError(f"KD pass {name} failed")
+        finally:
+            job.close()
+        return job
+
+
+def _measure(config: KDBenchConfig, work: Path) -> list[tuple[str, int, Any]]:
+    """[(case, records stored before the timed interval, its job)]."""
+    bench = _Bench(config, work)
+    try:
+        bench.put(WARMUP_RECORDS)
+        bench.kd_pass("warmup")                            # start Python workers, warm the JVM
+        bench.commit("empty", WARMUP_RECORDS)              # the empty-store case starts after them
+        bench.put(config.new)
+        empty = bench.kd_pass("empty")                     # timed: `new` records over an empty store
+        bench.put(config.stored - WARMUP_RECORDS - config.new)
+        large = bench.kd_pass("large")                     # catch up on `stored` records, in batches
+        stored = large.store.total
+        bench.put(config.new)
+        large = bench.kd_pass("large")                     # timed: `new` records over `stored`
+        return [("empty store", 0, empty), ("large store", stored, large)]
+    finally:
+        bench.close()
+
+
+def run_kd_bench(config: KDBenchConfig) -> int:
+    """Print both interval times, their breakdown and the ratio; 1 if over the bound."""
+    if config.stored < WARMUP_RECORDS + config.new:
+        raise ConfigError(f"stored must be at least {WARMUP_RECORDS + config.new}")
+    work = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="hio-bench-kd-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        results = _measure(config, work)
+    finally:
+        if not config.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"KD interval with new records, k={config.k}, {config.features} features, "
+          f"sample bound {config.sample_size}, Spark {config.spark_master}")
+    print(f"{'case':<12} {'stored before':>13} {'new':>6} {'interval s':>10}  breakdown (s)")
+    for name, stored, job in results:
+        breakdown = ", ".join(f"{k} {v:.3f}" for k, v in job.last_timings.items())
+        new = job.store.total - stored
+        print(f"{name:<12} {stored:>13} {new:>6} {job.last_seconds:>10.3f}  {breakdown}")
+    ratio = results[1][2].last_seconds / max(results[0][2].last_seconds, 1e-9)
+    verdict = "within" if ratio <= config.ratio_bound else "EXCEEDS"
+    print(f"ratio large/empty = {ratio:.2f} ({verdict} the {config.ratio_bound:.1f}x bound)")
+    return 0 if ratio <= config.ratio_bound else 1

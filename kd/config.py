@@ -1,0 +1,73 @@
+"""Settings of knowledge discovery (``hio kd``). Imports nothing heavy: the CLI
+builds this before deciding whether Spark is needed at all."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from hio.common.config import ConfigError, positive, setting
+from hio.common.settings import ClusterSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class KDConfig(ClusterSettings):
+    interval: float = setting(60.0, "seconds between knowledge-discovery intervals (micro-batches)")
+    once: bool = setting(False, "process what the repository holds now (in rate-limited batches), then exit")
+    consumer: str = setting("kd", "consumer name whose offset KD commits in the repository")
+    spark_master: str = setting("local[2]", "Spark master URL: local[N] or spark://host:port")
+    spark_conf: tuple[str, ...] = setting((), "extra Spark settings as key=value (repeatable)", factory=tuple)
+    parquet_path: str = setting("", "folder of accumulated features (Parquet); empty = data_dir/kd/features.parquet")
+    checkpoint_path: str = setting("", "Structured Streaming checkpoint folder; empty = data_dir/kd/checkpoint")
+    preview_path: str = setting("", "preview PNG written each interval; empty = data_dir/kd/preview.png")
+    k: int = setting(4, "number of clusters (capped by the number of distinct points)")
+    image: str = setting("", "image whose features are clustered; empty = the image with most records")
+    max_records_per_interval: int = setting(50_000, "most repository records read in one micro-batch")
+    read_partitions: int = setting(2, "Spark partitions a micro-batch's offset range is split into (at most)")
+    sample_size: int = setting(10_000, "most points BisectingKMeans is fitted on each interval (uniform sample)")
+    max_iterations: int = setting(10, "BisectingKMeans iterations per level of the hierarchy (each one a Spark job)")
+    max_assignments: int = setting(100_000, "most tuple->cluster assignments written to the knowledge (most recent)")
+    max_record_bytes: int = setting(16 * 1024 * 1024, "largest decompressed feature record accepted")
+    preview_points: int = setting(5_000, "most points drawn in the preview's scatter plot")
+    rpc_deadline: float = setting(30.0, "seconds to keep retrying an unavailable repository before an interval fails")
+    restart_delay: float = setting(5.0, "seconds before restarting the streaming query after it failed")
+    max_failures: int = setting(3, "--once: query failures in a row before KD gives up (exit 1)")
+    seed: int = setting(1, "random seed for sampling and clustering (reproducible knowledge)")
+
+    def validate(self) -> None:
+        self.validate_cluster()
+        positive("interval", self.interval)
+        positive("max_records_per_interval", self.max_records_per_interval)
+        positive("read_partitions", self.read_partitions)
+        positive("sample_size", self.sample_size)
+        positive("max_iterations", self.max_iterations)
+        positive("max_record_bytes", self.max_record_bytes)
+        positive("rpc_deadline", self.rpc_deadline)
+        positive("preview_points", self.preview_points)
+        positive("max_failures", self.max_failures)
+        if self.k < 1 or self.k > 1000:
+            raise ConfigError(f"k must be between 1 and 1000, got {self.k}")
+        if self.max_assignments < 0:
+            raise ConfigError(f"max_assignments must not be negative, got {self.max_assignments}")
+        if self.restart_delay < 0:
+            raise ConfigError(f"restart_delay must not be negative, got {self.restart_delay}")
+        if not self.consumer.strip():
+            raise ConfigError("consumer must not be empty")
+        for item in self.spark_conf:
+            if "=" not in item:
+                raise ConfigError(f"spark_conf entry '{item}' is not key=value")
+
+    def _under_data_dir(self, value: str, name: str) -> Path:
+        return Path(value).expanduser() if value else Path(self.data_dir).expanduser() / "kd" / name
+
+    @property
+    def parquet_dir(self) -> Path:
+        return self._under_data_dir(self.parquet_path, "features.parquet")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self._under_data_dir(self.checkpoint_path, "checkpoint")
+
+    @property
+    def preview_file(self) -> Path:
+        return self._under_data_dir(self.preview_path, "preview.png")

@@ -1,0 +1,269 @@
+"""The KD streaming job: Spark session, the query over the repository source,
+and what each micro-batch (interval) does.
+
+Order inside an interval, chosen so that every tuple counts exactly once:
+
+1. executors read the batch's offset range from the repository (``toArrow``);
+2. the driver appends the rows not stored yet to the Parquet store (atomic
+   rename: the interval's commit point; replays and overlaps are filtered by
+   offset and tuple id);
+3. knowledge and preview are computed from the store and written back;
+4. Spark records the batch in its checkpoint commit log, then calls the
+   source's ``commit``, which moves the consumer offset in the repository.
+
+A crash after (2) replays the batch: (2) then accepts nothing and (3) runs
+again. A crash before (2) replays it in full. Nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+import pyarrow.compute as pc
+from hio.kd.client import RepositoryClient, connection_options
+from hio.kd.config import KDConfig
+from hio.kd.model import cluster, to_knowledge
+from hio.kd.preview import render, write_atomic
+from hio.kd.store import AccumulatedStore, Appended
+
+log = logging.getLogger("hio.kd")
+
+
+LOG4J = """# Written by hio kd: Spark quiet unless something is wrong.
+rootLogger.level = error
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{yyyy-MM-dd'T'HH:mm:ss.SSS} %p spark %c{1}: %m%n
+"""
+
+
+def _quiet_jvm_options(config: KDConfig) -> str:
+    """-D option pointing the driver's log4j at a config that logs errors only."""
+    path = config.checkpoint_dir.parent / "log4j2.properties"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != LOG4J:
+        path.write_text(LOG4J)
+    return f"-Dlog4j2.configurationFile=file:{path}"
+
+
+def build_session(config: KDConfig, app_name: str = "hio-kd") -> Any:
+    """A Spark session for ``config.spark_master``: quiet, small shuffles, no UI."""
+    warnings.filterwarnings("ignore", message="PySpark does not yet fully support pandas")
+    from pyspark.sql import SparkSession
+
+    # Python workers (data source planning and reading) must run this
+    # interpreter, which has hio installed; Spark's default is `python3`.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = (SparkSession.builder.master(config.spark_master).appName(app_name)
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.extraJavaOptions", _quiet_jvm_options(config))
+               .config("spark.sql.shuffle.partitions", "2")
+               .config("spark.pyspark.python", sys.executable)
+               .config("spark.pyspark.driver.python", sys.executable)
+               .config("spark.sql.streaming.minBatchesToRetain", "20")
+               # Python workers start slowly on a busy machine; the default 15 s fails queries.
+               .config("spark.python.authenticate.socketTimeout", "120s"))
+    if config.spark_master.startswith("local"):
+        builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+    for item in config.spark_conf:
+        key, _, value = item.partition("=")
+        builder = builder.config(key.strip(), value.strip())
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+class KnowledgeJob:
+    """What one interval does (``process_batch``), around the accumulated store.
+
+    While KD catches up (more records waiting beyond the batch just read) it
+    only accumulates, and learns at most once per ``interval``: a backlog of
+    many micro-batches then costs reading it, not re-clustering after each
+    slice. ``finish`` publishes what a ``--once`` run left unpublished.
+    """
+
+    def __init__(self, config: KDConfig, spark: Any, store: AccumulatedStore) -> None:
+        self.config = config
+        self.spark = spark
+        self.store = store
+        self.client = RepositoryClient(config, config.rpc_deadline)
+        self.intervals = 0
+        self.last_seconds = 0.0
+        self.last_timings: dict[str, float] = {}
+        self._published_at = time.monotonic()
+        self._unpublished: int | None = None   # records accepted since the last publication
+
+    def close(self) -> None:
+        self.client.close()
+
+    def process_batch(self, frame: Any, batch_id: int) -> None:
+        """foreachBatch callback: read, accumulate, learn, publish."""
+        started = time.monotonic()
+        timings: dict[str, float] = {}
+        table = frame.toArrow()
+        timings["read"] = time.monotonic() - started
+        if table.num_rows == 0:
+            return  # an empty range (a query's first batch over an empty repository)
+        appended = self.store.append(table, time.time())
+        self._report_malformed(appended)
+        end_offset = int(pc.max(table.column("offset")).as_py())
+        # The store now holds everything up to the batch's last offset, so the
+        # consumer offset may move now (Spark's own source commit comes later,
+        # and never after the last batch of a --once run).
+        self.client.commit(self.config.consumer, end_offset)
+        timings["store"] = time.monotonic() - started - timings["read"]
+        self._unpublished = (self._unpublished or 0) + appended.accepted
+        clusters = self.publish(started, timings) if self._should_publish(end_offset) else -1
+        self.intervals += 1
+        self.last_seconds = time.monotonic() - started
+        self.last_timings = {k: round(v, 3) for k, v in timings.items()}
+        log.info("interval", extra={"batch": batch_id, "new": appended.accepted, "malformed": appended.malformed,
+                                    "total": self.store.total, "clusters": clusters if clusters >= 0 else "later",
+                                    "seconds": round(self.last_seconds, 3), **self.last_timings})
+
+    def _should_publish(self, end_offset: int) -> bool:
+        """Publish when caught up, or when the last publication is an interval old."""
+        if time.monotonic() - self._published_at >= self.config.interval:
+            return True
+        return int(self.client.offsets(self.config.consumer).latest) <= end_offset
+
+    def finish(self) -> None:
+        """Publish knowledge a catch-up left unpublished (end of a --once run)."""
+        if self._unpublished is not None:
+            self.publish(time.monotonic(), {})
+
+    def _report_malformed(self, appended: Appended) -> None:
+        if appended.malformed:
+            log.warning("skipped malformed feature records", extra={
+                "count": appended.malformed, "total_malformed": self.store.malformed,
+                "examples": "; ".join(appended.examples)})
+
+    def publish(self, started: float, timings: dict[str, float]) -> int:
+        """Cluster the selected group, write the preview file, send both to the repository."""
+        config = self.config
+        mark = time.monotonic()
+        group = self.store.select(config.image)
+        result = None
+        if group is not None and group.count:
+            result = cluster(self.spark, group, k=config.k, sample_size=config.sample_size,
+                             seed=config.seed, max_iter=config.max_iterations)
+        timings["cluster"] = time.monotonic() - mark
+        mark = time.monotonic()
+        png = render(group, result, self.store.history(), max_points=config.preview_points, seed=config.seed,
+                     title=f"[{group.image}]" if group else "")
+        write_atomic(config.preview_file, png)
+        timings["preview"] = time.monotonic() - mark
+        mark = time.monotonic()
+        knowledge = to_knowledge(group, result, up_to_offset=self.store.max_offset,
+                                 malformed=self.store.malformed,
+                                 new_records=self._unpublished or 0,
+                                 interval_seconds=time.monotonic() - started,
+                                 max_assignments=config.max_assignments)
+        self.client.put_knowledge(knowledge.SerializeToString(), png)
+        timings["publish"] = time.monotonic() - mark
+        self._published_at = time.monotonic()
+        self._unpublished = None
+        return len(knowledge.clusters)
+
+
+def _source_options(config: KDConfig, store: AccumulatedStore) -> dict[str, str]:
+    options = connection_options(config, config.rpc_deadline)
+    options.update(consumer=config.consumer, max_records=str(config.max_records_per_interval),
+                   partitions=str(config.read_partitions), max_record_bytes=str(config.max_record_bytes),
+                   start_after=str(store.max_offset))
+    return options
+
+
+def start_query(spark: Any, config: KDConfig, job: KnowledgeJob) -> Any:
+    """Start the streaming query (checkpointed) over the repository source."""
+    from hio.kd.source import NAME, RepositoryDataSource
+
+    spark.dataSource.register(RepositoryDataSource)
+    frame = spark.readStream.format(NAME).options(**_source_options(config, job.store)).load()
+    writer = (frame.writeStream.queryName("hio_kd").foreachBatch(job.process_batch)
+              .option("checkpointLocation", str(config.checkpoint_dir)))
+    if config.once:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=f"{config.interval} seconds")
+    return writer.start()
+
+
+def _await(query: Any, stop: threading.Event) -> Exception | None:
+    """Wait until the query ends (None) or fails (its error), or ``stop`` is set."""
+    from pyspark.errors import StreamingQueryException
+
+    try:
+        while not stop.is_set():
+            if query.awaitTermination(0.5):
+                return None
+    except StreamingQueryException as exc:
+        return exc
+    return None
+
+
+def _install_signals(stop: threading.Event) -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+
+
+def supervise(spark: Any, config: KDConfig, job: KnowledgeJob, stop: threading.Event) -> int:
+    """Run the query until stopped (or, with ``once``, until caught up). A failed
+    query (the repository down for longer than ``rpc_deadline``, a Python
+    worker that did not start) is restarted from its checkpoint after
+    ``restart_delay``; a ``--once`` run gives up after ``max_failures`` in a row."""
+    failures = 0
+    while not stop.is_set():
+        query = start_query(spark, config, job)
+        try:
+            error = _await(query, stop)
+        finally:
+            if query.isActive:
+                query.stop()
+        if error is None:
+            job.finish()
+            return 0
+        failures += 1
+        log.error("KD query failed; restarting it", extra={
+            "failures": failures, "error": str(error).strip().splitlines()[0][:300]})
+        if config.once and failures >= config.max_failures:
+            return 1
+        stop.wait(config.restart_delay)
+    return 0
+
+
+def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None) -> int:
+    """``hio kd``: open the store, start Spark, run until SIGTERM/SIGINT or ``stop``.
+
+    With ``spark`` given (tests, notebooks) that session is used and left
+    running, and no signal handlers are installed.
+    """
+    stop = stop or threading.Event()
+    store = AccumulatedStore(config.parquet_dir).open()
+    config.checkpoint_dir.parent.mkdir(parents=True, exist_ok=True)
+    own_session = spark is None
+    if own_session:
+        spark = build_session(config)
+        _install_signals(stop)
+    job = KnowledgeJob(config, spark, store)
+    log.info("KD started", extra={"spark": config.spark_master, "repository": config.repository_address,
+                                  "stored": store.total, "once": config.once})
+    try:
+        return supervise(spark, config, job, stop)
+    finally:
+        job.close()
+        if own_session:
+            spark.stop()

@@ -1,0 +1,262 @@
+"""KD's accumulated features: Parquet files that are the single source of truth.
+
+Each interval appends one file, ``part-<first offset>-<last offset>.parquet``,
+written to a temporary name, fsynced and renamed: the rename is the commit
+point of an interval. Everything else (the high-water offset, the malformed
+count, the groups' feature matrices, the history) is derived from the files
+when KD starts and kept up to date in memory, so nothing can disagree with it.
+
+Exactly once: a row is accepted only if its offset is above every stored
+offset and its tuple id was never stored. A micro-batch that Spark replays
+after a crash (its commit log entry missing), a query whose checkpoint was
+lost, or a compaction interrupted half-way therefore never counts a tuple
+twice, whatever the order of failures.
+
+Cost: an append touches only the new rows (plus one sorted-array merge of the
+known ids, a memory copy). The whole store is read once, at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from hio.kd.records import to_unsigned
+
+log = logging.getLogger("hio.kd")
+
+PART_RE = re.compile(r"^part-(\d{20})-(\d{20})\.parquet$")
+KEY_SEP = "\x1f"
+COMPACT_AT_FILES = 64
+
+
+@dataclass
+class Group:
+    """Features of one image with one feature set: what one clustering runs over."""
+    image: str
+    names: tuple[str, ...]
+    _ids: list[np.ndarray] = field(default_factory=list)
+    _offsets: list[np.ndarray] = field(default_factory=list)
+    _values: list[np.ndarray] = field(default_factory=list)
+    count: int = 0
+
+    def add(self, ids: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> None:
+        self._ids.append(ids)
+        self._offsets.append(offsets)
+        self._values.append(values)
+        self.count += len(ids)
+
+    def _joined(self, parts: list[np.ndarray], width: int | None) -> np.ndarray:
+        if not parts:
+            return np.empty((0, width) if width else 0)
+        if len(parts) > 1:
+            parts[:] = [np.concatenate(parts)]
+        return parts[0]
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Tuple ids (uint64), in offset order."""
+        return self._joined(self._ids, None)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self._joined(self._offsets, None)
+
+    @property
+    def values(self) -> np.ndarray:
+        """(count, len(names)) float64 matrix, in offset order."""
+        return self._joined(self._values, len(self.names))
+
+
+@dataclass(frozen=True)
+class Appended:
+    """What one interval added to the store."""
+    accepted: int
+    malformed: int
+    duplicates: int
+    first_offset: int
+    last_offset: int
+    examples: tuple[str, ...] = ()    # a few malformed records: "offset N tuple T: why"
+
+
+def _examples(table: pa.Table, limit: int = 3) -> tuple[str, ...]:
+    bad = table.filter(table.column("error").is_valid()).slice(0, limit)
+    return tuple(f"offset {o} tuple {to_unsigned(t)}: {e}" for o, t, e in zip(
+        bad.column("offset").to_pylist(), bad.column("tuple_id").to_pylist(), bad.column("error").to_pylist()))
+
+
+def _merge_sorted(known: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``known`` (sorted, unique) with ``ids`` added. Ids grow over time, so the
+    common case is an append: a copy, not a sort of everything known."""
+    ids = np.unique(ids)
+    if not len(known) or (len(ids) and ids[0] > known[-1]):
+        return np.concatenate([known, ids])
+    return np.union1d(known, ids)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AccumulatedStore:
+    """The Parquet folder plus its in-memory index. Driver-side, one writer."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.max_offset = 0
+        self.total = 0
+        self.malformed = 0
+        self.groups: dict[tuple[str, tuple[str, ...]], Group] = {}
+        self._known = np.empty(0, dtype=np.uint64)
+        self._history: dict[float, int] = {}
+
+    # --- start -----------------------------------------------------------------
+
+    def open(self) -> AccumulatedStore:
+        """Read every part file once; drop leftovers of interrupted writes."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for leftover in self.path.glob("*.tmp"):
+            leftover.unlink()
+        for part in self._parts():
+            self._ingest(pq.read_table(part))
+        self._compact_if_needed()
+        log.info("store opened", extra={"path": str(self.path), "records": self.total,
+                                        "malformed": self.malformed, "max_offset": self.max_offset})
+        return self
+
+    def _parts(self) -> list[Path]:
+        found = [(PART_RE.match(p.name), p) for p in self.path.iterdir()]
+        return [p for m, p in sorted((m.groups(), p) for m, p in found if m)]  # type: ignore[union-attr]
+
+    def _compact_if_needed(self) -> None:
+        """Merge many small interval files into one so a start opens few files.
+        Written before the old files go: a crash in between leaves overlapping
+        files, which the offset/id filter reads as the same rows once."""
+        parts = self._parts()
+        if len(parts) < COMPACT_AT_FILES:
+            return
+        table = pa.concat_tables([pq.read_table(p) for p in parts])
+        offsets = table.column("offset").to_numpy()
+        self._write(table, int(offsets.min()), int(offsets.max()))
+        for part in parts:
+            part.unlink()
+        _fsync_dir(self.path)
+
+    # --- append ----------------------------------------------------------------
+
+    def append(self, table: pa.Table, interval_unix: float) -> Appended:
+        """Keep the rows not stored yet; persist them (atomic), then index them."""
+        fresh, duplicates = self._fresh(table)
+        malformed = int(fresh.column("error").is_valid().to_numpy(zero_copy_only=False).sum()) if fresh.num_rows else 0
+        if fresh.num_rows == 0:
+            return Appended(0, 0, duplicates, 0, 0)
+        fresh = fresh.append_column("interval_unix", pa.array(np.full(fresh.num_rows, interval_unix)))
+        offsets = fresh.column("offset").to_numpy()
+        first, last = int(offsets.min()), int(offsets.max())
+        self._write(fresh, first, last)
+        self._ingest(fresh)
+        return Appended(fresh.num_rows - malformed, malformed, duplicates, first, last, _examples(fresh))
+
+    def _fresh(self, table: pa.Table) -> tuple[pa.Table, int]:
+        """Rows above the high-water offset whose ids are new, first of each id."""
+        if table.num_rows == 0:
+            return table, 0
+        table = table.sort_by("offset")
+        offsets = table.column("offset").to_numpy()
+        ids = table.column("tuple_id").to_numpy().view(np.uint64)
+        keep = offsets > self.max_offset
+        _, first = np.unique(ids, return_index=True)
+        unique = np.zeros(len(ids), dtype=bool)
+        unique[first] = True
+        keep &= unique & ~self._is_known(ids)
+        duplicates = int(len(ids) - keep.sum())
+        if duplicates:
+            log.warning("skipped records already accumulated", extra={"count": duplicates})
+        return table.filter(pa.array(keep)), duplicates
+
+    def _is_known(self, ids: np.ndarray) -> np.ndarray:
+        if not len(self._known):
+            return np.zeros(len(ids), dtype=bool)
+        pos = np.searchsorted(self._known, ids).clip(max=len(self._known) - 1)
+        return self._known[pos] == ids
+
+    def _write(self, table: pa.Table, first: int, last: int) -> None:
+        final = self.path / f"part-{first:020d}-{last:020d}.parquet"
+        tmp = final.with_name(final.name + ".tmp")
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(self.path)
+
+    # --- index -----------------------------------------------------------------
+
+    def _ingest(self, table: pa.Table) -> None:
+        """Index rows (already persisted) into groups, counters and history."""
+        table, _ = self._fresh(table)
+        if table.num_rows == 0:
+            return
+        ok_mask = table.column("error").is_null()
+        bad = table.num_rows - int(pc.sum(ok_mask.cast(pa.int64())).as_py() or 0)
+        ok = table.filter(ok_mask)
+        self._index_groups(ok)
+        ids = table.column("tuple_id").to_numpy().view(np.uint64)
+        self._known = _merge_sorted(self._known, ids)
+        self.max_offset = max(self.max_offset, int(pc.max(table.column("offset")).as_py()))
+        self.malformed += bad
+        self.total += ok.num_rows
+        if ok.num_rows and "interval_unix" in ok.column_names:
+            when, counts = np.unique(ok.column("interval_unix").to_numpy(), return_counts=True)
+            for t, n in zip(when.tolist(), counts.tolist()):
+                self._history[t] = self._history.get(t, 0) + n
+
+    def _index_groups(self, ok: pa.Table) -> None:
+        if ok.num_rows == 0:
+            return
+        joined = pc.binary_join(ok.column("names"), KEY_SEP).to_pylist()
+        images = ok.column("image").to_pylist()
+        keys = np.array([f"{i}{KEY_SEP * 2}{j}" for i, j in zip(images, joined)], dtype=object)
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        ids = ok.column("tuple_id").to_numpy().view(np.uint64)
+        offsets = ok.column("offset").to_numpy()
+        values = ok.column("values").combine_chunks()
+        for index, key in enumerate(uniq):
+            rows = np.flatnonzero(inverse == index)
+            image, _, joined_names = str(key).partition(KEY_SEP * 2)
+            names = tuple(joined_names.split(KEY_SEP))
+            matrix = pc.list_flatten(values.take(pa.array(rows))).to_numpy().reshape(len(rows), len(names))
+            group = self.groups.setdefault((image, names), Group(image, names))
+            group.add(ids[rows], offsets[rows], matrix)
+
+    # --- queries ---------------------------------------------------------------
+
+    def select(self, image: str) -> Group | None:
+        """The group to cluster: of ``image`` (or the image with most records),
+        its most common feature set."""
+        if not self.groups:
+            return None
+        per_image: dict[str, int] = {}
+        for (img, _), group in self.groups.items():
+            per_image[img] = per_image.get(img, 0) + group.count
+        chosen = image or max(per_image, key=lambda i: (per_image[i], i))
+        candidates = [g for (img, _), g in self.groups.items() if img == chosen]
+        return max(candidates, key=lambda g: (g.count, g.names)) if candidates else None
+
+    def history(self) -> list[tuple[float, int]]:
+        """(interval time, cumulative accepted records), oldest first."""
+        out, running = [], 0
+        for when in sorted(self._history):
+            running += self._history[when]
+            out.append((when, running))
+        return out

@@ -1,0 +1,152 @@
+"""KD end to end on a real local Spark session against a real repository:
+empty intervals, several intervals, restarts (KD, repository, lost
+checkpoint, replayed batch), malformed records, and clustering that finds
+distributions it was not told about."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from itertools import permutations
+from pathlib import Path
+
+import pytest
+from hio.kd.config import KDConfig
+from hio.kd.job import build_session, run
+from hio.kd.report import format_knowledge
+
+from tests.harness import HioProcess, wait_for
+from tests.kd.helpers import Repo, blobs_records, record, repository
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture(scope="module")
+def spark(tmp_path_factory):  # type: ignore[no-untyped-def]
+    where = tmp_path_factory.mktemp("spark")
+    session = build_session(KDConfig(spark_master="local[2]", data_dir=str(where)), app_name="hio-kd-tests")
+    yield session
+    session.stop()
+
+
+def kd_config(tmp_path: Path, repo: Repo, **overrides) -> KDConfig:  # type: ignore[no-untyped-def]
+    settings: dict[str, object] = {
+        "repository_address": repo.address, "data_dir": str(tmp_path / "var"), "once": True, "k": 3,
+        "rpc_deadline": 10.0, "restart_delay": 0.2, "max_records_per_interval": 400, "max_iterations": 5}
+    settings.update(overrides)
+    return KDConfig(**settings)  # type: ignore[arg-type]
+
+
+def purity(knowledge, truth_by_id: dict[int, int]) -> float:  # type: ignore[no-untyped-def]
+    """Share of tuples whose cluster maps to their true blob under the best matching."""
+    pairs = [(truth_by_id[a.tuple_id], a.cluster) for a in knowledge.assignments]
+    best = 0
+    for perm in permutations(range(len(knowledge.clusters))):
+        best = max(best, sum(1 for t, c in pairs if perm[c] == t))
+    return best / len(pairs)
+
+
+def test_empty_repository_writes_nothing(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with repository(tmp_path / "repo") as repo:
+        config = kd_config(tmp_path, repo)
+        assert run(config, spark=spark) == 0
+        assert run(config, spark=spark) == 0          # a second empty pass, from the checkpoint
+        assert repo.knowledge() is None
+        assert not list(config.parquet_dir.glob("part-*"))
+
+
+def test_intervals_cluster_distinct_distributions_and_skip_malformed(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    records, truth = blobs_records(1, 900)
+    broken = record(5000, {"a": 1.0}, kd=("a", "absent"))
+    other = record(5001, {"x": 1.0}, image="hio/other")
+    with repository(tmp_path / "repo") as repo:
+        repo.put(records[:450] + [broken, other] + records[450:])
+        config = kd_config(tmp_path, repo)
+        assert run(config, spark=spark) == 0          # 902 records in 3 micro-batches of <= 400
+        assert len(list(config.parquet_dir.glob("part-*.parquet"))) == 3
+        knowledge = repo.knowledge()
+        assert knowledge is not None
+        assert (knowledge.tuple_count, knowledge.malformed_records, knowledge.up_to_offset) == (900, 1, 902)
+        assert list(knowledge.feature_names) == ["a", "b", "c"]
+        assert sorted(c.count for c in knowledge.clusters) == [300, 300, 300]
+        assert len(knowledge.dendrogram) == 2 and len(knowledge.assignments) == 900
+        truth_by_id = {r.tuple_id: int(t) for r, t in zip(records, truth)}
+        assert purity(knowledge, truth_by_id) == 1.0
+        assert repo.offsets().committed == 902
+        assert config.preview_file.read_bytes().startswith(b"\x89PNG")
+        assert repo.preview().startswith(b"\x89PNG")
+        text = format_knowledge(knowledge)
+        assert "malformed:     1 records" in text and "#2" in text
+
+        more, more_truth = blobs_records(10_000, 300, seed=7)
+        repo.put(more)
+        assert run(config, spark=spark) == 0
+        knowledge = repo.knowledge()
+        assert (knowledge.tuple_count, knowledge.new_records) == (1200, 300)
+        truth_by_id.update({r.tuple_id: int(t) for r, t in zip(more, more_truth)})
+        assert purity(knowledge, truth_by_id) == 1.0
+
+
+def test_restarts_never_count_a_tuple_twice(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    first, _ = blobs_records(1, 600)
+    second, _ = blobs_records(1000, 300)
+    third, _ = blobs_records(2000, 100)
+    with repository(tmp_path / "repo") as repo:
+        repo.put(first)
+        config = kd_config(tmp_path, repo, max_records_per_interval=300)
+        assert run(config, spark=spark) == 0
+        assert repo.knowledge().tuple_count == 600
+        # KD died after storing batch 1 but before Spark logged it: Spark replays it.
+        commits = config.checkpoint_dir / "commits"
+        last = max(int(p.name) for p in commits.iterdir() if p.name.isdigit())
+        (commits / str(last)).unlink()
+        (commits / f".{last}.crc").unlink(missing_ok=True)
+        assert run(config, spark=spark) == 0
+        assert repo.knowledge().tuple_count == 600
+    with repository(tmp_path / "repo") as repo:        # the repository restarted
+        repo.put(second)
+        config = kd_config(tmp_path, repo, max_records_per_interval=300)
+        assert run(config, spark=spark) == 0
+        assert repo.knowledge().tuple_count == 900
+        shutil.rmtree(config.checkpoint_dir)          # the checkpoint is lost
+        repo.put(third)
+        assert run(config, spark=spark) == 0
+        knowledge = repo.knowledge()
+        assert (knowledge.tuple_count, knowledge.up_to_offset) == (1000, 1000)
+        ids = [a.tuple_id for a in knowledge.assignments]
+        assert len(ids) == len(set(ids)) == 1000
+
+
+def test_continuous_intervals_until_stopped(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with repository(tmp_path / "repo") as repo:
+        config = kd_config(tmp_path, repo, once=False, interval=0.5, max_assignments=50)
+        stop = threading.Event()
+        outcome: list[int] = []
+        runner = threading.Thread(target=lambda: outcome.append(run(config, stop=stop, spark=spark)))
+        runner.start()
+        try:
+            repo.put(blobs_records(1, 200)[0])
+            wait_for(lambda: (k := repo.knowledge()) and k.tuple_count == 200, timeout=120, what="first interval")
+            repo.put(blobs_records(1000, 100)[0])
+            wait_for(lambda: repo.knowledge().tuple_count == 300, timeout=120, what="second interval")
+        finally:
+            stop.set()
+            runner.join(60)
+        assert outcome == [0]
+        knowledge = repo.knowledge()
+        assert len(knowledge.assignments) == 50       # bounded: the most recent tuples
+        assert knowledge.assignments[-1].tuple_id == 1099
+
+
+@pytest.mark.slow
+def test_hio_kd_process_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    with repository(tmp_path / "repo") as repo:
+        repo.put(blobs_records(1, 150)[0])
+        args = ["--repository-address", repo.address, "--data-dir", str(tmp_path / "var"),
+                "--interval", "1", "--k", "3", "--log-level", "info"]
+        with HioProcess("kd", args, tmp_path) as kd:
+            wait_for(lambda: (k := repo.knowledge()) and k.tuple_count == 150, timeout=180,
+                     what=f"knowledge from hio kd:\n{kd.output()}")
+            code = kd.stop(timeout=60)
+        assert code == 0, kd.output()
+        assert "interval" in kd.output()

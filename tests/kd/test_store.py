@@ -1,0 +1,78 @@
+"""The accumulated Parquet store: exactly once across replays, restarts and compaction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from hio.kd import store as store_mod
+from hio.kd.records import Row, to_table
+from hio.kd.store import AccumulatedStore
+
+
+def rows(first_offset: int, first_id: int, count: int, image: str = "img", names=("a", "b")) -> list[Row]:
+    return [Row(offset=first_offset + i, tuple_id=first_id + i, image=image, names=names,
+                values=tuple(float(first_id + i + j) for j in range(len(names)))) for i in range(count)]
+
+
+def test_append_persists_and_reopens_identically(tmp_path: Path) -> None:
+    store = AccumulatedStore(tmp_path).open()
+    bad = Row(offset=11, tuple_id=11, error="kd feature 'x' is missing")
+    result = store.append(to_table(rows(1, 1, 10) + [bad]), 100.0)
+    assert (result.accepted, result.malformed, result.duplicates) == (10, 1, 0)
+    assert "offset 11 tuple 11" in result.examples[0]
+    again = AccumulatedStore(tmp_path).open()
+    assert (again.total, again.malformed, again.max_offset) == (10, 1, 11)
+    group = again.select("")
+    assert group is not None and group.names == ("a", "b")
+    np.testing.assert_array_equal(group.values, store.select("").values)  # type: ignore[union-attr]
+    assert again.history() == [(100.0, 10)]
+
+
+def test_replayed_batch_and_known_ids_count_once(tmp_path: Path) -> None:
+    store = AccumulatedStore(tmp_path).open()
+    batch = to_table(rows(1, 1, 5))
+    store.append(batch, 1.0)
+    replay = store.append(batch, 2.0)                    # Spark replays a batch after a crash
+    assert (replay.accepted, replay.duplicates) == (0, 5)
+    moved = store.append(to_table(rows(6, 3, 4)), 3.0)  # ids 3..6 under new offsets: 3..5 known
+    assert (moved.accepted, moved.duplicates) == (1, 3)
+    assert store.total == 6
+    assert len(list(tmp_path.glob("part-*.parquet"))) == 2
+    assert AccumulatedStore(tmp_path).open().total == 6
+
+
+def test_groups_by_image_and_feature_set(tmp_path: Path) -> None:
+    store = AccumulatedStore(tmp_path).open()
+    store.append(to_table(rows(1, 1, 3, image="small") + rows(4, 4, 5, image="big")
+                          + rows(9, 9, 2, image="big", names=("z",))), 1.0)
+    assert store.select("").image == "big"              # type: ignore[union-attr]
+    assert store.select("").count == 5                  # type: ignore[union-attr]
+    assert store.select("small").names == ("a", "b")    # type: ignore[union-attr]
+    assert store.select("absent") is None
+
+
+def test_leftover_tmp_removed_and_many_files_compacted(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(store_mod, "COMPACT_AT_FILES", 4)
+    store = AccumulatedStore(tmp_path).open()
+    for i in range(5):
+        store.append(to_table(rows(1 + 10 * i, 1 + 10 * i, 10)), float(i))
+    (tmp_path / "part-x.parquet.tmp").write_bytes(b"half a file")
+    reopened = AccumulatedStore(tmp_path).open()
+    assert not list(tmp_path.glob("*.tmp"))
+    assert len(list(tmp_path.glob("part-*.parquet"))) == 1
+    assert (reopened.total, reopened.max_offset) == (50, 50)
+    assert [n for _, n in reopened.history()] == [10, 20, 30, 40, 50]
+
+
+def test_interrupted_compaction_overlap_counts_once(tmp_path: Path) -> None:
+    store = AccumulatedStore(tmp_path).open()
+    store.append(to_table(rows(1, 1, 10)), 1.0)
+    store.append(to_table(rows(11, 11, 10)), 2.0)
+    # a compaction that wrote the merged file and died before deleting the parts
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    parts = sorted(tmp_path.glob("part-*.parquet"))
+    merged = pa.concat_tables([pq.read_table(p) for p in parts])
+    pq.write_table(merged, tmp_path / f"part-{1:020d}-{20:020d}.parquet")
+    assert AccumulatedStore(tmp_path).open().total == 20
