@@ -61,6 +61,9 @@ class GatewayConfig(ClusterSettings):
     image: str = setting("", "engine image of the tuples; empty = infer from the file extension "
                              "(.tif/.tiff/.png/.jpg -> hio/microscopy, .npz/.npy -> hio/simulation)")
     spool_bytes: int = setting(2 * GiB, "bound of the on-disk spool; a full spool refuses (or blocks) new tuples")
+    spool_fsync: str = setting("batch", "when spooled tuples reach the disk: always (before submit returns), "
+                                        "batch (within ~100 ms; a crash of the gateway loses nothing, a power "
+                                        "loss at most the last 100 ms) or never (left to the OS)")
     streams: int = setting(4, "parallel delivery streams (batches in flight)")
     batch_tuples: int = setting(64, "most tuples per route and stream")
     batch_bytes: int = setting(8 * MiB, "most bytes per batch; a larger tuple goes alone")
@@ -73,7 +76,9 @@ class GatewayConfig(ClusterSettings):
     poll_seconds: float = setting(0.25, "how often the watched folder is scanned")
     progress: bool = setting(True, "show a progress bar when stderr is a terminal")
     grace_seconds: float = setting(10.0, "on SIGTERM: time to finish in-flight streams")
-    route_timeout_seconds: float = setting(15.0, "deadline of one RouteTuples call")
+    route_timeout_seconds: float = setting(15.0, "deadline of one RouteTuples call (beyond route_wait_seconds)")
+    route_wait_seconds: float = setting(5.0, "when every channel is busy, how long the master may hold a batch "
+                                             "for one before sending it to the queue (0-30; 0 = queue at once)")
     stream_timeout_seconds: float = setting(900.0, "deadline of one delivery stream (a whole batch)")
     connect_seconds: float = setting(20.0, "hio send / the library: how long the master may stay "
                                            "unreachable before giving up")
@@ -96,6 +101,10 @@ class GatewayConfig(ClusterSettings):
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
         if self.streams > 256:
             raise ConfigError(f"streams must be at most 256, got {self.streams}")
+        if not 0 <= self.route_wait_seconds <= 30:
+            raise ConfigError(f"route_wait_seconds must be between 0 and 30, got {self.route_wait_seconds}")
+        if self.spool_fsync not in ("always", "batch", "never"):
+            raise ConfigError(f"spool_fsync must be always, batch or never, got {self.spool_fsync!r}")
         if self.spool_bytes < self.chunk_bytes:
             raise ConfigError(f"spool_bytes ({self.spool_bytes}) must hold at least one chunk ({self.chunk_bytes})")
         if self.watch and not Path(self.watch).is_dir():

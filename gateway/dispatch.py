@@ -226,9 +226,10 @@ class Dispatcher:
     def _route(self, batch: list[_Pending], *, force_queue: bool) -> master_pb2.RouteTuplesResponse:
         request = master_pb2.RouteTuplesRequest(
             source=self._source, image=batch[0].entry.meta.image, force_queue=force_queue,
+            wait_seconds=0.0 if force_queue else self._config.route_wait_seconds,
             items=[master_pb2.RouteItem(size=p.entry.size, tuple_id=p.entry.meta.tuple_id) for p in batch])
         stub = master_pb2_grpc.MasterStub(self._channel(self._config.master_address))
-        response = stub.RouteTuples(request, timeout=self._config.route_timeout_seconds)
+        response = stub.RouteTuples(request, timeout=self._config.route_timeout_seconds + request.wait_seconds)
         if len(response.tuple_ids) != len(batch) or len(response.tickets) != len(batch):
             raise _Protocol(f"master answered {len(response.tuple_ids)} ids for {len(batch)} tuples")
         return response

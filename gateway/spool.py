@@ -9,8 +9,12 @@ Layout, one folder per gateway instance (``data_dir/gateway/spool/<source>/``)::
     00000000000000000042.move  optional: where to move the original file once delivered (JSON)
 
 Sequence numbers give the original order, so a restart resumes in that order.
-The meta file is written last, atomically (temp file, fsync, rename, fsync of
-the folder): an entry either exists whole or not at all. Updates after routing
+The meta file is written last, atomically (temp file, rename): an entry
+either exists whole or not at all. When the bytes reach the disk is the fsync
+policy's choice: 'always' fsyncs payload, meta and folder before the entry
+counts; 'batch' (the gateway's default) fsyncs them in the background about
+every 100 ms, so a crash of the gateway process loses nothing and a power loss
+at most the last 100 ms of submissions; 'never' leaves it to the OS. Updates after routing
 (the id, the attempt) are atomic renames too; they skip fsync, so a process
 crash never loses them, and an OS crash at worst gives a tuple a new id.
 
@@ -82,6 +86,17 @@ def safe_name(text: str) -> str:
     return cleaned[:100]
 
 
+BATCH_FSYNC_SECONDS = 0.1
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class SpoolWriter:
     """Streams one tuple's payload into the spool; ``commit`` makes it an entry.
 
@@ -107,7 +122,8 @@ class SpoolWriter:
     def commit(self, meta: TupleMeta, move: MoveOnDone | None = None) -> SpoolEntry:
         """Make the payload durable and record the entry; sets meta.size and meta.crc32."""
         self._fh.flush()
-        os.fsync(self._fh.fileno())
+        if self._spool.fsync == "always":
+            os.fsync(self._fh.fileno())
         self._fh.close()
         meta.size = self.written
         meta.crc32 = self.crc & 0xFFFFFFFF
@@ -126,7 +142,12 @@ class SpoolWriter:
 class Spool:
     """The durable, bounded spool of one gateway instance (see the module doc)."""
 
-    def __init__(self, root: str | os.PathLike[str], limit_bytes: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], limit_bytes: int, fsync: str = "always") -> None:
+        if fsync not in ("always", "batch", "never"):
+            raise ValueError(f"unknown fsync policy {fsync!r}")
+        self.fsync = fsync
+        self._dirty: list[Path] = []
+        self._flusher: threading.Thread | None = None
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.limit = int(limit_bytes)
@@ -137,6 +158,9 @@ class Spool:
         self._next_seq = 1
         self._lock_fh = self._lock()
         self._load()
+        if fsync == "batch":
+            self._flusher = threading.Thread(target=self._flush_loop, name="spool-fsync", daemon=True)
+            self._flusher.start()
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -156,8 +180,33 @@ class Spool:
         fh.flush()
         return fh
 
+    def _flush_loop(self) -> None:
+        """'batch': fsync what was committed, about every 100 ms, off the submit path."""
+        while self._lock_fh is not None:
+            time.sleep(BATCH_FSYNC_SECONDS)
+            self.flush()
+
+    def flush(self) -> None:
+        """Make every entry committed so far durable (payloads, metas, the folder)."""
+        with self._cond:
+            dirty, self._dirty = self._dirty, []
+        if not dirty:
+            return
+        for path in dirty:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # delivered and removed meanwhile
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(self.root)
+
     def close(self) -> None:
         """Release the folder lock. Entries stay on disk for the next start."""
+        if self.fsync == "batch":
+            self.flush()
         if self._lock_fh is not None:
             fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
             self._lock_fh.close()
@@ -282,15 +331,12 @@ class Spool:
     def _link_or_copy(source: Path, tmp: Path) -> bool:
         try:
             os.link(source, tmp)
-            fsync_dir(tmp.parent)
             return True
         except OSError as exc:
             if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
                 raise
         with open(source, "rb") as src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst, _READ_BLOCK)
-            dst.flush()
-            os.fsync(dst.fileno())
         return False
 
 
@@ -300,18 +346,25 @@ class Spool:
             seq = self._next_seq
             self._next_seq += 1
         data_path = self._path(seq, "data")
+        always = self.fsync == "always"
         try:
+            if always:
+                _fsync_path(tmp)  # the payload is on disk before the entry names it
             os.replace(tmp, data_path)
             if move is not None:
                 atomic_write(self._path(seq, "move"), json.dumps(dataclasses.asdict(move)).encode(),
-                              durable=True)
-            atomic_write(self._path(seq, "meta"), meta.SerializeToString(), durable=True)
+                              durable=always)
+            atomic_write(self._path(seq, "meta"), meta.SerializeToString(), durable=always)
         except BaseException:
             for kind in ("data", "move", "meta"):
                 self._path(seq, kind).unlink(missing_ok=True)
             raise
         entry = SpoolEntry(seq, meta, data_path, move)
         with self._cond:
+            if self.fsync == "batch":
+                self._dirty += [data_path, self._path(seq, "meta")]
+                if move is not None:
+                    self._dirty.append(self._path(seq, "move"))
             self._entries[seq] = entry
             self._reserved -= reserved
             self._used += entry.size

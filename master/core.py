@@ -9,6 +9,7 @@ after the lock is released.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -135,6 +136,7 @@ class Master:
         self.pending = PendingEnqueues(config.reservation_seconds)
         self.stats = Stats()
         self._waiters = 0
+        self._route_waiters: dict[str, collections.deque[object]] = {}
         self._stopping = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -218,9 +220,17 @@ class Master:
 
     # ---- routing -----------------------------------------------------------------
 
-    def route(self, *, source: str, image: str, items: list[RouteItem], force_queue: bool = False) -> Routed:
-        """Assign ids (keeping those already routed) and decide where the batch goes."""
+    def route(self, *, source: str, image: str, items: list[RouteItem], force_queue: bool = False,
+              wait_seconds: float = 0.0) -> Routed:
+        """Assign ids (keeping those already routed) and decide where the batch goes.
+
+        With ``wait_seconds``, a batch that finds every channel busy (and
+        nothing of its image queued) waits for one, first come first served
+        among waiting batches, before it is sent to the queue.
+        """
         self._check_route(image, items)
+        if not math.isfinite(wait_seconds) or not 0 <= wait_seconds <= MAX_PULL_WAIT:
+            raise InvalidArgument(f"wait_seconds must be between 0 and {MAX_PULL_WAIT:g}, got {wait_seconds}")
         with self._cond:
             for item in items:
                 if item.tuple_id and not self.ids.issued(item.tuple_id):
@@ -230,9 +240,7 @@ class Master:
                 raise NotFound(f"image '{image}': no worker offers it and it is not in the master's images")
             fresh = iter(self.ids.allocate(sum(1 for i in items if not i.tuple_id)))
             tuple_ids = [item.tuple_id or next(fresh) for item in items]
-            route = route_tuples(self.registry, self.pending, image=image, tuple_ids=tuple_ids,
-                                 queue_waiting=self.queue.ready_count(image),
-                                 queue_length=self.queue.length(image), force_queue=force_queue)
+            route = self._route_waiting(image, tuple_ids, force_queue, wait_seconds)
             direct = not isinstance(route, QueueRoute)
             self.stats.routed(direct=direct, count=len(items))
             if direct:
@@ -240,6 +248,32 @@ class Master:
         tickets = [make_ticket(self._ticket_key, t, image) if self._ticket_key else b"" for t in tuple_ids]
         log.debug("routed", extra={"source": source, "image": image, "tuples": len(items), "route": route})
         return Routed(tuple_ids=tuple_ids, tickets=tickets, route=route)
+
+    def _route_waiting(self, image: str, tuple_ids: list[int], force_queue: bool, wait_seconds: float) -> Route:
+        """The route, after waiting (lock held; the wait releases it) for a channel if allowed."""
+        deadline = time.monotonic() + wait_seconds
+        waiters = self._route_waiters.setdefault(image, collections.deque())
+        token = object()
+        waiters.append(token)
+        try:
+            while True:
+                first = waiters[0] is token
+                decide_now = (force_queue or self._stopping or time.monotonic() >= deadline
+                              or self.queue.ready_count(image) > 0 or self.pending.count(image) > 0
+                              or not self.registry.serves(image) or len(waiters) > self.config.pull_waiters)
+                if first or decide_now:
+                    route = route_tuples(self.registry, self.pending, image=image, tuple_ids=tuple_ids,
+                                         queue_waiting=self.queue.ready_count(image),
+                                         queue_length=self.queue.length(image), force_queue=force_queue,
+                                         may_wait=not decide_now)
+                    if route is not None:
+                        return route
+                self._cond.wait(max(0.0, min(deadline - time.monotonic(), 1.0)))
+        finally:
+            waiters.remove(token)
+            if not waiters:
+                del self._route_waiters[image]
+            self._cond.notify_all()
 
     def _check_route(self, image: str, items: list[RouteItem]) -> None:
         if not image:

@@ -73,13 +73,20 @@ class PendingEnqueues:
 
 
 def route_tuples(registry: ChannelRegistry, pending: PendingEnqueues, *, image: str, tuple_ids: list[int],
-                 queue_waiting: int, queue_length: int, force_queue: bool) -> Route:
-    """Decide the route of one batch; reserves the channel or records the pending enqueues."""
+                 queue_waiting: int, queue_length: int, force_queue: bool,
+                 may_wait: bool = False) -> Route | None:
+    """Decide the route of one batch; reserves the channel or records the pending enqueues.
+
+    With ``may_wait``, None instead of a queue route when only a busy channel
+    stands in the way: the caller waits for one to free up and asks again.
+    """
     on_the_way = pending.count(image)
     if not force_queue and queue_waiting == 0 and on_the_way == 0:
         channel = registry.reserve_free(image)
         if channel is not None:
             return DirectRoute(channel_id=channel.channel_id, address=channel.address,
                                reservation_seconds=registry.reservation_seconds)
+        if may_wait:
+            return None
     pending.add(image, tuple_ids)
     return QueueRoute(queue_length=queue_length + on_the_way)

@@ -67,7 +67,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                     context: grpc.ServicerContext) -> master_pb2.RouteTuplesResponse:
         items = [RouteItem(size=i.size, tuple_id=i.tuple_id) for i in request.items]
         routed = self._master.route(source=request.source, image=request.image, items=items,
-                                    force_queue=request.force_queue)
+                                    force_queue=request.force_queue, wait_seconds=request.wait_seconds)
         reply = master_pb2.RouteTuplesResponse(tuple_ids=routed.tuple_ids, tickets=routed.tickets)
         if isinstance(routed.route, DirectRoute):
             reply.channel.CopyFrom(master_pb2.ChannelRoute(
