@@ -99,7 +99,8 @@ def test_two_gateways_route_direct_and_spill_to_queue(cluster: Cluster) -> None:
     results: dict[str, list[int]] = {}
 
     def run(name: str) -> None:
-        with cluster.gateway(name, streams=4) as gw:
+        # No waiting for a channel: batches that find every channel busy spill to the queue.
+        with cluster.gateway(name, streams=4, route_wait_seconds=0) as gw:
             futures = [gw.submit(payload, image="hio/synthetic", name=f"{name}-{i}",
                                  attributes={"cost_ms": "150"}) for i in range(24)]
             results[name] = [f.result(timeout=180) for f in futures]
@@ -122,6 +123,19 @@ def test_two_gateways_route_direct_and_spill_to_queue(cluster: Cluster) -> None:
     assert after.routed_queue > before.routed_queue, "busy channels spilled to the queue"
     engines = Counter(r.engine for r in mine)
     assert len(engines) == 4, f"all four channels on both workers processed tuples: {engines}"
+
+
+def test_busy_channels_make_batches_wait_instead_of_crossing_the_master(cluster: Cluster) -> None:
+    """Every channel busy, queue empty: the master holds route requests, then hands out channels."""
+    before = cluster.status()
+    with cluster.gateway("patient", streams=8, batch_tuples=2, route_wait_seconds=10) as gw:
+        futures = [gw.submit(os.urandom(50_000), image="hio/synthetic", name=f"p-{i}",
+                             attributes={"cost_ms": "100"}) for i in range(32)]
+        ids = [f.result(timeout=120) for f in futures]
+    wait_all_stored(cluster, ids)
+    after = cluster.status()
+    assert after.routed_direct - before.routed_direct == 32, "every tuple went peer to peer"
+    assert after.routed_queue == before.routed_queue, "none crossed the master"
 
 
 def test_ten_megabyte_tuples_move_in_chunks(cluster: Cluster) -> None:
@@ -162,7 +176,7 @@ def test_a_killed_worker_loses_nothing(tmp_path: Path) -> None:
 def test_queue_drains_first_come_first_served(tmp_path: Path) -> None:
     c = Cluster(tmp_path, {"solo": "hio/synthetic=1"}).start(channels=1)
     try:
-        with c.gateway("fifo", streams=4) as gw:
+        with c.gateway("fifo", streams=4, route_wait_seconds=0) as gw:
             first = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-first",
                               attributes={"cost_ms": "1500"})
             wait_for(lambda: c.status().channels_busy == 1, timeout=30, what="the only channel busy")

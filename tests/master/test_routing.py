@@ -217,3 +217,47 @@ def test_config_validation() -> None:
     with pytest.raises(ConfigError, match="pull_waiters"):
         MasterConfig(pull_waiters=64, server_threads=64).validate()
     MasterConfig().validate()
+
+
+def test_busy_channels_make_route_requests_wait_first_come_first_served(make_master) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    master = make_master()
+    (channel,) = add_worker(master, "w1")
+    assert isinstance(route(master).route, DirectRoute)          # the only channel is now busy
+    answers: list[tuple[str, object]] = []
+
+    def ask(name: str) -> None:
+        answers.append((name, route(master, wait_seconds=5.0).route))
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    time.sleep(0.2)
+    second = threading.Thread(target=ask, args=("second",))
+    second.start()
+    time.sleep(0.2)
+    assert answers == [], "both wait while the channel is busy"
+    master.report(channel, [], release=True)
+    wait_for(lambda: len(answers) == 1, timeout=5, what="the first waiter to get the channel")
+    assert answers[0][0] == "first" and isinstance(answers[0][1], DirectRoute)
+    master.report(channel, [], release=True)
+    wait_for(lambda: len(answers) == 2, timeout=5, what="the second waiter")
+    assert answers[1][0] == "second" and isinstance(answers[1][1], DirectRoute)
+    first.join()
+    second.join()
+    started = time.monotonic()
+    assert isinstance(route(master, wait_seconds=0.5).route, QueueRoute), "the wait is bounded"
+    assert time.monotonic() - started >= 0.45
+
+
+def test_waiting_never_overtakes_queued_tuples(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    add_worker(master, "w1")
+    assert isinstance(route(master).route, DirectRoute)
+    queued = route(master).route                                   # busy: to the queue
+    assert isinstance(queued, QueueRoute)
+    started = time.monotonic()
+    assert isinstance(route(master, wait_seconds=5.0).route, QueueRoute), "tuples ahead in the queue: no waiting"
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(InvalidArgument, match="wait_seconds"):
+        route(master, wait_seconds=31.0)
