@@ -24,6 +24,10 @@ proto/hio/proto/%_pb2.py: proto/hio/proto/%.proto $(VENV)/.installed
 	$(BIN)/python -c "import hio.proto as p; p.generate()"
 
 run: setup
+	@if docker info >/dev/null 2>&1; then \
+	  echo "make run: a Docker engine answers; building the engine images (cached after the first time)"; \
+	  $(BIN)/python -m hio.cli images build; \
+	else echo "make run: no Docker engine; engines run as local processes (see docs/containers.md)"; fi
 	$(BIN)/hio up
 
 test: setup
