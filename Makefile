@@ -8,7 +8,7 @@ PROTOS  := $(wildcard proto/hio/proto/*.proto)
 GEN     := $(PROTOS:.proto=_pb2.py)
 PYTEST_ARGS ?=
 
-.PHONY: setup proto run test test-quick images bench bench-kd clean
+.PHONY: setup proto run test test-quick images docker bench bench-kd clean
 
 setup: $(VENV)/.installed proto
 
@@ -38,6 +38,11 @@ test-quick: setup
 
 images: setup
 	$(BIN)/python -m hio.cli images build
+
+# As root on Debian: install and start a Docker engine if none answers, then
+# build the images offline (debootstrap base, host wheelhouse).
+docker: setup
+	bash .ci/setup-docker.sh
 
 bench: setup
 	$(BIN)/hio bench
