@@ -106,7 +106,8 @@ class Gateway:
         self.config = config
         self._source = config.resolved_source()
         root = state_dir(config.data_dir, "gateway") / "spool" / safe_name(spool_name or self._source)
-        self.spool = Spool(root, config.spool_bytes, fsync=config.spool_fsync)
+        self.spool = Spool(root, config.spool_bytes, fsync=config.spool_fsync,
+                           memory_bytes=config.spool_memory_bytes)
         self._lock = threading.Lock()
         self._futures: dict[int, TupleFuture] = {}
         self._closed = False

@@ -64,6 +64,8 @@ class GatewayConfig(ClusterSettings):
     spool_fsync: str = setting("batch", "when spooled tuples reach the disk: always (before submit returns), "
                                         "batch (within ~100 ms; a crash of the gateway loses nothing, a power "
                                         "loss at most the last 100 ms) or never (left to the OS)")
+    spool_memory_bytes: int = setting(64 * MiB, "payloads submitted as bytes are also kept in memory up to "
+                                                "this much, so delivery need not read them back from disk")
     streams: int = setting(4, "parallel delivery streams (batches in flight)")
     batch_tuples: int = setting(64, "most tuples per route and stream")
     batch_bytes: int = setting(8 * MiB, "most bytes per batch; a larger tuple goes alone")

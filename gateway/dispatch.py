@@ -4,8 +4,9 @@
 one image (at most ``batch_tuples`` and ``batch_bytes``; a bigger tuple goes
 alone), ask ``Master.RouteTuples`` for one route, persist the ids, and stream
 the batch over one ``Engine.Deliver`` (or ``Master.Enqueue``) call, reading
-receipts as they arrive. Payloads are read from the spool chunk by chunk, so a
-batch never sits in memory.
+receipts as they arrive. Payloads the spool keeps in memory (bytes submitted
+through the library, within its ``memory_bytes`` bound) are streamed from
+there; the others are read from the spool chunk by chunk, so memory stays bounded.
 
 Retry policy (the master owns the rest):
 
@@ -33,7 +34,7 @@ from typing import Callable, Iterator
 import grpc
 
 from hio.common.errors import retry_after
-from hio.common.frames import frames_for_file
+from hio.common.frames import frames_for_bytes, frames_for_stream
 from hio.common.net import create_channel
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
@@ -268,15 +269,25 @@ class Dispatcher:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
 
     def _frames(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int]) -> Iterator[TupleFrame]:
-        """Frames of the batch, read from the spool chunk by chunk; ``sent`` records the order."""
+        """Frames of the batch, from memory when the spool kept the payload, else read
+        from the spool chunk by chunk; ``sent`` records the order."""
+        chunk = self._config.chunk_bytes
         for pending in batch:
             entry = pending.entry
-            if not entry.data_path.exists():
+            payload = entry.payload
+            if payload is not None:
+                sent.append(pending)
+                yield from frames_for_bytes(entry.meta, payload, chunk)
+                continue
+            try:
+                fh = open(entry.data_path, "rb")
+            except FileNotFoundError:
                 skipped.add(pending.seq)
                 self._complete(pending, Outcome.REJECTED, f"spooled payload {entry.data_path} is missing")
                 continue
             sent.append(pending)
-            yield from frames_for_file(entry.meta, entry.data_path, self._config.chunk_bytes)
+            with fh:
+                yield from frames_for_stream(entry.meta, fh, chunk)
 
     def _settle(self, receipt: TupleReceipt, sent: list[_Pending], settled: set[int], *, direct: bool) -> None:
         if receipt.index >= len(sent) or receipt.index in settled:

@@ -18,6 +18,10 @@ at most the last 100 ms of submissions; 'never' leaves it to the OS. Updates aft
 (the id, the attempt) are atomic renames too; they skip fsync, so a process
 crash never loses them, and an OS crash at worst gives a tuple a new id.
 
+Payloads given as bytes are also kept in memory while spooled, up to
+``memory_bytes`` in all, so delivery does not read them back from disk; the
+disk copy stays the durable one.
+
 The spool holds at most ``limit_bytes`` of payload (committed plus being
 written); a full spool refuses with :class:`SpoolFull` or makes callers wait.
 Thread-safe. Does not import grpc.
@@ -74,6 +78,9 @@ class SpoolEntry:
     meta: TupleMeta
     data_path: Path
     move: MoveOnDone | None = None
+    # The payload itself while it is spooled, for tuples given as bytes and within the
+    # spool's memory bound: delivery then streams it without reading it back from disk.
+    payload: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -87,6 +94,7 @@ def safe_name(text: str) -> str:
 
 
 BATCH_FSYNC_SECONDS = 0.1
+MEMORY_BYTES = 64 * 1024 * 1024  # payloads kept in memory besides the disk copy (Spool memory_bytes)
 
 
 def _fsync_path(path: Path) -> None:
@@ -142,9 +150,14 @@ class SpoolWriter:
 class Spool:
     """The durable, bounded spool of one gateway instance (see the module doc)."""
 
-    def __init__(self, root: str | os.PathLike[str], limit_bytes: int, fsync: str = "always") -> None:
+    def __init__(self, root: str | os.PathLike[str], limit_bytes: int, fsync: str = "always",
+                 memory_bytes: int = MEMORY_BYTES) -> None:
         if fsync not in ("always", "batch", "never"):
             raise ValueError(f"unknown fsync policy {fsync!r}")
+        if memory_bytes < 0:
+            raise ValueError(f"memory_bytes must not be negative, got {memory_bytes}")
+        self.memory_limit = int(memory_bytes)
+        self._memory_used = 0
         self.fsync = fsync
         self._dirty: list[Path] = []
         self._flusher: threading.Thread | None = None
@@ -298,10 +311,21 @@ class Spool:
         writer = self.writer(len(data), timeout)
         try:
             writer.write(data)
-            return writer.commit(meta)
+            entry = writer.commit(meta)
         except BaseException:
             writer.abort()
             raise
+        self._keep_in_memory(entry, data)
+        return entry
+
+    def _keep_in_memory(self, entry: SpoolEntry, data: bytes) -> None:
+        """Keep an immutable payload beside its disk copy while within ``memory_bytes``."""
+        if not isinstance(data, bytes):
+            return
+        with self._cond:
+            if entry.seq in self._entries and self._memory_used + len(data) <= self.memory_limit:
+                entry.payload = data
+                self._memory_used += len(data)
 
     def put_file(self, path: str | os.PathLike[str], meta: TupleMeta, *,
                  move: MoveOnDone | None = None, timeout: float | None = 0.0) -> SpoolEntry:
@@ -385,10 +409,14 @@ class Spool:
             if self._entries.pop(entry.seq, None) is None:
                 return
         self._path(entry.seq, "meta").unlink(missing_ok=True)
-        self._path(entry.seq, "move").unlink(missing_ok=True)
+        if entry.move is not None:
+            self._path(entry.seq, "move").unlink(missing_ok=True)
         entry.data_path.unlink(missing_ok=True)
         with self._cond:
             self._used -= entry.size
+            if entry.payload is not None:
+                self._memory_used -= len(entry.payload)
+                entry.payload = None
             self._cond.notify_all()
 
     # -- reading ---------------------------------------------------------------

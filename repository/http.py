@@ -99,6 +99,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if query.get("assignments", ["0"])[-1] not in ("1", "true", "yes"):
             knowledge.ClearField("assignments")
+            for group in knowledge.groups:
+                group.ClearField("assignments")
         text = json_format.MessageToJson(knowledge, preserving_proto_field_name=True,
                                          always_print_fields_with_no_presence=True,
                                          unquote_int64_if_possible=True)
@@ -147,6 +149,11 @@ def render_page(store: FeatureStore) -> str:
                  ("features", ", ".join(parsed.feature_names) or "-")]
     table = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     clusters = "".join(f"<tr><td>{c.id}</td><td>{c.count}</td></tr>" for c in parsed.clusters)
+    groups = "".join(f"<tr><td>{html.escape(g.image)}</td><td>{html.escape(', '.join(g.feature_names))}</td>"
+                     f"<td>{g.tuple_count}</td><td>{len(g.clusters)}</td></tr>" for g in parsed.groups)
+    if groups:
+        groups = ("<h2>Groups (image + feature set, each clustered on its own)</h2><table><tr><th>image</th>"
+                  f"<th>features</th><th>tuples</th><th>clusters</th></tr>{groups}</table>")
     image = ('<img src="/preview.png" alt="knowledge preview" style="max-width:100%">'
              if preview is not None else "<p>No preview yet.</p>")
     return f"""<!doctype html>
@@ -157,7 +164,8 @@ th,td{{text-align:left;padding:2px 12px 2px 0}}</style></head>
 <body><h1>HarmonicIO repository</h1>
 {image}
 <h2>Summary</h2><table>{table}</table>
-<h2>Clusters</h2><table><tr><th>cluster</th><th>tuples</th></tr>{clusters}</table>
+{groups}
+<h2>Clusters (main group)</h2><table><tr><th>cluster</th><th>tuples</th></tr>{clusters}</table>
 <p><a href="/knowledge.json">knowledge.json</a></p>
 </body></html>
 """

@@ -10,7 +10,7 @@ jittered backoff up to ``rpc_deadline`` seconds.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import grpc
 
@@ -87,11 +87,22 @@ class ClusterLink:
 
     def store(self, tuple_id: int, record_zstd: bytes) -> bool:
         """PutFeatures for one record; True when the id was already stored (idempotent)."""
-        upload = repository_pb2.FeaturesUpload(tuple_id=tuple_id, record_zstd=record_zstd,
-                                               crc32=crc32(record_zstd))
-        request = repository_pb2.PutFeaturesRequest(records=[upload])
+        return self.store_many([(tuple_id, record_zstd)])[0]
+
+    def store_many(self, records: Sequence[tuple[int, bytes]]) -> list[bool]:
+        """One PutFeatures for (tuple_id, record_zstd) records; per record, whether it was a duplicate.
+
+        The repository checks every record before storing any: a refused
+        record (INVALID_ARGUMENT, DATA_LOSS) means none of the batch is stored.
+        """
+        request = repository_pb2.PutFeaturesRequest(records=[
+            repository_pb2.FeaturesUpload(tuple_id=tuple_id, record_zstd=blob, crc32=crc32(blob))
+            for tuple_id, blob in records])
         reply = self._retry(lambda: self._repo.PutFeatures(request, timeout=CALL_TIMEOUT), "repository")
-        return bool(reply.duplicate and reply.duplicate[0])
+        if len(reply.duplicate) != len(records):
+            raise errors.HioError(f"repository: PutFeatures answered {len(reply.duplicate)} results "
+                                  f"for {len(records)} records")
+        return list(reply.duplicate)
 
     def enqueue(self, meta: TupleMeta, data: bytes, deadline: float | None = None) -> TupleReceipt:
         """Stream one tuple into the master's backlog; its receipt (ENQUEUED when durable)."""

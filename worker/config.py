@@ -129,6 +129,9 @@ class EngineConfig(ClusterSettings):
     tuple_timeout: float = setting(600.0, "seconds one tuple may spend in process(); 0 = no limit")
     pull_wait: float = setting(5.0, "seconds the idle queue long-poll stays open")
     max_attempts: int = setting(3, "delivery attempts per tuple (must match the master's)")
+    store_batch_records: int = setting(256, "most feature records stored in one repository call")
+    store_pending_records: int = setting(1024, "processed tuples whose features may wait to be stored "
+                                               "before processing pauses")
     reservation_seconds: float = setting(15.0, "the master's reservation time; keep-alive reports every third of it")
     grace_seconds: float = setting(5.0, "on SIGTERM: seconds to finish the current tuple")
     rpc_deadline: float = setting(60.0, "seconds to keep retrying the repository or master while unavailable")
@@ -146,6 +149,8 @@ class EngineConfig(ClusterSettings):
             raise ConfigError(f"pipeline must look like module:function, got {self.pipeline!r}")
         if self.tuple_timeout < 0:
             raise ConfigError(f"tuple_timeout must be 0 (no limit) or positive, got {self.tuple_timeout}")
+        positive("store_batch_records", self.store_batch_records)
+        positive("store_pending_records", self.store_pending_records)
         positive("pull_wait", self.pull_wait)
         positive("max_attempts", self.max_attempts)
         positive("reservation_seconds", self.reservation_seconds)

@@ -13,6 +13,7 @@ The same module runs as a local process and inside a container (``hio engine``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -20,12 +21,12 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import zstandard
 
-from hio.common.errors import (FailedPrecondition, HioError, PermissionDenied, ResourceExhausted, Unavailable,
-                               grpc_errors)
+from hio.common.errors import (DataLoss, FailedPrecondition, HioError, InvalidArgument, PermissionDenied,
+                               ResourceExhausted, Unavailable, grpc_errors)
 from hio.common.tickets import load_ticket_key, verify_ticket
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded
 from hio.common.net import create_server, message_limit, run_until_signal, set_serving
@@ -47,6 +48,7 @@ HANDOFF_DEADLINE = 10.0      # seconds the watchdog may spend handing a hung tup
 RECORD_HEADROOM = 64 * 1024  # bytes of a PutFeatures message beyond the record itself
 MIN_EMPTY_PULL = 0.1         # seconds between long-polls the master answers at once
 PARENT_CHECK_SECONDS = 0.5
+STORER_JOIN_SECONDS = 5.0    # how long a stream's end waits for a PutFeatures still in flight
 
 
 def error_text(exc: BaseException) -> str:
@@ -116,14 +118,15 @@ class Watchdog:
 class _Prefetcher:
     """Receives the next tuple of a stream while the caller processes the current one.
 
-    Holds at most one received tuple that the caller has not taken, so memory
-    stays at two tuples. Errors of the stream (DATA_LOSS, INVALID_ARGUMENT,
-    cancellation) come out of the iteration after the tuples before them.
+    Publishes into the stream's event queue: ``("tuple", (meta, data))``, then
+    ``("end", None)`` or ``("error", exc)`` (DATA_LOSS, INVALID_ARGUMENT,
+    cancellation) after the tuples before it. Holds at most one received tuple
+    the caller has not taken (:meth:`taken`), so memory stays at two tuples.
     """
 
-    def __init__(self, reader: FrameReader) -> None:
+    def __init__(self, reader: FrameReader, publish: Callable[[tuple[str, Any]], None]) -> None:
         self._reader = reader
-        self._slot: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._publish = publish
         self._want = threading.Semaphore(1)
         self._closed = False
         threading.Thread(target=self._run, name="receiver", daemon=True).start()
@@ -136,25 +139,123 @@ class _Prefetcher:
             try:
                 item = self._reader.next_tuple_bytes()
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer in order
-                self._slot.put(exc)
+                self._publish(("error", exc))
                 return
-            self._slot.put(item)
             if item is None:
+                self._publish(("end", None))
                 return
+            self._publish(("tuple", item))
 
-    def __iter__(self) -> Iterator[tuple[TupleMeta, bytes]]:
-        while True:
-            item = self._slot.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                return
-            self._want.release()
-            yield item
+    def taken(self) -> None:
+        """The caller took the tuple it was given: receive the next one."""
+        self._want.release()
 
     def close(self) -> None:
         self._closed = True
         self._want.release()
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """One tuple of a Deliver stream, from processing until its receipt is final."""
+
+    index: int
+    meta: TupleMeta
+    blob: bytes = b""
+    cpu: float = 0.0
+    receipt: TupleReceipt | None = None  # set once final (STORED after its batch is stored)
+
+
+StoreMany = Callable[[Sequence[tuple[int, bytes]]], list[bool]]
+
+
+class _BatchStorer:
+    """Stores one Deliver stream's feature records on its own thread, in batches, in order.
+
+    Why: PutFeatures returns after the repository's fsync, so storing tuple by
+    tuple puts a round trip and an fsync between every two tuples. Here the
+    stream keeps processing while the records processed meanwhile ride on the
+    next PutFeatures (at most ``max_records`` of them, ``max_bytes`` in all).
+    ``on_stored`` runs for a batch only once the repository has stored it; it
+    sets the receipts. A batch the repository refuses is stored record by
+    record, so only the bad record fails, as without batching. The first
+    failure stops the storer; :attr:`error` holds it and nothing after it is stored.
+    """
+
+    def __init__(self, store_many: StoreMany, on_stored: Callable[[list[_Slot], list[bool]], None],
+                 wake: Callable[[], None], *, max_records: int, max_bytes: int, max_pending: int) -> None:
+        self._store_many = store_many
+        self._on_stored = on_stored
+        self._wake = wake
+        self._max_records = max(1, max_records)
+        self._max_bytes = max_bytes
+        self._max_pending = max(1, max_pending)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Slot] = collections.deque()
+        self._in_flight = 0
+        self._closed = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="feature-storer", daemon=True)
+        self._thread.start()
+
+    def submit(self, slot: _Slot) -> None:
+        """Queue a processed slot; blocks while ``max_pending`` records wait. Raises the storer's error."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.error is not None or self._closed
+                                or len(self._waiting) + self._in_flight < self._max_pending)
+            if self.error is not None:
+                raise self.error
+            self._waiting.append(slot)
+            self._cond.notify_all()
+
+    def close(self, timeout: float) -> None:
+        """Drop what is not sent yet; wait up to ``timeout`` s for a batch in flight."""
+        with self._cond:
+            self._closed = True
+            self._waiting.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _take(self) -> list[_Slot]:
+        batch = [self._waiting.popleft()]
+        size = len(batch[0].blob)
+        while self._waiting and len(batch) < self._max_records and size + len(self._waiting[0].blob) <= self._max_bytes:
+            size += len(self._waiting[0].blob)
+            batch.append(self._waiting.popleft())
+        self._in_flight = len(batch)
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or bool(self._waiting))
+                if self._closed:
+                    return
+                batch = self._take()
+            try:
+                self._store(batch)
+            except BaseException as exc:  # noqa: BLE001 - handed to the stream, which ends with it
+                with self._cond:
+                    self.error = exc
+                    self._in_flight = 0
+                    self._cond.notify_all()
+                self._wake()
+                return
+            with self._cond:
+                self._in_flight = 0
+                self._cond.notify_all()
+            self._wake()
+
+    def _store(self, batch: list[_Slot]) -> None:
+        try:
+            duplicates = self._store_many([(slot.meta.tuple_id, slot.blob) for slot in batch])
+        except (InvalidArgument, DataLoss):
+            if len(batch) == 1:
+                raise
+            for slot in batch:  # find the refused record; those before it are stored
+                self._on_stored([slot], self._store_many([(slot.meta.tuple_id, slot.blob)]))
+            return
+        self._on_stored(batch, duplicates)
 
 
 class Engine:
@@ -181,6 +282,8 @@ class Engine:
         self._ticket_key = load_ticket_key(config.ticket_key_file)
         self.idle_seconds = config.stream_idle_seconds
         self._max_record = message_limit(config) - RECORD_HEADROOM
+        self._store_batch_records = config.store_batch_records
+        self._store_pending_records = config.store_pending_records
         self._watchdog = Watchdog(config.tuple_timeout, self._on_timeout)
         self._puller = threading.Thread(target=self._pull_loop, name="puller", daemon=True)
 
@@ -240,23 +343,85 @@ class Engine:
     def deliver(self, frames: Iterable[TupleFrame]) -> Iterator[TupleReceipt]:
         """Serve one Deliver stream: a receipt per tuple, in order.
 
-        Raises ResourceExhausted when the channel is busy, FailedPrecondition
-        for a tuple of another image, DataLoss/InvalidArgument for a damaged
-        stream (after the receipts of the tuples before it).
+        Tuples are processed one at a time while the next one is received and
+        the records of earlier ones are stored (:class:`_BatchStorer`); a
+        STORED receipt is sent only once its record is stored. Raises
+        ResourceExhausted when the channel is busy, FailedPrecondition for a
+        tuple of another image, DataLoss/InvalidArgument for a damaged stream
+        (after the receipts of the tuples before it).
         """
         self._claim("deliver")
+        events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         reader = FrameReader(frames, max_tuple_bytes=self._config.max_tuple_bytes,
                              max_chunk_bytes=message_limit(self._config), need_id=True)
-        prefetch = _Prefetcher(reader)
+        prefetch = _Prefetcher(reader, events.put)
+        storer = _BatchStorer(self._cluster.store_many, self._stored, lambda: events.put(("wake", None)),
+                              max_records=self._store_batch_records, max_bytes=self._max_record,
+                              max_pending=self._store_pending_records)
         try:
-            for index, (meta, data) in enumerate(prefetch):
-                if self._stopping:
-                    raise Unavailable(f"channel {self._channel} is stopping; send the rest elsewhere")
-                self._check_image(meta)
-                yield self._process_direct(index, meta, data)
+            yield from self._serve(prefetch, storer, events)
         finally:
             prefetch.close()
+            storer.close(STORER_JOIN_SECONDS)
             self._unclaim()
+
+    def _serve(self, prefetch: _Prefetcher, storer: _BatchStorer,
+               events: "queue.SimpleQueue[tuple[str, Any]]") -> Iterator[TupleReceipt]:
+        """The stream's loop: take events (a tuple, the end, an error, a stored batch), answer in order.
+
+        An error of the stream or of a tuple stops taking tuples; the receipts
+        of the tuples before it are still sent, then the error ends the stream.
+        A storage failure ends it at once: unanswered tuples are redelivered.
+        """
+        slots: collections.deque[_Slot] = collections.deque()
+        failure: BaseException | None = None
+        ended = False
+        index = 0
+        while True:
+            while slots and slots[0].receipt is not None:
+                yield slots.popleft().receipt
+            if storer.error is not None:
+                raise storer.error
+            if ended and not slots:
+                if failure is not None:
+                    raise failure
+                return
+            kind, value = events.get()
+            if kind == "tuple" and not ended:
+                prefetch.taken()
+                try:
+                    slots.append(self._take_tuple(index, *value, storer))
+                except BaseException as exc:  # noqa: BLE001 - sent after the earlier receipts
+                    ended, failure = True, exc
+                index += 1
+            elif kind == "end":
+                ended = True
+            elif kind == "error" and not ended:
+                ended, failure = True, value
+
+    def _take_tuple(self, index: int, meta: TupleMeta, data: bytes, storer: _BatchStorer) -> _Slot:
+        """Check and process one tuple of a stream; its record goes to ``storer``."""
+        if self._stopping:
+            raise Unavailable(f"channel {self._channel} is stopping; send the rest elsewhere")
+        self._check_image(meta)
+        slot = _Slot(index, meta)
+        result = self._compute(meta, data, from_queue=False)
+        if isinstance(result, str):
+            self._hand_back(meta, data, result)
+            self._report(meta, ok=False, from_queue=False, message=result)
+            slot.receipt = TupleReceipt(index=index, tuple_id=meta.tuple_id, state=TupleReceipt.ENQUEUED,
+                                        message=result)
+        else:
+            slot.blob, slot.cpu = result
+            storer.submit(slot)
+        return slot
+
+    def _stored(self, slots: list[_Slot], duplicates: list[bool]) -> None:
+        """A batch is in the repository: report each tuple and make its receipt STORED."""
+        for slot, duplicate in zip(slots, duplicates):
+            self._report(slot.meta, ok=True, from_queue=False, seconds=slot.cpu)
+            self._log_stored(slot.meta, slot.blob, duplicate, slot.cpu)
+            slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.STORED)
 
     def _check_image(self, meta: TupleMeta) -> None:
         """Refuse a tuple of another image, or one the master did not route (ticket)."""
@@ -266,14 +431,6 @@ class Engine:
         if self._ticket_key and not verify_ticket(self._ticket_key, meta.tuple_id, meta.image, meta.ticket):
             raise PermissionDenied(f"tuple {meta.tuple_id}: its ticket does not match; "
                                    "only tuples routed by this cluster's master are accepted")
-
-    def _process_direct(self, index: int, meta: TupleMeta, data: bytes) -> TupleReceipt:
-        error = self._process(meta, data, from_queue=False)
-        if error is None:
-            return TupleReceipt(index=index, tuple_id=meta.tuple_id, state=TupleReceipt.STORED)
-        self._hand_back(meta, data, error)
-        self._report(meta, ok=False, from_queue=False, message=error)
-        return TupleReceipt(index=index, tuple_id=meta.tuple_id, state=TupleReceipt.ENQUEUED, message=error)
 
     def _hand_back(self, meta: TupleMeta, data: bytes, error: str, deadline: float | None = None) -> None:
         """Give a failed direct tuple to the master's queue with attempt+1 and the error."""
@@ -294,6 +451,17 @@ class Engine:
         Storage failures (repository unreachable) raise: they are not the
         tuple's fault, so the sender keeps it and delivers again.
         """
+        result = self._compute(meta, data, from_queue=from_queue)
+        if isinstance(result, str):
+            return result
+        blob, cpu = result
+        duplicate = self._cluster.store(meta.tuple_id, blob)
+        self._report(meta, ok=True, from_queue=from_queue, seconds=cpu)
+        self._log_stored(meta, blob, duplicate, cpu)
+        return None
+
+    def _compute(self, meta: TupleMeta, data: bytes, *, from_queue: bool) -> tuple[bytes, float] | str:
+        """Run the pipeline on one tuple: (compressed record, CPU seconds), or the error text."""
         job = self._watchdog.begin(meta, data, from_queue)
         cpu_start = time.thread_time()
         try:
@@ -311,11 +479,12 @@ class Engine:
         if len(blob) > self._max_record:
             return truncate(f"FeatureError: compressed features of {len(blob)} bytes are over the "
                             f"limit of {self._max_record}")
-        duplicate = self._cluster.store(meta.tuple_id, blob)
-        self._report(meta, ok=True, from_queue=from_queue, seconds=cpu)
-        log.debug("tuple stored", extra={"channel": self._channel, "tuple_id": meta.tuple_id,
-                                         "bytes": len(blob), "duplicate": duplicate, "cpu_s": round(cpu, 4)})
-        return None
+        return blob, cpu
+
+    def _log_stored(self, meta: TupleMeta, blob: bytes, duplicate: bool, cpu: float) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("tuple stored", extra={"channel": self._channel, "tuple_id": meta.tuple_id,
+                                             "bytes": len(blob), "duplicate": duplicate, "cpu_s": round(cpu, 4)})
 
     def _report(self, meta: TupleMeta, *, ok: bool, from_queue: bool, message: str = "",
                 seconds: float = 0.0) -> None:

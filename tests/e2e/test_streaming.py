@@ -160,11 +160,12 @@ def test_a_killed_worker_loses_nothing(tmp_path: Path) -> None:
             wait_for(lambda: c.status().tuples_done >= 4, timeout=60, what="processing under way")
             c.procs["k1"].kill()
             killed_at = time.monotonic()
+            expired = wait_for(lambda: all(w.worker_id != "k1" or all(ch.state == master_pb2.DOWN
+                                                                      for ch in w.channels)
+                                           for w in c.status().workers) and time.monotonic(),
+                               timeout=15, what="k1 leaving routing")
+            assert expired - killed_at <= 10.0, "a silent worker leaves routing within 10 s"
             ids = [f.result(timeout=240) for f in futures]
-        expired = wait_for(lambda: all(w.worker_id != "k1" or all(ch.state == master_pb2.DOWN for ch in w.channels)
-                                       for w in c.status().workers) and time.monotonic(),
-                           timeout=15, what="k1 leaving routing")
-        assert expired - killed_at <= 10.0, "a silent worker leaves routing within 10 s"
         records = wait_all_stored(c, ids, timeout=180)
         counts = Counter(r.tuple_id for r in records)
         assert sorted(counts) == sorted(ids), "every tuple stored"

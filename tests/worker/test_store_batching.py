@@ -1,0 +1,63 @@
+"""Feature records of a Deliver stream stored in batches, against a real repository."""
+
+from __future__ import annotations
+
+import threading
+
+import zstandard
+
+from hio.common.errors import InvalidArgument
+from hio.common.frames import TupleMeta, TupleReceipt
+from hio.proto import features_pb2
+from hio.worker.cluster import ClusterLink
+from hio.worker.engine import _BatchStorer, _Slot
+from tests.harness import free_port
+from tests.worker.conftest import Repo, RunningEngine, engine_config, make_tuple
+
+
+def test_long_stream_answers_every_tuple_in_order_once_stored(repo: Repo) -> None:
+    engine = RunningEngine(engine_config(master=f"127.0.0.1:{free_port()}", repository=repo.address))
+    try:
+        tuples = [make_tuple(100 + n, bytes([n]) * n) for n in range(60)]
+        receipts = engine.deliver(tuples)
+    finally:
+        engine.close()
+    assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
+        (n, 100 + n, TupleReceipt.STORED) for n in range(60)]
+    records = repo.records()
+    assert set(records) == {100 + n for n in range(60)}
+    assert all(records[100 + n].features["size"].number == n for n in range(60))
+
+
+def _slot(index: int, tuple_id: int, blob: bytes | None = None) -> _Slot:
+    if blob is None:
+        record = features_pb2.FeatureRecord(tuple_id=tuple_id)
+        record.features["x"].number = float(tuple_id)
+        blob = zstandard.ZstdCompressor().compress(record.SerializeToString())
+    return _Slot(index, TupleMeta(tuple_id=tuple_id, image="test/echo"), blob=blob)
+
+
+def test_a_refused_record_fails_alone_and_stops_the_batches_after_it(repo: Repo) -> None:
+    link = ClusterLink(engine_config(master=f"127.0.0.1:{free_port()}", repository=repo.address), rpc_deadline=5)
+    stored: list[tuple[int, bool]] = []
+    woke = threading.Event()
+
+    def on_stored(slots: list[_Slot], duplicates: list[bool]) -> None:
+        stored.extend((s.meta.tuple_id, d) for s, d in zip(slots, duplicates))
+
+    storer = _BatchStorer(link.store_many, on_stored, woke.set, max_records=64, max_bytes=1 << 20,
+                          max_pending=64)
+    storer._cond.acquire()  # hold the storer so all four records go in one batch
+    try:
+        for slot in (_slot(0, 1), _slot(1, 2), _slot(2, 3, blob=b"not zstd"), _slot(3, 4)):
+            storer._waiting.append(slot)
+        storer._cond.notify_all()
+    finally:
+        storer._cond.release()
+    assert woke.wait(10)
+    storer._thread.join(10)
+    assert isinstance(storer.error, InvalidArgument) and "tuple 3" in storer.error.message
+    assert stored == [(1, False), (2, False)]
+    assert set(repo.records()) == {1, 2}
+    storer.close(1)
+    link.close()
