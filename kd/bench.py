@@ -33,6 +33,7 @@ class KDBenchConfig(ClusterSettings):
     stored: int = setting(200_000, "feature records already accumulated in the large-store case")
     new: int = setting(1_000, "new feature records in the timed interval")
     features: int = setting(6, "numeric features per record")
+    groups: int = setting(2, "image groups the records are spread over (round robin), each its own feature set")
     k: int = setting(4, "clusters")
     sample_size: int = setting(10_000, "KD's clustering sample bound")
     max_records_per_interval: int = setting(50_000, "KD's micro-batch bound (the catch-up uses it)")
@@ -43,14 +44,18 @@ class KDBenchConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
-        for name in ("stored", "new", "features", "k", "sample_size", "max_records_per_interval", "ratio_bound"):
+        for name in ("stored", "new", "features", "groups", "k", "sample_size", "max_records_per_interval",
+                     "ratio_bound"):
             positive(name, getattr(self, name))
         if self.features > 64:
             raise ConfigError(f"features must be at most 64, got {self.features}")
+        if self.groups > 16:
+            raise ConfigError(f"groups must be at most 16, got {self.groups}")
 
 
-def _uploads(first_id: int, count: int, features: int, seed: int) -> list[Any]:
-    """PutFeatures uploads of ``count`` records drawn from ``features``-d blobs."""
+def _uploads(first_id: int, count: int, features: int, groups: int, seed: int) -> list[Any]:
+    """PutFeatures uploads of ``count`` records drawn from ``features``-d blobs,
+    tuple id ``i`` in group ``i % groups`` (image ``hio/bench-<g>``, features ``g<g>_f<j>``)."""
     import zstandard
     from hio.proto import features_pb2, repository_pb2
 
@@ -59,15 +64,16 @@ def _uploads(first_id: int, count: int, features: int, seed: int) -> list[Any]:
     rng = np.random.default_rng(seed + first_id)
     centres = rng.uniform(-20, 20, size=(5, features))
     points = centres[rng.integers(0, len(centres), count)] + rng.normal(size=(count, features))
-    names = [f"f{j}" for j in range(features)]
+    names = [[f"g{g}_f{j}" for j in range(features)] for g in range(groups)]
     compressor = zstandard.ZstdCompressor()
     uploads = []
     for offset, row in enumerate(points.tolist()):
         tuple_id = first_id + offset
-        record = features_pb2.FeatureRecord(tuple_id=tuple_id, processed_unix=time.time(), kd_features=names)
+        group = tuple_id % groups
+        record = features_pb2.FeatureRecord(tuple_id=tuple_id, processed_unix=time.time(), kd_features=names[group])
         record.meta.tuple_id = tuple_id
-        record.meta.image = "hio/bench"
-        for name, value in zip(names, row):
+        record.meta.image = f"hio/bench-{group}"
+        for name, value in zip(names[group], row):
             record.features[name].number = value
         data = compressor.compress(record.SerializeToString())
         uploads.append(repository_pb2.FeaturesUpload(tuple_id=tuple_id, record_zstd=data, crc32=crc32(data)))
@@ -109,7 +115,7 @@ class _Bench:
 
         for start in range(0, count, 5000):
             n = min(5000, count - start)
-            uploads = _uploads(self.next_id, n, self.config.features, self.config.seed)
+            uploads = _uploads(self.next_id, n, self.config.features, self.config.groups, self.config.seed)
             self.stub.PutFeatures(repository_pb2.PutFeaturesRequest(records=uploads), timeout=120)
             self.next_id += n
 
@@ -169,7 +175,7 @@ def run_kd_bench(config: KDBenchConfig) -> int:
     finally:
         if not config.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"KD interval with new records, k={config.k}, {config.features} features, "
+    print(f"KD interval with new records, {config.groups} groups, k={config.k}, {config.features} features, "
           f"sample bound {config.sample_size}, Spark {config.spark_master}")
     print(f"{'case':<12} {'stored before':>13} {'new':>6} {'interval s':>10}  breakdown (s)")
     for name, stored, job in results:

@@ -29,9 +29,10 @@ from typing import Any
 import pyarrow.compute as pc
 from hio.kd.client import RepositoryClient, connection_options
 from hio.kd.config import KDConfig
-from hio.kd.model import cluster, to_knowledge
+from hio.kd.model import cluster_groups, plan, to_knowledge
 from hio.kd.preview import render, write_atomic
 from hio.kd.store import AccumulatedStore, Appended
+from hio.proto import features_pb2
 
 log = logging.getLogger("hio.kd")
 
@@ -125,12 +126,14 @@ class KnowledgeJob:
         self.client.commit(self.config.consumer, end_offset)
         timings["store"] = time.monotonic() - started - timings["read"]
         self._unpublished = (self._unpublished or 0) + appended.accepted
-        clusters = self.publish(started, timings) if self._should_publish(end_offset) else -1
+        knowledge = self.publish(started, timings) if self._should_publish(end_offset) else None
         self.intervals += 1
         self.last_seconds = time.monotonic() - started
         self.last_timings = {k: round(v, 3) for k, v in timings.items()}
         log.info("interval", extra={"batch": batch_id, "new": appended.accepted, "malformed": appended.malformed,
-                                    "total": self.store.total, "clusters": clusters if clusters >= 0 else "later",
+                                    "total": self.store.total,
+                                    "groups": len(knowledge.groups) if knowledge else "later",
+                                    "clusters": len(knowledge.clusters) if knowledge else "later",
                                     "seconds": round(self.last_seconds, 3), **self.last_timings})
 
     def _should_publish(self, end_offset: int) -> bool:
@@ -150,23 +153,24 @@ class KnowledgeJob:
                 "count": appended.malformed, "total_malformed": self.store.malformed,
                 "examples": "; ".join(appended.examples)})
 
-    def publish(self, started: float, timings: dict[str, float]) -> int:
-        """Cluster the selected group, write the preview file, send both to the repository."""
+    def publish(self, started: float, timings: dict[str, float]) -> features_pb2.Knowledge:
+        """Cluster every group (the largest ``max_groups``), write the preview
+        file, send both to the repository. Returns the knowledge published."""
         config = self.config
         mark = time.monotonic()
-        group = self.store.select(config.image)
-        result = None
-        if group is not None and group.count:
-            result = cluster(self.spark, group, k=config.k, sample_size=config.sample_size,
-                             seed=config.seed, max_iter=config.max_iterations)
+        groups = self.store.ordered()
+        main, chosen = plan(groups, config.image, config.max_groups)
+        results = cluster_groups(self.spark, groups, chosen, k=config.k, sample_size=config.sample_size,
+                                 seed=config.seed, max_iter=config.max_iterations,
+                                 parallelism=config.fit_parallelism)
         timings["cluster"] = time.monotonic() - mark
         mark = time.monotonic()
-        png = render(group, result, self.store.history(), max_points=config.preview_points, seed=config.seed,
-                     title=f"[{group.image}]" if group else "")
+        png = render(results, self.store.history(), max_points=config.preview_points, seed=config.seed,
+                     max_rows=config.preview_groups, title=f"[{len(groups)} groups]" if groups else "")
         write_atomic(config.preview_file, png)
         timings["preview"] = time.monotonic() - mark
         mark = time.monotonic()
-        knowledge = to_knowledge(group, result, up_to_offset=self.store.max_offset,
+        knowledge = to_knowledge(results, main, up_to_offset=self.store.max_offset,
                                  malformed=self.store.malformed,
                                  new_records=self._unpublished or 0,
                                  interval_seconds=time.monotonic() - started,
@@ -175,7 +179,7 @@ class KnowledgeJob:
         timings["publish"] = time.monotonic() - mark
         self._published_at = time.monotonic()
         self._unpublished = None
-        return len(knowledge.clusters)
+        return knowledge
 
 
 def _source_options(config: KDConfig, store: AccumulatedStore) -> dict[str, str]:

@@ -10,11 +10,19 @@
    pass in the driver; microseconds per thousand tuples), giving exact counts.
 4. Agglomerative hierarchy: Ward linkage of the centres (scipy), the
    dendrogram a scientist reads to see which clusters are related.
+
+Every group (one image with one feature set: different pipelines measure
+different things, so their features share no space) is clustered on its own,
+the largest ``max_groups`` of them each interval, so an interval costs at most
+``max_groups`` bounded fits whatever the store holds. The knowledge lists every
+group; its top-level fields repeat the main group (most tuples) for readers
+that know only one.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,25 +122,113 @@ def cluster(spark: Any, group: Group, *, k: int, sample_size: int, seed: int, ma
     return Clustering(mean, std, centres, labels, counts, ward_linkage(centres), sample, algorithm)
 
 
-def to_knowledge(group: Group | None, result: Clustering | None, *, up_to_offset: int, malformed: int,
+@dataclass(frozen=True)
+class GroupResult:
+    """One group and its clustering (None: not clustered this interval, ``note`` says why)."""
+    group: Group
+    clustering: Clustering | None
+    note: str = ""
+
+
+def plan(groups: list[Group], image: str, max_groups: int) -> tuple[Group | None, list[Group]]:
+    """(main group, the groups to cluster). ``groups`` come most tuples first; the
+    main group is the first (of ``image`` when given) and is always clustered,
+    with the largest others up to ``max_groups`` in all."""
+    main = next((g for g in groups if not image or g.image == image), None)
+    others = [g for g in groups if g is not main][:max(0, max_groups - (main is not None))]
+    return main, ([main] if main is not None else []) + others
+
+
+def cluster_groups(spark: Any, groups: list[Group], chosen: list[Group], *, k: int, sample_size: int,
+                   seed: int, max_iter: int, parallelism: int = 1) -> list[GroupResult]:
+    """A result per group (in ``groups`` order); only ``chosen`` ones are clustered.
+
+    A fit on a bounded sample costs Spark job overhead far more than arithmetic
+    and runs on one partition, so fitting ``parallelism`` groups at once (one
+    driver thread each; Spark schedules concurrent jobs) makes an interval with
+    two groups cost about what one group does."""
+    def fit(group: Group) -> Clustering:
+        return cluster(spark, group, k=k, sample_size=sample_size, seed=seed, max_iter=max_iter)
+
+    if parallelism > 1 and len(chosen) > 1:
+        with ThreadPoolExecutor(max_workers=min(parallelism, len(chosen)), thread_name_prefix="hio-kd-fit") as pool:
+            fitted = dict(zip(map(id, chosen), pool.map(fit, chosen)))
+    else:
+        fitted = {id(g): fit(g) for g in chosen}
+    results = []
+    for group in groups:
+        if id(group) in fitted:
+            results.append(GroupResult(group, fitted[id(group)]))
+        else:
+            note = (f"not clustered: only the {len(chosen)} largest groups are clustered each interval "
+                    f"(max_groups); group image='{group.image}'")
+            results.append(GroupResult(group, None, note))
+    return results
+
+
+def listed_counts(results: list[GroupResult], max_assignments: int) -> list[int]:
+    """How many of each group's most recent tuples get their assignment listed:
+    the ``max_assignments`` most recent (highest offset) clustered tuples over
+    all groups. A group's offsets are increasing, so its listed ones are its last."""
+    offsets = [r.group.offsets for r in results if r.clustering is not None]
+    total = sum(len(o) for o in offsets)
+    if total <= max_assignments:
+        return [r.group.count if r.clustering is not None else 0 for r in results]
+    if max_assignments <= 0:
+        return [0] * len(results)
+    everything = np.concatenate(offsets)
+    threshold = np.partition(everything, total - max_assignments)[total - max_assignments]
+    return [int((r.group.offsets >= threshold).sum()) if r.clustering is not None else 0 for r in results]
+
+
+def group_message(result: GroupResult, listed: int) -> features_pb2.KnowledgeGroup:
+    """The ``KnowledgeGroup`` of one group, with its last ``listed`` assignments."""
+    group, clustering = result.group, result.clustering
+    message = features_pb2.KnowledgeGroup(image=group.image, feature_names=list(group.names),
+                                          tuple_count=group.count, algorithm=result.note)
+    if clustering is None:
+        return message
+    message.algorithm = clustering.algorithm
+    message.feature_mean.extend(clustering.mean.tolist())
+    message.feature_std.extend(clustering.std.tolist())
+    for index, (centre, count) in enumerate(zip(clustering.centres.tolist(), clustering.counts.tolist())):
+        message.clusters.add(id=index, centre=centre, count=count)
+    for left, right, distance, size in clustering.linkage.tolist():
+        message.dendrogram.add(left=int(left), right=int(right), distance=float(distance), size=int(size))
+    start = group.count - listed
+    ids, labels = group.ids[start:].tolist(), clustering.labels[start:].tolist()
+    message.assignments.extend(features_pb2.Assignment(tuple_id=t, cluster=c) for t, c in zip(ids, labels))
+    return message
+
+
+def _fill_main(knowledge: features_pb2.Knowledge, main: features_pb2.KnowledgeGroup) -> None:
+    """Top-level fields = the main group (what readers of one group expect)."""
+    knowledge.tuple_count = main.tuple_count
+    knowledge.feature_names.extend(main.feature_names)
+    knowledge.feature_mean.extend(main.feature_mean)
+    knowledge.feature_std.extend(main.feature_std)
+    knowledge.clusters.extend(main.clusters)
+    knowledge.dendrogram.extend(main.dendrogram)
+    knowledge.assignments.extend(main.assignments)
+    knowledge.algorithm = main.algorithm
+
+
+def to_knowledge(results: list[GroupResult], main: Group | None, *, up_to_offset: int, malformed: int,
                  new_records: int, interval_seconds: float, max_assignments: int) -> features_pb2.Knowledge:
-    """The ``Knowledge`` message; assignments are the most recent ``max_assignments`` tuples."""
+    """The ``Knowledge`` message: every group in ``groups`` (in ``results`` order),
+    ``main`` in the top-level fields; at most ``max_assignments`` assignments in
+    all groups, the most recent."""
     knowledge = features_pb2.Knowledge(
         computed_unix=time.time(), up_to_offset=up_to_offset, malformed_records=malformed,
         new_records=new_records, interval_seconds=interval_seconds)
-    if group is None or result is None:
-        knowledge.algorithm = "none: no well-formed feature records yet"
-        return knowledge
-    knowledge.tuple_count = group.count
-    knowledge.feature_names.extend(group.names)
-    knowledge.feature_mean.extend(result.mean.tolist())
-    knowledge.feature_std.extend(result.std.tolist())
-    knowledge.algorithm = result.algorithm
-    for index, (centre, count) in enumerate(zip(result.centres.tolist(), result.counts.tolist())):
-        knowledge.clusters.add(id=index, centre=centre, count=count)
-    for left, right, distance, size in result.linkage.tolist():
-        knowledge.dendrogram.add(left=int(left), right=int(right), distance=float(distance), size=int(size))
-    start = max(0, group.count - max_assignments)
-    ids, labels = group.ids[start:].tolist(), result.labels[start:].tolist()
-    knowledge.assignments.extend(features_pb2.Assignment(tuple_id=t, cluster=c) for t, c in zip(ids, labels))
+    listed = listed_counts(results, max_assignments)
+    for result, count in zip(results, listed):
+        message = knowledge.groups.add()
+        message.CopyFrom(group_message(result, count))
+        if result.group is main:
+            _fill_main(knowledge, message)
+    knowledge.assignments_omitted = sum(r.group.count for r in results) - sum(listed)
+    if main is None:
+        knowledge.algorithm = ("none: no well-formed feature records yet" if not results
+                               else "none: no feature records of the preferred image; see groups")
     return knowledge

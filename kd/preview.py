@@ -1,7 +1,9 @@
-"""The preview people look at: one PNG per interval with the clusters in a 2-D
-PCA projection, the dendrogram of the cluster centres, and tuples processed
-over time. Drawn off-screen (Agg); at most ``max_points`` points are drawn so
-the picture costs the same however large the store grows."""
+"""The preview people look at: one PNG per interval with, for each clustered
+group (one row each, largest first, at most ``max_rows``), the clusters in a
+2-D PCA projection and the dendrogram of the cluster centres; beside them,
+once, the tuples processed over time. Drawn off-screen (Agg); at most
+``max_points`` points per group are drawn so the picture costs the same however
+large the store grows."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from hio.kd.model import Clustering
+from hio.kd.model import Clustering, GroupResult
 from hio.kd.store import Group
 
 
@@ -36,7 +38,7 @@ def _scatter(ax, group: Group, result: Clustering, max_points: int, seed: int) -
     ax.scatter(centres[:, 0], centres[:, 1], c="black", marker="x", s=60)
     for index, (x, y) in enumerate(centres):
         ax.annotate(str(index), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=9)
-    ax.set_title(f"clusters (PCA), {group.count} tuples")
+    ax.set_title(f"{group.image}: clusters (PCA), {group.count} tuples", fontsize=10)
     ax.set_xlabel("PC 1")
     ax.set_ylabel("PC 2")
 
@@ -50,7 +52,7 @@ def _dendrogram(ax, result: Clustering) -> None:  # type: ignore[no-untyped-def]
 
     labels = [f"{i} ({n})" for i, n in enumerate(result.counts.tolist())]
     dendrogram(result.linkage, ax=ax, labels=labels, leaf_rotation=45)
-    ax.set_title("dendrogram of cluster centres (Ward)")
+    ax.set_title("dendrogram of cluster centres (Ward)", fontsize=10)
     ax.set_ylabel("distance")
 
 
@@ -63,26 +65,35 @@ def _history(ax, history: list[tuple[float, int]]) -> None:  # type: ignore[no-u
     ax.set_ylabel("tuples")
 
 
-def render(group: Group | None, result: Clustering | None, history: list[tuple[float, int]],
-           *, max_points: int = 5000, seed: int = 1, title: str = "") -> bytes:
-    """The preview as PNG bytes."""
+def _empty(ax, text: str) -> None:  # type: ignore[no-untyped-def]
+    ax.text(0.5, 0.5, text, ha="center", va="center")
+    ax.set_axis_off()
+
+
+def render(results: list[GroupResult], history: list[tuple[float, int]], *, max_points: int = 5000,
+           seed: int = 1, max_rows: int = 4, title: str = "") -> bytes:
+    """The preview as PNG bytes: a row (scatter, dendrogram) per clustered group."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 4.6), dpi=90)
-    axes = fig.subplots(1, 3)
-    if group is not None and result is not None:
-        _scatter(axes[0], group, result, max_points, seed)
-        _dendrogram(axes[1], result)
-    else:
-        for ax in axes[:2]:
-            ax.text(0.5, 0.5, "no features yet", ha="center", va="center")
-            ax.set_axis_off()
-    _history(axes[2], history)
+    shown = [r for r in results if r.clustering is not None][:max(1, max_rows)]
+    rows = max(1, len(shown))
+    fig = Figure(figsize=(15, 0.6 + 4.0 * rows), dpi=90)
+    grid = fig.add_gridspec(rows, 3)
+    for row, result in enumerate(shown):
+        assert result.clustering is not None
+        _scatter(fig.add_subplot(grid[row, 0]), result.group, result.clustering, max_points, seed)
+        _dendrogram(fig.add_subplot(grid[row, 1]), result.clustering)
+    if not shown:
+        _empty(fig.add_subplot(grid[0, 0]), "no features yet")
+        _empty(fig.add_subplot(grid[0, 1]), "no features yet")
+    _history(fig.add_subplot(grid[0, 2]), history)
+    more = len(results) - len(shown)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    fig.suptitle(f"HarmonicIO knowledge discovery {title} - {stamp}".strip())
+    note = f" ({more} more groups not drawn)" if more > 0 else ""
+    fig.suptitle(" ".join(p for p in ("HarmonicIO knowledge discovery", title, f"- {stamp}{note}") if p))
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")

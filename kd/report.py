@@ -9,6 +9,10 @@ from hio.proto import features_pb2
 
 MAX_CENTRE_FEATURES = 8
 
+# Both a Knowledge (its top-level, main group) and a KnowledgeGroup: the fields
+# describing one clustering have the same names in both.
+Clustered = features_pb2.Knowledge | features_pb2.KnowledgeGroup
+
 
 def _when(unix: float) -> str:
     if unix <= 0:
@@ -18,16 +22,23 @@ def _when(unix: float) -> str:
 
 
 def _header(k: features_pb2.Knowledge) -> list[str]:
-    return [
+    total = sum(g.tuple_count for g in k.groups) if k.groups else k.tuple_count
+    listed = sum(len(g.assignments) for g in k.groups) if k.groups else len(k.assignments)
+    lines = [
         f"computed:      {_when(k.computed_unix)}",
-        f"tuples:        {k.tuple_count} (up to repository offset {k.up_to_offset})",
+        f"tuples:        {total} (up to repository offset {k.up_to_offset})",
         f"last interval: {k.new_records} new records in {k.interval_seconds:.2f} s",
         f"malformed:     {k.malformed_records} records skipped",
-        f"algorithm:     {k.algorithm or '-'}",
     ]
+    if k.groups:
+        lines += [f"groups:        {len(k.groups)} (image + feature set, each clustered on its own)",
+                  f"assignments:   {listed} listed, {k.assignments_omitted} omitted (bound over all groups)"]
+    else:
+        lines.append(f"algorithm:     {k.algorithm or '-'}")
+    return lines
 
 
-def _features(k: features_pb2.Knowledge) -> list[str]:
+def _features(k: Clustered) -> list[str]:
     if not k.feature_names:
         return []
     lines = ["", "features (normalisation: (x - mean) / std):"]
@@ -37,7 +48,7 @@ def _features(k: features_pb2.Knowledge) -> list[str]:
     return lines
 
 
-def _clusters(k: features_pb2.Knowledge) -> list[str]:
+def _clusters(k: Clustered) -> list[str]:
     if not k.clusters:
         return []
     total = sum(c.count for c in k.clusters) or 1
@@ -51,7 +62,7 @@ def _clusters(k: features_pb2.Knowledge) -> list[str]:
     return lines
 
 
-def _dendrogram(k: features_pb2.Knowledge) -> list[str]:
+def _dendrogram(k: Clustered) -> list[str]:
     if not k.dendrogram:
         return []
     n = len(k.clusters)
@@ -66,7 +77,7 @@ def _dendrogram(k: features_pb2.Knowledge) -> list[str]:
     return lines
 
 
-def _assignments(k: features_pb2.Knowledge) -> list[str]:
+def _assignments(k: Clustered) -> list[str]:
     if not k.assignments:
         return []
     shown = k.assignments[-5:]
@@ -74,10 +85,29 @@ def _assignments(k: features_pb2.Knowledge) -> list[str]:
     return ["", f"assignments: {len(k.assignments)} of {k.tuple_count} tuples listed; latest: {sample}"]
 
 
+def _is_main(k: features_pb2.Knowledge, group: features_pb2.KnowledgeGroup) -> bool:
+    return (group.tuple_count, list(group.feature_names), group.algorithm) == (
+        k.tuple_count, list(k.feature_names), k.algorithm)
+
+
+def _group(k: features_pb2.Knowledge, index: int, group: features_pb2.KnowledgeGroup) -> list[str]:
+    main = " (main: the top-level fields)" if _is_main(k, group) else ""
+    title = f"=== group {index + 1} of {len(k.groups)}: image {group.image or '-'}, {group.tuple_count} tuples{main}"
+    lines = ["", title, f"algorithm:     {group.algorithm or '-'}"]
+    if not group.feature_mean:
+        lines.append(f"features:      {', '.join(group.feature_names) or '-'}")
+    return lines + _features(group) + _clusters(group) + _dendrogram(group) + _assignments(group)
+
+
 def format_knowledge(knowledge: features_pb2.Knowledge) -> str:
-    """A readable multi-line summary of ``knowledge``."""
+    """A readable multi-line summary of ``knowledge``: every group, or (knowledge
+    written before groups existed) the one group in the top-level fields."""
     lines = ["knowledge discovery"]
     lines += _header(knowledge)
+    if knowledge.groups:
+        for index, group in enumerate(knowledge.groups):
+            lines += _group(knowledge, index, group)
+        return "\n".join(lines)
     lines += _features(knowledge)
     lines += _clusters(knowledge)
     lines += _dendrogram(knowledge)

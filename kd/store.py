@@ -241,17 +241,14 @@ class AccumulatedStore:
 
     # --- queries ---------------------------------------------------------------
 
+    def ordered(self) -> list[Group]:
+        """Every non-empty group, most tuples first (ties: by image, then feature names)."""
+        groups = [g for g in self.groups.values() if g.count]
+        return sorted(groups, key=lambda g: (-g.count, g.image, g.names))
+
     def select(self, image: str) -> Group | None:
-        """The group to cluster: of ``image`` (or the image with most records),
-        its most common feature set."""
-        if not self.groups:
-            return None
-        per_image: dict[str, int] = {}
-        for (img, _), group in self.groups.items():
-            per_image[img] = per_image.get(img, 0) + group.count
-        chosen = image or max(per_image, key=lambda i: (per_image[i], i))
-        candidates = [g for (img, _), g in self.groups.items() if img == chosen]
-        return max(candidates, key=lambda g: (g.count, g.names)) if candidates else None
+        """The main group: the group with most tuples, of ``image`` when given."""
+        return next((g for g in self.ordered() if not image or g.image == image), None)
 
     def history(self) -> list[tuple[float, int]]:
         """(interval time, cumulative accepted records), oldest first."""

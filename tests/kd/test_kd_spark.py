@@ -10,6 +10,7 @@ import threading
 from itertools import permutations
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hio.kd.config import KDConfig
 from hio.kd.job import build_session, run
@@ -70,6 +71,8 @@ def test_intervals_cluster_distinct_distributions_and_skip_malformed(spark, tmp_
         assert list(knowledge.feature_names) == ["a", "b", "c"]
         assert sorted(c.count for c in knowledge.clusters) == [300, 300, 300]
         assert len(knowledge.dendrogram) == 2 and len(knowledge.assignments) == 900
+        assert [(g.image, g.tuple_count) for g in knowledge.groups] == [("hio/synthetic", 900), ("hio/other", 1)]
+        assert knowledge.assignments_omitted == 0
         truth_by_id = {r.tuple_id: int(t) for r, t in zip(records, truth)}
         assert purity(knowledge, truth_by_id) == 1.0
         assert repo.offsets().committed == 902
@@ -85,6 +88,62 @@ def test_intervals_cluster_distinct_distributions_and_skip_malformed(spark, tmp_
         assert (knowledge.tuple_count, knowledge.new_records) == (1200, 300)
         truth_by_id.update({r.tuple_id: int(t) for r, t in zip(more, more_truth)})
         assert purity(knowledge, truth_by_id) == 1.0
+
+
+def simulation_records(first_id: int, count: int) -> tuple[list, list[int]]:  # type: ignore[type-arg]
+    """``count`` records of another image with another feature set: three 2-D blobs."""
+    rng = np.random.default_rng(first_id)
+    centres = np.array([[100.0, 0.0], [0.0, 50.0], [-100.0, -50.0]])
+    truth = [i % 3 for i in range(count)]
+    points = centres[truth] + rng.normal(scale=2.0, size=(count, 2))
+    return [record(first_id + i, {"energy": p[0], "pressure": p[1]}, image="hio/simulation",
+                   kd=("energy", "pressure")) for i, p in enumerate(points.tolist())], truth
+
+
+def test_every_image_group_is_published_and_separated(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    micro, micro_truth = blobs_records(1, 600, image="hio/microscopy")
+    sim, sim_truth = simulation_records(5000, 300)
+    truth = {r.tuple_id: int(t) for r, t in zip(micro + sim, list(micro_truth) + sim_truth)}
+    with repository(tmp_path / "repo") as repo:
+        repo.put(micro[:300] + sim[:150] + micro[300:] + sim[150:])     # interleaved pipelines
+        config = kd_config(tmp_path, repo, max_assignments=750)
+        assert run(config, spark=spark) == 0
+        knowledge = repo.knowledge()
+        groups = {g.image: g for g in knowledge.groups}
+        assert [g.image for g in knowledge.groups] == ["hio/microscopy", "hio/simulation"]
+        assert list(groups["hio/microscopy"].feature_names) == ["a", "b", "c"]
+        assert list(groups["hio/simulation"].feature_names) == ["energy", "pressure"]
+        # exactly once: per group and in all
+        assert [g.tuple_count for g in knowledge.groups] == [600, 300]
+        assert sorted(c.count for c in groups["hio/simulation"].clusters) == [100, 100, 100]
+        assert sorted(c.count for c in groups["hio/microscopy"].clusters) == [200, 200, 200]
+        # each clustered on its own: every tuple with its own blob
+        for group in knowledge.groups:
+            assert purity(group, truth) == 1.0
+            assert len(group.dendrogram) == 2
+        # the assignment bound holds over all groups: the most recent 750 tuples
+        listed = sorted(a.tuple_id for g in knowledge.groups for a in g.assignments)
+        assert len(listed) == 750 and knowledge.assignments_omitted == 150
+        assert listed == sorted(r.tuple_id for r in (micro[:300] + sim[:150] + micro[300:] + sim[150:])[150:])
+        # top level: the main (largest) group, as old readers expect
+        assert (knowledge.tuple_count, list(knowledge.feature_names)) == (600, ["a", "b", "c"])
+        assert list(knowledge.clusters) == list(groups["hio/microscopy"].clusters)
+        text = format_knowledge(knowledge)
+        assert "image hio/microscopy, 600 tuples (main" in text and "image hio/simulation, 300 tuples" in text
+        assert "energy=" in text and "tuples:        900" in text
+
+        repo.put(simulation_records(9000, 600)[0])                     # simulation becomes the larger group
+        assert run(config, spark=spark) == 0
+        knowledge = repo.knowledge()
+        assert [(g.image, g.tuple_count) for g in knowledge.groups] == [("hio/simulation", 900), ("hio/microscopy", 600)]
+        assert (knowledge.tuple_count, knowledge.new_records, knowledge.up_to_offset) == (900, 600, 1500)
+        preferred = kd_config(tmp_path, repo, image="hio/microscopy", max_groups=1, consumer="kd2",
+                              data_dir=str(tmp_path / "var2"))
+        assert run(preferred, spark=spark) == 0
+        knowledge = repo.knowledge()
+        assert list(knowledge.feature_names) == ["a", "b", "c"] and len(knowledge.clusters) == 3
+        skipped = next(g for g in knowledge.groups if g.image == "hio/simulation")
+        assert skipped.tuple_count == 900 and not skipped.clusters and "max_groups" in skipped.algorithm
 
 
 def test_restarts_never_count_a_tuple_twice(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -41,7 +41,8 @@ def test_paths_default_under_data_dir(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("field", "value", "named"), [
     ("k", 0, "k"), ("interval", 0.0, "interval"), ("max_records_per_interval", 0, "max_records_per_interval"),
-    ("spark_conf", ("novalue",), "spark_conf"), ("consumer", " ", "consumer")])
+    ("spark_conf", ("novalue",), "spark_conf"), ("consumer", " ", "consumer"), ("max_groups", 0, "max_groups"),
+    ("fit_parallelism", 0, "fit_parallelism"), ("preview_groups", 0, "preview_groups")])
 def test_bad_settings_are_named(field: str, value: object, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         KDConfig(**{field: value}).validate()
