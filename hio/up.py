@@ -232,8 +232,12 @@ def run_up(config: UpConfig) -> int:
             knowledge = fetch_knowledge(config)
             if knowledge is not None:
                 print(format_knowledge(knowledge))
-            if config.http_listen:
+            preview = data_dir / "kd" / "preview.png"
+            if config.keep and config.http_listen:
                 _say(f"preview: http://{config.http_listen}/  (image: http://{config.http_listen}/preview.png)")
+            else:
+                _say(f"preview image: {preview}  (`hio up --keep` keeps every role running and serves it "
+                     f"at http://{config.http_listen or '127.0.0.1:7180'}/)")
         if config.keep:
             if config.kd:
                 _run_kd(cluster, config, once=False)

@@ -59,7 +59,7 @@ def _dendrogram(ax, result: Clustering) -> None:  # type: ignore[no-untyped-def]
 def _history(ax, history: list[tuple[float, int]]) -> None:  # type: ignore[no-untyped-def]
     if history:
         start = history[0][0]
-        ax.step([(t - start) / 60.0 for t, _ in history], [n for _, n in history], where="post")
+        ax.step([(t - start) / 60.0 for t, _ in history], [n for _, n in history], where="post", marker="o")
     ax.set_title("tuples processed")
     ax.set_xlabel("minutes since first interval")
     ax.set_ylabel("tuples")
