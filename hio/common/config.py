@@ -101,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, role: str) -> None
         typ = types[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         help_text = f"{f.metadata.get('help', '')} [default: {default!r}; env {_env_names(role, f.name)[0]}]"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
         if typ is bool:
             parser.add_argument(flag, dest=f.name, default=None,
                                 action=argparse.BooleanOptionalAction, help=help_text)

@@ -82,3 +82,13 @@ def test_cli_reports_config_errors_with_exit_2(capsys) -> None:
     assert main(["status", "--chunk-bytes", "abc"]) == 2
     assert "chunk-bytes" in capsys.readouterr().err
     assert main(["no-such-command"]) == 2
+
+
+@pytest.mark.parametrize("command", __import__("hio.cli", fromlist=["COMMANDS"]).COMMANDS)
+def test_every_command_prints_its_help(command, capsys) -> None:
+    from hio.cli import main
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: hio {command}") and "--config" in out
