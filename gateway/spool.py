@@ -48,7 +48,7 @@ from google.protobuf.message import DecodeError
 
 from hio.common.config import ConfigError
 from hio.common.errors import InvalidArgument, ResourceExhausted
-from hio.common.files import atomic_write, clean_temporaries, fsync_dir
+from hio.common.files import atomic_write, clean_temporaries, fsync_dir, fsync_file
 from hio.common.frames import crc32_of_file
 from hio.proto.tuple_pb2 import TupleMeta
 
@@ -95,14 +95,6 @@ def safe_name(text: str) -> str:
 
 BATCH_FSYNC_SECONDS = 0.1
 MEMORY_BYTES = 64 * 1024 * 1024  # payloads kept in memory besides the disk copy (Spool memory_bytes)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SpoolWriter:
@@ -207,13 +199,9 @@ class Spool:
             return
         for path in dirty:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fsync_file(path)
             except FileNotFoundError:  # delivered and removed meanwhile
                 continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
         fsync_dir(self.root)
 
     def close(self) -> None:
@@ -373,7 +361,7 @@ class Spool:
         always = self.fsync == "always"
         try:
             if always:
-                _fsync_path(tmp)  # the payload is on disk before the entry names it
+                fsync_file(tmp)  # the payload is on disk before the entry names it
             os.replace(tmp, data_path)
             if move is not None:
                 atomic_write(self._path(seq, "move"), json.dumps(dataclasses.asdict(move)).encode(),

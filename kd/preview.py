@@ -8,11 +8,11 @@ large the store grows."""
 from __future__ import annotations
 
 import io
-import os
 import time
 from pathlib import Path
 
 import numpy as np
+from hio.common.files import atomic_write
 from hio.kd.model import Clustering, GroupResult
 from hio.kd.store import Group
 
@@ -103,6 +103,4 @@ def render(results: list[GroupResult], history: list[tuple[float, int]], *, max_
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` so a viewer never sees half a PNG."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    atomic_write(path, data, durable=False)

@@ -28,6 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from hio.common.files import fsync_dir
 from hio.kd.records import to_unsigned
 
 log = logging.getLogger("hio.kd")
@@ -101,14 +103,6 @@ def _merge_sorted(known: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return np.union1d(known, ids)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class AccumulatedStore:
     """The Parquet folder plus its in-memory index. Driver-side, one writer."""
 
@@ -151,7 +145,7 @@ class AccumulatedStore:
         self._write(table, int(offsets.min()), int(offsets.max()))
         for part in parts:
             part.unlink()
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     # --- append ----------------------------------------------------------------
 
@@ -198,7 +192,7 @@ class AccumulatedStore:
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, final)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     # --- index -----------------------------------------------------------------
 

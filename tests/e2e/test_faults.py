@@ -22,7 +22,8 @@ import pytest
 
 from hio.common.net import create_channel
 from hio.common.settings import ClusterSettings
-from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+from hio.proto import features_pb2, master_pb2, master_pb2_grpc
+from hio.tools import fetch_knowledge
 from hio.up import read_features
 from tests.harness import CuttingProxy, HioProcess, free_port, wait_for
 
@@ -93,14 +94,7 @@ class FaultCluster:
             return master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=10)
 
     def knowledge(self) -> features_pb2.Knowledge | None:
-        with create_channel(self.repository, self.settings) as channel:
-            reply = repository_pb2_grpc.RepositoryStub(channel).GetKnowledge(
-                repository_pb2.GetKnowledgeRequest(), timeout=10)
-        if not reply.knowledge:
-            return None
-        k = features_pb2.Knowledge()
-        k.ParseFromString(reply.knowledge)
-        return k
+        return fetch_knowledge(self.settings)
 
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
