@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from hio.common.files import copy_exact
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, check_meta, frames_for_bytes, frames_for_stream
 from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import (ACK, MOVE, READ_BLOCK, Journal, RecordWriter, Segment, payload_intact,
@@ -563,13 +564,7 @@ class BacklogQueue:
             writer = self._begin_record(meta)
             try:
                 with self.dead.open_payload(tuple_id) as fh:
-                    remaining = meta.size
-                    while remaining:
-                        block = fh.read(min(READ_BLOCK, remaining))
-                        if not block:
-                            raise OSError(f"dead letter {tuple_id}: payload ends {remaining} bytes early")
-                        writer.write(block)
-                        remaining -= len(block)
+                    copy_exact(fh, writer.write, meta.size, f"dead letter {tuple_id}", READ_BLOCK)
                 self._finish_record(writer)
             except BaseException:
                 self._abort_record(writer)

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO, Iterable
 
+from hio.common.files import copy_exact
 from hio.common.frames import TupleMeta
 from hio.master.storage import Durability, fsync_dir, replace_durably, write_all
 
@@ -100,13 +101,7 @@ class DeadLetterStore:
             if isinstance(source, (bytes, bytearray, memoryview)):
                 out.write(source)
             else:
-                remaining = meta.size
-                while remaining:
-                    block = source.read(min(COPY_BLOCK, remaining))
-                    if not block:
-                        raise OSError(f"payload of tuple {meta.tuple_id} ended {remaining} bytes early")
-                    out.write(block)
-                    remaining -= len(block)
+                copy_exact(source, out.write, meta.size, f"tuple {meta.tuple_id}", COPY_BLOCK)
             return out.commit(reason, seq)
         except BaseException:
             out.abort()

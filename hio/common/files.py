@@ -11,6 +11,7 @@ import fcntl
 import os
 import threading
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 
 def fsync_dir(path: Path) -> None:
@@ -74,6 +75,18 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+def copy_exact(source: "BinaryIO", write: "Callable[[bytes], object]", size: int, what: str,
+               block: int = 1024 * 1024) -> None:
+    """Copy exactly ``size`` bytes from ``source`` to ``write``; OSError if it ends early."""
+    remaining = size
+    while remaining:
+        chunk = source.read(min(block, remaining))
+        if not chunk:
+            raise OSError(f"{what}: payload ends {remaining} bytes early")
+        write(chunk)
+        remaining -= len(chunk)
 
 
 def lock_folder(folder: Path) -> int | None:
