@@ -103,13 +103,12 @@ def _wait_channels(config: UpConfig, expected: int, deadline: float) -> None:
 
 
 def _expected_engines(config: UpConfig) -> int:
+    """How many engines the worker starts for ``config.engines`` on this machine."""
     import os
-    cpus = os.cpu_count() or 1
-    total = 0
-    for entry in config.engines:
-        image, _, count = entry.partition("=")
-        total += int(count) if count else max(1, cpus // len(config.engines))
-    return total
+
+    from hio.worker.config import engine_counts
+
+    return sum(count for _, count in engine_counts(config.engines, os.cpu_count() or 1))
 
 
 def _stream_samples(config: UpConfig, data_dir: Path, files: list[tuple[Path, str]]) -> list[int]:
