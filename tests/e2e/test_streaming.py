@@ -193,3 +193,22 @@ def test_queue_drains_first_come_first_served(tmp_path: Path) -> None:
         assert status.routed_direct >= 1
     finally:
         c.stop()
+
+
+def test_operator_commands_report_the_running_cluster(cluster: Cluster, capsys: pytest.CaptureFixture) -> None:
+    from hio.cli import main
+
+    where = ["--master-address", cluster.master, "--repository-address", cluster.repository]
+    assert main(["status", *where]) == 0
+    out = capsys.readouterr().out
+    assert "channels    free" in out and "worker w1" in out and "worker w2" in out and "hio/synthetic" in out
+    assert main(["status", "--json", *where]) == 0
+    assert '"channelsFree"' in capsys.readouterr().out
+    assert main(["dead-letters", *where]) == 0
+    assert "no dead letters" in capsys.readouterr().out
+    assert main(["knowledge", *where]) == 1, "no KD has run against this repository"
+    assert "no knowledge yet" in capsys.readouterr().out
+    assert main(["dead-letters", "--retry", "999999", *where]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+    assert main(["status", "--master-address", f"127.0.0.1:{free_port()}"]) == 1
+    assert "cannot get status from the master" in capsys.readouterr().err
