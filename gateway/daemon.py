@@ -15,7 +15,7 @@ import time
 from hio.common.net import create_server, set_serving
 from hio.gateway.client import Gateway
 from hio.gateway.config import GatewayConfig
-from hio.gateway.ingest import IngestReceiver, IngestServicer
+from hio.gateway.ingest import POLICY, IngestReceiver, IngestServicer
 from hio.gateway.watch import DirectoryWatcher
 from hio.proto import ingest_pb2_grpc
 
@@ -34,7 +34,7 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
         if config.ingest_listen:
             servicer = IngestServicer(gateway, receiver)
             server, port, health = create_server(
-                config, config.ingest_listen,
+                config, config.ingest_listen, policy=POLICY,
                 register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)])
             server.start()
             set_serving(health)

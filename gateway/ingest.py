@@ -140,6 +140,10 @@ class _MetaTracker:
         return frame
 
 
+# Who may call what on the ingest API (an `admin` token may call anything).
+POLICY = {"Submit": {"instrument", "gateway"}, "GetGatewayStatus": {"instrument", "gateway", "viewer"}}
+
+
 class IngestServicer(ingest_pb2_grpc.IngestServicer):
     """gRPC face of the gateway: decode, call the receiver or the gateway, encode."""
 

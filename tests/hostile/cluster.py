@@ -220,7 +220,7 @@ class HostileCluster:
         """A Gateway library object serving the ingest API on port 0: (gateway, address)."""
         from hio.gateway.client import Gateway
         from hio.gateway.config import GatewayConfig
-        from hio.gateway.ingest import IngestReceiver, IngestServicer
+        from hio.gateway.ingest import POLICY as INGEST_POLICY, IngestReceiver, IngestServicer
 
         values: dict[str, Any] = {"master_address": self.master_address,
                                   "repository_address": self.repository_address,
@@ -234,7 +234,8 @@ class HostileCluster:
         receiver = IngestReceiver(gateway)
         servicer = IngestServicer(gateway, receiver)
         server, port, health = create_server(
-            config, "127.0.0.1:0", register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)])
+            config, "127.0.0.1:0", policy=INGEST_POLICY,
+            register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)])
         server.start()
         set_serving(health)
         address = f"127.0.0.1:{port}"

@@ -412,10 +412,15 @@ def test_tokens_absent_wrong_or_of_the_wrong_role(cluster: HostileCluster, name:
     assert serving(address)
 
 
-def test_ingest_api_has_no_role_policy(cluster: HostileCluster) -> None:
-    """Any valid token may submit to a gateway: there is no `policy` for Ingest (documented, not a bug)."""
+def test_ingest_api_lets_viewers_read_but_not_submit(cluster: HostileCluster) -> None:
     ingest = ingest_pb2_grpc.IngestStub(cluster.channel(cluster.gateway_address, "viewer"))
     assert ingest.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5).spool_bytes_limit > 0
+    before = len(cluster.stored())
+    data = b"not from an instrument"
+    assert_refused(lambda: list(ingest.Submit(iter(frames(meta_for(0, data, GATEWAY_IMAGE, name="x"), data)),
+                                              timeout=5)),
+                   Code.PERMISSION_DENIED, "role 'viewer' may not call")
+    assert len(cluster.stored()) == before
 
 
 # ---------------------------------------------------------------------------------------------
