@@ -22,7 +22,19 @@ RUNTIMES = ("auto", "process", "docker")
 
 
 @dataclasses.dataclass(frozen=True)
-class WorkerConfig(ClusterSettings):
+class EngineSettings(ClusterSettings):
+    """What a worker and each of its engines must agree on: declared once, the
+    worker passes its values on to the engines it starts."""
+
+    tuple_timeout: float = setting(600.0, "seconds one tuple may spend in process() before the engine "
+                                   "gives it back to the master and restarts; 0 = no limit")
+    pull_wait: float = setting(5.0, "seconds an idle engine's queue long-poll stays open")
+    max_attempts: int = setting(3, "delivery attempts per tuple (must match the master's)")
+    grace_seconds: float = setting(5.0, "on SIGTERM: seconds an engine gets to finish its current tuple")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig(EngineSettings):
     worker_id: str = setting("", "this worker's id, unique in the cluster; empty = <hostname>-<pid>")
     advertise_host: str = setting("127.0.0.1", "host gateways use to reach this worker's engines")
     engine_listen_host: str = setting("127.0.0.1", "interface engines listen on")
@@ -36,11 +48,6 @@ class WorkerConfig(ClusterSettings):
     engine_memory_bytes: int = setting(0, "memory limit per engine (docker runtime); 0 = no limit")
     engine_cpus: float = setting(1.0, "CPUs per engine (docker runtime)")
     restart_backoff_max: float = setting(30.0, "longest wait, in seconds, before restarting a crashed engine")
-    tuple_timeout: float = setting(600.0, "seconds one tuple may spend in process() before the engine "
-                                   "gives it back to the master and restarts; 0 = no limit")
-    pull_wait: float = setting(5.0, "seconds an idle engine's queue long-poll stays open")
-    max_attempts: int = setting(3, "delivery attempts per tuple (must match the master's)")
-    grace_seconds: float = setting(5.0, "on SIGTERM: seconds engines get to finish their current tuple")
 
     def validate(self) -> None:
         self.validate_cluster()
@@ -121,19 +128,15 @@ def engine_counts(engines: tuple[str, ...], cpus: int) -> list[tuple[str, int]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig(ClusterSettings):
+class EngineConfig(EngineSettings):
     channel_id: str = setting("", "this engine's processing channel id (<worker_id>/<n>)")
     image: str = setting("", "the engine image this channel runs; tuples of other images are refused")
     pipeline: str = setting("", "module:function to call; empty = $HIO_PIPELINE, else the built-in for the image")
     listen: str = setting("127.0.0.1:0", "host:port the Engine service listens on")
-    tuple_timeout: float = setting(600.0, "seconds one tuple may spend in process(); 0 = no limit")
-    pull_wait: float = setting(5.0, "seconds the idle queue long-poll stays open")
-    max_attempts: int = setting(3, "delivery attempts per tuple (must match the master's)")
     store_batch_records: int = setting(256, "most feature records stored in one repository call")
     store_pending_records: int = setting(1024, "processed tuples whose features may wait to be stored "
                                                "before processing pauses")
     reservation_seconds: float = setting(15.0, "the master's reservation time; keep-alive reports every third of it")
-    grace_seconds: float = setting(5.0, "on SIGTERM: seconds to finish the current tuple")
     rpc_deadline: float = setting(60.0, "seconds to keep retrying the repository or master while unavailable")
     parent_pid: int = setting(0, "stop when this process (the worker that started us) is gone; 0 = never")
 
