@@ -184,12 +184,13 @@ class Master:
         with self._cond:
             result = self.registry.expire()
             self.pending.expire()
+            # Void under the same lock, so no status snapshot shows a channel DOWN still holding a lease.
+            for channel_id in result.down_channels:
+                self.queue.void_leases(channel_id, "worker expired")
             if result.expired_workers or result.lapsed_channels:
                 self._cond.notify_all()
         for worker_id in result.expired_workers:
             log.warning("worker expired", extra={"worker": worker_id, "after_s": self.config.expiry_seconds})
-        for channel_id in result.down_channels:
-            self.queue.void_leases(channel_id, "worker expired")
         for channel_id in self.queue.expire_leases():
             with self._cond:
                 channel = self.registry.channel(channel_id)
@@ -366,6 +367,8 @@ class Master:
         """Record outcomes, settle queued tuples, release the channel; True: pull the queue next."""
         if len(outcomes) > MAX_OUTCOMES:
             raise InvalidArgument(f"at most {MAX_OUTCOMES} outcomes per report, got {len(outcomes)}")
+        for n, outcome in enumerate(outcomes):
+            self._check_outcome(n, outcome)
         now = time.time()
         with self._cond:
             channel = self.registry.channel(channel_id)
@@ -401,6 +404,16 @@ class Master:
                 self.registry.set_free(channel)
             self._cond.notify_all()
             return pull
+
+    def _check_outcome(self, n: int, outcome: Outcome) -> None:
+        """Refuse figures no real tuple can have, so a bad report cannot poison the counters."""
+        if outcome.size > self.config.max_tuple_bytes:
+            raise InvalidArgument(f"outcome {n}: size {outcome.size} is over max_tuple_bytes "
+                                  f"({self.config.max_tuple_bytes}); no tuple that large was routed")
+        for name in ("processing_seconds", "accepted_unix"):
+            value = getattr(outcome, name)
+            if not math.isfinite(value) or value < 0:
+                raise InvalidArgument(f"outcome {n}: {name} must be a finite, non-negative number, got {value}")
 
     def _after_outcomes(self, channel_id: str) -> None:
         """A QUEUE channel whose tuple is settled but not released lapses to FREE unless it pulls again."""

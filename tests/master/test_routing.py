@@ -151,6 +151,20 @@ def test_unknown_image_and_bad_requests(make_master) -> None:  # type: ignore[no
     assert kept.tuple_ids == [1, 2]
 
 
+def test_reports_with_impossible_figures_are_refused_and_counters_stay_sane(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    ch = add_worker(master, "w1")[0]
+    for _ in range(3):      # found by hypothesis: sizes near 2**64 summed past what status can encode
+        with pytest.raises(InvalidArgument, match="max_tuple_bytes"):
+            master.report(ch, [Outcome(tuple_id=1, ok=True, size=2**64 - 1)], release=False)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(InvalidArgument, match="accepted_unix"):
+            master.report(ch, [Outcome(tuple_id=1, ok=True, size=1, accepted_unix=bad)], release=False)
+    master.report(ch, [Outcome(tuple_id=1, ok=True, size=10)], release=False)
+    status = master.status()
+    assert status.tuples_done == 1 and status.bytes_done == 10
+
+
 def test_tickets_are_hmac_of_id_and_image(make_master, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import hashlib
     import hmac
