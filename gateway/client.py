@@ -111,7 +111,8 @@ class Gateway:
         self._lock = threading.Lock()
         self._futures: dict[int, TupleFuture] = {}
         self._closed = False
-        self._dispatcher = Dispatcher(config, persist=self.spool.update, on_complete=self._finish)
+        self._dispatcher = Dispatcher(config, persist=self.spool.update_many, open_payload=self.spool.open_payload,
+                                      on_complete=self._finish)
         resumed = self.spool.entries()
         for entry in resumed:
             self._track(entry)

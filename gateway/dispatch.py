@@ -29,7 +29,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import grpc
 
@@ -91,10 +91,11 @@ class Dispatcher:
     rejected; the hook removes it from the spool.
     """
 
-    def __init__(self, config: GatewayConfig, *, persist: Callable[[SpoolEntry], None],
-                 on_complete: CompletionHook) -> None:
+    def __init__(self, config: GatewayConfig, *, persist: Callable[[list[SpoolEntry]], None],
+                 open_payload: Callable[[SpoolEntry], BinaryIO], on_complete: CompletionHook) -> None:
         self._config = config
-        self._persist_entry = persist
+        self._persist_entries = persist
+        self._open_payload = open_payload
         self._on_complete = on_complete
         self._source = config.resolved_source()
         self._cond = threading.Condition()
@@ -218,7 +219,7 @@ class Dispatcher:
             meta.tuple_id, meta.ticket = tuple_id, ticket
             if dead and pending.failure:
                 meta.attributes[LAST_ERROR_ATTRIBUTE] = pending.failure[:1000]
-            self._persist(pending)
+        self._persist(batch)
         if route.HasField("channel") and not dead:
             self._stream(batch, route.channel.address, direct=True)
         else:
@@ -235,9 +236,9 @@ class Dispatcher:
             raise _Protocol(f"master answered {len(response.tuple_ids)} ids for {len(batch)} tuples")
         return response
 
-    def _persist(self, pending: _Pending) -> None:
-        """Record the id and attempt in the spool, so any redelivery keeps them."""
-        self._persist_entry(pending.entry)
+    def _persist(self, batch: list[_Pending]) -> None:
+        """Record ids and attempts in the spool (one append), so any redelivery keeps them."""
+        self._persist_entries([p.entry for p in batch])
 
     def _stream(self, batch: list[_Pending], address: str, *, direct: bool) -> None:
         """One Deliver/Enqueue stream for the batch; settle each tuple by its receipt."""
@@ -280,7 +281,7 @@ class Dispatcher:
                 yield from frames_for_bytes(entry.meta, payload, chunk)
                 continue
             try:
-                fh = open(entry.data_path, "rb")
+                fh = self._open_payload(entry)
             except FileNotFoundError:
                 skipped.add(pending.seq)
                 self._complete(pending, Outcome.REJECTED, f"spooled payload {entry.data_path} is missing")
@@ -351,8 +352,7 @@ class Dispatcher:
                 heapq.heappush(self._delayed, (pending.not_before, next(self._counter), pending))
             self._cond.notify_all()
         if count_attempt:
-            for pending in batch:
-                self._persist(pending)
+            self._persist(batch)
         log.info("tuples back for redelivery", extra={"tuples": len(batch), "error": error,
                                                       "attempt_counted": count_attempt})
 

@@ -4,19 +4,40 @@ seen STORED or ENQUEUED.
 Layout, one folder per gateway instance (``data_dir/gateway/spool/<source>/``)::
 
     .lock                      flock held by the one process using this spool
-    00000000000000000042.data  the payload (hard link of the instrument's file, or a copy)
-    00000000000000000042.meta  serialized TupleMeta; its presence commits the entry
-    00000000000000000042.move  optional: where to move the original file once delivered (JSON)
+    00000000000000000003.seg   append-only segment: the spool's log (records below)
+    00000000000000000042.data  payload of a spooled *file* (hard link of the original, or a copy)
 
-Sequence numbers give the original order, so a restart resumes in that order.
-The meta file is written last, atomically (temp file, rename): an entry
-either exists whole or not at all. When the bytes reach the disk is the fsync
-policy's choice: 'always' fsyncs payload, meta and folder before the entry
-counts; 'batch' (the gateway's default) fsyncs them in the background about
-every 100 ms, so a crash of the gateway process loses nothing and a power loss
-at most the last 100 ms of submissions; 'never' leaves it to the OS. Updates after routing
-(the id, the attempt) are atomic renames too; they skip fsync, so a process
-crash never loses them, and an OS crash at worst gives a tuple a new id.
+Every change is one record appended to the active segment:
+
+* ``ADD``: a tuple with its metadata, its move-on-done target and its payload inline
+  (tuples submitted as bytes), or ``ADD_FILE``: the same with the payload in
+  ``<seq>.data`` (files, whose hard link costs nothing, and streamed uploads);
+* ``META``: the tuple's metadata changed (routed: id and ticket; retried: attempt);
+* ``DONE``: the tuple left the spool.
+
+A record is a header (magic, kind, sequence number, lengths, CRC-32 of header,
+metadata and move target) and its body; the payload is covered by
+``meta.crc32``. At start the segments are replayed in order: the last ADD or
+META of a sequence number gives its metadata, DONE removes it. A torn record
+(a crash mid-append) ends its segment; an inline payload that fails its CRC is
+set aside with a log line instead of being sent.
+
+Why segments and not a file per tuple: a tuple then costs one append at submit,
+one per route and one at the end, instead of creating, renaming and deleting
+three files. That is what lets small tuples through at thousands per second.
+
+Segments roll at ``segment_bytes``. A segment is deleted once it and every older
+one hold only finished tuples (oldest first, so a META or DONE record is never
+lost before the ADD it refers to). A tuple that stays long (an image no channel
+offers) would pin every later segment: when segments take more than twice the
+spool's bound, the oldest one's remaining tuples are copied forward into the
+active segment (same sequence number, current metadata) and it is deleted.
+
+When the bytes reach the disk is the fsync policy's choice: 'always' fsyncs
+before ``put`` returns; 'batch' (the gateway's default) fsyncs the segment in
+the background about every 100 ms, so a crash of the gateway process loses
+nothing and a power loss at most the last 100 ms of submissions; 'never'
+leaves it to the OS. META and DONE records ride along with the same policy.
 
 Payloads given as bytes are also kept in memory while spooled, up to
 ``memory_bytes`` in all, so delivery does not read them back from disk; the
@@ -37,25 +58,39 @@ import logging
 import os
 import re
 import shutil
+import struct
 import threading
 import time
 import uuid
 import zlib
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from google.protobuf.message import DecodeError
 
 from hio.common.config import ConfigError
 from hio.common.errors import InvalidArgument, ResourceExhausted
-from hio.common.files import atomic_write, clean_temporaries, fsync_dir, fsync_file
+from hio.common.files import clean_temporaries, fsync_dir, fsync_file, write_all
 from hio.common.frames import crc32_of_file
 from hio.proto.tuple_pb2 import TupleMeta
 
 log = logging.getLogger("hio.gateway")
 
-_NAME = re.compile(r"^(\d{20})\.meta$")
+_SEGMENT = re.compile(r"^(\d{20})\.seg$")
+_DATA = re.compile(r"^(\d{20})\.data$")
 _READ_BLOCK = 1024 * 1024
+
+# magic, kind, sequence number, meta length, move length, payload length, CRC-32 of the rest
+_HEAD = struct.Struct(">4sBQIIQI")
+_HEAD_BODY = struct.Struct(">4sBQIIQ")
+_MAGIC = b"HSP1"
+ADD, ADD_FILE, META, DONE = 1, 2, 3, 4
+_KINDS = frozenset({ADD, ADD_FILE, META, DONE})
+MAX_META_BYTES = 1024 * 1024
+
+SEGMENT_BYTES = 64 * 1024 * 1024
+BATCH_FSYNC_SECONDS = 0.1
+MEMORY_BYTES = 64 * 1024 * 1024  # payloads kept in memory besides the disk copy (Spool memory_bytes)
 
 
 class SpoolFull(ResourceExhausted):
@@ -72,12 +107,19 @@ class MoveOnDone:
 
 @dataclasses.dataclass
 class SpoolEntry:
-    """One spooled tuple. ``meta`` is the persisted metadata (id once routed)."""
+    """One spooled tuple. ``meta`` is the persisted metadata (id once routed).
+
+    The payload is ``meta.size`` bytes at ``offset`` in ``data_path``: a segment
+    (inline payloads) or the tuple's own ``<seq>.data`` file (offset 0). Read it
+    with :meth:`Spool.open_payload`, which stays right while segments are compacted.
+    """
 
     seq: int
     meta: TupleMeta
     data_path: Path
     move: MoveOnDone | None = None
+    offset: int = 0
+    segment: int = 0            # segment holding the entry's latest ADD record
     # The payload itself while it is spooled, for tuples given as bytes and within the
     # spool's memory bound: delivery then streams it without reading it back from disk.
     payload: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -86,6 +128,10 @@ class SpoolEntry:
     def size(self) -> int:
         return int(self.meta.size)
 
+    @property
+    def inline(self) -> bool:
+        return self.data_path.suffix == ".seg"
+
 
 def safe_name(text: str) -> str:
     """A folder name derived from a gateway's source name (no separators, not hidden)."""
@@ -93,8 +139,21 @@ def safe_name(text: str) -> str:
     return cleaned[:100]
 
 
-BATCH_FSYNC_SECONDS = 0.1
-MEMORY_BYTES = 64 * 1024 * 1024  # payloads kept in memory besides the disk copy (Spool memory_bytes)
+def _record(kind: int, seq: int, meta: bytes = b"", move: bytes = b"", payload_len: int = 0) -> bytes:
+    """A record's header and metadata (the payload, if any, follows it)."""
+    body = _HEAD_BODY.pack(_MAGIC, kind, seq, len(meta), len(move), payload_len)
+    check = zlib.crc32(move, zlib.crc32(meta, zlib.crc32(body))) & 0xFFFFFFFF
+    return body + struct.pack(">I", check) + meta + move
+
+
+@dataclasses.dataclass(eq=False)
+class _Segment:
+    id: int
+    path: Path
+    size: int = 0
+    fd: int | None = None               # open for appending while active
+    live: set[int] = dataclasses.field(default_factory=set)   # entries whose latest ADD is here
+    live_bytes: int = 0
 
 
 class SpoolWriter:
@@ -102,6 +161,8 @@ class SpoolWriter:
 
     Obtained from :meth:`Spool.writer`, which reserved ``size`` bytes of the
     bound. Not thread-safe (one writer per tuple). Always ``commit`` or ``abort``.
+    The payload goes to a file of its own (it arrives in chunks, interleaved
+    with other uploads), which the ADD_FILE record then names.
     """
 
     def __init__(self, spool: "Spool", size: int) -> None:
@@ -122,12 +183,15 @@ class SpoolWriter:
     def commit(self, meta: TupleMeta, move: MoveOnDone | None = None) -> SpoolEntry:
         """Make the payload durable and record the entry; sets meta.size and meta.crc32."""
         self._fh.flush()
-        if self._spool.fsync == "always":
-            os.fsync(self._fh.fileno())
         self._fh.close()
         meta.size = self.written
         meta.crc32 = self.crc & 0xFFFFFFFF
-        return self._spool._commit(self.path, meta, move, self._reserved)
+        reserved, self._reserved = self._reserved, 0
+        try:
+            return self._spool._commit_file(self.path, meta, move, reserved)
+        except BaseException:
+            self.path.unlink(missing_ok=True)
+            raise
 
     def abort(self) -> None:
         """Drop the partial payload and give its reservation back. Idempotent."""
@@ -143,26 +207,36 @@ class Spool:
     """The durable, bounded spool of one gateway instance (see the module doc)."""
 
     def __init__(self, root: str | os.PathLike[str], limit_bytes: int, fsync: str = "always",
-                 memory_bytes: int = MEMORY_BYTES) -> None:
+                 memory_bytes: int = MEMORY_BYTES, segment_bytes: int = SEGMENT_BYTES) -> None:
         if fsync not in ("always", "batch", "never"):
             raise ValueError(f"unknown fsync policy {fsync!r}")
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must not be negative, got {memory_bytes}")
+        if segment_bytes <= 0:
+            raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
         self.memory_limit = int(memory_bytes)
         self._memory_used = 0
         self.fsync = fsync
-        self._dirty: list[Path] = []
-        self._flusher: threading.Thread | None = None
+        self.segment_bytes = int(segment_bytes)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.limit = int(limit_bytes)
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()     # the bound, the entries, the segments
+        self._append_lock = threading.Lock()   # one append at a time, in order
         self._used = 0
         self._reserved = 0
         self._entries: dict[int, SpoolEntry] = {}
+        self._segments: dict[int, _Segment] = {}
+        self._active: _Segment | None = None
         self._next_seq = 1
+        self._dirty = False                    # appended since the last fsync ('batch')
+        self._dirty_files: list[Path] = []     # payload files not yet fsynced ('batch')
+        self._flusher: threading.Thread | None = None
         self._lock_fh = self._lock()
         self._load()
+        self._roll()
+        with self._append_lock:
+            self._reclaim()
         if fsync == "batch":
             self._flusher = threading.Thread(target=self._flush_loop, name="spool-fsync", daemon=True)
             self._flusher.start()
@@ -186,75 +260,203 @@ class Spool:
         return fh
 
     def _flush_loop(self) -> None:
-        """'batch': fsync what was committed, about every 100 ms, off the submit path."""
+        """'batch': fsync what was appended, about every 100 ms, off the submit path."""
         while self._lock_fh is not None:
             time.sleep(BATCH_FSYNC_SECONDS)
-            self.flush()
+            try:
+                self.flush()
+            except OSError as exc:  # keep flushing; the next pass retries
+                log.error("spool fsync failed", extra={"error": str(exc)})
 
     def flush(self) -> None:
-        """Make every entry committed so far durable (payloads, metas, the folder)."""
-        with self._cond:
-            dirty, self._dirty = self._dirty, []
-        if not dirty:
-            return
-        for path in dirty:
+        """Make every record appended so far durable (segment, payload files, the folder)."""
+        with self._append_lock:
+            dirty, self._dirty = self._dirty, False
+            files, self._dirty_files = self._dirty_files, []
+            active = self._active.fd if self._active is not None else None
+            fd = os.dup(active) if dirty and active is not None else None  # fsync outside the lock
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for path in files:
             try:
                 fsync_file(path)
             except FileNotFoundError:  # delivered and removed meanwhile
                 continue
-        fsync_dir(self.root)
+        if files or dirty:
+            fsync_dir(self.root)
 
     def close(self) -> None:
         """Release the folder lock. Entries stay on disk for the next start."""
-        if self.fsync == "batch":
+        if self._lock_fh is None:
+            return
+        if self.fsync != "never":
             self.flush()
-        if self._lock_fh is not None:
-            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
-            self._lock_fh.close()
-            self._lock_fh = None
+        with self._append_lock:
+            if self._active is not None and self._active.fd is not None:
+                os.close(self._active.fd)
+                self._active.fd = None
+        fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
+        self._lock_fh.close()
+        self._lock_fh = None
+
+    # -- loading ------------------------------------------------------------------
 
     def _load(self) -> None:
-        """Pick up committed entries; remove leftovers of interrupted writes."""
-        committed: set[int] = set()
-        clean_temporaries(self.root)  # metadata replacements a crash interrupted
-        for path in sorted(self.root.iterdir()):
-            match = _NAME.match(path.name)
+        """Replay the segments; remove leftovers of interrupted writes."""
+        clean_temporaries(self.root)
+        data_files: dict[int, Path] = {}
+        segment_ids = []
+        for path in self.root.iterdir():
             if path.name.startswith(".tmp-"):
                 path.unlink(missing_ok=True)
-            elif match:
-                entry = self._read_entry(int(match.group(1)))
-                if entry is not None:
-                    self._entries[entry.seq] = entry
-                    self._used += entry.size
-                    committed.add(entry.seq)
-        for path in self.root.iterdir():  # payloads whose meta never got written
-            stem = path.name.split(".", 1)[0]
-            if stem.isdigit() and int(stem) not in committed and not path.name.endswith(".bad"):
+            elif (match := _SEGMENT.match(path.name)):
+                segment_ids.append(int(match.group(1)))
+            elif (match := _DATA.match(path.name)):
+                data_files[int(match.group(1))] = path
+        top = 0
+        for seg_id in sorted(segment_ids):
+            segment = _Segment(seg_id, self._segment_path(seg_id))
+            self._segments[seg_id] = segment
+            top = max(top, self._replay(segment))
+        for seq, entry in list(self._entries.items()):
+            if not entry.inline and not self._file_ok(entry):
+                self._set_aside(entry, f"payload file {entry.data_path.name} is missing or of the wrong size")
+        for seq, path in data_files.items():
+            if seq not in self._entries:   # written, but its ADD_FILE record never was
                 path.unlink(missing_ok=True)
-        self._next_seq = max(committed, default=0) + 1
+        self._used = sum(e.size for e in self._entries.values())
+        self._next_seq = max(top, max(data_files, default=0)) + 1
         if self._entries:
             log.info("spool resumed", extra={"tuples": len(self._entries), "bytes": self._used,
                                              "spool": str(self.root)})
 
-    def _read_entry(self, seq: int) -> SpoolEntry | None:
-        meta_path = self._path(seq, "meta")
-        data_path = self._path(seq, "data")
-        try:
-            meta = TupleMeta.FromString(meta_path.read_bytes())
-            if data_path.stat().st_size != meta.size:
-                raise ValueError(f"payload has {data_path.stat().st_size} bytes, meta says {meta.size}")
-            move_path = self._path(seq, "move")
-            move = MoveOnDone(**json.loads(move_path.read_text())) if move_path.exists() else None
-        except (OSError, ValueError, TypeError, DecodeError) as exc:
-            log.error("unreadable spool entry set aside", extra={"seq": seq, "error": str(exc)})
-            for path in (meta_path, data_path):
-                if path.exists():
-                    path.rename(path.with_name(path.name + ".bad"))
-            return None
-        return SpoolEntry(seq, meta, data_path, move)
+    def _replay(self, segment: _Segment) -> int:
+        """Apply one segment's records; cut a torn tail. Returns the highest sequence seen."""
+        top = 0
+        with open(segment.path, "rb") as fh:
+            pos = 0
+            while True:
+                record = _read_record(fh, pos)
+                if record is None:
+                    break
+                kind, seq, meta_bytes, move_bytes, payload_at, end = record
+                top = max(top, seq)
+                self._apply(segment, kind, seq, meta_bytes, move_bytes, payload_at, fh)
+                pos = end
+            total = os.fstat(fh.fileno()).st_size
+        if pos < total:
+            log.warning("torn spool record cut off", extra={"segment": segment.path.name, "at": pos,
+                                                            "bytes": total - pos})
+            os.truncate(segment.path, pos)
+        segment.size = pos
+        return top
 
-    def _path(self, seq: int, kind: str) -> Path:
-        return self.root / f"{seq:020d}.{kind}"
+    def _apply(self, segment: _Segment, kind: int, seq: int, meta_bytes: bytes, move_bytes: bytes,
+               payload_at: int, fh: BinaryIO) -> None:
+        if kind == DONE:
+            self._forget(seq)
+            return
+        try:
+            meta = TupleMeta.FromString(meta_bytes)
+        except DecodeError as exc:
+            log.error("unreadable spool metadata skipped", extra={"seq": seq, "error": str(exc)})
+            return
+        if kind == META:
+            entry = self._entries.get(seq)
+            if entry is not None:
+                entry.meta = meta
+            return
+        try:
+            move = MoveOnDone(**json.loads(move_bytes)) if move_bytes else None
+        except (ValueError, TypeError) as exc:
+            log.error("unreadable move target ignored", extra={"seq": seq, "error": str(exc)})
+            move = None
+        self._forget(seq)  # a copied-forward ADD supersedes the older one
+        if kind == ADD:
+            if _crc_at(fh, payload_at, meta.size) != meta.crc32:
+                log.error("spooled payload fails its CRC; set aside, not sent",
+                          extra={"seq": seq, "tuple_name": meta.name, "segment": segment.path.name})
+                return
+            entry = SpoolEntry(seq, meta, segment.path, move, offset=payload_at, segment=segment.id)
+        else:
+            entry = SpoolEntry(seq, meta, self._data_path(seq), move, offset=0, segment=segment.id)
+        self._entries[seq] = entry
+        segment.live.add(seq)
+        segment.live_bytes += entry.size if entry.inline else 0
+
+    def _forget(self, seq: int) -> None:
+        entry = self._entries.pop(seq, None)
+        if entry is not None:
+            segment = self._segments.get(entry.segment)
+            if segment is not None and seq in segment.live:
+                segment.live.discard(seq)
+                segment.live_bytes -= entry.size if entry.inline else 0
+
+    def _file_ok(self, entry: SpoolEntry) -> bool:
+        try:
+            return entry.data_path.stat().st_size == entry.size
+        except OSError:
+            return False
+
+    def _set_aside(self, entry: SpoolEntry, reason: str) -> None:
+        log.error("unusable spool entry set aside", extra={"seq": entry.seq, "tuple_name": entry.meta.name,
+                                                           "error": reason})
+        self._forget(entry.seq)
+        if entry.data_path.exists() and not entry.inline:
+            entry.data_path.rename(entry.data_path.with_name(entry.data_path.name + ".bad"))
+
+    def _segment_path(self, seg_id: int) -> Path:
+        return self.root / f"{seg_id:020d}.seg"
+
+    def _data_path(self, seq: int) -> Path:
+        return self.root / f"{seq:020d}.data"
+
+    # -- appending ----------------------------------------------------------------
+
+    def _roll(self) -> None:
+        """Start a new active segment (at open, and when the active one is full)."""
+        old = self._active
+        if old is not None and old.fd is not None:
+            if self.fsync != "never":
+                os.fsync(old.fd)
+            os.close(old.fd)
+            old.fd = None
+        seg_id = max(self._segments, default=0) + 1
+        segment = _Segment(seg_id, self._segment_path(seg_id))
+        segment.fd = os.open(segment.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        with self._cond:
+            self._segments[seg_id] = segment
+            self._active = segment
+        if self.fsync == "always":
+            fsync_dir(self.root)
+        else:
+            self._dirty = True
+
+    def _append(self, parts: list[bytes | memoryview]) -> tuple[_Segment, int]:
+        """Append one record (its parts in order); the segment and the record's start.
+        Caller holds ``_append_lock``."""
+        segment = self._active
+        assert segment is not None and segment.fd is not None, "spool is closed"
+        if segment.size >= self.segment_bytes:
+            self._roll()
+            segment = self._active
+            assert segment is not None and segment.fd is not None
+        start = segment.size
+        try:
+            for part in parts:
+                write_all(segment.fd, part)
+        except BaseException:
+            os.ftruncate(segment.fd, start)   # never leave half a record before the next one
+            raise
+        segment.size = start + sum(len(p) for p in parts)
+        if self.fsync == "always":
+            os.fsync(segment.fd)
+        else:
+            self._dirty = True
+        return segment, start
 
     # -- the bound -----------------------------------------------------------
 
@@ -295,13 +497,21 @@ class Spool:
             raise
 
     def put_bytes(self, data: bytes, meta: TupleMeta, timeout: float | None = 0.0) -> SpoolEntry:
-        """Spool an in-memory payload (copied to disk); returns the committed entry."""
-        writer = self.writer(len(data), timeout)
+        """Spool an in-memory payload (one append); sets meta.size and meta.crc32."""
+        size = len(data)
+        self._reserve(size, timeout)
         try:
-            writer.write(data)
-            entry = writer.commit(meta)
+            meta.size = size
+            meta.crc32 = zlib.crc32(data) & 0xFFFFFFFF
+            meta_bytes = _meta_bytes(meta)
+            with self._append_lock:
+                seq = self._take_seq()
+                head = _record(ADD, seq, meta_bytes, b"", size)
+                segment, start = self._append([head, data])
+                entry = SpoolEntry(seq, meta, segment.path, None, offset=start + len(head), segment=segment.id)
+                self._admit(entry, segment, size)
         except BaseException:
-            writer.abort()
+            self._release(size)
             raise
         self._keep_in_memory(entry, data)
         return entry
@@ -331,10 +541,9 @@ class Spool:
             if actual != size:
                 raise InvalidArgument(f"{path} changed size while being spooled ({size} -> {actual} bytes)")
             meta.size, meta.crc32 = actual, crc
-            entry = self._commit(tmp, meta, move, size)
+            entry = self._commit_file(tmp, meta, move, size)
         except BaseException:
             tmp.unlink(missing_ok=True)
-            self._release(size)
             raise
         log.debug("spooled file", extra={"path": str(path), "seq": entry.seq, "linked": linked})
         return entry
@@ -351,63 +560,147 @@ class Spool:
             shutil.copyfileobj(src, dst, _READ_BLOCK)
         return False
 
-
-    def _commit(self, tmp: Path, meta: TupleMeta, move: MoveOnDone | None, reserved: int) -> SpoolEntry:
-        """Turn a written payload into an entry: rename, then the meta file last."""
-        with self._cond:
-            seq = self._next_seq
-            self._next_seq += 1
-        data_path = self._path(seq, "data")
-        always = self.fsync == "always"
+    def _commit_file(self, tmp: Path, meta: TupleMeta, move: MoveOnDone | None, reserved: int) -> SpoolEntry:
+        """Turn a written payload file into an entry: rename it to its sequence, then the record.
+        Releases ``reserved`` on failure."""
         try:
-            if always:
-                fsync_file(tmp)  # the payload is on disk before the entry names it
-            os.replace(tmp, data_path)
-            if move is not None:
-                atomic_write(self._path(seq, "move"), json.dumps(dataclasses.asdict(move)).encode(),
-                              durable=always)
-            atomic_write(self._path(seq, "meta"), meta.SerializeToString(), durable=always)
+            if self.fsync == "always":
+                fsync_file(tmp)   # the payload is on disk before a record names it
+            meta_bytes = _meta_bytes(meta)
+            move_bytes = json.dumps(dataclasses.asdict(move)).encode() if move is not None else b""
+            with self._append_lock:
+                seq = self._take_seq()
+                data_path = self._data_path(seq)
+                os.replace(tmp, data_path)
+                try:
+                    segment, _ = self._append([_record(ADD_FILE, seq, meta_bytes, move_bytes)])
+                except BaseException:
+                    data_path.unlink(missing_ok=True)
+                    raise
+                if self.fsync == "batch":
+                    self._dirty_files.append(data_path)
+                entry = SpoolEntry(seq, meta, data_path, move, offset=0, segment=segment.id)
+                self._admit(entry, segment, reserved)
         except BaseException:
-            for kind in ("data", "move", "meta"):
-                self._path(seq, kind).unlink(missing_ok=True)
+            self._release(reserved)
             raise
-        entry = SpoolEntry(seq, meta, data_path, move)
+        return entry
+
+    def _take_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def _admit(self, entry: SpoolEntry, segment: _Segment, reserved: int) -> None:
         with self._cond:
-            if self.fsync == "batch":
-                self._dirty += [data_path, self._path(seq, "meta")]
-                if move is not None:
-                    self._dirty.append(self._path(seq, "move"))
-            self._entries[seq] = entry
+            self._entries[entry.seq] = entry
+            segment.live.add(entry.seq)
+            segment.live_bytes += entry.size if entry.inline else 0
             self._reserved -= reserved
             self._used += entry.size
-        return entry
 
     # -- updating and removing ----------------------------------------------------
 
     def update(self, entry: SpoolEntry) -> None:
-        """Persist the entry's metadata (id, ticket, attempt) atomically."""
-        with self._cond:
-            if entry.seq not in self._entries:
-                return
-        atomic_write(self._path(entry.seq, "meta"), entry.meta.SerializeToString(), durable=False)
+        """Persist the entry's metadata (id, ticket, attempt)."""
+        self.update_many([entry])
+
+    def update_many(self, entries: list[SpoolEntry]) -> None:
+        """Persist several entries' metadata with one append."""
+        with self._append_lock:
+            with self._cond:
+                live = [e for e in entries if self._entries.get(e.seq) is e]
+            if live:
+                self._append([b"".join(_record(META, e.seq, _meta_bytes(e.meta)) for e in live)])
 
     def remove(self, entry: SpoolEntry) -> None:
-        """Forget a delivered tuple: the meta goes first, so a crash leaves no half entry."""
-        with self._cond:
-            if self._entries.pop(entry.seq, None) is None:
+        """Forget a delivered tuple: a DONE record, then its payload file (if any) and
+        every segment that holds only finished tuples."""
+        with self._append_lock:
+            with self._cond:
+                if self._entries.get(entry.seq) is not entry:
+                    return
+            self._append([_record(DONE, entry.seq)])
+            with self._cond:
+                self._forget(entry.seq)
+                self._used -= entry.size
+                if entry.payload is not None:
+                    self._memory_used -= len(entry.payload)
+                    entry.payload = None
+                self._cond.notify_all()
+            if not entry.inline:
+                entry.data_path.unlink(missing_ok=True)
+            self._reclaim()
+
+    def _reclaim(self) -> None:
+        """Delete finished segments oldest first; copy long-staying tuples forward when
+        segments take more than twice the bound. Caller holds ``_append_lock`` (or is loading)."""
+        while True:
+            with self._cond:
+                if not self._segments:
+                    return
+                oldest = self._segments[min(self._segments)]
+                if oldest is self._active:
+                    return
+                if oldest.live and not self._crowded():
+                    return
+                carry = [self._entries[s] for s in sorted(oldest.live)]
+            for entry in carry:
+                self._carry_forward(entry)
+            with self._cond:
+                if oldest.live:  # an entry could not be carried (read error): keep the segment
+                    return
+                del self._segments[oldest.id]
+            oldest.path.unlink(missing_ok=True)
+
+    def _crowded(self) -> bool:
+        on_disk = sum(s.size for s in self._segments.values())
+        return on_disk > 2 * max(self.limit, self.segment_bytes)
+
+    def _carry_forward(self, entry: SpoolEntry) -> None:
+        """Append the entry again (current metadata, same sequence) to the active segment."""
+        move_bytes = json.dumps(dataclasses.asdict(entry.move)).encode() if entry.move is not None else b""
+        meta_bytes = _meta_bytes(entry.meta)
+        if not entry.inline:
+            segment, _ = self._append([_record(ADD_FILE, entry.seq, meta_bytes, move_bytes)])
+            new_path, new_offset = entry.data_path, 0
+        else:
+            try:
+                payload = entry.payload if entry.payload is not None else _read_at(
+                    entry.data_path, entry.offset, entry.size)
+            except OSError as exc:
+                log.error("cannot carry a spooled tuple forward", extra={"seq": entry.seq, "error": str(exc)})
                 return
-        self._path(entry.seq, "meta").unlink(missing_ok=True)
-        if entry.move is not None:
-            self._path(entry.seq, "move").unlink(missing_ok=True)
-        entry.data_path.unlink(missing_ok=True)
+            head = _record(ADD, entry.seq, meta_bytes, move_bytes, entry.size)
+            segment, start = self._append([head, payload])
+            new_path, new_offset = segment.path, start + len(head)
         with self._cond:
-            self._used -= entry.size
-            if entry.payload is not None:
-                self._memory_used -= len(entry.payload)
-                entry.payload = None
-            self._cond.notify_all()
+            old = self._segments.get(entry.segment)
+            if old is not None:
+                old.live.discard(entry.seq)
+                old.live_bytes -= entry.size if entry.inline else 0
+            entry.data_path, entry.offset, entry.segment = new_path, new_offset, segment.id
+            segment.live.add(entry.seq)
+            segment.live_bytes += entry.size if entry.inline else 0
 
     # -- reading ---------------------------------------------------------------
+
+    def open_payload(self, entry: SpoolEntry) -> BinaryIO:
+        """An open file positioned at the entry's payload (``meta.size`` bytes follow).
+
+        Raises FileNotFoundError when the payload is gone. The open file stays
+        readable even if compaction deletes the segment meanwhile.
+        """
+        with self._cond:
+            path, offset = entry.data_path, entry.offset
+            fh = open(path, "rb")
+        fh.seek(offset)
+        return fh
+
+    def read_payload(self, entry: SpoolEntry) -> bytes:
+        """The entry's whole payload (for tools and tests; delivery streams it)."""
+        with self.open_payload(entry) as fh:
+            return fh.read(entry.size)
 
     def entries(self) -> list[SpoolEntry]:
         """Committed entries in their original order."""
@@ -432,6 +725,81 @@ class Spool:
         with self._cond:
             return self._reserved
 
+    @property
+    def segment_files(self) -> int:
+        with self._cond:
+            return len(self._segments)
+
     def __len__(self) -> int:
         with self._cond:
             return len(self._entries)
+
+
+def spooled_metas(root: str | os.PathLike[str]) -> list[TupleMeta]:
+    """The metadata of the tuples waiting in a spool folder, read only (the folder may be
+    in use by a running gateway): for operators and tests looking at what is held."""
+    entries: dict[int, TupleMeta] = {}
+    for path in sorted(Path(root).glob("*.seg")):
+        with open(path, "rb") as fh:
+            pos = 0
+            while (record := _read_record(fh, pos)) is not None:
+                kind, seq, meta_bytes, _, _, pos = record
+                if kind == DONE:
+                    entries.pop(seq, None)
+                elif kind != META or seq in entries:
+                    try:
+                        entries[seq] = TupleMeta.FromString(meta_bytes)
+                    except DecodeError:
+                        continue
+    return [entries[s] for s in sorted(entries)]
+
+
+def _meta_bytes(meta: TupleMeta) -> bytes:
+    data = meta.SerializeToString()
+    if len(data) > MAX_META_BYTES:
+        raise InvalidArgument(f"tuple metadata of {len(data)} bytes is over {MAX_META_BYTES}")
+    return data
+
+
+def _read_record(fh: BinaryIO, pos: int) -> tuple[int, int, bytes, bytes, int, int] | None:
+    """(kind, seq, meta, move, payload offset, end) of the record at ``pos``; None at the end
+    or where a record is torn or damaged."""
+    fh.seek(pos)
+    head = fh.read(_HEAD.size)
+    if len(head) < _HEAD.size:
+        return None
+    magic, kind, seq, meta_len, move_len, payload_len, check = _HEAD.unpack(head)
+    if magic != _MAGIC or kind not in _KINDS or meta_len > MAX_META_BYTES or move_len > MAX_META_BYTES:
+        return None
+    meta = fh.read(meta_len)
+    move = fh.read(move_len)
+    if len(meta) < meta_len or len(move) < move_len:
+        return None
+    if zlib.crc32(move, zlib.crc32(meta, zlib.crc32(head[:_HEAD_BODY.size]))) & 0xFFFFFFFF != check:
+        return None
+    payload_at = pos + _HEAD.size + meta_len + move_len
+    end = payload_at + payload_len
+    if end > os.fstat(fh.fileno()).st_size:
+        return None
+    return kind, seq, meta, move, payload_at, end
+
+
+def _crc_at(fh: BinaryIO, offset: int, size: int) -> int:
+    fh.seek(offset)
+    crc, left = 0, size
+    while left:
+        block = fh.read(min(_READ_BLOCK, left))
+        if not block:
+            break
+        crc = zlib.crc32(block, crc)
+        left -= len(block)
+    return crc & 0xFFFFFFFF
+
+
+def _read_at(path: Path, offset: int, size: int) -> bytes:
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        data = fh.read(size)
+    if len(data) != size:
+        raise OSError(f"{path}: {len(data)} of {size} bytes at {offset}")
+    return data

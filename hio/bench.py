@@ -15,6 +15,10 @@ is within ``tolerance``. A step at rate r sends ``N`` messages paced at r
   a growth above 5% of N or 2 x slots fails), and
 * no errors were reported.
 
+Each system, once started, first runs one short warm-up step that is not
+recorded (JIT, Python workers, connections), so its first point is not the
+only one that pays for start-up.
+
 Each result is printed beside the bound ``min(loopback bandwidth / size,
 slots / cost)`` (bandwidth measured at the start of the run). For the latency
 sizes (1 MB and 10 MB), p50/p99 from accepted to stored is measured at half
@@ -391,6 +395,11 @@ def find_max(run_step: Callable[[float], StepResult], start: float, cap: float, 
 
 # -- the run --------------------------------------------------------------------------
 
+WARM_UP_RATE = 20.0                    # messages/s of the warm-up step (at most)
+WARM_UP_BYTES_PER_SECOND = 50e6        # ...and at most this many bytes/s, for large messages
+WARM_UP_MESSAGES = 20
+
+
 def load_avg() -> float:
     try:
         return os.getloadavg()[0]
@@ -526,11 +535,25 @@ class BenchRun:
         system.start()
         print(f"hio bench: {name} up in {time.monotonic() - started:.1f}s", flush=True)
         try:
+            self._warm_up(system, todo[0][0])
             for size, cost in todo:
                 row = self._run_point(system, size, cost, done)
                 done[(name, size, cost * 1000)] = {k: str(v) for k, v in row.items()}
         finally:
             system.stop()
+
+    def _warm_up(self, system: System, size: int) -> None:
+        """A short step that is not recorded, so the first point does not pay for start-up
+        (the JVM's JIT, Python workers, connections) that no later point pays for."""
+        rate = min(WARM_UP_RATE, WARM_UP_BYTES_PER_SECOND / size)
+        system.begin_point(size, 0.0)
+        try:
+            result = StepRunner(system, MessageGenerator(size, text=system.text_payload), 0.0, self.config,
+                                prefix="warm").run(rate, min_messages=WARM_UP_MESSAGES)
+        finally:
+            system.end_point()
+        print(f"hio bench: {system.name} warmed up ({result.finished}/{result.messages} messages at "
+              f"{rate:.3g}/s; not recorded)", flush=True)
 
     def _guess(self, name: str, size: int, cost: float,
                done: dict[tuple[str, int, float], dict[str, str]]) -> float:

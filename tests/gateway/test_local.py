@@ -21,6 +21,7 @@ from hio.gateway import Gateway, GatewayConfig, SendConfig
 from hio.gateway.config import infer_image
 from hio.gateway.daemon import run_gateway
 from hio.gateway.watch import DirectoryWatcher
+from hio.gateway.spool import spooled_metas
 from hio.proto import ingest_pb2, ingest_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
 from tests.harness import free_port, hio_env
@@ -64,7 +65,7 @@ def test_ingest_accepts_and_spools(daemon: tuple[ingest_pb2_grpc.IngestStub, Pat
     assert (status.spooled_tuples, status.spooled_bytes, status.spool_bytes_limit) == (1, 40_000, 64 * 1024)
     payloads = list(spool_dir.glob("*.data"))
     assert len(payloads) == 1 and payloads[0].read_bytes() == data
-    meta = TupleMeta.FromString(payloads[0].with_suffix(".meta").read_bytes())
+    [meta] = spooled_metas(spool_dir)
     assert (meta.source, meta.image, meta.name, meta.attempt) == ("lab", "hio/synthetic", "a.bin", 1)
 
 

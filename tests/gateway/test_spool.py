@@ -1,4 +1,4 @@
-"""The on-disk spool: bound, atomic entries, restart resume, hard link vs copy."""
+"""The on-disk spool: bound, segments and their replay, torn records, reclaim, hard link vs copy."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_put_bytes_records_size_and_crc(tmp_path: Path) -> None:
     entry = spool.put_bytes(b"hello world", meta())
     assert entry.meta.size == 11
     assert entry.meta.crc32 == zlib.crc32(b"hello world") & 0xFFFFFFFF
-    assert entry.data_path.read_bytes() == b"hello world"
+    assert spool.read_payload(entry) == b"hello world"
     assert spool.used_bytes == 11 and len(spool) == 1
 
 
@@ -37,7 +37,7 @@ def test_bound_refuses_with_a_message_naming_it(tmp_path: Path) -> None:
         spool.put_bytes(b"z" * 101, meta())
     assert len(spool) == 1 and spool.used_bytes == 60 and spool.reserved_bytes == 0
     assert sorted(p.name for p in (tmp_path / "s").iterdir() if not p.name.startswith(".")) == [
-        "00000000000000000001.data", "00000000000000000001.meta"]
+        "00000000000000000001.seg"]     # one segment, nothing else: refused tuples left no trace
 
 
 def test_removal_frees_room_for_a_waiting_writer(tmp_path: Path) -> None:
@@ -50,7 +50,7 @@ def test_removal_frees_room_for_a_waiting_writer(tmp_path: Path) -> None:
     second = spool.put_bytes(b"y" * 80, meta(), timeout=5.0)  # blocks until the removal
     timer.join()
     assert [e.seq for e in spool.entries()] == [second.seq]
-    assert not first.data_path.exists()
+    assert spool.used_bytes == 80 and spool.read_payload(second) == b"y" * 80
 
 
 def test_restart_resumes_in_order_with_updates(tmp_path: Path) -> None:
@@ -77,37 +77,93 @@ def test_interrupted_writes_leave_no_entry(tmp_path: Path) -> None:
     writer = spool.writer(10)
     writer.write(b"half")     # a crash now leaves a temp file
     spool.close()
-    (root / "00000000000000000009.data").write_bytes(b"payload whose meta never got written")
+    (root / "00000000000000000009.data").write_bytes(b"payload whose record never got written")
     (root / ".tmp-123").write_bytes(b"temp meta")
 
     again = Spool(root, 1 << 20)
     assert [e.seq for e in again.entries()] == [keep.seq]
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".lock")) == [
-        "00000000000000000001.data", "00000000000000000001.meta"]
+        "00000000000000000001.seg", "00000000000000000002.seg"]
+    assert again.put_bytes(b"next", meta()).seq == 10     # never reuses a sequence a file had
 
 
-def test_corrupt_meta_is_set_aside_not_sent(tmp_path: Path) -> None:
+def test_torn_record_is_cut_off_and_earlier_ones_survive(tmp_path: Path) -> None:
     root = tmp_path / "s"
     spool = Spool(root, 1 << 20)
-    good = spool.put_bytes(b"good", meta())
-    bad = spool.put_bytes(b"bad!", meta())
+    good = [spool.put_bytes(f"good {i}".encode(), meta(f"g{i}")) for i in range(3)]
+    spool.put_bytes(b"torn" * 100, meta("torn"))
     spool.close()
-    (root / f"{bad.seq:020d}.meta").write_bytes(b"\xff\xff not a protobuf")
+    segment = root / "00000000000000000001.seg"
+    size = segment.stat().st_size
+    os.truncate(segment, size - 150)       # a crash in the middle of the last append
     again = Spool(root, 1 << 20)
-    assert [e.seq for e in again.entries()] == [good.seq]
-    assert (root / f"{bad.seq:020d}.meta.bad").exists()
+    assert [e.meta.name for e in again.entries()] == ["g0", "g1", "g2"]
+    assert [again.read_payload(e) for e in again.entries()] == [spool_payload(e) for e in good]
+    assert segment.stat().st_size < size - 150     # the torn record is gone for good
+    again.close()
 
 
-def test_meta_is_replaced_atomically(tmp_path: Path) -> None:
-    spool = Spool(tmp_path / "s", 1 << 20)
-    entry = spool.put_bytes(b"abc", meta())
-    meta_path = tmp_path / "s" / f"{entry.seq:020d}.meta"
-    inode = meta_path.stat().st_ino
-    entry.meta.tuple_id = 5
-    spool.update(entry)
-    assert meta_path.stat().st_ino != inode  # a new file renamed over the old, never rewritten in place
-    assert TupleMeta.FromString(meta_path.read_bytes()).tuple_id == 5
-    assert not [p for p in (tmp_path / "s").iterdir() if p.name.startswith(".tmp-")]
+def spool_payload(entry: object) -> bytes:
+    return f"good {entry.meta.name[1:]}".encode()    # type: ignore[attr-defined]
+
+
+def test_damaged_payload_is_set_aside_not_sent(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    spool = Spool(root, 1 << 20)
+    first = spool.put_bytes(b"A" * 1000, meta("first"))
+    spool.put_bytes(b"B" * 1000, meta("second"))
+    spool.close()
+    segment = root / "00000000000000000001.seg"
+    data = bytearray(segment.read_bytes())
+    data[first.offset + 500] ^= 0xFF       # a flipped bit on the disk
+    segment.write_bytes(bytes(data))
+    again = Spool(root, 1 << 20)
+    assert [e.meta.name for e in again.entries()] == ["second"]
+    assert again.used_bytes == 1000
+
+
+def test_update_is_one_append_and_survives_restart(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    spool = Spool(root, 1 << 20)
+    entries = [spool.put_bytes(b"abc", meta(f"n{i}")) for i in range(3)]
+    before = (root / "00000000000000000001.seg").stat().st_size
+    for i, entry in enumerate(entries):
+        entry.meta.tuple_id, entry.meta.ticket = 100 + i, b"t" * 32
+    spool.update_many(entries)
+    assert (root / "00000000000000000001.seg").stat().st_size > before
+    spool.close()
+    assert [e.meta.tuple_id for e in Spool(root, 1 << 20).entries()] == [100, 101, 102]
+
+
+def test_finished_segments_are_deleted_oldest_first(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    spool = Spool(root, 1 << 20, segment_bytes=4096)
+    entries = [spool.put_bytes(bytes([i]) * 1000, meta(f"n{i}")) for i in range(20)]
+    assert spool.segment_files >= 4
+    for entry in entries[1:]:
+        spool.remove(entry)
+    assert spool.segment_files >= 4          # the first tuple pins its segment and the later ones
+    spool.remove(entries[0])
+    assert spool.segment_files == 1          # only the active one is left
+    spool.close()
+    assert Spool(root, 1 << 20).entries() == []
+
+
+def test_a_tuple_that_stays_is_carried_forward_so_disk_use_stays_bounded(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    spool = Spool(root, 10_000, segment_bytes=2048)
+    stuck = spool.put_bytes(b"S" * 500, meta("stuck"))
+    stuck.meta.tuple_id = 7
+    spool.update(stuck)
+    for i in range(200):                     # far more than the bound passes through
+        spool.remove(spool.put_bytes(bytes([i % 256]) * 900, meta(f"n{i}")))
+    on_disk = sum(p.stat().st_size for p in root.glob("*.seg"))
+    assert on_disk <= 2 * 10_000 + 3 * 2048
+    [entry] = spool.entries()
+    assert spool.read_payload(entry) == b"S" * 500
+    spool.close()
+    [resumed] = Spool(root, 10_000, segment_bytes=2048).entries()
+    assert (resumed.meta.name, resumed.meta.tuple_id) == ("stuck", 7)
 
 
 def test_file_on_same_filesystem_is_hard_linked(tmp_path: Path) -> None:
