@@ -186,13 +186,22 @@ class Dispatcher:
                 self._cond.wait(wait)
 
     def _take_batch(self) -> list[_Pending]:
-        """Consecutive ready tuples of the head's image within the batch bounds."""
+        """Consecutive ready tuples of the head's image within the batch bounds.
+
+        A stream takes at most its fair share of what is ready (ready / streams,
+        at least one): a batch goes to one channel, so when few tuples wait
+        (costly processing, moderate rates) they spread over the channels
+        instead of queueing behind one engine while another idles; when many
+        wait (small tuples, high rates) batches stay large.
+        """
+        share = max(1, -(-(len(self._ready)) // self._config.streams))
+        limit = min(self._config.batch_tuples, share)
         head = heapq.heappop(self._ready)
         batch, total = [head], head.entry.size
         if head.solo or self._is_dead(head):
             return batch
         image = head.entry.meta.image
-        while self._ready and len(batch) < self._config.batch_tuples:
+        while self._ready and len(batch) < limit:
             nxt = self._ready[0]
             if (nxt.entry.meta.image != image or nxt.solo or self._is_dead(nxt)
                     or total + nxt.entry.size > self._config.batch_bytes):

@@ -1,0 +1,51 @@
+"""How the dispatcher cuts the ready tuples into batches (one batch = one route, one channel)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hio.gateway.config import GatewayConfig
+from hio.gateway.dispatch import Dispatcher
+from hio.gateway.spool import SpoolEntry
+from hio.proto.tuple_pb2 import TupleMeta
+
+
+def dispatcher(**overrides: object) -> Dispatcher:
+    config = GatewayConfig(**{"master_address": "127.0.0.1:1", **overrides})  # type: ignore[arg-type]
+    return Dispatcher(config, persist=lambda entries: None, open_payload=lambda e: open(e.data_path, "rb"),
+                      on_complete=lambda *args: None)
+
+
+def add(d: Dispatcher, count: int, image: str = "hio/synthetic", size: int = 100, start: int = 1) -> None:
+    for seq in range(start, start + count):
+        d.add(SpoolEntry(seq, TupleMeta(image=image, size=size, name=f"t{seq}"), Path("/nonexistent")))
+
+
+def sizes(d: Dispatcher) -> list[int]:
+    out = []
+    while d.waiting():
+        out.append(len(d._take_batch()))    # the unit under test; no thread, no network
+    return out
+
+
+def test_few_ready_tuples_spread_over_the_streams() -> None:
+    d = dispatcher(streams=4, batch_tuples=64)
+    add(d, 4)
+    assert sizes(d) == [1, 1, 1, 1]       # four channels can each take one, instead of one taking four
+
+
+def test_many_ready_tuples_make_large_batches_within_the_bound() -> None:
+    d = dispatcher(streams=4, batch_tuples=64)
+    add(d, 400)
+    first = sizes(d)
+    assert first[0] == 64 and sum(first) == 400 and max(first) <= 64
+    d = dispatcher(streams=4, batch_tuples=64)
+    add(d, 40)
+    assert sizes(d)[0] == 10              # a quarter of what waits
+
+
+def test_a_batch_holds_one_image_and_respects_bytes() -> None:
+    d = dispatcher(streams=1, batch_tuples=64, batch_bytes=1000)
+    add(d, 3, image="a", size=400)
+    add(d, 2, image="b", size=10, start=4)
+    assert sizes(d) == [2, 1, 2]          # 800 bytes fit, 1200 would not; then image b alone
