@@ -67,9 +67,11 @@ def _pct(fraction: float) -> str:
 
 
 def best_per_cell(rows: list[Row]) -> dict[tuple[int, float], Row]:
-    """The row with the highest rate in each (size, cost) cell."""
+    """The row with the highest rate in each (size, cost) cell; on a tie, the system listed first
+    in :data:`COLORS` (so the picture does not depend on the order the runs were made in)."""
+    order = {name: n for n, name in enumerate(COLORS)}
     best: dict[tuple[int, float], Row] = {}
-    for row in rows:
+    for row in sorted(rows, key=lambda r: order.get(r["system"], len(order))):
         key = (row["size"], row["cost_ms"])
         if key not in best or row["max_rate"] > best[key]["max_rate"]:
             best[key] = row
@@ -112,7 +114,7 @@ def plot_heatmap(rows: list[Row], path: Path) -> None:
     ax.set_yticks([i + 0.5 for i in range(len(costs))], [cost_label(c) for c in costs])
     ax.set_xlabel("message size")
     ax.set_ylabel("CPU cost per message")
-    ax.set_title("Max sustained frequency (messages/s); colour = best system", fontsize=10)
+    ax.set_title("Max sustained frequency (messages/s); colour = best system (ties: first in the legend)", fontsize=10)
     ax.legend(handles=[Patch(facecolor=COLORS.get(s, "#999"), alpha=0.5, label=s) for s in systems],
               loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(systems), fontsize=8)
     fig.tight_layout()
@@ -162,6 +164,17 @@ def index_bound(rows: list[Row], size: int, cost: float) -> float:
         if row["size"] == size and row["cost_ms"] == cost and not math.isnan(row["bound"]):
             return row["bound"]
     return 0.0
+
+
+def _bound_cell(rows: list[Row], size: int, cost: float) -> str:
+    """The bound of a cell; a range when runs that measured different loopback speeds share it."""
+    bounds = sorted({row["bound"] for row in rows
+                     if row["size"] == size and row["cost_ms"] == cost and not math.isnan(row["bound"])})
+    if not bounds:
+        return "–"
+    if bounds[-1] - bounds[0] <= 1e-9 * bounds[-1]:
+        return _rate(bounds[0])
+    return f"{_rate(bounds[0])} – {_rate(bounds[-1])}"
 
 
 # -- targets ---------------------------------------------------------------------------------
@@ -239,8 +252,8 @@ def _table(rows: list[Row], systems: list[str]) -> list[str]:
     lines = ["| system | cost | " + " | ".join(size_label(s) for s in sizes) + " |",
              "|---|---|" + "---|" * len(sizes)]
     for cost in costs:
-        bound = [index_bound(rows, s, cost) for s in sizes]
-        lines.append(f"| *bound* | {cost_label(cost)} | " + " | ".join(f"*{_rate(b)}*" for b in bound) + " |")
+        lines.append(f"| *bound* | {cost_label(cost)} | "
+                     + " | ".join(f"*{_bound_cell(rows, s, cost)}*" for s in sizes) + " |")
         for system in systems:
             cells = []
             for size in sizes:
@@ -321,9 +334,9 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
         "The bound is `min(loopback bandwidth / size, 2 / cost)`; loopback bandwidth (one TCP stream, "
         f"measured by each run): {', '.join(f'{b:,.0f}' for b in loopback)} MB/s. Cells show "
         "messages/s and, in brackets, the fraction of the bound.", "",
-        f"**Noise.** The machine was shared with other test runs while measuring (1-minute load average "
-        f"{min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores); results are indicative, "
-        "not precise." if loads else "",
+        f"**Load.** The 1-minute load average after each point was {min(loads):.1f} to {max(loads):.1f} "
+        f"on {os.cpu_count()} cores; it counts the measured system's own processes and threads, so it "
+        "says little about other work on the machine. The CPU share below does." if loads else "",
         (f"Before each point two processes burned 0.2 s of CPU each: the machine gave "
          f"{min(slots):.2f} to {max(slots):.2f} of the 2 slots the bound assumes (column `cpu_slots` "
          "of the CSV); a CPU-bound cell cannot exceed `cpu_slots / cost`.") if slots else "", "",

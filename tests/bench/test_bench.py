@@ -136,6 +136,23 @@ def test_report_has_tables_plots_targets_and_spark_wins(tmp_path: Path) -> None:
     assert targets["1 MB, no cost: >= 5x Spark file source"] == "met"
     assert "100 B x 0: spark-socket 30,000/s, 2.50x this system." in text
     assert read_done(results)[("hio-direct", 100, 0.0)]["max_rate"] == "12000"
+    assert "| *bound* | 0 | *5,000,000* | *500* |" in text     # one loopback figure: one bound
+
+
+def test_report_shows_a_bound_range_when_runs_measured_different_loopbacks(tmp_path: Path) -> None:
+    results = tmp_path / "docs" / "benchmarks" / "results-full.csv"
+    results.parent.mkdir(parents=True)
+    _write_results(results)
+    rows = list(csv.DictReader(open(results)))
+    for row in rows:
+        if row["system"] == "spark-file" and row["cost_ms"] == "0":
+            row["bound"] = str(float(row["bound"]) * 2)           # measured in a run with twice the loopback
+    with open(results, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    text = write_report(results, tmp_path / "docs").read_text()
+    assert "| *bound* | 0 | *5,000,000 – 10,000,000* | *500 – 1,000* |" in text
 
 
 @pytest.mark.slow
