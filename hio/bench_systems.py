@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import os
 import random
+import shutil
 import socket
 import string
 import sys
@@ -251,8 +252,13 @@ class HioSystem(System):
             self._cluster = None
 
     def reset(self) -> None:
-        """A backlog sits in the gateway spool and the master queue: start afresh."""
+        """A backlog sits in the gateway spool and the master queue: start afresh.
+        The old state (possibly GBs of spooled tuples) goes; its logs stay."""
         self.stop()
+        old = self.root / f"{self.name}-{self._generation}"
+        for child in old.iterdir() if old.is_dir() else ():
+            if child.name != "logs":
+                shutil.rmtree(child, ignore_errors=True)
         self.start()
 
     # data path
@@ -379,6 +385,7 @@ class SparkSystem(System):
         self._errors: list[str] = []
         self._stopping = False
         self._point = 0
+        self._point_dir: Path | None = None
         self._size = 0
         self._cost = 0.0
 
@@ -400,6 +407,7 @@ class SparkSystem(System):
             self._count = 0
         point_dir = self.root / f"{self.name}-p{self._point}"
         point_dir.mkdir(parents=True, exist_ok=True)
+        self._point_dir = point_dir
         frame = self._source(point_dir)
         from pyspark.sql import functions as F
         from pyspark.sql.types import StringType
@@ -423,6 +431,10 @@ class SparkSystem(System):
                 self._stopping = False
             self.query = None
         self._close_source()
+        if self._point_dir is not None:
+            # The point's messages and checkpoint: a full grid writes tens of GB of them.
+            shutil.rmtree(self._point_dir, ignore_errors=True)
+            self._point_dir = None
 
     def reset(self) -> None:
         """A fresh query and source: the backlog of the old one is dropped."""

@@ -177,6 +177,9 @@ def test_smoke_whole_machinery_on_a_tiny_grid_and_resume(tmp_path: Path) -> None
     assert {s["system"] for s in steps} == {r["system"] for r in rows}
     assert any(s["passed"] == "1" for s in steps), steps
     assert "## Targets" in (out / "benchmarks.md").read_text()
+    left = [p for p in (tmp_path / "var" / "bench").rglob("*") if p.is_dir() and p.name.startswith("spark-")
+            and "-p" in p.name]
+    assert left == []                     # Spark's per-point messages and checkpoints are removed
     again = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("points done earlier") == 4
