@@ -153,7 +153,6 @@ class _Segment:
     size: int = 0
     fd: int | None = None               # open for appending while active
     live: set[int] = dataclasses.field(default_factory=set)   # entries whose latest ADD is here
-    live_bytes: int = 0
 
 
 class SpoolWriter:
@@ -335,14 +334,9 @@ class Spool:
 
     def _replay(self, segment: _Segment) -> int:
         """Apply one segment's records; cut a torn tail. Returns the highest sequence seen."""
-        top = 0
+        top = pos = 0
         with open(segment.path, "rb") as fh:
-            pos = 0
-            while True:
-                record = _read_record(fh, pos)
-                if record is None:
-                    break
-                kind, seq, meta_bytes, move_bytes, payload_at, end = record
+            for kind, seq, meta_bytes, move_bytes, payload_at, end in _records(fh):
                 top = max(top, seq)
                 self._apply(segment, kind, seq, meta_bytes, move_bytes, payload_at, fh)
                 pos = end
@@ -385,15 +379,13 @@ class Spool:
             entry = SpoolEntry(seq, meta, self._data_path(seq), move, offset=0, segment=segment.id)
         self._entries[seq] = entry
         segment.live.add(seq)
-        segment.live_bytes += entry.size if entry.inline else 0
 
     def _forget(self, seq: int) -> None:
         entry = self._entries.pop(seq, None)
         if entry is not None:
             segment = self._segments.get(entry.segment)
-            if segment is not None and seq in segment.live:
+            if segment is not None:
                 segment.live.discard(seq)
-                segment.live_bytes -= entry.size if entry.inline else 0
 
     def _file_ok(self, entry: SpoolEntry) -> bool:
         try:
@@ -567,7 +559,7 @@ class Spool:
             if self.fsync == "always":
                 fsync_file(tmp)   # the payload is on disk before a record names it
             meta_bytes = _meta_bytes(meta)
-            move_bytes = json.dumps(dataclasses.asdict(move)).encode() if move is not None else b""
+            move_bytes = _move_bytes(move)
             with self._append_lock:
                 seq = self._take_seq()
                 data_path = self._data_path(seq)
@@ -595,7 +587,6 @@ class Spool:
         with self._cond:
             self._entries[entry.seq] = entry
             segment.live.add(entry.seq)
-            segment.live_bytes += entry.size if entry.inline else 0
             self._reserved -= reserved
             self._used += entry.size
 
@@ -659,7 +650,7 @@ class Spool:
 
     def _carry_forward(self, entry: SpoolEntry) -> None:
         """Append the entry again (current metadata, same sequence) to the active segment."""
-        move_bytes = json.dumps(dataclasses.asdict(entry.move)).encode() if entry.move is not None else b""
+        move_bytes = _move_bytes(entry.move)
         meta_bytes = _meta_bytes(entry.meta)
         if not entry.inline:
             segment, _ = self._append([_record(ADD_FILE, entry.seq, meta_bytes, move_bytes)])
@@ -678,10 +669,8 @@ class Spool:
             old = self._segments.get(entry.segment)
             if old is not None:
                 old.live.discard(entry.seq)
-                old.live_bytes -= entry.size if entry.inline else 0
             entry.data_path, entry.offset, entry.segment = new_path, new_offset, segment.id
             segment.live.add(entry.seq)
-            segment.live_bytes += entry.size if entry.inline else 0
 
     # -- reading ---------------------------------------------------------------
 
@@ -741,9 +730,7 @@ def spooled_metas(root: str | os.PathLike[str]) -> list[TupleMeta]:
     entries: dict[int, TupleMeta] = {}
     for path in sorted(Path(root).glob("*.seg")):
         with open(path, "rb") as fh:
-            pos = 0
-            while (record := _read_record(fh, pos)) is not None:
-                kind, seq, meta_bytes, _, _, pos = record
+            for kind, seq, meta_bytes, _, _, _ in _records(fh):
                 if kind == DONE:
                     entries.pop(seq, None)
                 elif kind != META or seq in entries:
@@ -759,6 +746,18 @@ def _meta_bytes(meta: TupleMeta) -> bytes:
     if len(data) > MAX_META_BYTES:
         raise InvalidArgument(f"tuple metadata of {len(data)} bytes is over {MAX_META_BYTES}")
     return data
+
+
+def _move_bytes(move: MoveOnDone | None) -> bytes:
+    return json.dumps(dataclasses.asdict(move)).encode() if move is not None else b""
+
+
+def _records(fh: BinaryIO) -> Iterator[tuple[int, int, bytes, bytes, int, int]]:
+    """A segment's whole records in order; stops at its end or at a torn or damaged record."""
+    pos = 0
+    while (record := _read_record(fh, pos)) is not None:
+        yield record
+        pos = record[-1]
 
 
 def _read_record(fh: BinaryIO, pos: int) -> tuple[int, int, bytes, bytes, int, int] | None:
