@@ -54,7 +54,8 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
         lines.append(f"  worker {w.worker_id} ({w.host}), heartbeat {w.last_heartbeat_age_seconds:.1f}s ago")
         for c in w.channels:
             detail = f"  {c.detail}" if c.detail else ""
-            lines.append(f"    {c.channel_id:<24} {c.image:<18} {_STATE.get(c.state, '?'):<7}"
+            state = "busy" if c.state == master_pb2.FREE and c.processing else _STATE.get(c.state, "?")
+            lines.append(f"    {c.channel_id:<24} {c.image:<18} {state:<7}"
                          f" {c.address:<22} done {c.tuples_done:,}{detail}")
     if s.queues:
         lines.append(f"queues (limit {_mb(s.queue_bytes_limit)})")

@@ -363,8 +363,12 @@ class Master:
                     self.registry.set_free(channel)
                 self._cond.notify_all()
 
-    def report(self, channel_id: str, outcomes: list[Outcome], release: bool) -> bool:
-        """Record outcomes, settle queued tuples, release the channel; True: pull the queue next."""
+    def report(self, channel_id: str, outcomes: list[Outcome], release: bool, *, processing: bool = False) -> bool:
+        """Record outcomes, settle queued tuples, release the channel; True: pull the queue next.
+
+        ``processing`` is whether the channel is processing a tuple as it
+        reports: routing prefers free channels that are not.
+        """
         if len(outcomes) > MAX_OUTCOMES:
             raise InvalidArgument(f"at most {MAX_OUTCOMES} outcomes per report, got {len(outcomes)}")
         for n, outcome in enumerate(outcomes):
@@ -374,6 +378,7 @@ class Master:
             channel = self.registry.channel(channel_id)
             if channel is not None:
                 self.registry.touch(channel)
+                channel.processing = processing
             self.queue.refresh(channel_id, self.config.lease_seconds)
             for outcome in outcomes:
                 latency = now - outcome.accepted_unix if outcome.accepted_unix > 0 else None

@@ -49,6 +49,7 @@ class Channel:
     detail: str = ""
     tuples_done: int = 0
     last_used: float = 0.0        # when it was last given work: free channels are chosen least recently used
+    processing: bool = False      # its last report said a tuple is in progress (a FREE one finishes its last)
     deadline: float = NEVER       # DIRECT, or QUEUE before its pull: becomes FREE after this without reports
 
 
@@ -144,6 +145,7 @@ class ChannelRegistry:
                 channel.state = ChannelState.DOWN
                 channel.detail = down[channel.channel_id][:1024]
                 channel.deadline = NEVER
+                channel.processing = False  # a restarted engine starts idle
             elif channel.state == ChannelState.DOWN:
                 channel.state = ChannelState.FREE
                 channel.detail = ""
@@ -191,12 +193,16 @@ class ChannelRegistry:
         return channel.state != ChannelState.DOWN and self._workers[channel.worker_id].live
 
     def reserve_free(self, image: str) -> Channel | None:
-        """Reserve the least recently used FREE channel of ``image`` (now DIRECT), if any."""
+        """Reserve a FREE channel of ``image`` (now DIRECT), if any.
+
+        One with nothing in progress before one still processing its last
+        tuple (that one would make the new tuple wait), then least recently used.
+        """
         free = [c for c in self._channels.values()
                 if c.image == image and c.state == ChannelState.FREE and self._workers[c.worker_id].live]
         if not free:
             return None
-        channel = min(free, key=lambda c: (c.last_used, c.channel_id))
+        channel = min(free, key=lambda c: (c.processing, c.last_used, c.channel_id))
         now = self._clock()
         channel.state = ChannelState.DIRECT
         channel.last_used = now
@@ -233,7 +239,7 @@ class ChannelRegistry:
         for channel in self._channels.values():
             if channel.state == ChannelState.DOWN or not self._workers[channel.worker_id].live:
                 down += 1
-            elif channel.state == ChannelState.FREE:
+            elif channel.state == ChannelState.FREE and not channel.processing:
                 free += 1
             else:
                 busy += 1

@@ -108,7 +108,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
         outcomes = [Outcome(tuple_id=o.tuple_id, ok=o.ok, message=o.message, from_queue=o.from_queue,
                             size=o.size, processing_seconds=o.processing_seconds, accepted_unix=o.accepted_unix)
                     for o in request.outcomes]
-        pull = self._master.report(request.channel_id, outcomes, request.release)
+        pull = self._master.report(request.channel_id, outcomes, request.release,
+                                   processing=request.processing)
         config = self._master.config
         return master_pb2.ReportTuplesResponse(pull_queue=pull, reservation_seconds=config.reservation_seconds,
                                                lease_seconds=config.lease_seconds)
@@ -138,7 +139,8 @@ def _encode_status(status: Status) -> master_pb2.GetStatusResponse:
     workers = [master_pb2.WorkerStatus(
         worker_id=worker.worker_id, host=worker.host, last_heartbeat_age_seconds=age,
         channels=[master_pb2.ChannelInfo(channel_id=c.channel_id, image=c.image, address=c.address,
-                                         state=int(c.state), detail=c.detail, tuples_done=c.tuples_done)
+                                         state=int(c.state), detail=c.detail, tuples_done=c.tuples_done,
+                                         processing=c.processing)
                   for c in channels])
         for worker, age, channels in status.workers]
     queues = [master_pb2.QueueStatus(image=q.image, length=q.length, bytes=q.bytes, leased=q.leased)

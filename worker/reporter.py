@@ -2,7 +2,8 @@
 
 Outcomes are batched and sent by one background thread, in order: at most
 every ``flush_interval`` seconds, at once when a release is asked for (a
-stream ended, a queued tuple is done). While the channel is busy the thread
+stream's input ended, a queued tuple is done) or a released channel's last
+tuple is done. Every report says whether a tuple is being processed. While the channel is busy the thread
 sends an empty report every ``keepalive`` seconds so the master keeps the
 channel's reservation and leases. Reports that fail with a retryable error
 are sent again (the master treats them idempotently).
@@ -47,9 +48,10 @@ class Reporter:
     """
 
     def __init__(self, channel_id: str, send: Send, *, keepalive: float, flush_interval: float = 0.05,
-                 max_pending: int = 10_000) -> None:
+                 max_pending: int = 10_000, processing: Callable[[], bool] = lambda: False) -> None:
         self._channel_id = channel_id
         self._send = send
+        self._processing = processing
         self._keepalive = keepalive
         self._configured_keepalive = keepalive
         self._flush_interval = flush_interval
@@ -57,6 +59,7 @@ class Reporter:
         self._cond = threading.Condition()
         self._items: Deque[_Item] = collections.deque()
         self._busy = False
+        self._state_due = False
         self._stopping = False
         self._stop_deadline = float("inf")
         self._last_sent = time.monotonic()
@@ -77,6 +80,12 @@ class Reporter:
         """Queue a release of the channel; ``callback(pull_queue)`` runs once it was sent."""
         with self._cond:
             self._items.append(_Release(callback))
+            self._cond.notify()
+
+    def processing_ended(self) -> None:
+        """A released channel finished its last tuple: tell the master at once (routing prefers it now)."""
+        with self._cond:
+            self._state_due = True
             self._cond.notify()
 
     def set_busy(self, busy: bool) -> None:
@@ -117,7 +126,7 @@ class Reporter:
                 has_release = any(isinstance(i, _Release) for i in self._items)
                 batch_due = bool(self._items) and (has_release or self._stopping
                                                    or now - self._last_sent >= self._flush_interval)
-                keepalive_due = self._busy and now - self._last_sent >= self._keepalive
+                keepalive_due = (self._busy and now - self._last_sent >= self._keepalive) or self._state_due
                 if batch_due or keepalive_due:
                     return self._take()
                 if self._stopping and not self._items:
@@ -128,6 +137,7 @@ class Reporter:
                 self._cond.wait(max(0.005, min(waits)))
 
     def _take(self) -> tuple[list[master_pb2.TupleOutcome], list[_Release], bool]:
+        self._state_due = False
         outcomes: list[master_pb2.TupleOutcome] = []
         releases: list[_Release] = []
         while self._items and len(outcomes) < MAX_BATCH:
@@ -145,7 +155,7 @@ class Reporter:
                 return
             outcomes, releases, _keepalive = batch
             request = master_pb2.ReportTuplesRequest(channel_id=self._channel_id, outcomes=outcomes,
-                                                     release=bool(releases))
+                                                     release=bool(releases), processing=self._processing())
             pull_queue = self._deliver(request)
             for release in releases:
                 if release.callback is not None:

@@ -178,19 +178,24 @@ def test_queue_drains_first_come_first_served(tmp_path: Path) -> None:
     c = Cluster(tmp_path, {"solo": "hio/synthetic=1"}).start(channels=1)
     try:
         with c.gateway("fifo", streams=4, route_wait_seconds=0) as gw:
+            # The first tuple is processed; the second is received meanwhile and waits for the
+            # processing slot (one ahead), holding the channel: everything after goes to the queue.
             first = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-first",
                               attributes={"cost_ms": "1500"})
             wait_for(lambda: c.status().channels_busy == 1, timeout=30, what="the only channel busy")
+            second = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-second",
+                               attributes={"cost_ms": "50"})
+            wait_for(lambda: c.status().routed_direct == 2, timeout=30, what="the second tuple routed direct")
             # One at a time, each returning once durably queued: the queue's order is known.
             queued = [gw.send(os.urandom(10_000), image="hio/synthetic", name=f"f-{i}",
                               attributes={"cost_ms": "50"}, timeout=60) for i in range(8)]
-            ids = [first.result(timeout=60), *queued]
+            ids = [first.result(timeout=60), second.result(timeout=60), *queued]
         records = wait_all_stored(c, ids)
         order = [r.tuple_id for r in sorted(records, key=lambda r: r.processed_unix) if r.tuple_id in set(ids)]
         assert order == ids, "the channel took the queue head, first come first served"
         status = c.status()
         assert status.routed_queue >= 8, "with the channel busy, later tuples waited in the queue"
-        assert status.routed_direct >= 1
+        assert status.routed_direct >= 2
     finally:
         c.stop()
 

@@ -81,6 +81,23 @@ def test_least_recently_used_channel_spreads_load(make_master) -> None:  # type:
     assert route(master).route.channel_id == first.channel_id  # type: ignore[union-attr]
 
 
+def test_channel_still_processing_its_last_tuple_is_chosen_last(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    a = add_worker(master, "wa")[0]
+    b = add_worker(master, "wb")[0]
+    first = route(master).route
+    second = route(master).route
+    assert (first.channel_id, second.channel_id) == (a, b)  # type: ignore[union-attr]
+    master.report(a, [], release=True, processing=True)  # handed over, last tuple still in progress
+    master.report(b, [], release=True)                   # idle
+    assert route(master).route.channel_id == b  # type: ignore[union-attr]  # though a is least recently used
+    assert route(master).route.channel_id == a  # type: ignore[union-attr]  # still taken when it is all there is
+    master.report(a, [], release=True, processing=True)
+    master.report(b, [], release=True, processing=True)
+    master.report(a, [], release=False, processing=False)  # a's last tuple ended
+    assert route(master).route.channel_id == a  # type: ignore[union-attr]
+
+
 def test_nonempty_queue_routes_to_queue(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master()
     routed = route(master)                          # no channel at all: queue

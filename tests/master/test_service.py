@@ -161,14 +161,14 @@ def test_lease_expiry_redelivers_to_another_channel(tmp_path: Path) -> None:
 def test_cancelled_pull_voids_the_lease(tmp_path: Path) -> None:
     with running_master(tmp_path) as m:
         ch = register(m.stub, "w1")[0]
-        tuple_id = route(m.stub, [400_000], force_queue=True).tuple_ids[0]
-        enqueue(m.stub, frames(tuple_id, b"q" * 400_000, chunk=16 * 1024))
+        tuple_id = route(m.stub, [4_000_000], force_queue=True).tuple_ids[0]
+        enqueue(m.stub, frames(tuple_id, b"q" * 4_000_000, chunk=16 * 1024))
         call = m.stub.PullTuple(master_pb2.PullTupleRequest(channel_id=ch, wait_seconds=1), timeout=10)
         assert next(call).meta.tuple_id == tuple_id
         call.cancel()
         wait_for(lambda: status(m.stub).queues[0].leased == 0, timeout=5, what="lease voided")
         meta, data = pull(m.stub, ch)
-        assert meta is not None and meta.attempt == 2 and len(data) == 400_000
+        assert meta is not None and meta.attempt == 2 and len(data) == 4_000_000
 
 
 def test_dead_letters_list_and_retry(tmp_path: Path) -> None:

@@ -73,18 +73,49 @@ def test_tuple_without_id_is_refused(engine: RunningEngine) -> None:
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no tuple id" in err.value.details()
 
 
-def test_second_stream_is_refused_busy_and_the_channel_frees_after(engine: RunningEngine, repo: Repo) -> None:
+def _deliver_in_thread(engine: RunningEngine, tuples: list, results: list) -> threading.Thread:
+    def run() -> None:
+        try:
+            results.append(engine.deliver(tuples))
+        except grpc.RpcError as exc:
+            results.append(exc)
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_stream_with_tuples_left_keeps_the_channel_busy(engine: RunningEngine, repo: Repo) -> None:
     results: list[object] = []
-    slow = threading.Thread(target=lambda: results.append(
-        engine.deliver([make_tuple(51, b"slow", mode="sleep", seconds="1.0")])))
-    slow.start()
+    slow = _deliver_in_thread(engine, [make_tuple(51, b"slow", mode="sleep", seconds="0.6"),
+                                       make_tuple(53, b"slow", mode="sleep", seconds="0.6")], results)
     time.sleep(0.3)
     with pytest.raises(grpc.RpcError) as err:
         engine.deliver([make_tuple(52, b"fast")])
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in err.value.details()
     slow.join(10)
-    assert results and results[0][0].state == TupleReceipt.STORED  # type: ignore[index]
+    assert [r.state for r in results[0]] == [TupleReceipt.STORED] * 2  # type: ignore[union-attr]
     assert engine.deliver([make_tuple(52, b"fast")])[0].state == TupleReceipt.STORED
+
+
+def test_next_stream_is_received_while_the_last_tuple_is_processed(engine: RunningEngine, repo: Repo) -> None:
+    """A stream whose input ended hands the channel over: one stream more is taken, a third is refused."""
+    first: list[object] = []
+    second: list[object] = []
+    a = _deliver_in_thread(engine, [make_tuple(61, b"slow", mode="sleep", seconds="1.0")], first)
+    time.sleep(0.3)
+    b = _deliver_in_thread(engine, [make_tuple(62, b"next", mode="sleep", seconds="0.2"),
+                                    make_tuple(63, b"next")], second)
+    time.sleep(0.3)
+    with pytest.raises(grpc.RpcError) as err:  # the second stream waits for the slot and holds the claim
+        engine.deliver([make_tuple(64, b"third")])
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in err.value.details()
+    a.join(10)
+    b.join(10)
+    assert [r.state for r in first[0]] == [TupleReceipt.STORED]  # type: ignore[union-attr]
+    assert [r.state for r in second[0]] == [TupleReceipt.STORED] * 2  # type: ignore[union-attr]
+    stored = list(repo.records())
+    assert sorted(stored) == [61, 62, 63]
+    assert stored.index(61) < stored.index(62)  # processed one at a time, in order
 
 
 def test_repository_down_breaks_the_stream_unavailable(repo: Repo) -> None:

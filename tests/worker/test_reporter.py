@@ -86,3 +86,17 @@ def test_busy_channel_sends_keepalives_and_idle_one_does_not() -> None:
     reporter.stop(timeout=1)
     empties = [r for r in send.requests if not r.outcomes and not r.release]
     assert 3 <= len(empties) <= 6
+
+
+def test_reports_say_whether_a_tuple_is_in_progress_and_its_end_is_sent_at_once() -> None:
+    send = Recorder()
+    processing = [True]
+    reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=60.0, processing=lambda: processing[0]).start()
+    answers: list[bool] = []
+    reporter.release(answers.append)  # handed over while the last tuple is processed
+    wait_for(lambda: answers, timeout=5, what="the release")
+    processing[0] = False
+    reporter.processing_ended()
+    wait_for(lambda: len(send.requests) == 2, timeout=5, what="the report that processing ended")
+    reporter.stop(timeout=1)
+    assert [(r.release, r.processing) for r in send.requests] == [(True, True), (False, False)]
