@@ -53,9 +53,9 @@ QUICK_COSTS = ("0", "100ms")
 
 RESULT_FIELDS = ("system", "size", "cost_ms", "max_rate", "bound", "fraction", "loopback_mb_s", "steps",
                  "seconds", "first_fail_rate", "first_fail_reason", "latency_rate", "p50_ms", "p99_ms",
-                 "load_avg", "cpu_slots", "finished_at")
+                 "load_avg", "cpu_slots", "finished_at", "steal")
 STEP_FIELDS = ("system", "size", "cost_ms", "rate", "messages", "seconds", "sent_rate", "finished",
-               "finished_fraction", "backlog_growth", "passed", "reason", "p50_ms", "p99_ms", "load_avg")
+               "finished_fraction", "backlog_growth", "passed", "reason", "p50_ms", "p99_ms", "load_avg", "steal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,6 +407,30 @@ def load_avg() -> float:
         return math.nan
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(stolen, total) CPU time of the whole machine since boot, in clock ticks; (0, 0) where unknown.
+
+    Why: on a virtual machine the hypervisor may run other guests on our
+    cores ("steal" in ``/proc/stat``). No process here sees it, yet a
+    CPU-bound cell cannot go faster than the CPU that is left.
+    """
+    try:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()
+        ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return 0, 0
+    if fields[0] != "cpu" or len(ticks) < 8:
+        return 0, 0
+    return ticks[7], sum(ticks)
+
+
+def steal_between(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The fraction of all CPU time the hypervisor took between two :func:`cpu_ticks`; NaN if unknown."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else math.nan
+
+
 def _burn(seconds: float) -> float:
     from hio.worker.pipelines.synthetic import burn_cpu
     return burn_cpu(seconds)
@@ -582,16 +606,20 @@ class BenchRun:
                                 prefix=f"p{self.points}")
 
             def step(rate: float) -> StepResult:
+                before = cpu_ticks()
                 result = runner.run(rate)
-                self._log_step(system.name, size, cost, result)
+                self._log_step(system.name, size, cost, result, steal_between(before, cpu_ticks()))
                 return result
 
+            point_ticks = cpu_ticks()
             point = find_max(step, start, cap, tolerance=config.tolerance, min_rate=config.min_rate,
                              max_steps=config.max_steps, deadline=begun + config.point_seconds)
+            steal = steal_between(point_ticks, cpu_ticks())
             latency = None
             if size in self.latency_sizes and point.max_rate > 0:
+                before = cpu_ticks()
                 latency = runner.run(point.max_rate / 2, min_messages=config.latency_messages)
-                self._log_step(system.name, size, cost, latency)
+                self._log_step(system.name, size, cost, latency, steal_between(before, cpu_ticks()))
         finally:
             system.end_point()
         row = {"system": system.name, "size": size, "cost_ms": _fmt(cost * 1000),
@@ -603,23 +631,24 @@ class BenchRun:
                "latency_rate": _fmt(latency.rate) if latency else "",
                "p50_ms": _fmt(latency.percentile(0.5) * 1000) if latency else "",
                "p99_ms": _fmt(latency.percentile(0.99) * 1000) if latency else "",
-               "load_avg": _fmt(load_avg()), "cpu_slots": _fmt(cpu_slots), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+               "load_avg": _fmt(load_avg()), "cpu_slots": _fmt(cpu_slots), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "steal": _fmt(steal)}
         append_row(self.results, RESULT_FIELDS, row)
         print(f"{system.name:>13} {size_label(size):>7} {cost_label(cost * 1000):>7}: "
               f"{point.max_rate:>10.4g}/s  bound {bound:>10.4g}/s  {point.max_rate / bound:>6.1%}  "
-              f"(CPU slots {cpu_slots:.2f}; {len(point.steps)} steps{'; first fail: ' + point.first_fail.reason if point.first_fail else ''})"
+              f"(CPU slots {cpu_slots:.2f}; steal {steal:.0%}; {len(point.steps)} steps{'; first fail: ' + point.first_fail.reason if point.first_fail else ''})"
               + (f"  p50 {latency.percentile(0.5) * 1000:.0f} ms p99 {latency.percentile(0.99) * 1000:.0f} ms"
                  if latency else ""), flush=True)
         return row
 
-    def _log_step(self, name: str, size: int, cost: float, result: StepResult) -> None:
+    def _log_step(self, name: str, size: int, cost: float, result: StepResult, steal: float) -> None:
         append_row(self.steps_path, STEP_FIELDS, {
             "system": name, "size": size, "cost_ms": _fmt(cost * 1000), "rate": _fmt(result.rate),
             "messages": result.messages, "seconds": _fmt(result.seconds), "sent_rate": _fmt(result.sent_rate),
             "finished": result.finished, "finished_fraction": _fmt(result.finished / result.messages),
             "backlog_growth": _fmt(result.backlog_growth), "passed": int(result.passed), "reason": result.reason,
             "p50_ms": _fmt(result.percentile(0.5) * 1000), "p99_ms": _fmt(result.percentile(0.99) * 1000),
-            "load_avg": _fmt(load_avg())})
+            "load_avg": _fmt(load_avg()), "steal": _fmt(steal)})
         log.info("step", extra={"system": name, "size": size, "cost_s": cost, "rate": result.rate,
                                 "passed": result.passed, "reason": result.reason})
 

@@ -194,3 +194,19 @@ def test_resumed_csv_from_an_older_version_gets_the_new_columns(tmp_path: Path) 
     rows = list(csv.DictReader(open(path)))
     assert rows == [{"system": "hio-direct", "size": "100", "cost_ms": ""},
                     {"system": "spark-file", "size": "200", "cost_ms": "10"}]
+
+
+def test_steal_is_read_from_the_machine_and_sets_the_cpu_left_bound() -> None:
+    from hio.bench import cpu_ticks, steal_between
+    from hio.bench_report import cpu_left_fraction
+
+    before = cpu_ticks()
+    sum(range(200_000))
+    after = cpu_ticks()
+    assert after[1] >= before[1] > 0 and after[0] >= before[0]
+    assert math.isnan(steal_between(before, before))
+    assert steal_between((10, 100), (35, 200)) == 0.25
+    row = {"cost_ms": 100.0, "size": 100, "loopback_mb_s": 1000.0, "max_rate": 15.0, "steal": 0.25}
+    assert cpu_left_fraction(row) == 1.0          # 2 x 0.75 / 0.1 s = 15/s left
+    assert math.isnan(cpu_left_fraction({**row, "steal": math.nan}))
+    assert math.isnan(cpu_left_fraction({**row, "cost_ms": 0.0}))
