@@ -62,7 +62,6 @@ import struct
 import threading
 import time
 import uuid
-import zlib
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -71,7 +70,7 @@ from google.protobuf.message import DecodeError
 from hio.common.config import ConfigError
 from hio.common.errors import InvalidArgument, ResourceExhausted
 from hio.common.files import clean_temporaries, fsync_dir, fsync_file, write_all
-from hio.common.frames import crc32_of_file
+from hio.common.frames import crc32, crc32_of_file
 from hio.proto.tuple_pb2 import TupleMeta
 
 log = logging.getLogger("hio.gateway")
@@ -142,7 +141,7 @@ def safe_name(text: str) -> str:
 def _record(kind: int, seq: int, meta: bytes = b"", move: bytes = b"", payload_len: int = 0) -> bytes:
     """A record's header and metadata (the payload, if any, follows it)."""
     body = _HEAD_BODY.pack(_MAGIC, kind, seq, len(meta), len(move), payload_len)
-    check = zlib.crc32(move, zlib.crc32(meta, zlib.crc32(body))) & 0xFFFFFFFF
+    check = crc32(move, crc32(meta, crc32(body))) & 0xFFFFFFFF
     return body + struct.pack(">I", check) + meta + move
 
 
@@ -176,7 +175,7 @@ class SpoolWriter:
         if self.written + len(chunk) > self._reserved:
             raise InvalidArgument(f"more bytes than the {self._reserved} declared for this tuple")
         self._fh.write(chunk)
-        self.crc = zlib.crc32(chunk, self.crc)
+        self.crc = crc32(chunk, self.crc)
         self.written += len(chunk)
 
     def commit(self, meta: TupleMeta, move: MoveOnDone | None = None) -> SpoolEntry:
@@ -494,7 +493,7 @@ class Spool:
         self._reserve(size, timeout)
         try:
             meta.size = size
-            meta.crc32 = zlib.crc32(data) & 0xFFFFFFFF
+            meta.crc32 = crc32(data) & 0xFFFFFFFF
             meta_bytes = _meta_bytes(meta)
             with self._append_lock:
                 seq = self._take_seq()
@@ -774,7 +773,7 @@ def _read_record(fh: BinaryIO, pos: int) -> tuple[int, int, bytes, bytes, int, i
     move = fh.read(move_len)
     if len(meta) < meta_len or len(move) < move_len:
         return None
-    if zlib.crc32(move, zlib.crc32(meta, zlib.crc32(head[:_HEAD_BODY.size]))) & 0xFFFFFFFF != check:
+    if crc32(move, crc32(meta, crc32(head[:_HEAD_BODY.size]))) & 0xFFFFFFFF != check:
         return None
     payload_at = pos + _HEAD.size + meta_len + move_len
     end = payload_at + payload_len
@@ -790,7 +789,7 @@ def _crc_at(fh: BinaryIO, offset: int, size: int) -> int:
         block = fh.read(min(_READ_BLOCK, left))
         if not block:
             break
-        crc = zlib.crc32(block, crc)
+        crc = crc32(block, crc)
         left -= len(block)
     return crc & 0xFFFFFFFF
 

@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     from hio.common.log import setup_logging
     setup_logging(getattr(config, "log_level", "warning"), getattr(config, "log_json", False))
     run: Callable[[Any], int] = _load(run_path)
+    from hio.common.memory import tune_process
+    tune_process()  # tuple buffers reused instead of faulted in per copy; start-up objects out of the GC's way
     try:
         return int(run(config) or 0)
     except cfg.ConfigError as exc:

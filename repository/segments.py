@@ -20,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import struct
-import zlib
 from array import array
 from pathlib import Path
+
+from hio.common.frames import crc32
 
 MAGIC = b"HIOFEAT1"
 HEADER = struct.Struct("<IIQQ")
@@ -47,7 +48,7 @@ def parse_segment_name(path: Path) -> int | None:
 def encode_record(offset: int, tuple_id: int, payload: bytes) -> bytes:
     """One framed record, ready to append."""
     ids = _IDS.pack(offset, tuple_id)
-    crc = zlib.crc32(payload, zlib.crc32(ids)) & 0xFFFFFFFF
+    crc = crc32(payload, crc32(ids)) & 0xFFFFFFFF
     return struct.pack("<II", len(payload), crc) + ids + payload
 
 
@@ -60,7 +61,7 @@ def decode_record(buf: bytes | memoryview, offset: int) -> tuple[int, bytes] | N
     if got_offset != offset or len(buf) != HEADER_SIZE + length:
         return None
     view = memoryview(buf)
-    if zlib.crc32(view[8:]) & 0xFFFFFFFF != crc:
+    if crc32(view[8:]) & 0xFFFFFFFF != crc:
         return None
     return tuple_id, bytes(view[HEADER_SIZE:])
 
@@ -107,7 +108,7 @@ def scan_segment(path: Path, first_offset: int) -> ScanResult:
 
 def _scan_records(view: memoryview, expected: int, out: ScanResult) -> None:
     """The hot loop of index rebuilds: kept flat, locals only, no per-record objects."""
-    unpack, crc32 = HEADER.unpack_from, zlib.crc32
+    unpack = HEADER.unpack_from
     ids_append, pos_append, len_append = out.tuple_ids.append, out.positions.append, out.lengths.append
     size, pos = len(view), len(MAGIC)
     try:

@@ -23,9 +23,19 @@ TupleFrame = tuple_pb2.TupleFrame
 TupleReceipt = tuple_pb2.TupleReceipt
 
 
+try:  # the same CRC-32 as zlib's, with SIMD: 0.03 ms per MB instead of 0.6-0.76 ms here
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - a platform without isal wheels
+    _crc32 = zlib.crc32
+
+
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """CRC-32 (zlib polynomial) as an unsigned 32-bit integer."""
-    return zlib.crc32(data, value) & 0xFFFFFFFF
+    """CRC-32 (zlib polynomial) as an unsigned 32-bit integer; ``value`` continues an earlier one.
+
+    Every payload is checked at least twice on its way (sender and
+    receiver, spool and backlog), so this is on the data path of every byte.
+    """
+    return _crc32(data, value) & 0xFFFFFFFF
 
 
 def crc32_of_file(path: str | os.PathLike[str], block: int = 4 * 1024 * 1024) -> tuple[int, int]:
@@ -33,7 +43,7 @@ def crc32_of_file(path: str | os.PathLike[str], block: int = 4 * 1024 * 1024) ->
     value, size = 0, 0
     with open(path, "rb") as fh:
         while chunk := fh.read(block):
-            value = zlib.crc32(chunk, value)
+            value = _crc32(chunk, value)
             size += len(chunk)
     return value & 0xFFFFFFFF, size
 
@@ -126,7 +136,7 @@ class FrameReader:
             if received > meta.size:
                 raise DataLoss(f"{label}: more bytes than the {meta.size} its metadata declares")
             if data:
-                value = zlib.crc32(data, value)
+                value = _crc32(data, value)
                 sink(data)
             if frame.last:
                 break
