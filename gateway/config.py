@@ -69,6 +69,8 @@ class GatewayConfig(ClusterSettings):
     streams: int = setting(4, "parallel delivery streams (batches in flight)")
     batch_tuples: int = setting(64, "most tuples per route and stream")
     batch_bytes: int = setting(8 * MiB, "most bytes per batch; a larger tuple goes alone")
+    pack_bytes: int = setting(1 * MiB, "tuples of at most a quarter of this travel packed, several in one gRPC "
+                                       "message of at most this many bytes; 0 = one message per tuple")
     max_attempts: int = setting(3, "delivery attempts before a tuple is handed to the master's dead letters")
     force_queue: bool = setting(False, "always route through the master's backlog queue")
     ingest_listen: str = setting("127.0.0.1:7300", "host:port of the local ingest gRPC API; empty = off")
@@ -107,6 +109,8 @@ class GatewayConfig(ClusterSettings):
             raise ConfigError(f"route_wait_seconds must be between 0 and 30, got {self.route_wait_seconds}")
         if self.spool_fsync not in ("always", "batch", "never"):
             raise ConfigError(f"spool_fsync must be always, batch or never, got {self.spool_fsync!r}")
+        if not 0 <= self.pack_bytes <= 8 * MiB:
+            raise ConfigError(f"pack_bytes must be between 0 and 8 MiB, got {self.pack_bytes}")
         if self.spool_bytes < self.chunk_bytes:
             raise ConfigError(f"spool_bytes ({self.spool_bytes}) must hold at least one chunk ({self.chunk_bytes})")
         if self.watch and not Path(self.watch).is_dir():

@@ -34,7 +34,7 @@ from typing import BinaryIO, Callable, Iterator
 import grpc
 
 from hio.common.errors import retry_after
-from hio.common.frames import frames_for_bytes, frames_for_stream
+from hio.common.frames import PackingFrames, frames_for_bytes, frames_for_stream, unpacked_receipts
 from hio.common.net import create_channel
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
@@ -264,8 +264,9 @@ class Dispatcher:
             self._calls.add(call)
         settled: set[int] = set()
         try:
-            for receipt in call:
-                self._settle(receipt, sent, settled, direct=direct)
+            for message in call:
+                for receipt in unpacked_receipts(message):
+                    self._settle(receipt, sent, settled, direct=direct)
         except grpc.RpcError as exc:
             self._stream_failed(_unsettled(batch, sent, settled, skipped), exc, address, direct=direct)
             return
@@ -280,24 +281,40 @@ class Dispatcher:
 
     def _frames(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int]) -> Iterator[TupleFrame]:
         """Frames of the batch, from memory when the spool kept the payload, else read
-        from the spool chunk by chunk; ``sent`` records the order."""
+        from the spool chunk by chunk; ``sent`` records the order.
+
+        Small tuples travel packed, several in one message (``pack_bytes``):
+        Python gRPC costs about 0.4-1.4 ms per message on one stream here,
+        whatever its size, which capped 100-byte tuples near 500/s.
+        """
         chunk = self._config.chunk_bytes
+        packing = PackingFrames(self._config.pack_bytes)
         for pending in batch:
             entry = pending.entry
-            payload = entry.payload
-            if payload is not None:
-                sent.append(pending)
-                yield from frames_for_bytes(entry.meta, payload, chunk)
-                continue
+            small = packing.packable(entry.size)
+            if not small and (message := packing.flush()) is not None:
+                yield message
             try:
-                fh = self._open_payload(entry)
+                payload = entry.payload
+                fh = self._open_payload(entry) if payload is None else None
             except FileNotFoundError:
                 skipped.add(pending.seq)
                 self._complete(pending, Outcome.REJECTED, f"spooled payload {entry.data_path} is missing")
                 continue
             sent.append(pending)
-            with fh:
-                yield from frames_for_stream(entry.meta, fh, chunk)
+            if small:
+                if fh is not None:
+                    with fh:
+                        payload = fh.read(entry.size)
+                if (message := packing.add(TupleFrame(meta=entry.meta, data=payload, last=True))) is not None:
+                    yield message
+            elif fh is None:
+                yield from frames_for_bytes(entry.meta, payload, chunk)
+            else:
+                with fh:
+                    yield from frames_for_stream(entry.meta, fh, chunk)
+        if (message := packing.flush()) is not None:
+            yield message
 
     def _settle(self, receipt: TupleReceipt, sent: list[_Pending], settled: set[int], *, direct: bool) -> None:
         if receipt.index >= len(sent) or receipt.index in settled:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator
 import grpc
 
 from hio.common.errors import InvalidArgument, Unavailable, grpc_errors
-from hio.common.frames import FrameReader, idle_bounded
+from hio.common.frames import FrameReader, UnpackedFrames, idle_bounded
 from hio.gateway.client import DeliveryError, Gateway, TupleFuture
 from hio.gateway.spool import SpoolWriter
 from hio.proto import ingest_pb2, ingest_pb2_grpc
@@ -47,7 +47,7 @@ class IngestReceiver:
         Tuples accepted before an error stay accepted.
         """
         config = self._gateway.config
-        stream = _MetaTracker(frames)
+        stream = _MetaTracker(UnpackedFrames(frames))  # packed tuples tracked like any other
         reader = FrameReader(stream, max_tuple_bytes=config.max_tuple_bytes,
                              max_chunk_bytes=config.chunk_bytes, need_id=False)
         waiting: dict[TupleFuture, int] = {}

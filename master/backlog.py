@@ -38,7 +38,8 @@ from typing import Callable, Iterable, Iterator
 
 from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.common.files import copy_exact
-from hio.common.frames import FrameReader, TupleFrame, TupleMeta, check_meta, frames_for_bytes, frames_for_stream
+from hio.common.frames import (FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta, frames_for_bytes,
+                               frames_for_stream)
 from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import (ACK, MOVE, READ_BLOCK, Journal, RecordWriter, Segment, payload_intact,
                                 scan_segment)
@@ -171,7 +172,7 @@ class BacklogQueue:
         its bytes are on disk and verified; on any error the partial record is
         discarded and the error propagates (the stream ends).
         """
-        tap = _MetaTap(frames)
+        tap = _MetaTap(UnpackedFrames(frames))  # packed tuples show their metadata like any other
         reader = FrameReader(tap, max_tuple_bytes=max_tuple_bytes, max_chunk_bytes=max_chunk_bytes, need_id=True)
         while True:
             index = reader.index

@@ -4,11 +4,14 @@ Every role that sends tuples uses :func:`frames_for_bytes` or
 :func:`frames_for_file`; every role that receives them uses
 :class:`FrameReader`, which checks the metadata, bounds each chunk and the
 tuple, and verifies the size and CRC-32 as bytes arrive, so a damaged tuple is
-refused (``DATA_LOSS``) before anyone acts on it.
+refused (``DATA_LOSS``) before anyone acts on it. Small tuples may travel
+packed, several in one message (:class:`PackingFrames`); readers spread them
+out again (:class:`UnpackedFrames`).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -95,19 +98,114 @@ def check_meta(meta: TupleMeta, max_tuple_bytes: int, *, need_id: bool) -> None:
         raise InvalidArgument(f"{what}: too many or too large attributes (at most 256, 64 KiB)")
 
 
+class PackingFrames:
+    """Small tuples as one message: collects one-frame tuples into a frame with ``packed``.
+
+    ``add`` returns a message to send when the next tuple would not fit
+    (``pack_bytes`` of serialized frames), ``flush`` the rest.
+    """
+
+    def __init__(self, pack_bytes: int) -> None:
+        self.pack_bytes = pack_bytes
+        self._frames: list[TupleFrame] = []
+        self._size = 0
+
+    def packable(self, size: int) -> bool:
+        """Small enough to ride with others (at most a quarter of a packed message)."""
+        return size <= self.pack_bytes // 4
+
+    def add(self, frame: TupleFrame) -> TupleFrame | None:
+        size = frame.ByteSize() + 8
+        out = self.flush() if self._frames and self._size + size > self.pack_bytes else None
+        self._frames.append(frame)
+        self._size += size
+        return out
+
+    def flush(self) -> TupleFrame | None:
+        if not self._frames:
+            return None
+        first, rest = self._frames[0], self._frames[1:]
+        if rest:
+            first.packed.extend(rest)
+        self._frames, self._size = [], 0
+        return first
+
+
+def unpacked_receipts(receipt: TupleReceipt) -> list[TupleReceipt]:
+    """A receipt message's receipts in order (itself, then those packed on it)."""
+    return [receipt, *receipt.packed] if receipt.packed else [receipt]
+
+
+def packed_receipts(receipts: list[TupleReceipt]) -> TupleReceipt:
+    """One message carrying ``receipts`` in order."""
+    first = receipts[0]
+    if len(receipts) > 1:
+        first.packed.extend(receipts[1:])
+    return first
+
+
+class UnpackedFrames:
+    """A frame stream with packed tuples spread out, as if each had come as a frame of its own.
+
+    Checks the packing rules; ``packed`` tells whether the sender packed at
+    all (a receiver may then pack its receipts), ``buffered`` whether the
+    next frame is already in memory.
+    """
+
+    def __init__(self, frames: Iterable[TupleFrame]) -> None:
+        self._frames = iter(frames)
+        self._pending: collections.deque[TupleFrame] = collections.deque()
+        self.packed = False
+
+    def __iter__(self) -> "UnpackedFrames":
+        return self
+
+    @property
+    def buffered(self) -> bool:
+        return bool(self._pending)
+
+    def __next__(self) -> TupleFrame:
+        if self._pending:
+            return self._pending.popleft()
+        frame = next(self._frames)
+        if not frame.packed:
+            return frame
+        if not frame.last:
+            raise InvalidArgument("a frame carrying packed tuples must end its own tuple (set last)")
+        for n, inner in enumerate(frame.packed):
+            if not inner.HasField("meta") or not inner.last or inner.packed:
+                raise InvalidArgument(f"packed tuple {n}: must be one whole tuple in one frame "
+                                      "(metadata, last set, nothing packed in it)")
+        self.packed = True
+        self._pending.extend(frame.packed)
+        return TupleFrame(meta=frame.meta, data=frame.data, last=True)
+
+
 class FrameReader:
     """Reads tuples one after the other from a stream of frames, verifying each.
 
-    Not thread-safe: one reader per stream. ``index`` counts tuples read so far.
+    Packed tuples (``TupleFrame.packed``) are read as if each had come as a
+    frame of its own. Not thread-safe: one reader per stream. ``index``
+    counts tuples read so far.
     """
 
     def __init__(self, frames: Iterable[TupleFrame], *, max_tuple_bytes: int,
                  max_chunk_bytes: int, need_id: bool = True) -> None:
-        self._frames = iter(frames)
+        self._frames = frames if isinstance(frames, UnpackedFrames) else UnpackedFrames(frames)
         self._max_tuple = max_tuple_bytes
         self._max_chunk = max_chunk_bytes
         self._need_id = need_id
         self.index = 0
+
+    @property
+    def packed(self) -> bool:
+        """The sender packs small tuples: it understands packed receipts."""
+        return self._frames.packed
+
+    @property
+    def buffered(self) -> bool:
+        """The next tuple's first frame is already in memory (packed with an earlier one)."""
+        return self._frames.buffered
 
     def next_tuple(self, sink: Callable[[bytes], None]) -> TupleMeta | None:
         """Read the next tuple, passing its chunks to ``sink``; None at the stream's end.

@@ -69,3 +69,54 @@ def test_oversized_chunk_and_missing_meta_are_refused() -> None:
         reader(frames_for_bytes(meta_for(data), data, 1 << 20), max_chunk=1024).next_tuple_bytes()
     with pytest.raises(InvalidArgument, match="must carry its metadata"):
         reader([TupleFrame(data=b"abc", last=True)]).next_tuple_bytes()
+
+
+def _packed(payloads: list[bytes], pack_bytes: int = 1 << 20) -> list[TupleFrame]:
+    from hio.common.frames import PackingFrames
+
+    packing, out = PackingFrames(pack_bytes), []
+    for i, p in enumerate(payloads):
+        assert packing.packable(len(p))
+        if (message := packing.add(TupleFrame(meta=meta_for(p, i + 1), data=p, last=True))) is not None:
+            out.append(message)
+    if (message := packing.flush()) is not None:
+        out.append(message)
+    return out
+
+
+def test_packed_small_tuples_read_as_if_each_came_alone() -> None:
+    payloads = [os.urandom(n) for n in (0, 1, 100, 5000)] * 50
+    messages = _packed(payloads, pack_bytes=64 * 1024)
+    assert 1 < len(messages) < 20                        # many tuples per message, split at the bound
+    assert all(m.ByteSize() <= 64 * 1024 for m in messages)
+    r = reader(messages)
+    got = []
+    while (item := r.next_tuple_bytes()) is not None:
+        got.append(item)
+    assert [d for _, d in got] == payloads and [m.tuple_id for m, _ in got] == list(range(1, 201))
+    assert r.packed and r.index == 200
+
+
+def test_packed_tuple_that_is_damaged_is_refused_by_id() -> None:
+    payloads = [b"a" * 10, b"b" * 10, b"c" * 10]
+    (message,) = _packed(payloads)
+    message.packed[1].data = b"x" * 10
+    r = reader([message])
+    assert r.next_tuple_bytes()[1] == b"a" * 10 and r.next_tuple_bytes()[1] == b"b" * 10
+    with pytest.raises(DataLoss, match="tuple 3: checksum mismatch"):
+        r.next_tuple_bytes()
+
+
+@pytest.mark.parametrize("breakage", ["outer not last", "inner without meta", "inner not last", "nested"])
+def test_packing_rules_are_enforced(breakage: str) -> None:
+    (message,) = _packed([b"a", b"b", b"c"])
+    if breakage == "outer not last":
+        message.last = False
+    elif breakage == "inner without meta":
+        message.packed[0].ClearField("meta")
+    elif breakage == "inner not last":
+        message.packed[1].last = False
+    else:
+        message.packed[0].packed.add(meta=meta_for(b"d", 9), data=b"d", last=True)
+    with pytest.raises(InvalidArgument, match="pack"):
+        reader([message]).next_tuple_bytes()

@@ -242,3 +242,21 @@ def test_roles_are_enforced(tmp_path: Path) -> None:
             with pytest.raises(grpc.RpcError) as err:
                 master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_packed_tuples_are_queued_each_and_pulled_alone(tmp_path: Path) -> None:
+    from hio.common.frames import PackingFrames
+
+    with running_master(tmp_path) as m:
+        ch = register(m.stub, "w1")[0]
+        ids = list(route(m.stub, [5, 5, 5], force_queue=True).tuple_ids)
+        packing = PackingFrames(1 << 20)
+        for n, tuple_id in enumerate(ids):
+            (frame,) = frames(tuple_id, f"tup{n}-".encode())
+            assert packing.add(frame) is None
+        receipts = enqueue(m.stub, [packing.flush()])
+        assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
+            (n, tuple_id, TupleReceipt.ENQUEUED) for n, tuple_id in enumerate(ids)]
+        assert status(m.stub).queues[0].length == 3
+        meta, data = pull(m.stub, ch)
+        assert meta is not None and meta.tuple_id == ids[0] and data == b"tup0-"

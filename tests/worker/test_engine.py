@@ -181,3 +181,22 @@ def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Re
         assert repo.records()[meta.tuple_id].features["size"].number == 6
     finally:
         engine.close()
+
+
+def test_packed_stream_is_answered_with_packed_receipts(engine: RunningEngine, repo: Repo) -> None:
+    from hio.common.frames import PackingFrames, TupleFrame, unpacked_receipts
+
+    packing = PackingFrames(1 << 20)
+    for tuple_id in range(71, 91):
+        meta, data = make_tuple(tuple_id, bytes([tuple_id]) * 50)
+        assert packing.add(TupleFrame(meta=meta, data=data, last=True)) is None
+    message = packing.flush()
+    assert message is not None and len(message.packed) == 19
+    answers = list(engine.stub.Deliver(iter([message]), timeout=30))
+    receipts = [r for a in answers for r in unpacked_receipts(a)]
+    assert len(answers) < len(receipts)                   # several receipts per message
+    assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
+        (i, 71 + i, TupleReceipt.STORED) for i in range(20)]
+    assert sorted(repo.records()) == list(range(71, 91))
+    plain = engine.deliver([make_tuple(95, b"plain"), make_tuple(96, b"plain")])
+    assert [len(r.packed) for r in plain] == [0, 0]       # a sender that does not pack gets plain receipts
