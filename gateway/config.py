@@ -67,7 +67,7 @@ class GatewayConfig(ClusterSettings):
     spool_memory_bytes: int = setting(64 * MiB, "payloads submitted as bytes are also kept in memory up to "
                                                 "this much, so delivery need not read them back from disk")
     streams: int = setting(4, "parallel delivery streams (batches in flight)")
-    batch_tuples: int = setting(64, "most tuples per route and stream")
+    batch_tuples: int = setting(256, "most tuples per route and stream (small ones travel packed)")
     batch_bytes: int = setting(8 * MiB, "most bytes per batch; a larger tuple goes alone")
     pack_bytes: int = setting(1 * MiB, "tuples of at most a quarter of this travel packed, several in one gRPC "
                                        "message of at most this many bytes; 0 = one message per tuple")

@@ -88,7 +88,7 @@ class BenchConfig(ClusterSettings):
                                              factory=lambda: ("1M", "10M"))
     latency_messages: int = setting(30, "messages of the latency step at least")
     streams: int = setting(4, "gateway delivery streams (this system)")
-    batch_tuples: int = setting(64, "gateway batch size in tuples (this system)")
+    batch_tuples: int = setting(256, "gateway batch size in tuples (this system)")
     spark_conf: tuple[str, ...] = setting((), "extra Spark settings KEY=VALUE", factory=tuple)
     point_seconds: float = setting(300.0, "give up bisecting a point after this long (keep the best so far)")
 
