@@ -366,7 +366,8 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
          "from `/proc/stat`, measured around each point's steps; "
          f"{sum(1 for r in rows if not math.isnan(r.get('steal', math.nan)))} of {len(rows)} points have it). "
          "No system can use CPU the host does not give it: for costly cells the targets also show the "
-         "rate against `min(loopback / size, 2 x (1 - steal) / cost)`.") if steals else "", "",
+         "rate against `min(loopback / size, 2 x (1 - steal) / cost)`. It is a rough guide only: steal is averaged "
+         "over a point's steps, quiet moments included, and some 1 s cells come out above 100% of it.") if steals else "", "",
         "## Best system per cell (Fig. 3)", "", f"![best system per cell](benchmarks/{stem}-best.png)", "",
         "## Frequency against size (Fig. 4)", "", f"![frequency against size](benchmarks/{stem}-frequency.png)",
         "", "## Maximum sustained frequency (messages/s, fraction of bound)", "", *_table(rows, systems), "",
