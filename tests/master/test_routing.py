@@ -69,25 +69,26 @@ def test_free_channel_gets_direct_route_and_is_reserved(make_master) -> None:  #
     assert master.stats.routed_direct == 3 and master.stats.routed_queue == 1
 
 
-def test_least_recently_used_channel_spreads_load(make_master) -> None:  # type: ignore[no-untyped-def]
-    master = make_master()
+def two_workers_both_routed(master: Master) -> tuple[str, str]:
+    """Two one-channel workers, each given one route, in the order they were chosen."""
     a = add_worker(master, "wa")[0]
     b = add_worker(master, "wb")[0]
-    first = route(master).route
-    second = route(master).route
+    first, second = route(master).route, route(master).route
     assert {first.channel_id, second.channel_id} == {a, b}  # type: ignore[union-attr]
-    master.report(first.channel_id, [], release=True)       # type: ignore[union-attr]
-    master.report(second.channel_id, [], release=True)      # type: ignore[union-attr]
-    assert route(master).route.channel_id == first.channel_id  # type: ignore[union-attr]
+    return first.channel_id, second.channel_id  # type: ignore[union-attr]
+
+
+def test_least_recently_used_channel_spreads_load(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    first, second = two_workers_both_routed(master)
+    master.report(first, [], release=True)
+    master.report(second, [], release=True)
+    assert route(master).route.channel_id == first  # type: ignore[union-attr]
 
 
 def test_channel_still_processing_its_last_tuple_is_chosen_last(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master()
-    a = add_worker(master, "wa")[0]
-    b = add_worker(master, "wb")[0]
-    first = route(master).route
-    second = route(master).route
-    assert (first.channel_id, second.channel_id) == (a, b)  # type: ignore[union-attr]
+    a, b = two_workers_both_routed(master)
     master.report(a, [], release=True, processing=True)  # handed over, last tuple still in progress
     master.report(b, [], release=True)                   # idle
     assert route(master).route.channel_id == b  # type: ignore[union-attr]  # though a is least recently used
