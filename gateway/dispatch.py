@@ -288,7 +288,7 @@ class Dispatcher:
         whatever its size, which capped 100-byte tuples near 500/s.
         """
         chunk = self._config.chunk_bytes
-        packing = PackingFrames(self._config.pack_bytes)
+        packing = PackingFrames(self._config.pack_bytes, chunk)
         for pending in batch:
             entry = pending.entry
             small = packing.packable(entry.size)
@@ -321,6 +321,13 @@ class Dispatcher:
             log.warning("receipt for an unknown tuple ignored", extra={"index": receipt.index})
             return
         pending = sent[receipt.index]
+        if receipt.tuple_id and receipt.tuple_id != pending.entry.meta.tuple_id:
+            # A receiver that numbers tuples otherwise (e.g. one that predates packing and skipped
+            # packed tuples): never settle a tuple on another's receipt; it is delivered again.
+            log.warning("receipt names another tuple; ignored", extra={
+                "index": receipt.index, "receipt_tuple_id": receipt.tuple_id,
+                "tuple_id": pending.entry.meta.tuple_id})
+            return
         state = receipt.state
         if state == TupleReceipt.STORED:
             settled.add(receipt.index)

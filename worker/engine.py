@@ -151,11 +151,14 @@ class _Prefetcher:
             try:
                 item = self._reader.next_tuple_bytes()
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer in order
-                self._publish(("error", exc))
+                if not self._closed:
+                    self._publish(("error", exc))
+                return
+            if self._closed:  # the stream ended meanwhile (gRPC ends a handler's input cleanly)
                 return
             if item is None:
-                self._publish(("end", None))
                 self._handover.input_ended()
+                self._publish(("end", None))
                 return
             self._handover.received()
             self._publish(("tuple", item))
@@ -201,22 +204,26 @@ class _Handover:
         """A tuple of this stream holds the processing slot now."""
         with self._lock:
             self._started += 1
-            fire = self._due()
-        if fire:
-            self._hand_over()
+            self._fire_if_due()
 
     def input_ended(self) -> None:
         with self._lock:
             self._ended = True
-            fire = self._due()
-        if fire:
-            self._hand_over()
+            self._fire_if_due()
 
-    def _due(self) -> bool:
+    def close(self) -> bool:
+        """The stream is over: no hand-over from now on. True if it had handed over."""
+        with self._lock:
+            handed_over = self.done
+            self.done = True
+            return handed_over
+
+    def _fire_if_due(self) -> None:
+        """Hand over (lock held, so :meth:`close` sees it complete) once due."""
         if self.done or not self._ended or self._started < self._received:
-            return False
+            return
         self.done = True
-        return True
+        self._hand_over()
 
 
 @dataclasses.dataclass(eq=False)
@@ -445,7 +452,7 @@ class Engine:
         finally:
             prefetch.close()
             storer.close(STORER_JOIN_SECONDS)
-            if handover.done:
+            if handover.close():
                 self._tail_settled()
             else:
                 self._unclaim()
@@ -499,6 +506,7 @@ class Engine:
                     slots.append(self._take_tuple(index, *value, storer, started))
                 except BaseException as exc:  # noqa: BLE001 - sent after the earlier receipts
                     ended, failure = True, exc
+                value = None  # the payload must not outlive its processing (memory: two tuples a channel)
                 index += 1
             elif kind == "end":
                 ended = True

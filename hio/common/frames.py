@@ -105,14 +105,15 @@ class PackingFrames:
     (``pack_bytes`` of serialized frames), ``flush`` the rest.
     """
 
-    def __init__(self, pack_bytes: int) -> None:
+    def __init__(self, pack_bytes: int, chunk_bytes: int) -> None:
         self.pack_bytes = pack_bytes
+        self._largest = min(pack_bytes // 4, chunk_bytes)  # a packed tuple is one frame: within a chunk
         self._frames: list[TupleFrame] = []
         self._size = 0
 
     def packable(self, size: int) -> bool:
-        """Small enough to ride with others (at most a quarter of a packed message)."""
-        return size <= self.pack_bytes // 4
+        """Small enough to ride with others: at most a quarter of a packed message and one chunk."""
+        return size <= self._largest
 
     def add(self, frame: TupleFrame) -> TupleFrame | None:
         size = frame.ByteSize() + 8

@@ -74,7 +74,7 @@ def test_oversized_chunk_and_missing_meta_are_refused() -> None:
 def _packed(payloads: list[bytes], pack_bytes: int = 1 << 20) -> list[TupleFrame]:
     from hio.common.frames import PackingFrames
 
-    packing, out = PackingFrames(pack_bytes), []
+    packing, out = PackingFrames(pack_bytes, 1 << 20), []
     for i, p in enumerate(payloads):
         assert packing.packable(len(p))
         if (message := packing.add(TupleFrame(meta=meta_for(p, i + 1), data=p, last=True))) is not None:
@@ -120,3 +120,11 @@ def test_packing_rules_are_enforced(breakage: str) -> None:
         message.packed[0].packed.add(meta=meta_for(b"d", 9), data=b"d", last=True)
     with pytest.raises(InvalidArgument, match="pack"):
         reader([message]).next_tuple_bytes()
+
+
+def test_only_tuples_within_a_chunk_and_a_quarter_message_are_packed() -> None:
+    from hio.common.frames import PackingFrames
+
+    assert PackingFrames(1 << 20, 1 << 20).packable(256 * 1024)
+    assert not PackingFrames(1 << 20, 1 << 20).packable(256 * 1024 + 1)
+    assert not PackingFrames(1 << 20, 64 * 1024).packable(64 * 1024 + 1)  # the receiver's chunk limit

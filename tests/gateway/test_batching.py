@@ -49,3 +49,21 @@ def test_a_batch_holds_one_image_and_respects_bytes() -> None:
     add(d, 3, image="a", size=400)
     add(d, 2, image="b", size=10, start=4)
     assert sizes(d) == [2, 1, 2]          # 800 bytes fit, 1200 would not; then image b alone
+
+
+def test_a_receipt_naming_another_tuple_settles_nothing() -> None:
+    """A receiver that numbers tuples otherwise (one that predates packing skips packed tuples)
+    must not make the gateway forget a tuple it never processed."""
+    from hio.gateway.dispatch import _Pending
+    from hio.proto.tuple_pb2 import TupleReceipt
+
+    done: list[int] = []
+    config = GatewayConfig(master_address="127.0.0.1:1")
+    d = Dispatcher(config, persist=lambda entries: None, open_payload=lambda e: open(e.data_path, "rb"),
+                   on_complete=lambda entry, outcome, detail: done.append(entry.meta.tuple_id))
+    sent = [_Pending(n, SpoolEntry(n, TupleMeta(image="hio/synthetic", size=1, tuple_id=100 + n), Path("/x")))
+            for n in (1, 2)]
+    settled: set[int] = set()
+    d._settle(TupleReceipt(index=1, tuple_id=999, state=TupleReceipt.STORED), sent, settled, direct=True)
+    d._settle(TupleReceipt(index=0, tuple_id=101, state=TupleReceipt.STORED), sent, settled, direct=True)
+    assert done == [101] and settled == {0}

@@ -250,7 +250,7 @@ def test_packed_tuples_are_queued_each_and_pulled_alone(tmp_path: Path) -> None:
     with running_master(tmp_path) as m:
         ch = register(m.stub, "w1")[0]
         ids = list(route(m.stub, [5, 5, 5], force_queue=True).tuple_ids)
-        packing = PackingFrames(1 << 20)
+        packing = PackingFrames(1 << 20, 1 << 20)
         for n, tuple_id in enumerate(ids):
             (frame,) = frames(tuple_id, f"tup{n}-".encode())
             assert packing.add(frame) is None

@@ -186,7 +186,7 @@ def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Re
 def test_packed_stream_is_answered_with_packed_receipts(engine: RunningEngine, repo: Repo) -> None:
     from hio.common.frames import PackingFrames, TupleFrame, unpacked_receipts
 
-    packing = PackingFrames(1 << 20)
+    packing = PackingFrames(1 << 20, 1 << 20)
     for tuple_id in range(71, 91):
         meta, data = make_tuple(tuple_id, bytes([tuple_id]) * 50)
         assert packing.add(TupleFrame(meta=meta, data=data, last=True)) is None
@@ -200,3 +200,27 @@ def test_packed_stream_is_answered_with_packed_receipts(engine: RunningEngine, r
     assert sorted(repo.records()) == list(range(71, 91))
     plain = engine.deliver([make_tuple(95, b"plain"), make_tuple(96, b"plain")])
     assert [len(r.packed) for r in plain] == [0, 0]       # a sender that does not pack gets plain receipts
+
+
+def test_storage_failure_with_the_input_still_open_frees_the_channel_once(repo: Repo) -> None:
+    """The stream fails while the sender keeps its side open: no late hand-over, no second release."""
+    engine = RunningEngine(engine_config(master=f"127.0.0.1:{free_port()}",
+                                         repository=f"127.0.0.1:{free_port()}", rpc_deadline=0.5))
+    hold = threading.Event()
+
+    def frames() -> Iterator:  # type: ignore[type-arg]
+        meta, data = make_tuple(81, b"x")
+        yield from frames_for_bytes(meta, data, 1 << 20)
+        hold.wait(10)
+
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(engine.stub.Deliver(frames(), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        hold.set()
+        time.sleep(0.5)  # a late hand-over, if any, would have fired by now
+        state = engine.engine
+        assert (state._active, state._tails) == (None, 0)  # stop() waits for tails: none may be left
+    finally:
+        hold.set()
+        engine.close()
