@@ -294,8 +294,8 @@ class Dispatcher:
             small = packing.packable(entry.size)
             if not small and (message := packing.flush()) is not None:
                 yield message
+            payload = entry.payload
             try:
-                payload = entry.payload
                 fh = self._open_payload(entry) if payload is None else None
             except FileNotFoundError:
                 skipped.add(pending.seq)

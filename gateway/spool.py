@@ -141,7 +141,7 @@ def safe_name(text: str) -> str:
 def _record(kind: int, seq: int, meta: bytes = b"", move: bytes = b"", payload_len: int = 0) -> bytes:
     """A record's header and metadata (the payload, if any, follows it)."""
     body = _HEAD_BODY.pack(_MAGIC, kind, seq, len(meta), len(move), payload_len)
-    check = crc32(move, crc32(meta, crc32(body))) & 0xFFFFFFFF
+    check = crc32(move, crc32(meta, crc32(body)))
     return body + struct.pack(">I", check) + meta + move
 
 
@@ -493,7 +493,7 @@ class Spool:
         self._reserve(size, timeout)
         try:
             meta.size = size
-            meta.crc32 = crc32(data) & 0xFFFFFFFF
+            meta.crc32 = crc32(data)
             meta_bytes = _meta_bytes(meta)
             with self._append_lock:
                 seq = self._take_seq()
@@ -773,7 +773,7 @@ def _read_record(fh: BinaryIO, pos: int) -> tuple[int, int, bytes, bytes, int, i
     move = fh.read(move_len)
     if len(meta) < meta_len or len(move) < move_len:
         return None
-    if crc32(move, crc32(meta, crc32(head[:_HEAD_BODY.size]))) & 0xFFFFFFFF != check:
+    if crc32(move, crc32(meta, crc32(head[:_HEAD_BODY.size]))) != check:
         return None
     payload_at = pos + _HEAD.size + meta_len + move_len
     end = payload_at + payload_len

@@ -605,9 +605,10 @@ class BenchRun:
             runner = StepRunner(system, MessageGenerator(size, text=system.text_payload), cost, config,
                                 prefix=f"p{self.points}")
 
-            def step(rate: float) -> StepResult:
+            def step(rate: float, **options: int) -> StepResult:
+                """One step, logged with the steal during it."""
                 before = cpu_ticks()
-                result = runner.run(rate)
+                result = runner.run(rate, **options)
                 self._log_step(system.name, size, cost, result, steal_between(before, cpu_ticks()))
                 return result
 
@@ -617,9 +618,7 @@ class BenchRun:
             steal = steal_between(point_ticks, cpu_ticks())
             latency = None
             if size in self.latency_sizes and point.max_rate > 0:
-                before = cpu_ticks()
-                latency = runner.run(point.max_rate / 2, min_messages=config.latency_messages)
-                self._log_step(system.name, size, cost, latency, steal_between(before, cpu_ticks()))
+                latency = step(point.max_rate / 2, min_messages=config.latency_messages)
         finally:
             system.end_point()
         row = {"system": system.name, "size": size, "cost_ms": _fmt(cost * 1000),

@@ -48,7 +48,7 @@ def parse_segment_name(path: Path) -> int | None:
 def encode_record(offset: int, tuple_id: int, payload: bytes) -> bytes:
     """One framed record, ready to append."""
     ids = _IDS.pack(offset, tuple_id)
-    crc = crc32(payload, crc32(ids)) & 0xFFFFFFFF
+    crc = crc32(payload, crc32(ids))
     return struct.pack("<II", len(payload), crc) + ids + payload
 
 
@@ -61,7 +61,7 @@ def decode_record(buf: bytes | memoryview, offset: int) -> tuple[int, bytes] | N
     if got_offset != offset or len(buf) != HEADER_SIZE + length:
         return None
     view = memoryview(buf)
-    if crc32(view[8:]) & 0xFFFFFFFF != crc:
+    if crc32(view[8:]) != crc:
         return None
     return tuple_id, bytes(view[HEADER_SIZE:])
 
@@ -121,7 +121,7 @@ def _scan_records(view: memoryview, expected: int, out: ScanResult) -> None:
             if end > size:
                 out.problem = "incomplete record"
                 break
-            if crc32(view[pos + 8:end]) & 0xFFFFFFFF != crc:
+            if crc32(view[pos + 8:end]) != crc:
                 out.problem = "record checksum mismatch"
                 break
             if offset != expected:

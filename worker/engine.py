@@ -31,7 +31,7 @@ import zstandard
 from hio.common.errors import (DataLoss, FailedPrecondition, HioError, InvalidArgument, PermissionDenied,
                                ResourceExhausted, Unavailable, grpc_errors)
 from hio.common.tickets import load_ticket_key, verify_ticket
-from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed_receipts
+from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
 from hio.common.net import create_server, message_limit, run_until_signal, set_serving
 from hio.common.retry import Backoff
 from hio.proto import engine_pb2_grpc, master_pb2
@@ -194,7 +194,7 @@ class _Handover:
         self._received = 0
         self._started = 0
         self._ended = False
-        self.done = False
+        self._done = False
 
     def received(self) -> None:
         with self._lock:
@@ -214,15 +214,15 @@ class _Handover:
     def close(self) -> bool:
         """The stream is over: no hand-over from now on. True if it had handed over."""
         with self._lock:
-            handed_over = self.done
-            self.done = True
+            handed_over = self._done
+            self._done = True
             return handed_over
 
     def _fire_if_due(self) -> None:
         """Hand over (lock held, so :meth:`close` sees it complete) once due."""
-        if self.done or not self._ended or self._started < self._received:
+        if self._done or not self._ended or self._started < self._received:
             return
-        self.done = True
+        self._done = True
         self._hand_over()
 
 
@@ -490,7 +490,7 @@ class Engine:
             finishing = storer.error is not None or (ended and not slots)
             if answers and (finishing or events.empty() or time.monotonic() - since >= ANSWER_DELAY):
                 if reader.packed:  # the sender packs: one message for all receipts ready now
-                    yield packed_receipts(answers)
+                    yield packed(answers)
                 else:
                     yield from answers
                 answers = []

@@ -3,9 +3,9 @@
 Outcomes are batched and sent by one background thread, in order: at most
 every ``flush_interval`` seconds, at once when a release is asked for (a
 stream's input ended, a queued tuple is done) or a released channel's last
-tuple is done. Every report says whether a tuple is being processed. While the channel is busy the thread
-sends an empty report every ``keepalive`` seconds so the master keeps the
-channel's reservation and leases. Reports that fail with a retryable error
+tuple is done. Every report says whether a tuple is being processed. While
+the channel is busy the thread sends an empty report every ``keepalive``
+seconds so the master keeps the channel's reservation and leases. Reports that fail with a retryable error
 are sent again (the master treats them idempotently).
 """
 

@@ -174,6 +174,14 @@ def test_a_killed_worker_loses_nothing(tmp_path: Path) -> None:
         c.stop()
 
 
+def _finishing(c: Cluster) -> bool:
+    """The channel took its stream's last tuple into processing and handed itself over."""
+    from hio.proto import master_pb2
+
+    channels = [ch for w in c.status().workers for ch in w.channels]
+    return len(channels) == 1 and channels[0].state == master_pb2.FREE and channels[0].processing
+
+
 def test_queue_drains_first_come_first_served(tmp_path: Path) -> None:
     c = Cluster(tmp_path, {"solo": "hio/synthetic=1"}).start(channels=1)
     try:
@@ -182,7 +190,9 @@ def test_queue_drains_first_come_first_served(tmp_path: Path) -> None:
             # processing slot (one ahead), holding the channel: everything after goes to the queue.
             first = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-first",
                               attributes={"cost_ms": "1500"})
-            wait_for(lambda: c.status().channels_busy == 1, timeout=30, what="the only channel busy")
+            # Handed over: FREE at the master while the first tuple is processed (and counted busy).
+            wait_for(lambda: _finishing(c), timeout=30, what="the only channel handed over while processing")
+            assert c.status().channels_busy == 1
             second = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-second",
                                attributes={"cost_ms": "50"})
             wait_for(lambda: c.status().routed_direct == 2, timeout=30, what="the second tuple routed direct")
