@@ -85,7 +85,10 @@ def test_a_container_killed_mid_tuple_is_restarted_and_the_tuple_stored_once(
     with cluster.gateway("kill", streams=1) as gw:
         future = gw.submit(os.urandom(1_000_000), image="hio/synthetic", name="victim",
                            attributes={"cost_ms": "4000"})
-        wait_for(lambda: any(ch.state != master_pb2.FREE for ch in cluster.channels(worker_id)),
+        # The channel is BUSY while the tuple arrives, then FREE with `processing` set once the
+        # engine has taken it into its processing slot and handed the channel over.
+        wait_for(lambda: any(ch.state != master_pb2.FREE or ch.processing
+                             for ch in cluster.channels(worker_id)),
                  timeout=30, what="the tuple to reach the engine")
         time.sleep(1.0)  # well inside the 4 s of processing
         first.kill()
