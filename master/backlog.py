@@ -34,12 +34,12 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.common.files import copy_exact
-from hio.common.frames import (FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta, frames_for_bytes,
-                               frames_for_stream)
+from hio.common.frames import (FrameReader, PackingFrames, TupleFrame, TupleMeta, UnpackedFrames, check_meta,
+                               frames_for_bytes, frames_for_stream)
 from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import (ACK, MOVE, READ_BLOCK, Journal, RecordWriter, Segment, payload_intact,
                                 scan_segment)
@@ -395,38 +395,80 @@ class BacklogQueue:
 
     def lease(self, image: str, channel_id: str, lease_seconds: float) -> Lease | None:
         """Lease the first waiting tuple of ``image`` to ``channel_id``; None if none waits."""
+        leases = self.lease_many(image, channel_id, lease_seconds)
+        return leases[0] if leases else None
+
+    def lease_many(self, image: str, channel_id: str, lease_seconds: float, *,
+                   max_tuples: int = 1, max_bytes: int = 0) -> list[Lease]:
+        """Lease the first waiting tuples of ``image`` to ``channel_id``, in order.
+
+        The head always; after it, more while there are at most ``max_tuples``
+        and their payloads add up to at most ``max_bytes``. Empty if none waits.
+        """
+        leases: list[Lease] = []
         with self._cond:
             ready = self._ready.get(image)
-            if not ready:
-                return None
-            _, entry = ready.popitem(last=False)
-            if not ready:
+            total = 0
+            while ready and len(leases) < max(1, max_tuples):
+                head = next(iter(ready.values()))
+                if leases and total + head.size > max_bytes:
+                    break
+                ready.popitem(last=False)
+                total += head.size
+                leases.append(self._lease_entry(head, channel_id, lease_seconds))
+            if ready is not None and not ready:
                 del self._ready[image]
-            entry.leased_to = channel_id
-            entry.lease_deadline = self._clock() + lease_seconds
-            entry.lease_token = self._next_token
-            self._next_token += 1
-            self._leased[entry.tuple_id] = entry
-            self._by_channel.setdefault(channel_id, set()).add(entry.tuple_id)
-            return Lease(tuple_id=entry.tuple_id, channel_id=channel_id, token=entry.lease_token, meta=entry.meta)
+        return leases
+
+    def _lease_entry(self, entry: Entry, channel_id: str, lease_seconds: float) -> Lease:
+        """Mark a waiting entry leased (lock held)."""
+        entry.leased_to = channel_id
+        entry.lease_deadline = self._clock() + lease_seconds
+        entry.lease_token = self._next_token
+        self._next_token += 1
+        self._leased[entry.tuple_id] = entry
+        self._by_channel.setdefault(channel_id, set()).add(entry.tuple_id)
+        return Lease(tuple_id=entry.tuple_id, channel_id=channel_id, token=entry.lease_token, meta=entry.meta)
 
     def frames(self, lease: Lease, chunk_bytes: int) -> Iterator[TupleFrame]:
         """The frames of a leased tuple, from memory or read from disk chunk by chunk."""
+        cached, fh = self._source(lease)
+        if cached is not None:
+            yield from frames_for_bytes(lease.meta, cached, chunk_bytes)
+            return
+        assert fh is not None
+        with fh:
+            yield from frames_for_stream(lease.meta, fh, chunk_bytes)
+
+    def frames_of(self, leases: list[Lease], chunk_bytes: int, pack_bytes: int) -> Iterator[TupleFrame]:
+        """The frames of several leased tuples in order; small ones packed into shared messages."""
+        packing = PackingFrames(pack_bytes, chunk_bytes)
+        for lease in leases:
+            if not packing.packable(lease.meta.size):
+                if (message := packing.flush()) is not None:
+                    yield message
+                yield from self.frames(lease, chunk_bytes)
+                continue
+            cached, fh = self._source(lease)
+            if fh is not None:
+                with fh:
+                    cached = fh.read(lease.meta.size)
+            if (message := packing.add(TupleFrame(meta=lease.meta, data=cached, last=True))) is not None:
+                yield message
+        if (message := packing.flush()) is not None:
+            yield message
+
+    def _source(self, lease: Lease) -> tuple[bytes | None, BinaryIO | None]:
+        """The payload of a current lease: in memory, or a file positioned at it."""
         with self._cond:
             entry = self._leased.get(lease.tuple_id)
             if entry is None or entry.lease_token != lease.token:
                 raise NotFound(f"tuple {lease.tuple_id} is no longer leased to {lease.channel_id}")
-            cached, meta = entry.cached, entry.meta
-            fh = None
-            if cached is None:
-                fh = open(self._segments[entry.segment].path, "rb")
-                fh.seek(entry.offset)
-        if cached is not None:
-            yield from frames_for_bytes(meta, cached, chunk_bytes)
-            return
-        assert fh is not None
-        with fh:
-            yield from frames_for_stream(meta, fh, chunk_bytes)
+            if entry.cached is not None:
+                return entry.cached, None
+            fh = open(self._segments[entry.segment].path, "rb")
+            fh.seek(entry.offset)
+            return None, fh
 
     def refresh(self, channel_id: str, lease_seconds: float) -> None:
         """A report from ``channel_id``: its leases live on."""
@@ -440,9 +482,11 @@ class BacklogQueue:
             return bool(self._by_channel.get(channel_id))
 
     def void_leases(self, channel_id: str, reason: str) -> list[int]:
-        """The channel is gone: its tuples go back to the head of their queues."""
+        """The channel is gone (or released them unreported): its tuples go back to the
+        head of their queues, in the order they had."""
         with self._cond:
-            voided = [self._leased[t] for t in list(self._by_channel.get(channel_id, ()))]
+            voided = sorted((self._leased[t] for t in self._by_channel.get(channel_id, ())),
+                            key=lambda e: e.order, reverse=True)
             for entry in voided:
                 self._unlease(entry)
                 self._requeue(entry, head=True, reason=reason)

@@ -38,6 +38,9 @@ log = logging.getLogger("hio.master")
 MAX_ROUTE_ITEMS = 10_000
 MAX_OUTCOMES = 10_000
 MAX_PULL_WAIT = 30.0
+MAX_PULL_TUPLES = 1024          # tuples one PullTuple may lease
+MAX_PULL_BYTES = 64 * 1024 * 1024
+PULL_PACK_BYTES = 1024 * 1024   # small pulled tuples travel packed, this much per message
 TICK_SECONDS = 0.1       # maintenance: fsync batches
 EXPIRY_EVERY = 0.25      # maintenance: worker expiry, reservations, leases
 QUEUE_FULL_WARNING = 0.9
@@ -91,21 +94,29 @@ class Status:
 
 
 class Pulled:
-    """A tuple leased to a channel by :meth:`Master.pull`; stream it with :meth:`frames`."""
+    """Tuples leased to a channel by :meth:`Master.pull`, head first; stream them with :meth:`frames`."""
 
-    def __init__(self, master: "Master", lease: Lease) -> None:
+    def __init__(self, master: "Master", leases: list[Lease]) -> None:
         self._master = master
-        self.lease = lease
+        self.leases = leases
+
+    @property
+    def lease(self) -> Lease:
+        """The head's lease."""
+        return self.leases[0]
 
     @property
     def meta(self) -> TupleMeta:
         return self.lease.meta
 
     def frames(self) -> Iterator[TupleFrame]:
-        return self._master.queue.frames(self.lease, self._master.config.chunk_bytes)
+        config = self._master.config
+        if len(self.leases) == 1:
+            return self._master.queue.frames(self.lease, config.chunk_bytes)
+        return self._master.queue.frames_of(self.leases, config.chunk_bytes, PULL_PACK_BYTES)
 
     def abandon(self, reason: str = "pull stream ended early") -> None:
-        """The stream broke before the channel got the tuple: requeue it now, not at lease expiry."""
+        """The stream broke before the channel got the tuples: requeue them now, not at lease expiry."""
         self._master.abandon(self, reason)
 
 
@@ -313,10 +324,16 @@ class Master:
                 raise NotFound(f"tuple {meta.tuple_id}: image '{meta.image}' is neither configured nor "
                                "offered by any worker")
 
-    def pull(self, channel_id: str, wait_seconds: float) -> Pulled | None:
-        """Lease the head of the channel's image queue, waiting up to ``wait_seconds``; None if nothing."""
+    def pull(self, channel_id: str, wait_seconds: float, *, max_tuples: int = 1,
+             max_bytes: int = 0) -> Pulled | None:
+        """Lease the head of the channel's image queue (and up to ``max_tuples`` tuples of at
+        most ``max_bytes`` in all after it), waiting up to ``wait_seconds``; None if nothing."""
         if not math.isfinite(wait_seconds) or not 0 <= wait_seconds <= MAX_PULL_WAIT:
             raise InvalidArgument(f"wait_seconds must be between 0 and {MAX_PULL_WAIT:g}, got {wait_seconds}")
+        if not 0 <= max_tuples <= MAX_PULL_TUPLES:
+            raise InvalidArgument(f"max_tuples must be between 0 and {MAX_PULL_TUPLES}, got {max_tuples}")
+        if not 0 <= max_bytes <= MAX_PULL_BYTES:
+            raise InvalidArgument(f"max_bytes must be between 0 and {MAX_PULL_BYTES}, got {max_bytes}")
         deadline = time.monotonic() + wait_seconds
         waiting = False
         with self._cond:
@@ -328,11 +345,13 @@ class Master:
                     if channel is None or channel.state == ChannelState.DIRECT:
                         return None
                     if self.registry.routable(channel):
-                        lease = self.queue.lease(channel.image, channel_id, self.config.lease_seconds)
-                        if lease is not None:
+                        leases = self.queue.lease_many(channel.image, channel_id, self.config.lease_seconds,
+                                                       max_tuples=max_tuples, max_bytes=max_bytes)
+                        if leases:
                             self.registry.set_queue(channel, leased=True)
-                            log.debug("pulled", extra={"tuple_id": lease.tuple_id, "channel": channel_id})
-                            return Pulled(self, lease)
+                            log.debug("pulled", extra={"tuple_id": leases[0].tuple_id, "tuples": len(leases),
+                                                       "channel": channel_id})
+                            return Pulled(self, leases)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         if channel.state == ChannelState.QUEUE and not self.queue.has_lease(channel_id):
@@ -352,16 +371,18 @@ class Master:
                     self._waiters -= 1
 
     def abandon(self, pulled: Pulled, reason: str) -> None:
-        """Void a lease whose stream broke; the tuple goes back to the head of its queue."""
-        if self.queue.void_lease(pulled.lease, reason):
-            log.info("lease voided", extra={"tuple_id": pulled.lease.tuple_id,
-                                            "channel": pulled.lease.channel_id, "reason": reason})
-            with self._cond:
-                channel = self.registry.channel(pulled.lease.channel_id)
-                if channel is not None and channel.state == ChannelState.QUEUE \
-                        and not self.queue.has_lease(channel.channel_id):
-                    self.registry.set_free(channel)
-                self._cond.notify_all()
+        """Void the leases of a pull whose stream broke; the tuples go back to the head of their queue."""
+        voided = [lease for lease in reversed(pulled.leases) if self.queue.void_lease(lease, reason)]
+        if not voided:
+            return
+        log.info("lease voided", extra={"tuple_id": pulled.lease.tuple_id, "tuples": len(voided),
+                                        "channel": pulled.lease.channel_id, "reason": reason})
+        with self._cond:
+            channel = self.registry.channel(pulled.lease.channel_id)
+            if channel is not None and channel.state == ChannelState.QUEUE \
+                    and not self.queue.has_lease(channel.channel_id):
+                self.registry.set_free(channel)
+            self._cond.notify_all()
 
     def report(self, channel_id: str, outcomes: list[Outcome], release: bool, *, processing: bool = False) -> bool:
         """Record outcomes, settle queued tuples, release the channel; True: pull the queue next.
@@ -398,6 +419,9 @@ class Master:
         if not release:
             self._after_outcomes(channel_id)
             return False
+        # A releasing channel has reported every tuple it pulled; one it did not (say, it
+        # could not read it) goes back to the head of the queue now, not at lease expiry.
+        self.queue.void_leases(channel_id, "released by its channel without an outcome")
         with self._cond:
             channel = self.registry.channel(channel_id)
             if channel is None or not self.registry.routable(channel):

@@ -86,7 +86,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     @grpc_errors
     def PullTuple(self, request: master_pb2.PullTupleRequest, context: grpc.ServicerContext) -> Iterator[TupleFrame]:
-        pulled = self._master.pull(request.channel_id, request.wait_seconds)
+        pulled = self._master.pull(request.channel_id, request.wait_seconds,
+                                   max_tuples=request.max_tuples, max_bytes=request.max_bytes)
         if pulled is None:
             return
         finished = threading.Event()

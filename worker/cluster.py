@@ -52,7 +52,7 @@ class PullCall:
         self._call = call
 
     def frames(self) -> Iterator[TupleFrame]:
-        """The frames of the pulled tuple; empty when the master had nothing."""
+        """The frames of the pulled tuples; empty when the master had nothing."""
         try:
             yield from self._call  # type: ignore[misc]
         except grpc.RpcError as exc:
@@ -127,7 +127,8 @@ class ClusterLink:
         except grpc.RpcError as exc:
             raise translate(exc, "master") from None
 
-    def pull(self, channel_id: str, wait_seconds: float) -> PullCall:
-        """Open a PullTuple long-poll for ``channel_id``."""
-        request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds)
+    def pull(self, channel_id: str, wait_seconds: float, *, max_tuples: int = 1, max_bytes: int = 0) -> PullCall:
+        """Open a PullTuple long-poll for ``channel_id`` (up to ``max_tuples`` tuples)."""
+        request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds,
+                                              max_tuples=max_tuples, max_bytes=max_bytes)
         return PullCall(self._master.PullTuple(request, timeout=wait_seconds + 10.0))

@@ -361,6 +361,7 @@ class Engine:
         self._store_batch_records = config.store_batch_records
         self._store_pending_records = config.store_pending_records
         self._watchdog = Watchdog(config.tuple_timeout, self._on_timeout)
+        self._queue_tuple_seconds: float | None = None  # moving average of a queue tuple's processing time
         self._puller = threading.Thread(target=self._pull_loop, name="puller", daemon=True)
 
     @property
@@ -560,21 +561,6 @@ class Engine:
 
     # ---- processing one tuple
 
-    def _process(self, meta: TupleMeta, data: bytes, *, from_queue: bool) -> str | None:
-        """Process and store one tuple; None when stored, else the pipeline's error.
-
-        Storage failures (repository unreachable) raise: they are not the
-        tuple's fault, so the sender keeps it and delivers again.
-        """
-        result = self._compute(meta, data, from_queue=from_queue)
-        if isinstance(result, str):
-            return result
-        blob, cpu = result
-        duplicate = self._cluster.store(meta.tuple_id, blob)
-        self._report(meta, ok=True, from_queue=from_queue, seconds=cpu)
-        self._log_stored(meta, blob, duplicate, cpu)
-        return None
-
     def _compute(self, meta: TupleMeta, data: bytes, *, from_queue: bool,
                  started: Callable[[], None] | None = None) -> tuple[bytes, float] | str:
         """Run the pipeline on one tuple in the processing slot: (compressed record, CPU seconds), or the error.
@@ -683,8 +669,9 @@ class Engine:
                     self._cond.wait_for(lambda: self._stopping, timeout=backoff.delay())
 
     def _pull_once(self) -> bool:
-        """One long-poll; process the tuple it brings. False when it brought none."""
-        call = self._cluster.pull(self._channel, self._config.pull_wait)
+        """One long-poll; process the tuples it brings. False when it brought none."""
+        max_tuples, max_bytes = self._pull_size()
+        call = self._cluster.pull(self._channel, self._config.pull_wait, max_tuples=max_tuples, max_bytes=max_bytes)
         with self._cond:
             if self._stopping:
                 call.cancel()
@@ -707,6 +694,20 @@ class Engine:
             with self._cond:
                 self._pull_call = None
 
+    def _pull_size(self) -> tuple[int, int]:
+        """How many queued tuples (and bytes) to ask for: about ``pull_batch_seconds`` of work.
+
+        One at a time until a tuple's cost is known, and for costly tuples,
+        so other channels get their share; cheap ones come in batches, which
+        spares a pull, a store and a report round trip per tuple.
+        """
+        seconds = self._queue_tuple_seconds
+        budget = self._config.pull_batch_seconds
+        if seconds is None or budget <= 0:
+            return 1, 0
+        count = int(budget / max(seconds, 1e-5))
+        return max(1, min(count, self._config.pull_batch_tuples)), self._config.pull_batch_bytes
+
     def _claim_for_queue(self) -> bool:
         """Wait for a Deliver stream that raced us to end, then take the channel."""
         with self._cond:
@@ -718,26 +719,80 @@ class Engine:
         return True
 
     def _process_pulled(self, frames: Iterable[TupleFrame], first_meta: TupleMeta) -> None:
+        """Process the pulled tuples in order, store their features together, report each.
+
+        The whole pull is read first (its size is bounded by the request), so
+        the master's stream ends at once whatever the processing takes. A
+        tuple not reported here (unreadable, or left when stopping) goes back
+        to the head of the queue when the channel releases.
+        """
+        pulled = self._read_pulled(frames, first_meta)
+        started = time.monotonic()
+        done: list[tuple[TupleMeta, bytes, float]] = []
+        for meta, data in pulled:
+            if self._stopping:
+                break
+            if meta.image != self._config.image:
+                self._report(meta, ok=False, from_queue=True,
+                             message=f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}")
+                continue
+            result = self._compute(meta, data, from_queue=True)
+            if isinstance(result, str):
+                self._report(meta, ok=False, from_queue=True, message=result)
+            else:
+                done.append((meta, *result))
+        if pulled:
+            self._learn_cost((time.monotonic() - started) / len(pulled))
+        self._store_pulled(done)
+
+    def _read_pulled(self, frames: Iterable[TupleFrame], first_meta: TupleMeta) -> list[tuple[TupleMeta, bytes]]:
         reader = FrameReader(frames, max_tuple_bytes=self._config.max_tuple_bytes,
                              max_chunk_bytes=message_limit(self._config), need_id=True)
+        pulled: list[tuple[TupleMeta, bytes]] = []
         try:
-            item = reader.next_tuple_bytes()
+            while (item := reader.next_tuple_bytes()) is not None:
+                pulled.append(item)
         except HioError as exc:
-            self._report(first_meta, ok=False, from_queue=True, message=f"damaged queue tuple: {exc.message}")
-            return
-        if item is None:
-            return
-        meta, data = item
-        if meta.image != self._config.image:
-            self._report(meta, ok=False, from_queue=True,
-                         message=f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}")
-            return
+            if not pulled:
+                self._report(first_meta, ok=False, from_queue=True, message=f"damaged queue tuple: {exc.message}")
+            else:
+                log.warning("damaged queue tuple; it goes back to the queue", extra={
+                    "channel": self._channel, "after_tuple_id": pulled[-1][0].tuple_id, "reason": exc.message})
+        return pulled
+
+    def _store_pulled(self, done: list[tuple[TupleMeta, bytes, float]]) -> None:
+        """Store the records in batches of the repository call's bounds, then report them."""
+        start = 0
+        while start < len(done):
+            end, size = start, 0
+            while end < len(done) and end - start < self._store_batch_records \
+                    and (end == start or size + len(done[end][1]) <= self._max_record):
+                size += len(done[end][1])
+                end += 1
+            self._store_and_report(done[start:end])
+            start = end
+
+    def _store_and_report(self, batch: list[tuple[TupleMeta, bytes, float]]) -> None:
         try:
-            error = self._process(meta, data, from_queue=True)
-        except HioError as exc:  # repository unreachable: fail it so the master requeues it now
-            error = f"cannot store features: {exc.message}"
-        if error is not None:
-            self._report(meta, ok=False, from_queue=True, message=error)
+            duplicates = self._cluster.store_many([(meta.tuple_id, blob) for meta, blob, _ in batch])
+        except (InvalidArgument, DataLoss) as exc:
+            if len(batch) > 1:  # one record was refused: find it, store the others
+                for one in batch:
+                    self._store_and_report([one])
+                return
+            self._report(batch[0][0], ok=False, from_queue=True, message=f"cannot store features: {exc.message}")
+            return
+        except HioError as exc:  # repository unreachable: fail them so the master requeues them now
+            for meta, _, _ in batch:
+                self._report(meta, ok=False, from_queue=True, message=f"cannot store features: {exc.message}")
+            return
+        for (meta, blob, cpu), duplicate in zip(batch, duplicates):
+            self._report(meta, ok=True, from_queue=True, seconds=cpu)
+            self._log_stored(meta, blob, duplicate, cpu)
+
+    def _learn_cost(self, seconds: float) -> None:
+        previous = self._queue_tuple_seconds
+        self._queue_tuple_seconds = seconds if previous is None else 0.7 * previous + 0.3 * seconds
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):

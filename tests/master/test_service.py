@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from hio.common.errors import retry_after
-from hio.common.frames import TupleReceipt
+from hio.common.frames import TupleFrame, TupleReceipt
 from hio.common.net import create_channel
 from hio.common.settings import ClusterSettings
 from hio.proto import master_pb2, master_pb2_grpc
@@ -260,3 +260,74 @@ def test_packed_tuples_are_queued_each_and_pulled_alone(tmp_path: Path) -> None:
         assert status(m.stub).queues[0].length == 3
         meta, data = pull(m.stub, ch)
         assert meta is not None and meta.tuple_id == ids[0] and data == b"tup0-"
+
+
+def _pull_many(stub: master_pb2_grpc.MasterStub, channel_id: str, max_tuples: int,
+               max_bytes: int) -> tuple[list[TupleFrame], list[tuple[int, bytes]], list[int]]:
+    """One PullTuple asking for several tuples: the raw messages, (id, payload) of each, their attempts."""
+    from hio.common.frames import FrameReader
+
+    request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=0, max_tuples=max_tuples,
+                                          max_bytes=max_bytes)
+    messages = list(stub.PullTuple(request, timeout=10))
+    reader = FrameReader(iter(messages), max_tuple_bytes=1 << 30, max_chunk_bytes=1 << 30)
+    tuples, attempts = [], []
+    while (item := reader.next_tuple_bytes()) is not None:
+        tuples.append((item[0].tuple_id, item[1]))
+        attempts.append(item[0].attempt)
+    return messages, tuples, attempts
+
+
+def test_pull_brings_the_first_tuples_in_order_within_count_and_bytes(tmp_path: Path) -> None:
+    with running_master(tmp_path) as m:
+        ch = register(m.stub, "w1")[0]
+        ids = list(route(m.stub, [100] * 10 + [5_000] + [100] * 3, force_queue=True).tuple_ids)
+        payloads = {t: bytes([n]) * (5_000 if n == 10 else 100) for n, t in enumerate(ids)}
+        enqueue(m.stub, [f for t in ids for f in frames(t, payloads[t])])
+        messages, tuples, _ = _pull_many(m.stub, ch, max_tuples=4, max_bytes=1 << 20)
+        assert tuples == [(t, payloads[t]) for t in ids[:4]], "the head and the next three, in order"
+        assert len(messages) == 1 and len(messages[0].packed) == 3, "small tuples travel packed"
+        assert status(m.stub).queues[0].leased == 4
+        _, tuples, _ = _pull_many(m.stub, ch, max_tuples=100, max_bytes=700)
+        assert [t for t, _ in tuples] == ids[4:10], "bytes after the head bound the pull (6 x 100 <= 700)"
+        _, tuples, _ = _pull_many(m.stub, ch, max_tuples=100, max_bytes=700)
+        assert [t for t, _ in tuples] == [ids[10]], "a head over max_bytes still comes, alone"
+        _, tuples, _ = _pull_many(m.stub, ch, max_tuples=0, max_bytes=0)
+        assert [t for t, _ in tuples] == [ids[11]], "0: one tuple, as before batching"
+        for bad, text in (({"max_tuples": 5000}, "max_tuples"), ({"max_bytes": 1 << 40}, "max_bytes")):
+            with pytest.raises(grpc.RpcError) as err:
+                list(m.stub.PullTuple(master_pb2.PullTupleRequest(channel_id=ch, **bad), timeout=5))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
+
+
+def test_release_sends_unreported_pulled_tuples_back_to_the_head_in_order(tmp_path: Path) -> None:
+    with running_master(tmp_path) as m:
+        ch = register(m.stub, "w1")[0]
+        ids = list(route(m.stub, [3] * 5, force_queue=True).tuple_ids)
+        enqueue(m.stub, [f for t in ids for f in frames(t, b"abc")])
+        _, tuples, _ = _pull_many(m.stub, ch, max_tuples=3, max_bytes=1 << 20)
+        assert [t for t, _ in tuples] == ids[:3]
+        # The channel stored only the second one (say it could not read the others) and releases.
+        assert report(m.stub, ch, ids[1], size=3) is True, "work is waiting: pull next"
+        queue = status(m.stub).queues[0]
+        assert (queue.length, queue.leased) == (4, 0), "nothing stays leased to a released channel"
+        _, tuples, attempts = _pull_many(m.stub, ch, max_tuples=10, max_bytes=1 << 20)
+        assert [t for t, _ in tuples] == [ids[0], ids[2], ids[3], ids[4]], "back at the head, in their order"
+        assert attempts == [2, 2, 1, 1], "an unreported tuple counts as a failed delivery"
+        for tuple_id in (ids[0], ids[2], ids[3], ids[4]):
+            report(m.stub, ch, tuple_id, size=3, release=False)
+        assert status(m.stub).tuples_done == 5
+
+
+def test_cancelled_batch_pull_voids_every_lease_in_order(tmp_path: Path) -> None:
+    with running_master(tmp_path) as m:
+        ch = register(m.stub, "w1")[0]
+        ids = list(route(m.stub, [2_000_000] * 3, force_queue=True).tuple_ids)
+        enqueue(m.stub, [f for t in ids for f in frames(t, bytes([t % 251]) * 2_000_000, chunk=16 * 1024)])
+        request = master_pb2.PullTupleRequest(channel_id=ch, wait_seconds=1, max_tuples=3, max_bytes=8_000_000)
+        call = m.stub.PullTuple(request, timeout=10)
+        assert next(call).meta.tuple_id == ids[0]
+        call.cancel()
+        wait_for(lambda: status(m.stub).queues[0].leased == 0, timeout=5, what="leases voided")
+        _, tuples, _ = _pull_many(m.stub, ch, max_tuples=3, max_bytes=8_000_000)
+        assert [t for t, _ in tuples] == ids

@@ -224,3 +224,38 @@ def test_storage_failure_with_the_input_still_open_frees_the_channel_once(repo: 
     finally:
         hold.set()
         engine.close()
+
+
+def test_cheap_queued_tuples_are_pulled_several_at_a_time(master: Master, repo: Repo) -> None:
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
+    asked: list[int] = []
+    link = engine.engine._cluster
+    real_pull = link.pull
+
+    def counted_pull(channel_id: str, wait_seconds: float, **sizes: int):  # type: ignore[no-untyped-def]
+        asked.append(sizes.get("max_tuples", 1))
+        return real_pull(channel_id, wait_seconds, **sizes)
+
+    link.pull = counted_pull  # the real call, counted
+    try:
+        _register(master, engine)
+        n = 300
+        route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
+            source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=8)] * n, force_queue=True), timeout=5)
+        tuples = []
+        for k, (tuple_id, ticket) in enumerate(zip(route.tuple_ids, route.tickets)):
+            meta, data = make_tuple(tuple_id, f"tuple{k:03d}".encode(), **({"mode": "fail"} if k == 150 else {}))
+            meta.ticket = ticket
+            tuples.append((meta, data))
+        frames = (f for meta, data in tuples for f in frames_for_bytes(meta, data, SETTINGS.chunk_bytes))
+        receipts = list(master.stub.Enqueue(frames, timeout=30))
+        assert [r.state for r in receipts] == [TupleReceipt.ENQUEUED] * n
+        wait_for(lambda: len(repo.records()) == n - 1, timeout=60, what="every good tuple's features")
+        wait_for(lambda: master.status().dead_letters == 1 and not master.status().queues, timeout=30,
+                 what="the failing tuple dead-lettered after its attempts, the queue empty")
+        records = repo.records()
+        assert all(records[meta.tuple_id].features["name"].text == meta.name
+                   for k, (meta, _) in enumerate(tuples) if k != 150)
+        assert max(asked) > 1 and len(asked) < n // 4, f"{len(asked)} pulls for {n} tuples"
+    finally:
+        engine.close()
