@@ -28,7 +28,7 @@ from hio.common import config as cfg
 from hio.common.config import state_dir
 from hio.common.frames import check_meta
 from hio.gateway.config import GatewayConfig, infer_image
-from hio.gateway.dispatch import Dispatcher, Outcome
+from hio.gateway.dispatch import Completion, Dispatcher, Outcome
 from hio.gateway.spool import MoveOnDone, Spool, SpoolEntry, SpoolFull, safe_name
 from hio.proto.tuple_pb2 import TupleMeta
 
@@ -292,24 +292,29 @@ class Gateway:
             self._dispatcher.add(entry)
         return future
 
-    def _finish(self, entry: SpoolEntry, outcome: Outcome, detail: str) -> None:
-        """Delivery hook: move the original, drop the spool entry, resolve the future."""
-        if entry.move is not None:
-            _move(entry.move, outcome)
-        self.spool.remove(entry)
+    def _finish(self, done: list[Completion]) -> None:
+        """Delivery hook: move the originals, drop the spool entries (one append), resolve the futures."""
+        for entry, outcome, _ in done:
+            if entry.move is not None:
+                _move(entry.move, outcome)
+        self.spool.remove_many([entry for entry, _, _ in done])
         with self._lock:
-            future = self._futures.pop(entry.seq, None)
-        if future is None or future.done():
-            return
-        future.outcome, future.tuple_id = outcome.value, int(entry.meta.tuple_id)
-        if outcome in (Outcome.STORED, Outcome.ENQUEUED):
-            future.set_result(int(entry.meta.tuple_id))
-        else:
-            label = f"tuple '{entry.meta.name}' (id {entry.meta.tuple_id})" if entry.meta.name \
-                else f"tuple {entry.meta.tuple_id}"
-            future.set_exception(DeliveryError(
-                f"{label} {outcome.value}: {detail}",
-                tuple_id=int(entry.meta.tuple_id), reason=detail, name=entry.meta.name))
+            futures = [self._futures.pop(entry.seq, None) for entry, _, _ in done]
+        for future, (entry, outcome, detail) in zip(futures, done):
+            if future is not None and not future.done():
+                _resolve(future, entry, outcome, detail)
+
+
+def _resolve(future: TupleFuture, entry: SpoolEntry, outcome: Outcome, detail: str) -> None:
+    future.outcome, future.tuple_id = outcome.value, int(entry.meta.tuple_id)
+    if outcome in (Outcome.STORED, Outcome.ENQUEUED):
+        future.set_result(int(entry.meta.tuple_id))
+    else:
+        label = f"tuple '{entry.meta.name}' (id {entry.meta.tuple_id})" if entry.meta.name \
+            else f"tuple {entry.meta.tuple_id}"
+        future.set_exception(DeliveryError(
+            f"{label} {outcome.value}: {detail}",
+            tuple_id=int(entry.meta.tuple_id), reason=detail, name=entry.meta.name))
 
 
 def _move(move: MoveOnDone, outcome: Outcome) -> None:

@@ -56,7 +56,8 @@ class Outcome(enum.Enum):
     REJECTED = "rejected"          # refused for good (bad tuple); dropped from the spool
 
 
-CompletionHook = Callable[[SpoolEntry, Outcome, str], None]
+Completion = tuple[SpoolEntry, Outcome, str]   # a tuple that left delivery: how, and why (if it failed)
+CompletionHook = Callable[[list[Completion]], None]
 
 
 @dataclass(order=True)
@@ -86,9 +87,10 @@ class DispatchStats:
 class Dispatcher:
     """Delivers spooled tuples with ``config.streams`` threads. Thread-safe.
 
-    ``add`` hands it an entry; ``on_complete(entry, outcome, detail)`` is called
-    (from a worker thread) once the tuple is STORED, ENQUEUED, dead-lettered or
-    rejected; the hook removes it from the spool.
+    ``add`` hands it an entry; ``on_complete([(entry, outcome, detail), ...])``
+    is called (from a worker thread) once tuples are STORED, ENQUEUED,
+    dead-lettered or rejected, all those one receipt message settled at once
+    (so the spool forgets them in one append); the hook removes them from the spool.
     """
 
     def __init__(self, config: GatewayConfig, *, persist: Callable[[list[SpoolEntry]], None],
@@ -265,8 +267,11 @@ class Dispatcher:
         settled: set[int] = set()
         try:
             for message in call:
+                done: list[tuple[_Pending, Outcome, str]] = []
                 for receipt in unpacked_receipts(message):
-                    self._settle(receipt, sent, settled, direct=direct)
+                    self._settle(receipt, sent, settled, done)
+                if done:
+                    self._complete_many(done, direct=direct)
         except grpc.RpcError as exc:
             self._stream_failed(_unsettled(batch, sent, settled, skipped), exc, address, direct=direct)
             return
@@ -316,7 +321,9 @@ class Dispatcher:
         if (message := packing.flush()) is not None:
             yield message
 
-    def _settle(self, receipt: TupleReceipt, sent: list[_Pending], settled: set[int], *, direct: bool) -> None:
+    def _settle(self, receipt: TupleReceipt, sent: list[_Pending], settled: set[int],
+                done: list[tuple[_Pending, Outcome, str]]) -> None:
+        """Act on one receipt: a tuple it completes goes to ``done``, a failed one is retried."""
         if receipt.index >= len(sent) or receipt.index in settled:
             log.warning("receipt for an unknown tuple ignored", extra={"index": receipt.index})
             return
@@ -331,12 +338,12 @@ class Dispatcher:
         state = receipt.state
         if state == TupleReceipt.STORED:
             settled.add(receipt.index)
-            self._complete(pending, Outcome.STORED, "", direct=direct)
+            done.append((pending, Outcome.STORED, ""))
         elif state == TupleReceipt.ENQUEUED:
             settled.add(receipt.index)
             dead = self._is_dead(pending)
             outcome = Outcome.DEAD_LETTERED if dead else Outcome.ENQUEUED
-            self._complete(pending, outcome, pending.failure if dead else "", direct=direct)
+            done.append((pending, outcome, pending.failure if dead else ""))
         elif state == TupleReceipt.FAILED:
             settled.add(receipt.index)
             self._retry([pending], f"processing failed: {receipt.message}", count_attempt=True)
@@ -344,27 +351,32 @@ class Dispatcher:
     # -- outcomes ----------------------------------------------------------------
 
     def _complete(self, pending: _Pending, outcome: Outcome, detail: str, *, direct: bool = False) -> None:
+        self._complete_many([(pending, outcome, detail)], direct=direct)
+
+    def _complete_many(self, done: list[tuple[_Pending, Outcome, str]], *, direct: bool = False) -> None:
         with self._cond:
-            self._errors.pop(pending.seq, None)
             stats = self.stats
-            if outcome in (Outcome.STORED, Outcome.ENQUEUED):
-                if direct:
-                    stats.sent_direct += 1
+            for pending, outcome, _ in done:
+                self._errors.pop(pending.seq, None)
+                if outcome in (Outcome.STORED, Outcome.ENQUEUED):
+                    if direct:
+                        stats.sent_direct += 1
+                    else:
+                        stats.sent_queue += 1
+                    if outcome is Outcome.STORED:
+                        stats.stored += 1
+                    else:
+                        stats.enqueued += 1
                 else:
-                    stats.sent_queue += 1
-                if outcome is Outcome.STORED:
-                    stats.stored += 1
-                else:
-                    stats.enqueued += 1
-            else:
-                stats.failed += 1
-        if outcome is Outcome.DEAD_LETTERED:
-            log.warning("tuple dead-lettered at the master", extra={
-                "tuple_id": pending.entry.meta.tuple_id, "tuple_name": pending.entry.meta.name, "error": detail})
+                    stats.failed += 1
+        for pending, outcome, detail in done:
+            if outcome is Outcome.DEAD_LETTERED:
+                log.warning("tuple dead-lettered at the master", extra={
+                    "tuple_id": pending.entry.meta.tuple_id, "tuple_name": pending.entry.meta.name, "error": detail})
         try:
-            self._on_complete(pending.entry, outcome, detail)
+            self._on_complete([(pending.entry, outcome, detail) for pending, outcome, detail in done])
         except Exception:  # noqa: BLE001 - the hook's failure must not stop delivery of others
-            log.exception("completion hook failed", extra={"seq": pending.seq})
+            log.exception("completion hook failed", extra={"seqs": [pending.seq for pending, _, _ in done]})
 
     def _retry(self, batch: list[_Pending], error: str, *, count_attempt: bool,
                delay: float | None = None, solo: bool = False) -> None:

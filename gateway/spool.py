@@ -604,22 +604,29 @@ class Spool:
                 self._append([b"".join(_record(META, e.seq, _meta_bytes(e.meta)) for e in live)])
 
     def remove(self, entry: SpoolEntry) -> None:
-        """Forget a delivered tuple: a DONE record, then its payload file (if any) and
-        every segment that holds only finished tuples."""
+        """Forget a delivered tuple (see :meth:`remove_many`)."""
+        self.remove_many([entry])
+
+    def remove_many(self, entries: list[SpoolEntry]) -> None:
+        """Forget delivered tuples: their DONE records in one append, then their payload
+        files (if any) and every segment that holds only finished tuples."""
         with self._append_lock:
             with self._cond:
-                if self._entries.get(entry.seq) is not entry:
-                    return
-            self._append([_record(DONE, entry.seq)])
+                live = list({e.seq: e for e in entries if self._entries.get(e.seq) is e}.values())
+            if not live:
+                return
+            self._append([b"".join(_record(DONE, e.seq) for e in live)])
             with self._cond:
-                self._forget(entry.seq)
-                self._used -= entry.size
-                if entry.payload is not None:
-                    self._memory_used -= len(entry.payload)
-                    entry.payload = None
+                for entry in live:
+                    self._forget(entry.seq)
+                    self._used -= entry.size
+                    if entry.payload is not None:
+                        self._memory_used -= len(entry.payload)
+                        entry.payload = None
                 self._cond.notify_all()
-            if not entry.inline:
-                entry.data_path.unlink(missing_ok=True)
+            for entry in live:
+                if not entry.inline:
+                    entry.data_path.unlink(missing_ok=True)
             self._reclaim()
 
     def _reclaim(self) -> None:

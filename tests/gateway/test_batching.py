@@ -60,10 +60,12 @@ def test_a_receipt_naming_another_tuple_settles_nothing() -> None:
     done: list[int] = []
     config = GatewayConfig(master_address="127.0.0.1:1")
     d = Dispatcher(config, persist=lambda entries: None, open_payload=lambda e: open(e.data_path, "rb"),
-                   on_complete=lambda entry, outcome, detail: done.append(entry.meta.tuple_id))
+                   on_complete=lambda completed: done.extend(entry.meta.tuple_id for entry, _, _ in completed))
     sent = [_Pending(n, SpoolEntry(n, TupleMeta(image="hio/synthetic", size=1, tuple_id=100 + n), Path("/x")))
             for n in (1, 2)]
     settled: set[int] = set()
-    d._settle(TupleReceipt(index=1, tuple_id=999, state=TupleReceipt.STORED), sent, settled, direct=True)
-    d._settle(TupleReceipt(index=0, tuple_id=101, state=TupleReceipt.STORED), sent, settled, direct=True)
+    completed: list = []  # type: ignore[type-arg]
+    d._settle(TupleReceipt(index=1, tuple_id=999, state=TupleReceipt.STORED), sent, settled, completed)
+    d._settle(TupleReceipt(index=0, tuple_id=101, state=TupleReceipt.STORED), sent, settled, completed)
+    d._complete_many(completed, direct=True)
     assert done == [101] and settled == {0}

@@ -209,3 +209,22 @@ def test_safe_name() -> None:
     assert safe_name("microscope-1.lab") == "microscope-1.lab"
     assert safe_name("../etc/passwd") == "etc_passwd"
     assert safe_name("") == "default"
+
+
+def test_remove_many_is_one_append_and_survives_restart(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "s", 1 << 20)
+    entries = [spool.put_bytes(f"tuple {i}".encode(), meta(f"n{i}")) for i in range(6)]
+    segment = tmp_path / "s" / "00000000000000000001.seg"
+    before = segment.stat().st_size
+    gone = [entries[0], entries[2], entries[2], entries[5]]   # a repeat is forgotten once
+    spool.remove_many(gone)
+    added = segment.stat().st_size - before
+    spool.remove_many([entries[0]])                            # already gone: nothing written
+    assert segment.stat().st_size - before == added
+    assert [e.meta.name for e in spool.entries()] == ["n1", "n3", "n4"]
+    assert spool.used_bytes == sum(e.size for e in spool.entries())
+    spool.close()
+
+    again = Spool(tmp_path / "s", 1 << 20)
+    assert [e.meta.name for e in again.entries()] == ["n1", "n3", "n4"]
+    assert again.used_bytes == sum(e.size for e in again.entries())
