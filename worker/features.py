@@ -72,6 +72,22 @@ def feature_value(name: str, value: Any) -> features_pb2.FeatureValue:
     raise FeatureError(f"feature {name!r}: {type(value).__name__} is not a number, string or list of numbers")
 
 
+def _set_feature(slot: features_pb2.FeatureValue, name: str, value: Any) -> float | None:
+    """``feature_value`` written in place; the number if it is one. Plain floats, ints
+    and short strings skip the general checks (most features are these, and this
+    runs for every tuple)."""
+    kind = type(value)
+    if kind is float or kind is int:
+        number = float(value)
+        slot.number = number
+        return number
+    if kind is str and len(value) <= MAX_TEXT_CHARS:
+        slot.text = value
+        return None
+    slot.CopyFrom(feature_value(name, value))
+    return slot.number if slot.WhichOneof("kind") == "number" else None
+
+
 def build_record(result: Any, meta: tuple_pb2.TupleMeta, *, kd_features: tuple[str, ...],
                  engine: str, processed_unix: float, processing_seconds: float) -> features_pb2.FeatureRecord:
     """The record of one processed tuple; raises FeatureError for an unusable result.
@@ -89,13 +105,18 @@ def build_record(result: Any, meta: tuple_pb2.TupleMeta, *, kd_features: tuple[s
                                         processing_seconds=processing_seconds, engine=engine)
     record.meta.CopyFrom(meta)
     record.meta.ClearField("ticket")  # proof of routing: of no use to readers of the repository
+    features = record.features
+    numbers: dict[str, float] = {}
     for name, value in result.items():
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
             raise FeatureError(f"feature name {name!r} must be a non-empty string of at most {MAX_NAME_CHARS} characters")
-        record.features[name].CopyFrom(feature_value(name, value))
+        number = _set_feature(features[name], name, value)
+        if number is not None:
+            numbers[name] = number
     for name in kd_features:
-        if name not in record.features or record.features[name].WhichOneof("kind") != "number":
+        number = numbers.get(name)
+        if number is None:
             raise FeatureError(f"KD feature {name!r} is missing from the result or not a number")
-        if not math.isfinite(record.features[name].number):
-            raise FeatureError(f"KD feature {name!r} is {record.features[name].number}, not a finite number")
+        if not math.isfinite(number):
+            raise FeatureError(f"KD feature {name!r} is {number}, not a finite number")
     return record
