@@ -58,6 +58,14 @@ def test_engine_config_requires_identity() -> None:
         build(EngineConfig, "engine", overrides={"image": "x"})
 
 
+@pytest.mark.parametrize("setting, value", [
+    ("pull_batch_seconds", -1.0), ("pull_batch_tuples", 0), ("pull_batch_tuples", 2000), ("pull_batch_bytes", -1),
+])
+def test_engine_config_refuses_bad_pull_batches_by_name(setting: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=setting):
+        build(EngineConfig, "engine", overrides={"channel_id": "w/0", "image": "x", setting: value})
+
+
 def test_restart_backoff_doubles_to_the_cap_and_resets_after_a_healthy_run() -> None:
     slot = EngineSlot(channel_id="w/0", image="x", pipeline="m:f", port=1)
     assert slot.on_exit(-9, 0.0, 2.0) == "exited with code -9; restart 1 in 0.5s"
@@ -140,6 +148,28 @@ def test_build_record_copies_meta_without_ticket_and_checks_kd_features() -> Non
         build_record({"tag": "x"}, meta, kd_features=("size",), engine="e", processed_unix=0, processing_seconds=0)
     with pytest.raises(FeatureError, match="must return a dict"):
         build_record([1], meta, kd_features=(), engine="e", processed_unix=0, processing_seconds=0)
+
+
+def test_build_record_stores_every_kind_of_value_as_feature_value_would() -> None:
+    """The record builder's fast path for plain values must agree with the general conversion."""
+    meta = tuple_pb2.TupleMeta(tuple_id=1, image="i", size=1)
+    result = {"f": 2.5, "i": 7, "b": True, "n": np.float64(1.5), "s": "text", "a": [1, 2], "big": 2**70,
+              "nan": float("nan"), "long": "x" * 70_000}
+    with pytest.raises(FeatureError, match="'long': text of 70000 characters"):
+        build_record(result, meta, kd_features=(), engine="e", processed_unix=0, processing_seconds=0)
+    del result["long"]
+    record = build_record(result, meta, kd_features=("f", "i", "b", "n"), engine="e", processed_unix=0,
+                          processing_seconds=0)
+    for name, value in result.items():
+        expected = feature_value(name, value)
+        if name == "nan":
+            assert record.features[name].number != record.features[name].number
+        else:
+            assert record.features[name] == expected, name
+    for kd, needle in (("s", "missing from the result or not a number"), ("a", "not a number"),
+                       ("nan", "nan, not a finite number"), ("absent", "missing")):
+        with pytest.raises(FeatureError, match=f"KD feature '{kd}'.*{needle}"):
+            build_record(result, meta, kd_features=(kd,), engine="e", processed_unix=0, processing_seconds=0)
 
 
 def test_engine_ports_come_from_the_configured_range() -> None:
