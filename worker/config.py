@@ -31,6 +31,18 @@ class EngineSettings(ClusterSettings):
     pull_wait: float = setting(5.0, "seconds an idle engine's queue long-poll stays open")
     max_attempts: int = setting(3, "delivery attempts per tuple (must match the master's)")
     grace_seconds: float = setting(5.0, "on SIGTERM: seconds an engine gets to finish its current tuple")
+    pull_batch_seconds: float = setting(0.1, "processing time an idle engine takes from the queue in one pull: "
+                                        "cheap tuples come several at a time; 0 = always one")
+    pull_batch_tuples: int = setting(256, "most tuples one pull from the queue brings")
+    pull_batch_bytes: int = setting(1024 * 1024, "most payload bytes one pull brings after its first tuple")
+
+    def validate_pull_batch(self) -> None:
+        if not self.pull_batch_seconds >= 0:
+            raise ConfigError(f"pull_batch_seconds must be 0 (one at a time) or positive, got {self.pull_batch_seconds}")
+        if not 1 <= self.pull_batch_tuples <= 1024:
+            raise ConfigError(f"pull_batch_tuples must be between 1 and 1024, got {self.pull_batch_tuples}")
+        if not 0 <= self.pull_batch_bytes <= 64 * 1024 * 1024:
+            raise ConfigError(f"pull_batch_bytes must be between 0 and 64 MiB, got {self.pull_batch_bytes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +83,7 @@ class WorkerConfig(EngineSettings):
         positive("grace_seconds", self.grace_seconds)
         if self.tuple_timeout < 0:
             raise ConfigError(f"tuple_timeout must be 0 (no limit) or positive, got {self.tuple_timeout}")
+        self.validate_pull_batch()
         self.engine_port_range()
         if "/" in self.worker_id or any(c.isspace() for c in self.worker_id):
             raise ConfigError(f"worker_id {self.worker_id!r} must not contain '/' or spaces")
@@ -136,10 +149,6 @@ class EngineConfig(EngineSettings):
     store_batch_records: int = setting(256, "most feature records stored in one repository call")
     store_pending_records: int = setting(1024, "processed tuples whose features may wait to be stored "
                                                "before processing pauses")
-    pull_batch_seconds: float = setting(0.1, "processing time an idle engine takes from the queue in one pull: "
-                                        "cheap tuples come several at a time; 0 = always one")
-    pull_batch_tuples: int = setting(256, "most tuples one pull from the queue brings")
-    pull_batch_bytes: int = setting(1024 * 1024, "most payload bytes one pull brings after its first tuple")
     reservation_seconds: float = setting(15.0, "the master's reservation time; keep-alive reports every third of it")
     rpc_deadline: float = setting(60.0, "seconds to keep retrying the repository or master while unavailable")
     parent_pid: int = setting(0, "stop when this process (the worker that started us) is gone; 0 = never")
@@ -158,12 +167,7 @@ class EngineConfig(EngineSettings):
             raise ConfigError(f"tuple_timeout must be 0 (no limit) or positive, got {self.tuple_timeout}")
         positive("store_batch_records", self.store_batch_records)
         positive("store_pending_records", self.store_pending_records)
-        if self.pull_batch_seconds < 0:
-            raise ConfigError(f"pull_batch_seconds must be 0 (one at a time) or positive, got {self.pull_batch_seconds}")
-        if not 1 <= self.pull_batch_tuples <= 1024:
-            raise ConfigError(f"pull_batch_tuples must be between 1 and 1024, got {self.pull_batch_tuples}")
-        if not 0 <= self.pull_batch_bytes <= 64 * 1024 * 1024:
-            raise ConfigError(f"pull_batch_bytes must be between 0 and 64 MiB, got {self.pull_batch_bytes}")
+        self.validate_pull_batch()
         positive("pull_wait", self.pull_wait)
         positive("max_attempts", self.max_attempts)
         positive("reservation_seconds", self.reservation_seconds)
