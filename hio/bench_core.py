@@ -1,10 +1,14 @@
-"""`hio bench-core`: throughput of the streaming core on this machine.
+"""`hio bench-core`: throughput and CPU cost of the streaming core on this machine.
 
-Starts a repository, a master and a worker with synthetic engines (no
-processing cost), then streams N tuples of each size through a gateway,
-directly to the channels and forced through the backlog queue, and prints
-tuples/s and MB/s from the first submit until every tuple's features are
-stored. Also prints the loopback bound of this machine for reference.
+Starts a repository, a master and a worker with synthetic engines, then
+streams N tuples of each size through a gateway, directly to the channels and
+forced through the backlog queue, and prints tuples/s and MB/s from the first
+submit until every tuple's features are stored, and the CPU each role spent
+per tuple (from ``/proc``; the gateway is this process). By default the
+tuples are submitted all at once and cost nothing to process; ``--rate``
+paces them and ``--cost-ms`` makes each burn CPU, which shows what a tuple
+costs at moderate rates, where batches are small. Also prints the loopback
+bound of this machine for reference.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from hio.common.config import setting
+from hio.common.config import ConfigError, setting
 from hio.common.settings import ClusterSettings
 
 
@@ -28,6 +32,18 @@ class CoreBenchConfig(ClusterSettings):
     engines: int = setting(2, "synthetic engines on the worker")
     streams: int = setting(4, "gateway delivery streams")
     modes: tuple[str, ...] = setting(None, "paths to measure", factory=lambda: ("direct", "queue"))
+    rate: float = setting(0.0, "tuples per second to offer, paced; 0 = submit them all at once")
+    cost_ms: float = setting(0.0, "milliseconds of CPU each tuple burns in its engine")
+
+    def validate(self) -> None:
+        self.validate_cluster()
+        if not self.rate >= 0:
+            raise ConfigError(f"rate must be 0 (all at once) or positive, got {self.rate}")
+        if not 0 <= self.cost_ms <= 60_000:
+            raise ConfigError(f"cost_ms must be between 0 and 60000, got {self.cost_ms}")
+        unknown = sorted(set(self.modes) - {"direct", "queue"})
+        if unknown:
+            raise ConfigError(f"modes must be direct or queue, got {', '.join(unknown)}")
 
 
 def loopback_bandwidth(seconds: float = 1.0, block: int = 1 << 20) -> float:
@@ -70,19 +86,59 @@ def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> di
 
     payload = os.urandom(size)
     count = max(8, min(config.max_tuples, int(config.seconds * 400e6 / max(size, 1)) or 8))
+    if config.rate > 0:
+        count = max(8, min(config.max_tuples, int(config.seconds * config.rate)))
+    attributes = {"cost_ms": f"{config.cost_ms:g}"}
     started = time.perf_counter()
     with Gateway(master_address=config.master_address, repository_address=config.repository_address,
                  data_dir=str(data_dir / f"gw-{mode}-{size}"), source=f"bench-{mode}",
                  chunk_bytes=config.chunk_bytes, streams=config.streams, progress=False,
                  force_queue=(mode == "queue"), token=config.token, token_file=config.token_file) as gateway:
-        futures = [gateway.submit(payload, image="hio/synthetic", name=f"t{i}", attributes={"cost_ms": "0"})
-                   for i in range(count)]
+        futures = []
+        for i in range(count):
+            if config.rate > 0 and (wait := started + i / config.rate - time.perf_counter()) > 0:
+                time.sleep(wait)
+            futures.append(gateway.submit(payload, image="hio/synthetic", name=f"t{i}", attributes=attributes))
         for future in futures:
             future.result(timeout=600)
     _wait_done(config, mode, count)
     elapsed = time.perf_counter() - started
     return {"size": size, "mode": mode, "tuples": count, "seconds": elapsed,
             "tuples_per_s": count / elapsed, "mb_per_s": count * size / elapsed / 1e6}
+
+
+class RoleCpu:
+    """CPU seconds (user + system) each role has used: the gateway is this process,
+    the engines are the worker's children."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self._pids = pids
+
+    def snapshot(self) -> dict[str, float]:
+        from hio.soak import children
+
+        usage = {"gateway": _cpu_seconds(os.getpid())}
+        for role, pid in self._pids.items():
+            usage[role] = _cpu_seconds(pid)
+            if role == "worker":
+                usage["engines"] = sum(_cpu_seconds(child) for child in children(pid))
+        return usage
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_tuple(before: dict[str, float], after: dict[str, float], tuples: int) -> str:
+    """'gateway 0.14, engines 0.14, ... (total 0.41) ms CPU per tuple'."""
+    roles = ("gateway", "engines", "master", "repository", "worker")
+    per = {role: (after.get(role, 0.0) - before.get(role, 0.0)) * 1000 / max(tuples, 1) for role in roles}
+    parts = ", ".join(f"{role} {per[role]:.2f}" for role in roles)
+    return f"{parts} (total {sum(per.values()):.2f}) ms CPU per tuple"
 
 
 _done_before: dict[str, int] = {}
@@ -122,21 +178,26 @@ def run_core_bench(config: CoreBenchConfig) -> int:
     bench = dataclasses.replace(config, master_address=master, repository_address=repository)
     cluster = Cluster(up, data_dir)
     bound = loopback_bandwidth()
+    pace = f"paced at {config.rate:g}/s" if config.rate > 0 else "submitted at once"
     print(f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; "
-          f"{os.cpu_count()} cores; {config.engines} synthetic engines; chunk {config.chunk_bytes} B")
+          f"{os.cpu_count()} cores; {config.engines} synthetic engines; chunk {config.chunk_bytes} B; "
+          f"tuples {pace}, {config.cost_ms:g} ms of CPU each")
     try:
         cluster.start("repository", ["--listen", repository, "--http-listen", ""], health=repository)
         cluster.start("master", ["--listen", master], health=master)
         cluster.start("worker", ["--runtime", "process", "--engines", f"hio/synthetic={config.engines}"], health=None)
         from hio.up import _wait_channels
         _wait_channels(up, config.engines, time.monotonic() + 60)
+        cpu = RoleCpu({role.name: role.proc.pid for role in cluster.roles if role.proc is not None})
         print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}")
         for text in config.sizes:
             size = _parse_size(text)
             for mode in config.modes:
+                before = cpu.snapshot()
                 r = measure(bench, data_dir, size, mode)
                 print(f"{text:>8} {mode:>7} {r['tuples']:>7.0f} {r['seconds']:>8.2f} {r['tuples_per_s']:>9.1f}"
                       f" {r['mb_per_s']:>8.1f} {r['mb_per_s'] * 1e6 / bound:>8.1%}", flush=True)
+                print(f"{'':>17}{cpu_per_tuple(before, cpu.snapshot(), int(r['tuples']))}", flush=True)
     finally:
         cluster.stop()
     return 0

@@ -210,3 +210,23 @@ def test_steal_is_read_from_the_machine_and_sets_the_cpu_left_bound() -> None:
     assert cpu_left_fraction(row) == 1.0          # 2 x 0.75 / 0.1 s = 15/s left
     assert math.isnan(cpu_left_fraction({**row, "steal": math.nan}))
     assert math.isnan(cpu_left_fraction({**row, "cost_ms": 0.0}))
+
+
+def test_core_bench_paces_tuples_and_prints_each_roles_cpu_per_tuple(tmp_path: Path) -> None:
+    """`hio bench-core` for real: a paced run through both paths, with the CPU line per measurement."""
+    args = [sys.executable, "-m", "hio.cli", "bench-core", "--data-dir", str(tmp_path / "var"), "--sizes", "1K",
+            "--rate", "40", "--seconds", "1", "--cost-ms", "2"]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "tuples paced at 40/s, 2 ms of CPU each" in run.stdout
+    rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] == ["1K"]]
+    assert [(r[1], r[2]) for r in rows] == [("direct", "40"), ("queue", "40")]
+    assert all(float(r[3]) >= 39 / 40 for r in rows), "paced: 40 tuples take about a second"
+    cpu_lines = [line for line in run.stdout.splitlines() if "ms CPU per tuple" in line]
+    assert len(cpu_lines) == 2
+    for line in cpu_lines:
+        engines = float(line.split("engines ")[1].split(",")[0])
+        assert engines >= 2.0, f"each tuple burned 2 ms in an engine: {line}"
+    refused = subprocess.run([sys.executable, "-m", "hio.cli", "bench-core", "--rate", "-5"],
+                             capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert refused.returncode != 0 and "rate must be 0 (all at once) or positive" in refused.stderr + refused.stdout
