@@ -294,15 +294,17 @@ class Gateway:
 
     def _finish(self, done: list[Completion]) -> None:
         """Delivery hook: move the originals, drop the spool entries (one append), resolve the futures."""
-        for entry, outcome, _ in done:
-            if entry.move is not None:
-                _move(entry.move, outcome)
-        self.spool.remove_many([entry for entry, _, _ in done])
-        with self._lock:
-            futures = [self._futures.pop(entry.seq, None) for entry, _, _ in done]
-        for future, (entry, outcome, detail) in zip(futures, done):
-            if future is not None and not future.done():
-                _resolve(future, entry, outcome, detail)
+        try:
+            for entry, outcome, _ in done:
+                if entry.move is not None:
+                    _move(entry.move, outcome)
+            self.spool.remove_many([entry for entry, _, _ in done])
+        finally:  # delivered is delivered: callers learn it even if forgetting it failed (it is sent again)
+            with self._lock:
+                futures = [self._futures.pop(entry.seq, None) for entry, _, _ in done]
+            for future, (entry, outcome, detail) in zip(futures, done):
+                if future is not None and not future.done():
+                    _resolve(future, entry, outcome, detail)
 
 
 def _resolve(future: TupleFuture, entry: SpoolEntry, outcome: Outcome, detail: str) -> None:

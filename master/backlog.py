@@ -370,9 +370,9 @@ class BacklogQueue:
         meta.attempt = attempt
         entry.meta = meta
 
-    def _requeue(self, entry: Entry, *, head: bool, reason: str) -> None:
-        """Put an entry back (attempt + 1), or on its way to the dead letters when exhausted."""
-        attempt = max(entry.meta.attempt, 1) + 1
+    def _requeue(self, entry: Entry, *, head: bool, reason: str, charge: bool = True) -> None:
+        """Put an entry back (attempt + 1 if ``charge``), or on its way to the dead letters when exhausted."""
+        attempt = max(entry.meta.attempt, 1) + (1 if charge else 0)
         self._set_attempt(entry, attempt)
         if attempt > self.max_attempts:
             self._to_dead.append((entry, f"{reason} (attempt {attempt - 1} of {self.max_attempts})"))
@@ -403,7 +403,10 @@ class BacklogQueue:
         """Lease the first waiting tuples of ``image`` to ``channel_id``, in order.
 
         The head always; after it, more while there are at most ``max_tuples``
-        and their payloads add up to at most ``max_bytes``. Empty if none waits.
+        and their payloads add up to at most ``max_bytes``. A tuple delivered
+        before (attempt above 1) comes alone: if it failed because it kills its
+        engine, the voided leases of its batch-mates would otherwise be charged
+        with it every time. Empty if none waits.
         """
         leases: list[Lease] = []
         with self._cond:
@@ -411,8 +414,9 @@ class BacklogQueue:
             total = 0
             while ready and len(leases) < max(1, max_tuples):
                 head = next(iter(ready.values()))
-                if leases and total + head.size > max_bytes:
-                    break
+                if leases and (total + head.size > max_bytes or head.meta.attempt > 1
+                               or leases[0].meta.attempt > 1):
+                    break  # within the bytes; a tuple delivered before travels alone
                 ready.popitem(last=False)
                 total += head.size
                 leases.append(self._lease_entry(head, channel_id, lease_seconds))
@@ -481,18 +485,20 @@ class BacklogQueue:
         with self._cond:
             return bool(self._by_channel.get(channel_id))
 
-    def void_leases(self, channel_id: str, reason: str) -> list[int]:
-        """The channel is gone (or released them unreported): its tuples go back to the
-        head of their queues, in the order they had."""
+    def void_leases(self, channel_id: str, reason: str, *, charge: bool = True) -> list[int]:
+        """The channel is gone (``charge``: each counts as a delivery attempt), or it is done
+        with a pull and returns what it did not report (not charged): its tuples go back to
+        the head of their queues, in the order they had."""
         with self._cond:
             voided = sorted((self._leased[t] for t in self._by_channel.get(channel_id, ())),
                             key=lambda e: e.order, reverse=True)
             for entry in voided:
                 self._unlease(entry)
-                self._requeue(entry, head=True, reason=reason)
+                self._requeue(entry, head=True, reason=reason, charge=charge)
         self.settle()
         if voided:
-            log.info("leases voided", extra={"channel": channel_id, "tuples": len(voided), "reason": reason})
+            log.info("leases voided", extra={"channel": channel_id, "tuples": len(voided), "reason": reason,
+                                             "charged": charge})
         return [e.tuple_id for e in voided]
 
     def void_lease(self, lease: Lease, reason: str) -> bool:

@@ -384,11 +384,14 @@ class Master:
                 self.registry.set_free(channel)
             self._cond.notify_all()
 
-    def report(self, channel_id: str, outcomes: list[Outcome], release: bool, *, processing: bool = False) -> bool:
+    def report(self, channel_id: str, outcomes: list[Outcome], release: bool, *, processing: bool = False,
+               pull_done: bool = False) -> bool:
         """Record outcomes, settle queued tuples, release the channel; True: pull the queue next.
 
         ``processing`` is whether the channel is processing a tuple as it
-        reports: routing prefers free channels that are not.
+        reports: routing prefers free channels that are not. ``pull_done``
+        (with ``release``): the tuples the channel pulled and did not report
+        go back to the head of the queue, not charged.
         """
         if len(outcomes) > MAX_OUTCOMES:
             raise InvalidArgument(f"at most {MAX_OUTCOMES} outcomes per report, got {len(outcomes)}")
@@ -419,9 +422,8 @@ class Master:
         if not release:
             self._after_outcomes(channel_id)
             return False
-        # A releasing channel has reported every tuple it pulled; one it did not (say, it
-        # could not read it) goes back to the head of the queue now, not at lease expiry.
-        self.queue.void_leases(channel_id, "released by its channel without an outcome")
+        if pull_done:  # what it pulled and did not process goes back now, not at lease expiry
+            self.queue.void_leases(channel_id, "returned unprocessed by the channel that pulled it", charge=False)
         with self._cond:
             channel = self.registry.channel(channel_id)
             if channel is None or not self.registry.routable(channel):

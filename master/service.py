@@ -110,7 +110,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                             size=o.size, processing_seconds=o.processing_seconds, accepted_unix=o.accepted_unix)
                     for o in request.outcomes]
         pull = self._master.report(request.channel_id, outcomes, request.release,
-                                   processing=request.processing)
+                                   processing=request.processing, pull_done=request.pull_done)
         config = self._master.config
         return master_pb2.ReportTuplesResponse(pull_queue=pull, reservation_seconds=config.reservation_seconds,
                                                lease_seconds=config.lease_seconds)

@@ -11,6 +11,7 @@ the same engine code runs as a local process or inside a container.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 
@@ -34,11 +35,12 @@ class EngineSettings(ClusterSettings):
     pull_batch_seconds: float = setting(0.1, "processing time an idle engine takes from the queue in one pull: "
                                         "cheap tuples come several at a time; 0 = always one")
     pull_batch_tuples: int = setting(256, "most tuples one pull from the queue brings")
-    pull_batch_bytes: int = setting(1024 * 1024, "most payload bytes one pull brings after its first tuple")
+    pull_batch_bytes: int = setting(1024 * 1024, "most payload bytes one pull brings in all (its first tuple "
+                                    "comes whatever its size)")
 
     def validate_pull_batch(self) -> None:
-        if not self.pull_batch_seconds >= 0:
-            raise ConfigError(f"pull_batch_seconds must be 0 (one at a time) or positive, got {self.pull_batch_seconds}")
+        if not (math.isfinite(self.pull_batch_seconds) and 0 <= self.pull_batch_seconds <= 3600):
+            raise ConfigError(f"pull_batch_seconds must be 0 (one at a time) or up to 3600, got {self.pull_batch_seconds}")
         if not 1 <= self.pull_batch_tuples <= 1024:
             raise ConfigError(f"pull_batch_tuples must be between 1 and 1024, got {self.pull_batch_tuples}")
         if not 0 <= self.pull_batch_bytes <= 64 * 1024 * 1024:

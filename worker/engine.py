@@ -348,7 +348,7 @@ class Engine:
         self._channel = config.channel_id
         self._cond = threading.Condition()
         self._active: str | None = None   # "deliver" | "queue" | None: who may take the next tuple
-        self._release_pending = False
+        self._releases_pending = 0          # releases queued at the reporter, not yet sent
         self._tails = 0                     # streams handed over whose last tuple is not settled yet
         self._processing_slot = threading.Lock()  # the one tuple processed at a time
         self.processing = False
@@ -399,14 +399,15 @@ class Engine:
             self._active = kind
         self._reporter.set_busy(True)
 
-    def _unclaim(self) -> None:
-        """Free the channel and report the release; the puller waits until it is sent."""
+    def _unclaim(self, *, pull_done: bool = False) -> None:
+        """Free the channel and report the release; the puller waits until every release is sent.
+        ``pull_done``: the release ends a pull (what it did not report goes back to the queue)."""
         self._reporter.set_busy(False)
         with self._cond:
             self._active = None
-            self._release_pending = True
+            self._releases_pending += 1
             self._cond.notify_all()
-        self._reporter.release(self._released)
+        self._reporter.release(self._released, pull_done=pull_done)
 
     def _hand_over(self) -> None:
         """Free the channel for the next stream while this one's last tuple is processed and stored."""
@@ -421,7 +422,7 @@ class Engine:
 
     def _released(self, pull_queue: bool) -> None:
         with self._cond:
-            self._release_pending = False
+            self._releases_pending -= 1
             self._cond.notify_all()
         if pull_queue:
             log.debug("master has queued work", extra={"channel": self._channel})
@@ -644,7 +645,7 @@ class Engine:
     def _wait_idle(self) -> bool:
         """Block until the channel is idle and its last release was sent; False when stopping."""
         with self._cond:
-            self._cond.wait_for(lambda: self._stopping or (self._active is None and not self._release_pending))
+            self._cond.wait_for(lambda: self._stopping or (self._active is None and not self._releases_pending))
             return not self._stopping
 
     def _pull_loop(self) -> None:
@@ -688,7 +689,7 @@ class Engine:
             try:
                 self._process_pulled(itertools.chain([first], frames), first.meta)
             finally:
-                self._unclaim()
+                self._unclaim(pull_done=True)
             return True
         finally:
             with self._cond:
@@ -705,8 +706,8 @@ class Engine:
         budget = self._config.pull_batch_seconds
         if seconds is None or budget <= 0:
             return 1, 0
-        count = int(budget / max(seconds, 1e-5))
-        return max(1, min(count, self._config.pull_batch_tuples)), self._config.pull_batch_bytes
+        count = min(budget / max(seconds, 1e-5), float(self._config.pull_batch_tuples))
+        return max(1, int(count)), self._config.pull_batch_bytes
 
     def _claim_for_queue(self) -> bool:
         """Wait for a Deliver stream that raced us to end, then take the channel."""
@@ -722,16 +723,21 @@ class Engine:
         """Process the pulled tuples in order, store their features together, report each.
 
         The whole pull is read first (its size is bounded by the request), so
-        the master's stream ends at once whatever the processing takes. A
-        tuple not reported here (unreadable, or left when stopping) goes back
-        to the head of the queue when the channel releases.
+        the master's stream ends at once whatever the processing takes. Tuples
+        not processed here go back to the head of the queue, not charged, with
+        the release (``pull_done``): those left when stopping, and the rest of a
+        pull that has taken three times ``pull_batch_seconds`` (its tuples cost
+        more than the last ones did; other channels may take them).
         """
         pulled = self._read_pulled(frames, first_meta)
         started = time.monotonic()
+        limit = 3 * self._config.pull_batch_seconds
         done: list[tuple[TupleMeta, bytes, float]] = []
+        processed = 0
         for meta, data in pulled:
-            if self._stopping:
+            if self._stopping or (processed and time.monotonic() - started > limit):
                 break
+            processed += 1
             if meta.image != self._config.image:
                 self._report(meta, ok=False, from_queue=True,
                              message=f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}")
@@ -741,8 +747,8 @@ class Engine:
                 self._report(meta, ok=False, from_queue=True, message=result)
             else:
                 done.append((meta, *result))
-        if pulled:
-            self._learn_cost((time.monotonic() - started) / len(pulled))
+        if processed:
+            self._learn_cost((time.monotonic() - started) / processed)
         self._store_pulled(done)
 
     def _read_pulled(self, frames: Iterable[TupleFrame], first_meta: TupleMeta) -> list[tuple[TupleMeta, bytes]]:
@@ -753,10 +759,11 @@ class Engine:
             while (item := reader.next_tuple_bytes()) is not None:
                 pulled.append(item)
         except HioError as exc:
-            if not pulled:
-                self._report(first_meta, ok=False, from_queue=True, message=f"damaged queue tuple: {exc.message}")
+            damaged = reader.reading or (first_meta if not pulled else None)
+            if damaged is not None:  # charged: the master requeues it, or dead-letters it when exhausted
+                self._report(damaged, ok=False, from_queue=True, message=f"damaged queue tuple: {exc.message}")
             else:
-                log.warning("damaged queue tuple; it goes back to the queue", extra={
+                log.warning("damaged pull; what follows goes back to the queue", extra={
                     "channel": self._channel, "after_tuple_id": pulled[-1][0].tuple_id, "reason": exc.message})
         return pulled
 

@@ -34,6 +34,7 @@ class _Release:
     """A release marker: everything before it goes in the request that releases."""
 
     callback: Callable[[bool], None] | None
+    pull_done: bool = False
 
 
 _Item = Union[master_pb2.TupleOutcome, _Release]
@@ -76,10 +77,11 @@ class Reporter:
             self._drop_excess()
             self._cond.notify()
 
-    def release(self, callback: Callable[[bool], None] | None = None) -> None:
-        """Queue a release of the channel; ``callback(pull_queue)`` runs once it was sent."""
+    def release(self, callback: Callable[[bool], None] | None = None, *, pull_done: bool = False) -> None:
+        """Queue a release of the channel; ``callback(pull_queue)`` runs once it was sent.
+        ``pull_done``: it ends a pull; what was pulled and not reported goes back to the queue."""
         with self._cond:
-            self._items.append(_Release(callback))
+            self._items.append(_Release(callback, pull_done))
             self._cond.notify()
 
     def processing_ended(self) -> None:
@@ -155,7 +157,8 @@ class Reporter:
                 return
             outcomes, releases, _keepalive = batch
             request = master_pb2.ReportTuplesRequest(channel_id=self._channel_id, outcomes=outcomes,
-                                                     release=bool(releases), processing=self._processing())
+                                                     release=bool(releases), processing=self._processing(),
+                                                     pull_done=any(r.pull_done for r in releases))
             pull_queue = self._deliver(request)
             for release in releases:
                 if release.callback is not None:

@@ -196,6 +196,7 @@ class FrameReader:
         self._max_chunk = max_chunk_bytes
         self._need_id = need_id
         self.index = 0
+        self.reading: TupleMeta | None = None  # the tuple being read; left set when reading it failed
 
     @property
     def packed(self) -> bool:
@@ -224,6 +225,7 @@ class FrameReader:
         meta = TupleMeta()
         meta.CopyFrom(frame.meta)
         check_meta(meta, self._max_tuple, need_id=self._need_id)
+        self.reading = meta
         label = f"tuple {meta.tuple_id or meta.name or self.index}"
         received, value = 0, 0
         while True:
@@ -249,6 +251,7 @@ class FrameReader:
         if (value & 0xFFFFFFFF) != meta.crc32:
             raise DataLoss(f"{label}: checksum mismatch (CRC-32 {value & 0xFFFFFFFF:08x}, expected {meta.crc32:08x})")
         self.index += 1
+        self.reading = None
         return meta
 
     def next_tuple_bytes(self) -> tuple[TupleMeta, bytes] | None:

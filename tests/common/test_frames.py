@@ -128,3 +128,15 @@ def test_only_tuples_within_a_chunk_and_a_quarter_message_are_packed() -> None:
     assert PackingFrames(1 << 20, 1 << 20).packable(256 * 1024)
     assert not PackingFrames(1 << 20, 1 << 20).packable(256 * 1024 + 1)
     assert not PackingFrames(1 << 20, 64 * 1024).packable(64 * 1024 + 1)  # the receiver's chunk limit
+
+
+def test_reader_names_the_tuple_it_failed_to_read() -> None:
+    good, bad = b"fine", b"damaged"
+    metas = [TupleMeta(tuple_id=1, image="i", size=len(good), crc32=crc32(good)),
+             TupleMeta(tuple_id=2, image="i", size=len(bad), crc32=crc32(bad) ^ 1)]
+    frames = [TupleFrame(meta=metas[0], data=good, last=True), TupleFrame(meta=metas[1], data=bad, last=True)]
+    reader = FrameReader(iter(frames), max_tuple_bytes=100, max_chunk_bytes=100)
+    assert reader.next_tuple_bytes() == (metas[0], good) and reader.reading is None
+    with pytest.raises(DataLoss, match="checksum"):
+        reader.next_tuple_bytes()
+    assert reader.reading is not None and reader.reading.tuple_id == 2

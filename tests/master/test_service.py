@@ -300,23 +300,46 @@ def test_pull_brings_the_first_tuples_in_order_within_count_and_bytes(tmp_path: 
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
 
 
-def test_release_sends_unreported_pulled_tuples_back_to_the_head_in_order(tmp_path: Path) -> None:
+def test_pull_done_sends_unreported_pulled_tuples_back_to_the_head_in_order_uncharged(tmp_path: Path) -> None:
     with running_master(tmp_path) as m:
         ch = register(m.stub, "w1")[0]
         ids = list(route(m.stub, [3] * 5, force_queue=True).tuple_ids)
         enqueue(m.stub, [f for t in ids for f in frames(t, b"abc")])
         _, tuples, _ = _pull_many(m.stub, ch, max_tuples=3, max_bytes=1 << 20)
         assert [t for t, _ in tuples] == ids[:3]
-        # The channel stored only the second one (say it could not read the others) and releases.
-        assert report(m.stub, ch, ids[1], size=3) is True, "work is waiting: pull next"
+        # A Deliver stream's release (say one that raced the pull) leaves the pull alone.
+        report(m.stub, ch, ids[1], size=3)
+        assert status(m.stub).queues[0].leased == 2, "a release without pull_done returns nothing"
+        # The channel stops after the second tuple: it ends the pull, the rest goes back.
+        reply = m.stub.ReportTuples(master_pb2.ReportTuplesRequest(channel_id=ch, release=True, pull_done=True),
+                                    timeout=5)
+        assert reply.pull_queue, "work is waiting: pull next"
         queue = status(m.stub).queues[0]
-        assert (queue.length, queue.leased) == (4, 0), "nothing stays leased to a released channel"
+        assert (queue.length, queue.leased) == (4, 0), "nothing stays leased to a channel done with its pull"
         _, tuples, attempts = _pull_many(m.stub, ch, max_tuples=10, max_bytes=1 << 20)
         assert [t for t, _ in tuples] == [ids[0], ids[2], ids[3], ids[4]], "back at the head, in their order"
-        assert attempts == [2, 2, 1, 1], "an unreported tuple counts as a failed delivery"
+        assert attempts == [1, 1, 1, 1], "returned unprocessed: not a failed delivery"
         for tuple_id in (ids[0], ids[2], ids[3], ids[4]):
             report(m.stub, ch, tuple_id, size=3, release=False)
         assert status(m.stub).tuples_done == 5
+
+
+def test_tuples_delivered_before_are_pulled_alone(tmp_path: Path) -> None:
+    """A batch whose channel went down is charged; each of its tuples then travels alone, so a
+    tuple that kills its engine cannot take its batch-mates to the dead letters with it."""
+    with running_master(tmp_path, max_attempts=3) as m:
+        ch = register(m.stub, "w1")[0]
+        ids = list(route(m.stub, [3] * 4, force_queue=True).tuple_ids)
+        enqueue(m.stub, [f for t in ids for f in frames(t, b"abc")])
+        _, tuples, _ = _pull_many(m.stub, ch, max_tuples=10, max_bytes=1 << 20)
+        assert [t for t, _ in tuples] == ids
+        m.stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="w1", channels=[
+            master_pb2.ChannelInfo(channel_id=ch, state=master_pb2.DOWN, detail="engine exited")]), timeout=5)
+        m.stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="w1"), timeout=5)
+        for expected in ids:
+            _, tuples, attempts = _pull_many(m.stub, ch, max_tuples=10, max_bytes=1 << 20)
+            assert ([t for t, _ in tuples], attempts) == ([expected], [2])
+            report(m.stub, ch, expected, size=3)
 
 
 def test_cancelled_batch_pull_voids_every_lease_in_order(tmp_path: Path) -> None:
@@ -329,5 +352,7 @@ def test_cancelled_batch_pull_voids_every_lease_in_order(tmp_path: Path) -> None
         assert next(call).meta.tuple_id == ids[0]
         call.cancel()
         wait_for(lambda: status(m.stub).queues[0].leased == 0, timeout=5, what="leases voided")
-        _, tuples, _ = _pull_many(m.stub, ch, max_tuples=3, max_bytes=8_000_000)
-        assert [t for t, _ in tuples] == ids
+        for expected in ids:  # back at the head in order; charged, so each now travels alone
+            _, tuples, attempts = _pull_many(m.stub, ch, max_tuples=3, max_bytes=8_000_000)
+            assert ([t for t, _ in tuples], attempts) == ([expected], [2])
+            report(m.stub, ch, expected, size=2_000_000)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import grpc
 import pytest
@@ -257,5 +257,67 @@ def test_cheap_queued_tuples_are_pulled_several_at_a_time(master: Master, repo: 
         assert all(records[meta.tuple_id].features["name"].text == meta.name
                    for k, (meta, _) in enumerate(tuples) if k != 150)
         assert max(asked) > 1 and len(asked) < n // 4, f"{len(asked)} pulls for {n} tuples"
+    finally:
+        engine.close()
+
+
+def test_a_pull_that_turns_out_costly_returns_the_rest_to_the_queue_uncharged(master: Master, repo: Repo) -> None:
+    """Batch size comes from the last tuples' cost: when the next ones cost more, the engine
+    stops after about three times pull_batch_seconds and gives the rest back, not charged."""
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address,
+                                         pull_batch_seconds=0.05))
+    try:
+        _register(master, engine)
+
+        def enqueue(count: int, **attributes: str) -> list[int]:
+            route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
+                source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * count,
+                force_queue=True), timeout=5)
+            tuples = []
+            for tuple_id, ticket in zip(route.tuple_ids, route.tickets):
+                meta, data = make_tuple(tuple_id, b"data", **attributes)
+                meta.ticket = ticket
+                tuples.append((meta, data))
+            frames = (f for meta, data in tuples for f in frames_for_bytes(meta, data, SETTINGS.chunk_bytes))
+            assert all(r.state == TupleReceipt.ENQUEUED for r in master.stub.Enqueue(frames, timeout=30))
+            return list(route.tuple_ids)
+
+        cheap = enqueue(40)
+        wait_for(lambda: len(repo.records()) == 40, timeout=30, what="the cheap tuples stored")
+        # Hold the channel with a direct stream whose input stays open, so the slow tuples are
+        # all queued before the engine pulls again: then it asks for them all at once.
+        route = _route(master, 4)
+        assert route.WhichOneof("route") == "channel"
+        direct, _ = make_tuple(route.tuple_ids[0], b"data")
+        direct.ticket = route.tickets[0]
+        input_open = threading.Event()
+
+        def held_frames() -> Iterator[Any]:
+            yield from frames_for_bytes(direct, b"data", SETTINGS.chunk_bytes)
+            input_open.wait(30)
+
+        holder = threading.Thread(target=lambda: list(engine.stub.Deliver(held_frames(), timeout=60)))
+        holder.start()
+        wait_for(lambda: direct.tuple_id in repo.records(), timeout=30, what="the direct tuple stored")
+        queue = master.domain.queue
+        real_void, returned = queue.void_leases, []
+
+        def recorded_void(channel_id: str, reason: str, *, charge: bool = True) -> list[int]:
+            voided = real_void(channel_id, reason, charge=charge)
+            returned.append((len(voided), charge))
+            return voided
+
+        queue.void_leases = recorded_void  # the real call, recorded
+        slow = enqueue(6, mode="sleep", seconds="0.1")   # batched as if cheap, but 0.1 s each
+        input_open.set()
+        holder.join(30)
+        wait_for(lambda: len(repo.records()) == 47, timeout=30, what="the slow tuples stored")
+        records = repo.records()
+        assert [records[t].meta.attempt for t in cheap + slow] == [1] * 46, "nothing was charged"
+        status = master.status()
+        assert status.dead_letters == 0 and status.tuples_failed == 0 and not status.queues
+        gave_back = [n for n, charge in returned if n]
+        assert gave_back and all(charge is False for _, charge in returned), \
+            f"the slow pull stopped early and gave tuples back uncharged: {returned}"
     finally:
         engine.close()
