@@ -768,7 +768,12 @@ class Engine:
         return pulled
 
     def _store_pulled(self, done: list[tuple[TupleMeta, bytes, float]]) -> None:
-        """Store the records in batches of the repository call's bounds, then report them."""
+        """Store the records in batches of the repository call's bounds, then report them.
+
+        When the repository stays unreachable (past ``rpc_deadline``), the
+        rest is not reported: it goes back to the queue with the release, not
+        charged, since it is not the tuples' fault.
+        """
         start = 0
         while start < len(done):
             end, size = start, 0
@@ -776,10 +781,17 @@ class Engine:
                     and (end == start or size + len(done[end][1]) <= self._max_record):
                 size += len(done[end][1])
                 end += 1
-            self._store_and_report(done[start:end])
+            try:
+                self._store_and_report(done[start:end])
+            except HioError as exc:
+                log.warning("cannot store features; the pulled tuples go back to the queue", extra={
+                    "channel": self._channel, "tuples": len(done) - start, "reason": exc.message})
+                return
             start = end
 
     def _store_and_report(self, batch: list[tuple[TupleMeta, bytes, float]]) -> None:
+        """One PutFeatures for the batch and its reports. A record the repository refuses is
+        reported failed (charged); an unreachable repository raises."""
         try:
             duplicates = self._cluster.store_many([(meta.tuple_id, blob) for meta, blob, _ in batch])
         except (InvalidArgument, DataLoss) as exc:
@@ -788,10 +800,6 @@ class Engine:
                     self._store_and_report([one])
                 return
             self._report(batch[0][0], ok=False, from_queue=True, message=f"cannot store features: {exc.message}")
-            return
-        except HioError as exc:  # repository unreachable: fail them so the master requeues them now
-            for meta, _, _ in batch:
-                self._report(meta, ok=False, from_queue=True, message=f"cannot store features: {exc.message}")
             return
         for (meta, blob, cpu), duplicate in zip(batch, duplicates):
             self._report(meta, ok=True, from_queue=True, seconds=cpu)

@@ -321,3 +321,29 @@ def test_a_pull_that_turns_out_costly_returns_the_rest_to_the_queue_uncharged(ma
             f"the slow pull stopped early and gave tuples back uncharged: {returned}"
     finally:
         engine.close()
+
+
+def test_pulled_tuples_go_back_uncharged_while_the_repository_is_unreachable(master: Master) -> None:
+    engine = RunningEngine(engine_config(master=master.address, repository=f"127.0.0.1:{free_port()}",
+                                         rpc_deadline=0.5))
+    try:
+        _register(master, engine)
+        route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
+            source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * 3, force_queue=True), timeout=5)
+        tuples = []
+        for tuple_id, ticket in zip(route.tuple_ids, route.tickets):
+            meta, data = make_tuple(tuple_id, b"data")
+            meta.ticket = ticket
+            tuples.append((meta, data))
+        frames = (f for meta, data in tuples for f in frames_for_bytes(meta, data, SETTINGS.chunk_bytes))
+        assert all(r.state == TupleReceipt.ENQUEUED for r in master.stub.Enqueue(frames, timeout=30))
+        time.sleep(4.0)  # several pulls, each failing to store after rpc_deadline
+        status = master.status()
+        assert (status.tuples_failed, status.dead_letters) == (0, 0), "not the tuples' fault: nothing charged"
+        assert sum(q.length for q in status.queues) == 3, "all three still queued"
+    finally:
+        engine.close()
+    wait_for(lambda: all(q.leased == 0 for q in master.status().queues), timeout=10,
+             what="the stopped engine's pull given back")
+    pulled = master.stub.PullTuple(master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=1), timeout=10)
+    assert [f.meta.attempt for f in pulled if f.HasField("meta")] == [1]
