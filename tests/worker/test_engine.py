@@ -227,7 +227,8 @@ def test_storage_failure_with_the_input_still_open_frees_the_channel_once(repo: 
 
 
 def test_cheap_queued_tuples_are_pulled_several_at_a_time(master: Master, repo: Repo) -> None:
-    engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address,
+                                         pull_batch_seconds=0.5))  # big batches even on a loaded machine
     asked: list[int] = []
     link = engine.engine._cluster
     real_pull = link.pull
@@ -265,7 +266,7 @@ def test_a_pull_that_turns_out_costly_returns_the_rest_to_the_queue_uncharged(ma
     """Batch size comes from the last tuples' cost: when the next ones cost more, the engine
     stops after about three times pull_batch_seconds and gives the rest back, not charged."""
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address,
-                                         pull_batch_seconds=0.05))
+                                         pull_batch_seconds=0.5))
     try:
         _register(master, engine)
 
@@ -308,7 +309,9 @@ def test_a_pull_that_turns_out_costly_returns_the_rest_to_the_queue_uncharged(ma
             return voided
 
         queue.void_leases = recorded_void  # the real call, recorded
-        slow = enqueue(6, mode="sleep", seconds="0.1")   # batched as if cheap, but 0.1 s each
+        # Batched as if cheap (any cheap cost under ~0.1 s gives at least 4), but 0.6 s each:
+        # the pull stops after 3 of them (1.5 s) and gives the rest back.
+        slow = enqueue(6, mode="sleep", seconds="0.6")
         input_open.set()
         holder.join(30)
         wait_for(lambda: len(repo.records()) == 47, timeout=30, what="the slow tuples stored")
