@@ -34,7 +34,7 @@ from typing import BinaryIO, Callable, Iterator
 import grpc
 
 from hio.common.errors import retry_after
-from hio.common.frames import PackingFrames, frames_for_bytes, frames_for_stream, unpacked_receipts
+from hio.common.frames import TupleMeta, tuple_frames, unpacked_receipts
 from hio.common.net import create_channel
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
@@ -292,34 +292,22 @@ class Dispatcher:
         Python gRPC costs about 0.4-1.4 ms per message on one stream here,
         whatever its size, which capped 100-byte tuples near 500/s.
         """
-        chunk = self._config.chunk_bytes
-        packing = PackingFrames(self._config.pack_bytes, chunk)
+        return tuple_frames(self._payloads(batch, sent, skipped), self._config.chunk_bytes, self._config.pack_bytes)
+
+    def _payloads(self, batch: list[_Pending], sent: list[_Pending],
+                  skipped: set[int]) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
+        """Each tuple's metadata and payload (kept in memory, else its spooled file), in order;
+        a tuple whose spooled payload is gone is rejected and skipped."""
         for pending in batch:
             entry = pending.entry
-            small = packing.packable(entry.size)
-            if not small and (message := packing.flush()) is not None:
-                yield message
-            payload = entry.payload
             try:
-                fh = self._open_payload(entry) if payload is None else None
+                payload = entry.payload if entry.payload is not None else self._open_payload(entry)
             except FileNotFoundError:
                 skipped.add(pending.seq)
                 self._complete(pending, Outcome.REJECTED, f"spooled payload {entry.data_path} is missing")
                 continue
             sent.append(pending)
-            if small:
-                if fh is not None:
-                    with fh:
-                        payload = fh.read(entry.size)
-                if (message := packing.add(TupleFrame(meta=entry.meta, data=payload, last=True))) is not None:
-                    yield message
-            elif fh is None:
-                yield from frames_for_bytes(entry.meta, payload, chunk)
-            else:
-                with fh:
-                    yield from frames_for_stream(entry.meta, fh, chunk)
-        if (message := packing.flush()) is not None:
-            yield message
+            yield entry.meta, payload
 
     def _settle(self, receipt: TupleReceipt, sent: list[_Pending], settled: set[int],
                 done: list[tuple[_Pending, Outcome, str]]) -> None:

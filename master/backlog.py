@@ -38,8 +38,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 
 from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.common.files import copy_exact
-from hio.common.frames import (FrameReader, PackingFrames, TupleFrame, TupleMeta, UnpackedFrames, check_meta,
-                               frames_for_bytes, frames_for_stream)
+from hio.common.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta, tuple_frames
 from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import (ACK, MOVE, READ_BLOCK, Journal, RecordWriter, Segment, payload_intact,
                                 scan_segment)
@@ -434,45 +433,22 @@ class BacklogQueue:
         self._by_channel.setdefault(channel_id, set()).add(entry.tuple_id)
         return Lease(tuple_id=entry.tuple_id, channel_id=channel_id, token=entry.lease_token, meta=entry.meta)
 
-    def frames(self, lease: Lease, chunk_bytes: int) -> Iterator[TupleFrame]:
-        """The frames of a leased tuple, from memory or read from disk chunk by chunk."""
-        cached, fh = self._source(lease)
-        if cached is not None:
-            yield from frames_for_bytes(lease.meta, cached, chunk_bytes)
-            return
-        assert fh is not None
-        with fh:
-            yield from frames_for_stream(lease.meta, fh, chunk_bytes)
+    def frames(self, leases: list[Lease], chunk_bytes: int, pack_bytes: int = 0) -> Iterator[TupleFrame]:
+        """The frames of leased tuples in order, from memory or read from disk chunk by chunk;
+        small ones packed into shared messages when ``pack_bytes`` allows."""
+        return tuple_frames(((lease.meta, self._payload(lease)) for lease in leases), chunk_bytes, pack_bytes)
 
-    def frames_of(self, leases: list[Lease], chunk_bytes: int, pack_bytes: int) -> Iterator[TupleFrame]:
-        """The frames of several leased tuples in order; small ones packed into shared messages."""
-        packing = PackingFrames(pack_bytes, chunk_bytes)
-        for lease in leases:
-            if not packing.packable(lease.meta.size):
-                if (message := packing.flush()) is not None:
-                    yield message
-                yield from self.frames(lease, chunk_bytes)
-                continue
-            cached, fh = self._source(lease)
-            if fh is not None:
-                with fh:
-                    cached = fh.read(lease.meta.size)
-            if (message := packing.add(TupleFrame(meta=lease.meta, data=cached, last=True))) is not None:
-                yield message
-        if (message := packing.flush()) is not None:
-            yield message
-
-    def _source(self, lease: Lease) -> tuple[bytes | None, BinaryIO | None]:
+    def _payload(self, lease: Lease) -> bytes | BinaryIO:
         """The payload of a current lease: in memory, or a file positioned at it."""
         with self._cond:
             entry = self._leased.get(lease.tuple_id)
             if entry is None or entry.lease_token != lease.token:
                 raise NotFound(f"tuple {lease.tuple_id} is no longer leased to {lease.channel_id}")
             if entry.cached is not None:
-                return entry.cached, None
+                return entry.cached
             fh = open(self._segments[entry.segment].path, "rb")
             fh.seek(entry.offset)
-            return None, fh
+            return fh
 
     def refresh(self, channel_id: str, lease_seconds: float) -> None:
         """A report from ``channel_id``: its leases live on."""

@@ -110,10 +110,7 @@ class Pulled:
         return self.lease.meta
 
     def frames(self) -> Iterator[TupleFrame]:
-        config = self._master.config
-        if len(self.leases) == 1:
-            return self._master.queue.frames(self.lease, config.chunk_bytes)
-        return self._master.queue.frames_of(self.leases, config.chunk_bytes, PULL_PACK_BYTES)
+        return self._master.queue.frames(self.leases, self._master.config.chunk_bytes, PULL_PACK_BYTES)
 
     def abandon(self, reason: str = "pull stream ended early") -> None:
         """The stream broke before the channel got the tuples: requeue them now, not at lease expiry."""

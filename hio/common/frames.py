@@ -131,6 +131,31 @@ class PackingFrames:
         return message
 
 
+def tuple_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes: int,
+                 pack_bytes: int) -> Iterator[TupleFrame]:
+    """The frames of several tuples in order, each given by its metadata and its payload:
+    bytes, or an open file positioned at it (closed here). Small ones travel packed
+    (:class:`PackingFrames`); ``tuples`` is consumed lazily, one file open at a time."""
+    packing = PackingFrames(pack_bytes, chunk_bytes)
+    for meta, payload in tuples:
+        if packing.packable(meta.size):
+            if not isinstance(payload, bytes):
+                with payload:
+                    payload = payload.read(meta.size)
+            if (message := packing.add(TupleFrame(meta=meta, data=payload, last=True))) is not None:
+                yield message
+            continue
+        if (message := packing.flush()) is not None:
+            yield message
+        if isinstance(payload, bytes):
+            yield from frames_for_bytes(meta, payload, chunk_bytes)
+        else:
+            with payload:
+                yield from frames_for_stream(meta, payload, chunk_bytes)
+    if (message := packing.flush()) is not None:
+        yield message
+
+
 def unpacked_receipts(receipt: TupleReceipt) -> list[TupleReceipt]:
     """A receipt message's receipts in order (itself, then those packed on it)."""
     return [receipt, *receipt.packed] if receipt.packed else [receipt]

@@ -140,3 +140,26 @@ def test_reader_names_the_tuple_it_failed_to_read() -> None:
     with pytest.raises(DataLoss, match="checksum"):
         reader.next_tuple_bytes()
     assert reader.reading is not None and reader.reading.tuple_id == 2
+
+
+def test_tuple_frames_pack_small_tuples_and_chunk_large_ones_from_bytes_or_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hio.common.frames import tuple_frames
+
+    payloads = [b"a" * 10, b"b" * 3000, b"c" * 20, b"d" * 30]
+    metas = [TupleMeta(tuple_id=n + 1, image="i", size=len(p), crc32=crc32(p)) for n, p in enumerate(payloads)]
+    files = []
+    for n in (1, 3):  # the large tuple and the last small one come from files
+        path = tmp_path / f"t{n}"
+        path.write_bytes(b"xx" + payloads[n])
+        fh = open(path, "rb")
+        fh.seek(2)
+        files.append(fh)
+    sources = [payloads[0], files[0], payloads[2], files[1]]
+    messages = list(tuple_frames(zip(metas, sources), chunk_bytes=1024, pack_bytes=4096))
+    assert [len(m.packed) for m in messages] == [0, 0, 0, 0, 1], "small, then 3 chunks, then two packed together"
+    assert all(fh.closed for fh in files)
+    reader = FrameReader(iter(messages), max_tuple_bytes=10_000, max_chunk_bytes=1024)
+    got = []
+    while (item := reader.next_tuple_bytes()) is not None:
+        got.append(item)
+    assert got == list(zip(metas, payloads))

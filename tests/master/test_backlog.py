@@ -45,7 +45,7 @@ def take(queue: BacklogQueue, image: str = "hio/synthetic", channel: str = "w/0"
     """Lease the head and read it back: (tuple id, payload, attempt)."""
     lease = queue.lease(image, channel, 60.0)
     assert lease is not None, "expected a waiting tuple"
-    data = b"".join(f.data for f in queue.frames(lease, 64 * 1024))
+    data = b"".join(f.data for f in queue.frames([lease], 64 * 1024))
     return lease.tuple_id, data, lease.meta.attempt
 
 
@@ -210,7 +210,7 @@ def test_void_leases_of_a_channel_and_stale_lease(tmp_path: Path) -> None:
     assert q.void_leases("w/0", "channel down") == [1]
     assert not q.void_lease(lease, "cancelled")      # no longer the current lease
     with pytest.raises(NotFound):
-        list(q.frames(lease, 1024))
+        list(q.frames([lease], 1024))
     again = q.lease("hio/synthetic", "w/1", 60)
     assert again is not None and again.meta.attempt == 2
     q.close()
@@ -294,7 +294,7 @@ def test_big_tuple_streams_without_holding_it_in_memory(tmp_path: Path) -> None:
         lease = q.lease("hio/synthetic", "w/0", 60)
         assert lease is not None
         value, received = 0, 0
-        for frame in q.frames(lease, 1 * MiB):
+        for frame in q.frames([lease], 1 * MiB):
             value = crc32(frame.data, value)
             received += len(frame.data)
         _, peak_out = tracemalloc.get_traced_memory()
@@ -344,7 +344,7 @@ def test_concurrent_streams_never_interleave_records(tmp_path: Path) -> None:
     q = open_queue(tmp_path)
     seen = {}
     while (lease := q.lease("hio/synthetic", "w/0", 60)) is not None:
-        seen[lease.tuple_id] = b"".join(f.data for f in q.frames(lease, 8192))
+        seen[lease.tuple_id] = b"".join(f.data for f in q.frames([lease], 8192))
     assert sorted(seen) == [b + i for b in (1, 101, 201) for i in range(20)]
     for base in (1, 101, 201):                    # each stream's tuples keep their order
         mine = [tid for tid in seen if base <= tid < base + 20]
