@@ -133,9 +133,21 @@ def test_repository_down_breaks_the_stream_unavailable(repo: Repo) -> None:
 
 
 def _register(master: Master, engine: RunningEngine, channel_id: str = "w1/0") -> None:
+    """Register the engine's channel as a worker would, and keep that worker alive with heartbeats
+    (a loaded machine can take longer than ``expiry_seconds`` over one test) until the master goes."""
+    worker_id = channel_id.split("/")[0]
     master.stub.RegisterWorker(master_pb2.RegisterWorkerRequest(
-        worker_id=channel_id.split("/")[0], host="test", cpus=1, channels=[master_pb2.ChannelInfo(
+        worker_id=worker_id, host="test", cpus=1, channels=[master_pb2.ChannelInfo(
             channel_id=channel_id, image=TEST_IMAGE, address=engine.address, state=master_pb2.FREE)]), timeout=5)
+
+    def heartbeat() -> None:
+        try:
+            while master.stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id=worker_id), timeout=5).known:
+                time.sleep(0.5)
+        except (grpc.RpcError, ValueError):
+            pass  # the master has stopped (or its channel closed): the test is over
+
+    threading.Thread(target=heartbeat, name=f"heartbeat-{worker_id}", daemon=True).start()
 
 
 def _route(master: Master, size: int, force_queue: bool = False) -> master_pb2.RouteTuplesResponse:
