@@ -70,6 +70,7 @@ class Outcome:
     size: int = 0
     processing_seconds: float = 0.0
     accepted_unix: float = 0.0
+    stored_unix: float = 0.0  # 0: latency ends when the report arrives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,8 +253,6 @@ class Master:
             route = self._route_waiting(image, tuple_ids, force_queue, wait_seconds)
             direct = not isinstance(route, QueueRoute)
             self.stats.routed(direct=direct, count=len(items))
-            if direct:
-                self._cond.notify_all()   # a pull waiting on the reserved channel returns empty
         tickets = [make_ticket(self._ticket_key, t, image) if self._ticket_key else b"" for t in tuple_ids]
         log.debug("routed", extra={"source": source, "image": image, "tuples": len(items), "route": route})
         return Routed(tuple_ids=tuple_ids, tickets=tickets, route=route)
@@ -280,9 +279,10 @@ class Master:
                 self._cond.wait(max(0.0, min(deadline - time.monotonic(), 1.0)))
         finally:
             waiters.remove(token)
-            if not waiters:
+            if waiters:
+                self._cond.notify_all()  # the next batch waiting may be first now
+            else:
                 del self._route_waiters[image]
-            self._cond.notify_all()
 
     def _check_route(self, image: str, items: list[RouteItem]) -> None:
         if not image:
@@ -339,9 +339,11 @@ class Master:
             try:
                 while not self._stopping:
                     channel = self.registry.channel(channel_id)
-                    if channel is None or channel.state == ChannelState.DIRECT:
+                    if channel is None:
                         return None
-                    if self.registry.routable(channel):
+                    # A channel reserved for a direct stream keeps its pull waiting: it may lease
+                    # once the stream releases it, and the engine need not open a new pull per stream.
+                    if channel.state != ChannelState.DIRECT and self.registry.routable(channel):
                         leases = self.queue.lease_many(channel.image, channel_id, self.config.lease_seconds,
                                                        max_tuples=max_tuples, max_bytes=max_bytes)
                         if leases:
@@ -402,7 +404,8 @@ class Master:
                 channel.processing = processing
             self.queue.refresh(channel_id, self.config.lease_seconds)
             for outcome in outcomes:
-                latency = now - outcome.accepted_unix if outcome.accepted_unix > 0 else None
+                ended = min(outcome.stored_unix, now) if outcome.stored_unix > 0 else now  # not after its report
+                latency = max(0.0, ended - outcome.accepted_unix) if outcome.accepted_unix > 0 else None
                 self.stats.outcome(ok=outcome.ok, size=outcome.size, latency=latency)
                 if outcome.ok and channel is not None:
                     channel.tuples_done += 1
@@ -438,7 +441,7 @@ class Master:
         if outcome.size > self.config.max_tuple_bytes:
             raise InvalidArgument(f"outcome {n}: size {outcome.size} is over max_tuple_bytes "
                                   f"({self.config.max_tuple_bytes}); no tuple that large was routed")
-        for name in ("processing_seconds", "accepted_unix"):
+        for name in ("processing_seconds", "accepted_unix", "stored_unix"):
             value = getattr(outcome, name)
             if not math.isfinite(value) or value < 0:
                 raise InvalidArgument(f"outcome {n}: {name} must be a finite, non-negative number, got {value}")

@@ -107,7 +107,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def ReportTuples(self, request: master_pb2.ReportTuplesRequest,
                      context: grpc.ServicerContext) -> master_pb2.ReportTuplesResponse:
         outcomes = [Outcome(tuple_id=o.tuple_id, ok=o.ok, message=o.message, from_queue=o.from_queue,
-                            size=o.size, processing_seconds=o.processing_seconds, accepted_unix=o.accepted_unix)
+                            size=o.size, processing_seconds=o.processing_seconds, accepted_unix=o.accepted_unix,
+                            stored_unix=o.stored_unix)
                     for o in request.outcomes]
         pull = self._master.report(request.channel_id, outcomes, request.release,
                                    processing=request.processing, pull_done=request.pull_done)

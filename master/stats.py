@@ -14,7 +14,7 @@ WINDOW_SECONDS = 60
 class Rates:
     tuples_per_second: float
     bytes_per_second: float
-    mean_latency_seconds: float   # accepted at a gateway -> outcome reported, last minute (0 if unknown)
+    mean_latency_seconds: float   # accepted at a gateway -> features stored, last minute (0 if unknown)
 
 
 class Stats:

@@ -617,7 +617,7 @@ class Engine:
                  seconds: float = 0.0) -> master_pb2.TupleOutcome:
         return master_pb2.TupleOutcome(tuple_id=meta.tuple_id, ok=ok, message=message, from_queue=from_queue,
                                        size=meta.size, processing_seconds=seconds,
-                                       accepted_unix=meta.accepted_unix)
+                                       accepted_unix=meta.accepted_unix, stored_unix=time.time())
 
     # ---- the per-tuple timeout
 

@@ -1,9 +1,13 @@
 """Telling the master what an engine did, without ever making the data path wait.
 
-Outcomes are batched and sent by one background thread, in order: at most
-every ``flush_interval`` seconds, at once when a release is asked for (a
-stream's input ended, a queued tuple is done) or a released channel's last
-tuple is done. Every report says whether a tuple is being processed. While
+Outcomes are batched and sent by one background thread, in order: a queued
+tuple's outcome (which settles its lease) within ``flush_interval`` seconds,
+at once when a release is asked for (a stream's input ended, a queued tuple
+is done) or a released channel's last tuple is done. A direct tuple's
+outcome only feeds the master's figures (its receipt went to the gateway),
+so it waits for the channel's next report, at most ``direct_interval``
+seconds: at moderate rates a stream of one tuple then costs one report (its
+release), not two. Every report says whether a tuple is being processed. While
 the channel is busy the thread sends an empty report every ``keepalive``
 seconds so the master keeps the channel's reservation and leases. Reports that fail with a retryable error
 are sent again (the master treats them idempotently).
@@ -49,13 +53,16 @@ class Reporter:
     """
 
     def __init__(self, channel_id: str, send: Send, *, keepalive: float, flush_interval: float = 0.05,
-                 max_pending: int = 10_000, processing: Callable[[], bool] = lambda: False) -> None:
+                 direct_interval: float = 1.0, max_pending: int = 10_000,
+                 processing: Callable[[], bool] = lambda: False) -> None:
         self._channel_id = channel_id
         self._send = send
         self._processing = processing
         self._keepalive = keepalive
         self._configured_keepalive = keepalive
         self._flush_interval = flush_interval
+        self._direct_interval = max(flush_interval, direct_interval)
+        self._queue_outcomes = 0  # outcomes pending that settle a lease: these go within flush_interval
         self._max_pending = max_pending
         self._cond = threading.Condition()
         self._items: Deque[_Item] = collections.deque()
@@ -74,6 +81,7 @@ class Reporter:
         """Queue one tuple's outcome; sent within ~flush_interval."""
         with self._cond:
             self._items.append(outcome)
+            self._queue_outcomes += outcome.from_queue
             self._drop_excess()
             self._cond.notify()
 
@@ -114,6 +122,7 @@ class Reporter:
         for item in self._items:
             if excess > 0 and isinstance(item, master_pb2.TupleOutcome):
                 excess -= 1
+                self._queue_outcomes -= item.from_queue
                 continue
             kept.append(item)
         self._items = kept
@@ -126,8 +135,9 @@ class Reporter:
             while True:
                 now = time.monotonic()
                 has_release = any(isinstance(i, _Release) for i in self._items)
+                interval = self._flush_interval if self._queue_outcomes else self._direct_interval
                 batch_due = bool(self._items) and (has_release or self._stopping
-                                                   or now - self._last_sent >= self._flush_interval)
+                                                   or now - self._last_sent >= interval)
                 keepalive_due = (self._busy and now - self._last_sent >= self._keepalive) or self._state_due
                 if batch_due or keepalive_due:
                     return self._take()
@@ -135,7 +145,7 @@ class Reporter:
                     return None
                 waits = [self._keepalive - (now - self._last_sent)] if self._busy else [self._keepalive]
                 if self._items:
-                    waits.append(self._flush_interval - (now - self._last_sent))
+                    waits.append(interval - (now - self._last_sent))
                 self._cond.wait(max(0.005, min(waits)))
 
     def _take(self) -> tuple[list[master_pb2.TupleOutcome], list[_Release], bool]:
@@ -148,6 +158,7 @@ class Reporter:
                 releases.append(item)
                 break  # a release ends a request: later outcomes belong to the next use
             outcomes.append(item)
+            self._queue_outcomes -= item.from_queue
         return outcomes, releases, not outcomes and not releases
 
     def _run(self) -> None:

@@ -183,6 +183,23 @@ def test_reports_with_impossible_figures_are_refused_and_counters_stay_sane(make
     assert status.tuples_done == 1 and status.bytes_done == 10
 
 
+def test_latency_ends_when_the_features_were_stored_not_when_the_report_arrives(make_master) -> None:  # type: ignore[no-untyped-def]
+    master = make_master()
+    ch = add_worker(master, "w1")[0]
+    now = time.time()
+    # A direct tuple's outcome may ride on the channel's next report, seconds later.
+    master.report(ch, [Outcome(tuple_id=1, ok=True, size=1, accepted_unix=now - 3.0, stored_unix=now - 2.5)],
+                  release=False)
+    assert master.stats.rates().mean_latency_seconds == pytest.approx(0.5, abs=0.05)
+    # A stored time after the report (another host's clock) counts as the report's time.
+    master.report(ch, [Outcome(tuple_id=2, ok=True, size=1, accepted_unix=now - 0.5, stored_unix=now + 3600)],
+                  release=False)
+    assert master.stats.rates().mean_latency_seconds == pytest.approx(0.5, abs=0.05)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(InvalidArgument, match="stored_unix"):
+            master.report(ch, [Outcome(tuple_id=3, ok=True, size=1, stored_unix=bad)], release=False)
+
+
 def test_tickets_are_hmac_of_id_and_image(make_master, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import hashlib
     import hmac

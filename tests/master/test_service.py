@@ -111,7 +111,7 @@ def test_pull_long_poll_wakes_on_enqueue(tmp_path: Path) -> None:
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_pull_times_out_empty_and_returns_when_routed_direct(tmp_path: Path) -> None:
+def test_pull_times_out_empty_and_keeps_waiting_while_the_channel_is_routed_direct(tmp_path: Path) -> None:
     with running_master(tmp_path) as m:
         ch = register(m.stub, "w1")[0]
         start = time.monotonic()
@@ -121,9 +121,16 @@ def test_pull_times_out_empty_and_returns_when_routed_direct(tmp_path: Path) -> 
         thread = threading.Thread(target=lambda: got.update(r=pull(m.stub, ch, wait=10)))
         thread.start()
         time.sleep(0.3)
-        assert route(m.stub, [5]).channel.channel_id == ch
+        direct = route(m.stub, [5])
+        assert direct.channel.channel_id == ch
+        queued = route(m.stub, [3], force_queue=True).tuple_ids[0]
+        enqueue(m.stub, frames(queued, b"abc"))
+        thread.join(0.5)
+        assert thread.is_alive(), "a reserved channel leases nothing, and its pull waits on"
+        assert report(m.stub, ch, direct.tuple_ids[0], from_queue=False), "released: the queue has work"
         thread.join(5)
-        assert got["r"] == (None, b"")
+        meta, data = got["r"]  # type: ignore[misc]
+        assert (meta.tuple_id, data) == (queued, b"abc"), "the same pull leases it once the stream released"
 
 
 def test_fifo_drain_with_reports(tmp_path: Path) -> None:

@@ -100,3 +100,33 @@ def test_reports_say_whether_a_tuple_is_in_progress_and_its_end_is_sent_at_once(
     wait_for(lambda: len(send.requests) == 2, timeout=5, what="the report that processing ended")
     reporter.stop(timeout=1)
     assert [(r.release, r.processing) for r in send.requests] == [(True, True), (False, False)]
+
+
+def test_a_direct_outcome_waits_for_the_next_release_and_a_queued_one_goes_within_the_flush_interval() -> None:
+    send = Recorder()
+    reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.05, direct_interval=30.0).start()
+    try:
+        reporter.release()
+        wait_for(lambda: len(send.requests) == 1, timeout=5, what="the first release")
+        reporter.outcome(_outcome(1))  # a direct tuple: only the master's figures need it
+        time.sleep(0.5)
+        assert len(send.requests) == 1, "a direct outcome alone does not cost a report"
+        reporter.release()
+        wait_for(lambda: len(send.requests) == 2, timeout=5, what="the next release")
+        assert [o.tuple_id for o in send.requests[1].outcomes] == [1] and send.requests[1].release
+        reporter.outcome(master_pb2.TupleOutcome(tuple_id=2, ok=True, size=1, from_queue=True))
+        wait_for(lambda: len(send.requests) == 3, timeout=5, what="the queued tuple's outcome")
+        assert [o.tuple_id for o in send.requests[2].outcomes] == [2] and not send.requests[2].release
+    finally:
+        reporter.stop(timeout=2)
+
+
+def test_a_direct_outcome_is_sent_after_direct_interval_when_nothing_else_goes() -> None:
+    send = Recorder()
+    reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.05, direct_interval=0.3).start()
+    try:
+        reporter.outcome(_outcome(1))
+        wait_for(lambda: send.requests, timeout=5, what="the lone direct outcome")
+        assert [o.tuple_id for o in send.requests[0].outcomes] == [1]
+    finally:
+        reporter.stop(timeout=2)
