@@ -477,15 +477,16 @@ class BacklogQueue:
                                              "charged": charge})
         return [e.tuple_id for e in voided]
 
-    def void_lease(self, lease: Lease, reason: str) -> bool:
-        """Void one lease if it is still current (e.g. the pull stream was cancelled)."""
+    def void_lease(self, lease: Lease, reason: str, *, charge: bool = True) -> bool:
+        """Void one lease if it is still current (e.g. the pull stream was cancelled);
+        ``charge=False`` when the tuple never left the master (no attempt is counted)."""
         with self._cond:
             entry = self._leased.get(lease.tuple_id)
             current = entry is not None and entry.lease_token == lease.token
             if current:
                 assert entry is not None
                 self._unlease(entry)
-                self._requeue(entry, head=True, reason=reason)
+                self._requeue(entry, head=True, reason=reason, charge=charge)
         self.settle()
         return current
 

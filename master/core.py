@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from hio.common.config import ConfigError, state_dir
 from hio.common.files import lock_folder
@@ -113,9 +113,10 @@ class Pulled:
     def frames(self) -> Iterator[TupleFrame]:
         return self._master.queue.frames(self.leases, self._master.config.chunk_bytes, PULL_PACK_BYTES)
 
-    def abandon(self, reason: str = "pull stream ended early") -> None:
-        """The stream broke before the channel got the tuples: requeue them now, not at lease expiry."""
-        self._master.abandon(self, reason)
+    def abandon(self, reason: str = "pull stream ended early", *, charge: bool = True) -> None:
+        """The stream broke before the channel got the tuples: requeue them now, not at lease expiry.
+        ``charge=False``: nothing was sent, so no attempt is counted."""
+        self._master.abandon(self, reason, charge=charge)
 
 
 class Master:
@@ -322,9 +323,13 @@ class Master:
                                "offered by any worker")
 
     def pull(self, channel_id: str, wait_seconds: float, *, max_tuples: int = 1,
-             max_bytes: int = 0) -> Pulled | None:
+             max_bytes: int = 0, alive: Callable[[], bool] = lambda: True) -> Pulled | None:
         """Lease the head of the channel's image queue (and up to ``max_tuples`` tuples of at
-        most ``max_bytes`` in all after it), waiting up to ``wait_seconds``; None if nothing."""
+        most ``max_bytes`` in all after it), waiting up to ``wait_seconds``; None if nothing.
+
+        ``alive`` is asked before leasing: a waiting pull whose caller has gone (its engine
+        died, its deadline passed) must not take a tuple it cannot deliver.
+        """
         if not math.isfinite(wait_seconds) or not 0 <= wait_seconds <= MAX_PULL_WAIT:
             raise InvalidArgument(f"wait_seconds must be between 0 and {MAX_PULL_WAIT:g}, got {wait_seconds}")
         if not 0 <= max_tuples <= MAX_PULL_TUPLES:
@@ -343,6 +348,8 @@ class Master:
                         return None
                     # A channel reserved for a direct stream keeps its pull waiting: it may lease
                     # once the stream releases it, and the engine need not open a new pull per stream.
+                    if not alive():
+                        return None
                     if channel.state != ChannelState.DIRECT and self.registry.routable(channel):
                         leases = self.queue.lease_many(channel.image, channel_id, self.config.lease_seconds,
                                                        max_tuples=max_tuples, max_bytes=max_bytes)
@@ -369,9 +376,9 @@ class Master:
                 if waiting:
                     self._waiters -= 1
 
-    def abandon(self, pulled: Pulled, reason: str) -> None:
+    def abandon(self, pulled: Pulled, reason: str, *, charge: bool = True) -> None:
         """Void the leases of a pull whose stream broke; the tuples go back to the head of their queue."""
-        voided = [lease for lease in reversed(pulled.leases) if self.queue.void_lease(lease, reason)]
+        voided = [lease for lease in reversed(pulled.leases) if self.queue.void_lease(lease, reason, charge=charge)]
         if not voided:
             return
         log.info("lease voided", extra={"tuple_id": pulled.lease.tuple_id, "tuples": len(voided),

@@ -86,8 +86,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     @grpc_errors
     def PullTuple(self, request: master_pb2.PullTupleRequest, context: grpc.ServicerContext) -> Iterator[TupleFrame]:
-        pulled = self._master.pull(request.channel_id, request.wait_seconds,
-                                   max_tuples=request.max_tuples, max_bytes=request.max_bytes)
+        pulled = self._master.pull(request.channel_id, request.wait_seconds, max_tuples=request.max_tuples,
+                                   max_bytes=request.max_bytes, alive=context.is_active)
         if pulled is None:
             return
         finished = threading.Event()
@@ -97,8 +97,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
             if not finished.is_set():
                 pulled.abandon("pull stream cancelled")
 
-        if not context.add_callback(on_end):
-            pulled.abandon("pull call already ended")
+        if not context.add_callback(on_end):  # ended while leasing: nothing was sent, nothing charged
+            pulled.abandon("pull call already ended", charge=False)
             return
         yield from pulled.frames()
         finished.set()

@@ -30,6 +30,7 @@ class Cluster:
                                                     "--data-dir", str(root / "repo"), *self.common], root),
             "master": HioProcess("master", ["--listen", self.master, "--data-dir", str(root / "master"),
                                             "--expiry-seconds", "4", "--heartbeat-interval", "0.5",
+                                            "--log-level", "info",
                                             *self.common], root),
         }
 
@@ -82,7 +83,19 @@ class Cluster:
                 if record.tuple_id in wanted:
                     found.setdefault(record.tuple_id, []).append(record)
             return found if set(found) == wanted else None
-        return wait_for(stored, timeout=timeout, interval=0.3, what=f"{len(ids)} tuples stored")
+        try:
+            return wait_for(stored, timeout=timeout, interval=0.3, what=f"{len(ids)} tuples stored")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnosis()}") from None
+
+    def diagnosis(self) -> str:
+        """Where tuples may be instead: the master's view and every process's last output."""
+        status = self.status()
+        lines = [f"master: queues {[(q.image, q.length, q.leased) for q in status.queues]}, dead letters "
+                 f"{status.dead_letters}, failed {status.tuples_failed}, channels "
+                 f"{[(c.channel_id, c.state, c.processing, c.detail) for w in status.workers for c in w.channels]}"]
+        lines += [f"--- {name} ---\n{proc.output(3000)}" for name, proc in self.procs.items()]
+        return "\n".join(lines)
 
     def stop(self) -> None:
         for name in reversed(list(self.procs)):

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 class Cluster:
     """Repository + master + workers as real processes."""
 
-    def __init__(self, root: Path, workers: dict[str, str]) -> None:
+    def __init__(self, root: Path, workers: dict[str, str], expiry_seconds: float = 6.0) -> None:
         self.root = root
         self.master = f"127.0.0.1:{free_port()}"
         self.repository = f"127.0.0.1:{free_port()}"
@@ -39,7 +39,8 @@ class Cluster:
             "repository": HioProcess("repository", ["--listen", self.repository, "--http-listen", "",
                                                     "--data-dir", str(root / "repo"), *common], root),
             "master": HioProcess("master", ["--listen", self.master, "--data-dir", str(root / "master"),
-                                            "--expiry-seconds", "3", "--heartbeat-interval", "0.5", *common], root),
+                                            "--expiry-seconds", f"{expiry_seconds:g}",
+                                            "--heartbeat-interval", f"{expiry_seconds / 6:g}", *common], root),
         }
         for worker_id, engines in workers.items():
             self.procs[worker_id] = HioProcess(
@@ -152,7 +153,7 @@ def test_ten_megabyte_tuples_move_in_chunks(cluster: Cluster) -> None:
 
 
 def test_a_killed_worker_loses_nothing(tmp_path: Path) -> None:
-    c = Cluster(tmp_path, {"k1": "hio/synthetic=2", "k2": "hio/synthetic=2"}).start(channels=4)
+    c = Cluster(tmp_path, {"k1": "hio/synthetic=2", "k2": "hio/synthetic=2"}, expiry_seconds=3.0).start(channels=4)
     try:
         with c.gateway("kill", streams=4) as gw:
             futures = [gw.submit(os.urandom(100_000), image="hio/synthetic", name=f"k-{i}",
@@ -189,7 +190,7 @@ def test_queue_drains_first_come_first_served(tmp_path: Path) -> None:
             # The first tuple is processed; the second is received meanwhile and waits for the
             # processing slot (one ahead), holding the channel: everything after goes to the queue.
             first = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-first",
-                              attributes={"cost_ms": "1500"})
+                              attributes={"cost_ms": "5000"})
             # Handed over: FREE at the master while the first tuple is processed (and counted busy).
             wait_for(lambda: _finishing(c), timeout=30, what="the only channel handed over while processing")
             assert c.status().channels_busy == 1

@@ -192,9 +192,10 @@ def test_latency_ends_when_the_features_were_stored_not_when_the_report_arrives(
                   release=False)
     assert master.stats.rates().mean_latency_seconds == pytest.approx(0.5, abs=0.05)
     # A stored time after the report (another host's clock) counts as the report's time.
+    now = time.time()
     master.report(ch, [Outcome(tuple_id=2, ok=True, size=1, accepted_unix=now - 0.5, stored_unix=now + 3600)],
                   release=False)
-    assert master.stats.rates().mean_latency_seconds == pytest.approx(0.5, abs=0.05)
+    assert master.stats.rates().mean_latency_seconds == pytest.approx(0.5, abs=0.2)
     for bad in (float("nan"), float("inf"), -1.0):
         with pytest.raises(InvalidArgument, match="stored_unix"):
             master.report(ch, [Outcome(tuple_id=3, ok=True, size=1, stored_unix=bad)], release=False)
@@ -246,14 +247,14 @@ def test_heartbeat_down_and_up(make_master) -> None:  # type: ignore[no-untyped-
 
 
 def test_reservation_lapses_without_reports(make_master) -> None:  # type: ignore[no-untyped-def]
-    master = make_master(reservation_seconds=1.0)
+    master = make_master(reservation_seconds=3.0)
     ch = add_worker(master, "w1")[0]
     assert isinstance(route(master).route, DirectRoute)
-    time.sleep(0.6)
+    time.sleep(1.8)
     master.report(ch, [], release=False)            # a keep-alive report
-    time.sleep(0.5)
+    time.sleep(1.5)
     assert state(master, ch) == ChannelState.DIRECT
-    wait_for(lambda: state(master, ch) == ChannelState.FREE, timeout=3, what="reservation lapse")
+    wait_for(lambda: state(master, ch) == ChannelState.FREE, timeout=6, what="reservation lapse")
 
 
 def test_config_validation() -> None:
@@ -279,12 +280,16 @@ def test_busy_channels_make_route_requests_wait_first_come_first_served(make_mas
     def ask(name: str) -> None:
         answers.append((name, route(master, wait_seconds=5.0).route))
 
+    def waiting() -> int:
+        with master._cond:
+            return len(master._route_waiters.get(IMAGE, ()))
+
     first = threading.Thread(target=ask, args=("first",))
     first.start()
-    time.sleep(0.2)
+    wait_for(lambda: waiting() == 1, timeout=5, interval=0.01, what="the first route waiting")
     second = threading.Thread(target=ask, args=("second",))
     second.start()
-    time.sleep(0.2)
+    wait_for(lambda: waiting() == 2, timeout=5, interval=0.01, what="the second route waiting")
     assert answers == [], "both wait while the channel is busy"
     master.report(channel, [], release=True)
     wait_for(lambda: len(answers) == 1, timeout=5, what="the first waiter to get the channel")
@@ -307,6 +312,6 @@ def test_waiting_never_overtakes_queued_tuples(make_master) -> None:  # type: ig
     assert isinstance(queued, QueueRoute)
     started = time.monotonic()
     assert isinstance(route(master, wait_seconds=5.0).route, QueueRoute), "tuples ahead in the queue: no waiting"
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 3.0
     with pytest.raises(InvalidArgument, match="wait_seconds"):
         route(master, wait_seconds=31.0)

@@ -167,15 +167,33 @@ def test_lease_expiry_redelivers_to_another_channel(tmp_path: Path) -> None:
 
 def test_cancelled_pull_voids_the_lease(tmp_path: Path) -> None:
     with running_master(tmp_path) as m:
-        ch = register(m.stub, "w1")[0]
         tuple_id = route(m.stub, [4_000_000], force_queue=True).tuple_ids[0]
         enqueue(m.stub, frames(tuple_id, b"q" * 4_000_000, chunk=16 * 1024))
+        ch = register(m.stub, "w1")[0]  # after the slow part: no heartbeats here
         call = m.stub.PullTuple(master_pb2.PullTupleRequest(channel_id=ch, wait_seconds=1), timeout=10)
         assert next(call).meta.tuple_id == tuple_id
         call.cancel()
         wait_for(lambda: status(m.stub).queues[0].leased == 0, timeout=5, what="lease voided")
         meta, data = pull(m.stub, ch)
         assert meta is not None and meta.attempt == 2 and len(data) == 4_000_000
+
+
+def test_a_pull_whose_caller_has_gone_takes_nothing_and_charges_nothing(tmp_path: Path) -> None:
+    """A waiting pull whose engine died (or gave up) is still blocked in the master; the next
+    tuple queued must not be leased to it and charged (found killing a container mid-tuple)."""
+    with running_master(tmp_path) as m:
+        ch = register(m.stub, "w1")[0]
+        ghost = m.stub.PullTuple(master_pb2.PullTupleRequest(channel_id=ch, wait_seconds=10), timeout=30)
+        time.sleep(0.5)  # the pull waits in the master
+        ghost.cancel()
+        time.sleep(0.2)
+        tuple_id = route(m.stub, [3], force_queue=True).tuple_ids[0]
+        enqueue(m.stub, frames(tuple_id, b"abc"))
+        time.sleep(0.5)  # the ghost's handler wakes for it
+        st = status(m.stub)
+        assert (st.queues[0].length, st.queues[0].leased) == (1, 0), "still queued, leased to no one"
+        meta, data = pull(m.stub, ch)
+        assert meta is not None and (meta.tuple_id, meta.attempt, data) == (tuple_id, 1, b"abc"), "not charged"
 
 
 def test_dead_letters_list_and_retry(tmp_path: Path) -> None:
@@ -351,9 +369,9 @@ def test_tuples_delivered_before_are_pulled_alone(tmp_path: Path) -> None:
 
 def test_cancelled_batch_pull_voids_every_lease_in_order(tmp_path: Path) -> None:
     with running_master(tmp_path) as m:
-        ch = register(m.stub, "w1")[0]
         ids = list(route(m.stub, [2_000_000] * 3, force_queue=True).tuple_ids)
         enqueue(m.stub, [f for t in ids for f in frames(t, bytes([t % 251]) * 2_000_000, chunk=16 * 1024)])
+        ch = register(m.stub, "w1")[0]  # after the slow part: no heartbeats here
         request = master_pb2.PullTupleRequest(channel_id=ch, wait_seconds=1, max_tuples=3, max_bytes=8_000_000)
         call = m.stub.PullTuple(request, timeout=10)
         assert next(call).meta.tuple_id == ids[0]

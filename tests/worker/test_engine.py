@@ -86,9 +86,10 @@ def _deliver_in_thread(engine: RunningEngine, tuples: list, results: list) -> th
 
 def test_stream_with_tuples_left_keeps_the_channel_busy(engine: RunningEngine, repo: Repo) -> None:
     results: list[object] = []
-    slow = _deliver_in_thread(engine, [make_tuple(51, b"slow", mode="sleep", seconds="0.6"),
-                                       make_tuple(53, b"slow", mode="sleep", seconds="0.6")], results)
-    time.sleep(0.3)
+    slow = _deliver_in_thread(engine, [make_tuple(51, b"slow", mode="sleep", seconds="2.0"),
+                                       make_tuple(53, b"slow", mode="sleep", seconds="0.2")], results)
+    wait_for(lambda: engine.engine._active is not None and engine.engine.processing, timeout=10, interval=0.01,
+             what="the slow stream processing its first tuple")
     with pytest.raises(grpc.RpcError) as err:
         engine.deliver([make_tuple(52, b"fast")])
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in err.value.details()
@@ -101,11 +102,11 @@ def test_next_stream_is_received_while_the_last_tuple_is_processed(engine: Runni
     """A stream whose input ended hands the channel over: one stream more is taken, a third is refused."""
     first: list[object] = []
     second: list[object] = []
-    a = _deliver_in_thread(engine, [make_tuple(61, b"slow", mode="sleep", seconds="1.0")], first)
-    time.sleep(0.3)
+    a = _deliver_in_thread(engine, [make_tuple(61, b"slow", mode="sleep", seconds="3.0")], first)
+    wait_for(lambda: engine.engine._tails == 1, timeout=10, interval=0.01, what="the first stream handing over")
     b = _deliver_in_thread(engine, [make_tuple(62, b"next", mode="sleep", seconds="0.2"),
                                     make_tuple(63, b"next")], second)
-    time.sleep(0.3)
+    wait_for(lambda: engine.engine._active is not None, timeout=10, interval=0.01, what="the second stream's claim")
     with pytest.raises(grpc.RpcError) as err:  # the second stream waits for the slot and holds the claim
         engine.deliver([make_tuple(64, b"third")])
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in err.value.details()

@@ -81,11 +81,11 @@ def test_busy_channel_sends_keepalives_and_idle_one_does_not() -> None:
     time.sleep(0.35)
     assert send.requests == []
     reporter.set_busy(True)
-    time.sleep(0.45)
+    time.sleep(1.0)
     reporter.set_busy(False)
     reporter.stop(timeout=1)
     empties = [r for r in send.requests if not r.outcomes and not r.release]
-    assert 3 <= len(empties) <= 6
+    assert 3 <= len(empties) <= 12, f"about one a keepalive (0.1 s) over 1 s busy: {len(empties)}"
 
 
 def test_reports_say_whether_a_tuple_is_in_progress_and_its_end_is_sent_at_once() -> None:

@@ -32,8 +32,8 @@ def test_worker_without_master_runs_engines_and_exits_cleanly(tmp_path: Path) ->
             wait_healthy(f"127.0.0.1:{port}", ClusterSettings(), timeout=30)
         started = time.monotonic()
         worker.proc.send_signal(signal.SIGTERM)
-        assert worker.proc.wait(grace + 5) == 0, worker.output()
-        assert time.monotonic() - started < grace + 5
+        assert worker.proc.wait(grace + 15) == 0, worker.output()
+        assert time.monotonic() - started < grace + 15
         for pid in pids.values():
             assert not Path(f"/proc/{pid}").exists(), f"engine {pid} outlived its worker"
         assert "master unreachable" in worker.output()
