@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 
-from hio.common.net import create_server, set_serving
+from hio.common.net import create_server, set_serving, wait_for_stop
 from hio.gateway.client import Gateway
 from hio.gateway.config import GatewayConfig
 from hio.gateway.ingest import POLICY, IngestReceiver, IngestServicer
@@ -46,7 +46,7 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
         log.info("gateway ready", extra={"ingest": config.ingest_listen or "off",
                                             "watch": config.watch or "off", "resumed": gateway.resumed,
                                             "master": config.master_address})
-        stop.wait()
+        wait_for_stop(stop)
     finally:
         _shutdown(config, gateway, receiver, server, health, watcher)
     return 0

@@ -346,10 +346,10 @@ class Master:
                     channel = self.registry.channel(channel_id)
                     if channel is None:
                         return None
-                    # A channel reserved for a direct stream keeps its pull waiting: it may lease
-                    # once the stream releases it, and the engine need not open a new pull per stream.
                     if not alive():
                         return None
+                    # A channel reserved for a direct stream keeps its pull waiting: it may lease
+                    # once the stream releases it, and the engine need not open a new pull per stream.
                     if channel.state != ChannelState.DIRECT and self.registry.routable(channel):
                         leases = self.queue.lease_many(channel.image, channel_id, self.config.lease_seconds,
                                                        max_tuples=max_tuples, max_bytes=max_bytes)

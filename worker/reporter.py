@@ -78,7 +78,8 @@ class Reporter:
         return self
 
     def outcome(self, outcome: master_pb2.TupleOutcome) -> None:
-        """Queue one tuple's outcome; sent within ~flush_interval."""
+        """Queue one tuple's outcome: a queued tuple's within ~flush_interval, a direct one's
+        with the channel's next report (at most ~direct_interval)."""
         with self._cond:
             self._items.append(outcome)
             self._queue_outcomes += outcome.from_queue

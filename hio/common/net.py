@@ -287,6 +287,17 @@ def wait_healthy(address: str, settings: ClusterSettings, timeout: float = 30.0,
     raise TimeoutError(f"{address} did not become healthy within {timeout:.0f}s ({last})")
 
 
+def wait_for_stop(stop: threading.Event, tick: float = 1.0) -> None:
+    """Wait until ``stop`` is set, waking every ``tick`` seconds.
+
+    Why: Python runs a signal handler only when the main thread runs. A
+    signal the kernel hands to another thread (gRPC has many) does not
+    interrupt an untimed wait, so SIGTERM could go unanswered.
+    """
+    while not stop.wait(tick):
+        pass
+
+
 def run_until_signal(server: grpc.Server, *, grace: float = 5.0,
                      on_stop: Sequence[Callable[[], None]] = (),
                      stop_event: threading.Event | None = None) -> int:
@@ -299,7 +310,7 @@ def run_until_signal(server: grpc.Server, *, grace: float = 5.0,
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_stop(stop)
     log.info("stopping", extra={"grace_s": grace})
     for callback in on_stop:
         try:

@@ -20,7 +20,8 @@ from tests.repository.records import upload
 def test_repository_process_serves_and_keeps_data(tmp_path: Path) -> None:
     port, http_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
-    args = ["--listen", address, "--http-listen", f"127.0.0.1:{http_port}", "--data-dir", str(tmp_path / "data")]
+    args = ["--listen", address, "--http-listen", f"127.0.0.1:{http_port}", "--data-dir", str(tmp_path / "data"),
+            "--log-level", "info"]  # a stop that hangs then shows how far it got
     with HioProcess("repository", args, tmp_path) as proc:
         proc.wait_healthy(address)
         with create_channel(address, ClusterSettings()) as channel:
