@@ -109,30 +109,17 @@ def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> di
             "tuples_per_s": count / elapsed, "mb_per_s": count * size / elapsed / 1e6}
 
 
-class RoleCpu:
-    """CPU seconds (user + system) each role has used: the gateway is this process,
-    the engines are the worker's children."""
+def role_cpu(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each role has used so far: the gateway is this process, the engines
+    are the worker's children."""
+    from hio.soak import children, proc_cpu_seconds
 
-    def __init__(self, pids: dict[str, int]) -> None:
-        self._pids = pids
-
-    def snapshot(self) -> dict[str, float]:
-        from hio.soak import children
-
-        usage = {"gateway": _cpu_seconds(os.getpid())}
-        for role, pid in self._pids.items():
-            usage[role] = _cpu_seconds(pid)
-            if role == "worker":
-                usage["engines"] = sum(_cpu_seconds(child) for child in children(pid))
-        return usage
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    usage = {"gateway": proc_cpu_seconds(os.getpid())}
+    for role, pid in pids.items():
+        usage[role] = proc_cpu_seconds(pid)
+        if role == "worker":
+            usage["engines"] = sum(proc_cpu_seconds(child) for child in children(pid))
+    return usage
 
 
 def cpu_per_tuple(before: dict[str, float], after: dict[str, float], tuples: int) -> str:
@@ -190,16 +177,16 @@ def run_core_bench(config: CoreBenchConfig) -> int:
         cluster.start("worker", ["--runtime", "process", "--engines", f"hio/synthetic={config.engines}"], health=None)
         from hio.up import _wait_channels
         _wait_channels(up, config.engines, time.monotonic() + 60)
-        cpu = RoleCpu({role.name: role.proc.pid for role in cluster.roles if role.proc is not None})
+        pids = {role.name: role.proc.pid for role in cluster.roles if role.proc is not None}
         print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}")
         for text in config.sizes:
             size = _parse_size(text)
             for mode in config.modes:
-                before = cpu.snapshot()
+                before = role_cpu(pids)
                 r = measure(bench, data_dir, size, mode)
                 print(f"{text:>8} {mode:>7} {r['tuples']:>7.0f} {r['seconds']:>8.2f} {r['tuples_per_s']:>9.1f}"
                       f" {r['mb_per_s']:>8.1f} {r['mb_per_s'] * 1e6 / bound:>8.1%}", flush=True)
-                print(f"{'':>17}{cpu_per_tuple(before, cpu.snapshot(), int(r['tuples']))}", flush=True)
+                print(f"{'':>17}{cpu_per_tuple(before, role_cpu(pids), int(r['tuples']))}", flush=True)
     finally:
         cluster.stop()
     return 0

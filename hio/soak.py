@@ -110,6 +110,15 @@ def proc_usage(pid: int) -> Usage | None:
                  threads=int(fields.get("Threads", "0")), processes=1)
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) ``pid`` has used; 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def children(pid: int) -> list[int]:
     """Direct children of ``pid`` (from /proc/<pid>/task/*/children)."""
     found: list[int] = []

@@ -392,11 +392,6 @@ class BacklogQueue:
 
     # ---- leasing -----------------------------------------------------------------
 
-    def lease(self, image: str, channel_id: str, lease_seconds: float) -> Lease | None:
-        """Lease the first waiting tuple of ``image`` to ``channel_id``; None if none waits."""
-        leases = self.lease_many(image, channel_id, lease_seconds)
-        return leases[0] if leases else None
-
     def lease_many(self, image: str, channel_id: str, lease_seconds: float, *,
                    max_tuples: int = 1, max_bytes: int = 0) -> list[Lease]:
         """Lease the first waiting tuples of ``image`` to ``channel_id``, in order.

@@ -344,9 +344,7 @@ class Master:
             try:
                 while not self._stopping:
                     channel = self.registry.channel(channel_id)
-                    if channel is None:
-                        return None
-                    if not alive():
+                    if channel is None or not alive():
                         return None
                     # A channel reserved for a direct stream keeps its pull waiting: it may lease
                     # once the stream releases it, and the engine need not open a new pull per stream.

@@ -10,7 +10,7 @@ import pytest
 
 from hio.common.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
 from hio.common.frames import TupleFrame, crc32
-from hio.master.backlog import BacklogQueue, Placement, Stored
+from hio.master.backlog import BacklogQueue, Lease, Placement, Stored
 from hio.master.deadletters import DeadLetterStore
 from hio.master.storage import Durability
 
@@ -41,9 +41,15 @@ def put(queue: BacklogQueue, stream: Iterable[TupleFrame]) -> list[Stored]:
     return list(queue.receive(stream, max_tuple_bytes=64 * MiB, max_chunk_bytes=2 * MiB))
 
 
+def lease_one(queue: BacklogQueue, image: str, channel: str, seconds: float) -> Lease | None:
+    """The head's lease, or None when nothing waits."""
+    leases = queue.lease_many(image, channel, seconds)
+    return leases[0] if leases else None
+
+
 def take(queue: BacklogQueue, image: str = "hio/synthetic", channel: str = "w/0") -> tuple[int, bytes, int]:
     """Lease the head and read it back: (tuple id, payload, attempt)."""
-    lease = queue.lease(image, channel, 60.0)
+    lease = lease_one(queue, image, channel, 60.0)
     assert lease is not None, "expected a waiting tuple"
     data = b"".join(f.data for f in queue.frames([lease], 64 * 1024))
     return lease.tuple_id, data, lease.meta.attempt
@@ -59,7 +65,7 @@ def test_fifo_per_image(tmp_path: Path) -> None:
         assert put(q, frames(tid, payload(tid), image))[0].placement is Placement.ENQUEUED
     assert [take(q, "a")[0] for _ in range(3)] == [1, 3, 5]
     assert [take(q, "b")[0] for _ in range(2)] == [2, 4]
-    assert q.lease("a", "w/0", 60) is None
+    assert lease_one(q, "a", "w/0", 60) is None
     q.close()
 
 
@@ -106,7 +112,7 @@ def test_corrupt_tuple_is_never_stored(tmp_path: Path) -> None:
     q.close()
     q = open_queue(tmp_path)           # nothing of the refused tuples survives a restart either
     assert [take(q)[0], take(q)[0]] == [1, 4]
-    assert q.lease("hio/synthetic", "w/0", 60) is None
+    assert lease_one(q, "hio/synthetic", "w/0", 60) is None
     q.close()
 
 
@@ -187,7 +193,7 @@ def test_lease_expiry_requeues_at_head_with_next_attempt(tmp_path: Path) -> None
     q = open_queue(tmp_path, clock)
     for tid in (1, 2):
         put(q, frames(tid, payload(tid)))
-    lease = q.lease("hio/synthetic", "w/0", 5.0)
+    lease = lease_one(q, "hio/synthetic", "w/0", 5.0)
     assert lease is not None and lease.tuple_id == 1
     clock.now += 3
     q.refresh("w/0", 5.0)                 # a report keeps the lease
@@ -205,13 +211,13 @@ def test_lease_expiry_requeues_at_head_with_next_attempt(tmp_path: Path) -> None
 def test_void_leases_of_a_channel_and_stale_lease(tmp_path: Path) -> None:
     q = open_queue(tmp_path)
     put(q, frames(1, payload(1)))
-    lease = q.lease("hio/synthetic", "w/0", 60)
+    lease = lease_one(q, "hio/synthetic", "w/0", 60)
     assert lease is not None
     assert q.void_leases("w/0", "channel down") == [1]
     assert not q.void_lease(lease, "cancelled")      # no longer the current lease
     with pytest.raises(NotFound):
         list(q.frames([lease], 1024))
-    again = q.lease("hio/synthetic", "w/1", 60)
+    again = lease_one(q, "hio/synthetic", "w/1", 60)
     assert again is not None and again.meta.attempt == 2
     q.close()
 
@@ -291,7 +297,7 @@ def test_big_tuple_streams_without_holding_it_in_memory(tmp_path: Path) -> None:
         (stored,) = put(q, stream)
         _, peak_in = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
-        lease = q.lease("hio/synthetic", "w/0", 60)
+        lease = lease_one(q, "hio/synthetic", "w/0", 60)
         assert lease is not None
         value, received = 0, 0
         for frame in q.frames([lease], 1 * MiB):
@@ -343,7 +349,7 @@ def test_concurrent_streams_never_interleave_records(tmp_path: Path) -> None:
     q.close()
     q = open_queue(tmp_path)
     seen = {}
-    while (lease := q.lease("hio/synthetic", "w/0", 60)) is not None:
+    while (lease := lease_one(q, "hio/synthetic", "w/0", 60)) is not None:
         seen[lease.tuple_id] = b"".join(f.data for f in q.frames([lease], 8192))
     assert sorted(seen) == [b + i for b in (1, 101, 201) for i in range(20)]
     for base in (1, 101, 201):                    # each stream's tuples keep their order
