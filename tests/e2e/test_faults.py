@@ -22,7 +22,7 @@ import pytest
 
 from hio.common.net import create_channel
 from hio.common.settings import ClusterSettings
-from hio.proto import features_pb2, master_pb2, master_pb2_grpc
+from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 from hio.tools import fetch_knowledge
 from hio.up import read_features
 from tests.harness import CuttingProxy, HioProcess, free_port, wait_for
@@ -58,7 +58,8 @@ class FaultCluster:
         }
         if with_kd:
             self.procs["kd"] = HioProcess("kd", ["--interval", "3", "--repository-address", self.repository,
-                                                 "--data-dir", str(root / "kd"), "--k", "2"], root)
+                                                 "--data-dir", str(root / "kd"), "--k", "2",
+                                                 "--log-level", "info"], root)
 
     def start(self) -> "FaultCluster":
         for name, proc in self.procs.items():
@@ -154,6 +155,19 @@ def diagnose(cluster: FaultCluster, names: list[str], log: list[str]) -> str:
             f"--- gateway log tail ---\n{cluster.procs['gateway'].output(3000)}")
 
 
+def diagnose_kd(cluster: FaultCluster) -> str:
+    """How far KD got: its process, its last knowledge, the repository's offsets, its log."""
+    kd = cluster.procs["kd"]
+    k = cluster.knowledge()
+    with create_channel(cluster.repository, cluster.settings) as channel:
+        offsets = repository_pb2_grpc.RepositoryStub(channel).GetOffsets(
+            repository_pb2.GetOffsetsRequest(consumer="kd"), timeout=10)
+    return (f"\nKD DIAGNOSIS: alive {kd.alive()} (exit {kd.proc.poll() if kd.proc else None}); "
+            f"knowledge {(k.tuple_count, k.up_to_offset) if k else None}; "
+            f"repository offsets {str(offsets).replace(chr(10), ' ')}\n"
+            f"--- kd log tail ---\n{kd.output(6000)}")
+
+
 @pytest.mark.spark
 def test_every_role_killed_in_turn_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     random.seed(int(os.environ.get("FAULT_SEED", "5")))
@@ -178,9 +192,14 @@ def test_every_role_killed_in_turn_loses_and_duplicates_nothing(tmp_path: Path) 
               f"chaos: {', '.join(log)}")
         assert duplicated == 0 and lost == 0 and stored == len(names)
         if with_kd:
-            k = wait_for(lambda: (k := cluster.knowledge()) is not None and k.tuple_count >= TUPLES and k,
-                         timeout=180, interval=1.0, what="KD to count every tuple")
-            print(f"fault test: KD counted {k.tuple_count} tuples")
+            started = time.monotonic()
+            try:
+                k = wait_for(lambda: (k := cluster.knowledge()) is not None and k.tuple_count >= TUPLES and k,
+                             timeout=300, interval=1.0, what="KD to count every tuple")
+            except AssertionError:
+                print(diagnose_kd(cluster))
+                raise
+            print(f"fault test: KD counted {k.tuple_count} tuples {time.monotonic() - started:.0f} s after")
             assert k.tuple_count == TUPLES, "KD counted each tuple exactly once"
         done = set(p.name for p in (cluster.watch / ".hio-done").rglob("*") if p.is_file())
         assert done == set(names), "every file was moved aside once its features were safe"
