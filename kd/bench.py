@@ -129,7 +129,7 @@ class _Bench:
         import threading
 
         from hio.kd.config import KDConfig
-        from hio.kd.job import KnowledgeJob, supervise
+        from hio.kd.job import KnowledgeJob, SparkSessionKeeper, supervise
         from hio.kd.store import AccumulatedStore
 
         c = self.config
@@ -138,7 +138,7 @@ class _Bench:
                       seed=c.seed)
         job = KnowledgeJob(kd, self.spark, AccumulatedStore(kd.parquet_dir).open())
         try:
-            if supervise(self.spark, kd, job, threading.Event()) != 0:
+            if supervise(SparkSessionKeeper(kd, self.spark), kd, job, threading.Event()) != 0:
                 raise RuntimeError(f"KD pass {name} failed")
         finally:
             job.close()

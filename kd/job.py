@@ -218,34 +218,102 @@ def _await(query: Any, stop: threading.Event) -> Exception | None:
     return None
 
 
+def _stop_query(query: Any) -> None:
+    """Stop a query still running; one on a dead JVM is gone anyway."""
+    try:
+        if query.isActive:
+            query.stop()
+    except Exception as exc:  # noqa: BLE001 - Py4J errors when the driver JVM died
+        log.debug("could not stop the query", extra={"error": str(exc)[:200]})
+
+
 def _install_signals(stop: threading.Event) -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
 
 
-def supervise(spark: Any, config: KDConfig, job: KnowledgeJob, stop: threading.Event) -> int:
+class SparkSessionKeeper:
+    """The Spark session KD runs on. One KD built itself (``owned``) is built
+    again when its driver JVM died (killed, out of memory): KD then carries on
+    from its checkpoint and store instead of ending, since nothing (not even
+    ``hio up``) would restart it. A session handed in (tests, notebooks) is
+    never replaced or stopped."""
+
+    def __init__(self, config: KDConfig, spark: Any = None) -> None:
+        self.config = config
+        self.owned = spark is None
+        self.spark = build_session(config) if spark is None else spark
+
+    def alive(self) -> bool:
+        try:
+            return not self.spark.sparkContext._jsc.sc().isStopped()
+        except Exception:  # noqa: BLE001 - Py4J cannot reach a dead JVM
+            return False
+
+    def renew_if_dead(self) -> bool:
+        """A new session if this one's JVM is gone (and KD owns it); whether it was renewed."""
+        if not self.owned or self.alive():
+            return False
+        log.error("the Spark driver (JVM) is gone; starting a new Spark session")
+        _forget_dead_session()
+        self.spark = build_session(self.config)
+        return True
+
+    def stop(self) -> None:
+        if self.owned and self.alive():
+            self.spark.stop()
+
+
+def _forget_dead_session() -> None:
+    """Drop PySpark's handles on a dead JVM so the next session launches a new one."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    SparkContext._active_spark_context = None
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    SparkSession._instantiatedSession = None
+    SparkSession._activeSession = None
+
+
+def _run_query_once(spark: Any, config: KDConfig, job: KnowledgeJob, stop: threading.Event) -> Exception | None:
+    """Start the query and wait for it: None when it ended or ``stop`` was set, else
+    why it failed (a query error, or the driver JVM unreachable)."""
+    try:
+        query = start_query(spark, config, job)
+    except Exception as exc:  # noqa: BLE001 - a JVM that died, a checkpoint it cannot read
+        return exc
+    try:
+        return _await(query, stop)
+    except Exception as exc:  # noqa: BLE001 - Py4J errors: the driver JVM died under the query
+        return exc
+    finally:
+        _stop_query(query)
+
+
+def supervise(session: SparkSessionKeeper, config: KDConfig, job: KnowledgeJob, stop: threading.Event) -> int:
     """Run the query until stopped (or, with ``once``, until caught up). A failed
     query (the repository down for longer than ``rpc_deadline``, a Python
-    worker that did not start) is restarted from its checkpoint after
-    ``restart_delay``; a ``--once`` run gives up after ``max_failures`` in a row."""
+    worker that did not start, a driver JVM that died) is restarted from its
+    checkpoint after ``restart_delay``, on a new Spark session if the old one
+    is dead; a ``--once`` run gives up after ``max_failures`` in a row. Without
+    ``once`` a query that ends by itself is a failure too: KD runs until told
+    to stop."""
     failures = 0
     while not stop.is_set():
-        query = start_query(spark, config, job)
-        try:
-            error = _await(query, stop)
-        finally:
-            if query.isActive:
-                query.stop()
-        if error is None:
+        error = _run_query_once(session.spark, config, job, stop)
+        if error is None and (config.once or stop.is_set()):
             job.finish()
             return 0
         failures += 1
-        log.error("KD query failed; restarting it", extra={
-            "failures": failures, "error": str(error).strip().splitlines()[0][:300]})
+        reason = "the query ended by itself" if error is None else str(error).strip().splitlines()[0][:300]
+        log.error("KD query failed; restarting it", extra={"failures": failures, "error": reason})
         if config.once and failures >= config.max_failures:
             return 1
         stop.wait(config.restart_delay)
+        if not stop.is_set() and session.renew_if_dead():
+            job.spark = session.spark
     return 0
 
 
@@ -258,16 +326,14 @@ def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None
     stop = stop or threading.Event()
     store = AccumulatedStore(config.parquet_dir).open()
     config.checkpoint_dir.parent.mkdir(parents=True, exist_ok=True)
-    own_session = spark is None
-    if own_session:
-        spark = build_session(config)
+    session = SparkSessionKeeper(config, spark)
+    if session.owned:
         _install_signals(stop)
-    job = KnowledgeJob(config, spark, store)
+    job = KnowledgeJob(config, session.spark, store)
     log.info("KD started", extra={"spark": config.spark_master, "repository": config.repository_address,
                                   "stored": store.total, "once": config.once})
     try:
-        return supervise(spark, config, job, stop)
+        return supervise(session, config, job, stop)
     finally:
         job.close()
-        if own_session:
-            spark.stop()
+        session.stop()

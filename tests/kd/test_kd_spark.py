@@ -5,7 +5,10 @@ distributions it was not told about."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
 import threading
 from itertools import permutations
 from pathlib import Path
@@ -197,15 +200,30 @@ def test_continuous_intervals_until_stopped(spark, tmp_path: Path) -> None:  # t
         assert knowledge.assignments[-1].tuple_id == 1099
 
 
+def _driver_jvm(kd: HioProcess) -> int:
+    """The pid of the Spark driver JVM that ``hio kd`` launched."""
+    assert kd.proc is not None
+    out = subprocess.run(["pgrep", "-P", str(kd.proc.pid), "java"], capture_output=True, text=True,
+                         check=False).stdout.split()
+    assert len(out) == 1, f"expected one driver JVM under hio kd, found {out}"
+    return int(out[0])
+
+
 @pytest.mark.slow
-def test_hio_kd_process_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     with repository(tmp_path / "repo") as repo:
         repo.put(blobs_records(1, 150)[0])
         args = ["--repository-address", repo.address, "--data-dir", str(tmp_path / "var"),
-                "--interval", "1", "--k", "3", "--log-level", "info"]
+                "--interval", "1", "--k", "3", "--log-level", "info", "--restart-delay", "1"]
         with HioProcess("kd", args, tmp_path) as kd:
             wait_for(lambda: (k := repo.knowledge()) and k.tuple_count == 150, timeout=180,
                      what=f"knowledge from hio kd:\n{kd.output()}")
+            first_jvm = _driver_jvm(kd)
+            os.kill(first_jvm, signal.SIGKILL)  # the driver dies (OOM killer, operator): KD must carry on
+            repo.put(blobs_records(151, 150)[0])
+            wait_for(lambda: (k := repo.knowledge()) and k.tuple_count == 300, timeout=240,
+                     what=f"knowledge after the driver died:\n{kd.output()}")
+            assert kd.alive() and _driver_jvm(kd) != first_jvm
+            assert "starting a new Spark session" in kd.output()
             code = kd.stop(timeout=60)
         assert code == 0, kd.output()
-        assert "interval" in kd.output()
