@@ -245,18 +245,23 @@ class SparkSessionKeeper:
         self.owned = spark is None
         self.spark = build_session(config) if spark is None else spark
 
-    def alive(self) -> bool:
+    def _state(self) -> str:
+        """'running'; 'stopped' (the JVM answers, its SparkContext has shut down); 'gone' (no JVM)."""
         try:
-            return not self.spark.sparkContext._jsc.sc().isStopped()
+            return "stopped" if self.spark.sparkContext._jsc.sc().isStopped() else "running"
         except Exception:  # noqa: BLE001 - Py4J cannot reach a dead JVM
-            return False
+            return "gone"
+
+    def alive(self) -> bool:
+        return self._state() == "running"
 
     def renew_if_dead(self) -> bool:
-        """A new session if this one's JVM is gone (and KD owns it); whether it was renewed."""
-        if not self.owned or self.alive():
+        """A new session if this one is dead (and KD owns it); whether it was renewed."""
+        state = self._state() if self.owned else "running"
+        if state == "running":
             return False
-        log.error("the Spark driver (JVM) is gone; starting a new Spark session")
-        _forget_dead_session()
+        log.error("the Spark session is dead; starting a new one", extra={"driver": state})
+        _forget_dead_session(jvm_gone=state == "gone")
         self.spark = build_session(self.config)
         return True
 
@@ -265,14 +270,16 @@ class SparkSessionKeeper:
             self.spark.stop()
 
 
-def _forget_dead_session() -> None:
-    """Drop PySpark's handles on a dead JVM so the next session launches a new one."""
+def _forget_dead_session(jvm_gone: bool) -> None:
+    """Drop PySpark's handles on a dead session, so the next one is built anew: on
+    the same JVM if it still answers, else on a new JVM (a new gateway)."""
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     SparkContext._active_spark_context = None
-    SparkContext._gateway = None
-    SparkContext._jvm = None
+    if jvm_gone:
+        SparkContext._gateway = None
+        SparkContext._jvm = None
     SparkSession._instantiatedSession = None
     SparkSession._activeSession = None
 

@@ -224,6 +224,6 @@ def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(t
             wait_for(lambda: (k := repo.knowledge()) and k.tuple_count == 300, timeout=240,
                      what=f"knowledge after the driver died:\n{kd.output()}")
             assert kd.alive() and _driver_jvm(kd) != first_jvm
-            assert "starting a new Spark session" in kd.output()
+            assert "the Spark session is dead; starting a new one" in kd.output()
             code = kd.stop(timeout=60)
         assert code == 0, kd.output()
