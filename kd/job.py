@@ -257,7 +257,9 @@ class SparkSessionKeeper:
 
     def renew_if_dead(self) -> bool:
         """A new session if this one is dead (and KD owns it); whether it was renewed."""
-        state = self._state() if self.owned else "running"
+        if not self.owned:
+            return False
+        state = self._state()
         if state == "running":
             return False
         log.error("the Spark session is dead; starting a new one", extra={"driver": state})

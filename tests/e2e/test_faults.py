@@ -22,7 +22,8 @@ import pytest
 
 from hio.common.net import create_channel
 from hio.common.settings import ClusterSettings
-from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+from hio.kd.client import RepositoryClient
+from hio.proto import features_pb2, master_pb2, master_pb2_grpc
 from hio.tools import fetch_knowledge
 from hio.up import read_features
 from tests.harness import CuttingProxy, HioProcess, free_port, wait_for
@@ -159,9 +160,8 @@ def diagnose_kd(cluster: FaultCluster) -> str:
     """How far KD got: its process, its last knowledge, the repository's offsets, its log."""
     kd = cluster.procs["kd"]
     k = cluster.knowledge()
-    with create_channel(cluster.repository, cluster.settings) as channel:
-        offsets = repository_pb2_grpc.RepositoryStub(channel).GetOffsets(
-            repository_pb2.GetOffsetsRequest(consumer="kd"), timeout=10)
+    with RepositoryClient(cluster.settings, deadline=10) as client:
+        offsets = client.offsets("kd")
     return (f"\nKD DIAGNOSIS: alive {kd.alive()} (exit {kd.proc.poll() if kd.proc else None}); "
             f"knowledge {(k.tuple_count, k.up_to_offset) if k else None}; "
             f"repository offsets {str(offsets).replace(chr(10), ' ')}\n"

@@ -181,15 +181,19 @@ def test_cancelled_pull_voids_the_lease(tmp_path: Path) -> None:
 def test_a_pull_whose_caller_has_gone_takes_nothing_and_charges_nothing(tmp_path: Path) -> None:
     """A waiting pull whose engine died (or gave up) is still blocked in the master; the next
     tuple queued must not be leased to it and charged (found killing a container mid-tuple)."""
+    def waiting_pulls() -> int:
+        with m.master._cond:  # type: ignore[attr-defined]
+            return m.master._waiters  # type: ignore[attr-defined]
+
     with running_master(tmp_path) as m:
         ch = register(m.stub, "w1")[0]
         ghost = m.stub.PullTuple(master_pb2.PullTupleRequest(channel_id=ch, wait_seconds=10), timeout=30)
-        time.sleep(0.5)  # the pull waits in the master
-        ghost.cancel()
-        time.sleep(0.2)
+        wait_for(lambda: waiting_pulls() == 1, timeout=10, interval=0.01, what="the pull waiting in the master")
+        ghost.cancel()  # its handler stays blocked in the master until something wakes it
         tuple_id = route(m.stub, [3], force_queue=True).tuple_ids[0]
         enqueue(m.stub, frames(tuple_id, b"abc"))
-        time.sleep(0.5)  # the ghost's handler wakes for it
+        wait_for(lambda: waiting_pulls() == 0, timeout=10, interval=0.01,
+                 what="the ghost's handler to wake for the tuple and leave")
         st = status(m.stub)
         assert (st.queues[0].length, st.queues[0].leased) == (1, 0), "still queued, leased to no one"
         meta, data = pull(m.stub, ch)
