@@ -68,7 +68,8 @@ class GatewayConfig(ClusterSettings):
                                                 "this much, so delivery need not read them back from disk")
     streams: int = setting(4, "parallel delivery streams (batches in flight)")
     batch_tuples: int = setting(256, "most tuples per route and stream (small ones travel packed)")
-    batch_bytes: int = setting(8 * MiB, "most bytes per batch; a larger tuple goes alone")
+    batch_bytes: int = setting(64 * MiB, "most bytes per batch; a larger tuple goes alone (each batch costs a "
+                                         "route and a stream: 8 MiB batches carried a third fewer 1-10 MB tuples)")
     pack_bytes: int = setting(1 * MiB, "tuples of at most a quarter of this travel packed, several in one gRPC "
                                        "message of at most this many bytes; 0 = one message per tuple")
     max_attempts: int = setting(3, "delivery attempts before a tuple is handed to the master's dead letters")
