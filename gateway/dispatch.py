@@ -34,12 +34,12 @@ from typing import BinaryIO, Callable, Iterator
 import grpc
 
 from hio.common.errors import retry_after
-from hio.common.frames import TupleMeta, tuple_frames, unpacked_receipts
-from hio.common.net import create_channel
+from hio.common.frames import TupleMeta, WireFrame, tuple_frames, unpacked_receipts
+from hio.common.net import create_channel, send_frames
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
-from hio.proto import engine_pb2_grpc, master_pb2, master_pb2_grpc
-from hio.proto.tuple_pb2 import TupleFrame, TupleReceipt
+from hio.proto import master_pb2, master_pb2_grpc
+from hio.proto.tuple_pb2 import TupleReceipt
 
 log = logging.getLogger("hio.gateway")
 
@@ -259,9 +259,9 @@ class Dispatcher:
         channel = self._channel(address)
         timeout = self._config.stream_timeout_seconds
         if direct:
-            call = engine_pb2_grpc.EngineStub(channel).Deliver(frames, timeout=timeout)
+            call = send_frames(channel, "Engine", "Deliver")(frames, timeout=timeout)
         else:
-            call = master_pb2_grpc.MasterStub(channel).Enqueue(frames, timeout=timeout)
+            call = send_frames(channel, "Master", "Enqueue")(frames, timeout=timeout)
         with self._cond:
             self._calls.add(call)
         settled: set[int] = set()
@@ -284,7 +284,7 @@ class Dispatcher:
         if left:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
 
-    def _frames(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int]) -> Iterator[TupleFrame]:
+    def _frames(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int]) -> Iterator[WireFrame]:
         """Frames of the batch, from memory when the spool kept the payload, else read
         from the spool chunk by chunk; ``sent`` records the order.
 
@@ -292,7 +292,8 @@ class Dispatcher:
         Python gRPC costs about 0.4-1.4 ms per message on one stream here,
         whatever its size, which capped 100-byte tuples near 500/s.
         """
-        return tuple_frames(self._payloads(batch, sent, skipped), self._config.chunk_bytes, self._config.pack_bytes)
+        return tuple_frames(self._payloads(batch, sent, skipped), self._config.chunk_bytes, self._config.pack_bytes,
+                            encode=True)
 
     def _payloads(self, batch: list[_Pending], sent: list[_Pending],
                   skipped: set[int]) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:

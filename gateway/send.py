@@ -19,13 +19,12 @@ from typing import Iterator, TextIO
 import grpc
 
 from hio.common.config import ConfigError
-from hio.common.frames import crc32_of_file, frames_for_file
-from hio.common.net import create_channel
+from hio.common.frames import WireFrame, crc32_of_file, frames_for_file
+from hio.common.net import create_channel, send_frames
 from hio.gateway.client import Gateway, TupleFuture
 from hio.gateway.config import SendConfig, infer_image, is_ignored
 from hio.gateway.spool import SpoolFull
-from hio.proto import ingest_pb2_grpc
-from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
+from hio.proto.tuple_pb2 import TupleMeta, TupleReceipt
 
 MB = 1e6
 
@@ -189,9 +188,9 @@ def _hand_over(config: SendConfig, files: list[Path], images: dict[Path, str]) -
     """Stream the files to the daemon's ingest API; done once it spooled (ACCEPTED) each."""
     channel = create_channel(config.ingest_listen, config)
     try:
-        stub = ingest_pb2_grpc.IngestStub(channel)
+        submit = send_frames(channel, "Ingest", "Submit")
         accepted = 0
-        for receipt in stub.Submit(_ingest_frames(config, files, images), timeout=config.stream_timeout_seconds):
+        for receipt in submit(_ingest_frames(config, files, images), timeout=config.stream_timeout_seconds):
             accepted += receipt.state == TupleReceipt.ACCEPTED
     except grpc.RpcError as exc:
         print(f"hio send: gateway at {config.ingest_listen}: {exc.code().name}: {exc.details()} "
@@ -203,9 +202,9 @@ def _hand_over(config: SendConfig, files: list[Path], images: dict[Path, str]) -
     return 0 if accepted == len(files) else 1
 
 
-def _ingest_frames(config: SendConfig, files: list[Path], images: dict[Path, str]) -> Iterator[TupleFrame]:
+def _ingest_frames(config: SendConfig, files: list[Path], images: dict[Path, str]) -> Iterator[WireFrame]:
     for path in files:
         crc, size = crc32_of_file(path)
         meta = TupleMeta(image=images[path], name=path.name, size=size, crc32=crc,
                          created_unix=path.stat().st_mtime, source=config.source)
-        yield from frames_for_file(meta, path, config.chunk_bytes)
+        yield from frames_for_file(meta, path, config.chunk_bytes, encode=True)

@@ -38,7 +38,8 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 
 from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.common.files import copy_exact
-from hio.common.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta, tuple_frames
+from hio.common.frames import (FrameReader, TupleFrame, TupleMeta, UnpackedFrames, WireFrame, check_meta,
+                               tuple_frames)
 from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import (ACK, MOVE, READ_BLOCK, Journal, RecordWriter, Segment, payload_intact,
                                 scan_segment)
@@ -428,10 +429,12 @@ class BacklogQueue:
         self._by_channel.setdefault(channel_id, set()).add(entry.tuple_id)
         return Lease(tuple_id=entry.tuple_id, channel_id=channel_id, token=entry.lease_token, meta=entry.meta)
 
-    def frames(self, leases: list[Lease], chunk_bytes: int, pack_bytes: int = 0) -> Iterator[TupleFrame]:
+    def frames(self, leases: list[Lease], chunk_bytes: int, pack_bytes: int = 0) -> Iterator[WireFrame]:
         """The frames of leased tuples in order, from memory or read from disk chunk by chunk;
-        small ones packed into shared messages when ``pack_bytes`` allows."""
-        return tuple_frames(((lease.meta, self._payload(lease)) for lease in leases), chunk_bytes, pack_bytes)
+        small ones packed into shared messages when ``pack_bytes`` allows, large chunks
+        encoded (the server sends them with ``frames.serialize_frame``)."""
+        return tuple_frames(((lease.meta, self._payload(lease)) for lease in leases), chunk_bytes, pack_bytes,
+                            encode=True)
 
     def _payload(self, lease: Lease) -> bytes | BinaryIO:
         """The payload of a current lease: in memory, or a file positioned at it."""

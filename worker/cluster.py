@@ -15,8 +15,8 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import grpc
 
 from hio.common import errors
-from hio.common.frames import TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
-from hio.common.net import create_channel
+from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
+from hio.common.net import create_channel, pull_frames, send_frames
 from hio.common.retry import call_with_retry
 from hio.common.settings import ClusterSettings
 from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
@@ -51,7 +51,7 @@ class PullCall:
     def __init__(self, call: grpc.Call) -> None:
         self._call = call
 
-    def frames(self) -> Iterator[TupleFrame]:
+    def frames(self) -> Iterator[TupleFrame | ChunkFrame]:
         """The frames of the pulled tuples; empty when the master had nothing."""
         try:
             yield from self._call  # type: ignore[misc]
@@ -74,6 +74,8 @@ class ClusterLink:
         self._repo_channel = create_channel(settings.repository_address, settings)
         self._master = master_pb2_grpc.MasterStub(self._master_channel)
         self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)
+        self._enqueue = send_frames(self._master_channel, "Master", "Enqueue")
+        self._pull = pull_frames(self._master_channel)
 
     def close(self) -> None:
         self._master_channel.close()
@@ -109,7 +111,7 @@ class ClusterLink:
         chunk = self._settings.chunk_bytes
 
         def send() -> list[TupleReceipt]:
-            return list(self._master.Enqueue(frames_for_bytes(meta, data, chunk), timeout=CALL_TIMEOUT))
+            return list(self._enqueue(frames_for_bytes(meta, data, chunk, encode=True), timeout=CALL_TIMEOUT))
 
         receipts = self._retry(send, "master", deadline)
         if len(receipts) != 1:
@@ -131,4 +133,4 @@ class ClusterLink:
         """Open a PullTuple long-poll for ``channel_id`` (up to ``max_tuples`` tuples)."""
         request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds,
                                               max_tuples=max_tuples, max_bytes=max_bytes)
-        return PullCall(self._master.PullTuple(request, timeout=wait_seconds + 10.0))
+        return PullCall(self._pull(request, timeout=wait_seconds + 10.0))

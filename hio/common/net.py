@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hio.common.config import ConfigError
+from hio.common.frames import TupleFrame, TupleReceipt, parse_frame, serialize_frame
 from hio.common.settings import ClusterSettings
 
 log = logging.getLogger("hio.net")
@@ -115,6 +116,11 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
             return handler
         parse = handler.request_deserializer
         type_name = getattr(getattr(parse, "__self__", None), "__name__", "request")
+        if parse == TupleFrame.FromString:  # frame streams: large chunks read in place
+            parse = parse_frame
+        serialize = handler.response_serializer
+        if serialize == TupleFrame.SerializeToString:  # ... and sent as encoded by the sender
+            serialize = serialize_frame
 
         def decode(raw: bytes, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
             try:
@@ -126,7 +132,6 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
             for raw in raws:
                 yield decode(raw, context)
 
-        serialize = handler.response_serializer
         if handler.unary_unary:
             inner = handler.unary_unary
             return grpc.unary_unary_rpc_method_handler(
@@ -233,6 +238,34 @@ class _Details(grpc.ClientCallDetails):
         self.credentials = base.credentials
         self.wait_for_ready = getattr(base, "wait_for_ready", None)
         self.compression = getattr(base, "compression", None)
+
+
+def send_frames(channel: grpc.Channel, service: str, method: str) -> grpc.StreamStreamMultiCallable:
+    """A frames-in, receipts-out call (``Engine.Deliver``, ``Master.Enqueue``,
+    ``Ingest.Submit``) that sends large chunks as encoded (:func:`frames.encode_frame`).
+    The generated stubs would call ``SerializeToString`` on them."""
+    return channel.stream_stream(_method_path(service, method), request_serializer=serialize_frame,
+                                 response_deserializer=TupleReceipt.FromString)
+
+
+def pull_frames(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
+    """``Master.PullTuple`` whose large chunks are read in place (:func:`frames.parse_frame`)."""
+    from hio.proto import master_pb2
+
+    return channel.unary_stream(_method_path("Master", "PullTuple"),
+                                request_serializer=master_pb2.PullTupleRequest.SerializeToString,
+                                response_deserializer=parse_frame)
+
+
+def _method_path(service: str, method: str) -> str:
+    """'/hio.proto.Engine/Deliver' for ('Engine', 'Deliver'), checked against the protos."""
+    from hio.proto import engine_pb2, ingest_pb2, master_pb2
+
+    for module in (engine_pb2, master_pb2, ingest_pb2):
+        found = module.DESCRIPTOR.services_by_name.get(service)
+        if found is not None and method in found.methods_by_name:
+            return f"/{found.full_name}/{method}"
+    raise ValueError(f"no rpc {service}.{method} in the protos")
 
 
 def create_channel(address: str, settings: ClusterSettings, token: str | None = None) -> grpc.Channel:
