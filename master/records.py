@@ -83,8 +83,9 @@ class RecordWriter:
 
     def write(self, data: bytes) -> None:
         self._write(data)
-        if self.cache:
-            self._chunks.append(bytes(data))
+        if self.cache:  # an immutable chunk (bytes, or a view of a received message) is kept as is
+            immutable = isinstance(data, bytes) or (isinstance(data, memoryview) and isinstance(data.obj, bytes))
+            self._chunks.append(data if immutable else bytes(data))
 
     def finish(self, seq: int) -> None:
         seq_bytes = _SEQ.pack(seq)

@@ -69,6 +69,8 @@ META = encode_frame(TupleMeta(tuple_id=9, image="x"), b"", False)
     frame_with(META, DATA_FIELD, b"\x22" + bytes([len(p := TupleFrame(meta=TupleMeta(tuple_id=10), data=b"a",
                                                                        last=True).SerializeToString())]) + p, LAST),
     frame_with(DATA_FIELD, b"\x18\x00"),                         # last written as false
+    LAST * 40_000,                                               # many small fields: protobuf's parser reads them
+    frame_with(META, DATA_FIELD, LAST * 40_000),
 ])
 def test_frames_that_protobuf_reads_are_read_with_the_same_meaning(wire: bytes) -> None:
     same_frame(parse_frame(wire), TupleFrame.FromString(wire))
