@@ -70,6 +70,7 @@ class Reporter:
         self._state_due = False
         self._stopping = False
         self._stop_deadline = float("inf")
+        self._exited = False
         self._last_sent = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"reporter-{channel_id}", daemon=True)
 
@@ -88,10 +89,29 @@ class Reporter:
 
     def release(self, callback: Callable[[bool], None] | None = None, *, pull_done: bool = False) -> None:
         """Queue a release of the channel; ``callback(pull_queue)`` runs once it was sent.
-        ``pull_done``: it ends a pull; what was pulled and not reported goes back to the queue."""
+        ``pull_done``: it ends a pull; what was pulled and not reported goes back to the queue.
+
+        A release that comes after the reporter stopped (work that outlived the
+        engine's grace) is sent at once, one try: otherwise the master would
+        hold what the channel pulled until its lease ran out.
+        """
         with self._cond:
-            self._items.append(_Release(callback, pull_done))
-            self._cond.notify()
+            if not self._exited:
+                self._items.append(_Release(callback, pull_done))
+                self._cond.notify()
+                return
+        pull_queue = self._send_late(master_pb2.ReportTuplesRequest(
+            channel_id=self._channel_id, release=True, processing=False, pull_done=pull_done))
+        if callback is not None:
+            callback(pull_queue)
+
+    def _send_late(self, request: master_pb2.ReportTuplesRequest) -> bool:
+        try:
+            return bool(self._send(request).pull_queue)
+        except Exception as exc:  # noqa: BLE001 - best effort; the master's lease expiry is the backstop
+            log.warning("release after stopping not delivered", extra={
+                "channel": self._channel_id, "reason": exc.message if isinstance(exc, errors.HioError) else repr(exc)})
+            return False
 
     def processing_ended(self) -> None:
         """A released channel finished its last tuple: tell the master at once (routing prefers it now)."""
@@ -143,6 +163,7 @@ class Reporter:
                 if batch_due or keepalive_due:
                     return self._take()
                 if self._stopping and not self._items:
+                    self._exited = True  # under the lock: a later release is sent by its caller
                     return None
                 waits = [self._keepalive - (now - self._last_sent)] if self._busy else [self._keepalive]
                 if self._items:

@@ -39,7 +39,8 @@ class Backoff:
 def call_with_retry(fn: Callable[[], T], *, deadline: float = 60.0,
                     retryable: frozenset[grpc.StatusCode] = RETRYABLE,
                     on_retry: Callable[[grpc.RpcError], None] | None = None) -> T:
-    """Call ``fn`` until it succeeds, a non-retryable status arrives, or ``deadline`` s pass."""
+    """Call ``fn`` until it succeeds, a non-retryable status arrives, or ``deadline`` s pass
+    (the last wait ends at the deadline, so callers can count on it)."""
     end = time.monotonic() + deadline
     backoff = Backoff()
     while True:
@@ -47,8 +48,9 @@ def call_with_retry(fn: Callable[[], T], *, deadline: float = 60.0,
             return fn()
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
-            if code not in retryable or time.monotonic() >= end:
+            left = end - time.monotonic()
+            if code not in retryable or left <= 0:
                 raise
             if on_retry:
                 on_retry(exc)
-            backoff.sleep(retry_after(exc))
+            time.sleep(min(backoff.delay(retry_after(exc)), left))  # never sleep past the deadline

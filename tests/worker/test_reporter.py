@@ -130,3 +130,31 @@ def test_a_direct_outcome_is_sent_after_direct_interval_when_nothing_else_goes()
         assert [o.tuple_id for o in send.requests[0].outcomes] == [1]
     finally:
         reporter.stop(timeout=2)
+
+
+def test_a_release_after_the_reporter_stopped_is_sent_at_once() -> None:
+    """Work that outlives the engine's grace still gives its pull back: the master would
+    otherwise hold the pulled tuples until their lease ran out."""
+    sent: list[master_pb2.ReportTuplesRequest] = []
+
+    def send(request: master_pb2.ReportTuplesRequest) -> master_pb2.ReportTuplesResponse:
+        sent.append(request)
+        return master_pb2.ReportTuplesResponse(pull_queue=True)
+
+    reporter = Reporter("w/0", send, keepalive=60.0).start()
+    reporter.stop(timeout=1.0)
+    answers: list[bool] = []
+    reporter.release(answers.append, pull_done=True)
+    assert answers == [True], "sent by the caller, at once"
+    assert [(r.release, r.pull_done, r.channel_id) for r in sent] == [(True, True, "w/0")]
+
+
+def test_a_late_release_the_master_does_not_take_is_logged_not_raised() -> None:
+    def refuse(request: master_pb2.ReportTuplesRequest) -> master_pb2.ReportTuplesResponse:
+        raise Unavailable("master down")
+
+    reporter = Reporter("w/0", refuse, keepalive=60.0).start()
+    reporter.stop(timeout=0.5)
+    answers: list[bool] = []
+    reporter.release(answers.append)
+    assert answers == [False]
