@@ -81,6 +81,16 @@ def _command_parser(name: str, cls: type) -> argparse.ArgumentParser:
     return parser
 
 
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` prints every thread's stack to stderr: what a role that seems
+    stuck is doing, without stopping it."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
@@ -106,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from hio.common.log import setup_logging
     setup_logging(getattr(config, "log_level", "warning"), getattr(config, "log_json", False))
+    _stacks_on_sigusr1()
     run: Callable[[Any], int] = _load(run_path)
     from hio.common.memory import tune_process
     tune_process()  # tuple buffers reused instead of faulted in per copy; start-up objects out of the GC's way

@@ -10,6 +10,7 @@ Failures carry the process's log, so a broken test shows why.
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from typing import Any, Callable
 
@@ -29,6 +30,17 @@ class HioProcess(RoleProcess):
         except RuntimeError as exc:
             raise AssertionError(str(exc)) from None
 
+    def stacks(self, settle: float = 1.0) -> str:
+        """Every thread's stack (``hio`` roles dump them on SIGUSR1) and the processes under
+        this one: what a role that seems stuck is doing."""
+        if self.proc is None or self.proc.poll() is not None:
+            return f"{self.name} is not running (exit {None if self.proc is None else self.proc.returncode})"
+        self.proc.send_signal(signal.SIGUSR1)
+        time.sleep(settle)
+        tree = subprocess.run(["ps", "--ppid", str(self.proc.pid), "-o", "pid,etime,pcpu,args"],
+                              capture_output=True, text=True, check=False).stdout
+        return f"processes under {self.name}:\n{tree}\n{self.output()}"
+
     def __enter__(self) -> "HioProcess":
         self.start()
         return self
@@ -40,15 +52,19 @@ class HioProcess(RoleProcess):
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1,
-             what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns a truthy value; that value, or AssertionError."""
+             what: str | Callable[[], str] = "condition") -> Any:
+    """Poll ``predicate`` until it returns a truthy value; that value, or AssertionError.
+
+    ``what`` may be a function: it is called on failure, so a process's log
+    in it is the log at the end of the wait, not at its start.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
 
 
 class CuttingProxy:

@@ -65,7 +65,7 @@ class Cluster:
             free = [c for c in chans if c.state == master_pb2.FREE]
             return chans if len(free) >= count else None
         return wait_for(ready, timeout=timeout, interval=0.3,
-                        what=f"{count} free channels on {worker_id}:\n{self.procs[worker_id].output()}")
+                        what=lambda: f"{count} free channels on {worker_id}:\n{self.procs[worker_id].output()}")
 
     def gateway(self, name: str, **overrides: Any) -> Gateway:
         return Gateway(master_address=self.master, repository_address=self.repository,

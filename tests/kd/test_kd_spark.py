@@ -217,12 +217,12 @@ def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(t
                 "--interval", "1", "--k", "3", "--log-level", "info", "--restart-delay", "1"]
         with HioProcess("kd", args, tmp_path) as kd:
             wait_for(lambda: (k := repo.knowledge()) and k.tuple_count == 150, timeout=180,
-                     what=f"knowledge from hio kd:\n{kd.output()}")
+                     what=lambda: f"knowledge from hio kd:\n{kd.stacks()}")
             first_jvm = _driver_jvm(kd)
             os.kill(first_jvm, signal.SIGKILL)  # the driver dies (OOM killer, operator): KD must carry on
             repo.put(blobs_records(151, 150)[0])
             wait_for(lambda: (k := repo.knowledge()) and k.tuple_count == 300, timeout=240,
-                     what=f"knowledge after the driver died:\n{kd.output()}")
+                     what=lambda: f"knowledge after the driver died ({repo.knowledge()}):\n{kd.stacks()}")
             assert kd.alive() and _driver_jvm(kd) != first_jvm
             assert "the Spark session is dead; starting a new one" in kd.output()
             code = kd.stop(timeout=60)
