@@ -88,7 +88,10 @@ def _stacks_on_sigusr1() -> None:
     import signal
 
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (OSError, ValueError):  # stderr is not a file: called in-process (tests, notebooks)
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
