@@ -92,26 +92,17 @@ class Reporter:
         ``pull_done``: it ends a pull; what was pulled and not reported goes back to the queue.
 
         A release that comes after the reporter stopped (work that outlived the
-        engine's grace) is sent at once, one try: otherwise the master would
-        hold what the channel pulled until its lease ran out.
+        engine's grace) is sent by the caller, within what is left of the stop's
+        time (at least one try): otherwise the master would hold what the
+        channel pulled until its lease ran out.
         """
+        release = _Release(callback, pull_done)
         with self._cond:
             if not self._exited:
-                self._items.append(_Release(callback, pull_done))
+                self._items.append(release)
                 self._cond.notify()
                 return
-        pull_queue = self._send_late(master_pb2.ReportTuplesRequest(
-            channel_id=self._channel_id, release=True, processing=False, pull_done=pull_done))
-        if callback is not None:
-            callback(pull_queue)
-
-    def _send_late(self, request: master_pb2.ReportTuplesRequest) -> bool:
-        try:
-            return bool(self._send(request).pull_queue)
-        except Exception as exc:  # noqa: BLE001 - best effort; the master's lease expiry is the backstop
-            log.warning("release after stopping not delivered", extra={
-                "channel": self._channel_id, "reason": exc.message if isinstance(exc, errors.HioError) else repr(exc)})
-            return False
+        self._send_batch([], [release])
 
     def processing_ended(self) -> None:
         """A released channel finished its last tuple: tell the master at once (routing prefers it now)."""
@@ -189,13 +180,17 @@ class Reporter:
             if batch is None:
                 return
             outcomes, releases, _keepalive = batch
-            request = master_pb2.ReportTuplesRequest(channel_id=self._channel_id, outcomes=outcomes,
-                                                     release=bool(releases), processing=self._processing(),
-                                                     pull_done=any(r.pull_done for r in releases))
-            pull_queue = self._deliver(request)
-            for release in releases:
-                if release.callback is not None:
-                    release.callback(pull_queue)
+            self._send_batch(outcomes, releases)
+
+    def _send_batch(self, outcomes: list[master_pb2.TupleOutcome], releases: list[_Release]) -> None:
+        """One report of these outcomes and releases; each release's callback gets the answer."""
+        request = master_pb2.ReportTuplesRequest(channel_id=self._channel_id, outcomes=outcomes,
+                                                 release=bool(releases), processing=self._processing(),
+                                                 pull_done=any(r.pull_done for r in releases))
+        pull_queue = self._deliver(request)
+        for release in releases:
+            if release.callback is not None:
+                release.callback(pull_queue)
 
     def _deliver(self, request: master_pb2.ReportTuplesRequest) -> bool:
         """Send one request, retrying while the master is unavailable; its pull_queue."""

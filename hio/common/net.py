@@ -8,6 +8,7 @@ TLS, and the caller's token on every call.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import signal
@@ -257,6 +258,7 @@ def pull_frames(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
                                 response_deserializer=parse_frame)
 
 
+@functools.cache
 def _method_path(service: str, method: str) -> str:
     """'/hio.proto.Engine/Deliver' for ('Engine', 'Deliver'), checked against the protos."""
     from hio.proto import engine_pb2, ingest_pb2, master_pb2
