@@ -26,6 +26,7 @@ import heapq
 import itertools
 import logging
 import random
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ import grpc
 
 from hio.common.errors import retry_after
 from hio.common.frames import TupleMeta, WireFrame, tuple_frames, unpacked_receipts
+from hio.common.lane import LaneCall, lane_frames, open_lane
 from hio.common.net import create_channel, send_frames
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
@@ -44,6 +46,8 @@ from hio.proto.tuple_pb2 import TupleReceipt
 log = logging.getLogger("hio.gateway")
 
 LAST_ERROR_ATTRIBUTE = "hio.last_error"
+LANE_CONNECT_SECONDS = 3.0    # a payload lane that does not answer within this is skipped
+LANE_RETRY_SECONDS = 60.0     # an unreachable lane (firewall, old engine) is tried again after this
 _MASTER_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
@@ -108,6 +112,7 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
         self._calls: set[grpc.Future] = set()
         self._channels: dict[str, grpc.Channel] = {}
+        self._lanes_down: dict[str, float] = {}               # lane address -> monotonic time to try again
         self._master_down_since: float | None = None
         self._queue_full_logged = False
         self._warned_images: set[str] = set()
@@ -232,7 +237,7 @@ class Dispatcher:
                 meta.attributes[LAST_ERROR_ATTRIBUTE] = pending.failure[:1000]
         self._persist(batch)
         if route.HasField("channel") and not dead:
-            self._stream(batch, route.channel.address, direct=True)
+            self._stream(batch, route.channel.address, direct=True, lane=route.channel.lane_address)
         else:
             self._stream(batch, self._config.master_address, direct=False)
 
@@ -251,17 +256,23 @@ class Dispatcher:
         """Record ids and attempts in the spool (one append), so any redelivery keeps them."""
         self._persist_entries([p.entry for p in batch])
 
-    def _stream(self, batch: list[_Pending], address: str, *, direct: bool) -> None:
-        """One Deliver/Enqueue stream for the batch; settle each tuple by its receipt."""
+    def _stream(self, batch: list[_Pending], address: str, *, direct: bool, lane: str = "") -> None:
+        """One Deliver/Enqueue stream for the batch; settle each tuple by its receipt.
+        Deliver goes over the engine's payload lane when it offers one and it answers."""
         sent: list[_Pending] = []
         skipped: set[int] = set()
-        frames = self._frames(batch, sent, skipped)
-        channel = self._channel(address)
         timeout = self._config.stream_timeout_seconds
-        if direct:
-            call = send_frames(channel, "Engine", "Deliver")(frames, timeout=timeout)
+        lane_socket = self._open_lane(lane) if direct and lane else None
+        if lane_socket is not None:
+            payloads = self._payloads(batch, sent, skipped)
+            call = LaneCall(lane_socket, lane_frames(payloads, self._config.chunk_bytes, self._config.pack_bytes),
+                            timeout=timeout)
+        elif direct:
+            call = send_frames(self._channel(address), "Engine", "Deliver")(self._frames(batch, sent, skipped),
+                                                                            timeout=timeout)
         else:
-            call = send_frames(channel, "Master", "Enqueue")(frames, timeout=timeout)
+            call = send_frames(self._channel(address), "Master", "Enqueue")(self._frames(batch, sent, skipped),
+                                                                            timeout=timeout)
         with self._cond:
             self._calls.add(call)
         settled: set[int] = set()
@@ -283,6 +294,30 @@ class Dispatcher:
         left = _unsettled(batch, sent, settled, skipped)
         if left:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
+
+    def _open_lane(self, lane: str) -> "socket.socket | None":
+        """A connection to an engine's payload lane; None (use gRPC) when lanes are off or it
+        does not answer (a firewall that opens only the gRPC port, an engine that predates lanes):
+        then it is skipped for :data:`LANE_RETRY_SECONDS`, logged once."""
+        if not self._config.lanes:
+            return None
+        now = time.monotonic()
+        with self._cond:
+            retry_at = self._lanes_down.get(lane)
+            if retry_at is not None and now < retry_at:
+                return None
+        try:
+            sock = open_lane(lane, self._config.presented_token(), connect_seconds=LANE_CONNECT_SECONDS)
+        except (OSError, ValueError) as exc:
+            with self._cond:
+                first = lane not in self._lanes_down
+                self._lanes_down[lane] = now + LANE_RETRY_SECONDS
+            if first:
+                log.warning("engine's payload lane unreachable; using gRPC", extra={"lane": lane, "error": str(exc)})
+            return None
+        with self._cond:
+            self._lanes_down.pop(lane, None)
+        return sock
 
     def _frames(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int]) -> Iterator[WireFrame]:
         """Frames of the batch, from memory when the spool kept the payload, else read

@@ -37,6 +37,7 @@ class ChannelSpec:
     address: str
     down: bool = False
     detail: str = ""
+    lane_address: str = ""      # the engine's payload lane; empty = none
 
 
 @dataclasses.dataclass
@@ -45,6 +46,7 @@ class Channel:
     worker_id: str
     image: str
     address: str
+    lane_address: str = ""
     state: ChannelState = ChannelState.FREE
     detail: str = ""
     tuples_done: int = 0
@@ -102,6 +104,8 @@ class ChannelRegistry:
             _check_name("channel_id", spec.channel_id)
             _check_name(f"channel {spec.channel_id}: image", spec.image)
             _check_name(f"channel {spec.channel_id}: address", spec.address)
+            if spec.lane_address:
+                _check_name(f"channel {spec.channel_id}: lane address", spec.lane_address)
             if spec.channel_id in seen:
                 raise InvalidArgument(f"worker {worker_id}: channel {spec.channel_id} listed twice")
             seen.add(spec.channel_id)
@@ -121,7 +125,7 @@ class ChannelRegistry:
                 replaced.append(spec.channel_id)
             done = old.channels[spec.channel_id].tuples_done if old and spec.channel_id in old.channels else 0
             channel = Channel(channel_id=spec.channel_id, worker_id=worker_id, image=spec.image,
-                              address=spec.address, tuples_done=done,
+                              address=spec.address, lane_address=spec.lane_address, tuples_done=done,
                               state=ChannelState.DOWN if spec.down else ChannelState.FREE,
                               detail=spec.detail if spec.down else "")
             channels[spec.channel_id] = channel

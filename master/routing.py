@@ -20,6 +20,7 @@ class DirectRoute:
     channel_id: str
     address: str
     reservation_seconds: float
+    lane_address: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,7 @@ def route_tuples(registry: ChannelRegistry, pending: PendingEnqueues, *, image: 
         channel = registry.reserve_free(image)
         if channel is not None:
             return DirectRoute(channel_id=channel.channel_id, address=channel.address,
-                               reservation_seconds=registry.reservation_seconds)
+                               reservation_seconds=registry.reservation_seconds, lane_address=channel.lane_address)
         if may_wait:
             return None
     pending.add(image, tuple_ids)

@@ -50,7 +50,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def RegisterWorker(self, request: master_pb2.RegisterWorkerRequest,
                        context: grpc.ServicerContext) -> master_pb2.RegisterWorkerResponse:
         specs = [ChannelSpec(channel_id=c.channel_id, image=c.image, address=c.address,
-                             down=c.state == master_pb2.DOWN, detail=c.detail) for c in request.channels]
+                             lane_address=c.lane_address, down=c.state == master_pb2.DOWN, detail=c.detail)
+                 for c in request.channels]
         self._master.register_worker(request.worker_id, request.host, request.cpus, specs)
         config = self._master.config
         return master_pb2.RegisterWorkerResponse(heartbeat_interval_seconds=config.heartbeat_interval,
@@ -72,7 +73,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         if isinstance(routed.route, DirectRoute):
             reply.channel.CopyFrom(master_pb2.ChannelRoute(
                 channel_id=routed.route.channel_id, address=routed.route.address,
-                reservation_seconds=routed.route.reservation_seconds))
+                reservation_seconds=routed.route.reservation_seconds, lane_address=routed.route.lane_address))
         else:
             reply.queue.CopyFrom(master_pb2.QueueRoute(queue_length=routed.route.queue_length))
         return reply
@@ -141,7 +142,7 @@ def _encode_status(status: Status) -> master_pb2.GetStatusResponse:
     workers = [master_pb2.WorkerStatus(
         worker_id=worker.worker_id, host=worker.host, last_heartbeat_age_seconds=age,
         channels=[master_pb2.ChannelInfo(channel_id=c.channel_id, image=c.image, address=c.address,
-                                         state=int(c.state), detail=c.detail, tuples_done=c.tuples_done,
+                                         lane_address=c.lane_address, state=int(c.state), detail=c.detail, tuples_done=c.tuples_done,
                                          processing=c.processing)
                   for c in channels])
         for worker, age, channels in status.workers]

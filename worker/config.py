@@ -62,6 +62,8 @@ class WorkerConfig(EngineSettings):
     engine_memory_bytes: int = setting(0, "memory limit per engine (docker runtime); 0 = no limit")
     engine_cpus: float = setting(1.0, "CPUs per engine (docker runtime)")
     restart_backoff_max: float = setting(30.0, "longest wait, in seconds, before restarting a crashed engine")
+    lanes: bool = setting(True, "engines also serve a payload lane (Deliver over plain TCP, on a second "
+                                "port from engine_ports) that gateways use for payloads; off with TLS")
 
     def validate(self) -> None:
         self.validate_cluster()
@@ -148,6 +150,8 @@ class EngineConfig(EngineSettings):
     image: str = setting("", "the engine image this channel runs; tuples of other images are refused")
     pipeline: str = setting("", "module:function to call; empty = $HIO_PIPELINE, else the built-in for the image")
     listen: str = setting("127.0.0.1:0", "host:port the Engine service listens on")
+    lane_listen: str = setting("", "host:port of the payload lane (Deliver over plain TCP, for large "
+                                   "payloads without gRPC's copies); empty = none; off with TLS")
     store_batch_records: int = setting(256, "most feature records stored in one repository call")
     store_pending_records: int = setting(1024, "processed tuples whose features may wait to be stored "
                                                "before processing pauses")
@@ -163,6 +167,8 @@ class EngineConfig(EngineSettings):
             raise ConfigError("image is required (HIO_ENGINE_IMAGE)")
         if ":" not in self.listen:
             raise ConfigError(f"listen must be host:port, got {self.listen!r}")
+        if self.lane_listen and ":" not in self.lane_listen:
+            raise ConfigError(f"lane_listen must be host:port, got {self.lane_listen!r}")
         if self.pipeline and ":" not in self.pipeline:
             raise ConfigError(f"pipeline must look like module:function, got {self.pipeline!r}")
         if self.tuple_timeout < 0:

@@ -68,7 +68,8 @@ def local_host(listen_host: str) -> str:
     return "127.0.0.1" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
 
 
-def engine_env(config: WorkerConfig, *, channel_id: str, image: str, pipeline: str, port: int) -> dict[str, str]:
+def engine_env(config: WorkerConfig, *, channel_id: str, image: str, pipeline: str, port: int,
+               lane_port: int = 0) -> dict[str, str]:
     """The complete environment of one engine: its settings and the cluster's.
 
     Complete on purpose: the same variables configure a local process and a
@@ -93,6 +94,8 @@ def engine_env(config: WorkerConfig, *, channel_id: str, image: str, pipeline: s
         "HIO_LOG_JSON": "true" if config.log_json else "false",
         "HIO_TLS_CLIENT_AUTH": "true" if config.tls_client_auth else "false",
     }
+    if lane_port:
+        env["HIO_ENGINE_LANE_LISTEN"] = f"{config.engine_listen_host}:{lane_port}"
     if pipeline:  # empty: the engine falls back to $HIO_PIPELINE of its image, then the built-in
         env["HIO_ENGINE_PIPELINE"] = pipeline
     token = config.presented_token()
@@ -113,6 +116,7 @@ class EngineSlot:
     image: str
     pipeline: str
     port: int
+    lane_port: int = 0               # the engine's payload lane; 0 = none
     handle: EngineHandle | None = None
     up: bool = False
     detail: str = "starting"
@@ -235,9 +239,21 @@ class Controller:
         for image, count in engine_counts(self._config.engines, self._config.effective_cpus()):
             pipeline = pipeline_for_image(image, self._config.pipelines) if local else self._extra_pipeline(image)
             for _ in range(count):
+                port = self._free_port()
                 slots.append(EngineSlot(channel_id=f"{self._worker_id}/{len(slots)}", image=image,
-                                        pipeline=pipeline, port=free_port(self._config.engine_listen_host, self._config.engine_port_range())))
+                                        pipeline=pipeline, port=port, lane_port=self._lane_port(port)))
         return slots
+
+    def _free_port(self, other_than: int = 0) -> int:
+        for _ in range(100):
+            port = free_port(self._config.engine_listen_host, self._config.engine_port_range())
+            if port != other_than:
+                return port
+        raise RuntimeError(f"no second free port for an engine in {self._config.engine_ports}")
+
+    def _lane_port(self, port: int) -> int:
+        """A port for the engine's payload lane (0 = none: lanes off, or TLS, which the lane lacks)."""
+        return self._free_port(other_than=port) if self._config.lanes and not self._config.tls_cert else 0
 
     def _extra_pipeline(self, image: str) -> str:
         for mapping in self._config.pipelines:
@@ -259,8 +275,10 @@ class Controller:
                 if slot.up and not everything:
                     continue
                 state = master_pb2.FREE if slot.up else master_pb2.DOWN
-                infos.append(master_pb2.ChannelInfo(channel_id=slot.channel_id, image=slot.image,
-                                                    address=f"{host}:{slot.port}", state=state, detail=slot.detail))
+                infos.append(master_pb2.ChannelInfo(
+                    channel_id=slot.channel_id, image=slot.image, address=f"{host}:{slot.port}",
+                    lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
+                    state=state, detail=slot.detail))
         return infos
 
     # ---- running
@@ -294,15 +312,16 @@ class Controller:
 
     def _start(self, slot: EngineSlot) -> None:
         if slot.failed_starts >= NEW_PORT_AFTER:
-            port = free_port(self._config.engine_listen_host, self._config.engine_port_range())
+            port = self._free_port()
+            lane_port = self._lane_port(port)
             with self._lock:
-                slot.port, slot.failed_starts = port, 0
+                slot.port, slot.lane_port, slot.failed_starts = port, lane_port, 0
             log.warning("engine keeps failing to start; moving it to a new port",
                         extra={"channel": slot.channel_id, "port": slot.port})
             self._session.reregister()
         spec = EngineSpec(channel_id=slot.channel_id, image=slot.image, port=slot.port,
                           env=engine_env(self._config, channel_id=slot.channel_id, image=slot.image,
-                                         pipeline=slot.pipeline, port=slot.port),
+                                         pipeline=slot.pipeline, port=slot.port, lane_port=slot.lane_port),
                           cpus=self._config.engine_cpus, memory_bytes=self._config.engine_memory_bytes)
         try:
             handle = self._launcher.start(spec)

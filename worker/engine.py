@@ -32,7 +32,9 @@ from hio.common.errors import (DataLoss, FailedPrecondition, HioError, InvalidAr
                                ResourceExhausted, Unavailable, grpc_errors)
 from hio.common.tickets import load_ticket_key, verify_ticket
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
-from hio.common.net import create_server, message_limit, run_until_signal, set_serving
+from hio.common.config import ConfigError
+from hio.common.lane import LaneServer
+from hio.common.net import TokenTable, create_server, message_limit, run_until_signal, set_serving
 from hio.common.retry import Backoff
 from hio.proto import engine_pb2_grpc, master_pb2
 from hio.worker.api import Pipeline, TupleInfo, load_pipeline, pipeline_for_image
@@ -357,6 +359,7 @@ class Engine:
         self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self._ticket_key = load_ticket_key(config.ticket_key_file)
         self.idle_seconds = config.stream_idle_seconds
+        self.lane: LaneServer | None = None   # the payload lane, when it serves one (create_lane)
         self._max_record = message_limit(config) - RECORD_HEADROOM
         self._store_batch_records = config.store_batch_records
         self._store_pending_records = config.store_pending_records
@@ -429,7 +432,7 @@ class Engine:
 
     # ---- direct delivery
 
-    def deliver(self, frames: Iterable[TupleFrame]) -> Iterator[TupleReceipt]:
+    def deliver(self, frames: Iterable[TupleFrame], *, max_chunk_bytes: int | None = None) -> Iterator[TupleReceipt]:
         """Serve one Deliver stream: a receipt per tuple, in order.
 
         Tuples are processed one at a time while the next one is received and
@@ -438,12 +441,13 @@ class Engine:
         handed back before the last receipt (:class:`_Handover`). Raises
         ResourceExhausted when the channel is busy, FailedPrecondition for a
         tuple of another image, DataLoss/InvalidArgument for a damaged stream
-        (after the receipts of the tuples before it).
+        (after the receipts of the tuples before it). ``max_chunk_bytes``: the
+        largest frame payload (the payload lane sends a tuple as one frame).
         """
         self._claim("deliver")
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         reader = FrameReader(frames, max_tuple_bytes=self._config.max_tuple_bytes,
-                             max_chunk_bytes=message_limit(self._config), need_id=True)
+                             max_chunk_bytes=max_chunk_bytes or message_limit(self._config), need_id=True)
         handover = _Handover(self._hand_over)
         prefetch = _Prefetcher(reader, events.put, handover)
         storer = _BatchStorer(self._cluster.store_many, self._stored, lambda: events.put(("wake", None)),
@@ -846,7 +850,27 @@ def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], 
         config, config.listen, max_workers=8, policy=POLICY,
         register=[lambda s: engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), s)])
     set_serving(health, True)
+    engine.lane = create_lane(config, engine)
     return server, port, health, engine
+
+
+def create_lane(config: EngineConfig, engine: "Engine") -> LaneServer | None:
+    """The engine's payload lane (Deliver over plain TCP), started; None when not configured
+    or when TLS is (the lane carries no TLS: senders then use Deliver)."""
+    if not config.lane_listen:
+        return None
+    if config.tls_cert:
+        log.info("payload lane off: TLS is configured", extra={"channel": config.channel_id})
+        return None
+    lane = LaneServer(config.lane_listen,
+                      lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes),
+                      table=TokenTable.from_settings(config), policy=POLICY, idle_seconds=engine.idle_seconds,
+                      max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes)
+    try:
+        lane.start()
+    except OSError as exc:
+        raise ConfigError(f"cannot listen for the payload lane on {config.lane_listen}: {exc}") from None
+    return lane
 
 
 def watch_parent(parent_pid: int, stop: threading.Event, interval: float = PARENT_CHECK_SECONDS) -> None:
@@ -878,6 +902,8 @@ def run_engine(config: EngineConfig) -> int:
 
     def stop() -> None:
         set_serving(health, False)
-        engine.stop(config.grace_seconds)
+        engine.stop(config.grace_seconds)   # new lane calls are refused (UNAVAILABLE) meanwhile
+        if engine.lane is not None:
+            engine.lane.stop()
 
     return run_until_signal(server, grace=1.0, on_stop=[stop], stop_event=stop_event)

@@ -93,15 +93,25 @@ class _AuthInterceptor(grpc.ServerInterceptor):
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_HEADER and isinstance(value, str) and value.startswith("Bearer "):
                 token = value[len("Bearer "):]
-        who = self._table.lookup(token) if token else None
-        if who is None:
-            reason = "missing token" if not token else "invalid token"
-            return _refusal(grpc.StatusCode.UNAUTHENTICATED, f"{reason}: present a valid token (--token-file)")
-        role, _name = who
-        allowed = self._policy.get(method.rsplit("/", 1)[-1])
-        if role != "any" and allowed is not None and role not in allowed and "admin" != role:
-            return _refusal(grpc.StatusCode.PERMISSION_DENIED, f"role '{role}' may not call {method}")
+        refusal = refuse_caller(self._table, self._policy, method, token)
+        if refusal is not None:
+            return _refusal(*refusal)
         return continuation(handler_call_details)
+
+
+def refuse_caller(table: TokenTable, policy: dict[str, set[str]], method: str,
+                  token: str) -> tuple[grpc.StatusCode, str] | None:
+    """Why a caller presenting ``token`` may not call ``method`` (status, message); None = it may.
+    Shared by the gRPC services and the engine's payload lane."""
+    who = table.lookup(token) if token else None
+    if who is None:
+        reason = "missing token" if not token else "invalid token"
+        return grpc.StatusCode.UNAUTHENTICATED, f"{reason}: present a valid token (--token-file)"
+    role, _name = who
+    allowed = policy.get(method.rsplit("/", 1)[-1])
+    if role != "any" and allowed is not None and role not in allowed and "admin" != role:
+        return grpc.StatusCode.PERMISSION_DENIED, f"role '{role}' may not call {method}"
+    return None
 
 
 class _ParsingInterceptor(grpc.ServerInterceptor):
