@@ -113,6 +113,8 @@ class Dispatcher:
         self._calls: set[grpc.Future] = set()
         self._channels: dict[str, grpc.Channel] = {}
         self._lanes_down: dict[str, float] = {}               # lane address -> monotonic time to try again
+        # The lane carries no TLS: a gateway that speaks TLS never sends its token or tuples in the clear.
+        self._uses_tls = bool(config.tls_cert or config.tls_ca)
         self._master_down_since: float | None = None
         self._queue_full_logged = False
         self._warned_images: set[str] = set()
@@ -284,7 +286,16 @@ class Dispatcher:
                 if done:
                     self._complete_many(done, direct=direct)
         except grpc.RpcError as exc:
-            self._stream_failed(_unsettled(batch, sent, settled, skipped), exc, address, direct=direct)
+            left = _unsettled(batch, sent, settled, skipped)
+            if lane_socket is not None and getattr(exc, "transport", False) and not settled:
+                # The lane broke before the engine answered anything (closed, garbage): not the
+                # tuples' fault. The same route (its reservation is ours) goes over gRPC Deliver.
+                self._lane_down(lane, exc.details())
+                unsent = [p for p in batch if p.seq not in skipped]
+                if unsent:
+                    self._stream(unsent, address, direct=True)
+                return
+            self._stream_failed(left, exc, address, direct=direct)
             return
         finally:
             with self._cond:
@@ -299,25 +310,28 @@ class Dispatcher:
         """A connection to an engine's payload lane; None (use gRPC) when lanes are off or it
         does not answer (a firewall that opens only the gRPC port, an engine that predates lanes):
         then it is skipped for :data:`LANE_RETRY_SECONDS`, logged once."""
-        if not self._config.lanes:
+        if not self._config.lanes or self._uses_tls:
             return None
-        now = time.monotonic()
         with self._cond:
             retry_at = self._lanes_down.get(lane)
-            if retry_at is not None and now < retry_at:
+            if retry_at is not None and time.monotonic() < retry_at:
                 return None
         try:
             sock = open_lane(lane, self._config.presented_token(), connect_seconds=LANE_CONNECT_SECONDS)
         except (OSError, ValueError) as exc:
-            with self._cond:
-                first = lane not in self._lanes_down
-                self._lanes_down[lane] = now + LANE_RETRY_SECONDS
-            if first:
-                log.warning("engine's payload lane unreachable; using gRPC", extra={"lane": lane, "error": str(exc)})
+            self._lane_down(lane, str(exc))
             return None
         with self._cond:
             self._lanes_down.pop(lane, None)
         return sock
+
+    def _lane_down(self, lane: str, error: str) -> None:
+        """Use gRPC for this lane's engine for a while; say so once."""
+        with self._cond:
+            first = lane not in self._lanes_down
+            self._lanes_down[lane] = time.monotonic() + LANE_RETRY_SECONDS
+        if first:
+            log.warning("engine's payload lane unusable; using gRPC", extra={"lane": lane, "error": error})
 
     def _frames(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int]) -> Iterator[WireFrame]:
         """Frames of the batch, from memory when the spool kept the payload, else read

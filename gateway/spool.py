@@ -277,16 +277,26 @@ class Spool:
             retired, self._retired = self._retired, []
             active = self._active.fd if self._active is not None else None
             fd = os.dup(active) if dirty and active is not None else None  # fsync outside the lock
+        failed: OSError | None = None
         for old in retired:
             try:
                 os.fsync(old)
-            finally:
-                os.close(old)
+            except OSError as exc:
+                failed = exc
+                with self._append_lock:       # keep it for the next pass
+                    self._retired.append(old)
+                continue
+            os.close(old)
         if fd is not None:
             try:
                 os.fsync(fd)
+            except OSError:
+                self._dirty = True
+                raise
             finally:
                 os.close(fd)
+        if failed is not None:
+            raise failed
         for path in files:
             try:
                 fsync_file(path)

@@ -229,6 +229,7 @@ class Controller:
         self._worker_id = worker_id
         self._launcher = launcher
         self._lock = threading.Lock()
+        self._lanes = self._lanes_fit()
         self._slots = self._plan()
         self._session = MasterSession(config, worker_id, self.channel_infos)
 
@@ -239,21 +240,37 @@ class Controller:
         for image, count in engine_counts(self._config.engines, self._config.effective_cpus()):
             pipeline = pipeline_for_image(image, self._config.pipelines) if local else self._extra_pipeline(image)
             for _ in range(count):
-                port = self._free_port()
+                port = self._free_port(slots)
                 slots.append(EngineSlot(channel_id=f"{self._worker_id}/{len(slots)}", image=image,
-                                        pipeline=pipeline, port=port, lane_port=self._lane_port(port)))
+                                        pipeline=pipeline, port=port, lane_port=self._lane_port(slots, port)))
         return slots
 
-    def _free_port(self, other_than: int = 0) -> int:
+    def _free_port(self, slots: list[EngineSlot], *also: int) -> int:
+        """A free port no other engine of ours was given (they bind later)."""
+        taken = {p for slot in slots for p in (slot.port, slot.lane_port)} | set(also)
         for _ in range(100):
             port = free_port(self._config.engine_listen_host, self._config.engine_port_range())
-            if port != other_than:
+            if port not in taken:
                 return port
-        raise RuntimeError(f"no second free port for an engine in {self._config.engine_ports}")
+        raise RuntimeError(f"no free port for an engine in {self._config.engine_ports or 'the ephemeral range'} "
+                           f"that another engine of this worker does not have")
 
-    def _lane_port(self, port: int) -> int:
-        """A port for the engine's payload lane (0 = none: lanes off, or TLS, which the lane lacks)."""
-        return self._free_port(other_than=port) if self._config.lanes and not self._config.tls_cert else 0
+    def _lane_port(self, slots: list[EngineSlot], port: int) -> int:
+        """A port for the engine's payload lane (0 = none: lanes off, TLS, which the lane
+        lacks, or an engine_ports range without two ports per engine)."""
+        return self._free_port(slots, port) if self._lanes else 0
+
+    def _lanes_fit(self) -> bool:
+        """Lanes on unless turned off, TLS is on, or engine_ports cannot give each engine two ports."""
+        if not self._config.lanes or self._config.tls_cert:
+            return False
+        span = self._config.engine_port_range()
+        engines = sum(count for _, count in engine_counts(self._config.engines, self._config.effective_cpus()))
+        if span is not None and span[1] - span[0] + 1 < 2 * engines:
+            log.warning("engine_ports has fewer than two ports per engine; engines serve no payload lane",
+                        extra={"engine_ports": self._config.engine_ports, "engines": engines})
+            return False
+        return True
 
     def _extra_pipeline(self, image: str) -> str:
         for mapping in self._config.pipelines:
@@ -312,8 +329,9 @@ class Controller:
 
     def _start(self, slot: EngineSlot) -> None:
         if slot.failed_starts >= NEW_PORT_AFTER:
-            port = self._free_port()
-            lane_port = self._lane_port(port)
+            others = [other for other in self._slots if other is not slot]
+            port = self._free_port(others)
+            lane_port = self._lane_port(others, port)
             with self._lock:
                 slot.port, slot.lane_port, slot.failed_starts = port, lane_port, 0
             log.warning("engine keeps failing to start; moving it to a new port",

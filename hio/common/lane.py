@@ -14,18 +14,20 @@ Engines configured with TLS offer no lane; senders then use Deliver.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
 import struct
 import threading
+import time
 from typing import BinaryIO, Callable, Iterable, Iterator, Union
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from hio.common.errors import DataLoss, HioError, InvalidArgument
-from hio.common.frames import ChunkFrame, PackingFrames, TupleFrame, TupleMeta, TupleReceipt, idle_bounded
+from hio.common.errors import DataLoss, DeadlineExceeded, HioError, InvalidArgument
+from hio.common.frames import ChunkFrame, PackingFrames, TupleFrame, TupleMeta, TupleReceipt
 from hio.common.net import TokenTable, refuse_caller
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 
@@ -41,6 +43,7 @@ MAX_HELLO_BYTES = 64 * 1024
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 HELLO_SECONDS = 10.0        # a client must introduce itself within this
 DRAIN_SECONDS = 1.0         # after an error status, how long the server reads what the client still sends
+MAX_CONNECTIONS = 16        # an engine serves one call at a time; more connections are closed at once
 READ_BUFFER = 256 * 1024    # larger reads go straight into their destination
 SMALL_SEND = 64 * 1024      # a frame up to this is sent with its prefix in one send
 
@@ -50,12 +53,17 @@ Handler = Callable[[Iterator[Union[TupleFrame, ChunkFrame]]], Iterator[TupleRece
 
 
 class LaneError(grpc.RpcError):
-    """A lane call's failure, read like a failed gRPC call (``code()``, ``details()``)."""
+    """A lane call's failure, read like a failed gRPC call (``code()``, ``details()``).
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    ``transport``: the lane itself failed (refused, closed without a status,
+    garbage), not the engine's verdict; a sender may then use gRPC instead.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, transport: bool = False) -> None:
         super().__init__(f"{code.name}: {message}")
         self._code = code
         self._message = message
+        self.transport = transport
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -78,12 +86,49 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay; TCP keepalive as gRPC's (20 s, then 3 probes 10 s apart), so a peer
+    host that vanished ends the call instead of holding a channel or a batch."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 20), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _recv_before(conn: socket.socket, size: int, deadline: float) -> bytes:
+    """Exactly ``size`` bytes from the socket before ``deadline`` (monotonic), else fewer."""
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        conn.settimeout(left)
+        try:
+            n = conn.recv_into(view[got:])
+        except TimeoutError:
+            break
+        if not n:
+            break
+        got += n
+    return bytes(buf[:got])
+
+
 def _read_exact(reader: BinaryIO, size: int, what: str) -> bytes:
     """``size`` bytes (one object, read straight into it when large); DataLoss when the peer stops early."""
-    data = reader.read(size)
+    data = _read(reader, size)
     if len(data) != size:
         raise DataLoss(f"payload lane: connection ended inside {what} ({len(data)} of {size} bytes)")
     return data
+
+
+def _read(reader: BinaryIO, size: int) -> bytes:
+    """Up to ``size`` bytes; DeadlineExceeded when the socket's timeout passes without a byte."""
+    try:
+        return reader.read(size)
+    except TimeoutError:
+        raise DeadlineExceeded("no bytes within the idle bound (stream_idle_seconds): the sender stalled") from None
 
 
 # -- the engine's side ---------------------------------------------------------------
@@ -97,7 +142,7 @@ def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int
     passes a lone ``bytes`` chunk through).
     """
     while True:
-        prefix = reader.read(_FRAME_PREFIX.size)
+        prefix = _read(reader, _FRAME_PREFIX.size)
         if not prefix:
             return
         if len(prefix) != _FRAME_PREFIX.size:
@@ -116,6 +161,9 @@ def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int
             continue
         if frame.data or frame.packed:
             raise InvalidArgument("payload lane: a frame with lane data must carry neither data nor packed tuples in its head")
+        if frame.HasField("meta") and data_size > frame.meta.size:
+            raise DataLoss(f"payload lane: tuple {frame.meta.tuple_id or frame.meta.name}: frame of {data_size} "
+                           f"bytes, more than the {frame.meta.size} its metadata declares")
         yield ChunkFrame(frame, _read_exact(reader, data_size, "a frame's data"))  # type: ignore[arg-type]
 
 
@@ -124,6 +172,9 @@ class LaneServer:
 
     Callers are authenticated like gRPC callers (the hello carries the
     token; the same table and policy); statuses are the errors' gRPC codes.
+    The idle bound is the socket's timeout: it runs only while the engine
+    waits for bytes, and any byte restarts it (a large frame may take long
+    on a slow link without counting as a stall).
     """
 
     def __init__(self, listen: str, handler: Handler, *, table: TokenTable | None,
@@ -140,6 +191,7 @@ class LaneServer:
         self._conns: set[socket.socket] = set()
         self._sock: socket.socket | None = None
         self.port = 0
+        self.calls = 0       # calls that passed the hello (counted, for status and tests)
 
     def start(self) -> int:
         """Bind and accept in the background; returns the bound port."""
@@ -172,37 +224,56 @@ class LaneServer:
                 return
             try:
                 conn, _peer = sock.accept()
-            except OSError:
+            except OSError as exc:
                 if self._sock is None:
                     return
+                log.warning("payload lane cannot accept", extra={"error": str(exc)})
+                time.sleep(0.1)   # e.g. out of file descriptors: do not spin
                 continue
             with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="lane-conn", daemon=True).start()
+                crowded = len(self._conns) >= MAX_CONNECTIONS
+                if not crowded:
+                    self._conns.add(conn)
+            if crowded:
+                _refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, f"payload lane: {MAX_CONNECTIONS} connections open")
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="lane-conn", daemon=True).start()
+            except RuntimeError as exc:  # cannot start a thread: refuse this one, keep accepting
+                with self._lock:
+                    self._conns.discard(conn)
+                _refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, f"payload lane: {exc}")
 
     def _serve(self, conn: socket.socket) -> None:
-        reader = conn.makefile("rb", buffering=READ_BUFFER)
+        readers: list[BinaryIO] = []
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            status = self._run(conn, reader)
+            tune(conn)
+            status = self._run(conn, readers)
             if status is not None:
+                conn.settimeout(DRAIN_SECONDS)
                 _send_reply(conn, STATUS, status.SerializeToString())
                 if status.code:
-                    _drain(conn, reader)
+                    _drain(conn)
         except OSError as exc:  # the client went away: nothing to tell it
             log.debug("payload lane connection lost", extra={"error": str(exc)})
         finally:
             with self._lock:
                 self._conns.discard(conn)
-            reader.close()
+            _shutdown(conn)          # ends a read still blocked on another thread before closing
+            for reader in readers:
+                reader.close()
             conn.close()
 
-    def _run(self, conn: socket.socket, reader: BinaryIO) -> LaneStatus | None:
+    def _run(self, conn: socket.socket, readers: list[BinaryIO]) -> LaneStatus | None:
         """Serve one call; its final status (None when the connection is lost)."""
         try:
-            self._hello(conn, reader)
+            self._hello(conn)
+            with self._lock:
+                self.calls += 1
+            reader = conn.makefile("rb", buffering=READ_BUFFER)
+            readers.append(reader)
             frames = read_frames(reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data)
-            receipts = self._handler(idle_bounded(frames, self._idle, lambda: _shutdown(conn, socket.SHUT_RD)))
+            receipts = self._handler(frames)
             try:
                 for message in receipts:
                     _send_reply(conn, RECEIPT, message.SerializeToString())
@@ -217,23 +288,27 @@ class LaneServer:
             return LaneStatus(code=grpc.StatusCode.INTERNAL.value[0], message=f"engine error: {exc}")
         return LaneStatus(code=0)
 
-    def _hello(self, conn: socket.socket, reader: BinaryIO) -> None:
-        conn.settimeout(HELLO_SECONDS)
-        try:
-            magic = reader.read(len(MAGIC) + _HELLO_PREFIX.size)
-        except TimeoutError:
-            raise InvalidArgument(f"payload lane: no hello within {HELLO_SECONDS:g} s") from None
-        if len(magic) != len(MAGIC) + _HELLO_PREFIX.size or not magic.startswith(MAGIC):
+    def _hello(self, conn: socket.socket) -> None:
+        """Read and check the hello, all of it within :data:`HELLO_SECONDS` (a client
+        trickling bytes cannot hold a connection longer)."""
+        deadline = time.monotonic() + HELLO_SECONDS
+        magic = _recv_before(conn, len(MAGIC) + _HELLO_PREFIX.size, deadline)
+        if magic and not MAGIC.startswith(magic[:len(MAGIC)]):
             raise InvalidArgument("payload lane: not a lane client (expected the HIOLANE1 hello; "
                                   "gRPC clients use the engine's gRPC address)")
+        if len(magic) != len(MAGIC) + _HELLO_PREFIX.size:
+            raise InvalidArgument(f"payload lane: no whole hello within {HELLO_SECONDS:g} s")
         (size,) = _HELLO_PREFIX.unpack(magic[len(MAGIC):])
         if size > MAX_HELLO_BYTES:
             raise InvalidArgument(f"payload lane: hello of {size} bytes is over {MAX_HELLO_BYTES}")
+        body = _recv_before(conn, size, deadline)
+        if len(body) != size:
+            raise InvalidArgument(f"payload lane: no whole hello within {HELLO_SECONDS:g} s")
         try:
-            hello = LaneHello.FromString(_read_exact(reader, size, "the hello"))
+            hello = LaneHello.FromString(body)
         except DecodeError as exc:
             raise InvalidArgument(f"payload lane: unreadable hello: {exc}") from None
-        conn.settimeout(None)  # from here the idle bound and the client's deadline govern
+        conn.settimeout(self._idle if self._idle > 0 else None)  # from here: the idle bound
         if hello.method != METHOD:
             raise InvalidArgument(f"payload lane: serves {METHOD} only, not {hello.method!r}")
         if self._table is not None:
@@ -252,16 +327,31 @@ def _send_reply(conn: socket.socket, kind: int, body: bytes) -> None:
     conn.sendall(_REPLY_PREFIX.pack(kind, len(body)) + body)
 
 
-def _drain(conn: socket.socket, reader: BinaryIO) -> None:
-    """Read what the client still sends for a moment, so closing does not reset the
-    connection before it has read the status."""
+def _drain(conn: socket.socket) -> None:
+    """Read (from the socket itself) what the client still sends, for at most
+    :data:`DRAIN_SECONDS`, so closing does not reset the connection before the client
+    has read the status."""
     _shutdown(conn, socket.SHUT_WR)
-    conn.settimeout(DRAIN_SECONDS)
+    deadline = time.monotonic() + DRAIN_SECONDS
+    sink = bytearray(READ_BUFFER)
     try:
-        while reader.read1(READ_BUFFER):  # type: ignore[attr-defined]
-            pass
+        while (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            if not conn.recv_into(sink):
+                return
     except OSError:
         pass
+
+
+def _refuse(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
+    """Best effort: a status for a connection we will not serve, then close it."""
+    body = LaneStatus(code=code.value[0], message=message).SerializeToString()
+    try:
+        conn.setblocking(False)
+        conn.send(_REPLY_PREFIX.pack(STATUS, len(body)) + body)
+    except OSError:
+        pass
+    conn.close()
 
 
 def _shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
@@ -299,7 +389,7 @@ def open_lane(address: str, token: str, *, connect_seconds: float) -> socket.soc
     host, port = split_address(address)
     sock = socket.create_connection((host, port), timeout=connect_seconds)
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(sock)
         sock.settimeout(None)
         hello = LaneHello(method=METHOD, token=token).SerializeToString()
         sock.sendall(MAGIC + _HELLO_PREFIX.pack(len(hello)) + hello)
@@ -312,7 +402,8 @@ def open_lane(address: str, token: str, *, connect_seconds: float) -> socket.soc
 class LaneCall:
     """One Deliver over a lane socket, used like a gRPC streaming call: iterate the
     receipt messages; :meth:`cancel` ends it; a failure raises :class:`LaneError`
-    with the engine's status (or UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED)."""
+    with the engine's status, or UNAVAILABLE (``transport``) when the lane broke,
+    DEADLINE_EXCEEDED, CANCELLED, or the reason the gateway could not send."""
 
     def __init__(self, sock: socket.socket, frames: Iterable[LaneFrame], *, timeout: float | None) -> None:
         self._sock = sock
@@ -320,6 +411,7 @@ class LaneCall:
         self._lock = threading.Lock()
         self._ended: LaneError | None = None     # why the call ended early (cancel, deadline, sender)
         self._finished = False
+        self._close_by_sender = False            # the sender outlived the call: it closes the socket
         self._timer = threading.Timer(timeout, self._expire) if timeout else None
         if self._timer is not None:
             self._timer.daemon = True
@@ -334,39 +426,52 @@ class LaneCall:
         reader = self._sock.makefile("rb", buffering=64 * 1024)
         try:
             while True:
+                kind, body = self._reply(reader)
                 try:
-                    prefix = reader.read(_REPLY_PREFIX.size)
-                except OSError as exc:
-                    raise self._failure(f"lane connection failed: {exc}") from None
-                if len(prefix) != _REPLY_PREFIX.size:
-                    raise self._failure("lane connection closed without a status")
-                kind, size = _REPLY_PREFIX.unpack(prefix)
-                if size > MAX_REPLY_BYTES or kind not in (RECEIPT, STATUS):
-                    raise LaneError(grpc.StatusCode.INTERNAL, f"engine sent an unreadable reply (kind {kind}, {size} bytes)")
-                try:
-                    body = _read_exact(reader, size, "a reply")
-                except (DataLoss, OSError) as exc:
-                    raise self._failure(f"lane connection failed: {exc}") from None
+                    message = TupleReceipt.FromString(body) if kind == RECEIPT else LaneStatus.FromString(body)
+                except DecodeError as exc:
+                    raise LaneError(grpc.StatusCode.INTERNAL, f"engine lane sent an unreadable reply: {exc}",
+                                    transport=True) from None
                 if kind == RECEIPT:
-                    yield TupleReceipt.FromString(body)
+                    yield message
                     continue
-                status = LaneStatus.FromString(body)
-                if status.code:
-                    raise LaneError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message)
+                if message.code:
+                    raise LaneError(_CODES.get(message.code, grpc.StatusCode.UNKNOWN), message.message)
                 return
         finally:
             reader.close()
             self._finish()
 
+    def _reply(self, reader: BinaryIO) -> tuple[int, bytes]:
+        try:
+            prefix = reader.read(_REPLY_PREFIX.size)
+            if len(prefix) != _REPLY_PREFIX.size:
+                raise self._failure("lane connection closed without a status")
+            kind, size = _REPLY_PREFIX.unpack(prefix)
+            if size > MAX_REPLY_BYTES or kind not in (RECEIPT, STATUS):
+                raise LaneError(grpc.StatusCode.INTERNAL, f"engine lane sent an unreadable reply "
+                                f"(kind {kind}, {size} bytes)", transport=True)
+            return kind, _read_exact(reader, size, "a reply")
+        except (DataLoss, OSError) as exc:
+            raise self._failure(f"lane connection failed: {exc}") from None
+
     def _failure(self, message: str) -> LaneError:
         with self._lock:
             ended = self._ended
-        return ended or LaneError(grpc.StatusCode.UNAVAILABLE, message)
+        return ended or LaneError(grpc.StatusCode.UNAVAILABLE, message, transport=True)
 
     def _send(self) -> None:
+        """Send every frame, then end the input. A payload that cannot be read ends the
+        call with the reason; a socket error leaves the verdict to the reader (the
+        engine's status, or the broken lane)."""
         sock = self._sock
+        frames = iter(self._frames)
         try:
-            for head, payload, size in self._frames:
+            while True:
+                try:
+                    head, payload, size = next(frames)   # opens and reads spooled payloads
+                except StopIteration:
+                    break
                 prefix = _FRAME_PREFIX.pack(len(head), size)
                 if not size:
                     sock.sendall(prefix + head)
@@ -381,13 +486,21 @@ class LaneCall:
                     _send_file(sock, payload, size)
             _shutdown(sock, socket.SHUT_WR)
         except OSError as exc:
-            with self._lock:
-                ended = self._ended is not None or self._finished
-            if not ended:  # the engine ended the call (its status says why) or the link broke
+            if exc.errno in _SOCKET_GONE:
                 log.debug("lane send stopped", extra={"error": str(exc)})
+                _shutdown(sock, socket.SHUT_WR)
+            else:
+                log.warning("gateway cannot read a spooled payload", extra={"error": str(exc)})
+                self._end(LaneError(grpc.StatusCode.UNKNOWN, f"gateway could not send: {exc}"))
         except Exception as exc:  # noqa: BLE001 - a payload that cannot be read ends the call
+            log.warning("gateway cannot send a tuple", extra={"error": str(exc)})
             code = exc.code if isinstance(exc, HioError) else grpc.StatusCode.UNKNOWN
             self._end(LaneError(code, f"gateway could not send: {exc}"))
+        finally:
+            with self._lock:
+                close = self._close_by_sender
+            if close:
+                sock.close()
 
     def _expire(self) -> None:
         self._end(LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
@@ -397,16 +510,28 @@ class LaneCall:
             if self._ended is not None or self._finished:
                 return
             self._ended = error
-        _shutdown(self._sock)
+            _shutdown(self._sock)
 
     def _finish(self) -> None:
+        """The call is over: stop the sender (the socket is shut), close the socket once
+        the sender no longer uses it."""
         with self._lock:
             self._finished = True
+            _shutdown(self._sock)
         if self._timer is not None:
             self._timer.cancel()
-        _shutdown(self._sock)   # stops a sender still sending after the engine's final status
-        self._sender.join(5.0)
+        self._sender.join(SENDER_JOIN_SECONDS)
+        with self._lock:
+            if self._sender.is_alive():   # stuck reading a payload: it closes the socket when done
+                self._close_by_sender = True
+                log.warning("lane sender still busy after its call ended")
+                return
         self._sock.close()
+
+
+_SOCKET_GONE = {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN, errno.ECONNABORTED,
+                errno.ETIMEDOUT, errno.EBADF}
+SENDER_JOIN_SECONDS = 30.0
 
 
 def _send_file(sock: socket.socket, fh: BinaryIO, size: int) -> None:

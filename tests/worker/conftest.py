@@ -127,6 +127,8 @@ class RunningEngine:
         stopper = threading.Thread(target=self.engine.stop, args=(1.0,))
         stopper.start()
         stopper.join(5)
+        if self.engine.lane is not None:
+            self.engine.lane.stop()
         self.server.stop(0).wait(5)
 
 

@@ -136,6 +136,8 @@ def test_worker_registers_its_channels(cluster: Cluster) -> None:
     channels = wait_for(lambda: _all_free(cluster), timeout=60, what="two FREE channels")
     assert set(channels) == {f"{WORKER_ID}/0", f"{WORKER_ID}/1"}
     assert all(c.image == TEST_IMAGE and c.address.startswith("127.0.0.1:") for c in channels.values())
+    # each engine also serves a payload lane, on a port of its own
+    assert all(c.lane_address.startswith("127.0.0.1:") and c.lane_address != c.address for c in channels.values())
 
 
 def test_gateway_like_client_gets_stored(cluster: Cluster) -> None:
