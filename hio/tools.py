@@ -55,8 +55,9 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
         for c in w.channels:
             detail = f"  {c.detail}" if c.detail else ""
             state = "busy" if c.state == master_pb2.FREE and c.processing else _STATE.get(c.state, "?")
+            lane = f"  lane {c.lane_address}" if c.lane_address else ""
             lines.append(f"    {c.channel_id:<24} {c.image:<18} {state:<7}"
-                         f" {c.address:<22} done {c.tuples_done:,}{detail}")
+                         f" {c.address:<22} done {c.tuples_done:,}{lane}{detail}")
     if s.queues:
         lines.append(f"queues (limit {_mb(s.queue_bytes_limit)})")
         for q in s.queues:
