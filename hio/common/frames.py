@@ -274,12 +274,11 @@ class PackingFrames:
         return message
 
 
-def tuple_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes: int,
-                 pack_bytes: int, *, encode: bool = False) -> Iterator[WireFrame]:
-    """The frames of several tuples in order, each given by its metadata and its payload:
-    bytes, or an open file positioned at it (closed here). Small ones travel packed
-    (:class:`PackingFrames`); ``tuples`` is consumed lazily, one file open at a time.
-    ``encode`` as for :func:`frames_for_bytes`."""
+def pack_small(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes: int,
+               pack_bytes: int) -> Iterator[TupleFrame | tuple[TupleMeta, bytes | BinaryIO]]:
+    """The tuples in order: small ones gathered into packed messages (``TupleFrame``,
+    :class:`PackingFrames`; a small spooled file is read and closed here), every
+    other one as given, ``(meta, payload)``. Shared by the gRPC and the lane framing."""
     packing = PackingFrames(pack_bytes, chunk_bytes)
     for meta, payload in tuples:
         if packing.packable(meta.size):
@@ -291,13 +290,27 @@ def tuple_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_byt
             continue
         if (message := packing.flush()) is not None:
             yield message
+        yield meta, payload
+    if (message := packing.flush()) is not None:
+        yield message
+
+
+def tuple_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes: int,
+                 pack_bytes: int, *, encode: bool = False) -> Iterator[WireFrame]:
+    """The frames of several tuples in order, each given by its metadata and its payload:
+    bytes, or an open file positioned at it (closed here). Small ones travel packed
+    (:func:`pack_small`); ``tuples`` is consumed lazily, one file open at a time.
+    ``encode`` as for :func:`frames_for_bytes`."""
+    for item in pack_small(tuples, chunk_bytes, pack_bytes):
+        if isinstance(item, TupleFrame):
+            yield item
+            continue
+        meta, payload = item
         if isinstance(payload, bytes):
             yield from frames_for_bytes(meta, payload, chunk_bytes, encode=encode)
         else:
             with payload:
                 yield from frames_for_stream(meta, payload, chunk_bytes, encode=encode)
-    if (message := packing.flush()) is not None:
-        yield message
 
 
 def unpacked_receipts(receipt: TupleReceipt) -> list[TupleReceipt]:

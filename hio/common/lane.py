@@ -27,7 +27,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hio.common.errors import DataLoss, DeadlineExceeded, HioError, InvalidArgument
-from hio.common.frames import ChunkFrame, PackingFrames, TupleFrame, TupleMeta, TupleReceipt
+from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
 from hio.common.net import TokenTable, refuse_caller
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 
@@ -368,20 +368,12 @@ def lane_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_byte
     """The lane frames of several tuples in order (as :func:`frames.tuple_frames` for gRPC):
     small ones packed in a head, each other tuple one frame whose payload is its
     bytes or its open spool file (sent with ``sendfile``, then closed)."""
-    packing = PackingFrames(pack_bytes, chunk_bytes)
-    for meta, payload in tuples:
-        if packing.packable(meta.size):
-            if not isinstance(payload, bytes):
-                with payload:
-                    payload = payload.read(meta.size)
-            if (message := packing.add(TupleFrame(meta=meta, data=payload, last=True))) is not None:
-                yield message.SerializeToString(), b"", 0
-            continue
-        if (message := packing.flush()) is not None:
-            yield message.SerializeToString(), b"", 0
-        yield TupleFrame(meta=meta, last=True).SerializeToString(), payload, meta.size
-    if (message := packing.flush()) is not None:
-        yield message.SerializeToString(), b"", 0
+    for item in pack_small(tuples, chunk_bytes, pack_bytes):
+        if isinstance(item, TupleFrame):
+            yield item.SerializeToString(), b"", 0
+        else:
+            meta, payload = item
+            yield TupleFrame(meta=meta, last=True).SerializeToString(), payload, meta.size
 
 
 def open_lane(address: str, token: str, *, connect_seconds: float) -> socket.socket:
