@@ -265,10 +265,15 @@ class Dispatcher:
         skipped: set[int] = set()
         timeout = self._config.stream_timeout_seconds
         lane_socket = self._open_lane(lane) if direct and lane else None
+        abandoned = threading.Event()   # set once this stream is settled: a late lane sender stops
         if lane_socket is not None:
-            payloads = self._payloads(batch, sent, skipped)
-            call = LaneCall(lane_socket, lane_frames(payloads, self._config.chunk_bytes, self._config.pack_bytes),
-                            timeout=timeout)
+            payloads = self._payloads(batch, sent, skipped, abandoned)
+            try:
+                call = LaneCall(lane_socket, lane_frames(payloads, self._config.chunk_bytes,
+                                                         self._config.pack_bytes), timeout=timeout)
+            except BaseException:
+                lane_socket.close()
+                raise
         elif direct:
             call = send_frames(self._channel(address), "Engine", "Deliver")(self._frames(batch, sent, skipped),
                                                                             timeout=timeout)
@@ -286,6 +291,7 @@ class Dispatcher:
                 if done:
                     self._complete_many(done, direct=direct)
         except grpc.RpcError as exc:
+            abandoned.set()
             left = _unsettled(batch, sent, settled, skipped)
             if lane_socket is not None and getattr(exc, "transport", False) and not settled:
                 # The lane broke before the engine answered anything (closed, garbage): not the
@@ -298,6 +304,7 @@ class Dispatcher:
             self._stream_failed(left, exc, address, direct=direct)
             return
         finally:
+            abandoned.set()
             with self._cond:
                 self._calls.discard(call)
         if not direct:
@@ -344,11 +351,14 @@ class Dispatcher:
         return tuple_frames(self._payloads(batch, sent, skipped), self._config.chunk_bytes, self._config.pack_bytes,
                             encode=True)
 
-    def _payloads(self, batch: list[_Pending], sent: list[_Pending],
-                  skipped: set[int]) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
+    def _payloads(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int],
+                  abandoned: threading.Event | None = None) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
         """Each tuple's metadata and payload (kept in memory, else its spooled file), in order;
-        a tuple whose spooled payload is gone is rejected and skipped."""
+        a tuple whose spooled payload is gone is rejected and skipped. Stops once ``abandoned``
+        is set (its stream was settled without it: the tuples left are retried elsewhere)."""
         for pending in batch:
+            if abandoned is not None and abandoned.is_set():
+                return
             entry = pending.entry
             try:
                 payload = entry.payload if entry.payload is not None else self._open_payload(entry)

@@ -230,6 +230,7 @@ class Spool:
         self._dirty = False                    # appended since the last fsync ('batch')
         self._dirty_files: list[Path] = []     # payload files not yet fsynced ('batch')
         self._retired: list[int] = []          # fds of rolled segments to fsync and close ('batch')
+        self._closing = False
         self._flusher: threading.Thread | None = None
         self._lock_fh = self._lock()
         self._load()
@@ -262,65 +263,79 @@ class Spool:
 
     def _flush_loop(self) -> None:
         """'batch': fsync what was appended, about every 100 ms, off the submit path."""
-        while self._lock_fh is not None:
+        while self._lock_fh is not None and not self._closing:
             time.sleep(BATCH_FSYNC_SECONDS)
+            if self._closing:
+                return
             try:
                 self.flush()
             except OSError as exc:  # keep flushing; the next pass retries
                 log.error("spool fsync failed", extra={"error": str(exc)})
 
     def flush(self) -> None:
-        """Make every record appended so far durable (segment, payload files, the folder)."""
+        """Make every record appended so far durable (segment, payload files, the folder).
+
+        Every step is tried; the first error is raised after them (the flush loop logs
+        it), and the active segment and the files not synced are tried again next time.
+        A rolled segment whose fsync failed is not retried: after an error Linux may
+        report the next fsync as a success with the data lost, so the error is the signal.
+        """
         with self._append_lock:
             dirty, self._dirty = self._dirty, False
             files, self._dirty_files = self._dirty_files, []
             retired, self._retired = self._retired, []
             active = self._active.fd if self._active is not None else None
             fd = os.dup(active) if dirty and active is not None else None  # fsync outside the lock
-        failed: OSError | None = None
-        for old in retired:
+        errors: list[OSError] = []
+        for old in [*retired, *([fd] if fd is not None else [])]:
             try:
                 os.fsync(old)
             except OSError as exc:
-                failed = exc
-                with self._append_lock:       # keep it for the next pass
-                    self._retired.append(old)
-                continue
-            os.close(old)
-        if fd is not None:
-            try:
-                os.fsync(fd)
-            except OSError:
-                self._dirty = True
-                raise
+                errors.append(exc)
             finally:
-                os.close(fd)
-        if failed is not None:
-            raise failed
+                os.close(old)
+        unsynced: list[Path] = []
         for path in files:
             try:
                 fsync_file(path)
             except FileNotFoundError:  # delivered and removed meanwhile
                 continue
-        if files or dirty:
-            fsync_dir(self.root)
+            except OSError as exc:
+                errors.append(exc)
+                unsynced.append(path)
+        if files or dirty or retired:
+            try:
+                fsync_dir(self.root)
+            except OSError as exc:
+                errors.append(exc)
+        if errors:
+            with self._append_lock:
+                self._dirty = self._dirty or dirty
+                self._dirty_files.extend(unsynced)
+            raise errors[0]
 
     def close(self) -> None:
         """Release the folder lock. Entries stay on disk for the next start."""
         if self._lock_fh is None:
             return
-        if self.fsync != "never":
-            self.flush()
-        with self._append_lock:
-            for old in self._retired:
-                os.close(old)
-            self._retired = []
-            if self._active is not None and self._active.fd is not None:
-                os.close(self._active.fd)
-                self._active.fd = None
-        fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
-        self._lock_fh.close()
-        self._lock_fh = None
+        self._closing = True
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            flusher.join(BATCH_FSYNC_SECONDS * 10)
+        try:
+            if self.fsync != "never":
+                self.flush()
+        finally:
+            with self._append_lock:
+                for old in self._retired:
+                    os.close(old)
+                self._retired = []
+                if self._active is not None and self._active.fd is not None:
+                    os.close(self._active.fd)
+                    self._active.fd = None
+            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
+            self._lock_fh.close()
+            self._lock_fh = None
 
     # -- loading ------------------------------------------------------------------
 
@@ -671,6 +686,9 @@ class Spool:
                 carry = [self._entries[s] for s in sorted(oldest.live)]
             for entry in carry:
                 self._carry_forward(entry)
+            if carry and self.fsync == "batch":  # the copies are durable before their old segment goes
+                for fd in [*self._retired, *([self._active.fd] if self._active and self._active.fd is not None else [])]:
+                    os.fsync(fd)
             with self._cond:
                 if oldest.live:  # an entry could not be carried (read error): keep the segment
                     return retired

@@ -42,16 +42,15 @@ HEALTH_TIMEOUT = 0.5
 MASTER_CALL_TIMEOUT = 5.0
 
 
-def free_port(host: str, port_range: tuple[int, int] | None = None) -> int:
-    """A TCP port free on ``host`` right now (the engine binds it moments later).
+def free_port(host: str, port_range: tuple[int, int] | None = None, exclude: frozenset[int] = frozenset()) -> int:
+    """A TCP port free on ``host`` right now (the engine binds it moments later), not in ``exclude``.
 
     With ``port_range`` the port comes from that range (tried in random order),
     so firewalls between gateways and workers can stay narrow.
     """
-    candidates = [0]
-    if port_range is not None:
-        candidates = list(range(port_range[0], port_range[1] + 1))
-        random.shuffle(candidates)
+    candidates = [0] * 100 if port_range is None else [
+        port for port in range(port_range[0], port_range[1] + 1) if port not in exclude]
+    random.shuffle(candidates)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for candidate in candidates:
         with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -59,7 +58,11 @@ def free_port(host: str, port_range: tuple[int, int] | None = None) -> int:
                 sock.bind((host, candidate))
             except OSError:
                 continue
-            return int(sock.getsockname()[1])
+            port = int(sock.getsockname()[1])
+            if port not in exclude:
+                return port
+    if port_range is None:
+        raise RuntimeError(f"no free port for an engine on {host}")
     raise RuntimeError(f"no free port for an engine in {port_range[0]}-{port_range[1]} on {host}")  # type: ignore[index]
 
 
@@ -247,18 +250,13 @@ class Controller:
 
     def _free_port(self, slots: list[EngineSlot], *also: int) -> int:
         """A free port no other engine of ours was given (they bind later)."""
-        taken = {p for slot in slots for p in (slot.port, slot.lane_port)} | set(also)
-        for _ in range(100):
-            port = free_port(self._config.engine_listen_host, self._config.engine_port_range())
-            if port not in taken:
-                return port
-        raise RuntimeError(f"no free port for an engine in {self._config.engine_ports or 'the ephemeral range'} "
-                           f"that another engine of this worker does not have")
+        taken = frozenset({p for slot in slots for p in (slot.port, slot.lane_port)} | set(also))
+        return free_port(self._config.engine_listen_host, self._config.engine_port_range(), exclude=taken)
 
-    def _lane_port(self, slots: list[EngineSlot], port: int) -> int:
+    def _lane_port(self, slots: list[EngineSlot], port: int, *also: int) -> int:
         """A port for the engine's payload lane (0 = none: lanes off, TLS, which the lane
         lacks, or an engine_ports range without two ports per engine)."""
-        return self._free_port(slots, port) if self._lanes else 0
+        return self._free_port(slots, port, *also) if self._lanes else 0
 
     def _lanes_fit(self) -> bool:
         """Lanes on unless turned off, TLS is on, or engine_ports cannot give each engine two ports."""
@@ -330,8 +328,11 @@ class Controller:
     def _start(self, slot: EngineSlot) -> None:
         if slot.failed_starts >= NEW_PORT_AFTER:
             others = [other for other in self._slots if other is not slot]
-            port = self._free_port(others)
-            lane_port = self._lane_port(others, port)
+            try:   # not the ports that kept failing either
+                port = self._free_port(others, slot.port, slot.lane_port)
+                lane_port = self._lane_port(others, port, slot.port, slot.lane_port)
+            except RuntimeError:   # a range with no other free port: keep trying the ones it has
+                port, lane_port = slot.port, slot.lane_port
             with self._lock:
                 slot.port, slot.lane_port, slot.failed_starts = port, lane_port, 0
             log.warning("engine keeps failing to start; moving it to a new port",

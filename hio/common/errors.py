@@ -76,6 +76,11 @@ class DeadlineExceeded(HioError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Cancelled(HioError):
+    """The caller went away (or gave up) before ending its request."""
+    code = grpc.StatusCode.CANCELLED
+
+
 RETRY_AFTER_KEY = "hio-retry-after"
 
 

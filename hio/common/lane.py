@@ -14,7 +14,6 @@ Engines configured with TLS offer no lane; senders then use Deliver.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import socket
@@ -26,7 +25,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Union
 import grpc
 from google.protobuf.message import DecodeError
 
-from hio.common.errors import DataLoss, DeadlineExceeded, HioError, InvalidArgument
+from hio.common.errors import Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
 from hio.common.net import TokenTable, refuse_caller
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
@@ -36,6 +35,7 @@ log = logging.getLogger("hio.lane")
 MAGIC = b"HIOLANE1"
 METHOD = "Deliver"
 _FRAME_PREFIX = struct.Struct(">IQ")   # head bytes, data bytes
+END_OF_INPUT = _FRAME_PREFIX.pack(0, 0)  # no frame is empty: this prefix ends the input
 _REPLY_PREFIX = struct.Struct(">BI")   # kind, body bytes
 _HELLO_PREFIX = struct.Struct(">I")
 RECEIPT, STATUS = 1, 2
@@ -135,7 +135,8 @@ def _read(reader: BinaryIO, size: int) -> bytes:
 
 def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int
                 ) -> Iterator[Union[TupleFrame, ChunkFrame]]:
-    """The frames a client sends, until it ends its input at a frame boundary.
+    """The frames a client sends, until it ends its input (:data:`END_OF_INPUT`); a
+    connection that ends without it is a cancelled call.
 
     A frame's payload is read into one ``bytes`` of its own, so a tuple sent
     as one frame reaches the pipeline without a copy (:class:`FrameReader`
@@ -143,10 +144,12 @@ def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int
     """
     while True:
         prefix = _read(reader, _FRAME_PREFIX.size)
-        if not prefix:
-            return
+        if not prefix:   # gone without ending its input: cancelled, as a gRPC call would be
+            raise Cancelled("payload lane: the sender went away before ending its input")
         if len(prefix) != _FRAME_PREFIX.size:
             raise DataLoss("payload lane: connection ended inside a frame prefix")
+        if prefix == END_OF_INPUT:
+            return
         head_size, data_size = _FRAME_PREFIX.unpack(prefix)
         if head_size > max_head_bytes:
             raise InvalidArgument(f"payload lane: frame head of {head_size} bytes is over the limit of {max_head_bytes}")
@@ -234,15 +237,15 @@ class LaneServer:
                 crowded = len(self._conns) >= MAX_CONNECTIONS
                 if not crowded:
                     self._conns.add(conn)
-            if crowded:
-                _refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, f"payload lane: {MAX_CONNECTIONS} connections open")
+            if crowded:  # closed without a word: the gateway sends over gRPC and leaves the lane a while
+                conn.close()
                 continue
             try:
                 threading.Thread(target=self._serve, args=(conn,), name="lane-conn", daemon=True).start()
-            except RuntimeError as exc:  # cannot start a thread: refuse this one, keep accepting
+            except RuntimeError:  # cannot start a thread: close this one (as when crowded), keep accepting
                 with self._lock:
                     self._conns.discard(conn)
-                _refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, f"payload lane: {exc}")
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         readers: list[BinaryIO] = []
@@ -343,17 +346,6 @@ def _drain(conn: socket.socket) -> None:
         pass
 
 
-def _refuse(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
-    """Best effort: a status for a connection we will not serve, then close it."""
-    body = LaneStatus(code=code.value[0], message=message).SerializeToString()
-    try:
-        conn.setblocking(False)
-        conn.send(_REPLY_PREFIX.pack(STATUS, len(body)) + body)
-    except OSError:
-        pass
-    conn.close()
-
-
 def _shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
     try:
         sock.shutdown(how)
@@ -404,6 +396,7 @@ class LaneCall:
         self._ended: LaneError | None = None     # why the call ended early (cancel, deadline, sender)
         self._finished = False
         self._close_by_sender = False            # the sender outlived the call: it closes the socket
+        self._sender_done = False
         self._timer = threading.Timer(timeout, self._expire) if timeout else None
         if self._timer is not None:
             self._timer.daemon = True
@@ -444,7 +437,7 @@ class LaneCall:
                 raise LaneError(grpc.StatusCode.INTERNAL, f"engine lane sent an unreadable reply "
                                 f"(kind {kind}, {size} bytes)", transport=True)
             return kind, _read_exact(reader, size, "a reply")
-        except (DataLoss, OSError) as exc:
+        except (HioError, OSError) as exc:   # cut off, reset, timed out (keepalive)
             raise self._failure(f"lane connection failed: {exc}") from None
 
     def _failure(self, message: str) -> LaneError:
@@ -454,8 +447,8 @@ class LaneCall:
 
     def _send(self) -> None:
         """Send every frame, then end the input. A payload that cannot be read ends the
-        call with the reason; a socket error leaves the verdict to the reader (the
-        engine's status, or the broken lane)."""
+        call with the reason; a socket that fails leaves the verdict to the reader (the
+        engine's status, or a broken lane)."""
         sock = self._sock
         frames = iter(self._frames)
         try:
@@ -464,35 +457,49 @@ class LaneCall:
                     head, payload, size = next(frames)   # opens and reads spooled payloads
                 except StopIteration:
                     break
-                prefix = _FRAME_PREFIX.pack(len(head), size)
-                if not size:
-                    sock.sendall(prefix + head)
-                elif isinstance(payload, (bytes, memoryview)):
-                    if size <= SMALL_SEND:
-                        sock.sendall(b"".join((prefix, head, payload)))
-                    else:
-                        sock.sendall(prefix + head)
-                        sock.sendall(payload)
-                else:
-                    sock.sendall(prefix + head)
-                    _send_file(sock, payload, size)
+                except Exception as exc:  # noqa: BLE001 - the payload's fault, not the lane's
+                    self._payload_failed(exc)
+                    return
+                if not self._send_frame(sock, head, payload, size):
+                    return
+            sock.sendall(END_OF_INPUT)
             _shutdown(sock, socket.SHUT_WR)
         except OSError as exc:
-            if exc.errno in _SOCKET_GONE:
-                log.debug("lane send stopped", extra={"error": str(exc)})
-                _shutdown(sock, socket.SHUT_WR)
-            else:
-                log.warning("gateway cannot read a spooled payload", extra={"error": str(exc)})
-                self._end(LaneError(grpc.StatusCode.UNKNOWN, f"gateway could not send: {exc}"))
-        except Exception as exc:  # noqa: BLE001 - a payload that cannot be read ends the call
-            log.warning("gateway cannot send a tuple", extra={"error": str(exc)})
-            code = exc.code if isinstance(exc, HioError) else grpc.StatusCode.UNKNOWN
-            self._end(LaneError(code, f"gateway could not send: {exc}"))
+            log.debug("lane send stopped", extra={"error": str(exc)})
+            _shutdown(sock, socket.SHUT_WR)
         finally:
             with self._lock:
+                self._sender_done = True
                 close = self._close_by_sender
             if close:
                 sock.close()
+
+    def _send_frame(self, sock: socket.socket, head: bytes, payload: Payload, size: int) -> bool:
+        """One frame; False when its payload could not be read (the call is ended).
+        Socket errors propagate."""
+        prefix = _FRAME_PREFIX.pack(len(head), size)
+        if not size:
+            sock.sendall(prefix + head)
+        elif isinstance(payload, (bytes, memoryview)):
+            if size <= SMALL_SEND:
+                sock.sendall(b"".join((prefix, head, payload)))
+            else:
+                sock.sendall(prefix + head)
+                sock.sendall(payload)
+        else:
+            with payload:
+                sock.sendall(prefix + head)
+                try:
+                    _send_file(sock, payload, size)
+                except DataLoss as exc:
+                    self._payload_failed(exc)
+                    return False
+        return True
+
+    def _payload_failed(self, exc: BaseException) -> None:
+        log.warning("gateway cannot read a tuple to send", extra={"error": str(exc)})
+        code = exc.code if isinstance(exc, HioError) else grpc.StatusCode.UNKNOWN
+        self._end(LaneError(code, f"gateway could not send: {exc}"))
 
     def _expire(self) -> None:
         self._end(LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
@@ -514,25 +521,24 @@ class LaneCall:
             self._timer.cancel()
         self._sender.join(SENDER_JOIN_SECONDS)
         with self._lock:
-            if self._sender.is_alive():   # stuck reading a payload: it closes the socket when done
+            if not self._sender_done:   # stuck reading a payload: it closes the socket when done
                 self._close_by_sender = True
                 log.warning("lane sender still busy after its call ended")
                 return
         self._sock.close()
 
 
-_SOCKET_GONE = {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN, errno.ECONNABORTED,
-                errno.ETIMEDOUT, errno.EBADF}
 SENDER_JOIN_SECONDS = 30.0
 
 
 def _send_file(sock: socket.socket, fh: BinaryIO, size: int) -> None:
-    """``size`` bytes of an open file from its position, kernel to kernel; closes the file."""
-    with fh:
-        offset = fh.tell()
-        sent = 0
-        while sent < size:
-            n = os.sendfile(sock.fileno(), fh.fileno(), offset + sent, size - sent)
-            if n == 0:
-                raise DataLoss(f"spooled payload ended after {sent} of {size} bytes")
-            sent += n
+    """``size`` bytes of an open file from its position, kernel to kernel. DataLoss when the
+    file is shorter; an OSError is taken as the socket's (a spool read error after the
+    file opened is rare, and the engine then ends the call for a cut frame)."""
+    offset = fh.tell()
+    sent = 0
+    while sent < size:
+        n = os.sendfile(sock.fileno(), fh.fileno(), offset + sent, size - sent)
+        if n == 0:
+            raise DataLoss(f"spooled payload ended after {sent} of {size} bytes")
+        sent += n

@@ -137,6 +137,16 @@ def test_a_frame_cut_short_is_data_loss_and_the_channel_is_free_again(engine: Ru
     assert set(repo.records()) == {32}
 
 
+def test_a_sender_that_goes_without_ending_its_input_is_a_cancelled_call(engine: RunningEngine, repo: Repo) -> None:
+    """Only END_OF_INPUT ends a call normally; a connection that just ends (the gateway gave up,
+    was stopped or crashed) is CANCELLED, as a gRPC call would be, and the channel is free again."""
+    meta, data = make_tuple(35, b"whole frame")
+    head = make_head(meta)
+    status = raw_status(engine, hello() + struct.pack(">IQ", len(head), len(data)) + head + data)
+    assert status.code == grpc.StatusCode.CANCELLED.value[0] and "before ending its input" in status.message
+    assert deliver(engine, [make_tuple(36, b"next")])[0].state == TupleReceipt.STORED
+
+
 def make_head(meta: Any) -> bytes:
     from hio.common.frames import TupleFrame
     return TupleFrame(meta=meta, last=True).SerializeToString()
