@@ -120,6 +120,28 @@ def test_a_client_that_is_not_a_lane_client_gets_a_clear_status(engine: RunningE
     assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "Deliver" in status.message
 
 
+def test_random_bytes_and_a_silent_or_trickling_client_are_refused_and_the_lane_keeps_serving(
+        engine: RunningEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hio.common.lane as lane_module
+
+    monkeypatch.setattr(lane_module, "HELLO_SECONDS", 0.5)
+    status = raw_status(engine, os.urandom(64))
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    status = raw_status(engine, b"", shut=False)                 # connects, says nothing
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "within 0.5 s" in status.message
+    with socket.create_connection(("127.0.0.1", engine.engine.lane.port), timeout=10) as sock:
+        started = time.monotonic()
+        for byte in hello()[:6]:                                  # a byte at a time, slower than the deadline
+            sock.sendall(bytes([byte]))
+            time.sleep(0.15)
+        reader = sock.makefile("rb")
+        kind, size = struct.unpack(">BI", reader.read(5))
+        status = LaneStatus.FromString(reader.read(size))
+    assert kind == 2 and status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert time.monotonic() - started < 5
+    assert deliver(engine, [make_tuple(71, b"still serving")])[0].state == TupleReceipt.STORED
+
+
 def test_oversized_frame_head_and_data_are_refused_before_reading_them(engine: RunningEngine) -> None:
     status = raw_status(engine, hello() + struct.pack(">IQ", 1 << 31, 0))
     assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "head" in status.message
