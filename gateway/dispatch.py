@@ -292,7 +292,6 @@ class Dispatcher:
                     self._complete_many(done, direct=direct)
         except grpc.RpcError as exc:
             abandoned.set()
-            left = _unsettled(batch, sent, settled, skipped)
             if lane_socket is not None and getattr(exc, "transport", False) and not settled:
                 # The lane broke before the engine answered anything (closed, garbage): not the
                 # tuples' fault. The same route (its reservation is ours) goes over gRPC Deliver.
@@ -301,7 +300,7 @@ class Dispatcher:
                 if unsent:
                     self._stream(unsent, address, direct=True)
                 return
-            self._stream_failed(left, exc, address, direct=direct)
+            self._stream_failed(_unsettled(batch, sent, settled, skipped), exc, address, direct=direct)
             return
         finally:
             abandoned.set()

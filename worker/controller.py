@@ -232,15 +232,16 @@ class Controller:
         self._worker_id = worker_id
         self._launcher = launcher
         self._lock = threading.Lock()
-        self._lanes = self._lanes_fit()
-        self._slots = self._plan()
+        counts = engine_counts(self._config.engines, self._config.effective_cpus())
+        self._lanes = self._lanes_fit(sum(count for _, count in counts))
+        self._slots = self._plan(counts)
         self._session = MasterSession(config, worker_id, self.channel_infos)
 
-    def _plan(self) -> list[EngineSlot]:
+    def _plan(self, counts: list[tuple[str, int]]) -> list[EngineSlot]:
         """One slot per engine, pipelines resolved now so a bad image fails at start."""
         local = isinstance(self._launcher, ProcessLauncher)
         slots: list[EngineSlot] = []
-        for image, count in engine_counts(self._config.engines, self._config.effective_cpus()):
+        for image, count in counts:
             pipeline = pipeline_for_image(image, self._config.pipelines) if local else self._extra_pipeline(image)
             for _ in range(count):
                 port = self._free_port(slots)
@@ -258,12 +259,11 @@ class Controller:
         lacks, or an engine_ports range without two ports per engine)."""
         return self._free_port(slots, port, *also) if self._lanes else 0
 
-    def _lanes_fit(self) -> bool:
+    def _lanes_fit(self, engines: int) -> bool:
         """Lanes on unless turned off, TLS is on, or engine_ports cannot give each engine two ports."""
         if not self._config.lanes or self._config.tls_cert:
             return False
         span = self._config.engine_port_range()
-        engines = sum(count for _, count in engine_counts(self._config.engines, self._config.effective_cpus()))
         if span is not None and span[1] - span[0] + 1 < 2 * engines:
             log.warning("engine_ports has fewer than two ports per engine; engines serve no payload lane",
                         extra={"engine_ports": self._config.engine_ports, "engines": engines})

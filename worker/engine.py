@@ -846,15 +846,16 @@ def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], 
                         processing=lambda: engine.processing)
     engine = Engine(config, pipeline, cluster, reporter, exit_process=exit_process)
     reporter.start()
+    table = TokenTable.from_settings(config)   # one read of the tokens, for gRPC and the lane
     server, port, health = create_server(
-        config, config.listen, max_workers=8, policy=POLICY,
+        config, config.listen, max_workers=8, policy=POLICY, table=table,
         register=[lambda s: engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), s)])
     set_serving(health, True)
-    engine.lane = create_lane(config, engine)
+    engine.lane = create_lane(config, engine, table)
     return server, port, health, engine
 
 
-def create_lane(config: EngineConfig, engine: "Engine") -> LaneServer | None:
+def create_lane(config: EngineConfig, engine: "Engine", table: TokenTable | None) -> LaneServer | None:
     """The engine's payload lane (Deliver over plain TCP), started; None when not configured
     or when TLS is (the lane carries no TLS: senders then use Deliver)."""
     if not config.lane_listen:
@@ -864,7 +865,7 @@ def create_lane(config: EngineConfig, engine: "Engine") -> LaneServer | None:
         return None
     lane = LaneServer(config.lane_listen,
                       lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes),
-                      table=TokenTable.from_settings(config), policy=POLICY, idle_seconds=engine.idle_seconds,
+                      table=table, policy=POLICY, idle_seconds=engine.idle_seconds,
                       max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes)
     try:
         lane.start()

@@ -25,7 +25,8 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Union
 import grpc
 from google.protobuf.message import DecodeError
 
-from hio.common.errors import Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument
+from hio.common.errors import (Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument, PermissionDenied,
+                               Unauthenticated)
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
 from hio.common.net import TokenTable, refuse_caller
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
@@ -46,6 +47,7 @@ DRAIN_SECONDS = 1.0         # after an error status, how long the server reads w
 MAX_CONNECTIONS = 16        # an engine serves one call at a time; more connections are closed at once
 READ_BUFFER = 256 * 1024    # larger reads go straight into their destination
 SMALL_SEND = 64 * 1024      # a frame up to this is sent with its prefix in one send
+SENDER_JOIN_SECONDS = 30.0  # how long a finished call waits for its sender before leaving it the socket
 
 Payload = Union[bytes, memoryview, BinaryIO]
 LaneFrame = tuple[bytes, Payload, int]   # (head, payload, payload size)
@@ -317,13 +319,8 @@ class LaneServer:
         if self._table is not None:
             refusal = refuse_caller(self._table, self._policy, f"/hio.proto.Engine/{METHOD}", hello.token)
             if refusal is not None:
-                raise _StatusError(*refusal)
-
-
-class _StatusError(HioError):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+                code, message = refusal
+                raise (Unauthenticated if code == grpc.StatusCode.UNAUTHENTICATED else PermissionDenied)(message)
 
 
 def _send_reply(conn: socket.socket, kind: int, body: bytes) -> None:
@@ -526,9 +523,6 @@ class LaneCall:
                 log.warning("lane sender still busy after its call ended")
                 return
         self._sock.close()
-
-
-SENDER_JOIN_SECONDS = 30.0
 
 
 def _send_file(sock: socket.socket, fh: BinaryIO, size: int) -> None:

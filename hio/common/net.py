@@ -15,7 +15,7 @@ import signal
 import threading
 from concurrent import futures
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -181,16 +181,23 @@ def _server_options(settings: ClusterSettings) -> list[tuple[str, int]]:
     ]
 
 
+_FROM_SETTINGS: Any = object()
+
+
 def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 32,
                   policy: dict[str, set[str]] | None = None,
-                  register: Iterable[Callable[[grpc.Server], None]] = ()) -> tuple[grpc.Server, int, health.HealthServicer]:
+                  register: Iterable[Callable[[grpc.Server], None]] = (),
+                  table: TokenTable | None = _FROM_SETTINGS) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build a started-not-yet server bound to ``listen`` ('host:port', port 0 = any).
 
     Returns (server, bound port, health servicer). The caller adds servicers via
-    ``register`` callbacks, then calls ``server.start()``.
+    ``register`` callbacks, then calls ``server.start()``. ``table``: the accepted
+    tokens (None = open); by default read from the settings, but a role that also
+    authenticates elsewhere (the engine's payload lane) passes the one it read.
     """
     interceptors = []
-    table = TokenTable.from_settings(settings)
+    if table is _FROM_SETTINGS:
+        table = TokenTable.from_settings(settings)
     if table is not None:
         interceptors.append(_AuthInterceptor(table, policy))
     interceptors.append(_ParsingInterceptor())

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import grpc
 import pytest
 import zstandard
 
@@ -143,3 +145,24 @@ def make_tuple(tuple_id: int, data: bytes, image: str = TEST_IMAGE, **attributes
     meta = TupleMeta(tuple_id=tuple_id, source="test", image=image, size=len(data), crc32=crc32(data),
                      name=f"t{tuple_id}", attempt=1, attributes=attributes, accepted_unix=1.0)
     return meta, data
+
+
+def register_channel(master: Master, engine: RunningEngine, channel_id: str = "w1/0", *,
+                     lane_address: str = "") -> None:
+    """Register the engine's channel (and its payload lane, if given) as a worker would, and keep
+    that worker alive with heartbeats (a loaded machine can take longer than ``expiry_seconds``
+    over one test) until the master goes."""
+    worker_id = channel_id.split("/")[0]
+    master.stub.RegisterWorker(master_pb2.RegisterWorkerRequest(
+        worker_id=worker_id, host="test", cpus=1, channels=[master_pb2.ChannelInfo(
+            channel_id=channel_id, image=TEST_IMAGE, address=engine.address, lane_address=lane_address,
+            state=master_pb2.FREE)]), timeout=5)
+
+    def heartbeat() -> None:
+        try:
+            while master.stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id=worker_id), timeout=5).known:
+                time.sleep(0.5)
+        except (grpc.RpcError, ValueError):
+            pass  # the master has stopped (or its channel closed): the test is over
+
+    threading.Thread(target=heartbeat, name=f"heartbeat-{worker_id}", daemon=True).start()

@@ -12,7 +12,8 @@ import pytest
 from hio.common.frames import TupleReceipt, frames_for_bytes
 from hio.proto import master_pb2
 from tests.harness import free_port, wait_for
-from tests.worker.conftest import (SETTINGS, TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple)
+from tests.worker.conftest import (SETTINGS, TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple,
+                                   register_channel)
 
 
 @pytest.fixture
@@ -133,24 +134,6 @@ def test_repository_down_breaks_the_stream_unavailable(repo: Repo) -> None:
 # ---- with a real master ------------------------------------------------------------------------
 
 
-def _register(master: Master, engine: RunningEngine, channel_id: str = "w1/0") -> None:
-    """Register the engine's channel as a worker would, and keep that worker alive with heartbeats
-    (a loaded machine can take longer than ``expiry_seconds`` over one test) until the master goes."""
-    worker_id = channel_id.split("/")[0]
-    master.stub.RegisterWorker(master_pb2.RegisterWorkerRequest(
-        worker_id=worker_id, host="test", cpus=1, channels=[master_pb2.ChannelInfo(
-            channel_id=channel_id, image=TEST_IMAGE, address=engine.address, state=master_pb2.FREE)]), timeout=5)
-
-    def heartbeat() -> None:
-        try:
-            while master.stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id=worker_id), timeout=5).known:
-                time.sleep(0.5)
-        except (grpc.RpcError, ValueError):
-            pass  # the master has stopped (or its channel closed): the test is over
-
-    threading.Thread(target=heartbeat, name=f"heartbeat-{worker_id}", daemon=True).start()
-
-
 def _route(master: Master, size: int, force_queue: bool = False) -> master_pb2.RouteTuplesResponse:
     return master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
         source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=size)], force_queue=force_queue), timeout=5)
@@ -159,7 +142,7 @@ def _route(master: Master, size: int, force_queue: bool = False) -> master_pb2.R
 def test_failing_pipeline_hands_the_tuple_to_the_master(master: Master, repo: Repo) -> None:
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address, max_attempts=3))
     try:
-        _register(master, engine)
+        register_channel(master, engine)
         route = _route(master, 4)
         assert route.WhichOneof("route") == "channel" and route.channel.channel_id == "w1/0"
         meta, data = make_tuple(route.tuple_ids[0], b"oops", mode="fail")
@@ -180,7 +163,7 @@ def test_failing_pipeline_hands_the_tuple_to_the_master(master: Master, repo: Re
 def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Repo) -> None:
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
     try:
-        _register(master, engine)
+        register_channel(master, engine)
         route = _route(master, 6, force_queue=True)
         assert route.WhichOneof("route") == "queue"
         meta, data = make_tuple(route.tuple_ids[0], b"queued")
@@ -252,7 +235,7 @@ def test_cheap_queued_tuples_are_pulled_several_at_a_time(master: Master, repo: 
 
     link.pull = counted_pull  # the real call, counted
     try:
-        _register(master, engine)
+        register_channel(master, engine)
         n = 300
         route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
             source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=8)] * n, force_queue=True), timeout=5)
@@ -281,7 +264,7 @@ def test_a_pull_that_turns_out_costly_returns_the_rest_to_the_queue_uncharged(ma
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address,
                                          pull_batch_seconds=0.5))
     try:
-        _register(master, engine)
+        register_channel(master, engine)
 
         def enqueue(count: int, **attributes: str) -> list[int]:
             route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
@@ -343,7 +326,7 @@ def test_pulled_tuples_go_back_uncharged_while_the_repository_is_unreachable(mas
     engine = RunningEngine(engine_config(master=master.address, repository=f"127.0.0.1:{free_port()}",
                                          rpc_deadline=0.5))
     try:
-        _register(master, engine)
+        register_channel(master, engine)
         route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
             source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * 3, force_queue=True), timeout=5)
         tuples = []

@@ -18,11 +18,10 @@ import pytest
 
 from hio.common.frames import TupleReceipt, unpacked_receipts
 from hio.common.lane import MAGIC, LaneCall, LaneError, lane_frames, open_lane
-from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 from tests.harness import free_port, wait_for
 from tests.worker.conftest import (TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple,
-                                   needs_master)
+                                   needs_master, register_channel)
 
 TOKEN = "lane-s3cret"
 
@@ -238,23 +237,6 @@ def test_tls_engines_offer_no_lane(repo: Repo, tmp_path: Path) -> None:
 
 # -- the gateway's side, with a real master routing to the engine ------------------------
 
-def _register(master: Master, engine: RunningEngine, lane: str) -> None:
-    """Register the engine's channel (with ``lane``) as a worker would, kept alive with heartbeats."""
-    master.stub.RegisterWorker(master_pb2.RegisterWorkerRequest(
-        worker_id="w1", host="127.0.0.1", cpus=1, channels=[master_pb2.ChannelInfo(
-            channel_id="w1/0", image=TEST_IMAGE, address=engine.address, lane_address=lane,
-            state=master_pb2.FREE)]), timeout=5)
-
-    def heartbeat() -> None:
-        try:
-            while master.stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="w1"), timeout=5).known:
-                time.sleep(0.5)
-        except (grpc.RpcError, ValueError):
-            pass  # the master has stopped: the test is over
-
-    threading.Thread(target=heartbeat, name="heartbeat-w1", daemon=True).start()
-
-
 class _ClosingListener:
     """A port that accepts connections and closes them at once: a broken lane, as a
     middlebox or a crashed process would present it."""
@@ -290,7 +272,7 @@ def test_gateway_sends_over_the_lane_and_falls_back_to_grpc(lane: str, master: M
     broken = _ClosingListener() if lane == "broken" else None
     try:
         address = {"engine": lane_address(e), "unreachable": f"127.0.0.1:{free_port()}"}.get(lane)
-        _register(master, e, address or broken.address)  # type: ignore[union-attr]
+        register_channel(master, e, lane_address=address or broken.address)  # type: ignore[union-attr]
         config = GatewayConfig(master_address=master.address, repository_address=repo.address,
                                data_dir=str(tmp_path / "gw"), source="lane", ingest_listen="", grace_seconds=2.0)
         payloads = [os.urandom(300_000), b"small"]
