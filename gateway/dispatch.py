@@ -11,7 +11,11 @@ there; the others are read from the spool chunk by chunk, so memory stays bounde
 Retry policy (the master owns the rest):
 
 * engine ``RESOURCE_EXHAUSTED`` (channel busy): route again at once, no attempt counted;
-* broken stream, ``UNAVAILABLE``, ``DATA_LOSS``, a ``FAILED`` receipt: route
+* engine not reachable at all (connection refused: killed, restarting, not yet
+  expired at the master): route again after about a second, no attempt counted
+  (it is not the tuple's fault; the master's reservation keeps the next route off
+  that channel until the master expires it);
+* broken stream, other ``UNAVAILABLE``, ``DATA_LOSS``, a ``FAILED`` receipt: route
   again with the same id and ``attempt + 1`` after a short jittered backoff;
 * master queue full: back off by the server's hint (logged once), no attempt counted;
 * master unreachable: back off and retry, forever (callers decide when to give up);
@@ -49,6 +53,8 @@ LAST_ERROR_ATTRIBUTE = "hio.last_error"
 LANE_CONNECT_SECONDS = 3.0    # a payload lane that does not answer within this is skipped
 LANE_RETRY_SECONDS = 60.0     # an unreachable lane (firewall, old engine) is tried again after this
 _MASTER_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_NEVER_CONNECTED = "failed to connect to all addresses"   # gRPC's words when no connection was made
+UNREACHABLE_LOG_SECONDS = 60.0   # an unreachable engine is logged at most once in this long
 
 
 class Outcome(enum.Enum):
@@ -113,6 +119,7 @@ class Dispatcher:
         self._calls: set[grpc.Future] = set()
         self._channels: dict[str, grpc.Channel] = {}
         self._lanes_down: dict[str, float] = {}               # lane address -> monotonic time to try again
+        self._unreachable_logged: dict[str, float] = {}      # engine address -> when last logged
         # The lane carries no TLS: a gateway that speaks TLS never sends its token or tuples in the clear.
         self._uses_tls = bool(config.tls_cert or config.tls_ca)
         self._master_down_since: float | None = None
@@ -480,6 +487,12 @@ class Dispatcher:
             return  # stopping: the tuples stay spooled for the next start
         if direct and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._retry(left, error, count_attempt=False, delay=random.uniform(0.0, 0.05))
+        elif direct and code == grpc.StatusCode.UNAVAILABLE and _NEVER_CONNECTED in details:
+            # Nothing reached the engine, so nothing can have hurt it: a killed worker's
+            # channels stay in routing until the master expires them (seconds), and
+            # charging each refused route would dead-letter healthy tuples.
+            self._engine_unreachable(address, error)
+            self._retry(left, error, count_attempt=False, delay=random.uniform(0.5, 1.5))
         elif not direct and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             if not self._queue_full_logged:
                 self._queue_full_logged = True
@@ -490,6 +503,16 @@ class Dispatcher:
             self._retry(left, error, count_attempt=False, delay=self._master_delay())
         else:
             self._retry(left, error, count_attempt=True)
+
+    def _engine_unreachable(self, address: str, error: str) -> None:
+        """Say that an engine refuses connections, at most once a minute per engine."""
+        now = time.monotonic()
+        with self._cond:
+            last = self._unreachable_logged.get(address)
+            if last is not None and now - last < UNREACHABLE_LOG_SECONDS:
+                return
+            self._unreachable_logged[address] = now
+        log.warning("engine unreachable; routing its tuples again", extra={"engine": address, "error": error})
 
     # -- master health -------------------------------------------------------------
 

@@ -298,6 +298,13 @@ def create_channel(address: str, settings: ClusterSettings, token: str | None = 
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 0),
+        # Each channel its own connections: with gRPC's process-wide pool, a channel to an
+        # address another channel failed to reach (a role that was down, a port reused by a
+        # restarted engine) fails fast with UNAVAILABLE until that channel's backoff ends.
+        ("grpc.use_local_subchannel_pool", 1),
+        # A restarted role is reached again within seconds, not gRPC's default of up to 2 min.
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
     if settings.tls_ca or settings.tls_cert:
         creds = grpc.ssl_channel_credentials(

@@ -127,3 +127,26 @@ def test_servicer_errors_become_statuses_and_aborts_pass_through() -> None:
             assert e.code() == grpc.StatusCode.INTERNAL and "secret" not in e.details() and "ref" in e.details()
     finally:
         server.stop(0)
+
+
+def test_a_channel_reaches_a_server_another_channel_found_down() -> None:
+    """A restarted engine often gets its old port back: a channel opened to it must not fail
+    because another channel of the process failed to connect there and is backing off."""
+    from hio.common.procs import free_port
+
+    settings = ClusterSettings()
+    port = free_port()
+    with create_channel(f"127.0.0.1:{port}", settings) as earlier:
+        with pytest.raises(grpc.RpcError) as refused:
+            earlier.unary_unary("/test.Echo/Say")(b"hi", timeout=2)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        handler = grpc.method_handlers_generic_handler("test.Echo", {
+            "Say": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)})
+        server, bound, _ = create_server(settings, f"127.0.0.1:{port}",
+                                         register=[lambda s: s.add_generic_rpc_handlers((handler,))])
+        server.start()
+        try:
+            assert bound == port
+            assert say(f"127.0.0.1:{port}", settings) == b"hi"
+        finally:
+            server.stop(0).wait(5)

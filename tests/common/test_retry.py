@@ -32,12 +32,19 @@ class Clock:
         self.now += seconds
 
 
+class LongestWait:
+    @staticmethod
+    def uniform(low: float, high: float) -> float:
+        return high
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The retry module's clock and randomness replaced (not the process's `time` and `random`:
+    threads other tests left behind would sleep on the fake clock and skew its count)."""
     fake = Clock()
-    monkeypatch.setattr(retry.time, "monotonic", fake.monotonic)
-    monkeypatch.setattr(retry.time, "sleep", fake.sleep)
-    monkeypatch.setattr(retry.random, "uniform", lambda low, high: high)  # the longest wait each time
+    monkeypatch.setattr(retry, "time", fake)
+    monkeypatch.setattr(retry, "random", LongestWait)  # the longest wait each time
     return fake
 
 

@@ -147,15 +147,17 @@ def make_tuple(tuple_id: int, data: bytes, image: str = TEST_IMAGE, **attributes
     return meta, data
 
 
-def register_channel(master: Master, engine: RunningEngine, channel_id: str = "w1/0", *,
+def register_channel(master: Master, engine: RunningEngine | str, channel_id: str = "w1/0", *,
                      lane_address: str = "") -> None:
     """Register the engine's channel (and its payload lane, if given) as a worker would, and keep
     that worker alive with heartbeats (a loaded machine can take longer than ``expiry_seconds``
-    over one test) until the master goes."""
+    over one test) until the master goes. ``engine`` may be just an address (an engine not
+    running there yet)."""
     worker_id = channel_id.split("/")[0]
     master.stub.RegisterWorker(master_pb2.RegisterWorkerRequest(
         worker_id=worker_id, host="test", cpus=1, channels=[master_pb2.ChannelInfo(
-            channel_id=channel_id, image=TEST_IMAGE, address=engine.address, lane_address=lane_address,
+            channel_id=channel_id, image=TEST_IMAGE, lane_address=lane_address,
+            address=engine if isinstance(engine, str) else engine.address,
             state=master_pb2.FREE)]), timeout=5)
 
     def heartbeat() -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from hio.common.frames import TupleReceipt, unpacked_receipts
 from hio.common.lane import MAGIC, LaneCall, LaneError, lane_frames, open_lane
+from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 from tests.harness import free_port, wait_for
 from tests.worker.conftest import (TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple,
@@ -300,3 +301,38 @@ def test_gateway_sends_over_the_lane_and_falls_back_to_grpc(lane: str, master: M
         if broken is not None:
             broken.close()
         e.close()
+
+
+@needs_master
+def test_an_engine_that_refuses_connections_costs_the_tuples_no_attempt(master: Master, repo: Repo, tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A killed worker's channels stay in routing until the master expires them: tuples routed
+    to them meanwhile are routed again uncharged, not dead-lettered (here with one attempt
+    allowed), and are stored once an engine answers on that address."""
+    from hio.gateway import Gateway, GatewayConfig
+
+    port = free_port()
+    register_channel(master, f"127.0.0.1:{port}")
+    config = GatewayConfig(master_address=master.address, repository_address=repo.address, max_attempts=1,
+                           data_dir=str(tmp_path / "gw"), source="refused", ingest_listen="", grace_seconds=2.0)
+    result: dict[str, Any] = {}
+    with caplog.at_level(logging.WARNING, logger="hio.gateway"), Gateway(config) as gw:
+        sender = threading.Thread(target=lambda: result.update(
+            ids=gw.send_many([os.urandom(5000) for _ in range(3)], image=TEST_IMAGE, timeout=90)))
+        sender.start()
+        wait_for(lambda: any("engine unreachable" in r.getMessage() for r in caplog.records), timeout=30,
+                 what="the gateway finding the engine unreachable")
+        e = RunningEngine(engine_config(master=master.address, repository=repo.address,
+                                        listen=f"127.0.0.1:{port}"))
+        try:
+            sender.join(90)
+            status = gw.status()
+            assert not sender.is_alive() and len(result.get("ids", [])) == 3, result
+            # stored directly, or through the queue if the retry found the channel still reserved
+            records = wait_for(lambda: (lambda found: found if set(result["ids"]) <= set(found) else None)(
+                repo.records()), timeout=30, what="the tuples stored")
+        finally:
+            e.close()
+    assert status.retries == 0 and status.failed == 0
+    assert all(records[i].meta.attempt == 1 for i in result["ids"])
+    assert not master.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5).dead_letters
