@@ -248,7 +248,12 @@ class Dispatcher:
         if route.HasField("channel") and not dead:
             self._stream(batch, route.channel.address, direct=True, lane=route.channel.lane_address)
         else:
-            self._stream(batch, self._config.master_address, direct=False)
+            self._stream(batch, self._config.master_address, direct=False, lane=self._master_lane(route))
+
+    def _master_lane(self, route: master_pb2.RouteTuplesResponse) -> str:
+        """The master's payload lane: its port on the host we reach the master at ('' = none)."""
+        port = route.queue.lane_port if route.HasField("queue") else 0
+        return f"{self._config.master_address.rpartition(':')[0]}:{port}" if port else ""
 
     def _route(self, batch: list[_Pending], *, force_queue: bool) -> master_pb2.RouteTuplesResponse:
         request = master_pb2.RouteTuplesRequest(
@@ -267,11 +272,11 @@ class Dispatcher:
 
     def _stream(self, batch: list[_Pending], address: str, *, direct: bool, lane: str = "") -> None:
         """One Deliver/Enqueue stream for the batch; settle each tuple by its receipt.
-        Deliver goes over the engine's payload lane when it offers one and it answers."""
+        It goes over the engine's (or the master's) payload lane when one is offered and answers."""
         sent: list[_Pending] = []
         skipped: set[int] = set()
         timeout = self._config.stream_timeout_seconds
-        lane_socket = self._open_lane(lane) if direct and lane else None
+        lane_socket = self._open_lane(lane, "Deliver" if direct else "Enqueue") if lane else None
         abandoned = threading.Event()   # set once this stream is settled: a late lane sender stops
         if lane_socket is not None:
             payloads = self._payloads(batch, sent, skipped, abandoned)
@@ -300,12 +305,12 @@ class Dispatcher:
         except grpc.RpcError as exc:
             abandoned.set()
             if lane_socket is not None and getattr(exc, "transport", False) and not settled:
-                # The lane broke before the engine answered anything (closed, garbage): not the
-                # tuples' fault. The same route (its reservation is ours) goes over gRPC Deliver.
+                # The lane broke before the server answered anything (closed, garbage): not the
+                # tuples' fault. The same route (its reservation is ours) goes over gRPC.
                 self._lane_down(lane, exc.details())
                 unsent = [p for p in batch if p.seq not in skipped]
                 if unsent:
-                    self._stream(unsent, address, direct=True)
+                    self._stream(unsent, address, direct=direct)
                 return
             self._stream_failed(_unsettled(batch, sent, settled, skipped), exc, address, direct=direct)
             return
@@ -319,9 +324,9 @@ class Dispatcher:
         if left:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
 
-    def _open_lane(self, lane: str) -> "socket.socket | None":
-        """A connection to an engine's payload lane; None (use gRPC) when lanes are off or it
-        does not answer (a firewall that opens only the gRPC port, an engine that predates lanes):
+    def _open_lane(self, lane: str, method: str) -> "socket.socket | None":
+        """A connection to a payload lane for ``method``; None (use gRPC) when lanes are off or
+        it does not answer (a firewall that opens only the gRPC port, a server that predates lanes):
         then it is skipped for :data:`LANE_RETRY_SECONDS`, logged once."""
         if not self._config.lanes or self._uses_tls:
             return None
@@ -330,7 +335,8 @@ class Dispatcher:
             if retry_at is not None and time.monotonic() < retry_at:
                 return None
         try:
-            sock = open_lane(lane, self._config.presented_token(), connect_seconds=LANE_CONNECT_SECONDS)
+            sock = open_lane(lane, self._config.presented_token(), connect_seconds=LANE_CONNECT_SECONDS,
+                             method=method)
         except (OSError, ValueError) as exc:
             self._lane_down(lane, str(exc))
             return None
@@ -339,12 +345,12 @@ class Dispatcher:
         return sock
 
     def _lane_down(self, lane: str, error: str) -> None:
-        """Use gRPC for this lane's engine for a while; say so once."""
+        """Use gRPC for this lane's server for a while; say so once."""
         with self._cond:
             first = lane not in self._lanes_down
             self._lanes_down[lane] = time.monotonic() + LANE_RETRY_SECONDS
         if first:
-            log.warning("engine's payload lane unusable; using gRPC", extra={"lane": lane, "error": error})
+            log.warning("payload lane unusable; using gRPC", extra={"lane": lane, "error": error})
 
     def _frames(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int]) -> Iterator[WireFrame]:
         """Frames of the batch, from memory when the spool kept the payload, else read

@@ -17,7 +17,9 @@ import logging
 import grpc
 from grpc_health.v1 import health
 
-from hio.common.net import create_server, run_until_signal, set_serving
+from hio.common.config import ConfigError
+from hio.common.lane import LaneServer
+from hio.common.net import TokenTable, create_server, message_limit, run_until_signal, set_serving
 from hio.master.config import MasterConfig
 from hio.common.tickets import make_ticket
 from hio.master.core import Master
@@ -28,19 +30,53 @@ __all__ = ["MasterConfig", "Master", "create_master_server", "run_master", "make
 
 log = logging.getLogger("hio.master")
 
+LANE_CONNECTIONS = 64   # Enqueue calls at once on the lane (gateways, engines handing tuples back)
+
 
 def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, health.HealthServicer]:
     master = Master(config)
     try:
         service = MasterService(master)
+        table = TokenTable.from_settings(config)   # one read of the tokens, for gRPC and the lane
         server, port, health_servicer = create_server(
-            config, config.listen, max_workers=config.server_threads, policy=POLICY,
+            config, config.listen, max_workers=config.server_threads, policy=POLICY, table=table,
             register=[lambda s: master_pb2_grpc.add_MasterServicer_to_server(service, s)])
+        master.lane = _start_lane(config, service, table)
+        service.lane_port = master.lane.port if master.lane is not None else 0
     except BaseException:
         master.close()
         raise
     master.start()
     return server, port, master, health_servicer
+
+
+def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable | None) -> LaneServer | None:
+    """The master's payload lane (Enqueue over plain TCP), started; None when there is none.
+
+    A port only derived from ``listen`` that is taken gives way to any free one
+    (queue routes name the port), with a warning: a firewall that opens only
+    listen's port + 1 then makes gateways use gRPC.
+    """
+    address = config.lane_address()
+    if not address:
+        return None
+
+    def started(listen: str) -> LaneServer:
+        lane = LaneServer(listen, lambda frames: service.enqueue(frames, max_chunk_bytes=config.max_tuple_bytes),
+                          table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
+                          max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
+                          service="Master", method="Enqueue", max_connections=LANE_CONNECTIONS)
+        lane.start()
+        return lane
+
+    try:
+        return started(address)
+    except OSError as exc:
+        if config.lane_listen:
+            raise ConfigError(f"cannot listen for the payload lane on {address}: {exc} "
+                              "(set another lane_listen, or lanes = false)") from None
+        log.warning("payload lane port taken; using any free port", extra={"wanted": address, "error": str(exc)})
+        return started(f"{address.rpartition(':')[0]}:0")
 
 
 def create_master_server(config: MasterConfig) -> tuple[grpc.Server, int, Master]:
@@ -59,6 +95,7 @@ def run_master(config: MasterConfig) -> int:
     set_serving(health_servicer, True)
     host = config.listen.rsplit(":", 1)[0]
     log.info("master listening", extra={"address": f"{host}:{port}", "data_dir": config.data_dir,
+                                           "lane_port": master.lane.port if master.lane else 0,
                                            "queued": master.queue.length()})
 
     def draining() -> None:

@@ -41,12 +41,29 @@ class MasterConfig(ClusterSettings):
         48, "at most this many PullTuple calls wait at once; more are refused with RESOURCE_EXHAUSTED")
     dead_list_limit: int = setting(1000, "at most this many dead letters in one ListDeadLetters answer")
     forget_seconds: float = setting(600.0, "an expired worker is forgotten (and its warning dropped) after this long")
+    lanes: bool = setting(True, "also take Enqueue on a payload lane (plain TCP; about half of gRPC's CPU "
+                                "per MB), which gateways use for the queue path; off with TLS")
+    lane_listen: str = setting("", "host:port of the payload lane; empty = listen's host and port + 1 "
+                                   "(any free port when listen's port is 0)")
+
+    def lane_address(self) -> str:
+        """Where the payload lane listens; '' when there is none (turned off, or TLS)."""
+        if not self.lanes or self.tls_cert:
+            return ""
+        if self.lane_listen:
+            return self.lane_listen
+        host, _, port = self.listen.rpartition(":")
+        return f"{host}:{int(port) + 1 if int(port) else 0}"
 
     def validate(self) -> None:
         """Refuse settings the master cannot run with; each message names the setting."""
         self.validate_cluster()
-        if not self.listen or ":" not in self.listen:
+        if not self.listen or ":" not in self.listen or not self.listen.rpartition(":")[2].isdigit():
             raise ConfigError(f"listen must be host:port, got {self.listen!r}")
+        if self.lane_listen and (":" not in self.lane_listen or not self.lane_listen.rpartition(":")[2].isdigit()):
+            raise ConfigError(f"lane_listen must be host:port, got {self.lane_listen!r}")
+        if not self.lane_listen and self.lanes and self.listen.rpartition(":")[2] == "65535":
+            raise ConfigError("listen's port is 65535, so the payload lane has no port + 1: set lane_listen")
         for name in ("queue_bytes", "segment_bytes", "heartbeat_interval", "expiry_seconds",
                      "reservation_seconds", "lease_seconds", "max_attempts", "server_threads",
                      "pull_waiters", "dead_list_limit", "forget_seconds"):

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from hio.common.config import ConfigError, state_dir
 from hio.common.files import lock_folder
@@ -124,6 +124,7 @@ class Master:
 
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
+        self.lane: Any = None   # the payload lane (a LaneServer) the server module starts; stopped by close()
         self.root = state_dir(config.data_dir, "master")
         self._ticket_key = load_ticket_key(config.ticket_key_file)
         self._lock_fd: int | None = _lock_dir(self.root)
@@ -167,7 +168,9 @@ class Master:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Stop maintenance, seal the backlog; idempotent."""
+        """Stop the payload lane and maintenance, seal the backlog; idempotent."""
+        if self.lane is not None:
+            self.lane.stop()
         self.begin_shutdown()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -302,10 +305,12 @@ class Master:
 
     # ---- the backlog -------------------------------------------------------------
 
-    def enqueue(self, frames: Iterable[TupleFrame]) -> Iterator[Stored]:
-        """Store a stream of tuples in the backlog; one receipt each (see BacklogQueue.receive)."""
+    def enqueue(self, frames: Iterable[TupleFrame], *, max_chunk_bytes: int | None = None) -> Iterator[Stored]:
+        """Store a stream of tuples in the backlog; one receipt each (see BacklogQueue.receive).
+        ``max_chunk_bytes``: the largest frame payload (default ``chunk_bytes``)."""
         stored_any = self.queue.receive(frames, max_tuple_bytes=self.config.max_tuple_bytes,
-                                        max_chunk_bytes=self.config.chunk_bytes, admit=self._admit)
+                                        max_chunk_bytes=max_chunk_bytes or self.config.chunk_bytes,
+                                        admit=self._admit)
         for stored in stored_any:
             with self._cond:
                 self.pending.arrived(stored.meta.image, stored.meta.tuple_id)

@@ -45,6 +45,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     def __init__(self, master: Master) -> None:
         self._master = master
+        self.lane_port = 0   # the master's payload lane, told to senders in queue routes; 0 = none
 
     @grpc_errors
     def RegisterWorker(self, request: master_pb2.RegisterWorkerRequest,
@@ -75,13 +76,19 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 channel_id=routed.route.channel_id, address=routed.route.address,
                 reservation_seconds=routed.route.reservation_seconds, lane_address=routed.route.lane_address))
         else:
-            reply.queue.CopyFrom(master_pb2.QueueRoute(queue_length=routed.route.queue_length))
+            reply.queue.CopyFrom(master_pb2.QueueRoute(queue_length=routed.route.queue_length,
+                                                       lane_port=self.lane_port))
         return reply
 
     @grpc_errors
     def Enqueue(self, request_iterator: Iterable[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
         frames = idle_bounded(request_iterator, self._master.config.stream_idle_seconds, context.cancel)
-        for stored in self._master.enqueue(frames):
+        yield from self.enqueue(frames)
+
+    def enqueue(self, frames: Iterable[TupleFrame], *, max_chunk_bytes: int | None = None) -> Iterator[TupleReceipt]:
+        """Enqueue's receipts, for gRPC and the payload lane (which sends a tuple as one
+        frame: ``max_chunk_bytes`` is then the largest tuple)."""
+        for stored in self._master.enqueue(frames, max_chunk_bytes=max_chunk_bytes):
             yield TupleReceipt(index=stored.index, tuple_id=stored.meta.tuple_id, state=TupleReceipt.ENQUEUED,
                                message=_RECEIPT_MESSAGES[stored.placement])
 

@@ -1,4 +1,4 @@
-"""The payload lane: ``Engine.Deliver`` over one plain TCP connection.
+"""The payload lane: ``Engine.Deliver`` (or ``Master.Enqueue``) over one plain TCP connection.
 
 Why: Python gRPC copies a payload four times on its way (into the message,
 into gRPC's buffer, out of it, into the joined tuple); at 10 MB a tuple spent
@@ -7,9 +7,10 @@ layers. On the lane a payload goes from the spool file to the socket with
 ``sendfile`` (or from memory with one ``send``) and is received straight into
 the one ``bytes`` object the pipeline gets. Frames, receipts, checks and
 statuses are exactly Deliver's: the engine runs the same ``deliver`` on both.
-The framing is documented in ``proto/hio/proto/engine.proto``.
+The master serves ``Enqueue`` the same way (its receipts, checks and statuses
+are Enqueue's). The framing is documented in ``proto/hio/proto/engine.proto``.
 
-Engines configured with TLS offer no lane; senders then use Deliver.
+Servers configured with TLS offer no lane; senders then use gRPC.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Union
 import grpc
 from google.protobuf.message import DecodeError
 
-from hio.common.errors import (Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument, PermissionDenied,
-                               Unauthenticated)
+from hio.common.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
+                               PermissionDenied, Unauthenticated)
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
 from hio.common.net import TokenTable, refuse_caller
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
@@ -61,11 +62,13 @@ class LaneError(grpc.RpcError):
     garbage), not the engine's verdict; a sender may then use gRPC instead.
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, transport: bool = False) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, transport: bool = False,
+                 retry_after: float = 0.0) -> None:
         super().__init__(f"{code.name}: {message}")
         self._code = code
         self._message = message
         self.transport = transport
+        self._retry_after = retry_after
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -73,8 +76,9 @@ class LaneError(grpc.RpcError):
     def details(self) -> str:
         return self._message
 
-    def trailing_metadata(self) -> tuple[()]:
-        return ()
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The server's retry hint, where gRPC would carry it (:func:`errors.retry_after` reads it)."""
+        return ((RETRY_AFTER_KEY, f"{self._retry_after:.3f}"),) if self._retry_after > 0 else ()
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -173,7 +177,8 @@ def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int
 
 
 class LaneServer:
-    """Serves ``handler`` (the engine's ``deliver``) on a TCP port, a thread per connection.
+    """Serves ``handler`` (the engine's ``deliver``, the master's ``enqueue``) as
+    ``service.method`` on a TCP port, a thread per connection.
 
     Callers are authenticated like gRPC callers (the hello carries the
     token; the same table and policy); statuses are the errors' gRPC codes.
@@ -184,9 +189,13 @@ class LaneServer:
 
     def __init__(self, listen: str, handler: Handler, *, table: TokenTable | None,
                  policy: dict[str, set[str]], idle_seconds: float, max_head_bytes: int,
-                 max_data_bytes: int) -> None:
+                 max_data_bytes: int, service: str = "Engine", method: str = METHOD,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self._listen = listen
         self._handler = handler
+        self._service = service
+        self._method = method
+        self._max_connections = max_connections
         self._table = table
         self._policy = policy
         self._idle = idle_seconds
@@ -236,7 +245,7 @@ class LaneServer:
                 time.sleep(0.1)   # e.g. out of file descriptors: do not spin
                 continue
             with self._lock:
-                crowded = len(self._conns) >= MAX_CONNECTIONS
+                crowded = len(self._conns) >= self._max_connections
                 if not crowded:
                     self._conns.add(conn)
             if crowded:  # closed without a word: the gateway sends over gRPC and leaves the lane a while
@@ -285,12 +294,12 @@ class LaneServer:
             finally:
                 receipts.close()  # type: ignore[attr-defined]
         except HioError as exc:
-            return LaneStatus(code=exc.code.value[0], message=exc.message)
+            return LaneStatus(code=exc.code.value[0], message=exc.message, retry_after_seconds=exc.retry_after or 0.0)
         except OSError:
             return None
         except Exception as exc:  # noqa: BLE001 - the one place that maps the lane's errors
             log.exception("payload lane call failed")
-            return LaneStatus(code=grpc.StatusCode.INTERNAL.value[0], message=f"engine error: {exc}")
+            return LaneStatus(code=grpc.StatusCode.INTERNAL.value[0], message=f"{self._service.lower()} error: {exc}")
         return LaneStatus(code=0)
 
     def _hello(self, conn: socket.socket) -> None:
@@ -300,7 +309,7 @@ class LaneServer:
         magic = _recv_before(conn, len(MAGIC) + _HELLO_PREFIX.size, deadline)
         if magic and not MAGIC.startswith(magic[:len(MAGIC)]):
             raise InvalidArgument("payload lane: not a lane client (expected the HIOLANE1 hello; "
-                                  "gRPC clients use the engine's gRPC address)")
+                                  f"gRPC clients use the {self._service.lower()}'s gRPC address)")
         if len(magic) != len(MAGIC) + _HELLO_PREFIX.size:
             raise InvalidArgument(f"payload lane: no whole hello within {HELLO_SECONDS:g} s")
         (size,) = _HELLO_PREFIX.unpack(magic[len(MAGIC):])
@@ -314,10 +323,11 @@ class LaneServer:
         except DecodeError as exc:
             raise InvalidArgument(f"payload lane: unreadable hello: {exc}") from None
         conn.settimeout(self._idle if self._idle > 0 else None)  # from here: the idle bound
-        if hello.method != METHOD:
-            raise InvalidArgument(f"payload lane: serves {METHOD} only, not {hello.method!r}")
+        if hello.method != self._method:
+            raise InvalidArgument(f"payload lane: serves {self._method} only, not {hello.method!r}")
         if self._table is not None:
-            refusal = refuse_caller(self._table, self._policy, f"/hio.proto.Engine/{METHOD}", hello.token)
+            refusal = refuse_caller(self._table, self._policy, f"/hio.proto.{self._service}/{self._method}",
+                                    hello.token)
             if refusal is not None:
                 code, message = refusal
                 raise (Unauthenticated if code == grpc.StatusCode.UNAUTHENTICATED else PermissionDenied)(message)
@@ -365,14 +375,15 @@ def lane_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_byte
             yield TupleFrame(meta=meta, last=True).SerializeToString(), payload, meta.size
 
 
-def open_lane(address: str, token: str, *, connect_seconds: float) -> socket.socket:
-    """A connected lane socket, introduced (hello sent). Raises OSError when unreachable."""
+def open_lane(address: str, token: str, *, connect_seconds: float, method: str = METHOD) -> socket.socket:
+    """A connected lane socket, introduced (hello sent) for ``method`` (Deliver to an
+    engine, Enqueue to the master). Raises OSError when unreachable."""
     host, port = split_address(address)
     sock = socket.create_connection((host, port), timeout=connect_seconds)
     try:
         tune(sock)
         sock.settimeout(None)
-        hello = LaneHello(method=METHOD, token=token).SerializeToString()
+        hello = LaneHello(method=method, token=token).SerializeToString()
         sock.sendall(MAGIC + _HELLO_PREFIX.pack(len(hello)) + hello)
     except BaseException:
         sock.close()
@@ -381,9 +392,9 @@ def open_lane(address: str, token: str, *, connect_seconds: float) -> socket.soc
 
 
 class LaneCall:
-    """One Deliver over a lane socket, used like a gRPC streaming call: iterate the
-    receipt messages; :meth:`cancel` ends it; a failure raises :class:`LaneError`
-    with the engine's status, or UNAVAILABLE (``transport``) when the lane broke,
+    """One Deliver (or Enqueue) over a lane socket, used like a gRPC streaming call: iterate
+    the receipt messages; :meth:`cancel` ends it; a failure raises :class:`LaneError`
+    with the server's status, or UNAVAILABLE (``transport``) when the lane broke,
     DEADLINE_EXCEEDED, CANCELLED, or the reason the gateway could not send."""
 
     def __init__(self, sock: socket.socket, frames: Iterable[LaneFrame], *, timeout: float | None) -> None:
@@ -412,13 +423,14 @@ class LaneCall:
                 try:
                     message = TupleReceipt.FromString(body) if kind == RECEIPT else LaneStatus.FromString(body)
                 except DecodeError as exc:
-                    raise LaneError(grpc.StatusCode.INTERNAL, f"engine lane sent an unreadable reply: {exc}",
+                    raise LaneError(grpc.StatusCode.INTERNAL, f"payload lane sent an unreadable reply: {exc}",
                                     transport=True) from None
                 if kind == RECEIPT:
                     yield message
                     continue
                 if message.code:
-                    raise LaneError(_CODES.get(message.code, grpc.StatusCode.UNKNOWN), message.message)
+                    raise LaneError(_CODES.get(message.code, grpc.StatusCode.UNKNOWN), message.message,
+                                    retry_after=message.retry_after_seconds)
                 return
         finally:
             reader.close()
@@ -431,7 +443,7 @@ class LaneCall:
                 raise self._failure("lane connection closed without a status")
             kind, size = _REPLY_PREFIX.unpack(prefix)
             if size > MAX_REPLY_BYTES or kind not in (RECEIPT, STATUS):
-                raise LaneError(grpc.StatusCode.INTERNAL, f"engine lane sent an unreadable reply "
+                raise LaneError(grpc.StatusCode.INTERNAL, f"payload lane sent an unreadable reply "
                                 f"(kind {kind}, {size} bytes)", transport=True)
             return kind, _read_exact(reader, size, "a reply")
         except (HioError, OSError) as exc:   # cut off, reset, timed out (keepalive)

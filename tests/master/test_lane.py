@@ -1,0 +1,209 @@
+"""The master's payload lane (Enqueue over plain TCP) against a real master, gateway,
+engine and repository: the queue path's payloads, its refusals, and its configuration."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import zlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from hio.common.config import ConfigError, build
+from hio.common.lane import END_OF_INPUT, MAGIC, LaneCall, lane_frames, open_lane
+from hio.common.frames import TupleReceipt, unpacked_receipts
+from hio.master import MasterConfig
+from hio.proto import master_pb2
+from hio.proto.engine_pb2 import LaneHello, LaneStatus
+from tests.harness import wait_for
+from tests.worker.conftest import TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple, register_channel
+
+TOKENS = "gw-secret gateway gw1\nwk-secret worker w1\nview-secret viewer v1\n"
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Iterator[Repo]:
+    r = Repo(tmp_path / "repo")
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[Master]:
+    m = Master(tmp_path / "master", images=(TEST_IMAGE,))
+    yield m
+    m.close()
+
+
+def queued(master: Master) -> int:
+    return sum(q.length for q in master.status().queues)
+
+
+def lane_of(master: Master) -> str:
+    assert master.domain.lane is not None, "the master serves no lane"
+    return f"127.0.0.1:{master.domain.lane.port}"
+
+
+def routed(master: Master, count: int) -> list[tuple[int, bytes]]:
+    """Ids and tickets for ``count`` tuples, routed to the queue (as a gateway would be)."""
+    reply = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
+        source="test", image=TEST_IMAGE, force_queue=True,
+        items=[master_pb2.RouteItem(size=1) for _ in range(count)]), timeout=5)
+    assert reply.HasField("queue") and reply.queue.lane_port == master.domain.lane.port
+    return list(zip(reply.tuple_ids, reply.tickets))
+
+
+def test_gateway_queues_over_the_lane_and_an_engine_stores_every_payload(
+        master: Master, repo: Repo, tmp_path: Path) -> None:
+    """Forced through the queue, payloads of every size cross the master's lane intact."""
+    from hio.gateway import Gateway, GatewayConfig
+
+    config = GatewayConfig(master_address=master.address, repository_address=repo.address, force_queue=True,
+                           data_dir=str(tmp_path / "gw"), source="queue-lane", ingest_listen="", grace_seconds=2.0)
+    payloads = [b"", b"small", os.urandom(200_000), os.urandom(3_000_000)]
+    with Gateway(config) as gw:
+        ids = gw.send_many(payloads, image=TEST_IMAGE, timeout=60)
+        status = gw.status()
+    assert status.enqueued == len(payloads) and status.retries == 0
+    assert master.domain.lane.calls >= 1
+    assert queued(master) == len(payloads)
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
+    try:
+        register_channel(master, engine)
+        records = wait_for(lambda: (lambda found: found if set(ids) <= set(found) else None)(repo.records()),
+                           timeout=60, what="the queued tuples stored")
+    finally:
+        engine.close()
+    assert [records[i].meta.size for i in ids] == [len(p) for p in payloads]
+    assert [records[i].meta.crc32 for i in ids] == [zlib.crc32(p) for p in payloads]
+
+
+def test_the_lane_answers_with_enqueues_receipts_and_checks(master: Master) -> None:
+    (good_id, good_ticket), (bad_id, _) = routed(master, 2)
+    good = make_tuple(good_id, b"x" * 5000)
+    good[0].ticket = good_ticket
+    sock = open_lane(lane_of(master), "", connect_seconds=5, method="Enqueue")
+    call = LaneCall(sock, lane_frames(iter([good]), chunk_bytes=1024, pack_bytes=0), timeout=30)
+    receipts = [r for message in call for r in unpacked_receipts(message)]
+    assert [(r.tuple_id, r.state) for r in receipts] == [(good_id, TupleReceipt.ENQUEUED)]
+
+    meta, data = make_tuple(bad_id, b"y" * 5000)
+    meta.crc32 ^= 1   # damaged on the way
+    sock = open_lane(lane_of(master), "", connect_seconds=5, method="Enqueue")
+    call = LaneCall(sock, lane_frames(iter([(meta, data)]), chunk_bytes=1024, pack_bytes=0), timeout=30)
+    with pytest.raises(Exception) as failed:
+        list(call)
+    assert failed.value.code().name == "DATA_LOSS"
+    assert queued(master) == 1   # the damaged tuple left nothing behind
+
+
+def _status_for(address: str, hello: LaneHello, *, end: bool = False) -> LaneStatus:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        body = hello.SerializeToString()
+        sock.sendall(MAGIC + struct.pack(">I", len(body)) + body + (END_OF_INPUT if end else b""))
+        sock.shutdown(socket.SHUT_WR)
+        reader = sock.makefile("rb")
+        kind, size = struct.unpack(">BI", reader.read(5))
+        assert kind == 2
+        return LaneStatus.FromString(reader.read(size))
+
+
+def test_the_lane_serves_enqueue_only_and_to_the_roles_grpc_allows(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKENS)
+    m = Master(tmp_path / "master", tokens_file=str(tokens), images=(TEST_IMAGE,))
+    try:
+        address = lane_of(m)
+        wrong = _status_for(address, LaneHello(method="Deliver", token="gw-secret"))
+        assert wrong.code == 3 and "serves Enqueue only" in wrong.message
+        assert _status_for(address, LaneHello(method="Enqueue", token="nope")).code == 16      # UNAUTHENTICATED
+        assert _status_for(address, LaneHello(method="Enqueue", token="view-secret")).code == 7  # PERMISSION_DENIED
+        assert _status_for(address, LaneHello(method="Enqueue", token="gw-secret"), end=True).code == 0
+    finally:
+        m.close()
+
+
+def test_a_master_without_lane_routes_without_one_and_the_gateway_uses_grpc(repo: Repo, tmp_path: Path) -> None:
+    from hio.gateway import Gateway, GatewayConfig
+
+    m = Master(tmp_path / "master", lanes=False, images=(TEST_IMAGE,))
+    try:
+        assert m.domain.lane is None
+        config = GatewayConfig(master_address=m.address, repository_address=repo.address, force_queue=True,
+                               data_dir=str(tmp_path / "gw"), source="no-lane", ingest_listen="", grace_seconds=2.0)
+        with Gateway(config) as gw:
+            gw.send_many([os.urandom(100_000)], image=TEST_IMAGE, timeout=60)
+            assert gw.status().enqueued == 1
+        assert queued(m) == 1
+    finally:
+        m.close()
+
+
+def _config(**values: Any) -> MasterConfig:
+    return build(MasterConfig, "master", overrides={"data_dir": "/tmp/unused", **values})
+
+
+def test_lane_address_follows_listen_unless_set() -> None:
+    assert _config(listen="0.0.0.0:7000").lane_address() == "0.0.0.0:7001"
+    assert _config(listen="127.0.0.1:0").lane_address() == "127.0.0.1:0"
+    assert _config(listen="[::1]:7000").lane_address() == "[::1]:7001"
+    assert _config(listen="0.0.0.0:7000", lane_listen="10.0.0.5:9000").lane_address() == "10.0.0.5:9000"
+    assert _config(listen="0.0.0.0:7000", lanes=False).lane_address() == ""
+    with pytest.raises(ConfigError, match="lane_listen"):
+        _config(listen="0.0.0.0:65535")
+    with pytest.raises(ConfigError, match="lane_listen"):
+        _config(lane_listen="nohostport")
+
+
+def test_a_taken_lane_port_gives_way_only_when_derived(tmp_path: Path) -> None:
+    """listen's port + 1 taken: the lane takes any port (queue routes name it); a lane_listen
+    set by the operator and taken is a clear error."""
+    blocker = socket.socket()
+    try:
+        for _ in range(50):   # a taken port whose port - 1 is free, for the master's listen
+            blocker.close()
+            blocker = socket.socket()
+            blocker.bind(("127.0.0.1", 0))
+            blocker.listen()
+            taken = blocker.getsockname()[1]
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", taken - 1))
+                    break
+                except OSError:
+                    continue
+        m = Master(tmp_path / "m1", listen=f"127.0.0.1:{taken - 1}")
+        try:
+            assert m.domain.lane is not None and m.domain.lane.port not in (0, taken)
+        finally:
+            m.close()
+        with pytest.raises(ConfigError, match="payload lane"):
+            Master(tmp_path / "m2", lane_listen=f"127.0.0.1:{taken}")
+    finally:
+        blocker.close()
+
+
+def test_a_full_queue_answers_with_the_retry_hint_gRPC_would_carry(tmp_path: Path) -> None:
+    from hio.common.errors import retry_after
+
+    m = Master(tmp_path / "master", images=(TEST_IMAGE,), queue_bytes=1_000_000)
+    try:
+        (first, first_ticket), (second, second_ticket) = routed(m, 2)
+        tuples = [make_tuple(first, os.urandom(600_000)), make_tuple(second, os.urandom(600_000))]
+        tuples[0][0].ticket, tuples[1][0].ticket = first_ticket, second_ticket
+        sock = open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue")
+        call = LaneCall(sock, lane_frames(iter(tuples), chunk_bytes=1024, pack_bytes=0), timeout=30)
+        receipts = []
+        with pytest.raises(Exception) as full:
+            for message in call:
+                receipts.extend(unpacked_receipts(message))
+        assert [r.tuple_id for r in receipts] == [first]
+        assert full.value.code().name == "RESOURCE_EXHAUSTED" and "queue full" in full.value.details()
+        assert (retry_after(full.value) or 0) > 0
+        assert queued(m) == 1
+    finally:
+        m.close()
