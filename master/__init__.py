@@ -30,7 +30,7 @@ __all__ = ["MasterConfig", "Master", "create_master_server", "run_master", "make
 
 log = logging.getLogger("hio.master")
 
-LANE_CONNECTIONS = 64   # Enqueue calls at once on the lane (gateways, engines handing tuples back)
+LANE_CONNECTIONS = 256  # calls at once on the lane: Enqueue (gateways) and PullTuple (each idle engine holds one)
 
 
 def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, health.HealthServicer]:
@@ -62,10 +62,12 @@ def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable 
         return None
 
     def started(listen: str) -> LaneServer:
-        lane = LaneServer(listen, lambda frames: service.enqueue(frames, max_chunk_bytes=config.max_tuple_bytes),
+        lane = LaneServer(listen, service="Master",
+                          uploads={"Enqueue": lambda frames: service.enqueue(frames, max_chunk_bytes=config.max_tuple_bytes)},
+                          downloads={"PullTuple": service.pull_for_lane},
                           table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
                           max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
-                          service="Master", method="Enqueue", max_connections=LANE_CONNECTIONS)
+                          max_connections=LANE_CONNECTIONS)
         lane.start()
         return lane
 

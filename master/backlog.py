@@ -433,8 +433,11 @@ class BacklogQueue:
         """The frames of leased tuples in order, from memory or read from disk chunk by chunk;
         small ones packed into shared messages when ``pack_bytes`` allows, large chunks
         encoded (the server sends them with ``frames.serialize_frame``)."""
-        return tuple_frames(((lease.meta, self._payload(lease)) for lease in leases), chunk_bytes, pack_bytes,
-                            encode=True)
+        return tuple_frames(self.payloads(leases), chunk_bytes, pack_bytes, encode=True)
+
+    def payloads(self, leases: list[Lease]) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
+        """Each lease's metadata and payload, opened only when its turn comes."""
+        return ((lease.meta, self._payload(lease)) for lease in leases)
 
     def _payload(self, lease: Lease) -> bytes | BinaryIO:
         """The payload of a current lease: in memory, or a file positioned at it."""

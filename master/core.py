@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from hio.common.config import ConfigError, state_dir
 from hio.common.files import lock_folder
@@ -112,6 +112,10 @@ class Pulled:
 
     def frames(self) -> Iterator[TupleFrame]:
         return self._master.queue.frames(self.leases, self._master.config.chunk_bytes, PULL_PACK_BYTES)
+
+    def payloads(self) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
+        """Each leased tuple's metadata and payload (in memory, or its segment file at it)."""
+        return self._master.queue.payloads(self.leases)
 
     def abandon(self, reason: str = "pull stream ended early", *, charge: bool = True) -> None:
         """The stream broke before the channel got the tuples: requeue them now, not at lease expiry.

@@ -7,14 +7,16 @@ status, anything else ``INTERNAL`` with a log reference.
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from hio.common.errors import grpc_errors
+from hio.common.errors import InvalidArgument, grpc_errors
 from hio.common.frames import TupleFrame, TupleReceipt, idle_bounded
+from hio.common.lane import LaneFrame, lane_frames
 from hio.master.backlog import Placement
-from hio.master.core import Master, Outcome, RouteItem, Status
+from hio.master.core import PULL_PACK_BYTES, Master, Outcome, RouteItem, Status
 from hio.master.deadletters import DeadLetter
 from hio.master.registry import ChannelSpec
 from hio.master.routing import DirectRoute
@@ -92,6 +94,29 @@ class MasterService(master_pb2_grpc.MasterServicer):
             yield TupleReceipt(index=stored.index, tuple_id=stored.meta.tuple_id, state=TupleReceipt.ENQUEUED,
                                message=_RECEIPT_MESSAGES[stored.placement])
 
+    def pull_for_lane(self, request_bytes: bytes, alive: Callable[[], bool]) -> Iterator[LaneFrame]:
+        """PullTuple on the payload lane: the leased tuples as lane frames (a payload on disk is
+        sent from its backlog segment with ``sendfile``). A stream that breaks voids the lease,
+        charged, as over gRPC; a caller gone before the lease is given charges nothing."""
+        try:
+            request = master_pb2.PullTupleRequest.FromString(request_bytes)
+        except DecodeError as exc:
+            raise InvalidArgument(f"unreadable PullTupleRequest: {exc}") from None
+        pulled = self._master.pull(request.channel_id, request.wait_seconds, max_tuples=request.max_tuples,
+                                   max_bytes=request.max_bytes, alive=alive)
+        if pulled is None:
+            return
+        if not alive():
+            pulled.abandon("pull call already ended", charge=False)
+            return
+        finished = False
+        try:
+            yield from lane_frames(pulled.payloads(), self._master.config.chunk_bytes, PULL_PACK_BYTES)
+            finished = True
+        finally:
+            if not finished:
+                pulled.abandon("pull stream cancelled")
+
     @grpc_errors
     def PullTuple(self, request: master_pb2.PullTupleRequest, context: grpc.ServicerContext) -> Iterator[TupleFrame]:
         pulled = self._master.pull(request.channel_id, request.wait_seconds, max_tuples=request.max_tuples,
@@ -122,7 +147,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                                    processing=request.processing, pull_done=request.pull_done)
         config = self._master.config
         return master_pb2.ReportTuplesResponse(pull_queue=pull, reservation_seconds=config.reservation_seconds,
-                                               lease_seconds=config.lease_seconds)
+                                               lease_seconds=config.lease_seconds, lane_port=self.lane_port)
 
     @grpc_errors
     def GetStatus(self, request: master_pb2.GetStatusRequest,

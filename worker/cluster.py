@@ -10,13 +10,16 @@ jittered backoff up to ``rpc_deadline`` seconds.
 from __future__ import annotations
 
 import logging
+import socket
+import time
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import grpc
 
 from hio.common import errors
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
-from hio.common.net import create_channel, pull_frames, send_frames
+from hio.common.lane import LaneDownload, open_lane
+from hio.common.net import create_channel, message_limit, pull_frames, send_frames
 from hio.common.retry import call_with_retry
 from hio.common.settings import ClusterSettings
 from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
@@ -33,6 +36,8 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.HioError]] = {
 }
 
 CALL_TIMEOUT = 30.0  # seconds one attempt of a unary call may take
+LANE_CONNECT_SECONDS = 3.0    # the master's payload lane not answering within this is skipped
+LANE_RETRY_SECONDS = 60.0     # an unreachable lane (firewall) is tried again after this
 
 
 def translate(exc: grpc.RpcError, peer: str) -> errors.HioError:
@@ -46,15 +51,18 @@ def translate(exc: grpc.RpcError, peer: str) -> errors.HioError:
 
 
 class PullCall:
-    """An open ``PullTuple`` long-poll: iterate its frames, or cancel it from another thread."""
+    """An open ``PullTuple`` long-poll (over gRPC, or a :class:`LaneDownload` on the master's
+    payload lane): iterate its frames, or cancel it from another thread. ``max_chunk_bytes``:
+    the largest frame payload it may bring (the lane sends a tuple as one frame)."""
 
-    def __init__(self, call: grpc.Call) -> None:
+    def __init__(self, call: "grpc.Call | LaneDownload", max_chunk_bytes: int) -> None:
         self._call = call
+        self.max_chunk_bytes = max_chunk_bytes
 
     def frames(self) -> Iterator[TupleFrame | ChunkFrame]:
         """The frames of the pulled tuples; empty when the master had nothing."""
         try:
-            yield from self._call  # type: ignore[misc]
+            yield from (self._call.frames() if isinstance(self._call, LaneDownload) else self._call)  # type: ignore[misc]
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 return
@@ -76,6 +84,8 @@ class ClusterLink:
         self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)
         self._enqueue = send_frames(self._master_channel, "Master", "Enqueue")
         self._pull = pull_frames(self._master_channel)
+        self._master_lane_port = 0                     # learnt from report answers
+        self._lane_retry_at: dict[str, float] = {}     # lane -> monotonic time to try it again
 
     def close(self) -> None:
         self._master_channel.close()
@@ -123,14 +133,42 @@ class ClusterLink:
         return receipt
 
     def report(self, request: master_pb2.ReportTuplesRequest, timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
-        """One ReportTuples call, no retry (the reporter decides)."""
+        """One ReportTuples call, no retry (the reporter decides). Its answer names the
+        master's payload lane, which pulls use from then on."""
         try:
-            return self._master.ReportTuples(request, timeout=timeout)
+            reply = self._master.ReportTuples(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise translate(exc, "master") from None
+        self._master_lane_port = reply.lane_port
+        return reply
 
     def pull(self, channel_id: str, wait_seconds: float, *, max_tuples: int = 1, max_bytes: int = 0) -> PullCall:
-        """Open a PullTuple long-poll for ``channel_id`` (up to ``max_tuples`` tuples)."""
+        """Open a PullTuple long-poll for ``channel_id`` (up to ``max_tuples`` tuples): on the
+        master's payload lane when it offers one and it answers, else over gRPC."""
         request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds,
                                               max_tuples=max_tuples, max_bytes=max_bytes)
-        return PullCall(self._pull(request, timeout=wait_seconds + 10.0))
+        timeout = wait_seconds + 10.0
+        sock = self._open_master_lane(request)
+        if sock is not None:
+            return PullCall(LaneDownload(sock, timeout=timeout, max_head_bytes=message_limit(self._settings),
+                                         max_data_bytes=self._settings.max_tuple_bytes),
+                            max_chunk_bytes=self._settings.max_tuple_bytes)
+        return PullCall(self._pull(request, timeout=timeout), max_chunk_bytes=message_limit(self._settings))
+
+    def _open_master_lane(self, request: master_pb2.PullTupleRequest) -> "socket.socket | None":
+        """A lane connection introduced with the pull; None (use gRPC) when the master offers no
+        lane, TLS is on, or it does not answer (then it is skipped for a minute, logged once)."""
+        port = self._master_lane_port
+        if not port or self._settings.tls_ca or self._settings.tls_cert:
+            return None
+        lane = f"{self._settings.master_address.rpartition(':')[0]}:{port}"
+        if time.monotonic() < self._lane_retry_at.get(lane, 0.0):
+            return None
+        try:
+            return open_lane(lane, self._settings.presented_token(), connect_seconds=LANE_CONNECT_SECONDS,
+                             method="PullTuple", request=request.SerializeToString())
+        except (OSError, ValueError) as exc:
+            if lane not in self._lane_retry_at:
+                log.warning("master's payload lane unusable; pulling over gRPC", extra={"lane": lane, "error": str(exc)})
+            self._lane_retry_at[lane] = time.monotonic() + LANE_RETRY_SECONDS
+            return None

@@ -691,7 +691,8 @@ class Engine:
                 call.cancel()
                 return False
             try:
-                self._process_pulled(itertools.chain([first], frames), first.meta)
+                self._process_pulled(itertools.chain([first], frames), first.meta,
+                                     max_chunk_bytes=call.max_chunk_bytes)
             finally:
                 self._unclaim(pull_done=True)
             return True
@@ -723,7 +724,8 @@ class Engine:
         self._reporter.set_busy(True)
         return True
 
-    def _process_pulled(self, frames: Iterable[TupleFrame], first_meta: TupleMeta) -> None:
+    def _process_pulled(self, frames: Iterable[TupleFrame], first_meta: TupleMeta, *,
+                        max_chunk_bytes: int | None = None) -> None:
         """Process the pulled tuples in order, store their features together, report each.
 
         The whole pull is read first (its size is bounded by the request), so
@@ -733,7 +735,7 @@ class Engine:
         pull that has taken three times ``pull_batch_seconds`` (its tuples cost
         more than the last ones did; other channels may take them).
         """
-        pulled = self._read_pulled(frames, first_meta)
+        pulled = self._read_pulled(frames, first_meta, max_chunk_bytes=max_chunk_bytes)
         started = time.monotonic()
         limit = 3 * self._config.pull_batch_seconds
         done: list[tuple[TupleMeta, bytes, float]] = []
@@ -755,9 +757,10 @@ class Engine:
             self._learn_cost((time.monotonic() - started) / processed)
         self._store_pulled(done)
 
-    def _read_pulled(self, frames: Iterable[TupleFrame], first_meta: TupleMeta) -> list[tuple[TupleMeta, bytes]]:
+    def _read_pulled(self, frames: Iterable[TupleFrame], first_meta: TupleMeta, *,
+                     max_chunk_bytes: int | None = None) -> list[tuple[TupleMeta, bytes]]:
         reader = FrameReader(frames, max_tuple_bytes=self._config.max_tuple_bytes,
-                             max_chunk_bytes=message_limit(self._config), need_id=True)
+                             max_chunk_bytes=max_chunk_bytes or message_limit(self._config), need_id=True)
         pulled: list[tuple[TupleMeta, bytes]] = []
         try:
             while (item := reader.next_tuple_bytes()) is not None:
@@ -863,8 +866,8 @@ def create_lane(config: EngineConfig, engine: "Engine", table: TokenTable | None
     if config.tls_cert:
         log.info("payload lane off: TLS is configured", extra={"channel": config.channel_id})
         return None
-    lane = LaneServer(config.lane_listen,
-                      lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes),
+    lane = LaneServer(config.lane_listen, service="Engine",
+                      uploads={"Deliver": lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes)},
                       table=table, policy=POLICY, idle_seconds=engine.idle_seconds,
                       max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes)
     try:

@@ -15,8 +15,9 @@ Servers configured with TLS offer no lane; senders then use gRPC.
 
 from __future__ import annotations
 
+import collections
 import logging
-import os
+import select
 import socket
 import struct
 import threading
@@ -53,6 +54,9 @@ SENDER_JOIN_SECONDS = 30.0  # how long a finished call waits for its sender befo
 Payload = Union[bytes, memoryview, BinaryIO]
 LaneFrame = tuple[bytes, Payload, int]   # (head, payload, payload size)
 Handler = Callable[[Iterator[Union[TupleFrame, ChunkFrame]]], Iterator[TupleReceipt]]
+# A download (the master's PullTuple): the hello's request and a check that the caller is
+# still connected, to the frames it is sent (they end with END_OF_INPUT, then the status).
+Download = Callable[[bytes, Callable[[], bool]], Iterator[LaneFrame]]
 
 
 class LaneError(grpc.RpcError):
@@ -177,8 +181,9 @@ def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int
 
 
 class LaneServer:
-    """Serves ``handler`` (the engine's ``deliver``, the master's ``enqueue``) as
-    ``service.method`` on a TCP port, a thread per connection.
+    """Serves calls of ``service`` on a TCP port, a thread per connection: ``uploads``
+    take frames and answer receipts (the engine's Deliver, the master's Enqueue);
+    ``downloads`` take the hello's request and send frames (the master's PullTuple).
 
     Callers are authenticated like gRPC callers (the hello carries the
     token; the same table and policy); statuses are the errors' gRPC codes.
@@ -187,14 +192,14 @@ class LaneServer:
     on a slow link without counting as a stall).
     """
 
-    def __init__(self, listen: str, handler: Handler, *, table: TokenTable | None,
+    def __init__(self, listen: str, *, service: str, uploads: dict[str, Handler],
+                 downloads: dict[str, Download] | None = None, table: TokenTable | None,
                  policy: dict[str, set[str]], idle_seconds: float, max_head_bytes: int,
-                 max_data_bytes: int, service: str = "Engine", method: str = METHOD,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_data_bytes: int, max_connections: int = MAX_CONNECTIONS) -> None:
         self._listen = listen
-        self._handler = handler
+        self._uploads = uploads
+        self._downloads = downloads or {}
         self._service = service
-        self._method = method
         self._max_connections = max_connections
         self._table = table
         self._policy = policy
@@ -206,6 +211,7 @@ class LaneServer:
         self._sock: socket.socket | None = None
         self.port = 0
         self.calls = 0       # calls that passed the hello (counted, for status and tests)
+        self.methods: collections.Counter[str] = collections.Counter()   # the same, by method
 
     def start(self) -> int:
         """Bind and accept in the background; returns the bound port."""
@@ -281,13 +287,25 @@ class LaneServer:
     def _run(self, conn: socket.socket, readers: list[BinaryIO]) -> LaneStatus | None:
         """Serve one call; its final status (None when the connection is lost)."""
         try:
-            self._hello(conn)
+            hello = self._hello(conn)
+            download = self._downloads.get(hello.method)
+            try:
+                self._authorize(hello)
+            except HioError:
+                if download is not None:
+                    conn.sendall(END_OF_INPUT)   # a download's status always follows its frames
+                raise
             with self._lock:
                 self.calls += 1
+                self.methods[hello.method] += 1
+            if download is not None:
+                if not self._download(conn, download, hello.request):
+                    return None
+                return LaneStatus(code=0)
             reader = conn.makefile("rb", buffering=READ_BUFFER)
             readers.append(reader)
             frames = read_frames(reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data)
-            receipts = self._handler(frames)
+            receipts = self._uploads[hello.method](frames)
             try:
                 for message in receipts:
                     _send_reply(conn, RECEIPT, message.SerializeToString())
@@ -302,7 +320,29 @@ class LaneServer:
             return LaneStatus(code=grpc.StatusCode.INTERNAL.value[0], message=f"{self._service.lower()} error: {exc}")
         return LaneStatus(code=0)
 
-    def _hello(self, conn: socket.socket) -> None:
+    def _download(self, conn: socket.socket, download: Download, request: bytes) -> bool:
+        """Send the frames of a download, then the end-of-input mark (the status follows it,
+        an error's too). False when a payload could not be read mid-frame: the connection is
+        then cut, which the caller reads as a broken call."""
+        frames = download(request, lambda: _peer_open(conn))
+        try:
+            for head, payload, size in frames:   # an error raised here falls between frames
+                try:
+                    write_frame(conn, head, payload, size)
+                except DataLoss as exc:
+                    log.warning("payload lane cannot read a tuple to send", extra={"error": str(exc)})
+                    return False
+            conn.sendall(END_OF_INPUT)
+        except OSError:
+            raise
+        except BaseException:
+            conn.sendall(END_OF_INPUT)   # then the error's status
+            raise
+        finally:
+            frames.close()  # type: ignore[attr-defined]
+        return True
+
+    def _hello(self, conn: socket.socket) -> LaneHello:
         """Read and check the hello, all of it within :data:`HELLO_SECONDS` (a client
         trickling bytes cannot hold a connection longer)."""
         deadline = time.monotonic() + HELLO_SECONDS
@@ -323,14 +363,48 @@ class LaneServer:
         except DecodeError as exc:
             raise InvalidArgument(f"payload lane: unreadable hello: {exc}") from None
         conn.settimeout(self._idle if self._idle > 0 else None)  # from here: the idle bound
-        if hello.method != self._method:
-            raise InvalidArgument(f"payload lane: serves {self._method} only, not {hello.method!r}")
+        if hello.method not in self._uploads and hello.method not in self._downloads:
+            served = " and ".join(sorted([*self._uploads, *self._downloads]))
+            raise InvalidArgument(f"payload lane: serves {served} only, not {hello.method!r}")
+        return hello
+
+    def _authorize(self, hello: LaneHello) -> None:
+        """Refuse a caller as gRPC would: the same tokens and role policy."""
         if self._table is not None:
-            refusal = refuse_caller(self._table, self._policy, f"/hio.proto.{self._service}/{self._method}",
+            refusal = refuse_caller(self._table, self._policy, f"/hio.proto.{self._service}/{hello.method}",
                                     hello.token)
             if refusal is not None:
                 code, message = refusal
                 raise (Unauthenticated if code == grpc.StatusCode.UNAUTHENTICATED else PermissionDenied)(message)
+
+
+def _peer_open(conn: socket.socket) -> bool:
+    """Whether the client is still connected (a download's caller that went away while
+    the server waited must not be given tuples it cannot take)."""
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return not readable or conn.recv(1, socket.MSG_PEEK) != b""
+    except (OSError, ValueError):
+        return False
+
+
+def write_frame(sock: socket.socket, head: bytes, payload: Payload, size: int) -> None:
+    """One frame: its prefix, head and payload (bytes with one send; an open file, from
+    its position, with ``sendfile``, then closed). DataLoss when the file is short;
+    socket errors propagate."""
+    prefix = _FRAME_PREFIX.pack(len(head), size)
+    if not size:
+        sock.sendall(prefix + head)
+    elif isinstance(payload, (bytes, memoryview)):
+        if size <= SMALL_SEND:
+            sock.sendall(b"".join((prefix, head, payload)))
+        else:
+            sock.sendall(prefix + head)
+            sock.sendall(payload)
+    else:
+        with payload:
+            sock.sendall(prefix + head)
+            _send_file(sock, payload, size)
 
 
 def _send_reply(conn: socket.socket, kind: int, body: bytes) -> None:
@@ -375,15 +449,17 @@ def lane_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_byte
             yield TupleFrame(meta=meta, last=True).SerializeToString(), payload, meta.size
 
 
-def open_lane(address: str, token: str, *, connect_seconds: float, method: str = METHOD) -> socket.socket:
+def open_lane(address: str, token: str, *, connect_seconds: float, method: str = METHOD,
+              request: bytes = b"") -> socket.socket:
     """A connected lane socket, introduced (hello sent) for ``method`` (Deliver to an
-    engine, Enqueue to the master). Raises OSError when unreachable."""
+    engine; Enqueue or PullTuple, with its ``request``, to the master). Raises OSError
+    when unreachable."""
     host, port = split_address(address)
     sock = socket.create_connection((host, port), timeout=connect_seconds)
     try:
         tune(sock)
         sock.settimeout(None)
-        hello = LaneHello(method=method, token=token).SerializeToString()
+        hello = LaneHello(method=method, token=token, request=request).SerializeToString()
         sock.sendall(MAGIC + _HELLO_PREFIX.pack(len(hello)) + hello)
     except BaseException:
         sock.close()
@@ -486,23 +562,11 @@ class LaneCall:
     def _send_frame(self, sock: socket.socket, head: bytes, payload: Payload, size: int) -> bool:
         """One frame; False when its payload could not be read (the call is ended).
         Socket errors propagate."""
-        prefix = _FRAME_PREFIX.pack(len(head), size)
-        if not size:
-            sock.sendall(prefix + head)
-        elif isinstance(payload, (bytes, memoryview)):
-            if size <= SMALL_SEND:
-                sock.sendall(b"".join((prefix, head, payload)))
-            else:
-                sock.sendall(prefix + head)
-                sock.sendall(payload)
-        else:
-            with payload:
-                sock.sendall(prefix + head)
-                try:
-                    _send_file(sock, payload, size)
-                except DataLoss as exc:
-                    self._payload_failed(exc)
-                    return False
+        try:
+            write_frame(sock, head, payload, size)
+        except DataLoss as exc:
+            self._payload_failed(exc)
+            return False
         return True
 
     def _payload_failed(self, exc: BaseException) -> None:
@@ -541,10 +605,53 @@ def _send_file(sock: socket.socket, fh: BinaryIO, size: int) -> None:
     """``size`` bytes of an open file from its position, kernel to kernel. DataLoss when the
     file is shorter; an OSError is taken as the socket's (a spool read error after the
     file opened is rare, and the engine then ends the call for a cut frame)."""
-    offset = fh.tell()
-    sent = 0
-    while sent < size:
-        n = os.sendfile(sock.fileno(), fh.fileno(), offset + sent, size - sent)
-        if n == 0:
-            raise DataLoss(f"spooled payload ended after {sent} of {size} bytes")
-        sent += n
+    sent = sock.sendfile(fh, fh.tell(), size)   # waits as the socket's timeout says (os.sendfile would not)
+    if sent != size:
+        raise DataLoss(f"payload file ended after {sent} of {size} bytes")
+
+
+class LaneDownload:
+    """A download over a lane socket (the master's PullTuple), used like a gRPC
+    server-streaming call: :meth:`frames` yields the frames, then raises
+    :class:`LaneError` if the server's status is an error or the lane broke;
+    :meth:`cancel` ends it from another thread. ``timeout``: the longest wait for
+    any byte (the server's long-poll included)."""
+
+    def __init__(self, sock: socket.socket, *, timeout: float, max_head_bytes: int, max_data_bytes: int) -> None:
+        self._sock = sock
+        self._timeout = timeout
+        self._max_head = max_head_bytes
+        self._max_data = max_data_bytes
+        self._cancelled = False
+
+    def frames(self) -> Iterator[Union[TupleFrame, ChunkFrame]]:
+        sock = self._sock
+        sock.settimeout(self._timeout)
+        reader = sock.makefile("rb", buffering=READ_BUFFER)
+        try:
+            try:
+                yield from read_frames(reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data)
+                prefix = _read(reader, _REPLY_PREFIX.size)
+                if len(prefix) != _REPLY_PREFIX.size:
+                    raise Cancelled("closed without a status")
+                kind, size = _REPLY_PREFIX.unpack(prefix)
+                if kind != STATUS or size > MAX_HELLO_BYTES:
+                    raise DataLoss(f"an unreadable reply (kind {kind}, {size} bytes)")
+                status = LaneStatus.FromString(_read_exact(reader, size, "a status"))
+            except (HioError, OSError, DecodeError) as exc:
+                if self._cancelled:
+                    raise LaneError(grpc.StatusCode.CANCELLED, "cancelled by the caller") from None
+                if isinstance(exc, DeadlineExceeded) or isinstance(exc, TimeoutError):
+                    raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+                message = exc.message if isinstance(exc, HioError) else str(exc)
+                raise LaneError(grpc.StatusCode.UNAVAILABLE, f"payload lane broke: {message}", transport=True) from None
+            if status.code:
+                raise LaneError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message,
+                                retry_after=status.retry_after_seconds)
+        finally:
+            reader.close()
+            sock.close()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        _shutdown(self._sock)

@@ -6,14 +6,16 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
+import grpc
 import pytest
 
 from hio.common.config import ConfigError, build
-from hio.common.lane import END_OF_INPUT, MAGIC, LaneCall, lane_frames, open_lane
+from hio.common.lane import END_OF_INPUT, MAGIC, LaneCall, LaneDownload, lane_frames, open_lane
 from hio.common.frames import TupleReceipt, unpacked_receipts
 from hio.master import MasterConfig
 from hio.proto import master_pb2
@@ -75,10 +77,13 @@ def test_gateway_queues_over_the_lane_and_an_engine_stores_every_payload(
         register_channel(master, engine)
         records = wait_for(lambda: (lambda found: found if set(ids) <= set(found) else None)(repo.records()),
                            timeout=60, what="the queued tuples stored")
+        # The engine learns the lane from its reports' answers; its pulls use it from then on.
+        wait_for(lambda: master.domain.lane.methods["PullTuple"] >= 1, timeout=30, what="a pull over the lane")
     finally:
         engine.close()
     assert [records[i].meta.size for i in ids] == [len(p) for p in payloads]
     assert [records[i].meta.crc32 for i in ids] == [zlib.crc32(p) for p in payloads]
+
 
 
 def test_the_lane_answers_with_enqueues_receipts_and_checks(master: Master) -> None:
@@ -89,6 +94,7 @@ def test_the_lane_answers_with_enqueues_receipts_and_checks(master: Master) -> N
     call = LaneCall(sock, lane_frames(iter([good]), chunk_bytes=1024, pack_bytes=0), timeout=30)
     receipts = [r for message in call for r in unpacked_receipts(message)]
     assert [(r.tuple_id, r.state) for r in receipts] == [(good_id, TupleReceipt.ENQUEUED)]
+    assert master.domain.lane.methods["Enqueue"] == 1
 
     meta, data = make_tuple(bad_id, b"y" * 5000)
     meta.crc32 ^= 1   # damaged on the way
@@ -112,17 +118,31 @@ def _status_for(address: str, hello: LaneHello, *, end: bool = False) -> LaneSta
         return LaneStatus.FromString(reader.read(size))
 
 
-def test_the_lane_serves_enqueue_only_and_to_the_roles_grpc_allows(tmp_path: Path) -> None:
+def _pull_status(address: str, token: str, request: master_pb2.PullTupleRequest) -> str:
+    """The outcome of a PullTuple on the lane: 'OK: n frames' or the error's code name."""
+    call = LaneDownload(open_lane(address, token, connect_seconds=5, method="PullTuple",
+                                  request=request.SerializeToString()),
+                        timeout=20, max_head_bytes=1 << 20, max_data_bytes=1 << 26)
+    try:
+        return f"OK: {len(list(call.frames()))} frames"
+    except grpc.RpcError as exc:
+        return exc.code().name
+
+
+def test_the_lane_serves_its_methods_only_and_to_the_roles_grpc_allows(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(TOKENS)
     m = Master(tmp_path / "master", tokens_file=str(tokens), images=(TEST_IMAGE,))
     try:
         address = lane_of(m)
         wrong = _status_for(address, LaneHello(method="Deliver", token="gw-secret"))
-        assert wrong.code == 3 and "serves Enqueue only" in wrong.message
+        assert wrong.code == 3 and "serves Enqueue and PullTuple only" in wrong.message
         assert _status_for(address, LaneHello(method="Enqueue", token="nope")).code == 16      # UNAUTHENTICATED
         assert _status_for(address, LaneHello(method="Enqueue", token="view-secret")).code == 7  # PERMISSION_DENIED
         assert _status_for(address, LaneHello(method="Enqueue", token="gw-secret"), end=True).code == 0
+        pull = master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=0.1, max_tuples=1)
+        assert _pull_status(address, "gw-secret", pull) == "PERMISSION_DENIED"   # pulling is the workers'
+        assert _pull_status(address, "wk-secret", pull) == "NOT_FOUND"           # no such channel
     finally:
         m.close()
 
@@ -205,5 +225,60 @@ def test_a_full_queue_answers_with_the_retry_hint_gRPC_would_carry(tmp_path: Pat
         assert full.value.code().name == "RESOURCE_EXHAUSTED" and "queue full" in full.value.details()
         assert (retry_after(full.value) or 0) > 0
         assert queued(m) == 1
+    finally:
+        m.close()
+
+
+def test_a_pull_over_the_lane_brings_each_queued_tuple_intact_from_memory_or_disk(tmp_path: Path) -> None:
+    """Small tuples packed, one cached in memory, one read from its backlog segment (sendfile)."""
+    from hio.common.frames import FrameReader
+
+    m = Master(tmp_path / "master", images=(TEST_IMAGE,), queue_memory_bytes=1_000_000)
+    try:
+        register_channel(m, "127.0.0.1:1")
+        payloads = [b"tiny", os.urandom(500_000), os.urandom(3_000_000)]   # the last one is not cached
+        routes = routed(m, len(payloads))
+        tuples = []
+        for (tuple_id, ticket), payload in zip(routes, payloads):
+            meta, data = make_tuple(tuple_id, payload)
+            meta.ticket = ticket
+            tuples.append((meta, data))
+        call = LaneCall(open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue"),
+                        lane_frames(iter(tuples), chunk_bytes=1024, pack_bytes=64 * 1024), timeout=30)
+        assert len([r for message in call for r in unpacked_receipts(message)]) == 3
+        request = master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=1.0, max_tuples=3,
+                                              max_bytes=10_000_000)
+        download = LaneDownload(open_lane(lane_of(m), "", connect_seconds=5, method="PullTuple",
+                                          request=request.SerializeToString()),
+                                timeout=20, max_head_bytes=1 << 20, max_data_bytes=1 << 26)
+        reader = FrameReader(download.frames(), max_tuple_bytes=1 << 26, max_chunk_bytes=1 << 26, need_id=True)
+        got = []
+        while (item := reader.next_tuple_bytes()) is not None:
+            got.append(item)
+        assert [meta.tuple_id for meta, _ in got] == [tuple_id for tuple_id, _ in routes]
+        assert [data for _, data in got] == payloads
+        assert sum(q.leased for q in m.status().queues) == 3
+    finally:
+        m.close()
+
+
+def test_a_pull_whose_engine_went_away_while_waiting_takes_nothing(tmp_path: Path) -> None:
+    m = Master(tmp_path / "master", images=(TEST_IMAGE,))
+    try:
+        register_channel(m, "127.0.0.1:1")
+        request = master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=5.0, max_tuples=1)
+        sock = open_lane(lane_of(m), "", connect_seconds=5, method="PullTuple", request=request.SerializeToString())
+        wait_for(lambda: m.domain.lane.methods["PullTuple"] == 1, timeout=5, what="the pull waiting")
+        sock.close()   # the engine is gone while its pull waits
+        [(tuple_id, ticket)] = routed(m, 1)
+        meta, data = make_tuple(tuple_id, b"z" * 1000)
+        meta.ticket = ticket
+        call = LaneCall(open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue"),
+                        lane_frames(iter([(meta, data)]), chunk_bytes=1024, pack_bytes=0), timeout=30)
+        list(call)
+        time.sleep(1.0)
+        [queue] = m.status().queues
+        assert (queue.length, queue.leased) == (1, 0)
+        assert not m.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5).dead_letters
     finally:
         m.close()
