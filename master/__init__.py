@@ -67,7 +67,7 @@ def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable 
                           downloads={"PullTuple": service.pull_for_lane},
                           table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
                           max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
-                          max_connections=LANE_CONNECTIONS)
+                          max_connections=LANE_CONNECTIONS, piece_bytes=config.chunk_bytes)
         lane.start()
         return lane
 
@@ -102,6 +102,8 @@ def run_master(config: MasterConfig) -> int:
 
     def draining() -> None:
         set_serving(health_servicer, False)
+        if master.lane is not None:   # its calls end now (senders send again); pulls void their leases
+            master.lane.stop()
         master.begin_shutdown()
 
     try:

@@ -62,7 +62,7 @@ class MasterConfig(ClusterSettings):
             raise ConfigError(f"listen must be host:port, got {self.listen!r}")
         if self.lane_listen and (":" not in self.lane_listen or not self.lane_listen.rpartition(":")[2].isdigit()):
             raise ConfigError(f"lane_listen must be host:port, got {self.lane_listen!r}")
-        if not self.lane_listen and self.lanes and self.listen.rpartition(":")[2] == "65535":
+        if not self.lane_listen and self.lane_address() and self.listen.rpartition(":")[2] == "65535":
             raise ConfigError("listen's port is 65535, so the payload lane has no port + 1: set lane_listen")
         for name in ("queue_bytes", "segment_bytes", "heartbeat_interval", "expiry_seconds",
                      "reservation_seconds", "lease_seconds", "max_attempts", "server_threads",

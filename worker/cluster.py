@@ -148,27 +148,36 @@ class ClusterLink:
         request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds,
                                               max_tuples=max_tuples, max_bytes=max_bytes)
         timeout = wait_seconds + 10.0
-        sock = self._open_master_lane(request)
+        lane = self._master_lane()
+        sock = self._open_master_lane(lane, request) if lane else None
         if sock is not None:
             return PullCall(LaneDownload(sock, timeout=timeout, max_head_bytes=message_limit(self._settings),
-                                         max_data_bytes=self._settings.max_tuple_bytes),
+                                         max_data_bytes=self._settings.max_tuple_bytes,
+                                         on_broken=lambda why: self._lane_down(lane, why)),
                             max_chunk_bytes=self._settings.max_tuple_bytes)
         return PullCall(self._pull(request, timeout=timeout), max_chunk_bytes=message_limit(self._settings))
 
-    def _open_master_lane(self, request: master_pb2.PullTupleRequest) -> "socket.socket | None":
-        """A lane connection introduced with the pull; None (use gRPC) when the master offers no
-        lane, TLS is on, or it does not answer (then it is skipped for a minute, logged once)."""
+    def _master_lane(self) -> str:
+        """The master's payload lane, '' when it offers none or TLS is on (the lane has none)."""
         port = self._master_lane_port
         if not port or self._settings.tls_ca or self._settings.tls_cert:
-            return None
-        lane = f"{self._settings.master_address.rpartition(':')[0]}:{port}"
+            return ""
+        return f"{self._settings.master_address.rpartition(':')[0]}:{port}"
+
+    def _open_master_lane(self, lane: str, request: master_pb2.PullTupleRequest) -> "socket.socket | None":
+        """A lane connection introduced with the pull; None (use gRPC) while the lane is
+        skipped, or when it does not answer (then skipped for a minute)."""
         if time.monotonic() < self._lane_retry_at.get(lane, 0.0):
             return None
         try:
             return open_lane(lane, self._settings.presented_token(), connect_seconds=LANE_CONNECT_SECONDS,
                              method="PullTuple", request=request.SerializeToString())
         except (OSError, ValueError) as exc:
-            if lane not in self._lane_retry_at:
-                log.warning("master's payload lane unusable; pulling over gRPC", extra={"lane": lane, "error": str(exc)})
-            self._lane_retry_at[lane] = time.monotonic() + LANE_RETRY_SECONDS
+            self._lane_down(lane, str(exc))
             return None
+
+    def _lane_down(self, lane: str, error: str) -> None:
+        """Pull over gRPC for a while: the lane refused, broke or stayed silent. Said once."""
+        if lane not in self._lane_retry_at:
+            log.warning("master's payload lane unusable; pulling over gRPC", extra={"lane": lane, "error": error})
+        self._lane_retry_at[lane] = time.monotonic() + LANE_RETRY_SECONDS

@@ -19,6 +19,7 @@ import collections
 import logging
 import select
 import socket
+import uuid
 import struct
 import threading
 import time
@@ -50,6 +51,7 @@ MAX_CONNECTIONS = 16        # an engine serves one call at a time; more connecti
 READ_BUFFER = 256 * 1024    # larger reads go straight into their destination
 SMALL_SEND = 64 * 1024      # a frame up to this is sent with its prefix in one send
 SENDER_JOIN_SECONDS = 30.0  # how long a finished call waits for its sender before leaving it the socket
+STOP_WAIT_SECONDS = 2.0     # how long stop() waits for the calls it ended
 
 Payload = Union[bytes, memoryview, BinaryIO]
 LaneFrame = tuple[bytes, Payload, int]   # (head, payload, payload size)
@@ -117,7 +119,7 @@ def _recv_before(conn: socket.socket, size: int, deadline: float) -> bytes:
         conn.settimeout(left)
         try:
             n = conn.recv_into(view[got:])
-        except TimeoutError:
+        except OSError:   # timed out, or the client is gone: a short hello either way
             break
         if not n:
             break
@@ -139,18 +141,27 @@ def _read(reader: BinaryIO, size: int) -> bytes:
         return reader.read(size)
     except TimeoutError:
         raise DeadlineExceeded("no bytes within the idle bound (stream_idle_seconds): the sender stalled") from None
+    except OSError as exc:   # reset, or shut by stop(): the peer is gone, as a cancelled gRPC call
+        raise Cancelled(f"payload lane: connection lost: {exc}") from None
+
+
+class _Lost(Exception):
+    """A reply could not be written: the client is gone (nothing more to tell it)."""
 
 
 # -- the engine's side ---------------------------------------------------------------
 
-def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int
-                ) -> Iterator[Union[TupleFrame, ChunkFrame]]:
+def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int,
+                piece_bytes: int = 0) -> Iterator[Union[TupleFrame, ChunkFrame]]:
     """The frames a client sends, until it ends its input (:data:`END_OF_INPUT`); a
     connection that ends without it is a cancelled call.
 
     A frame's payload is read into one ``bytes`` of its own, so a tuple sent
     as one frame reaches the pipeline without a copy (:class:`FrameReader`
-    passes a lone ``bytes`` chunk through).
+    passes a lone ``bytes`` chunk through). With ``piece_bytes``, a larger
+    payload is read and handed on in pieces of that size (the master writes
+    them to its backlog as they come, after checking the tuple, so an upload
+    holds one piece in memory, not a whole tuple).
     """
     while True:
         prefix = _read(reader, _FRAME_PREFIX.size)
@@ -177,7 +188,27 @@ def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int
         if frame.HasField("meta") and data_size > frame.meta.size:
             raise DataLoss(f"payload lane: tuple {frame.meta.tuple_id or frame.meta.name}: frame of {data_size} "
                            f"bytes, more than the {frame.meta.size} its metadata declares")
-        yield ChunkFrame(frame, _read_exact(reader, data_size, "a frame's data"))  # type: ignore[arg-type]
+        if not piece_bytes or data_size <= piece_bytes:
+            yield ChunkFrame(frame, _read_exact(reader, data_size, "a frame's data"))  # type: ignore[arg-type]
+            continue
+        yield from _pieces(reader, frame, data_size, piece_bytes)
+
+
+def _pieces(reader: BinaryIO, frame: TupleFrame, size: int, piece_bytes: int) -> Iterator[ChunkFrame]:
+    """One frame's data as consecutive frames of at most ``piece_bytes``: the first keeps
+    the head, and only the last may end the tuple (as the frame did)."""
+    done = 0
+    while done < size:
+        step = min(piece_bytes, size - done)
+        ends = frame.last and done + step == size
+        if done == 0:
+            head = TupleFrame()
+            head.CopyFrom(frame)
+            head.last = ends
+        else:
+            head = TupleFrame(last=ends)
+        yield ChunkFrame(head, _read_exact(reader, step, "a frame's data"))  # type: ignore[arg-type]
+        done += step
 
 
 class LaneServer:
@@ -195,8 +226,9 @@ class LaneServer:
     def __init__(self, listen: str, *, service: str, uploads: dict[str, Handler],
                  downloads: dict[str, Download] | None = None, table: TokenTable | None,
                  policy: dict[str, set[str]], idle_seconds: float, max_head_bytes: int,
-                 max_data_bytes: int, max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_data_bytes: int, max_connections: int = MAX_CONNECTIONS, piece_bytes: int = 0) -> None:
         self._listen = listen
+        self._piece = piece_bytes
         self._uploads = uploads
         self._downloads = downloads or {}
         self._service = service
@@ -226,8 +258,9 @@ class LaneServer:
         threading.Thread(target=self._accept, name="lane-accept", daemon=True).start()
         return self.port
 
-    def stop(self) -> None:
-        """Accept no more; end the connections in progress (their senders deliver again)."""
+    def stop(self, wait: float = STOP_WAIT_SECONDS) -> None:
+        """Accept no more; end the connections in progress (their senders deliver again),
+        and wait up to ``wait`` seconds for their handlers to finish."""
         sock, self._sock = self._sock, None
         if sock is not None:
             _shutdown(sock)
@@ -236,6 +269,12 @@ class LaneServer:
             conns = list(self._conns)
         for conn in conns:
             _shutdown(conn)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._conns:
+                    return
+            time.sleep(0.02)
 
     def _accept(self) -> None:
         while True:
@@ -293,7 +332,7 @@ class LaneServer:
                 self._authorize(hello)
             except HioError:
                 if download is not None:
-                    conn.sendall(END_OF_INPUT)   # a download's status always follows its frames
+                    _send(conn, END_OF_INPUT)   # a download's status always follows its frames
                 raise
             with self._lock:
                 self.calls += 1
@@ -304,20 +343,23 @@ class LaneServer:
                 return LaneStatus(code=0)
             reader = conn.makefile("rb", buffering=READ_BUFFER)
             readers.append(reader)
-            frames = read_frames(reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data)
+            frames = read_frames(reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data,
+                                 piece_bytes=self._piece)
             receipts = self._uploads[hello.method](frames)
             try:
                 for message in receipts:
-                    _send_reply(conn, RECEIPT, message.SerializeToString())
+                    _reply(conn, RECEIPT, message.SerializeToString())
             finally:
                 receipts.close()  # type: ignore[attr-defined]
+        except _Lost:
+            return None
         except HioError as exc:
             return LaneStatus(code=exc.code.value[0], message=exc.message, retry_after_seconds=exc.retry_after or 0.0)
-        except OSError:
-            return None
-        except Exception as exc:  # noqa: BLE001 - the one place that maps the lane's errors
-            log.exception("payload lane call failed")
-            return LaneStatus(code=grpc.StatusCode.INTERNAL.value[0], message=f"{self._service.lower()} error: {exc}")
+        except Exception:  # noqa: BLE001 - the one place that maps the lane's errors (a disk error, a bug)
+            ref = uuid.uuid4().hex[:12]   # as gRPC's servicers do: the details stay in the log
+            log.exception("payload lane call failed ref=%s", ref)
+            return LaneStatus(code=grpc.StatusCode.INTERNAL.value[0],
+                              message=f"internal error (ref {ref}); see the server log")
         return LaneStatus(code=0)
 
     def _download(self, conn: socket.socket, download: Download, request: bytes) -> bool:
@@ -332,11 +374,13 @@ class LaneServer:
                 except DataLoss as exc:
                     log.warning("payload lane cannot read a tuple to send", extra={"error": str(exc)})
                     return False
-            conn.sendall(END_OF_INPUT)
-        except OSError:
+                except OSError as exc:
+                    raise _Lost(str(exc)) from None
+            _send(conn, END_OF_INPUT)
+        except (_Lost, GeneratorExit):
             raise
         except BaseException:
-            conn.sendall(END_OF_INPUT)   # then the error's status
+            _send(conn, END_OF_INPUT)   # then the error's status
             raise
         finally:
             frames.close()  # type: ignore[attr-defined]
@@ -382,9 +426,12 @@ def _peer_open(conn: socket.socket) -> bool:
     """Whether the client is still connected (a download's caller that went away while
     the server waited must not be given tuples it cannot take)."""
     try:
-        readable, _, _ = select.select([conn], [], [], 0)
-        return not readable or conn.recv(1, socket.MSG_PEEK) != b""
-    except (OSError, ValueError):
+        poller = select.poll()   # not select(): it fails for descriptors above 1023
+        poller.register(conn, select.POLLIN)
+        if not poller.poll(0):
+            return True
+        return conn.recv(1, socket.MSG_PEEK) != b""   # readable: end of stream, or bytes
+    except OSError:
         return False
 
 
@@ -394,6 +441,8 @@ def write_frame(sock: socket.socket, head: bytes, payload: Payload, size: int) -
     socket errors propagate."""
     prefix = _FRAME_PREFIX.pack(len(head), size)
     if not size:
+        if not isinstance(payload, (bytes, memoryview)):
+            payload.close()
         sock.sendall(prefix + head)
     elif isinstance(payload, (bytes, memoryview)):
         if size <= SMALL_SEND:
@@ -409,6 +458,18 @@ def write_frame(sock: socket.socket, head: bytes, payload: Payload, size: int) -
 
 def _send_reply(conn: socket.socket, kind: int, body: bytes) -> None:
     conn.sendall(_REPLY_PREFIX.pack(kind, len(body)) + body)
+
+
+def _reply(conn: socket.socket, kind: int, body: bytes) -> None:
+    """A reply to a client that may have gone: :class:`_Lost` instead of the socket's error."""
+    _send(conn, _REPLY_PREFIX.pack(kind, len(body)) + body)
+
+
+def _send(conn: socket.socket, data: bytes) -> None:
+    try:
+        conn.sendall(data)
+    except OSError as exc:
+        raise _Lost(str(exc)) from None
 
 
 def _drain(conn: socket.socket) -> None:
@@ -617,20 +678,30 @@ class LaneDownload:
     :meth:`cancel` ends it from another thread. ``timeout``: the longest wait for
     any byte (the server's long-poll included)."""
 
-    def __init__(self, sock: socket.socket, *, timeout: float, max_head_bytes: int, max_data_bytes: int) -> None:
+    def __init__(self, sock: socket.socket, *, timeout: float, max_head_bytes: int, max_data_bytes: int,
+                 on_broken: Callable[[str], None] = lambda why: None) -> None:
         self._sock = sock
         self._timeout = timeout
         self._max_head = max_head_bytes
         self._max_data = max_data_bytes
+        self._on_broken = on_broken
         self._cancelled = False
+        self._started = False
 
     def frames(self) -> Iterator[Union[TupleFrame, ChunkFrame]]:
+        """The frames; ``on_broken`` hears of a lane that broke or stayed silent before its
+        first frame or status (not a server's answer: the caller may use gRPC for a while)."""
+        self._started = True
         sock = self._sock
         sock.settimeout(self._timeout)
         reader = sock.makefile("rb", buffering=READ_BUFFER)
+        answered = False
         try:
             try:
-                yield from read_frames(reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data)
+                for frame in read_frames(reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data):
+                    answered = True
+                    yield frame
+                answered = True
                 prefix = _read(reader, _REPLY_PREFIX.size)
                 if len(prefix) != _REPLY_PREFIX.size:
                     raise Cancelled("closed without a status")
@@ -641,9 +712,11 @@ class LaneDownload:
             except (HioError, OSError, DecodeError) as exc:
                 if self._cancelled:
                     raise LaneError(grpc.StatusCode.CANCELLED, "cancelled by the caller") from None
-                if isinstance(exc, DeadlineExceeded) or isinstance(exc, TimeoutError):
-                    raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
                 message = exc.message if isinstance(exc, HioError) else str(exc)
+                if not answered:
+                    self._on_broken(message)
+                if isinstance(exc, (DeadlineExceeded, TimeoutError)):
+                    raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
                 raise LaneError(grpc.StatusCode.UNAVAILABLE, f"payload lane broke: {message}", transport=True) from None
             if status.code:
                 raise LaneError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message,
@@ -655,3 +728,5 @@ class LaneDownload:
     def cancel(self) -> None:
         self._cancelled = True
         _shutdown(self._sock)
+        if not self._started:   # frames() never ran: nothing else will close the socket
+            self._sock.close()

@@ -136,6 +136,8 @@ def test_a_channel_reaches_a_server_another_channel_found_down() -> None:
 
     settings = ClusterSettings()
     port = free_port()
+    # Another channel of the process with the same settings (so gRPC's process-wide pool, were it
+    # used, would share its connection): it fails, and backs off.
     with create_channel(f"127.0.0.1:{port}", settings) as earlier:
         with pytest.raises(grpc.RpcError) as refused:
             earlier.unary_unary("/test.Echo/Say")(b"hi", timeout=2)

@@ -196,6 +196,8 @@ def test_a_taken_lane_port_gives_way_only_when_derived(tmp_path: Path) -> None:
                     break
                 except OSError:
                     continue
+        else:
+            pytest.skip("no taken port with a free port below it found")
         m = Master(tmp_path / "m1", listen=f"127.0.0.1:{taken - 1}")
         try:
             assert m.domain.lane is not None and m.domain.lane.port not in (0, taken)
@@ -263,7 +265,7 @@ def test_a_pull_over_the_lane_brings_each_queued_tuple_intact_from_memory_or_dis
 
 
 def test_a_pull_whose_engine_went_away_while_waiting_takes_nothing(tmp_path: Path) -> None:
-    m = Master(tmp_path / "master", images=(TEST_IMAGE,))
+    m = Master(tmp_path / "master", images=(TEST_IMAGE,), max_attempts=1)   # a charge would dead-letter it
     try:
         register_channel(m, "127.0.0.1:1")
         request = master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=5.0, max_tuples=1)
@@ -282,3 +284,49 @@ def test_a_pull_whose_engine_went_away_while_waiting_takes_nothing(tmp_path: Pat
         assert not m.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5).dead_letters
     finally:
         m.close()
+
+
+def test_a_handlers_own_error_is_internal_with_a_log_reference_not_a_lost_client() -> None:
+    """A disk error while storing is the server's: INTERNAL (details in the log, as gRPC's
+    servicers do), not a silently dropped connection the sender would take for an outage."""
+    from hio.common.lane import LaneServer
+
+    def failing(frames: Iterator[Any]) -> Iterator[TupleReceipt]:
+        next(frames)
+        raise OSError(28, "No space left on device")
+        yield  # a generator, like the real handlers
+
+    server = LaneServer("127.0.0.1:0", service="Master", uploads={"Enqueue": failing}, table=None, policy={},
+                        idle_seconds=10, max_head_bytes=1 << 20, max_data_bytes=1 << 24, piece_bytes=1024)
+    server.start()
+    try:
+        sock = open_lane(f"127.0.0.1:{server.port}", "", connect_seconds=5, method="Enqueue")
+        call = LaneCall(sock, lane_frames(iter([make_tuple(7, os.urandom(5000))]), chunk_bytes=1024,
+                                          pack_bytes=0), timeout=30)
+        with pytest.raises(grpc.RpcError) as failed:
+            list(call)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        assert "see the server log" in failed.value.details() and "space" not in failed.value.details()
+    finally:
+        server.stop()
+
+
+def test_an_engine_pulls_over_grpc_when_the_masters_lane_breaks(master: Master, tmp_path: Path) -> None:
+    """A lane that accepts and then closes (a crowded or foreign listener): that pull fails,
+    and the next ones go over gRPC for a while."""
+    from hio.worker.cluster import ClusterLink
+    from tests.worker.test_lane import _ClosingListener
+
+    register_channel(master, "127.0.0.1:1")
+    closing = _ClosingListener()
+    link = ClusterLink(engine_config(master=master.address, repository="127.0.0.1:1"), rpc_deadline=5)
+    try:
+        link._master_lane_port = int(closing.address.rsplit(":", 1)[1])   # as a report's answer would set it
+        with pytest.raises(Exception) as broken:
+            list(link.pull("w1/0", 0.2).frames())
+        assert "payload lane broke" in str(broken.value)
+        assert list(link.pull("w1/0", 0.2).frames()) == []   # over gRPC: nothing queued, no error
+        assert closing.accepted == 1
+    finally:
+        link.close()
+        closing.close()
