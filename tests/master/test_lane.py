@@ -21,20 +21,15 @@ from hio.master import MasterConfig
 from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 from tests.harness import wait_for
-from tests.worker.conftest import TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple, register_channel
+from tests.worker.conftest import (TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple,  # noqa: F401
+                                   register_channel, repo)   # repo: the worker tests' repository fixture
 
 TOKENS = "gw-secret gateway gw1\nwk-secret worker w1\nview-secret viewer v1\n"
 
 
 @pytest.fixture
-def repo(tmp_path: Path) -> Iterator[Repo]:
-    r = Repo(tmp_path / "repo")
-    yield r
-    r.close()
-
-
-@pytest.fixture
 def master(tmp_path: Path) -> Iterator[Master]:
+    """A master that accepts the test image before any worker offers it."""
     m = Master(tmp_path / "master", images=(TEST_IMAGE,))
     yield m
     m.close()
