@@ -40,7 +40,7 @@ import grpc
 
 from hio.common.errors import retry_after
 from hio.common.frames import TupleMeta, WireFrame, tuple_frames, unpacked_receipts
-from hio.common.lane import LaneCall, lane_frames, open_lane
+from hio.common.lane import LaneCall, LaneSkips, lane_beside, lane_frames
 from hio.common.net import create_channel, send_frames
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
@@ -50,8 +50,6 @@ from hio.proto.tuple_pb2 import TupleReceipt
 log = logging.getLogger("hio.gateway")
 
 LAST_ERROR_ATTRIBUTE = "hio.last_error"
-LANE_CONNECT_SECONDS = 3.0    # a payload lane that does not answer within this is skipped
-LANE_RETRY_SECONDS = 60.0     # an unreachable lane (firewall, old engine) is tried again after this
 _MASTER_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _NEVER_CONNECTED = "failed to connect to all addresses"   # gRPC's words when no connection was made
 UNREACHABLE_LOG_SECONDS = 60.0   # an unreachable engine is logged at most once in this long
@@ -118,7 +116,7 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
         self._calls: set[grpc.Future] = set()
         self._channels: dict[str, grpc.Channel] = {}
-        self._lanes_down: dict[str, float] = {}               # lane address -> monotonic time to try again
+        self._lanes = LaneSkips(log, "payload lane unusable; using gRPC")
         self._unreachable_logged: dict[str, float] = {}      # engine address -> when last logged
         # The lane carries no TLS: a gateway that speaks TLS never sends its token or tuples in the clear.
         self._uses_tls = bool(config.tls_cert or config.tls_ca)
@@ -253,7 +251,7 @@ class Dispatcher:
     def _master_lane(self, route: master_pb2.RouteTuplesResponse) -> str:
         """The master's payload lane: its port on the host we reach the master at ('' = none)."""
         port = route.queue.lane_port if route.HasField("queue") else 0
-        return f"{self._config.master_address.rpartition(':')[0]}:{port}" if port else ""
+        return lane_beside(self._config.master_address, port) if port else ""
 
     def _route(self, batch: list[_Pending], *, force_queue: bool) -> master_pb2.RouteTuplesResponse:
         request = master_pb2.RouteTuplesRequest(
@@ -307,7 +305,7 @@ class Dispatcher:
             if lane_socket is not None and getattr(exc, "transport", False) and not settled:
                 # The lane broke before the server answered anything (closed, garbage): not the
                 # tuples' fault. The same route (its reservation is ours) goes over gRPC.
-                self._lane_down(lane, exc.details())
+                self._lanes.down(lane, exc.details())
                 unsent = [p for p in batch if p.seq not in skipped]
                 if unsent:
                     self._stream(unsent, address, direct=direct)
@@ -325,32 +323,12 @@ class Dispatcher:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
 
     def _open_lane(self, lane: str, method: str) -> "socket.socket | None":
-        """A connection to a payload lane for ``method``; None (use gRPC) when lanes are off or
-        it does not answer (a firewall that opens only the gRPC port, a server that predates lanes):
-        then it is skipped for :data:`LANE_RETRY_SECONDS`, logged once."""
+        """A connection to a payload lane for ``method``; None (use gRPC) when lanes are off, TLS
+        is on, or the lane is skipped (:class:`LaneSkips`: a firewall that opens only the gRPC
+        port, a server that predates lanes)."""
         if not self._config.lanes or self._uses_tls:
             return None
-        with self._cond:
-            retry_at = self._lanes_down.get(lane)
-            if retry_at is not None and time.monotonic() < retry_at:
-                return None
-        try:
-            sock = open_lane(lane, self._config.presented_token(), connect_seconds=LANE_CONNECT_SECONDS,
-                             method=method)
-        except (OSError, ValueError) as exc:
-            self._lane_down(lane, str(exc))
-            return None
-        with self._cond:
-            self._lanes_down.pop(lane, None)
-        return sock
-
-    def _lane_down(self, lane: str, error: str) -> None:
-        """Use gRPC for this lane's server for a while; say so once."""
-        with self._cond:
-            first = lane not in self._lanes_down
-            self._lanes_down[lane] = time.monotonic() + LANE_RETRY_SECONDS
-        if first:
-            log.warning("payload lane unusable; using gRPC", extra={"lane": lane, "error": error})
+        return self._lanes.open(lane, self._config.presented_token(), method=method)
 
     def _frames(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int]) -> Iterator[WireFrame]:
         """Frames of the batch, from memory when the spool kept the payload, else read

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health
 
 from hio.common.config import ConfigError
-from hio.common.lane import LaneServer
+from hio.common.lane import LaneServer, lane_beside
 from hio.common.net import TokenTable, create_server, message_limit, run_until_signal, set_serving
 from hio.master.config import MasterConfig
 from hio.common.tickets import make_ticket
@@ -78,7 +78,7 @@ def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable 
             raise ConfigError(f"cannot listen for the payload lane on {address}: {exc} "
                               "(set another lane_listen, or lanes = false)") from None
         log.warning("payload lane port taken; using any free port", extra={"wanted": address, "error": str(exc)})
-        return started(f"{address.rpartition(':')[0]}:0")
+        return started(lane_beside(address, 0))
 
 
 def create_master_server(config: MasterConfig) -> tuple[grpc.Server, int, Master]:

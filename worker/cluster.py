@@ -10,15 +10,13 @@ jittered backoff up to ``rpc_deadline`` seconds.
 from __future__ import annotations
 
 import logging
-import socket
-import time
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import grpc
 
 from hio.common import errors
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
-from hio.common.lane import LaneDownload, open_lane
+from hio.common.lane import LaneDownload, LaneSkips, lane_beside
 from hio.common.net import create_channel, message_limit, pull_frames, send_frames
 from hio.common.retry import call_with_retry
 from hio.common.settings import ClusterSettings
@@ -36,8 +34,6 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.HioError]] = {
 }
 
 CALL_TIMEOUT = 30.0  # seconds one attempt of a unary call may take
-LANE_CONNECT_SECONDS = 3.0    # the master's payload lane not answering within this is skipped
-LANE_RETRY_SECONDS = 60.0     # an unreachable lane (firewall) is tried again after this
 
 
 def translate(exc: grpc.RpcError, peer: str) -> errors.HioError:
@@ -85,7 +81,7 @@ class ClusterLink:
         self._enqueue = send_frames(self._master_channel, "Master", "Enqueue")
         self._pull = pull_frames(self._master_channel)
         self._master_lane_port = 0                     # learnt from report answers
-        self._lane_retry_at: dict[str, float] = {}     # lane -> monotonic time to try it again
+        self._lanes = LaneSkips(log, "master's payload lane unusable; pulling over gRPC")
 
     def close(self) -> None:
         self._master_channel.close()
@@ -149,11 +145,12 @@ class ClusterLink:
                                               max_tuples=max_tuples, max_bytes=max_bytes)
         timeout = wait_seconds + 10.0
         lane = self._master_lane()
-        sock = self._open_master_lane(lane, request) if lane else None
+        sock = self._lanes.open(lane, self._settings.presented_token(), method="PullTuple",
+                                request=request.SerializeToString()) if lane else None
         if sock is not None:
             return PullCall(LaneDownload(sock, timeout=timeout, max_head_bytes=message_limit(self._settings),
                                          max_data_bytes=self._settings.max_tuple_bytes,
-                                         on_broken=lambda why: self._lane_down(lane, why)),
+                                         on_broken=lambda why: self._lanes.down(lane, why)),
                             max_chunk_bytes=self._settings.max_tuple_bytes)
         return PullCall(self._pull(request, timeout=timeout), max_chunk_bytes=message_limit(self._settings))
 
@@ -162,22 +159,4 @@ class ClusterLink:
         port = self._master_lane_port
         if not port or self._settings.tls_ca or self._settings.tls_cert:
             return ""
-        return f"{self._settings.master_address.rpartition(':')[0]}:{port}"
-
-    def _open_master_lane(self, lane: str, request: master_pb2.PullTupleRequest) -> "socket.socket | None":
-        """A lane connection introduced with the pull; None (use gRPC) while the lane is
-        skipped, or when it does not answer (then skipped for a minute)."""
-        if time.monotonic() < self._lane_retry_at.get(lane, 0.0):
-            return None
-        try:
-            return open_lane(lane, self._settings.presented_token(), connect_seconds=LANE_CONNECT_SECONDS,
-                             method="PullTuple", request=request.SerializeToString())
-        except (OSError, ValueError) as exc:
-            self._lane_down(lane, str(exc))
-            return None
-
-    def _lane_down(self, lane: str, error: str) -> None:
-        """Pull over gRPC for a while: the lane refused, broke or stayed silent. Said once."""
-        if lane not in self._lane_retry_at:
-            log.warning("master's payload lane unusable; pulling over gRPC", extra={"lane": lane, "error": error})
-        self._lane_retry_at[lane] = time.monotonic() + LANE_RETRY_SECONDS
+        return lane_beside(self._settings.master_address, port)

@@ -48,9 +48,11 @@ def free_port(host: str, port_range: tuple[int, int] | None = None, exclude: fro
     With ``port_range`` the port comes from that range (tried in random order),
     so firewalls between gateways and workers can stay narrow.
     """
-    candidates = [0] * 100 if port_range is None else [
-        port for port in range(port_range[0], port_range[1] + 1) if port not in exclude]
-    random.shuffle(candidates)
+    if port_range is None:
+        candidates = [0] * 100   # the kernel's choice, drawn again while it falls in ``exclude``
+    else:
+        candidates = [port for port in range(port_range[0], port_range[1] + 1) if port not in exclude]
+        random.shuffle(candidates)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for candidate in candidates:
         with socket.socket(family, socket.SOCK_STREAM) as sock:

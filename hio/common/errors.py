@@ -84,14 +84,22 @@ class Cancelled(HioError):
 RETRY_AFTER_KEY = "hio-retry-after"
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, float | None]:
+    """(code, message, retry hint) a caller is told for ``exc``: a HioError's own; anything
+    else (a bug, a disk error) is INTERNAL, its details logged under a reference it names.
+    Call it from the ``except`` block (the log carries the traceback)."""
     if isinstance(exc, HioError):
-        if exc.retry_after is not None:
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{exc.retry_after:.3f}"),))
-        context.abort(exc.code, exc.message)
+        return exc.code, exc.message, exc.retry_after
     ref = uuid.uuid4().hex[:12]
     log.exception("internal error ref=%s", ref)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error (ref {ref}); see the server log")
+    return grpc.StatusCode.INTERNAL, f"internal error (ref {ref}); see the server log", None
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+    code, message, retry = status_of(exc)
+    if retry is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{retry:.3f}"),))
+    context.abort(code, message)
 
 
 def _is_abort(exc: BaseException, context: grpc.ServicerContext) -> bool:

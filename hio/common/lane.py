@@ -19,7 +19,6 @@ import collections
 import logging
 import select
 import socket
-import uuid
 import struct
 import threading
 import time
@@ -29,7 +28,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hio.common.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
-                               PermissionDenied, Unauthenticated)
+                               PermissionDenied, Unauthenticated, status_of)
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
 from hio.common.net import TokenTable, refuse_caller
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
@@ -50,6 +49,8 @@ DRAIN_SECONDS = 1.0         # after an error status, how long the server reads w
 MAX_CONNECTIONS = 16        # an engine serves one call at a time; more connections are closed at once
 READ_BUFFER = 256 * 1024    # larger reads go straight into their destination
 SMALL_SEND = 64 * 1024      # a frame up to this is sent with its prefix in one send
+LANE_CONNECT_SECONDS = 3.0  # a lane that does not answer within this is skipped
+LANE_RETRY_SECONDS = 60.0   # a skipped lane (firewall, old server, broken) is tried again after this
 SENDER_JOIN_SECONDS = 30.0  # how long a finished call waits for its sender before leaving it the socket
 STOP_WAIT_SECONDS = 2.0     # how long stop() waits for the calls it ended
 
@@ -242,8 +243,13 @@ class LaneServer:
         self._conns: set[socket.socket] = set()
         self._sock: socket.socket | None = None
         self.port = 0
-        self.calls = 0       # calls that passed the hello (counted, for status and tests)
-        self.methods: collections.Counter[str] = collections.Counter()   # the same, by method
+        self.methods: collections.Counter[str] = collections.Counter()   # calls that passed the hello, by method
+
+    @property
+    def calls(self) -> int:
+        """Calls that passed the hello (for status and tests)."""
+        with self._lock:
+            return sum(self.methods.values())
 
     def start(self) -> int:
         """Bind and accept in the background; returns the bound port."""
@@ -310,10 +316,10 @@ class LaneServer:
             status = self._run(conn, readers)
             if status is not None:
                 conn.settimeout(DRAIN_SECONDS)
-                _send_reply(conn, STATUS, status.SerializeToString())
+                _reply(conn, STATUS, status.SerializeToString())
                 if status.code:
                     _drain(conn)
-        except OSError as exc:  # the client went away: nothing to tell it
+        except (_Lost, OSError) as exc:  # the client went away: nothing to tell it
             log.debug("payload lane connection lost", extra={"error": str(exc)})
         finally:
             with self._lock:
@@ -335,7 +341,6 @@ class LaneServer:
                     _send(conn, END_OF_INPUT)   # a download's status always follows its frames
                 raise
             with self._lock:
-                self.calls += 1
                 self.methods[hello.method] += 1
             if download is not None:
                 if not self._download(conn, download, hello.request):
@@ -353,13 +358,9 @@ class LaneServer:
                 receipts.close()  # type: ignore[attr-defined]
         except _Lost:
             return None
-        except HioError as exc:
-            return LaneStatus(code=exc.code.value[0], message=exc.message, retry_after_seconds=exc.retry_after or 0.0)
-        except Exception:  # noqa: BLE001 - the one place that maps the lane's errors (a disk error, a bug)
-            ref = uuid.uuid4().hex[:12]   # as gRPC's servicers do: the details stay in the log
-            log.exception("payload lane call failed ref=%s", ref)
-            return LaneStatus(code=grpc.StatusCode.INTERNAL.value[0],
-                              message=f"internal error (ref {ref}); see the server log")
+        except Exception as exc:  # noqa: BLE001 - mapped as gRPC's servicers map theirs (a disk error: INTERNAL)
+            code, message, retry = status_of(exc)
+            return LaneStatus(code=code.value[0], message=message, retry_after_seconds=retry or 0.0)
         return LaneStatus(code=0)
 
     def _download(self, conn: socket.socket, download: Download, request: bytes) -> bool:
@@ -456,10 +457,6 @@ def write_frame(sock: socket.socket, head: bytes, payload: Payload, size: int) -
             _send_file(sock, payload, size)
 
 
-def _send_reply(conn: socket.socket, kind: int, body: bytes) -> None:
-    conn.sendall(_REPLY_PREFIX.pack(kind, len(body)) + body)
-
-
 def _reply(conn: socket.socket, kind: int, body: bytes) -> None:
     """A reply to a client that may have gone: :class:`_Lost` instead of the socket's error."""
     _send(conn, _REPLY_PREFIX.pack(kind, len(body)) + body)
@@ -508,6 +505,46 @@ def lane_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_byte
         else:
             meta, payload = item
             yield TupleFrame(meta=meta, last=True).SerializeToString(), payload, meta.size
+
+
+def lane_beside(address: str, port: int) -> str:
+    """The lane at ``port`` on the host of ``address`` (how a sender reaches a server's lane
+    when the server names only its port: the host is the one the sender reached it at)."""
+    return f"{address.rpartition(':')[0]}:{port}"
+
+
+class LaneSkips:
+    """Lanes found unusable (refused, broken, silent), skipped for :data:`LANE_RETRY_SECONDS`
+    while the caller uses gRPC; said once until the lane works again. Thread-safe."""
+
+    def __init__(self, logger: logging.Logger, message: str) -> None:
+        self._log = logger
+        self._message = message
+        self._lock = threading.Lock()
+        self._until: dict[str, float] = {}   # lane -> monotonic time to try it again
+
+    def open(self, lane: str, token: str, *, method: str, request: bytes = b"") -> socket.socket | None:
+        """A lane connection introduced for ``method``; None while the lane is skipped, or
+        when it does not answer (then it is skipped)."""
+        with self._lock:
+            if time.monotonic() < self._until.get(lane, 0.0):
+                return None
+        try:
+            sock = open_lane(lane, token, connect_seconds=LANE_CONNECT_SECONDS, method=method, request=request)
+        except (OSError, ValueError) as exc:
+            self.down(lane, str(exc))
+            return None
+        with self._lock:
+            self._until.pop(lane, None)
+        return sock
+
+    def down(self, lane: str, error: str) -> None:
+        """Skip ``lane`` for a while (it refused, broke or stayed silent)."""
+        with self._lock:
+            first = lane not in self._until
+            self._until[lane] = time.monotonic() + LANE_RETRY_SECONDS
+        if first:
+            self._log.warning(self._message, extra={"lane": lane, "error": error})
 
 
 def open_lane(address: str, token: str, *, connect_seconds: float, method: str = METHOD,
