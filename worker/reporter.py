@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Deque, Union
+from typing import Callable, Deque, Iterable, Union
 
 from hio.common import errors
 from hio.common.retry import Backoff
@@ -63,6 +63,7 @@ class Reporter:
         self._flush_interval = flush_interval
         self._direct_interval = max(flush_interval, direct_interval)
         self._queue_outcomes = 0  # outcomes pending that settle a lease: these go within flush_interval
+        self._releases = 0        # releases pending: they go at once
         self._max_pending = max_pending
         self._cond = threading.Condition()
         self._items: Deque[_Item] = collections.deque()
@@ -81,11 +82,25 @@ class Reporter:
     def outcome(self, outcome: master_pb2.TupleOutcome) -> None:
         """Queue one tuple's outcome: a queued tuple's within ~flush_interval, a direct one's
         with the channel's next report (at most ~direct_interval)."""
+        self.outcomes((outcome,))
+
+    def outcomes(self, outcomes: Iterable[master_pb2.TupleOutcome]) -> None:
+        """Queue several outcomes at once (one lock; see :meth:`outcome`).
+
+        The thread is woken only when these make a report due sooner than it
+        planned: the first item, or the first queued tuple's outcome. Waking it
+        for every small direct tuple cost a thread switch each.
+        """
         with self._cond:
-            self._items.append(outcome)
-            self._queue_outcomes += outcome.from_queue
+            wake = not self._items
+            for outcome in outcomes:
+                self._items.append(outcome)
+                if outcome.from_queue:
+                    wake = wake or not self._queue_outcomes
+                    self._queue_outcomes += 1
             self._drop_excess()
-            self._cond.notify()
+            if wake or len(self._items) >= MAX_BATCH:
+                self._cond.notify()
 
     def release(self, callback: Callable[[bool], None] | None = None, *, pull_done: bool = False) -> None:
         """Queue a release of the channel; ``callback(pull_queue)`` runs once it was sent.
@@ -100,6 +115,7 @@ class Reporter:
         with self._cond:
             if not self._exited:
                 self._items.append(release)
+                self._releases += 1
                 self._cond.notify()
                 return
         self._send_batch([], [release])
@@ -146,9 +162,9 @@ class Reporter:
         with self._cond:
             while True:
                 now = time.monotonic()
-                has_release = any(isinstance(i, _Release) for i in self._items)
+                has_release = self._releases > 0
                 interval = self._flush_interval if self._queue_outcomes else self._direct_interval
-                batch_due = bool(self._items) and (has_release or self._stopping
+                batch_due = bool(self._items) and (has_release or self._stopping or len(self._items) >= MAX_BATCH
                                                    or now - self._last_sent >= interval)
                 keepalive_due = (self._busy and now - self._last_sent >= self._keepalive) or self._state_due
                 if batch_due or keepalive_due:
@@ -169,6 +185,7 @@ class Reporter:
             item = self._items.popleft()
             if isinstance(item, _Release):
                 releases.append(item)
+                self._releases -= 1
                 break  # a release ends a request: later outcomes belong to the next use
             outcomes.append(item)
             self._queue_outcomes -= item.from_queue

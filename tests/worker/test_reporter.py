@@ -11,7 +11,7 @@ import time
 
 from hio.common.errors import InvalidArgument, Unavailable
 from hio.proto import master_pb2
-from hio.worker.reporter import Reporter
+from hio.worker.reporter import MAX_BATCH, Reporter
 from tests.harness import wait_for
 
 
@@ -158,3 +158,31 @@ def test_a_late_release_the_master_does_not_take_is_logged_not_raised() -> None:
     answers: list[bool] = []
     reporter.release(answers.append)
     assert answers == [False]
+
+
+def test_a_queued_outcome_behind_direct_ones_still_goes_within_the_flush_interval() -> None:
+    """Direct outcomes do not wake the reporter (they wait for the next report); a queued tuple's
+    outcome that joins them does, since its lease waits on it."""
+    send = Recorder()
+    reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.05, direct_interval=30.0).start()
+    try:
+        reporter.outcomes([_outcome(1), _outcome(2)])
+        time.sleep(0.3)
+        assert not send.requests
+        reporter.outcomes([master_pb2.TupleOutcome(tuple_id=3, ok=True, size=1, from_queue=True)])
+        wait_for(lambda: send.requests, timeout=5, what="the queued tuple's outcome")
+        assert [o.tuple_id for o in send.requests[0].outcomes] == [1, 2, 3]
+    finally:
+        reporter.stop(timeout=2)
+
+
+def test_a_full_request_of_direct_outcomes_goes_without_waiting_for_the_interval() -> None:
+    send = Recorder()
+    reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.05, direct_interval=30.0).start()
+    try:
+        reporter.outcomes([_outcome(i) for i in range(1, MAX_BATCH + 6)])
+        wait_for(lambda: send.requests, timeout=5, what="a full request")
+        assert [o.tuple_id for o in send.requests[0].outcomes] == list(range(1, MAX_BATCH + 1))
+    finally:
+        reporter.stop(timeout=2)
+    assert [o.tuple_id for r in send.requests for o in r.outcomes] == list(range(1, MAX_BATCH + 6))

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 
+import pytest
 import zstandard
 
 from hio.common.errors import InvalidArgument
 from hio.common.frames import TupleMeta, TupleReceipt
 from hio.proto import features_pb2
 from hio.worker.cluster import ClusterLink
+from hio.worker import engine as engine_module
 from hio.worker.engine import _BatchStorer, _Slot
 from tests.harness import free_port
 from tests.worker.conftest import Repo, RunningEngine, engine_config, make_tuple
@@ -61,3 +64,52 @@ def test_a_refused_record_fails_alone_and_stops_the_batches_after_it(repo: Repo)
     assert set(repo.records()) == {1, 2}
     storer.close(1)
     link.close()
+
+
+def _counting_storer(repo: Repo, batches: list[list[int]]) -> tuple[_BatchStorer, ClusterLink, threading.Event]:
+    """A storer on the real repository that records the ids of each PutFeatures it makes."""
+    link = ClusterLink(engine_config(master=f"127.0.0.1:{free_port()}", repository=repo.address), rpc_deadline=5)
+    done = threading.Event()
+
+    def store_many(records: list[tuple[int, bytes]]) -> list[bool]:
+        batches.append([tuple_id for tuple_id, _ in records])
+        return link.store_many(records)
+
+    def on_stored(slots: list[_Slot], duplicates: list[bool]) -> None:
+        if slots[-1].meta.tuple_id == 3:
+            done.set()
+
+    return _BatchStorer(store_many, on_stored, lambda: None, max_records=64, max_bytes=1 << 20,
+                        max_pending=64), link, done
+
+
+def test_records_that_arrive_fast_wait_for_each_other_and_slow_ones_go_at_once(
+        repo: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small tuples: one PutFeatures for records that come close together (the gRPC work of a call
+    cost more than storing a dozen records); records that come apart are not held back."""
+    monkeypatch.setattr(engine_module, "STORE_GAP", 0.5)     # "close together": within 0.5 s
+    monkeypatch.setattr(engine_module, "STORE_LINGER", 3.0)
+    fast: list[list[int]] = []
+    storer, link, done = _counting_storer(repo, fast)
+    try:
+        for n in (1, 2, 3):
+            storer.submit(_slot(n - 1, n))
+            time.sleep(0.1)
+        assert done.wait(10)
+    finally:
+        storer.close(1)
+        link.close()
+    assert fast == [[1, 2, 3]]
+
+    monkeypatch.setattr(engine_module, "STORE_GAP", 0.02)
+    slow: list[list[int]] = []
+    storer, link, done = _counting_storer(repo, slow)
+    try:
+        for n in (1, 2, 3):
+            storer.submit(_slot(n - 1, n))
+            time.sleep(0.3)
+        assert done.wait(10)
+    finally:
+        storer.close(1)
+        link.close()
+    assert slow == [[1], [2], [3]]
