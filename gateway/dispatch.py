@@ -68,9 +68,9 @@ Completion = tuple[SpoolEntry, Outcome, str]   # a tuple that left delivery: how
 CompletionHook = Callable[[list[Completion]], None]
 
 
-@dataclass(order=True)
+@dataclass
 class _Pending:
-    """A spooled tuple waiting for (or in) delivery."""
+    """A spooled tuple waiting for (or in) delivery; ordered by spool sequence (the heap's order)."""
 
     seq: int
     entry: SpoolEntry = field(compare=False)
@@ -78,6 +78,9 @@ class _Pending:
     last_error: str = field(default="", compare=False)   # the latest problem (shown on timeouts)
     failure: str = field(default="", compare=False)      # the last counted failure (dead-letter reason)
     solo: bool = field(default=False, compare=False)  # route alone (its batch was refused)
+
+    def __lt__(self, other: "_Pending") -> bool:  # dataclass(order=True) compared tuples: 4%
+        return self.seq < other.seq                # of the gateway's time at small tuples went there
 
 
 @dataclass

@@ -172,7 +172,8 @@ class _Prefetcher:
         """The caller took the tuple it was given: receive the next one."""
         with self._cond:
             self._untaken -= 1
-            self._cond.notify()
+            if self._untaken == 0:  # the receiver waits for nothing else from us; waking it
+                self._cond.notify()  # for every packed tuple cost a futile thread switch each
 
     def close(self) -> None:
         with self._cond:
