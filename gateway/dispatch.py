@@ -68,9 +68,9 @@ Completion = tuple[SpoolEntry, Outcome, str]   # a tuple that left delivery: how
 CompletionHook = Callable[[list[Completion]], None]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pending:
-    """A spooled tuple waiting for (or in) delivery; ordered by spool sequence (the heap's order)."""
+    """A spooled tuple waiting for (or in) delivery."""
 
     seq: int
     entry: SpoolEntry = field(compare=False)
@@ -78,9 +78,6 @@ class _Pending:
     last_error: str = field(default="", compare=False)   # the latest problem (shown on timeouts)
     failure: str = field(default="", compare=False)      # the last counted failure (dead-letter reason)
     solo: bool = field(default=False, compare=False)  # route alone (its batch was refused)
-
-    def __lt__(self, other: "_Pending") -> bool:  # dataclass(order=True) compared tuples: 4%
-        return self.seq < other.seq                # of the gateway's time at small tuples went there
 
 
 @dataclass
@@ -112,7 +109,7 @@ class Dispatcher:
         self._on_complete = on_complete
         self._source = config.resolved_source()
         self._cond = threading.Condition()
-        self._ready: list[_Pending] = []                       # heap by seq
+        self._ready: list[tuple[int, _Pending]] = []           # heap by seq (ints compare in C)
         self._delayed: list[tuple[float, int, _Pending]] = []  # heap by time
         self._errors: dict[int, str] = {}                      # seq -> last error, for callers
         self._stopping = False
@@ -140,7 +137,7 @@ class Dispatcher:
     def add(self, entry: SpoolEntry) -> None:
         """Queue a spooled tuple for delivery (in spool order). Non-blocking."""
         with self._cond:
-            heapq.heappush(self._ready, _Pending(entry.seq, entry))
+            heapq.heappush(self._ready, (entry.seq, _Pending(entry.seq, entry)))
             self._cond.notify()
 
     def last_error(self, seq: int) -> str:
@@ -196,7 +193,8 @@ class Dispatcher:
                     return None
                 now = time.monotonic()
                 while self._delayed and self._delayed[0][0] <= now:
-                    heapq.heappush(self._ready, heapq.heappop(self._delayed)[2])
+                    pending = heapq.heappop(self._delayed)[2]
+                    heapq.heappush(self._ready, (pending.seq, pending))
                 if self._ready:
                     return self._take_batch()
                 wait = self._delayed[0][0] - now if self._delayed else None
@@ -213,17 +211,17 @@ class Dispatcher:
         """
         share = max(1, -(-(len(self._ready)) // self._config.streams))
         limit = min(self._config.batch_tuples, share)
-        head = heapq.heappop(self._ready)
+        head = heapq.heappop(self._ready)[1]
         batch, total = [head], head.entry.size
         if head.solo or self._is_dead(head):
             return batch
         image = head.entry.meta.image
         while self._ready and len(batch) < limit:
-            nxt = self._ready[0]
+            nxt = self._ready[0][1]
             if (nxt.entry.meta.image != image or nxt.solo or self._is_dead(nxt)
                     or total + nxt.entry.size > self._config.batch_bytes):
                 break
-            batch.append(heapq.heappop(self._ready))
+            batch.append(heapq.heappop(self._ready)[1])
             total += nxt.entry.size
         return batch
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Mapping
+from collections.abc import Mapping  # not typing.Mapping: its isinstance goes through typing (per tuple)
+from typing import Any
 
 from hio.proto import features_pb2, tuple_pb2
 
