@@ -228,18 +228,20 @@ def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
 
 
 def check_meta(meta: TupleMeta, max_tuple_bytes: int, *, need_id: bool) -> None:
-    """Refuse metadata that is missing, inconsistent or over the bounds."""
-    what = f"tuple {meta.tuple_id}" if meta.tuple_id else f"tuple '{meta.name or '?'}'"
+    """Refuse metadata that is missing, inconsistent or over the bounds (runs for every tuple)."""
+    def what() -> str:
+        return f"tuple {meta.tuple_id}" if meta.tuple_id else f"tuple '{meta.name or '?'}'"
     if need_id and meta.tuple_id == 0:
-        raise InvalidArgument(f"{what}: no tuple id (ask the master for a route first)")
+        raise InvalidArgument(f"{what()}: no tuple id (ask the master for a route first)")
     if not meta.image:
-        raise InvalidArgument(f"{what}: metadata names no image")
+        raise InvalidArgument(f"{what()}: metadata names no image")
     if len(meta.image) > 256 or len(meta.source) > 256 or len(meta.name) > 1024:
-        raise InvalidArgument(f"{what}: image, source or name too long")
+        raise InvalidArgument(f"{what()}: image, source or name too long")
     if meta.size > max_tuple_bytes:
-        raise InvalidArgument(f"{what}: {meta.size} bytes is over the limit of {max_tuple_bytes}")
-    if len(meta.attributes) > 256 or sum(len(k) + len(v) for k, v in meta.attributes.items()) > 64 * 1024:
-        raise InvalidArgument(f"{what}: too many or too large attributes (at most 256, 64 KiB)")
+        raise InvalidArgument(f"{what()}: {meta.size} bytes is over the limit of {max_tuple_bytes}")
+    attributes = meta.attributes
+    if attributes and (len(attributes) > 256 or sum(len(k) + len(v) for k, v in attributes.items()) > 64 * 1024):
+        raise InvalidArgument(f"{what()}: too many or too large attributes (at most 256, 64 KiB)")
 
 
 class PackingFrames:
@@ -411,15 +413,15 @@ class FrameReader:
         meta.CopyFrom(frame.meta)
         check_meta(meta, self._max_tuple, need_id=self._need_id)
         self.reading = meta
-        label = f"tuple {meta.tuple_id or meta.name or self.index}"
         received, value = 0, 0
         while True:
             data = frame.data
             if len(data) > self._max_chunk:
-                raise InvalidArgument(f"{label}: chunk of {len(data)} bytes is over the limit of {self._max_chunk}")
+                raise InvalidArgument(f"{self._label(meta)}: chunk of {len(data)} bytes is over the limit "
+                                      f"of {self._max_chunk}")
             received += len(data)
             if received > meta.size:
-                raise DataLoss(f"{label}: more bytes than the {meta.size} its metadata declares")
+                raise DataLoss(f"{self._label(meta)}: more bytes than the {meta.size} its metadata declares")
             if data:
                 value = _crc32(data, value)
                 sink(data)
@@ -428,16 +430,20 @@ class FrameReader:
             try:
                 frame = next(self._frames)
             except StopIteration:
-                raise DataLoss(f"{label}: stream ended after {received} of {meta.size} bytes") from None
+                raise DataLoss(f"{self._label(meta)}: stream ended after {received} of {meta.size} bytes") from None
             if frame.HasField("meta"):
-                raise InvalidArgument(f"{label}: a new tuple began before this one's last frame")
+                raise InvalidArgument(f"{self._label(meta)}: a new tuple began before this one's last frame")
         if received != meta.size:
-            raise DataLoss(f"{label}: got {received} bytes, metadata declares {meta.size}")
+            raise DataLoss(f"{self._label(meta)}: got {received} bytes, metadata declares {meta.size}")
         if (value & 0xFFFFFFFF) != meta.crc32:
-            raise DataLoss(f"{label}: checksum mismatch (CRC-32 {value & 0xFFFFFFFF:08x}, expected {meta.crc32:08x})")
+            raise DataLoss(f"{self._label(meta)}: checksum mismatch (CRC-32 {value & 0xFFFFFFFF:08x}, "
+                           f"expected {meta.crc32:08x})")
         self.index += 1
         self.reading = None
         return meta
+
+    def _label(self, meta: TupleMeta) -> str:
+        return f"tuple {meta.tuple_id or meta.name or self.index}"
 
     def next_tuple_bytes(self) -> tuple[TupleMeta, bytes] | None:
         """Read the next tuple into memory; None at the stream's end."""
