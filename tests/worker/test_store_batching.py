@@ -66,9 +66,11 @@ def test_a_refused_record_fails_alone_and_stops_the_batches_after_it(repo: Repo)
     link.close()
 
 
-def _counting_storer(repo: Repo, batches: list[list[int]]) -> tuple[_BatchStorer, ClusterLink, threading.Event]:
-    """A storer on the real repository that records the ids of each PutFeatures it makes."""
+def _batches_of_three(repo: Repo, pause: float) -> list[list[int]]:
+    """Submit records 1, 2, 3 ``pause`` s apart to a storer on the real repository; the ids of
+    each PutFeatures it made."""
     link = ClusterLink(engine_config(master=f"127.0.0.1:{free_port()}", repository=repo.address), rpc_deadline=5)
+    batches: list[list[int]] = []
     done = threading.Event()
 
     def store_many(records: list[tuple[int, bytes]]) -> list[bool]:
@@ -79,8 +81,16 @@ def _counting_storer(repo: Repo, batches: list[list[int]]) -> tuple[_BatchStorer
         if slots[-1].meta.tuple_id == 3:
             done.set()
 
-    return _BatchStorer(store_many, on_stored, lambda: None, max_records=64, max_bytes=1 << 20,
-                        max_pending=64), link, done
+    storer = _BatchStorer(store_many, on_stored, lambda: None, max_records=64, max_bytes=1 << 20, max_pending=64)
+    try:
+        for n in (1, 2, 3):
+            storer.submit(_slot(n - 1, n))
+            time.sleep(pause)
+        assert done.wait(10)
+    finally:
+        storer.close(1)
+        link.close()
+    return batches
 
 
 def test_records_that_arrive_fast_wait_for_each_other_and_slow_ones_go_at_once(
@@ -89,27 +99,6 @@ def test_records_that_arrive_fast_wait_for_each_other_and_slow_ones_go_at_once(
     cost more than storing a dozen records); records that come apart are not held back."""
     monkeypatch.setattr(engine_module, "STORE_GAP", 0.5)     # "close together": within 0.5 s
     monkeypatch.setattr(engine_module, "STORE_LINGER", 3.0)
-    fast: list[list[int]] = []
-    storer, link, done = _counting_storer(repo, fast)
-    try:
-        for n in (1, 2, 3):
-            storer.submit(_slot(n - 1, n))
-            time.sleep(0.1)
-        assert done.wait(10)
-    finally:
-        storer.close(1)
-        link.close()
-    assert fast == [[1, 2, 3]]
-
+    assert _batches_of_three(repo, pause=0.1) == [[1, 2, 3]]
     monkeypatch.setattr(engine_module, "STORE_GAP", 0.02)
-    slow: list[list[int]] = []
-    storer, link, done = _counting_storer(repo, slow)
-    try:
-        for n in (1, 2, 3):
-            storer.submit(_slot(n - 1, n))
-            time.sleep(0.3)
-        assert done.wait(10)
-    finally:
-        storer.close(1)
-        link.close()
-    assert slow == [[1], [2], [3]]
+    assert _batches_of_three(repo, pause=0.3) == [[1], [2], [3]]
