@@ -71,7 +71,7 @@ class PullCall:
 class ClusterLink:
     """Stubs of the master and the repository for one engine (thread-safe)."""
 
-    def __init__(self, settings: ClusterSettings, *, rpc_deadline: float) -> None:
+    def __init__(self, settings: ClusterSettings, *, rpc_deadline: float, master_lane: bool = True) -> None:
         self._settings = settings
         self._deadline = rpc_deadline
         self._master_channel = create_channel(settings.master_address, settings)
@@ -81,6 +81,7 @@ class ClusterLink:
         self._enqueue = send_frames(self._master_channel, "Master", "Enqueue")
         self._pull = pull_frames(self._master_channel)
         self._master_lane_port = 0                     # learnt from report answers
+        self._use_master_lane = master_lane            # off: pulls always go over gRPC
         self._lanes = LaneSkips(log, "master's payload lane unusable; pulling over gRPC")
 
     def close(self) -> None:
@@ -155,8 +156,9 @@ class ClusterLink:
         return PullCall(self._pull(request, timeout=timeout), max_chunk_bytes=message_limit(self._settings))
 
     def _master_lane(self) -> str:
-        """The master's payload lane, '' when it offers none or TLS is on (the lane has none)."""
+        """The master's payload lane, '' when it offers none, this engine does not use it, or TLS is
+        on (the lane has none)."""
         port = self._master_lane_port
-        if not port or self._settings.tls_ca or self._settings.tls_cert:
+        if not port or not self._use_master_lane or self._settings.tls_ca or self._settings.tls_cert:
             return ""
         return lane_beside(self._settings.master_address, port)

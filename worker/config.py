@@ -62,8 +62,9 @@ class WorkerConfig(EngineSettings):
     engine_memory_bytes: int = setting(0, "memory limit per engine (docker runtime); 0 = no limit")
     engine_cpus: float = setting(1.0, "CPUs per engine (docker runtime)")
     restart_backoff_max: float = setting(30.0, "longest wait, in seconds, before restarting a crashed engine")
-    lanes: bool = setting(True, "engines also serve a payload lane (Deliver over plain TCP, on a second "
-                                "port from engine_ports) that gateways use for payloads; off with TLS")
+    lanes: bool = setting(True, "engines serve a payload lane (Deliver over plain TCP, on a second port "
+                                "from engine_ports) that gateways use for payloads, and pull queued tuples "
+                                "over the master's lane; off = gRPC only; off with TLS")
 
     def validate(self) -> None:
         self.validate_cluster()
@@ -152,6 +153,8 @@ class EngineConfig(EngineSettings):
     listen: str = setting("127.0.0.1:0", "host:port the Engine service listens on")
     lane_listen: str = setting("", "host:port of the payload lane (Deliver over plain TCP, for large "
                                    "payloads without gRPC's copies); empty = none; off with TLS")
+    pull_lane: bool = setting(True, "pull queued tuples over the master's payload lane when it offers one; "
+                                    "off = over gRPC only")
     store_batch_records: int = setting(256, "most feature records stored in one repository call")
     store_pending_records: int = setting(1024, "processed tuples whose features may wait to be stored "
                                                "before processing pauses")

@@ -98,6 +98,7 @@ def engine_env(config: WorkerConfig, *, channel_id: str, image: str, pipeline: s
         "HIO_LOG_LEVEL": config.log_level,
         "HIO_LOG_JSON": "true" if config.log_json else "false",
         "HIO_TLS_CLIENT_AUTH": "true" if config.tls_client_auth else "false",
+        "HIO_ENGINE_PULL_LANE": "true" if config.lanes else "false",
     }
     if lane_port:
         env["HIO_ENGINE_LANE_LISTEN"] = f"{config.engine_listen_host}:{lane_port}"

@@ -869,7 +869,7 @@ def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], 
     server exists.
     """
     pipeline = load_pipeline(resolve_pipeline(config))
-    cluster = ClusterLink(config, rpc_deadline=config.rpc_deadline)
+    cluster = ClusterLink(config, rpc_deadline=config.rpc_deadline, master_lane=config.pull_lane)
     reporter = Reporter(config.channel_id, cluster.report, keepalive=config.reservation_seconds / 3,
                         processing=lambda: engine.processing)
     engine = Engine(config, pipeline, cluster, reporter, exit_process=exit_process)

@@ -325,3 +325,27 @@ def test_an_engine_pulls_over_grpc_when_the_masters_lane_breaks(master: Master, 
     finally:
         link.close()
         closing.close()
+
+
+def test_an_engine_told_not_to_use_lanes_pulls_over_grpc_though_the_master_offers_one(
+        master: Master, repo: Repo, tmp_path: Path) -> None:
+    """A worker's ``lanes = false`` (a firewall that opens only the gRPC ports) reaches its engines'
+    pulls too: they never connect to the master's lane, and the queued tuples are still stored."""
+    from hio.gateway import Gateway, GatewayConfig
+    from hio.worker.config import WorkerConfig
+    from hio.worker.controller import engine_env
+
+    worker = build(WorkerConfig, "worker", overrides={"lanes": False, "master_address": master.address,
+                                                      "repository_address": repo.address})
+    assert engine_env(worker, channel_id="w1/0", image=TEST_IMAGE, pipeline="", port=1)["HIO_ENGINE_PULL_LANE"] == "false"
+    config = GatewayConfig(master_address=master.address, repository_address=repo.address, force_queue=True,
+                           data_dir=str(tmp_path / "gw"), source="no-lanes", ingest_listen="", grace_seconds=2.0)
+    with Gateway(config) as gw:
+        ids = gw.send_many([b"one", os.urandom(100_000)], image=TEST_IMAGE, timeout=60)
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address, pull_lane=False))
+    try:
+        register_channel(master, engine)
+        wait_for(lambda: set(ids) <= set(repo.records()), timeout=60, what="the queued tuples stored")
+    finally:
+        engine.close()
+    assert master.domain.lane.methods["PullTuple"] == 0
