@@ -118,8 +118,6 @@ class Dispatcher:
         self._channels: dict[str, grpc.Channel] = {}
         self._lanes = LaneSkips(log, "payload lane unusable; using gRPC")
         self._unreachable_logged: dict[str, float] = {}      # engine address -> when last logged
-        # The lane carries no TLS: a gateway that speaks TLS never sends its token or tuples in the clear.
-        self._uses_tls = bool(config.tls_cert or config.tls_ca)
         self._master_down_since: float | None = None
         self._queue_full_logged = False
         self._warned_images: set[str] = set()
@@ -327,7 +325,7 @@ class Dispatcher:
         """A connection to a payload lane for ``method``; None (use gRPC) when lanes are off, TLS
         is on, or the lane is skipped (:class:`LaneSkips`: a firewall that opens only the gRPC
         port, a server that predates lanes)."""
-        if not self._config.lanes or self._uses_tls:
+        if not self._config.lanes or self._config.speaks_tls:
             return None
         return self._lanes.open(lane, self._config.presented_token(), method=method)
 

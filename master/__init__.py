@@ -42,7 +42,6 @@ def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, health.Healt
             config, config.listen, max_workers=config.server_threads, policy=POLICY, table=table,
             register=[lambda s: master_pb2_grpc.add_MasterServicer_to_server(service, s)])
         master.lane = _start_lane(config, service, table)
-        service.lane_port = master.lane.port if master.lane is not None else 0
     except BaseException:
         master.close()
         raise
@@ -63,7 +62,7 @@ def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable 
 
     def started(listen: str) -> LaneServer:
         lane = LaneServer(listen, service="Master",
-                          uploads={"Enqueue": lambda frames: service.enqueue(frames, max_chunk_bytes=config.max_tuple_bytes)},
+                          uploads={"Enqueue": service.enqueue},   # uploads arrive in pieces of chunk_bytes
                           downloads={"PullTuple": service.pull_for_lane},
                           table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
                           max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
@@ -97,14 +96,14 @@ def run_master(config: MasterConfig) -> int:
     set_serving(health_servicer, True)
     host = config.listen.rsplit(":", 1)[0]
     log.info("master listening", extra={"address": f"{host}:{port}", "data_dir": config.data_dir,
-                                           "lane_port": master.lane.port if master.lane else 0,
+                                           "lane_port": master.lane_port,
                                            "queued": master.queue.length()})
 
     def draining() -> None:
         set_serving(health_servicer, False)
+        master.begin_shutdown()       # first: a pull waiting on the lane returns now, so stop() need not wait for it
         if master.lane is not None:   # its calls end now (senders send again); pulls void their leases
             master.lane.stop()
-        master.begin_shutdown()
 
     try:
         return run_until_signal(server, grace=config.grace_seconds, on_stop=[draining])

@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from hio.common.config import ConfigError, positive, setting
+from hio.common.lane import lane_beside, split_address
 from hio.common.settings import ClusterSettings
 
 KiB = 1024
@@ -52,17 +53,20 @@ class MasterConfig(ClusterSettings):
             return ""
         if self.lane_listen:
             return self.lane_listen
-        host, _, port = self.listen.rpartition(":")
-        return f"{host}:{int(port) + 1 if int(port) else 0}"
+        port = split_address(self.listen)[1]
+        return lane_beside(self.listen, port + 1 if port else 0)
 
     def validate(self) -> None:
         """Refuse settings the master cannot run with; each message names the setting."""
         self.validate_cluster()
-        if not self.listen or ":" not in self.listen or not self.listen.rpartition(":")[2].isdigit():
-            raise ConfigError(f"listen must be host:port, got {self.listen!r}")
-        if self.lane_listen and (":" not in self.lane_listen or not self.lane_listen.rpartition(":")[2].isdigit()):
-            raise ConfigError(f"lane_listen must be host:port, got {self.lane_listen!r}")
-        if not self.lane_listen and self.lane_address() and self.listen.rpartition(":")[2] == "65535":
+        for name in ("listen", "lane_listen"):
+            value = getattr(self, name)
+            try:
+                if value or name == "listen":
+                    split_address(value)
+            except ValueError:
+                raise ConfigError(f"{name} must be host:port, got {value!r}") from None
+        if not self.lane_listen and self.lane_address() and split_address(self.listen)[1] == 65535:
             raise ConfigError("listen's port is 65535, so the payload lane has no port + 1: set lane_listen")
         for name in ("queue_bytes", "segment_bytes", "heartbeat_interval", "expiry_seconds",
                      "reservation_seconds", "lease_seconds", "max_attempts", "server_threads",

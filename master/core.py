@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator
 
 from hio.common.config import ConfigError, state_dir
 from hio.common.files import lock_folder
@@ -32,6 +32,9 @@ from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelSpec, Ch
 from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
 from hio.master.stats import Stats
 from hio.master.storage import Durability
+
+if TYPE_CHECKING:
+    from hio.common.lane import LaneServer
 
 log = logging.getLogger("hio.master")
 
@@ -128,7 +131,7 @@ class Master:
 
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
-        self.lane: Any = None   # the payload lane (a LaneServer) the server module starts; stopped by close()
+        self.lane: LaneServer | None = None   # the payload lane the server module starts; stopped by close()
         self.root = state_dir(config.data_dir, "master")
         self._ticket_key = load_ticket_key(config.ticket_key_file)
         self._lock_fd: int | None = _lock_dir(self.root)
@@ -165,6 +168,11 @@ class Master:
             self._thread.start()
         return self
 
+    @property
+    def lane_port(self) -> int:
+        """The payload lane's port, told to senders in queue routes and to engines; 0 = none."""
+        return self.lane.port if self.lane is not None else 0
+
     def begin_shutdown(self) -> None:
         """Wake every waiting pull (they return empty) and refuse new waits."""
         with self._cond:
@@ -173,9 +181,9 @@ class Master:
 
     def close(self) -> None:
         """Stop the payload lane and maintenance, seal the backlog; idempotent."""
+        self.begin_shutdown()   # first: waiting pulls return, so the lane's stop() need not wait for them
         if self.lane is not None:
             self.lane.stop()
-        self.begin_shutdown()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
@@ -309,11 +317,10 @@ class Master:
 
     # ---- the backlog -------------------------------------------------------------
 
-    def enqueue(self, frames: Iterable[TupleFrame], *, max_chunk_bytes: int | None = None) -> Iterator[Stored]:
-        """Store a stream of tuples in the backlog; one receipt each (see BacklogQueue.receive).
-        ``max_chunk_bytes``: the largest frame payload (default ``chunk_bytes``)."""
+    def enqueue(self, frames: Iterable[TupleFrame]) -> Iterator[Stored]:
+        """Store a stream of tuples in the backlog; one receipt each (see BacklogQueue.receive)."""
         stored_any = self.queue.receive(frames, max_tuple_bytes=self.config.max_tuple_bytes,
-                                        max_chunk_bytes=max_chunk_bytes or self.config.chunk_bytes,
+                                        max_chunk_bytes=self.config.chunk_bytes,
                                         admit=self._admit)
         for stored in stored_any:
             with self._cond:

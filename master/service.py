@@ -47,7 +47,6 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     def __init__(self, master: Master) -> None:
         self._master = master
-        self.lane_port = 0   # the master's payload lane, told to senders in queue routes; 0 = none
 
     @grpc_errors
     def RegisterWorker(self, request: master_pb2.RegisterWorkerRequest,
@@ -79,7 +78,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 reservation_seconds=routed.route.reservation_seconds, lane_address=routed.route.lane_address))
         else:
             reply.queue.CopyFrom(master_pb2.QueueRoute(queue_length=routed.route.queue_length,
-                                                       lane_port=self.lane_port))
+                                                       lane_port=self._master.lane_port))
         return reply
 
     @grpc_errors
@@ -87,10 +86,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
         frames = idle_bounded(request_iterator, self._master.config.stream_idle_seconds, context.cancel)
         yield from self.enqueue(frames)
 
-    def enqueue(self, frames: Iterable[TupleFrame], *, max_chunk_bytes: int | None = None) -> Iterator[TupleReceipt]:
-        """Enqueue's receipts, for gRPC and the payload lane (which sends a tuple as one
-        frame: ``max_chunk_bytes`` is then the largest tuple)."""
-        for stored in self._master.enqueue(frames, max_chunk_bytes=max_chunk_bytes):
+    def enqueue(self, frames: Iterable[TupleFrame]) -> Iterator[TupleReceipt]:
+        """Enqueue's receipts, for gRPC and the payload lane (which hands frames on in pieces
+        of ``chunk_bytes``, so both take the same chunk bound)."""
+        for stored in self._master.enqueue(frames):
             yield TupleReceipt(index=stored.index, tuple_id=stored.meta.tuple_id, state=TupleReceipt.ENQUEUED,
                                message=_RECEIPT_MESSAGES[stored.placement])
 
@@ -147,7 +146,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                                    processing=request.processing, pull_done=request.pull_done)
         config = self._master.config
         return master_pb2.ReportTuplesResponse(pull_queue=pull, reservation_seconds=config.reservation_seconds,
-                                               lease_seconds=config.lease_seconds, lane_port=self.lane_port)
+                                               lease_seconds=config.lease_seconds, lane_port=self._master.lane_port)
 
     @grpc_errors
     def GetStatus(self, request: master_pb2.GetStatusRequest,

@@ -58,7 +58,7 @@ class PullCall:
     def frames(self) -> Iterator[TupleFrame | ChunkFrame]:
         """The frames of the pulled tuples; empty when the master had nothing."""
         try:
-            yield from (self._call.frames() if isinstance(self._call, LaneDownload) else self._call)  # type: ignore[misc]
+            yield from self._call  # type: ignore[misc]
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 return
@@ -81,7 +81,7 @@ class ClusterLink:
         self._enqueue = send_frames(self._master_channel, "Master", "Enqueue")
         self._pull = pull_frames(self._master_channel)
         self._master_lane_port = 0                     # learnt from report answers
-        self._use_master_lane = master_lane            # off: pulls always go over gRPC
+        self._use_master_lane = master_lane and not settings.speaks_tls   # off: pulls always go over gRPC
         self._lanes = LaneSkips(log, "master's payload lane unusable; pulling over gRPC")
 
     def close(self) -> None:
@@ -159,6 +159,6 @@ class ClusterLink:
         """The master's payload lane, '' when it offers none, this engine does not use it, or TLS is
         on (the lane has none)."""
         port = self._master_lane_port
-        if not port or not self._use_master_lane or self._settings.tls_ca or self._settings.tls_cert:
+        if not port or not self._use_master_lane:
             return ""
         return lane_beside(self._settings.master_address, port)

@@ -36,13 +36,13 @@ from hio.proto.engine_pb2 import LaneHello, LaneStatus
 log = logging.getLogger("hio.lane")
 
 MAGIC = b"HIOLANE1"
-METHOD = "Deliver"
 _FRAME_PREFIX = struct.Struct(">IQ")   # head bytes, data bytes
 END_OF_INPUT = _FRAME_PREFIX.pack(0, 0)  # no frame is empty: this prefix ends the input
 _REPLY_PREFIX = struct.Struct(">BI")   # kind, body bytes
 _HELLO_PREFIX = struct.Struct(">I")
 RECEIPT, STATUS = 1, 2
 MAX_HELLO_BYTES = 64 * 1024
+MAX_STATUS_BYTES = 64 * 1024        # a status alone (a download's last reply)
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 HELLO_SECONDS = 10.0        # a client must introduce itself within this
 DRAIN_SECONDS = 1.0         # after an error status, how long the server reads what the client still sends
@@ -89,6 +89,14 @@ class LaneError(grpc.RpcError):
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _status_error(status: LaneStatus) -> LaneError | None:
+    """The call's failure a server's status says, as gRPC would raise it; None for OK."""
+    if not status.code:
+        return None
+    return LaneError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message,
+                     retry_after=status.retry_after_seconds)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -198,13 +206,12 @@ def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int,
 def _pieces(reader: BinaryIO, frame: TupleFrame, size: int, piece_bytes: int) -> Iterator[ChunkFrame]:
     """One frame's data as consecutive frames of at most ``piece_bytes``: the first keeps
     the head, and only the last may end the tuple (as the frame did)."""
-    done = 0
+    done, last = 0, frame.last
     while done < size:
         step = min(piece_bytes, size - done)
-        ends = frame.last and done + step == size
-        if done == 0:
-            head = TupleFrame()
-            head.CopyFrom(frame)
+        ends = last and done + step == size
+        if done == 0:   # the frame is ours (just parsed): it becomes the first piece's head
+            head = frame
             head.last = ends
         else:
             head = TupleFrame(last=ends)
@@ -250,6 +257,12 @@ class LaneServer:
         """Calls that passed the hello (for status and tests)."""
         with self._lock:
             return sum(self.methods.values())
+
+    @property
+    def open_calls(self) -> int:
+        """Connections being served now (for status and tests)."""
+        with self._lock:
+            return len(self._conns)
 
     def start(self) -> int:
         """Bind and accept in the background; returns the bound port."""
@@ -313,9 +326,11 @@ class LaneServer:
         readers: list[BinaryIO] = []
         try:
             tune(conn)
-            status = self._run(conn, readers)
+            status, download = self._run(conn, readers)
             if status is not None:
                 conn.settimeout(DRAIN_SECONDS)
+                if download:   # a download's status always follows its frames and the end-of-input mark
+                    _send(conn, END_OF_INPUT)
                 _reply(conn, STATUS, status.SerializeToString())
                 if status.code:
                     _drain(conn)
@@ -329,23 +344,18 @@ class LaneServer:
                 reader.close()
             conn.close()
 
-    def _run(self, conn: socket.socket, readers: list[BinaryIO]) -> LaneStatus | None:
-        """Serve one call; its final status (None when the connection is lost)."""
+    def _run(self, conn: socket.socket, readers: list[BinaryIO]) -> tuple[LaneStatus | None, bool]:
+        """Serve one call: its final status (None when the connection is lost or cut), and
+        whether the call was a download."""
+        download: Download | None = None
         try:
             hello = self._hello(conn)
             download = self._downloads.get(hello.method)
-            try:
-                self._authorize(hello)
-            except HioError:
-                if download is not None:
-                    _send(conn, END_OF_INPUT)   # a download's status always follows its frames
-                raise
+            self._authorize(hello)
             with self._lock:
                 self.methods[hello.method] += 1
             if download is not None:
-                if not self._download(conn, download, hello.request):
-                    return None
-                return LaneStatus(code=0)
+                return (LaneStatus(code=0) if self._download(conn, download, hello.request) else None), True
             reader = conn.makefile("rb", buffering=READ_BUFFER)
             readers.append(reader)
             frames = read_frames(reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data,
@@ -357,19 +367,21 @@ class LaneServer:
             finally:
                 receipts.close()  # type: ignore[attr-defined]
         except _Lost:
-            return None
+            return None, download is not None
         except Exception as exc:  # noqa: BLE001 - mapped as gRPC's servicers map theirs (a disk error: INTERNAL)
             code, message, retry = status_of(exc)
-            return LaneStatus(code=code.value[0], message=message, retry_after_seconds=retry or 0.0)
-        return LaneStatus(code=0)
+            return LaneStatus(code=code.value[0], message=message, retry_after_seconds=retry or 0.0), \
+                download is not None
+        return LaneStatus(code=0), False
 
     def _download(self, conn: socket.socket, download: Download, request: bytes) -> bool:
-        """Send the frames of a download, then the end-of-input mark (the status follows it,
-        an error's too). False when a payload could not be read mid-frame: the connection is
-        then cut, which the caller reads as a broken call."""
+        """Send the frames of a download (:meth:`_serve` then sends the end-of-input mark and
+        the status, an error's too: an error raised by ``download`` falls between frames).
+        False when a payload could not be read mid-frame: the connection is then cut, which
+        the caller reads as a broken call."""
         frames = download(request, lambda: _peer_open(conn))
         try:
-            for head, payload, size in frames:   # an error raised here falls between frames
+            for head, payload, size in frames:
                 try:
                     write_frame(conn, head, payload, size)
                 except DataLoss as exc:
@@ -377,12 +389,6 @@ class LaneServer:
                     return False
                 except OSError as exc:
                     raise _Lost(str(exc)) from None
-            _send(conn, END_OF_INPUT)
-        except (_Lost, GeneratorExit):
-            raise
-        except BaseException:
-            _send(conn, END_OF_INPUT)   # then the error's status
-            raise
         finally:
             frames.close()  # type: ignore[attr-defined]
         return True
@@ -547,7 +553,7 @@ class LaneSkips:
             self._log.warning(self._message, extra={"lane": lane, "error": error})
 
 
-def open_lane(address: str, token: str, *, connect_seconds: float, method: str = METHOD,
+def open_lane(address: str, token: str, *, connect_seconds: float, method: str,
               request: bytes = b"") -> socket.socket:
     """A connected lane socket, introduced (hello sent) for ``method`` (Deliver to an
     engine; Enqueue or PullTuple, with its ``request``, to the master). Raises OSError
@@ -602,9 +608,9 @@ class LaneCall:
                 if kind == RECEIPT:
                     yield message
                     continue
-                if message.code:
-                    raise LaneError(_CODES.get(message.code, grpc.StatusCode.UNKNOWN), message.message,
-                                    retry_after=message.retry_after_seconds)
+                error = _status_error(message)
+                if error is not None:
+                    raise error
                 return
         finally:
             reader.close()
@@ -725,6 +731,9 @@ class LaneDownload:
         self._cancelled = False
         self._started = False
 
+    def __iter__(self) -> Iterator[Union[TupleFrame, ChunkFrame]]:
+        return self.frames()
+
     def frames(self) -> Iterator[Union[TupleFrame, ChunkFrame]]:
         """The frames; ``on_broken`` hears of a lane that broke or stayed silent before its
         first frame or status (not a server's answer: the caller may use gRPC for a while)."""
@@ -743,7 +752,7 @@ class LaneDownload:
                 if len(prefix) != _REPLY_PREFIX.size:
                     raise Cancelled("closed without a status")
                 kind, size = _REPLY_PREFIX.unpack(prefix)
-                if kind != STATUS or size > MAX_HELLO_BYTES:
+                if kind != STATUS or size > MAX_STATUS_BYTES:
                     raise DataLoss(f"an unreadable reply (kind {kind}, {size} bytes)")
                 status = LaneStatus.FromString(_read_exact(reader, size, "a status"))
             except (HioError, OSError, DecodeError) as exc:
@@ -755,9 +764,9 @@ class LaneDownload:
                 if isinstance(exc, (DeadlineExceeded, TimeoutError)):
                     raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
                 raise LaneError(grpc.StatusCode.UNAVAILABLE, f"payload lane broke: {message}", transport=True) from None
-            if status.code:
-                raise LaneError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message,
-                                retry_after=status.retry_after_seconds)
+            error = _status_error(status)
+            if error is not None:
+                raise error
         finally:
             reader.close()
             sock.close()

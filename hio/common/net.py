@@ -306,7 +306,7 @@ def create_channel(address: str, settings: ClusterSettings, token: str | None = 
         ("grpc.initial_reconnect_backoff_ms", 250),
         ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
-    if settings.tls_ca or settings.tls_cert:
+    if settings.speaks_tls:
         creds = grpc.ssl_channel_credentials(
             root_certificates=_read(settings.tls_ca, "TLS CA") if settings.tls_ca else None,
             private_key=_read(settings.tls_key, "TLS key") if settings.tls_key else None,

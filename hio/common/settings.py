@@ -32,6 +32,12 @@ class ClusterSettings:
     log_level: str = setting("warning", "debug, info, warning or error")
     log_json: bool = setting(False, "log one JSON object per line")
 
+    @property
+    def speaks_tls(self) -> bool:
+        """This process's gRPC connections use TLS; then it uses no payload lane (plain TCP),
+        so its token and tuples never travel in the clear."""
+        return bool(self.tls_ca or self.tls_cert)
+
     def presented_token(self) -> str:
         """The token this process sends, from --token-file or --token."""
         if self.token_file:

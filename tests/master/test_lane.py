@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import time
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -15,6 +14,7 @@ import grpc
 import pytest
 
 from hio.common.config import ConfigError, build
+from hio.common.errors import Unavailable
 from hio.common.lane import END_OF_INPUT, MAGIC, LaneCall, LaneDownload, lane_frames, open_lane
 from hio.common.frames import TupleReceipt, unpacked_receipts
 from hio.master import MasterConfig
@@ -65,7 +65,7 @@ def test_gateway_queues_over_the_lane_and_an_engine_stores_every_payload(
         ids = gw.send_many(payloads, image=TEST_IMAGE, timeout=60)
         status = gw.status()
     assert status.enqueued == len(payloads) and status.retries == 0
-    assert master.domain.lane.calls >= 1
+    assert master.domain.lane.methods["Enqueue"] >= 1
     assert queued(master) == len(payloads)
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
     try:
@@ -95,7 +95,7 @@ def test_the_lane_answers_with_enqueues_receipts_and_checks(master: Master) -> N
     meta.crc32 ^= 1   # damaged on the way
     sock = open_lane(lane_of(master), "", connect_seconds=5, method="Enqueue")
     call = LaneCall(sock, lane_frames(iter([(meta, data)]), chunk_bytes=1024, pack_bytes=0), timeout=30)
-    with pytest.raises(Exception) as failed:
+    with pytest.raises(grpc.RpcError) as failed:
         list(call)
     assert failed.value.code().name == "DATA_LOSS"
     assert queued(master) == 1   # the damaged tuple left nothing behind
@@ -148,6 +148,9 @@ def test_a_master_without_lane_routes_without_one_and_the_gateway_uses_grpc(repo
     m = Master(tmp_path / "master", lanes=False, images=(TEST_IMAGE,))
     try:
         assert m.domain.lane is None
+        route = m.stub.RouteTuples(master_pb2.RouteTuplesRequest(
+            source="t", image=TEST_IMAGE, force_queue=True, items=[master_pb2.RouteItem(size=1)]), timeout=5)
+        assert route.HasField("queue") and route.queue.lane_port == 0
         config = GatewayConfig(master_address=m.address, repository_address=repo.address, force_queue=True,
                                data_dir=str(tmp_path / "gw"), source="no-lane", ingest_listen="", grace_seconds=2.0)
         with Gateway(config) as gw:
@@ -215,7 +218,7 @@ def test_a_full_queue_answers_with_the_retry_hint_gRPC_would_carry(tmp_path: Pat
         sock = open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue")
         call = LaneCall(sock, lane_frames(iter(tuples), chunk_bytes=1024, pack_bytes=0), timeout=30)
         receipts = []
-        with pytest.raises(Exception) as full:
+        with pytest.raises(grpc.RpcError) as full:
             for message in call:
                 receipts.extend(unpacked_receipts(message))
         assert [r.tuple_id for r in receipts] == [first]
@@ -273,7 +276,8 @@ def test_a_pull_whose_engine_went_away_while_waiting_takes_nothing(tmp_path: Pat
         call = LaneCall(open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue"),
                         lane_frames(iter([(meta, data)]), chunk_bytes=1024, pack_bytes=0), timeout=30)
         list(call)
-        time.sleep(1.0)
+        # The enqueue woke the pull; it leased the tuple, found its engine gone and gave it back.
+        wait_for(lambda: m.domain.lane.open_calls == 0, timeout=10, what="the pull's handler done")
         [queue] = m.status().queues
         assert (queue.length, queue.leased) == (1, 0)
         assert not m.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5).dead_letters
@@ -317,7 +321,7 @@ def test_an_engine_pulls_over_grpc_when_the_masters_lane_breaks(master: Master, 
     link = ClusterLink(engine_config(master=master.address, repository="127.0.0.1:1"), rpc_deadline=5)
     try:
         link._master_lane_port = int(closing.address.rsplit(":", 1)[1])   # as a report's answer would set it
-        with pytest.raises(Exception) as broken:
+        with pytest.raises(Unavailable) as broken:
             list(link.pull("w1/0", 0.2).frames())
         assert "payload lane broke" in str(broken.value)
         assert list(link.pull("w1/0", 0.2).frames()) == []   # over gRPC: nothing queued, no error
@@ -328,7 +332,7 @@ def test_an_engine_pulls_over_grpc_when_the_masters_lane_breaks(master: Master, 
 
 
 def test_an_engine_told_not_to_use_lanes_pulls_over_grpc_though_the_master_offers_one(
-        master: Master, repo: Repo, tmp_path: Path) -> None:
+        master: Master, repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker's ``lanes = false`` (a firewall that opens only the gRPC ports) reaches its engines'
     pulls too: they never connect to the master's lane, and the queued tuples are still stored."""
     from hio.gateway import Gateway, GatewayConfig
@@ -337,12 +341,15 @@ def test_an_engine_told_not_to_use_lanes_pulls_over_grpc_though_the_master_offer
 
     worker = build(WorkerConfig, "worker", overrides={"lanes": False, "master_address": master.address,
                                                       "repository_address": repo.address})
-    assert engine_env(worker, channel_id="w1/0", image=TEST_IMAGE, pipeline="", port=1)["HIO_ENGINE_PULL_LANE"] == "false"
+    env = engine_env(worker, channel_id="w1/0", image=TEST_IMAGE, pipeline="", port=1)
+    monkeypatch.setenv("HIO_ENGINE_PULL_LANE", env["HIO_ENGINE_PULL_LANE"])   # as the worker starts its engines
     config = GatewayConfig(master_address=master.address, repository_address=repo.address, force_queue=True,
                            data_dir=str(tmp_path / "gw"), source="no-lanes", ingest_listen="", grace_seconds=2.0)
     with Gateway(config) as gw:
         ids = gw.send_many([b"one", os.urandom(100_000)], image=TEST_IMAGE, timeout=60)
-    engine = RunningEngine(engine_config(master=master.address, repository=repo.address, pull_lane=False))
+    engine_settings = engine_config(master=master.address, repository=repo.address)
+    assert not engine_settings.pull_lane
+    engine = RunningEngine(engine_settings)
     try:
         register_channel(master, engine)
         wait_for(lambda: set(ids) <= set(repo.records()), timeout=60, what="the queued tuples stored")
