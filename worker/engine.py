@@ -49,6 +49,8 @@ LAST_ERROR_KEY = "hio.last_error"
 LAST_ERROR_BYTES = 1024
 TIMEOUT_EXIT_CODE = 75       # EX_TEMPFAIL: the controller restarts us
 ZSTD_LEVEL = 3
+ZSTD_SMALL_LEVEL = -1        # records up to ZSTD_SMALL_BYTES: zstd's fast mode (4 us less per record,
+ZSTD_SMALL_BYTES = 512       # 2% larger here; level 3 costs ~6 us even for 200 bytes)
 HANDOFF_DEADLINE = 10.0      # seconds the watchdog may spend handing a hung tuple back
 RECORD_HEADROOM = 64 * 1024  # bytes of a PutFeatures message beyond the record itself
 MIN_EMPTY_PULL = 0.1         # seconds between long-polls the master answers at once
@@ -380,6 +382,7 @@ class Engine:
         self._stopping = False
         self._pull_call: PullCall | None = None
         self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        self._small_compressor = zstandard.ZstdCompressor(level=ZSTD_SMALL_LEVEL)
         self._ticket_key = load_ticket_key(config.ticket_key_file)
         self.idle_seconds = config.stream_idle_seconds
         self.lane: LaneServer | None = None   # the payload lane, when it serves one (create_lane)
@@ -624,7 +627,9 @@ class Engine:
                                                "error": error_text(exc)})
             return error_text(exc)
         self._watchdog.end(job)
-        blob = self._compressor.compress(record.SerializeToString())
+        serialized = record.SerializeToString()
+        compressor = self._small_compressor if len(serialized) <= ZSTD_SMALL_BYTES else self._compressor
+        blob = compressor.compress(serialized)
         if len(blob) > self._max_record:
             return truncate(f"FeatureError: compressed features of {len(blob)} bytes are over the "
                             f"limit of {self._max_record}")

@@ -93,6 +93,22 @@ def test_load_pipeline_runs_setup_once_and_reads_kd_features() -> None:
     assert bare.kd_features == ()
 
 
+@pytest.mark.parametrize("attributes", [{"cost_ms": "10", "plate": "A1"}, {}])
+def test_tuple_info_from_meta_is_the_frozen_info_the_constructor_makes(attributes: dict[str, str]) -> None:
+    meta = tuple_pb2.TupleMeta(tuple_id=7, source="scope", image="hio/synthetic", name="a.tif", size=3,
+                               created_unix=12.5, attributes=attributes, ticket=b"t")
+    info = TupleInfo.from_meta(meta)
+    assert info == TupleInfo(tuple_id=7, source="scope", image="hio/synthetic", name="a.tif", size=3,
+                             created_unix=12.5, attributes=attributes)
+    assert dict(info.attributes) == attributes
+    with pytest.raises(AttributeError):   # frozen: a pipeline cannot change what other code reads
+        info.name = "b.tif"  # type: ignore[misc]
+    with pytest.raises(TypeError):        # read-only, and not the message's own map
+        info.attributes["plate"] = "B2"  # type: ignore[index]
+    meta.attributes["late"] = "x"
+    assert "late" not in info.attributes
+
+
 @pytest.mark.parametrize("spec, needle", [
     ("nocolon", "module:function"), ("tests.worker.pipe_nokd:missing", "no function"),
     ("tests.worker.pipe_nokd:NOT_CALLABLE", "no function"), ("tests.worker.pipe_broken:process", "cannot import"),
