@@ -41,7 +41,7 @@ import grpc
 from hio.common.errors import retry_after
 from hio.common.frames import TupleMeta, WireFrame, tuple_frames, unpacked_receipts
 from hio.common.lane import LaneCall, LaneSkips, lane_beside, lane_frames
-from hio.common.net import create_channel, send_frames
+from hio.common.net import NEVER_CONNECTED, create_channel, rpc_error_text, send_frames
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
 from hio.proto import master_pb2, master_pb2_grpc
@@ -51,7 +51,6 @@ log = logging.getLogger("hio.gateway")
 
 LAST_ERROR_ATTRIBUTE = "hio.last_error"
 _MASTER_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-_NEVER_CONNECTED = "failed to connect to all addresses"   # gRPC's words when no connection was made
 UNREACHABLE_LOG_SECONDS = 60.0   # an unreachable engine is logged at most once in this long
 
 
@@ -440,7 +439,7 @@ class Dispatcher:
 
     def _route_failed(self, batch: list[_Pending], exc: grpc.RpcError) -> None:
         code, details = _status(exc)
-        error = f"master {self._config.master_address}: {code.name if code else 'error'}: {details}"
+        error = f"master {self._config.master_address}: {rpc_error_text(exc, self._config)}"
         if code in _MASTER_DOWN:
             self._master_unreachable(error)
             self._retry(batch, error, count_attempt=False, delay=self._master_delay())
@@ -463,14 +462,14 @@ class Dispatcher:
 
     def _stream_failed(self, left: list[_Pending], exc: grpc.RpcError, address: str, *, direct: bool) -> None:
         code, details = _status(exc)
-        error = f"{'engine' if direct else 'master'} {address}: {code.name if code else 'error'}: {details}"
+        error = f"{'engine' if direct else 'master'} {address}: {rpc_error_text(exc, self._config)}"
         if not left:
             return
         if code == grpc.StatusCode.CANCELLED and self._stopping:
             return  # stopping: the tuples stay spooled for the next start
         if direct and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._retry(left, error, count_attempt=False, delay=random.uniform(0.0, 0.05))
-        elif direct and code == grpc.StatusCode.UNAVAILABLE and _NEVER_CONNECTED in details:
+        elif direct and code == grpc.StatusCode.UNAVAILABLE and NEVER_CONNECTED in details:
             # Nothing reached the engine, so nothing can have hurt it: a killed worker's
             # channels stay in routing until the master expires them (seconds), and
             # charging each refused route would dead-letter healthy tuples.

@@ -20,7 +20,7 @@ import grpc
 
 from hio.common.config import ConfigError
 from hio.common.frames import WireFrame, crc32_of_file, frames_for_file
-from hio.common.net import create_channel, send_frames
+from hio.common.net import create_channel, rpc_error_text, send_frames
 from hio.gateway.client import Gateway, TupleFuture
 from hio.gateway.config import SendConfig, infer_image, is_ignored
 from hio.gateway.spool import SpoolFull
@@ -193,7 +193,7 @@ def _hand_over(config: SendConfig, files: list[Path], images: dict[Path, str]) -
         for receipt in submit(_ingest_frames(config, files, images), timeout=config.stream_timeout_seconds):
             accepted += receipt.state == TupleReceipt.ACCEPTED
     except grpc.RpcError as exc:
-        print(f"hio send: gateway at {config.ingest_listen}: {exc.code().name}: {exc.details()} "
+        print(f"hio send: gateway at {config.ingest_listen}: {rpc_error_text(exc, config)} "
               f"({accepted} of {len(files)} accepted)", file=sys.stderr)
         return 2 if exc.code() == grpc.StatusCode.UNAVAILABLE and not accepted else 1
     finally:

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Any, Callable
 
-from hio.common import config as cfg
+# gRPC's C core logs each failed TLS handshake to stderr, unstructured, several times a
+# second while a client retries; our own logs say it once, with what to fix. Before any
+# import of grpc; GRPC_VERBOSITY set by the user still wins (and reaches child processes).
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from hio.common import config as cfg  # noqa: E402 - after the gRPC setting above
 
 # name: (config class, config section, run function, help)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {

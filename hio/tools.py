@@ -11,7 +11,7 @@ import grpc
 from google.protobuf import json_format
 
 from hio.common.config import ConfigError, setting
-from hio.common.net import create_channel
+from hio.common.net import create_channel, rpc_error_text
 from hio.common.settings import ClusterSettings
 from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 
@@ -67,8 +67,8 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
     return "\n".join(lines)
 
 
-def _fail(what: str, address: str, exc: grpc.RpcError) -> int:
-    print(f"hio: cannot {what} at {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+def _fail(what: str, address: str, exc: grpc.RpcError, settings: ClusterSettings) -> int:
+    print(f"hio: cannot {what} at {address}: {rpc_error_text(exc, settings)}", file=sys.stderr)
     return 1
 
 
@@ -79,7 +79,7 @@ def run_status(config: StatusConfig) -> int:
             try:
                 status = stub.GetStatus(master_pb2.GetStatusRequest(), timeout=10)
             except grpc.RpcError as exc:
-                return _fail("get status from the master", config.master_address, exc)
+                return _fail("get status from the master", config.master_address, exc, config)
             if config.json:
                 print(json_format.MessageToJson(status, always_print_fields_with_no_presence=True))
             else:
@@ -107,7 +107,7 @@ def run_knowledge(config: KnowledgeConfig) -> int:
     try:
         knowledge = fetch_knowledge(config)
     except grpc.RpcError as exc:
-        return _fail("read knowledge from the repository", config.repository_address, exc)
+        return _fail("read knowledge from the repository", config.repository_address, exc, config)
     if knowledge is None:
         print("no knowledge yet: run `hio kd --once` (or keep `hio kd` running) after tuples are stored")
         return 1
@@ -129,7 +129,7 @@ def run_dead_letters(config: DeadLettersConfig) -> int:
                 return 0
             reply = stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=30)
         except grpc.RpcError as exc:
-            return _fail("reach the master", config.master_address, exc)
+            return _fail("reach the master", config.master_address, exc, config)
     if config.json:
         print(json.dumps([json_format.MessageToDict(d) for d in reply.dead_letters], indent=2))
         return 0

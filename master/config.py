@@ -59,6 +59,7 @@ class MasterConfig(ClusterSettings):
     def validate(self) -> None:
         """Refuse settings the master cannot run with; each message names the setting."""
         self.validate_cluster()
+        self.validate_serving()
         for name in ("listen", "lane_listen"):
             value = getattr(self, name)
             try:

@@ -43,6 +43,7 @@ class RepositoryConfig(ClusterSettings):
     def validate(self) -> None:
         """Refuse settings the repository cannot honour; messages name the setting."""
         self.validate_cluster()
+        self.validate_serving()
         _check_address("listen", self.listen, allow_empty=False)
         _check_address("http_listen", self.http_listen, allow_empty=True)
         if self.fsync not in FSYNC_MODES:

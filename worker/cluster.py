@@ -17,7 +17,7 @@ import grpc
 from hio.common import errors
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
 from hio.common.lane import LaneDownload, LaneSkips, lane_beside
-from hio.common.net import create_channel, message_limit, pull_frames, send_frames
+from hio.common.net import create_channel, message_limit, pull_frames, rpc_error_text, send_frames
 from hio.common.retry import call_with_retry
 from hio.common.settings import ClusterSettings
 from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
@@ -36,14 +36,14 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.HioError]] = {
 CALL_TIMEOUT = 30.0  # seconds one attempt of a unary call may take
 
 
-def translate(exc: grpc.RpcError, peer: str) -> errors.HioError:
-    """The domain error for a failed call to ``peer`` ('master', 'repository')."""
+def translate(exc: grpc.RpcError, peer: str, settings: ClusterSettings | None = None) -> errors.HioError:
+    """The domain error for a failed call to ``peer`` ('master', 'repository'); a call that
+    never connected says why in words (a TLS mistake is not a server that is down)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
     cls = _BY_CODE.get(code, errors.HioError)
     if code == grpc.StatusCode.CANCELLED:
         cls = errors.Unavailable
-    return cls(f"{peer}: {code.name if code else 'UNKNOWN'}: {details}")
+    return cls(f"{peer}: {rpc_error_text(exc, settings)}")
 
 
 class PullCall:
@@ -92,7 +92,7 @@ class ClusterLink:
         try:
             return call_with_retry(fn, deadline=self._deadline if deadline is None else deadline)
         except grpc.RpcError as exc:
-            raise translate(exc, peer) from None
+            raise translate(exc, peer, self._settings) from None
 
     def store(self, tuple_id: int, record_zstd: bytes) -> bool:
         """PutFeatures for one record; True when the id was already stored (idempotent)."""
@@ -135,7 +135,7 @@ class ClusterLink:
         try:
             reply = self._master.ReportTuples(request, timeout=timeout)
         except grpc.RpcError as exc:
-            raise translate(exc, "master") from None
+            raise translate(exc, "master", self._settings) from None
         self._master_lane_port = reply.lane_port
         return reply
 

@@ -68,6 +68,7 @@ class WorkerConfig(EngineSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
+        self.validate_serving()
         if self.runtime not in RUNTIMES:
             raise ConfigError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         if not self.engines:

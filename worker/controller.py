@@ -25,7 +25,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hio.common.net import create_channel
+from hio.common.net import connect_hint, create_channel
 from hio.common.retry import Backoff
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.worker.api import pipeline_for_image
@@ -202,10 +202,13 @@ class MasterSession:
                 wait = backoff.delay()
                 failures += 1
                 # the first failure of a streak is a warning; the rest would only repeat it
+                extra = {"worker": self._worker_id, "code": exc.code().name if exc.code() else "?",
+                         "reason": exc.details(), "retry_in_s": round(wait, 2), "failures": failures}
+                hint = connect_hint(exc.details() or "", speaks_tls=self._config.speaks_tls)
+                if hint:   # a TLS mistake, not a master that is down
+                    extra["hint"] = hint
                 log.log(logging.WARNING if failures == 1 else logging.DEBUG,
-                        "master unreachable" if not self._registered else "heartbeat failed",
-                        extra={"worker": self._worker_id, "code": exc.code().name if exc.code() else "?",
-                               "reason": exc.details(), "retry_in_s": round(wait, 2), "failures": failures})
+                        "master unreachable" if not self._registered else "heartbeat failed", extra=extra)
             self._poke.wait(wait)
             self._poke.clear()
 

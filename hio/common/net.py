@@ -29,6 +29,46 @@ log = logging.getLogger("hio.net")
 AUTH_HEADER = "authorization"
 
 
+NEVER_CONNECTED = "failed to connect to all addresses"   # gRPC's words when no connection was made
+
+
+def connect_hint(details: str, *, speaks_tls: bool) -> str:
+    """What a call that never connected should tell its user; "" when there is nothing to add.
+
+    gRPC reports every failure to connect the same way (UNAVAILABLE, "failed to
+    connect to all addresses") whether the port was closed or the TLS handshake
+    failed; the cause is buried at the end of the details, and a TLS mistake then
+    reads like a server that is down. This names the likely setting to fix.
+    """
+    if NEVER_CONNECTED not in details:
+        return ""
+    if "Hostname Verification" in details or "not in peer certificate" in details:
+        return ("TLS: the server's certificate does not name the host or IP this address uses; "
+                "connect by a name in the certificate, or issue it with this name")
+    if "WRONG_VERSION_NUMBER" in details:
+        return "TLS: the server does not speak TLS; drop tls_ca/tls_cert here, or give the server a certificate"
+    if "andshake failed" in details or "SSL_ERROR" in details:
+        reason = details.removesuffix(": OK").rpartition(": ")[2].strip()   # OpenSSL's last words
+        return (f"TLS handshake failed ({reason}): check that tls_ca is the CA that signed "
+                "the server's certificate")
+    if "Socket closed" in details:
+        if speaks_tls:
+            return ("the server closed the connection during the TLS handshake: it may require a client "
+                    "certificate signed by its CA (tls_cert, tls_key)")
+        return ("the server closed the connection at once: if it serves TLS, set tls_ca (and tls_cert, "
+                "tls_key if it requires client certificates)")
+    return ""
+
+
+def rpc_error_text(exc: grpc.RpcError, settings: ClusterSettings | None = None) -> str:
+    """'CODE: details' of a failed call, with :func:`connect_hint`'s advice when it never connected."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
+    hint = connect_hint(details, speaks_tls=settings.speaks_tls if settings is not None else False)
+    text = f"{code.name if code else 'error'}: {details}"
+    return f"{text} ({hint})" if hint else text
+
+
 def message_limit(settings: ClusterSettings) -> int:
     """Largest gRPC message: one chunk plus headroom, never less than 16 MiB."""
     return max(settings.chunk_bytes + 4 * 1024 * 1024, 16 * 1024 * 1024)

@@ -57,5 +57,14 @@ class ClusterSettings:
         if self.tls_client_auth and not self.tls_ca:
             raise ConfigError("tls_client_auth needs tls_ca to verify client certificates")
 
+    def validate_serving(self) -> None:
+        """For roles that serve gRPC (master, repository, worker): TLS for their clients
+        means a certificate of their own. With tls_ca alone they would serve plaintext
+        while speaking TLS to each other, and every connection would fail its handshake."""
+        if self.tls_ca and not self.tls_cert:
+            raise ConfigError("tls_ca is set without tls_cert and tls_key: this role serves gRPC, and would "
+                              "serve it in plaintext to peers that speak TLS; give it a certificate "
+                              "(`hio certs`), or drop tls_ca")
+
     def validate(self) -> None:
         self.validate_cluster()

@@ -92,3 +92,13 @@ def test_every_command_prints_its_help(command, capsys) -> None:
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: hio {command}") and "--config" in out
+
+
+@pytest.mark.parametrize("command", ["master", "repository", "worker"])
+def test_a_serving_role_with_a_ca_but_no_certificate_is_refused(command, tmp_path, capsys) -> None:
+    from hio.cli import main
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    assert main([command, "--tls-ca", str(ca), "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "tls_ca is set without tls_cert" in err and "hio certs" in err

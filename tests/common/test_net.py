@@ -6,7 +6,8 @@ import grpc
 import pytest
 
 from hio.common.certs import generate
-from hio.common.net import create_channel, create_server, set_serving, wait_healthy
+from hio.common.net import connect_hint, create_channel, create_server, rpc_error_text, set_serving, wait_healthy
+from hio.common.procs import free_port
 from hio.common.settings import ClusterSettings
 
 
@@ -87,8 +88,40 @@ def test_tls_and_mutual_tls(tmp_path: Path) -> None:
             with pytest.raises(grpc.RpcError) as err:
                 say(address, bad)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            # the server hung up in the handshake: the text says which setting to look at
+            assert "client certificate" in rpc_error_text(err.value, bad)
     finally:
         server.stop(0)
+
+
+def test_a_call_that_never_connected_says_which_tls_setting_to_fix(tmp_path: Path) -> None:
+    certs = generate(tmp_path / "certs", ("server",), ("127.0.0.1",))
+    other = generate(tmp_path / "other", ("server",), ("127.0.0.1",))
+    by_name = generate(tmp_path / "by-name", ("server",), ("localhost",))
+    tls, tls_address = echo_server(ClusterSettings(tls_cert=str(certs["server"]), tls_key=str(certs["server-key"])))
+    named, named_address = echo_server(ClusterSettings(tls_cert=str(by_name["server"]),
+                                                       tls_key=str(by_name["server-key"])))
+    plain, plain_address = echo_server(ClusterSettings())
+    cases = [
+        (tls_address, ClusterSettings(tls_ca=str(other["ca"])), "check that tls_ca is the CA that signed"),
+        (plain_address, ClusterSettings(tls_ca=str(certs["ca"])), "the server does not speak TLS"),
+        (tls_address, ClusterSettings(), "if it serves TLS, set tls_ca"),
+        (named_address, ClusterSettings(tls_ca=str(by_name["ca"])), "does not name the host or IP"),
+        (f"127.0.0.1:{free_port()}", ClusterSettings(), None),   # refused: nothing to add
+    ]
+    try:
+        for address, settings, advice in cases:
+            with pytest.raises(grpc.RpcError) as err:
+                say(address, settings)
+            text = rpc_error_text(err.value, settings)
+            assert text.startswith("UNAVAILABLE: failed to connect to all addresses")
+            if advice is None:
+                assert not connect_hint(err.value.details(), speaks_tls=False)
+            else:
+                assert advice in text, text
+    finally:
+        for server in (tls, named, plain):
+            server.stop(0)
 
 
 def test_servicer_errors_become_statuses_and_aborts_pass_through() -> None:
