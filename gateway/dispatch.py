@@ -41,7 +41,7 @@ import grpc
 from hio.common.errors import retry_after
 from hio.common.frames import TupleMeta, WireFrame, tuple_frames, unpacked_receipts
 from hio.common.lane import LaneCall, LaneSkips, lane_beside, lane_frames
-from hio.common.net import NEVER_CONNECTED, create_channel, rpc_error_text, send_frames
+from hio.common.net import NEVER_CONNECTED, create_channel, rpc_error_text, rpc_status, send_frames
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
 from hio.proto import master_pb2, master_pb2_grpc
@@ -438,7 +438,7 @@ class Dispatcher:
                                                       "attempt_counted": count_attempt})
 
     def _route_failed(self, batch: list[_Pending], exc: grpc.RpcError) -> None:
-        code, details = _status(exc)
+        code, details = rpc_status(exc)
         error = f"master {self._config.master_address}: {rpc_error_text(exc, self._config)}"
         if code in _MASTER_DOWN:
             self._master_unreachable(error)
@@ -461,7 +461,7 @@ class Dispatcher:
             self._retry(batch, error, count_attempt=False, delay=random.uniform(1.0, 3.0))
 
     def _stream_failed(self, left: list[_Pending], exc: grpc.RpcError, address: str, *, direct: bool) -> None:
-        code, details = _status(exc)
+        code, details = rpc_status(exc)
         error = f"{'engine' if direct else 'master'} {address}: {rpc_error_text(exc, self._config)}"
         if not left:
             return
@@ -546,12 +546,6 @@ def _unsettled(batch: list[_Pending], sent: list[_Pending], settled: set[int],
     sent_seqs = {p.seq for p in sent}
     left = [p for i, p in enumerate(sent) if i not in settled]
     return left + [p for p in batch if p.seq not in sent_seqs and p.seq not in skipped]
-
-
-def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
-    code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    return code, details or ""
 
 
 def _hinted(exc: grpc.RpcError) -> float:

@@ -17,7 +17,7 @@ import grpc
 from hio.common import errors
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
 from hio.common.lane import LaneDownload, LaneSkips, lane_beside
-from hio.common.net import create_channel, message_limit, pull_frames, rpc_error_text, send_frames
+from hio.common.net import create_channel, message_limit, pull_frames, rpc_error_text, rpc_status, send_frames
 from hio.common.retry import call_with_retry
 from hio.common.settings import ClusterSettings
 from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
@@ -39,7 +39,7 @@ CALL_TIMEOUT = 30.0  # seconds one attempt of a unary call may take
 def translate(exc: grpc.RpcError, peer: str, settings: ClusterSettings | None = None) -> errors.HioError:
     """The domain error for a failed call to ``peer`` ('master', 'repository'); a call that
     never connected says why in words (a TLS mistake is not a server that is down)."""
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    code = rpc_status(exc)[0] or grpc.StatusCode.UNKNOWN
     cls = _BY_CODE.get(code, errors.HioError)
     if code == grpc.StatusCode.CANCELLED:
         cls = errors.Unavailable

@@ -47,7 +47,7 @@ def connect_hint(details: str, *, speaks_tls: bool) -> str:
                 "connect by a name in the certificate, or issue it with this name")
     if "WRONG_VERSION_NUMBER" in details:
         return "TLS: the server does not speak TLS; drop tls_ca/tls_cert here, or give the server a certificate"
-    if "andshake failed" in details or "SSL_ERROR" in details:
+    if "handshake failed" in details.lower() or "SSL_ERROR" in details:   # "Tls handshake failed (...)"
         reason = details.removesuffix(": OK").rpartition(": ")[2].strip()   # OpenSSL's last words
         return (f"TLS handshake failed ({reason}): check that tls_ca is the CA that signed "
                 "the server's certificate")
@@ -60,10 +60,16 @@ def connect_hint(details: str, *, speaks_tls: bool) -> str:
     return ""
 
 
+def rpc_status(exc: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
+    """(code, details) of a failed call; lane errors and plain RpcErrors alike."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return code, details or ""
+
+
 def rpc_error_text(exc: grpc.RpcError, settings: ClusterSettings | None = None) -> str:
     """'CODE: details' of a failed call, with :func:`connect_hint`'s advice when it never connected."""
-    code = exc.code() if hasattr(exc, "code") else None
-    details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
+    code, details = rpc_status(exc)
     hint = connect_hint(details, speaks_tls=settings.speaks_tls if settings is not None else False)
     text = f"{code.name if code else 'error'}: {details}"
     return f"{text} ({hint})" if hint else text

@@ -6,8 +6,10 @@ shows what the master would receive and can answer like it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from typing import Any, Iterator
 
 from hio.common.errors import InvalidArgument, Unavailable
 from hio.proto import master_pb2
@@ -31,8 +33,20 @@ class Recorder:
         return master_pb2.ReportTuplesResponse(pull_queue=self.pull_queue)
 
 
-def _outcome(tuple_id: int) -> master_pb2.TupleOutcome:
-    return master_pb2.TupleOutcome(tuple_id=tuple_id, ok=True, size=1)
+def _outcome(tuple_id: int, *, from_queue: bool = False) -> master_pb2.TupleOutcome:
+    return master_pb2.TupleOutcome(tuple_id=tuple_id, ok=True, size=1, from_queue=from_queue)
+
+
+@contextlib.contextmanager
+def _running(send: Recorder, **intervals: Any) -> Iterator[Reporter]:
+    """A started reporter (queued outcomes within 50 ms, direct ones after 30 s unless
+    ``intervals`` say otherwise), stopped at the end."""
+    settings = {"keepalive": 60.0, "flush_interval": 0.05, "direct_interval": 30.0, **intervals}
+    reporter = Reporter("w/0", send, **settings).start()
+    try:
+        yield reporter
+    finally:
+        reporter.stop(timeout=2)
 
 
 def test_outcomes_are_batched_and_a_release_closes_a_request() -> None:
@@ -104,8 +118,7 @@ def test_reports_say_whether_a_tuple_is_in_progress_and_its_end_is_sent_at_once(
 
 def test_a_direct_outcome_waits_for_the_next_release_and_a_queued_one_goes_within_the_flush_interval() -> None:
     send = Recorder()
-    reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.05, direct_interval=30.0).start()
-    try:
+    with _running(send) as reporter:
         reporter.release()
         wait_for(lambda: len(send.requests) == 1, timeout=5, what="the first release")
         reporter.outcome(_outcome(1))  # a direct tuple: only the master's figures need it
@@ -114,22 +127,17 @@ def test_a_direct_outcome_waits_for_the_next_release_and_a_queued_one_goes_withi
         reporter.release()
         wait_for(lambda: len(send.requests) == 2, timeout=5, what="the next release")
         assert [o.tuple_id for o in send.requests[1].outcomes] == [1] and send.requests[1].release
-        reporter.outcome(master_pb2.TupleOutcome(tuple_id=2, ok=True, size=1, from_queue=True))
+        reporter.outcome(_outcome(2, from_queue=True))
         wait_for(lambda: len(send.requests) == 3, timeout=5, what="the queued tuple's outcome")
         assert [o.tuple_id for o in send.requests[2].outcomes] == [2] and not send.requests[2].release
-    finally:
-        reporter.stop(timeout=2)
 
 
 def test_a_direct_outcome_is_sent_after_direct_interval_when_nothing_else_goes() -> None:
     send = Recorder()
-    reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.05, direct_interval=0.3).start()
-    try:
+    with _running(send, direct_interval=0.3) as reporter:
         reporter.outcome(_outcome(1))
         wait_for(lambda: send.requests, timeout=5, what="the lone direct outcome")
         assert [o.tuple_id for o in send.requests[0].outcomes] == [1]
-    finally:
-        reporter.stop(timeout=2)
 
 
 def test_a_release_after_the_reporter_stopped_is_sent_at_once() -> None:
@@ -164,25 +172,19 @@ def test_a_queued_outcome_behind_direct_ones_still_goes_within_the_flush_interva
     """Direct outcomes do not wake the reporter (they wait for the next report); a queued tuple's
     outcome that joins them does, since its lease waits on it."""
     send = Recorder()
-    reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.05, direct_interval=30.0).start()
-    try:
+    with _running(send) as reporter:
         reporter.outcomes([_outcome(1), _outcome(2)])
         time.sleep(0.3)
         assert not send.requests
-        reporter.outcomes([master_pb2.TupleOutcome(tuple_id=3, ok=True, size=1, from_queue=True)])
+        reporter.outcomes([_outcome(3, from_queue=True)])
         wait_for(lambda: send.requests, timeout=5, what="the queued tuple's outcome")
         assert [o.tuple_id for o in send.requests[0].outcomes] == [1, 2, 3]
-    finally:
-        reporter.stop(timeout=2)
 
 
 def test_a_full_request_of_direct_outcomes_goes_without_waiting_for_the_interval() -> None:
     send = Recorder()
-    reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.05, direct_interval=30.0).start()
-    try:
+    with _running(send) as reporter:
         reporter.outcomes([_outcome(i) for i in range(1, MAX_BATCH + 6)])
         wait_for(lambda: send.requests, timeout=5, what="a full request")
         assert [o.tuple_id for o in send.requests[0].outcomes] == list(range(1, MAX_BATCH + 1))
-    finally:
-        reporter.stop(timeout=2)
     assert [o.tuple_id for r in send.requests for o in r.outcomes] == list(range(1, MAX_BATCH + 6))
