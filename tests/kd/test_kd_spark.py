@@ -209,6 +209,14 @@ def _driver_jvm(kd: HioProcess) -> int:
     return int(out[0])
 
 
+def _after_kill(repo: Repo, kd: HioProcess) -> str:
+    """What a failed wait shows first: the count reached and KD's own log lines
+    (short enough to survive a truncated CI report), then every thread's stack."""
+    own = [line for line in kd.output().splitlines() if " hio.kd: " in line]
+    return (f"knowledge after the driver died (tuple_count {repo.knowledge().tuple_count}); "
+            f"KD's log:\n" + "\n".join(own[-20:]) + f"\n{kd.stacks()}")
+
+
 @pytest.mark.slow
 def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     with repository(tmp_path / "repo") as repo:
@@ -222,7 +230,7 @@ def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(t
             os.kill(first_jvm, signal.SIGKILL)  # the driver dies (OOM killer, operator): KD must carry on
             repo.put(blobs_records(151, 150)[0])
             wait_for(lambda: (k := repo.knowledge()) and k.tuple_count == 300, timeout=240,
-                     what=lambda: f"knowledge after the driver died ({repo.knowledge()}):\n{kd.stacks()}")
+                     what=lambda: _after_kill(repo, kd))
             assert kd.alive() and _driver_jvm(kd) != first_jvm
             assert "the Spark session is dead; starting a new one" in kd.output()
             code = kd.stop(timeout=60)
