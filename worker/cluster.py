@@ -51,9 +51,11 @@ class PullCall:
     payload lane): iterate its frames, or cancel it from another thread. ``max_chunk_bytes``:
     the largest frame payload it may bring (the lane sends a tuple as one frame)."""
 
-    def __init__(self, call: "grpc.Call | LaneDownload", max_chunk_bytes: int) -> None:
+    def __init__(self, call: "grpc.Call | LaneDownload", max_chunk_bytes: int,
+                 settings: ClusterSettings | None = None) -> None:
         self._call = call
         self.max_chunk_bytes = max_chunk_bytes
+        self._settings = settings  # for a TLS hint when the pull never connected
 
     def frames(self) -> Iterator[TupleFrame | ChunkFrame]:
         """The frames of the pulled tuples; empty when the master had nothing."""
@@ -62,7 +64,7 @@ class PullCall:
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 return
-            raise translate(exc, "master") from None
+            raise translate(exc, "master", self._settings) from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -153,7 +155,8 @@ class ClusterLink:
                                          max_data_bytes=self._settings.max_tuple_bytes,
                                          on_broken=lambda why: self._lanes.down(lane, why)),
                             max_chunk_bytes=self._settings.max_tuple_bytes)
-        return PullCall(self._pull(request, timeout=timeout), max_chunk_bytes=message_limit(self._settings))
+        return PullCall(self._pull(request, timeout=timeout), max_chunk_bytes=message_limit(self._settings),
+                        settings=self._settings)
 
     def _master_lane(self) -> str:
         """The master's payload lane, '' when it offers none, this engine does not use it, or TLS is
