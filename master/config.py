@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hio.common.config import ConfigError, positive, setting
+from hio.common.config import ConfigError, check_address, positive, setting
 from hio.common.lane import lane_beside, split_address
 from hio.common.settings import ClusterSettings
 
@@ -60,13 +60,8 @@ class MasterConfig(ClusterSettings):
         """Refuse settings the master cannot run with; each message names the setting."""
         self.validate_cluster()
         self.validate_serving()
-        for name in ("listen", "lane_listen"):
-            value = getattr(self, name)
-            try:
-                if value or name == "listen":
-                    split_address(value)
-            except ValueError:
-                raise ConfigError(f"{name} must be host:port, got {value!r}") from None
+        check_address("listen", self.listen)
+        check_address("lane_listen", self.lane_listen, allow_empty=True)
         if not self.lane_listen and self.lane_address() and split_address(self.listen)[1] == 65535:
             raise ConfigError("listen's port is 65535, so the payload lane has no port + 1: set lane_listen")
         for name in ("queue_bytes", "segment_bytes", "heartbeat_interval", "expiry_seconds",

@@ -6,9 +6,8 @@ Kept free of heavy imports: the CLI loads this module to build its flags.
 from __future__ import annotations
 
 import dataclasses
-import re
 
-from hio.common.config import ConfigError, positive, setting
+from hio.common.config import ConfigError, check_address, positive, setting
 from hio.common.settings import MiB, ClusterSettings
 
 FSYNC_MODES = ("batch", "always", "never")
@@ -16,7 +15,6 @@ FSYNC_MODES = ("batch", "always", "never")
 # Bytes of a PutFeatures/ReadFeatures message beyond the record itself (the engine keeps the same).
 RECORD_HEADROOM = 64 * 1024
 
-_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*):\d{1,5}$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +42,8 @@ class RepositoryConfig(ClusterSettings):
         """Refuse settings the repository cannot honour; messages name the setting."""
         self.validate_cluster()
         self.validate_serving()
-        _check_address("listen", self.listen, allow_empty=False)
-        _check_address("http_listen", self.http_listen, allow_empty=True)
+        check_address("listen", self.listen)
+        check_address("http_listen", self.http_listen, allow_empty=True)
         if self.fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {self.fsync!r}")
         if self.fsync_interval_ms < 0 or self.fsync_interval_ms > 10_000:
@@ -69,10 +67,3 @@ class RepositoryConfig(ClusterSettings):
             raise ConfigError(f"segment_bytes must be at least 64 KiB, got {self.segment_bytes}")
         if self.read_batch_records > 100_000:
             raise ConfigError(f"read_batch_records must be at most 100000, got {self.read_batch_records}")
-
-
-def _check_address(name: str, value: str, *, allow_empty: bool) -> None:
-    if allow_empty and value == "":
-        return
-    if not _ADDRESS.match(value):
-        raise ConfigError(f"{name} must be host:port, got {value!r}")

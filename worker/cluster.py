@@ -36,7 +36,7 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.HioError]] = {
 CALL_TIMEOUT = 30.0  # seconds one attempt of a unary call may take
 
 
-def translate(exc: grpc.RpcError, peer: str, settings: ClusterSettings | None = None) -> errors.HioError:
+def translate(exc: grpc.RpcError, peer: str, settings: ClusterSettings) -> errors.HioError:
     """The domain error for a failed call to ``peer`` ('master', 'repository'); a call that
     never connected says why in words (a TLS mistake is not a server that is down)."""
     code = rpc_status(exc)[0] or grpc.StatusCode.UNKNOWN
@@ -51,11 +51,10 @@ class PullCall:
     payload lane): iterate its frames, or cancel it from another thread. ``max_chunk_bytes``:
     the largest frame payload it may bring (the lane sends a tuple as one frame)."""
 
-    def __init__(self, call: "grpc.Call | LaneDownload", max_chunk_bytes: int,
-                 settings: ClusterSettings | None = None) -> None:
+    def __init__(self, call: "grpc.Call | LaneDownload", max_chunk_bytes: int, settings: ClusterSettings) -> None:
         self._call = call
         self.max_chunk_bytes = max_chunk_bytes
-        self._settings = settings  # for a TLS hint when the pull never connected
+        self._settings = settings  # for the TLS advice when the pull never connected
 
     def frames(self) -> Iterator[TupleFrame | ChunkFrame]:
         """The frames of the pulled tuples; empty when the master had nothing."""
@@ -154,7 +153,7 @@ class ClusterLink:
             return PullCall(LaneDownload(sock, timeout=timeout, max_head_bytes=message_limit(self._settings),
                                          max_data_bytes=self._settings.max_tuple_bytes,
                                          on_broken=lambda why: self._lanes.down(lane, why)),
-                            max_chunk_bytes=self._settings.max_tuple_bytes)
+                            max_chunk_bytes=self._settings.max_tuple_bytes, settings=self._settings)
         return PullCall(self._pull(request, timeout=timeout), max_chunk_bytes=message_limit(self._settings),
                         settings=self._settings)
 

@@ -15,7 +15,7 @@ import math
 import os
 import socket
 
-from hio.common.config import ConfigError, positive, setting
+from hio.common.config import ConfigError, check_address, positive, setting
 from hio.common.settings import ClusterSettings
 
 DEFAULT_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
@@ -169,10 +169,8 @@ class EngineConfig(EngineSettings):
             raise ConfigError("channel_id is required (HIO_ENGINE_CHANNEL_ID)")
         if not self.image:
             raise ConfigError("image is required (HIO_ENGINE_IMAGE)")
-        if ":" not in self.listen:
-            raise ConfigError(f"listen must be host:port, got {self.listen!r}")
-        if self.lane_listen and ":" not in self.lane_listen:
-            raise ConfigError(f"lane_listen must be host:port, got {self.lane_listen!r}")
+        check_address("listen", self.listen)
+        check_address("lane_listen", self.lane_listen, allow_empty=True)
         if self.pipeline and ":" not in self.pipeline:
             raise ConfigError(f"pipeline must look like module:function, got {self.pipeline!r}")
         if self.tuple_timeout < 0:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -164,6 +165,19 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
     if callable(validate):
         validate()
     return config
+
+
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*):(\d{1,5})$")
+
+
+def check_address(name: str, value: str, *, allow_empty: bool = False) -> None:
+    """Refuse a listen or peer address that is not host:port ('[v6]:port', ':port' = all
+    interfaces), so a typo is named at start-up rather than failing a bind or a connect."""
+    if allow_empty and value == "":
+        return
+    match = _ADDRESS.match(value)
+    if match is None or int(match.group(2)) > 65535:
+        raise ConfigError(f"{name} must be host:port, got {value!r}")
 
 
 def positive(name: str, value: float) -> None:

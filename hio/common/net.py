@@ -67,10 +67,11 @@ def rpc_status(exc: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
     return code, details or ""
 
 
-def rpc_error_text(exc: grpc.RpcError, settings: ClusterSettings | None = None) -> str:
-    """'CODE: details' of a failed call, with :func:`connect_hint`'s advice when it never connected."""
+def rpc_error_text(exc: grpc.RpcError, settings: ClusterSettings) -> str:
+    """'CODE: details' of a failed call, with :func:`connect_hint`'s advice when it never
+    connected. ``settings`` are the caller's: the advice depends on whether it speaks TLS."""
     code, details = rpc_status(exc)
-    hint = connect_hint(details, speaks_tls=settings.speaks_tls if settings is not None else False)
+    hint = connect_hint(details, speaks_tls=settings.speaks_tls)
     text = f"{code.name if code else 'error'}: {details}"
     return f"{text} ({hint})" if hint else text
 

@@ -1,5 +1,6 @@
 import argparse
 import dataclasses
+import re
 
 import pytest
 
@@ -102,3 +103,26 @@ def test_a_serving_role_with_a_ca_but_no_certificate_is_refused(command, tmp_pat
     assert main([command, "--tls-ca", str(ca), "--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "tls_ca is set without tls_cert" in err and "hio certs" in err
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1:7000", "0.0.0.0:0", "[::1]:7000", "[::]:7300", ":7000",
+                                   "master.example.org:65535"])
+def test_an_address_is_host_and_port(value: str) -> None:
+    cfg.check_address("listen", value)
+
+
+@pytest.mark.parametrize("value", ["7000", "localhost", "host:port", "host:65536", "a b:7000", "host:7000:1", ""])
+def test_a_mistyped_address_is_refused_with_its_setting_named(value: str) -> None:
+    with pytest.raises(cfg.ConfigError, match=re.escape(f"listen must be host:port, got {value!r}")):
+        cfg.check_address("listen", value)
+
+
+@pytest.mark.parametrize("command, flag", [("master", "--listen"), ("master", "--lane-listen"),
+                                           ("repository", "--listen"), ("repository", "--http-listen"),
+                                           ("engine", "--listen"), ("engine", "--lane-listen")])
+def test_every_serving_role_checks_its_addresses_the_same_way(command, flag, tmp_path, capsys) -> None:
+    from hio.cli import main
+    extra = ["--channel-id", "w/0", "--image", "hio/synthetic"] if command == "engine" else []
+    assert main([command, flag, "localhost:http", "--data-dir", str(tmp_path), *extra]) == 2
+    setting = flag.removeprefix("--").replace("-", "_")
+    assert f"{setting} must be host:port, got 'localhost:http'" in capsys.readouterr().err
