@@ -111,6 +111,8 @@ class Gateway:
         self._lock = threading.Lock()
         self._futures: dict[int, TupleFuture] = {}
         self._closed = False
+        self._unforgotten: list[SpoolEntry] = []    # delivered, but their DONE record could not be written
+        self._unmoved: dict[str, tuple[MoveOnDone, Outcome]] = {}  # delivered originals whose move failed
         self._dispatcher = Dispatcher(config, persist=self.spool.update_many, open_payload=self.spool.open_payload,
                                       on_complete=self._finish)
         resumed = self.spool.entries()
@@ -133,6 +135,7 @@ class Gateway:
         without an image. Thread-safe. The future resolves to the tuple id, or
         raises :class:`DeliveryError`.
         """
+        self._check_open()
         meta = self._meta(image or self.config.image, name, len(data), attributes, created_unix)
         entry = self.spool.put_bytes(bytes(data), meta, timeout=timeout)
         return self._enqueue(entry)
@@ -148,6 +151,7 @@ class Gateway:
         ``move_to``: move the original there once delivered. Blocking and
         errors as :meth:`submit`; ``ConfigError`` when no image can be inferred.
         """
+        self._check_open()
         path = Path(path)
         stat = path.stat()
         image = infer_image(path, image or self.config.image)
@@ -273,38 +277,74 @@ class Gateway:
         check_meta(meta, self.config.max_tuple_bytes, need_id=False)
         return meta
 
-    def _enqueue(self, entry: SpoolEntry) -> TupleFuture:
+    def _check_open(self) -> None:
         with self._lock:
-            closed = self._closed
-        future = self._track(entry)
-        if closed:
-            future.set_exception(DeliveryError(f"tuple '{future.name}': gateway is closed; it stays "
-                                               "spooled and is sent at the next start", name=future.name))
-        return future
+            if self._closed:
+                raise DeliveryError("the gateway is closed; submit tuples before close() (or open a new Gateway)")
+
+    def _enqueue(self, entry: SpoolEntry) -> TupleFuture:
+        return self._track(entry)
 
     def _track(self, entry: SpoolEntry) -> TupleFuture:
+        """A future for the entry, and the entry to delivery; both under one look at
+        ``_closed``, so a close() in between cannot leave a future nobody resolves."""
         future = TupleFuture(entry.meta.name, entry.size)
         future.seq = entry.seq  # type: ignore[attr-defined]
         with self._lock:
-            self._futures[entry.seq] = future
             closed = self._closed
-        if not closed:
+            if not closed:
+                self._futures[entry.seq] = future
+        if closed:
+            future.set_exception(DeliveryError(f"tuple '{future.name}': gateway is closed; it stays "
+                                               "spooled and is sent at the next start", name=future.name))
+        else:
             self._dispatcher.add(entry)
         return future
+
+    def unmoved_sources(self) -> set[str]:
+        """Delivered originals still in their folder because moving them failed (the
+        watcher must not take them again)."""
+        with self._lock:
+            return set(self._unmoved)
+
+    def retry_moves(self) -> None:
+        """Try again to move delivered originals whose move failed."""
+        with self._lock:
+            todo = list(self._unmoved.values())
+        for move, outcome in todo:
+            if _move(move, outcome, quiet=True):
+                with self._lock:
+                    self._unmoved.pop(move.source, None)
 
     def _finish(self, done: list[Completion]) -> None:
         """Delivery hook: move the originals, drop the spool entries (one append), resolve the futures."""
         try:
             for entry, outcome, _ in done:
-                if entry.move is not None:
-                    _move(entry.move, outcome)
-            self.spool.remove_many([entry for entry, _, _ in done])
+                if entry.move is not None and not _move(entry.move, outcome):
+                    with self._lock:
+                        self._unmoved[entry.move.source] = (entry.move, outcome)
+            self._forget([entry for entry, _, _ in done])
         finally:  # delivered is delivered: callers learn it even if forgetting it failed (it is sent again)
             with self._lock:
                 futures = [self._futures.pop(entry.seq, None) for entry, _, _ in done]
             for future, (entry, outcome, detail) in zip(futures, done):
                 if future is not None and not future.done():
                     _resolve(future, entry, outcome, detail)
+
+
+    def _forget(self, entries: list[SpoolEntry]) -> None:
+        """Drop delivered entries from the spool; those a failed append could not drop
+        are tried again with the next ones (until then they hold their room, and a
+        restart would send them again, under the same ids)."""
+        with self._lock:
+            entries, self._unforgotten = self._unforgotten + entries, []
+        try:
+            self.spool.remove_many(entries)
+        except OSError as exc:
+            with self._lock:
+                self._unforgotten = entries + self._unforgotten
+            log.error("cannot record delivered tuples in the spool; trying again with the next ones",
+                      extra={"tuples": len(entries), "error": str(exc)})
 
 
 def _resolve(future: TupleFuture, entry: SpoolEntry, outcome: Outcome, detail: str) -> None:
@@ -319,8 +359,9 @@ def _resolve(future: TupleFuture, entry: SpoolEntry, outcome: Outcome, detail: s
             tuple_id=int(entry.meta.tuple_id), reason=detail, name=entry.meta.name))
 
 
-def _move(move: MoveOnDone, outcome: Outcome) -> None:
-    """Move a delivered original to its done folder (rejected ones under .rejected/)."""
+def _move(move: MoveOnDone, outcome: Outcome, *, quiet: bool = False) -> bool:
+    """Move a delivered original to its done folder (rejected ones under .rejected/);
+    False when it is still where it was."""
     target = Path(move.target)
     if outcome is Outcome.REJECTED:
         target = target.parent / ".rejected" / target.name
@@ -328,10 +369,17 @@ def _move(move: MoveOnDone, outcome: Outcome) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(move.source, target)
     except FileNotFoundError:
-        log.info("original already moved", extra={"path": move.source})
+        if not os.path.lexists(move.source):
+            log.info("original already moved", extra={"path": move.source})
+            return True
+        (log.debug if quiet else log.error)("cannot move delivered file; it stays and is not sent again",
+                                            extra={"path": move.source, "target": str(target)})
+        return False
     except OSError as exc:
-        log.error("cannot move delivered file", extra={"path": move.source, "target": str(target),
-                                                       "error": str(exc)})
+        (log.debug if quiet else log.error)("cannot move delivered file; it stays and is not sent again",
+                                            extra={"path": move.source, "target": str(target), "error": str(exc)})
+        return False
+    return True
 
 
 def _left(start: float, timeout: float | None) -> float | None:

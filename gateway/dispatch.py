@@ -77,6 +77,7 @@ class _Pending:
     last_error: str = field(default="", compare=False)   # the latest problem (shown on timeouts)
     failure: str = field(default="", compare=False)      # the last counted failure (dead-letter reason)
     solo: bool = field(default=False, compare=False)  # route alone (its batch was refused)
+    taken: bool = field(default=False, compare=False)  # a delivery thread holds it (not queued, not settled)
 
 
 @dataclass
@@ -181,7 +182,10 @@ class Dispatcher:
                 self._deliver(batch)
             except Exception as exc:  # noqa: BLE001 - a worker must never die; the tuple stays spooled
                 log.exception("delivery failed unexpectedly")
-                self._retry(batch, f"gateway error: {exc}", count_attempt=False, delay=1.0)
+                with self._cond:   # those settled or already back in the queue are not sent again
+                    left = [p for p in batch if p.taken]
+                if left:
+                    self._retry(left, f"gateway error: {exc}", count_attempt=False, delay=1.0)
 
     def _next_batch(self) -> list[_Pending] | None:
         with self._cond:
@@ -209,6 +213,7 @@ class Dispatcher:
         share = max(1, -(-(len(self._ready)) // self._config.streams))
         limit = min(self._config.batch_tuples, share)
         head = heapq.heappop(self._ready)[1]
+        head.taken = True
         batch, total = [head], head.entry.size
         if head.solo or self._is_dead(head):
             return batch
@@ -219,6 +224,7 @@ class Dispatcher:
                     or total + nxt.entry.size > self._config.batch_bytes):
                 break
             batch.append(heapq.heappop(self._ready)[1])
+            nxt.taken = True
             total += nxt.entry.size
         return batch
 
@@ -393,6 +399,7 @@ class Dispatcher:
         with self._cond:
             stats = self.stats
             for pending, outcome, _ in done:
+                pending.taken = False
                 self._errors.pop(pending.seq, None)
                 if outcome in (Outcome.STORED, Outcome.ENQUEUED):
                     if direct:
@@ -417,23 +424,27 @@ class Dispatcher:
     def _retry(self, batch: list[_Pending], error: str, *, count_attempt: bool,
                delay: float | None = None, solo: bool = False) -> None:
         """Put tuples back for another route after a delay; count the attempt if asked."""
+        if count_attempt:
+            with self._cond:
+                for pending in batch:
+                    pending.entry.meta.attempt = max(pending.entry.meta.attempt, 1) + 1
+                    pending.failure = error
+                    self.stats.retries += 1
+            try:
+                self._persist(batch)
+            except OSError as exc:   # the count lives on in memory; it is only lost if the gateway stops
+                log.error("cannot record the attempt in the spool", extra={"error": str(exc)})
         now = time.monotonic()
         with self._cond:
             for pending in batch:
-                meta = pending.entry.meta
-                if count_attempt:
-                    meta.attempt = max(meta.attempt, 1) + 1
-                    self.stats.retries += 1
-                    pending.failure = error
+                pending.taken = False
                 pending.last_error = error
                 pending.solo = pending.solo or solo
                 self._errors[pending.seq] = error
-                wait = delay if delay is not None else _jitter(meta.attempt)
+                wait = delay if delay is not None else _jitter(pending.entry.meta.attempt)
                 pending.not_before = now + wait
                 heapq.heappush(self._delayed, (pending.not_before, next(self._counter), pending))
             self._cond.notify_all()
-        if count_attempt:
-            self._persist(batch)
         log.info("tuples back for redelivery", extra={"tuples": len(batch), "error": error,
                                                       "attempt_counted": count_attempt})
 
@@ -454,11 +465,25 @@ class Dispatcher:
             self._retry(batch, error, count_attempt=False, delay=random.uniform(2.0, 4.0))
         elif code == grpc.StatusCode.INVALID_ARGUMENT and len(batch) > 1:
             self._retry(batch, error, count_attempt=False, delay=0.0, solo=True)
+        elif code == grpc.StatusCode.INVALID_ARGUMENT and batch[0].entry.meta.tuple_id:
+            self._forget_id(batch[0], details)
         elif code == grpc.StatusCode.INVALID_ARGUMENT:
             self._complete(batch[0], Outcome.REJECTED, error)
         else:
             log.warning("routing failed", extra={"error": error})
             self._retry(batch, error, count_attempt=False, delay=random.uniform(1.0, 3.0))
+
+    def _forget_id(self, pending: _Pending, details: str) -> None:
+        """The master refused a tuple that carries an id: most likely the id is not its own (its
+        state was reset, or this spool was pointed at another cluster). That is no fault of the
+        tuple, so it is routed again as a new tuple rather than dropped; refused again without
+        an id, it is rejected for what it is."""
+        meta = pending.entry.meta
+        log.warning("the master refused the tuple's id; routing it again as a new tuple",
+                    extra={"tuple_id": meta.tuple_id, "tuple": meta.name, "error": details})
+        meta.tuple_id, meta.ticket = 0, b""
+        self._persist([pending])
+        self._retry([pending], details, count_attempt=False, delay=0.0, solo=True)
 
     def _stream_failed(self, left: list[_Pending], exc: grpc.RpcError, address: str, *, direct: bool) -> None:
         code, details = rpc_status(exc)

@@ -68,7 +68,7 @@ from typing import BinaryIO, Iterator
 from google.protobuf.message import DecodeError
 
 from hio.common.config import ConfigError
-from hio.common.errors import InvalidArgument, ResourceExhausted
+from hio.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from hio.common.files import clean_temporaries, fsync_dir, fsync_file, write_all
 from hio.common.frames import crc32, crc32_of_file
 from hio.proto.tuple_pb2 import TupleMeta
@@ -89,6 +89,7 @@ MAX_META_BYTES = 1024 * 1024
 
 SEGMENT_BYTES = 64 * 1024 * 1024
 BATCH_FSYNC_SECONDS = 0.1
+JOIN_BYTES = 64 * 1024           # parts of a record up to this size are written with one call
 MEMORY_BYTES = 64 * 1024 * 1024  # payloads kept in memory besides the disk copy (Spool memory_bytes)
 
 
@@ -192,13 +193,18 @@ class SpoolWriter:
             raise
 
     def abort(self) -> None:
-        """Drop the partial payload and give its reservation back. Idempotent."""
-        if not self._fh.closed:
-            self._fh.close()
-        self.path.unlink(missing_ok=True)
-        if self._reserved:
-            self._spool._release(self._reserved)
-            self._reserved = 0
+        """Drop the partial payload and give its reservation back. Idempotent; a full disk
+        (closing flushes the buffer again) does not keep the room or the file."""
+        try:
+            if not self._fh.closed:
+                self._fh.close()
+        except OSError as exc:
+            log.debug("closing an aborted upload failed", extra={"path": str(self.path), "error": str(exc)})
+        finally:
+            self.path.unlink(missing_ok=True)
+            if self._reserved:
+                self._spool._release(self._reserved)
+                self._reserved = 0
 
 
 class Spool:
@@ -470,12 +476,16 @@ class Spool:
         """Append one record (its parts in order); the segment and the record's start.
         Caller holds ``_append_lock``."""
         segment = self._active
-        assert segment is not None and segment.fd is not None, "spool is closed"
+        if segment is None or segment.fd is None:
+            raise Unavailable("the spool is closed (its gateway was closed); nothing was written")
         if segment.size >= self.segment_bytes:
             self._roll()
             segment = self._active
             assert segment is not None and segment.fd is not None
         start = segment.size
+        if len(parts) > 1 and sum(len(p) for p in parts) <= JOIN_BYTES:
+            parts = [b"".join(parts)]   # one write: each write gives up the GIL, and getting it
+            #                              back from a busy delivery thread costs more than the copy
         try:
             for part in parts:
                 write_all(segment.fd, part)
@@ -567,11 +577,15 @@ class Spool:
         self._reserve(size, timeout)
         tmp = self.root / f".tmp-{uuid.uuid4().hex}.data"
         try:
-            linked = self._link_or_copy(Path(path), tmp)
-            crc, actual = crc32_of_file(tmp)
-            if actual != size:
-                raise InvalidArgument(f"{path} changed size while being spooled ({size} -> {actual} bytes)")
-            meta.size, meta.crc32 = actual, crc
+            try:
+                linked = self._link_or_copy(Path(path), tmp)
+                crc, actual = crc32_of_file(tmp)
+                if actual != size:
+                    raise InvalidArgument(f"{path} changed size while being spooled ({size} -> {actual} bytes)")
+                meta.size, meta.crc32 = actual, crc
+            except BaseException:
+                self._release(size)   # _commit_file was not reached: the room is given back here
+                raise
             entry = self._commit_file(tmp, meta, move, size)
         except BaseException:
             tmp.unlink(missing_ok=True)

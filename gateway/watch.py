@@ -5,7 +5,10 @@ is taken once its size and mtime have not changed for ``settle_seconds``;
 hidden files and ``.part``/``.tmp``/``.partial`` files are ignored. A taken file
 is spooled (hard link or copy; never modified) and moved to ``done_dir`` (same
 relative path) only once STORED or ENQUEUED. The spool remembers which files
-it took, so a restart never sends a file twice.
+it took, so a restart never sends a file twice. A delivered file that cannot be
+moved (a done folder it may not write) stays, is logged, and is moved again
+each pass; it is not taken again while the gateway runs (after a restart it
+would be, under a new id).
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ class DirectoryWatcher:
     def scan_once(self, now: float | None = None) -> int:
         """One pass over the folder; spools settled files. Returns how many it took."""
         now = time.monotonic() if now is None else now
-        taken_before = self._gateway.spool.move_sources()
+        self._gateway.retry_moves()
+        taken_before = self._gateway.spool.move_sources() | self._gateway.unmoved_sources()
         present: set[Path] = set()
         took = 0
         for path in self._files():

@@ -242,3 +242,49 @@ def test_hio_send_no_wait_hands_files_to_the_daemon(cluster: Cluster, tmp_path: 
         assert "handed 2 of 2 tuples" in proc.stdout
         wait_for(lambda: len([r for r in cluster.records().values() if r.meta.source == "handover"]) == 2,
                  timeout=60, what="the handed-over tuples stored")
+
+
+def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again(cluster: Cluster, tmp_path: Path) -> None:
+    from hio.gateway.watch import DirectoryWatcher
+
+    watch = tmp_path / "instrument"
+    watch.mkdir()
+    blocker = tmp_path / "done"
+    blocker.write_text("a file where the done folder should be")   # moving fails even as root
+    original = watch / "plate.bin"
+    original.write_bytes(os.urandom(5_000))
+    with Gateway(cluster.config("unmovable")) as gw:
+        watcher = DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1,
+                                   image=IMAGE)
+        watcher.scan_once(now=0.0)                                # first sight
+        assert watcher.scan_once(now=1.0) == 1                   # settled: taken
+        wait_for(lambda: gw.status().stored == 1, timeout=60, what="the file stored")
+        for n in range(5):                                        # delivered, not movable: left alone
+            assert watcher.scan_once(now=2.0 + n) == 0
+        assert original.exists() and gw.unmoved_sources() == {str(original)}
+        blocker.unlink()                                          # the folder can be made now
+        watcher.scan_once(now=10.0)
+        assert not original.exists() and (blocker / "day1" / "plate.bin").exists()
+        assert gw.unmoved_sources() == set()
+    records = [r for r in cluster.records().values() if r.meta.source == "unmovable"]
+    assert [r.meta.name for r in records] == ["plate.bin"]
+
+
+def test_a_spooled_tuple_whose_id_the_master_never_issued_is_sent_as_a_new_tuple(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """As after the master lost its state: the tuple is no less the user's data."""
+    dead_master = f"127.0.0.1:{free_port()}"
+    config = cluster.config("stranger")
+    with Gateway(config, master_address=dead_master) as gw:
+        gw.submit(b"kept through a master reset", image=IMAGE, name="orphan")
+        entry = gw.spool.entries()[0]
+        entry.meta.tuple_id, entry.meta.ticket = 10**15, b"not-a-ticket"   # an id from another master
+        gw.spool.update(entry)
+        gw.close(timeout=0.2, drain=False)
+    with Gateway(config) as gw:
+        assert gw.resumed == 1
+        assert gw.flush(timeout=60)
+        status = gw.status()
+        assert (status.stored, status.failed, status.spooled_tuples) == (1, 0, 0)
+    records = [r for r in cluster.records().values() if r.meta.source == "stranger"]
+    assert [r.meta.name for r in records] == ["orphan"] and records[0].meta.tuple_id != 10**15

@@ -182,3 +182,15 @@ def test_send_refuses_a_file_without_image(tmp_path: Path) -> None:
                           capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
     assert proc.returncode == 2
     assert "notes.txt" in proc.stderr and "--image" in proc.stderr
+
+
+def test_submit_after_close_says_the_gateway_is_closed(tmp_path: Path) -> None:
+    from hio.gateway import DeliveryError
+
+    gw = Gateway(master_address=DEAD_MASTER, data_dir=str(tmp_path), grace_seconds=0.2)
+    gw.close(drain=False)
+    with pytest.raises(DeliveryError, match="gateway is closed"):
+        gw.submit(b"late", image="hio/synthetic")
+    (tmp_path / "late.bin").write_bytes(b"late")
+    with pytest.raises(DeliveryError, match="gateway is closed"):
+        gw.submit_file(tmp_path / "late.bin", image="hio/synthetic")

@@ -261,3 +261,28 @@ def test_batch_mode_syncs_a_rolled_segment_in_the_flush_loop_not_under_the_appen
     assert [again.read_payload(e) for e in again.entries()] == payloads[2:]
     again.close()
     assert _open_segments(root) == set()
+
+
+def test_a_file_that_cannot_be_spooled_gives_its_room_back(tmp_path: Path) -> None:
+    folder = tmp_path / "not-a-file"      # stat works, reading it fails: as a file that vanishes or errs
+    folder.mkdir()
+    size = os.stat(folder).st_size
+    spool = Spool(tmp_path / "s", size)
+    with pytest.raises(OSError):
+        spool.put_file(folder, meta())
+    assert spool.reserved_bytes == 0 and len(spool) == 0
+    spool.put_bytes(b"x" * size, meta(), timeout=0)   # the whole bound is there again
+    assert not [p for p in (tmp_path / "s").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_an_upload_aborted_on_a_full_disk_leaves_no_file_and_no_reservation(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "s", 1000)
+    writer = spool.writer(100)
+    writer._fh.close()
+    writer._fh = open("/dev/full", "wb", buffering=4096)   # every flush fails with ENOSPC
+    writer.write(b"x" * 100)
+    with pytest.raises(OSError):
+        writer.commit(meta())
+    writer.abort()                                          # must not raise again (closing flushes)
+    assert spool.reserved_bytes == 0 and len(spool) == 0
+    assert not writer.path.exists()
