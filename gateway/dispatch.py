@@ -39,7 +39,7 @@ from typing import BinaryIO, Callable, Iterator
 import grpc
 
 from hio.common.errors import retry_after
-from hio.common.frames import TupleMeta, WireFrame, tuple_frames, unpacked_receipts
+from hio.common.frames import TupleMeta, WireFrame, crc32, tuple_frames, unpacked_receipts
 from hio.common.lane import LaneCall, LaneSkips, lane_beside, lane_frames
 from hio.common.net import NEVER_CONNECTED, create_channel, rpc_error_text, rpc_status, send_frames
 from hio.gateway.config import GatewayConfig
@@ -508,8 +508,47 @@ class Dispatcher:
         elif not direct and code in _MASTER_DOWN:
             self._master_unreachable(error)
             self._retry(left, error, count_attempt=False, delay=self._master_delay())
+        elif code == grpc.StatusCode.DATA_LOSS:
+            self._check_spooled(left, error)
         else:
             self._retry(left, error, count_attempt=True)
+
+    def _check_spooled(self, left: list[_Pending], error: str) -> None:
+        """The receiver found a payload damaged: if it is our spooled copy (a watched file
+        rewritten in place shares the hard-linked copy's bytes), sending it again cannot
+        help, so it is rejected by name; the others are retried as after any failure."""
+        retry: list[_Pending] = []
+        for pending in left:
+            why = self._spooled_damage(pending.entry)
+            if why:
+                log.error("spooled payload damaged; tuple rejected", extra={
+                    "tuple": pending.entry.meta.name, "path": str(pending.entry.data_path), "error": why})
+                self._complete(pending, Outcome.REJECTED, why)
+            else:
+                retry.append(pending)
+        if retry:
+            self._retry(retry, error, count_attempt=True)
+
+    def _spooled_damage(self, entry: SpoolEntry) -> str:
+        """Why the spooled payload no longer matches the size and CRC-32 it was taken
+        with ('' when it does, is held in memory, or cannot be read just now)."""
+        if entry.payload is not None:
+            return ""
+        want_size, want_crc = entry.size, entry.meta.crc32
+        try:
+            with self._open_payload(entry) as fh:
+                crc, size = 0, 0
+                while size < want_size and (chunk := fh.read(min(4 << 20, want_size - size))):
+                    crc, size = crc32(chunk, crc), size + len(chunk)
+        except FileNotFoundError:
+            return f"spooled payload {entry.data_path} is missing"
+        except OSError:
+            return ""
+        if size != want_size or crc != want_crc:
+            return (f"the spooled copy of '{entry.meta.name}' changed after it was taken ({size} bytes, "
+                    f"CRC-32 {crc:08x}; taken as {want_size} bytes, {want_crc:08x}): was the "
+                    f"original rewritten in place? Write new files under a new name (or as .part, then rename)")
+        return ""
 
     def _engine_unreachable(self, address: str, error: str) -> None:
         """Say that an engine refuses connections, at most once a minute per engine."""

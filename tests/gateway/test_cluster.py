@@ -288,3 +288,24 @@ def test_a_spooled_tuple_whose_id_the_master_never_issued_is_sent_as_a_new_tuple
         assert (status.stored, status.failed, status.spooled_tuples) == (1, 0, 0)
     records = [r for r in cluster.records().values() if r.meta.source == "stranger"]
     assert [r.meta.name for r in records] == ["orphan"] and records[0].meta.tuple_id != 10**15
+
+
+def test_a_file_rewritten_in_place_after_it_was_spooled_is_rejected_by_name_not_retried_forever(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """The spool hard-links a file; an instrument that rewrites it in place changes the spooled
+    copy too, and every receiver then finds it damaged (DATA_LOSS)."""
+    dead_master = f"127.0.0.1:{free_port()}"
+    config = cluster.config("rewriter", max_attempts=2)
+    original = tmp_path / "frame.bin"
+    original.write_bytes(b"a" * 50_000)
+    with Gateway(config, master_address=dead_master) as gw:
+        gw.submit_file(original, image=IMAGE)
+        gw.close(timeout=0.2, drain=False)
+    with open(original, "r+b") as fh:                 # same size, other bytes, same inode
+        fh.write(b"b" * 50_000)
+    with Gateway(config) as gw:
+        assert gw.resumed == 1
+        assert gw.flush(timeout=60), "the damaged tuple was retried instead of settled"
+        status = gw.status()
+        assert (status.stored, status.failed, status.spooled_tuples) == (0, 1, 0)
+    assert not [r for r in cluster.records().values() if r.meta.source == "rewriter"]
