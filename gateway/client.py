@@ -6,10 +6,12 @@
         tuple_id = gw.send(image_bytes, image="hio/microscopy", name="plate1.tif")
         ids = gw.send_many(["a.tif", "b.tif"])            # paths or bytes, concurrent
 
-Every tuple is first written to the durable on-disk spool (``submit`` returns
-once it is there), then delivered in the background; it leaves the spool only
-once the master says ENQUEUED or an engine says STORED. A tuple still in the
-spool when the process stops is delivered at the next start.
+Every tuple is first written to the on-disk spool (``submit`` returns once it
+is there: safe from a crash of any process; fsynced within about 100 ms, or
+before ``submit`` returns with ``spool_fsync="always"``), then delivered in the
+background; it leaves the spool only once the master says ENQUEUED, an engine
+says STORED, or it is refused for good (its future raises DeliveryError). A
+tuple still in the spool when the process stops is delivered at the next start.
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ DEFAULT_TIMEOUT = 300.0
 
 
 class DeliveryError(Exception):
-    """A tuple was not delivered: dead-lettered after ``max_attempts``, refused, or
-    the gateway closed first. ``reason`` says why; ``tuple_id`` is 0 if never routed."""
+    """A tuple was not delivered: dead-lettered after ``max_attempts`` failed deliveries,
+    refused, or the gateway closed first. ``reason`` says why; ``tuple_id`` is 0 if never
+    routed. (A tuple whose *processing* fails was delivered: the engine hands it to the
+    master's queue, its future resolves with outcome "enqueued", and the master retries
+    it and may dead-letter it later: ``hio dead-letters``.)"""
 
     def __init__(self, message: str, *, tuple_id: int = 0, reason: str = "", name: str = "") -> None:
         super().__init__(message)
@@ -128,11 +133,13 @@ class Gateway:
                timeout: float | None = DEFAULT_TIMEOUT) -> TupleFuture:
         """Spool ``data`` as one tuple and return a future of its id.
 
-        Returns once the tuple is durably spooled (an fsync), without waiting
+        Returns once the tuple is written to the spool (fsynced before that with
+        ``spool_fsync="always"``, else within about 100 ms), without waiting
         for delivery. Blocks only when the spool is full: then it waits up to
         ``timeout`` s (None = as long as needed) and raises :class:`SpoolFull`.
         Raises ``InvalidArgument`` for a tuple over ``max_tuple_bytes`` or
-        without an image. Thread-safe. The future resolves to the tuple id, or
+        ``spool_bytes``, or without an image; :class:`DeliveryError` once the
+        gateway is closed. Thread-safe. The future resolves to the tuple id, or
         raises :class:`DeliveryError`.
         """
         self._check_open()
@@ -169,9 +176,11 @@ class Gateway:
         """Send one tuple and block until it is STORED or ENQUEUED; return its id.
 
         Retries as the delivery policy says (re-routing, ``max_attempts``).
-        Raises :class:`DeliveryError` when it was dead-lettered or refused and
+        Raises :class:`DeliveryError` when it was dead-lettered or refused,
+        :class:`SpoolFull` when no spool room came within ``timeout``, and
         :class:`DeliveryTimeout` after ``timeout`` s (the tuple stays spooled
-        and is still delivered). Thread-safe.
+        and is still delivered). A tuple whose processing failed returns its
+        id (the master's queue retries it). Thread-safe.
         """
         start = time.monotonic()
         future = self.submit(data, image=image, name=name, attributes=attributes,

@@ -54,7 +54,7 @@ EXITED_STATES = ("exited", "dead")
 
 # Settings that name files on the worker's host. Inside the container they are
 # copied in; the token file is read and passed as HIO_TOKEN instead.
-_FILE_SETTINGS = ("tls_cert", "tls_key", "tls_ca", "tokens_file")
+_FILE_SETTINGS = ("tls_cert", "tls_key", "tls_ca", "tokens_file", "ticket_key_file")
 # Settings the container decides itself: its scratch data lives under its own
 # working directory, and an image that names its pipeline (ENV HIO_PIPELINE)
 # runs that one whatever the worker's process-runtime mappings say.

@@ -96,3 +96,12 @@ def test_project_wheel_carries_generated_code_and_stages_apart(tmp_path: Path) -
     assert sorted(p.name for p in (ctx / "wheelhouse" / "project").iterdir()) == [wheel.name]
     assert (ctx / "wheelhouse" / "deps" / "requirements.txt").read_text() == "numpy\nscipy\n"
     assert (ctx / "Dockerfile").is_file() and (ctx / "healthcheck.py").is_file()
+
+
+def test_the_route_ticket_key_is_copied_into_the_container(tmp_path: Path) -> None:
+    """A host path means nothing inside; without the copy a containerised engine could not start."""
+    key = tmp_path / "ticket.key"
+    key.write_bytes(b"k" * 32)
+    env, files = docker_launcher.DockerLauncher._container_env({"HIO_TICKET_KEY_FILE": str(key)}, True)
+    assert env == {"HIO_TICKET_KEY_FILE": "/run/hio/ticket_key_file"}
+    assert files == {"/run/hio/ticket_key_file": b"k" * 32}
