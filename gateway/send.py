@@ -97,7 +97,7 @@ class _Sender:
             print(f"hio send: {exc}", file=sys.stderr)
             return 2
         start = time.monotonic()
-        total = sum(p.stat().st_size for p in self.files)
+        total = sum(_size(p) for p in self.files)   # a file gone by now is reported by its submit
         self.bar = _progress(self.config, total, len(self.files))
         try:
             if gateway.resumed:
@@ -208,3 +208,10 @@ def _ingest_frames(config: SendConfig, files: list[Path], images: dict[Path, str
         meta = TupleMeta(image=images[path], name=path.name, size=size, crc32=crc,
                          created_unix=path.stat().st_mtime, source=config.source)
         yield from frames_for_file(meta, path, config.chunk_bytes, encode=True)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -194,3 +194,16 @@ def test_submit_after_close_says_the_gateway_is_closed(tmp_path: Path) -> None:
     (tmp_path / "late.bin").write_bytes(b"late")
     with pytest.raises(DeliveryError, match="gateway is closed"):
         gw.submit_file(tmp_path / "late.bin", image="hio/synthetic")
+
+
+def test_send_names_a_file_that_vanished_before_it_was_spooled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hio.gateway.config import SendConfig
+    from hio.gateway.send import _Sender
+
+    gone = tmp_path / "gone.bin"        # listed, then deleted by the instrument before hio send reached it
+    config = SendConfig(master_address=DEAD_MASTER, data_dir=str(tmp_path / "var"), connect_seconds=1.0,
+                        progress=False, grace_seconds=0.2)
+    code = _Sender(config, [gone], {gone: "hio/synthetic"}).run()
+    assert code != 0
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "gone.bin" in out and "No such file" in out
