@@ -313,6 +313,8 @@ def test_a_pull_that_turns_out_costly_returns_the_rest_to_the_queue_uncharged(ma
         wait_for(lambda: len(repo.records()) == 47, timeout=30, what="the slow tuples stored")
         records = repo.records()
         assert [records[t].meta.attempt for t in cheap + slow] == [1] * 46, "nothing was charged"
+        # a queued tuple's outcome reaches the master after its features are stored (within 50 ms)
+        wait_for(lambda: not master.status().queues, timeout=10, what="the last pulled tuple reported")
         status = master.status()
         assert status.dead_letters == 0 and status.tuples_failed == 0 and not status.queues
         gave_back = [n for n, charge in returned if n]
