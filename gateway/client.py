@@ -119,6 +119,7 @@ class Gateway:
         self._unforgotten: list[SpoolEntry] = []    # delivered, but their DONE record could not be written
         self._unmoved: dict[str, tuple[MoveOnDone, Outcome]] = {}  # delivered originals whose move failed
         self._dispatcher = Dispatcher(config, persist=self.spool.update_many, open_payload=self.spool.open_payload,
+                                      payload_damage=self.spool.payload_damage,
                                       on_complete=self._finish)
         resumed = self.spool.entries()
         for entry in resumed:
@@ -145,7 +146,7 @@ class Gateway:
         self._check_open()
         meta = self._meta(image or self.config.image, name, len(data), attributes, created_unix)
         entry = self.spool.put_bytes(bytes(data), meta, timeout=timeout)
-        return self._enqueue(entry)
+        return self._track(entry)
 
     def submit_file(self, path: str | os.PathLike[str], *, image: str | None = None, name: str | None = None,
                     attributes: Mapping[str, str] | None = None, created_unix: float | None = None,
@@ -166,7 +167,7 @@ class Gateway:
                           stat.st_mtime if created_unix is None else created_unix)
         move = MoveOnDone(str(path.resolve()), str(Path(move_to).resolve())) if move_to else None
         entry = self.spool.put_file(path, meta, move=move, timeout=timeout)
-        return self._enqueue(entry)
+        return self._track(entry)
 
     # -- sending (blocking) -------------------------------------------------------
 
@@ -287,12 +288,10 @@ class Gateway:
         return meta
 
     def _check_open(self) -> None:
-        with self._lock:
-            if self._closed:
-                raise DeliveryError("the gateway is closed; submit tuples before close() (or open a new Gateway)")
-
-    def _enqueue(self, entry: SpoolEntry) -> TupleFuture:
-        return self._track(entry)
+        """Refuse a submit to a closed gateway by name. No lock: a close() racing the
+        submit is settled by :meth:`_track`, under it."""
+        if self._closed:
+            raise DeliveryError("the gateway is closed; submit tuples before close() (or open a new Gateway)")
 
     def _track(self, entry: SpoolEntry) -> TupleFuture:
         """A future for the entry, and the entry to delivery; both under one look at
@@ -340,7 +339,6 @@ class Gateway:
                 if future is not None and not future.done():
                     _resolve(future, entry, outcome, detail)
 
-
     def _forget(self, entries: list[SpoolEntry]) -> None:
         """Drop delivered entries from the spool; those a failed append could not drop
         are tried again with the next ones (until then they hold their room, and a
@@ -377,14 +375,10 @@ def _move(move: MoveOnDone, outcome: Outcome, *, quiet: bool = False) -> bool:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(move.source, target)
-    except FileNotFoundError:
-        if not os.path.lexists(move.source):
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError) and not os.path.lexists(move.source):
             log.info("original already moved", extra={"path": move.source})
             return True
-        (log.debug if quiet else log.error)("cannot move delivered file; it stays and is not sent again",
-                                            extra={"path": move.source, "target": str(target)})
-        return False
-    except OSError as exc:
         (log.debug if quiet else log.error)("cannot move delivered file; it stays and is not sent again",
                                             extra={"path": move.source, "target": str(target), "error": str(exc)})
         return False

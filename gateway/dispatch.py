@@ -17,6 +17,10 @@ Retry policy (the master owns the rest):
   that channel until the master expires it);
 * broken stream, other ``UNAVAILABLE``, ``DATA_LOSS``, a ``FAILED`` receipt: route
   again with the same id and ``attempt + 1`` after a short jittered backoff;
+  but on ``DATA_LOSS`` a tuple whose spooled copy no longer matches its CRC-32 (a
+  file rewritten in place) is rejected: sending it again cannot help;
+* master ``INVALID_ARGUMENT`` for a lone tuple that carries an id: the id is not
+  the master's (its state was reset): route it again as a new tuple;
 * master queue full: back off by the server's hint (logged once), no attempt counted;
 * master unreachable: back off and retry, forever (callers decide when to give up);
 * ``attempt > max_attempts``: the tuple goes to the master queue anyway, which
@@ -39,7 +43,7 @@ from typing import BinaryIO, Callable, Iterator
 import grpc
 
 from hio.common.errors import retry_after
-from hio.common.frames import TupleMeta, WireFrame, crc32, tuple_frames, unpacked_receipts
+from hio.common.frames import TupleMeta, WireFrame, tuple_frames, unpacked_receipts
 from hio.common.lane import LaneCall, LaneSkips, lane_beside, lane_frames
 from hio.common.net import NEVER_CONNECTED, create_channel, rpc_error_text, rpc_status, send_frames
 from hio.gateway.config import GatewayConfig
@@ -102,10 +106,12 @@ class Dispatcher:
     """
 
     def __init__(self, config: GatewayConfig, *, persist: Callable[[list[SpoolEntry]], None],
-                 open_payload: Callable[[SpoolEntry], BinaryIO], on_complete: CompletionHook) -> None:
+                 open_payload: Callable[[SpoolEntry], BinaryIO], payload_damage: Callable[[SpoolEntry], str],
+                 on_complete: CompletionHook) -> None:
         self._config = config
         self._persist_entries = persist
         self._open_payload = open_payload
+        self._payload_damage = payload_damage
         self._on_complete = on_complete
         self._source = config.resolved_source()
         self._cond = threading.Condition()
@@ -514,12 +520,11 @@ class Dispatcher:
             self._retry(left, error, count_attempt=True)
 
     def _check_spooled(self, left: list[_Pending], error: str) -> None:
-        """The receiver found a payload damaged: if it is our spooled copy (a watched file
-        rewritten in place shares the hard-linked copy's bytes), sending it again cannot
-        help, so it is rejected by name; the others are retried as after any failure."""
+        """The receiver found a payload damaged: if it is our spooled copy, sending it again
+        cannot help, so it is rejected by name; the others are retried as after any failure."""
         retry: list[_Pending] = []
         for pending in left:
-            why = self._spooled_damage(pending.entry)
+            why = self._payload_damage(pending.entry)
             if why:
                 log.error("spooled payload damaged; tuple rejected", extra={
                     "tuple": pending.entry.meta.name, "path": str(pending.entry.data_path), "error": why})
@@ -528,27 +533,6 @@ class Dispatcher:
                 retry.append(pending)
         if retry:
             self._retry(retry, error, count_attempt=True)
-
-    def _spooled_damage(self, entry: SpoolEntry) -> str:
-        """Why the spooled payload no longer matches the size and CRC-32 it was taken
-        with ('' when it does, is held in memory, or cannot be read just now)."""
-        if entry.payload is not None:
-            return ""
-        want_size, want_crc = entry.size, entry.meta.crc32
-        try:
-            with self._open_payload(entry) as fh:
-                crc, size = 0, 0
-                while size < want_size and (chunk := fh.read(min(4 << 20, want_size - size))):
-                    crc, size = crc32(chunk, crc), size + len(chunk)
-        except FileNotFoundError:
-            return f"spooled payload {entry.data_path} is missing"
-        except OSError:
-            return ""
-        if size != want_size or crc != want_crc:
-            return (f"the spooled copy of '{entry.meta.name}' changed after it was taken ({size} bytes, "
-                    f"CRC-32 {crc:08x}; taken as {want_size} bytes, {want_crc:08x}): was the "
-                    f"original rewritten in place? Write new files under a new name (or as .part, then rename)")
-        return ""
 
     def _engine_unreachable(self, address: str, error: str) -> None:
         """Say that an engine refuses connections, at most once a minute per engine."""

@@ -88,7 +88,7 @@ class IngestReceiver:
             if holder:
                 holder[0].abort()
             raise
-        return self._gateway._enqueue(entry), wait
+        return self._gateway._track(entry), wait
 
     def _prepare(self, meta: TupleMeta) -> bool:
         """Fill in what the gateway owns; True when the sender waits for the outcome."""

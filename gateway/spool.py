@@ -483,7 +483,8 @@ class Spool:
             segment = self._active
             assert segment is not None and segment.fd is not None
         start = segment.size
-        if len(parts) > 1 and sum(len(p) for p in parts) <= JOIN_BYTES:
+        total = sum(len(p) for p in parts)
+        if len(parts) > 1 and total <= JOIN_BYTES:
             parts = [b"".join(parts)]   # one write: each write gives up the GIL, and getting it
             #                              back from a busy delivery thread costs more than the copy
         try:
@@ -492,7 +493,7 @@ class Spool:
         except BaseException:
             os.ftruncate(segment.fd, start)   # never leave half a record before the next one
             raise
-        segment.size = start + sum(len(p) for p in parts)
+        segment.size = start + total
         if self.fsync == "always":
             os.fsync(segment.fd)
         else:
@@ -750,6 +751,25 @@ class Spool:
             fh = open(path, "rb")
         fh.seek(offset)
         return fh
+
+    def payload_damage(self, entry: SpoolEntry) -> str:
+        """Why the entry's spooled payload no longer matches the CRC-32 it was taken with
+        ('' when it does, is held in memory, or cannot be read just now). A file is
+        hard-linked, so an original rewritten in place changes the spooled copy too."""
+        if entry.payload is not None:
+            return ""
+        try:
+            with self.open_payload(entry) as fh:
+                crc = _crc_at(fh, fh.tell(), entry.size)
+        except FileNotFoundError:
+            return f"spooled payload {entry.data_path} is missing"
+        except OSError:
+            return ""
+        if crc == entry.meta.crc32:
+            return ""
+        return (f"the spooled copy of '{entry.meta.name}' changed after it was taken (CRC-32 now {crc:08x}, "
+                f"taken as {entry.meta.crc32:08x}): was the original rewritten in place? Write new files "
+                f"under a new name (or as .part, then rename)")
 
     def read_payload(self, entry: SpoolEntry) -> bytes:
         """The entry's whole payload (for tools and tests; delivery streams it)."""

@@ -16,7 +16,6 @@ FSYNC_MODES = ("batch", "always", "never")
 RECORD_HEADROOM = 64 * 1024
 
 
-
 @dataclasses.dataclass(frozen=True)
 class RepositoryConfig(ClusterSettings):
     listen: str = setting("127.0.0.1:7100", "host:port the repository's gRPC service listens on")

@@ -12,7 +12,7 @@ from hio.proto.tuple_pb2 import TupleMeta
 
 def dispatcher(**overrides: object) -> Dispatcher:
     config = GatewayConfig(**{"master_address": "127.0.0.1:1", **overrides})  # type: ignore[arg-type]
-    return Dispatcher(config, persist=lambda entries: None, open_payload=lambda e: open(e.data_path, "rb"),
+    return Dispatcher(config, persist=lambda entries: None, open_payload=lambda e: open(e.data_path, "rb"), payload_damage=lambda e: "",
                       on_complete=lambda *args: None)
 
 
@@ -59,7 +59,7 @@ def test_a_receipt_naming_another_tuple_settles_nothing() -> None:
 
     done: list[int] = []
     config = GatewayConfig(master_address="127.0.0.1:1")
-    d = Dispatcher(config, persist=lambda entries: None, open_payload=lambda e: open(e.data_path, "rb"),
+    d = Dispatcher(config, persist=lambda entries: None, open_payload=lambda e: open(e.data_path, "rb"), payload_damage=lambda e: "",
                    on_complete=lambda completed: done.extend(entry.meta.tuple_id for entry, _, _ in completed))
     sent = [_Pending(n, SpoolEntry(n, TupleMeta(image="hio/synthetic", size=1, tuple_id=100 + n), Path("/x")))
             for n in (1, 2)]

@@ -286,3 +286,16 @@ def test_an_upload_aborted_on_a_full_disk_leaves_no_file_and_no_reservation(tmp_
     writer.abort()                                          # must not raise again (closing flushes)
     assert spool.reserved_bytes == 0 and len(spool) == 0
     assert not writer.path.exists()
+
+
+def test_payload_damage_names_a_spooled_file_rewritten_in_place(tmp_path: Path) -> None:
+    original = tmp_path / "frame.bin"
+    original.write_bytes(b"a" * 1000)
+    spool = Spool(tmp_path / "s", 1 << 20)
+    entry = spool.put_file(original, meta("frame.bin"))
+    assert spool.payload_damage(entry) == ""
+    with open(original, "r+b") as fh:          # same inode as the hard-linked spooled copy
+        fh.write(b"b" * 1000)
+    assert "'frame.bin' changed after it was taken" in spool.payload_damage(entry)
+    inline = spool.put_bytes(b"c" * 1000, meta("inline"))
+    assert spool.payload_damage(inline) == ""
