@@ -88,6 +88,8 @@ class GatewayStatus:
     failed: int
     retries: int
     master_unreachable_seconds: float
+    #: images the master knows no engine for: image -> (seconds refused so far, the master's message)
+    unserved_images: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
 
 
 class Gateway:
@@ -274,7 +276,8 @@ class Gateway:
             spooled_tuples=len(self.spool), spooled_bytes=self.spool.used_bytes,
             spool_bytes_limit=self.spool.limit, sent_direct=s.sent_direct, sent_queue=s.sent_queue,
             stored=s.stored, enqueued=s.enqueued, failed=s.failed, retries=s.retries,
-            master_unreachable_seconds=self._dispatcher.master_unreachable_for())
+            master_unreachable_seconds=self._dispatcher.master_unreachable_for(),
+            unserved_images=self._dispatcher.unserved_images())
 
     # -- internals ------------------------------------------------------------------
 

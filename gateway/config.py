@@ -132,9 +132,13 @@ class SendConfig(GatewayConfig):
     files: tuple[str, ...] = setting((), "files to send (directories are walked)", factory=tuple)
     wait: bool = setting(True, "wait until stored or enqueued; --no-wait hands the files to the "
                                "gateway daemon at --ingest-listen and returns once it spooled them")
+    image_wait_seconds: float = setting(30.0, "how long to wait for an engine that serves a file's image "
+                                              "(no worker offers it yet) before giving up on those files; "
+                                              "they stay spooled for the next hio send")
 
     def validate(self) -> None:
         super().validate()
+        positive("image_wait_seconds", self.image_wait_seconds)
         if not self.files:
             raise ConfigError("name at least one FILE or folder to send")
         if not self.wait and not self.ingest_listen:

@@ -126,7 +126,7 @@ class Dispatcher:
         self._unreachable_logged: dict[str, float] = {}      # engine address -> when last logged
         self._master_down_since: float | None = None
         self._queue_full_logged = False
-        self._warned_images: set[str] = set()
+        self._unserved: dict[str, tuple[float, str]] = {}    # image -> (since, the master's words)
         self._counter = itertools.count()
         self.stats = DispatchStats()
 
@@ -154,6 +154,12 @@ class Dispatcher:
         with self._cond:
             since = self._master_down_since
         return 0.0 if since is None else time.monotonic() - since
+
+    def unserved_images(self) -> dict[str, tuple[float, str]]:
+        """Images the master knows no engine for: image -> (seconds since first refused, its words)."""
+        now = time.monotonic()
+        with self._cond:
+            return {image: (now - since, words) for image, (since, words) in self._unserved.items()}
 
     def waiting(self) -> int:
         with self._cond:
@@ -247,6 +253,8 @@ class Dispatcher:
             self._route_failed(batch, exc)
             return
         self._master_reachable()
+        if self._unserved:
+            self._image_served(batch[0].entry.meta.image)
         for pending, tuple_id, ticket in zip(batch, route.tuple_ids, route.tickets):
             meta = pending.entry.meta
             meta.tuple_id, meta.ticket = tuple_id, ticket
@@ -463,11 +471,7 @@ class Dispatcher:
         elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._retry(batch, error, count_attempt=False, delay=_hinted(exc))
         elif code == grpc.StatusCode.NOT_FOUND:
-            image = batch[0].entry.meta.image
-            if image not in self._warned_images:
-                self._warned_images.add(image)
-                log.warning("no channel serves this image; tuples wait in the spool",
-                            extra={"image": image, "error": details})
+            self._image_unserved(batch[0].entry.meta.image, details)
             self._retry(batch, error, count_attempt=False, delay=random.uniform(2.0, 4.0))
         elif code == grpc.StatusCode.INVALID_ARGUMENT and len(batch) > 1:
             self._retry(batch, error, count_attempt=False, delay=0.0, solo=True)
@@ -560,6 +564,21 @@ class Dispatcher:
             self._master_down_since = None
         if was_down:
             log.warning("master reachable again", extra={"master": self._config.master_address})
+
+    def _image_unserved(self, image: str, details: str) -> None:
+        with self._cond:
+            first = image not in self._unserved
+            if first:
+                self._unserved[image] = (time.monotonic(), details)
+        if first:
+            log.warning("no channel serves this image; tuples wait in the spool",
+                        extra={"image": image, "error": details})
+
+    def _image_served(self, image: str) -> None:
+        with self._cond:
+            was = self._unserved.pop(image, None)
+        if was is not None:
+            log.warning("a channel serves this image now", extra={"image": image})
 
     def _master_delay(self) -> float:
         down = self.master_unreachable_for()

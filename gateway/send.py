@@ -89,6 +89,7 @@ class _Sender:
         self.bar = None
         self._tick_lock = threading.Lock()
         self._settled = 0
+        self.unserved: dict[TupleFuture, str] = {}   # given up on: no engine serves the image
 
     def run(self) -> int:
         try:
@@ -144,18 +145,38 @@ class _Sender:
                 self.bar.set_postfix_str(f"{self._settled}/{len(self.files)} tuples", refresh=False)
 
     def _wait(self, gateway: Gateway, futures: dict[TupleFuture, Path]) -> bool:
-        """Wait for every future; True when we gave up because the master stayed away."""
+        """Wait for every future; True when we gave up because the master stayed away.
+
+        Files whose image no engine serves are given up on after ``image_wait_seconds``
+        (a misspelt --image, or workers not started): waiting on would never end.
+        """
         pending = set(futures)
         while pending:
             _, pending = concurrent.futures.wait(pending, timeout=0.5)
-            if pending and gateway.status().master_unreachable_seconds > self.config.connect_seconds:
+            status = gateway.status()
+            if pending and status.master_unreachable_seconds > self.config.connect_seconds:
                 return True
+            for image, (seconds, words) in status.unserved_images.items():
+                if seconds > self.config.image_wait_seconds:
+                    self._give_up_on(image, words, pending, futures)
         return False
 
+    def _give_up_on(self, image: str, words: str, pending: set[TupleFuture],
+                    futures: dict[TupleFuture, Path]) -> None:
+        for future in [f for f in pending if self.images[futures[f]] == image]:
+            pending.discard(future)
+            self.unserved[future] = (f"not delivered: no engine serves image '{image}' after "
+                                     f"{self.config.image_wait_seconds:.0f}s (master: {words}); "
+                                     "it stays spooled for the next hio send")
+
     def _summary(self, gateway: Gateway, futures: dict[TupleFuture, Path], seconds: float, gave_up: bool) -> int:
-        ok = [f for f in futures if f.done() and not f.cancelled() and f.exception() is None]
+        ok = {f for f in futures if f.done() and not f.cancelled() and f.exception() is None}
         for future, path in futures.items():
-            if future.done() and future.exception() is not None:
+            if future in ok:
+                continue
+            if future in self.unserved:   # closing failed it too, with less to say
+                self.failures.append(f"{path}: {self.unserved[future]}")
+            elif future.done() and future.exception() is not None:
                 self.failures.append(f"{path}: {future.exception()}")
             elif not future.done():
                 self.failures.append(f"{path}: not delivered (stays spooled for the next hio send)")

@@ -263,7 +263,8 @@ class Master:
                     raise InvalidArgument(f"tuple id {item.tuple_id} was never issued by this master "
                                           f"(last issued {self.ids.last_issued})")
             if not self._known_image(image):
-                raise NotFound(f"image '{image}': no worker offers it and it is not in the master's images")
+                raise NotFound(f"image '{image}': no worker offers it and it is not in the master's images "
+                               f"({self._images_known()})")
             fresh = iter(self.ids.allocate(sum(1 for i in items if not i.tuple_id)))
             tuple_ids = [item.tuple_id or next(fresh) for item in items]
             route = self._route_waiting(image, tuple_ids, force_queue, wait_seconds)
@@ -314,6 +315,14 @@ class Master:
 
     def _known_image(self, image: str) -> bool:
         return image in self.config.images or image in self.registry.offered_images
+
+    def _images_known(self) -> str:
+        """For a refusal: the images this master does know, so a misspelt one is plain to see."""
+        known = sorted(set(self.config.images) | set(self.registry.offered_images))
+        if not known:
+            return "no worker has registered an image yet"
+        more = f" and {len(known) - 10} more" if len(known) > 10 else ""
+        return f"known: {', '.join(known[:10])}{more}"
 
     # ---- the backlog -------------------------------------------------------------
 

@@ -225,6 +225,34 @@ def test_hio_send_prints_a_summary(cluster: Cluster, tmp_path: Path) -> None:
     assert "sent 3 of 3 tuples" in proc.stdout and "0 failed" in proc.stdout and "MB/s" in proc.stdout
 
 
+def test_hio_send_gives_up_on_an_image_no_engine_serves_and_says_which(cluster: Cluster, tmp_path: Path) -> None:
+    """A misspelt image never finds an engine: hio send names it (and the images the master
+    knows) after --image-wait-seconds, instead of waiting for ever; files of served images
+    are still delivered, and the unserved one stays spooled."""
+    good, typo = tmp_path / "good.bin", tmp_path / "typo.bin"
+    good.write_bytes(os.urandom(10_000))
+    typo.write_bytes(os.urandom(10_000))
+    common = ["--master-address", cluster.master, "--data-dir", str(tmp_path / "var"), "--source", "typo"]
+    send = [sys.executable, "-m", "hio.cli", "send", "--image-wait-seconds", "3", *common]
+    started = time.monotonic()
+    first = subprocess.run([*send, "--image", IMAGE, str(good)], capture_output=True, text=True,
+                           env=hio_env(), timeout=60, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = subprocess.run([*send, "--image", "hio/synthetik", str(typo)], capture_output=True, text=True,
+                            env=hio_env(), timeout=60, cwd=tmp_path)
+    assert time.monotonic() - started < 50
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert "sent 0 of 1 tuples" in second.stdout
+    failed = [line for line in second.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and "typo.bin" in failed[0], second.stdout
+    assert "no engine serves image 'hio/synthetik'" in failed[0] and IMAGE in failed[0], failed[0]
+    assert "stays spooled" in failed[0]
+    stored = [r.meta.name for r in cluster.records().values() if r.meta.source == "typo"]
+    assert stored == ["good.bin"]
+    spooled = list((tmp_path / "var").rglob("*"))
+    assert any(p.is_file() and p.stat().st_size >= 10_000 for p in spooled), "the unserved tuple's payload was kept"
+
+
 def test_hio_send_no_wait_hands_files_to_the_daemon(cluster: Cluster, tmp_path: Path) -> None:
     port = free_port()
     files = []
