@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Generic, Iterator, TypeVar
 
 import grpc
 
@@ -296,18 +296,18 @@ class Dispatcher:
         abandoned = threading.Event()   # set once this stream is settled: a late lane sender stops
         if lane_socket is not None:
             payloads = self._payloads(batch, sent, skipped, abandoned)
+            reading = _GuardedFrames(lane_frames(payloads, self._config.chunk_bytes, self._config.pack_bytes),
+                                     cancels=False)
             try:
-                call = LaneCall(lane_socket, lane_frames(payloads, self._config.chunk_bytes,
-                                                         self._config.pack_bytes), timeout=timeout)
+                call = LaneCall(lane_socket, iter(reading), timeout=timeout)
             except BaseException:
                 lane_socket.close()
                 raise
-        elif direct:
-            call = send_frames(self._channel(address), "Engine", "Deliver")(self._frames(batch, sent, skipped),
-                                                                            timeout=timeout)
         else:
-            call = send_frames(self._channel(address), "Master", "Enqueue")(self._frames(batch, sent, skipped),
-                                                                            timeout=timeout)
+            reading = _GuardedFrames(self._frames(batch, sent, skipped), cancels=True)
+            service, method = ("Engine", "Deliver") if direct else ("Master", "Enqueue")
+            call = send_frames(self._channel(address), service, method)(iter(reading), timeout=timeout)
+            reading.attach(call.cancel)
         with self._cond:
             self._calls.add(call)
         settled: set[int] = set()
@@ -320,6 +320,9 @@ class Dispatcher:
                     self._complete_many(done, direct=direct)
         except grpc.RpcError as exc:
             abandoned.set()
+            if reading.failure:
+                self._read_failed(_unsettled(batch, sent, settled, skipped), sent[-1], reading.failure)
+                return
             if lane_socket is not None and getattr(exc, "transport", False) and not settled:
                 # The lane broke before the server answered anything (closed, garbage): not the
                 # tuples' fault. The same route (its reservation is ours) goes over gRPC.
@@ -374,6 +377,9 @@ class Dispatcher:
                 skipped.add(pending.seq)
                 self._complete(pending, Outcome.REJECTED, f"spooled payload {entry.data_path} is missing")
                 continue
+            except OSError:
+                sent.append(pending)   # last in ``sent``: the tuple _read_failed blames
+                raise
             sent.append(pending)
             yield entry.meta, payload
 
@@ -523,6 +529,25 @@ class Dispatcher:
         else:
             self._retry(left, error, count_attempt=True)
 
+    def _read_failed(self, left: list[_Pending], culprit: _Pending, failure: str) -> None:
+        """A spooled payload could not be read while streaming it: a payload gone or changed
+        is rejected by name; an unreadable one (a disk error) is tried again, counted, with
+        the reason; the tuples beside it were not at fault and go again uncounted."""
+        entry = culprit.entry
+        error = f"cannot read the spooled payload {entry.data_path} of '{entry.meta.name}': {failure}"
+        log.error("cannot read a spooled payload", extra={"tuple": entry.meta.name, "path": str(entry.data_path),
+                                                          "error": failure})
+        others = [p for p in left if p is not culprit]
+        if others:
+            self._retry(others, error, count_attempt=False, delay=0.0)
+        if culprit not in left:
+            return
+        why = self._payload_damage(entry)
+        if why:
+            self._complete(culprit, Outcome.REJECTED, why)
+        else:
+            self._retry([culprit], error, count_attempt=True)
+
     def _check_spooled(self, left: list[_Pending], error: str) -> None:
         """The receiver found a payload damaged: if it is our spooled copy, sending it again
         cannot help, so it is rejected by name; the others are retried as after any failure."""
@@ -605,6 +630,36 @@ class _Protocol(grpc.RpcError):
 
     def details(self) -> str:
         return self._message
+
+
+F = TypeVar("F")
+
+
+class _GuardedFrames(Generic[F]):
+    """A stream's frames, read from the spool, keeping the reason in ``failure`` when a
+    payload cannot be read. Attached to a gRPC call, it cancels the call, where gRPC
+    would log a traceback and end it with nothing but "Exception iterating requests!";
+    unattached (the lane), it raises on, and the lane call ends with the error."""
+
+    def __init__(self, frames: Iterator[F], *, cancels: bool) -> None:
+        self._frames = frames
+        self._cancels = cancels
+        self._cancel: Callable[[], object] | None = None
+        self._attached = threading.Event()
+        self.failure = ""
+
+    def attach(self, cancel: Callable[[], object]) -> None:
+        self._cancel = cancel
+        self._attached.set()
+
+    def __iter__(self) -> Iterator[F]:
+        try:
+            yield from self._frames
+        except OSError as exc:
+            self.failure = str(exc) or type(exc).__name__
+            if not self._cancels or not self._attached.wait(10.0):   # attached as the call starts
+                raise
+            self._cancel()  # type: ignore[misc]
 
 
 def _unsettled(batch: list[_Pending], sent: list[_Pending], settled: set[int],

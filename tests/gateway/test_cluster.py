@@ -212,6 +212,42 @@ def test_spooled_tuples_survive_kill_9(cluster: Cluster, tmp_path: Path) -> None
     assert sorted(r.meta.name for r in records) == ["t0", "t1", "t2"]
 
 
+@pytest.mark.parametrize("lanes", [False, True], ids=["grpc", "lane"])
+def test_a_spooled_payload_that_cannot_be_read_is_named_and_sent_once_it_can_be(
+        cluster: Cluster, tmp_path: Path, caplog: pytest.LogCaptureFixture, lanes: bool) -> None:
+    """Over gRPC or a payload lane, a spooled file that cannot be read while it is streamed ends
+    the call with its path and the reason, not gRPC's "Exception iterating requests!"
+    and a traceback; it stays spooled, and goes once it can be read again. A second
+    real master (no workers: the tuple goes to its backlog) starts after the file is
+    spooled, so the read fails in the stream, past the spool's checks."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    master = f"127.0.0.1:{free_port()}"
+    original = tmp_path / "frame.bin"
+    original.write_bytes(os.urandom(300_000))
+    with Gateway(cluster.config(f"unreadable-{lanes}", master_address=master, lanes=lanes)) as gw:
+        future = gw.submit_file(original, image=IMAGE)
+        spooled = [p for p in (cluster.root / f"unreadable-{lanes}").rglob("*")
+                   if p.is_file() and p.stat().st_ino == original.stat().st_ino]
+        assert len(spooled) == 1, "put_file hard-links the file into the spool"
+        spooled[0].unlink()
+        spooled[0].mkdir()                              # open() now fails: IsADirectoryError
+        with HioProcess("master", ["--listen", master, "--data-dir", str(tmp_path / "master")],
+                        tmp_path, name="master-unreadable") as second:
+            second.wait_healthy(master)
+
+            def named() -> bool:
+                return any(r.getMessage() == "cannot read a spooled payload" and getattr(r, "path", "") ==
+                           str(spooled[0]) and "Is a directory" in getattr(r, "error", "") for r in caplog.records)
+            wait_for(named, timeout=30, what="the unreadable payload named in the log")
+            assert not future.done()
+            spooled[0].rmdir()
+            os.link(original, spooled[0])
+            assert gw.result(future, timeout=60) > 0 and future.outcome == "enqueued"
+    assert not [r for r in caplog.records if "Exception iterating requests" in r.getMessage()]
+
+
 def test_hio_send_prints_a_summary(cluster: Cluster, tmp_path: Path) -> None:
     folder = tmp_path / "run"
     folder.mkdir()
