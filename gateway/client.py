@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -119,7 +120,9 @@ class Gateway:
         self._futures: dict[int, TupleFuture] = {}
         self._closed = False
         self._unforgotten: list[SpoolEntry] = []    # delivered, but their DONE record could not be written
-        self._unmoved: dict[str, tuple[MoveOnDone, Outcome]] = {}  # delivered originals whose move failed
+        self._unmoved_file = self.spool.root / UNMOVED_FILE
+        # delivered originals whose move failed; kept on disk, so a restart does not send them again
+        self._unmoved: dict[str, tuple[MoveOnDone, Outcome]] = _load_unmoved(self._unmoved_file)
         self._dispatcher = Dispatcher(config, persist=self.spool.update_many, open_payload=self.spool.open_payload,
                                       payload_damage=self.spool.payload_damage,
                                       on_complete=self._finish)
@@ -322,18 +325,22 @@ class Gateway:
         """Try again to move delivered originals whose move failed."""
         with self._lock:
             todo = list(self._unmoved.values())
-        for move, outcome in todo:
-            if _move(move, outcome, quiet=True):
-                with self._lock:
+        moved = [move for move, outcome in todo if _move(move, outcome, quiet=True)]
+        if moved:
+            with self._lock:
+                for move in moved:
                     self._unmoved.pop(move.source, None)
+            self._save_unmoved()
 
     def _finish(self, done: list[Completion]) -> None:
         """Delivery hook: move the originals, drop the spool entries (one append), resolve the futures."""
         try:
-            for entry, outcome, _ in done:
-                if entry.move is not None and not _move(entry.move, outcome):
-                    with self._lock:
-                        self._unmoved[entry.move.source] = (entry.move, outcome)
+            unmoved = [(entry.move, outcome) for entry, outcome, _ in done
+                       if entry.move is not None and not _move(entry.move, outcome)]
+            if unmoved:
+                with self._lock:
+                    self._unmoved.update((move.source, (move, outcome)) for move, outcome in unmoved)
+                self._save_unmoved()   # before the spool forgets them: a restart must know them
             self._forget([entry for entry, _, _ in done])
         finally:  # delivered is delivered: callers learn it even if forgetting it failed (it is sent again)
             with self._lock:
@@ -341,6 +348,22 @@ class Gateway:
             for future, (entry, outcome, detail) in zip(futures, done):
                 if future is not None and not future.done():
                     _resolve(future, entry, outcome, detail)
+
+    def _save_unmoved(self) -> None:
+        """Write the unmoved originals (with each file's identity) atomically beside the spool."""
+        with self._lock:
+            records = [{"source": move.source, "target": move.target, "outcome": outcome.value,
+                        "identity": _identity(move.source)} for move, outcome in self._unmoved.values()]
+        tmp = self._unmoved_file.with_name(self._unmoved_file.name + ".tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(records, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self._unmoved_file)
+        except OSError as exc:
+            log.error("cannot record the delivered files that could not be moved; after a restart "
+                      "they would be sent again", extra={"path": str(self._unmoved_file), "error": str(exc)})
 
     def _forget(self, entries: list[SpoolEntry]) -> None:
         """Drop delivered entries from the spool; those a failed append could not drop
@@ -355,6 +378,40 @@ class Gateway:
                 self._unforgotten = entries + self._unforgotten
             log.error("cannot record delivered tuples in the spool; trying again with the next ones",
                       extra={"tuples": len(entries), "error": str(exc)})
+
+
+UNMOVED_FILE = "unmoved.json"
+
+
+def _identity(path: str) -> list[int] | None:
+    """What tells this file from a new one written under its name later (None: it is gone)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _load_unmoved(path: Path) -> dict[str, tuple[MoveOnDone, Outcome]]:
+    """The delivered originals an earlier run could not move, those still there and unchanged
+    (a file since moved by hand, or replaced by a new one of the same name, is forgotten)."""
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.error("cannot read the delivered files that could not be moved; they may be sent again",
+                  extra={"path": str(path), "error": str(exc)})
+        return {}
+    kept: dict[str, tuple[MoveOnDone, Outcome]] = {}
+    for record in records:
+        try:
+            move, outcome = MoveOnDone(record["source"], record["target"]), Outcome(record["outcome"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if record.get("identity") is not None and _identity(move.source) == record["identity"]:
+            kept[move.source] = (move, outcome)
+    return kept
 
 
 def _resolve(future: TupleFuture, entry: SpoolEntry, outcome: Outcome, detail: str) -> None:

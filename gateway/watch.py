@@ -7,8 +7,9 @@ is spooled (hard link or copy; never modified) and moved to ``done_dir`` (same
 relative path) only once STORED or ENQUEUED. The spool remembers which files
 it took, so a restart never sends a file twice. A delivered file that cannot be
 moved (a done folder it may not write) stays, is logged, and is moved again
-each pass; it is not taken again while the gateway runs (after a restart it
-would be, under a new id).
+each pass; it is not taken again, after a restart either (the gateway keeps
+such files, with each one's inode, size and mtime, in ``unmoved.json`` beside
+its spool; a new file written under the same name later is a new tuple).
 """
 
 from __future__ import annotations

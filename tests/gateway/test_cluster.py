@@ -334,6 +334,71 @@ def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again(cluster: Cluste
     assert [r.meta.name for r in records] == ["plate.bin"]
 
 
+def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again_after_a_restart(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """The gateway keeps the delivered-but-unmoved originals on disk beside its spool: a
+    restarted gateway leaves them alone too (and moves them once it can), while a new file
+    written under the same name later is a new tuple."""
+    from hio.gateway.watch import DirectoryWatcher
+
+    watch = tmp_path / "instrument"
+    watch.mkdir()
+    blocker = tmp_path / "done"
+    blocker.write_text("a file where the done folder should be")
+    original = watch / "plate.bin"
+    original.write_bytes(os.urandom(5_000))
+    config = cluster.config("unmovable-restart")
+
+    def watcher(gw: Gateway) -> DirectoryWatcher:
+        return DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1, image=IMAGE)
+
+    with Gateway(config) as gw:
+        first = watcher(gw)
+        first.scan_once(now=0.0)
+        assert first.scan_once(now=1.0) == 1
+        wait_for(lambda: gw.status().stored == 1, timeout=60, what="the file stored")
+    with Gateway(config) as gw:                                   # a restart: still not movable
+        assert gw.unmoved_sources() == {str(original)}
+        again = watcher(gw)
+        for n in range(3):
+            assert again.scan_once(now=float(n)) == 0
+        blocker.unlink()
+        again.scan_once(now=5.0)
+        assert not original.exists() and (blocker / "day1" / "plate.bin").exists()
+        assert gw.unmoved_sources() == set()
+    with Gateway(config) as gw:
+        assert gw.unmoved_sources() == set()
+    records = [r for r in cluster.records().values() if r.meta.source == "unmovable-restart"]
+    assert [r.meta.name for r in records] == ["plate.bin"]
+
+
+def test_a_new_file_under_an_unmoved_file_s_name_is_sent(cluster: Cluster, tmp_path: Path) -> None:
+    from hio.gateway.watch import DirectoryWatcher
+
+    watch = tmp_path / "instrument"
+    watch.mkdir()
+    blocker = tmp_path / "done"
+    blocker.write_text("a file where the done folder should be")
+    original = watch / "plate.bin"
+    original.write_bytes(os.urandom(5_000))
+    config = cluster.config("unmovable-renewed")
+    with Gateway(config) as gw:
+        w = DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1, image=IMAGE)
+        w.scan_once(now=0.0)
+        assert w.scan_once(now=1.0) == 1
+        wait_for(lambda: gw.status().stored == 1, timeout=60, what="the file stored")
+    original.unlink()
+    original.write_bytes(os.urandom(6_000))                     # the instrument's next run, same name
+    with Gateway(config) as gw:
+        assert gw.unmoved_sources() == set()
+        w = DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1, image=IMAGE)
+        w.scan_once(now=0.0)
+        assert w.scan_once(now=1.0) == 1
+        wait_for(lambda: gw.status().stored == 1, timeout=60, what="the new file stored")
+    sizes = sorted(r.meta.size for r in cluster.records().values() if r.meta.source == "unmovable-renewed")
+    assert sizes == [5_000, 6_000]
+
+
 def test_a_spooled_tuple_whose_id_the_master_never_issued_is_sent_as_a_new_tuple(
         cluster: Cluster, tmp_path: Path) -> None:
     """As after the master lost its state: the tuple is no less the user's data."""
