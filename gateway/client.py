@@ -92,6 +92,16 @@ class GatewayStatus:
     #: images the master knows no engine for: image -> (seconds refused so far, the master's message)
     unserved_images: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
 
+    def warnings(self) -> list[str]:
+        """What keeps spooled tuples from delivery, in words (empty when nothing does)."""
+        out = []
+        if self.master_unreachable_seconds:
+            out.append(f"the master has been unreachable for {self.master_unreachable_seconds:.0f}s; "
+                       "tuples wait in the spool")
+        for image, (seconds, words) in sorted(self.unserved_images.items()):
+            out.append(f"no engine serves image '{image}' (for {seconds:.0f}s; tuples wait in the spool): {words}")
+        return out
+
 
 class Gateway:
     """Client library of the gateway. Thread-safe; a context manager.

@@ -164,4 +164,5 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         return ingest_pb2.GetGatewayStatusResponse(
             spooled_tuples=s.spooled_tuples, spooled_bytes=s.spooled_bytes,
             spool_bytes_limit=s.spool_bytes_limit, sent_direct=s.sent_direct, sent_queue=s.sent_queue,
-            stored=s.stored, failed=s.failed, retries=s.retries)
+            stored=s.stored, failed=s.failed, retries=s.retries, enqueued=s.enqueued,
+            warnings=s.warnings(), master_unreachable_seconds=s.master_unreachable_seconds)

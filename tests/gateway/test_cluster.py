@@ -283,6 +283,11 @@ def test_hio_send_gives_up_on_an_image_no_engine_serves_and_says_which(cluster: 
     assert len(failed) == 1 and "typo.bin" in failed[0], second.stdout
     assert "no engine serves image 'hio/synthetik'" in failed[0] and IMAGE in failed[0], failed[0]
     assert "stays spooled" in failed[0]
+    with Gateway(cluster.config("typo-status")) as gw:            # the library and the daemon say so too
+        gw.submit(b"abc", image="hio/synthetik")
+        warnings = wait_for(lambda: gw.status().warnings(), timeout=20, what="the unserved image in the status")
+        assert "no engine serves image 'hio/synthetik'" in warnings[0] and IMAGE in warnings[0]
+        gw.close(timeout=0.2, drain=False)
     stored = [r.meta.name for r in cluster.records().values() if r.meta.source == "typo"]
     assert stored == ["good.bin"]
     spooled = list((tmp_path / "var").rglob("*"))

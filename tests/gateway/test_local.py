@@ -24,7 +24,7 @@ from hio.gateway.watch import DirectoryWatcher
 from hio.gateway.spool import spooled_metas
 from hio.proto import ingest_pb2, ingest_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
-from tests.harness import free_port, hio_env
+from tests.harness import free_port, hio_env, wait_for
 
 DEAD_MASTER = "127.0.0.1:1"  # nothing listens on port 1: every call is UNAVAILABLE
 
@@ -67,6 +67,19 @@ def test_ingest_accepts_and_spools(daemon: tuple[ingest_pb2_grpc.IngestStub, Pat
     assert len(payloads) == 1 and payloads[0].read_bytes() == data
     [meta] = spooled_metas(spool_dir)
     assert (meta.source, meta.image, meta.name, meta.attempt) == ("lab", "hio/synthetic", "a.bin", 1)
+
+
+def test_gateway_status_says_why_tuples_wait(daemon: tuple[ingest_pb2_grpc.IngestStub, Path]) -> None:
+    """An instrument's software can learn from GetGatewayStatus why nothing is delivered."""
+    stub, _ = daemon
+    list(stub.Submit(frames(b"x" * 100, image="hio/synthetic", name="w.bin"), timeout=10))
+
+    def warned() -> ingest_pb2.GetGatewayStatusResponse | None:
+        status = stub.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5)
+        return status if status.warnings else None
+    status = wait_for(warned, timeout=20, what="a warning in the gateway's status")
+    assert status.master_unreachable_seconds >= 0 and status.spooled_tuples == 1
+    assert "master has been unreachable" in status.warnings[0] and "wait in the spool" in status.warnings[0]
 
 
 def test_ingest_refuses_missing_image(daemon: tuple[ingest_pb2_grpc.IngestStub, Path]) -> None:
