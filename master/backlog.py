@@ -146,6 +146,7 @@ class BacklogQueue:
         self._by_channel: dict[str, set[int]] = {}
         self._committing: set[int] = set()
         self._to_dead: list[tuple[Entry, str]] = []
+        self._settling: set[int] = set()   # tuple ids being copied to the dead letters (off the lock)
         self._closing: list[tuple[int, bool]] = []     # (fd, fsync first): closed outside the lock
         self._image_bytes: collections.Counter[str] = collections.Counter()
         self._image_len: collections.Counter[str] = collections.Counter()
@@ -200,11 +201,11 @@ class BacklogQueue:
                     f"backlog queue full: {self._used + self._reserved} of {self.queue_bytes} bytes used "
                     f"({len(self._entries)} tuples); tuple {meta.tuple_id} needs {meta.size}",
                     retry_after=RETRY_AFTER_FULL)
+            segment = self._take_segment()   # first: a segment that cannot be made reserves nothing
             self._reserved += meta.size
             cache = meta.size <= self._memory_bytes - self._cached - self._cache_reserved
             if cache:
                 self._cache_reserved += meta.size
-            segment = self._take_segment()
         start = segment.size
         try:
             return RecordWriter(segment, meta, cache)
@@ -384,12 +385,17 @@ class BacklogQueue:
             entry.order = self._next_seq
             self._next_seq += 1
         entry.moved = True
-        self._journal.append(MOVE, entry.seq, entry.order, attempt)
         ready = self._ready.setdefault(entry.image, collections.OrderedDict())
         ready[entry.tuple_id] = entry
         if head:
             ready.move_to_end(entry.tuple_id, last=False)
         self._cond.notify_all()
+        try:   # after the tuple is back: a journal that cannot be written must not strand it
+            self._journal.append(MOVE, entry.seq, entry.order, attempt)
+        except OSError as exc:
+            log.error("cannot journal a requeue; the tuple is queued, but after a restart it would "
+                      "have its earlier place and attempt count",
+                      extra={"tuple_id": entry.tuple_id, "error": str(exc)})
 
     # ---- leasing -----------------------------------------------------------------
 
@@ -462,17 +468,20 @@ class BacklogQueue:
         with self._cond:
             return bool(self._by_channel.get(channel_id))
 
-    def void_leases(self, channel_id: str, reason: str, *, charge: bool = True) -> list[int]:
+    def void_leases(self, channel_id: str, reason: str, *, charge: bool = True, settle: bool = True) -> list[int]:
         """The channel is gone (``charge``: each counts as a delivery attempt), or it is done
         with a pull and returns what it did not report (not charged): its tuples go back to
-        the head of their queues, in the order they had."""
+        the head of their queues, in the order they had. ``settle=False`` leaves copying the
+        exhausted ones to the dead letters (disk I/O) to a later :meth:`settle`, for a caller
+        that holds a lock of its own."""
         with self._cond:
             voided = sorted((self._leased[t] for t in self._by_channel.get(channel_id, ())),
                             key=lambda e: e.order, reverse=True)
             for entry in voided:
                 self._unlease(entry)
                 self._requeue(entry, head=True, reason=reason, charge=charge)
-        self.settle()
+        if settle:
+            self.settle()
         if voided:
             log.info("leases voided", extra={"channel": channel_id, "tuples": len(voided), "reason": reason,
                                              "charged": charge})
@@ -514,7 +523,7 @@ class BacklogQueue:
         """
         with self._cond:
             entry = self._entries.get(tuple_id)
-            if entry is None or any(e is entry for e, _ in self._to_dead):
+            if entry is None or tuple_id in self._settling or any(e is entry for e, _ in self._to_dead):
                 return False
             if entry.leased_to != channel_id and channel_id not in entry.past_holders:
                 return False
@@ -558,6 +567,7 @@ class BacklogQueue:
                 if not self._to_dead:
                     break
                 entry, reason = self._to_dead.pop(0)
+                self._settling.add(entry.tuple_id)   # neither ready nor leased: nobody may touch it
                 cached = entry.cached
                 path = self._segments[entry.segment].path
             try:
@@ -571,10 +581,16 @@ class BacklogQueue:
                 log.error("cannot write dead letter; tuple stays queued",
                           extra={"tuple_id": entry.tuple_id, "error": str(exc)})
                 with self._cond:
-                    self._ready.setdefault(entry.image, collections.OrderedDict())[entry.tuple_id] = entry
+                    self._settling.discard(entry.tuple_id)
+                    ready = self._ready.setdefault(entry.image, collections.OrderedDict())
+                    ready[entry.tuple_id] = entry
+                    ready.move_to_end(entry.tuple_id, last=False)
+                    self._cond.notify_all()
                 continue
             with self._cond:
+                self._settling.discard(entry.tuple_id)
                 self._drop(entry)
+                self._cond.notify_all()   # a retry_dead may wait for this copy
             self._durable_journal()
             self._close_sealed()
 
@@ -587,7 +603,8 @@ class BacklogQueue:
         meta.CopyFrom(letter.meta)
         meta.attempt = 1
         meta.attributes.pop(LAST_ERROR_ATTRIBUTE, None)
-        with self._cond:
+        with self._cond:   # a letter still being written is not yet out of the queue: wait for it
+            self._cond.wait_for(lambda: tuple_id not in self._settling, timeout=60.0)
             queued = tuple_id in self._entries or tuple_id in self._committing
         if not queued:
             writer = self._begin_record(meta)

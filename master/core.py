@@ -23,7 +23,7 @@ from hio.common.config import ConfigError, state_dir
 from hio.common.files import lock_folder
 from hio.common.tickets import load_ticket_key, make_ticket
 from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted
-from hio.common.frames import TupleFrame, TupleMeta
+from hio.common.frames import TupleFrame, TupleMeta, tuple_frames
 from hio.master.backlog import BacklogQueue, ImageQueue, Lease, Stored
 from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
@@ -103,6 +103,7 @@ class Pulled:
     def __init__(self, master: "Master", leases: list[Lease]) -> None:
         self._master = master
         self.leases = leases
+        self.started = 0   # leases whose payload was opened to be sent (the rest never left)
 
     @property
     def lease(self) -> Lease:
@@ -114,11 +115,14 @@ class Pulled:
         return self.lease.meta
 
     def frames(self) -> Iterator[TupleFrame]:
-        return self._master.queue.frames(self.leases, self._master.config.chunk_bytes, PULL_PACK_BYTES)
+        return tuple_frames(self.payloads(), self._master.config.chunk_bytes, PULL_PACK_BYTES, encode=True)
 
     def payloads(self) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
-        """Each leased tuple's metadata and payload (in memory, or its segment file at it)."""
-        return self._master.queue.payloads(self.leases)
+        """Each leased tuple's metadata and payload (in memory, or its segment file at it),
+        opened when its turn comes; ``started`` counts them."""
+        for item in self._master.queue.payloads(self.leases):
+            self.started += 1
+            yield item
 
     def abandon(self, reason: str = "pull stream ended early", *, charge: bool = True) -> None:
         """The stream broke before the channel got the tuples: requeue them now, not at lease expiry.
@@ -211,9 +215,10 @@ class Master:
             self.pending.expire()
             # Void under the same lock, so no status snapshot shows a channel DOWN still holding a lease.
             for channel_id in result.down_channels:
-                self.queue.void_leases(channel_id, "worker expired")
+                self.queue.void_leases(channel_id, "worker expired", settle=False)
             if result.expired_workers or result.lapsed_channels:
                 self._cond.notify_all()
+        self.queue.settle()   # dead-letter copies (up to a tuple's size of disk I/O) off the master lock
         for worker_id in result.expired_workers:
             log.warning("worker expired", extra={"worker": worker_id, "after_s": self.config.expiry_seconds})
         for channel_id in self.queue.expire_leases():
@@ -400,8 +405,11 @@ class Master:
                     self._waiters -= 1
 
     def abandon(self, pulled: Pulled, reason: str, *, charge: bool = True) -> None:
-        """Void the leases of a pull whose stream broke; the tuples go back to the head of their queue."""
-        voided = [lease for lease in reversed(pulled.leases) if self.queue.void_lease(lease, reason, charge=charge)]
+        """Void the leases of a pull whose stream broke; the tuples go back to the head of their
+        queue. Only those the stream had started to send are charged (``charge``): the rest
+        never left the master."""
+        voided = [lease for n, lease in reversed(list(enumerate(pulled.leases)))
+                  if self.queue.void_lease(lease, reason, charge=charge and n < pulled.started)]
         if not voided:
             return
         log.info("lease voided", extra={"tuple_id": pulled.lease.tuple_id, "tuples": len(voided),

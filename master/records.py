@@ -146,7 +146,12 @@ class Journal:
         if self.fd is None:
             raise Unavailable("the master is shutting down")
         body = _ENTRY_BODY.pack(kind, seq, order, attempt)
-        write_all(self.fd, body + struct.pack(">I", crc32(body)))
+        try:
+            write_all(self.fd, body + struct.pack(">I", crc32(body)))
+        except OSError:   # a partial entry would end the journal at the next start: cut it off
+            os.ftruncate(self.fd, self.size)
+            os.lseek(self.fd, self.size, os.SEEK_SET)
+            raise
         self.size += _ENTRY.size
 
     def rewrite(self, lines: list[tuple[int, int, int, int]]) -> None:
@@ -155,9 +160,11 @@ class Journal:
         for kind, seq, order, attempt in lines:
             body = _ENTRY_BODY.pack(kind, seq, order, attempt)
             data += body + struct.pack(">I", crc32(body))
-        self.close()
-        replace_durably(self.path.with_suffix(".tmp"), self.path, bytes(data), sync=self._durable.syncs)
-        self._open(len(data))
+        try:   # the old file stays the journal until the new one has replaced it
+            replace_durably(self.path.with_suffix(".tmp"), self.path, bytes(data), sync=self._durable.syncs)
+        finally:   # append to whichever file is the journal now (the new one, or still the old)
+            self.close()
+            self._open(self.path.stat().st_size)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -171,7 +178,12 @@ class Journal:
 
 
 def scan_segment(path: Path) -> tuple[list[tuple[int, TupleMeta, int]], int]:
-    """The complete records of a segment, cutting off a torn or damaged tail."""
+    """The complete records of a segment, cutting off a torn tail.
+
+    A damaged record with good ones after it (a flipped bit, not a crash: a crash
+    only tears the end) costs only itself: the scan finds the next record by its
+    magic and checks, and says which bytes it skipped. Only what follows the
+    last good record is cut off."""
     records: list[tuple[int, TupleMeta, int]] = []
     total = path.stat().st_size
     pos = 0
@@ -179,7 +191,11 @@ def scan_segment(path: Path) -> tuple[list[tuple[int, TupleMeta, int]], int]:
         while pos < total:
             parsed = _read_record(fh, pos, total)
             if parsed is None:
-                break
+                parsed = _next_record(fh, pos + 1, total)
+                if parsed is None:
+                    break
+                log.error("damaged record in a backlog segment skipped; the tuple in it is lost",
+                          extra={"segment": path.name, "offset": pos, "bytes": parsed[2] - _record_head(parsed) - pos})
             seq, meta, offset, end = parsed
             records.append((seq, meta, offset))
             pos = end
@@ -191,6 +207,29 @@ def scan_segment(path: Path) -> tuple[list[tuple[int, TupleMeta, int]], int]:
             fh.flush()
             os.fsync(fh.fileno())
     return records, pos
+
+
+def _next_record(fh: BinaryIO, start: int, total: int) -> tuple[int, TupleMeta, int, int] | None:
+    """The first good record at or after ``start`` (found by its head magic), or None."""
+    block = 1 << 20
+    pos = start
+    while pos < total:
+        fh.seek(pos)
+        data = fh.read(block + len(_HEAD_MAGIC) - 1)
+        at = data.find(_HEAD_MAGIC)
+        while at != -1 and at < block:
+            parsed = _read_record(fh, pos + at, total)
+            if parsed is not None:
+                return parsed
+            at = data.find(_HEAD_MAGIC, at + 1)
+        pos += block
+    return None
+
+
+def _record_head(parsed: tuple[int, TupleMeta, int, int]) -> int:
+    """The head and metadata length of a parsed record (its start is offset minus this)."""
+    _, meta, _, _ = parsed
+    return _HEAD.size + meta.ByteSize()
 
 
 def _read_record(fh: BinaryIO, pos: int, total: int) -> tuple[int, TupleMeta, int, int] | None:

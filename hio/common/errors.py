@@ -8,6 +8,7 @@ carries, without leaking internals to the caller.
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
 import logging
@@ -82,6 +83,7 @@ class Cancelled(HioError):
 
 
 RETRY_AFTER_KEY = "hio-retry-after"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, float | None]:
@@ -90,6 +92,11 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, float | None]:
     Call it from the ``except`` block (the log carries the traceback)."""
     if isinstance(exc, HioError):
         return exc.code, exc.message, exc.retry_after
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+        # The server's disk, not the request: a sender waits and retries (uncharged), as for
+        # any full queue, instead of charging its tuples an attempt for an "internal error".
+        log.error("disk full", extra={"error": str(exc)})
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"the server's disk is full ({exc}); retry later", 5.0
     ref = uuid.uuid4().hex[:12]
     log.exception("internal error ref=%s", ref)
     return grpc.StatusCode.INTERNAL, f"internal error (ref {ref}); see the server log", None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tracemalloc
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import pytest
 
@@ -363,3 +363,124 @@ def test_concurrent_streams_never_interleave_records(tmp_path: Path) -> None:
         assert mine == sorted(mine)
     assert all(data == payload(tid, 30_000) for tid, data in seen.items())
     q.close()
+
+
+# ---- races and faults found by a review (each test fails on the code before its fix) ----------
+
+
+def _pause_dead_letter_copy(q: BacklogQueue, during: Callable[[], object]) -> None:
+    """Run ``during`` in another thread while settle() has written a dead letter but not yet
+    dropped the queue entry (the window a concurrent report or retry used to fall into)."""
+    import threading
+    import time
+
+    add = q.dead.add
+
+    def add_then_race(*args: object, **kwargs: object) -> object:
+        letter = add(*args, **kwargs)  # type: ignore[arg-type]
+        racer = threading.Thread(target=during)
+        racer.start()
+        time.sleep(0.3)
+        q._racers.append(racer)  # type: ignore[attr-defined]
+        return letter
+
+    q._racers = []  # type: ignore[attr-defined]
+    q.dead.add = add_then_race  # type: ignore[method-assign]
+
+
+def test_a_dead_letter_retried_while_it_is_written_is_queued_not_lost(tmp_path: Path) -> None:
+    clock = Clock()
+    q = open_queue(tmp_path, clock, max_attempts=1)
+    put(q, frames(1, payload(1)))
+    assert lease_one(q, "hio/synthetic", "w/0", 10.0) is not None
+    _pause_dead_letter_copy(q, lambda: q.retry_dead(1))
+    clock.now += 100
+    q.expire_leases()                                    # exhausted: on its way to the dead letters
+    for racer in q._racers:  # type: ignore[attr-defined]
+        racer.join(10)
+    assert (q.length(), q.contains(1), q.dead.get(1)) == (1, True, None)
+    q.close()
+    again = open_queue(tmp_path, clock, max_attempts=1)
+    assert again.length() == 1 and again.dead.get(1) is None
+    assert take(again)[:2] == (1, payload(1))
+
+
+def test_a_late_success_report_while_the_dead_letter_is_written_changes_nothing(tmp_path: Path) -> None:
+    clock = Clock()
+    q = open_queue(tmp_path, clock, max_attempts=1)
+    put(q, frames(1, payload(1)))
+    assert lease_one(q, "hio/synthetic", "w/0", 10.0) is not None
+    acked: list[bool] = []
+    _pause_dead_letter_copy(q, lambda: acked.append(q.ack(1, "w/0")))
+    clock.now += 100
+    q.expire_leases()                                    # used to raise KeyError in _drop
+    for racer in q._racers:  # type: ignore[attr-defined]
+        racer.join(10)
+    assert acked == [False]
+    assert q.length() == 0 and q.dead.get(1) is not None
+
+
+def test_a_damaged_record_mid_segment_costs_only_itself(tmp_path: Path) -> None:
+    """A flipped bit is not a torn tail: the records after it were receipted and stay."""
+    q = open_queue(tmp_path)
+    for tid in range(1, 6):
+        put(q, frames(tid, payload(tid)))
+    q.close()
+    [segment] = list((tmp_path / "queue").glob("seg-*.q"))
+    raw = bytearray(segment.read_bytes())
+    second = raw.find(b"HIOR", 1)
+    raw[second + 20] ^= 0x01                         # in record 2's head or metadata
+    segment.write_bytes(bytes(raw))
+    again = open_queue(tmp_path)
+    assert sorted(again._entries) == [1, 3, 4, 5]
+    assert [take(again)[:2] for _ in range(4)] == [(t, payload(t)) for t in (1, 3, 4, 5)]
+
+
+def test_a_journal_entry_cut_short_by_a_full_disk_does_not_hide_the_later_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    q = open_queue(tmp_path)
+    for tid in range(1, 4):
+        put(q, frames(tid, payload(tid)))
+    journal_fd, real_write = q._journal.fd, os.write
+    calls = []
+
+    def short_then_full(fd: int, data: bytes) -> int:
+        if fd == journal_fd and not calls:
+            calls.append(1)
+            real_write(fd, bytes(data)[:10])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", short_then_full)
+    first = take(q)[0]
+    with pytest.raises(OSError):
+        q.ack(first, "w/0")                          # its ACK hits the full disk
+    monkeypatch.setattr(os, "write", real_write)
+    for _ in range(2):                               # room again: the next ones are acked
+        assert q.ack(take(q)[0], "w/0")
+    q.close()
+    again = open_queue(tmp_path)
+    assert sorted(again._entries) == [first]         # only the ACK that failed is missing
+
+
+def test_a_segment_that_cannot_be_created_reserves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    q = open_queue(tmp_path, queue_bytes=10_000)
+    real_open = os.open
+
+    def no_room(path: object, flags: int, *args: object) -> int:
+        if str(path).endswith(".q"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", no_room)
+    for tid in (1, 2, 3):
+        with pytest.raises(OSError):
+            put(q, frames(tid, payload(tid, 4000)))
+    monkeypatch.setattr(os, "open", real_open)
+    assert put(q, frames(9, payload(9, 4000)))[0].placement is Placement.ENQUEUED

@@ -285,14 +285,16 @@ def test_a_pull_whose_engine_went_away_while_waiting_takes_nothing(tmp_path: Pat
         m.close()
 
 
-def test_a_handlers_own_error_is_internal_with_a_log_reference_not_a_lost_client() -> None:
+@pytest.mark.parametrize("error", [5, 28], ids=["EIO", "ENOSPC"])
+def test_a_handlers_own_error_is_internal_with_a_log_reference_not_a_lost_client(error: int) -> None:
     """A disk error while storing is the server's: INTERNAL (details in the log, as gRPC's
-    servicers do), not a silently dropped connection the sender would take for an outage."""
+    servicers do), not a silently dropped connection the sender would take for an outage.
+    A full disk says so, as RESOURCE_EXHAUSTED: the sender waits and retries, uncharged."""
     from hio.common.lane import LaneServer
 
     def failing(frames: Iterator[Any]) -> Iterator[TupleReceipt]:
         next(frames)
-        raise OSError(28, "No space left on device")
+        raise OSError(error, os.strerror(error))
         yield  # a generator, like the real handlers
 
     server = LaneServer("127.0.0.1:0", service="Master", uploads={"Enqueue": failing}, table=None, policy={},
@@ -304,8 +306,12 @@ def test_a_handlers_own_error_is_internal_with_a_log_reference_not_a_lost_client
                                           pack_bytes=0), timeout=30)
         with pytest.raises(grpc.RpcError) as failed:
             list(call)
-        assert failed.value.code() == grpc.StatusCode.INTERNAL
-        assert "see the server log" in failed.value.details() and "space" not in failed.value.details()
+        if error == 28:
+            assert failed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "disk is full" in failed.value.details()
+        else:
+            assert failed.value.code() == grpc.StatusCode.INTERNAL
+            assert "see the server log" in failed.value.details() and "Input/output" not in failed.value.details()
     finally:
         server.stop()
 

@@ -317,3 +317,26 @@ def test_waiting_never_overtakes_queued_tuples(make_master) -> None:  # type: ig
     assert time.monotonic() - started < 3.0
     with pytest.raises(InvalidArgument, match="wait_seconds"):
         route(master, wait_seconds=31.0)
+
+
+def test_a_broken_batch_pull_charges_only_the_tuples_it_had_started_to_send(make_master) -> None:  # type: ignore[no-untyped-def]
+    """guarantees.md: a tuple that never left the master goes back uncharged."""
+    master = make_master()
+    [channel] = add_worker(master, "w1")
+    ids = list(route(master, 3, force_queue=True).tuple_ids)
+    for tuple_id in ids:
+        list(master.enqueue(frames(tuple_id, bytes([tuple_id % 251]) * 300_000)))
+    pulled = master.pull(channel, 0.0, max_tuples=3, max_bytes=10_000_000)
+    assert pulled is not None and [lease.tuple_id for lease in pulled.leases] == ids
+    stream = pulled.frames()
+    next(stream)                             # the first tuple's first chunk is on its way
+    assert pulled.started == 1
+    pulled.abandon("pull stream cancelled")  # then the stream broke
+    attempts = []
+    again = master.pull(channel, 0.0, max_tuples=3, max_bytes=10_000_000)
+    while again is not None:
+        attempts += [(lease.tuple_id, lease.meta.attempt) for lease in again.leases]
+        master.report(channel, [Outcome(tuple_id=lease.tuple_id, ok=True, from_queue=True, size=300_000)
+                                for lease in again.leases], release=True)
+        again = master.pull(channel, 0.0, max_tuples=3, max_bytes=10_000_000)
+    assert attempts == [(ids[0], 2), (ids[1], 1), (ids[2], 1)]
