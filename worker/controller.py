@@ -317,19 +317,28 @@ class Controller:
         return 0
 
     def tick(self, now: float) -> None:
-        """One supervision pass over every slot."""
+        """One supervision pass over every slot. A slot the runtime cannot answer for just
+        now (the Docker daemon restarting, an API timeout) is looked at again next pass; the
+        engines keep running meanwhile, instead of the worker stopping them all."""
         for slot in self._slots:
-            if slot.handle is None:
-                if now >= slot.next_start:
-                    self._start(slot)
-                continue
-            code = self._launcher.poll(slot.handle)
-            if code is not None:
-                self._on_exit(slot, code, now)
-            elif not slot.up:
-                self._check_health(slot, now)
-            else:
-                slot.settle(now)
+            try:
+                self._supervise(slot, now)
+            except Exception as exc:  # noqa: BLE001 - docker's errors are requests' and its own
+                log.warning("cannot supervise an engine just now; trying again",
+                            extra={"channel": slot.channel_id, "error": f"{type(exc).__name__}: {exc}"})
+
+    def _supervise(self, slot: EngineSlot, now: float) -> None:
+        if slot.handle is None:
+            if now >= slot.next_start:
+                self._start(slot)
+            return
+        code = self._launcher.poll(slot.handle)
+        if code is not None:
+            self._on_exit(slot, code, now)
+        elif not slot.up:
+            self._check_health(slot, now)
+        else:
+            slot.settle(now)
 
     def _start(self, slot: EngineSlot) -> None:
         if slot.failed_starts >= NEW_PORT_AFTER:

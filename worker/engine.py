@@ -621,12 +621,12 @@ class Engine:
             cpu = time.thread_time() - cpu_start
             record = build_record(result, meta, kd_features=self._pipeline.kd_features, engine=self._channel,
                                   processed_unix=time.time(), processing_seconds=cpu)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code may raise anything
-            self._watchdog.end(job)
+        except BaseException as exc:  # noqa: BLE001 - user code may raise anything (CancelledError, a Timeout)
             log.info("pipeline failed", extra={"channel": self._channel, "tuple_id": meta.tuple_id,
                                                "error": error_text(exc)})
             return error_text(exc)
-        self._watchdog.end(job)
+        finally:
+            self._watchdog.end(job)
         serialized = record.SerializeToString()
         compressor = self._small_compressor if len(serialized) <= ZSTD_SMALL_BYTES else self._compressor
         blob = compressor.compress(serialized)
@@ -697,7 +697,7 @@ class Engine:
                          extra={"channel": self._channel, "reason": exc.message, "retry_in_s": round(delay, 2)})
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping, timeout=delay)
-            except Exception:  # noqa: BLE001 - the puller must outlive any one tuple
+            except BaseException:  # noqa: BLE001 - the puller must outlive any one tuple
                 log.exception("pulling from the queue failed unexpectedly", extra={"channel": self._channel})
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping, timeout=backoff.delay())

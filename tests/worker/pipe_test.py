@@ -1,8 +1,10 @@
 """A pipeline for the worker's tests; its behaviour is chosen per tuple by the
-``mode`` attribute: ok (default), fail, sleep (``seconds``), exit, badtype."""
+``mode`` attribute: ok (default), fail, cancel (a BaseException, as asyncio's
+CancelledError), sleep (``seconds``), exit, badtype."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -19,6 +21,8 @@ def process(data: bytes, info) -> dict:  # type: ignore[no-untyped-def]
     mode = info.attributes.get("mode", "ok")
     if mode == "fail":
         raise ValueError(f"cannot analyse {info.name}")
+    if mode == "cancel":
+        raise asyncio.CancelledError(f"task cancelled while analysing {info.name}")
     if mode == "sleep":
         time.sleep(float(info.attributes.get("seconds", "1")))
     if mode == "exit":

@@ -160,6 +160,31 @@ def test_failing_pipeline_hands_the_tuple_to_the_master(master: Master, repo: Re
         engine.close()
 
 
+def test_a_pipeline_raising_a_base_exception_fails_its_tuple_and_the_engine_goes_on(
+        master: Master, repo: Repo) -> None:
+    """asyncio.CancelledError (a BaseException, not an Exception) from user code: the tuple fails
+    with that error, directly and from the queue, and the engine keeps serving and pulling."""
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address, max_attempts=2))
+    try:
+        register_channel(master, engine)
+        route = _route(master, 4)
+        meta, data = make_tuple(route.tuple_ids[0], b"oops", mode="cancel")
+        meta.ticket = route.tickets[0]
+        receipt = engine.deliver([(meta, data)])[0]
+        assert receipt.state == TupleReceipt.ENQUEUED and "CancelledError: task cancelled" in receipt.message
+        letters = wait_for(lambda: master.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5)
+                           .dead_letters, timeout=30, what="the tuple dead-lettered after its pulled attempt")
+        assert "CancelledError" in letters[0].meta.attributes["hio.last_error"] + letters[0].reason
+        assert engine.engine._puller.is_alive()
+        queued = _route(master, 2, force_queue=True)     # an ordinary tuple after it is still pulled
+        ok, ok_data = make_tuple(queued.tuple_ids[0], b"ok")
+        ok.ticket = queued.tickets[0]
+        list(master.stub.Enqueue(frames_for_bytes(ok, ok_data, SETTINGS.chunk_bytes), timeout=10))
+        wait_for(lambda: ok.tuple_id in repo.records(), timeout=20, what="the next queued tuple stored")
+    finally:
+        engine.close()
+
+
 def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Repo) -> None:
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
     try:

@@ -83,3 +83,31 @@ def test_select_launcher(tmp_path: Path) -> None:
         pytest.skip("a Docker engine answers here; the refusal below cannot be shown")
     with pytest.raises(ConfigError, match="runtime is 'docker'"):
         select_launcher(_worker(tmp_path, runtime="docker"))
+
+
+def test_a_runtime_that_cannot_answer_for_a_moment_does_not_stop_the_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Docker daemon restarting, an API timeout: the supervision pass logs it and tries again
+    next pass; the engines keep running (the worker used to stop them all and exit)."""
+    import time
+
+    from hio.worker.controller import Controller
+
+    config = _worker(tmp_path)
+    launcher = ProcessLauncher(config)
+    controller = Controller(config, "wl", launcher)
+    try:
+        controller.tick(time.monotonic())                    # starts the engines
+        slots = controller.slots
+        assert slots and all(slot.handle is not None for slot in slots)
+        poll = launcher.poll
+
+        def unreachable(handle: object) -> int | None:
+            raise ConnectionError("Connection aborted: the runtime is restarting")
+
+        monkeypatch.setattr(launcher, "poll", unreachable)
+        controller.tick(time.monotonic())                    # used to raise out of run()
+        monkeypatch.setattr(launcher, "poll", poll)
+        assert all(slot.handle is not None and launcher.poll(slot.handle) is None for slot in slots)
+    finally:
+        controller.stop_engines(2.0)
