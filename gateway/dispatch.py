@@ -15,6 +15,9 @@ Retry policy (the master owns the rest):
   expired at the master): route again after about a second, no attempt counted
   (it is not the tuple's fault; the master's reservation keeps the next route off
   that channel until the master expires it);
+* engine ``UNAVAILABLE`` with a retry hint (it is stopping, or its repository is
+  unreachable): route again after the hint, no attempt counted;
+* a full disk anywhere (``RESOURCE_EXHAUSTED``): back off by the hint, no attempt counted;
 * broken stream, other ``UNAVAILABLE``, ``DATA_LOSS``, a ``FAILED`` receipt: route
   again with the same id and ``attempt + 1`` after a short jittered backoff;
   but on ``DATA_LOSS`` a tuple whose spooled copy no longer matches its CRC-32 (a
@@ -516,6 +519,10 @@ class Dispatcher:
             # charging each refused route would dead-letter healthy tuples.
             self._engine_unreachable(address, error)
             self._retry(left, error, count_attempt=False, delay=random.uniform(0.5, 1.5))
+        elif direct and code == grpc.StatusCode.UNAVAILABLE and retry_after(exc) is not None:
+            # The engine says it is its state (stopping, its repository unreachable): not the
+            # tuples' fault, so no attempt is counted; routed again after the hint.
+            self._retry(left, error, count_attempt=False, delay=_hinted(exc))
         elif not direct and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             if not self._queue_full_logged:
                 self._queue_full_logged = True

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import zstandard
 
-from hio.common.errors import (DataLoss, FailedPrecondition, HioError, InvalidArgument, PermissionDenied,
-                               ResourceExhausted, Unavailable, grpc_errors)
+from hio.common.errors import (DataLoss, DeadlineExceeded, FailedPrecondition, HioError, InvalidArgument,
+                               PermissionDenied, ResourceExhausted, Unavailable, grpc_errors)
 from hio.common.tickets import load_ticket_key, verify_ticket
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
 from hio.common.config import ConfigError
@@ -60,6 +60,9 @@ ANSWER_DELAY = 0.02          # seconds a ready receipt may wait while tuples are
 STORE_LINGER = 0.004         # seconds a small batch of records may wait for more while they arrive fast
 STORE_GAP = 0.001            # ... "fast": the next record came within this
 STORE_FULL = 64              # ... until this many wait
+# An UNAVAILABLE carrying a retry hint is the engine's state (stopping, its repository
+# unreachable), not the tuples' fault: the gateway retries them without counting an attempt.
+ENGINE_STATE_RETRY = 1.0
 
 
 def error_text(exc: BaseException) -> str:
@@ -333,6 +336,8 @@ class _BatchStorer:
             try:
                 self._store(batch)
             except BaseException as exc:  # noqa: BLE001 - handed to the stream, which ends with it
+                if isinstance(exc, (Unavailable, DeadlineExceeded)):   # the repository's state, not the tuples'
+                    exc = Unavailable(f"repository unreachable: {exc.message}", retry_after=ENGINE_STATE_RETRY)
                 with self._cond:
                     self.error = exc
                     self._in_flight = 0
@@ -422,7 +427,7 @@ class Engine:
     def _claim(self, kind: str) -> None:
         with self._cond:
             if self._stopping:
-                raise Unavailable(f"channel {self._channel} is stopping; send elsewhere")
+                raise Unavailable(f"channel {self._channel} is stopping; send elsewhere", retry_after=ENGINE_STATE_RETRY)
             if self._active is not None:
                 raise ResourceExhausted(f"channel {self._channel} busy", retry_after=0.05)
             self._active = kind
@@ -549,7 +554,8 @@ class Engine:
                     started: Callable[[], None]) -> _Slot:
         """Check and process one tuple of a stream; its record goes to ``storer``."""
         if self._stopping:
-            raise Unavailable(f"channel {self._channel} is stopping; send the rest elsewhere")
+            raise Unavailable(f"channel {self._channel} is stopping; send the rest elsewhere",
+                              retry_after=ENGINE_STATE_RETRY)
         self._check_image(meta)
         slot = _Slot(index, meta)
         result = self._compute(meta, data, from_queue=False, started=started)

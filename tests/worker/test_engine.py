@@ -127,6 +127,8 @@ def test_repository_down_breaks_the_stream_unavailable(repo: Repo) -> None:
         with pytest.raises(grpc.RpcError) as err:
             engine.deliver([make_tuple(61, b"x")])
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "repository" in err.value.details()
+        from hio.common.errors import retry_after   # the engine's state: a gateway retries uncharged
+        assert retry_after(err.value) is not None and "repository unreachable" in err.value.details()
     finally:
         engine.close()
 
