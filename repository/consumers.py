@@ -53,6 +53,22 @@ class ConsumerOffsets:
                                          "fix or remove it") from None
         return offsets
 
+    def clamp(self, latest: int) -> None:
+        """Bring offsets past ``latest`` back to it (persisted), with a warning.
+
+        Records a consumer read can be lost after it committed (a power loss with
+        ``fsync = "never"``, a torn tail cut off); the next records then get those
+        offsets again, and a consumer left past them would skip them for good.
+        """
+        with self._lock:
+            ahead = {name: offset for name, offset in self._offsets.items() if offset > latest}
+            for name, offset in ahead.items():
+                atomic_write(self._folder / f"{name}{_SUFFIX}", f"{latest}\n".encode())
+                self._offsets[name] = latest
+                log.warning("consumer offset past the latest stored record; moved back to it "
+                            "(records it had read were lost: see the log above)",
+                            extra={"consumer": name, "committed": offset, "latest": latest})
+
     def committed(self, name: str) -> int:
         """The consumer's committed offset; 0 for an unknown or empty name."""
         if not name:

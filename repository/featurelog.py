@@ -29,7 +29,7 @@ from hio.common.errors import DataLoss, FailedPrecondition, InvalidArgument, Una
 from hio.repository.config import FSYNC_MODES
 from hio.common.files import fsync_dir, lock_folder
 from hio.repository.index import Location, OffsetIndex
-from hio.repository.segments import (MAGIC, decode_record, encode_record, parse_segment_name,
+from hio.repository.segments import (MAGIC, decode_record, encode_record, parse_segment_name, record_follows,
                                      scan_segment, segment_name)
 
 log = logging.getLogger("hio.repository")
@@ -144,13 +144,23 @@ class FeatureLog:
                                  f"end at {self._index.latest}: a segment is missing or misnamed")
         scan = scan_segment(path, first)
         if scan.problem:
-            self._handle_damage(path, scan.problem, scan.valid_end, scan.torn_bytes, last=last)
+            damaged = first + len(scan.tuple_ids)
+            follows = last and any(record_follows(path, scan.valid_end, damaged + k) for k in range(1, 9))
+            self._handle_damage(path, scan.problem, scan.valid_end, scan.torn_bytes, last=last,
+                                records_follow=follows)
         self._index.begin_segment(first)
         self._index.extend(scan.tuple_ids, scan.positions, scan.lengths)
         self._paths.append(path)
 
-    def _handle_damage(self, path: Path, problem: str, valid_end: int, torn: int, *, last: bool) -> None:
-        """A torn tail of the last segment is cut off; damage anywhere else stops the start."""
+    def _handle_damage(self, path: Path, problem: str, valid_end: int, torn: int, *, last: bool,
+                       records_follow: bool = False) -> None:
+        """A torn tail of the last segment is cut off; damage anywhere else stops the start,
+        as does damage in the last segment with good records after it (a flipped bit, not a
+        crash: cutting there would throw away features already answered STORED)."""
+        if records_follow:
+            raise CorruptSegment(f"segment {path} is damaged at byte {valid_end} ({problem}), and stored "
+                                 "records follow the damage, so it is not a torn tail; not cutting them "
+                                 "off. Restore the segment from a backup, or move it aside")
         if not last or (valid_end == 0 and path.stat().st_size >= len(MAGIC)):
             raise CorruptSegment(f"segment {path} is damaged at byte {valid_end} ({problem}); "
                                  "restore it from a backup or move it aside")

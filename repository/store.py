@@ -54,6 +54,7 @@ class FeatureStore:
                                     fsync_interval=self.options.fsync_interval_ms / 1000.0)
         try:
             self._consumers = ConsumerOffsets(self.root / "consumers", max_consumers=self.options.max_consumers)
+            self._consumers.clamp(self._features.latest)
             self._knowledge = KnowledgeFiles(self.root / "knowledge", max_bytes=self.options.max_knowledge_bytes)
         except BaseException:
             self._features.close()  # release the folder lock

@@ -239,6 +239,40 @@ def test_flipped_bit_in_tail_record_is_dropped(store: FeatureStore, store_dir: P
         assert s.latest() == 2
 
 
+def test_a_flipped_bit_with_stored_records_after_it_stops_the_start_and_cuts_nothing(
+        store: FeatureStore, store_dir: Path) -> None:
+    """Damage in the last segment with good records after it is not a torn tail: the records
+    after it were answered STORED, so they must not be cut off (they used to be)."""
+    store.put([upload(i) for i in range(1, 6)])
+    store.close()
+    last = segments(store_dir)[-1]
+    raw = bytearray(last.read_bytes())
+    raw[len(MAGIC) + HEADER_SIZE + 2] ^= 0xFF            # inside record 1
+    last.write_bytes(bytes(raw))
+    with pytest.raises(CorruptSegment, match="records follow the damage"):
+        FeatureStore(store_dir, SMALL)
+    assert last.read_bytes() == bytes(raw), "nothing was cut off"
+
+
+def test_a_consumer_past_the_latest_record_is_moved_back_so_new_records_are_read(
+        store: FeatureStore, store_dir: Path) -> None:
+    """Records a consumer had read can be lost later (fsync never, a power loss); new records
+    then take their offsets again, and a consumer left past them would skip them for good."""
+    store.put([upload(i) for i in range(1, 6)])
+    store.commit("kd", 5)
+    store.close()
+    last = segments(store_dir)[-1]
+    raw = last.read_bytes()
+    ends = []
+    with FeatureStore(store_dir, SMALL) as s:             # where records 4 and 5 start: cut them off
+        ends = [s._features._index.location(4).position]
+    last.write_bytes(raw[:ends[0]])
+    with FeatureStore(store_dir, SMALL) as s:
+        assert s.latest() == 3 and s.committed("kd") == 3
+        s.put([upload(6), upload(7)])
+        assert [t for _, t, _ in s.read(after=s.committed("kd"))] == [6, 7]
+
+
 def test_segment_torn_at_creation_is_repaired(store_dir: Path) -> None:
     features = store_dir / "features"
     features.mkdir(parents=True)
