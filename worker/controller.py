@@ -95,6 +95,7 @@ def engine_env(config: WorkerConfig, *, channel_id: str, image: str, pipeline: s
         "HIO_REPOSITORY_ADDRESS": config.repository_address,
         "HIO_CHUNK_BYTES": str(config.chunk_bytes),
         "HIO_MAX_TUPLE_BYTES": str(config.max_tuple_bytes),
+        "HIO_STREAM_IDLE_SECONDS": repr(config.stream_idle_seconds),
         "HIO_LOG_LEVEL": config.log_level,
         "HIO_LOG_JSON": "true" if config.log_json else "false",
         "HIO_TLS_CLIENT_AUTH": "true" if config.tls_client_auth else "false",
