@@ -63,6 +63,7 @@ STORE_FULL = 64              # ... until this many wait
 # An UNAVAILABLE carrying a retry hint is the engine's state (stopping, its repository
 # unreachable), not the tuples' fault: the gateway retries them without counting an attempt.
 ENGINE_STATE_RETRY = 1.0
+MAX_RECORD_DECOMPRESSED = 64 * 1024 * 1024   # the repository's default max_decompressed_bytes
 
 
 def error_text(exc: BaseException) -> str:
@@ -260,14 +261,18 @@ class _BatchStorer:
     next PutFeatures (at most ``max_records`` of them, ``max_bytes`` in all).
     ``on_stored`` runs for a batch only once the repository has stored it; it
     sets the receipts. A batch the repository refuses is stored record by
-    record, so only the bad record fails, as without batching. The first
-    failure stops the storer; :attr:`error` holds it and nothing after it is stored.
+    record, so only the bad record fails (``on_refused`` with the repository's
+    words), as without batching, and the stream goes on. Any other failure (the
+    repository unreachable) stops the storer; :attr:`error` holds it and nothing
+    after it is stored.
     """
 
     def __init__(self, store_many: StoreMany, on_stored: Callable[[list[_Slot], list[bool]], None],
-                 wake: Callable[[], None], *, max_records: int, max_bytes: int, max_pending: int) -> None:
+                 wake: Callable[[], None], *, max_records: int, max_bytes: int, max_pending: int,
+                 on_refused: Callable[[_Slot, str], None]) -> None:
         self._store_many = store_many
         self._on_stored = on_stored
+        self._on_refused = on_refused
         self._wake = wake
         self._max_records = max(1, max_records)
         self._max_bytes = max_bytes
@@ -352,11 +357,17 @@ class _BatchStorer:
     def _store(self, batch: list[_Slot]) -> None:
         try:
             duplicates = self._store_many([(slot.meta.tuple_id, slot.blob) for slot in batch])
-        except (InvalidArgument, DataLoss):
+        except (InvalidArgument, DataLoss) as exc:
             if len(batch) == 1:
-                raise
-            for slot in batch:  # find the refused record; those before it are stored
-                self._on_stored([slot], self._store_many([(slot.meta.tuple_id, slot.blob)]))
+                self._on_refused(batch[0], exc.message)
+                return
+            for slot in batch:  # find the refused record; the others are stored
+                try:
+                    one = self._store_many([(slot.meta.tuple_id, slot.blob)])
+                except (InvalidArgument, DataLoss) as refused:
+                    self._on_refused(slot, refused.message)
+                    continue
+                self._on_stored([slot], one)
             return
         self._on_stored(batch, duplicates)
 
@@ -483,7 +494,7 @@ class Engine:
         prefetch = _Prefetcher(reader, events.put, handover)
         storer = _BatchStorer(self._cluster.store_many, self._stored, lambda: events.put(("wake", None)),
                               max_records=self._store_batch_records, max_bytes=self._max_record,
-                              max_pending=self._store_pending_records)
+                              max_pending=self._store_pending_records, on_refused=self._refused)
         try:
             yield from self._serve(prefetch, storer, events, handover, reader)
         finally:
@@ -577,6 +588,16 @@ class Engine:
             self._log_stored(slot.meta, slot.blob, duplicate, slot.cpu)
             slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.STORED)
 
+    def _refused(self, slot: _Slot, message: str) -> None:
+        """The repository refused this tuple's record: the tuple fails (the gateway counts an
+        attempt and, if it keeps failing, it ends in the dead letters with this reason)."""
+        error = truncate(f"cannot store features: {message}")
+        log.warning("features refused by the repository", extra={"channel": self._channel,
+                                                                  "tuple_id": slot.meta.tuple_id, "error": error})
+        self._report(slot.meta, ok=False, from_queue=False, message=error)
+        slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED,
+                                    message=error)
+
     def _check_image(self, meta: TupleMeta) -> None:
         """Refuse a tuple of another image, or one the master did not route (ticket)."""
         if meta.image != self._config.image:
@@ -634,6 +655,9 @@ class Engine:
         finally:
             self._watchdog.end(job)
         serialized = record.SerializeToString()
+        if len(serialized) > MAX_RECORD_DECOMPRESSED:
+            return truncate(f"FeatureError: features of {len(serialized)} bytes (before compression) are over "
+                            f"the repository's limit of {MAX_RECORD_DECOMPRESSED}")
         compressor = self._small_compressor if len(serialized) <= ZSTD_SMALL_BYTES else self._compressor
         blob = compressor.compress(serialized)
         if len(blob) > self._max_record:

@@ -1,6 +1,7 @@
 """A pipeline for the worker's tests; its behaviour is chosen per tuple by the
 ``mode`` attribute: ok (default), fail, cancel (a BaseException, as asyncio's
-CancelledError), sleep (``seconds``), exit, badtype."""
+CancelledError), huge (features over the repository's 64 MiB), sleep (``seconds``),
+exit, badtype."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def process(data: bytes, info) -> dict:  # type: ignore[no-untyped-def]
         raise ValueError(f"cannot analyse {info.name}")
     if mode == "cancel":
         raise asyncio.CancelledError(f"task cancelled while analysing {info.name}")
+    if mode == "huge":   # compresses to almost nothing; 72 MB before compression
+        return {"size": len(data), **{f"t{i}": "a" * 60_000 for i in range(1200)}}
     if mode == "sleep":
         time.sleep(float(info.attributes.get("seconds", "1")))
     if mode == "exit":

@@ -187,6 +187,26 @@ def test_a_pipeline_raising_a_base_exception_fails_its_tuple_and_the_engine_goes
         engine.close()
 
 
+def test_features_over_the_repository_limit_fail_their_tuple_alone(master: Master, repo: Repo) -> None:
+    """Features that compress small but are over the repository's decompressed limit: the tuple
+    is handed back with the reason, and the stream goes on with the next ones."""
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
+    try:
+        register_channel(master, engine)
+        route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
+            source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * 3), timeout=5)
+        tuples = [make_tuple(tid, b"data", **({"mode": "huge"} if n == 1 else {}))
+                  for n, tid in enumerate(route.tuple_ids)]
+        for (meta, _), ticket in zip(tuples, route.tickets):
+            meta.ticket = ticket
+        receipts = engine.deliver(tuples)
+        assert [r.state for r in receipts] == [TupleReceipt.STORED, TupleReceipt.ENQUEUED, TupleReceipt.STORED]
+        assert "over the repository's limit" in receipts[1].message
+        assert sorted(repo.records()) == [route.tuple_ids[0], route.tuple_ids[2]]
+    finally:
+        engine.close()
+
+
 def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Repo) -> None:
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
     try:
