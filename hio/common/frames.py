@@ -227,6 +227,10 @@ def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
     return 0, -1
 
 
+SYSTEM_ATTRIBUTES = 4              # keys the system may add to a tuple's attributes (hio.last_error)
+SYSTEM_ATTRIBUTE_BYTES = 4 * 1024  # ... and their bytes (hio.last_error is cut to 1 KiB)
+
+
 def check_meta(meta: TupleMeta, max_tuple_bytes: int, *, need_id: bool) -> None:
     """Refuse metadata that is missing, inconsistent or over the bounds (runs for every tuple)."""
     def what() -> str:
@@ -240,7 +244,10 @@ def check_meta(meta: TupleMeta, max_tuple_bytes: int, *, need_id: bool) -> None:
     if meta.size > max_tuple_bytes:
         raise InvalidArgument(f"{what()}: {meta.size} bytes is over the limit of {max_tuple_bytes}")
     attributes = meta.attributes
-    if attributes and (len(attributes) > 256 or sum(len(k) + len(v) for k, v in attributes.items()) > 64 * 1024):
+    # A tuple enters the system (no id yet) within the user's bound; past that point the system
+    # may add its own few keys (hio.last_error), so a tuple at the bound can still be handed back.
+    count, size = (256, 64 * 1024) if not need_id else (256 + SYSTEM_ATTRIBUTES, 64 * 1024 + SYSTEM_ATTRIBUTE_BYTES)
+    if attributes and (len(attributes) > count or sum(len(k) + len(v) for k, v in attributes.items()) > size):
         raise InvalidArgument(f"{what()}: too many or too large attributes (at most 256, 64 KiB)")
 
 

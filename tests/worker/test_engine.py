@@ -207,6 +207,21 @@ def test_features_over_the_repository_limit_fail_their_tuple_alone(master: Maste
         engine.close()
 
 
+def test_a_failing_tuple_with_attributes_at_the_bound_is_still_handed_back(master: Master, repo: Repo) -> None:
+    """256 user attributes is allowed; the engine's hio.last_error must still fit beside them."""
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
+    try:
+        register_channel(master, engine)
+        route = _route(master, 4)
+        meta, data = make_tuple(route.tuple_ids[0], b"oops", mode="fail", **{f"k{i}": "v" for i in range(255)})
+        meta.ticket = route.tickets[0]
+        assert len(meta.attributes) == 256
+        receipt = engine.deliver([(meta, data)])[0]
+        assert receipt.state == TupleReceipt.ENQUEUED and "ValueError: cannot analyse" in receipt.message
+    finally:
+        engine.close()
+
+
 def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Repo) -> None:
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
     try:
