@@ -259,11 +259,13 @@ def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 
             [(_read(settings.tls_key, "TLS key"), _read(settings.tls_cert, "TLS certificate"))],
             root_certificates=_read(settings.tls_ca, "TLS CA") if settings.tls_ca else None,
             require_client_auth=settings.tls_client_auth)
-        port = server.add_secure_port(listen, creds)
-    else:
-        port = server.add_insecure_port(listen)
+    try:   # grpcio returns 0 for a port it cannot bind, or (newer) raises RuntimeError
+        port = server.add_secure_port(listen, creds) if settings.tls_cert else server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise ConfigError(f"cannot listen on {listen} (address in use or invalid)")
+        raise ConfigError(f"cannot listen on {listen}: the port is in use (another hio process there?) or the "
+                          "address is not this machine's; stop that process or choose another address")
     return server, port, health_servicer
 
 

@@ -40,3 +40,22 @@ def test_master_process_survives_kill_and_stops_on_sigterm(tmp_path: Path) -> No
             ch = register(stub, "w1")[0]
             assert [pull(stub, ch)[1] for _ in range(2)] == [b"first", b"again"]
     assert second.proc is not None and second.proc.returncode == 0
+
+
+def test_a_port_in_use_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """Both of the master's ports: its gRPC listen port and its payload lane (listen + 1)."""
+    import subprocess
+    import sys
+
+    from tests.harness import hio_env
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path / "first")], tmp_path) as first:
+        first.wait_healthy(address)
+        for listen, words in ((address, "cannot listen on"), (f"127.0.0.1:{port - 1}", "payload lane")):
+            second = subprocess.run([sys.executable, "-m", "hio.cli", "master", "--listen", listen,
+                                     "--data-dir", str(tmp_path / "second")],
+                                    capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+            assert second.returncode == 2, second.stderr
+            assert words in second.stderr and "Traceback" not in second.stderr, second.stderr
