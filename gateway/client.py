@@ -91,10 +91,14 @@ class GatewayStatus:
     master_unreachable_seconds: float
     #: images the master knows no engine for: image -> (seconds refused so far, the master's message)
     unserved_images: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
+    #: the master's words while it refuses this gateway (missing or wrong token, certificate), else ''
+    master_refusal: str = ""
 
     def warnings(self) -> list[str]:
         """What keeps spooled tuples from delivery, in words (empty when nothing does)."""
         out = []
+        if self.master_refusal:
+            out.append(f"the master refuses this gateway (tuples wait in the spool): {self.master_refusal}")
         if self.master_unreachable_seconds:
             out.append(f"the master has been unreachable for {self.master_unreachable_seconds:.0f}s; "
                        "tuples wait in the spool")
@@ -290,7 +294,8 @@ class Gateway:
             spool_bytes_limit=self.spool.limit, sent_direct=s.sent_direct, sent_queue=s.sent_queue,
             stored=s.stored, enqueued=s.enqueued, failed=s.failed, retries=s.retries,
             master_unreachable_seconds=self._dispatcher.master_unreachable_for(),
-            unserved_images=self._dispatcher.unserved_images())
+            unserved_images=self._dispatcher.unserved_images(),
+            master_refusal=self._dispatcher.master_refusal())
 
     # -- internals ------------------------------------------------------------------
 

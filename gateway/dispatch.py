@@ -130,6 +130,7 @@ class Dispatcher:
         self._master_down_since: float | None = None
         self._queue_full_logged = False
         self._unserved: dict[str, tuple[float, str]] = {}    # image -> (since, the master's words)
+        self._refusal = ""                                    # the master's words while it refuses us (auth)
         self._counter = itertools.count()
         self.stats = DispatchStats()
 
@@ -163,6 +164,10 @@ class Dispatcher:
         now = time.monotonic()
         with self._cond:
             return {image: (now - since, words) for image, (since, words) in self._unserved.items()}
+
+    def master_refusal(self) -> str:
+        """The master's words while it refuses this gateway (a token or certificate), else ''."""
+        return self._refusal
 
     def waiting(self) -> int:
         with self._cond:
@@ -256,6 +261,7 @@ class Dispatcher:
             self._route_failed(batch, exc)
             return
         self._master_reachable()
+        self._refusal = ""
         if self._unserved:
             self._image_served(batch[0].entry.meta.image)
         for pending, tuple_id, ticket in zip(batch, route.tuple_ids, route.tickets):
@@ -482,6 +488,13 @@ class Dispatcher:
         elif code == grpc.StatusCode.NOT_FOUND:
             self._image_unserved(batch[0].entry.meta.image, details)
             self._retry(batch, error, count_attempt=False, delay=random.uniform(2.0, 4.0))
+        elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            # A token or certificate problem does not mend itself, but an operator may mend it:
+            # the tuples wait in the spool (uncounted); callers can see why (master_refusal).
+            if not self._refusal:
+                log.error("the master refuses this gateway; tuples wait in the spool", extra={"error": error})
+            self._refusal = error
+            self._retry(batch, error, count_attempt=False, delay=random.uniform(2.0, 4.0))
         elif code == grpc.StatusCode.INVALID_ARGUMENT and len(batch) > 1:
             self._retry(batch, error, count_attempt=False, delay=0.0, solo=True)
         elif code == grpc.StatusCode.INVALID_ARGUMENT and batch[0].entry.meta.tuple_id:
@@ -513,16 +526,18 @@ class Dispatcher:
             return  # stopping: the tuples stay spooled for the next start
         if direct and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._retry(left, error, count_attempt=False, delay=random.uniform(0.0, 0.05))
+        elif direct and code == grpc.StatusCode.UNAVAILABLE and retry_after(exc) is not None:
+            # The engine says it is its own state (stopping, its repository unreachable; the
+            # engine's words may quote a connection failure of its own): not the tuples' fault,
+            # so no attempt is counted; routed again after the hint.
+            self._engine_unreachable(address, error, what="engine cannot take tuples just now")
+            self._retry(left, error, count_attempt=False, delay=_hinted(exc))
         elif direct and code == grpc.StatusCode.UNAVAILABLE and NEVER_CONNECTED in details:
             # Nothing reached the engine, so nothing can have hurt it: a killed worker's
             # channels stay in routing until the master expires them (seconds), and
             # charging each refused route would dead-letter healthy tuples.
             self._engine_unreachable(address, error)
             self._retry(left, error, count_attempt=False, delay=random.uniform(0.5, 1.5))
-        elif direct and code == grpc.StatusCode.UNAVAILABLE and retry_after(exc) is not None:
-            # The engine says it is its state (stopping, its repository unreachable): not the
-            # tuples' fault, so no attempt is counted; routed again after the hint.
-            self._retry(left, error, count_attempt=False, delay=_hinted(exc))
         elif not direct and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             if not self._queue_full_logged:
                 self._queue_full_logged = True
@@ -570,15 +585,16 @@ class Dispatcher:
         if retry:
             self._retry(retry, error, count_attempt=True)
 
-    def _engine_unreachable(self, address: str, error: str) -> None:
-        """Say that an engine refuses connections, at most once a minute per engine."""
+    def _engine_unreachable(self, address: str, error: str,
+                            what: str = "engine unreachable; routing its tuples again") -> None:
+        """Say that an engine refuses connections (or tuples), at most once a minute per engine."""
         now = time.monotonic()
         with self._cond:
             last = self._unreachable_logged.get(address)
             if last is not None and now - last < UNREACHABLE_LOG_SECONDS:
                 return
             self._unreachable_logged[address] = now
-        log.warning("engine unreachable; routing its tuples again", extra={"engine": address, "error": error})
+        log.warning(what, extra={"engine": address, "error": error})
 
     # -- master health -------------------------------------------------------------
 

@@ -90,6 +90,7 @@ class _Sender:
         self._tick_lock = threading.Lock()
         self._settled = 0
         self.unserved: dict[TupleFuture, str] = {}   # given up on: no engine serves the image
+        self.refusal = ""                              # the master refused us (token, certificate)
 
     def run(self) -> int:
         try:
@@ -156,6 +157,9 @@ class _Sender:
             status = gateway.status()
             if pending and status.master_unreachable_seconds > self.config.connect_seconds:
                 return True
+            if pending and status.master_refusal:   # a token or certificate: waiting cannot help
+                self.refusal = status.master_refusal
+                return True
             for image, (seconds, words) in status.unserved_images.items():
                 if seconds > self.config.image_wait_seconds:
                     self._give_up_on(image, words, pending, futures)
@@ -188,7 +192,10 @@ class _Sender:
               f"{mbytes / max(seconds, 1e-9):.1f} MB/s", file=out)
         for line in self.failures:
             print(f"FAILED {line}", file=out)
-        if gave_up:
+        if gave_up and self.refusal:
+            print(f"hio send: {self.refusal}; the files not sent stay spooled for the next hio send",
+                  file=sys.stderr)
+        elif gave_up:
             print(f"hio send: the master at {self.config.master_address} was unreachable for more than "
                   f"{self.config.connect_seconds:.0f}s; gave up waiting", file=sys.stderr)
         return 0 if not self.failures and not gave_up else 1

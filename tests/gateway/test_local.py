@@ -220,3 +220,26 @@ def test_send_names_a_file_that_vanished_before_it_was_spooled(tmp_path: Path, c
     assert code != 0
     out = capsys.readouterr().out
     assert "FAILED" in out and "gone.bin" in out and "No such file" in out
+
+
+def test_send_stops_at_once_when_the_master_refuses_its_token(tmp_path: Path) -> None:
+    """A missing or wrong token never mends itself while hio send waits: it says so and stops
+    (it used to retry for ever); the file stays spooled for the next hio send."""
+    from tests.harness import HioProcess
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("good-token gateway lab\n")
+    address = f"127.0.0.1:{free_port()}"
+    (tmp_path / "a.bin").write_bytes(b"x" * 100)
+    with HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path / "m"),
+                               "--tokens-file", str(tokens)], tmp_path) as master:
+        master.wait_healthy(address)
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", str(tmp_path / "a.bin"), "--image",
+                               "hio/synthetic", "--master-address", address, "--token", "wrong-token",
+                               "--data-dir", str(tmp_path / "var")],
+                              capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+        assert time.monotonic() - started < 30
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "refuses this gateway" in proc.stderr and "UNAUTHENTICATED" in proc.stderr, proc.stderr
+    assert "stay spooled" in proc.stderr
