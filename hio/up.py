@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import socket
 import sys
 import threading
 import time
@@ -184,7 +185,34 @@ def _run_kd(cluster: Cluster, config: UpConfig, once: bool) -> RoleProcess:
     return cluster.start("kd", args, health=None)
 
 
+def _ports_in_use(config: UpConfig) -> list[str]:
+    """The addresses hio up would listen on that something already holds (another hio up?):
+    its roles would fail to start, while the health checks found the other system's."""
+    from hio.common.lane import lane_beside, split_address
+
+    master_port = split_address(config.master_address)[1]
+    wanted = [("repository", config.repository_address), ("master", config.master_address),
+              ("master's payload lane", lane_beside(config.master_address, master_port + 1))]
+    if config.http_listen:
+        wanted.append(("repository's preview page", config.http_listen))
+    taken = []
+    for what, address in wanted:
+        host, port = split_address(address)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host or "0.0.0.0", port))
+            except OSError:
+                taken.append(f"{address} ({what})")
+    return taken
+
+
 def run_up(config: UpConfig) -> int:
+    taken = _ports_in_use(config)
+    if taken:
+        _say(f"cannot start: {', '.join(taken)} already in use (another hio up or hio role running?). "
+             "Stop it (hio up --keep stops with Ctrl-C), or choose other addresses "
+             "(--master-address, --repository-address, --http-listen)")
+        return 2
     data_dir = Path(config.data_dir).expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + config.timeout

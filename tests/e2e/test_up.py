@@ -27,3 +27,18 @@ def test_hio_up_streams_the_samples_and_summarises_the_repository(tmp_path: Path
     assert "object_count" in out and "A_period" in out, "the pipelines' features are summarised"
     logs = tmp_path / "var" / "logs"
     assert {p.name for p in logs.glob("*.log")} >= {"master.log", "repository.log", "worker.log"}
+
+
+def test_hio_up_refuses_to_start_beside_a_running_system(tmp_path: Path) -> None:
+    """Its health checks would find the other system's roles and run the demo against them."""
+    from tests.harness import HioProcess
+
+    master = f"127.0.0.1:{free_port()}"
+    with HioProcess("master", ["--listen", master, "--data-dir", str(tmp_path / "other")], tmp_path) as other:
+        other.wait_healthy(master)
+        proc = subprocess.run([sys.executable, "-m", "hio.cli", "up", "--runtime", "process", "--no-kd",
+                               "--master-address", master, "--repository-address", f"127.0.0.1:{free_port()}",
+                               "--http-listen", "", "--data-dir", str(tmp_path / "up")],
+                              capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{master} (master)" in proc.stdout and "already in use" in proc.stdout
