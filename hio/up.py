@@ -188,11 +188,9 @@ def _run_kd(cluster: Cluster, config: UpConfig, once: bool) -> RoleProcess:
 def _ports_in_use(config: UpConfig) -> list[str]:
     """The addresses hio up would listen on that something already holds (another hio up?):
     its roles would fail to start, while the health checks found the other system's."""
-    from hio.common.lane import lane_beside, split_address
+    from hio.common.lane import split_address
 
-    master_port = split_address(config.master_address)[1]
-    wanted = [("repository", config.repository_address), ("master", config.master_address),
-              ("master's payload lane", lane_beside(config.master_address, master_port + 1))]
+    wanted = [("repository", config.repository_address), ("master", config.master_address)]
     if config.http_listen:
         wanted.append(("repository's preview page", config.http_listen))
     taken = []

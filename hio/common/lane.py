@@ -29,7 +29,6 @@ from google.protobuf.message import DecodeError
 
 from hio.common.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
                                PermissionDenied, Unauthenticated, status_of)
-from hio.common.config import ConfigError
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
 from hio.common.net import TokenTable, refuse_caller
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
@@ -273,10 +272,9 @@ class LaneServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host or "0.0.0.0", port))
-        except OSError as exc:
+        except OSError:   # the callers say which lane (and the master's derived one gives way)
             sock.close()
-            raise ConfigError(f"cannot open the payload lane on {self._listen}: {exc.strerror or exc} (another hio "
-                              "process there? the lane is the listen port + 1 unless lane_listen sets it)") from None
+            raise
         sock.listen(64)
         self._sock = sock
         self.port = sock.getsockname()[1]
