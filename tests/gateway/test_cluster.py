@@ -313,21 +313,33 @@ def test_hio_send_no_wait_hands_files_to_the_daemon(cluster: Cluster, tmp_path: 
                  timeout=60, what="the handed-over tuples stored")
 
 
-def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again(cluster: Cluster, tmp_path: Path) -> None:
-    from hio.gateway.watch import DirectoryWatcher
-
+def _unmovable(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A watched folder with one file, and a done folder that cannot be made (a file is where
+    it should be; moving fails even as root): (watch, blocker, the file)."""
     watch = tmp_path / "instrument"
     watch.mkdir()
     blocker = tmp_path / "done"
-    blocker.write_text("a file where the done folder should be")   # moving fails even as root
+    blocker.write_text("a file where the done folder should be")
     original = watch / "plate.bin"
     original.write_bytes(os.urandom(5_000))
+    return watch, blocker, original
+
+
+def _take_and_store(gw: Gateway, watch: Path, blocker: Path) -> "DirectoryWatcher":  # noqa: F821
+    """A watcher on ``watch``; its first settled file taken and stored."""
+    from hio.gateway.watch import DirectoryWatcher
+
+    watcher = DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1, image=IMAGE)
+    watcher.scan_once(now=0.0)                                    # first sight
+    assert watcher.scan_once(now=1.0) == 1                       # settled: taken
+    wait_for(lambda: gw.status().stored == 1, timeout=60, what="the file stored")
+    return watcher
+
+
+def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again(cluster: Cluster, tmp_path: Path) -> None:
+    watch, blocker, original = _unmovable(tmp_path)
     with Gateway(cluster.config("unmovable")) as gw:
-        watcher = DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1,
-                                   image=IMAGE)
-        watcher.scan_once(now=0.0)                                # first sight
-        assert watcher.scan_once(now=1.0) == 1                   # settled: taken
-        wait_for(lambda: gw.status().stored == 1, timeout=60, what="the file stored")
+        watcher = _take_and_store(gw, watch, blocker)
         for n in range(5):                                        # delivered, not movable: left alone
             assert watcher.scan_once(now=2.0 + n) == 0
         assert original.exists() and gw.unmoved_sources() == {str(original)}
@@ -342,29 +354,16 @@ def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again(cluster: Cluste
 def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again_after_a_restart(
         cluster: Cluster, tmp_path: Path) -> None:
     """The gateway keeps the delivered-but-unmoved originals on disk beside its spool: a
-    restarted gateway leaves them alone too (and moves them once it can), while a new file
-    written under the same name later is a new tuple."""
+    restarted gateway leaves them alone too, and moves them once it can."""
     from hio.gateway.watch import DirectoryWatcher
 
-    watch = tmp_path / "instrument"
-    watch.mkdir()
-    blocker = tmp_path / "done"
-    blocker.write_text("a file where the done folder should be")
-    original = watch / "plate.bin"
-    original.write_bytes(os.urandom(5_000))
+    watch, blocker, original = _unmovable(tmp_path)
     config = cluster.config("unmovable-restart")
-
-    def watcher(gw: Gateway) -> DirectoryWatcher:
-        return DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1, image=IMAGE)
-
     with Gateway(config) as gw:
-        first = watcher(gw)
-        first.scan_once(now=0.0)
-        assert first.scan_once(now=1.0) == 1
-        wait_for(lambda: gw.status().stored == 1, timeout=60, what="the file stored")
+        _take_and_store(gw, watch, blocker)
     with Gateway(config) as gw:                                   # a restart: still not movable
         assert gw.unmoved_sources() == {str(original)}
-        again = watcher(gw)
+        again = DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1, image=IMAGE)
         for n in range(3):
             assert again.scan_once(now=float(n)) == 0
         blocker.unlink()
@@ -378,28 +377,15 @@ def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again_after_a_restart
 
 
 def test_a_new_file_under_an_unmoved_file_s_name_is_sent(cluster: Cluster, tmp_path: Path) -> None:
-    from hio.gateway.watch import DirectoryWatcher
-
-    watch = tmp_path / "instrument"
-    watch.mkdir()
-    blocker = tmp_path / "done"
-    blocker.write_text("a file where the done folder should be")
-    original = watch / "plate.bin"
-    original.write_bytes(os.urandom(5_000))
+    watch, blocker, original = _unmovable(tmp_path)
     config = cluster.config("unmovable-renewed")
     with Gateway(config) as gw:
-        w = DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1, image=IMAGE)
-        w.scan_once(now=0.0)
-        assert w.scan_once(now=1.0) == 1
-        wait_for(lambda: gw.status().stored == 1, timeout=60, what="the file stored")
+        _take_and_store(gw, watch, blocker)
     original.unlink()
     original.write_bytes(os.urandom(6_000))                     # the instrument's next run, same name
     with Gateway(config) as gw:
         assert gw.unmoved_sources() == set()
-        w = DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1, image=IMAGE)
-        w.scan_once(now=0.0)
-        assert w.scan_once(now=1.0) == 1
-        wait_for(lambda: gw.status().stored == 1, timeout=60, what="the new file stored")
+        _take_and_store(gw, watch, blocker)
     sizes = sorted(r.meta.size for r in cluster.records().values() if r.meta.source == "unmovable-renewed")
     assert sizes == [5_000, 6_000]
 

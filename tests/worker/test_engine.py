@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import grpc
 import pytest
 
-from hio.common.frames import TupleReceipt, frames_for_bytes
+from hio.common.frames import TupleMeta, TupleReceipt, frames_for_bytes
 from hio.proto import master_pb2
 from tests.harness import free_port, wait_for
 from tests.worker.conftest import (SETTINGS, TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple,
@@ -141,6 +141,14 @@ def _route(master: Master, size: int, force_queue: bool = False) -> master_pb2.R
         source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=size)], force_queue=force_queue), timeout=5)
 
 
+def _routed(master: Master, data: bytes, *, force_queue: bool = False, **attributes: str) -> tuple[TupleMeta, bytes]:
+    """A tuple the master routed (its id and ticket), ready to deliver or enqueue."""
+    route = _route(master, len(data), force_queue=force_queue)
+    meta, data = make_tuple(route.tuple_ids[0], data, **attributes)
+    meta.ticket = route.tickets[0]
+    return meta, data
+
+
 def test_failing_pipeline_hands_the_tuple_to_the_master(master: Master, repo: Repo) -> None:
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address, max_attempts=3))
     try:
@@ -169,18 +177,14 @@ def test_a_pipeline_raising_a_base_exception_fails_its_tuple_and_the_engine_goes
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address, max_attempts=2))
     try:
         register_channel(master, engine)
-        route = _route(master, 4)
-        meta, data = make_tuple(route.tuple_ids[0], b"oops", mode="cancel")
-        meta.ticket = route.tickets[0]
+        meta, data = _routed(master, b"oops", mode="cancel")
         receipt = engine.deliver([(meta, data)])[0]
         assert receipt.state == TupleReceipt.ENQUEUED and "CancelledError: task cancelled" in receipt.message
         letters = wait_for(lambda: master.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5)
                            .dead_letters, timeout=30, what="the tuple dead-lettered after its pulled attempt")
         assert "CancelledError" in letters[0].meta.attributes["hio.last_error"] + letters[0].reason
         assert engine.engine._puller.is_alive()
-        queued = _route(master, 2, force_queue=True)     # an ordinary tuple after it is still pulled
-        ok, ok_data = make_tuple(queued.tuple_ids[0], b"ok")
-        ok.ticket = queued.tickets[0]
+        ok, ok_data = _routed(master, b"ok", force_queue=True)   # an ordinary tuple after it is still pulled
         list(master.stub.Enqueue(frames_for_bytes(ok, ok_data, SETTINGS.chunk_bytes), timeout=10))
         wait_for(lambda: ok.tuple_id in repo.records(), timeout=20, what="the next queued tuple stored")
     finally:
@@ -212,9 +216,7 @@ def test_a_failing_tuple_with_attributes_at_the_bound_is_still_handed_back(maste
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
     try:
         register_channel(master, engine)
-        route = _route(master, 4)
-        meta, data = make_tuple(route.tuple_ids[0], b"oops", mode="fail", **{f"k{i}": "v" for i in range(255)})
-        meta.ticket = route.tickets[0]
+        meta, data = _routed(master, b"oops", mode="fail", **{f"k{i}": "v" for i in range(255)})
         assert len(meta.attributes) == 256
         receipt = engine.deliver([(meta, data)])[0]
         assert receipt.state == TupleReceipt.ENQUEUED and "ValueError: cannot analyse" in receipt.message
