@@ -29,6 +29,7 @@ from typing import Any, Iterable, Mapping
 
 from hio.common import config as cfg
 from hio.common.config import state_dir
+from hio.common.files import atomic_write
 from hio.common.frames import check_meta
 from hio.gateway.config import GatewayConfig, infer_image
 from hio.gateway.dispatch import Completion, Dispatcher, Outcome
@@ -369,13 +370,8 @@ class Gateway:
         with self._lock:
             records = [{"source": move.source, "target": move.target, "outcome": outcome.value,
                         "identity": _identity(move.source)} for move, outcome in self._unmoved.values()]
-        tmp = self._unmoved_file.with_name(self._unmoved_file.name + ".tmp")
         try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(records, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self._unmoved_file)
+            atomic_write(self._unmoved_file, json.dumps(records).encode())
         except OSError as exc:
             log.error("cannot record the delivered files that could not be moved; after a restart "
                       "they would be sent again", extra={"path": str(self._unmoved_file), "error": str(exc)})

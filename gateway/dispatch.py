@@ -562,13 +562,8 @@ class Dispatcher:
         others = [p for p in left if p is not culprit]
         if others:
             self._retry(others, error, count_attempt=False, delay=0.0)
-        if culprit not in left:
-            return
-        why = self._payload_damage(entry)
-        if why:
-            self._complete(culprit, Outcome.REJECTED, why)
-        else:
-            self._retry([culprit], error, count_attempt=True)
+        if culprit in left:
+            self._check_spooled([culprit], error)
 
     def _check_spooled(self, left: list[_Pending], error: str) -> None:
         """The receiver found a payload damaged: if it is our spooled copy, sending it again

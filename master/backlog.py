@@ -38,8 +38,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 
 from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.common.files import copy_exact
-from hio.common.frames import (FrameReader, TupleFrame, TupleMeta, UnpackedFrames, WireFrame, check_meta,
-                               tuple_frames)
+from hio.common.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta
 from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import (ACK, MOVE, READ_BLOCK, Journal, RecordWriter, Segment, payload_intact,
                                 scan_segment)
@@ -434,12 +433,6 @@ class BacklogQueue:
         self._leased[entry.tuple_id] = entry
         self._by_channel.setdefault(channel_id, set()).add(entry.tuple_id)
         return Lease(tuple_id=entry.tuple_id, channel_id=channel_id, token=entry.lease_token, meta=entry.meta)
-
-    def frames(self, leases: list[Lease], chunk_bytes: int, pack_bytes: int = 0) -> Iterator[WireFrame]:
-        """The frames of leased tuples in order, from memory or read from disk chunk by chunk;
-        small ones packed into shared messages when ``pack_bytes`` allows, large chunks
-        encoded (the server sends them with ``frames.serialize_frame``)."""
-        return tuple_frames(self.payloads(leases), chunk_bytes, pack_bytes, encode=True)
 
     def payloads(self, leases: list[Lease]) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
         """Each lease's metadata and payload, opened only when its turn comes."""

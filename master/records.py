@@ -191,11 +191,12 @@ def scan_segment(path: Path) -> tuple[list[tuple[int, TupleMeta, int]], int]:
         while pos < total:
             parsed = _read_record(fh, pos, total)
             if parsed is None:
-                parsed = _next_record(fh, pos + 1, total)
-                if parsed is None:
+                found = _next_record(fh, pos + 1, total)
+                if found is None:
                     break
+                start, parsed = found
                 log.error("damaged record in a backlog segment skipped; the tuple in it is lost",
-                          extra={"segment": path.name, "offset": pos, "bytes": parsed[2] - _record_head(parsed) - pos})
+                          extra={"segment": path.name, "offset": pos, "bytes": start - pos})
             seq, meta, offset, end = parsed
             records.append((seq, meta, offset))
             pos = end
@@ -209,8 +210,10 @@ def scan_segment(path: Path) -> tuple[list[tuple[int, TupleMeta, int]], int]:
     return records, pos
 
 
-def _next_record(fh: BinaryIO, start: int, total: int) -> tuple[int, TupleMeta, int, int] | None:
-    """The first good record at or after ``start`` (found by its head magic), or None."""
+def _next_record(fh: BinaryIO, start: int,
+                 total: int) -> tuple[int, tuple[int, TupleMeta, int, int]] | None:
+    """(where it starts, the record) of the first good record at or after ``start`` (found
+    by its head magic), or None."""
     block = 1 << 20
     pos = start
     while pos < total:
@@ -220,16 +223,10 @@ def _next_record(fh: BinaryIO, start: int, total: int) -> tuple[int, TupleMeta, 
         while at != -1 and at < block:
             parsed = _read_record(fh, pos + at, total)
             if parsed is not None:
-                return parsed
+                return pos + at, parsed
             at = data.find(_HEAD_MAGIC, at + 1)
         pos += block
     return None
-
-
-def _record_head(parsed: tuple[int, TupleMeta, int, int]) -> int:
-    """The head and metadata length of a parsed record (its start is offset minus this)."""
-    _, meta, _, _ = parsed
-    return _HEAD.size + meta.ByteSize()
 
 
 def _read_record(fh: BinaryIO, pos: int, total: int) -> tuple[int, TupleMeta, int, int] | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from hio.common.config import ConfigError, check_address, positive, setting
-from hio.common.settings import MiB, ClusterSettings
+from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB, ClusterSettings
 
 FSYNC_MODES = ("batch", "always", "never")
 
@@ -31,7 +31,8 @@ class RepositoryConfig(ClusterSettings):
            "next one (more throughput under load, more latency per put). 0 = sync at once")
     max_record_bytes: int = setting(16 * MiB - RECORD_HEADROOM,
                                     "largest compressed feature record accepted (must fit one gRPC message)")
-    max_decompressed_bytes: int = setting(64 * MiB, "largest decompressed feature record accepted")
+    max_decompressed_bytes: int = setting(FEATURE_RECORD_DECOMPRESSED_BYTES,
+                                          "largest decompressed feature record accepted")
     read_batch_records: int = setting(1000, "most records per ReadFeatures response message")
     read_batch_bytes: int = setting(8 * MiB, "most record bytes per ReadFeatures response message (one larger record goes alone)")
     max_consumers: int = setting(1024, "most named consumers whose offsets are kept")

@@ -144,8 +144,8 @@ class FeatureLog:
                                  f"end at {self._index.latest}: a segment is missing or misnamed")
         scan = scan_segment(path, first)
         if scan.problem:
-            damaged = first + len(scan.tuple_ids)
-            follows = last and any(record_follows(path, scan.valid_end, damaged + k) for k in range(1, 9))
+            damaged = first + len(scan.tuple_ids)   # the next good record is one of the few after it
+            follows = last and record_follows(path, scan.valid_end, range(damaged + 1, damaged + 9))
             self._handle_damage(path, scan.problem, scan.valid_end, scan.torn_bytes, last=last,
                                 records_follow=follows)
         self._index.begin_segment(first)

@@ -106,21 +106,22 @@ def scan_segment(path: Path, first_offset: int) -> ScanResult:
     return result
 
 
-def record_follows(path: Path, start: int, offset: int) -> bool:
-    """True when a valid record numbered ``offset`` lies somewhere after byte ``start``: the
-    damage before it is not a torn tail (a crash tears only the end), so cutting the file
-    there would throw stored records away."""
-    needle = offset.to_bytes(8, "little")
+def record_follows(path: Path, start: int, offsets: range) -> bool:
+    """True when a valid record numbered one of ``offsets`` lies somewhere after byte
+    ``start``: the damage before it is not a torn tail (a crash tears only the end), so
+    cutting the file there would throw stored records away."""
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         size = len(mm)
-        hit = mm.find(needle, start + 8)
-        while hit != -1:
-            pos = hit - 8                     # the offset follows length and CRC in the header
-            length, crc, found, _ = HEADER.unpack_from(mm, pos)
-            end = pos + HEADER_SIZE + length
-            if found == offset and end <= size and crc32(memoryview(mm)[pos + 8:end]) == crc:
-                return True
-            hit = mm.find(needle, hit + 1)
+        for offset in offsets:
+            needle = offset.to_bytes(8, "little")
+            hit = mm.find(needle, start + 8)
+            while hit != -1:
+                pos = hit - 8                 # the offset follows length and CRC in the header
+                length, crc, found, _ = HEADER.unpack_from(mm, pos)
+                end = pos + HEADER_SIZE + length
+                if found == offset and end <= size and crc32(memoryview(mm)[pos + 8:end]) == crc:
+                    return True
+                hit = mm.find(needle, hit + 1)
     return False
 
 

@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from hio.common.settings import MiB
+from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB
 from hio.repository.consumers import ConsumerOffsets
 from hio.repository.featurelog import Appended, FeatureLog
 from hio.repository.knowledge import KnowledgeFiles
@@ -34,7 +34,7 @@ class StoreOptions:
     fsync: str = "batch"
     fsync_interval_ms: int = 0
     max_record_bytes: int = 16 * MiB - 64 * 1024
-    max_decompressed_bytes: int = 64 * MiB
+    max_decompressed_bytes: int = FEATURE_RECORD_DECOMPRESSED_BYTES
     max_consumers: int = 1024
     max_knowledge_bytes: int = 16 * MiB
 

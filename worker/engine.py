@@ -36,6 +36,7 @@ from hio.common.config import ConfigError
 from hio.common.lane import LaneServer
 from hio.common.net import TokenTable, create_server, message_limit, run_until_signal, set_serving
 from hio.common.retry import Backoff
+from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
 from hio.proto import engine_pb2_grpc, master_pb2
 from hio.worker.api import Pipeline, TupleInfo, load_pipeline, pipeline_for_image
 from hio.worker.cluster import ClusterLink, PullCall
@@ -63,7 +64,6 @@ STORE_FULL = 64              # ... until this many wait
 # An UNAVAILABLE carrying a retry hint is the engine's state (stopping, its repository
 # unreachable), not the tuples' fault: the gateway retries them without counting an attempt.
 ENGINE_STATE_RETRY = 1.0
-MAX_RECORD_DECOMPRESSED = 64 * 1024 * 1024   # the repository's default max_decompressed_bytes
 
 
 def error_text(exc: BaseException) -> str:
@@ -655,9 +655,9 @@ class Engine:
         finally:
             self._watchdog.end(job)
         serialized = record.SerializeToString()
-        if len(serialized) > MAX_RECORD_DECOMPRESSED:
+        if len(serialized) > FEATURE_RECORD_DECOMPRESSED_BYTES:
             return truncate(f"FeatureError: features of {len(serialized)} bytes (before compression) are over "
-                            f"the repository's limit of {MAX_RECORD_DECOMPRESSED}")
+                            f"the repository's limit of {FEATURE_RECORD_DECOMPRESSED_BYTES}")
         compressor = self._small_compressor if len(serialized) <= ZSTD_SMALL_BYTES else self._compressor
         blob = compressor.compress(serialized)
         if len(blob) > self._max_record:

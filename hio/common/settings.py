@@ -10,6 +10,9 @@ from pathlib import Path
 from hio.common.config import ConfigError, setting
 
 MiB = 1024 * 1024
+# The repository's default bound on one feature record decompressed; an engine refuses
+# features over it before compressing them (the repository would refuse the record).
+FEATURE_RECORD_DECOMPRESSED_BYTES = 64 * MiB
 
 
 @dataclasses.dataclass(frozen=True)

@@ -290,8 +290,10 @@ def test_hio_send_gives_up_on_an_image_no_engine_serves_and_says_which(cluster: 
         gw.close(timeout=0.2, drain=False)
     stored = [r.meta.name for r in cluster.records().values() if r.meta.source == "typo"]
     assert stored == ["good.bin"]
-    spooled = list((tmp_path / "var").rglob("*"))
-    assert any(p.is_file() and p.stat().st_size >= 10_000 for p in spooled), "the unserved tuple's payload was kept"
+    from hio.gateway.spool import spooled_metas
+
+    kept = spooled_metas(tmp_path / "var" / "gateway" / "spool" / "send-typo")
+    assert [(m.name, m.image) for m in kept] == [("typo.bin", "hio/synthetik")], "the unserved tuple stays spooled"
 
 
 def test_hio_send_no_wait_hands_files_to_the_daemon(cluster: Cluster, tmp_path: Path) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import tracemalloc
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import pytest
 
 from hio.common.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
-from hio.common.frames import ChunkFrame, TupleFrame, crc32, parse_frame, serialize_frame
+from hio.common.frames import (ChunkFrame, TupleFrame, WireFrame, crc32, parse_frame, serialize_frame,
+                               tuple_frames)
 from hio.master.backlog import BacklogQueue, Lease, Placement, Stored
 from hio.master.deadletters import DeadLetterStore
 from hio.master.storage import Durability
@@ -46,6 +47,11 @@ def put(queue: BacklogQueue, stream: Iterable[TupleFrame]) -> list[Stored]:
     return list(queue.receive(stream, max_tuple_bytes=64 * MiB, max_chunk_bytes=2 * MiB))
 
 
+def leased_frames(queue: BacklogQueue, leases: list[Lease], chunk_bytes: int) -> Iterator[WireFrame]:
+    """The wire frames of leased tuples, as the master streams a pull (read lazily)."""
+    return tuple_frames(queue.payloads(leases), chunk_bytes, 0, encode=True)
+
+
 def lease_one(queue: BacklogQueue, image: str, channel: str, seconds: float) -> Lease | None:
     """The head's lease, or None when nothing waits."""
     leases = queue.lease_many(image, channel, seconds)
@@ -56,7 +62,7 @@ def take(queue: BacklogQueue, image: str = "hio/synthetic", channel: str = "w/0"
     """Lease the head and read it back: (tuple id, payload, attempt)."""
     lease = lease_one(queue, image, channel, 60.0)
     assert lease is not None, "expected a waiting tuple"
-    data = b"".join(f.data for f in received(queue.frames([lease], 64 * 1024)))
+    data = b"".join(f.data for f in received(leased_frames(queue, [lease], 64 * 1024)))
     return lease.tuple_id, data, lease.meta.attempt
 
 
@@ -221,7 +227,7 @@ def test_void_leases_of_a_channel_and_stale_lease(tmp_path: Path) -> None:
     assert q.void_leases("w/0", "channel down") == [1]
     assert not q.void_lease(lease, "cancelled")      # no longer the current lease
     with pytest.raises(NotFound):
-        list(q.frames([lease], 1024))
+        list(leased_frames(q, [lease], 1024))
     again = lease_one(q, "hio/synthetic", "w/1", 60)
     assert again is not None and again.meta.attempt == 2
     q.close()
@@ -305,7 +311,7 @@ def test_big_tuple_streams_without_holding_it_in_memory(tmp_path: Path) -> None:
         lease = lease_one(q, "hio/synthetic", "w/0", 60)
         assert lease is not None
         value, received = 0, 0
-        for frame in q.frames([lease], 1 * MiB):
+        for frame in leased_frames(q, [lease], 1 * MiB):
             frame = parse_frame(serialize_frame(frame))
             value = crc32(frame.data, value)
             received += len(frame.data)
@@ -356,7 +362,7 @@ def test_concurrent_streams_never_interleave_records(tmp_path: Path) -> None:
     q = open_queue(tmp_path)
     seen = {}
     while (lease := lease_one(q, "hio/synthetic", "w/0", 60)) is not None:
-        seen[lease.tuple_id] = b"".join(f.data for f in received(q.frames([lease], 8192)))
+        seen[lease.tuple_id] = b"".join(f.data for f in received(leased_frames(q, [lease], 8192)))
     assert sorted(seen) == [b + i for b in (1, 101, 201) for i in range(20)]
     for base in (1, 101, 201):                    # each stream's tuples keep their order
         mine = [tid for tid in seen if base <= tid < base + 20]

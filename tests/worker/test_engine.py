@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Iterator
@@ -141,6 +142,17 @@ def _route(master: Master, size: int, force_queue: bool = False) -> master_pb2.R
         source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=size)], force_queue=force_queue), timeout=5)
 
 
+@contextlib.contextmanager
+def _serving(master: Master, repo: Repo, **settings: object) -> Iterator[RunningEngine]:
+    """An engine on the real master and repository, its channel registered; closed after."""
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address, **settings))
+    try:
+        register_channel(master, engine)
+        yield engine
+    finally:
+        engine.close()
+
+
 def _routed(master: Master, data: bytes, *, force_queue: bool = False, **attributes: str) -> tuple[TupleMeta, bytes]:
     """A tuple the master routed (its id and ticket), ready to deliver or enqueue."""
     route = _route(master, len(data), force_queue=force_queue)
@@ -150,9 +162,7 @@ def _routed(master: Master, data: bytes, *, force_queue: bool = False, **attribu
 
 
 def test_failing_pipeline_hands_the_tuple_to_the_master(master: Master, repo: Repo) -> None:
-    engine = RunningEngine(engine_config(master=master.address, repository=repo.address, max_attempts=3))
-    try:
-        register_channel(master, engine)
+    with _serving(master, repo, max_attempts=3) as engine:
         route = _route(master, 4)
         assert route.WhichOneof("route") == "channel" and route.channel.channel_id == "w1/0"
         meta, data = make_tuple(route.tuple_ids[0], b"oops", mode="fail")
@@ -166,17 +176,13 @@ def test_failing_pipeline_hands_the_tuple_to_the_master(master: Master, repo: Re
         assert "ValueError" in letters[0].meta.attributes["hio.last_error"] or "ValueError" in letters[0].reason
         assert repo.records() == {}
         assert master.status().tuples_failed >= 1
-    finally:
-        engine.close()
 
 
 def test_a_pipeline_raising_a_base_exception_fails_its_tuple_and_the_engine_goes_on(
         master: Master, repo: Repo) -> None:
     """asyncio.CancelledError (a BaseException, not an Exception) from user code: the tuple fails
     with that error, directly and from the queue, and the engine keeps serving and pulling."""
-    engine = RunningEngine(engine_config(master=master.address, repository=repo.address, max_attempts=2))
-    try:
-        register_channel(master, engine)
+    with _serving(master, repo, max_attempts=2) as engine:
         meta, data = _routed(master, b"oops", mode="cancel")
         receipt = engine.deliver([(meta, data)])[0]
         assert receipt.state == TupleReceipt.ENQUEUED and "CancelledError: task cancelled" in receipt.message
@@ -187,16 +193,12 @@ def test_a_pipeline_raising_a_base_exception_fails_its_tuple_and_the_engine_goes
         ok, ok_data = _routed(master, b"ok", force_queue=True)   # an ordinary tuple after it is still pulled
         list(master.stub.Enqueue(frames_for_bytes(ok, ok_data, SETTINGS.chunk_bytes), timeout=10))
         wait_for(lambda: ok.tuple_id in repo.records(), timeout=20, what="the next queued tuple stored")
-    finally:
-        engine.close()
 
 
 def test_features_over_the_repository_limit_fail_their_tuple_alone(master: Master, repo: Repo) -> None:
     """Features that compress small but are over the repository's decompressed limit: the tuple
     is handed back with the reason, and the stream goes on with the next ones."""
-    engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
-    try:
-        register_channel(master, engine)
+    with _serving(master, repo) as engine:
         route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
             source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * 3), timeout=5)
         tuples = [make_tuple(tid, b"data", **({"mode": "huge"} if n == 1 else {}))
@@ -207,27 +209,19 @@ def test_features_over_the_repository_limit_fail_their_tuple_alone(master: Maste
         assert [r.state for r in receipts] == [TupleReceipt.STORED, TupleReceipt.ENQUEUED, TupleReceipt.STORED]
         assert "over the repository's limit" in receipts[1].message
         assert sorted(repo.records()) == [route.tuple_ids[0], route.tuple_ids[2]]
-    finally:
-        engine.close()
 
 
 def test_a_failing_tuple_with_attributes_at_the_bound_is_still_handed_back(master: Master, repo: Repo) -> None:
     """256 user attributes is allowed; the engine's hio.last_error must still fit beside them."""
-    engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
-    try:
-        register_channel(master, engine)
+    with _serving(master, repo) as engine:
         meta, data = _routed(master, b"oops", mode="fail", **{f"k{i}": "v" for i in range(255)})
         assert len(meta.attributes) == 256
         receipt = engine.deliver([(meta, data)])[0]
         assert receipt.state == TupleReceipt.ENQUEUED and "ValueError: cannot analyse" in receipt.message
-    finally:
-        engine.close()
 
 
 def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Repo) -> None:
-    engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
-    try:
-        register_channel(master, engine)
+    with _serving(master, repo):
         route = _route(master, 6, force_queue=True)
         assert route.WhichOneof("route") == "queue"
         meta, data = make_tuple(route.tuple_ids[0], b"queued")
@@ -239,8 +233,6 @@ def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Re
                                                                     for q in master.status().queues),
                  timeout=10, what="the lease acknowledged")
         assert repo.records()[meta.tuple_id].features["size"].number == 6
-    finally:
-        engine.close()
 
 
 def test_packed_stream_is_answered_with_packed_receipts(engine: RunningEngine, repo: Repo) -> None:
