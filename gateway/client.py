@@ -65,15 +65,21 @@ class TupleFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     """Future of one tuple: resolves to its id once STORED or ENQUEUED.
 
     ``outcome`` ("stored", "enqueued", ...) and ``tuple_id`` are set before it
-    resolves; ``name`` and ``size`` describe the tuple.
+    resolves; ``detail`` says why an enqueued tuple went to the master's queue
+    when an engine's processing of it failed ("processing failed: ..."; the
+    queue tries it again), else it is ''. ``name``, ``size``, ``image`` and
+    ``created_unix`` describe the tuple.
     """
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, image: str = "", created_unix: float = 0.0) -> None:
         super().__init__()
         self.name = name
         self.size = size
+        self.image = image
+        self.created_unix = created_unix
         self.outcome = ""
         self.tuple_id = 0
+        self.detail = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,11 +147,10 @@ class Gateway:
         self._dispatcher = Dispatcher(config, persist=self.spool.update_many, open_payload=self.spool.open_payload,
                                       payload_damage=self.spool.payload_damage,
                                       on_complete=self._finish)
-        resumed = self.spool.entries()
-        for entry in resumed:
-            self._track(entry)
+        #: futures of the tuples an earlier run left spooled; they are delivered like new ones
+        self.resumed_futures: list[TupleFuture] = [self._track(entry) for entry in self.spool.entries()]
         self._dispatcher.start()
-        self.resumed = len(resumed)
+        self.resumed = len(self.resumed_futures)
 
     # -- submitting (non-blocking) -------------------------------------------------
 
@@ -318,7 +323,7 @@ class Gateway:
     def _track(self, entry: SpoolEntry) -> TupleFuture:
         """A future for the entry, and the entry to delivery; both under one look at
         ``_closed``, so a close() in between cannot leave a future nobody resolves."""
-        future = TupleFuture(entry.meta.name, entry.size)
+        future = TupleFuture(entry.meta.name, entry.size, entry.meta.image, entry.meta.created_unix)
         future.seq = entry.seq  # type: ignore[attr-defined]
         with self._lock:
             closed = self._closed
@@ -426,7 +431,7 @@ def _load_unmoved(path: Path) -> dict[str, tuple[MoveOnDone, Outcome]]:
 
 
 def _resolve(future: TupleFuture, entry: SpoolEntry, outcome: Outcome, detail: str) -> None:
-    future.outcome, future.tuple_id = outcome.value, int(entry.meta.tuple_id)
+    future.outcome, future.tuple_id, future.detail = outcome.value, int(entry.meta.tuple_id), detail
     if outcome in (Outcome.STORED, Outcome.ENQUEUED):
         future.set_result(int(entry.meta.tuple_id))
     else:

@@ -127,9 +127,13 @@ class GatewayConfig(ClusterSettings):
 class SendConfig(GatewayConfig):
     """``hio send FILE...``: send files as tuples and report what became of them."""
 
-    POSITIONAL: ClassVar[tuple[str, str, str]] = ("files", "FILE", "files to send (directories are walked)")
+    POSITIONAL: ClassVar[tuple[str, str, str]] = (
+        "files", "FILE", "files to send (directories are walked); none: finish what an earlier "
+                         "hio send left spooled")
 
     files: tuple[str, ...] = setting((), "files to send (directories are walked)", factory=tuple)
+    drop_spooled: bool = setting(False, "drop the tuples earlier hio send runs (same --source) left spooled, "
+                                        "naming each, instead of sending anything")
     wait: bool = setting(True, "wait until stored or enqueued; --no-wait hands the files to the "
                                "gateway daemon at --ingest-listen and returns once it spooled them")
     image_wait_seconds: float = setting(30.0, "how long to wait for an engine that serves a file's image "
@@ -139,7 +143,9 @@ class SendConfig(GatewayConfig):
     def validate(self) -> None:
         super().validate()
         positive("image_wait_seconds", self.image_wait_seconds)
-        if not self.files:
-            raise ConfigError("name at least one FILE or folder to send")
+        if self.drop_spooled and self.files:
+            raise ConfigError("--drop-spooled drops what is spooled and sends nothing: name no FILE with it")
+        if not self.files and not self.wait:
+            raise ConfigError("--no-wait hands files to the gateway daemon: name at least one FILE or folder")
         if not self.wait and not self.ingest_listen:
             raise ConfigError("--no-wait hands files to a gateway daemon: give its --ingest-listen address")

@@ -324,7 +324,7 @@ class Dispatcher:
             for message in call:
                 done: list[tuple[_Pending, Outcome, str]] = []
                 for receipt in unpacked_receipts(message):
-                    self._settle(receipt, sent, settled, done)
+                    self._settle(receipt, sent, settled, done, direct=direct)
                 if done:
                     self._complete_many(done, direct=direct)
         except grpc.RpcError as exc:
@@ -393,8 +393,12 @@ class Dispatcher:
             yield entry.meta, payload
 
     def _settle(self, receipt: TupleReceipt, sent: list[_Pending], settled: set[int],
-                done: list[tuple[_Pending, Outcome, str]]) -> None:
-        """Act on one receipt: a tuple it completes goes to ``done``, a failed one is retried."""
+                done: list[tuple[_Pending, Outcome, str]], *, direct: bool) -> None:
+        """Act on one receipt: a tuple it completes goes to ``done``, a failed one is retried.
+
+        An engine answers ENQUEUED only for a tuple whose processing failed and that it
+        handed to the master's queue: its words go with the outcome, so the sender can
+        say the tuple is not stored yet, and why."""
         if receipt.index >= len(sent) or receipt.index in settled:
             log.warning("receipt for an unknown tuple ignored", extra={"index": receipt.index})
             return
@@ -414,7 +418,8 @@ class Dispatcher:
             settled.add(receipt.index)
             dead = self._is_dead(pending)
             outcome = Outcome.DEAD_LETTERED if dead else Outcome.ENQUEUED
-            done.append((pending, outcome, pending.failure if dead else ""))
+            handed_back = f"processing failed: {receipt.message}" if direct and receipt.message else ""
+            done.append((pending, outcome, pending.failure if dead else handed_back))
         elif state == TupleReceipt.FAILED:
             settled.add(receipt.index)
             self._retry([pending], f"processing failed: {receipt.message}", count_attempt=True)

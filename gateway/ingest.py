@@ -118,7 +118,7 @@ def _final_receipt(index: int, future: TupleFuture) -> TupleReceipt:
     error = future.exception()
     if error is None:
         state = TupleReceipt.STORED if future.outcome == "stored" else TupleReceipt.ENQUEUED
-        return TupleReceipt(index=index, tuple_id=future.tuple_id, state=state)
+        return TupleReceipt(index=index, tuple_id=future.tuple_id, state=state, message=future.detail[:2000])
     tuple_id = error.tuple_id if isinstance(error, DeliveryError) else 0
     return TupleReceipt(index=index, tuple_id=tuple_id, state=TupleReceipt.FAILED, message=str(error)[:2000])
 

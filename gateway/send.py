@@ -1,5 +1,14 @@
 """``hio send FILE...``: send files as tuples, wait until stored, report.
 
+Tuples an earlier ``hio send`` (same ``--source``) left spooled go first: a
+file named again that is one of them (same name, size, mtime and image) is not
+sent twice, and ``hio send`` with no FILE only finishes them.
+``hio send --drop-spooled`` drops them instead, naming each.
+
+A tuple whose processing failed on an engine is in the master's queue, which
+tries it again: it counts as delivered and is listed (``RETRYING``) with the
+engine's error.
+
 Exit codes: 0 when every file was STORED or ENQUEUED; 1 when some failed (one
 line each) or the master went away mid-way (what was not delivered stays
 spooled and goes with the next ``hio send``); 2 for unusable input or a master
@@ -18,12 +27,12 @@ from typing import Iterator, TextIO
 
 import grpc
 
-from hio.common.config import ConfigError
+from hio.common.config import ConfigError, state_dir
 from hio.common.frames import WireFrame, crc32_of_file, frames_for_file
 from hio.common.net import create_channel, rpc_error_text, send_frames
 from hio.gateway.client import Gateway, TupleFuture
 from hio.gateway.config import SendConfig, infer_image, is_ignored
-from hio.gateway.spool import SpoolFull
+from hio.gateway.spool import Spool, SpoolFull, safe_name, spooled_metas
 from hio.proto.tuple_pb2 import TupleMeta, TupleReceipt
 
 MB = 1e6
@@ -31,17 +40,23 @@ MB = 1e6
 
 def run_send(config: SendConfig) -> int:
     """Send ``config.files`` (folders walked); print a summary. Blocks; returns the exit code."""
+    if config.drop_spooled:
+        return _drop_spooled(config)
     try:
         files = _collect(config.files)
         images = {path: infer_image(path, config.image) for path in files}
     except ConfigError as exc:
         print(f"hio send: {exc}", file=sys.stderr)
         return 2
-    if not files:
+    if config.files and not files:
         print("hio send: no files to send (hidden and .part/.tmp files are skipped)", file=sys.stderr)
         return 2
     if not config.wait:
         return _hand_over(config, files, images)
+    if not files and not spooled_metas(send_spool(config)):
+        print(f"hio send: nothing to send: no FILE named, and no earlier hio send (source "
+              f"'{config.resolved_source()}') left tuples spooled", file=sys.stderr)
+        return 2
     problem = _master_problem(config)
     if problem:
         print(f"hio send: {problem}", file=sys.stderr)
@@ -65,6 +80,38 @@ def _collect(names: tuple[str, ...]) -> list[Path]:
     return files
 
 
+def send_spool(config: SendConfig) -> Path:
+    """The spool folder of ``hio send`` for this source (what Gateway opens for it)."""
+    return state_dir(config.data_dir, "gateway") / "spool" / safe_name(_spool_name(config))
+
+
+def _spool_name(config: SendConfig) -> str:
+    return f"send-{config.resolved_source()}"
+
+
+def _drop_spooled(config: SendConfig) -> int:
+    """Drop what earlier ``hio send`` runs left spooled (a misspelt image, files no
+    longer wanted), naming each tuple; nothing is sent."""
+    root = send_spool(config)
+    try:
+        spool = Spool(root, config.spool_bytes, memory_bytes=0)
+    except ConfigError as exc:   # a running hio send holds it
+        print(f"hio send: {exc}", file=sys.stderr)
+        return 2
+    try:
+        entries = spool.entries()
+        for entry in entries:
+            meta = entry.meta
+            print(f"dropped {meta.name or '(unnamed)'} ({meta.size / MB:.1f} MB, image {meta.image}"
+                  f"{f', id {meta.tuple_id}' if meta.tuple_id else ''})")
+        spool.remove_many(entries)
+    finally:
+        spool.close()
+    print(f"dropped {len(entries)} spooled tuples ({sum(e.size for e in entries) / MB:.1f} MB) of source "
+          f"'{config.resolved_source()}'")
+    return 0
+
+
 def _master_problem(config: SendConfig) -> str:
     """'' when the master answers within connect_seconds, else a message naming it."""
     channel = create_channel(config.master_address, config)
@@ -86,6 +133,7 @@ class _Sender:
         self.files = files
         self.images = images
         self.failures: list[str] = []
+        self.tuples = len(files)   # the files, and the resumed tuples not among them
         self.bar = None
         self._tick_lock = threading.Lock()
         self._settled = 0
@@ -94,17 +142,17 @@ class _Sender:
 
     def run(self) -> int:
         try:
-            gateway = Gateway(self.config, spool_name=f"send-{self.config.resolved_source()}")
+            gateway = Gateway(self.config, spool_name=_spool_name(self.config))
         except ConfigError as exc:
             print(f"hio send: {exc}", file=sys.stderr)
             return 2
         start = time.monotonic()
-        total = sum(_size(p) for p in self.files)   # a file gone by now is reported by its submit
-        self.bar = _progress(self.config, total, len(self.files))
+        futures = self._resumed(gateway)
+        total = sum(_size(p) for p in self.files if p not in futures.values()) \
+            + sum(f.size for f in futures)   # a file gone by now is reported by its submit
+        self.bar = _progress(self.config, total, self.tuples)
         try:
-            if gateway.resumed:
-                print(f"resuming {gateway.resumed} tuples left by an earlier run", file=sys.stderr)
-            futures = self._submit_all(gateway)
+            futures.update(self._submit_all(gateway, set(futures.values())))
             gave_up = self._wait(gateway, futures)
         finally:
             if self.bar is not None:
@@ -112,9 +160,36 @@ class _Sender:
             gateway.close(timeout=self.config.grace_seconds, drain=False)
         return self._summary(gateway, futures, time.monotonic() - start, gave_up)
 
-    def _submit_all(self, gateway: Gateway) -> dict[TupleFuture, Path]:
-        futures: dict[TupleFuture, Path] = {}
+    def _resumed(self, gateway: Gateway) -> dict[TupleFuture, Path | str]:
+        """The tuples an earlier run left spooled, each matched to the file it was (same
+        name, size and mtime) when that file is named again, else labelled by its
+        name: they are waited for, and a file among them is not sent twice."""
+        by_identity = {(p.name, st.st_size, st.st_mtime): p
+                       for p, st in ((p, _stat(p)) for p in self.files) if st is not None}
+        futures: dict[TupleFuture, Path | str] = {}
+        for future in gateway.resumed_futures:
+            path = by_identity.pop((future.name, future.size, future.created_unix), None)
+            if path is None:
+                futures[future] = f"{future.name or '(unnamed)'} (spooled earlier)"
+                self.tuples += 1
+            else:
+                futures[future] = path
+                if future.image != self.images[path]:
+                    print(f"hio send: {path} was spooled earlier for image '{future.image}' and goes "
+                          f"as that; to send it for '{self.images[path]}', drop it first "
+                          "(hio send --drop-spooled)", file=sys.stderr)
+            future.add_done_callback(self._tick)
+        if futures:
+            named = sum(isinstance(label, Path) for label in futures.values())
+            among = f", {named} of them among the files named" if named else ""
+            print(f"resuming {len(futures)} tuples left spooled by an earlier hio send{among}", file=sys.stderr)
+        return futures
+
+    def _submit_all(self, gateway: Gateway, resumed: set[Path | str]) -> dict[TupleFuture, Path | str]:
+        futures: dict[TupleFuture, Path | str] = {}
         for path in self.files:
+            if path in resumed:
+                continue
             future = self._submit(gateway, path)
             if future is not None:
                 future.add_done_callback(self._tick)
@@ -143,9 +218,9 @@ class _Sender:
             self._settled += 1
             if self.bar is not None:
                 self.bar.update(getattr(future, "size", 0))
-                self.bar.set_postfix_str(f"{self._settled}/{len(self.files)} tuples", refresh=False)
+                self.bar.set_postfix_str(f"{self._settled}/{self.tuples} tuples", refresh=False)
 
-    def _wait(self, gateway: Gateway, futures: dict[TupleFuture, Path]) -> bool:
+    def _wait(self, gateway: Gateway, futures: dict[TupleFuture, Path | str]) -> bool:
         """Wait for every future; True when we gave up because the master stayed away.
 
         Files whose image no engine serves are given up on after ``image_wait_seconds``
@@ -162,21 +237,26 @@ class _Sender:
                 return True
             for image, (seconds, words) in status.unserved_images.items():
                 if seconds > self.config.image_wait_seconds:
-                    self._give_up_on(image, words, pending, futures)
+                    self._give_up_on(image, words, pending)
         return False
 
-    def _give_up_on(self, image: str, words: str, pending: set[TupleFuture],
-                    futures: dict[TupleFuture, Path]) -> None:
-        for future in [f for f in pending if self.images[futures[f]] == image]:
+    def _give_up_on(self, image: str, words: str, pending: set[TupleFuture]) -> None:
+        for future in [f for f in pending if f.image == image]:
             pending.discard(future)
             self.unserved[future] = (f"not delivered: no engine serves image '{image}' after "
                                      f"{self.config.image_wait_seconds:.0f}s (master: {words}); "
-                                     "it stays spooled for the next hio send")
+                                     "it stays spooled for the next hio send (hio send --drop-spooled "
+                                     "drops it)")
 
-    def _summary(self, gateway: Gateway, futures: dict[TupleFuture, Path], seconds: float, gave_up: bool) -> int:
+    def _summary(self, gateway: Gateway, futures: dict[TupleFuture, Path | str], seconds: float,
+                 gave_up: bool) -> int:
         ok = {f for f in futures if f.done() and not f.cancelled() and f.exception() is None}
+        retrying = []
         for future, path in futures.items():
             if future in ok:
+                if future.detail:
+                    retrying.append(f"{path}: {future.detail}; it is in the master's queue, which tries it "
+                                    "again (hio dead-letters lists it if every attempt fails)")
                 continue
             if future in self.unserved:   # closing failed it too, with less to say
                 self.failures.append(f"{path}: {self.unserved[future]}")
@@ -187,9 +267,12 @@ class _Sender:
         status = gateway.status()
         mbytes = sum(f.size for f in ok) / MB
         out: TextIO = sys.stdout
-        print(f"sent {len(ok)} of {len(self.files)} tuples ({mbytes:.1f} MB) in {seconds:.1f} s: "
-              f"{status.sent_direct} direct, {status.sent_queue} queued, {len(self.failures)} failed; "
+        again = f", {len(retrying)} queued again after their processing failed" if retrying else ""
+        print(f"sent {len(ok)} of {self.tuples} tuples ({mbytes:.1f} MB) in {seconds:.1f} s: "
+              f"{status.sent_direct} direct, {status.sent_queue} queued{again}, {len(self.failures)} failed; "
               f"{mbytes / max(seconds, 1e-9):.1f} MB/s", file=out)
+        for line in retrying:
+            print(f"RETRYING {line}", file=out)
         for line in self.failures:
             print(f"FAILED {line}", file=out)
         if gave_up and self.refusal:
@@ -239,7 +322,12 @@ def _ingest_frames(config: SendConfig, files: list[Path], images: dict[Path, str
 
 
 def _size(path: Path) -> int:
+    st = _stat(path)
+    return st.st_size if st is not None else 0
+
+
+def _stat(path: Path) -> os.stat_result | None:
     try:
-        return path.stat().st_size
+        return path.stat()
     except OSError:
-        return 0
+        return None

@@ -5,7 +5,10 @@ to build flags before anything else happens.
 
 The controller hands each engine its :class:`EngineConfig` through the
 environment (``HIO_ENGINE_<FIELD>`` plus the cluster's ``HIO_<FIELD>``), so
-the same engine code runs as a local process or inside a container.
+the same engine code runs as a local process or inside a container. The
+engine's own tunables (``store_batch_records``, ``rpc_deadline``, ...) come
+from the worker's ``engine_settings``, which the ``[engine]`` table of the
+worker's configuration file fills.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import dataclasses
 import math
 import os
 import socket
+from typing import ClassVar
 
-from hio.common.config import ConfigError, check_address, positive, setting
+from hio.common.config import ConfigError, check_address, parse_assignments, positive, setting
 from hio.common.settings import ClusterSettings
 
 DEFAULT_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
 RUNTIMES = ("auto", "process", "docker")
+# Engine settings the worker decides for each engine it starts (not passed on from [engine]).
+ENGINE_SLOT_SETTINGS = ("channel_id", "image", "pipeline", "listen", "lane_listen", "parent_pid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +71,25 @@ class WorkerConfig(EngineSettings):
     lanes: bool = setting(True, "engines serve a payload lane (Deliver over plain TCP, on a second port "
                                 "from engine_ports) that gateways use for payloads, and pull queued tuples "
                                 "over the master's lane; off = gRPC only; off with TLS")
+    engine_settings: tuple[str, ...] = setting((), "engine settings passed to every engine this worker starts, "
+                                                   "NAME=VALUE (e.g. rpc_deadline=120); the [engine] table of the "
+                                                   "configuration file comes first, these win")
+
+    #: the configuration file's [engine] table reaches the engines through engine_settings
+    SECTION_AS_SETTINGS: ClassVar[tuple[str, str]] = ("engine", "engine_settings")
+
+    def engine_overrides(self) -> dict[str, str]:
+        """The engine settings to pass on, checked: only those a worker does not decide itself."""
+        refused = {name: "the worker sets it for each engine" for name in ENGINE_SLOT_SETTINGS}
+        refused["pull_lane"] = "it follows the worker's lanes setting"
+        refused.update((f.name, "set it for the worker ([worker] or [cluster]); it passes its value on to "
+                                "its engines") for f in dataclasses.fields(WorkerConfig))
+        return parse_assignments(self.engine_settings, EngineConfig, "engine_settings ([engine])", refused=refused)
 
     def validate(self) -> None:
         self.validate_cluster()
         self.validate_serving()
+        self.engine_overrides()
         if self.runtime not in RUNTIMES:
             raise ConfigError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         if not self.engines:

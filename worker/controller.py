@@ -101,6 +101,7 @@ def engine_env(config: WorkerConfig, *, channel_id: str, image: str, pipeline: s
         "HIO_TLS_CLIENT_AUTH": "true" if config.tls_client_auth else "false",
         "HIO_ENGINE_PULL_LANE": "true" if config.lanes else "false",
     }
+    env.update((f"HIO_ENGINE_{name.upper()}", value) for name, value in config.engine_overrides().items())
     if lane_port:
         env["HIO_ENGINE_LANE_LISTEN"] = f"{config.engine_listen_host}:{lane_port}"
     if pipeline:  # empty: the engine falls back to $HIO_PIPELINE of its image, then the built-in

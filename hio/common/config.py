@@ -142,8 +142,9 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
         for key, value in table.items():
             if key in names:
                 values[key] = _convert(value, types[key], f"[{section}] {key}")
-            elif section == role:
-                raise ConfigError(f"unknown setting '{key}' in [{section}]; known: {', '.join(sorted(names))}")
+            elif section == role or key not in _cluster_names():
+                known = names if section == role else _cluster_names()
+                raise ConfigError(f"unknown setting '{key}' in [{section}]; known: {', '.join(sorted(known))}")
     for name in names:
         for env in _env_names(role, name):
             if env in os.environ:
@@ -156,6 +157,13 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
                 if isinstance(value, list) and typing.get_origin(types[name]) is tuple:
                     value = [v for item in value for v in str(item).split(",") if v.strip()]
                 values[name] = _convert(value, types[name], "--" + name.replace("_", "-"))
+    passed = getattr(cls, "SECTION_AS_SETTINGS", None)   # e.g. the worker passes [engine] on to its engines
+    if passed:   # the file's table first: NAME=VALUE items given by environment or flag come after it, and win
+        section, field = passed
+        table = file_data.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] in the configuration file must be a table")
+        values[field] = tuple(f"{key}={_text(value)}" for key, value in table.items()) + tuple(values.get(field, ()))
     for name, value in (overrides or {}).items():
         if name not in names:
             raise ConfigError(f"unknown setting '{name}' for {role}")
@@ -165,6 +173,42 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
     if callable(validate):
         validate()
     return config
+
+
+def _cluster_names() -> set[str]:
+    """Settings a [cluster] table may hold (every role's shared ones)."""
+    from hio.common.settings import ClusterSettings   # it builds on this module
+
+    return {f.name for f in dataclasses.fields(ClusterSettings)}
+
+
+def _text(value: Any) -> str:
+    """A TOML value as an environment variable would say it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def parse_assignments(items: tuple[str, ...], cls: type, where: str, *, refused: dict[str, str]) -> dict[str, str]:
+    """``NAME=VALUE`` items checked against the settings of ``cls`` (each value must convert
+    to its field's type); a name in ``refused`` is refused with its reason. Later items win."""
+    types = _field_types(cls)
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or not name:
+            raise ConfigError(f"{where}: {item!r} must look like NAME=VALUE")
+        if name in refused:
+            raise ConfigError(f"{where}: {name}: {refused[name]}")
+        if name not in types:
+            known = sorted(set(types) - set(refused))
+            raise ConfigError(f"{where}: unknown setting '{name}'; known: {', '.join(known)}")
+        _convert(value.strip(), types[name], f"{where} {name}")
+        out[name] = value.strip()
+    return out
 
 
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*):(\d{1,5})$")

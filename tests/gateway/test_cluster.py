@@ -292,8 +292,64 @@ def test_hio_send_gives_up_on_an_image_no_engine_serves_and_says_which(cluster: 
     assert stored == ["good.bin"]
     from hio.gateway.spool import spooled_metas
 
-    kept = spooled_metas(tmp_path / "var" / "gateway" / "spool" / "send-typo")
-    assert [(m.name, m.image) for m in kept] == [("typo.bin", "hio/synthetik")], "the unserved tuple stays spooled"
+    spool = tmp_path / "var" / "gateway" / "spool" / "send-typo"
+    assert [(m.name, m.image) for m in spooled_metas(spool)] == [("typo.bin", "hio/synthetik")], \
+        "the unserved tuple stays spooled"
+    again = subprocess.run([*send, "--image", "hio/synthetik", str(typo)], capture_output=True, text=True,
+                           env=hio_env(), timeout=60, cwd=tmp_path)   # the same file again: not spooled twice
+    assert again.returncode == 1 and "1 of them among the files named" in again.stderr, again.stdout + again.stderr
+    assert "sent 0 of 1 tuples" in again.stdout and len(spooled_metas(spool)) == 1
+    dropped = subprocess.run([*send, "--drop-spooled"], capture_output=True, text=True, env=hio_env(),
+                             timeout=60, cwd=tmp_path)
+    assert dropped.returncode == 0, dropped.stdout + dropped.stderr
+    assert "dropped typo.bin (0.0 MB, image hio/synthetik" in dropped.stdout
+    assert "dropped 1 spooled tuples" in dropped.stdout and spooled_metas(spool) == []
+    nothing = subprocess.run(send, capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+    assert nothing.returncode == 2 and "nothing to send" in nothing.stderr, nothing.stdout + nothing.stderr
+
+
+def _spool_for_send(root: Path, source: str, files: list[Path], **submit: object) -> None:
+    """Leave ``files`` in ``hio send``'s spool for ``source``, as a run cut short
+    (its master unreachable) would."""
+    config = GatewayConfig(master_address=f"127.0.0.1:{free_port()}", data_dir=str(root), source=source,
+                           ingest_listen="", grace_seconds=0.2)
+    gw = Gateway(config, spool_name=f"send-{source}")
+    for path in files:
+        gw.submit_file(path, image=IMAGE, **submit)   # type: ignore[arg-type]
+    gw.close(timeout=0.2, drain=False)
+
+
+def test_hio_send_again_after_a_cut_short_run_sends_each_file_once(cluster: Cluster, tmp_path: Path) -> None:
+    files = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    for path in files:
+        path.write_bytes(os.urandom(20_000))
+    _spool_for_send(tmp_path / "var", "rerun", files[:1])
+    send = [sys.executable, "-m", "hio.cli", "send", "--image", IMAGE, "--master-address", cluster.master,
+            "--data-dir", str(tmp_path / "var"), "--source", "rerun"]
+    proc = subprocess.run([*send, *map(str, files)], capture_output=True, text=True, env=hio_env(),
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resuming 1 tuples" in proc.stderr and "1 of them among the files named" in proc.stderr
+    assert "sent 2 of 2 tuples" in proc.stdout, proc.stdout
+    stored = sorted(r.meta.name for r in cluster.records().values() if r.meta.source == "rerun")
+    assert stored == ["a.bin", "b.bin"], "each file stored once"
+
+
+def test_hio_send_names_a_tuple_whose_processing_failed_and_went_to_the_queue(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """hio send with no FILE finishes what is spooled; a tuple the engine could not process
+    is delivered (the master's queue tries it again) but listed with the engine's error."""
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(os.urandom(5_000))
+    _spool_for_send(tmp_path / "var", "retrying", [bad], attributes={"cost_ms": "abc"})
+    proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", "--master-address", cluster.master,
+                           "--data-dir", str(tmp_path / "var"), "--source", "retrying"],
+                          capture_output=True, text=True, env=hio_env(), timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "sent 1 of 1 tuples" in proc.stdout and "1 queued again after their processing failed" in proc.stdout
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("RETRYING")]
+    assert line.startswith("RETRYING bad.bin (spooled earlier): processing failed:"), line
+    assert "cost_ms='abc' is not a number" in line and "hio dead-letters" in line
 
 
 def test_hio_send_no_wait_hands_files_to_the_daemon(cluster: Cluster, tmp_path: Path) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
-from hio.common.config import ConfigError, build
+from hio.common.config import ConfigError, build, load_file
 from hio.proto import features_pb2, tuple_pb2
 from hio.worker.api import TupleInfo, load_pipeline, pipeline_for_image
 from hio.worker.config import EngineConfig, WorkerConfig, engine_counts
@@ -56,6 +58,36 @@ def test_engine_env_builds_the_engine_config(monkeypatch: pytest.MonkeyPatch, tm
     assert engine.stream_idle_seconds == 12.5      # every [cluster] setting reaches the engines
     monkeypatch.setenv("HIO_PIPELINE", "image.module:process")
     assert build(EngineConfig, "engine").pipeline == "image.module:process"
+
+
+def test_the_engine_table_of_a_worker_s_file_reaches_its_engines(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "hio.toml"
+    path.write_text('[worker]\nengine_settings = ["rpc_deadline=30"]\n'
+                    '[engine]\nrpc_deadline = 120\nstore_batch_records = 64\n')
+    worker = build(WorkerConfig, "worker", file_data=load_file(path))
+    env = engine_env(worker, channel_id="w/1", image="hio/synthetic", pipeline="", port=4321)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    engine = build(EngineConfig, "engine")
+    assert (engine.store_batch_records, engine.rpc_deadline) == (64, 30.0), "the worker's own list wins"
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"tuple_timeout": 3}, "tuple_timeout: set it for the worker"),
+    ({"listen": "127.0.0.1:9"}, "listen: the worker sets it for each engine"),
+    ({"pull_lane": False}, "pull_lane: it follows the worker's lanes setting"),
+    ({"rpc_deadlin": 3}, "unknown setting 'rpc_deadlin'; known: reservation_seconds, rpc_deadline"),
+    ({"store_batch_records": "many"}, "store_batch_records: invalid literal"),
+])
+def test_a_wrong_engine_table_is_refused_by_name(table: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build(WorkerConfig, "worker", file_data={"engine": table})
+
+
+def test_a_typo_in_the_cluster_table_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"unknown setting 'master_adress' in \[cluster\]"):
+        build(WorkerConfig, "worker", file_data={"cluster": {"master_adress": "m:1"}})
 
 
 def test_engine_config_requires_identity() -> None:
