@@ -136,6 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:   # `hio knowledge | head`: the reader left; nothing more to say, no traceback
+        _quiet_stdout()
+        return 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so flushing it at exit cannot fail again (the Python docs' recipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):   # stdout is not a file descriptor (called in-process)
+        pass
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ class KnowledgeConfig(ClusterSettings):
 
 @dataclasses.dataclass(frozen=True)
 class DeadLettersConfig(ClusterSettings):
-    retry: int = setting(0, "send the dead letter with this tuple id again")
+    retry: int = setting(0, "send the dead letter with this tuple id again (ids: hio dead-letters)")
     json: bool = setting(False, "print as JSON")
 
 
@@ -83,7 +83,7 @@ def run_status(config: StatusConfig) -> int:
             if config.json:
                 print(json_format.MessageToJson(status, always_print_fields_with_no_presence=True))
             else:
-                if config.watch:
+                if config.watch and sys.stdout.isatty():   # a pipe or a file gets the reports one after another
                     print("\033[2J\033[H", end="")
                 print(format_status(status))
             if not config.watch:
@@ -122,14 +122,20 @@ def run_knowledge(config: KnowledgeConfig) -> int:
 def run_dead_letters(config: DeadLettersConfig) -> int:
     with create_channel(config.master_address, config) as channel:
         stub = master_pb2_grpc.MasterStub(channel)
-        try:
-            if config.retry:
+        if config.retry:
+            try:
                 stub.RetryDeadLetter(master_pb2.RetryDeadLetterRequest(tuple_id=config.retry), timeout=30)
-                print(f"tuple {config.retry} is back in its queue")
-                return 0
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    print(f"hio dead-letters: {exc.details()} (hio dead-letters lists them)", file=sys.stderr)
+                    return 1
+                return _fail(f"send dead letter {config.retry} again", config.master_address, exc, config)
+            print(f"tuple {config.retry} is back in its queue")
+            return 0
+        try:
             reply = stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=30)
         except grpc.RpcError as exc:
-            return _fail("reach the master", config.master_address, exc, config)
+            return _fail("list dead letters at the master", config.master_address, exc, config)
     if config.json:
         print(json.dumps([json_format.MessageToDict(d) for d in reply.dead_letters], indent=2))
         return 0
@@ -138,7 +144,8 @@ def run_dead_letters(config: DeadLettersConfig) -> int:
         return 0
     for d in reply.dead_letters:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.failed_unix))
-        print(f"{d.meta.tuple_id:>12}  {d.meta.image:<18} {d.meta.name or '-':<24} attempts {d.meta.attempt}  {when}  {d.reason}")
+        tried = max(d.meta.attempt - 1, 1)   # a dead letter's attempt is the one it would have been next
+        print(f"{d.meta.tuple_id:>12}  {d.meta.image:<18} {d.meta.name or '-':<24} attempts {tried}  {when}  {d.reason}")
     print(f"{len(reply.dead_letters)} dead letters; send one again with: hio dead-letters --retry TUPLE_ID")
     return 0
 

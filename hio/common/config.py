@@ -67,9 +67,15 @@ def _convert(value: Any, typ: Any, where: str) -> Any:
         if typ is int:
             if isinstance(value, bool):
                 raise ValueError("not an integer")
-            return int(_scaled(value)) if isinstance(value, str) else int(value)
+            try:
+                return int(_scaled(value)) if isinstance(value, str) else int(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not an integer") from None
         if typ is float:
-            return float(value)
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not a number") from None
         if typ is str:
             return str(value)
         if origin is tuple:

@@ -8,11 +8,13 @@ tuples in chunks, and recovery when a worker is killed mid-run.
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 import time
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -225,6 +227,15 @@ def test_operator_commands_report_the_running_cluster(cluster: Cluster, capsys: 
     assert main(["knowledge", *where]) == 1, "no KD has run against this repository"
     assert "no knowledge yet" in capsys.readouterr().out
     assert main(["dead-letters", "--retry", "999999", *where]) == 1
-    assert "NOT_FOUND" in capsys.readouterr().err
+    assert "no dead letter with tuple id 999999 (hio dead-letters lists them)" in capsys.readouterr().err
+    assert main(["dead-letters", "--retry", "abc", *where]) == 2
+    assert "--retry: 'abc' is not an integer" in capsys.readouterr().err
+
+    class _ReaderGone(io.StringIO):   # `hio status | head -1`: the reader has left
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    with mock.patch("sys.stdout", _ReaderGone()):
+        assert main(["status", *where]) == 1, "no traceback when the reader of stdout is gone"
     assert main(["status", "--master-address", f"127.0.0.1:{free_port()}"]) == 1
     assert "cannot get status from the master" in capsys.readouterr().err

@@ -78,7 +78,7 @@ def test_the_engine_table_of_a_worker_s_file_reaches_its_engines(monkeypatch: py
     ({"listen": "127.0.0.1:9"}, "listen: the worker sets it for each engine"),
     ({"pull_lane": False}, "pull_lane: it follows the worker's lanes setting"),
     ({"rpc_deadlin": 3}, "unknown setting 'rpc_deadlin'; known: reservation_seconds, rpc_deadline"),
-    ({"store_batch_records": "many"}, "store_batch_records: invalid literal"),
+    ({"store_batch_records": "many"}, "store_batch_records: 'many' is not an integer"),
 ])
 def test_a_wrong_engine_table_is_refused_by_name(table: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
