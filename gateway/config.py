@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from hio.common.config import ConfigError, positive, setting
-from hio.common.settings import MiB, ClusterSettings
+from hio.common.settings import SERVER_SETTINGS, MiB, ClusterSettings
 
 GiB = 1024 * MiB
 
@@ -127,6 +127,8 @@ class GatewayConfig(ClusterSettings):
 class SendConfig(GatewayConfig):
     """``hio send FILE...``: send files as tuples and report what became of them."""
 
+    # accepted (one file configures the gateway daemon and hio send), not in --help
+    UNLISTED: ClassVar[frozenset[str]] = SERVER_SETTINGS | {"watch", "done_dir", "settle_seconds", "poll_seconds"}
     POSITIONAL: ClassVar[tuple[str, str, str]] = (
         "files", "FILE", "files to send (directories are walked); none: finish what an earlier "
                          "hio send left spooled")

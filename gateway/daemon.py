@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 
+from hio.common.log import NOTICE
 from hio.common.net import create_server, set_serving, wait_for_stop
 from hio.gateway.client import Gateway
 from hio.gateway.config import GatewayConfig
@@ -43,7 +44,7 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
                                        settle_seconds=config.settle_seconds,
                                        poll_seconds=config.poll_seconds, image=config.image)
             watcher.start()
-        log.info("gateway ready", extra={"ingest": config.ingest_listen or "off",
+        log.log(NOTICE, "gateway ready", extra={"ingest": config.ingest_listen or "off",
                                             "watch": config.watch or "off", "resumed": gateway.resumed,
                                             "master": config.master_address})
         wait_for_stop(stop)

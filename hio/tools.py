@@ -6,29 +6,37 @@ import dataclasses
 import json
 import sys
 import time
+from typing import ClassVar
 
 import grpc
 from google.protobuf import json_format
 
 from hio.common.config import ConfigError, setting
 from hio.common.net import create_channel, rpc_error_text
-from hio.common.settings import ClusterSettings
+from hio.common.settings import SERVER_SETTINGS, ClusterSettings
 from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+
+
+# A tool only calls a role: the settings of servers and of tuple streams are not its own.
+_TOOL_UNLISTED = SERVER_SETTINGS | {"data_dir", "chunk_bytes", "max_tuple_bytes"}
 
 
 @dataclasses.dataclass(frozen=True)
 class StatusConfig(ClusterSettings):
+    UNLISTED: ClassVar[frozenset[str]] = _TOOL_UNLISTED
     json: bool = setting(False, "print the status as JSON")
     watch: float = setting(0.0, "refresh every N seconds (0 = once)")
 
 
 @dataclasses.dataclass(frozen=True)
 class KnowledgeConfig(ClusterSettings):
+    UNLISTED: ClassVar[frozenset[str]] = _TOOL_UNLISTED
     json: bool = setting(False, "print the knowledge as JSON (assignments included)")
 
 
 @dataclasses.dataclass(frozen=True)
 class DeadLettersConfig(ClusterSettings):
+    UNLISTED: ClassVar[frozenset[str]] = _TOOL_UNLISTED
     retry: int = setting(0, "send the dead letter with this tuple id again (ids: hio dead-letters)")
     json: bool = setting(False, "print as JSON")
 

@@ -27,6 +27,7 @@ import warnings
 from typing import Any
 
 import pyarrow.compute as pc
+from hio.common.log import NOTICE
 from hio.kd.client import RepositoryClient, connection_options
 from hio.kd.config import KDConfig
 from hio.kd.model import cluster_groups, plan, to_knowledge
@@ -339,7 +340,7 @@ def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None
     if session.owned:
         _install_signals(stop)
     job = KnowledgeJob(config, session.spark, store)
-    log.info("KD started", extra={"spark": config.spark_master, "repository": config.repository_address,
+    log.log(NOTICE, "KD started", extra={"spark": config.spark_master, "repository": config.repository_address,
                                   "stored": store.total, "once": config.once})
     try:
         return supervise(session, config, job, stop)

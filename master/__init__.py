@@ -19,6 +19,7 @@ from grpc_health.v1 import health
 
 from hio.common.config import ConfigError
 from hio.common.lane import LaneServer, lane_beside
+from hio.common.log import NOTICE
 from hio.common.net import TokenTable, create_server, message_limit, run_until_signal, set_serving
 from hio.master.config import MasterConfig
 from hio.common.tickets import make_ticket
@@ -95,7 +96,7 @@ def run_master(config: MasterConfig) -> int:
     server.start()
     set_serving(health_servicer, True)
     host = config.listen.rsplit(":", 1)[0]
-    log.info("master listening", extra={"address": f"{host}:{port}", "data_dir": config.data_dir,
+    log.log(NOTICE, "master listening", extra={"address": f"{host}:{port}", "data_dir": config.data_dir,
                                            "lane_port": master.lane_port,
                                            "queued": master.queue.length()})
 

@@ -8,6 +8,7 @@ import grpc
 from grpc_health.v1 import health
 
 from hio.common.errors import HioError
+from hio.common.log import NOTICE
 from hio.common.net import create_server, run_until_signal, set_serving
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig
@@ -56,7 +57,7 @@ def run_repository(config: RepositoryConfig) -> int:
             http_server = PreviewHttpServer(store, config.http_listen).start()
         server.start()
         set_serving(health_servicer, True)
-        log.info("repository serving", extra={"port": port, "records": store.latest(),
+        log.log(NOTICE, "repository serving", extra={"port": port, "records": store.latest(),
                                               "http_port": http_server.port if http_server else None})
         return run_until_signal(server, on_stop=[lambda: set_serving(health_servicer, False)])
     finally:

@@ -25,6 +25,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hio.common.log import NOTICE
 from hio.common.net import connect_hint, create_channel
 from hio.common.retry import Backoff
 from hio.proto import master_pb2, master_pb2_grpc
@@ -220,7 +221,7 @@ class MasterSession:
         reply = self._stub.RegisterWorker(request, timeout=MASTER_CALL_TIMEOUT)
         self._interval = reply.heartbeat_interval_seconds if reply.heartbeat_interval_seconds > 0 else 1.0
         self._registered = True
-        log.info("registered with the master", extra={"worker": self._worker_id, "channels": len(request.channels),
+        log.log(NOTICE, "registered with the master", extra={"worker": self._worker_id, "channels": len(request.channels),
                                                       "heartbeat_s": self._interval})
 
     def _heartbeat(self) -> None:

@@ -103,12 +103,15 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, role: str) -> None
     parser.add_argument("--config", default=None,
                         help=f"TOML configuration file (env {CONFIG_ENV})")
     types = _field_types(cls)
+    unlisted = getattr(cls, "UNLISTED", frozenset())   # accepted, not in --help (a client's server-only settings)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         typ = types[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         help_text = f"{f.metadata.get('help', '')} [default: {default!r}; env {_env_names(role, f.name)[0]}]"
         help_text = help_text.replace("%", "%%")  # argparse formats help with %
+        if f.name in unlisted:
+            help_text = argparse.SUPPRESS
         if typ is bool:
             parser.add_argument(flag, dest=f.name, default=None,
                                 action=argparse.BooleanOptionalAction, help=help_text)

@@ -13,6 +13,11 @@ import time
 
 _STD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
+#: Between info and warning: the one line a role logs when it is ready (serving, registered).
+#: Shown at the default level ("warning"), so a role that starts well says so once; hidden at "error".
+NOTICE = 25
+logging.addLevelName(NOTICE, "NOTICE")
+
 
 class _Formatter(logging.Formatter):
     def __init__(self, as_json: bool) -> None:
@@ -43,5 +48,6 @@ def setup_logging(level: str = "warning", as_json: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Formatter(as_json))
     root.addHandler(handler)
-    root.setLevel(getattr(logging, level.upper(), logging.WARNING))
+    wanted = getattr(logging, level.upper(), logging.WARNING)
+    root.setLevel(NOTICE if wanted == logging.WARNING else wanted)
     logging.getLogger("py4j").setLevel(logging.WARNING)

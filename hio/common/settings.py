@@ -15,6 +15,11 @@ MiB = 1024 * 1024
 FEATURE_RECORD_DECOMPRESSED_BYTES = 64 * MiB
 
 
+#: Settings only a server uses: a command that only calls roles (hio status, hio send)
+#: accepts them (one configuration file serves every role) but does not list them in --help.
+SERVER_SETTINGS = frozenset({"tokens_file", "tls_client_auth", "ticket_key_file", "stream_idle_seconds"})
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterSettings:
     master_address: str = setting("127.0.0.1:7000", "host:port of the master")
@@ -23,7 +28,7 @@ class ClusterSettings:
     token: str = setting("", "token this process presents to other roles")
     token_file: str = setting("", "file holding the token to present (preferred over --token)")
     tokens_file: str = setting("", "server side: file of accepted tokens, one 'token role name' a line; empty = no authentication")
-    tls_cert: str = setting("", "PEM certificate this process serves (enables TLS)")
+    tls_cert: str = setting("", "PEM certificate this process presents: a server's, or a client's for mutual TLS (enables TLS)")
     tls_key: str = setting("", "PEM private key for --tls-cert")
     tls_ca: str = setting("", "PEM CA bundle to verify peers (clients: servers; servers: client certs for mutual TLS)")
     tls_client_auth: bool = setting(False, "servers: require client certificates signed by --tls-ca (mutual TLS)")
@@ -32,7 +37,7 @@ class ClusterSettings:
                                          "long (frees the channel, queue or spool room it held); 0 = never")
     chunk_bytes: int = setting(1 * MiB, "bytes per chunk when streaming tuples")
     max_tuple_bytes: int = setting(256 * MiB, "largest tuple accepted anywhere")
-    log_level: str = setting("warning", "debug, info, warning or error")
+    log_level: str = setting("warning", "debug, info, warning (also one line when a role is ready) or error")
     log_json: bool = setting(False, "log one JSON object per line")
 
     @property

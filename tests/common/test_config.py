@@ -126,3 +126,24 @@ def test_every_serving_role_checks_its_addresses_the_same_way(command, flag, tmp
     assert main([command, flag, "localhost:http", "--data-dir", str(tmp_path), *extra]) == 2
     setting = flag.removeprefix("--").replace("-", "_")
     assert f"{setting} must be host:port, got 'localhost:http'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, unlisted, listed", [
+    ("status", "--tokens-file", "--master-address"),
+    ("send", "--ticket-key-file", "--image"),
+    ("send", "--watch", "--master-address"),
+    ("master", None, "--tokens-file"),
+])
+def test_a_client_command_does_not_list_server_settings_but_accepts_them(command, unlisted, listed,
+                                                                        capsys) -> None:
+    from hio.cli import main
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert listed in out
+    if unlisted:
+        assert unlisted not in out
+        # one configuration file serves every role: the setting is still accepted
+        from hio.cli import COMMANDS, _command_parser, _load
+        args = _command_parser(command, _load(COMMANDS[command][0])).parse_args([unlisted, "x"])
+        assert getattr(args, unlisted[2:].replace("-", "_")) == "x"
