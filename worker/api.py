@@ -16,6 +16,9 @@ from typing import Any, Callable, Mapping
 from hio.common.config import ConfigError
 
 BUILTIN_PIPELINES = ("microscopy", "simulation", "synthetic")
+# An engine whose pipeline cannot be loaded exits with this (EX_CONFIG) after one line saying why:
+# its worker shows that line as the channel's state, and does not take it for a port in use.
+PIPELINE_EXIT_CODE = 78
 _NO_ATTRIBUTES: Mapping[str, str] = types.MappingProxyType({})
 
 

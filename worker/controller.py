@@ -29,7 +29,7 @@ from hio.common.log import NOTICE
 from hio.common.net import connect_hint, create_channel
 from hio.common.retry import Backoff
 from hio.proto import master_pb2, master_pb2_grpc
-from hio.worker.api import pipeline_for_image
+from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
 from hio.worker.config import WorkerConfig, engine_counts
 from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec, ProcessLauncher, select_launcher
 
@@ -135,16 +135,21 @@ class EngineSlot:
     next_start: float = 0.0          # monotonic time the engine may (re)start
     up_since: float = 0.0
 
-    def on_exit(self, code: int, now: float, backoff_max: float) -> str:
-        """Record a crash; schedule the restart; the operator-facing reason."""
+    def on_exit(self, code: int, now: float, backoff_max: float, last_line: str = "") -> str:
+        """Record a crash; schedule the restart; the operator-facing reason.
+
+        An engine that cannot load its pipeline says why on its last line: that is the
+        reason shown, and it does not count towards moving the engine to a new port."""
         was_up = self.up
         self.handle, self.up = None, False
         self.restarts += 1
-        self.failed_starts = 0 if was_up else self.failed_starts + 1
+        pipeline = code == PIPELINE_EXIT_CODE
+        self.failed_starts = 0 if was_up or pipeline else self.failed_starts + 1
         delay = self.backoff
         self.next_start = now + delay
         self.backoff = min(self.backoff * 2, backoff_max)
-        self.detail = f"exited with code {code}; restart {self.restarts} in {delay:.1f}s"
+        why = last_line.removeprefix("hio engine: ") if pipeline and last_line else f"exited with code {code}"
+        self.detail = f"{why}; restart {self.restarts} in {delay:.1f}s"
         return self.detail
 
     def on_healthy(self, now: float) -> None:
@@ -378,9 +383,10 @@ class Controller:
 
     def _on_exit(self, slot: EngineSlot, code: int, now: float) -> None:
         handle = slot.handle
-        with self._lock:
-            detail = slot.on_exit(code, now, self._config.restart_backoff_max)
         last = self._launcher.logs(handle, 3) if handle is not None else ""
+        lines = last.strip().splitlines()
+        with self._lock:
+            detail = slot.on_exit(code, now, self._config.restart_backoff_max, lines[-1].strip() if lines else "")
         log.warning("engine exited", extra={"channel": slot.channel_id, "detail": detail,
                                             "log_tail": " | ".join(last.splitlines())[-1000:]})
         self._session.poke()

@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -38,7 +39,7 @@ from hio.common.net import TokenTable, create_server, message_limit, run_until_s
 from hio.common.retry import Backoff
 from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
 from hio.proto import engine_pb2_grpc, master_pb2
-from hio.worker.api import Pipeline, TupleInfo, load_pipeline, pipeline_for_image
+from hio.worker.api import PIPELINE_EXIT_CODE, Pipeline, TupleInfo, load_pipeline, pipeline_for_image
 from hio.worker.cluster import ClusterLink, PullCall
 from hio.worker.config import EngineConfig
 from hio.worker.features import build_record
@@ -896,14 +897,15 @@ def resolve_pipeline(config: EngineConfig) -> str:
     return config.pipeline or os.environ.get("HIO_PIPELINE", "") or pipeline_for_image(config.image)
 
 
-def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], None] = os._exit
-                         ) -> tuple[Any, int, Any, Engine]:
-    """Load the pipeline and build (server not started, port, health, engine started).
+def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], None] = os._exit,
+                         pipeline: Pipeline | None = None) -> tuple[Any, int, Any, Engine]:
+    """Load the pipeline (unless given) and build (server not started, port, health, engine started).
 
     Health is SERVING from the start: the pipeline is loaded before the
     server exists.
     """
-    pipeline = load_pipeline(resolve_pipeline(config))
+    if pipeline is None:
+        pipeline = load_pipeline(resolve_pipeline(config))
     cluster = ClusterLink(config, rpc_deadline=config.rpc_deadline, master_lane=config.pull_lane)
     reporter = Reporter(config.channel_id, cluster.report, keepalive=config.reservation_seconds / 3,
                         processing=lambda: engine.processing)
@@ -954,8 +956,16 @@ def watch_parent(parent_pid: int, stop: threading.Event, interval: float = PAREN
 
 
 def run_engine(config: EngineConfig) -> int:
-    """`hio engine`: serve one channel until SIGTERM (or its worker's death); exit 0 after a clean stop."""
-    server, port, health, engine = create_engine_server(config)
+    """`hio engine`: serve one channel until SIGTERM (or its worker's death); exit 0 after a clean stop.
+
+    A pipeline that cannot be loaded exits with :data:`PIPELINE_EXIT_CODE` and says why on
+    its last line: the worker shows that line as the channel's state."""
+    try:
+        pipeline = load_pipeline(resolve_pipeline(config))
+    except ConfigError as exc:
+        print(f"hio engine: cannot load the pipeline: {exc}", file=sys.stderr, flush=True)
+        return PIPELINE_EXIT_CODE
+    server, port, health, engine = create_engine_server(config, pipeline=pipeline)
     server.start()
     engine.start()
     stop_event = threading.Event()

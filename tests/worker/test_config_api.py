@@ -9,7 +9,7 @@ import pytest
 
 from hio.common.config import ConfigError, build, load_file
 from hio.proto import features_pb2, tuple_pb2
-from hio.worker.api import TupleInfo, load_pipeline, pipeline_for_image
+from hio.worker.api import PIPELINE_EXIT_CODE, TupleInfo, load_pipeline, pipeline_for_image
 from hio.worker.config import EngineConfig, WorkerConfig, engine_counts
 from hio.worker.controller import EngineSlot, engine_env
 from hio.worker.features import FeatureError, build_record, feature_value
@@ -117,6 +117,15 @@ def test_restart_backoff_doubles_to_the_cap_and_resets_after_a_healthy_run() -> 
     assert slot.backoff == 2.0
     slot.settle(70.0)
     assert slot.backoff == 0.5 and slot.failed_starts == 0
+
+
+def test_an_engine_that_cannot_load_its_pipeline_says_why_and_keeps_its_port() -> None:
+    slot = EngineSlot(channel_id="w/0", image="x", pipeline="m:f", port=1)
+    line = "hio engine: cannot load the pipeline: pipeline 'm:f': cannot import m: No module named 'm'"
+    for n in range(5):
+        detail = slot.on_exit(PIPELINE_EXIT_CODE, float(n), 2.0, line)
+    assert detail.startswith("cannot load the pipeline: pipeline 'm:f': cannot import m") and "restart 5" in detail
+    assert slot.failed_starts == 0, "a pipeline that cannot be loaded is not a port in use"
 
 
 def test_load_pipeline_runs_setup_once_and_reads_kd_features() -> None:

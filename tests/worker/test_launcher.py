@@ -11,6 +11,7 @@ import pytest
 from hio.common.config import ConfigError, build
 from hio.common.net import wait_healthy
 from hio.common.settings import ClusterSettings
+from hio.worker.api import PIPELINE_EXIT_CODE
 from hio.worker.config import WorkerConfig
 from hio.worker.controller import engine_env
 from hio.worker.launcher import EngineSpec, ProcessLauncher, select_launcher
@@ -52,8 +53,9 @@ def test_crash_exit_code_and_log_are_visible(tmp_path: Path) -> None:
     launcher = ProcessLauncher(config)
     broken = launcher.start(_spec(config, pipeline="tests.worker.pipe_broken:process"))
     assert wait_for(lambda: launcher.poll(broken) is not None, timeout=30, what="the broken engine to exit")
-    assert launcher.poll(broken) == 2
-    assert "hio_no_such_module" in launcher.logs(broken, lines=5)
+    assert launcher.poll(broken) == PIPELINE_EXIT_CODE
+    last = launcher.logs(broken, lines=5).strip().splitlines()[-1]
+    assert last.startswith("hio engine: cannot load the pipeline:") and "hio_no_such_module" in last
     running = launcher.start(_spec(config))
     wait_healthy(f"127.0.0.1:{running.spec.port}", ClusterSettings(), timeout=30)
     os.kill(int(running.ident), signal.SIGKILL)
