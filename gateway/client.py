@@ -238,17 +238,33 @@ class Gateway:
         return [self.result(f, _left(start, timeout)) for f in futures]
 
     def result(self, future: TupleFuture, timeout: float | None = None) -> int:
-        """Wait for a future from ``submit``; its id, or DeliveryError/DeliveryTimeout."""
-        try:
-            return int(future.result(timeout))
-        except concurrent.futures.TimeoutError:
-            seq = getattr(future, "seq", 0)
-            last = self._dispatcher.last_error(seq) if seq else ""
-            down = self._dispatcher.master_unreachable_for()
-            why = last or (f"master {self.config.master_address} unreachable for {down:.0f}s" if down else
-                           "still waiting for a channel or the queue")
-            raise DeliveryTimeout(f"tuple '{future.name}' not delivered within {timeout:.0f}s "
-                                  f"(it stays spooled): {why}", name=future.name, reason=why) from None
+        """Wait for a future from ``submit``; its id, or DeliveryError/DeliveryTimeout.
+
+        Gives up early, with :class:`DeliveryTimeout`, when no engine has served the
+        tuple's image for ``image_wait_seconds`` (a misspelt image, or no worker for it
+        yet): the tuple stays spooled and is delivered once an engine serves it."""
+        start = time.monotonic()
+        while True:
+            left = _left(start, timeout)
+            try:
+                return int(future.result(0.25 if left is None else min(left, 0.25)))
+            except concurrent.futures.TimeoutError:
+                unserved = self._dispatcher.unserved_images().get(future.image)
+                if unserved is not None and unserved[0] > self.config.image_wait_seconds:
+                    why = (f"no engine serves image '{future.image}' after {unserved[0]:.0f}s "
+                           f"(master: {unserved[1]})")
+                    raise DeliveryTimeout(f"tuple '{future.name}' not delivered (it stays spooled, and goes "
+                                          f"once an engine serves its image): {why}",
+                                          name=future.name, reason=why) from None
+                if left is not None and left <= 0.25:
+                    break
+        seq = getattr(future, "seq", 0)
+        last = self._dispatcher.last_error(seq) if seq else ""
+        down = self._dispatcher.master_unreachable_for()
+        why = last or (f"master {self.config.master_address} unreachable for {down:.0f}s" if down else
+                       "still waiting for a channel or the queue")
+        raise DeliveryTimeout(f"tuple '{future.name}' not delivered within {timeout:.0f}s "
+                              f"(it stays spooled): {why}", name=future.name, reason=why)
 
     # -- waiting and closing ------------------------------------------------------
 

@@ -90,6 +90,9 @@ class GatewayConfig(ClusterSettings):
     stream_timeout_seconds: float = setting(900.0, "deadline of one delivery stream (a whole batch)")
     connect_seconds: float = setting(20.0, "hio send / the library: how long the master may stay "
                                            "unreachable before giving up")
+    image_wait_seconds: float = setting(30.0, "hio send / the library's blocking calls: how long to wait for "
+                                              "an engine that serves a tuple's image (no worker offers it yet) "
+                                              "before giving up on it; it stays spooled (the daemon waits on)")
 
     def resolved_source(self) -> str:
         return self.source or default_source()
@@ -103,7 +106,7 @@ class GatewayConfig(ClusterSettings):
         self.validate_cluster()
         for name in ("spool_bytes", "streams", "batch_tuples", "batch_bytes", "max_attempts",
                      "settle_seconds", "poll_seconds", "route_timeout_seconds",
-                     "stream_timeout_seconds", "connect_seconds"):
+                     "stream_timeout_seconds", "connect_seconds", "image_wait_seconds"):
             positive(name, getattr(self, name))
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
@@ -138,13 +141,9 @@ class SendConfig(GatewayConfig):
                                         "naming each, instead of sending anything")
     wait: bool = setting(True, "wait until stored or enqueued; --no-wait hands the files to the "
                                "gateway daemon at --ingest-listen and returns once it spooled them")
-    image_wait_seconds: float = setting(30.0, "how long to wait for an engine that serves a file's image "
-                                              "(no worker offers it yet) before giving up on those files; "
-                                              "they stay spooled for the next hio send")
 
     def validate(self) -> None:
         super().validate()
-        positive("image_wait_seconds", self.image_wait_seconds)
         if self.drop_spooled and self.files:
             raise ConfigError("--drop-spooled drops what is spooled and sends nothing: name no FILE with it")
         if not self.files and not self.wait:

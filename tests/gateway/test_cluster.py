@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from hio.gateway import Gateway, GatewayConfig
+from hio.gateway.client import DeliveryTimeout
 from hio.proto import features_pb2, ingest_pb2, ingest_pb2_grpc, master_pb2, master_pb2_grpc
 from hio.proto import repository_pb2, repository_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
@@ -283,10 +284,15 @@ def test_hio_send_gives_up_on_an_image_no_engine_serves_and_says_which(cluster: 
     assert len(failed) == 1 and "typo.bin" in failed[0], second.stdout
     assert "no engine serves image 'hio/synthetik'" in failed[0] and IMAGE in failed[0], failed[0]
     assert "stays spooled" in failed[0]
-    with Gateway(cluster.config("typo-status")) as gw:            # the library and the daemon say so too
+    with Gateway(cluster.config("typo-status", image_wait_seconds=2.0)) as gw:   # the library and the daemon too
         gw.submit(b"abc", image="hio/synthetik")
         warnings = wait_for(lambda: gw.status().warnings(), timeout=20, what="the unserved image in the status")
         assert "no engine serves image 'hio/synthetik'" in warnings[0] and IMAGE in warnings[0]
+        blocked = time.monotonic()
+        with pytest.raises(DeliveryTimeout, match="no engine serves image 'hio/synthetik' after") as gave_up:
+            gw.send(b"abcd", image="hio/synthetik", timeout=120)
+        assert time.monotonic() - blocked < 30, "the blocking send gives up after image_wait_seconds"
+        assert "stays spooled" in str(gave_up.value) and IMAGE in str(gave_up.value)
         gw.close(timeout=0.2, drain=False)
     stored = [r.meta.name for r in cluster.records().values() if r.meta.source == "typo"]
     assert stored == ["good.bin"]
