@@ -8,7 +8,9 @@ docker) happen inside the command that needs them.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import logging
 import os
 import sys
 from typing import Any, Callable
@@ -139,6 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:   # `hio knowledge | head`: the reader left; nothing more to say, no traceback
         _quiet_stdout()
         return 1
+    except OSError as exc:
+        if exc.errno not in _ENVIRONMENT_ERRNOS:
+            raise
+        # the machine's state, not a defect: a full disk, a data dir that is a file or not ours
+        logging.getLogger("hio").debug("stopped by the environment", exc_info=True)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"hio {name}: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
+
+
+# OS errors that say what is wrong with the machine (named in one line, no traceback)
+_ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS,
+                                 errno.ENOTDIR, errno.EISDIR, errno.EEXIST})
 
 
 def _quiet_stdout() -> None:

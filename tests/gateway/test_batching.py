@@ -65,7 +65,7 @@ def test_a_receipt_naming_another_tuple_settles_nothing() -> None:
             for n in (1, 2)]
     settled: set[int] = set()
     completed: list = []  # type: ignore[type-arg]
-    d._settle(TupleReceipt(index=1, tuple_id=999, state=TupleReceipt.STORED), sent, settled, completed)
-    d._settle(TupleReceipt(index=0, tuple_id=101, state=TupleReceipt.STORED), sent, settled, completed)
+    d._settle(TupleReceipt(index=1, tuple_id=999, state=TupleReceipt.STORED), sent, settled, completed, direct=True)
+    d._settle(TupleReceipt(index=0, tuple_id=101, state=TupleReceipt.STORED), sent, settled, completed, direct=True)
     d._complete_many(completed, direct=True)
     assert done == [101] and settled == {0}

@@ -172,8 +172,11 @@ def test_config_validation(tmp_path: Path) -> None:
     config = build(GatewayConfig, "gateway", overrides={"watch": str(tmp_path)})
     assert config.resolved_done_dir() == str(tmp_path / ".hio-done")
     assert config.resolved_source()
+    assert build(SendConfig, "gateway").files == (), "no FILE: finish what an earlier hio send left spooled"
+    with pytest.raises(ConfigError, match="name no FILE"):
+        build(SendConfig, "gateway", overrides={"files": ("a.bin",), "drop_spooled": True})
     with pytest.raises(ConfigError, match="FILE"):
-        build(SendConfig, "gateway")
+        build(SendConfig, "gateway", overrides={"wait": False})
 
 
 def test_send_fails_fast_naming_an_unreachable_master(tmp_path: Path) -> None:
