@@ -40,6 +40,10 @@ log = logging.getLogger("hio.kd")
 
 LOG4J = """# Written by hio kd: Spark quiet unless something is wrong.
 rootLogger.level = error
+# A PySpark driver is a shell to Spark: without a level of its own for the shell's main class it
+# announces one ("Setting default log level to WARN") and logs at it.
+logger.shell.name = org.apache.spark.api.python.PythonGatewayServer
+logger.shell.level = error
 rootLogger.appenderRef.stderr.ref = console
 appender.console.type = Console
 appender.console.name = console
@@ -106,6 +110,8 @@ class KnowledgeJob:
         self.last_timings: dict[str, float] = {}
         self._published_at = time.monotonic()
         self._unpublished: int | None = None   # records accepted since the last publication
+        self.accepted = 0                      # records accepted by this run
+        self.knowledge: features_pb2.Knowledge | None = None   # the last one this run published
 
     def close(self) -> None:
         self.client.close()
@@ -127,6 +133,7 @@ class KnowledgeJob:
         self.client.commit(self.config.consumer, end_offset)
         timings["store"] = time.monotonic() - started - timings["read"]
         self._unpublished = (self._unpublished or 0) + appended.accepted
+        self.accepted += appended.accepted
         knowledge = self.publish(started, timings) if self._should_publish(end_offset) else None
         self.intervals += 1
         self.last_seconds = time.monotonic() - started
@@ -180,7 +187,16 @@ class KnowledgeJob:
         timings["publish"] = time.monotonic() - mark
         self._published_at = time.monotonic()
         self._unpublished = None
+        self.knowledge = knowledge
         return knowledge
+
+    def summary(self) -> str:
+        """What this run did, in one line (the result of ``hio kd --once``)."""
+        read = f"{self.accepted:,} new feature records ({self.store.total:,} stored in all)"
+        if self.knowledge is None:
+            return f"hio kd: {read}; knowledge unchanged"
+        return (f"hio kd: {read}; published knowledge of {len(self.knowledge.groups)} groups, "
+                f"{len(self.knowledge.clusters)} clusters (see it: hio knowledge)")
 
 
 def _source_options(config: KDConfig, store: AccumulatedStore) -> dict[str, str]:
@@ -343,7 +359,10 @@ def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None
     log.log(NOTICE, "KD started", extra={"spark": config.spark_master, "repository": config.repository_address,
                                   "stored": store.total, "once": config.once})
     try:
-        return supervise(session, config, job, stop)
+        code = supervise(session, config, job, stop)
+        if config.once and code == 0:
+            print(job.summary(), flush=True)
+        return code
     finally:
         job.close()
         session.stop()

@@ -50,16 +50,18 @@ def purity(knowledge, truth_by_id: dict[int, int]) -> float:  # type: ignore[no-
     return best / len(pairs)
 
 
-def test_empty_repository_writes_nothing(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_empty_repository_writes_nothing(spark, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     with repository(tmp_path / "repo") as repo:
         config = kd_config(tmp_path, repo)
         assert run(config, spark=spark) == 0
+        assert capsys.readouterr().out == "hio kd: 0 new feature records (0 stored in all); knowledge unchanged\n"
         assert run(config, spark=spark) == 0          # a second empty pass, from the checkpoint
         assert repo.knowledge() is None
         assert not list(config.parquet_dir.glob("part-*"))
 
 
-def test_intervals_cluster_distinct_distributions_and_skip_malformed(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_intervals_cluster_distinct_distributions_and_skip_malformed(spark, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                    capsys) -> None:
     records, truth = blobs_records(1, 900)
     broken = record(5000, {"a": 1.0}, kd=("a", "absent"))
     other = record(5001, {"x": 1.0}, image="hio/other")
@@ -86,9 +88,12 @@ def test_intervals_cluster_distinct_distributions_and_skip_malformed(spark, tmp_
 
         more, more_truth = blobs_records(10_000, 300, seed=7)
         repo.put(more)
+        capsys.readouterr()
         assert run(config, spark=spark) == 0
         knowledge = repo.knowledge()
         assert (knowledge.tuple_count, knowledge.new_records) == (1200, 300)
+        assert capsys.readouterr().out == ("hio kd: 300 new feature records (1,201 stored in all); published "
+                                           "knowledge of 2 groups, 3 clusters (see it: hio knowledge)\n")
         truth_by_id.update({r.tuple_id: int(t) for r, t in zip(more, more_truth)})
         assert purity(knowledge, truth_by_id) == 1.0
 
