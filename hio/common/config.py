@@ -233,6 +233,20 @@ def check_address(name: str, value: str, *, allow_empty: bool = False) -> None:
         raise ConfigError(f"{name} must be host:port, got {value!r}")
 
 
+# gRPC target schemes a peer address may use instead of host:port
+_TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def check_peer(name: str, value: str) -> None:
+    """Refuse a peer address without a port: gRPC would quietly try port 443. A gRPC
+    target with a scheme (``dns:///host:port``, ``unix:/path``) is taken as it is."""
+    if value.startswith(_TARGET_SCHEMES):
+        return
+    check_address(name, value)
+    if value.startswith(":"):
+        raise ConfigError(f"{name} must name a host, got {value!r} (e.g. 127.0.0.1{value})")
+
+
 def positive(name: str, value: float) -> None:
     """Refuse a bound that must be positive."""
     if value <= 0:

@@ -81,6 +81,10 @@ def message_limit(settings: ClusterSettings) -> int:
     return max(settings.chunk_bytes + 4 * 1024 * 1024, 16 * 1024 * 1024)
 
 
+#: The roles a tokens file may grant ("any": every call, as the shared --token does).
+TOKEN_ROLES = ("admin", "any", "gateway", "kd", "viewer", "worker")
+
+
 def _read(path: str, what: str) -> bytes:
     try:
         return Path(path).expanduser().read_bytes()
@@ -106,6 +110,9 @@ class TokenTable:
                 parts = line.split()
                 if len(parts) < 2:
                     raise ConfigError(f"{settings.tokens_file}:{n}: expected 'token role [name]'")
+                if parts[1] not in TOKEN_ROLES:   # a typo would refuse that client on every call
+                    raise ConfigError(f"{settings.tokens_file}:{n}: unknown role '{parts[1]}'; "
+                                      f"known: {', '.join(TOKEN_ROLES)}")
                 entries.append((parts[0], parts[1], parts[2] if len(parts) > 2 else parts[1]))
             return cls(entries)
         shared = settings.presented_token()

@@ -7,7 +7,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from hio.common.config import ConfigError, setting
+from hio.common.config import ConfigError, check_peer, setting
 
 MiB = 1024 * 1024
 # The repository's default bound on one feature record decompressed; an engine refuses
@@ -56,6 +56,8 @@ class ClusterSettings:
         return self.token or os.environ.get("HIO_TOKEN", "")
 
     def validate_cluster(self) -> None:
+        check_peer("master_address", self.master_address)
+        check_peer("repository_address", self.repository_address)
         if self.chunk_bytes < 1024 or self.chunk_bytes > 64 * MiB:
             raise ConfigError(f"chunk_bytes must be between 1 KiB and 64 MiB, got {self.chunk_bytes}")
         if self.max_tuple_bytes < 1:

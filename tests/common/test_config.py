@@ -147,3 +147,14 @@ def test_a_client_command_does_not_list_server_settings_but_accepts_them(command
         from hio.cli import COMMANDS, _command_parser, _load
         args = _command_parser(command, _load(COMMANDS[command][0])).parse_args([unlisted, "x"])
         assert getattr(args, unlisted[2:].replace("-", "_")) == "x"
+
+
+@pytest.mark.parametrize("address, message", [
+    ("master", "master_address must be host:port, got 'master'"),     # gRPC would try port 443
+    (":7000", "master_address must name a host"),
+])
+def test_a_peer_address_without_a_port_or_host_is_refused(address: str, message: str) -> None:
+    from hio.common.settings import ClusterSettings
+    with pytest.raises(cfg.ConfigError, match=re.escape(message)):
+        ClusterSettings(master_address=address).validate_cluster()
+    ClusterSettings(master_address="dns:///master.example.org:7000").validate_cluster()   # a gRPC target as it is

@@ -185,3 +185,13 @@ def test_a_channel_reaches_a_server_another_channel_found_down() -> None:
             assert say(f"127.0.0.1:{port}", settings) == b"hi"
         finally:
             server.stop(0).wait(5)
+
+
+def test_a_tokens_file_with_an_unknown_role_is_refused_by_line(tmp_path: Path) -> None:
+    from hio.common.config import ConfigError
+    from hio.common.net import TokenTable
+
+    path = tmp_path / "tokens"
+    path.write_text("gw-secret gateway gw1\nwk-secret workers w1\n")   # 'workers' would refuse w1 on every call
+    with pytest.raises(ConfigError, match=r"tokens:2: unknown role 'workers'; known: admin, any, gateway"):
+        TokenTable.from_settings(ClusterSettings(tokens_file=str(path)))
