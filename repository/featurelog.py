@@ -61,6 +61,11 @@ class _GroupCommit:
         self._syncing = False
         self._last_sync = 0.0
 
+    @property
+    def durable(self) -> int:
+        with self._cond:
+            return self._durable
+
     def mark_durable(self, offset: int) -> None:
         with self._cond:
             if offset > self._durable:
@@ -337,9 +342,20 @@ class FeatureLog:
 
     @property
     def latest(self) -> int:
-        """Highest offset stored; 0 when empty. Equals the number of records."""
+        """Highest offset readers may see; 0 when empty.
+
+        With ``batch`` or ``always`` that is the highest durable offset: a record
+        a reader (KD) has seen must not vanish in a power loss and its offset
+        go to another record. Records in an fsync still running become visible
+        when it ends (within ``fsync_interval``). With ``never``, every record
+        written."""
         with self._lock:
+            return self._readable_locked()
+
+    def _readable_locked(self) -> int:
+        if self._mode == "never":
             return self._index.latest
+        return min(self._index.latest, self._commit.durable)
 
     def offset_of(self, tuple_id: int) -> int:
         """Offset of ``tuple_id``, 0 if not stored."""
@@ -362,7 +378,8 @@ class FeatureLog:
         with self._lock:
             if self._closed:
                 raise Unavailable("the repository is shutting down")
-            last = self._index.latest if until == 0 else min(until, self._index.latest)
+            readable = self._readable_locked()
+            last = readable if until == 0 else min(until, readable)
         if max_records:
             last = min(last, after + max_records)
         return self._iterate(after + 1, last)

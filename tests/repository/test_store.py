@@ -104,6 +104,24 @@ def test_fsync_modes_store_and_reopen(tmp_path: Path, mode: str) -> None:
         assert s.latest() == 60
 
 
+def test_readers_see_a_record_only_once_it_is_durable(tmp_path: Path) -> None:
+    """A record KD has read must survive a power loss: with fsync 'batch' a reader sees a
+    record once its group fsync is done, not while it waits for it."""
+    options = StoreOptions(fsync="batch", fsync_interval_ms=1500)
+    with FeatureStore(tmp_path / "s", options) as s:
+        s.put([upload(1)])                                  # the first fsync runs at once
+        second = threading.Thread(target=s.put, args=([upload(2)],))
+        second.start()                                      # waits up to 1.5 s for the next fsync
+        deadline = time.monotonic() + 10
+        while s.stats()["records"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.stats()["records"] == 2, "the second record is written"
+        assert second.is_alive(), "... and its fsync has not run yet"
+        assert s.latest() == 1 and [t for _, t, _ in s.read()] == [1]
+        second.join(10)
+        assert s.latest() == 2 and [t for _, t, _ in s.read()] == [1, 2]
+
+
 def test_concurrent_puts_store_each_id_once(store: FeatureStore) -> None:
     ids = list(range(1, 121))
     errors: list[BaseException] = []
