@@ -67,16 +67,17 @@ class TupleFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     ``outcome`` ("stored", "enqueued", ...) and ``tuple_id`` are set before it
     resolves; ``detail`` says why an enqueued tuple went to the master's queue
     when an engine's processing of it failed ("processing failed: ..."; the
-    queue tries it again), else it is ''. ``name``, ``size``, ``image`` and
-    ``created_unix`` describe the tuple.
+    queue tries it again), else it is ''. ``name``, ``size``, ``image``,
+    ``created_unix`` and ``crc32`` (of the payload) describe the tuple.
     """
 
-    def __init__(self, name: str, size: int, image: str = "", created_unix: float = 0.0) -> None:
+    def __init__(self, name: str, size: int, image: str = "", created_unix: float = 0.0, crc32: int = 0) -> None:
         super().__init__()
         self.name = name
         self.size = size
         self.image = image
         self.created_unix = created_unix
+        self.crc32 = crc32
         self.outcome = ""
         self.tuple_id = 0
         self.detail = ""
@@ -339,7 +340,8 @@ class Gateway:
     def _track(self, entry: SpoolEntry) -> TupleFuture:
         """A future for the entry, and the entry to delivery; both under one look at
         ``_closed``, so a close() in between cannot leave a future nobody resolves."""
-        future = TupleFuture(entry.meta.name, entry.size, entry.meta.image, entry.meta.created_unix)
+        meta = entry.meta
+        future = TupleFuture(meta.name, entry.size, meta.image, meta.created_unix, meta.crc32)
         future.seq = entry.seq  # type: ignore[attr-defined]
         with self._lock:
             closed = self._closed

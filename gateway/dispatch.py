@@ -416,10 +416,14 @@ class Dispatcher:
             done.append((pending, Outcome.STORED, ""))
         elif state == TupleReceipt.ENQUEUED:
             settled.add(receipt.index)
-            dead = self._is_dead(pending)
-            outcome = Outcome.DEAD_LETTERED if dead else Outcome.ENQUEUED
-            handed_back = f"processing failed: {receipt.message}" if direct and receipt.message else ""
-            done.append((pending, outcome, pending.failure if dead else handed_back))
+            if direct and receipt.message:   # handed back, charged one attempt: its last one dead-letters it
+                last = max(pending.entry.meta.attempt, 1) + 1 > self._config.max_attempts
+                done.append((pending, Outcome.DEAD_LETTERED if last else Outcome.ENQUEUED,
+                             f"processing failed: {receipt.message}"))
+            else:
+                dead = self._is_dead(pending)
+                done.append((pending, Outcome.DEAD_LETTERED if dead else Outcome.ENQUEUED,
+                             pending.failure if dead else ""))
         elif state == TupleReceipt.FAILED:
             settled.add(receipt.index)
             self._retry([pending], f"processing failed: {receipt.message}", count_attempt=True)

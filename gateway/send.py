@@ -32,7 +32,7 @@ from hio.common.frames import WireFrame, crc32_of_file, frames_for_file
 from hio.common.net import create_channel, rpc_error_text, send_frames
 from hio.gateway.client import Gateway, TupleFuture
 from hio.gateway.config import SendConfig, infer_image, is_ignored
-from hio.gateway.spool import Spool, SpoolFull, safe_name, spooled_metas
+from hio.gateway.spool import Spool, SpoolFull, SpoolInUse, safe_name, spooled_metas
 from hio.proto.tuple_pb2 import TupleMeta, TupleReceipt
 
 MB = 1e6
@@ -85,6 +85,10 @@ def send_spool(config: SendConfig) -> Path:
     return state_dir(config.data_dir, "gateway") / "spool" / safe_name(_spool_name(config))
 
 
+_IN_USE = ("another hio send of source '{source}' is running and holds its spool; wait for it to "
+           "finish (or stop it), or give this one its own --source")
+
+
 def _spool_name(config: SendConfig) -> str:
     return f"send-{config.resolved_source()}"
 
@@ -95,8 +99,8 @@ def _drop_spooled(config: SendConfig) -> int:
     root = send_spool(config)
     try:
         spool = Spool(root, config.spool_bytes, memory_bytes=0)
-    except ConfigError as exc:   # a running hio send holds it
-        print(f"hio send: {exc}", file=sys.stderr)
+    except SpoolInUse:   # a running hio send holds it
+        print(f"hio send: {_IN_USE.format(source=config.resolved_source())}", file=sys.stderr)
         return 2
     try:
         entries = spool.entries()
@@ -143,6 +147,9 @@ class _Sender:
     def run(self) -> int:
         try:
             gateway = Gateway(self.config, spool_name=_spool_name(self.config))
+        except SpoolInUse:
+            print(f"hio send: {_IN_USE.format(source=self.config.resolved_source())}", file=sys.stderr)
+            return 2
         except ConfigError as exc:
             print(f"hio send: {exc}", file=sys.stderr)
             return 2
@@ -151,6 +158,8 @@ class _Sender:
         total = sum(_size(p) for p in self.files if p not in futures.values()) \
             + sum(f.size for f in futures)   # a file gone by now is reported by its submit
         self.bar = _progress(self.config, total, self.tuples)
+        for future in futures:   # after the bar exists, so one settled already counts on it
+            future.add_done_callback(self._tick)
         try:
             futures.update(self._submit_all(gateway, set(futures.values())))
             gave_up = self._wait(gateway, futures)
@@ -162,13 +171,16 @@ class _Sender:
 
     def _resumed(self, gateway: Gateway) -> dict[TupleFuture, Path | str]:
         """The tuples an earlier run left spooled, each matched to the file it was (same
-        name, size and mtime) when that file is named again, else labelled by its
-        name: they are waited for, and a file among them is not sent twice."""
-        by_identity = {(p.name, st.st_size, st.st_mtime): p
-                       for p, st in ((p, _stat(p)) for p in self.files) if st is not None}
+        name, size, mtime and content CRC) when that file is named again, else labelled
+        by its name: they are waited for, and a file among them is not sent twice."""
+        by_identity: dict[tuple[str, int, float], list[Path]] = {}
+        for path in self.files:
+            st = _stat(path)
+            if st is not None:
+                by_identity.setdefault((path.name, st.st_size, st.st_mtime), []).append(path)
         futures: dict[TupleFuture, Path | str] = {}
         for future in gateway.resumed_futures:
-            path = by_identity.pop((future.name, future.size, future.created_unix), None)
+            path = _same_file(future, by_identity.get((future.name, future.size, future.created_unix), []))
             if path is None:
                 futures[future] = f"{future.name or '(unnamed)'} (spooled earlier)"
                 self.tuples += 1
@@ -178,7 +190,6 @@ class _Sender:
                     print(f"hio send: {path} was spooled earlier for image '{future.image}' and goes "
                           f"as that; to send it for '{self.images[path]}', drop it first "
                           "(hio send --drop-spooled)", file=sys.stderr)
-            future.add_done_callback(self._tick)
         if futures:
             named = sum(isinstance(label, Path) for label in futures.values())
             among = f", {named} of them among the files named" if named else ""
@@ -319,6 +330,21 @@ def _ingest_frames(config: SendConfig, files: list[Path], images: dict[Path, str
         meta = TupleMeta(image=images[path], name=path.name, size=size, crc32=crc,
                          created_unix=path.stat().st_mtime, source=config.source)
         yield from frames_for_file(meta, path, config.chunk_bytes, encode=True)
+
+
+def _same_file(future: TupleFuture, candidates: list[Path]) -> Path | None:
+    """The named file a spooled tuple was: among those of its name, size and mtime (files
+    of one name in several folders), the first whose content has its CRC; taken off
+    ``candidates``, so no file stands for two tuples."""
+    for path in candidates:
+        try:
+            crc, _ = crc32_of_file(path)
+        except OSError:
+            continue
+        if crc == future.crc32:
+            candidates.remove(path)
+            return path
+    return None
 
 
 def _size(path: Path) -> int:

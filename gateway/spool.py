@@ -93,6 +93,10 @@ JOIN_BYTES = 64 * 1024           # parts of a record up to this size are written
 MEMORY_BYTES = 64 * 1024 * 1024  # payloads kept in memory besides the disk copy (Spool memory_bytes)
 
 
+class SpoolInUse(ConfigError):
+    """Another process holds this spool folder (its lock)."""
+
+
 class SpoolFull(ResourceExhausted):
     """The spool holds ``spool_bytes`` of undelivered tuples; retry once some are delivered."""
 
@@ -258,7 +262,7 @@ class Spool:
         except OSError as exc:
             fh.close()
             if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise ConfigError(f"spool {self.root} is in use by another gateway process; "
+                raise SpoolInUse(f"spool {self.root} is in use by another gateway process; "
                                   "give each gateway its own --source or --data-dir") from None
             raise
         fh.seek(0)

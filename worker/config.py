@@ -19,7 +19,7 @@ import os
 import socket
 from typing import ClassVar
 
-from hio.common.config import ConfigError, check_address, parse_assignments, positive, setting
+from hio.common.config import ConfigError, as_text, check_address, parse_assignments, positive, setting
 from hio.common.settings import ClusterSettings
 
 DEFAULT_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
@@ -79,12 +79,20 @@ class WorkerConfig(EngineSettings):
     SECTION_AS_SETTINGS: ClassVar[tuple[str, str]] = ("engine", "engine_settings")
 
     def engine_overrides(self) -> dict[str, str]:
-        """The engine settings to pass on, checked: only those a worker does not decide itself."""
+        """The engine settings to pass on (as environment values), checked as an engine would
+        check them: only those a worker does not decide itself, each valid."""
+        where = "engine_settings ([engine])"
         refused = {name: "the worker sets it for each engine" for name in ENGINE_SLOT_SETTINGS}
         refused["pull_lane"] = "it follows the worker's lanes setting"
+        engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
         refused.update((f.name, "set it for the worker ([worker] or [cluster]); it passes its value on to "
-                                "its engines") for f in dataclasses.fields(WorkerConfig))
-        return parse_assignments(self.engine_settings, EngineConfig, "engine_settings ([engine])", refused=refused)
+                                "its engines") for f in dataclasses.fields(WorkerConfig) if f.name in engine_fields)
+        values = parse_assignments(self.engine_settings, EngineConfig, where, refused=refused)
+        try:   # an engine refusing its settings would only restart, again and again
+            EngineConfig(channel_id="check/0", image="check", **values).validate()
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        return {name: as_text(value) for name, value in values.items()}
 
     def validate(self) -> None:
         self.validate_cluster()

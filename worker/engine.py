@@ -25,6 +25,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import zstandard
@@ -962,8 +963,11 @@ def run_engine(config: EngineConfig) -> int:
     its last line: the worker shows that line as the channel's state."""
     try:
         pipeline = load_pipeline(resolve_pipeline(config))
-    except ConfigError as exc:
-        print(f"hio engine: cannot load the pipeline: {exc}", file=sys.stderr, flush=True)
+    except Exception as exc:  # noqa: BLE001 - a user's module: an import error, a SyntaxError, a setup() that raises
+        if not isinstance(exc, ConfigError):   # the user's own code failed: where, in the engine's log
+            traceback.print_exc(file=sys.stderr)
+        why = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+        print(f"hio engine: cannot load the pipeline: {why}", file=sys.stderr, flush=True)
         return PIPELINE_EXIT_CODE
     server, port, health, engine = create_engine_server(config, pipeline=pipeline)
     server.start()

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
 import os
 import re
 import tomllib
@@ -151,9 +153,11 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
         for key, value in table.items():
             if key in names:
                 values[key] = _convert(value, types[key], f"[{section}] {key}")
-            elif section == role or key not in _cluster_names():
-                known = names if section == role else _cluster_names()
-                raise ConfigError(f"unknown setting '{key}' in [{section}]; known: {', '.join(sorted(known))}")
+            elif section == role:
+                raise ConfigError(f"unknown setting '{key}' in [{section}]; known: {', '.join(sorted(names))}")
+            elif key not in _cluster_names():
+                raise ConfigError(f"unknown setting '{key}' in [cluster]: no role has it "
+                                  "(hio <role> --help lists each role's settings)")
     for name in names:
         for env in _env_names(role, name):
             if env in os.environ:
@@ -172,7 +176,7 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
         table = file_data.get(section, {})
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}] in the configuration file must be a table")
-        values[field] = tuple(f"{key}={_text(value)}" for key, value in table.items()) + tuple(values.get(field, ()))
+        values[field] = tuple(f"{key}={as_text(value)}" for key, value in table.items()) + tuple(values.get(field, ()))
     for name, value in (overrides or {}).items():
         if name not in names:
             raise ConfigError(f"unknown setting '{name}' for {role}")
@@ -184,15 +188,24 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
     return config
 
 
-def _cluster_names() -> set[str]:
-    """Settings a [cluster] table may hold (every role's shared ones)."""
-    from hio.common.settings import ClusterSettings   # it builds on this module
+@functools.lru_cache(maxsize=1)
+def _cluster_names() -> frozenset[str]:
+    """Settings a [cluster] table may hold: any role's (a role ignores those it lacks, so
+    ``max_attempts`` there reaches master, worker and gateway; only a name no role knows
+    is a typo)."""
+    from hio.cli import COMMANDS   # the roles' config classes; it builds on this module
 
-    return {f.name for f in dataclasses.fields(ClusterSettings)}
+    names: set[str] = set()
+    for cls_path, _section, _run, _help in COMMANDS.values():
+        module, _, attr = cls_path.partition(":")
+        if module.startswith(("hio.bench", "hio.kd.bench", "hio.images", "hio.common.certs")):
+            continue   # tools with settings of their own, not the cluster's
+        names.update(f.name for f in dataclasses.fields(getattr(importlib.import_module(module), attr)))
+    return frozenset(names)
 
 
-def _text(value: Any) -> str:
-    """A TOML value as an environment variable would say it."""
+def as_text(value: Any) -> str:
+    """A setting's value (TOML or converted) as an environment variable would say it."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
@@ -200,11 +213,11 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def parse_assignments(items: tuple[str, ...], cls: type, where: str, *, refused: dict[str, str]) -> dict[str, str]:
-    """``NAME=VALUE`` items checked against the settings of ``cls`` (each value must convert
-    to its field's type); a name in ``refused`` is refused with its reason. Later items win."""
+def parse_assignments(items: tuple[str, ...], cls: type, where: str, *, refused: dict[str, str]) -> dict[str, Any]:
+    """``NAME=VALUE`` items checked against the settings of ``cls``, each converted to its
+    field's type; a name in ``refused`` is refused with its reason. Later items win."""
     types = _field_types(cls)
-    out: dict[str, str] = {}
+    out: dict[str, Any] = {}
     for item in items:
         name, sep, value = item.partition("=")
         name = name.strip().replace("-", "_")
@@ -215,8 +228,7 @@ def parse_assignments(items: tuple[str, ...], cls: type, where: str, *, refused:
         if name not in types:
             known = sorted(set(types) - set(refused))
             raise ConfigError(f"{where}: unknown setting '{name}'; known: {', '.join(known)}")
-        _convert(value.strip(), types[name], f"{where} {name}")
-        out[name] = value.strip()
+        out[name] = _convert(value.strip(), types[name], f"{where} {name}")
     return out
 
 

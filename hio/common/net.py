@@ -82,7 +82,7 @@ def message_limit(settings: ClusterSettings) -> int:
 
 
 #: The roles a tokens file may grant ("any": every call, as the shared --token does).
-TOKEN_ROLES = ("admin", "any", "gateway", "kd", "viewer", "worker")
+TOKEN_ROLES = ("admin", "any", "gateway", "instrument", "kd", "viewer", "worker")
 
 
 def _read(path: str, what: str) -> bytes:

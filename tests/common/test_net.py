@@ -193,5 +193,17 @@ def test_a_tokens_file_with_an_unknown_role_is_refused_by_line(tmp_path: Path) -
 
     path = tmp_path / "tokens"
     path.write_text("gw-secret gateway gw1\nwk-secret workers w1\n")   # 'workers' would refuse w1 on every call
-    with pytest.raises(ConfigError, match=r"tokens:2: unknown role 'workers'; known: admin, any, gateway"):
+    with pytest.raises(ConfigError, match=r"tokens:2: unknown role 'workers'; known: admin, any, gateway, instrument"):
         TokenTable.from_settings(ClusterSettings(tokens_file=str(path)))
+
+
+def test_every_role_a_service_grants_is_a_known_token_role() -> None:
+    """The roles named in each service's policy are the ones a tokens file may grant."""
+    from hio.common.net import TOKEN_ROLES
+    from hio.gateway.ingest import POLICY as INGEST
+    from hio.master.service import POLICY as MASTER
+    from hio.repository.service import POLICY as REPOSITORY
+    from hio.worker.engine import POLICY as ENGINE
+
+    granted = {role for policy in (INGEST, MASTER, REPOSITORY, ENGINE) for roles in policy.values() for role in roles}
+    assert granted <= set(TOKEN_ROLES), granted - set(TOKEN_ROLES)

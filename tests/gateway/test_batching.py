@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hio.gateway.config import GatewayConfig
 from hio.gateway.dispatch import Dispatcher
 from hio.gateway.spool import SpoolEntry
@@ -69,3 +71,22 @@ def test_a_receipt_naming_another_tuple_settles_nothing() -> None:
     d._settle(TupleReceipt(index=0, tuple_id=101, state=TupleReceipt.STORED), sent, settled, completed, direct=True)
     d._complete_many(completed, direct=True)
     assert done == [101] and settled == {0}
+
+
+@pytest.mark.parametrize("attempt, outcome", [(1, "enqueued"), (3, "dead-lettered")])
+def test_a_tuple_an_engine_hands_back_on_its_last_attempt_is_a_dead_letter(attempt: int, outcome: str) -> None:
+    """The engine charges the hand-back an attempt; on the last one the master stores it as a dead
+    letter, so the sender must not say the queue tries it again."""
+    from hio.gateway.dispatch import _Pending
+    from hio.proto.tuple_pb2 import TupleReceipt
+
+    d = Dispatcher(GatewayConfig(master_address="127.0.0.1:1", max_attempts=3), persist=lambda entries: None,
+                   open_payload=lambda e: open(e.data_path, "rb"), payload_damage=lambda e: "",
+                   on_complete=lambda completed: None)
+    sent = [_Pending(1, SpoolEntry(1, TupleMeta(image="hio/synthetic", size=1, tuple_id=7, attempt=attempt),
+                                   Path("/x")))]
+    done: list = []  # type: ignore[type-arg]
+    d._settle(TupleReceipt(index=0, tuple_id=7, state=TupleReceipt.ENQUEUED, message="ValueError: bad"),
+              sent, set(), done, direct=True)
+    [(_, got, detail)] = done
+    assert (got.value, detail) == (outcome, "processing failed: ValueError: bad")

@@ -326,19 +326,24 @@ def _spool_for_send(root: Path, source: str, files: list[Path], **submit: object
 
 
 def test_hio_send_again_after_a_cut_short_run_sends_each_file_once(cluster: Cluster, tmp_path: Path) -> None:
-    files = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    """Including files of one name, size and mtime in two folders (per-well img.bin after a tar)."""
+    (tmp_path / "A").mkdir()
+    (tmp_path / "B").mkdir()
+    files = [tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "A" / "img.bin", tmp_path / "B" / "img.bin"]
     for path in files:
         path.write_bytes(os.urandom(20_000))
-    _spool_for_send(tmp_path / "var", "rerun", files[:1])
+        os.utime(path, (1_700_000_000, 1_700_000_000))
+    _spool_for_send(tmp_path / "var", "rerun", [files[0], files[2]])
     send = [sys.executable, "-m", "hio.cli", "send", "--image", IMAGE, "--master-address", cluster.master,
             "--data-dir", str(tmp_path / "var"), "--source", "rerun"]
     proc = subprocess.run([*send, *map(str, files)], capture_output=True, text=True, env=hio_env(),
                           timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "resuming 1 tuples" in proc.stderr and "1 of them among the files named" in proc.stderr
-    assert "sent 2 of 2 tuples" in proc.stdout, proc.stdout
-    stored = sorted(r.meta.name for r in cluster.records().values() if r.meta.source == "rerun")
-    assert stored == ["a.bin", "b.bin"], "each file stored once"
+    assert "resuming 2 tuples" in proc.stderr and "2 of them among the files named" in proc.stderr
+    assert "sent 4 of 4 tuples" in proc.stdout, proc.stdout
+    stored = [r.meta for r in cluster.records().values() if r.meta.source == "rerun"]
+    assert sorted(m.name for m in stored) == ["a.bin", "b.bin", "img.bin", "img.bin"], "each file stored once"
+    assert {m.crc32 for m in stored} == {zlib.crc32(p.read_bytes()) for p in files}, "and every one of them"
 
 
 def test_hio_send_names_a_tuple_whose_processing_failed_and_went_to_the_queue(

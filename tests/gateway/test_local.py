@@ -246,3 +246,17 @@ def test_send_stops_at_once_when_the_master_refuses_its_token(tmp_path: Path) ->
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "refuses this gateway" in proc.stderr and "UNAUTHENTICATED" in proc.stderr, proc.stderr
     assert "stay spooled" in proc.stderr
+
+
+def test_drop_spooled_while_another_hio_send_runs_says_so(tmp_path: Path) -> None:
+    from hio.gateway.spool import Spool
+
+    held = Spool(tmp_path / "var" / "gateway" / "spool" / "send-busy", 1 << 20)   # as a running hio send holds it
+    try:
+        proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", "--drop-spooled", "--source", "busy",
+                               "--data-dir", str(tmp_path / "var")], capture_output=True, text=True,
+                              env=hio_env(), timeout=60, cwd=tmp_path)
+    finally:
+        held.close()
+    assert proc.returncode == 2
+    assert "another hio send of source 'busy' is running and holds its spool; wait for it" in proc.stderr

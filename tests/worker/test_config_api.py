@@ -79,6 +79,8 @@ def test_the_engine_table_of_a_worker_s_file_reaches_its_engines(monkeypatch: py
     ({"pull_lane": False}, "pull_lane: it follows the worker's lanes setting"),
     ({"rpc_deadlin": 3}, "unknown setting 'rpc_deadlin'; known: reservation_seconds, rpc_deadline"),
     ({"store_batch_records": "many"}, "store_batch_records: 'many' is not an integer"),
+    ({"rpc_deadline": 0}, "engine_settings ([engine]): rpc_deadline must be positive"),
+    ({"cpus": 2}, "unknown setting 'cpus'"),
 ])
 def test_a_wrong_engine_table_is_refused_by_name(table: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -86,8 +88,10 @@ def test_a_wrong_engine_table_is_refused_by_name(table: dict[str, object], messa
 
 
 def test_a_typo_in_the_cluster_table_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"unknown setting 'master_adress' in \[cluster\]"):
+    with pytest.raises(ConfigError, match=r"unknown setting 'master_adress' in \[cluster\]: no role has it"):
         build(WorkerConfig, "worker", file_data={"cluster": {"master_adress": "m:1"}})
+    from hio.repository.config import RepositoryConfig   # a setting some roles share is no typo for the others
+    assert build(RepositoryConfig, "repository", file_data={"cluster": {"max_attempts": 5}})
 
 
 def test_engine_config_requires_identity() -> None:

@@ -64,6 +64,21 @@ def test_crash_exit_code_and_log_are_visible(tmp_path: Path) -> None:
     launcher.cleanup()
 
 
+def test_a_pipeline_whose_setup_raises_is_named_with_the_pipeline_exit_code(tmp_path: Path) -> None:
+    config = _worker(tmp_path)
+    launcher = ProcessLauncher(config)
+    try:
+        broken = launcher.start(_spec(config, pipeline="tests.worker.pipe_setup_fails:process"))
+        assert wait_for(lambda: launcher.poll(broken) is not None, timeout=30, what="the engine to exit")
+        assert launcher.poll(broken) == PIPELINE_EXIT_CODE, "not a crash its worker would blame on the port"
+        log = launcher.logs(broken, lines=40)
+        assert "pipe_setup_fails.py" in log, "the traceback says where the user's code failed"
+        assert log.strip().splitlines()[-1] == ("hio engine: cannot load the pipeline: RuntimeError: "
+                                                "no calibration file at /data/calibration.npz")
+    finally:
+        launcher.cleanup()
+
+
 def test_cleanup_kills_what_is_still_running(tmp_path: Path) -> None:
     config = _worker(tmp_path)
     launcher = ProcessLauncher(config)
