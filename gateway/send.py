@@ -1,7 +1,7 @@
 """``hio send FILE...``: send files as tuples, wait until stored, report.
 
 Tuples an earlier ``hio send`` (same ``--source``) left spooled go first: a
-file named again that is one of them (same name, size, mtime and image) is not
+file named again that is one of them (same name, size, mtime and content) is not
 sent twice, and ``hio send`` with no FILE only finishes them.
 ``hio send --drop-spooled`` drops them instead, naming each.
 
