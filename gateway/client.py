@@ -151,7 +151,11 @@ class Gateway:
         #: futures of the tuples an earlier run left spooled; they are delivered like new ones
         self.resumed_futures: list[TupleFuture] = [self._track(entry) for entry in self.spool.entries()]
         self._dispatcher.start()
-        self.resumed = len(self.resumed_futures)
+
+    @property
+    def resumed(self) -> int:
+        """How many tuples an earlier run left spooled (see ``resumed_futures``)."""
+        return len(self.resumed_futures)
 
     # -- submitting (non-blocking) -------------------------------------------------
 

@@ -155,13 +155,14 @@ class _Sender:
             return 2
         start = time.monotonic()
         futures = self._resumed(gateway)
-        total = sum(_size(p) for p in self.files if p not in futures.values()) \
+        resumed = {label for label in futures.values() if isinstance(label, Path)}   # files among them
+        total = sum(_size(p) for p in self.files if p not in resumed) \
             + sum(f.size for f in futures)   # a file gone by now is reported by its submit
         self.bar = _progress(self.config, total, self.tuples)
         for future in futures:   # after the bar exists, so one settled already counts on it
             future.add_done_callback(self._tick)
         try:
-            futures.update(self._submit_all(gateway, set(futures.values())))
+            futures.update(self._submit_all(gateway, resumed))
             gave_up = self._wait(gateway, futures)
         finally:
             if self.bar is not None:
@@ -196,7 +197,7 @@ class _Sender:
             print(f"resuming {len(futures)} tuples left spooled by an earlier hio send{among}", file=sys.stderr)
         return futures
 
-    def _submit_all(self, gateway: Gateway, resumed: set[Path | str]) -> dict[TupleFuture, Path | str]:
+    def _submit_all(self, gateway: Gateway, resumed: set[Path]) -> dict[TupleFuture, Path | str]:
         futures: dict[TupleFuture, Path | str] = {}
         for path in self.files:
             if path in resumed:

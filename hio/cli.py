@@ -8,6 +8,7 @@ docker) happen inside the command that needs them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import importlib
 import logging
@@ -57,6 +58,16 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "images": ("hio.images:ImagesConfig", "images", "hio.images:run_images",
                "build the processing-engine Docker images (offline-capable)"),
 }
+
+
+# Commands with settings of their own, not the cluster's: a [cluster] table is not for them.
+TOOLS = frozenset({"certs", "bench", "bench-core", "bench-kd", "images"})
+
+
+def cluster_setting_names() -> frozenset[str]:
+    """Every setting a role (or a command calling roles) has: what a [cluster] table may hold."""
+    return frozenset(f.name for name, (cls_path, *_rest) in COMMANDS.items() if name not in TOOLS
+                     for f in dataclasses.fields(_load(cls_path)))
 
 
 def _load(path: str) -> Any:

@@ -383,12 +383,11 @@ class Controller:
 
     def _on_exit(self, slot: EngineSlot, code: int, now: float) -> None:
         handle = slot.handle
-        last = self._launcher.logs(handle, 3) if handle is not None else ""
-        lines = last.strip().splitlines()
+        lines = self._launcher.logs(handle, 3).strip().splitlines() if handle is not None else []
         with self._lock:
             detail = slot.on_exit(code, now, self._config.restart_backoff_max, lines[-1].strip() if lines else "")
         log.warning("engine exited", extra={"channel": slot.channel_id, "detail": detail,
-                                            "log_tail": " | ".join(last.splitlines())[-1000:]})
+                                            "log_tail": " | ".join(lines)[-1000:]})
         self._session.poke()
 
     def _check_health(self, slot: EngineSlot, now: float) -> None:

@@ -956,6 +956,12 @@ def watch_parent(parent_pid: int, stop: threading.Event, interval: float = PAREN
     threading.Thread(target=run, name="parent-watch", daemon=True).start()
 
 
+def _pipeline_failed(why: str) -> int:
+    """Say why on the last line (its worker shows that line); the exit code that says it."""
+    print(f"hio engine: cannot load the pipeline: {why}", file=sys.stderr, flush=True)
+    return PIPELINE_EXIT_CODE
+
+
 def run_engine(config: EngineConfig) -> int:
     """`hio engine`: serve one channel until SIGTERM (or its worker's death); exit 0 after a clean stop.
 
@@ -963,12 +969,11 @@ def run_engine(config: EngineConfig) -> int:
     its last line: the worker shows that line as the channel's state."""
     try:
         pipeline = load_pipeline(resolve_pipeline(config))
-    except Exception as exc:  # noqa: BLE001 - a user's module: an import error, a SyntaxError, a setup() that raises
-        if not isinstance(exc, ConfigError):   # the user's own code failed: where, in the engine's log
-            traceback.print_exc(file=sys.stderr)
-        why = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
-        print(f"hio engine: cannot load the pipeline: {why}", file=sys.stderr, flush=True)
-        return PIPELINE_EXIT_CODE
+    except ConfigError as exc:   # no such module or function
+        return _pipeline_failed(str(exc))
+    except Exception as exc:  # noqa: BLE001 - the user's own code (a SyntaxError, a setup() that raises)
+        traceback.print_exc(file=sys.stderr)   # where it failed, in the engine's log
+        return _pipeline_failed(f"{type(exc).__name__}: {exc}")
     server, port, health, engine = create_engine_server(config, pipeline=pipeline)
     server.start()
     engine.start()

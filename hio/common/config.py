@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib
 import os
 import re
 import tomllib
@@ -192,16 +191,10 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
 def _cluster_names() -> frozenset[str]:
     """Settings a [cluster] table may hold: any role's (a role ignores those it lacks, so
     ``max_attempts`` there reaches master, worker and gateway; only a name no role knows
-    is a typo)."""
-    from hio.cli import COMMANDS   # the roles' config classes; it builds on this module
+    is a typo). The roles are the CLI's commands, which build on this module."""
+    from hio.cli import cluster_setting_names
 
-    names: set[str] = set()
-    for cls_path, _section, _run, _help in COMMANDS.values():
-        module, _, attr = cls_path.partition(":")
-        if module.startswith(("hio.bench", "hio.kd.bench", "hio.images", "hio.common.certs")):
-            continue   # tools with settings of their own, not the cluster's
-        names.update(f.name for f in dataclasses.fields(getattr(importlib.import_module(module), attr)))
-    return frozenset(names)
+    return cluster_setting_names()
 
 
 def as_text(value: Any) -> str:

@@ -158,3 +158,9 @@ def test_a_peer_address_without_a_port_or_host_is_refused(address: str, message:
     with pytest.raises(cfg.ConfigError, match=re.escape(message)):
         ClusterSettings(master_address=address).validate_cluster()
     ClusterSettings(master_address="dns:///master.example.org:7000").validate_cluster()   # a gRPC target as it is
+
+
+def test_the_tools_kept_out_of_the_cluster_table_are_commands() -> None:
+    from hio.cli import COMMANDS, TOOLS, cluster_setting_names
+    assert TOOLS <= set(COMMANDS)
+    assert {"max_attempts", "watch", "spark_master", "engines"} <= cluster_setting_names()
