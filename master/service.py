@@ -7,10 +7,10 @@ status, anything else ``INTERNAL`` with a log reference.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from hio.common.errors import InvalidArgument, grpc_errors
 from hio.common.frames import TupleFrame, TupleReceipt, idle_bounded
@@ -21,6 +21,8 @@ from hio.master.deadletters import DeadLetter
 from hio.master.registry import ChannelSpec
 from hio.master.routing import DirectRoute
 from hio.proto import master_pb2, master_pb2_grpc
+
+Req = TypeVar("Req", bound=Message)
 
 # Method name -> roles allowed (passed to hio.common.net.create_server as `policy`).
 POLICY: dict[str, set[str]] = {
@@ -68,18 +70,28 @@ class MasterService(master_pb2_grpc.MasterServicer):
     @grpc_errors
     def RouteTuples(self, request: master_pb2.RouteTuplesRequest,
                     context: grpc.ServicerContext) -> master_pb2.RouteTuplesResponse:
+        return self.route(request)
+
+    def route(self, request: master_pb2.RouteTuplesRequest) -> master_pb2.RouteTuplesResponse:
+        """RouteTuples, for gRPC and the payload lane's unary calls."""
         items = [RouteItem(size=i.size, tuple_id=i.tuple_id) for i in request.items]
         routed = self._master.route(source=request.source, image=request.image, items=items,
                                     force_queue=request.force_queue, wait_seconds=request.wait_seconds)
-        reply = master_pb2.RouteTuplesResponse(tuple_ids=routed.tuple_ids, tickets=routed.tickets)
+        lane_port = self._master.lane_port
+        reply = master_pb2.RouteTuplesResponse(tuple_ids=routed.tuple_ids, tickets=routed.tickets,
+                                               calls_lane_port=lane_port)
         if isinstance(routed.route, DirectRoute):
             reply.channel.CopyFrom(master_pb2.ChannelRoute(
                 channel_id=routed.route.channel_id, address=routed.route.address,
                 reservation_seconds=routed.route.reservation_seconds, lane_address=routed.route.lane_address))
         else:
-            reply.queue.CopyFrom(master_pb2.QueueRoute(queue_length=routed.route.queue_length,
-                                                       lane_port=self._master.lane_port))
+            reply.queue.CopyFrom(master_pb2.QueueRoute(queue_length=routed.route.queue_length, lane_port=lane_port))
         return reply
+
+    def lane_unaries(self) -> dict[str, Callable[[bytes], bytes]]:
+        """The unary calls the payload lane answers (the ones made once per tuple at low rates)."""
+        return {"RouteTuples": _on_bytes(master_pb2.RouteTuplesRequest, self.route),
+                "ReportTuples": _on_bytes(master_pb2.ReportTuplesRequest, self.report)}
 
     @grpc_errors
     def Enqueue(self, request_iterator: Iterable[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
@@ -138,6 +150,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
     @grpc_errors
     def ReportTuples(self, request: master_pb2.ReportTuplesRequest,
                      context: grpc.ServicerContext) -> master_pb2.ReportTuplesResponse:
+        return self.report(request)
+
+    def report(self, request: master_pb2.ReportTuplesRequest) -> master_pb2.ReportTuplesResponse:
+        """ReportTuples, for gRPC and the payload lane's unary calls."""
         outcomes = [Outcome(tuple_id=o.tuple_id, ok=o.ok, message=o.message, from_queue=o.from_queue,
                             size=o.size, processing_seconds=o.processing_seconds, accepted_unix=o.accepted_unix,
                             stored_unix=o.stored_unix)
@@ -146,7 +162,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
                                    processing=request.processing, pull_done=request.pull_done)
         config = self._master.config
         return master_pb2.ReportTuplesResponse(pull_queue=pull, reservation_seconds=config.reservation_seconds,
-                                               lease_seconds=config.lease_seconds, lane_port=self._master.lane_port)
+                                               lease_seconds=config.lease_seconds, lane_port=self._master.lane_port,
+                                               calls_lane_port=self._master.lane_port)
 
     @grpc_errors
     def GetStatus(self, request: master_pb2.GetStatusRequest,
@@ -163,6 +180,17 @@ class MasterService(master_pb2_grpc.MasterServicer):
                         context: grpc.ServicerContext) -> master_pb2.RetryDeadLetterResponse:
         self._master.retry_dead_letter(request.tuple_id)
         return master_pb2.RetryDeadLetterResponse()
+
+
+def _on_bytes(request_type: type[Req], handler: Callable[[Req], Message]) -> Callable[[bytes], bytes]:
+    """``handler`` taking and giving bytes (a lane call): an unreadable request is INVALID_ARGUMENT."""
+    def call(body: bytes) -> bytes:
+        try:
+            request = request_type.FromString(body)
+        except DecodeError as exc:
+            raise InvalidArgument(f"unreadable {request_type.__name__}: {exc}") from None
+        return handler(request).SerializeToString()
+    return call
 
 
 def _encode_dead(letter: DeadLetter) -> master_pb2.DeadLetter:

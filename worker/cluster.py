@@ -16,7 +16,7 @@ import grpc
 
 from hio.common import errors
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
-from hio.common.lane import LaneDownload, LaneSkips, lane_beside
+from hio.common.lane import LaneDownload, LaneSkips, LearntLane, lane_beside
 from hio.common.net import create_channel, message_limit, pull_frames, rpc_error_text, rpc_status, send_frames
 from hio.common.retry import call_with_retry
 from hio.common.settings import ClusterSettings
@@ -83,11 +83,13 @@ class ClusterLink:
         self._pull = pull_frames(self._master_channel)
         self._master_lane_port = 0                     # learnt from report answers
         self._use_master_lane = master_lane and not settings.speaks_tls   # off: pulls always go over gRPC
-        self._lanes = LaneSkips(log, "master's payload lane unusable; pulling over gRPC")
+        self._lanes = LaneSkips(log, "master's payload lane unusable; pulling and reporting over gRPC")
+        self._master_calls = LearntLane(self._lanes)    # ReportTuples on the master's lane, once it says where
 
     def close(self) -> None:
         self._master_channel.close()
         self._repo_channel.close()
+        self._master_calls.close()
 
     def _retry(self, fn: Callable[[], T], peer: str, deadline: float | None = None) -> T:
         try:
@@ -131,14 +133,28 @@ class ClusterLink:
         return receipt
 
     def report(self, request: master_pb2.ReportTuplesRequest, timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
-        """One ReportTuples call, no retry (the reporter decides). Its answer names the
-        master's payload lane, which pulls use from then on."""
+        """One ReportTuples call, no retry (the reporter decides): on the master's lane when it
+        answers calls there (a kept connection: a gRPC call cost about 2 ms of CPU at the two
+        ends, and a channel reports once per tuple when tuples come one at a time), else over
+        gRPC. Its answer names the master's payload lane, which pulls use from then on."""
         try:
-            reply = self._master.ReportTuples(request, timeout=timeout)
+            reply = self._report_on_lane(request, timeout)
+            if reply is None:
+                reply = self._master.ReportTuples(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise translate(exc, "master", self._settings) from None
         self._master_lane_port = reply.lane_port
+        use = reply.calls_lane_port and self._use_master_lane
+        self._master_calls.learn(lane_beside(self._settings.master_address, reply.calls_lane_port) if use else "")
         return reply
+
+    def _report_on_lane(self, request: master_pb2.ReportTuplesRequest,
+                        timeout: float) -> master_pb2.ReportTuplesResponse | None:
+        """The report on the master's lane; None when not usable now (then gRPC). A lane that
+        breaks is skipped for a while, and this report goes over gRPC (the reporter sends
+        what a lost answer leaves unsaid again, as after a gRPC call cut off)."""
+        return self._master_calls.request("ReportTuples", request, master_pb2.ReportTuplesResponse,
+                                          token=self._settings.presented_token(), timeout=timeout)
 
     def pull(self, channel_id: str, wait_seconds: float, *, max_tuples: int = 1, max_bytes: int = 0) -> PullCall:
         """Open a PullTuple long-poll for ``channel_id`` (up to ``max_tuples`` tuples): on the

@@ -10,6 +10,13 @@ statuses are exactly Deliver's: the engine runs the same ``deliver`` on both.
 The master serves ``Enqueue`` the same way (its receipts, checks and statuses
 are Enqueue's). The framing is documented in ``proto/hio/proto/engine.proto``.
 
+A lane also carries *sessions of unary calls* (:data:`CALLS`): the master's
+``RouteTuples`` and ``ReportTuples``, one per tuple when tuples come one at a
+time, on a connection kept open between calls (:class:`LaneCalls`). A unary
+call cost about 1 ms of CPU at each end in Python gRPC here (its server
+hands every call from a polling thread to a handler thread), and 0.1-0.2 ms
+on a kept connection.
+
 Servers configured with TLS offer no lane; senders then use gRPC.
 """
 
@@ -22,10 +29,10 @@ import socket
 import struct
 import threading
 import time
-from typing import BinaryIO, Callable, Iterable, Iterator, Union
+from typing import BinaryIO, Callable, Iterable, Iterator, TypeVar, Union
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from hio.common.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
                                PermissionDenied, Unauthenticated, status_of)
@@ -40,7 +47,10 @@ _FRAME_PREFIX = struct.Struct(">IQ")   # head bytes, data bytes
 END_OF_INPUT = _FRAME_PREFIX.pack(0, 0)  # no frame is empty: this prefix ends the input
 _REPLY_PREFIX = struct.Struct(">BI")   # kind, body bytes
 _HELLO_PREFIX = struct.Struct(">I")
-RECEIPT, STATUS = 1, 2
+RECEIPT, STATUS, RESPONSE = 1, 2, 3
+CALLS = "Calls"             # the hello of a session of unary calls (each names its method)
+_CALL_PREFIX = struct.Struct(">HI")    # method name bytes, request bytes
+MAX_METHOD_BYTES = 256
 MAX_HELLO_BYTES = 64 * 1024
 MAX_STATUS_BYTES = 64 * 1024        # a status alone (a download's last reply)
 MAX_REPLY_BYTES = 64 * 1024 * 1024
@@ -53,6 +63,8 @@ LANE_CONNECT_SECONDS = 3.0  # a lane that does not answer within this is skipped
 LANE_RETRY_SECONDS = 60.0   # a skipped lane (firewall, old server, broken) is tried again after this
 SENDER_JOIN_SECONDS = 30.0  # how long a finished call waits for its sender before leaving it the socket
 STOP_WAIT_SECONDS = 2.0     # how long stop() waits for the calls it ended
+CLIENT_SESSION_IDLE_SECONDS = 30.0    # a kept connection unused this long is closed by its client
+SERVER_SESSION_IDLE_SECONDS = 600.0   # ... and by the server after this (a client that vanished)
 
 Payload = Union[bytes, memoryview, BinaryIO]
 LaneFrame = tuple[bytes, Payload, int]   # (head, payload, payload size)
@@ -60,6 +72,9 @@ Handler = Callable[[Iterator[Union[TupleFrame, ChunkFrame]]], Iterator[TupleRece
 # A download (the master's PullTuple): the hello's request and a check that the caller is
 # still connected, to the frames it is sent (they end with END_OF_INPUT, then the status).
 Download = Callable[[bytes, Callable[[], bool]], Iterator[LaneFrame]]
+# A unary call (in a session): the request's bytes to the response's; errors become statuses.
+Unary = Callable[[bytes], bytes]
+M = TypeVar("M", bound=Message)
 
 
 class LaneError(grpc.RpcError):
@@ -222,7 +237,9 @@ def _pieces(reader: BinaryIO, frame: TupleFrame, size: int, piece_bytes: int) ->
 class LaneServer:
     """Serves calls of ``service`` on a TCP port, a thread per connection: ``uploads``
     take frames and answer receipts (the engine's Deliver, the master's Enqueue);
-    ``downloads`` take the hello's request and send frames (the master's PullTuple).
+    ``downloads`` take the hello's request and send frames (the master's PullTuple);
+    ``unaries`` answer requests, many on one connection (a :data:`CALLS` session:
+    the master's RouteTuples and ReportTuples).
 
     Callers are authenticated like gRPC callers (the hello carries the
     token; the same table and policy); statuses are the errors' gRPC codes.
@@ -232,13 +249,15 @@ class LaneServer:
     """
 
     def __init__(self, listen: str, *, service: str, uploads: dict[str, Handler],
-                 downloads: dict[str, Download] | None = None, table: TokenTable | None,
+                 downloads: dict[str, Download] | None = None, unaries: dict[str, Unary] | None = None,
+                 table: TokenTable | None,
                  policy: dict[str, set[str]], idle_seconds: float, max_head_bytes: int,
                  max_data_bytes: int, max_connections: int = MAX_CONNECTIONS, piece_bytes: int = 0) -> None:
         self._listen = listen
         self._piece = piece_bytes
         self._uploads = uploads
         self._downloads = downloads or {}
+        self._unaries = unaries or {}
         self._service = service
         self._max_connections = max_connections
         self._table = table
@@ -251,10 +270,11 @@ class LaneServer:
         self._sock: socket.socket | None = None
         self.port = 0
         self.methods: collections.Counter[str] = collections.Counter()   # calls that passed the hello, by method
+        self.sessions = 0                                                 # CALLS sessions opened (kept connections)
 
     @property
     def calls(self) -> int:
-        """Calls that passed the hello (for status and tests)."""
+        """Calls that passed the hello, and unary calls answered (for status and tests)."""
         with self._lock:
             return sum(self.methods.values())
 
@@ -354,6 +374,11 @@ class LaneServer:
         download: Download | None = None
         try:
             hello = self._hello(conn)
+            if hello.method == CALLS and self._unaries:
+                with self._lock:
+                    self.sessions += 1
+                self._session(conn, readers, hello.token)
+                return None, False
             download = self._downloads.get(hello.method)
             self._authorize(hello)
             with self._lock:
@@ -418,19 +443,66 @@ class LaneServer:
         except DecodeError as exc:
             raise InvalidArgument(f"payload lane: unreadable hello: {exc}") from None
         conn.settimeout(self._idle if self._idle > 0 else None)  # from here: the idle bound
-        if hello.method not in self._uploads and hello.method not in self._downloads:
+        if hello.method not in self._uploads and hello.method not in self._downloads and \
+                not (hello.method == CALLS and self._unaries):
             served = " and ".join(sorted([*self._uploads, *self._downloads]))
-            raise InvalidArgument(f"payload lane: serves {served} only, not {hello.method!r}")
+            calls = (f" (and the unary calls {' and '.join(sorted(self._unaries))} in a {CALLS!r} session)"
+                     if self._unaries else "")
+            raise InvalidArgument(f"payload lane: serves {served} only{calls}, not {hello.method!r}")
         return hello
 
     def _authorize(self, hello: LaneHello) -> None:
         """Refuse a caller as gRPC would: the same tokens and role policy."""
+        self._check_caller(hello.method, hello.token)
+
+    def _check_caller(self, method: str, token: str) -> None:
         if self._table is not None:
-            refusal = refuse_caller(self._table, self._policy, f"/hio.proto.{self._service}/{hello.method}",
-                                    hello.token)
+            refusal = refuse_caller(self._table, self._policy, f"/hio.proto.{self._service}/{method}", token)
             if refusal is not None:
                 code, message = refusal
                 raise (Unauthenticated if code == grpc.StatusCode.UNAUTHENTICATED else PermissionDenied)(message)
+
+    def _session(self, conn: socket.socket, readers: list[BinaryIO], token: str) -> None:
+        """Answer unary calls one after another until the client closes the connection (or
+        leaves it idle :data:`SERVER_SESSION_IDLE_SECONDS`). A call's error is its status
+        and the session goes on; a request that cannot be read ends the session."""
+        reader = conn.makefile("rb", buffering=READ_BUFFER)
+        readers.append(reader)
+        while True:
+            conn.settimeout(SERVER_SESSION_IDLE_SECONDS)
+            try:
+                prefix = _read(reader, _CALL_PREFIX.size)
+                if len(prefix) != _CALL_PREFIX.size:   # closed by the client (between calls, or cut)
+                    return
+                conn.settimeout(self._idle if self._idle > 0 else None)
+                name_size, body_size = _CALL_PREFIX.unpack(prefix)
+                if name_size > MAX_METHOD_BYTES or body_size > self._max_head:
+                    _reply(conn, STATUS, LaneStatus(
+                        code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                        message=f"payload lane: a call of {name_size}+{body_size} bytes is over the limit of "
+                                f"{MAX_METHOD_BYTES}+{self._max_head}").SerializeToString())
+                    return   # what follows cannot be framed: the session ends
+                method = _read_exact(reader, name_size, "a method name").decode("utf-8", "replace")
+                body = _read_exact(reader, body_size, "a request")
+            except HioError:   # idle, cut or reset between or inside requests: nobody waits for an answer
+                return
+            _reply(conn, *self._answer(method, body, token))
+
+    def _answer(self, method: str, body: bytes, token: str) -> tuple[int, bytes]:
+        """(RESPONSE, response) of one unary call, or (STATUS, its error)."""
+        try:
+            handler = self._unaries.get(method)
+            if handler is None:
+                raise InvalidArgument(f"payload lane: answers {' and '.join(sorted(self._unaries))} only, "
+                                      f"not {method!r}")
+            self._check_caller(method, token)
+            with self._lock:
+                self.methods[method] += 1
+            return RESPONSE, handler(body)
+        except Exception as exc:  # noqa: BLE001 - mapped as gRPC's servicers map theirs
+            code, message, retry = status_of(exc)
+            return STATUS, LaneStatus(code=code.value[0], message=message,
+                                      retry_after_seconds=retry or 0.0).SerializeToString()
 
 
 def _peer_open(conn: socket.socket) -> bool:
@@ -573,6 +645,160 @@ def open_lane(address: str, token: str, *, connect_seconds: float, method: str,
         sock.close()
         raise
     return sock
+
+
+class LaneCalls:
+    """Unary calls to one server's lane on kept connections (a :data:`CALLS` session each):
+    the gateway's RouteTuples and the engines' ReportTuples to the master. Thread-safe:
+    a call takes an idle connection (or opens one) and gives it back once answered, so
+    callers at once use connections of their own.
+
+    :meth:`call` returns None when the lane cannot be used now (skipped for a while by
+    ``skips``: refused, silent); the caller then uses gRPC. A call that fails on the lane
+    raises :class:`LaneError` as gRPC would (UNAVAILABLE when the connection broke: the
+    server may or may not have answered it, as for a gRPC call cut off).
+    """
+
+    def __init__(self, address: str, skips: LaneSkips) -> None:
+        self.address = address
+        self._skips = skips
+        self._lock = threading.Lock()
+        self._idle: list[tuple[socket.socket, BinaryIO, float]] = []   # newest last
+        self._closed = False
+
+    def call(self, method: str, request: bytes, *, token: str, timeout: float) -> bytes | None:
+        """The response's bytes; None when the lane is not usable now (use gRPC)."""
+        taken = self._take(token)
+        if taken is None:
+            return None
+        sock, reader = taken
+        name = method.encode()
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(b"".join((_CALL_PREFIX.pack(len(name), len(request)), name, request)))
+            prefix = reader.read(_REPLY_PREFIX.size)
+            if len(prefix) != _REPLY_PREFIX.size:
+                raise LaneError(grpc.StatusCode.UNAVAILABLE, "lane connection closed without an answer",
+                                transport=True)
+            kind, size = _REPLY_PREFIX.unpack(prefix)
+            if kind not in (RESPONSE, STATUS) or size > MAX_REPLY_BYTES:
+                raise LaneError(grpc.StatusCode.INTERNAL, f"payload lane sent an unreadable answer "
+                                f"(kind {kind}, {size} bytes)", transport=True)
+            body = _read_exact(reader, size, "an answer")
+        except BaseException as exc:
+            _close_pair(sock, reader)
+            if isinstance(exc, (TimeoutError, DeadlineExceeded)):
+                raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+            if isinstance(exc, (OSError, HioError)):
+                raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane connection failed: {exc}",
+                                transport=True) from None
+            raise
+        self._give_back(sock, reader)
+        if kind == RESPONSE:
+            return body
+        try:
+            status = LaneStatus.FromString(body)
+        except DecodeError as exc:
+            raise LaneError(grpc.StatusCode.INTERNAL, f"payload lane sent an unreadable status: {exc}",
+                            transport=True) from None
+        raise _status_error(status) or LaneError(grpc.StatusCode.INTERNAL, "payload lane answered OK without a response")
+
+    def request(self, method: str, request: Message, response_type: type[M], *, token: str,
+                timeout: float) -> M | None:
+        """:meth:`call` with messages. None also when the lane broke under the call: it is then
+        skipped a while, and the caller makes this call over gRPC (as after a gRPC call cut
+        off, the server may have answered the first one)."""
+        try:
+            body = self.call(method, request.SerializeToString(), token=token, timeout=timeout)
+        except LaneError as exc:
+            if not exc.transport:
+                raise
+            self._skips.down(self.address, exc.details())
+            return None
+        if body is None:
+            return None
+        try:
+            return response_type.FromString(body)
+        except DecodeError as exc:
+            raise LaneError(grpc.StatusCode.INTERNAL,
+                            f"payload lane sent an unreadable {response_type.__name__}: {exc}") from None
+
+    def close(self) -> None:
+        """Close the kept connections (a call in progress closes its own when done)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock, reader, _ in idle:
+            _close_pair(sock, reader)
+
+    def _take(self, token: str) -> tuple[socket.socket, BinaryIO] | None:
+        """A kept connection still open (the server's end not closed: a restarted server), or a
+        new one; None while the lane is skipped."""
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                if not self._idle:
+                    break
+                sock, reader, used = self._idle.pop()
+            if now - used < CLIENT_SESSION_IDLE_SECONDS and _peer_open(sock):
+                return sock, reader
+            _close_pair(sock, reader)
+        sock = self._skips.open(self.address, token, method=CALLS)
+        if sock is None:
+            return None
+        return sock, sock.makefile("rb", buffering=64 * 1024)
+
+    def _give_back(self, sock: socket.socket, reader: BinaryIO) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [pair for pair in self._idle if now - pair[2] >= CLIENT_SESSION_IDLE_SECONDS]
+            self._idle = [pair for pair in self._idle if now - pair[2] < CLIENT_SESSION_IDLE_SECONDS]
+            kept = not self._closed
+            if kept:
+                self._idle.append((sock, reader, now))
+        if not kept:
+            stale.append((sock, reader, now))
+        for old, old_reader, _ in stale:
+            _close_pair(old, old_reader)
+
+
+class LearntLane:
+    """The :class:`LaneCalls` of a server whose lane its answers name (the master's, told in
+    every route and report answer): it may appear, move or go. Thread-safe."""
+
+    def __init__(self, skips: LaneSkips) -> None:
+        self._skips = skips
+        self._lock = threading.Lock()
+        self._calls: LaneCalls | None = None
+
+    def learn(self, lane: str) -> None:
+        """Call ``lane`` from now on ('': the server offers none; use gRPC)."""
+        with self._lock:
+            calls = self._calls
+            if (calls.address if calls is not None else "") == lane:
+                return
+            self._calls = LaneCalls(lane, self._skips) if lane else None
+        if calls is not None:
+            calls.close()
+
+    def request(self, method: str, request: Message, response_type: type[M], *, token: str,
+                timeout: float) -> M | None:
+        """:meth:`LaneCalls.request` on the lane learnt; None when there is none (use gRPC)."""
+        calls = self._calls
+        if calls is None:
+            return None
+        return calls.request(method, request, response_type, token=token, timeout=timeout)
+
+    def close(self) -> None:
+        self.learn("")
+
+
+def _close_pair(sock: socket.socket, reader: BinaryIO) -> None:
+    try:
+        reader.close()
+    except OSError:
+        pass
+    sock.close()
 
 
 class LaneCall:
