@@ -85,8 +85,11 @@ def send_spool(config: SendConfig) -> Path:
     return state_dir(config.data_dir, "gateway") / "spool" / safe_name(_spool_name(config))
 
 
-_IN_USE = ("another hio send of source '{source}' is running and holds its spool; wait for it to "
-           "finish (or stop it), or give this one its own --source")
+def _spool_in_use(config: SendConfig) -> int:
+    """Say that a running ``hio send`` of this source holds its spool; the exit code."""
+    print(f"hio send: another hio send of source '{config.resolved_source()}' is running and holds its "
+          "spool; wait for it to finish (or stop it), or give this one its own --source", file=sys.stderr)
+    return 2
 
 
 def _spool_name(config: SendConfig) -> str:
@@ -100,8 +103,7 @@ def _drop_spooled(config: SendConfig) -> int:
     try:
         spool = Spool(root, config.spool_bytes, memory_bytes=0)
     except SpoolInUse:   # a running hio send holds it
-        print(f"hio send: {_IN_USE.format(source=config.resolved_source())}", file=sys.stderr)
-        return 2
+        return _spool_in_use(config)
     try:
         entries = spool.entries()
         for entry in entries:
@@ -148,8 +150,7 @@ class _Sender:
         try:
             gateway = Gateway(self.config, spool_name=_spool_name(self.config))
         except SpoolInUse:
-            print(f"hio send: {_IN_USE.format(source=self.config.resolved_source())}", file=sys.stderr)
-            return 2
+            return _spool_in_use(self.config)
         except ConfigError as exc:
             print(f"hio send: {exc}", file=sys.stderr)
             return 2

@@ -144,8 +144,7 @@ class ClusterLink:
         except grpc.RpcError as exc:
             raise translate(exc, "master", self._settings) from None
         self._master_lane_port = reply.lane_port
-        use = reply.calls_lane_port and self._use_master_lane
-        self._master_calls.learn(lane_beside(self._settings.master_address, reply.calls_lane_port) if use else "")
+        self._master_calls.learn(self._master_lane(reply.calls_lane_port))
         return reply
 
     def _report_on_lane(self, request: master_pb2.ReportTuplesRequest,
@@ -162,7 +161,7 @@ class ClusterLink:
         request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds,
                                               max_tuples=max_tuples, max_bytes=max_bytes)
         timeout = wait_seconds + 10.0
-        lane = self._master_lane()
+        lane = self._master_lane(self._master_lane_port)
         sock = self._lanes.open(lane, self._settings.presented_token(), method="PullTuple",
                                 request=request.SerializeToString()) if lane else None
         if sock is not None:
@@ -173,10 +172,9 @@ class ClusterLink:
         return PullCall(self._pull(request, timeout=timeout), max_chunk_bytes=message_limit(self._settings),
                         settings=self._settings)
 
-    def _master_lane(self) -> str:
-        """The master's payload lane, '' when it offers none, this engine does not use it, or TLS is
-        on (the lane has none)."""
-        port = self._master_lane_port
+    def _master_lane(self, port: int) -> str:
+        """The master's payload lane at ``port`` (as its answers name it), '' when it offers none
+        (0), this engine does not use it, or TLS is on (the lane has none)."""
         if not port or not self._use_master_lane:
             return ""
         return lane_beside(self._settings.master_address, port)

@@ -398,9 +398,7 @@ class LaneServer:
         except _Lost:
             return None, download is not None
         except Exception as exc:  # noqa: BLE001 - mapped as gRPC's servicers map theirs (a disk error: INTERNAL)
-            code, message, retry = status_of(exc)
-            return LaneStatus(code=code.value[0], message=message, retry_after_seconds=retry or 0.0), \
-                download is not None
+            return _error_status(exc), download is not None
         return LaneStatus(code=0), False
 
     def _download(self, conn: socket.socket, download: Download, request: bytes) -> bool:
@@ -477,10 +475,9 @@ class LaneServer:
                 conn.settimeout(self._idle if self._idle > 0 else None)
                 name_size, body_size = _CALL_PREFIX.unpack(prefix)
                 if name_size > MAX_METHOD_BYTES or body_size > self._max_head:
-                    _reply(conn, STATUS, LaneStatus(
-                        code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                        message=f"payload lane: a call of {name_size}+{body_size} bytes is over the limit of "
-                                f"{MAX_METHOD_BYTES}+{self._max_head}").SerializeToString())
+                    _reply(conn, STATUS, _error_status(InvalidArgument(
+                        f"payload lane: a call of {name_size}+{body_size} bytes is over the limit of "
+                        f"{MAX_METHOD_BYTES}+{self._max_head}")).SerializeToString())
                     return   # what follows cannot be framed: the session ends
                 method = _read_exact(reader, name_size, "a method name").decode("utf-8", "replace")
                 body = _read_exact(reader, body_size, "a request")
@@ -500,9 +497,14 @@ class LaneServer:
                 self.methods[method] += 1
             return RESPONSE, handler(body)
         except Exception as exc:  # noqa: BLE001 - mapped as gRPC's servicers map theirs
-            code, message, retry = status_of(exc)
-            return STATUS, LaneStatus(code=code.value[0], message=message,
-                                      retry_after_seconds=retry or 0.0).SerializeToString()
+            return STATUS, _error_status(exc).SerializeToString()
+
+
+def _error_status(exc: BaseException) -> LaneStatus:
+    """The status a lane caller is told for ``exc`` (:func:`errors.status_of`, as gRPC's
+    servicers; call it from the ``except`` block: an unexpected error is logged there)."""
+    code, message, retry = status_of(exc)
+    return LaneStatus(code=code.value[0], message=message, retry_after_seconds=retry or 0.0)
 
 
 def _peer_open(conn: socket.socket) -> bool:
