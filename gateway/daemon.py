@@ -13,7 +13,7 @@ import threading
 import time
 
 from hio.common.log import NOTICE
-from hio.common.net import create_server, set_serving, wait_for_stop
+from hio.common.net import ROLE_SERVICES, create_server, set_serving, wait_for_stop
 from hio.gateway.client import Gateway
 from hio.gateway.config import GatewayConfig
 from hio.gateway.ingest import POLICY, IngestReceiver, IngestServicer
@@ -36,7 +36,8 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
             servicer = IngestServicer(gateway, receiver)
             server, port, health = create_server(
                 config, config.ingest_listen, policy=POLICY,
-                register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)])
+                register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)],
+                service=ROLE_SERVICES["gateway"])
             server.start()
             set_serving(health)
         if config.watch:

@@ -20,7 +20,8 @@ from grpc_health.v1 import health
 from hio.common.config import ConfigError
 from hio.common.lane import LaneServer, lane_beside
 from hio.common.log import NOTICE
-from hio.common.net import TokenTable, create_server, message_limit, run_until_signal, set_serving
+from hio.common.net import (ROLE_SERVICES, TokenTable, create_server, message_limit, run_until_signal,
+                            set_serving)
 from hio.master.config import MasterConfig
 from hio.common.tickets import make_ticket
 from hio.master.core import Master
@@ -44,7 +45,8 @@ def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, health.Healt
         table = TokenTable.from_settings(config)   # one read of the tokens, for gRPC and the lane
         server, port, health_servicer = create_server(
             config, config.listen, max_workers=config.server_threads, policy=POLICY, table=table,
-            register=[lambda s: master_pb2_grpc.add_MasterServicer_to_server(service, s)])
+            register=[lambda s: master_pb2_grpc.add_MasterServicer_to_server(service, s)],
+            service=ROLE_SERVICES["master"])
         master.lane = _start_lane(config, service, table)
     except BaseException:
         master.close()

@@ -9,7 +9,7 @@ from grpc_health.v1 import health
 
 from hio.common.errors import HioError
 from hio.common.log import NOTICE
-from hio.common.net import create_server, run_until_signal, set_serving
+from hio.common.net import ROLE_SERVICES, create_server, run_until_signal, set_serving
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig
 from hio.repository.http import PreviewHttpServer
@@ -26,7 +26,8 @@ def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, health.HealthSer
     try:
         server, port, health_servicer = create_server(
             config, config.listen, max_workers=config.max_workers, policy=POLICY,
-            register=[lambda s: repository_pb2_grpc.add_RepositoryServicer_to_server(service, s)])
+            register=[lambda s: repository_pb2_grpc.add_RepositoryServicer_to_server(service, s)],
+            service=ROLE_SERVICES["repository"])
     except BaseException:
         store.close()
         raise

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hio.common.log import NOTICE
-from hio.common.net import connect_hint, create_channel
+from hio.common.net import ROLE_SERVICES, connect_hint, create_channel
 from hio.common.retry import Backoff
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
@@ -394,8 +394,9 @@ class Controller:
         address = f"{local_host(self._config.engine_listen_host)}:{slot.port}"
         try:
             with create_channel(address, self._config) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                                  timeout=HEALTH_TIMEOUT)
+                # named: a server of another process that took the port is not our engine
+                request = health_pb2.HealthCheckRequest(service=ROLE_SERVICES["engine"])
+                reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=HEALTH_TIMEOUT)
         except grpc.RpcError:
             return
         if reply.status == health_pb2.HealthCheckResponse.SERVING:

@@ -241,13 +241,16 @@ _FROM_SETTINGS: Any = object()
 def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 32,
                   policy: dict[str, set[str]] | None = None,
                   register: Iterable[Callable[[grpc.Server], None]] = (),
-                  table: TokenTable | None = _FROM_SETTINGS) -> tuple[grpc.Server, int, health.HealthServicer]:
+                  table: TokenTable | None = _FROM_SETTINGS,
+                  service: str = "") -> tuple[grpc.Server, int, "RoleHealth"]:
     """Build a started-not-yet server bound to ``listen`` ('host:port', port 0 = any).
 
     Returns (server, bound port, health servicer). The caller adds servicers via
     ``register`` callbacks, then calls ``server.start()``. ``table``: the accepted
     tokens (None = open); by default read from the settings, but a role that also
     authenticates elsewhere (the engine's payload lane) passes the one it read.
+    ``service``: the role's gRPC service (``hio.proto.Master``), for which the
+    health service answers too, so a probe can tell which role holds a port.
     """
     interceptors = []
     if table is _FROM_SETTINGS:
@@ -259,7 +262,7 @@ def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 
                          interceptors=interceptors, options=_server_options(settings))
     for add in register:
         add(server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_servicer = RoleHealth(service)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if settings.tls_cert:
         creds = grpc.ssl_server_credentials(
@@ -276,9 +279,34 @@ def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 
     return server, port, health_servicer
 
 
+ROLE_SERVICES = {   # the gRPC service each role's server is for (proto/hio/proto/*.proto)
+    "master": "hio.proto.Master",
+    "repository": "hio.proto.Repository",
+    "gateway": "hio.proto.Ingest",
+    "engine": "hio.proto.Engine",
+}
+
+
+class RoleHealth(health.HealthServicer):
+    """The standard health service, answering for the server as a whole ("") and for
+    the role's own gRPC service by name.
+
+    A probe that names the service it expects (``wait_healthy(service=...)``) is not
+    fooled by another server on the port: a repository answers "" as SERVING too, but
+    ``hio.proto.Master`` as NOT_FOUND.
+    """
+
+    def __init__(self, service: str = "") -> None:
+        super().__init__(experimental_non_blocking=True)
+        self.service = service
+
+
 def set_serving(health_servicer: health.HealthServicer, serving: bool = True) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     health_servicer.set("", status)
+    service = getattr(health_servicer, "service", "")
+    if service:
+        health_servicer.set(service, status)
 
 
 class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
@@ -377,10 +405,12 @@ def create_channel(address: str, settings: ClusterSettings, token: str | None = 
 
 
 def wait_healthy(address: str, settings: ClusterSettings, timeout: float = 30.0,
-                 alive: Callable[[], bool] | None = None) -> None:
+                 alive: Callable[[], bool] | None = None, service: str = "") -> None:
     """Block until the server at ``address`` reports SERVING, or raise TimeoutError.
 
     ``alive`` (optional) is polled too: when it turns false, give up at once.
+    ``service`` (optional): the gRPC service expected there; a server that does not
+    serve it (another role that holds the port) is not taken for the one awaited.
     """
     import time
 
@@ -393,11 +423,13 @@ def wait_healthy(address: str, settings: ClusterSettings, timeout: float = 30.0,
                 last = "the process exited"
                 break
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError as exc:
                 last = exc
+                if service and exc.code() == grpc.StatusCode.NOT_FOUND:
+                    last = f"the server there does not serve {service}: another process holds the port?"
             time.sleep(0.1)
     raise TimeoutError(f"{address} did not become healthy within {timeout:.0f}s ({last})")
 

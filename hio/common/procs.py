@@ -13,15 +13,28 @@ import sys
 from pathlib import Path
 from typing import IO, Sequence
 
-from hio.common.net import wait_healthy
+from hio.common.net import ROLE_SERVICES, wait_healthy
 from hio.common.settings import ClusterSettings
 
 
+_GIVEN_PORTS: set[int] = set()   # ports free_port returned: the roles given them may not have bound yet
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on ``host`` right now, and not one this process was given before.
+
+    The kernel may hand out a port again once its probe socket is closed: two roles
+    told the same port would have the second fail to bind while a health probe of
+    its address is answered by the first.
+    """
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
+    raise RuntimeError(f"no fresh free port on {host}")
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -61,10 +74,11 @@ class RoleProcess:
 
     def wait_healthy(self, address: str, timeout: float = 60.0,
                      settings: ClusterSettings | None = None) -> None:
-        """Wait for SERVING; if the process dies or time runs out, raise with its log."""
+        """Wait for SERVING of this role's service (not of whatever else answers at
+        ``address``); if the process dies or time runs out, raise with its log."""
         try:
             wait_healthy(address, settings or ClusterSettings(), timeout=timeout,
-                         alive=self.alive)
+                         alive=self.alive, service=ROLE_SERVICES.get(self.command, ""))
         except TimeoutError as exc:
             raise RuntimeError(f"{self.name} did not become healthy at {address} ({exc}); "
                                f"its log {self.log_path}:\n{self.output(4000)}") from None

@@ -29,12 +29,12 @@ def main() -> int:
         print(f"healthcheck: HIO_ENGINE_LISTEN is not host:port: {listen!r}", file=sys.stderr)
         return 1
     from hio.common import config
-    from hio.common.net import wait_healthy
+    from hio.common.net import ROLE_SERVICES, wait_healthy
     from hio.common.settings import ClusterSettings
 
     settings = config.build(ClusterSettings, "engine")
     try:
-        wait_healthy(probe_address(listen), settings, timeout=PROBE_SECONDS)
+        wait_healthy(probe_address(listen), settings, timeout=PROBE_SECONDS, service=ROLE_SERVICES["engine"])
     except TimeoutError as exc:
         print(f"healthcheck: {exc}", file=sys.stderr)
         return 1

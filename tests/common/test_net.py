@@ -207,3 +207,38 @@ def test_every_role_a_service_grants_is_a_known_token_role() -> None:
 
     granted = {role for policy in (INGEST, MASTER, REPOSITORY, ENGINE) for roles in policy.values() for role in roles}
     assert granted <= set(TOKEN_ROLES), granted - set(TOKEN_ROLES)
+
+
+def test_role_services_are_the_services_the_protos_define() -> None:
+    from hio.common.net import ROLE_SERVICES
+    from hio.proto import engine_pb2, ingest_pb2, master_pb2, repository_pb2
+
+    defined = {module.DESCRIPTOR.services_by_name[name].full_name
+               for module, name in ((master_pb2, "Master"), (repository_pb2, "Repository"),
+                                    (ingest_pb2, "Ingest"), (engine_pb2, "Engine"))}
+    assert set(ROLE_SERVICES.values()) == defined
+
+
+def test_a_probe_naming_its_service_is_not_fooled_by_another_server_on_the_port() -> None:
+    from hio.common.net import ROLE_SERVICES
+
+    settings = ClusterSettings()
+    server, port, health = create_server(settings, "127.0.0.1:0", service=ROLE_SERVICES["repository"])
+    server.start()
+    set_serving(health)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_healthy(address, settings, timeout=5)                                        # any server
+        wait_healthy(address, settings, timeout=5, service=ROLE_SERVICES["repository"])   # the right one
+        with pytest.raises(TimeoutError, match="does not serve hio.proto.Master: another process holds the port"):
+            wait_healthy(address, settings, timeout=1, service=ROLE_SERVICES["master"])
+        set_serving(health, False)
+        with pytest.raises(TimeoutError):
+            wait_healthy(address, settings, timeout=1, service=ROLE_SERVICES["repository"])
+    finally:
+        server.stop(0)
+
+
+def test_free_port_never_gives_one_process_the_same_port_twice() -> None:
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)

@@ -78,3 +78,20 @@ def test_a_data_dir_that_cannot_be_used_is_named_not_a_traceback(tmp_path: Path,
                           timeout=60, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip() == f"hio {role}: {not_a_folder / role}: Not a directory", proc.stderr
+
+
+def test_a_master_told_a_port_another_role_holds_is_not_taken_for_healthy(tmp_path: Path) -> None:
+    """The repository answers health on the port too; the wait names the master's own
+    service, so it reports the master's refusal instead of passing."""
+    address = f"127.0.0.1:{free_port()}"
+    with HioProcess("repository", ["--listen", address, "--http-listen", "",
+                                   "--data-dir", str(tmp_path / "repo")], tmp_path) as repository:
+        repository.wait_healthy(address)
+        master = HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path / "data")],
+                            tmp_path).start()
+        try:
+            with pytest.raises(AssertionError, match="cannot listen on"):
+                master.wait_healthy(address, timeout=30)
+        finally:
+            master.kill()
+        assert master.proc is not None and master.proc.returncode == 2   # a configuration error
