@@ -188,7 +188,7 @@ def _run_kd(cluster: Cluster, config: UpConfig, once: bool) -> RoleProcess:
 def _ports_in_use(config: UpConfig) -> list[str]:
     """The addresses hio up would listen on that something already holds (another hio up?):
     its roles would fail to start, while the health checks found the other system's."""
-    from hio.common.lane import split_address
+    from hio.common.config import split_address
 
     wanted = [("repository", config.repository_address), ("master", config.master_address)]
     if config.http_listen:

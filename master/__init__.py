@@ -17,8 +17,7 @@ import logging
 import grpc
 from grpc_health.v1 import health
 
-from hio.common.config import ConfigError
-from hio.common.lane import LaneServer, lane_beside
+from hio.common.lane import LaneServer, start_lane_server
 from hio.common.log import NOTICE
 from hio.common.net import (ROLE_SERVICES, TokenTable, create_server, message_limit, run_until_signal,
                             set_serving)
@@ -56,35 +55,19 @@ def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, health.Healt
 
 
 def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable | None) -> LaneServer | None:
-    """The master's payload lane (Enqueue over plain TCP), started; None when there is none.
-
-    A port only derived from ``listen`` that is taken gives way to any free one
-    (queue routes name the port), with a warning: a firewall that opens only
-    listen's port + 1 then makes gateways use gRPC.
-    """
+    """The master's payload lane (Enqueue, PullTuple and the per-tuple calls over plain
+    TCP), started; None when there is none."""
     address = config.lane_address()
     if not address:
         return None
-
-    def started(listen: str) -> LaneServer:
-        lane = LaneServer(listen, service="Master",
-                          uploads={"Enqueue": service.enqueue},   # uploads arrive in pieces of chunk_bytes
-                          downloads={"PullTuple": service.pull_for_lane},
-                          unaries=service.lane_unaries(),
-                          table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
-                          max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
-                          max_connections=LANE_CONNECTIONS, piece_bytes=config.chunk_bytes)
-        lane.start()
-        return lane
-
-    try:
-        return started(address)
-    except OSError as exc:
-        if config.lane_listen:
-            raise ConfigError(f"cannot listen for the payload lane on {address}: {exc} "
-                              "(set another lane_listen, or lanes = false)") from None
-        log.warning("payload lane port taken; using any free port", extra={"wanted": address, "error": str(exc)})
-        return started(lane_beside(address, 0))
+    return start_lane_server(address, lambda listen: LaneServer(
+        listen, service="Master",
+        uploads={"Enqueue": service.enqueue},   # uploads arrive in pieces of chunk_bytes
+        downloads={"PullTuple": service.pull_for_lane},
+        unaries=service.lane_unaries(),
+        table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
+        max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
+        max_connections=LANE_CONNECTIONS, piece_bytes=config.chunk_bytes), chosen=bool(config.lane_listen), logger=log)
 
 
 def create_master_server(config: MasterConfig) -> tuple[grpc.Server, int, Master]:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hio.common.config import ConfigError, check_address, positive, setting
-from hio.common.lane import lane_beside, split_address
+from hio.common.config import ConfigError, check_address, lane_listen_address, positive, setting, split_address
 from hio.common.settings import ClusterSettings
 
 KiB = 1024
@@ -49,12 +48,7 @@ class MasterConfig(ClusterSettings):
 
     def lane_address(self) -> str:
         """Where the payload lane listens; '' when there is none (turned off, or TLS)."""
-        if not self.lanes or self.tls_cert:
-            return ""
-        if self.lane_listen:
-            return self.lane_listen
-        port = split_address(self.listen)[1]
-        return lane_beside(self.listen, port + 1 if port else 0)
+        return lane_listen_address(self.listen, self.lane_listen, offered=self.lanes and not self.tls_cert)
 
     def validate(self) -> None:
         """Refuse settings the master cannot run with; each message names the setting."""

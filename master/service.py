@@ -7,14 +7,14 @@ status, anything else ``INTERNAL`` with a log reference.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import DecodeError
 
 from hio.common.errors import InvalidArgument, grpc_errors
 from hio.common.frames import TupleFrame, TupleReceipt, idle_bounded
-from hio.common.lane import LaneFrame, lane_frames
+from hio.common.lane import LaneFrame, lane_frames, unary_on_bytes
 from hio.master.backlog import Placement
 from hio.master.core import PULL_PACK_BYTES, Master, Outcome, RouteItem, Status
 from hio.master.deadletters import DeadLetter
@@ -22,7 +22,6 @@ from hio.master.registry import ChannelSpec
 from hio.master.routing import DirectRoute
 from hio.proto import master_pb2, master_pb2_grpc
 
-Req = TypeVar("Req", bound=Message)
 
 # Method name -> roles allowed (passed to hio.common.net.create_server as `policy`).
 POLICY: dict[str, set[str]] = {
@@ -90,8 +89,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     def lane_unaries(self) -> dict[str, Callable[[bytes], bytes]]:
         """The unary calls the payload lane answers (the ones made once per tuple at low rates)."""
-        return {"RouteTuples": _on_bytes(master_pb2.RouteTuplesRequest, self.route),
-                "ReportTuples": _on_bytes(master_pb2.ReportTuplesRequest, self.report)}
+        return {"RouteTuples": unary_on_bytes(master_pb2.RouteTuplesRequest, self.route),
+                "ReportTuples": unary_on_bytes(master_pb2.ReportTuplesRequest, self.report)}
 
     @grpc_errors
     def Enqueue(self, request_iterator: Iterable[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
@@ -180,17 +179,6 @@ class MasterService(master_pb2_grpc.MasterServicer):
                         context: grpc.ServicerContext) -> master_pb2.RetryDeadLetterResponse:
         self._master.retry_dead_letter(request.tuple_id)
         return master_pb2.RetryDeadLetterResponse()
-
-
-def _on_bytes(request_type: type[Req], handler: Callable[[Req], Message]) -> Callable[[bytes], bytes]:
-    """``handler`` taking and giving bytes (a lane call): an unreadable request is INVALID_ARGUMENT."""
-    def call(body: bytes) -> bytes:
-        try:
-            request = request_type.FromString(body)
-        except DecodeError as exc:
-            raise InvalidArgument(f"unreadable {request_type.__name__}: {exc}") from None
-        return handler(request).SerializeToString()
-    return call
 
 
 def _encode_dead(letter: DeadLetter) -> master_pb2.DeadLetter:

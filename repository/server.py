@@ -9,7 +9,9 @@ from grpc_health.v1 import health
 
 from hio.common.errors import HioError
 from hio.common.log import NOTICE
-from hio.common.net import ROLE_SERVICES, create_server, run_until_signal, set_serving
+from hio.common.lane import LaneServer, start_lane_server
+from hio.common.net import (ROLE_SERVICES, TokenTable, create_server, message_limit, run_until_signal,
+                            set_serving)
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig
 from hio.repository.http import PreviewHttpServer
@@ -18,21 +20,38 @@ from hio.repository.store import FeatureStore
 
 log = logging.getLogger("hio.repository")
 
+LANE_CONNECTIONS = 512   # kept connections: two engines' storers per worker, and room
+
 
 def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, health.HealthServicer, FeatureStore]:
     store = FeatureStore.from_config(config)
     service = RepositoryService(store, read_batch_records=config.read_batch_records,
                                 read_batch_bytes=config.read_batch_bytes)
     try:
+        table = TokenTable.from_settings(config)   # one read of the tokens, for gRPC and the lane
         server, port, health_servicer = create_server(
-            config, config.listen, max_workers=config.max_workers, policy=POLICY,
+            config, config.listen, max_workers=config.max_workers, policy=POLICY, table=table,
             register=[lambda s: repository_pb2_grpc.add_RepositoryServicer_to_server(service, s)],
             service=ROLE_SERVICES["repository"])
+        store.lane = _start_lane(config, service, table)
     except BaseException:
         store.close()
         raise
     set_serving(health_servicer, False)
     return server, port, health_servicer, store
+
+
+def _start_lane(config: RepositoryConfig, service: RepositoryService, table: TokenTable | None) -> LaneServer | None:
+    """The lane PutFeatures also arrives on (sessions of calls on kept connections), started;
+    None when there is none."""
+    address = config.lane_address()
+    if not address:
+        return None
+    return start_lane_server(address, lambda listen: LaneServer(
+        listen, service="Repository", uploads={}, unaries=service.lane_unaries(),
+        table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
+        max_head_bytes=message_limit(config), max_data_bytes=0, max_connections=LANE_CONNECTIONS),
+        chosen=bool(config.lane_listen), logger=log)
 
 
 def create_repository_server(config: RepositoryConfig) -> tuple[grpc.Server, int, FeatureStore]:
@@ -58,8 +77,9 @@ def run_repository(config: RepositoryConfig) -> int:
             http_server = PreviewHttpServer(store, config.http_listen).start()
         server.start()
         set_serving(health_servicer, True)
-        log.log(NOTICE, "repository serving", extra={"port": port, "records": store.latest(),
-                                              "http_port": http_server.port if http_server else None})
+        log.log(NOTICE, "repository serving", extra={
+            "port": port, "records": store.latest(), "lane_port": store.lane.port if store.lane else None,
+            "http_port": http_server.port if http_server else None})
         return run_until_signal(server, on_stop=[lambda: set_serving(health_servicer, False)])
     finally:
         if http_server is not None:

@@ -72,7 +72,7 @@ class PullCall:
 class ClusterLink:
     """Stubs of the master and the repository for one engine (thread-safe)."""
 
-    def __init__(self, settings: ClusterSettings, *, rpc_deadline: float, master_lane: bool = True) -> None:
+    def __init__(self, settings: ClusterSettings, *, rpc_deadline: float, lanes: bool = True) -> None:
         self._settings = settings
         self._deadline = rpc_deadline
         self._master_channel = create_channel(settings.master_address, settings)
@@ -82,14 +82,17 @@ class ClusterLink:
         self._enqueue = send_frames(self._master_channel, "Master", "Enqueue")
         self._pull = pull_frames(self._master_channel)
         self._master_lane_port = 0                     # learnt from report answers
-        self._use_master_lane = master_lane and not settings.speaks_tls   # off: pulls always go over gRPC
+        self._use_lanes = lanes and not settings.speaks_tls   # off: every call goes over gRPC
         self._lanes = LaneSkips(log, "master's payload lane unusable; pulling and reporting over gRPC")
         self._master_calls = LearntLane(self._lanes)    # ReportTuples on the master's lane, once it says where
+        self._repository_calls = LearntLane(           # PutFeatures on the repository's lane, likewise
+            LaneSkips(log, "repository's lane unusable; storing features over gRPC"))
 
     def close(self) -> None:
         self._master_channel.close()
         self._repo_channel.close()
         self._master_calls.close()
+        self._repository_calls.close()
 
     def _retry(self, fn: Callable[[], T], peer: str, deadline: float | None = None) -> T:
         try:
@@ -110,11 +113,25 @@ class ClusterLink:
         request = repository_pb2.PutFeaturesRequest(records=[
             repository_pb2.FeaturesUpload(tuple_id=tuple_id, record_zstd=blob, crc32=crc32(blob))
             for tuple_id, blob in records])
-        reply = self._retry(lambda: self._repo.PutFeatures(request, timeout=CALL_TIMEOUT), "repository")
+        reply = self._retry(lambda: self._put_features(request), "repository")
         if len(reply.duplicate) != len(records):
             raise errors.HioError(f"repository: PutFeatures answered {len(reply.duplicate)} results "
                                   f"for {len(records)} records")
         return list(reply.duplicate)
+
+    def _put_features(self, request: repository_pb2.PutFeaturesRequest) -> repository_pb2.PutFeaturesResponse:
+        """One PutFeatures: on the repository's lane when it answers calls there (a kept
+        connection: a gRPC call cost about 2 ms of CPU at the two ends, and an engine stores
+        once per tuple when tuples come one at a time), else over gRPC. A lane that breaks
+        under the call is skipped a while and the call goes over gRPC (stores are idempotent:
+        a record the lost answer had stored comes back a duplicate)."""
+        reply = self._repository_calls.request("PutFeatures", request, repository_pb2.PutFeaturesResponse,
+                                               token=self._settings.presented_token(), timeout=CALL_TIMEOUT)
+        if reply is None:
+            reply = self._repo.PutFeatures(request, timeout=CALL_TIMEOUT)
+        port = reply.calls_lane_port if self._use_lanes else 0
+        self._repository_calls.learn(lane_beside(self._settings.repository_address, port) if port else "")
+        return reply
 
     def enqueue(self, meta: TupleMeta, data: bytes, deadline: float | None = None) -> TupleReceipt:
         """Stream one tuple into the master's backlog; its receipt (ENQUEUED when durable)."""
@@ -175,6 +192,6 @@ class ClusterLink:
     def _master_lane(self, port: int) -> str:
         """The master's payload lane at ``port`` (as its answers name it), '' when it offers none
         (0), this engine does not use it, or TLS is on (the lane has none)."""
-        if not port or not self._use_master_lane:
+        if not port or not self._use_lanes:
             return ""
         return lane_beside(self._settings.master_address, port)

@@ -83,7 +83,6 @@ class WorkerConfig(EngineSettings):
         check them: only those a worker does not decide itself, each valid."""
         where = "engine_settings ([engine])"
         refused = {name: "the worker sets it for each engine" for name in ENGINE_SLOT_SETTINGS}
-        refused["pull_lane"] = "it follows the worker's lanes setting"
         engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
         refused.update((f.name, "set it for the worker ([worker] or [cluster]); it passes its value on to "
                                 "its engines") for f in dataclasses.fields(WorkerConfig) if f.name in engine_fields)
@@ -183,8 +182,8 @@ class EngineConfig(EngineSettings):
     listen: str = setting("127.0.0.1:0", "host:port the Engine service listens on")
     lane_listen: str = setting("", "host:port of the payload lane (Deliver over plain TCP, for large "
                                    "payloads without gRPC's copies); empty = none; off with TLS")
-    pull_lane: bool = setting(True, "pull queued tuples over the master's payload lane when it offers one; "
-                                    "off = over gRPC only")
+    lanes: bool = setting(True, "use the master's and the repository's lanes when they offer them (pulls, "
+                                "reports, feature stores on plain TCP); off = over gRPC only")
     store_batch_records: int = setting(256, "most feature records stored in one repository call")
     store_pending_records: int = setting(1024, "processed tuples whose features may wait to be stored "
                                                "before processing pauses")

@@ -100,7 +100,7 @@ def engine_env(config: WorkerConfig, *, channel_id: str, image: str, pipeline: s
         "HIO_LOG_LEVEL": config.log_level,
         "HIO_LOG_JSON": "true" if config.log_json else "false",
         "HIO_TLS_CLIENT_AUTH": "true" if config.tls_client_auth else "false",
-        "HIO_ENGINE_PULL_LANE": "true" if config.lanes else "false",
+        "HIO_ENGINE_LANES": "true" if config.lanes else "false",
     }
     env.update((f"HIO_ENGINE_{name.upper()}", value) for name, value in config.engine_overrides().items())
     if lane_port:

@@ -908,7 +908,7 @@ def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], 
     """
     if pipeline is None:
         pipeline = load_pipeline(resolve_pipeline(config))
-    cluster = ClusterLink(config, rpc_deadline=config.rpc_deadline, master_lane=config.pull_lane)
+    cluster = ClusterLink(config, rpc_deadline=config.rpc_deadline, lanes=config.lanes)
     reporter = Reporter(config.channel_id, cluster.report, keepalive=config.reservation_seconds / 3,
                         processing=lambda: engine.processing)
     engine = Engine(config, pipeline, cluster, reporter, exit_process=exit_process)

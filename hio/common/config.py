@@ -238,6 +238,32 @@ def check_address(name: str, value: str, *, allow_empty: bool = False) -> None:
         raise ConfigError(f"{name} must be host:port, got {value!r}")
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """('host', port) of 'host:port' or '[v6]:port'."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"lane address must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def lane_beside(address: str, port: int) -> str:
+    """The lane at ``port`` on the host of ``address`` (how a sender reaches a server's lane
+    when the server names only its port: the host is the one the sender reached it at)."""
+    return f"{address.rpartition(':')[0]}:{port}"
+
+
+def lane_listen_address(listen: str, lane_listen: str, *, offered: bool) -> str:
+    """Where a server's lane listens: ``lane_listen``, else ``listen``'s host and port + 1
+    (any free port when ``listen``'s port is 0); '' when it offers none (``offered`` false:
+    lanes turned off, or TLS, which the lane lacks)."""
+    if not offered:
+        return ""
+    if lane_listen:
+        return lane_listen
+    port = split_address(listen)[1]
+    return lane_beside(listen, port + 1 if port else 0)
+
+
 # gRPC target schemes a peer address may use instead of host:port
 _TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
 

@@ -34,6 +34,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, TypeVar, Union
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from hio.common.config import ConfigError, lane_beside, split_address
 from hio.common.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
                                PermissionDenied, Unauthenticated, status_of)
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
@@ -112,14 +113,6 @@ def _status_error(status: LaneStatus) -> LaneError | None:
         return None
     return LaneError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message,
                      retry_after=status.retry_after_seconds)
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """('host', port) of 'host:port' or '[v6]:port'."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"lane address must be host:port, got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def tune(sock: socket.socket) -> None:
@@ -591,10 +584,37 @@ def lane_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_byte
             yield TupleFrame(meta=meta, last=True).SerializeToString(), payload, meta.size
 
 
-def lane_beside(address: str, port: int) -> str:
-    """The lane at ``port`` on the host of ``address`` (how a sender reaches a server's lane
-    when the server names only its port: the host is the one the sender reached it at)."""
-    return f"{address.rpartition(':')[0]}:{port}"
+def unary_on_bytes(request_type: type[M], handler: Callable[[M], Message]) -> Unary:
+    """``handler`` as a lane's unary call, taking and giving bytes: an unreadable request is
+    INVALID_ARGUMENT, as gRPC's parsing says it."""
+    def call(body: bytes) -> bytes:
+        try:
+            request = request_type.FromString(body)
+        except DecodeError as exc:
+            raise InvalidArgument(f"unreadable {request_type.__name__}: {exc}") from None
+        return handler(request).SerializeToString()
+    return call
+
+
+def start_lane_server(address: str, make: Callable[[str], "LaneServer"], *, chosen: bool,
+                      logger: logging.Logger) -> "LaneServer":
+    """``make(address)``, started. A port only derived from ``listen`` (not ``chosen``) that is
+    taken gives way to any free one, with a warning (the server's answers name the port it
+    got; a firewall that opens only listen's port + 1 then makes callers use gRPC); a chosen
+    one that cannot be had is a ConfigError naming ``lane_listen``."""
+    def started(listen: str) -> LaneServer:
+        lane = make(listen)
+        lane.start()
+        return lane
+
+    try:
+        return started(address)
+    except OSError as exc:
+        if chosen:
+            raise ConfigError(f"cannot listen for the payload lane on {address}: {exc} "
+                              "(set another lane_listen, or lanes = false)") from None
+        logger.warning("payload lane port taken; using any free port", extra={"wanted": address, "error": str(exc)})
+        return started(lane_beside(address, 0))
 
 
 class LaneSkips:
@@ -665,7 +685,7 @@ class LaneCalls:
         self.address = address
         self._skips = skips
         self._lock = threading.Lock()
-        self._idle: list[tuple[socket.socket, BinaryIO, float]] = []   # newest last
+        self._idle: list[tuple[socket.socket, BinaryIO, float, str]] = []   # (.., last used, token), newest last
         self._closed = False
 
     def call(self, method: str, request: bytes, *, token: str, timeout: float) -> bytes | None:
@@ -695,7 +715,7 @@ class LaneCalls:
                 raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane connection failed: {exc}",
                                 transport=True) from None
             raise
-        self._give_back(sock, reader)
+        self._give_back(sock, reader, token)
         if kind == RESPONSE:
             return body
         try:
@@ -730,18 +750,20 @@ class LaneCalls:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for sock, reader, _ in idle:
+        for sock, reader, _, _ in idle:
             _close_pair(sock, reader)
 
     def _take(self, token: str) -> tuple[socket.socket, BinaryIO] | None:
-        """A kept connection still open (the server's end not closed: a restarted server), or a
+        """A kept connection still open (the server's end not closed: a restarted server) that
+        was introduced with ``token`` (each call is authorized by its connection's hello), or a
         new one; None while the lane is skipped."""
         now = time.monotonic()
         while True:
             with self._lock:
-                if not self._idle:
+                mine = [n for n, idle in enumerate(self._idle) if idle[3] == token]
+                if not mine:
                     break
-                sock, reader, used = self._idle.pop()
+                sock, reader, used, _ = self._idle.pop(mine[-1])
             if now - used < CLIENT_SESSION_IDLE_SECONDS and _peer_open(sock):
                 return sock, reader
             _close_pair(sock, reader)
@@ -750,17 +772,17 @@ class LaneCalls:
             return None
         return sock, sock.makefile("rb", buffering=64 * 1024)
 
-    def _give_back(self, sock: socket.socket, reader: BinaryIO) -> None:
+    def _give_back(self, sock: socket.socket, reader: BinaryIO, token: str) -> None:
         now = time.monotonic()
         with self._lock:
-            stale = [pair for pair in self._idle if now - pair[2] >= CLIENT_SESSION_IDLE_SECONDS]
-            self._idle = [pair for pair in self._idle if now - pair[2] < CLIENT_SESSION_IDLE_SECONDS]
+            stale = [idle for idle in self._idle if now - idle[2] >= CLIENT_SESSION_IDLE_SECONDS]
+            self._idle = [idle for idle in self._idle if now - idle[2] < CLIENT_SESSION_IDLE_SECONDS]
             kept = not self._closed
             if kept:
-                self._idle.append((sock, reader, now))
+                self._idle.append((sock, reader, now, token))
         if not kept:
-            stale.append((sock, reader, now))
-        for old, old_reader, _ in stale:
+            stale.append((sock, reader, now, token))
+        for old, old_reader, _, _ in stale:
             _close_pair(old, old_reader)
 
 

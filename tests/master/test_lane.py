@@ -348,13 +348,13 @@ def test_an_engine_told_not_to_use_lanes_pulls_over_grpc_though_the_master_offer
     worker = build(WorkerConfig, "worker", overrides={"lanes": False, "master_address": master.address,
                                                       "repository_address": repo.address})
     env = engine_env(worker, channel_id="w1/0", image=TEST_IMAGE, pipeline="", port=1)
-    monkeypatch.setenv("HIO_ENGINE_PULL_LANE", env["HIO_ENGINE_PULL_LANE"])   # as the worker starts its engines
+    monkeypatch.setenv("HIO_ENGINE_LANES", env["HIO_ENGINE_LANES"])   # as the worker starts its engines
     config = GatewayConfig(master_address=master.address, repository_address=repo.address, force_queue=True,
                            data_dir=str(tmp_path / "gw"), source="no-lanes", ingest_listen="", grace_seconds=2.0)
     with Gateway(config) as gw:
         ids = gw.send_many([b"one", os.urandom(100_000)], image=TEST_IMAGE, timeout=60)
     engine_settings = engine_config(master=master.address, repository=repo.address)
-    assert not engine_settings.pull_lane
+    assert not engine_settings.lanes
     engine = RunningEngine(engine_settings)
     try:
         register_channel(master, engine)
@@ -362,13 +362,14 @@ def test_an_engine_told_not_to_use_lanes_pulls_over_grpc_though_the_master_offer
     finally:
         engine.close()
     assert master.domain.lane.methods["PullTuple"] == 0
+    assert repo.store.lane is not None and repo.store.lane.methods["PutFeatures"] == 0, "nor the repository's"
 
 
 def test_routes_and_reports_of_tuples_sent_one_at_a_time_go_over_the_lane_on_kept_connections(
         master: Master, repo: Repo, tmp_path: Path) -> None:
-    """RouteTuples (gateway) and ReportTuples (engine) are made once per tuple when tuples come
-    one at a time; on the master's lane they share a few kept connections instead of costing a
-    gRPC call each (about 2 ms of CPU at the two ends)."""
+    """RouteTuples (gateway), ReportTuples and PutFeatures (engine) are made once per tuple when
+    tuples come one at a time; on the master's and the repository's lanes they share a few kept
+    connections instead of costing a gRPC call each (about 2 ms of CPU at the two ends)."""
     from hio.gateway import Gateway, GatewayConfig
 
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
@@ -390,6 +391,8 @@ def test_routes_and_reports_of_tuples_sent_one_at_a_time_go_over_the_lane_on_kep
     assert status.stored == 8 and status.retries == 0
     assert sorted(records) == sorted(ids)
     assert lane.sessions <= 4, "one kept connection for the gateway's routes, one for the engine's reports"
+    stores = repo.store.lane
+    assert stores is not None and stores.methods["PutFeatures"] >= 6 and stores.sessions == 1
 
 
 def test_routes_stay_on_grpc_when_the_gateway_uses_no_lanes(master: Master, repo: Repo, tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def test_the_engine_table_of_a_worker_s_file_reaches_its_engines(monkeypatch: py
 @pytest.mark.parametrize("table, message", [
     ({"tuple_timeout": 3}, "tuple_timeout: set it for the worker"),
     ({"listen": "127.0.0.1:9"}, "listen: the worker sets it for each engine"),
-    ({"pull_lane": False}, "pull_lane: it follows the worker's lanes setting"),
+    ({"lanes": False}, "lanes: set it for the worker ([worker] or [cluster]); it passes its value on"),
     ({"rpc_deadlin": 3}, "unknown setting 'rpc_deadlin'; known: reservation_seconds, rpc_deadline"),
     ({"store_batch_records": "many"}, "store_batch_records: 'many' is not an integer"),
     ({"rpc_deadline": 0}, "engine_settings ([engine]): rpc_deadline must be positive"),
