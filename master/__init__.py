@@ -46,7 +46,11 @@ def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, health.Healt
             config, config.listen, max_workers=config.server_threads, policy=POLICY, table=table,
             register=[lambda s: master_pb2_grpc.add_MasterServicer_to_server(service, s)],
             service=ROLE_SERVICES["master"])
-        master.lane = _start_lane(config, service, table)
+        try:
+            master.lane = _start_lane(config, service, table)
+        except BaseException:
+            server.stop(None)   # bound already: free its port
+            raise
     except BaseException:
         master.close()
         raise

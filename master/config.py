@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hio.common.config import ConfigError, check_address, lane_listen_address, positive, setting, split_address
+from hio.common.config import (ConfigError, check_address, lane_listen_address, positive, same_port, setting,
+                               split_address)
 from hio.common.settings import ClusterSettings
 
 KiB = 1024
@@ -58,6 +59,8 @@ class MasterConfig(ClusterSettings):
         check_address("lane_listen", self.lane_listen, allow_empty=True)
         if not self.lane_listen and self.lane_address() and split_address(self.listen)[1] == 65535:
             raise ConfigError("listen's port is 65535, so the payload lane has no port + 1: set lane_listen")
+        if self.lane_listen and same_port(self.lane_listen, self.listen):
+            raise ConfigError(f"lane_listen {self.lane_listen} takes listen's port: choose another")
         for name in ("queue_bytes", "segment_bytes", "heartbeat_interval", "expiry_seconds",
                      "reservation_seconds", "lease_seconds", "max_attempts", "server_threads",
                      "pull_waiters", "dead_list_limit", "forget_seconds"):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from hio.common.config import ConfigError, check_address, lane_listen_address, positive, setting, split_address
+from hio.common.config import (ConfigError, check_address, lane_listen_address, positive, same_port, setting,
+                               split_address)
 from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB, ClusterSettings
 
 FSYNC_MODES = ("batch", "always", "never")
@@ -56,6 +57,11 @@ class RepositoryConfig(ClusterSettings):
         check_address("lane_listen", self.lane_listen, allow_empty=True)
         if not self.lane_listen and self.lane_address() and split_address(self.listen)[1] == 65535:
             raise ConfigError("listen's port is 65535, so the lane has no port + 1: set lane_listen")
+        lane = self.lane_address()
+        for name in ("listen", "http_listen"):
+            if lane and getattr(self, name) and same_port(lane, getattr(self, name)):
+                raise ConfigError(f"the lane's address {lane} takes {name}'s port: " + (
+                    "choose another lane_listen" if self.lane_listen else "it is listen's port + 1; set lane_listen"))
         if self.fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {self.fsync!r}")
         if self.fsync_interval_ms < 0 or self.fsync_interval_ms > 10_000:

@@ -33,7 +33,11 @@ def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, health.HealthSer
             config, config.listen, max_workers=config.max_workers, policy=POLICY, table=table,
             register=[lambda s: repository_pb2_grpc.add_RepositoryServicer_to_server(service, s)],
             service=ROLE_SERVICES["repository"])
-        store.lane = _start_lane(config, service, table)
+        try:
+            store.lane = _start_lane(config, service, table)
+        except BaseException:
+            server.stop(None)   # bound already: free its port
+            raise
     except BaseException:
         store.close()
         raise

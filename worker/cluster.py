@@ -16,7 +16,7 @@ import grpc
 
 from hio.common import errors
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
-from hio.common.lane import LaneDownload, LaneSkips, LearntLane, lane_beside
+from hio.common.lane import LaneCalls, LaneDownload, LaneSkips, LearntLane, lane_beside
 from hio.common.net import create_channel, message_limit, pull_frames, rpc_error_text, rpc_status, send_frames
 from hio.common.retry import call_with_retry
 from hio.common.settings import ClusterSettings
@@ -132,6 +132,11 @@ class ClusterLink:
         port = reply.calls_lane_port if self._use_lanes else 0
         self._repository_calls.learn(lane_beside(self._settings.repository_address, port) if port else "")
         return reply
+
+    @property
+    def repository_lane(self) -> LaneCalls | None:
+        """The repository's lane this engine stores on, once an answer named it (for tests)."""
+        return self._repository_calls.calls
 
     def enqueue(self, meta: TupleMeta, data: bytes, deadline: float | None = None) -> TupleReceipt:
         """Stream one tuple into the master's backlog; its receipt (ENQUEUED when durable)."""

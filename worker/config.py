@@ -69,8 +69,9 @@ class WorkerConfig(EngineSettings):
     engine_cpus: float = setting(1.0, "CPUs per engine (docker runtime)")
     restart_backoff_max: float = setting(30.0, "longest wait, in seconds, before restarting a crashed engine")
     lanes: bool = setting(True, "engines serve a payload lane (Deliver over plain TCP, on a second port "
-                                "from engine_ports) that gateways use for payloads, and pull queued tuples "
-                                "over the master's lane; off = gRPC only; off with TLS")
+                                "from engine_ports) that gateways use for payloads, and use the master's "
+                                "and the repository's lanes (pulls, reports, feature stores); off = gRPC "
+                                "only; off with TLS")
     engine_settings: tuple[str, ...] = setting((), "engine settings passed to every engine this worker starts, "
                                                    "NAME=VALUE (e.g. rpc_deadline=120); the [engine] table of the "
                                                    "configuration file comes first, these win")

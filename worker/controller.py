@@ -69,6 +69,22 @@ def free_port(host: str, port_range: tuple[int, int] | None = None, exclude: fro
     raise RuntimeError(f"no free port for an engine in {port_range[0]}-{port_range[1]} on {host}")  # type: ignore[index]
 
 
+def _engine_health(stub: health_pb2_grpc.HealthStub, channel_id: str) -> health_pb2.HealthCheckResponse:
+    """The engine's health, asked by its service's name: another process's server that took
+    the port answers NOT_FOUND. An engine of an image built before engines answered by name
+    does too; it is then asked as before (the server as a whole), with a warning."""
+    try:
+        return stub.Check(health_pb2.HealthCheckRequest(service=ROLE_SERVICES["engine"]), timeout=HEALTH_TIMEOUT)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT)
+    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+        log.warning("engine answers health only as a whole: an image built by an older hio (rebuild it: "
+                    "hio images build), or another server holds its port", extra={"channel": channel_id})
+    return reply
+
+
 def local_host(listen_host: str) -> str:
     """The address this machine reaches an engine on, given the host it listens on."""
     return "127.0.0.1" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
@@ -394,9 +410,7 @@ class Controller:
         address = f"{local_host(self._config.engine_listen_host)}:{slot.port}"
         try:
             with create_channel(address, self._config) as channel:
-                # named: a server of another process that took the port is not our engine
-                request = health_pb2.HealthCheckRequest(service=ROLE_SERVICES["engine"])
-                reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=HEALTH_TIMEOUT)
+                reply = _engine_health(health_pb2_grpc.HealthStub(channel), slot.channel_id)
         except grpc.RpcError:
             return
         if reply.status == health_pb2.HealthCheckResponse.SERVING:

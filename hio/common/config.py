@@ -252,6 +252,14 @@ def lane_beside(address: str, port: int) -> str:
     return f"{address.rpartition(':')[0]}:{port}"
 
 
+def same_port(a: str, b: str) -> bool:
+    """Whether two listen addresses would bind the same port (one port, and one host or a
+    wildcard on either side); port 0 is any free port, never the same."""
+    (host_a, port_a), (host_b, port_b) = split_address(a), split_address(b)
+    wildcard = ("", "0.0.0.0", "::")
+    return port_a == port_b != 0 and (host_a == host_b or host_a in wildcard or host_b in wildcard)
+
+
 def lane_listen_address(listen: str, lane_listen: str, *, offered: bool) -> str:
     """Where a server's lane listens: ``lane_listen``, else ``listen``'s host and port + 1
     (any free port when ``listen``'s port is 0); '' when it offers none (``offered`` false:

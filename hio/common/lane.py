@@ -11,8 +11,9 @@ The master serves ``Enqueue`` the same way (its receipts, checks and statuses
 are Enqueue's). The framing is documented in ``proto/hio/proto/engine.proto``.
 
 A lane also carries *sessions of unary calls* (:data:`CALLS`): the master's
-``RouteTuples`` and ``ReportTuples``, one per tuple when tuples come one at a
-time, on a connection kept open between calls (:class:`LaneCalls`). A unary
+``RouteTuples`` and ``ReportTuples`` and, on a lane of the repository's own,
+``PutFeatures``; one each per tuple when tuples come one at a time, on a
+connection kept open between calls (:class:`LaneCalls`). A unary
 call cost about 1 ms of CPU at each end in Python gRPC here (its server
 hands every call from a polling thread to a handler thread), and 0.1-0.2 ms
 on a kept connection.
@@ -36,7 +37,7 @@ from google.protobuf.message import DecodeError, Message
 
 from hio.common.config import ConfigError, lane_beside, split_address
 from hio.common.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
-                               PermissionDenied, Unauthenticated, status_of)
+                               PermissionDenied, ResourceExhausted, Unauthenticated, status_of)
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
 from hio.common.net import TokenTable, refuse_caller
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
@@ -261,6 +262,7 @@ class LaneServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._sock: socket.socket | None = None
+        self._stopping = False
         self.port = 0
         self.methods: collections.Counter[str] = collections.Counter()   # calls that passed the hello, by method
         self.sessions = 0                                                 # CALLS sessions opened (kept connections)
@@ -301,7 +303,8 @@ class LaneServer:
         if sock is not None:
             _shutdown(sock)
             sock.close()
-        with self._lock:
+        with self._lock:   # from here the accepting thread closes what it still accepts
+            self._stopping = True
             conns = list(self._conns)
         for conn in conns:
             _shutdown(conn)
@@ -326,9 +329,13 @@ class LaneServer:
                 time.sleep(0.1)   # e.g. out of file descriptors: do not spin
                 continue
             with self._lock:
+                stopping = self._stopping
                 crowded = len(self._conns) >= self._max_connections
-                if not crowded:
+                if not crowded and not stopping:
                     self._conns.add(conn)
+            if stopping:   # accepted as stop() began: it would not be ended
+                conn.close()
+                return
             if crowded:  # closed without a word: the gateway sends over gRPC and leaves the lane a while
                 conn.close()
                 continue
@@ -368,6 +375,7 @@ class LaneServer:
         try:
             hello = self._hello(conn)
             if hello.method == CALLS and self._unaries:
+                self._check_caller(CALLS, hello.token)   # the token, once: no request is read for a stranger
                 with self._lock:
                     self.sessions += 1
                 self._session(conn, readers, hello.token)
@@ -467,8 +475,8 @@ class LaneServer:
                     return
                 conn.settimeout(self._idle if self._idle > 0 else None)
                 name_size, body_size = _CALL_PREFIX.unpack(prefix)
-                if name_size > MAX_METHOD_BYTES or body_size > self._max_head:
-                    _reply(conn, STATUS, _error_status(InvalidArgument(
+                if name_size > MAX_METHOD_BYTES or body_size > self._max_head:   # as gRPC's message limit
+                    _reply(conn, STATUS, _error_status(ResourceExhausted(
                         f"payload lane: a call of {name_size}+{body_size} bytes is over the limit of "
                         f"{MAX_METHOD_BYTES}+{self._max_head}")).SerializeToString())
                     return   # what follows cannot be framed: the session ends
@@ -586,7 +594,7 @@ def lane_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_byte
 
 def unary_on_bytes(request_type: type[M], handler: Callable[[M], Message]) -> Unary:
     """``handler`` as a lane's unary call, taking and giving bytes: an unreadable request is
-    INVALID_ARGUMENT, as gRPC's parsing says it."""
+    INVALID_ARGUMENT, as the roles' gRPC servers say it (``hio.common.net._ParsingInterceptor``)."""
     def call(body: bytes) -> bytes:
         try:
             request = request_type.FromString(body)
@@ -671,7 +679,8 @@ def open_lane(address: str, token: str, *, connect_seconds: float, method: str,
 
 class LaneCalls:
     """Unary calls to one server's lane on kept connections (a :data:`CALLS` session each):
-    the gateway's RouteTuples and the engines' ReportTuples to the master. Thread-safe:
+    the gateway's RouteTuples and the engines' ReportTuples to the master, the engines'
+    PutFeatures to the repository. Thread-safe:
     a call takes an idle connection (or opens one) and gives it back once answered, so
     callers at once use connections of their own.
 
@@ -687,6 +696,12 @@ class LaneCalls:
         self._lock = threading.Lock()
         self._idle: list[tuple[socket.socket, BinaryIO, float, str]] = []   # (.., last used, token), newest last
         self._closed = False
+
+    @property
+    def kept(self) -> int:
+        """Connections kept open between calls (for status and tests)."""
+        with self._lock:
+            return len(self._idle)
 
     def call(self, method: str, request: bytes, *, token: str, timeout: float) -> bytes | None:
         """The response's bytes; None when the lane is not usable now (use gRPC)."""
@@ -788,7 +803,8 @@ class LaneCalls:
 
 class LearntLane:
     """The :class:`LaneCalls` of a server whose lane its answers name (the master's, told in
-    every route and report answer): it may appear, move or go. Thread-safe."""
+    every route and report answer; the repository's, in every PutFeatures answer): it may
+    appear, move or go. Thread-safe."""
 
     def __init__(self, skips: LaneSkips) -> None:
         self._skips = skips
@@ -804,6 +820,11 @@ class LearntLane:
             self._calls = LaneCalls(lane, self._skips) if lane else None
         if calls is not None:
             calls.close()
+
+    @property
+    def calls(self) -> LaneCalls | None:
+        """The lane learnt, None when there is none (for status and tests)."""
+        return self._calls
 
     def request(self, method: str, request: Message, response_type: type[M], *, token: str,
                 timeout: float) -> M | None:

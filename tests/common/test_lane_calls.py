@@ -113,6 +113,25 @@ def test_each_call_is_authorized_by_the_hellos_token_and_the_methods_roles() -> 
         server.stop()
 
 
+def test_a_kept_connection_serves_only_calls_with_the_token_its_hello_carried() -> None:
+    """A session is authorized by its hello: a call with another token must not ride on it."""
+    table = TokenTable([("gw", "gateway", "gw1"), ("view", "viewer", "v1")])
+    server = serve(table=table)
+    try:
+        calls = client(server)
+        assert calls.call("Echo", b"ok", token="gw", timeout=5) == b"ko"
+        for token, code in (("view", grpc.StatusCode.PERMISSION_DENIED), ("wrong", grpc.StatusCode.UNAUTHENTICATED)):
+            with pytest.raises(LaneError) as refused:
+                calls.call("Echo", b"x", token=token, timeout=5)
+            assert refused.value.code() == code, token
+        assert calls.call("Echo", b"ok", token="gw", timeout=5) == b"ko"
+        calls.close()
+        assert server.methods["Echo"] == 2
+        assert server.sessions == 2, "gw's session, kept and used twice, and view's; 'wrong' is refused at its hello"
+    finally:
+        server.stop()
+
+
 def test_a_restarted_server_is_reached_on_a_new_connection_without_a_failed_call() -> None:
     first = serve()
     port = first.port
@@ -157,7 +176,7 @@ def test_a_request_over_the_limit_is_refused_and_ends_the_session(server: LaneSe
     sock.sendall(struct.pack(">HI", 4, 5000) + b"Echo")
     kind, size = struct.unpack(">BI", sock.recv(5, socket.MSG_WAITALL))
     status = LaneStatus.FromString(sock.recv(size, socket.MSG_WAITALL))
-    assert kind == 2 and status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert kind == 2 and status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "as gRPC's message limit"
     assert "over the limit" in status.message
     assert sock.recv(1) == b""   # the server closed the session
     sock.close()

@@ -177,14 +177,19 @@ def test_stores_go_on_over_grpc_when_the_lane_stops_and_back_on_a_lane_when_it_r
             first.wait_healthy(address)
             link.store_many(records(1))
             link.store_many(records(2))
+            lane = link.repository_lane
+            assert lane is not None and lane.address == f"127.0.0.1:{int(address.rsplit(':', 1)[1]) + 1}"
+            assert lane.kept == 1, "the second store went over a kept lane connection"
         with HioProcess("repository", args, tmp_path, name="repository-2") as second:
             second.wait_healthy(address)
-            for n in range(3, 6):
+            assert link.store_many(records(3)) == [False]   # the kept connection is found closed
+            for n in range(4, 6):
                 assert link.store_many(records(n)) == [False]
             assert link.store_many(records(2)) == [True], "what the first one stored is kept"
+            lane = link.repository_lane
+            assert lane is not None and lane.kept == 1, "back on the lane, on one new kept connection"
     finally:
         link.close()
-    assert "lane_port" in second.output()
 
 
 def test_a_lane_port_that_is_taken_is_named_or_given_way(tmp_path: Path,
@@ -208,9 +213,14 @@ def test_a_lane_port_that_is_taken_is_named_or_given_way(tmp_path: Path,
                 store.close()
     with pytest.raises(ConfigError, match="set lane_listen"):
         RepositoryConfig(listen="127.0.0.1:65535").validate()
+    with pytest.raises(ConfigError, match="127.0.0.1:7180 takes http_listen's port: it is listen's port"):
+        RepositoryConfig(listen="127.0.0.1:7179").validate()          # the default http_listen is 7180
+    with pytest.raises(ConfigError, match="takes listen's port: choose another lane_listen"):
+        RepositoryConfig(listen="127.0.0.1:7100", lane_listen="0.0.0.0:7100").validate()
+    RepositoryConfig(listen="127.0.0.1:0", http_listen="127.0.0.1:0").validate()   # any free ports: no clash
 
 
-def test_the_lane_stops_with_the_store(repo: Running) -> None:
+def test_the_lane_stops_with_the_store_ending_the_sessions_still_open(repo: Running) -> None:
     lane = repo.store.lane
     assert lane is not None
     port = lane.port
@@ -218,13 +228,13 @@ def test_the_lane_stops_with_the_store(repo: Running) -> None:
     try:
         link.store_many(records(1))
         link.store_many(records(2))
-        assert lane.open_calls == 1
+        assert lane.open_calls == 1 and link.repository_lane is not None and link.repository_lane.kept == 1
+        repo.server.stop(0).wait()
+        repo.store.close()
+        assert lane.open_calls == 0, "the engine's kept session was ended by the store's close"
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
     finally:
         link.close()
-    wait_for(lambda: lane.open_calls == 0, timeout=10, what="the closed session ended on the server")
-    repo.server.stop(0).wait()
-    repo.store.close()
-    with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
     repo.server, repo.port, repo.store = create_repository_server(repo.config)   # for the fixture's close
     repo.server.start()

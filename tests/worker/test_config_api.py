@@ -251,3 +251,28 @@ def test_engine_ports_come_from_the_configured_range() -> None:
     for bad in ("abc", "9-1", "0-10", "70000"):
         with pytest.raises(ConfigError, match="engine_ports"):
             WorkerConfig(engine_ports=bad).validate()
+
+
+@pytest.mark.parametrize("service, warned", [("hio.proto.Engine", False), ("", True)],
+                         ids=["engine", "engine-of-an-older-image"])
+def test_the_engine_health_probe_asks_by_name_and_still_knows_an_older_image(
+        service: str, warned: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine answers health for hio.proto.Engine (so another role's server on its port is not
+    taken for it); one from an image built before that answers only as a whole, and is still
+    found serving, with a warning that says to rebuild the image."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from hio.common.net import create_channel, create_server, set_serving
+    from hio.common.settings import ClusterSettings
+    from hio.worker.controller import _engine_health
+
+    server, port, health = create_server(ClusterSettings(), "127.0.0.1:0", service=service)
+    server.start()
+    set_serving(health)
+    try:
+        with create_channel(f"127.0.0.1:{port}", ClusterSettings()) as channel:
+            reply = _engine_health(health_pb2_grpc.HealthStub(channel), "w1/0")
+    finally:
+        server.stop(0)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert any("older hio" in r.getMessage() for r in caplog.records) == warned
