@@ -17,10 +17,9 @@ import logging
 import grpc
 from grpc_health.v1 import health
 
-from hio.common.lane import LaneServer, start_lane_server
+from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
 from hio.common.log import NOTICE
-from hio.common.net import (ROLE_SERVICES, TokenTable, create_server, message_limit, run_until_signal,
-                            set_serving)
+from hio.common.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
 from hio.master.config import MasterConfig
 from hio.common.tickets import make_ticket
 from hio.master.core import Master
@@ -41,16 +40,10 @@ def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, health.Healt
     master = Master(config)
     try:
         service = MasterService(master)
-        table = TokenTable.from_settings(config)   # one read of the tokens, for gRPC and the lane
-        server, port, health_servicer = create_server(
-            config, config.listen, max_workers=config.server_threads, policy=POLICY, table=table,
-            register=[lambda s: master_pb2_grpc.add_MasterServicer_to_server(service, s)],
-            service=ROLE_SERVICES["master"])
-        try:
-            master.lane = _start_lane(config, service, table)
-        except BaseException:
-            server.stop(None)   # bound already: free its port
-            raise
+        server, port, health_servicer, master.lane = create_server_with_lane(
+            config, config.listen, lane=lambda table: _start_lane(config, service, table),
+            max_workers=config.server_threads, policy=POLICY, service=ROLE_SERVICES["master"],
+            register=[lambda s: master_pb2_grpc.add_MasterServicer_to_server(service, s)])
     except BaseException:
         master.close()
         raise

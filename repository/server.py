@@ -9,9 +9,8 @@ from grpc_health.v1 import health
 
 from hio.common.errors import HioError
 from hio.common.log import NOTICE
-from hio.common.lane import LaneServer, start_lane_server
-from hio.common.net import (ROLE_SERVICES, TokenTable, create_server, message_limit, run_until_signal,
-                            set_serving)
+from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
+from hio.common.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig
 from hio.repository.http import PreviewHttpServer
@@ -28,16 +27,10 @@ def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, health.HealthSer
     service = RepositoryService(store, read_batch_records=config.read_batch_records,
                                 read_batch_bytes=config.read_batch_bytes)
     try:
-        table = TokenTable.from_settings(config)   # one read of the tokens, for gRPC and the lane
-        server, port, health_servicer = create_server(
-            config, config.listen, max_workers=config.max_workers, policy=POLICY, table=table,
-            register=[lambda s: repository_pb2_grpc.add_RepositoryServicer_to_server(service, s)],
-            service=ROLE_SERVICES["repository"])
-        try:
-            store.lane = _start_lane(config, service, table)
-        except BaseException:
-            server.stop(None)   # bound already: free its port
-            raise
+        server, port, health_servicer, store.lane = create_server_with_lane(
+            config, config.listen, lane=lambda table: _start_lane(config, service, table),
+            max_workers=config.max_workers, policy=POLICY, service=ROLE_SERVICES["repository"],
+            register=[lambda s: repository_pb2_grpc.add_RepositoryServicer_to_server(service, s)])
     except BaseException:
         store.close()
         raise

@@ -30,7 +30,7 @@ import socket
 import struct
 import threading
 import time
-from typing import BinaryIO, Callable, Iterable, Iterator, TypeVar, Union
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar, Union
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -39,7 +39,8 @@ from hio.common.config import ConfigError, lane_beside, split_address
 from hio.common.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
                                PermissionDenied, ResourceExhausted, Unauthenticated, status_of)
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
-from hio.common.net import TokenTable, refuse_caller
+from hio.common.net import RoleHealth, TokenTable, create_server, refuse_caller
+from hio.common.settings import ClusterSettings
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 
 log = logging.getLogger("hio.lane")
@@ -590,6 +591,21 @@ def lane_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_byte
         else:
             meta, payload = item
             yield TupleFrame(meta=meta, last=True).SerializeToString(), payload, meta.size
+
+
+def create_server_with_lane(settings: ClusterSettings, listen: str, *,
+                            lane: Callable[[TokenTable | None], "LaneServer | None"],
+                            **server_args: Any) -> tuple[grpc.Server, int, RoleHealth, "LaneServer | None"]:
+    """A role's gRPC server (:func:`create_server`, not started) and the lane beside it (from
+    ``lane(table)``, started; None when there is none): one read of the tokens for both, and
+    the server stopped (its port freed) when the lane cannot start."""
+    table = TokenTable.from_settings(settings)
+    server, port, health = create_server(settings, listen, table=table, **server_args)
+    try:
+        return server, port, health, lane(table)
+    except BaseException:
+        server.stop(None)
+        raise
 
 
 def unary_on_bytes(request_type: type[M], handler: Callable[[M], Message]) -> Unary:
