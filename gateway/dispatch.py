@@ -125,8 +125,11 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
         self._calls: set[grpc.Future] = set()
         self._channels: dict[str, grpc.Channel] = {}
+        self._token = config.presented_token()   # read once, as for the gRPC channels
         self._lanes = LaneSkips(log, "payload lane unusable; using gRPC")
-        self._master_calls = LearntLane(self._lanes)   # RouteTuples on the master's lane, once it says where
+        self._master_calls = LearntLane(       # RouteTuples on the master's lane, once it says where
+            self._lanes, server=config.master_address, enabled=config.lanes and not config.speaks_tls,
+            token=self._token)
         self._unreachable_logged: dict[str, float] = {}      # engine address -> when last logged
         self._master_down_since: float | None = None
         self._queue_full_logged = False
@@ -292,7 +295,7 @@ class Dispatcher:
         if response is None:
             stub = master_pb2_grpc.MasterStub(self._channel(self._config.master_address))
             response = stub.RouteTuples(request, timeout=timeout)
-        self._learn_master_lane(response.calls_lane_port)
+        self._master_calls.learn(response.calls_lane_port)
         if len(response.tuple_ids) != len(batch) or len(response.tickets) != len(batch):
             raise _Protocol(f"master answered {len(response.tuple_ids)} ids for {len(batch)} tuples")
         return response
@@ -304,14 +307,7 @@ class Dispatcher:
         time); None when the master offers no lane for calls or it is not usable now. A lane
         that breaks is skipped for a while, and this route goes over gRPC (a route whose
         answer was lost costs only ids and a reservation that expires)."""
-        return self._master_calls.request("RouteTuples", request, master_pb2.RouteTuplesResponse,
-                                          token=self._config.presented_token(), timeout=timeout)
-
-    def _learn_master_lane(self, port: int) -> None:
-        """Route on the master's lane from now on (``port`` 0: it offers none). Not with lanes
-        off or TLS on (the lane has none)."""
-        use = port and self._config.lanes and not self._config.speaks_tls
-        self._master_calls.learn(lane_beside(self._config.master_address, port) if use else "")
+        return self._master_calls.request("RouteTuples", request, master_pb2.RouteTuplesResponse, timeout=timeout)
 
     def _persist(self, batch: list[_Pending]) -> None:
         """Record ids and attempts in the spool (one append), so any redelivery keeps them."""
@@ -380,7 +376,7 @@ class Dispatcher:
         port, a server that predates lanes)."""
         if not self._config.lanes or self._config.speaks_tls:
             return None
-        return self._lanes.open(lane, self._config.presented_token(), method=method)
+        return self._lanes.open(lane, self._token, method=method)
 
     def _frames(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int]) -> Iterator[WireFrame]:
         """Frames of the batch, from memory when the spool kept the payload, else read

@@ -64,7 +64,8 @@ def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable 
         unaries=service.lane_unaries(),
         table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
         max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
-        max_connections=LANE_CONNECTIONS, piece_bytes=config.chunk_bytes), chosen=bool(config.lane_listen), logger=log)
+        max_connections=LANE_CONNECTIONS, piece_bytes=config.chunk_bytes),
+        chosen=bool(config.lane_listen), logger=log)
 
 
 def create_master_server(config: MasterConfig) -> tuple[grpc.Server, int, Master]:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hio.common.config import (ConfigError, check_address, lane_listen_address, positive, same_port, setting,
-                               split_address)
+from hio.common.config import ConfigError, check_address, lane_listen_address, positive, same_port, setting
 from hio.common.settings import ClusterSettings
 
 KiB = 1024
@@ -57,8 +56,7 @@ class MasterConfig(ClusterSettings):
         self.validate_serving()
         check_address("listen", self.listen)
         check_address("lane_listen", self.lane_listen, allow_empty=True)
-        if not self.lane_listen and self.lane_address() and split_address(self.listen)[1] == 65535:
-            raise ConfigError("listen's port is 65535, so the payload lane has no port + 1: set lane_listen")
+        self.lane_address()   # refuses a listen port without a port + 1 for the lane
         if self.lane_listen and same_port(self.lane_listen, self.listen):
             raise ConfigError(f"lane_listen {self.lane_listen} takes listen's port: choose another")
         for name in ("queue_bytes", "segment_bytes", "heartbeat_interval", "expiry_seconds",

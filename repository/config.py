@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hio.common.config import (ConfigError, check_address, lane_listen_address, positive, same_port, setting,
-                               split_address)
+from hio.common.config import ConfigError, check_address, lane_listen_address, positive, same_port, setting
 from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB, ClusterSettings
 
 FSYNC_MODES = ("batch", "always", "never")
@@ -55,9 +54,7 @@ class RepositoryConfig(ClusterSettings):
         check_address("listen", self.listen)
         check_address("http_listen", self.http_listen, allow_empty=True)
         check_address("lane_listen", self.lane_listen, allow_empty=True)
-        if not self.lane_listen and self.lane_address() and split_address(self.listen)[1] == 65535:
-            raise ConfigError("listen's port is 65535, so the lane has no port + 1: set lane_listen")
-        lane = self.lane_address()
+        lane = self.lane_address()   # refuses a listen port without a port + 1 for the lane
         for name in ("listen", "http_listen"):
             if lane and getattr(self, name) and same_port(lane, getattr(self, name)):
                 raise ConfigError(f"the lane's address {lane} takes {name}'s port: " + (

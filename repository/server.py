@@ -75,7 +75,7 @@ def run_repository(config: RepositoryConfig) -> int:
         server.start()
         set_serving(health_servicer, True)
         log.log(NOTICE, "repository serving", extra={
-            "port": port, "records": store.latest(), "lane_port": store.lane.port if store.lane else None,
+            "port": port, "records": store.latest(), "lane_port": store.lane_port,
             "http_port": http_server.port if http_server else None})
         return run_until_signal(server, on_stop=[lambda: set_serving(health_servicer, False)])
     finally:

@@ -50,10 +50,9 @@ class RepositoryService(repository_pb2_grpc.RepositoryServicer):
         results = self._store.put((r.tuple_id, r.record_zstd, r.crc32) for r in request.records)
         stored = sum(not r.duplicate for r in results)
         log.debug("features stored", extra={"records": len(results), "new": stored})
-        lane = self._store.lane
         return pb.PutFeaturesResponse(offsets=[r.offset for r in results],
                                       duplicate=[r.duplicate for r in results],
-                                      calls_lane_port=lane.port if lane is not None else 0)
+                                      calls_lane_port=self._store.lane_port)
 
     def lane_unaries(self) -> dict[str, Callable[[bytes], bytes]]:
         """The unary calls the lane answers: the one an engine makes per tuple at low rates."""

@@ -141,6 +141,11 @@ class FeatureStore:
         """Both at once, guaranteed to belong together."""
         return self._knowledge.get()
 
+    @property
+    def lane_port(self) -> int:
+        """The lane's port, told to engines in every PutFeatures answer; 0 = none."""
+        return self.lane.port if self.lane is not None else 0
+
     def close(self) -> None:
         """Stop the lane, flush and close; further writes are refused."""
         if self.lane is not None:

@@ -83,10 +83,13 @@ class ClusterLink:
         self._pull = pull_frames(self._master_channel)
         self._master_lane_port = 0                     # learnt from report answers
         self._use_lanes = lanes and not settings.speaks_tls   # off: every call goes over gRPC
+        self._token = settings.presented_token()             # read once, as for the gRPC channels
         self._lanes = LaneSkips(log, "master's payload lane unusable; pulling and reporting over gRPC")
-        self._master_calls = LearntLane(self._lanes)    # ReportTuples on the master's lane, once it says where
-        self._repository_calls = LearntLane(           # PutFeatures on the repository's lane, likewise
-            LaneSkips(log, "repository's lane unusable; storing features over gRPC"))
+        self._master_calls = LearntLane(    # ReportTuples on the master's lane, once it says where
+            self._lanes, server=settings.master_address, enabled=self._use_lanes, token=self._token)
+        self._repository_calls = LearntLane(   # PutFeatures on the repository's lane, likewise
+            LaneSkips(log, "repository's lane unusable; storing features over gRPC"),
+            server=settings.repository_address, enabled=self._use_lanes, token=self._token)
 
     def close(self) -> None:
         self._master_channel.close()
@@ -126,11 +129,10 @@ class ClusterLink:
         under the call is skipped a while and the call goes over gRPC (stores are idempotent:
         a record the lost answer had stored comes back a duplicate)."""
         reply = self._repository_calls.request("PutFeatures", request, repository_pb2.PutFeaturesResponse,
-                                               token=self._settings.presented_token(), timeout=CALL_TIMEOUT)
+                                               timeout=CALL_TIMEOUT)
         if reply is None:
             reply = self._repo.PutFeatures(request, timeout=CALL_TIMEOUT)
-        port = reply.calls_lane_port if self._use_lanes else 0
-        self._repository_calls.learn(lane_beside(self._settings.repository_address, port) if port else "")
+        self._repository_calls.learn(reply.calls_lane_port)
         return reply
 
     @property
@@ -166,7 +168,7 @@ class ClusterLink:
         except grpc.RpcError as exc:
             raise translate(exc, "master", self._settings) from None
         self._master_lane_port = reply.lane_port
-        self._master_calls.learn(self._master_lane(reply.calls_lane_port))
+        self._master_calls.learn(reply.calls_lane_port)
         return reply
 
     def _report_on_lane(self, request: master_pb2.ReportTuplesRequest,
@@ -174,8 +176,7 @@ class ClusterLink:
         """The report on the master's lane; None when not usable now (then gRPC). A lane that
         breaks is skipped for a while, and this report goes over gRPC (the reporter sends
         what a lost answer leaves unsaid again, as after a gRPC call cut off)."""
-        return self._master_calls.request("ReportTuples", request, master_pb2.ReportTuplesResponse,
-                                          token=self._settings.presented_token(), timeout=timeout)
+        return self._master_calls.request("ReportTuples", request, master_pb2.ReportTuplesResponse, timeout=timeout)
 
     def pull(self, channel_id: str, wait_seconds: float, *, max_tuples: int = 1, max_bytes: int = 0) -> PullCall:
         """Open a PullTuple long-poll for ``channel_id`` (up to ``max_tuples`` tuples): on the
@@ -184,7 +185,7 @@ class ClusterLink:
                                               max_tuples=max_tuples, max_bytes=max_bytes)
         timeout = wait_seconds + 10.0
         lane = self._master_lane(self._master_lane_port)
-        sock = self._lanes.open(lane, self._settings.presented_token(), method="PullTuple",
+        sock = self._lanes.open(lane, self._token, method="PullTuple",
                                 request=request.SerializeToString()) if lane else None
         if sock is not None:
             return PullCall(LaneDownload(sock, timeout=timeout, max_head_bytes=message_limit(self._settings),

@@ -262,13 +262,15 @@ def same_port(a: str, b: str) -> bool:
 
 def lane_listen_address(listen: str, lane_listen: str, *, offered: bool) -> str:
     """Where a server's lane listens: ``lane_listen``, else ``listen``'s host and port + 1
-    (any free port when ``listen``'s port is 0); '' when it offers none (``offered`` false:
-    lanes turned off, or TLS, which the lane lacks)."""
+    (any free port when ``listen``'s port is 0; a ConfigError when there is no port + 1);
+    '' when it offers none (``offered`` false: lanes turned off, or TLS, which the lane lacks)."""
     if not offered:
         return ""
     if lane_listen:
         return lane_listen
     port = split_address(listen)[1]
+    if port == 65535:
+        raise ConfigError("listen's port is 65535, so the lane has no port + 1: set lane_listen")
     return lane_beside(listen, port + 1 if port else 0)
 
 

@@ -30,7 +30,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar, Union
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, NamedTuple, TypeVar, Union
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -234,7 +234,7 @@ class LaneServer:
     take frames and answer receipts (the engine's Deliver, the master's Enqueue);
     ``downloads`` take the hello's request and send frames (the master's PullTuple);
     ``unaries`` answer requests, many on one connection (a :data:`CALLS` session:
-    the master's RouteTuples and ReportTuples).
+    the master's RouteTuples and ReportTuples, the repository's PutFeatures).
 
     Callers are authenticated like gRPC callers (the hello carries the
     token; the same table and policy); statuses are the errors' gRPC codes.
@@ -382,7 +382,7 @@ class LaneServer:
                 self._session(conn, readers, hello.token)
                 return None, False
             download = self._downloads.get(hello.method)
-            self._authorize(hello)
+            self._check_caller(hello.method, hello.token)
             with self._lock:
                 self.methods[hello.method] += 1
             if download is not None:
@@ -451,11 +451,8 @@ class LaneServer:
             raise InvalidArgument(f"payload lane: serves {served} only{calls}, not {hello.method!r}")
         return hello
 
-    def _authorize(self, hello: LaneHello) -> None:
-        """Refuse a caller as gRPC would: the same tokens and role policy."""
-        self._check_caller(hello.method, hello.token)
-
     def _check_caller(self, method: str, token: str) -> None:
+        """Refuse a caller as gRPC would: the same tokens and role policy."""
         if self._table is not None:
             refusal = refuse_caller(self._table, self._policy, f"/hio.proto.{self._service}/{method}", token)
             if refusal is not None:
@@ -693,6 +690,15 @@ def open_lane(address: str, token: str, *, connect_seconds: float, method: str,
     return sock
 
 
+class _Kept(NamedTuple):
+    """A connection kept open between unary calls."""
+
+    sock: socket.socket
+    reader: BinaryIO
+    used: float      # monotonic time of its last answer
+    token: str       # the one its hello presented: each call is authorized by it
+
+
 class LaneCalls:
     """Unary calls to one server's lane on kept connections (a :data:`CALLS` session each):
     the gateway's RouteTuples and the engines' ReportTuples to the master, the engines'
@@ -710,7 +716,7 @@ class LaneCalls:
         self.address = address
         self._skips = skips
         self._lock = threading.Lock()
-        self._idle: list[tuple[socket.socket, BinaryIO, float, str]] = []   # (.., last used, token), newest last
+        self._idle: list[_Kept] = []   # newest last
         self._closed = False
 
     @property
@@ -781,8 +787,8 @@ class LaneCalls:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for sock, reader, _, _ in idle:
-            _close_pair(sock, reader)
+        for kept in idle:
+            _close_pair(kept.sock, kept.reader)
 
     def _take(self, token: str) -> tuple[socket.socket, BinaryIO] | None:
         """A kept connection still open (the server's end not closed: a restarted server) that
@@ -791,13 +797,13 @@ class LaneCalls:
         now = time.monotonic()
         while True:
             with self._lock:
-                mine = [n for n, idle in enumerate(self._idle) if idle[3] == token]
+                mine = [n for n, kept in enumerate(self._idle) if kept.token == token]
                 if not mine:
                     break
-                sock, reader, used, _ = self._idle.pop(mine[-1])
-            if now - used < CLIENT_SESSION_IDLE_SECONDS and _peer_open(sock):
-                return sock, reader
-            _close_pair(sock, reader)
+                kept = self._idle.pop(mine[-1])
+            if now - kept.used < CLIENT_SESSION_IDLE_SECONDS and _peer_open(kept.sock):
+                return kept.sock, kept.reader
+            _close_pair(kept.sock, kept.reader)
         sock = self._skips.open(self.address, token, method=CALLS)
         if sock is None:
             return None
@@ -805,30 +811,39 @@ class LaneCalls:
 
     def _give_back(self, sock: socket.socket, reader: BinaryIO, token: str) -> None:
         now = time.monotonic()
+        back = _Kept(sock, reader, now, token)
         with self._lock:
-            stale = [idle for idle in self._idle if now - idle[2] >= CLIENT_SESSION_IDLE_SECONDS]
-            self._idle = [idle for idle in self._idle if now - idle[2] < CLIENT_SESSION_IDLE_SECONDS]
-            kept = not self._closed
-            if kept:
-                self._idle.append((sock, reader, now, token))
-        if not kept:
-            stale.append((sock, reader, now, token))
-        for old, old_reader, _, _ in stale:
-            _close_pair(old, old_reader)
+            stale = [kept for kept in self._idle if now - kept.used >= CLIENT_SESSION_IDLE_SECONDS]
+            self._idle = [kept for kept in self._idle if now - kept.used < CLIENT_SESSION_IDLE_SECONDS]
+            if self._closed:
+                stale.append(back)
+            else:
+                self._idle.append(back)
+        for kept in stale:
+            _close_pair(kept.sock, kept.reader)
 
 
 class LearntLane:
     """The :class:`LaneCalls` of a server whose lane its answers name (the master's, told in
     every route and report answer; the repository's, in every PutFeatures answer): it may
-    appear, move or go. Thread-safe."""
+    appear, move or go. Thread-safe.
 
-    def __init__(self, skips: LaneSkips) -> None:
+    ``server`` is the server's gRPC address (its lane is on the same host); ``enabled``
+    false (lanes turned off, or TLS, which the lane lacks) keeps every call on gRPC;
+    ``token`` is presented in each session's hello (read once, as a gRPC channel does).
+    """
+
+    def __init__(self, skips: LaneSkips, *, server: str, enabled: bool, token: str) -> None:
         self._skips = skips
+        self._server = server
+        self._enabled = enabled
+        self._token = token
         self._lock = threading.Lock()
         self._calls: LaneCalls | None = None
 
-    def learn(self, lane: str) -> None:
-        """Call ``lane`` from now on ('': the server offers none; use gRPC)."""
+    def learn(self, port: int) -> None:
+        """Call the server's lane at ``port`` from now on (0: it offers none; use gRPC)."""
+        lane = lane_beside(self._server, port) if port and self._enabled else ""
         with self._lock:
             calls = self._calls
             if (calls.address if calls is not None else "") == lane:
@@ -842,16 +857,15 @@ class LearntLane:
         """The lane learnt, None when there is none (for status and tests)."""
         return self._calls
 
-    def request(self, method: str, request: Message, response_type: type[M], *, token: str,
-                timeout: float) -> M | None:
+    def request(self, method: str, request: Message, response_type: type[M], *, timeout: float) -> M | None:
         """:meth:`LaneCalls.request` on the lane learnt; None when there is none (use gRPC)."""
         calls = self._calls
         if calls is None:
             return None
-        return calls.request(method, request, response_type, token=token, timeout=timeout)
+        return calls.request(method, request, response_type, token=self._token, timeout=timeout)
 
     def close(self) -> None:
-        self.learn("")
+        self.learn(0)
 
 
 def _close_pair(sock: socket.socket, reader: BinaryIO) -> None:

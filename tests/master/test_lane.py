@@ -175,6 +175,8 @@ def test_lane_address_follows_listen_unless_set() -> None:
         _config(listen="0.0.0.0:65535")
     with pytest.raises(ConfigError, match="lane_listen"):
         _config(lane_listen="nohostport")
+    with pytest.raises(ConfigError, match="lane_listen :7000 takes listen's port"):
+        _config(listen="127.0.0.1:7000", lane_listen=":7000")
 
 
 def test_a_taken_lane_port_gives_way_only_when_derived(tmp_path: Path) -> None:
