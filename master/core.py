@@ -378,7 +378,8 @@ class Master:
                         return None
                     # A channel reserved for a direct stream keeps its pull waiting: it may lease
                     # once the stream releases it, and the engine need not open a new pull per stream.
-                    if channel.state != ChannelState.DIRECT and self.registry.routable(channel):
+                    if channel.state != ChannelState.DIRECT and self.registry.routable(channel) \
+                            and not self._yields(channel):
                         leases = self.queue.lease_many(channel.image, channel_id, self.config.lease_seconds,
                                                        max_tuples=max_tuples, max_bytes=max_bytes)
                         if leases:
@@ -403,6 +404,12 @@ class Master:
             finally:
                 if waiting:
                     self._waiters -= 1
+
+    def _yields(self, channel: Channel) -> bool:
+        """A channel that pulls while it holds leases pulls ahead (its engine fetches the next
+        tuples while processing); it takes nothing while another channel of the image is
+        idle, which would otherwise wait for a tuple held by a busy one. Lock held."""
+        return self.queue.has_lease(channel.channel_id) and self.registry.idle_elsewhere(channel)
 
     def abandon(self, pulled: Pulled, reason: str, *, charge: bool = True) -> None:
         """Void the leases of a pull whose stream broke; the tuples go back to the head of their

@@ -213,6 +213,12 @@ class ChannelRegistry:
         channel.deadline = now + self.reservation_seconds
         return channel
 
+    def idle_elsewhere(self, channel: Channel) -> bool:
+        """True if another live channel of ``channel``'s image is FREE and processing nothing:
+        a pull ahead (from a channel still busy with its last pull) yields to it."""
+        return any(c.image == channel.image and c is not channel and c.state == ChannelState.FREE
+                   and not c.processing and self._workers[c.worker_id].live for c in self._channels.values())
+
     def touch(self, channel: Channel) -> None:
         """A report from the channel: a reservation (not a lease-held QUEUE) lives on."""
         if channel.state in (ChannelState.DIRECT, ChannelState.QUEUE) and channel.deadline != NEVER:

@@ -43,6 +43,9 @@ class EngineSettings(ClusterSettings):
     pull_batch_tuples: int = setting(256, "most tuples one pull from the queue brings")
     pull_batch_bytes: int = setting(1024 * 1024, "most payload bytes one pull brings in all (its first tuple "
                                     "comes whatever its size)")
+    pull_ahead: bool = setting(True, "while an engine processes what it pulled from the queue, it fetches "
+                               "the next pull, so its slot does not wait for the transfer; off = pull only "
+                               "once idle")
 
     def validate_pull_batch(self) -> None:
         if not (math.isfinite(self.pull_batch_seconds) and 0 <= self.pull_batch_seconds <= 3600):

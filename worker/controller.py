@@ -108,6 +108,7 @@ def engine_env(config: WorkerConfig, *, channel_id: str, image: str, pipeline: s
         "HIO_ENGINE_PULL_BATCH_SECONDS": repr(config.pull_batch_seconds),
         "HIO_ENGINE_PULL_BATCH_TUPLES": str(config.pull_batch_tuples),
         "HIO_ENGINE_PULL_BATCH_BYTES": str(config.pull_batch_bytes),
+        "HIO_ENGINE_PULL_AHEAD": "true" if config.pull_ahead else "false",
         "HIO_MASTER_ADDRESS": config.master_address,
         "HIO_REPOSITORY_ADDRESS": config.repository_address,
         "HIO_CHUNK_BYTES": str(config.chunk_bytes),

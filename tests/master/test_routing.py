@@ -340,3 +340,32 @@ def test_a_broken_batch_pull_charges_only_the_tuples_it_had_started_to_send(make
                                 for lease in again.leases], release=True)
         again = master.pull(channel, 0.0, max_tuples=3, max_bytes=10_000_000)
     assert attempts == [(ids[0], 2), (ids[1], 1), (ids[2], 1)]
+
+
+def test_a_pull_ahead_yields_to_an_idle_channel_of_the_image(make_master) -> None:  # type: ignore[no-untyped-def]
+    """A channel that pulls while it holds a lease pulls ahead (its engine fetches the next tuples
+    while it processes): it gets them while every other channel of the image is busy, and nothing
+    while one is idle, which would otherwise wait for a tuple held by a busy channel."""
+    master = make_master()
+    a, b = add_worker(master, "w1", 2)
+    queued = route(master, 4, force_queue=True).tuple_ids
+    for tuple_id in queued:
+        enqueue(master, tuple_id)
+    first = master.pull(a, 0)
+    assert first is not None and first.lease.tuple_id == queued[0]
+    assert state(master, b) == ChannelState.FREE
+    assert master.pull(a, 0) is None, "b is idle: a's pull ahead takes nothing"
+    assert master.queue.ready_count(IMAGE) == 3
+    taken = master.pull(b, 0)  # b is not ahead: it holds nothing
+    assert taken is not None and taken.lease.tuple_id == queued[1]
+    ahead = master.pull(a, 0)  # both busy now: a pulls ahead
+    assert ahead is not None and ahead.lease.tuple_id == queued[2]
+    assert master.queue.has_lease(a) and master.queue.ready_count(IMAGE) == 1
+    # a FREE channel still processing its last direct tuple is not idle: it does not hold a pull ahead back
+    master.report(a, [Outcome(tuple_id=queued[0], ok=True, from_queue=True)], release=False)
+    channel_b = master.registry.channel(b)
+    assert channel_b is not None
+    master.registry.set_free(channel_b)
+    channel_b.processing = True
+    again = master.pull(a, 0)
+    assert again is not None and again.lease.tuple_id == queued[3]
