@@ -44,7 +44,7 @@ def test_engine_env_builds_the_engine_config(monkeypatch: pytest.MonkeyPatch, tm
         "master_address": "m:1", "repository_address": "r:2", "token": "s3cret", "tuple_timeout": 7.5,
         "chunk_bytes": 65536, "tls_ca": str(tmp_path / "ca.pem"), "tls_cert": str(tmp_path / "w.pem"),
         "tls_key": str(tmp_path / "w-key.pem"), "pull_batch_seconds": 0.0, "pull_batch_tuples": 32,
-        "stream_idle_seconds": 12.5})
+        "stream_idle_seconds": 12.5, "pull_ahead": False})
     env = engine_env(worker, channel_id="w/3", image="hio/synthetic", pipeline="", port=4321)
     assert "HIO_ENGINE_PIPELINE" not in env  # the image's own HIO_PIPELINE may apply
     for key, value in env.items():
@@ -55,6 +55,7 @@ def test_engine_env_builds_the_engine_config(monkeypatch: pytest.MonkeyPatch, tm
     assert (engine.tuple_timeout, engine.chunk_bytes, engine.tls_ca) == (7.5, 65536, str(tmp_path / "ca.pem"))
     assert (engine.tls_cert, engine.tls_key) == (str(tmp_path / "w.pem"), str(tmp_path / "w-key.pem"))
     assert (engine.pull_batch_seconds, engine.pull_batch_tuples, engine.pull_batch_bytes) == (0.0, 32, 1024 * 1024)
+    assert engine.pull_ahead is False
     assert engine.stream_idle_seconds == 12.5      # every [cluster] setting reaches the engines
     monkeypatch.setenv("HIO_PIPELINE", "image.module:process")
     assert build(EngineConfig, "engine").pipeline == "image.module:process"
