@@ -409,7 +409,7 @@ class Master:
         """A channel that pulls while it holds leases pulls ahead (its engine fetches the next
         tuples while processing); it takes nothing while another channel of the image is
         idle, which would otherwise wait for a tuple held by a busy one. Lock held."""
-        return self.queue.has_lease(channel.channel_id) and self.registry.idle_elsewhere(channel)
+        return self.queue.has_lease(channel.channel_id) and self.registry.idle_elsewhere(channel, self.queue.has_lease)
 
     def abandon(self, pulled: Pulled, reason: str, *, charge: bool = True) -> None:
         """Void the leases of a pull whose stream broke; the tuples go back to the head of their

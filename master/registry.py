@@ -213,11 +213,14 @@ class ChannelRegistry:
         channel.deadline = now + self.reservation_seconds
         return channel
 
-    def idle_elsewhere(self, channel: Channel) -> bool:
-        """True if another live channel of ``channel``'s image is FREE and processing nothing:
-        a pull ahead (from a channel still busy with its last pull) yields to it."""
-        return any(c.image == channel.image and c is not channel and c.state == ChannelState.FREE
-                   and not c.processing and self._workers[c.worker_id].live for c in self._channels.values())
+    def idle_elsewhere(self, channel: Channel, holds_lease: Callable[[str], bool]) -> bool:
+        """True if another live channel of ``channel``'s image is idle: FREE and processing
+        nothing, or QUEUE and holding no lease (released, its pull on the way). A pull ahead
+        (from a channel still busy with its last pull) yields to it."""
+        return any(c.image == channel.image and c is not channel and self._workers[c.worker_id].live
+                   and ((c.state == ChannelState.FREE and not c.processing)
+                        or (c.state == ChannelState.QUEUE and not holds_lease(c.channel_id)))
+                   for c in self._channels.values())
 
     def touch(self, channel: Channel) -> None:
         """A report from the channel: a reservation (not a lease-held QUEUE) lives on."""

@@ -59,6 +59,7 @@ ZSTD_SMALL_BYTES = 512       # 2% larger here; level 3 costs ~6 us even for 200 
 HANDOFF_DEADLINE = 10.0      # seconds the watchdog may spend handing a hung tuple back
 RECORD_HEADROOM = 64 * 1024  # bytes of a PutFeatures message beyond the record itself
 MIN_EMPTY_PULL = 0.1         # seconds between long-polls the master answers at once
+AHEAD_MAX_SECONDS = 1.0      # queue tuples that take longer are not pulled ahead (_worth_pulling_ahead)
 PARENT_CHECK_SECONDS = 0.5
 STORER_JOIN_SECONDS = 5.0    # how long a stream's end waits for a PutFeatures still in flight
 ANSWER_DELAY = 0.02          # seconds a ready receipt may wait while tuples are still being processed
@@ -439,7 +440,6 @@ class Engine:
         self.processing = False
         self._stopping = False
         self._pull_call: PullCall | None = None
-        self._ahead_call: PullCall | None = None
         self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self._small_compressor = zstandard.ZstdCompressor(level=ZSTD_SMALL_LEVEL)
         self._ticket_key = load_ticket_key(config.ticket_key_file)
@@ -467,11 +467,10 @@ class Engine:
         """Refuse new work, let the current tuple finish (up to ``grace`` s), flush reports."""
         with self._cond:
             self._stopping = True
-            calls = (self._pull_call, self._ahead_call)
+            call = self._pull_call
             self._cond.notify_all()
-        for call in calls:
-            if call is not None:
-                call.cancel()
+        if call is not None:
+            call.cancel()
         with self._cond:
             if not self._cond.wait_for(lambda: self._active is None and self._tails == 0, timeout=grace):
                 log.warning("stopping with a tuple still in progress", extra={"channel": self._channel})
@@ -784,10 +783,11 @@ class Engine:
         While the last tuple of a pull is processed the next pull is fetched
         (``pull_ahead``), if this one came full (a pull that came short
         drained the queue: the next waits for tuples as a long-poll, and they
-        come in batches rather than one by one as they arrive). It takes only
+        come in batches rather than one by one as they arrive) and its tuples
+        are known to be short (:meth:`_worth_pulling_ahead`). It takes only
         tuples ready now, and the master gives it none while a channel of the
-        image is idle. Meanwhile the last pull's
-        features are stored, each on a thread of its own (:class:`_Background`).
+        image is idle. Meanwhile the last pull's features are stored; both
+        run on the engine's two background threads (:class:`_Background`).
         Whatever is held and not reported when this ends (stopping, a pull cut
         short, the repository unreachable) goes back to the queue with the
         release, not charged. False when the long-poll brought nothing.
@@ -799,18 +799,12 @@ class Engine:
         storing: concurrent.futures.Future[bool] | None = None
         try:
             while pulled:
-                ahead: list[concurrent.futures.Future[tuple[list[tuple[TupleMeta, bytes]], bool]]] = []
-
-                def fetch_ahead(full: bool = full) -> None:
-                    if self._config.pull_ahead and full:
-                        ahead.append(self._background.submit(self._fetch_ahead, ([], False)))
-
-                done, complete = self._process_pulled(pulled, before_last=fetch_ahead)
+                done, complete, ahead = self._process_pulled(pulled, ahead=full and self._worth_pulling_ahead())
                 if storing is not None and not storing.result():
                     complete = False  # the repository is unreachable: these go back unreported
                 else:
                     storing = self._background.submit(lambda done=done: self._store_pulled(done), False)
-                pulled, full = ahead[0].result() if ahead else ([], False)
+                pulled, full = ahead.result() if ahead is not None else ([], False)
                 if not complete or self._stopping:
                     break
         finally:
@@ -847,22 +841,21 @@ class Engine:
                 self._pull_call = None
 
     def _fetch_ahead(self) -> tuple[list[tuple[TupleMeta, bytes]], bool]:
-        """The next pull, asked without waiting (only tuples ready now), read whole."""
+        """The next pull, asked without waiting (only tuples ready now), read whole.
+
+        Not cancelled when the engine stops: it waits for nothing, and a pull
+        cut off while its tuples are sent would charge them (the master cannot
+        tell a broken stream from an engine that died on them); read whole, they
+        go back uncharged with the release."""
+        if self._stopping:
+            return [], False
         max_tuples, max_bytes = self._pull_size()
-        with self._cond:
-            if self._stopping:
-                return []
-            call = self._ahead_call = self._cluster.pull(self._channel, 0.0, max_tuples=max_tuples,
-                                                         max_bytes=max_bytes)
-        try:
-            frames = call.frames()
-            first = next(frames, None)
-            if first is None:
-                return [], False
-            return self._read_pull(call, first, frames, max_tuples, max_bytes)
-        finally:
-            with self._cond:
-                self._ahead_call = None
+        call = self._cluster.pull(self._channel, 0.0, max_tuples=max_tuples, max_bytes=max_bytes)
+        frames = call.frames()
+        first = next(frames, None)
+        if first is None:
+            return [], False
+        return self._read_pull(call, first, frames, max_tuples, max_bytes)
 
     def _read_pull(self, call: PullCall, first: TupleFrame, frames: Iterator[TupleFrame], max_tuples: int,
                    max_bytes: int) -> tuple[list[tuple[TupleMeta, bytes]], bool]:
@@ -872,6 +865,13 @@ class Engine:
         size = sum(len(data) for _, data in pulled)
         full = bool(pulled) and (len(pulled) >= max_tuples or size + len(pulled[-1][1]) > max_bytes)
         return pulled, full
+
+    def _worth_pulling_ahead(self) -> bool:
+        """Pull ahead only for tuples known to take at most ``AHEAD_MAX_SECONDS``: a tuple held
+        ahead waits for the one processed, and behind a long one it would be kept from a
+        channel that frees up meanwhile; beside a long one, the gap a pull leaves is small."""
+        seconds = self._queue_tuple_seconds
+        return self._config.pull_ahead and seconds is not None and seconds <= AHEAD_MAX_SECONDS
 
     def _pull_size(self) -> tuple[int, int]:
         """How many queued tuples (and bytes) to ask for: about ``pull_batch_seconds`` of work.
@@ -897,10 +897,11 @@ class Engine:
         self._reporter.set_busy(True)
         return True
 
-    def _process_pulled(self, pulled: list[tuple[TupleMeta, bytes]], *, before_last: Callable[[], None]
-                        ) -> tuple[list[tuple[TupleMeta, bytes, float]], bool]:
-        """Process the pulled tuples in order; their records (for :meth:`_store_pulled`), and
-        True when every one was processed. A tuple that fails is reported at once.
+    def _process_pulled(self, pulled: list[tuple[TupleMeta, bytes]], *, ahead: bool) -> tuple[
+            list[tuple[TupleMeta, bytes, float]], bool, "concurrent.futures.Future[tuple[list[Any], bool]] | None"]:
+        """Process the pulled tuples in order; their records (for :meth:`_store_pulled`), True
+        when every one was processed, and the next pull when ``ahead`` (fetched beside the
+        last tuple's processing). A tuple that fails is reported at once.
 
         The whole pull was read first (its size is bounded by the request), so
         the master's stream ends at once whatever the processing takes. Tuples
@@ -912,13 +913,14 @@ class Engine:
         started = time.monotonic()
         limit = 3 * self._config.pull_batch_seconds
         done: list[tuple[TupleMeta, bytes, float]] = []
+        fetching: concurrent.futures.Future[tuple[list[Any], bool]] | None = None
         processed = 0
         for meta, data in pulled:
             if self._stopping or (processed and time.monotonic() - started > limit):
                 break
             processed += 1
-            if processed == len(pulled):
-                before_last()
+            if ahead and processed == len(pulled):
+                fetching = self._background.submit(self._fetch_ahead, ([], False))
             if meta.image != self._config.image:
                 self._report(meta, ok=False, from_queue=True,
                              message=f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}")
@@ -930,7 +932,7 @@ class Engine:
                 done.append((meta, *result))
         if processed:
             self._learn_cost((time.monotonic() - started) / processed)
-        return done, processed == len(pulled)
+        return done, processed == len(pulled), fetching
 
     def _read_pulled(self, frames: Iterable[TupleFrame], first_meta: TupleMeta, *,
                      max_chunk_bytes: int | None = None) -> list[tuple[TupleMeta, bytes]]:

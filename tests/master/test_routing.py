@@ -361,8 +361,11 @@ def test_a_pull_ahead_yields_to_an_idle_channel_of_the_image(make_master) -> Non
     ahead = master.pull(a, 0)  # both busy now: a pulls ahead
     assert ahead is not None and ahead.lease.tuple_id == queued[2]
     assert master.queue.has_lease(a) and master.queue.ready_count(IMAGE) == 1
+    # b releases with tuples waiting: QUEUE, its pull on the way; a's pull ahead waits for it
+    assert master.report(b, [Outcome(tuple_id=queued[1], ok=True, from_queue=True)], release=True)
+    assert state(master, b) == ChannelState.QUEUE and not master.queue.has_lease(b)
+    assert master.pull(a, 0) is None, "b is about to pull: a's pull ahead takes nothing"
     # a FREE channel still processing its last direct tuple is not idle: it does not hold a pull ahead back
-    master.report(a, [Outcome(tuple_id=queued[0], ok=True, from_queue=True)], release=False)
     channel_b = master.registry.channel(b)
     assert channel_b is not None
     master.registry.set_free(channel_b)

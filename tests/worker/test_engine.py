@@ -439,17 +439,34 @@ def test_a_busy_queue_channel_fetches_its_next_pull_while_it_processes(master: M
         assert master.status().tuples_failed == 0
 
 
+def test_tuples_longer_than_the_ahead_bound_are_not_pulled_ahead(master: Master, repo: Repo,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tuple held ahead waits for the one processed: behind a long one it would be kept from
+    a channel that frees up meanwhile, so tuples known to take long are pulled one at a time."""
+    import hio.worker.engine as engine_module
+    monkeypatch.setattr(engine_module, "AHEAD_MAX_SECONDS", 0.2)
+    with _serving(master, repo):
+        ids = _enqueue_slow(master, 3, "0.5")
+        most = 0
+        deadline = time.monotonic() + 30
+        while len(repo.records()) < 3 and time.monotonic() < deadline:
+            most = max(most, _leased(master))
+            time.sleep(0.05)
+        assert sorted(repo.records()) == sorted(ids) and most == 1
+
+
 def test_a_pull_ahead_held_when_the_engine_stops_goes_back_uncharged(master: Master, repo: Repo) -> None:
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
     try:
         register_channel(master, engine)
-        first, held = _enqueue_slow(master, 2, "0.5")
-        wait_for(lambda: _leased(master) == 2, timeout=20, interval=0.02,
-                 what="the second tuple pulled ahead while the first is processed")
+        # the first tuple's cost is not known yet: it comes alone; the third is pulled ahead beside the second
+        first, second, held = _enqueue_slow(master, 3, "0.5")
+        wait_for(lambda: _leased(master) == 2 and first in repo.records(), timeout=20, interval=0.02,
+                 what="the third tuple pulled ahead while the second is processed")
     finally:
-        engine.close()   # the first tuple finishes within the grace; the held one goes back
+        engine.close()   # the second tuple finishes within the grace; the held one goes back
     wait_for(lambda: _leased(master) == 0, timeout=10, what="the held pull given back")
-    assert first in repo.records() and held not in repo.records()
+    assert second in repo.records() and held not in repo.records()
     pulled = master.stub.PullTuple(master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=1), timeout=10)
     metas = [f.meta for f in pulled if f.HasField("meta")]
     assert [(m.tuple_id, m.attempt) for m in metas] == [(held, 1)], "given back at the head, not charged"
