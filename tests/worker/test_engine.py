@@ -418,6 +418,16 @@ def _leased(master: Master) -> int:
     return sum(q.leased for q in master.status().queues)
 
 
+def _most_leased_until_stored(master: Master, repo: Repo, count: int) -> int:
+    """The most tuples leased at once, watched until ``count`` records are stored (30 s at most)."""
+    most = 0
+    deadline = time.monotonic() + 30
+    while len(repo.records()) < count and time.monotonic() < deadline:
+        most = max(most, _leased(master))
+        time.sleep(0.05)
+    return most
+
+
 @pytest.mark.parametrize("pull_ahead", [True, False])
 def test_a_busy_queue_channel_fetches_its_next_pull_while_it_processes(master: Master, repo: Repo,
                                                                        pull_ahead: bool) -> None:
@@ -425,11 +435,7 @@ def test_a_busy_queue_channel_fetches_its_next_pull_while_it_processes(master: M
     without, one at a time. Either way each is stored once, uncharged."""
     with _serving(master, repo, pull_ahead=pull_ahead):
         ids = _enqueue_slow(master, 3, "0.8")
-        most = 0
-        deadline = time.monotonic() + 30
-        while len(repo.records()) < 3 and time.monotonic() < deadline:
-            most = max(most, _leased(master))
-            time.sleep(0.05)
+        most = _most_leased_until_stored(master, repo, 3)
         records = repo.records()
         assert sorted(records) == sorted(ids) and [records[t].meta.attempt for t in ids] == [1, 1, 1]
         # ahead: the one processed and the next; a third for the moment the last one's outcome
@@ -447,11 +453,7 @@ def test_tuples_longer_than_the_ahead_bound_are_not_pulled_ahead(master: Master,
     monkeypatch.setattr(engine_module, "AHEAD_MAX_SECONDS", 0.2)
     with _serving(master, repo):
         ids = _enqueue_slow(master, 3, "0.5")
-        most = 0
-        deadline = time.monotonic() + 30
-        while len(repo.records()) < 3 and time.monotonic() < deadline:
-            most = max(most, _leased(master))
-            time.sleep(0.05)
+        most = _most_leased_until_stored(master, repo, 3)
         assert sorted(repo.records()) == sorted(ids) and most == 1
 
 
