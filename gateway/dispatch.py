@@ -47,7 +47,7 @@ import grpc
 
 from hio.common.errors import retry_after
 from hio.common.frames import TupleMeta, WireFrame, tuple_frames, unpacked_receipts
-from hio.common.lane import LaneCall, LaneSkips, LearntLane, lane_beside, lane_frames
+from hio.common.lane import LaneCall, LaneSkips, LearntLane, lane_frames
 from hio.common.net import NEVER_CONNECTED, create_channel, rpc_error_text, rpc_status, send_frames
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
@@ -281,9 +281,9 @@ class Dispatcher:
             self._stream(batch, self._config.master_address, direct=False, lane=self._master_lane(route))
 
     def _master_lane(self, route: master_pb2.RouteTuplesResponse) -> str:
-        """The master's payload lane: its port on the host we reach the master at ('' = none)."""
-        port = route.queue.lane_port if route.HasField("queue") else 0
-        return lane_beside(self._config.master_address, port) if port else ""
+        """The master's payload lane: its port on the host we reach the master at ('' = none,
+        or lanes not used)."""
+        return self._master_calls.beside(route.queue.lane_port if route.HasField("queue") else 0)
 
     def _route(self, batch: list[_Pending], *, force_queue: bool) -> master_pb2.RouteTuplesResponse:
         request = master_pb2.RouteTuplesRequest(

@@ -15,11 +15,10 @@ from __future__ import annotations
 import logging
 
 import grpc
-from grpc_health.v1 import health
 
 from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
 from hio.common.log import NOTICE
-from hio.common.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
+from hio.common.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
 from hio.master.config import MasterConfig
 from hio.common.tickets import make_ticket
 from hio.master.core import Master
@@ -36,7 +35,7 @@ log = logging.getLogger("hio.master")
 LANE_CONNECTIONS = 512
 
 
-def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, health.HealthServicer]:
+def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, RoleHealth]:
     master = Master(config)
     try:
         service = MasterService(master)
@@ -54,10 +53,7 @@ def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, health.Healt
 def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable | None) -> LaneServer | None:
     """The master's payload lane (Enqueue, PullTuple and the per-tuple calls over plain
     TCP), started; None when there is none."""
-    address = config.lane_address()
-    if not address:
-        return None
-    return start_lane_server(address, lambda listen: LaneServer(
+    return start_lane_server(config.lane_address(), lambda listen: LaneServer(
         listen, service="Master",
         uploads={"Enqueue": service.enqueue},   # uploads arrive in pieces of chunk_bytes
         downloads={"PullTuple": service.pull_for_lane},

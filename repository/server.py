@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 
 import grpc
-from grpc_health.v1 import health
 
 from hio.common.errors import HioError
 from hio.common.log import NOTICE
 from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
-from hio.common.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
+from hio.common.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig
 from hio.repository.http import PreviewHttpServer
@@ -22,7 +21,7 @@ log = logging.getLogger("hio.repository")
 LANE_CONNECTIONS = 512   # kept connections: two engines' storers per worker, and room
 
 
-def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, health.HealthServicer, FeatureStore]:
+def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, RoleHealth, FeatureStore]:
     store = FeatureStore.from_config(config)
     service = RepositoryService(store, read_batch_records=config.read_batch_records,
                                 read_batch_bytes=config.read_batch_bytes)
@@ -41,10 +40,7 @@ def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, health.HealthSer
 def _start_lane(config: RepositoryConfig, service: RepositoryService, table: TokenTable | None) -> LaneServer | None:
     """The lane PutFeatures also arrives on (sessions of calls on kept connections), started;
     None when there is none."""
-    address = config.lane_address()
-    if not address:
-        return None
-    return start_lane_server(address, lambda listen: LaneServer(
+    return start_lane_server(config.lane_address(), lambda listen: LaneServer(
         listen, service="Repository", uploads={}, unaries=service.lane_unaries(),
         table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
         max_head_bytes=message_limit(config), max_data_bytes=0, max_connections=LANE_CONNECTIONS),

@@ -16,7 +16,7 @@ import grpc
 
 from hio.common import errors
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
-from hio.common.lane import LaneCalls, LaneDownload, LaneSkips, LearntLane, lane_beside
+from hio.common.lane import LaneCalls, LaneDownload, LaneSkips, LearntLane
 from hio.common.net import create_channel, message_limit, pull_frames, rpc_error_text, rpc_status, send_frames
 from hio.common.retry import call_with_retry
 from hio.common.settings import ClusterSettings
@@ -184,7 +184,7 @@ class ClusterLink:
         request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds,
                                               max_tuples=max_tuples, max_bytes=max_bytes)
         timeout = wait_seconds + 10.0
-        lane = self._master_lane(self._master_lane_port)
+        lane = self._master_calls.beside(self._master_lane_port)   # "" when lanes are not used
         sock = self._lanes.open(lane, self._token, method="PullTuple",
                                 request=request.SerializeToString()) if lane else None
         if sock is not None:
@@ -195,9 +195,3 @@ class ClusterLink:
         return PullCall(self._pull(request, timeout=timeout), max_chunk_bytes=message_limit(self._settings),
                         settings=self._settings)
 
-    def _master_lane(self, port: int) -> str:
-        """The master's payload lane at ``port`` (as its answers name it), '' when it offers none
-        (0), this engine does not use it, or TLS is on (the lane has none)."""
-        if not port or not self._use_lanes:
-            return ""
-        return lane_beside(self._settings.master_address, port)

@@ -36,9 +36,8 @@ from hio.common.errors import (DataLoss, DeadlineExceeded, FailedPrecondition, H
 from hio.common.tickets import load_ticket_key, verify_ticket
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
 from hio.common.config import ConfigError
-from hio.common.lane import LaneServer
-from hio.common.net import (ROLE_SERVICES, TokenTable, create_server, message_limit, run_until_signal,
-                            set_serving)
+from hio.common.lane import LaneServer, create_server_with_lane
+from hio.common.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
 from hio.common.retry import Backoff
 from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
 from hio.proto import engine_pb2_grpc, master_pb2
@@ -1030,13 +1029,11 @@ def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], 
                         processing=lambda: engine.processing)
     engine = Engine(config, pipeline, cluster, reporter, exit_process=exit_process)
     reporter.start()
-    table = TokenTable.from_settings(config)   # one read of the tokens, for gRPC and the lane
-    server, port, health = create_server(
-        config, config.listen, max_workers=8, policy=POLICY, table=table,
-        register=[lambda s: engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), s)],
-        service=ROLE_SERVICES["engine"])
+    server, port, health, engine.lane = create_server_with_lane(
+        config, config.listen, lane=lambda table: create_lane(config, engine, table),
+        max_workers=8, policy=POLICY, service=ROLE_SERVICES["engine"],
+        register=[lambda s: engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), s)])
     set_serving(health, True)
-    engine.lane = create_lane(config, engine, table)
     return server, port, health, engine
 
 

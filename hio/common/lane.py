@@ -618,16 +618,19 @@ def unary_on_bytes(request_type: type[M], handler: Callable[[M], Message]) -> Un
 
 
 def start_lane_server(address: str, make: Callable[[str], "LaneServer"], *, chosen: bool,
-                      logger: logging.Logger) -> "LaneServer":
-    """``make(address)``, started. A port only derived from ``listen`` (not ``chosen``) that is
-    taken gives way to any free one, with a warning (the server's answers name the port it
-    got; a firewall that opens only listen's port + 1 then makes callers use gRPC); a chosen
-    one that cannot be had is a ConfigError naming ``lane_listen``."""
+                      logger: logging.Logger) -> "LaneServer | None":
+    """``make(address)``, started; None when ``address`` is '' (the server offers no lane).
+    A port only derived from ``listen`` (not ``chosen``) that is taken gives way to any free
+    one, with a warning (the server's answers name the port it got; a firewall that opens
+    only listen's port + 1 then makes callers use gRPC); a chosen one that cannot be had is
+    a ConfigError naming ``lane_listen``."""
     def started(listen: str) -> LaneServer:
         lane = make(listen)
         lane.start()
         return lane
 
+    if not address:
+        return None
     try:
         return started(address)
     except OSError as exc:
@@ -696,7 +699,6 @@ class _Kept(NamedTuple):
     sock: socket.socket
     reader: BinaryIO
     used: float      # monotonic time of its last answer
-    token: str       # the one its hello presented: each call is authorized by it
 
 
 class LaneCalls:
@@ -706,15 +708,18 @@ class LaneCalls:
     a call takes an idle connection (or opens one) and gives it back once answered, so
     callers at once use connections of their own.
 
+    Every connection's hello presents ``token``, which authorizes each call made on it
+    (one client, one token, as a gRPC channel's).
     :meth:`call` returns None when the lane cannot be used now (skipped for a while by
     ``skips``: refused, silent); the caller then uses gRPC. A call that fails on the lane
     raises :class:`LaneError` as gRPC would (UNAVAILABLE when the connection broke: the
     server may or may not have answered it, as for a gRPC call cut off).
     """
 
-    def __init__(self, address: str, skips: LaneSkips) -> None:
+    def __init__(self, address: str, skips: LaneSkips, *, token: str = "") -> None:
         self.address = address
         self._skips = skips
+        self._token = token
         self._lock = threading.Lock()
         self._idle: list[_Kept] = []   # newest last
         self._closed = False
@@ -725,9 +730,9 @@ class LaneCalls:
         with self._lock:
             return len(self._idle)
 
-    def call(self, method: str, request: bytes, *, token: str, timeout: float) -> bytes | None:
+    def call(self, method: str, request: bytes, *, timeout: float) -> bytes | None:
         """The response's bytes; None when the lane is not usable now (use gRPC)."""
-        taken = self._take(token)
+        taken = self._take()
         if taken is None:
             return None
         sock, reader = taken
@@ -752,7 +757,7 @@ class LaneCalls:
                 raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane connection failed: {exc}",
                                 transport=True) from None
             raise
-        self._give_back(sock, reader, token)
+        self._give_back(sock, reader)
         if kind == RESPONSE:
             return body
         try:
@@ -762,13 +767,12 @@ class LaneCalls:
                             transport=True) from None
         raise _status_error(status) or LaneError(grpc.StatusCode.INTERNAL, "payload lane answered OK without a response")
 
-    def request(self, method: str, request: Message, response_type: type[M], *, token: str,
-                timeout: float) -> M | None:
+    def request(self, method: str, request: Message, response_type: type[M], *, timeout: float) -> M | None:
         """:meth:`call` with messages. None also when the lane broke under the call: it is then
         skipped a while, and the caller makes this call over gRPC (as after a gRPC call cut
         off, the server may have answered the first one)."""
         try:
-            body = self.call(method, request.SerializeToString(), token=token, timeout=timeout)
+            body = self.call(method, request.SerializeToString(), timeout=timeout)
         except LaneError as exc:
             if not exc.transport:
                 raise
@@ -790,28 +794,26 @@ class LaneCalls:
         for kept in idle:
             _close_pair(kept.sock, kept.reader)
 
-    def _take(self, token: str) -> tuple[socket.socket, BinaryIO] | None:
-        """A kept connection still open (the server's end not closed: a restarted server) that
-        was introduced with ``token`` (each call is authorized by its connection's hello), or a
+    def _take(self) -> tuple[socket.socket, BinaryIO] | None:
+        """A kept connection still open (the server's end not closed: a restarted server), or a
         new one; None while the lane is skipped."""
         now = time.monotonic()
         while True:
             with self._lock:
-                mine = [n for n, kept in enumerate(self._idle) if kept.token == token]
-                if not mine:
+                if not self._idle:
                     break
-                kept = self._idle.pop(mine[-1])
+                kept = self._idle.pop()
             if now - kept.used < CLIENT_SESSION_IDLE_SECONDS and _peer_open(kept.sock):
                 return kept.sock, kept.reader
             _close_pair(kept.sock, kept.reader)
-        sock = self._skips.open(self.address, token, method=CALLS)
+        sock = self._skips.open(self.address, self._token, method=CALLS)
         if sock is None:
             return None
         return sock, sock.makefile("rb", buffering=64 * 1024)
 
-    def _give_back(self, sock: socket.socket, reader: BinaryIO, token: str) -> None:
+    def _give_back(self, sock: socket.socket, reader: BinaryIO) -> None:
         now = time.monotonic()
-        back = _Kept(sock, reader, now, token)
+        back = _Kept(sock, reader, now)
         with self._lock:
             stale = [kept for kept in self._idle if now - kept.used >= CLIENT_SESSION_IDLE_SECONDS]
             self._idle = [kept for kept in self._idle if now - kept.used < CLIENT_SESSION_IDLE_SECONDS]
@@ -841,14 +843,19 @@ class LearntLane:
         self._lock = threading.Lock()
         self._calls: LaneCalls | None = None
 
+    def beside(self, port: int) -> str:
+        """The server's lane at ``port`` (as its answers name it); '' when it offers none (0)
+        or lanes are not used (turned off, or TLS)."""
+        return lane_beside(self._server, port) if port and self._enabled else ""
+
     def learn(self, port: int) -> None:
         """Call the server's lane at ``port`` from now on (0: it offers none; use gRPC)."""
-        lane = lane_beside(self._server, port) if port and self._enabled else ""
+        lane = self.beside(port)
         with self._lock:
             calls = self._calls
             if (calls.address if calls is not None else "") == lane:
                 return
-            self._calls = LaneCalls(lane, self._skips) if lane else None
+            self._calls = LaneCalls(lane, self._skips, token=self._token) if lane else None
         if calls is not None:
             calls.close()
 
@@ -862,7 +869,7 @@ class LearntLane:
         calls = self._calls
         if calls is None:
             return None
-        return calls.request(method, request, response_type, token=self._token, timeout=timeout)
+        return calls.request(method, request, response_type, timeout=timeout)
 
     def close(self) -> None:
         self.learn(0)

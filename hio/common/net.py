@@ -301,12 +301,11 @@ class RoleHealth(health.HealthServicer):
         self.service = service
 
 
-def set_serving(health_servicer: health.HealthServicer, serving: bool = True) -> None:
+def set_serving(health_servicer: RoleHealth, serving: bool = True) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     health_servicer.set("", status)
-    service = getattr(health_servicer, "service", "")
-    if service:
-        health_servicer.set(service, status)
+    if health_servicer.service:
+        health_servicer.set(health_servicer.service, status)
 
 
 class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,

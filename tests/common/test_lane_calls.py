@@ -47,14 +47,14 @@ def server() -> Iterator[LaneServer]:
     s.stop()
 
 
-def client(server: LaneServer) -> LaneCalls:
-    return LaneCalls(f"127.0.0.1:{server.port}", LaneSkips(log, "lane unusable"))
+def client(server: LaneServer, token: str = "") -> LaneCalls:
+    return LaneCalls(f"127.0.0.1:{server.port}", LaneSkips(log, "lane unusable"), token=token)
 
 
 def test_many_calls_share_one_kept_connection(server: LaneServer) -> None:
     calls = client(server)
     try:
-        answers = [calls.call("Echo", f"call {n}".encode(), token="", timeout=5) for n in range(20)]
+        answers = [calls.call("Echo", f"call {n}".encode(), timeout=5) for n in range(20)]
     finally:
         calls.close()
     assert answers == [f"call {n}".encode()[::-1] for n in range(20)]
@@ -65,7 +65,7 @@ def test_many_calls_share_one_kept_connection(server: LaneServer) -> None:
 def test_callers_at_once_get_connections_of_their_own(server: LaneServer) -> None:
     calls = client(server)
     results: list[bytes | None] = []
-    threads = [threading.Thread(target=lambda: results.append(calls.call("Slow", b"0.3", token="", timeout=5)))
+    threads = [threading.Thread(target=lambda: results.append(calls.call("Slow", b"0.3", timeout=5)))
                for _ in range(3)]
     for t in threads:
         t.start()
@@ -73,7 +73,7 @@ def test_callers_at_once_get_connections_of_their_own(server: LaneServer) -> Non
         t.join()
     assert results == [b"late"] * 3
     assert server.sessions == 3
-    assert calls.call("Echo", b"ab", token="", timeout=5) == b"ba"   # a kept one is used again
+    assert calls.call("Echo", b"ab", timeout=5) == b"ba"   # a kept one is used again
     assert server.sessions == 3
     calls.close()
 
@@ -81,15 +81,15 @@ def test_callers_at_once_get_connections_of_their_own(server: LaneServer) -> Non
 def test_an_error_answers_its_call_and_the_session_goes_on(server: LaneServer) -> None:
     calls = client(server)
     with pytest.raises(LaneError) as busy:
-        calls.call("Busy", b"", token="", timeout=5)
+        calls.call("Busy", b"", timeout=5)
     assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and busy.value.details() == "queue full"
     assert not busy.value.transport
     assert dict(busy.value.trailing_metadata())["hio-retry-after"] == "2.500"
     with pytest.raises(LaneError) as unknown:
-        calls.call("Nope", b"", token="", timeout=5)
+        calls.call("Nope", b"", timeout=5)
     assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "answers Busy and Echo and Slow only, not 'Nope'" in unknown.value.details()
-    assert calls.call("Echo", b"xy", token="", timeout=5) == b"yx"
+    assert calls.call("Echo", b"xy", timeout=5) == b"yx"
     assert server.sessions == 1
     calls.close()
 
@@ -100,31 +100,35 @@ def test_each_call_is_authorized_by_the_hellos_token_and_the_methods_roles() -> 
     try:
         for token, code in (("", grpc.StatusCode.UNAUTHENTICATED), ("wrong", grpc.StatusCode.UNAUTHENTICATED),
                             ("view", grpc.StatusCode.PERMISSION_DENIED)):
-            calls = client(server)
+            calls = client(server, token)
             with pytest.raises(LaneError) as refused:
-                calls.call("Echo", b"x", token=token, timeout=5)
+                calls.call("Echo", b"x", timeout=5)
             assert refused.value.code() == code, token
             calls.close()
-        calls = client(server)
-        assert calls.call("Echo", b"ok", token="gw", timeout=5) == b"ko"
+        calls = client(server, "gw")
+        assert calls.call("Echo", b"ok", timeout=5) == b"ko"
         calls.close()
         assert server.methods["Echo"] == 1   # refused calls are not counted as answered
     finally:
         server.stop()
 
 
-def test_a_kept_connection_serves_only_calls_with_the_token_its_hello_carried() -> None:
-    """A session is authorized by its hello: a call with another token must not ride on it."""
+def test_a_kept_connection_serves_only_its_own_clients_calls() -> None:
+    """A session is authorized by its hello, and a client presents one token: calls of a
+    client with another token, to the same server at the same time, open sessions of their
+    own and are refused there."""
     table = TokenTable([("gw", "gateway", "gw1"), ("view", "viewer", "v1")])
     server = serve(table=table)
     try:
-        calls = client(server)
-        assert calls.call("Echo", b"ok", token="gw", timeout=5) == b"ko"
+        calls = client(server, "gw")
+        assert calls.call("Echo", b"ok", timeout=5) == b"ko"
         for token, code in (("view", grpc.StatusCode.PERMISSION_DENIED), ("wrong", grpc.StatusCode.UNAUTHENTICATED)):
+            other = client(server, token)
             with pytest.raises(LaneError) as refused:
-                calls.call("Echo", b"x", token=token, timeout=5)
+                other.call("Echo", b"x", timeout=5)
             assert refused.value.code() == code, token
-        assert calls.call("Echo", b"ok", token="gw", timeout=5) == b"ko"
+            other.close()
+        assert calls.call("Echo", b"ok", timeout=5) == b"ko"
         calls.close()
         assert server.methods["Echo"] == 2
         assert server.sessions == 2, "gw's session, kept and used twice, and view's; 'wrong' is refused at its hello"
@@ -136,12 +140,12 @@ def test_a_restarted_server_is_reached_on_a_new_connection_without_a_failed_call
     first = serve()
     port = first.port
     calls = client(first)
-    assert calls.call("Echo", b"1", token="", timeout=5) == b"1"
+    assert calls.call("Echo", b"1", timeout=5) == b"1"
     first.stop()
     second = serve(port)
     try:
         time.sleep(0.1)   # the kept connection's end has arrived
-        assert calls.call("Echo", b"12", token="", timeout=5) == b"21"
+        assert calls.call("Echo", b"12", timeout=5) == b"21"
         assert second.sessions == 1
     finally:
         calls.close()
@@ -154,17 +158,17 @@ def test_a_server_that_is_gone_leaves_the_caller_to_grpc(caplog: pytest.LogCaptu
     gone.stop()
     calls = LaneCalls(f"127.0.0.1:{port}", LaneSkips(log, "lane unusable"))
     with caplog.at_level(logging.WARNING):
-        assert calls.call("Echo", b"x", token="", timeout=5) is None
-        assert calls.call("Echo", b"x", token="", timeout=5) is None   # skipped a while: no new attempt
+        assert calls.call("Echo", b"x", timeout=5) is None
+        assert calls.call("Echo", b"x", timeout=5) is None   # skipped a while: no new attempt
     assert sum("lane unusable" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_call_past_its_deadline_fails_and_its_connection_is_not_used_again(server: LaneServer) -> None:
     calls = client(server)
     with pytest.raises(LaneError) as late:
-        calls.call("Slow", b"1.0", token="", timeout=0.2)
+        calls.call("Slow", b"1.0", timeout=0.2)
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert calls.call("Echo", b"ab", token="", timeout=5) == b"ba"   # not the late answer of Slow
+    assert calls.call("Echo", b"ab", timeout=5) == b"ba"   # not the late answer of Slow
     assert server.sessions == 2
     calls.close()
 
@@ -189,7 +193,7 @@ def test_a_server_without_unary_calls_refuses_a_session() -> None:
     try:
         calls = client(server)
         with pytest.raises(LaneError) as refused:
-            calls.call("Echo", b"x", token="", timeout=5)
+            calls.call("Echo", b"x", timeout=5)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "serves Deliver only, not 'Calls'" in refused.value.details()
         calls.close()

@@ -106,12 +106,12 @@ def test_a_record_refused_on_the_lane_is_refused_as_over_grpc_and_nothing_is_sto
         calls = LaneCalls(f"127.0.0.1:{repo.store.lane.port}", LaneSkips(logging.getLogger("test"), "skipped"))
         try:
             with pytest.raises(LaneError) as on_lane:
-                calls.request("PutFeatures", bad, pb.PutFeaturesResponse, token="", timeout=10)
+                calls.request("PutFeatures", bad, pb.PutFeaturesResponse, timeout=10)
             assert calls.request("PutFeatures", pb.PutFeaturesRequest(records=[pb.FeaturesUpload(
-                tuple_id=tuple_id, record_zstd=data, crc32=crc)]), pb.PutFeaturesResponse, token="",
+                tuple_id=tuple_id, record_zstd=data, crc32=crc)]), pb.PutFeaturesResponse,
                 timeout=10) is not None, "an error answers that call only; the session goes on"
             with pytest.raises(LaneError) as garbage:
-                calls.call("PutFeatures", b"\xff\xff\xff", token="", timeout=10)
+                calls.call("PutFeatures", b"\xff\xff\xff", timeout=10)
         finally:
             calls.close()
         # and through the engine's own link: the same error class it gets from gRPC
@@ -133,16 +133,22 @@ def test_puts_on_the_lane_are_authorized_as_over_grpc(tmp_path: Path) -> None:
         port = repo.store.lane.port  # type: ignore[union-attr]
         request = pb.PutFeaturesRequest(records=[pb.FeaturesUpload(tuple_id=t, record_zstd=d, crc32=c)
                                                  for t, d, c in [upload(1)]])
-        calls = LaneCalls(f"127.0.0.1:{port}", LaneSkips(logging.getLogger("test"), "skipped"))
-        try:
-            for token, code in (("gw-secret", grpc.StatusCode.PERMISSION_DENIED),
-                                ("nobody", grpc.StatusCode.UNAUTHENTICATED)):
+        def calls_with(token: str) -> LaneCalls:
+            return LaneCalls(f"127.0.0.1:{port}", LaneSkips(logging.getLogger("test"), "skipped"), token=token)
+
+        for token, code in (("gw-secret", grpc.StatusCode.PERMISSION_DENIED),
+                            ("nobody", grpc.StatusCode.UNAUTHENTICATED)):
+            calls = calls_with(token)
+            try:
                 with pytest.raises(LaneError) as refused:
-                    calls.request("PutFeatures", request, pb.PutFeaturesResponse, token=token, timeout=10)
+                    calls.request("PutFeatures", request, pb.PutFeaturesResponse, timeout=10)
                 assert refused.value.code() == code
+            finally:
+                calls.close()
+        calls = calls_with("wk-secret")
+        try:
             with pytest.raises(LaneError) as other:
-                calls.request("ReadFeatures", pb.ReadFeaturesRequest(), pb.PutFeaturesResponse,
-                              token="wk-secret", timeout=10)
+                calls.request("ReadFeatures", pb.ReadFeaturesRequest(), pb.PutFeaturesResponse, timeout=10)
             assert other.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "PutFeatures only" in other.value.details()
         finally:
             calls.close()
