@@ -227,7 +227,11 @@ def test_a_spooled_payload_that_cannot_be_read_is_named_and_sent_once_it_can_be(
     master = f"127.0.0.1:{free_port()}"
     original = tmp_path / "frame.bin"
     original.write_bytes(os.urandom(300_000))
-    with Gateway(cluster.config(f"unreadable-{lanes}", master_address=master, lanes=lanes)) as gw:
+    # Every failed read counts an attempt (a disk error is the tuple's), and the backoff
+    # between them is short: enough attempts that a loaded machine cannot use them all up
+    # (and dead-letter the tuple) between the log line and the test mending the file.
+    with Gateway(cluster.config(f"unreadable-{lanes}", master_address=master, lanes=lanes,
+                                max_attempts=1000)) as gw:
         future = gw.submit_file(original, image=IMAGE)
         spooled = [p for p in (cluster.root / f"unreadable-{lanes}").rglob("*")
                    if p.is_file() and p.stat().st_ino == original.stat().st_ino]
