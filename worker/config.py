@@ -8,7 +8,8 @@ environment (``HIO_ENGINE_<FIELD>`` plus the cluster's ``HIO_<FIELD>``), so
 the same engine code runs as a local process or inside a container. The
 engine's own tunables (``store_batch_records``, ``rpc_deadline``, ...) come
 from the worker's ``engine_settings``, which the ``[engine]`` table of the
-worker's configuration file fills.
+worker's configuration file and ``HIO_ENGINE_<NAME>`` variables of the worker's
+environment fill.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class WorkerConfig(EngineSettings):
                                 "only; off with TLS")
     engine_settings: tuple[str, ...] = setting((), "engine settings passed to every engine this worker starts, "
                                                    "NAME=VALUE (e.g. rpc_deadline=120); the [engine] table of the "
-                                                   "configuration file comes first, these win")
+                                                   "configuration file comes first, then HIO_ENGINE_<NAME> "
+                                                   "variables, and these win")
 
     #: the configuration file's [engine] table reaches the engines through engine_settings
     SECTION_AS_SETTINGS: ClassVar[tuple[str, str]] = ("engine", "engine_settings")
@@ -85,7 +87,7 @@ class WorkerConfig(EngineSettings):
     def engine_overrides(self) -> dict[str, str]:
         """The engine settings to pass on (as environment values), checked as an engine would
         check them: only those a worker does not decide itself, each valid."""
-        where = "engine_settings ([engine])"
+        where = "engine_settings ([engine], HIO_ENGINE_*)"
         refused = {name: "the worker sets it for each engine" for name in ENGINE_SLOT_SETTINGS}
         engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
         refused.update((f.name, "set it for the worker ([worker] or [cluster]); it passes its value on to "

@@ -3,8 +3,9 @@
 Each role declares a frozen dataclass of settings. Its fields become command
 line flags (``--queue-bytes``), environment variables (``HIO_MASTER_QUEUE_BYTES``
 first, then ``HIO_QUEUE_BYTES``) and keys of the file's ``[master]`` section
-(after the shared ``[cluster]`` section). Later sources win: defaults < file <
-environment < flags. Defaults run everything on one machine.
+(after the shared ``[cluster]`` section, which may not say where a role listens:
+``listen`` there would put every role on one address). Later sources win: defaults <
+file < environment < flags. Defaults run everything on one machine.
 
 Example ``hio.toml``::
 
@@ -150,6 +151,11 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}] in the configuration file must be a table")
         for key, value in table.items():
+            if section == "cluster" and key.endswith("listen"):
+                raise ConfigError(
+                    f"[cluster] {key}: where a role listens belongs in that role's table ([master], "
+                    "[repository], ...); in [cluster] it would put every role that reads this file "
+                    "on the same address")
             if key in names:
                 values[key] = _convert(value, types[key], f"[{section}] {key}")
             elif section == role:
@@ -170,12 +176,8 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
                     value = [v for item in value for v in str(item).split(",") if v.strip()]
                 values[name] = _convert(value, types[name], "--" + name.replace("_", "-"))
     passed = getattr(cls, "SECTION_AS_SETTINGS", None)   # e.g. the worker passes [engine] on to its engines
-    if passed:   # the file's table first: NAME=VALUE items given by environment or flag come after it, and win
-        section, field = passed
-        table = file_data.get(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"[{section}] in the configuration file must be a table")
-        values[field] = tuple(f"{key}={as_text(value)}" for key, value in table.items()) + tuple(values.get(field, ()))
+    if passed:
+        values[passed[1]] = _passed_settings(passed, role, names, file_data, values.get(passed[1], ()))
     for name, value in (overrides or {}).items():
         if name not in names:
             raise ConfigError(f"unknown setting '{name}' for {role}")
@@ -185,6 +187,26 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
     if callable(validate):
         validate()
     return config
+
+
+def _passed_settings(passed: tuple[str, str], role: str, names: set[str], file_data: dict[str, Any],
+                     own: tuple[str, ...]) -> tuple[str, ...]:
+    """The NAME=VALUE items a role passes on to another (the worker's ``engine_settings``):
+    the file's ``[engine]`` table, then ``HIO_ENGINE_<NAME>`` variables of our environment,
+    then the items given as the setting itself (file, environment or flag), which win.
+
+    The variables are those the other role would read; ones this role reads itself
+    (the worker's ``HIO_ENGINE_LISTEN_HOST`` is its ``engine_listen_host``) are not passed.
+    """
+    section, _field = passed
+    table = file_data.get(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{section}] in the configuration file must be a table")
+    ours = {env for name in names for env in _env_names(role, name)}
+    prefix = f"HIO_{section.upper()}_"
+    from_env = tuple(f"{key[len(prefix):].lower()}={value}" for key, value in sorted(os.environ.items())
+                     if key.startswith(prefix) and key not in ours)
+    return tuple(f"{key}={as_text(value)}" for key, value in table.items()) + from_env + tuple(own)
 
 
 @functools.lru_cache(maxsize=1)

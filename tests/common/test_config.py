@@ -69,6 +69,18 @@ def test_unknown_key_in_the_role_section_is_refused(tmp_path) -> None:
         cfg.build(DemoConfig, "demo", parse(["--config", str(path)]))
 
 
+@pytest.mark.parametrize("key", ["listen", "lane_listen", "http_listen", "ingest_listen"])
+def test_where_a_role_listens_is_refused_in_the_cluster_table(tmp_path, key) -> None:
+    """Every role reads [cluster]: a listen address there would send the master and the
+    repository on one host to the same port; the error says where it belongs."""
+    path = tmp_path / "hio.toml"
+    path.write_text(f'[cluster]\n{key} = "0.0.0.0:7000"\n')
+    with pytest.raises(cfg.ConfigError, match=rf"\[cluster\] {key}: .*belongs in that role's table"):
+        cfg.build(DemoConfig, "demo", parse(["--config", str(path)]))
+    path.write_text('[cluster]\nmaster_address = "m:1"\n[demo]\nlisten = "0.0.0.0:7000"\n')
+    assert cfg.build(DemoConfig, "demo", parse(["--config", str(path)])).listen == "0.0.0.0:7000"
+
+
 def test_missing_or_broken_file_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(cfg.ConfigError, match="not found"):
         cfg.build(DemoConfig, "demo", parse(["--config", str(tmp_path / "nope.toml")]))

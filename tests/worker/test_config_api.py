@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -74,13 +75,52 @@ def test_the_engine_table_of_a_worker_s_file_reaches_its_engines(monkeypatch: py
     assert (engine.store_batch_records, engine.rpc_deadline) == (64, 30.0), "the worker's own list wins"
 
 
+def test_engine_variables_of_a_worker_s_environment_reach_its_engines(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An engine reads HIO_ENGINE_<NAME>, so an operator sets it in the worker's environment
+    (a systemd unit, a container): the worker passes it on between its file's [engine]
+    table and its own engine_settings; the worker's own HIO_ENGINE_* settings stay its own."""
+    path = tmp_path / "hio.toml"
+    path.write_text('[engine]\nrpc_deadline = 120\nstore_batch_records = 64\n')
+    monkeypatch.setenv("HIO_ENGINE_RPC_DEADLINE", "45")
+    monkeypatch.setenv("HIO_ENGINE_RESERVATION_SECONDS", "9")
+    monkeypatch.setenv("HIO_ENGINE_LISTEN_HOST", "0.0.0.0")     # the worker's engine_listen_host
+    monkeypatch.setenv("HIO_ENGINE_CPUS", "0.5")                 # the worker's engine_cpus
+    worker = build(WorkerConfig, "worker", file_data=load_file(path))
+    assert (worker.engine_listen_host, worker.engine_cpus) == ("0.0.0.0", 0.5)
+    assert worker.engine_overrides() == {"rpc_deadline": "45.0", "store_batch_records": "64",
+                                         "reservation_seconds": "9.0"}
+    monkeypatch.setenv("HIO_WORKER_ENGINE_SETTINGS", "rpc_deadline=30")
+    env = engine_env(build(WorkerConfig, "worker", file_data=load_file(path)),
+                     channel_id="w/1", image="hio/synthetic", pipeline="", port=4321)
+    for key in [k for k in os.environ if k.startswith("HIO_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    engine = build(EngineConfig, "engine")
+    assert (engine.rpc_deadline, engine.store_batch_records, engine.reservation_seconds) == (30.0, 64, 9.0)
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("HIO_ENGINE_CHANNEL_ID", "w/9", "engine_settings ([engine], HIO_ENGINE_*): channel_id: the worker sets it"),
+    ("HIO_ENGINE_TUPLE_TIMEOUT", "3", "tuple_timeout: set it for the worker ([worker] or [cluster])"),
+    ("HIO_ENGINE_RPC_DEADLINE", "soon", "rpc_deadline: 'soon' is not a number"),
+    ("HIO_ENGINE_RPC_DEADLIN", "3", "unknown setting 'rpc_deadlin'"),
+])
+def test_a_wrong_engine_variable_of_a_worker_s_environment_is_refused_by_name(
+        monkeypatch: pytest.MonkeyPatch, variable: str, value: str, message: str) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build(WorkerConfig, "worker")
+
+
 @pytest.mark.parametrize("table, message", [
     ({"tuple_timeout": 3}, "tuple_timeout: set it for the worker"),
     ({"listen": "127.0.0.1:9"}, "listen: the worker sets it for each engine"),
     ({"lanes": False}, "lanes: set it for the worker ([worker] or [cluster]); it passes its value on"),
     ({"rpc_deadlin": 3}, "unknown setting 'rpc_deadlin'; known: reservation_seconds, rpc_deadline"),
     ({"store_batch_records": "many"}, "store_batch_records: 'many' is not an integer"),
-    ({"rpc_deadline": 0}, "engine_settings ([engine]): rpc_deadline must be positive"),
+    ({"rpc_deadline": 0}, "engine_settings ([engine], HIO_ENGINE_*): rpc_deadline must be positive"),
     ({"cpus": 2}, "unknown setting 'cpus'"),
 ])
 def test_a_wrong_engine_table_is_refused_by_name(table: dict[str, object], message: str) -> None:
