@@ -269,13 +269,14 @@ class Dispatcher:
         self._refusal = ""
         if self._unserved:
             self._image_served(batch[0].entry.meta.image)
+        direct = route.HasField("channel") and not dead
         for pending, tuple_id, ticket in zip(batch, route.tuple_ids, route.tickets):
             meta = pending.entry.meta
             meta.tuple_id, meta.ticket = tuple_id, ticket
-            if dead and pending.failure:
+            if pending.failure and not direct:   # the reason the master gives if it keeps a dead letter
                 meta.attributes[LAST_ERROR_ATTRIBUTE] = pending.failure[:1000]
         self._persist(batch)
-        if route.HasField("channel") and not dead:
+        if direct:
             self._stream(batch, route.channel.address, direct=True, lane=route.channel.lane_address)
         else:
             self._stream(batch, self._config.master_address, direct=False, lane=self._master_lane(route))
@@ -434,14 +435,17 @@ class Dispatcher:
             done.append((pending, Outcome.STORED, ""))
         elif state == TupleReceipt.ENQUEUED:
             settled.add(receipt.index)
+            # The receiver says when the master kept the tuple as a dead letter (the master's
+            # max_attempts decides, which may be lower than ours); one that does not say so
+            # (an older release) is judged by our own count.
             if direct and receipt.message:   # handed back, charged one attempt: its last one dead-letters it
-                last = max(pending.entry.meta.attempt, 1) + 1 > self._config.max_attempts
+                last = receipt.dead_lettered or max(pending.entry.meta.attempt, 1) + 1 > self._config.max_attempts
                 done.append((pending, Outcome.DEAD_LETTERED if last else Outcome.ENQUEUED,
                              f"processing failed: {receipt.message}"))
             else:
-                dead = self._is_dead(pending)
+                dead = receipt.dead_lettered or self._is_dead(pending)
                 done.append((pending, Outcome.DEAD_LETTERED if dead else Outcome.ENQUEUED,
-                             pending.failure if dead else ""))
+                             (pending.failure or receipt.message) if dead else ""))
         elif state == TupleReceipt.FAILED:
             settled.add(receipt.index)
             self._retry([pending], f"processing failed: {receipt.message}", count_attempt=True)

@@ -102,7 +102,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
         of ``chunk_bytes``, so both take the same chunk bound)."""
         for stored in self._master.enqueue(frames):
             yield TupleReceipt(index=stored.index, tuple_id=stored.meta.tuple_id, state=TupleReceipt.ENQUEUED,
-                               message=_RECEIPT_MESSAGES[stored.placement])
+                               message=_RECEIPT_MESSAGES[stored.placement],
+                               dead_lettered=stored.placement is Placement.DEAD_LETTER)
 
     def pull_for_lane(self, request_bytes: bytes, alive: Callable[[], bool]) -> Iterator[LaneFrame]:
         """PullTuple on the payload lane: the leased tuples as lane frames (a payload on disk is

@@ -9,7 +9,8 @@ the same engine code runs as a local process or inside a container. The
 engine's own tunables (``store_batch_records``, ``rpc_deadline``, ...) come
 from the worker's ``engine_settings``, which the ``[engine]`` table of the
 worker's configuration file and ``HIO_ENGINE_<NAME>`` variables of the worker's
-environment fill.
+environment fill (and, for settings only engines have, ``[cluster]`` and
+``HIO_<NAME>``, as for any role; :class:`hio.common.config.PassedOn`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import os
 import socket
 from typing import ClassVar
 
-from hio.common.config import ConfigError, as_text, check_address, parse_assignments, positive, setting
+from hio.common.config import (ConfigError, PassedOn, as_text, check_address, parse_assignments, positive,
+                               setting)
 from hio.common.settings import ClusterSettings
 
 DEFAULT_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
@@ -77,12 +79,13 @@ class WorkerConfig(EngineSettings):
                                 "and the repository's lanes (pulls, reports, feature stores); off = gRPC "
                                 "only; off with TLS")
     engine_settings: tuple[str, ...] = setting((), "engine settings passed to every engine this worker starts, "
-                                                   "NAME=VALUE (e.g. rpc_deadline=120); the [engine] table of the "
-                                                   "configuration file comes first, then HIO_ENGINE_<NAME> "
-                                                   "variables, and these win")
+                                                   "NAME=VALUE (e.g. rpc_deadline=120); with the file's [engine] "
+                                                   "table and HIO_ENGINE_<NAME> variables, in the usual "
+                                                   "precedence: file < environment < flags")
 
-    #: the configuration file's [engine] table reaches the engines through engine_settings
-    SECTION_AS_SETTINGS: ClassVar[tuple[str, str]] = ("engine", "engine_settings")
+    #: the file's [engine] table, HIO_ENGINE_<NAME> variables, and the engines' own settings in
+    #: [cluster] or as HIO_<NAME> reach the engines through engine_settings
+    PASSED_ON: ClassVar[PassedOn] = PassedOn("engine", "engine_settings", lambda: engine_own_settings())
 
     def engine_overrides(self) -> dict[str, str]:
         """The engine settings to pass on (as environment values), checked as an engine would
@@ -90,8 +93,9 @@ class WorkerConfig(EngineSettings):
         where = "engine_settings ([engine], HIO_ENGINE_*)"
         refused = {name: "the worker sets it for each engine" for name in ENGINE_SLOT_SETTINGS}
         engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        refused.update((f.name, "set it for the worker ([worker] or [cluster]); it passes its value on to "
-                                "its engines") for f in dataclasses.fields(WorkerConfig) if f.name in engine_fields)
+        refused.update((f.name, f"set it for the worker ([worker] or [cluster], HIO_WORKER_{f.name.upper()}); "
+                                "it passes its value on to its engines")
+                       for f in dataclasses.fields(WorkerConfig) if f.name in engine_fields)
         values = parse_assignments(self.engine_settings, EngineConfig, where, refused=refused)
         try:   # an engine refusing its settings would only restart, again and again
             EngineConfig(channel_id="check/0", image="check", **values).validate()
@@ -178,6 +182,15 @@ def engine_counts(engines: tuple[str, ...], cpus: int) -> list[tuple[str, int]]:
             raise ConfigError(f"engines entry {entry!r}: count must be between 1 and 1024")
         result.append((image, count))
     return result
+
+
+def engine_own_settings() -> frozenset[str]:
+    """An engine's tunables that the worker has no setting of its own for (``rpc_deadline``,
+    ``store_batch_records``, ...): a ``[cluster]`` value or ``HIO_<NAME>`` of the worker's
+    environment reaches the engines, as it would any role that has the setting."""
+    worker = {f.name for f in dataclasses.fields(WorkerConfig)}
+    return frozenset(f.name for f in dataclasses.fields(EngineConfig)
+                     if f.name not in worker and f.name not in ENGINE_SLOT_SETTINGS)
 
 
 @dataclasses.dataclass(frozen=True)

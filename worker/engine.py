@@ -615,10 +615,10 @@ class Engine:
         slot = _Slot(index, meta)
         result = self._compute(meta, data, from_queue=False, started=started)
         if isinstance(result, str):
-            self._hand_back(meta, data, result)
+            dead = self._hand_back(meta, data, result)
             self._report(meta, ok=False, from_queue=False, message=result)
             slot.receipt = TupleReceipt(index=index, tuple_id=meta.tuple_id, state=TupleReceipt.ENQUEUED,
-                                        message=result)
+                                        message=result, dead_lettered=dead)
         else:
             slot.blob, slot.cpu = result
             storer.submit(slot)
@@ -651,16 +651,18 @@ class Engine:
             raise PermissionDenied(f"tuple {meta.tuple_id}: its ticket does not match; "
                                    "only tuples routed by this cluster's master are accepted")
 
-    def _hand_back(self, meta: TupleMeta, data: bytes, error: str, deadline: float | None = None) -> None:
-        """Give a failed direct tuple to the master's queue with attempt+1 and the error."""
+    def _hand_back(self, meta: TupleMeta, data: bytes, error: str, deadline: float | None = None) -> bool:
+        """Give a failed direct tuple to the master's queue with attempt+1 and the error;
+        whether the master kept it as a dead letter (its attempts used up) instead."""
         again = TupleMeta()
         again.CopyFrom(meta)
         again.attempt = max(meta.attempt, 1) + 1
         again.attributes[LAST_ERROR_KEY] = truncate(error)
-        self._cluster.enqueue(again, data, deadline)
+        receipt = self._cluster.enqueue(again, data, deadline)
         log.info("tuple failed; handed back to the master",
                  extra={"channel": self._channel, "tuple_id": meta.tuple_id, "attempt": again.attempt,
-                        "error": error})
+                        "error": error, "dead_lettered": receipt.dead_lettered})
+        return receipt.dead_lettered
 
     # ---- processing one tuple
 

@@ -27,7 +27,7 @@ import re
 import tomllib
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 C = TypeVar("C")
 
@@ -138,6 +138,42 @@ def load_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         raise ConfigError(f"configuration file {path} is not valid TOML: {exc}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class PassedOn:
+    """Settings a role passes on to another it starts, as ``NAME=VALUE`` items of one of its
+    own settings: the worker's ``engine_settings`` for its engines, which start with a clean
+    environment and read no file. Declared on the role's config as ``PASSED_ON``.
+
+    Each source is passed in the precedence it has for any setting, lowest first: the
+    file's ``[cluster]`` table (only the other role's own settings: a ``[cluster]`` value
+    reaches every role that has the setting), the other role's table (``[engine]``), the items of ``field``
+    in the file, ``HIO_<NAME>`` then ``HIO_ENGINE_<NAME>`` variables, then the items of
+    ``field`` from the environment or a flag. Variables this role reads itself (the
+    worker's ``HIO_ENGINE_LISTEN_HOST`` is its ``engine_listen_host``) are not passed on.
+    """
+
+    section: str                          # the other role's table and variable prefix: engine
+    field: str                            # the setting carrying the items: engine_settings
+    own_names: Callable[[], frozenset[str]]   # the other role's settings this role lacks
+
+    def items(self, role: str, names: set[str], file_data: dict[str, Any], own: tuple[str, ...], *,
+              own_from_file: bool) -> tuple[str, ...]:
+        table = file_data.get(self.section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{self.section}] in the configuration file must be a table")
+        theirs = self.own_names()
+        cluster = file_data.get("cluster", {})
+        ours = {env for name in names for env in _env_names(role, name)}
+        prefix = f"HIO_{self.section.upper()}_"
+        generic = tuple(f"{name}={os.environ[f'HIO_{name.upper()}']}" for name in sorted(theirs)
+                        if f"HIO_{name.upper()}" in os.environ and f"HIO_{name.upper()}" not in ours)
+        prefixed = tuple(f"{key[len(prefix):].lower()}={value}" for key, value in sorted(os.environ.items())
+                         if key.startswith(prefix) and len(key) > len(prefix) and key not in ours)
+        return (tuple(f"{key}={as_text(value)}" for key, value in cluster.items() if key in theirs)
+                + tuple(f"{key}={as_text(value)}" for key, value in table.items())
+                + (own if own_from_file else ()) + generic + prefixed + (() if own_from_file else own))
+
+
 def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
           overrides: dict[str, Any] | None = None, file_data: dict[str, Any] | None = None) -> C:
     """Build the frozen config of ``role`` from defaults, file, env, flags, overrides."""
@@ -163,6 +199,8 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
             elif key not in _cluster_names():
                 raise ConfigError(f"unknown setting '{key}' in [cluster]: no role has it "
                                   "(hio <role> --help lists each role's settings)")
+    passed: PassedOn | None = getattr(cls, "PASSED_ON", None)   # the worker's settings for its engines
+    from_file = values.get(passed.field) if passed else None
     for name in names:
         for env in _env_names(role, name):
             if env in os.environ:
@@ -175,9 +213,9 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
                 if isinstance(value, list) and typing.get_origin(types[name]) is tuple:
                     value = [v for item in value for v in str(item).split(",") if v.strip()]
                 values[name] = _convert(value, types[name], "--" + name.replace("_", "-"))
-    passed = getattr(cls, "SECTION_AS_SETTINGS", None)   # e.g. the worker passes [engine] on to its engines
     if passed:
-        values[passed[1]] = _passed_settings(passed, role, names, file_data, values.get(passed[1], ()))
+        own = tuple(values.get(passed.field, ()))
+        values[passed.field] = passed.items(role, names, file_data, own, own_from_file=own == tuple(from_file or ()))
     for name, value in (overrides or {}).items():
         if name not in names:
             raise ConfigError(f"unknown setting '{name}' for {role}")
@@ -187,26 +225,6 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
     if callable(validate):
         validate()
     return config
-
-
-def _passed_settings(passed: tuple[str, str], role: str, names: set[str], file_data: dict[str, Any],
-                     own: tuple[str, ...]) -> tuple[str, ...]:
-    """The NAME=VALUE items a role passes on to another (the worker's ``engine_settings``):
-    the file's ``[engine]`` table, then ``HIO_ENGINE_<NAME>`` variables of our environment,
-    then the items given as the setting itself (file, environment or flag), which win.
-
-    The variables are those the other role would read; ones this role reads itself
-    (the worker's ``HIO_ENGINE_LISTEN_HOST`` is its ``engine_listen_host``) are not passed.
-    """
-    section, _field = passed
-    table = file_data.get(section, {})
-    if not isinstance(table, dict):
-        raise ConfigError(f"[{section}] in the configuration file must be a table")
-    ours = {env for name in names for env in _env_names(role, name)}
-    prefix = f"HIO_{section.upper()}_"
-    from_env = tuple(f"{key[len(prefix):].lower()}={value}" for key, value in sorted(os.environ.items())
-                     if key.startswith(prefix) and key not in ours)
-    return tuple(f"{key}={as_text(value)}" for key, value in table.items()) + from_env + tuple(own)
 
 
 @functools.lru_cache(maxsize=1)

@@ -73,10 +73,13 @@ def test_a_receipt_naming_another_tuple_settles_nothing() -> None:
     assert done == [101] and settled == {0}
 
 
-@pytest.mark.parametrize("attempt, outcome", [(1, "enqueued"), (3, "dead-lettered")])
-def test_a_tuple_an_engine_hands_back_on_its_last_attempt_is_a_dead_letter(attempt: int, outcome: str) -> None:
+@pytest.mark.parametrize("attempt, dead_lettered, outcome",
+                         [(1, False, "enqueued"), (3, False, "dead-lettered"), (1, True, "dead-lettered")])
+def test_a_tuple_an_engine_hands_back_on_its_last_attempt_is_a_dead_letter(attempt: int, dead_lettered: bool,
+                                                                          outcome: str) -> None:
     """The engine charges the hand-back an attempt; on the last one the master stores it as a dead
-    letter, so the sender must not say the queue tries it again."""
+    letter, so the sender must not say the queue tries it again. The master's max_attempts may be
+    lower than the gateway's: the receipt says when the master kept a dead letter."""
     from hio.gateway.dispatch import _Pending
     from hio.proto.tuple_pb2 import TupleReceipt
 
@@ -86,7 +89,7 @@ def test_a_tuple_an_engine_hands_back_on_its_last_attempt_is_a_dead_letter(attem
     sent = [_Pending(1, SpoolEntry(1, TupleMeta(image="hio/synthetic", size=1, tuple_id=7, attempt=attempt),
                                    Path("/x")))]
     done: list = []  # type: ignore[type-arg]
-    d._settle(TupleReceipt(index=0, tuple_id=7, state=TupleReceipt.ENQUEUED, message="ValueError: bad"),
-              sent, set(), done, direct=True)
+    d._settle(TupleReceipt(index=0, tuple_id=7, state=TupleReceipt.ENQUEUED, message="ValueError: bad",
+                           dead_lettered=dead_lettered), sent, set(), done, direct=True)
     [(_, got, detail)] = done
     assert (got.value, detail) == (outcome, "processing failed: ValueError: bad")

@@ -213,32 +213,39 @@ def test_spooled_tuples_survive_kill_9(cluster: Cluster, tmp_path: Path) -> None
     assert sorted(r.meta.name for r in records) == ["t0", "t1", "t2"]
 
 
-@pytest.mark.parametrize("lanes", [False, True], ids=["grpc", "lane"])
+@pytest.mark.parametrize("lanes, master_attempts", [(False, 1000), (True, 1000), (True, 1)],
+                         ids=["grpc", "lane", "master-dead-letters"])
 def test_a_spooled_payload_that_cannot_be_read_is_named_and_sent_once_it_can_be(
-        cluster: Cluster, tmp_path: Path, caplog: pytest.LogCaptureFixture, lanes: bool) -> None:
+        cluster: Cluster, tmp_path: Path, caplog: pytest.LogCaptureFixture, lanes: bool,
+        master_attempts: int) -> None:
     """Over gRPC or a payload lane, a spooled file that cannot be read while it is streamed ends
     the call with its path and the reason, not gRPC's "Exception iterating requests!"
     and a traceback; it stays spooled, and goes once it can be read again. A second
     real master (no workers: the tuple goes to its backlog) starts after the file is
-    spooled, so the read fails in the stream, past the spool's checks."""
+    spooled, so the read fails in the stream, past the spool's checks.
+
+    Every failed read counts an attempt (a disk error is the tuple's) with a short backoff,
+    so both sides get enough attempts that a loaded machine cannot use them up before the
+    test mends the file. With a master that allows one attempt, the tuple arrives as a dead
+    letter: the gateway must say so (the master decides), though it would try again itself."""
     import logging
+
+    from hio.gateway import DeliveryError
 
     caplog.set_level(logging.WARNING)
     master = f"127.0.0.1:{free_port()}"
     original = tmp_path / "frame.bin"
     original.write_bytes(os.urandom(300_000))
-    # Every failed read counts an attempt (a disk error is the tuple's), and the backoff
-    # between them is short: enough attempts that a loaded machine cannot use them all up
-    # (and dead-letter the tuple) between the log line and the test mending the file.
-    with Gateway(cluster.config(f"unreadable-{lanes}", master_address=master, lanes=lanes,
+    with Gateway(cluster.config(f"unreadable-{lanes}-{master_attempts}", master_address=master, lanes=lanes,
                                 max_attempts=1000)) as gw:
         future = gw.submit_file(original, image=IMAGE)
-        spooled = [p for p in (cluster.root / f"unreadable-{lanes}").rglob("*")
+        spooled = [p for p in (cluster.root / f"unreadable-{lanes}-{master_attempts}").rglob("*")
                    if p.is_file() and p.stat().st_ino == original.stat().st_ino]
         assert len(spooled) == 1, "put_file hard-links the file into the spool"
         spooled[0].unlink()
         spooled[0].mkdir()                              # open() now fails: IsADirectoryError
-        with HioProcess("master", ["--listen", master, "--data-dir", str(tmp_path / "master")],
+        with HioProcess("master", ["--listen", master, "--data-dir", str(tmp_path / "master"),
+                                   "--max-attempts", str(master_attempts)],
                         tmp_path, name="master-unreadable") as second:
             second.wait_healthy(master)
 
@@ -249,7 +256,18 @@ def test_a_spooled_payload_that_cannot_be_read_is_named_and_sent_once_it_can_be(
             assert not future.done()
             spooled[0].rmdir()
             os.link(original, spooled[0])
-            assert gw.result(future, timeout=60) > 0 and future.outcome == "enqueued"
+            with grpc.insecure_channel(master) as channel:
+                stub = master_pb2_grpc.MasterStub(channel)
+                if master_attempts > 1:
+                    assert gw.result(future, timeout=60) > 0 and future.outcome == "enqueued"
+                    status = stub.GetStatus(master_pb2.GetStatusRequest(), timeout=10)
+                    assert sum(q.length for q in status.queues) == 1 and status.dead_letters == 0
+                else:
+                    with pytest.raises(DeliveryError, match="Is a directory"):
+                        gw.result(future, timeout=60)
+                    assert future.outcome == "dead-lettered"
+                    letters = stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=10).dead_letters
+                    assert len(letters) == 1 and "Is a directory" in letters[0].reason
     assert not [r for r in caplog.records if "Exception iterating requests" in r.getMessage()]
 
 

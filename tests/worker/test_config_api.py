@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 
@@ -75,35 +76,79 @@ def test_the_engine_table_of_a_worker_s_file_reaches_its_engines(monkeypatch: py
     assert (engine.store_batch_records, engine.rpc_deadline) == (64, 30.0), "the worker's own list wins"
 
 
-def test_engine_variables_of_a_worker_s_environment_reach_its_engines(monkeypatch: pytest.MonkeyPatch,
-                                                                       tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """An engine reads HIO_ENGINE_<NAME>, so an operator sets it in the worker's environment
-    (a systemd unit, a container): the worker passes it on between its file's [engine]
-    table and its own engine_settings; the worker's own HIO_ENGINE_* settings stay its own."""
-    path = tmp_path / "hio.toml"
-    path.write_text('[engine]\nrpc_deadline = 120\nstore_batch_records = 64\n')
-    monkeypatch.setenv("HIO_ENGINE_RPC_DEADLINE", "45")
-    monkeypatch.setenv("HIO_ENGINE_RESERVATION_SECONDS", "9")
-    monkeypatch.setenv("HIO_ENGINE_LISTEN_HOST", "0.0.0.0")     # the worker's engine_listen_host
-    monkeypatch.setenv("HIO_ENGINE_CPUS", "0.5")                 # the worker's engine_cpus
-    worker = build(WorkerConfig, "worker", file_data=load_file(path))
-    assert (worker.engine_listen_host, worker.engine_cpus) == ("0.0.0.0", 0.5)
-    assert worker.engine_overrides() == {"rpc_deadline": "45.0", "store_batch_records": "64",
-                                         "reservation_seconds": "9.0"}
-    monkeypatch.setenv("HIO_WORKER_ENGINE_SETTINGS", "rpc_deadline=30")
-    env = engine_env(build(WorkerConfig, "worker", file_data=load_file(path)),
-                     channel_id="w/1", image="hio/synthetic", pipeline="", port=4321)
+def _engine_of(worker: WorkerConfig, monkeypatch: pytest.MonkeyPatch) -> EngineConfig:
+    """The config an engine of ``worker`` builds from the environment the worker gives it
+    (and nothing else: engines start with a clean environment)."""
+    env = engine_env(worker, channel_id="w/1", image="hio/synthetic", pipeline="", port=4321)
     for key in [k for k in os.environ if k.startswith("HIO_")]:
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    engine = build(EngineConfig, "engine")
-    assert (engine.rpc_deadline, engine.store_batch_records, engine.reservation_seconds) == (30.0, 64, 9.0)
+    return build(EngineConfig, "engine")
+
+
+def test_engine_variables_of_a_worker_s_environment_reach_its_engines(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An engine reads HIO_ENGINE_<NAME>, so an operator sets it in the worker's environment
+    (a systemd unit, a container): the worker passes it on; the worker's own HIO_ENGINE_*
+    settings (engine_listen_host, engine_cpus, engine_ports, engine_memory_bytes,
+    engine_settings) stay its own."""
+    path = tmp_path / "hio.toml"
+    path.write_text('[engine]\nrpc_deadline = 120\nstore_batch_records = 64\n')
+    monkeypatch.setenv("HIO_ENGINE_RPC_DEADLINE", "45")
+    monkeypatch.setenv("HIO_ENGINE_RESERVATION_SECONDS", "9")
+    monkeypatch.setenv("HIO_ENGINE_LISTEN_HOST", "0.0.0.0")
+    monkeypatch.setenv("HIO_ENGINE_CPUS", "0.5")
+    monkeypatch.setenv("HIO_ENGINE_PORTS", "20000-20100")
+    monkeypatch.setenv("HIO_ENGINE_MEMORY_BYTES", "1G")
+    monkeypatch.setenv("HIO_ENGINE_SETTINGS", "store_pending_records=7")
+    worker = build(WorkerConfig, "worker", file_data=load_file(path))
+    assert (worker.engine_listen_host, worker.engine_cpus, worker.engine_ports) == ("0.0.0.0", 0.5, "20000-20100")
+    assert worker.engine_memory_bytes == 1024 ** 3 and worker.engine_settings[-1] == "store_pending_records=7"
+    assert worker.engine_overrides() == {"rpc_deadline": "45.0", "store_batch_records": "64",
+                                         "reservation_seconds": "9.0", "store_pending_records": "7"}
+    engine = _engine_of(worker, monkeypatch)
+    assert (engine.rpc_deadline, engine.store_batch_records, engine.reservation_seconds) == (45.0, 64, 9.0)
+    assert engine.store_pending_records == 7
+
+
+def test_engine_settings_reach_the_engines_in_the_usual_precedence(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """File < environment < flags, and [cluster] < [role], HIO_<NAME> < HIO_ENGINE_<NAME>, as
+    for any setting: an engine's tunable set in [cluster] or as HIO_<NAME> reaches the engines
+    (an engine is a role that has it), and the environment beats the worker's file, its
+    engine_settings included."""
+    path = tmp_path / "hio.toml"
+    path.write_text('[cluster]\nrpc_deadline = 11\nstore_batch_records = 12\nreservation_seconds = 13\n'
+                    'store_pending_records = 14\n'
+                    '[engine]\nstore_batch_records = 22\nreservation_seconds = 23\nstore_pending_records = 24\n'
+                    '[worker]\nengine_settings = ["reservation_seconds=33", "store_pending_records=34"]\n')
+    worker = build(WorkerConfig, "worker", file_data=load_file(path))
+    engine = _engine_of(worker, monkeypatch)
+    assert (engine.rpc_deadline, engine.store_batch_records) == (11.0, 22)
+    assert (engine.reservation_seconds, engine.store_pending_records) == (33.0, 34)
+    for key in [k for k in os.environ if k.startswith("HIO_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HIO_STORE_BATCH_RECORDS", "41")
+    monkeypatch.setenv("HIO_RESERVATION_SECONDS", "42")
+    monkeypatch.setenv("HIO_ENGINE_RESERVATION_SECONDS", "52")
+    monkeypatch.setenv("HIO_ENGINE_STORE_PENDING_RECORDS", "54")
+    worker = build(WorkerConfig, "worker", file_data=load_file(path))
+    engine = _engine_of(worker, monkeypatch)
+    assert (engine.rpc_deadline, engine.store_batch_records) == (11.0, 41), "HIO_<NAME> beats the file"
+    assert (engine.reservation_seconds, engine.store_pending_records) == (52.0, 54), "HIO_ENGINE_<NAME> beats both"
+    for key in [k for k in os.environ if k.startswith("HIO_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HIO_ENGINE_STORE_PENDING_RECORDS", "54")
+    args = argparse.Namespace(config=str(path), engine_settings=["store_pending_records=64"])
+    engine = _engine_of(build(WorkerConfig, "worker", args), monkeypatch)
+    assert engine.store_pending_records == 64, "a flag beats the environment"
 
 
 @pytest.mark.parametrize("variable, value, message", [
     ("HIO_ENGINE_CHANNEL_ID", "w/9", "engine_settings ([engine], HIO_ENGINE_*): channel_id: the worker sets it"),
-    ("HIO_ENGINE_TUPLE_TIMEOUT", "3", "tuple_timeout: set it for the worker ([worker] or [cluster])"),
+    ("HIO_ENGINE_TUPLE_TIMEOUT", "3", "tuple_timeout: set it for the worker ([worker] or [cluster], "
+                                      "HIO_WORKER_TUPLE_TIMEOUT)"),
     ("HIO_ENGINE_RPC_DEADLINE", "soon", "rpc_deadline: 'soon' is not a number"),
     ("HIO_ENGINE_RPC_DEADLIN", "3", "unknown setting 'rpc_deadlin'"),
 ])
@@ -117,7 +162,8 @@ def test_a_wrong_engine_variable_of_a_worker_s_environment_is_refused_by_name(
 @pytest.mark.parametrize("table, message", [
     ({"tuple_timeout": 3}, "tuple_timeout: set it for the worker"),
     ({"listen": "127.0.0.1:9"}, "listen: the worker sets it for each engine"),
-    ({"lanes": False}, "lanes: set it for the worker ([worker] or [cluster]); it passes its value on"),
+    ({"lanes": False}, "lanes: set it for the worker ([worker] or [cluster], HIO_WORKER_LANES); it passes its "
+                       "value on"),
     ({"rpc_deadlin": 3}, "unknown setting 'rpc_deadlin'; known: reservation_seconds, rpc_deadline"),
     ({"store_batch_records": "many"}, "store_batch_records: 'many' is not an integer"),
     ({"rpc_deadline": 0}, "engine_settings ([engine], HIO_ENGINE_*): rpc_deadline must be positive"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
@@ -176,6 +177,25 @@ def test_failing_pipeline_hands_the_tuple_to_the_master(master: Master, repo: Re
         assert "ValueError" in letters[0].meta.attributes["hio.last_error"] or "ValueError" in letters[0].reason
         assert repo.records() == {}
         assert master.status().tuples_failed >= 1
+
+
+def test_a_tuple_the_master_keeps_as_a_dead_letter_on_hand_back_is_receipted_so(repo: Repo, tmp_path: Path) -> None:
+    """A master allowing one attempt keeps the handed-back tuple (attempt 2) as a dead letter:
+    the engine's receipt says so, so the gateway (whose own max_attempts may be higher) does
+    not tell its caller the queue will try the tuple again."""
+    master = Master(tmp_path / "strict-master", max_attempts=1)
+    try:
+        with _serving(master, repo, max_attempts=1) as engine:
+            meta, data = _routed(master, b"oops", mode="fail")
+            receipt = engine.deliver([(meta, data)])[0]
+            assert receipt.state == TupleReceipt.ENQUEUED and "ValueError: cannot analyse" in receipt.message
+            assert receipt.dead_lettered
+            [letter] = master.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5).dead_letters
+            assert letter.meta.tuple_id == meta.tuple_id and "ValueError" in letter.reason
+            ok, ok_data = _routed(master, b"ok")
+            assert not engine.deliver([(ok, ok_data)])[0].dead_lettered
+    finally:
+        master.close()
 
 
 def test_a_pipeline_raising_a_base_exception_fails_its_tuple_and_the_engine_goes_on(
