@@ -126,10 +126,10 @@ class Dispatcher:
         self._calls: set[grpc.Future] = set()
         self._channels: dict[str, grpc.Channel] = {}
         self._token = config.presented_token()   # read once, as for the gRPC channels
+        self._use_lanes = config.lanes and not config.speaks_tls   # the lanes have no TLS
         self._lanes = LaneSkips(log, "payload lane unusable; using gRPC")
         self._master_calls = LearntLane(       # RouteTuples on the master's lane, once it says where
-            self._lanes, server=config.master_address, enabled=config.lanes and not config.speaks_tls,
-            token=self._token)
+            self._lanes, server=config.master_address, enabled=self._use_lanes, token=self._token)
         self._unreachable_logged: dict[str, float] = {}      # engine address -> when last logged
         self._master_down_since: float | None = None
         self._queue_full_logged = False
@@ -375,7 +375,7 @@ class Dispatcher:
         """A connection to a payload lane for ``method``; None (use gRPC) when lanes are off, TLS
         is on, or the lane is skipped (:class:`LaneSkips`: a firewall that opens only the gRPC
         port, a server that predates lanes)."""
-        if not self._config.lanes or self._config.speaks_tls:
+        if not self._use_lanes:
             return None
         return self._lanes.open(lane, self._token, method=method)
 

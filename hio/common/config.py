@@ -156,22 +156,24 @@ class PassedOn:
     field: str                            # the setting carrying the items: engine_settings
     own_names: Callable[[], frozenset[str]]   # the other role's settings this role lacks
 
-    def items(self, role: str, names: set[str], file_data: dict[str, Any], own: tuple[str, ...], *,
-              own_from_file: bool) -> tuple[str, ...]:
+    def items(self, role: str, names: set[str], file_data: dict[str, Any], *, in_file: tuple[str, ...],
+              given: tuple[str, ...]) -> tuple[str, ...]:
+        """All the items, lowest precedence first: ``in_file`` is ``field`` as the file set it,
+        ``given`` as the environment or a flag set it (which then replaced the file's)."""
         table = file_data.get(self.section, {})
         if not isinstance(table, dict):
             raise ConfigError(f"[{self.section}] in the configuration file must be a table")
-        theirs = self.own_names()
-        cluster = file_data.get("cluster", {})
+        theirs = self.own_names()   # not this role's settings, so HIO_<NAME> of theirs is not ours
         ours = {env for name in names for env in _env_names(role, name)}
         prefix = f"HIO_{self.section.upper()}_"
         generic = tuple(f"{name}={os.environ[f'HIO_{name.upper()}']}" for name in sorted(theirs)
-                        if f"HIO_{name.upper()}" in os.environ and f"HIO_{name.upper()}" not in ours)
+                        if f"HIO_{name.upper()}" in os.environ)
         prefixed = tuple(f"{key[len(prefix):].lower()}={value}" for key, value in sorted(os.environ.items())
                          if key.startswith(prefix) and len(key) > len(prefix) and key not in ours)
-        return (tuple(f"{key}={as_text(value)}" for key, value in cluster.items() if key in theirs)
+        return (tuple(f"{key}={as_text(value)}" for key, value in file_data.get("cluster", {}).items()
+                      if key in theirs)
                 + tuple(f"{key}={as_text(value)}" for key, value in table.items())
-                + (own if own_from_file else ()) + generic + prefixed + (() if own_from_file else own))
+                + in_file + generic + prefixed + given)
 
 
 def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
@@ -200,7 +202,7 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
                 raise ConfigError(f"unknown setting '{key}' in [cluster]: no role has it "
                                   "(hio <role> --help lists each role's settings)")
     passed: PassedOn | None = getattr(cls, "PASSED_ON", None)   # the worker's settings for its engines
-    from_file = values.get(passed.field) if passed else None
+    in_file = tuple(values.get(passed.field, ())) if passed else ()
     for name in names:
         for env in _env_names(role, name):
             if env in os.environ:
@@ -214,8 +216,12 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
                     value = [v for item in value for v in str(item).split(",") if v.strip()]
                 values[name] = _convert(value, types[name], "--" + name.replace("_", "-"))
     if passed:
-        own = tuple(values.get(passed.field, ()))
-        values[passed.field] = passed.items(role, names, file_data, own, own_from_file=own == tuple(from_file or ()))
+        given = tuple(values.get(passed.field, ()))
+        if given == in_file:   # not set by the environment or a flag
+            given = ()
+        else:                  # set there: it replaced the file's, as for any setting
+            in_file = ()
+        values[passed.field] = passed.items(role, names, file_data, in_file=in_file, given=given)
     for name, value in (overrides or {}).items():
         if name not in names:
             raise ConfigError(f"unknown setting '{name}' for {role}")
