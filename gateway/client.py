@@ -166,8 +166,10 @@ class Gateway:
 
         Returns once the tuple is written to the spool (fsynced before that with
         ``spool_fsync="always"``, else within about 100 ms), without waiting
-        for delivery. Blocks only when the spool is full: then it waits up to
-        ``timeout`` s (None = as long as needed) and raises :class:`SpoolFull`.
+        for delivery. Blocks when the spool is full: then it waits up to
+        ``timeout`` s (None = as long as needed) and raises :class:`SpoolFull`;
+        and, with "batch", while 256 MiB appended wait for a disk slower than
+        the submissions (raising ``Unavailable`` if its fsync fails meanwhile).
         Raises ``InvalidArgument`` for a tuple over ``max_tuple_bytes`` or
         ``spool_bytes``, or without an image; :class:`DeliveryError` once the
         gateway is closed. Thread-safe. The future resolves to the tuple id, or

@@ -63,7 +63,8 @@ class GatewayConfig(ClusterSettings):
     spool_bytes: int = setting(2 * GiB, "bound of the on-disk spool; a full spool refuses (or blocks) new tuples")
     spool_fsync: str = setting("batch", "when spooled tuples reach the disk: always (before submit returns), "
                                         "batch (within ~100 ms; a crash of the gateway loses nothing, a power "
-                                        "loss at most the last 100 ms) or never (left to the OS)")
+                                        "loss at most the last 100 ms, and never more than 256 MiB: submit then waits "
+                                        "for the disk) or never (left to the OS)")
     spool_memory_bytes: int = setting(64 * MiB, "payloads submitted as bytes are also kept in memory up to "
                                                 "this much, so delivery need not read them back from disk")
     streams: int = setting(4, "parallel delivery streams (batches in flight)")

@@ -53,6 +53,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
               "benchmark against Spark Structured Streaming over size x cost"),
     "bench-core": ("hio.bench_core:CoreBenchConfig", "bench_core", "hio.bench_core:run_core_bench",
                    "measure tuples/s and MB/s of the streaming core, direct and via the queue"),
+    "bench-floor": ("hio.bench_floor:FloorConfig", "bench_floor", "hio.bench_floor:run_floor",
+                    "the least any durable design can do with large tuples here (bare system calls)"),
     "bench-kd": ("hio.kd.bench:KDBenchConfig", "kd", "hio.kd.bench:run_kd_bench",
                  "time a KD interval over an empty and a large store"),
     "images": ("hio.images:ImagesConfig", "images", "hio.images:run_images",
@@ -61,7 +63,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 
 
 # Commands with settings of their own, not the cluster's: a [cluster] table is not for them.
-TOOLS = frozenset({"certs", "bench", "bench-core", "bench-kd", "images"})
+TOOLS = frozenset({"certs", "bench", "bench-core", "bench-floor", "bench-kd", "images"})
 
 
 def cluster_setting_names() -> frozenset[str]:

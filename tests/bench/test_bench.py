@@ -230,3 +230,22 @@ def test_core_bench_paces_tuples_and_prints_each_roles_cpu_per_tuple(tmp_path: P
     refused = subprocess.run([sys.executable, "-m", "hio.cli", "bench-core", "--rate", "-5"],
                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert refused.returncode != 0 and "rate must be 0 (all at once) or positive" in refused.stderr + refused.stdout
+
+
+def test_floor_bench_streams_both_paths_and_leaves_no_segment(tmp_path: Path) -> None:
+    """`hio bench-floor` for real: a row per path with tuples moved and the CPU they cost,
+    the disk measured, and the spool folder empty afterwards; a wrong path is named."""
+    args = [sys.executable, "-m", "hio.cli", "bench-floor", "--data-dir", str(tmp_path / "var"), "--sizes", "100K",
+            "--seconds", "0.5", "--disk-probe", "8M"]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "disk, written and fsynced:" in run.stdout and "not measured" not in run.stdout
+    rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] == ["100K"]]
+    assert [r[1] for r in rows] == ["memory", "spool"]
+    for row in rows:
+        tuples, mb_per_s, cpu_ms = int(row[2]), float(row[5]), float(row[7])
+        assert tuples > 0 and mb_per_s > 0 and cpu_ms > 0, row
+    assert list((tmp_path / "var" / "bench-floor").iterdir()) == []
+    refused = subprocess.run([sys.executable, "-m", "hio.cli", "bench-floor", "--paths", "disk"],
+                             capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert refused.returncode != 0 and "paths must be memory or spool, got disk" in refused.stderr + refused.stdout

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
 import zlib
 from pathlib import Path
 
 import pytest
 
 from hio.common.config import ConfigError
-from hio.common.errors import InvalidArgument
+from hio.common.errors import InvalidArgument, Unavailable
+from hio.gateway import spool as spool_module
 from hio.gateway.spool import MoveOnDone, Spool, SpoolFull, safe_name
 from hio.proto.tuple_pb2 import TupleMeta
 
@@ -299,3 +302,90 @@ def test_payload_damage_names_a_spooled_file_rewritten_in_place(tmp_path: Path) 
     assert "'frame.bin' changed after it was taken" in spool.payload_damage(entry)
     inline = spool.put_bytes(b"c" * 1000, meta("inline"))
     assert spool.payload_damage(inline) == ""
+
+
+class _Disk:
+    """Stands between the spool and ``os.fsync`` (a system call, not one of our roles):
+    names what is synced, and can hold or fail the calls, as a slow or failing disk."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.synced: list[str] = []
+        self.open = threading.Event()
+        self.open.set()
+        self.error: OSError | None = None
+        self._fsync = os.fsync
+        monkeypatch.setattr(os, "fsync", self.fsync)
+
+    def fsync(self, fd: int) -> None:
+        self.open.wait()
+        if self.error is not None:
+            raise self.error
+        self.synced.append(os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)"))
+        self._fsync(fd)
+
+
+def test_batch_mode_never_syncs_a_segment_whose_tuples_finished_before_its_turn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished segment deleted before the flush loop reached it never goes to the disk
+    (its tuples need no disk); a rolled segment with a tuple not yet finished is synced,
+    and so is the active one; what they hold survives a restart."""
+    monkeypatch.setattr(spool_module, "BATCH_FSYNC_SECONDS", 3600.0)   # this test flushes by hand
+    disk = _Disk(monkeypatch)
+    root = tmp_path / "s"
+    spool = Spool(root, 1 << 20, fsync="batch", segment_bytes=4096)
+    payloads = [bytes([n]) * 3000 for n in range(5)]
+    entries = [spool.put_bytes(p, meta(f"t{n}")) for n, p in enumerate(payloads)]
+    segments = sorted({str(e.data_path) for e in entries})
+    assert len(segments) == 3                    # t0 t1 | t2 t3 | t4 (a segment rolls past 4096 bytes)
+    assert spool.unsynced_bytes > 15000
+    spool.remove_many(entries[:2])               # the first segment is finished and deleted
+    assert not Path(segments[0]).exists()
+    spool.flush()
+    assert segments[0] not in disk.synced
+    assert segments[1] in disk.synced and segments[2] in disk.synced
+    assert spool.unsynced_bytes == 0
+    spool.close()
+    again = Spool(root, 1 << 20)
+    assert [again.read_payload(e) for e in again.entries()] == payloads[2:]
+    again.close()
+
+
+def test_batch_mode_holds_appends_while_the_disk_is_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More than ``unsynced_bytes`` waiting for their fsync make the next append wait for the
+    flush loop (a power loss then takes at most that much, however fast the submissions);
+    the append goes on once the disk has caught up."""
+    disk = _Disk(monkeypatch)
+    spool = Spool(tmp_path / "s", 1 << 20, fsync="batch", unsynced_bytes=10_000)
+    disk.open.clear()                            # the disk stalls
+    spool.put_bytes(b"a" * 6000, meta("t0"))
+    spool.put_bytes(b"b" * 6000, meta("t1"))     # appended: only 6000 bytes were behind
+    third = threading.Thread(target=spool.put_bytes, args=(b"c" * 6000, meta("t2")), daemon=True)
+    third.start()
+    third.join(0.5)
+    assert third.is_alive() and len(spool) == 2  # held: 12000 bytes wait for the disk
+    disk.open.set()
+    third.join(10)
+    assert not third.is_alive() and len(spool) == 3
+    spool.close()
+
+
+def test_batch_mode_names_a_disk_that_fails_to_sync_instead_of_waiting_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While fsyncs fail and too much is unsynced, an append is refused with the disk's error
+    (Unavailable, nothing written); once the disk syncs again, appends go on and nothing
+    appended before was lost."""
+    disk = _Disk(monkeypatch)
+    root = tmp_path / "s"
+    spool = Spool(root, 1 << 20, fsync="batch", unsynced_bytes=10_000)
+    disk.error = OSError(errno.EIO, "Input/output error")
+    spool.put_bytes(b"a" * 6000, meta("t0"))
+    spool.put_bytes(b"b" * 6000, meta("t1"))
+    with pytest.raises(Unavailable, match=r"the spool's disk does not sync \(.*Input/output error\)"):
+        spool.put_bytes(b"c" * 6000, meta("t2"))
+    assert len(spool) == 2
+    disk.error = None
+    spool.put_bytes(b"c" * 6000, meta("t2"))     # waits for a flush that succeeds
+    spool.close()
+    again = Spool(root, 1 << 20)
+    assert [again.read_payload(e)[:1] for e in again.entries()] == [b"a", b"b", b"c"]
+    again.close()
