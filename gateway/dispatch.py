@@ -253,8 +253,9 @@ class Dispatcher:
             total += nxt.entry.size
         return batch
 
-    def _is_dead(self, pending: _Pending) -> bool:
-        return pending.entry.meta.attempt > self._config.max_attempts
+    def _is_dead(self, pending: _Pending, charged: int = 0) -> bool:
+        """Whether the tuple's attempts, with ``charged`` more, are past ``max_attempts``."""
+        return max(pending.entry.meta.attempt, 1) + charged > self._config.max_attempts
 
     # -- one batch -----------------------------------------------------------
 
@@ -438,14 +439,13 @@ class Dispatcher:
             # The receiver says when the master kept the tuple as a dead letter (the master's
             # max_attempts decides, which may be lower than ours); one that does not say so
             # (an older release) is judged by our own count.
-            if direct and receipt.message:   # handed back, charged one attempt: its last one dead-letters it
-                last = receipt.dead_lettered or max(pending.entry.meta.attempt, 1) + 1 > self._config.max_attempts
-                done.append((pending, Outcome.DEAD_LETTERED if last else Outcome.ENQUEUED,
-                             f"processing failed: {receipt.message}"))
+            handed_back = direct and bool(receipt.message)   # charged one attempt: its last one dead-letters it
+            dead = receipt.dead_lettered or self._is_dead(pending, charged=int(handed_back))
+            if handed_back:
+                detail = f"processing failed: {receipt.message}"
             else:
-                dead = receipt.dead_lettered or self._is_dead(pending)
-                done.append((pending, Outcome.DEAD_LETTERED if dead else Outcome.ENQUEUED,
-                             (pending.failure or receipt.message) if dead else ""))
+                detail = (pending.failure or receipt.message) if dead else ""
+            done.append((pending, Outcome.DEAD_LETTERED if dead else Outcome.ENQUEUED, detail))
         elif state == TupleReceipt.FAILED:
             settled.add(receipt.index)
             self._retry([pending], f"processing failed: {receipt.message}", count_attempt=True)

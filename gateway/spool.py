@@ -257,8 +257,7 @@ class Spool:
         self._dirty_files: list[tuple[Path, int]] = []  # payload files not yet fsynced, and sizes ('batch')
         self._flush_lock = threading.Lock()    # one flush at a time (the loop's, close's)
         self._retired: list[tuple[_Segment, int]] = []  # rolled segments and fds to fsync and close ('batch')
-        self._closing = False
-        self._closed = threading.Event()       # wakes the flush loop at close
+        self._closing = threading.Event()      # set at close: wakes the flush loop and waiting appends
         self._flusher: threading.Thread | None = None
         self._lock_fh = self._lock()
         self._load()
@@ -291,8 +290,8 @@ class Spool:
 
     def _flush_loop(self) -> None:
         """'batch': fsync what was appended, about every 100 ms, off the submit path."""
-        while self._lock_fh is not None and not self._closing:
-            if self._closed.wait(BATCH_FSYNC_SECONDS):
+        while self._lock_fh is not None:
+            if self._closing.wait(BATCH_FSYNC_SECONDS):
                 return
             error = ""
             try:
@@ -323,11 +322,11 @@ class Spool:
                 fd = os.dup(active.fd) if dirty and active is not None and active.fd is not None else None
                 covered = active.unsynced if active is not None and fd is not None else 0  # no append races this
             errors: list[OSError] = []
-            for segment, old in retired:   # rolled: no more appends, so what it holds unsynced is final
-                if (error := self._sync_segment(segment, old, None, always_count=True)) is not None:
+            for segment, old in retired:
+                if (error := self._sync_segment(segment, old)) is not None:
                     errors.append(error)
             if fd is not None and active is not None:
-                if (error := self._sync_segment(active, fd, covered, always_count=False)) is not None:
+                if (error := self._sync_segment(active, fd, covered)) is not None:
                     errors.append(error)
             unsynced = self._sync_files(files, errors)
             if files or dirty or retired:
@@ -341,12 +340,12 @@ class Spool:
                     self._dirty_files.extend(unsynced)
                 raise errors[0]
 
-    def _sync_segment(self, segment: _Segment, fd: int, covered: int | None, *,
-                      always_count: bool) -> OSError | None:
+    def _sync_segment(self, segment: _Segment, fd: int, covered: int | None = None) -> OSError | None:
         """fsync a segment through ``fd`` (then closed), unless it was deleted (its tuples
-        finished, so nothing in it needs the disk), and stop counting the ``covered``
-        bytes (None: all it holds) as unsynced: on success, or on any outcome with
-        ``always_count`` (a rolled segment is not retried)."""
+        finished, so nothing in it needs the disk), and stop counting what the fsync
+        covered as unsynced. ``covered`` None: a rolled segment, no more appends, so all
+        it holds, and whatever the outcome (it is not retried); else the active one's
+        bytes as of the dup, only on success (the next round tries them again)."""
         error: OSError | None = None
         try:
             with self._cond:
@@ -357,7 +356,7 @@ class Spool:
             error = exc
         finally:
             os.close(fd)
-        if error is None or always_count:
+        if error is None or covered is None:
             with self._cond:
                 if segment.id in self._segments:   # a deleted one was no longer counted
                     done = segment.unsynced if covered is None else covered
@@ -392,11 +391,11 @@ class Spool:
         of submissions, not 100 ms. Waiting here lets the disk set the pace, as a
         write would. A flush round that fails while this append waits is named instead.
         """
-        if self.fsync != "batch":
+        if self.fsync != "batch" or self._unsynced <= self.unsynced_limit:   # the usual case, without a lock
             return
         with self._cond:
             start = self._flush_rounds
-            while self._unsynced > self.unsynced_limit and not self._closing and self._flusher is not None:
+            while self._unsynced > self.unsynced_limit and not self._closing.is_set():
                 if self._flush_error and self._flush_rounds > start:
                     raise Unavailable(f"the spool's disk does not sync ({self._flush_error}); "
                                       f"{self._unsynced} bytes wait for it; nothing was written")
@@ -406,8 +405,7 @@ class Spool:
         """Release the folder lock. Entries stay on disk for the next start."""
         if self._lock_fh is None:
             return
-        self._closing = True
-        self._closed.set()
+        self._closing.set()
         with self._cond:
             self._cond.notify_all()   # an append waiting for the disk goes on; close syncs below
         flusher, self._flusher = self._flusher, None

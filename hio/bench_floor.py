@@ -8,11 +8,13 @@ CRC-32 and appends it to a durable spool (fsynced about every 100 ms, as the
 gateway's 'batch' policy) before it goes anywhere; the kernel moves it to the
 engine, which reads it into a buffer of its own and checks the CRC.
 
-This command does exactly those steps with bare system calls (no RPC, no
-master, no repository, no features), from one sender process with a thread
-per stream to one receiver process per stream (as two engines), and prints
-what it reaches as a fraction of the loopback bound, with the CPU each tuple
-cost. The path 'memory' leaves the spool out, to show what durability costs.
+This command does exactly those steps and nothing else (no RPC, no master,
+no repository, no features): the spool is the gateway's own, and a tuple is
+finished, as a receipt would finish it, once sent; the rest is bare system
+calls. One sender process has a thread per stream, each to a receiver
+process of its own (as two engines); it prints what they reach as a
+fraction of the loopback bound, with the CPU each tuple cost. The path
+'memory' leaves the spool out, to show what durability costs.
 Nothing that keeps the spool can beat the 'spool' row on this machine, so it
 is the yardstick for the 'at least 50% of the loopback bound' target.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import shutil
 import socket
 import threading
 import time
@@ -29,9 +32,12 @@ from pathlib import Path
 
 from hio.bench_core import loopback_bandwidth
 from hio.common.config import ConfigError, _scaled, setting
-from hio.common.files import fsync_dir, write_all
+from hio.common.files import write_all
 from hio.common.frames import crc32
-from hio.gateway.spool import BATCH_FSYNC_SECONDS, SEGMENT_BYTES
+from hio.common.settings import MiB
+from hio.gateway.spool import Spool
+from hio.proto.tuple_pb2 import TupleMeta
+from hio.soak import proc_cpu_seconds
 
 PATHS = ("memory", "spool")
 HEADER_BYTES = 16                  # the generator's per-message part (a sequence number and a time)
@@ -90,68 +96,6 @@ def receive(port: int, size: int) -> None:
             crc32(data)
 
 
-class FloorSpool:
-    """The gateway's spool with its 'batch' policy, stripped of its records and index:
-    appends to segments of the spool's size and fsyncs the active one about every
-    100 ms, off the append path. A tuple here is finished once sent (the receipt the
-    spool waits for is left out), so a rolled segment is deleted at once, unsynced,
-    as the spool deletes a finished one."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.lock = threading.Lock()
-        self.seq = 0
-        self.fd = -1
-        self.size = 0
-        self.dirty = False
-        self.closing = threading.Event()
-        self._roll()
-        self.flusher = threading.Thread(target=self._flush_loop, daemon=True)
-        self.flusher.start()
-
-    def append(self, data: bytes) -> tuple[int, int]:
-        """Append ``data``; the fd (duplicated, the caller closes it) and offset to send it from."""
-        with self.lock:
-            if self.size >= SEGMENT_BYTES:
-                self._roll()
-            start = self.size
-            write_all(self.fd, data)
-            self.size += len(data)
-            self.dirty = True
-            return os.dup(self.fd), start
-
-    def _roll(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)                 # a sender's dup may still read it
-            self._path(self.seq).unlink()
-        self.seq += 1
-        self.fd = os.open(self._path(self.seq), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = 0
-
-    def _path(self, seq: int) -> Path:
-        return self.root / f"{seq:020d}.seg"
-
-    def _flush_loop(self) -> None:
-        while not self.closing.wait(BATCH_FSYNC_SECONDS):
-            self.flush()
-
-    def flush(self) -> None:
-        with self.lock:
-            active = os.dup(self.fd) if self.dirty else None
-            self.dirty = False
-        if active is not None:
-            os.fsync(active)
-            os.close(active)
-            fsync_dir(self.root)
-
-    def close(self) -> None:
-        self.closing.set()
-        self.flusher.join()
-        self.flush()
-        os.close(self.fd)
-        self._path(self.seq).unlink()
-
-
 def stream(size: int, path: str, seconds: float, streams: int, root: Path) -> FloorResult:
     """One size on one path: build, CRC, (spool,) send; receivers read and check."""
     body = os.urandom(size - HEADER_BYTES)
@@ -165,9 +109,9 @@ def stream(size: int, path: str, seconds: float, streams: int, root: Path) -> Fl
         proc.start()
     conns = [server.accept()[0] for _ in range(streams)]
     server.close()
-    spool = FloorSpool(root) if path == "spool" else None
+    spool = _fresh_spool(root / "spool") if path == "spool" else None
     counts = [0] * streams
-    cpu_before = _cpu_seconds(os.getpid()) + sum(_cpu_seconds(proc.pid) for proc in receivers)
+    cpu_before = proc_cpu_seconds(os.getpid()) + sum(proc_cpu_seconds(proc.pid) for proc in receivers)
     start = time.monotonic()
     stop = start + seconds
 
@@ -175,17 +119,14 @@ def stream(size: int, path: str, seconds: float, streams: int, root: Path) -> Fl
         seq = 0
         while time.monotonic() < stop:
             message = seq.to_bytes(8, "little") + time.time_ns().to_bytes(8, "little") + body
-            crc32(message)
             if spool is None:
+                crc32(message)
                 conn.sendall(message)
             else:
-                fd, offset = spool.append(message)
-                try:
-                    sent = 0
-                    while sent < size:
-                        sent += os.sendfile(conn.fileno(), fd, offset + sent, size - sent)
-                finally:
-                    os.close(fd)
+                entry = spool.put_bytes(message, TupleMeta(name=f"{i}-{seq}"), timeout=None)  # and its CRC
+                with spool.open_payload(entry) as fh:
+                    conn.sendfile(fh, entry.offset, size)
+                spool.remove_many([entry])
             seq += 1
         counts[i] = seq
 
@@ -196,24 +137,26 @@ def stream(size: int, path: str, seconds: float, streams: int, root: Path) -> Fl
         thread.join()
     if spool is not None:
         spool.close()   # the last fsync belongs to the run: it is the promise the spool makes
+        shutil.rmtree(spool.root)
     for conn in conns:
         conn.shutdown(socket.SHUT_WR)
     cpu_receivers = 0.0
     for proc, conn in zip(receivers, conns):
         conn.recv(1)     # the receiver closes once it has read everything
-        cpu_receivers += _cpu_seconds(proc.pid)
+        cpu_receivers += proc_cpu_seconds(proc.pid)
         conn.close()
     elapsed = time.monotonic() - start
-    cpu = _cpu_seconds(os.getpid()) + cpu_receivers - cpu_before
+    cpu = proc_cpu_seconds(os.getpid()) + cpu_receivers - cpu_before
     for proc in receivers:
         proc.join(10)
     return FloorResult(size, path, sum(counts), elapsed, cpu)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (from /proc)."""
-    from hio.soak import proc_cpu_seconds
-    return proc_cpu_seconds(pid)
+def _fresh_spool(root: Path) -> Spool:
+    """The gateway's spool with its default policy ('batch'), empty, keeping no payload in memory
+    (a tuple is sent from its spooled copy, as a large one is)."""
+    shutil.rmtree(root, ignore_errors=True)
+    return Spool(root, 4096 * MiB, fsync="batch", memory_bytes=0)
 
 
 def disk_write_bandwidth(root: Path, total: int, block: int = 4 * 1024 * 1024) -> float:

@@ -36,7 +36,7 @@ from hio.common.errors import (DataLoss, DeadlineExceeded, FailedPrecondition, H
 from hio.common.tickets import load_ticket_key, verify_ticket
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
 from hio.common.config import ConfigError
-from hio.common.lane import LaneServer, create_server_with_lane
+from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
 from hio.common.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
 from hio.common.retry import Backoff
 from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
@@ -1042,20 +1042,17 @@ def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], 
 def create_lane(config: EngineConfig, engine: "Engine", table: TokenTable | None) -> LaneServer | None:
     """The engine's payload lane (Deliver over plain TCP), started; None when not configured
     or when TLS is (the lane carries no TLS: senders then use Deliver)."""
-    if not config.lane_listen:
-        return None
-    if config.tls_cert:
+    if config.lane_listen and config.tls_cert:
         log.info("payload lane off: TLS is configured", extra={"channel": config.channel_id})
         return None
-    lane = LaneServer(config.lane_listen, service="Engine",
-                      uploads={"Deliver": lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes)},
-                      table=table, policy=POLICY, idle_seconds=engine.idle_seconds,
-                      max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes)
-    try:
-        lane.start()
-    except OSError as exc:
-        raise ConfigError(f"cannot listen for the payload lane on {config.lane_listen}: {exc}") from None
-    return lane
+    return start_lane_server(  # the worker chose the port: one that cannot be had is an error
+        config.lane_listen,
+        lambda listen: LaneServer(
+            listen, service="Engine",
+            uploads={"Deliver": lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes)},
+            table=table, policy=POLICY, idle_seconds=engine.idle_seconds,
+            max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes),
+        chosen=True, logger=log)
 
 
 def watch_parent(parent_pid: int, stop: threading.Event, interval: float = PARENT_CHECK_SECONDS) -> None:

@@ -202,7 +202,7 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
                 raise ConfigError(f"unknown setting '{key}' in [cluster]: no role has it "
                                   "(hio <role> --help lists each role's settings)")
     passed: PassedOn | None = getattr(cls, "PASSED_ON", None)   # the worker's settings for its engines
-    in_file = tuple(values.get(passed.field, ())) if passed else ()
+    in_file = tuple(values.pop(passed.field, ())) if passed else ()   # what follows tells if it is replaced
     for name in names:
         for env in _env_names(role, name):
             if env in os.environ:
@@ -216,11 +216,9 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
                     value = [v for item in value for v in str(item).split(",") if v.strip()]
                 values[name] = _convert(value, types[name], "--" + name.replace("_", "-"))
     if passed:
-        given = tuple(values.get(passed.field, ()))
-        if given == in_file:   # not set by the environment or a flag
-            given = ()
-        else:                  # set there: it replaced the file's, as for any setting
-            in_file = ()
+        given: tuple[Any, ...] = ()
+        if passed.field in values:   # set by the environment or a flag: it replaces the file's, as any setting
+            given, in_file = tuple(values[passed.field]), ()
         values[passed.field] = passed.items(role, names, file_data, in_file=in_file, given=given)
     for name, value in (overrides or {}).items():
         if name not in names:

@@ -143,6 +143,12 @@ def test_engine_settings_reach_the_engines_in_the_usual_precedence(monkeypatch: 
     args = argparse.Namespace(config=str(path), engine_settings=["store_pending_records=64"])
     engine = _engine_of(build(WorkerConfig, "worker", args), monkeypatch)
     assert engine.store_pending_records == 64, "a flag beats the environment"
+    for key in [k for k in os.environ if k.startswith("HIO_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HIO_ENGINE_STORE_PENDING_RECORDS", "54")
+    args = argparse.Namespace(config=str(path), engine_settings=["reservation_seconds=33", "store_pending_records=34"])
+    engine = _engine_of(build(WorkerConfig, "worker", args), monkeypatch)
+    assert engine.store_pending_records == 34, "a flag beats the environment, also when it says what the file says"
 
 
 @pytest.mark.parametrize("variable, value, message", [
