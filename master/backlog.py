@@ -146,7 +146,6 @@ class BacklogQueue:
         self._committing: set[int] = set()
         self._to_dead: list[tuple[Entry, str]] = []
         self._settling: set[int] = set()   # tuple ids being copied to the dead letters (off the lock)
-        self._closing: list[tuple[int, bool]] = []     # (fd, fsync first): closed outside the lock
         self._image_bytes: collections.Counter[str] = collections.Counter()
         self._image_len: collections.Counter[str] = collections.Counter()
         self._used = 0
@@ -190,6 +189,7 @@ class BacklogQueue:
 
     def _begin_record(self, meta: TupleMeta) -> "RecordWriter":
         """Reserve room for ``meta.size`` bytes and a segment to write them into."""
+        self._durable.wait_for_disk()   # outside the lock: a disk behind the tuples holds this writer only
         with self._cond:
             self._check_open()
             if meta.size > self.queue_bytes:
@@ -256,7 +256,7 @@ class BacklogQueue:
             return Placement.DUPLICATE
         try:
             writer.finish(seq)
-            self._durable.written(writer.segment.fd)  # type: ignore[arg-type]
+            self._durable.written(writer.segment.fd, writer.length)  # type: ignore[arg-type]
         except BaseException:
             with self._cond:
                 self._committing.discard(meta.tuple_id)
@@ -291,33 +291,27 @@ class BacklogQueue:
         segment.in_use = False
         idle = sum(1 for s in self._segments.values() if not s.sealed and not s.in_use)
         if segment.size >= self._segment_bytes or idle > MAX_IDLE_SEGMENTS or self._closed:
-            self._seal(segment, sync=True)
+            self._seal(segment)
         self._maybe_delete(segment)
 
-    def _seal(self, segment: Segment, *, sync: bool) -> None:
-        """No more appends to ``segment``; its descriptor is synced and closed by :meth:`_close_sealed`."""
+    def _seal(self, segment: Segment) -> None:
+        """No more appends to ``segment``: the durability policy syncs its descriptor and closes it."""
         if segment.fd is not None:
             fd, segment.fd = segment.fd, None
-            self._durable.forget(fd)
-            self._closing.append((fd, sync and self._durable.syncs))
+            segment.retired = self._durable.retire(fd)
 
     def _close_sealed(self) -> None:
-        """Fsync and close sealed segments' descriptors (disk I/O: call without the lock)."""
-        with self._cond:
-            closing, self._closing = self._closing, []
-        for fd, sync in closing:
-            try:
-                if sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+        """Close the sealed segments' descriptors that need no fsync (disk I/O: call without the lock)."""
+        self._durable.close_retired()
 
     def _maybe_delete(self, segment: Segment) -> None:
         """Delete a segment none of whose records is still needed."""
         if segment.live or segment.in_use or (not segment.sealed and segment.size < self._segment_bytes
                                                and not self._closed):
             return
-        self._seal(segment, sync=False)
+        self._seal(segment)
+        if segment.retired is not None:   # deleted: its bytes need no disk (a recovered segment has no descriptor)
+            self._durable.discard(segment.retired)
         segment.path.unlink(missing_ok=True)
         del self._segments[segment.id]
         if self._journal.size > JOURNAL_COMPACT_BYTES:
@@ -679,11 +673,11 @@ class BacklogQueue:
             self._closed = True
             for segment in list(self._segments.values()):
                 if not segment.in_use:
-                    self._seal(segment, sync=True)
+                    self._seal(segment)
                     self._maybe_delete(segment)
             self._journal.close()
             self._cond.notify_all()
-        self._close_sealed()
+        self._durable.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -26,7 +26,8 @@ class MasterConfig(ClusterSettings):
         64 * MiB, "queued payload cached in memory; larger tuples are read back from disk chunk by chunk")
     segment_bytes: int = setting(64 * MiB, "size at which a backlog segment file is sealed")
     fsync: str = setting(
-        "batch", "durability of the backlog: 'batch' (fsync at most every 100 ms), 'always' "
+        "batch", "durability of the backlog: 'batch' (fsync at most every 100 ms; senders wait while "
+                 "256 MiB wait for the disk), 'always' "
                  "(before every receipt and acknowledgement) or 'never' (leave it to the OS)")
     heartbeat_interval: float = setting(1.0, "seconds between worker heartbeats (told to workers)")
     expiry_seconds: float = setting(6.0, "a worker silent this long leaves routing (at most 10)")

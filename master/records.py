@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 from hio.common.errors import InvalidArgument, Unavailable
 from hio.common.frames import TupleMeta, crc32
-from hio.master.storage import Durability, replace_durably, write_all
+from hio.master.storage import Durability, Pending, replace_durably, write_all
 
 log = logging.getLogger("hio.master")
 
@@ -50,6 +50,7 @@ class Segment:
     in_use: bool = False        # a writer owns it right now
     live: int = 0               # records not yet done
     acked: list[int] = dataclasses.field(default_factory=list)
+    retired: Pending | None = None   # sealed: the durability policy's handle on its descriptor
 
     @property
     def sealed(self) -> bool:
@@ -86,6 +87,11 @@ class RecordWriter:
         if self.cache:  # an immutable chunk (bytes, or a view of a received message) is kept as is
             immutable = isinstance(data, bytes) or (isinstance(data, memoryview) and isinstance(data.obj, bytes))
             self._chunks.append(data if immutable else bytes(data))
+
+    @property
+    def length(self) -> int:
+        """Bytes of the record written so far."""
+        return self.segment.size - self._start
 
     def finish(self, seq: int) -> None:
         seq_bytes = _SEQ.pack(seq)

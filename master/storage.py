@@ -3,16 +3,22 @@ policy, complete writes, durable renames."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 
+from hio.common.errors import Unavailable
 from hio.common.files import fsync_dir, write_all
 
-__all__ = ["Durability", "fsync_dir", "replace_durably", "write_all"]
+log = logging.getLogger("hio.master")
+
+__all__ = ["Durability", "Pending", "fsync_dir", "replace_durably", "write_all"]
 
 BATCH_INTERVAL = 0.1  # seconds: 'batch' fsyncs dirty files at most this often
+UNSYNCED_BYTES = 256 * 1024 * 1024  # 'batch': writers wait while more is unsynced (about a second of disk)
 
 
 def replace_durably(tmp: Path, final: Path, data: bytes, *, sync: bool = True) -> None:
@@ -33,54 +39,202 @@ class Durability:
     """The fsync policy of the backlog: 'always', 'batch' or 'never'.
 
     'always' fsyncs before the caller goes on (a receipt or an ack is then on
-    disk). 'batch' remembers dirty descriptors and :meth:`flush_due` (called
-    by the master's maintenance thread) fsyncs them at most every
-    ``interval`` seconds: a power loss may lose the last ~100 ms of receipts,
-    a process crash loses nothing. 'never' leaves it to the OS.
+    disk). 'batch' remembers what each descriptor wrote and has not synced,
+    and :meth:`flush_due` (called by the master's maintenance thread) fsyncs it
+    at most every ``interval`` seconds: a process crash loses nothing, a power
+    loss the last ~100 ms of receipts. Two things keep that promise when
+    tuples come faster than the disk writes (before them, fsync rounds fell
+    behind without bound, and every byte went to the disk): a writer waits in
+    :meth:`wait_for_disk` while more than ``unsynced_bytes`` wait for their
+    fsync; and a file sealed for good is handed over with :meth:`retire`
+    (synced and closed by the next round, not by the receiving thread), so one
+    deleted before its round comes is closed by :meth:`discard` unwritten.
+    'never' leaves it to the OS.
+
+    :meth:`written`, :meth:`retire` and :meth:`discard` never touch the disk,
+    so the backlog may call them under its lock; :meth:`close_retired` and
+    :meth:`flush_due` do, and are called without it.
     """
 
-    def __init__(self, policy: str, interval: float = BATCH_INTERVAL) -> None:
+    def __init__(self, policy: str, interval: float = BATCH_INTERVAL,
+                 unsynced_bytes: int = UNSYNCED_BYTES) -> None:
         if policy not in ("always", "batch", "never"):
             raise ValueError(f"unknown fsync policy {policy!r}")
+        if unsynced_bytes <= 0:
+            raise ValueError(f"unsynced_bytes must be positive, got {unsynced_bytes}")
         self.policy = policy
+        self.unsynced_limit = unsynced_bytes
         self._interval = interval
-        self._dirty: set[int] = set()
-        self._lock = threading.Lock()
+        self._files: dict[int, Pending] = {}     # descriptors with bytes to sync, or retired ones to close
+        self._unsynced = 0                       # bytes written and not yet synced ('batch')
+        self._cond = threading.Condition(threading.Lock())
         self._last = time.monotonic()
+        self._rounds = 0                         # flush rounds finished
+        self._error = ""                         # why the latest round failed ('' after a success)
+        self._closed = False
 
     @property
     def syncs(self) -> bool:
         """True unless the policy is 'never' (sealing and compaction fsync then)."""
         return self.policy != "never"
 
-    def written(self, fd: int) -> None:
-        """``fd`` has new bytes: fsync now ('always') or soon ('batch')."""
+    @property
+    def unsynced_bytes(self) -> int:
+        """Bytes written and not yet fsynced ('batch')."""
+        return self._unsynced
+
+    def written(self, fd: int, nbytes: int = 0) -> None:
+        """``fd`` has ``nbytes`` new bytes: fsync now ('always') or soon ('batch')."""
         if self.policy == "always":
             os.fsync(fd)
         elif self.policy == "batch":
-            with self._lock:
-                self._dirty.add(fd)
+            with self._cond:
+                pending = self._files.setdefault(fd, Pending())
+                pending.writes += 1
+                pending.unsynced += nbytes
+                self._unsynced += nbytes
 
     def forget(self, fd: int) -> None:
-        """``fd`` is about to be closed: stop tracking it (its owner fsyncs it if it must)."""
-        with self._lock:
-            self._dirty.discard(fd)
+        """``fd`` is about to be closed by its owner, who fsyncs it first if it must."""
+        with self._cond:
+            while fd in self._files and self._files[fd].syncing:   # a round's fsync must not outlive it
+                self._cond.wait()
+            pending = self._files.pop(fd, None)
+            if pending is not None:
+                self._unsynced -= pending.unsynced
+                self._cond.notify_all()
+
+    def retire(self, fd: int) -> "Pending":
+        """Take over ``fd``, which gets no more writes: it is synced if it must be, then closed.
+
+        Returns the handle to :meth:`discard` it with if its file is deleted first.
+        """
+        with self._cond:
+            pending = self._files.setdefault(fd, Pending())
+            pending.retired = True
+            return pending
+
+    def discard(self, pending: "Pending") -> None:
+        """The retired file is deleted: close it without syncing (its bytes need no disk)."""
+        with self._cond:
+            if pending.closed:
+                return
+            self._unsynced -= pending.unsynced
+            pending.unsynced = 0
+            pending.dropped = True
+            self._cond.notify_all()
+
+    def close_retired(self) -> None:
+        """Close the retired descriptors that wait for no fsync (disk I/O: call without locks).
+
+        After :meth:`close`, or with 'always', the retired ones are synced and closed here too.
+        """
+        with self._cond:
+            sync_now = self._closed or self.policy == "always"
+            ready = [(fd, p) for fd, p in self._files.items()
+                     if p.retired and not p.syncing and (p.dropped or not p.dirty or sync_now)]
+            for _, pending in ready:
+                pending.syncing = True
+        for fd, pending in ready:
+            error = None
+            if sync_now and not pending.dropped:
+                try:
+                    os.fsync(fd)
+                except OSError as exc:
+                    error = exc
+            self._synced(fd, pending, (pending.writes, pending.unsynced), error)
+            if error is not None:
+                raise error
+
+    def wait_for_disk(self) -> None:
+        """'batch': hold a writer while more than ``unsynced_bytes`` wait for their fsync.
+
+        Without it a disk slower than the tuples lets the fsyncs fall ever
+        further behind, and a power loss could cost seconds of receipts. A
+        flush round that fails while the writer waits is named, not waited out.
+        """
+        if self.policy != "batch" or self._unsynced <= self.unsynced_limit:   # the usual case, lock-free
+            return
+        with self._cond:
+            start = self._rounds
+            while self._unsynced > self.unsynced_limit and not self._closed:
+                if self._error and self._rounds > start:
+                    raise Unavailable(f"the backlog's disk does not sync ({self._error}); "
+                                      f"{self._unsynced} bytes wait for it; nothing was written")
+                self._cond.wait(self._interval)
 
     def flush_due(self, now: float | None = None, *, force: bool = False) -> None:
-        """Fsync the dirty descriptors if ``interval`` has passed (or ``force``).
+        """Fsync what waits for it if ``interval`` has passed (or ``force``); close the retired.
 
-        The fsyncs run outside the internal lock so that :meth:`written` and
-        :meth:`forget` never wait for the disk.
+        The fsyncs run outside the internal lock: writers never wait for the
+        disk except in :meth:`wait_for_disk`.
         """
         now = time.monotonic() if now is None else now
-        with self._lock:
-            if not self._dirty or (not force and now - self._last < self._interval):
+        with self._cond:
+            if not self._files or (not force and now - self._last < self._interval):
                 return
-            fds = list(self._dirty)
-            self._dirty.clear()
             self._last = now
-        for fd in fds:
-            try:
-                os.fsync(fd)
-            except OSError:  # closed meanwhile by its owner, who synced it if it had to
-                pass
+            candidates = [(fd, p) for fd, p in self._files.items() if p.dirty or p.retired]
+        errors: list[str] = []
+        for fd, pending in candidates:
+            with self._cond:   # one descriptor at a time: forget() waits for no more than its own fsync
+                if pending.syncing or pending.closed or self._files.get(fd) is not pending:
+                    continue
+                pending.syncing = True
+                covered = (pending.writes, pending.unsynced)
+            error = None
+            if covered[0] != pending.synced and not pending.dropped:
+                try:
+                    os.fsync(fd)
+                except OSError as exc:
+                    error = exc
+                    errors.append(exc.strerror or str(exc))
+            self._synced(fd, pending, covered, error)
+        with self._cond:
+            self._rounds += 1
+            self._error = errors[0] if errors else ""
+            self._cond.notify_all()
+        if errors:
+            log.warning("backlog fsync failed", extra={"error": errors[0], "files": len(errors)})
+
+    def _synced(self, fd: int, pending: "Pending", covered: tuple[int, int], error: OSError | None) -> None:
+        """A round (or close) is done with ``fd``: count the (writes, bytes) it synced, close it if retired."""
+        with self._cond:
+            pending.syncing = False
+            if error is None and not pending.dropped:
+                pending.synced = covered[0]
+                pending.unsynced -= covered[1]
+                self._unsynced -= covered[1]
+            close = pending.dropped or (pending.retired and not pending.dirty)
+            if close or not (pending.dirty or pending.retired):
+                if self._files.get(fd) is pending:
+                    del self._files[fd]
+            pending.closed = close
+            self._cond.notify_all()
+        if close:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Sync what waits and close the retired; later retires are synced by :meth:`close_retired`."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.flush_due(force=True)
+        self.close_retired()
+
+
+@dataclasses.dataclass(eq=False)
+class Pending:
+    """What one 'batch' descriptor waits for (the handle :meth:`Durability.retire` returns)."""
+
+    writes: int = 0          # writes reported
+    synced: int = 0          # ... of which an fsync covers
+    unsynced: int = 0        # bytes written since its last fsync
+    retired: bool = False    # no more writes: close it once synced
+    dropped: bool = False    # its file is deleted: close it, no fsync
+    syncing: bool = False    # a round is working on it right now (its descriptor stays open)
+    closed: bool = False     # closed: the descriptor's number may belong to another file now
+
+    @property
+    def dirty(self) -> bool:
+        return self.writes != self.synced

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import tracemalloc
+import errno
+import os
+import threading
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import pytest
 
-from hio.common.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
+from hio.common.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.common.frames import (ChunkFrame, TupleFrame, WireFrame, crc32, parse_frame, serialize_frame,
                                tuple_frames)
 from hio.master.backlog import BacklogQueue, Lease, Placement, Stored
@@ -29,7 +32,8 @@ class Clock:
 
 
 def open_queue(root: Path, clock: Clock | None = None, **kw: object) -> BacklogQueue:
-    durability = Durability(str(kw.pop("fsync", "always")))
+    durability = kw.pop("durability", None) or Durability(str(kw.pop("fsync", "always")))
+    assert isinstance(durability, Durability)
     dead = DeadLetterStore(root / "dead", durability)
     params: dict[str, object] = dict(queue_bytes=100 * MiB, memory_bytes=1 * MiB, segment_bytes=4 * MiB,
                                      max_attempts=3)
@@ -368,6 +372,125 @@ def test_concurrent_streams_never_interleave_records(tmp_path: Path) -> None:
         mine = [tid for tid in seen if base <= tid < base + 20]
         assert mine == sorted(mine)
     assert all(data == payload(tid, 30_000) for tid, data in seen.items())
+    q.close()
+
+
+# ---- 'batch' durability: what reaches the disk, and how far it may lag ---------------
+
+class _Disk:
+    """Stands between the backlog and ``os.fsync`` (a system call, not one of our roles):
+    names what is synced, and can hold or fail the calls, as a slow or failing disk."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.synced: list[str] = []
+        self.open = threading.Event()
+        self.open.set()
+        self.error: OSError | None = None
+        self._fsync = os.fsync
+        monkeypatch.setattr(os, "fsync", self.fsync)
+
+    def fsync(self, fd: int) -> None:
+        self.open.wait()
+        if self.error is not None:
+            raise self.error
+        self.synced.append(os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)"))
+        self._fsync(fd)
+
+
+class _Rounds:
+    """Runs flush rounds every 20 ms, as the master's maintenance thread does every 100 ms."""
+
+    def __init__(self, durability: Durability) -> None:
+        self._durability = durability
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self._durability.flush_due(force=True)
+
+    def __enter__(self) -> "_Rounds":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def _segments(root: Path) -> list[str]:
+    return sorted(str(p) for p in (root / "queue").glob("seg-*.q"))
+
+
+def test_batch_never_syncs_a_sealed_segment_whose_tuples_were_done_before_its_round(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sealed segment deleted before the flush round came never goes to the disk (its
+    tuples need none); a sealed segment with a tuple still queued is synced, and so is the
+    open one; what they hold survives a restart. Before, sealing fsynced every segment
+    on the receiving thread, done or not."""
+    disk = _Disk(monkeypatch)
+    durability = Durability("batch", interval=3600.0)        # this test runs the rounds by hand
+    q = open_queue(tmp_path, durability=durability, segment_bytes=4096)
+    for tid in range(1, 6):
+        put(q, frames(tid, payload(tid, 3000)))
+    segments = _segments(tmp_path)
+    assert len(segments) == 3                    # 1 2 | 3 4 | 5: a segment is sealed past 4096 bytes
+    assert durability.unsynced_bytes > 15000
+    assert not [p for p in disk.synced if "/seg-" in p], "sealing no longer syncs on the receiving thread"
+    for _ in range(2):                           # tuples 1 and 2 are done: their segment is deleted
+        tid, _, _ = take(q)
+        assert q.ack(tid, "w/0")
+    assert not Path(segments[0]).exists()
+    durability.flush_due(force=True)
+    assert segments[0] not in disk.synced
+    assert segments[1] in disk.synced and segments[2] in disk.synced
+    assert durability.unsynced_bytes == 0
+    q.close()
+    q = open_queue(tmp_path)
+    assert [take(q)[0] for _ in range(3)] == [3, 4, 5]
+    q.close()
+
+
+def test_batch_holds_a_sender_while_the_disk_lags_and_lets_it_go_once_synced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``unsynced_bytes`` awaiting their fsync, a new tuple waits for the disk, so a
+    power loss never costs more than that; before, fsync rounds fell behind without bound."""
+    disk = _Disk(monkeypatch)
+    durability = Durability("batch", unsynced_bytes=5000)
+    q = open_queue(tmp_path, durability=durability)
+    put(q, frames(1, payload(1, 3000)))
+    put(q, frames(2, payload(2, 3000)))                    # 3000 < 5000 when it began
+    disk.open.clear()                                      # the disk stalls
+    with _Rounds(durability):
+        third = threading.Thread(target=put, args=(q, frames(3, payload(3, 3000))))
+        third.start()
+        third.join(0.5)
+        assert third.is_alive() and q.length() == 2, "the third tuple waits for the disk"
+        disk.open.set()
+        third.join(10)
+        assert not third.is_alive() and q.length() == 3
+    q.close()
+
+
+def test_batch_names_a_disk_whose_fsync_fails_and_loses_nothing_written_before(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender held for the disk is told why when the flush round fails (UNAVAILABLE,
+    nothing of its tuple written); the tuples stored before it survive a restart."""
+    disk = _Disk(monkeypatch)
+    durability = Durability("batch", unsynced_bytes=5000)
+    q = open_queue(tmp_path, durability=durability)
+    put(q, frames(1, payload(1, 3000)))
+    put(q, frames(2, payload(2, 3000)))
+    disk.error = OSError(errno.EIO, "Input/output error")
+    with _Rounds(durability):
+        with pytest.raises(Unavailable, match=r"backlog's disk does not sync \(Input/output error\)"):
+            put(q, frames(3, payload(3, 3000)))
+        disk.error = None
+        put(q, frames(4, payload(4, 3000)))                # the next round syncs: senders go on
+    assert q.length() == 3
+    q.close()
+    q = open_queue(tmp_path)
+    assert [take(q)[0] for _ in range(3)] == [1, 2, 4]
     q.close()
 
 
