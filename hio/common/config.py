@@ -3,8 +3,10 @@
 Each role declares a frozen dataclass of settings. Its fields become command
 line flags (``--queue-bytes``), environment variables (``HIO_MASTER_QUEUE_BYTES``
 first, then ``HIO_QUEUE_BYTES``) and keys of the file's ``[master]`` section
-(after the shared ``[cluster]`` section, which may not say where a role listens:
-``listen`` there would put every role on one address). Later sources win: defaults <
+(after the shared ``[cluster]`` section). Where a role listens (``listen``,
+``lane_listen``, ``http_listen``, ...) is its own: neither ``[cluster]`` nor a
+shared ``HIO_LISTEN`` may say it, since either would put every role that reads
+it on one address. Later sources win: defaults <
 file < environment < flags. Defaults run everything on one machine.
 
 Example ``hio.toml``::
@@ -45,8 +47,26 @@ def setting(default: Any, help: str, *, factory: Any = None) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def role_local(name: str) -> bool:
+    """Whether a setting says where a role listens: set per role, never shared by all."""
+    return name.endswith("listen")
+
+
 def _env_names(role: str, name: str) -> list[str]:
-    return [f"HIO_{role.upper()}_{name.upper()}", f"HIO_{name.upper()}"]
+    """The variables a role reads a setting from, first wins (a role-local one only its own)."""
+    own = f"HIO_{role.upper()}_{name.upper()}"
+    return [own] if role_local(name) else [own, f"HIO_{name.upper()}"]
+
+
+def _refuse_shared_listen(role: str, names: set[str]) -> None:
+    """A ``HIO_LISTEN`` (or any shared ``HIO_<X>_LISTEN``) would reach every role: name it."""
+    for name in sorted(n for n in names if role_local(n)):
+        shared = f"HIO_{name.upper()}"
+        if shared in os.environ:
+            raise ConfigError(
+                f"environment {shared}: where a role listens is set per role "
+                f"(HIO_{role.upper()}_{name.upper()} for {role}); a shared {shared} would put every "
+                "role started from this environment on the same address")
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -167,7 +187,7 @@ class PassedOn:
         ours = {env for name in names for env in _env_names(role, name)}
         prefix = f"HIO_{self.section.upper()}_"
         generic = tuple(f"{name}={os.environ[f'HIO_{name.upper()}']}" for name in sorted(theirs)
-                        if f"HIO_{name.upper()}" in os.environ)
+                        if f"HIO_{name.upper()}" in os.environ and not role_local(name))
         prefixed = tuple(f"{key[len(prefix):].lower()}={value}" for key, value in sorted(os.environ.items())
                          if key.startswith(prefix) and len(key) > len(prefix) and key not in ours)
         return (tuple(f"{key}={as_text(value)}" for key, value in file_data.get("cluster", {}).items()
@@ -189,7 +209,7 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}] in the configuration file must be a table")
         for key, value in table.items():
-            if section == "cluster" and key.endswith("listen"):
+            if section == "cluster" and role_local(key):
                 raise ConfigError(
                     f"[cluster] {key}: where a role listens belongs in that role's table ([master], "
                     "[repository], ...); in [cluster] it would put every role that reads this file "
@@ -203,6 +223,7 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
                                   "(hio <role> --help lists each role's settings)")
     passed: PassedOn | None = getattr(cls, "PASSED_ON", None)   # the worker's settings for its engines
     in_file = tuple(values.pop(passed.field, ())) if passed else ()   # what follows tells if it is replaced
+    _refuse_shared_listen(role, names)
     for name in names:
         for env in _env_names(role, name):
             if env in os.environ:

@@ -81,6 +81,36 @@ def test_where_a_role_listens_is_refused_in_the_cluster_table(tmp_path, key) -> 
     assert cfg.build(DemoConfig, "demo", parse(["--config", str(path)])).listen == "0.0.0.0:7000"
 
 
+@pytest.mark.parametrize("role, variable", [("master", "HIO_LISTEN"), ("master", "HIO_LANE_LISTEN"),
+                                            ("repository", "HIO_HTTP_LISTEN"), ("gateway", "HIO_INGEST_LISTEN")])
+def test_a_shared_listen_variable_is_refused_and_the_role_s_own_is_named(role, variable, monkeypatch) -> None:
+    """Every role started from one environment reads HIO_<NAME>: a shared HIO_LISTEN would
+    start the master and the repository of `hio up` on one port, as [cluster] listen would.
+    Before, each role took it; now the role refuses it and names its own variable, which works."""
+    from hio.cli import COMMANDS, _load
+
+    config_class = _load(COMMANDS[role][0])
+    monkeypatch.setenv(variable, "127.0.0.1:7999")
+    own = f"HIO_{role.upper()}_{variable.removeprefix('HIO_')}"
+    with pytest.raises(cfg.ConfigError, match=rf"environment {variable}: .* \({own} for {role}\); a shared"):
+        cfg.build(config_class, role)
+    monkeypatch.delenv(variable)
+    monkeypatch.setenv(own, "127.0.0.1:7999")
+    name = variable.removeprefix("HIO_").lower()
+    assert getattr(cfg.build(config_class, role), name) == "127.0.0.1:7999"
+
+
+def test_a_shared_listen_variable_is_not_passed_on_to_engines(monkeypatch) -> None:
+    """The worker passes HIO_<NAME> of its engines' settings on; never a listen address,
+    which the worker sets for each engine (before, the worker refused to start)."""
+    from hio.worker.config import WorkerConfig
+
+    monkeypatch.setenv("HIO_LISTEN", "127.0.0.1:7999")
+    monkeypatch.setenv("HIO_RPC_DEADLINE", "12")
+    worker = cfg.build(WorkerConfig, "worker")
+    assert worker.engine_overrides() == {"rpc_deadline": "12.0"}
+
+
 def test_missing_or_broken_file_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(cfg.ConfigError, match="not found"):
         cfg.build(DemoConfig, "demo", parse(["--config", str(tmp_path / "nope.toml")]))
