@@ -189,7 +189,16 @@ class BacklogQueue:
 
     def _begin_record(self, meta: TupleMeta) -> "RecordWriter":
         """Reserve room for ``meta.size`` bytes and a segment to write them into."""
-        self._durable.wait_for_disk()   # outside the lock: a disk behind the tuples holds this writer only
+        self._durable.admit(meta.size)   # outside the lock: a disk behind the tuples holds this writer only
+        try:
+            writer = self._open_record(meta)
+        except BaseException:
+            self._durable.release(meta.size)
+            raise
+        writer.admitted = meta.size
+        return writer
+
+    def _open_record(self, meta: TupleMeta) -> "RecordWriter":
         with self._cond:
             self._check_open()
             if meta.size > self.queue_bytes:
@@ -256,7 +265,8 @@ class BacklogQueue:
             return Placement.DUPLICATE
         try:
             writer.finish(seq)
-            self._durable.written(writer.segment.fd, writer.length)  # type: ignore[arg-type]
+            self._durable.written(writer.segment.fd, writer.admitted, admitted=True)  # type: ignore[arg-type]
+            writer.admitted = 0
         except BaseException:
             with self._cond:
                 self._committing.discard(meta.tuple_id)
@@ -276,6 +286,9 @@ class BacklogQueue:
             if writer.ended:
                 return
             writer.ended = True
+            if writer.admitted:   # never written for good: what the disk was to sync is not coming
+                self._durable.release(writer.admitted)
+                writer.admitted = 0
             self._reserved -= writer.meta.size
             if writer.cache:
                 self._cache_reserved -= writer.meta.size
@@ -314,7 +327,7 @@ class BacklogQueue:
             self._durable.discard(segment.retired)
         segment.path.unlink(missing_ok=True)
         del self._segments[segment.id]
-        if self._journal.size > JOURNAL_COMPACT_BYTES:
+        if self._journal.size > JOURNAL_COMPACT_BYTES and not self._closed:   # closed: the journal is too
             self._compact_journal()
 
     # ---- entries -----------------------------------------------------------------

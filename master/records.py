@@ -66,6 +66,7 @@ class RecordWriter:
         self.meta = meta
         self.cache = cache
         self.ended = False    # reservations settled and segment handed back
+        self.admitted = 0     # bytes the durability policy counts for this record until it is written
         self._fd = segment.fd
         self._start = segment.size
         self._chunks: list[bytes] = []
@@ -87,11 +88,6 @@ class RecordWriter:
         if self.cache:  # an immutable chunk (bytes, or a view of a received message) is kept as is
             immutable = isinstance(data, bytes) or (isinstance(data, memoryview) and isinstance(data.obj, bytes))
             self._chunks.append(data if immutable else bytes(data))
-
-    @property
-    def length(self) -> int:
-        """Bytes of the record written so far."""
-        return self.segment.size - self._start
 
     def finish(self, seq: int) -> None:
         seq_bytes = _SEQ.pack(seq)
@@ -166,21 +162,24 @@ class Journal:
         for kind, seq, order, attempt in lines:
             body = _ENTRY_BODY.pack(kind, seq, order, attempt)
             data += body + struct.pack(">I", crc32(body))
+        replaced = False
         try:   # the old file stays the journal until the new one has replaced it
             replace_durably(self.path.with_suffix(".tmp"), self.path, bytes(data), sync=self._durable.syncs)
+            replaced = True
         finally:   # append to whichever file is the journal now (the new one, or still the old)
-            self.close()
+            self.close(replaced=replaced)
             self._open(self.path.stat().st_size)
 
-    def close(self) -> None:
+    def close(self, *, replaced: bool = False) -> None:
+        """Hand the descriptor to the durability policy: it syncs and closes it (without the
+        caller's lock), or only closes it when a durable rewrite has ``replaced`` the file."""
         if self.fd is not None:
             fd, self.fd = self.fd, None
-            try:
-                self._durable.forget(fd)
-                if self._durable.syncs:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            if not replaced:   # entries not reported yet (a MOVE's) are synced with the rest
+                self._durable.written(fd)
+            pending = self._durable.retire(fd)
+            if replaced:
+                self._durable.discard(pending)
 
 
 def scan_segment(path: Path) -> tuple[list[tuple[int, TupleMeta, int]], int]:

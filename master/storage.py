@@ -44,16 +44,16 @@ class Durability:
     at most every ``interval`` seconds: a process crash loses nothing, a power
     loss the last ~100 ms of receipts. Two things keep that promise when
     tuples come faster than the disk writes (before them, fsync rounds fell
-    behind without bound, and every byte went to the disk): a writer waits in
-    :meth:`wait_for_disk` while more than ``unsynced_bytes`` wait for their
-    fsync; and a file sealed for good is handed over with :meth:`retire`
-    (synced and closed by the next round, not by the receiving thread), so one
-    deleted before its round comes is closed by :meth:`discard` unwritten.
-    'never' leaves it to the OS.
+    behind without bound, and every byte went to the disk): a writer is
+    admitted (:meth:`admit`) only while its tuple keeps what waits for an
+    fsync within ``unsynced_bytes``; and a file that gets no more writes is
+    handed over with :meth:`retire` (synced and closed by the next round, not
+    by the receiving thread), so one deleted before its round comes is closed
+    by :meth:`discard` unwritten. 'never' leaves it to the OS.
 
-    :meth:`written`, :meth:`retire` and :meth:`discard` never touch the disk,
-    so the backlog may call them under its lock; :meth:`close_retired` and
-    :meth:`flush_due` do, and are called without it.
+    :meth:`written`, :meth:`retire`, :meth:`discard` and :meth:`release` never
+    touch the disk, so the backlog may call them under its lock;
+    :meth:`close_retired` and :meth:`flush_due` do, and are called without it.
     """
 
     def __init__(self, policy: str, interval: float = BATCH_INTERVAL,
@@ -65,9 +65,10 @@ class Durability:
         self.policy = policy
         self.unsynced_limit = unsynced_bytes
         self._interval = interval
-        self._files: dict[int, Pending] = {}     # descriptors with bytes to sync, or retired ones to close
-        self._unsynced = 0                       # bytes written and not yet synced ('batch')
+        self._files: dict[int, Pending] = {}     # descriptors with writes to sync, or retired ones to close
+        self._unsynced = 0                       # bytes admitted or written and not yet synced ('batch')
         self._cond = threading.Condition(threading.Lock())
+        self._round = threading.Lock()           # one flush round at a time: its error stands for it
         self._last = time.monotonic()
         self._rounds = 0                         # flush rounds finished
         self._error = ""                         # why the latest round failed ('' after a success)
@@ -80,10 +81,39 @@ class Durability:
 
     @property
     def unsynced_bytes(self) -> int:
-        """Bytes written and not yet fsynced ('batch')."""
+        """Bytes admitted or written and not yet fsynced ('batch')."""
         return self._unsynced
 
-    def written(self, fd: int, nbytes: int = 0) -> None:
+    def admit(self, nbytes: int) -> None:
+        """'batch': wait until ``nbytes`` more keep what waits for an fsync within
+        ``unsynced_bytes`` (a larger tuple waits until nothing does), then count them.
+
+        Without it a disk slower than the tuples lets the fsyncs fall ever
+        further behind, and a power loss could cost seconds of receipts.
+        Counting before the write makes it a bound for concurrent writers too.
+        A flush round that fails while the writer waits is named, not waited out.
+        The caller reports the bytes with ``written(..., admitted=True)`` or
+        gives them back with :meth:`release`.
+        """
+        if self.policy != "batch":
+            return
+        with self._cond:
+            start = self._rounds
+            while self._unsynced and self._unsynced + nbytes > self.unsynced_limit and not self._closed:
+                if self._error and self._rounds > start:
+                    raise Unavailable(f"the backlog's disk does not sync ({self._error}); "
+                                      f"{self._unsynced} bytes wait for it; nothing was written")
+                self._cond.wait(self._interval)
+            self._unsynced += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """Admitted bytes that were not written after all."""
+        if self.policy == "batch":
+            with self._cond:
+                self._unsynced -= nbytes
+                self._cond.notify_all()
+
+    def written(self, fd: int, nbytes: int = 0, *, admitted: bool = False) -> None:
         """``fd`` has ``nbytes`` new bytes: fsync now ('always') or soon ('batch')."""
         if self.policy == "always":
             os.fsync(fd)
@@ -92,17 +122,8 @@ class Durability:
                 pending = self._files.setdefault(fd, Pending())
                 pending.writes += 1
                 pending.unsynced += nbytes
-                self._unsynced += nbytes
-
-    def forget(self, fd: int) -> None:
-        """``fd`` is about to be closed by its owner, who fsyncs it first if it must."""
-        with self._cond:
-            while fd in self._files and self._files[fd].syncing:   # a round's fsync must not outlive it
-                self._cond.wait()
-            pending = self._files.pop(fd, None)
-            if pending is not None:
-                self._unsynced -= pending.unsynced
-                self._cond.notify_all()
+                if not admitted:
+                    self._unsynced += nbytes
 
     def retire(self, fd: int) -> "Pending":
         """Take over ``fd``, which gets no more writes: it is synced if it must be, then closed.
@@ -115,7 +136,7 @@ class Durability:
             return pending
 
     def discard(self, pending: "Pending") -> None:
-        """The retired file is deleted: close it without syncing (its bytes need no disk)."""
+        """The retired file is deleted or replaced: close it without syncing (its bytes need no disk)."""
         with self._cond:
             if pending.closed:
                 return
@@ -127,7 +148,9 @@ class Durability:
     def close_retired(self) -> None:
         """Close the retired descriptors that wait for no fsync (disk I/O: call without locks).
 
-        After :meth:`close`, or with 'always', the retired ones are synced and closed here too.
+        After :meth:`close`, or with 'always', the retired ones are synced and
+        closed here too. A failing fsync is logged and the descriptor kept for
+        the next round (the caller's own operation has succeeded by then).
         """
         with self._cond:
             sync_now = self._closed or self.policy == "always"
@@ -135,65 +158,54 @@ class Durability:
                      if p.retired and not p.syncing and (p.dropped or not p.dirty or sync_now)]
             for _, pending in ready:
                 pending.syncing = True
+        errors = []
         for fd, pending in ready:
+            covered = (pending.writes, pending.unsynced)
             error = None
             if sync_now and not pending.dropped:
                 try:
                     os.fsync(fd)
                 except OSError as exc:
                     error = exc
-            self._synced(fd, pending, (pending.writes, pending.unsynced), error)
-            if error is not None:
-                raise error
-
-    def wait_for_disk(self) -> None:
-        """'batch': hold a writer while more than ``unsynced_bytes`` wait for their fsync.
-
-        Without it a disk slower than the tuples lets the fsyncs fall ever
-        further behind, and a power loss could cost seconds of receipts. A
-        flush round that fails while the writer waits is named, not waited out.
-        """
-        if self.policy != "batch" or self._unsynced <= self.unsynced_limit:   # the usual case, lock-free
-            return
-        with self._cond:
-            start = self._rounds
-            while self._unsynced > self.unsynced_limit and not self._closed:
-                if self._error and self._rounds > start:
-                    raise Unavailable(f"the backlog's disk does not sync ({self._error}); "
-                                      f"{self._unsynced} bytes wait for it; nothing was written")
-                self._cond.wait(self._interval)
+                    errors.append(exc.strerror or str(exc))
+            self._synced(fd, pending, covered, error)
+        if errors:
+            with self._cond:
+                self._error = errors[0]
+            log.warning("backlog fsync failed", extra={"error": errors[0], "files": len(errors)})
 
     def flush_due(self, now: float | None = None, *, force: bool = False) -> None:
         """Fsync what waits for it if ``interval`` has passed (or ``force``); close the retired.
 
         The fsyncs run outside the internal lock: writers never wait for the
-        disk except in :meth:`wait_for_disk`.
+        disk except in :meth:`admit`.
         """
         now = time.monotonic() if now is None else now
-        with self._cond:
-            if not self._files or (not force and now - self._last < self._interval):
-                return
-            self._last = now
-            candidates = [(fd, p) for fd, p in self._files.items() if p.dirty or p.retired]
-        errors: list[str] = []
-        for fd, pending in candidates:
-            with self._cond:   # one descriptor at a time: forget() waits for no more than its own fsync
-                if pending.syncing or pending.closed or self._files.get(fd) is not pending:
-                    continue
-                pending.syncing = True
-                covered = (pending.writes, pending.unsynced)
-            error = None
-            if covered[0] != pending.synced and not pending.dropped:
-                try:
-                    os.fsync(fd)
-                except OSError as exc:
-                    error = exc
-                    errors.append(exc.strerror or str(exc))
-            self._synced(fd, pending, covered, error)
-        with self._cond:
-            self._rounds += 1
-            self._error = errors[0] if errors else ""
-            self._cond.notify_all()
+        with self._round:
+            with self._cond:
+                if not self._files or (not force and now - self._last < self._interval):
+                    return
+                self._last = now
+                candidates = [(fd, p) for fd, p in self._files.items() if p.dirty or p.retired]
+            errors: list[str] = []
+            for fd, pending in candidates:
+                with self._cond:   # one descriptor at a time, each with what was written before its fsync
+                    if pending.syncing or pending.closed or self._files.get(fd) is not pending:
+                        continue
+                    pending.syncing = True
+                    covered = (pending.writes, pending.unsynced)
+                error = None
+                if covered[0] != pending.synced and not pending.dropped:
+                    try:
+                        os.fsync(fd)
+                    except OSError as exc:
+                        error = exc
+                        errors.append(exc.strerror or str(exc))
+                self._synced(fd, pending, covered, error)
+            with self._cond:
+                self._rounds += 1
+                self._error = errors[0] if errors else ""
+                self._cond.notify_all()
         if errors:
             log.warning("backlog fsync failed", extra={"error": errors[0], "files": len(errors)})
 

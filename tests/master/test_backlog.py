@@ -435,7 +435,7 @@ def test_batch_never_syncs_a_sealed_segment_whose_tuples_were_done_before_its_ro
         put(q, frames(tid, payload(tid, 3000)))
     segments = _segments(tmp_path)
     assert len(segments) == 3                    # 1 2 | 3 4 | 5: a segment is sealed past 4096 bytes
-    assert durability.unsynced_bytes > 15000
+    assert durability.unsynced_bytes == 15000
     assert not [p for p in disk.synced if "/seg-" in p], "sealing no longer syncs on the receiving thread"
     for _ in range(2):                           # tuples 1 and 2 are done: their segment is deleted
         tid, _, _ = take(q)
@@ -451,24 +451,29 @@ def test_batch_never_syncs_a_sealed_segment_whose_tuples_were_done_before_its_ro
     q.close()
 
 
-def test_batch_holds_a_sender_while_the_disk_lags_and_lets_it_go_once_synced(
+def test_batch_holds_senders_while_the_disk_lags_and_lets_them_go_once_synced(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past ``unsynced_bytes`` awaiting their fsync, a new tuple waits for the disk, so a
-    power loss never costs more than that; before, fsync rounds fell behind without bound."""
+    """A tuple is admitted only while what waits for an fsync stays within ``unsynced_bytes``,
+    concurrent senders included, so a power loss never costs more than that; before, fsync
+    rounds fell behind without bound (and a first version counted a tuple only once written,
+    so each concurrent sender could add a whole tuple past the bound)."""
     disk = _Disk(monkeypatch)
-    durability = Durability("batch", unsynced_bytes=5000)
+    durability = Durability("batch", unsynced_bytes=7000)
     q = open_queue(tmp_path, durability=durability)
     put(q, frames(1, payload(1, 3000)))
-    put(q, frames(2, payload(2, 3000)))                    # 3000 < 5000 when it began
+    put(q, frames(2, payload(2, 3000)))                    # 6000 <= 7000
     disk.open.clear()                                      # the disk stalls
     with _Rounds(durability):
-        third = threading.Thread(target=put, args=(q, frames(3, payload(3, 3000))))
-        third.start()
-        third.join(0.5)
-        assert third.is_alive() and q.length() == 2, "the third tuple waits for the disk"
+        senders = [threading.Thread(target=put, args=(q, frames(tid, payload(tid, 3000)))) for tid in (3, 4, 5, 6)]
+        for sender in senders:
+            sender.start()
+        senders[0].join(0.5)
+        assert all(s.is_alive() for s in senders) and q.length() == 2, "the senders wait for the disk"
+        assert durability.unsynced_bytes == 6000
         disk.open.set()
-        third.join(10)
-        assert not third.is_alive() and q.length() == 3
+        for sender in senders:
+            sender.join(10)
+        assert not any(s.is_alive() for s in senders) and q.length() == 6
     q.close()
 
 
@@ -477,7 +482,7 @@ def test_batch_names_a_disk_whose_fsync_fails_and_loses_nothing_written_before(
     """A sender held for the disk is told why when the flush round fails (UNAVAILABLE,
     nothing of its tuple written); the tuples stored before it survive a restart."""
     disk = _Disk(monkeypatch)
-    durability = Durability("batch", unsynced_bytes=5000)
+    durability = Durability("batch", unsynced_bytes=7000)
     q = open_queue(tmp_path, durability=durability)
     put(q, frames(1, payload(1, 3000)))
     put(q, frames(2, payload(2, 3000)))
