@@ -154,21 +154,11 @@ class Durability:
         """
         with self._cond:
             sync_now = self._closed or self.policy == "always"
-            ready = [(fd, p) for fd, p in self._files.items()
+            ready = [(fd, p, (p.writes, p.unsynced)) for fd, p in self._files.items()
                      if p.retired and not p.syncing and (p.dropped or not p.dirty or sync_now)]
-            for _, pending in ready:
+            for _, pending, _ in ready:
                 pending.syncing = True
-        errors = []
-        for fd, pending in ready:
-            covered = (pending.writes, pending.unsynced)
-            error = None
-            if sync_now and not pending.dropped:
-                try:
-                    os.fsync(fd)
-                except OSError as exc:
-                    error = exc
-                    errors.append(exc.strerror or str(exc))
-            self._synced(fd, pending, covered, error)
+        errors = [error for fd, pending, covered in ready if (error := self._sync(fd, pending, covered, sync_now))]
         if errors:
             with self._cond:
                 self._error = errors[0]
@@ -194,14 +184,8 @@ class Durability:
                         continue
                     pending.syncing = True
                     covered = (pending.writes, pending.unsynced)
-                error = None
-                if covered[0] != pending.synced and not pending.dropped:
-                    try:
-                        os.fsync(fd)
-                    except OSError as exc:
-                        error = exc
-                        errors.append(exc.strerror or str(exc))
-                self._synced(fd, pending, covered, error)
+                if error := self._sync(fd, pending, covered, covered[0] != pending.synced):
+                    errors.append(error)
             with self._cond:
                 self._rounds += 1
                 self._error = errors[0] if errors else ""
@@ -209,11 +193,18 @@ class Durability:
         if errors:
             log.warning("backlog fsync failed", extra={"error": errors[0], "files": len(errors)})
 
-    def _synced(self, fd: int, pending: "Pending", covered: tuple[int, int], error: OSError | None) -> None:
-        """A round (or close) is done with ``fd``: count the (writes, bytes) it synced, close it if retired."""
+    def _sync(self, fd: int, pending: "Pending", covered: tuple[int, int], needed: bool) -> str:
+        """Fsync ``fd`` (marked syncing) if ``needed`` and its file is kept; count the (writes,
+        bytes) it ``covered`` and close it if retired. Returns why the fsync failed, or ''."""
+        error = ""
+        if needed and not pending.dropped:
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                error = exc.strerror or str(exc)
         with self._cond:
             pending.syncing = False
-            if error is None and not pending.dropped:
+            if not error and not pending.dropped:
                 pending.synced = covered[0]
                 pending.unsynced -= covered[1]
                 self._unsynced -= covered[1]
@@ -225,6 +216,7 @@ class Durability:
             self._cond.notify_all()
         if close:
             os.close(fd)
+        return error
 
     def close(self) -> None:
         """Sync what waits and close the retired; later retires are synced by :meth:`close_retired`."""

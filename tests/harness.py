@@ -9,14 +9,18 @@ Failures carry the process's log, so a broken test shows why.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import threading
 import time
 from typing import Any, Callable
 
+import pytest
+
 from hio.common.procs import RoleProcess, child_env, free_port
 
-__all__ = ["HioProcess", "free_port", "hio_env", "wait_for"]
+__all__ = ["FsyncDisk", "HioProcess", "free_port", "hio_env", "wait_for"]
 
 hio_env = child_env
 
@@ -142,3 +146,24 @@ class CuttingProxy:
         self._closed = True
         self._listener.close()
         self.cut()
+
+
+class FsyncDisk:
+    """Stands between a durable store (the gateway's spool, the master's backlog) and
+    ``os.fsync`` (a system call, not one of our roles): names what is synced, and can hold
+    or fail the calls, as a slow or failing disk."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.synced: list[str] = []
+        self.open = threading.Event()
+        self.open.set()
+        self.error: OSError | None = None
+        self._fsync = os.fsync
+        monkeypatch.setattr(os, "fsync", self.fsync)
+
+    def fsync(self, fd: int) -> None:
+        self.open.wait()
+        if self.error is not None:
+            raise self.error
+        self.synced.append(os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)"))
+        self._fsync(fd)

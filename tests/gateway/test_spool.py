@@ -16,6 +16,8 @@ from hio.gateway import spool as spool_module
 from hio.gateway.spool import MoveOnDone, Spool, SpoolFull, safe_name
 from hio.proto.tuple_pb2 import TupleMeta
 
+from tests.harness import FsyncDisk
+
 
 def meta(name: str = "t", image: str = "hio/synthetic") -> TupleMeta:
     return TupleMeta(source="test", image=image, name=name, attempt=1)
@@ -304,33 +306,13 @@ def test_payload_damage_names_a_spooled_file_rewritten_in_place(tmp_path: Path) 
     assert spool.payload_damage(inline) == ""
 
 
-class _Disk:
-    """Stands between the spool and ``os.fsync`` (a system call, not one of our roles):
-    names what is synced, and can hold or fail the calls, as a slow or failing disk."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.synced: list[str] = []
-        self.open = threading.Event()
-        self.open.set()
-        self.error: OSError | None = None
-        self._fsync = os.fsync
-        monkeypatch.setattr(os, "fsync", self.fsync)
-
-    def fsync(self, fd: int) -> None:
-        self.open.wait()
-        if self.error is not None:
-            raise self.error
-        self.synced.append(os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)"))
-        self._fsync(fd)
-
-
 def test_batch_mode_never_syncs_a_segment_whose_tuples_finished_before_its_turn(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A finished segment deleted before the flush loop reached it never goes to the disk
     (its tuples need no disk); a rolled segment with a tuple not yet finished is synced,
     and so is the active one; what they hold survives a restart."""
     monkeypatch.setattr(spool_module, "BATCH_FSYNC_SECONDS", 3600.0)   # this test flushes by hand
-    disk = _Disk(monkeypatch)
+    disk = FsyncDisk(monkeypatch)
     root = tmp_path / "s"
     spool = Spool(root, 1 << 20, fsync="batch", segment_bytes=4096)
     payloads = [bytes([n]) * 3000 for n in range(5)]
@@ -354,7 +336,7 @@ def test_batch_mode_holds_appends_while_the_disk_is_behind(tmp_path: Path, monke
     """More than ``unsynced_bytes`` waiting for their fsync make the next append wait for the
     flush loop (a power loss then takes at most that much, however fast the submissions);
     the append goes on once the disk has caught up."""
-    disk = _Disk(monkeypatch)
+    disk = FsyncDisk(monkeypatch)
     spool = Spool(tmp_path / "s", 1 << 20, fsync="batch", unsynced_bytes=10_000)
     disk.open.clear()                            # the disk stalls
     spool.put_bytes(b"a" * 6000, meta("t0"))
@@ -374,7 +356,7 @@ def test_batch_mode_names_a_disk_that_fails_to_sync_instead_of_waiting_for_it(
     """While fsyncs fail and too much is unsynced, an append is refused with the disk's error
     (Unavailable, nothing written); once the disk syncs again, appends go on and nothing
     appended before was lost."""
-    disk = _Disk(monkeypatch)
+    disk = FsyncDisk(monkeypatch)
     root = tmp_path / "s"
     spool = Spool(root, 1 << 20, fsync="batch", unsynced_bytes=10_000)
     disk.error = OSError(errno.EIO, "Input/output error")

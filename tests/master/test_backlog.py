@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import tracemalloc
 import errno
-import os
 import threading
+import tracemalloc
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -18,6 +17,7 @@ from hio.master.backlog import BacklogQueue, Lease, Placement, Stored
 from hio.master.deadletters import DeadLetterStore
 from hio.master.storage import Durability
 
+from tests.harness import FsyncDisk
 from tests.master.helpers import big_frames, frames
 
 MiB = 1024 * 1024
@@ -377,26 +377,6 @@ def test_concurrent_streams_never_interleave_records(tmp_path: Path) -> None:
 
 # ---- 'batch' durability: what reaches the disk, and how far it may lag ---------------
 
-class _Disk:
-    """Stands between the backlog and ``os.fsync`` (a system call, not one of our roles):
-    names what is synced, and can hold or fail the calls, as a slow or failing disk."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.synced: list[str] = []
-        self.open = threading.Event()
-        self.open.set()
-        self.error: OSError | None = None
-        self._fsync = os.fsync
-        monkeypatch.setattr(os, "fsync", self.fsync)
-
-    def fsync(self, fd: int) -> None:
-        self.open.wait()
-        if self.error is not None:
-            raise self.error
-        self.synced.append(os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)"))
-        self._fsync(fd)
-
-
 class _Rounds:
     """Runs flush rounds every 20 ms, as the master's maintenance thread does every 100 ms."""
 
@@ -428,7 +408,7 @@ def test_batch_never_syncs_a_sealed_segment_whose_tuples_were_done_before_its_ro
     tuples need none); a sealed segment with a tuple still queued is synced, and so is the
     open one; what they hold survives a restart. Before, sealing fsynced every segment
     on the receiving thread, done or not."""
-    disk = _Disk(monkeypatch)
+    disk = FsyncDisk(monkeypatch)
     durability = Durability("batch", interval=3600.0)        # this test runs the rounds by hand
     q = open_queue(tmp_path, durability=durability, segment_bytes=4096)
     for tid in range(1, 6):
@@ -457,7 +437,7 @@ def test_batch_holds_senders_while_the_disk_lags_and_lets_them_go_once_synced(
     concurrent senders included, so a power loss never costs more than that; before, fsync
     rounds fell behind without bound (and a first version counted a tuple only once written,
     so each concurrent sender could add a whole tuple past the bound)."""
-    disk = _Disk(monkeypatch)
+    disk = FsyncDisk(monkeypatch)
     durability = Durability("batch", unsynced_bytes=7000)
     q = open_queue(tmp_path, durability=durability)
     put(q, frames(1, payload(1, 3000)))
@@ -481,7 +461,7 @@ def test_batch_names_a_disk_whose_fsync_fails_and_loses_nothing_written_before(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sender held for the disk is told why when the flush round fails (UNAVAILABLE,
     nothing of its tuple written); the tuples stored before it survive a restart."""
-    disk = _Disk(monkeypatch)
+    disk = FsyncDisk(monkeypatch)
     durability = Durability("batch", unsynced_bytes=7000)
     q = open_queue(tmp_path, durability=durability)
     put(q, frames(1, payload(1, 3000)))
