@@ -243,7 +243,8 @@ def test_a_spooled_payload_that_cannot_be_read_is_named_and_sent_once_it_can_be(
                    if p.is_file() and p.stat().st_ino == original.stat().st_ino]
         assert len(spooled) == 1, "put_file hard-links the file into the spool"
         spooled[0].unlink()
-        spooled[0].mkdir()                              # open() now fails: IsADirectoryError
+        (tmp_path / "a-folder").mkdir()
+        spooled[0].symlink_to(tmp_path / "a-folder")    # open() now fails: IsADirectoryError
         with HioProcess("master", ["--listen", master, "--data-dir", str(tmp_path / "master"),
                                    "--max-attempts", str(master_attempts)],
                         tmp_path, name="master-unreadable") as second:
@@ -254,8 +255,8 @@ def test_a_spooled_payload_that_cannot_be_read_is_named_and_sent_once_it_can_be(
                            str(spooled[0]) and "Is a directory" in getattr(r, "error", "") for r in caplog.records)
             wait_for(named, timeout=30, what="the unreadable payload named in the log")
             assert not future.done()
-            spooled[0].rmdir()
-            os.link(original, spooled[0])
+            os.link(original, tmp_path / "mended")
+            os.replace(tmp_path / "mended", spooled[0])  # in one step: the gateway never finds it missing
             with grpc.insecure_channel(master) as channel:
                 stub = master_pb2_grpc.MasterStub(channel)
                 if master_attempts > 1:
