@@ -39,9 +39,10 @@ the background about every 100 ms, so a crash of the gateway process loses
 nothing and a power loss at most the last 100 ms of submissions; 'never'
 leaves it to the OS. META and DONE records ride along with the same policy.
 Under 'batch' a finished segment deleted before its turn is never synced (its
-tuples need no disk), and an append waits while more than ``unsynced_bytes``
-of segments still needed wait for their fsync: when submissions outrun the
-disk, the disk sets the pace, and a power loss still takes at most that much.
+tuples need no disk), and an append waits until its tuple fits within
+``unsynced_bytes`` of what still waits for an fsync (``SyncBudget``, which the
+master's backlog keeps too): when submissions outrun the disk, the disk sets
+the pace, and a power loss still takes at most that much.
 
 Payloads given as bytes are also kept in memory while spooled, up to
 ``memory_bytes`` in all, so delivery does not read them back from disk; the
@@ -73,7 +74,7 @@ from google.protobuf.message import DecodeError
 
 from hio.common.config import ConfigError
 from hio.common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from hio.common.files import clean_temporaries, fsync_dir, fsync_file, write_all
+from hio.common.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, fsync_dir, fsync_file, write_all
 from hio.common.frames import crc32, crc32_of_file
 from hio.proto.tuple_pb2 import TupleMeta
 
@@ -96,7 +97,6 @@ MAX_META_BYTES = 1024 * 1024
 # rolling (a file made and later deleted) is rare: every 160 tuples of 100 KB.
 SEGMENT_BYTES = 16 * 1024 * 1024
 BATCH_FSYNC_SECONDS = 0.1
-UNSYNCED_BYTES = 256 * 1024 * 1024  # 'batch': appends wait while more is unsynced (about a second of disk)
 JOIN_BYTES = 64 * 1024           # parts of a record up to this size are written with one call
 MEMORY_BYTES = 64 * 1024 * 1024  # payloads kept in memory besides the disk copy (Spool memory_bytes)
 
@@ -232,12 +232,9 @@ class Spool:
             raise ValueError(f"memory_bytes must not be negative, got {memory_bytes}")
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
-        if unsynced_bytes <= 0:
-            raise ValueError(f"unsynced_bytes must be positive, got {unsynced_bytes}")
-        self.unsynced_limit = int(unsynced_bytes)
-        self._unsynced = 0                     # sum of the live segments' unsynced bytes
-        self._flush_error = ""                 # why the flush loop's latest round failed ('' after a success)
-        self._flush_rounds = 0                 # rounds the flush loop has finished
+        # 'batch': what waits for the flush loop (the live segments' unsynced bytes, the
+        # payload files not yet synced), within unsynced_bytes
+        self._budget = SyncBudget(unsynced_bytes, disk="the spool's disk", interval=BATCH_FSYNC_SECONDS)
         self.memory_limit = int(memory_bytes)
         self._memory_used = 0
         self.fsync = fsync
@@ -299,10 +296,7 @@ class Spool:
             except OSError as exc:  # keep flushing; the next pass retries
                 error = str(exc)
                 log.error("spool fsync failed", extra={"error": error})
-            with self._cond:
-                self._flush_error = error
-                self._flush_rounds += 1
-                self._cond.notify_all()
+            self._budget.round_done(error)
 
     def flush(self) -> None:
         """Make every record appended so far durable (segment, payload files, the folder).
@@ -361,8 +355,7 @@ class Spool:
                 if segment.id in self._segments:   # a deleted one was no longer counted
                     done = segment.unsynced if covered is None else covered
                     segment.unsynced -= done
-                    self._unsynced -= done
-                    self._cond.notify_all()
+                    self._budget.settle(done)
         return error
 
     def _sync_files(self, files: list[tuple[Path, int]], errors: list[OSError]) -> list[tuple[Path, int]]:
@@ -377,37 +370,23 @@ class Spool:
                 errors.append(exc)
                 failed.append((path, size))
                 continue
-            with self._cond:
-                self._unsynced -= size
-                self._cond.notify_all()
+            self._budget.settle(size)
         return failed
 
-    def _wait_for_disk(self) -> None:
-        """'batch': hold an append while more than ``unsynced_bytes`` wait for their fsync.
-
-        Why: the flush loop fsyncs what was appended, but a disk slower than the
-        submissions falls behind without bound (10 MB tuples at 700 MB/s on a
-        300 MB/s disk: fsyncs of 5-15 s), and a power loss would then take seconds
-        of submissions, not 100 ms. Waiting here lets the disk set the pace, as a
-        write would. A flush round that fails while this append waits is named instead.
-        """
-        if self.fsync != "batch" or self._unsynced <= self.unsynced_limit:   # the usual case, without a lock
-            return
-        with self._cond:
-            start = self._flush_rounds
-            while self._unsynced > self.unsynced_limit and not self._closing.is_set():
-                if self._flush_error and self._flush_rounds > start:
-                    raise Unavailable(f"the spool's disk does not sync ({self._flush_error}); "
-                                      f"{self._unsynced} bytes wait for it; nothing was written")
-                self._cond.wait(BATCH_FSYNC_SECONDS)
+    def _wait_for_disk(self, nbytes: int) -> int:
+        """'batch': wait until ``nbytes`` more fit what may wait for the disk (SyncBudget)
+        and count them; returns the bytes counted, to pass to ``_append`` or settle."""
+        if self.fsync != "batch":
+            return 0
+        self._budget.admit(nbytes)
+        return nbytes
 
     def close(self) -> None:
         """Release the folder lock. Entries stay on disk for the next start."""
         if self._lock_fh is None:
             return
         self._closing.set()
-        with self._cond:
-            self._cond.notify_all()   # an append waiting for the disk goes on; close syncs below
+        self._budget.close()          # an append waiting for the disk goes on; close syncs below
         flusher, self._flusher = self._flusher, None
         if flusher is not None:
             flusher.join(BATCH_FSYNC_SECONDS * 10)
@@ -555,9 +534,10 @@ class Spool:
         else:
             self._dirty = True
 
-    def _append(self, parts: list[bytes | memoryview]) -> tuple[_Segment, int]:
+    def _append(self, parts: list[bytes | memoryview], admitted: int = 0) -> tuple[_Segment, int]:
         """Append one record (its parts in order); the segment and the record's start.
-        Caller holds ``_append_lock``."""
+        ``admitted``: bytes of it the budget already counts (the payload). Caller holds
+        ``_append_lock``; on an error nothing is appended and the caller settles ``admitted``."""
         segment = self._active
         if segment is None or segment.fd is None:
             raise Unavailable("the spool is closed (its gateway was closed); nothing was written")
@@ -584,7 +564,7 @@ class Spool:
             if self.fsync == "batch":
                 with self._cond:
                     segment.unsynced += total
-                    self._unsynced += total
+                self._budget.add(total - admitted)
         return segment, start
 
     # -- the bound -----------------------------------------------------------
@@ -629,18 +609,21 @@ class Spool:
         """Spool an in-memory payload (one append); sets meta.size and meta.crc32."""
         size = len(data)
         self._reserve(size, timeout)
+        admitted = 0
         try:
             meta.size = size
             meta.crc32 = crc32(data)
             meta_bytes = _meta_bytes(meta)
-            self._wait_for_disk()
+            admitted = self._wait_for_disk(size)
             with self._append_lock:
                 seq = self._take_seq()
                 head = _record(ADD, seq, meta_bytes, b"", size)
-                segment, start = self._append([head, data])
+                segment, start = self._append([head, data], admitted)
+                admitted = 0     # appended: the segment's count holds them now
                 entry = SpoolEntry(seq, meta, segment.path, None, offset=start + len(head), segment=segment.id)
                 self._admit(entry, segment, size)
         except BaseException:
+            self._budget.settle(admitted)
             self._release(size)
             raise
         self._keep_in_memory(entry, data)
@@ -702,7 +685,7 @@ class Spool:
                 fsync_file(tmp)   # the payload is on disk before a record names it
             meta_bytes = _meta_bytes(meta)
             move_bytes = _move_bytes(move)
-            self._wait_for_disk()
+            admitted = self._wait_for_disk(meta.size)
             with self._append_lock:
                 seq = self._take_seq()
                 data_path = self._data_path(seq)
@@ -713,12 +696,12 @@ class Spool:
                     data_path.unlink(missing_ok=True)
                     raise
                 if self.fsync == "batch":
-                    self._dirty_files.append((data_path, meta.size))
-                    with self._cond:
-                        self._unsynced += meta.size
+                    self._dirty_files.append((data_path, meta.size))   # the file's sync settles them
+                admitted = 0
                 entry = SpoolEntry(seq, meta, data_path, move, offset=0, segment=segment.id)
                 self._admit(entry, segment, reserved)
         except BaseException:
+            self._budget.settle(admitted)
             self._release(reserved)
             raise
         return entry
@@ -800,7 +783,7 @@ class Spool:
                 if oldest.live:  # an entry could not be carried (read error): keep the segment
                     return retired
                 del self._segments[oldest.id]
-                self._unsynced -= oldest.unsynced   # finished: what it holds never needs the disk
+                self._budget.settle(oldest.unsynced)   # finished: what it holds never needs the disk
                 oldest.unsynced = 0
                 self._cond.notify_all()
             retired.append(oldest.path)
@@ -893,7 +876,7 @@ class Spool:
     def unsynced_bytes(self) -> int:
         """'batch': bytes appended that tuples not yet finished still need fsynced."""
         with self._cond:
-            return self._unsynced
+            return self._budget.unsynced
 
     @property
     def reserved_bytes(self) -> int:

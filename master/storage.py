@@ -10,15 +10,13 @@ import threading
 import time
 from pathlib import Path
 
-from hio.common.errors import Unavailable
-from hio.common.files import fsync_dir, write_all
+from hio.common.files import UNSYNCED_BYTES, SyncBudget, fsync_dir, write_all
 
 log = logging.getLogger("hio.master")
 
 __all__ = ["Durability", "Pending", "fsync_dir", "replace_durably", "write_all"]
 
 BATCH_INTERVAL = 0.1  # seconds: 'batch' fsyncs dirty files at most this often
-UNSYNCED_BYTES = 256 * 1024 * 1024  # 'batch': writers wait while more is unsynced (about a second of disk)
 
 
 def replace_durably(tmp: Path, final: Path, data: bytes, *, sync: bool = True) -> None:
@@ -46,7 +44,8 @@ class Durability:
     tuples come faster than the disk writes (before them, fsync rounds fell
     behind without bound, and every byte went to the disk): a writer is
     admitted (:meth:`admit`) only while its tuple keeps what waits for an
-    fsync within ``unsynced_bytes``; and a file that gets no more writes is
+    fsync within ``unsynced_bytes`` (a :class:`SyncBudget`, as the gateway's
+    spool keeps); and a file that gets no more writes is
     handed over with :meth:`retire` (synced and closed by the next round, not
     by the receiving thread), so one deleted before its round comes is closed
     by :meth:`discard` unwritten. 'never' leaves it to the OS.
@@ -60,18 +59,13 @@ class Durability:
                  unsynced_bytes: int = UNSYNCED_BYTES) -> None:
         if policy not in ("always", "batch", "never"):
             raise ValueError(f"unknown fsync policy {policy!r}")
-        if unsynced_bytes <= 0:
-            raise ValueError(f"unsynced_bytes must be positive, got {unsynced_bytes}")
         self.policy = policy
-        self.unsynced_limit = unsynced_bytes
+        self.budget = SyncBudget(unsynced_bytes, disk="the backlog's disk", interval=interval)
         self._interval = interval
         self._files: dict[int, Pending] = {}     # descriptors with writes to sync, or retired ones to close
-        self._unsynced = 0                       # bytes admitted or written and not yet synced ('batch')
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()            # _files and their Pending
         self._round = threading.Lock()           # one flush round at a time: its error stands for it
         self._last = time.monotonic()
-        self._rounds = 0                         # flush rounds finished
-        self._error = ""                         # why the latest round failed ('' after a success)
         self._closed = False
 
     @property
@@ -82,68 +76,49 @@ class Durability:
     @property
     def unsynced_bytes(self) -> int:
         """Bytes admitted or written and not yet fsynced ('batch')."""
-        return self._unsynced
+        return self.budget.unsynced
 
     def admit(self, nbytes: int) -> None:
-        """'batch': wait until ``nbytes`` more keep what waits for an fsync within
-        ``unsynced_bytes`` (a larger tuple waits until nothing does), then count them.
-
-        Without it a disk slower than the tuples lets the fsyncs fall ever
-        further behind, and a power loss could cost seconds of receipts.
-        Counting before the write makes it a bound for concurrent writers too.
-        A flush round that fails while the writer waits is named, not waited out.
-        The caller reports the bytes with ``written(..., admitted=True)`` or
-        gives them back with :meth:`release`.
-        """
-        if self.policy != "batch":
-            return
-        with self._cond:
-            start = self._rounds
-            while self._unsynced and self._unsynced + nbytes > self.unsynced_limit and not self._closed:
-                if self._error and self._rounds > start:
-                    raise Unavailable(f"the backlog's disk does not sync ({self._error}); "
-                                      f"{self._unsynced} bytes wait for it; nothing was written")
-                self._cond.wait(self._interval)
-            self._unsynced += nbytes
+        """'batch': :meth:`SyncBudget.admit`. The caller reports the bytes with
+        ``written(..., admitted=True)`` or gives them back with :meth:`release`."""
+        if self.policy == "batch":
+            self.budget.admit(nbytes)
 
     def release(self, nbytes: int) -> None:
         """Admitted bytes that were not written after all."""
         if self.policy == "batch":
-            with self._cond:
-                self._unsynced -= nbytes
-                self._cond.notify_all()
+            self.budget.settle(nbytes)
 
     def written(self, fd: int, nbytes: int = 0, *, admitted: bool = False) -> None:
         """``fd`` has ``nbytes`` new bytes: fsync now ('always') or soon ('batch')."""
         if self.policy == "always":
             os.fsync(fd)
         elif self.policy == "batch":
-            with self._cond:
+            with self._lock:
                 pending = self._files.setdefault(fd, Pending())
                 pending.writes += 1
                 pending.unsynced += nbytes
-                if not admitted:
-                    self._unsynced += nbytes
+            if not admitted:
+                self.budget.add(nbytes)
 
     def retire(self, fd: int) -> "Pending":
         """Take over ``fd``, which gets no more writes: it is synced if it must be, then closed.
 
         Returns the handle to :meth:`discard` it with if its file is deleted first.
         """
-        with self._cond:
+        with self._lock:
             pending = self._files.setdefault(fd, Pending())
             pending.retired = True
             return pending
 
     def discard(self, pending: "Pending") -> None:
         """The retired file is deleted or replaced: close it without syncing (its bytes need no disk)."""
-        with self._cond:
+        with self._lock:
             if pending.closed:
                 return
-            self._unsynced -= pending.unsynced
-            pending.unsynced = 0
+            unsynced, pending.unsynced = pending.unsynced, 0
             pending.dropped = True
-            self._cond.notify_all()
+        self.budget.settle(unsynced)
 
     def close_retired(self) -> None:
         """Close the retired descriptors that wait for no fsync (disk I/O: call without locks).
@@ -152,7 +127,7 @@ class Durability:
         closed here too. A failing fsync is logged and the descriptor kept for
         the next round (the caller's own operation has succeeded by then).
         """
-        with self._cond:
+        with self._lock:
             sync_now = self._closed or self.policy == "always"
             ready = [(fd, p, (p.writes, p.unsynced)) for fd, p in self._files.items()
                      if p.retired and not p.syncing and (p.dropped or not p.dirty or sync_now)]
@@ -160,8 +135,7 @@ class Durability:
                 pending.syncing = True
         errors = [error for fd, pending, covered in ready if (error := self._sync(fd, pending, covered, sync_now))]
         if errors:
-            with self._cond:
-                self._error = errors[0]
+            self.budget.round_done(errors[0])
             log.warning("backlog fsync failed", extra={"error": errors[0], "files": len(errors)})
 
     def flush_due(self, now: float | None = None, *, force: bool = False) -> None:
@@ -172,24 +146,21 @@ class Durability:
         """
         now = time.monotonic() if now is None else now
         with self._round:
-            with self._cond:
+            with self._lock:
                 if not self._files or (not force and now - self._last < self._interval):
                     return
                 self._last = now
                 candidates = [(fd, p) for fd, p in self._files.items() if p.dirty or p.retired]
             errors: list[str] = []
             for fd, pending in candidates:
-                with self._cond:   # one descriptor at a time, each with what was written before its fsync
+                with self._lock:   # one descriptor at a time, each with what was written before its fsync
                     if pending.syncing or pending.closed or self._files.get(fd) is not pending:
                         continue
                     pending.syncing = True
                     covered = (pending.writes, pending.unsynced)
                 if error := self._sync(fd, pending, covered, covered[0] != pending.synced):
                     errors.append(error)
-            with self._cond:
-                self._rounds += 1
-                self._error = errors[0] if errors else ""
-                self._cond.notify_all()
+            self.budget.round_done(errors[0] if errors else "")
         if errors:
             log.warning("backlog fsync failed", extra={"error": errors[0], "files": len(errors)})
 
@@ -202,27 +173,28 @@ class Durability:
                 os.fsync(fd)
             except OSError as exc:
                 error = exc.strerror or str(exc)
-        with self._cond:
+        synced = 0
+        with self._lock:
             pending.syncing = False
             if not error and not pending.dropped:
                 pending.synced = covered[0]
                 pending.unsynced -= covered[1]
-                self._unsynced -= covered[1]
+                synced = covered[1]
             close = pending.dropped or (pending.retired and not pending.dirty)
             if close or not (pending.dirty or pending.retired):
                 if self._files.get(fd) is pending:
                     del self._files[fd]
             pending.closed = close
-            self._cond.notify_all()
+        self.budget.settle(synced)
         if close:
             os.close(fd)
         return error
 
     def close(self) -> None:
         """Sync what waits and close the retired; later retires are synced by :meth:`close_retired`."""
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+        self.budget.close()
         self.flush_due(force=True)
         self.close_retired()
 

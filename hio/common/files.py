@@ -13,6 +13,8 @@ import threading
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from hio.common.errors import Unavailable
+
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new file in ``path`` durable (no-op where unsupported)."""
@@ -105,3 +107,74 @@ def lock_folder(folder: Path) -> int | None:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+UNSYNCED_BYTES = 256 * 1024 * 1024   # 'batch' fsync: what may wait for the disk (about a second of it)
+
+
+class SyncBudget:
+    """Bytes a durable store has taken and its disk has not yet synced ('batch' fsync),
+    kept within ``limit``: the gateway's spool and the master's backlog each keep one.
+
+    Why: a store that fsyncs in background rounds answers before the disk has the
+    bytes. A disk slower than the tuples lets the rounds fall behind without bound
+    (10 MB tuples at 700 MB/s on a 300 MB/s disk: rounds of 5-15 s), and a power loss
+    would take seconds of receipts, not 100 ms. A writer is therefore admitted only
+    while its tuple keeps the total within ``limit`` (one larger than ``limit`` waits
+    until nothing does); counting before the write makes it a bound for concurrent
+    writers too. A flush round that fails while a writer waits is named to it.
+    """
+
+    def __init__(self, limit: int = UNSYNCED_BYTES, *, disk: str, interval: float) -> None:
+        if limit <= 0:
+            raise ValueError(f"unsynced_bytes must be positive, got {limit}")
+        self.limit = int(limit)
+        self._disk = disk                 # "the spool's disk": how a refusal names it
+        self._interval = interval         # the rounds' period: how often a waiting writer looks again
+        self._unsynced = 0
+        self._cond = threading.Condition(threading.Lock())
+        self._rounds = 0                  # flush rounds finished
+        self._error = ""                  # why the latest round failed ('' after a success)
+        self._closed = False
+
+    @property
+    def unsynced(self) -> int:
+        return self._unsynced
+
+    def admit(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more fit, then count them (the caller writes them, or
+        gives them back with :meth:`settle`). Call it holding none of the store's locks."""
+        with self._cond:
+            start = self._rounds
+            while self._unsynced and self._unsynced + nbytes > self.limit and not self._closed:
+                if self._error and self._rounds > start:
+                    raise Unavailable(f"{self._disk} does not sync ({self._error}); "
+                                      f"{self._unsynced} bytes wait for it; nothing was written")
+                self._cond.wait(self._interval)
+            self._unsynced += nbytes
+
+    def add(self, nbytes: int) -> None:
+        """Count bytes written without admission (a store's small bookkeeping records)."""
+        if nbytes:
+            with self._cond:
+                self._unsynced += nbytes
+
+    def settle(self, nbytes: int) -> None:
+        """``nbytes`` no longer wait: synced, deleted before their sync, or not written after all."""
+        if nbytes:
+            with self._cond:
+                self._unsynced -= nbytes
+                self._cond.notify_all()
+
+    def round_done(self, error: str = "") -> None:
+        """A flush round finished; ``error`` says why it failed ('' if it did not)."""
+        with self._cond:
+            self._rounds += 1
+            self._error = error
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """The store is closing (it syncs what is left): waiting writers go on."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()

@@ -333,21 +333,27 @@ def test_batch_mode_never_syncs_a_segment_whose_tuples_finished_before_its_turn(
 
 
 def test_batch_mode_holds_appends_while_the_disk_is_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """More than ``unsynced_bytes`` waiting for their fsync make the next append wait for the
-    flush loop (a power loss then takes at most that much, however fast the submissions);
-    the append goes on once the disk has caught up."""
+    """An append that would take what waits for its fsync past ``unsynced_bytes`` waits for
+    the flush loop, concurrent appends included (a power loss then takes at most that much,
+    however fast the submissions); they go on once the disk has caught up. Before, a tuple
+    was counted once appended, so each concurrent submitter could add one past the bound."""
     disk = FsyncDisk(monkeypatch)
-    spool = Spool(tmp_path / "s", 1 << 20, fsync="batch", unsynced_bytes=10_000)
+    spool = Spool(tmp_path / "s", 1 << 20, fsync="batch", unsynced_bytes=13_000)
     disk.open.clear()                            # the disk stalls
     spool.put_bytes(b"a" * 6000, meta("t0"))
-    spool.put_bytes(b"b" * 6000, meta("t1"))     # appended: only 6000 bytes were behind
-    third = threading.Thread(target=spool.put_bytes, args=(b"c" * 6000, meta("t2")), daemon=True)
-    third.start()
-    third.join(0.5)
-    assert third.is_alive() and len(spool) == 2  # held: 12000 bytes wait for the disk
+    spool.put_bytes(b"b" * 6000, meta("t1"))     # appended: 12000 and their records fit in 13000
+    behind = spool.unsynced_bytes
+    others = [threading.Thread(target=spool.put_bytes, args=(bytes([n]) * 6000, meta(f"t{n}")), daemon=True)
+              for n in range(2, 5)]
+    for other in others:
+        other.start()
+    others[0].join(0.5)
+    assert all(o.is_alive() for o in others) and len(spool) == 2  # held: no more fits
+    assert spool.unsynced_bytes == behind <= 13_000
     disk.open.set()
-    third.join(10)
-    assert not third.is_alive() and len(spool) == 3
+    for other in others:
+        other.join(10)
+    assert not any(o.is_alive() for o in others) and len(spool) == 5
     spool.close()
 
 
@@ -358,7 +364,7 @@ def test_batch_mode_names_a_disk_that_fails_to_sync_instead_of_waiting_for_it(
     appended before was lost."""
     disk = FsyncDisk(monkeypatch)
     root = tmp_path / "s"
-    spool = Spool(root, 1 << 20, fsync="batch", unsynced_bytes=10_000)
+    spool = Spool(root, 1 << 20, fsync="batch", unsynced_bytes=13_000)
     disk.error = OSError(errno.EIO, "Input/output error")
     spool.put_bytes(b"a" * 6000, meta("t0"))
     spool.put_bytes(b"b" * 6000, meta("t1"))
