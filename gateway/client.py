@@ -101,10 +101,14 @@ class GatewayStatus:
     unserved_images: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
     #: the master's words while it refuses this gateway (missing or wrong token, certificate), else ''
     master_refusal: str = ""
+    #: the spool's failed flush that stops new tuples until the gateway is restarted, else ''
+    spool_failure: str = ""
 
     def warnings(self) -> list[str]:
         """What keeps spooled tuples from delivery, in words (empty when nothing does)."""
         out = []
+        if self.spool_failure:
+            out.append(self.spool_failure)
         if self.master_refusal:
             out.append(f"the master refuses this gateway (tuples wait in the spool): {self.master_refusal}")
         if self.master_unreachable_seconds:
@@ -169,7 +173,8 @@ class Gateway:
         for delivery. Blocks when the spool is full: then it waits up to
         ``timeout`` s (None = as long as needed) and raises :class:`SpoolFull`;
         and, with "batch", while 256 MiB appended wait for a disk slower than
-        the submissions (raising ``Unavailable`` if its fsync fails meanwhile).
+        the submissions. Raises ``Unavailable`` once a spool fsync has failed
+        (until the gateway is restarted; see :attr:`GatewayStatus.spool_failure`).
         Raises ``InvalidArgument`` for a tuple over ``max_tuple_bytes`` or
         ``spool_bytes``, or without an image; :class:`DeliveryError` once the
         gateway is closed. Thread-safe. The future resolves to the tuple id, or
@@ -324,7 +329,7 @@ class Gateway:
             stored=s.stored, enqueued=s.enqueued, failed=s.failed, retries=s.retries,
             master_unreachable_seconds=self._dispatcher.master_unreachable_for(),
             unserved_images=self._dispatcher.unserved_images(),
-            master_refusal=self._dispatcher.master_refusal())
+            master_refusal=self._dispatcher.master_refusal(), spool_failure=self.spool.disk_failure)
 
     # -- internals ------------------------------------------------------------------
 

@@ -24,7 +24,8 @@ Retry policy (the master owns the rest):
   file rewritten in place) is rejected: sending it again cannot help;
 * master ``INVALID_ARGUMENT`` for a lone tuple that carries an id: the id is not
   the master's (its state was reset): route it again as a new tuple;
-* master queue full: back off by the server's hint (logged once), no attempt counted;
+* master queue full, or refusing tuples with a hint (its disk failed to sync): back off
+  by the server's hint (logged once), no attempt counted;
 * master unreachable: back off and retry, forever (callers decide when to give up);
 * ``attempt > max_attempts``: the tuple goes to the master queue anyway, which
   dead-letters it; the caller learns it as :attr:`Outcome.DEAD_LETTERED`.
@@ -569,10 +570,16 @@ class Dispatcher:
             # charging each refused route would dead-letter healthy tuples.
             self._engine_unreachable(address, error)
             self._retry(left, error, count_attempt=False, delay=random.uniform(0.5, 1.5))
-        elif not direct and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        elif not direct and (code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                             or (code == grpc.StatusCode.UNAVAILABLE and retry_after(exc) is not None)):
+            # The master answers but its queue takes nothing now: full, or (UNAVAILABLE with a
+            # hint) its disk failed to sync. The tuples wait here, uncounted, and are routed
+            # again after the hint (a channel may be free by then).
             if not self._queue_full_logged:
                 self._queue_full_logged = True
-                log.warning("queue full, slowing down", extra={"master": address, "error": details})
+                log.warning("queue full, slowing down" if code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                            else "the master's queue takes no tuples, slowing down",
+                            extra={"master": address, "error": details})
             self._retry(left, error, count_attempt=False, delay=_hinted(exc))
         elif not direct and code in _MASTER_DOWN:
             self._master_unreachable(error)

@@ -42,7 +42,10 @@ Under 'batch' a finished segment deleted before its turn is never synced (its
 tuples need no disk), and an append waits until its tuple fits within
 ``unsynced_bytes`` of what still waits for an fsync (``SyncBudget``, which the
 master's backlog keeps too): when submissions outrun the disk, the disk sets
-the pace, and a power loss still takes at most that much.
+the pace, and a power loss still takes at most that much. A failed flush is
+final: the spool then refuses new tuples (``Unavailable``) until the gateway
+is restarted, since a later fsync can report success for bytes the failed one
+lost; the tuples it holds are still delivered (:attr:`Spool.disk_failure`).
 
 Payloads given as bytes are also kept in memory while spooled, up to
 ``memory_bytes`` in all, so delivery does not read them back from disk; the
@@ -234,7 +237,8 @@ class Spool:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
         # 'batch': what waits for the flush loop (the live segments' unsynced bytes, the
         # payload files not yet synced), within unsynced_bytes
-        self._budget = SyncBudget(unsynced_bytes, disk="the spool's disk", interval=BATCH_FSYNC_SECONDS)
+        self._budget = SyncBudget(unsynced_bytes, disk="the spool's disk", owner="gateway",
+                                  interval=BATCH_FSYNC_SECONDS)
         self.memory_limit = int(memory_bytes)
         self._memory_used = 0
         self.fsync = fsync
@@ -304,7 +308,8 @@ class Spool:
         Every step is tried; the first error is raised after them (the flush loop logs
         it), and the active segment and the files not synced are tried again next time.
         A rolled segment whose fsync failed is not retried: after an error Linux may
-        report the next fsync as a success with the data lost, so the error is the signal.
+        report the next fsync as a success with the data lost, so the error is the signal
+        (the flush loop's failed round stops new tuples until a restart: SyncBudget).
         A rolled segment already deleted is closed without an fsync: its tuples finished.
         """
         with self._flush_lock:
@@ -680,6 +685,7 @@ class Spool:
     def _commit_file(self, tmp: Path, meta: TupleMeta, move: MoveOnDone | None, reserved: int) -> SpoolEntry:
         """Turn a written payload file into an entry: rename it to its sequence, then the record.
         Releases ``reserved`` on failure."""
+        admitted = 0
         try:
             if self.fsync == "always":
                 fsync_file(tmp)   # the payload is on disk before a record names it
@@ -877,6 +883,12 @@ class Spool:
         """'batch': bytes appended that tuples not yet finished still need fsynced."""
         with self._cond:
             return self._budget.unsynced
+
+    @property
+    def disk_failure(self) -> str:
+        """'batch': '' while every flush succeeded; else the failed flush that stopped
+        new tuples until the gateway is restarted (see :class:`SyncBudget`)."""
+        return self._budget.failure
 
     @property
     def reserved_bytes(self) -> int:

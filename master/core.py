@@ -144,6 +144,7 @@ class Master:
             durability = Durability(config.fsync)
             self.ids = TupleIdAllocator(self.root / "ids")
             self.dead = DeadLetterStore(self.root / "dead", durability)
+            self._durability = durability
             self.queue = BacklogQueue(self.root / "queue", dead=self.dead, durability=durability,
                                       queue_bytes=config.queue_bytes, memory_bytes=config.queue_memory_bytes,
                                       segment_bytes=config.segment_bytes, max_attempts=config.max_attempts,
@@ -540,6 +541,9 @@ class Master:
                             f"({used} of {self.config.queue_bytes} bytes)")
         if dead:
             warnings.append(f"{dead} dead letters (see `hio dead-letters`)")
+        if self._durability.budget.failure:
+            warnings.append(f"{self._durability.budget.failure}; tuples with no free channel wait "
+                            "in their gateways' spools meanwhile")
         return warnings
 
 

@@ -60,7 +60,8 @@ class Durability:
         if policy not in ("always", "batch", "never"):
             raise ValueError(f"unknown fsync policy {policy!r}")
         self.policy = policy
-        self.budget = SyncBudget(unsynced_bytes, disk="the backlog's disk", interval=interval)
+        self.budget = SyncBudget(unsynced_bytes, disk="the backlog's disk", owner="master",
+                                 interval=interval)
         self._interval = interval
         self._files: dict[int, Pending] = {}     # descriptors with writes to sync, or retired ones to close
         self._lock = threading.Lock()            # _files and their Pending

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import fcntl
 import os
+import logging
 import threading
+import time
 from pathlib import Path
 from typing import BinaryIO, Callable
 
 from hio.common.errors import Unavailable
+
+log = logging.getLogger("hio.files")
 
 
 def fsync_dir(path: Path) -> None:
@@ -110,6 +114,7 @@ def lock_folder(folder: Path) -> int | None:
 
 
 UNSYNCED_BYTES = 256 * 1024 * 1024   # 'batch' fsync: what may wait for the disk (about a second of it)
+FAILED_DISK_RETRY_SECONDS = 30.0     # the retry hint a refusal after a failed fsync carries
 
 
 class SyncBudget:
@@ -122,34 +127,48 @@ class SyncBudget:
     would take seconds of receipts, not 100 ms. A writer is therefore admitted only
     while its tuple keeps the total within ``limit`` (one larger than ``limit`` waits
     until nothing does); counting before the write makes it a bound for concurrent
-    writers too. A flush round that fails while a writer waits is named to it.
+    writers too.
+
+    A failed flush round is final (:attr:`failure`): after a failed fsync Linux marks
+    the unwritten pages clean, so a later fsync reports success for bytes that never
+    reached the disk (PostgreSQL's "fsyncgate"). The store then takes no new tuples
+    until its role is restarted (as PostgreSQL, etcd and Kafka stop using such a disk),
+    instead of receipting tuples onto a disk that has lost bytes; what it took
+    before is still delivered, and its restart checks every record's CRC.
     """
 
-    def __init__(self, limit: int = UNSYNCED_BYTES, *, disk: str, interval: float) -> None:
+    def __init__(self, limit: int = UNSYNCED_BYTES, *, disk: str, owner: str, interval: float) -> None:
         if limit <= 0:
             raise ValueError(f"unsynced_bytes must be positive, got {limit}")
         self.limit = int(limit)
         self._disk = disk                 # "the spool's disk": how a refusal names it
+        self._owner = owner               # "gateway": the role to restart after a failure
         self._interval = interval         # the rounds' period: how often a waiting writer looks again
         self._unsynced = 0
         self._cond = threading.Condition(threading.Lock())
-        self._rounds = 0                  # flush rounds finished
-        self._error = ""                  # why the latest round failed ('' after a success)
+        self._failure = ""                # why and when the first round failed, for good ('' if none did)
         self._closed = False
 
     @property
     def unsynced(self) -> int:
         return self._unsynced
 
+    @property
+    def failure(self) -> str:
+        """'' while every flush round succeeded; else what failed, when, and what follows."""
+        return self._failure
+
     def admit(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more fit, then count them (the caller writes them, or
-        gives them back with :meth:`settle`). Call it holding none of the store's locks."""
+        gives them back with :meth:`settle`). Raises Unavailable, nothing counted, once a
+        round has failed. Call it holding none of the store's locks."""
         with self._cond:
-            start = self._rounds
-            while self._unsynced and self._unsynced + nbytes > self.limit and not self._closed:
-                if self._error and self._rounds > start:
-                    raise Unavailable(f"{self._disk} does not sync ({self._error}); "
-                                      f"{self._unsynced} bytes wait for it; nothing was written")
+            while True:
+                if self._failure:
+                    raise Unavailable(f"{self._failure}; nothing of this tuple was written",
+                                      retry_after=FAILED_DISK_RETRY_SECONDS)
+                if self._closed or not self._unsynced or self._unsynced + nbytes <= self.limit:
+                    break
                 self._cond.wait(self._interval)
             self._unsynced += nbytes
 
@@ -167,10 +186,19 @@ class SyncBudget:
                 self._cond.notify_all()
 
     def round_done(self, error: str = "") -> None:
-        """A flush round finished; ``error`` says why it failed ('' if it did not)."""
+        """A flush round finished; ``error`` says why it failed ('' if it did not). The first
+        failure stands until the process ends (see the class)."""
         with self._cond:
-            self._rounds += 1
-            self._error = error
+            if error and not self._failure:
+                when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+                self._failure = (
+                    f"{self._disk} failed to sync at {when} ({error}), so it takes no new tuples "
+                    f"until the {self._owner} is restarted: after a failed fsync, a later one can "
+                    "report success for bytes that never reached the disk. Tuples taken before "
+                    f"are still delivered; check the disk, then restart the {self._owner} "
+                    "(its start checks every stored record)")
+                log.error("fsync failed: no new tuples until restart",
+                          extra={"disk": self._disk, "error": error})
             self._cond.notify_all()
 
     def close(self) -> None:

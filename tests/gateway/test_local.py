@@ -4,6 +4,8 @@ acceptance, spool-full back-pressure, the watcher's settle rule, config, and
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import grpc
 import pytest
 
 from hio.common.config import ConfigError, build
+from hio.common.errors import retry_after
 from hio.gateway import Gateway, GatewayConfig, SendConfig
 from hio.gateway.config import infer_image
 from hio.gateway.daemon import run_gateway
@@ -24,7 +27,7 @@ from hio.gateway.watch import DirectoryWatcher
 from hio.gateway.spool import spooled_metas
 from hio.proto import ingest_pb2, ingest_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
-from tests.harness import free_port, hio_env, wait_for
+from tests.harness import FsyncDisk, free_port, hio_env, wait_for
 
 DEAD_MASTER = "127.0.0.1:1"  # nothing listens on port 1: every call is UNAVAILABLE
 
@@ -36,24 +39,32 @@ def frames(data: bytes, chunk: int = 1 << 20, **fields: object) -> Iterator[Tupl
         yield TupleFrame(meta=meta if start == 0 else None, data=part, last=start + chunk >= len(data))
 
 
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[tuple[ingest_pb2_grpc.IngestStub, Path]]:
-    """`run_gateway` in a thread with an unreachable master: tuples are accepted and stay spooled."""
-    port = free_port()
-    config = GatewayConfig(master_address=DEAD_MASTER, data_dir=str(tmp_path / "var"), source="lab",
-                           ingest_listen=f"127.0.0.1:{port}", max_tuple_bytes=1 << 20,
-                           spool_bytes=64 * 1024, chunk_bytes=16 * 1024, grace_seconds=1.0)
+@contextlib.contextmanager
+def running_gateway(config: GatewayConfig) -> Iterator[ingest_pb2_grpc.IngestStub]:
+    """`run_gateway` in a thread, and a stub to its ingest API; stopped cleanly on exit."""
     stop = threading.Event()
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(run_gateway(config, stop)), daemon=True)
     thread.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    grpc.channel_ready_future(channel).result(timeout=10)
-    yield ingest_pb2_grpc.IngestStub(channel), tmp_path / "var" / "gateway" / "spool" / "lab"
-    channel.close()
-    stop.set()
-    thread.join(15)
+    channel = grpc.insecure_channel(config.ingest_listen)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=10)
+        yield ingest_pb2_grpc.IngestStub(channel)
+    finally:
+        channel.close()
+        stop.set()
+        thread.join(15)
     assert result == [0]
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[tuple[ingest_pb2_grpc.IngestStub, Path]]:
+    """`run_gateway` in a thread with an unreachable master: tuples are accepted and stay spooled."""
+    config = GatewayConfig(master_address=DEAD_MASTER, data_dir=str(tmp_path / "var"), source="lab",
+                           ingest_listen=f"127.0.0.1:{free_port()}", max_tuple_bytes=1 << 20,
+                           spool_bytes=64 * 1024, chunk_bytes=16 * 1024, grace_seconds=1.0)
+    with running_gateway(config) as stub:
+        yield stub, tmp_path / "var" / "gateway" / "spool" / "lab"
 
 
 def test_ingest_accepts_and_spools(daemon: tuple[ingest_pb2_grpc.IngestStub, Path]) -> None:
@@ -116,6 +127,46 @@ def test_ingest_spool_full_is_resource_exhausted(daemon: tuple[ingest_pb2_grpc.I
         list(stub.Submit(frames(b"b" * 50_000, chunk=16 * 1024, image="hio/synthetic"), timeout=10))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "spool_bytes" in info.value.details()
+
+
+def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed spool fsync a later one can report success for bytes the failed one
+    lost, so the gateway takes no new tuple, also once the disk syncs again: the ingest API
+    answers UNAVAILABLE with the reason and a retry hint, the status names it, and watched
+    files wait in their folder. The tuples taken before stay spooled; after a restart the
+    gateway takes tuples again, the waiting files included."""
+    disk = FsyncDisk(monkeypatch)
+    watch = tmp_path / "in"
+    watch.mkdir()
+    config = GatewayConfig(master_address=DEAD_MASTER, data_dir=str(tmp_path / "var"), source="lab",
+                           ingest_listen=f"127.0.0.1:{free_port()}", watch=str(watch), settle_seconds=0.2,
+                           poll_seconds=0.05, grace_seconds=1.0)
+
+    def status(stub: ingest_pb2_grpc.IngestStub) -> ingest_pb2.GetGatewayStatusResponse:
+        return stub.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5)
+
+    with running_gateway(config) as stub:
+        disk.error = OSError(errno.EIO, "Input/output error")
+        [receipt] = stub.Submit(frames(b"a" * 100, image="hio/synthetic", name="a.bin"), timeout=10)
+        assert receipt.state == TupleReceipt.ACCEPTED          # 'batch': receipted before its fsync
+        warned = wait_for(lambda: [w for w in status(stub).warnings if "failed to sync" in w],
+                          timeout=10, what="the failed fsync in the gateway's status")
+        assert "Input/output error" in warned[0] and "restart the gateway" in warned[0]
+        disk.error = None
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Submit(frames(b"b" * 100, image="hio/synthetic", name="b.bin"), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the spool's disk failed to sync" in refused.value.details() and retry_after(refused.value)
+        (watch / "late.tif").write_bytes(b"t" * 100)
+        time.sleep(1.0)                                          # settled and scanned many times over
+        assert (watch / "late.tif").exists() and status(stub).spooled_tuples == 1
+    with running_gateway(config) as stub:
+        wait_for(lambda: status(stub).spooled_tuples == 2, timeout=10, what="the watched file taken")
+        [receipt] = stub.Submit(frames(b"b" * 100, image="hio/synthetic", name="b.bin"), timeout=10)
+        assert receipt.state == TupleReceipt.ACCEPTED
+        st = status(stub)
+        assert st.spooled_tuples == 3 and not [w for w in st.warnings if "failed to sync" in w]
 
 
 def test_library_blocks_then_raises_spool_full(tmp_path: Path) -> None:

@@ -357,23 +357,41 @@ def test_batch_mode_holds_appends_while_the_disk_is_behind(tmp_path: Path, monke
     spool.close()
 
 
-def test_batch_mode_names_a_disk_that_fails_to_sync_instead_of_waiting_for_it(
+def test_batch_mode_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While fsyncs fail and too much is unsynced, an append is refused with the disk's error
-    (Unavailable, nothing written); once the disk syncs again, appends go on and nothing
-    appended before was lost."""
+    """A failed flush is final: after it, Linux may report a later fsync as a success for
+    bytes it dropped, so the spool refuses every new tuple (Unavailable, naming the disk
+    and the restart, nothing written: no record, no payload file), also once the disk
+    syncs again; the tuples it took before are still there to deliver, and a restarted
+    spool has them all and takes new ones. Before, the next successful fsync let appends
+    go on as if nothing had been lost."""
     disk = FsyncDisk(monkeypatch)
     root = tmp_path / "s"
     spool = Spool(root, 1 << 20, fsync="batch", unsynced_bytes=13_000)
     disk.error = OSError(errno.EIO, "Input/output error")
     spool.put_bytes(b"a" * 6000, meta("t0"))
     spool.put_bytes(b"b" * 6000, meta("t1"))
-    with pytest.raises(Unavailable, match=r"the spool's disk does not sync \(.*Input/output error\)"):
+    refusal = r"the spool's disk failed to sync at .*\(.*Input/output error\).*restart the gateway"
+    with pytest.raises(Unavailable, match=refusal) as held:      # held for the disk, then told why
         spool.put_bytes(b"c" * 6000, meta("t2"))
-    assert len(spool) == 2
+    assert held.value.retry_after and "nothing of this tuple was written" in held.value.message
+    assert "Input/output error" in spool.disk_failure
     disk.error = None
-    spool.put_bytes(b"c" * 6000, meta("t2"))     # waits for a flush that succeeds
+    spool.flush()                                                 # the disk "syncs" again
+    assert spool.unsynced_bytes == 0
+    original = tmp_path / "frame.bin"
+    original.write_bytes(b"d" * 100)
+    for attempt in (lambda: spool.put_bytes(b"c", meta("t2")),    # well within the bound: refused all the same
+                    lambda: spool.put_file(original, meta("frame.bin"))):
+        with pytest.raises(Unavailable, match=refusal):
+            attempt()
+    assert len(spool) == 2 and spool.used_bytes == 12_000 and spool.reserved_bytes == 0
+    assert not list(root.glob(".tmp-*")) and original.read_bytes() == b"d" * 100
+    assert [spool.read_payload(e)[:1] for e in spool.entries()] == [b"a", b"b"]   # still delivered
     spool.close()
-    again = Spool(root, 1 << 20)
-    assert [again.read_payload(e)[:1] for e in again.entries()] == [b"a", b"b", b"c"]
+    again = Spool(root, 1 << 20, fsync="batch")
+    assert again.disk_failure == ""
+    assert [again.read_payload(e)[:1] for e in again.entries()] == [b"a", b"b"]
+    again.put_bytes(b"c" * 6000, meta("t2"))
+    assert len(again) == 3
     again.close()

@@ -17,7 +17,7 @@ from hio.master.backlog import BacklogQueue, Lease, Placement, Stored
 from hio.master.deadletters import DeadLetterStore
 from hio.master.storage import Durability
 
-from tests.harness import FsyncDisk
+from tests.harness import FsyncDisk, wait_for
 from tests.master.helpers import big_frames, frames
 
 MiB = 1024 * 1024
@@ -457,25 +457,34 @@ def test_batch_holds_senders_while_the_disk_lags_and_lets_them_go_once_synced(
     q.close()
 
 
-def test_batch_names_a_disk_whose_fsync_fails_and_loses_nothing_written_before(
+def test_batch_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A sender held for the disk is told why when the flush round fails (UNAVAILABLE,
-    nothing of its tuple written); the tuples stored before it survive a restart."""
+    """A sender held for the disk is told why when the flush round fails (UNAVAILABLE with
+    a retry hint, nothing of its tuple written). The failure is final: a later fsync can
+    report success for bytes the failed one lost, so no new tuple is taken until the
+    master restarts, also once the disk syncs again; the tuples queued before are still
+    handed out, and survive the restart, which takes new ones."""
     disk = FsyncDisk(monkeypatch)
     durability = Durability("batch", unsynced_bytes=7000)
     q = open_queue(tmp_path, durability=durability)
     put(q, frames(1, payload(1, 3000)))
     put(q, frames(2, payload(2, 3000)))
     disk.error = OSError(errno.EIO, "Input/output error")
+    refusal = r"backlog's disk failed to sync at .*\(Input/output error\).*restart the master"
     with _Rounds(durability):
-        with pytest.raises(Unavailable, match=r"backlog's disk does not sync \(Input/output error\)"):
+        with pytest.raises(Unavailable, match=refusal) as held:
             put(q, frames(3, payload(3, 3000)))
+        assert held.value.retry_after
         disk.error = None
-        put(q, frames(4, payload(4, 3000)))                # the next round syncs: senders go on
-    assert q.length() == 3
+        wait_for(lambda: durability.unsynced_bytes == 0, timeout=10, what="a round that syncs")
+        with pytest.raises(Unavailable, match=refusal):
+            put(q, frames(4, payload(4, 30)))                 # well within the bound: refused all the same
+    assert q.length() == 2
+    assert take(q)[0] == 1                                    # what was queued is still handed out
     q.close()
     q = open_queue(tmp_path)
-    assert [take(q)[0] for _ in range(3)] == [1, 2, 4]
+    put(q, frames(4, payload(4, 3000)))                       # a restarted master takes new tuples
+    assert [take(q)[0] for _ in range(3)] == [1, 2, 4]        # tuple 1's lease ended with the old master
     q.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from pathlib import Path
@@ -9,13 +10,15 @@ from pathlib import Path
 import grpc
 import pytest
 
+from hio.common import files
 from hio.common.errors import retry_after
 from hio.common.frames import TupleFrame, TupleReceipt
 from hio.common.net import create_channel
 from hio.common.settings import ClusterSettings
+from hio.gateway import Gateway
 from hio.proto import master_pb2, master_pb2_grpc
 
-from tests.harness import wait_for
+from tests.harness import FsyncDisk, free_port, wait_for
 from tests.master.helpers import frames, pull, register, report, route, running_master
 
 IMAGE = "hio/synthetic"
@@ -391,3 +394,51 @@ def test_cancelled_batch_pull_voids_every_lease_in_order(tmp_path: Path) -> None
                 report(m.stub, ch, t, size=2_000_000)
         assert got == ids
         assert charged[0] == 2 and charged == sorted(charged, reverse=True), charged
+
+
+def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_master_restarts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed fsync the master's queue takes no new tuple (a later fsync can report
+    success for bytes the failed one lost): Enqueue is UNAVAILABLE with a retry hint and
+    the reason, and the status says so. A gateway told so keeps its tuples, counts no
+    attempt and does not call the master unreachable; what was queued before is still
+    handed out; once the master is restarted the gateway's tuple is queued."""
+    monkeypatch.setattr(files, "FAILED_DISK_RETRY_SECONDS", 0.5)
+    disk = FsyncDisk(monkeypatch)
+    listen = f"127.0.0.1:{free_port()}"
+    with running_master(tmp_path, fsync="batch", listen=listen) as m:
+        ids = list(route(m.stub, [100, 100], force_queue=True).tuple_ids)   # the id block is reserved now
+        disk.error = OSError(errno.EIO, "Input/output error")
+        assert enqueue(m.stub, frames(ids[0], b"x" * 100))[0].state == TupleReceipt.ENQUEUED  # before its round
+        failure = wait_for(lambda: [w for w in status(m.stub).warnings if "failed to sync" in w],
+                           timeout=10, what="the failed fsync in the master's status")
+        assert "Input/output error" in failure[0] and "restart the master" in failure[0]
+        disk.error = None                                  # the disk "syncs" again: refused all the same
+        with pytest.raises(grpc.RpcError) as err:
+            enqueue(m.stub, frames(ids[1], b"y" * 100))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and retry_after(err.value) == pytest.approx(0.5)
+        assert "the backlog's disk failed to sync" in err.value.details()
+        gw = Gateway(master_address=listen, data_dir=str(tmp_path / "gw"), source="lab", image=IMAGE,
+                     force_queue=True, spool_fsync="never")
+        try:
+            future = gw.submit(b"z" * 100, name="z.bin")
+            routed = status(m.stub).routed_queue
+            wait_for(lambda: status(m.stub).routed_queue >= routed + 3, timeout=20,
+                     what="the gateway routing its tuple again after each refusal")
+            assert not future.done()
+            st = gw.status()
+            assert st.retries == 0 and st.master_unreachable_seconds == 0 and st.spooled_tuples == 1
+            assert [e.meta.attempt for e in gw.spool.entries()] == [1]
+            channel = register(m.stub, "wa")[0]
+            meta, data = pull(m.stub, channel)             # what was queued before is still handed out
+            assert meta is not None and meta.tuple_id == ids[0] and data == b"x" * 100
+            report(m.stub, channel, ids[0])
+        except BaseException:
+            gw.close()
+            raise
+    with running_master(tmp_path, fsync="batch", listen=listen) as m:
+        try:
+            assert gw.result(future, timeout=30) > 0       # the restarted master queued it
+            assert [q.length for q in status(m.stub).queues] == [1]
+        finally:
+            gw.close()
