@@ -101,14 +101,19 @@ class GatewayStatus:
     unserved_images: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
     #: the master's words while it refuses this gateway (missing or wrong token, certificate), else ''
     master_refusal: str = ""
-    #: the spool's failed flush that stops new tuples until the gateway is restarted, else ''
+    #: the spool's failed fsync that stops new tuples until the gateway is restarted, else ''
     spool_failure: str = ""
+    #: the master's words while its queue takes no tuples (its disk failed to sync), else ''
+    master_queue_refusal: str = ""
 
     def warnings(self) -> list[str]:
         """What keeps spooled tuples from delivery, in words (empty when nothing does)."""
         out = []
         if self.spool_failure:
             out.append(self.spool_failure)
+        if self.master_queue_refusal:
+            out.append(f"the master's queue takes no tuples (they wait in the spool, or go to a free "
+                       f"channel): {self.master_queue_refusal}")
         if self.master_refusal:
             out.append(f"the master refuses this gateway (tuples wait in the spool): {self.master_refusal}")
         if self.master_unreachable_seconds:
@@ -329,7 +334,8 @@ class Gateway:
             stored=s.stored, enqueued=s.enqueued, failed=s.failed, retries=s.retries,
             master_unreachable_seconds=self._dispatcher.master_unreachable_for(),
             unserved_images=self._dispatcher.unserved_images(),
-            master_refusal=self._dispatcher.master_refusal(), spool_failure=self.spool.disk_failure)
+            master_refusal=self._dispatcher.master_refusal(), spool_failure=self.spool.disk_failure,
+            master_queue_refusal=self._dispatcher.queue_refusal())
 
     # -- internals ------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ from hio.proto.tuple_pb2 import TupleReceipt
 log = logging.getLogger("hio.gateway")
 
 LAST_ERROR_ATTRIBUTE = "hio.last_error"
+QUEUE_REFUSAL_SHOWN_SECONDS = 60.0   # how long the status shows the master's queue refusing
 _MASTER_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 UNREACHABLE_LOG_SECONDS = 60.0   # an unreachable engine is logged at most once in this long
 
@@ -134,6 +135,7 @@ class Dispatcher:
         self._unreachable_logged: dict[str, float] = {}      # engine address -> when last logged
         self._master_down_since: float | None = None
         self._queue_full_logged = False
+        self._queue_refusal = (0.0, "")                       # (when, the master's words): its queue refused
         self._unserved: dict[str, tuple[float, str]] = {}    # image -> (since, the master's words)
         self._refusal = ""                                    # the master's words while it refuses us (auth)
         self._counter = itertools.count()
@@ -173,6 +175,12 @@ class Dispatcher:
     def master_refusal(self) -> str:
         """The master's words while it refuses this gateway (a token or certificate), else ''."""
         return self._refusal
+
+    def queue_refusal(self) -> str:
+        """The master's words while its queue takes no tuples (its disk failed to sync), else ''
+        (also once a minute passed without such a refusal: tuples may all go direct now)."""
+        when, words = self._queue_refusal
+        return words if time.monotonic() - when < QUEUE_REFUSAL_SHOWN_SECONDS else ""
 
     def waiting(self) -> int:
         with self._cond:
@@ -369,6 +377,7 @@ class Dispatcher:
                 self._calls.discard(call)
         if not direct:
             self._queue_full_logged = False
+            self._queue_refusal = (0.0, "")
         left = _unsettled(batch, sent, settled, skipped)
         if left:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
@@ -575,6 +584,8 @@ class Dispatcher:
             # The master answers but its queue takes nothing now: full, or (UNAVAILABLE with a
             # hint) its disk failed to sync. The tuples wait here, uncounted, and are routed
             # again after the hint (a channel may be free by then).
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self._queue_refusal = (time.monotonic(), details)
             if not self._queue_full_logged:
                 self._queue_full_logged = True
                 log.warning("queue full, slowing down" if code == grpc.StatusCode.RESOURCE_EXHAUSTED

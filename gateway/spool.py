@@ -42,10 +42,11 @@ Under 'batch' a finished segment deleted before its turn is never synced (its
 tuples need no disk), and an append waits until its tuple fits within
 ``unsynced_bytes`` of what still waits for an fsync (``SyncBudget``, which the
 master's backlog keeps too): when submissions outrun the disk, the disk sets
-the pace, and a power loss still takes at most that much. A failed flush is
-final: the spool then refuses new tuples (``Unavailable``) until the gateway
-is restarted, since a later fsync can report success for bytes the failed one
-lost; the tuples it holds are still delivered (:attr:`Spool.disk_failure`).
+the pace, and a power loss still takes at most that much. A failed fsync is
+final, with any policy: the spool then refuses new tuples (``Unavailable``)
+until the gateway is restarted, since a later fsync can report success for
+bytes the failed one lost; the tuples it holds are still delivered
+(:attr:`Spool.disk_failure`).
 
 Payloads given as bytes are also kept in memory while spooled, up to
 ``memory_bytes`` in all, so delivery does not read them back from disk; the
@@ -77,7 +78,7 @@ from google.protobuf.message import DecodeError
 
 from hio.common.config import ConfigError
 from hio.common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from hio.common.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, fsync_dir, fsync_file, write_all
+from hio.common.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, fsync_dir, write_all
 from hio.common.frames import crc32, crc32_of_file
 from hio.proto.tuple_pb2 import TupleMeta
 
@@ -314,11 +315,12 @@ class Spool:
         """
         with self._flush_lock:
             with self._append_lock:
+                active = self._active
+                dup = self._dirty and active is not None and active.fd is not None
+                fd = os.dup(active.fd) if dup else None   # first: if it fails, nothing is taken over
                 dirty, self._dirty = self._dirty, False
                 files, self._dirty_files = self._dirty_files, []
                 retired, self._retired = self._retired, []
-                active = self._active
-                fd = os.dup(active.fd) if dirty and active is not None and active.fd is not None else None
                 covered = active.unsynced if active is not None and fd is not None else 0  # no append races this
             errors: list[OSError] = []
             for segment, old in retired:
@@ -332,6 +334,7 @@ class Spool:
                 try:
                     fsync_dir(self.root)
                 except OSError as exc:
+                    self._budget.fail(_why(exc))
                     errors.append(exc)
             if errors:
                 with self._append_lock:
@@ -350,7 +353,7 @@ class Spool:
             with self._cond:
                 needed = segment.id in self._segments
             if needed:
-                os.fsync(fd)
+                self._fsync(fd)
         except OSError as exc:
             error = exc
         finally:
@@ -368,7 +371,7 @@ class Spool:
         failed: list[tuple[Path, int]] = []
         for path, size in files:
             try:
-                fsync_file(path)
+                self._fsync_path(path)
             except FileNotFoundError:  # delivered and removed meanwhile
                 pass
             except OSError as exc:
@@ -378,10 +381,27 @@ class Spool:
             self._budget.settle(size)
         return failed
 
+    def _fsync(self, fd: int) -> None:
+        """``os.fsync``; its failure is final for new tuples (SyncBudget.fail says why)."""
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            self._budget.fail(_why(exc))
+            raise
+
+    def _fsync_path(self, path: Path) -> None:
+        """fsync a file by name: failing to open it is not the disk's failure, failing to sync is."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._fsync(fd)
+        finally:
+            os.close(fd)
+
     def _wait_for_disk(self, nbytes: int) -> int:
         """'batch': wait until ``nbytes`` more fit what may wait for the disk (SyncBudget)
         and count them; returns the bytes counted, to pass to ``_append`` or settle."""
         if self.fsync != "batch":
+            self._budget.check()      # 'always': after a failed fsync, as with 'batch'
             return 0
         self._budget.admit(nbytes)
         return nbytes
@@ -535,7 +555,11 @@ class Spool:
             self._segments[seg_id] = segment
             self._active = segment
         if self.fsync == "always":
-            fsync_dir(self.root)
+            try:
+                fsync_dir(self.root)
+            except OSError as exc:
+                self._budget.fail(_why(exc))
+                raise
         else:
             self._dirty = True
 
@@ -561,10 +585,14 @@ class Spool:
         except BaseException:
             os.ftruncate(segment.fd, start)   # never leave half a record before the next one
             raise
-        segment.size = start + total
         if self.fsync == "always":
-            os.fsync(segment.fd)
-        else:
+            try:
+                self._fsync(segment.fd)
+            except BaseException:
+                os.ftruncate(segment.fd, start)   # refused: a restart must not bring it back
+                raise
+        segment.size = start + total
+        if self.fsync != "always":
             self._dirty = True
             if self.fsync == "batch":
                 with self._cond:
@@ -579,6 +607,7 @@ class Spool:
         if size > self.limit:
             raise InvalidArgument(f"a tuple of {size} bytes can never fit in the spool "
                                   f"(spool_bytes={self.limit})")
+        self._budget.check()          # refused before any I/O once an fsync has failed
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._used + self._reserved + size > self.limit:
@@ -688,7 +717,7 @@ class Spool:
         admitted = 0
         try:
             if self.fsync == "always":
-                fsync_file(tmp)   # the payload is on disk before a record names it
+                self._fsync_path(tmp)   # the payload is on disk before a record names it
             meta_bytes = _meta_bytes(meta)
             move_bytes = _move_bytes(move)
             admitted = self._wait_for_disk(meta.size)
@@ -784,7 +813,7 @@ class Spool:
             if carry and self.fsync == "batch":  # the copies are durable before their old segment goes
                 for fd in [*(fd for _segment, fd in self._retired),
                            *([self._active.fd] if self._active and self._active.fd is not None else [])]:
-                    os.fsync(fd)
+                    self._fsync(fd)
             with self._cond:
                 if oldest.live:  # an entry could not be carried (read error): keep the segment
                     return retired
@@ -886,8 +915,8 @@ class Spool:
 
     @property
     def disk_failure(self) -> str:
-        """'batch': '' while every flush succeeded; else the failed flush that stopped
-        new tuples until the gateway is restarted (see :class:`SyncBudget`)."""
+        """'' while no fsync failed; else the failed fsync that stopped new tuples until
+        the gateway is restarted (see :class:`SyncBudget`)."""
         return self._budget.failure
 
     @property
@@ -962,6 +991,10 @@ def _read_record(fh: BinaryIO, pos: int) -> tuple[int, int, bytes, bytes, int, i
     if end > os.fstat(fh.fileno()).st_size:
         return None
     return kind, seq, meta, move, payload_at, end
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or str(exc)
 
 
 def _crc_at(fh: BinaryIO, offset: int, size: int) -> int:

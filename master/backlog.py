@@ -42,7 +42,7 @@ from hio.common.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames
 from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import (ACK, MOVE, READ_BLOCK, Journal, RecordWriter, Segment, payload_intact,
                                 scan_segment)
-from hio.master.storage import Durability, fsync_dir
+from hio.master.storage import Durability
 
 log = logging.getLogger("hio.master")
 
@@ -246,8 +246,7 @@ class BacklogQueue:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         segment = Segment(id=seg_id, path=path, size=0, fd=fd)
         self._segments[seg_id] = segment
-        if self._durable.syncs:
-            fsync_dir(self.root)
+        self._durable.sync_folder(self.root)
         return segment
 
     def _finish_record(self, writer: "RecordWriter") -> Placement:
@@ -802,6 +801,7 @@ class _Receiving:
         if self._queue.contains(meta.tuple_id):
             self._duplicate = True
         elif meta.attempt > self._queue.max_attempts:
+            self._queue._durable.check()   # a dead letter is receipted too: not onto a disk that failed
             self._dead = self._queue.dead.writer(meta)
         else:
             self._record = self._queue._begin_record(meta)

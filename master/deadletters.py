@@ -22,7 +22,7 @@ from typing import BinaryIO, Iterable
 
 from hio.common.files import copy_exact
 from hio.common.frames import TupleMeta
-from hio.master.storage import Durability, fsync_dir, replace_durably, write_all
+from hio.master.storage import Durability, replace_durably, write_all
 
 log = logging.getLogger("hio.master")
 
@@ -62,7 +62,7 @@ class DeadWriter:
         fd, self._fd = self._fd, None
         try:
             if self._store.durability.syncs:
-                os.fsync(fd)
+                self._store.durability.sync_now(fd)
         finally:
             os.close(fd)
         return self._store._publish(self.meta, self._tmp, reason, seq)
@@ -136,8 +136,7 @@ class DeadLetterStore:
             self._letters.pop(tuple_id, None)
             self._meta(tuple_id).unlink(missing_ok=True)
             self._payload(tuple_id).unlink(missing_ok=True)
-        if self.durability.syncs:
-            fsync_dir(self.root)
+        self.durability.sync_folder(self.root)
 
     def _payload(self, tuple_id: int) -> Path:
         return self.root / f"{tuple_id}.payload"

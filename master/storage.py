@@ -84,6 +84,32 @@ class Durability:
         ``written(..., admitted=True)`` or gives them back with :meth:`release`."""
         if self.policy == "batch":
             self.budget.admit(nbytes)
+        else:
+            self.budget.check()       # after a failed fsync, as with 'batch'
+
+    def check(self) -> None:
+        """Raise Unavailable once an fsync has failed (:meth:`SyncBudget.check`)."""
+        self.budget.check()
+
+    def sync_now(self, fd: int) -> None:
+        """fsync ``fd`` on the caller's thread; a failure is final (SyncBudget.fail) and raised."""
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            self.budget.fail(exc.strerror or str(exc))
+            raise
+
+    def sync_folder(self, path: Path) -> None:
+        """fsync ``path`` after a file in it was made or removed (unless 'never'); a failure
+        is final, as for a file, and raises Unavailable naming it."""
+        if not self.syncs:
+            return
+        try:
+            fsync_dir(path)
+        except OSError as exc:
+            self.budget.fail(exc.strerror or str(exc))
+            self.budget.check()
+            raise
 
     def release(self, nbytes: int) -> None:
         """Admitted bytes that were not written after all."""
@@ -93,7 +119,7 @@ class Durability:
     def written(self, fd: int, nbytes: int = 0, *, admitted: bool = False) -> None:
         """``fd`` has ``nbytes`` new bytes: fsync now ('always') or soon ('batch')."""
         if self.policy == "always":
-            os.fsync(fd)
+            self.sync_now(fd)
         elif self.policy == "batch":
             with self._lock:
                 pending = self._files.setdefault(fd, Pending())
@@ -174,6 +200,7 @@ class Durability:
                 os.fsync(fd)
             except OSError as exc:
                 error = exc.strerror or str(exc)
+                self.budget.fail(error)
         synced = 0
         with self._lock:
             pending.syncing = False

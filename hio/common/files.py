@@ -7,9 +7,10 @@ crash) sees either the old content or the new, never a mix.
 
 from __future__ import annotations
 
+import errno
 import fcntl
-import os
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -28,10 +29,14 @@ def fsync_dir(path: Path) -> None:
         return
     try:
         os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on folders; the rename still happened
-        pass
+    except OSError as exc:  # some filesystems refuse fsync on folders; the rename still happened
+        if exc.errno not in _NO_FOLDER_FSYNC:
+            raise           # the disk failed to sync: the caller must not count on the rename
     finally:
         os.close(fd)
+
+
+_NO_FOLDER_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES)
 
 
 def fsync_file(path: Path) -> None:
@@ -129,12 +134,13 @@ class SyncBudget:
     until nothing does); counting before the write makes it a bound for concurrent
     writers too.
 
-    A failed flush round is final (:attr:`failure`): after a failed fsync Linux marks
-    the unwritten pages clean, so a later fsync reports success for bytes that never
+    A failed fsync is final (:meth:`fail`, :attr:`failure`): after it Linux marks the
+    unwritten pages clean, so a later fsync reports success for bytes that never
     reached the disk (PostgreSQL's "fsyncgate"). The store then takes no new tuples
     until its role is restarted (as PostgreSQL, etcd and Kafka stop using such a disk),
-    instead of receipting tuples onto a disk that has lost bytes; what it took
-    before is still delivered, and its restart checks every record's CRC.
+    instead of receipting tuples onto a disk that has lost bytes; what it took before is
+    still delivered. A round that fails for another reason (no descriptor left to open
+    a file with) is only named to the writers waiting for it (:meth:`round_done`).
     """
 
     def __init__(self, limit: int = UNSYNCED_BYTES, *, disk: str, owner: str, interval: float) -> None:
@@ -142,11 +148,13 @@ class SyncBudget:
             raise ValueError(f"unsynced_bytes must be positive, got {limit}")
         self.limit = int(limit)
         self._disk = disk                 # "the spool's disk": how a refusal names it
-        self._owner = owner               # "gateway": the role to restart after a failure
+        self._owner = owner               # "gateway": the role to restart after a failed fsync
         self._interval = interval         # the rounds' period: how often a waiting writer looks again
         self._unsynced = 0
         self._cond = threading.Condition(threading.Lock())
-        self._failure = ""                # why and when the first round failed, for good ('' if none did)
+        self._rounds = 0                  # flush rounds finished
+        self._error = ""                  # why the latest round failed ('' after a success)
+        self._failure = ""                # the first failed fsync, for good ('' if none failed)
         self._closed = False
 
     @property
@@ -155,20 +163,30 @@ class SyncBudget:
 
     @property
     def failure(self) -> str:
-        """'' while every flush round succeeded; else what failed, when, and what follows."""
+        """'' while no fsync failed; else what failed, when, and what follows."""
         return self._failure
+
+    def check(self) -> None:
+        """Raise Unavailable once an fsync has failed (before a tuple costs any I/O)."""
+        if self._failure:
+            raise Unavailable(f"{self._failure}; nothing of this tuple was written",
+                              retry_after=FAILED_DISK_RETRY_SECONDS)
 
     def admit(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more fit, then count them (the caller writes them, or
-        gives them back with :meth:`settle`). Raises Unavailable, nothing counted, once a
-        round has failed. Call it holding none of the store's locks."""
+        gives them back with :meth:`settle`). Raises Unavailable, nothing counted, once an
+        fsync has failed, or when a round fails while it waits. Call it holding none of
+        the store's locks."""
         with self._cond:
+            start = self._rounds
             while True:
-                if self._failure:
-                    raise Unavailable(f"{self._failure}; nothing of this tuple was written",
-                                      retry_after=FAILED_DISK_RETRY_SECONDS)
+                self.check()
                 if self._closed or not self._unsynced or self._unsynced + nbytes <= self.limit:
                     break
+                if self._error and self._rounds > start:
+                    raise Unavailable(f"{self._disk} does not sync ({self._error}); "
+                                      f"{self._unsynced} bytes wait for it; nothing was written",
+                                      retry_after=1.0)
                 self._cond.wait(self._interval)
             self._unsynced += nbytes
 
@@ -186,17 +204,22 @@ class SyncBudget:
                 self._cond.notify_all()
 
     def round_done(self, error: str = "") -> None:
-        """A flush round finished; ``error`` says why it failed ('' if it did not). The first
-        failure stands until the process ends (see the class)."""
+        """A flush round finished; ``error`` says why it failed ('' if it did not)."""
         with self._cond:
-            if error and not self._failure:
+            self._rounds += 1
+            self._error = error
+            self._cond.notify_all()
+
+    def fail(self, error: str) -> None:
+        """An fsync of the store's files failed: no new tuple until restart (see the class)."""
+        with self._cond:
+            if not self._failure:
                 when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
                 self._failure = (
                     f"{self._disk} failed to sync at {when} ({error}), so it takes no new tuples "
                     f"until the {self._owner} is restarted: after a failed fsync, a later one can "
                     "report success for bytes that never reached the disk. Tuples taken before "
-                    f"are still delivered; check the disk, then restart the {self._owner} "
-                    "(its start checks every stored record)")
+                    f"are still delivered; check the disk, then restart the {self._owner}")
                 log.error("fsync failed: no new tuples until restart",
                           extra={"disk": self._disk, "error": error})
             self._cond.notify_all()

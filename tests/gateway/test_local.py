@@ -130,7 +130,7 @@ def test_ingest_spool_full_is_resource_exhausted(daemon: tuple[ingest_pb2_grpc.I
 
 
 def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """After a failed spool fsync a later one can report success for bytes the failed one
     lost, so the gateway takes no new tuple, also once the disk syncs again: the ingest API
     answers UNAVAILABLE with the reason and a retry hint, the status names it, and watched
@@ -147,9 +147,11 @@ def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted
         return stub.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5)
 
     with running_gateway(config) as stub:
+        disk.open.clear()                                        # no round ends before 'a' is in
         disk.error = OSError(errno.EIO, "Input/output error")
         [receipt] = stub.Submit(frames(b"a" * 100, image="hio/synthetic", name="a.bin"), timeout=10)
         assert receipt.state == TupleReceipt.ACCEPTED          # 'batch': receipted before its fsync
+        disk.open.set()
         warned = wait_for(lambda: [w for w in status(stub).warnings if "failed to sync" in w],
                           timeout=10, what="the failed fsync in the gateway's status")
         assert "Input/output error" in warned[0] and "restart the gateway" in warned[0]
@@ -159,8 +161,10 @@ def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "the spool's disk failed to sync" in refused.value.details() and retry_after(refused.value)
         (watch / "late.tif").write_bytes(b"t" * 100)
-        time.sleep(1.0)                                          # settled and scanned many times over
+        wait_for(lambda: any("the spool takes no new files" in r.getMessage() for r in caplog.records),
+                 timeout=10, what="the watcher refused by the spool")
         assert (watch / "late.tif").exists() and status(stub).spooled_tuples == 1
+        assert not list((tmp_path / "var" / "gateway" / "spool" / "lab").glob(".tmp-*"))
     with running_gateway(config) as stub:
         wait_for(lambda: status(stub).spooled_tuples == 2, timeout=10, what="the watched file taken")
         [receipt] = stub.Submit(frames(b"b" * 100, image="hio/synthetic", name="b.bin"), timeout=10)

@@ -368,11 +368,13 @@ def test_batch_mode_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
     disk = FsyncDisk(monkeypatch)
     root = tmp_path / "s"
     spool = Spool(root, 1 << 20, fsync="batch", unsynced_bytes=13_000)
+    disk.open.clear()                                             # no round ends before both are in
     disk.error = OSError(errno.EIO, "Input/output error")
     spool.put_bytes(b"a" * 6000, meta("t0"))
     spool.put_bytes(b"b" * 6000, meta("t1"))
+    disk.open.set()
     refusal = r"the spool's disk failed to sync at .*\(.*Input/output error\).*restart the gateway"
-    with pytest.raises(Unavailable, match=refusal) as held:      # held for the disk, then told why
+    with pytest.raises(Unavailable, match=refusal) as held:      # held for the disk (or refused at once)
         spool.put_bytes(b"c" * 6000, meta("t2"))
     assert held.value.retry_after and "nothing of this tuple was written" in held.value.message
     assert "Input/output error" in spool.disk_failure
@@ -395,3 +397,55 @@ def test_batch_mode_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
     again.put_bytes(b"c" * 6000, meta("t2"))
     assert len(again) == 3
     again.close()
+
+def test_always_mode_refuses_the_tuple_whose_fsync_failed_and_every_later_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 'always' the tuple whose fsync failed is refused and cut off its segment (a
+    restart does not bring back what its sender was told failed, to be sent twice), and the
+    failure is as final as in 'batch': later tuples are refused before any I/O."""
+    disk = FsyncDisk(monkeypatch)
+    root = tmp_path / "s"
+    spool = Spool(root, 1 << 20, fsync="always")
+    spool.put_bytes(b"a" * 100, meta("t0"))
+    disk.error = OSError(errno.EIO, "Input/output error")
+    with pytest.raises(OSError, match="Input/output error"):
+        spool.put_bytes(b"b" * 100, meta("t1"))
+    disk.error = None
+    with pytest.raises(Unavailable, match=r"the spool's disk failed to sync .*restart the gateway"):
+        spool.put_bytes(b"c" * 100, meta("t2"))
+    assert len(spool) == 1 and spool.reserved_bytes == 0
+    spool.close()
+    again = Spool(root, 1 << 20, fsync="always")
+    assert [again.read_payload(e) for e in again.entries()] == [b"a" * 100]
+    again.close()
+
+
+def test_a_flush_that_cannot_open_a_descriptor_is_not_final_and_loses_nothing_to_sync(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush that fails before any fsync (no descriptor left: EMFILE) is not the disk's
+    failure: the spool goes on taking tuples, and the next flush syncs everything the failed
+    one had taken over (before, a failed dup dropped the retired segments and the files to
+    sync, so they were never synced and their bytes stayed counted)."""
+    monkeypatch.setattr(spool_module, "BATCH_FSYNC_SECONDS", 3600.0)   # this test flushes by hand
+    disk = FsyncDisk(monkeypatch)
+    root = tmp_path / "s"
+    spool = Spool(root, 1 << 20, fsync="batch", segment_bytes=4096)
+    original = tmp_path / "frame.bin"
+    original.write_bytes(b"f" * 500)
+    spool.put_file(original, meta("frame.bin"))
+    entries = [spool.put_bytes(bytes([n]) * 3000, meta(f"t{n}")) for n in range(3)]   # a segment rolls
+    assert spool.unsynced_bytes > 9000
+    real_dup = os.dup
+
+    def no_descriptor(fd: int) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(os, "dup", no_descriptor)
+    with pytest.raises(OSError, match="Too many open files"):
+        spool.flush()
+    monkeypatch.setattr(os, "dup", real_dup)
+    assert spool.disk_failure == ""
+    spool.put_bytes(b"z" * 100, meta("z"))
+    spool.flush()
+    assert spool.unsynced_bytes == 0
+    assert str(entries[0].data_path) in disk.synced and any(p.endswith(".data") for p in disk.synced)
+    spool.close()

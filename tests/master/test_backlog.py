@@ -607,3 +607,28 @@ def test_a_segment_that_cannot_be_created_reserves_nothing(tmp_path: Path, monke
             put(q, frames(tid, payload(tid, 4000)))
     monkeypatch.setattr(os, "open", real_open)
     assert put(q, frames(9, payload(9, 4000)))[0].placement is Placement.ENQUEUED
+
+
+def test_always_takes_no_new_tuple_after_a_failed_fsync_nor_a_dead_letter(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 'always' a failed fsync refuses its own tuple (the sender is told) and is as
+    final as in 'batch': the next tuple is refused before it is written, and so is one
+    that would go straight to the dead letters (those are receipted ENQUEUED too)."""
+    disk = FsyncDisk(monkeypatch)
+    durability = Durability("always")
+    q = open_queue(tmp_path, durability=durability, max_attempts=3)
+    put(q, frames(1, payload(1)))
+    disk.error = OSError(errno.EIO, "Input/output error")
+    with pytest.raises(OSError, match="Input/output error"):
+        put(q, frames(2, payload(2)))
+    disk.error = None
+    refusal = r"backlog's disk failed to sync at .*\(Input/output error\).*restart the master"
+    with pytest.raises(Unavailable, match=refusal):
+        put(q, frames(3, payload(3)))
+    exhausted = frames(4, payload(4))
+    exhausted[0].meta.attempt = 4
+    with pytest.raises(Unavailable, match=refusal):
+        put(q, exhausted)
+    assert q.length() == 1 and q.dead.list(10) == []
+    assert take(q)[0] == 1
+    q.close()

@@ -407,15 +407,16 @@ def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_maste
     disk = FsyncDisk(monkeypatch)
     listen = f"127.0.0.1:{free_port()}"
     with running_master(tmp_path, fsync="batch", listen=listen) as m:
-        ids = list(route(m.stub, [100, 100], force_queue=True).tuple_ids)   # the id block is reserved now
+        ids = list(route(m.stub, [100] * 3, force_queue=True).tuple_ids)   # the id block is reserved now
+        assert enqueue(m.stub, frames(ids[0], b"x" * 100))[0].state == TupleReceipt.ENQUEUED  # a segment now
         disk.error = OSError(errno.EIO, "Input/output error")
-        assert enqueue(m.stub, frames(ids[0], b"x" * 100))[0].state == TupleReceipt.ENQUEUED  # before its round
+        assert enqueue(m.stub, frames(ids[1], b"w" * 100))[0].state == TupleReceipt.ENQUEUED  # before its round
         failure = wait_for(lambda: [w for w in status(m.stub).warnings if "failed to sync" in w],
                            timeout=10, what="the failed fsync in the master's status")
         assert "Input/output error" in failure[0] and "restart the master" in failure[0]
         disk.error = None                                  # the disk "syncs" again: refused all the same
         with pytest.raises(grpc.RpcError) as err:
-            enqueue(m.stub, frames(ids[1], b"y" * 100))
+            enqueue(m.stub, frames(ids[2], b"y" * 100))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and retry_after(err.value) == pytest.approx(0.5)
         assert "the backlog's disk failed to sync" in err.value.details()
         gw = Gateway(master_address=listen, data_dir=str(tmp_path / "gw"), source="lab", image=IMAGE,
@@ -428,11 +429,13 @@ def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_maste
             assert not future.done()
             st = gw.status()
             assert st.retries == 0 and st.master_unreachable_seconds == 0 and st.spooled_tuples == 1
+            assert [w for w in st.warnings() if "the master's queue takes no tuples" in w and "restart the master" in w]
             assert [e.meta.attempt for e in gw.spool.entries()] == [1]
             channel = register(m.stub, "wa")[0]
-            meta, data = pull(m.stub, channel)             # what was queued before is still handed out
-            assert meta is not None and meta.tuple_id == ids[0] and data == b"x" * 100
-            report(m.stub, channel, ids[0])
+            for tuple_id, payload in ((ids[0], b"x" * 100), (ids[1], b"w" * 100)):
+                meta, data = pull(m.stub, channel)         # what was queued before is still handed out
+                assert meta is not None and meta.tuple_id == tuple_id and data == payload
+                report(m.stub, channel, tuple_id)
         except BaseException:
             gw.close()
             raise
