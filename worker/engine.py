@@ -615,7 +615,10 @@ class Engine:
         slot = _Slot(index, meta)
         result = self._compute(meta, data, from_queue=False, started=started)
         if isinstance(result, str):
-            dead = self._hand_back(meta, data, result)
+            try:
+                dead = self._hand_back(meta, data, result)
+            except HioError as exc:
+                return self._not_taken_back(slot, result, exc)
             self._report(meta, ok=False, from_queue=False, message=result)
             slot.receipt = TupleReceipt(index=index, tuple_id=meta.tuple_id, state=TupleReceipt.ENQUEUED,
                                         message=result, dead_lettered=dead)
@@ -650,6 +653,18 @@ class Engine:
         if self._ticket_key and not verify_ticket(self._ticket_key, meta.tuple_id, meta.image, meta.ticket):
             raise PermissionDenied(f"tuple {meta.tuple_id}: its ticket does not match; "
                                    "only tuples routed by this cluster's master are accepted")
+
+    def _not_taken_back(self, slot: _Slot, error: str, refusal: HioError) -> _Slot:
+        """The master's queue did not take a failed tuple back (unreachable, or its disk failed
+        to sync): the tuple fails to its sender, which counts the attempt and sends it again,
+        and the stream goes on (before, the stream broke and every tuple after it was charged)."""
+        message = truncate(f"{error}; the master's queue did not take it back: {refusal.message}")
+        log.warning("failed tuple not taken back by the master; its sender retries it",
+                    extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": refusal.message})
+        self._report(slot.meta, ok=False, from_queue=False, message=message)
+        slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED,
+                                    message=message)
+        return slot
 
     def _hand_back(self, meta: TupleMeta, data: bytes, error: str, deadline: float | None = None) -> bool:
         """Give a failed direct tuple to the master's queue with attempt+1 and the error;

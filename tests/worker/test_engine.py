@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import threading
 import time
 from pathlib import Path
@@ -11,9 +12,10 @@ from typing import Any, Iterator
 import grpc
 import pytest
 
+from hio.common import files
 from hio.common.frames import TupleMeta, TupleReceipt, frames_for_bytes
 from hio.proto import master_pb2
-from tests.harness import free_port, wait_for
+from tests.harness import FsyncDisk, free_port, wait_for
 from tests.worker.conftest import (SETTINGS, TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple,
                                    register_channel)
 
@@ -492,3 +494,36 @@ def test_a_pull_ahead_held_when_the_engine_stops_goes_back_uncharged(master: Mas
     pulled = master.stub.PullTuple(master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=1), timeout=10)
     metas = [f.meta for f in pulled if f.HasField("meta")]
     assert [(m.tuple_id, m.attempt) for m in metas] == [(held, 1)], "given back at the head, not charged"
+
+
+def test_a_failed_tuple_the_master_cannot_take_back_fails_alone_and_the_stream_goes_on(
+        repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tuple whose processing failed goes back to the master's queue; when that queue takes
+    no tuples (its disk failed to sync), the tuple fails to its sender with both reasons (the
+    sender counts the attempt and sends it again) and the tuples after it in the stream are
+    processed; before, the stream broke and the sender charged every tuple left in it."""
+    monkeypatch.setattr(files, "FAILED_DISK_RETRY_SECONDS", 0.2)
+    disk = FsyncDisk(monkeypatch)
+    master = Master(tmp_path / "master", fsync="batch")
+    try:
+        route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(   # an image no engine here pulls
+            source="test", image="hio/synthetic", items=[master_pb2.RouteItem(size=1)] * 2, force_queue=True),
+            timeout=5)
+        for n, tuple_id in enumerate(route.tuple_ids):
+            if n == 1:                                                 # the first opened a segment
+                disk.error = OSError(errno.EIO, "Input/output error")
+            queued, queued_data = make_tuple(tuple_id, b"q", image="hio/synthetic")
+            [receipt] = master.stub.Enqueue(frames_for_bytes(queued, queued_data, SETTINGS.chunk_bytes), timeout=10)
+            assert receipt.state == TupleReceipt.ENQUEUED              # 'batch': before its round
+        wait_for(lambda: [w for w in master.status().warnings if "failed to sync" in w], timeout=10,
+                 what="the master's failed fsync")
+        disk.error = None
+        with _serving(master, repo, rpc_deadline=1.0) as engine:
+            failing, failing_data = _routed(master, b"oops", mode="fail")
+            ok, ok_data = _routed(master, b"fine")
+            first, second = engine.deliver([(failing, failing_data), (ok, ok_data)])
+            assert first.state == TupleReceipt.FAILED
+            assert "ValueError: cannot analyse" in first.message and "the backlog's disk failed to sync" in first.message
+            assert second.state == TupleReceipt.STORED and ok.tuple_id in repo.records()
+    finally:
+        master.close()
