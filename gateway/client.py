@@ -178,7 +178,7 @@ class Gateway:
         for delivery. Blocks when the spool is full: then it waits up to
         ``timeout`` s (None = as long as needed) and raises :class:`SpoolFull`;
         and, with "batch", while 256 MiB appended wait for a disk slower than
-        the submissions. Raises ``Unavailable`` once a spool fsync has failed
+        the submissions. Raises ``FailedPrecondition`` once a spool fsync has failed
         (until the gateway is restarted; see :attr:`GatewayStatus.spool_failure`).
         Raises ``InvalidArgument`` for a tuple over ``max_tuple_bytes`` or
         ``spool_bytes``, or without an image; :class:`DeliveryError` once the

@@ -24,7 +24,8 @@ Retry policy (the master owns the rest):
   file rewritten in place) is rejected: sending it again cannot help;
 * master ``INVALID_ARGUMENT`` for a lone tuple that carries an id: the id is not
   the master's (its state was reset): route it again as a new tuple;
-* master queue full, or refusing tuples with a hint (its disk failed to sync): back off
+* master queue full, or refusing tuples with a hint (``FAILED_PRECONDITION``: its disk failed
+  to sync, until it restarts): back off
   by the server's hint (logged once), no attempt counted;
 * master unreachable: back off and retry, forever (callers decide when to give up);
 * ``attempt > max_attempts``: the tuple goes to the master queue anyway, which
@@ -59,6 +60,7 @@ log = logging.getLogger("hio.gateway")
 
 LAST_ERROR_ATTRIBUTE = "hio.last_error"
 QUEUE_REFUSAL_SHOWN_SECONDS = 60.0   # how long the status shows the master's queue refusing
+_QUEUE_REFUSED = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE})
 _MASTER_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 UNREACHABLE_LOG_SECONDS = 60.0   # an unreachable engine is logged at most once in this long
 
@@ -579,12 +581,13 @@ class Dispatcher:
             # charging each refused route would dead-letter healthy tuples.
             self._engine_unreachable(address, error)
             self._retry(left, error, count_attempt=False, delay=random.uniform(0.5, 1.5))
-        elif not direct and (code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                             or (code == grpc.StatusCode.UNAVAILABLE and retry_after(exc) is not None)):
-            # The master answers but its queue takes nothing now: full, or (UNAVAILABLE with a
-            # hint) its disk failed to sync. The tuples wait here, uncounted, and are routed
-            # again after the hint (a channel may be free by then).
-            if code == grpc.StatusCode.UNAVAILABLE:
+        elif not direct and (code == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+                code in _QUEUE_REFUSED and retry_after(exc) is not None)):
+            # The master answers but its queue takes nothing now: full, or (with a hint) its
+            # disk failed to sync, for good until it restarts (FAILED_PRECONDITION) or for a
+            # round (UNAVAILABLE). The tuples wait here, uncounted, and are routed again after
+            # the hint (a channel may be free by then).
+            if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self._queue_refusal = (time.monotonic(), details)
             if not self._queue_full_logged:
                 self._queue_full_logged = True

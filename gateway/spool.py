@@ -332,7 +332,7 @@ class Spool:
             unsynced = self._sync_files(files, errors)
             if files or dirty or retired:
                 try:
-                    fsync_dir(self.root)
+                    fsync_dir(self.root, strict=True)
                 except OSError as exc:
                     self._budget.fail(_why(exc))
                     errors.append(exc)
@@ -380,6 +380,16 @@ class Spool:
                 continue
             self._budget.settle(size)
         return failed
+
+    @staticmethod
+    def _cut(segment: _Segment, start: int) -> None:
+        """Cut a refused record off ``segment``; if even that fails, its size is what the file
+        says (the next record's offset is where O_APPEND really writes it)."""
+        assert segment.fd is not None
+        try:
+            os.ftruncate(segment.fd, start)
+        except OSError:
+            segment.size = os.fstat(segment.fd).st_size
 
     def _fsync(self, fd: int) -> None:
         """``os.fsync``; its failure is final for new tuples (SyncBudget.fail says why)."""
@@ -556,9 +566,10 @@ class Spool:
             self._active = segment
         if self.fsync == "always":
             try:
-                fsync_dir(self.root)
+                fsync_dir(self.root, strict=True)
             except OSError as exc:
                 self._budget.fail(_why(exc))
+                self._budget.check()
                 raise
         else:
             self._dirty = True
@@ -583,13 +594,14 @@ class Spool:
             for part in parts:
                 write_all(segment.fd, part)
         except BaseException:
-            os.ftruncate(segment.fd, start)   # never leave half a record before the next one
+            self._cut(segment, start)         # never leave half a record before the next one
             raise
         if self.fsync == "always":
             try:
                 self._fsync(segment.fd)
-            except BaseException:
-                os.ftruncate(segment.fd, start)   # refused: a restart must not bring it back
+            except OSError:
+                self._cut(segment, start)     # refused: a restart (not a power loss) must not bring it back
+                self._budget.check()          # the refusal that names the failed fsync
                 raise
         segment.size = start + total
         if self.fsync != "always":
@@ -717,7 +729,11 @@ class Spool:
         admitted = 0
         try:
             if self.fsync == "always":
-                self._fsync_path(tmp)   # the payload is on disk before a record names it
+                try:
+                    self._fsync_path(tmp)   # the payload is on disk before a record names it
+                except OSError:
+                    self._budget.check()    # a failed fsync: the refusal that names it
+                    raise
             meta_bytes = _meta_bytes(meta)
             move_bytes = _move_bytes(move)
             admitted = self._wait_for_disk(meta.size)

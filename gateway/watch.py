@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from hio.common.config import ConfigError
-from hio.common.errors import InvalidArgument, Unavailable
+from hio.common.errors import FailedPrecondition, InvalidArgument
 from hio.gateway.client import Gateway
 from hio.gateway.config import infer_image, is_ignored
 from hio.gateway.spool import SpoolFull
@@ -122,7 +122,7 @@ class DirectoryWatcher:
         try:
             image = infer_image(path, self._image)
             self._gateway.submit_file(path, image=image, move_to=target, timeout=0)
-        except (SpoolFull, Unavailable) as exc:   # full, or its disk failed to sync: try later
+        except (SpoolFull, FailedPrecondition) as exc:   # full, or its disk failed to sync: try later
             if not self._spool_full_logged:
                 self._spool_full_logged = True
                 log.warning("spool full; new files wait in the folder" if isinstance(exc, SpoolFull)

@@ -22,7 +22,7 @@ from typing import BinaryIO, Iterable
 
 from hio.common.files import copy_exact
 from hio.common.frames import TupleMeta
-from hio.master.storage import Durability, replace_durably, write_all
+from hio.master.storage import Durability, write_all
 
 log = logging.getLogger("hio.master")
 
@@ -136,7 +136,7 @@ class DeadLetterStore:
             self._letters.pop(tuple_id, None)
             self._meta(tuple_id).unlink(missing_ok=True)
             self._payload(tuple_id).unlink(missing_ok=True)
-        self.durability.sync_folder(self.root)
+        self.durability.sync_folder(self.root, refuse=False)   # it is back in the queue already
 
     def _payload(self, tuple_id: int) -> Path:
         return self.root / f"{tuple_id}.payload"
@@ -150,8 +150,8 @@ class DeadLetterStore:
                "reason": letter.reason, "failed_unix": letter.failed_unix, "seq": seq}
         with self._lock:
             os.replace(tmp, self._payload(meta.tuple_id))
-            replace_durably(self.root / f"{meta.tuple_id}.json.tmp", self._meta(meta.tuple_id),
-                            json.dumps(doc).encode(), sync=self.durability.syncs)
+            self.durability.replace(self.root / f"{meta.tuple_id}.json.tmp", self._meta(meta.tuple_id),
+                                    json.dumps(doc).encode())
             self._letters[meta.tuple_id] = letter
         log.warning("dead letter", extra={"tuple_id": meta.tuple_id, "image": meta.image,
                                           "attempt": meta.attempt, "reason": letter.reason})

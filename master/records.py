@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 from hio.common.errors import InvalidArgument, Unavailable
 from hio.common.frames import TupleMeta, crc32
-from hio.master.storage import Durability, Pending, replace_durably, write_all
+from hio.master.storage import Durability, Pending, write_all
 
 log = logging.getLogger("hio.master")
 
@@ -164,7 +164,7 @@ class Journal:
             data += body + struct.pack(">I", crc32(body))
         replaced = False
         try:   # the old file stays the journal until the new one has replaced it
-            replace_durably(self.path.with_suffix(".tmp"), self.path, bytes(data), sync=self._durable.syncs)
+            self._durable.replace(self.path.with_suffix(".tmp"), self.path, bytes(data))
             replaced = True
         finally:   # append to whichever file is the journal now (the new one, or still the old)
             self.close(replaced=replaced)

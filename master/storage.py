@@ -14,23 +14,9 @@ from hio.common.files import UNSYNCED_BYTES, SyncBudget, fsync_dir, write_all
 
 log = logging.getLogger("hio.master")
 
-__all__ = ["Durability", "Pending", "fsync_dir", "replace_durably", "write_all"]
+__all__ = ["Durability", "Pending", "fsync_dir", "write_all"]
 
 BATCH_INTERVAL = 0.1  # seconds: 'batch' fsyncs dirty files at most this often
-
-
-def replace_durably(tmp: Path, final: Path, data: bytes, *, sync: bool = True) -> None:
-    """Write ``data`` to ``tmp``, then atomically rename it to ``final``."""
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        write_all(fd, data)
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-    if sync:
-        fsync_dir(final.parent)
 
 
 class Durability:
@@ -92,24 +78,42 @@ class Durability:
         self.budget.check()
 
     def sync_now(self, fd: int) -> None:
-        """fsync ``fd`` on the caller's thread; a failure is final (SyncBudget.fail) and raised."""
+        """fsync ``fd`` on the caller's thread; a failure is final (SyncBudget.fail) and
+        raised as the refusal that names it (FailedPrecondition)."""
         try:
             os.fsync(fd)
         except OSError as exc:
             self.budget.fail(exc.strerror or str(exc))
+            self.budget.check()
             raise
 
-    def sync_folder(self, path: Path) -> None:
+    def sync_folder(self, path: Path, *, refuse: bool = True) -> None:
         """fsync ``path`` after a file in it was made or removed (unless 'never'); a failure
-        is final, as for a file, and raises Unavailable naming it."""
+        is final, as for a file. ``refuse``: raise the refusal that names it (the caller has
+        not committed to anything yet); else only record it (a rename already happened, and
+        what the caller keeps in memory must follow the files)."""
         if not self.syncs:
             return
         try:
-            fsync_dir(path)
+            fsync_dir(path, strict=True)
         except OSError as exc:
             self.budget.fail(exc.strerror or str(exc))
-            self.budget.check()
-            raise
+            if refuse:
+                self.budget.check()
+                raise
+
+    def replace(self, tmp: Path, final: Path, data: bytes) -> None:
+        """Write ``data`` to ``tmp`` (synced unless 'never'), then rename it over ``final``
+        (the folder synced after; its failure recorded, not raised: the file is replaced)."""
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            write_all(fd, data)
+            if self.syncs:
+                self.sync_now(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        self.sync_folder(final.parent, refuse=False)
 
     def release(self, nbytes: int) -> None:
         """Admitted bytes that were not written after all."""

@@ -16,13 +16,17 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from hio.common.errors import Unavailable
+from hio.common.errors import FailedPrecondition, Unavailable
 
 log = logging.getLogger("hio.files")
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in ``path`` durable (no-op where unsupported)."""
+def fsync_dir(path: Path, *, strict: bool = False) -> None:
+    """Make a rename or a new file in ``path`` durable (no-op where unsupported).
+
+    ``strict``: raise an fsync that fails for another reason than the filesystem not
+    supporting it (the stores that stop after a failed fsync: the spool, the backlog);
+    else it is ignored, as it always was for the other roles' files."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -30,7 +34,7 @@ def fsync_dir(path: Path) -> None:
     try:
         os.fsync(fd)
     except OSError as exc:  # some filesystems refuse fsync on folders; the rename still happened
-        if exc.errno not in _NO_FOLDER_FSYNC:
+        if strict and exc.errno not in _NO_FOLDER_FSYNC:
             raise           # the disk failed to sync: the caller must not count on the rename
     finally:
         os.close(fd)
@@ -134,7 +138,7 @@ class SyncBudget:
     until nothing does); counting before the write makes it a bound for concurrent
     writers too.
 
-    A failed fsync is final (:meth:`fail`, :attr:`failure`): after it Linux marks the
+    A failed fsync is final (:meth:`fail`, :attr:`failure`, :meth:`check`): after it Linux marks the
     unwritten pages clean, so a later fsync reports success for bytes that never
     reached the disk (PostgreSQL's "fsyncgate"). The store then takes no new tuples
     until its role is restarted (as PostgreSQL, etcd and Kafka stop using such a disk),
@@ -167,15 +171,18 @@ class SyncBudget:
         return self._failure
 
     def check(self) -> None:
-        """Raise Unavailable once an fsync has failed (before a tuple costs any I/O)."""
+        """Raise FailedPrecondition once an fsync has failed (before a tuple costs any I/O):
+        gRPC's code for "do not retry until the system's state is fixed" (here: a restart),
+        where UNAVAILABLE would have clients retry at once; it carries a retry hint all the
+        same, for senders that wait for the restart (the gateway keeps such tuples spooled)."""
         if self._failure:
-            raise Unavailable(f"{self._failure}; nothing of this tuple was written",
-                              retry_after=FAILED_DISK_RETRY_SECONDS)
+            raise FailedPrecondition(f"{self._failure}; nothing of this tuple was written",
+                                     retry_after=FAILED_DISK_RETRY_SECONDS)
 
     def admit(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more fit, then count them (the caller writes them, or
-        gives them back with :meth:`settle`). Raises Unavailable, nothing counted, once an
-        fsync has failed, or when a round fails while it waits. Call it holding none of
+        gives them back with :meth:`settle`). Raises FailedPrecondition, nothing counted, once
+        an fsync has failed, or Unavailable when a round fails while it waits. Call it holding none of
         the store's locks."""
         with self._cond:
             start = self._rounds

@@ -133,7 +133,7 @@ def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """After a failed spool fsync a later one can report success for bytes the failed one
     lost, so the gateway takes no new tuple, also once the disk syncs again: the ingest API
-    answers UNAVAILABLE with the reason and a retry hint, the status names it, and watched
+    answers FAILED_PRECONDITION with the reason and a retry hint, the status names it, and watched
     files wait in their folder. The tuples taken before stay spooled; after a restart the
     gateway takes tuples again, the waiting files included."""
     disk = FsyncDisk(monkeypatch)
@@ -158,7 +158,7 @@ def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted
         disk.error = None
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.Submit(frames(b"b" * 100, image="hio/synthetic", name="b.bin"), timeout=10))
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "the spool's disk failed to sync" in refused.value.details() and retry_after(refused.value)
         (watch / "late.tif").write_bytes(b"t" * 100)
         wait_for(lambda: any("the spool takes no new files" in r.getMessage() for r in caplog.records),

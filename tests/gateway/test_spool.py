@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hio.common.config import ConfigError
-from hio.common.errors import InvalidArgument, Unavailable
+from hio.common.errors import FailedPrecondition, InvalidArgument
 from hio.gateway import spool as spool_module
 from hio.gateway.spool import MoveOnDone, Spool, SpoolFull, safe_name
 from hio.proto.tuple_pb2 import TupleMeta
@@ -360,7 +360,7 @@ def test_batch_mode_holds_appends_while_the_disk_is_behind(tmp_path: Path, monke
 def test_batch_mode_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A failed flush is final: after it, Linux may report a later fsync as a success for
-    bytes it dropped, so the spool refuses every new tuple (Unavailable, naming the disk
+    bytes it dropped, so the spool refuses every new tuple (FailedPrecondition, naming the disk
     and the restart, nothing written: no record, no payload file), also once the disk
     syncs again; the tuples it took before are still there to deliver, and a restarted
     spool has them all and takes new ones. Before, the next successful fsync let appends
@@ -374,7 +374,7 @@ def test_batch_mode_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
     spool.put_bytes(b"b" * 6000, meta("t1"))
     disk.open.set()
     refusal = r"the spool's disk failed to sync at .*\(.*Input/output error\).*restart the gateway"
-    with pytest.raises(Unavailable, match=refusal) as held:      # held for the disk (or refused at once)
+    with pytest.raises(FailedPrecondition, match=refusal) as held:   # held for the disk (or refused at once)
         spool.put_bytes(b"c" * 6000, meta("t2"))
     assert held.value.retry_after and "nothing of this tuple was written" in held.value.message
     assert "Input/output error" in spool.disk_failure
@@ -385,7 +385,7 @@ def test_batch_mode_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
     original.write_bytes(b"d" * 100)
     for attempt in (lambda: spool.put_bytes(b"c", meta("t2")),    # well within the bound: refused all the same
                     lambda: spool.put_file(original, meta("frame.bin"))):
-        with pytest.raises(Unavailable, match=refusal):
+        with pytest.raises(FailedPrecondition, match=refusal):
             attempt()
     assert len(spool) == 2 and spool.used_bytes == 12_000 and spool.reserved_bytes == 0
     assert not list(root.glob(".tmp-*")) and original.read_bytes() == b"d" * 100
@@ -408,10 +408,11 @@ def test_always_mode_refuses_the_tuple_whose_fsync_failed_and_every_later_one(
     spool = Spool(root, 1 << 20, fsync="always")
     spool.put_bytes(b"a" * 100, meta("t0"))
     disk.error = OSError(errno.EIO, "Input/output error")
-    with pytest.raises(OSError, match="Input/output error"):
+    refusal = r"the spool's disk failed to sync .*\(Input/output error\).*restart the gateway"
+    with pytest.raises(FailedPrecondition, match=refusal):        # the tuple whose fsync failed
         spool.put_bytes(b"b" * 100, meta("t1"))
     disk.error = None
-    with pytest.raises(Unavailable, match=r"the spool's disk failed to sync .*restart the gateway"):
+    with pytest.raises(FailedPrecondition, match=refusal):
         spool.put_bytes(b"c" * 100, meta("t2"))
     assert len(spool) == 1 and spool.reserved_bytes == 0
     spool.close()

@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Iterator
 
 import pytest
 
-from hio.common.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from hio.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hio.common.frames import (ChunkFrame, TupleFrame, WireFrame, crc32, parse_frame, serialize_frame,
                                tuple_frames)
 from hio.master.backlog import BacklogQueue, Lease, Placement, Stored
@@ -459,7 +459,7 @@ def test_batch_holds_senders_while_the_disk_lags_and_lets_them_go_once_synced(
 
 def test_batch_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A sender held for the disk is told why when the flush round fails (UNAVAILABLE with
+    """A sender held for the disk is told why when the flush round fails (FAILED_PRECONDITION with
     a retry hint, nothing of its tuple written). The failure is final: a later fsync can
     report success for bytes the failed one lost, so no new tuple is taken until the
     master restarts, also once the disk syncs again; the tuples queued before are still
@@ -472,12 +472,12 @@ def test_batch_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
     disk.error = OSError(errno.EIO, "Input/output error")
     refusal = r"backlog's disk failed to sync at .*\(Input/output error\).*restart the master"
     with _Rounds(durability):
-        with pytest.raises(Unavailable, match=refusal) as held:
+        with pytest.raises(FailedPrecondition, match=refusal) as held:
             put(q, frames(3, payload(3, 3000)))
         assert held.value.retry_after
         disk.error = None
         wait_for(lambda: durability.unsynced_bytes == 0, timeout=10, what="a round that syncs")
-        with pytest.raises(Unavailable, match=refusal):
+        with pytest.raises(FailedPrecondition, match=refusal):
             put(q, frames(4, payload(4, 30)))                 # well within the bound: refused all the same
     assert q.length() == 2
     assert take(q)[0] == 1                                    # what was queued is still handed out
@@ -619,15 +619,15 @@ def test_always_takes_no_new_tuple_after_a_failed_fsync_nor_a_dead_letter(
     q = open_queue(tmp_path, durability=durability, max_attempts=3)
     put(q, frames(1, payload(1)))
     disk.error = OSError(errno.EIO, "Input/output error")
-    with pytest.raises(OSError, match="Input/output error"):
+    refusal = r"backlog's disk failed to sync at .*\(Input/output error\).*restart the master"
+    with pytest.raises(FailedPrecondition, match=refusal):          # the tuple whose fsync failed
         put(q, frames(2, payload(2)))
     disk.error = None
-    refusal = r"backlog's disk failed to sync at .*\(Input/output error\).*restart the master"
-    with pytest.raises(Unavailable, match=refusal):
+    with pytest.raises(FailedPrecondition, match=refusal):
         put(q, frames(3, payload(3)))
     exhausted = frames(4, payload(4))
     exhausted[0].meta.attempt = 4
-    with pytest.raises(Unavailable, match=refusal):
+    with pytest.raises(FailedPrecondition, match=refusal):
         put(q, exhausted)
     assert q.length() == 1 and q.dead.list(10) == []
     assert take(q)[0] == 1

@@ -399,7 +399,7 @@ def test_cancelled_batch_pull_voids_every_lease_in_order(tmp_path: Path) -> None
 def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_master_restarts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After a failed fsync the master's queue takes no new tuple (a later fsync can report
-    success for bytes the failed one lost): Enqueue is UNAVAILABLE with a retry hint and
+    success for bytes the failed one lost): Enqueue is FAILED_PRECONDITION with a retry hint and
     the reason, and the status says so. A gateway told so keeps its tuples, counts no
     attempt and does not call the master unreachable; what was queued before is still
     handed out; once the master is restarted the gateway's tuple is queued."""
@@ -417,7 +417,7 @@ def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_maste
         disk.error = None                                  # the disk "syncs" again: refused all the same
         with pytest.raises(grpc.RpcError) as err:
             enqueue(m.stub, frames(ids[2], b"y" * 100))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and retry_after(err.value) == pytest.approx(0.5)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and retry_after(err.value) == pytest.approx(0.5)
         assert "the backlog's disk failed to sync" in err.value.details()
         gw = Gateway(master_address=listen, data_dir=str(tmp_path / "gw"), source="lab", image=IMAGE,
                      force_queue=True, spool_fsync="never")

@@ -12,7 +12,6 @@ from typing import Any, Iterator
 import grpc
 import pytest
 
-from hio.common import files
 from hio.common.frames import TupleMeta, TupleReceipt, frames_for_bytes
 from hio.proto import master_pb2
 from tests.harness import FsyncDisk, free_port, wait_for
@@ -502,7 +501,6 @@ def test_a_failed_tuple_the_master_cannot_take_back_fails_alone_and_the_stream_g
     no tuples (its disk failed to sync), the tuple fails to its sender with both reasons (the
     sender counts the attempt and sends it again) and the tuples after it in the stream are
     processed; before, the stream broke and the sender charged every tuple left in it."""
-    monkeypatch.setattr(files, "FAILED_DISK_RETRY_SECONDS", 0.2)
     disk = FsyncDisk(monkeypatch)
     master = Master(tmp_path / "master", fsync="batch")
     try:
@@ -518,7 +516,7 @@ def test_a_failed_tuple_the_master_cannot_take_back_fails_alone_and_the_stream_g
         wait_for(lambda: [w for w in master.status().warnings if "failed to sync" in w], timeout=10,
                  what="the master's failed fsync")
         disk.error = None
-        with _serving(master, repo, rpc_deadline=1.0) as engine:
+        with _serving(master, repo) as engine:                      # default rpc_deadline: no wait
             failing, failing_data = _routed(master, b"oops", mode="fail")
             ok, ok_data = _routed(master, b"fine")
             first, second = engine.deliver([(failing, failing_data), (ok, ok_data)])
