@@ -43,7 +43,7 @@ tuples need no disk), and an append waits until its tuple fits within
 ``unsynced_bytes`` of what still waits for an fsync (``SyncBudget``, which the
 master's backlog keeps too): when submissions outrun the disk, the disk sets
 the pace, and a power loss still takes at most that much. A failed fsync is
-final, with any policy: the spool then refuses new tuples (``Unavailable``)
+final, with any policy: the spool then refuses new tuples (``FailedPrecondition``)
 until the gateway is restarted, since a later fsync can report success for
 bytes the failed one lost; the tuples it holds are still delivered
 (:attr:`Spool.disk_failure`).
@@ -78,7 +78,7 @@ from google.protobuf.message import DecodeError
 
 from hio.common.config import ConfigError
 from hio.common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from hio.common.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, fsync_dir, write_all
+from hio.common.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, write_all
 from hio.common.frames import crc32, crc32_of_file
 from hio.proto.tuple_pb2 import TupleMeta
 
@@ -238,8 +238,7 @@ class Spool:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
         # 'batch': what waits for the flush loop (the live segments' unsynced bytes, the
         # payload files not yet synced), within unsynced_bytes
-        self._budget = SyncBudget(unsynced_bytes, disk="the spool's disk", owner="gateway",
-                                  interval=BATCH_FSYNC_SECONDS)
+        self._budget = SyncBudget(unsynced_bytes, disk="the spool's disk", owner="gateway")
         self.memory_limit = int(memory_bytes)
         self._memory_used = 0
         self.fsync = fsync
@@ -332,9 +331,8 @@ class Spool:
             unsynced = self._sync_files(files, errors)
             if files or dirty or retired:
                 try:
-                    fsync_dir(self.root, strict=True)
+                    self._budget.sync_folder(self.root)
                 except OSError as exc:
-                    self._budget.fail(_why(exc))
                     errors.append(exc)
             if errors:
                 with self._append_lock:
@@ -353,7 +351,7 @@ class Spool:
             with self._cond:
                 needed = segment.id in self._segments
             if needed:
-                self._fsync(fd)
+                self._budget.sync(fd)
         except OSError as exc:
             error = exc
         finally:
@@ -391,19 +389,12 @@ class Spool:
         except OSError:
             segment.size = os.fstat(segment.fd).st_size
 
-    def _fsync(self, fd: int) -> None:
-        """``os.fsync``; its failure is final for new tuples (SyncBudget.fail says why)."""
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            self._budget.fail(_why(exc))
-            raise
-
-    def _fsync_path(self, path: Path) -> None:
-        """fsync a file by name: failing to open it is not the disk's failure, failing to sync is."""
+    def _fsync_path(self, path: Path, *, refuse: bool = False) -> None:
+        """fsync a file by name: failing to open it is not the disk's failure, failing to
+        sync is (:meth:`SyncBudget.sync`)."""
         fd = os.open(path, os.O_RDONLY)
         try:
-            self._fsync(fd)
+            self._budget.sync(fd, refuse=refuse)
         finally:
             os.close(fd)
 
@@ -411,7 +402,6 @@ class Spool:
         """'batch': wait until ``nbytes`` more fit what may wait for the disk (SyncBudget)
         and count them; returns the bytes counted, to pass to ``_append`` or settle."""
         if self.fsync != "batch":
-            self._budget.check()      # 'always': after a failed fsync, as with 'batch'
             return 0
         self._budget.admit(nbytes)
         return nbytes
@@ -565,12 +555,7 @@ class Spool:
             self._segments[seg_id] = segment
             self._active = segment
         if self.fsync == "always":
-            try:
-                fsync_dir(self.root, strict=True)
-            except OSError as exc:
-                self._budget.fail(_why(exc))
-                self._budget.check()
-                raise
+            self._budget.sync_folder(self.root, refuse=True)
         else:
             self._dirty = True
 
@@ -598,10 +583,9 @@ class Spool:
             raise
         if self.fsync == "always":
             try:
-                self._fsync(segment.fd)
-            except OSError:
+                self._budget.sync(segment.fd, refuse=True)
+            except BaseException:
                 self._cut(segment, start)     # refused: a restart (not a power loss) must not bring it back
-                self._budget.check()          # the refusal that names the failed fsync
                 raise
         segment.size = start + total
         if self.fsync != "always":
@@ -729,11 +713,7 @@ class Spool:
         admitted = 0
         try:
             if self.fsync == "always":
-                try:
-                    self._fsync_path(tmp)   # the payload is on disk before a record names it
-                except OSError:
-                    self._budget.check()    # a failed fsync: the refusal that names it
-                    raise
+                self._fsync_path(tmp, refuse=True)   # the payload is on disk before a record names it
             meta_bytes = _meta_bytes(meta)
             move_bytes = _move_bytes(move)
             admitted = self._wait_for_disk(meta.size)
@@ -829,7 +809,7 @@ class Spool:
             if carry and self.fsync == "batch":  # the copies are durable before their old segment goes
                 for fd in [*(fd for _segment, fd in self._retired),
                            *([self._active.fd] if self._active and self._active.fd is not None else [])]:
-                    self._fsync(fd)
+                    self._budget.sync(fd)
             with self._cond:
                 if oldest.live:  # an entry could not be carried (read error): keep the segment
                     return retired
@@ -926,8 +906,7 @@ class Spool:
     @property
     def unsynced_bytes(self) -> int:
         """'batch': bytes appended that tuples not yet finished still need fsynced."""
-        with self._cond:
-            return self._budget.unsynced
+        return self._budget.unsynced
 
     @property
     def disk_failure(self) -> str:
@@ -1007,10 +986,6 @@ def _read_record(fh: BinaryIO, pos: int) -> tuple[int, int, bytes, bytes, int, i
     if end > os.fstat(fh.fileno()).st_size:
         return None
     return kind, seq, meta, move, payload_at, end
-
-
-def _why(exc: OSError) -> str:
-    return exc.strerror or str(exc)
 
 
 def _crc_at(fh: BinaryIO, offset: int, size: int) -> int:

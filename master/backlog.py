@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
-from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from hio.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.common.files import copy_exact
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta
 from hio.master.deadletters import DeadLetterStore, DeadWriter
@@ -189,6 +189,8 @@ class BacklogQueue:
 
     def _begin_record(self, meta: TupleMeta) -> "RecordWriter":
         """Reserve room for ``meta.size`` bytes and a segment to write them into."""
+        with self._cond:
+            self._check_room(meta)   # a tuple to be refused is refused before it waits for the disk
         self._durable.admit(meta.size)   # outside the lock: a disk behind the tuples holds this writer only
         try:
             writer = self._open_record(meta)
@@ -200,15 +202,7 @@ class BacklogQueue:
 
     def _open_record(self, meta: TupleMeta) -> "RecordWriter":
         with self._cond:
-            self._check_open()
-            if meta.size > self.queue_bytes:
-                raise InvalidArgument(f"tuple {meta.tuple_id}: {meta.size} bytes can never fit the backlog "
-                                      f"queue bound of {self.queue_bytes} bytes")
-            if self._used + self._reserved + meta.size > self.queue_bytes:
-                raise ResourceExhausted(
-                    f"backlog queue full: {self._used + self._reserved} of {self.queue_bytes} bytes used "
-                    f"({len(self._entries)} tuples); tuple {meta.tuple_id} needs {meta.size}",
-                    retry_after=RETRY_AFTER_FULL)
+            self._check_room(meta)           # again: others may have taken the room meanwhile
             segment = self._take_segment()   # first: a segment that cannot be made reserves nothing
             self._reserved += meta.size
             cache = meta.size <= self._memory_bytes - self._cached - self._cache_reserved
@@ -229,6 +223,18 @@ class BacklogQueue:
                 self._give_back(segment)
             self._close_sealed()
             raise
+
+    def _check_room(self, meta: TupleMeta) -> None:
+        """Refuse a tuple the queue is closed to, that can never fit, or that does not fit now."""
+        self._check_open()
+        if meta.size > self.queue_bytes:
+            raise InvalidArgument(f"tuple {meta.tuple_id}: {meta.size} bytes can never fit the backlog "
+                                  f"queue bound of {self.queue_bytes} bytes")
+        if self._used + self._reserved + meta.size > self.queue_bytes:
+            raise ResourceExhausted(
+                f"backlog queue full: {self._used + self._reserved} of {self.queue_bytes} bytes used "
+                f"({len(self._entries)} tuples); tuple {meta.tuple_id} needs {meta.size}",
+                retry_after=RETRY_AFTER_FULL)
 
     def _take_segment(self) -> Segment:
         idle = [s for s in self._segments.values() if not s.sealed and not s.in_use]
@@ -264,7 +270,7 @@ class BacklogQueue:
             return Placement.DUPLICATE
         try:
             writer.finish(seq)
-            self._durable.written(writer.segment.fd, writer.admitted, admitted=True)  # type: ignore[arg-type]
+            self._durable.written(writer.segment.fd, writer.admitted)  # type: ignore[arg-type]
             writer.admitted = 0
         except BaseException:
             with self._cond:
@@ -397,7 +403,8 @@ class BacklogQueue:
         self._cond.notify_all()
         try:   # after the tuple is back: a journal that cannot be written must not strand it
             self._journal.append(MOVE, entry.seq, entry.order, attempt)
-        except OSError as exc:
+            self._durable_journal()      # synced like an ACK (before, a MOVE waited for the next one)
+        except (OSError, FailedPrecondition) as exc:
             log.error("cannot journal a requeue; the tuple is queued, but after a restart it would "
                       "have its earlier place and attempt count",
                       extra={"tuple_id": entry.tuple_id, "error": str(exc)})
@@ -801,7 +808,7 @@ class _Receiving:
         if self._queue.contains(meta.tuple_id):
             self._duplicate = True
         elif meta.attempt > self._queue.max_attempts:
-            self._queue._durable.check()   # a dead letter is receipted too: not onto a disk that failed
+            self._queue._durable.budget.check()   # a dead letter is receipted too: not onto a failed disk
             self._dead = self._queue.dead.writer(meta)
         else:
             self._record = self._queue._begin_record(meta)

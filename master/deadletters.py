@@ -62,7 +62,7 @@ class DeadWriter:
         fd, self._fd = self._fd, None
         try:
             if self._store.durability.syncs:
-                self._store.durability.sync_now(fd)
+                self._store.durability.budget.sync(fd, refuse=True)
         finally:
             os.close(fd)
         return self._store._publish(self.meta, self._tmp, reason, seq)

@@ -46,8 +46,7 @@ class Durability:
         if policy not in ("always", "batch", "never"):
             raise ValueError(f"unknown fsync policy {policy!r}")
         self.policy = policy
-        self.budget = SyncBudget(unsynced_bytes, disk="the backlog's disk", owner="master",
-                                 interval=interval)
+        self.budget = SyncBudget(unsynced_bytes, disk="the backlog's disk", owner="master")
         self._interval = interval
         self._files: dict[int, Pending] = {}     # descriptors with writes to sync, or retired ones to close
         self._lock = threading.Lock()            # _files and their Pending
@@ -67,25 +66,11 @@ class Durability:
 
     def admit(self, nbytes: int) -> None:
         """'batch': :meth:`SyncBudget.admit`. The caller reports the bytes with
-        ``written(..., admitted=True)`` or gives them back with :meth:`release`."""
+        ``written(fd, nbytes)`` or gives them back with :meth:`release`."""
         if self.policy == "batch":
             self.budget.admit(nbytes)
         else:
             self.budget.check()       # after a failed fsync, as with 'batch'
-
-    def check(self) -> None:
-        """Raise Unavailable once an fsync has failed (:meth:`SyncBudget.check`)."""
-        self.budget.check()
-
-    def sync_now(self, fd: int) -> None:
-        """fsync ``fd`` on the caller's thread; a failure is final (SyncBudget.fail) and
-        raised as the refusal that names it (FailedPrecondition)."""
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            self.budget.fail(exc.strerror or str(exc))
-            self.budget.check()
-            raise
 
     def sync_folder(self, path: Path, *, refuse: bool = True) -> None:
         """fsync ``path`` after a file in it was made or removed (unless 'never'); a failure
@@ -95,12 +80,9 @@ class Durability:
         if not self.syncs:
             return
         try:
-            fsync_dir(path, strict=True)
-        except OSError as exc:
-            self.budget.fail(exc.strerror or str(exc))
-            if refuse:
-                self.budget.check()
-                raise
+            self.budget.sync_folder(path, refuse=refuse)
+        except OSError:   # not refusing: recorded by the budget, and the caller goes on
+            pass
 
     def replace(self, tmp: Path, final: Path, data: bytes) -> None:
         """Write ``data`` to ``tmp`` (synced unless 'never'), then rename it over ``final``
@@ -109,7 +91,7 @@ class Durability:
         try:
             write_all(fd, data)
             if self.syncs:
-                self.sync_now(fd)
+                self.budget.sync(fd, refuse=True)
         finally:
             os.close(fd)
         os.replace(tmp, final)
@@ -120,17 +102,17 @@ class Durability:
         if self.policy == "batch":
             self.budget.settle(nbytes)
 
-    def written(self, fd: int, nbytes: int = 0, *, admitted: bool = False) -> None:
-        """``fd`` has ``nbytes`` new bytes: fsync now ('always') or soon ('batch')."""
+    def written(self, fd: int, nbytes: int = 0) -> None:
+        """``fd`` has new bytes: fsync now ('always') or soon ('batch'). ``nbytes``: those
+        the writer was admitted for (:meth:`admit`), settled by the fsync that covers them;
+        the journal's few bytes a write are not counted."""
         if self.policy == "always":
-            self.sync_now(fd)
+            self.budget.sync(fd, refuse=True)
         elif self.policy == "batch":
             with self._lock:
                 pending = self._files.setdefault(fd, Pending())
                 pending.writes += 1
                 pending.unsynced += nbytes
-            if not admitted:
-                self.budget.add(nbytes)
 
     def retire(self, fd: int) -> "Pending":
         """Take over ``fd``, which gets no more writes: it is synced if it must be, then closed.
@@ -201,10 +183,9 @@ class Durability:
         error = ""
         if needed and not pending.dropped:
             try:
-                os.fsync(fd)
+                self.budget.sync(fd)
             except OSError as exc:
                 error = exc.strerror or str(exc)
-                self.budget.fail(error)
         synced = 0
         with self._lock:
             pending.syncing = False

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, NoReturn
 
 from hio.common.errors import FailedPrecondition, Unavailable
 
@@ -147,13 +147,12 @@ class SyncBudget:
     a file with) is only named to the writers waiting for it (:meth:`round_done`).
     """
 
-    def __init__(self, limit: int = UNSYNCED_BYTES, *, disk: str, owner: str, interval: float) -> None:
+    def __init__(self, limit: int = UNSYNCED_BYTES, *, disk: str, owner: str) -> None:
         if limit <= 0:
             raise ValueError(f"unsynced_bytes must be positive, got {limit}")
         self.limit = int(limit)
         self._disk = disk                 # "the spool's disk": how a refusal names it
         self._owner = owner               # "gateway": the role to restart after a failed fsync
-        self._interval = interval         # the rounds' period: how often a waiting writer looks again
         self._unsynced = 0
         self._cond = threading.Condition(threading.Lock())
         self._rounds = 0                  # flush rounds finished
@@ -194,7 +193,7 @@ class SyncBudget:
                     raise Unavailable(f"{self._disk} does not sync ({self._error}); "
                                       f"{self._unsynced} bytes wait for it; nothing was written",
                                       retry_after=1.0)
-                self._cond.wait(self._interval)
+                self._cond.wait()   # every change it waits for notifies (settle, round_done, fail, close)
             self._unsynced += nbytes
 
     def add(self, nbytes: int) -> None:
@@ -216,6 +215,28 @@ class SyncBudget:
             self._rounds += 1
             self._error = error
             self._cond.notify_all()
+
+    def sync(self, fd: int, *, refuse: bool = False) -> None:
+        """``os.fsync(fd)`` for the store. A failure is final (:meth:`fail`) and raised: as
+        the OSError, or with ``refuse`` (the caller's tuple waits on it) as the refusal
+        that names it, FailedPrecondition."""
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            self._failed(exc, refuse)
+
+    def sync_folder(self, path: Path, *, refuse: bool = False) -> None:
+        """:func:`fsync_dir` (strict) for the store, its failure handled as in :meth:`sync`."""
+        try:
+            fsync_dir(path, strict=True)
+        except OSError as exc:
+            self._failed(exc, refuse)
+
+    def _failed(self, exc: OSError, refuse: bool) -> NoReturn:
+        self.fail(exc.strerror or str(exc))
+        if refuse:
+            self.check()
+        raise exc
 
     def fail(self, error: str) -> None:
         """An fsync of the store's files failed: no new tuple until restart (see the class)."""

@@ -232,9 +232,9 @@ def test_core_bench_paces_tuples_and_prints_each_roles_cpu_per_tuple(tmp_path: P
     assert refused.returncode != 0 and "rate must be 0 (all at once) or positive" in refused.stderr + refused.stdout
 
 
-def test_floor_bench_streams_both_paths_and_leaves_no_segment(tmp_path: Path) -> None:
+def test_floor_bench_streams_both_paths_and_cleans_up_after_itself(tmp_path: Path) -> None:
     """`hio bench-floor` for real: a row per path with tuples moved and the CPU they cost,
-    the disk measured, and the spool folder empty afterwards; a wrong path is named."""
+    the disk measured, and nothing of its spool left in the data folder; a wrong path is named."""
     args = [sys.executable, "-m", "hio.cli", "bench-floor", "--data-dir", str(tmp_path / "var"), "--sizes", "100K",
             "--seconds", "0.5", "--disk-probe", "8M"]
     run = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -632,3 +632,45 @@ def test_always_takes_no_new_tuple_after_a_failed_fsync_nor_a_dead_letter(
     assert q.length() == 1 and q.dead.list(10) == []
     assert take(q)[0] == 1
     q.close()
+
+
+def test_batch_syncs_a_requeue_s_journal_entry_like_an_ack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed or expired tuple's MOVE (its new place and attempt) goes to the next flush
+    round, as an ACK does; before, it waited unsynced for the next ACK or the close."""
+    disk = FsyncDisk(monkeypatch)
+    durability = Durability("batch", interval=3600.0)        # this test runs the rounds by hand
+    q = open_queue(tmp_path, durability=durability)
+    put(q, frames(1, payload(1)))
+    durability.flush_due(force=True)
+    disk.synced.clear()
+    assert take(q)[0] == 1
+    assert q.fail(1, "w/0", "bad pixels")
+    durability.flush_due(force=True)
+    assert str(tmp_path / "queue" / "journal.q") in disk.synced
+    q.close()
+
+
+def test_a_tuple_that_can_never_fit_is_refused_without_waiting_for_the_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cheap refusals come before the wait for the disk: a tuple larger than the queue
+    bound is refused at once even while the disk is behind (before, it waited for the disk,
+    holding what it was admitted for, and only then was refused)."""
+    disk = FsyncDisk(monkeypatch)
+    durability = Durability("batch", unsynced_bytes=7000)
+    q = open_queue(tmp_path, durability=durability, queue_bytes=10_000)
+    put(q, frames(1, payload(1, 6000)))
+    disk.open.clear()                                        # the disk stalls: nothing more fits the budget
+    refused: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            put(q, frames(2, payload(2, 20_000)))
+        except BaseException as exc:  # noqa: BLE001 - the refusal is the result
+            refused.append(exc)
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    sender.join(5)
+    disk.open.set()
+    assert not sender.is_alive() and isinstance(refused[0], InvalidArgument)
+    assert "can never fit" in str(refused[0]) and durability.unsynced_bytes == 6000
+    q.close()
