@@ -8,9 +8,7 @@ docker) happen inside the command that needs them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import errno
-import importlib
 import logging
 import os
 import sys
@@ -21,67 +19,14 @@ from typing import Any, Callable
 # import of grpc; GRPC_VERBOSITY set by the user still wins (and reaches child processes).
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+from hio import commands  # noqa: E402 - after the gRPC setting above
 from hio.common import config as cfg  # noqa: E402 - after the gRPC setting above
-
-# name: (config class, config section, run function, help)
-COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "up": ("hio.up:UpConfig", "up", "hio.up:run_up",
-           "run every role on this machine and stream the sample dataset (the demo)"),
-    "master": ("hio.master.config:MasterConfig", "master", "hio.master:run_master",
-               "the control plane: worker registry, routing, backlog queue, status"),
-    "worker": ("hio.worker.config:WorkerConfig", "worker", "hio.worker:run_worker",
-               "a worker controller: starts and supervises processing engines"),
-    "engine": ("hio.worker.config:EngineConfig", "engine", "hio.worker:run_engine",
-               "one processing engine (started by the worker; rarely by hand)"),
-    "gateway": ("hio.gateway.config:GatewayConfig", "gateway", "hio.gateway:run_gateway",
-                "the gateway beside the instrument: spool, directory watch, ingest API"),
-    "repository": ("hio.repository.config:RepositoryConfig", "repository", "hio.repository:run_repository",
-                   "the feature repository"),
-    "kd": ("hio.kd.config:KDConfig", "kd", "hio.kd:run_kd",
-           "knowledge discovery on Spark: cluster new features each interval"),
-    "send": ("hio.gateway.config:SendConfig", "gateway", "hio.gateway:run_send",
-             "send files as tuples and wait until they are stored"),
-    "status": ("hio.tools:StatusConfig", "status", "hio.tools:run_status",
-               "show the master's status: workers, channels, queues, throughput"),
-    "knowledge": ("hio.tools:KnowledgeConfig", "knowledge", "hio.tools:run_knowledge",
-                  "print the knowledge KD last wrote to the repository"),
-    "dead-letters": ("hio.tools:DeadLettersConfig", "dead_letters", "hio.tools:run_dead_letters",
-                     "list tuples that failed too often, or send one again"),
-    "certs": ("hio.common.certs:CertsConfig", "certs", "hio.common.certs:run_certs",
-              "make a private CA and certificates for TLS / mutual TLS between roles"),
-    "bench": ("hio.bench:BenchConfig", "bench", "hio.bench:run_bench",
-              "benchmark against Spark Structured Streaming over size x cost"),
-    "bench-core": ("hio.bench_core:CoreBenchConfig", "bench_core", "hio.bench_core:run_core_bench",
-                   "measure tuples/s and MB/s of the streaming core, direct and via the queue"),
-    "bench-floor": ("hio.bench_floor:FloorConfig", "bench_floor", "hio.bench_floor:run_floor",
-                    "the least any durable design can do with large tuples here (bare system calls)"),
-    "bench-kd": ("hio.kd.bench:KDBenchConfig", "kd", "hio.kd.bench:run_kd_bench",
-                 "time a KD interval over an empty and a large store"),
-    "images": ("hio.images:ImagesConfig", "images", "hio.images:run_images",
-               "build the processing-engine Docker images (offline-capable)"),
-}
-
-
-# Commands with settings of their own, not the cluster's: a [cluster] table is not for them.
-TOOLS = frozenset({"certs", "bench", "bench-core", "bench-floor", "bench-kd", "images"})
-
-
-def cluster_setting_names() -> frozenset[str]:
-    """Every setting a role (or a command calling roles) has: what a [cluster] table may hold."""
-    return frozenset(f.name for name, (cls_path, *_rest) in COMMANDS.items() if name not in TOOLS
-                     for f in dataclasses.fields(_load(cls_path)))
-
-
-def _load(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hio", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_cls, _section, _run, help_text) in COMMANDS.items():
+    for name, (_cls, _section, _run, help_text) in commands.COMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text, add_help=False)
     return parser
 
@@ -91,8 +36,8 @@ def _version() -> str:
     return f"hio {__version__}"
 
 
-def _command_parser(name: str, cls: type) -> argparse.ArgumentParser:
-    _c, section, _r, help_text = COMMANDS[name]
+def command_parser(name: str, cls: type) -> argparse.ArgumentParser:
+    _c, section, _r, help_text = commands.COMMANDS[name]
     parser = argparse.ArgumentParser(prog=f"hio {name}", description=help_text)
     positional = getattr(cls, "POSITIONAL", None)
     if positional:
@@ -117,18 +62,22 @@ def _stacks_on_sigusr1() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands.COMMANDS:
         parser = build_parser()
         if argv and argv[0] not in ("-h", "--help", "--version"):
             parser.print_usage(sys.stderr)
-            print(f"hio: unknown command '{argv[0]}'; choose from: {', '.join(COMMANDS)}", file=sys.stderr)
+            print(f"hio: unknown command '{argv[0]}'; choose from: {', '.join(commands.COMMANDS)}", file=sys.stderr)
             return 2
         parser.parse_args(argv or ["--help"])
         return 0
     name, rest = argv[0], argv[1:]
-    cls_path, section, run_path, _help = COMMANDS[name]
-    cls = _load(cls_path)
-    args = _command_parser(name, cls).parse_args(rest)
+    cls_path, section, run_path, _help = commands.COMMANDS[name]
+    try:
+        cls = commands.load(cls_path)
+    except cfg.ConfigError as exc:
+        print(f"hio {name}: {exc}", file=sys.stderr)
+        return 2
+    args = command_parser(name, cls).parse_args(rest)
     try:
         overrides: dict[str, Any] = {}
         positional = getattr(cls, "POSITIONAL", None)
@@ -141,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from hio.common.log import setup_logging
     setup_logging(getattr(config, "log_level", "warning"), getattr(config, "log_json", False))
     _stacks_on_sigusr1()
-    run: Callable[[Any], int] = _load(run_path)
+    run: Callable[[Any], int] = commands.load(run_path)
     from hio.common.memory import tune_process
     tune_process()  # tuple buffers reused instead of faulted in per copy; start-up objects out of the GC's way
     try:

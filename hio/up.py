@@ -88,7 +88,7 @@ class Cluster:
         self.roles.clear()
 
 
-def _wait_channels(config: UpConfig, expected: int, deadline: float) -> None:
+def wait_channels(config: UpConfig, expected: int, deadline: float) -> None:
     """Wait until the worker's engines are up (FREE) at the master."""
     with create_channel(config.master_address, config) as channel:
         stub = master_pb2_grpc.MasterStub(channel)
@@ -232,7 +232,7 @@ def run_up(config: UpConfig) -> int:
         for engine in config.engines:
             worker_args += ["--engines", engine]
         cluster.start("worker", worker_args, health=None)
-        _wait_channels(config, _expected_engines(config), deadline)
+        wait_channels(config, _expected_engines(config), deadline)
         _say(f"streaming {len(files)} sample tuples "
              f"({sum(p.stat().st_size for p, _ in files) / 1e6:.1f} MB)")
         started = time.monotonic()

@@ -31,13 +31,13 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from hio import commands
+from hio.common.errors import ConfigError
+
+
 C = TypeVar("C")
 
 CONFIG_ENV = "HIO_CONFIG"
-
-
-class ConfigError(ValueError):
-    """A setting has a value that cannot be used; the message names it."""
 
 
 def setting(default: Any, help: str, *, factory: Any = None) -> Any:
@@ -90,7 +90,7 @@ def _convert(value: Any, typ: Any, where: str) -> Any:
             if isinstance(value, bool):
                 raise ValueError("not an integer")
             try:
-                return int(_scaled(value)) if isinstance(value, str) else int(value)
+                return int(scaled(value)) if isinstance(value, str) else int(value)
             except ValueError:
                 raise ValueError(f"{value!r} is not an integer") from None
         if typ is float:
@@ -112,7 +112,7 @@ def _convert(value: Any, typ: Any, where: str) -> Any:
 _UNITS = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
-def _scaled(text: str) -> int:
+def scaled(text: str) -> int:
     """Parse sizes like '64M', '1g', '512k' (binary units) or plain integers."""
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     if t and t[-1] in _UNITS:
@@ -256,10 +256,8 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
 def _cluster_names() -> frozenset[str]:
     """Settings a [cluster] table may hold: any role's (a role ignores those it lacks, so
     ``max_attempts`` there reaches master, worker and gateway; only a name no role knows
-    is a typo). The roles are the CLI's commands, which build on this module."""
-    from hio.cli import cluster_setting_names
-
-    return cluster_setting_names()
+    is a typo)."""
+    return commands.cluster_setting_names()
 
 
 def as_text(value: Any) -> str:

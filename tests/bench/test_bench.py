@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hio.bench import (BenchConfig, StepResult, bound_rate, find_max, parse_cost, parse_size, percentile,
+from benchmarks.grid import (BenchConfig, StepResult, bound_rate, find_max, parse_cost, parse_size, percentile,
                        read_done, slope)
-from hio.bench_report import check_targets, read_rows, spark_wins, write_report
-from hio.bench_systems import HEADER_BYTES, MessageGenerator, parse_header
+from benchmarks.report import check_targets, read_rows, spark_wins, write_report
+from benchmarks.systems import HEADER_BYTES, MessageGenerator, parse_header
 from hio.common.config import ConfigError
 
 
@@ -99,7 +99,7 @@ def test_percentile_and_slope() -> None:
 
 
 def _write_results(path: Path) -> None:
-    from hio.bench import RESULT_FIELDS
+    from benchmarks.grid import RESULT_FIELDS
     rows = []
     for system, rates in {"hio-direct": (12000, 300, 19, 19.5), "spark-file": (40, 30, 18, 19.8),
                           "spark-socket": (30000, 5, 2, 1)}.items():
@@ -187,7 +187,7 @@ def test_smoke_whole_machinery_on_a_tiny_grid_and_resume(tmp_path: Path) -> None
 
 
 def test_resumed_csv_from_an_older_version_gets_the_new_columns(tmp_path: Path) -> None:
-    from hio.bench import append_row
+    from benchmarks.grid import append_row
     path = tmp_path / "r.csv"
     path.write_text("system,size\nhio-direct,100\n")
     append_row(path, ("system", "size", "cost_ms"), {"system": "spark-file", "size": 200, "cost_ms": 10})
@@ -197,8 +197,8 @@ def test_resumed_csv_from_an_older_version_gets_the_new_columns(tmp_path: Path) 
 
 
 def test_steal_is_read_from_the_machine_and_sets_the_cpu_left_bound() -> None:
-    from hio.bench import cpu_ticks, steal_between
-    from hio.bench_report import cpu_left_fraction
+    from benchmarks.grid import cpu_ticks, steal_between
+    from benchmarks.report import cpu_left_fraction
 
     before = cpu_ticks()
     sum(range(200_000))

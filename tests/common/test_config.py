@@ -87,9 +87,9 @@ def test_a_shared_listen_variable_is_refused_and_the_role_s_own_is_named(role, v
     """Every role started from one environment reads HIO_<NAME>: a shared HIO_LISTEN would
     start the master and the repository of `hio up` on one port, as [cluster] listen would.
     Before, each role took it; now the role refuses it and names its own variable, which works."""
-    from hio.cli import COMMANDS, _load
+    from hio.commands import COMMANDS, load
 
-    config_class = _load(COMMANDS[role][0])
+    config_class = load(COMMANDS[role][0])
     monkeypatch.setenv(variable, "127.0.0.1:7999")
     own = f"HIO_{role.upper()}_{variable.removeprefix('HIO_')}"
     with pytest.raises(cfg.ConfigError, match=rf"environment {variable}: .* \({own} for {role}\); a shared"):
@@ -127,7 +127,7 @@ def test_cli_reports_config_errors_with_exit_2(capsys) -> None:
     assert main(["no-such-command"]) == 2
 
 
-@pytest.mark.parametrize("command", __import__("hio.cli", fromlist=["COMMANDS"]).COMMANDS)
+@pytest.mark.parametrize("command", __import__("hio.commands", fromlist=["COMMANDS"]).COMMANDS)
 def test_every_command_prints_its_help(command, capsys) -> None:
     from hio.cli import main
     with pytest.raises(SystemExit) as done:
@@ -186,8 +186,9 @@ def test_a_client_command_does_not_list_server_settings_but_accepts_them(command
     if unlisted:
         assert unlisted not in out
         # one configuration file serves every role: the setting is still accepted
-        from hio.cli import COMMANDS, _command_parser, _load
-        args = _command_parser(command, _load(COMMANDS[command][0])).parse_args([unlisted, "x"])
+        from hio.cli import command_parser
+        from hio.commands import COMMANDS, load
+        args = command_parser(command, load(COMMANDS[command][0])).parse_args([unlisted, "x"])
         assert getattr(args, unlisted[2:].replace("-", "_")) == "x"
 
 
@@ -203,6 +204,6 @@ def test_a_peer_address_without_a_port_or_host_is_refused(address: str, message:
 
 
 def test_the_tools_kept_out_of_the_cluster_table_are_commands() -> None:
-    from hio.cli import COMMANDS, TOOLS, cluster_setting_names
+    from hio.commands import COMMANDS, TOOLS, cluster_setting_names
     assert TOOLS <= set(COMMANDS)
     assert {"max_attempts", "watch", "spark_master", "engines"} <= cluster_setting_names()

@@ -30,14 +30,14 @@ import threading
 import time
 from pathlib import Path
 
-from hio.bench_core import loopback_bandwidth
-from hio.common.config import ConfigError, _scaled, setting
+from benchmarks.measure import loopback_bandwidth
+from hio.common.config import ConfigError, scaled, setting
 from hio.common.files import write_all
 from hio.common.frames import crc32
 from hio.common.settings import MiB
 from hio.gateway.spool import Spool
 from hio.proto.tuple_pb2 import TupleMeta
-from hio.soak import proc_cpu_seconds
+from benchmarks.measure import proc_cpu_seconds
 
 PATHS = ("memory", "spool")
 HEADER_BYTES = 16                  # the generator's per-message part (a sequence number and a time)
@@ -65,10 +65,10 @@ class FloorConfig:
             raise ConfigError(f"seconds must be between 0 and 600, got {self.seconds}")
         if not 1 <= self.streams <= 16:
             raise ConfigError(f"streams must be between 1 and 16, got {self.streams}")
-        if _scaled(self.disk_probe) < 0:
+        if scaled(self.disk_probe) < 0:
             raise ConfigError(f"disk_probe must be 0 or more bytes, got {self.disk_probe!r}")
         for text in self.sizes:
-            if _scaled(text) <= HEADER_BYTES:
+            if scaled(text) <= HEADER_BYTES:
                 raise ConfigError(f"sizes: {text!r} is too small; a tuple here is more than {HEADER_BYTES} bytes")
 
 
@@ -180,14 +180,14 @@ def run_floor(config: FloorConfig) -> int:
     root = Path(config.data_dir).expanduser().resolve() / "bench-floor"
     root.mkdir(parents=True, exist_ok=True)
     bound = loopback_bandwidth()
-    probe = _scaled(config.disk_probe)
+    probe = scaled(config.disk_probe)
     disk = f"{disk_write_bandwidth(root, probe) / 1e6:,.0f} MB/s" if probe else "not measured"
     print(f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; disk, written and fsynced: {disk}; "
           f"{os.cpu_count()} cores; {config.streams} streams", flush=True)
     print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}"
           f" {'CPU ms/tuple':>12} {'cores':>6}", flush=True)
     for text in config.sizes:
-        size = _scaled(text)
+        size = scaled(text)
         for path in config.paths:
             r = stream(size, path, config.seconds, config.streams, root)
             print(f"{text:>8} {path:>7} {r.tuples:>7} {r.seconds:>8.2f} {r.tuples / r.seconds:>9.1f}"

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
-import threading
 import time
 from pathlib import Path
 
+from benchmarks.measure import loopback_bandwidth
 from hio.common.config import ConfigError, setting
 from hio.common.settings import ClusterSettings
 
@@ -46,38 +45,9 @@ class CoreBenchConfig(ClusterSettings):
             raise ConfigError(f"modes must be direct or queue, got {', '.join(unknown)}")
 
 
-def loopback_bandwidth(seconds: float = 1.0, block: int = 1 << 20) -> float:
-    """Bytes/s one TCP stream moves over loopback (sender and receiver threads)."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    port = server.getsockname()[1]
-    received = [0]
-
-    def receive() -> None:
-        conn, _ = server.accept()
-        buf = bytearray(block)
-        while (n := conn.recv_into(buf)) > 0:
-            received[0] += n
-        conn.close()
-
-    thread = threading.Thread(target=receive, daemon=True)
-    thread.start()
-    sender = socket.create_connection(("127.0.0.1", port))
-    payload = os.urandom(block)
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        sender.sendall(payload)
-    sender.close()
-    thread.join()
-    elapsed = time.perf_counter() - start
-    server.close()
-    return received[0] / elapsed
-
-
 def _parse_size(text: str) -> int:
-    from hio.common.config import _scaled
-    return _scaled(text)
+    from hio.common.config import scaled
+    return scaled(text)
 
 
 def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> dict[str, float]:
@@ -112,7 +82,7 @@ def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> di
 def role_cpu(pids: dict[str, int]) -> dict[str, float]:
     """CPU seconds each role has used so far: the gateway is this process, the engines
     are the worker's children."""
-    from hio.soak import children, proc_cpu_seconds
+    from benchmarks.measure import children, proc_cpu_seconds
 
     usage = {"gateway": proc_cpu_seconds(os.getpid())}
     for role, pid in pids.items():
@@ -196,8 +166,8 @@ def run_core_bench(config: CoreBenchConfig) -> int:
         cluster.start("repository", ["--listen", repository, "--http-listen", ""], health=repository)
         cluster.start("master", ["--listen", master], health=master)
         cluster.start("worker", ["--runtime", "process", "--engines", f"hio/synthetic={config.engines}"], health=None)
-        from hio.up import _wait_channels
-        _wait_channels(up, config.engines, time.monotonic() + 60)
+        from hio.up import wait_channels
+        wait_channels(up, config.engines, time.monotonic() + 60)
         pids = {role.name: role.proc.pid for role in cluster.roles if role.proc is not None}
         print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}")
         for text in config.sizes:

@@ -162,7 +162,7 @@ class HioCluster:
 
     def start(self) -> None:
         from hio.common.procs import free_port
-        from hio.up import Cluster, UpConfig, _wait_channels
+        from hio.up import Cluster, UpConfig, wait_channels
 
         self.master = f"127.0.0.1:{free_port()}"
         self.repository = f"127.0.0.1:{free_port()}"
@@ -176,7 +176,7 @@ class HioCluster:
         self.cluster.start("master", ["--listen", self.master, *self.extra_master], health=self.master)
         self.cluster.start("worker", ["--runtime", "process", "--engines", f"{HIO_IMAGE}={self.engines}"],
                            health=None)
-        _wait_channels(self.settings, self.engines, time.monotonic() + 90)
+        wait_channels(self.settings, self.engines, time.monotonic() + 90)
 
     def stop(self) -> None:
         if self.cluster is not None:

@@ -1,7 +1,7 @@
 """`hio bench`: maximum sustained frequency against Spark Structured Streaming.
 
 Over a grid of message size x CPU cost per message (the paper's: 100 B .. 10 MB
-x 0 .. 1 s), for each system of :mod:`hio.bench_systems` (this system direct
+x 0 .. 1 s), for each system of :mod:`benchmarks.systems` (this system direct
 and forced through the queue; Spark with the file and the socket source), find
 the highest rate the system sustains: ramp up, then bisect until the bracket
 is within ``tolerance``. A step at rate r sends ``N`` messages paced at r
@@ -24,7 +24,7 @@ slots / cost)`` (bandwidth measured at the start of the run). For the latency
 sizes (1 MB and 10 MB), p50/p99 from accepted to stored is measured at half
 the maximum. Results go to a CSV as each point finishes; a later run resumes
 after the last finished point. At the end the command regenerates
-``docs/benchmarks.md`` with tables and plots (:mod:`hio.bench_report`).
+``docs/benchmarks.md`` with tables and plots (:mod:`benchmarks.report`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from typing import Callable, Iterable
 
 from hio.common.config import ConfigError, positive, setting
 from hio.common.settings import ClusterSettings
-from hio.bench_systems import SLOTS, SYSTEMS, MessageGenerator, System, make_system
+from benchmarks.report import cost_label, size_label
+from benchmarks.systems import SLOTS, SYSTEMS, MessageGenerator, System, make_system
 
 log = logging.getLogger("hio.bench")
 
@@ -156,19 +157,6 @@ def parse_cost(text: str) -> float:
     if value < 0 or value > 3600:
         raise ConfigError(f"costs: {text!r} must be between 0 and 1 hour")
     return value
-
-
-def size_label(size: int) -> str:
-    for unit, scale in (("MB", 10**6), ("KB", 10**3)):
-        if size >= scale and size % scale == 0:
-            return f"{size // scale} {unit}"
-    return f"{size} B"
-
-
-def cost_label(cost_ms: float) -> str:
-    if cost_ms == 0:
-        return "0"
-    return f"{cost_ms / 1000:g} s" if cost_ms >= 1000 else f"{cost_ms:g} ms"
 
 
 def bound_rate(size: int, cost_s: float, bandwidth: float, slots: int) -> float:
@@ -520,7 +508,7 @@ class BenchRun:
         self.probe: CpuProbe | None = None
 
     def run(self) -> int:
-        from hio.bench_core import loopback_bandwidth
+        from benchmarks.measure import loopback_bandwidth
 
         if self.config.fresh:
             for path in (self.results, self.steps_path):
@@ -543,7 +531,7 @@ class BenchRun:
             if self.probe is not None:
                 self.probe.close()
         if self.config.report:
-            from hio.bench_report import write_report
+            from benchmarks.report import write_report
 
             doc = write_report(self.results, Path(self.config.out_dir), self.config)
             print(f"hio bench: wrote {doc}")

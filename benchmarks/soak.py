@@ -1,6 +1,6 @@
 """The soak test: hours of steady load in minutes' time, to catch slow leaks.
 
-    .venv/bin/python -m hio.soak [--minutes 10] [--load 0.8] [--size 1M] [--cost-ms 5]
+    .venv/bin/python -m benchmarks.soak [--minutes 10] [--load 0.8] [--size 1M] [--cost-ms 5]
 
 Starts real ``hio`` processes (repository, master, a worker with synthetic
 engines) and an in-process :class:`hio.gateway.Gateway`, measures the
@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.measure import Usage, children, proc_usage, total
 from hio.common import config as cfg
 from hio.common.config import ConfigError, positive, setting
 from hio.common.settings import ClusterSettings
@@ -78,66 +79,9 @@ class SoakConfig(ClusterSettings):
 
     def tuple_bytes(self) -> int:
         try:
-            return cfg._scaled(self.size)
+            return cfg.scaled(self.size)
         except ValueError:
             raise ConfigError(f"size must look like 64K or 1M, got {self.size!r}") from None
-
-
-# ---- reading /proc -----------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Usage:
-    """What one role uses at one moment (summed over its processes)."""
-
-    rss_kib: int
-    fds: int
-    threads: int
-    processes: int
-
-
-def proc_usage(pid: int) -> Usage | None:
-    """RSS, open files and threads of ``pid``; None when it is gone."""
-    try:
-        fields = {}
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields[key] = value.strip()
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return Usage(rss_kib=int(fields.get("VmRSS", "0 kB").split()[0]), fds=fds,
-                 threads=int(fields.get("Threads", "0")), processes=1)
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) ``pid`` has used; 0 when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc/<pid>/task/*/children)."""
-    found: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            text = Path(f"/proc/{pid}/task/{task}/children").read_text()
-            found += [int(c) for c in text.split()]
-    except (FileNotFoundError, ProcessLookupError):
-        return []
-    return sorted(set(found))
-
-
-def total(usages: list[Usage | None]) -> Usage:
-    alive = [u for u in usages if u is not None]
-    return Usage(rss_kib=sum(u.rss_kib for u in alive), fds=sum(u.fds for u in alive),
-                 threads=sum(u.threads for u in alive), processes=len(alive))
-
-
-# ---- the cluster under test -------------------------------------------------------------
 
 
 class SoakCluster:
@@ -160,14 +104,14 @@ class SoakCluster:
 
     def start(self) -> None:
         from hio.gateway import Gateway
-        from hio.up import _wait_channels
+        from hio.up import wait_channels
 
         repo = self._cluster.start("repository", ["--listen", self.repository, "--http-listen", ""],
                                    health=self.repository)
         master = self._cluster.start("master", ["--listen", self.master], health=self.master)
         worker = self._cluster.start("worker", ["--runtime", "process", "--engines",
                                                 f"{IMAGE}={self.config.engines}"], health=None)
-        _wait_channels(self._up, self.config.engines, time.monotonic() + 120)
+        wait_channels(self._up, self.config.engines, time.monotonic() + 120)
         self.pids = {"repository": repo.proc.pid, "master": master.proc.pid,  # type: ignore[union-attr]
                      "worker": worker.proc.pid}  # type: ignore[union-attr]
         self.gateway = Gateway(master_address=self.master, repository_address=self.repository,
@@ -400,7 +344,7 @@ def run_soak(config: SoakConfig) -> int:
     root.mkdir(parents=True, exist_ok=True)
     cluster = SoakCluster(config, root)
     try:
-        from hio.bench_core import loopback_bandwidth
+        from benchmarks.measure import loopback_bandwidth
 
         print(f"soak: loopback bandwidth (one TCP stream) {loopback_bandwidth() / 1e6:,.0f} MB/s, "
               f"{os.cpu_count()} cores; starting repository, master, worker ({config.engines} x {IMAGE}) "
@@ -451,13 +395,13 @@ def _steady(cluster: SoakCluster, load: Load, config: SoakConfig, rate: float) -
 def main(argv: list[str] | None = None) -> int:
     from hio.common.log import setup_logging
 
-    parser = argparse.ArgumentParser(prog="python -m hio.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     cfg.add_arguments(parser, SoakConfig, "soak")
     args = parser.parse_args(argv)
     try:
         config = cfg.build(SoakConfig, "soak", args)
     except ConfigError as exc:
-        print(f"hio.soak: {exc}", file=sys.stderr)
+        print(f"benchmarks.soak: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_json)
     return run_soak(config)

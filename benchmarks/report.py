@@ -22,6 +22,19 @@ COLORS = {"hio-direct": "#2e7d32", "hio-queue": "#81c784", "spark-file": "#1565c
 Row = dict[str, Any]
 
 
+def size_label(size: int) -> str:
+    for unit, scale in (("MB", 10**6), ("KB", 10**3)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
+
+
+def cost_label(cost_ms: float) -> str:
+    if cost_ms == 0:
+        return "0"
+    return f"{cost_ms / 1000:g} s" if cost_ms >= 1000 else f"{cost_ms:g} ms"
+
+
 def read_rows(path: Path) -> list[Row]:
     """Rows of the results CSV with numbers parsed (missing numbers are NaN)."""
     if not path.exists():
@@ -87,7 +100,6 @@ def plot_heatmap(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
-    from hio.bench import cost_label, size_label
 
     sizes, costs = _cells(rows)
     index = _index(rows)
@@ -128,7 +140,6 @@ def plot_frequency(rows: list[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hio.bench import cost_label
 
     sizes, costs = _cells(rows)
     index = _index(rows)
@@ -201,7 +212,6 @@ def _left(row: Row) -> str:
 
 def check_targets(rows: list[Row]) -> list[tuple[str, str, str]]:
     """(target, status, detail) for each target of the benchmark issue."""
-    from hio.bench import cost_label, size_label
 
     index = _index(rows)
     out: list[tuple[str, str, str]] = []
@@ -265,7 +275,6 @@ def spark_wins(rows: list[Row]) -> list[tuple[Row, float]]:
 # -- the document -----------------------------------------------------------------------------
 
 def _table(rows: list[Row], systems: list[str]) -> list[str]:
-    from hio.bench import cost_label, size_label
 
     sizes, costs = _cells(rows)
     index = _index(rows)
@@ -284,7 +293,6 @@ def _table(rows: list[Row], systems: list[str]) -> list[str]:
 
 
 def _latency_table(rows: list[Row]) -> list[str]:
-    from hio.bench import cost_label, size_label
 
     with_latency = [r for r in rows if not math.isnan(r["p50_ms"])]
     if not with_latency:
@@ -297,7 +305,6 @@ def _latency_table(rows: list[Row]) -> list[str]:
 
 
 def _failures(rows: list[Row]) -> list[str]:
-    from hio.bench import cost_label, size_label
 
     lines = ["| system | size | cost | first failing rate (/s) | why |", "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["system"], r["cost_ms"], r["size"])):
@@ -309,7 +316,6 @@ def _failures(rows: list[Row]) -> list[str]:
 
 def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
     """Plots under ``out_dir/benchmarks/`` and ``out_dir/benchmarks.md``; returns the doc's path."""
-    from hio.bench import cost_label, size_label
 
     rows = read_rows(results)
     plots = out_dir / "benchmarks"

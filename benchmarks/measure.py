@@ -1,0 +1,91 @@
+"""Measurements of this machine and of running processes, shared by the benchmarks:
+the loopback bound, and what a process uses (/proc; Linux only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+
+def loopback_bandwidth(seconds: float = 1.0, block: int = 1 << 20) -> float:
+    """Bytes/s one TCP stream moves over loopback (sender and receiver threads)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    received = [0]
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        buf = bytearray(block)
+        while (n := conn.recv_into(buf)) > 0:
+            received[0] += n
+        conn.close()
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    sender = socket.create_connection(("127.0.0.1", port))
+    payload = os.urandom(block)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        sender.sendall(payload)
+    sender.close()
+    thread.join()
+    elapsed = time.perf_counter() - start
+    server.close()
+    return received[0] / elapsed
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """What one role uses at one moment (summed over its processes)."""
+
+    rss_kib: int
+    fds: int
+    threads: int
+    processes: int
+
+
+def proc_usage(pid: int) -> Usage | None:
+    """RSS, open files and threads of ``pid``; None when it is gone."""
+    try:
+        fields = {}
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return Usage(rss_kib=int(fields.get("VmRSS", "0 kB").split()[0]), fds=fds,
+                 threads=int(fields.get("Threads", "0")), processes=1)
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) ``pid`` has used; 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc/<pid>/task/*/children)."""
+    found: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            text = Path(f"/proc/{pid}/task/{task}/children").read_text()
+            found += [int(c) for c in text.split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    return sorted(set(found))
+
+
+def total(usages: list[Usage | None]) -> Usage:
+    alive = [u for u in usages if u is not None]
+    return Usage(rss_kib=sum(u.rss_kib for u in alive), fds=sum(u.fds for u in alive),
+                 threads=sum(u.threads for u in alive), processes=len(alive))
