@@ -8,7 +8,7 @@ PROTOS  := $(wildcard proto/hio/proto/*.proto)
 GEN     := $(PROTOS:.proto=_pb2.py)
 PYTEST_ARGS ?=
 
-.PHONY: setup proto run test test-quick images docker bench bench-kd clean
+.PHONY: setup proto run test test-quick images docker bench bench-kd soak clean
 
 setup: $(VENV)/.installed proto
 
@@ -49,6 +49,10 @@ bench: setup
 
 bench-kd: setup
 	$(BIN)/hio bench-kd
+
+# Hours of steady load in minutes, checking memory, files and threads stay flat (benchmarks/soak.py).
+soak: setup
+	$(BIN)/python -m benchmarks.soak
 
 clean:
 	rm -rf $(VENV) var build *.egg-info proto/hio/proto/*_pb2*.py* .pytest_cache
