@@ -22,7 +22,8 @@ only one that pays for start-up.
 Each result is printed beside the bound ``min(loopback bandwidth / size,
 slots / cost)`` (bandwidth measured at the start of the run). For the latency
 sizes (1 MB and 10 MB), p50/p99 from accepted to stored is measured at half
-the maximum. Results go to a CSV as each point finishes; a later run resumes
+the maximum. Results go to a CSV as each point finishes, each row with when it
+finished, the commit it measured and the machine it ran on; a later run resumes
 after the last finished point. At the end the command regenerates
 ``docs/benchmarks.md`` with tables and plots (:mod:`benchmarks.report`).
 """
@@ -54,7 +55,7 @@ QUICK_COSTS = ("0", "100ms")
 
 RESULT_FIELDS = ("system", "size", "cost_ms", "max_rate", "bound", "fraction", "loopback_mb_s", "steps",
                  "seconds", "first_fail_rate", "first_fail_reason", "latency_rate", "p50_ms", "p99_ms",
-                 "load_avg", "cpu_slots", "finished_at", "steal")
+                 "load_avg", "cpu_slots", "finished_at", "steal", "commit", "machine")
 STEP_FIELDS = ("system", "size", "cost_ms", "rate", "messages", "seconds", "sent_rate", "finished",
                "finished_fraction", "backlog_growth", "passed", "reason", "p50_ms", "p99_ms", "load_avg", "steal")
 
@@ -506,9 +507,11 @@ class BenchRun:
         self.bandwidth = 0.0
         self.points = 0
         self.probe: CpuProbe | None = None
+        self.commit = ""
+        self.machine = ""
 
     def run(self) -> int:
-        from benchmarks.measure import loopback_bandwidth
+        from benchmarks.measure import loopback_bandwidth, machine_description, source_commit
 
         if self.config.fresh:
             for path in (self.results, self.steps_path):
@@ -517,6 +520,7 @@ class BenchRun:
         pending = {name: [(size, cost) for cost in self.costs for size in self.sizes
                           if (name, size, cost * 1000) not in done] for name in self.config.systems}
         if any(pending.values()):
+            self.commit, self.machine = source_commit(), machine_description()
             self.bandwidth = loopback_bandwidth(seconds=2.0)
             print(f"hio bench: loopback {self.bandwidth / 1e6:,.0f} MB/s; {os.cpu_count()} cores; "
                   f"load {load_avg():.1f}; results {self.results}", flush=True)
@@ -619,7 +623,7 @@ class BenchRun:
                "p50_ms": _fmt(latency.percentile(0.5) * 1000) if latency else "",
                "p99_ms": _fmt(latency.percentile(0.99) * 1000) if latency else "",
                "load_avg": _fmt(load_avg()), "cpu_slots": _fmt(cpu_slots), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "steal": _fmt(steal)}
+               "steal": _fmt(steal), "commit": self.commit, "machine": self.machine}
         append_row(self.results, RESULT_FIELDS, row)
         print(f"{system.name:>13} {size_label(size):>7} {cost_label(cost * 1000):>7}: "
               f"{point.max_rate:>10.4g}/s  bound {bound:>10.4g}/s  {point.max_rate / bound:>6.1%}  "

@@ -89,3 +89,50 @@ def total(usages: list[Usage | None]) -> Usage:
     alive = [u for u in usages if u is not None]
     return Usage(rss_kib=sum(u.rss_kib for u in alive), fds=sum(u.fds for u in alive),
                  threads=sum(u.threads for u in alive), processes=len(alive))
+
+
+def machine_description() -> str:
+    """What a run measured on, for the results file: CPU model, architecture, cores, memory,
+    and whether it is a virtual machine (the ``hypervisor`` CPU flag)."""
+    import platform
+
+    model, virtual = "", False
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and not model:
+                model = value.strip()
+            elif key == "flags" and "hypervisor" in value.split():
+                virtual = True
+    except OSError:
+        pass
+    memory = ""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory = f", {int(line.split()[1]) / 2**20:.0f} GiB"
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    cpu = " ".join(part for part in (model, platform.machine()) if part) or "unknown CPU"
+    return f"{cpu}, {os.cpu_count()} cores{memory}{', virtual machine' if virtual else ''}"
+
+
+def source_commit(root: Path | None = None) -> str:
+    """The commit of the checkout the benchmark runs from (short hash), with ``+changes`` when
+    files other than the documentation differ from it; empty outside a git checkout."""
+    import subprocess
+
+    root = root or Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return ""
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no",
+                                  "--", ".", ":(exclude)docs", ":(exclude)*.md"],
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")

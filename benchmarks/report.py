@@ -314,6 +314,34 @@ def _failures(rows: list[Row]) -> list[str]:
     return lines
 
 
+def _span(values: list[float]) -> str:
+    low, high = f"{min(values):.0%}", f"{max(values):.0%}"
+    return low if low == high else f"{low}–{high}"
+
+
+def _runs_table(rows: list[Row]) -> list[str]:
+    """Which commit, machine and day each system's rows come from (the CSV's own columns), so a
+    grid merged from several runs says what it merged."""
+
+    groups: dict[tuple[str, str, str], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r["system"], r.get("commit") or "", r.get("machine") or ""), []).append(r)
+    if not any(commit or machine for _, commit, machine in groups):
+        return ["The results file records no commit or machine (it predates those columns)."]
+    lines = ["| system | cells | commit | machine | finished | loopback (MB/s) | steal |", "|---|---|---|---|---|---|---|"]
+    order = {name: n for n, name in enumerate(COLORS)}
+    for (system, commit, machine), group in sorted(groups.items(), key=lambda g: (order.get(g[0][0], 99), min(
+            r.get("finished_at") or "" for r in g[1]))):
+        days = sorted({(r.get("finished_at") or "")[:10] for r in group} - {""})
+        loop = sorted({r["loopback_mb_s"] for r in group if not math.isnan(r["loopback_mb_s"])})
+        steal = [r["steal"] for r in group if not math.isnan(r.get("steal", math.nan))]
+        lines.append(f"| {system} | {len(group)} | {f'`{commit}`' if commit else '–'} | {machine or '–'} | "
+                     f"{' to '.join(dict.fromkeys((days[0], days[-1]))) if days else '–'} | "
+                     f"{', '.join(f'{b:,.0f}' for b in loop) or '–'} | "
+                     f"{_span(steal) if steal else 'not recorded'} |")
+    return lines
+
+
 def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
     """Plots under ``out_dir/benchmarks/`` and ``out_dir/benchmarks.md``; returns the doc's path."""
 
@@ -363,10 +391,10 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
         "messages/s and, in brackets, the fraction of the bound.", "",
         f"**Load.** The 1-minute load average after each point was {min(loads):.1f} to {max(loads):.1f} "
         f"on {os.cpu_count()} cores; it counts the measured system's own processes and threads, so it "
-        "says little about other work on the machine. The CPU share below does." if loads else "",
+        "says little about other work on the machine. The CPU share below does." if loads else "", "",
         (f"Before each point two processes burned 0.2 s of CPU each: the machine gave "
          f"{min(slots):.2f} to {max(slots):.2f} of the 2 slots the bound assumes (column `cpu_slots` "
-         "of the CSV); a CPU-bound cell cannot exceed `cpu_slots / cost`.") if slots else "",
+         "of the CSV); a CPU-bound cell cannot exceed `cpu_slots / cost`.") if slots else "", "",
         (f"**Steal.** This is a virtual machine: while the points ran, its hypervisor took "
          f"{min(steals):.0%} to {max(steals):.0%} of the machine's CPU time for other guests (column `steal`, "
          "from `/proc/stat`, measured around each point's steps; "
@@ -374,6 +402,9 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
          "No system can use CPU the host does not give it: for costly cells the targets also show the "
          "rate against `min(loopback / size, 2 x (1 - steal) / cost)`. It is a rough guide only: steal is averaged "
          "over a point's steps, quiet moments included, and some 1 s cells come out above 100% of it.") if steals else "", "",
+        "**Runs.** Each row of the CSV records when it finished, the commit it measured (`+changes`: "
+        "with uncommitted changes to the code) and the machine; the grid below merges these runs:", "",
+        *_runs_table(rows), "",
         "## Best system per cell (Fig. 3)", "", f"![best system per cell](benchmarks/{stem}-best.png)", "",
         "## Frequency against size (Fig. 4)", "", f"![frequency against size](benchmarks/{stem}-frequency.png)",
         "", "## Maximum sustained frequency (messages/s, fraction of bound)", "", *_table(rows, systems), "",

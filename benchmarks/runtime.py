@@ -7,7 +7,7 @@ engine (``--runtime process``, then ``--runtime docker``), and sends tuples of
 whole per-tuple path (route, stream, process, compress, store). The difference
 between the runtimes is what the container adds.
 
-    .venv/bin/python benchmarks/runtime.py [--tuples 200] [--size 1048576] [--json out.json]
+    .venv/bin/python -m benchmarks.runtime [--tuples 200] [--size 1048576] [--json out.json]
 
 Needs a Docker engine and the images (`make images`) for the docker runtime.
 """

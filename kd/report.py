@@ -101,7 +101,7 @@ def _group(k: features_pb2.Knowledge, index: int, group: features_pb2.KnowledgeG
 
 def format_knowledge(knowledge: features_pb2.Knowledge) -> str:
     """A readable multi-line summary of ``knowledge``: every group, or (knowledge
-    written before groups existed) the one group in the top-level fields."""
+    without groups) the one group in the top-level fields."""
     lines = ["knowledge discovery"]
     lines += _header(knowledge)
     if knowledge.groups:

@@ -43,8 +43,8 @@ class TupleInfo:
         """From a ``hio.proto.TupleMeta`` (duck-typed so this module stays light).
 
         Runs once per tuple: it fills the instance's ``__dict__`` at once instead of
-        calling the frozen ``__init__`` (an ``object.__setattr__`` per field), which
-        took 2-4 us of the engine's ~100 us per small tuple. The fields are the same.
+        calling the frozen ``__init__`` (an ``object.__setattr__`` per field), which is
+        a visible part of an engine's work per small tuple. The fields are the same.
         """
         attributes = meta.attributes
         info = object.__new__(cls)

@@ -124,8 +124,8 @@ class ClusterLink:
 
     def _put_features(self, request: repository_pb2.PutFeaturesRequest) -> repository_pb2.PutFeaturesResponse:
         """One PutFeatures: on the repository's lane when it answers calls there (a kept
-        connection: a gRPC call cost about 2 ms of CPU at the two ends, and an engine stores
-        once per tuple when tuples come one at a time), else over gRPC. A lane that breaks
+        connection: a unary gRPC call costs Python several times the CPU at the two ends, and
+        an engine stores once per tuple when tuples come one at a time), else over gRPC. A lane that breaks
         under the call is skipped a while and the call goes over gRPC (stores are idempotent:
         a record the lost answer had stored comes back a duplicate)."""
         reply = self._repository_calls.request("PutFeatures", request, repository_pb2.PutFeaturesResponse,
@@ -158,9 +158,9 @@ class ClusterLink:
 
     def report(self, request: master_pb2.ReportTuplesRequest, timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
         """One ReportTuples call, no retry (the reporter decides): on the master's lane when it
-        answers calls there (a kept connection: a gRPC call cost about 2 ms of CPU at the two
-        ends, and a channel reports once per tuple when tuples come one at a time), else over
-        gRPC. Its answer names the master's payload lane, which pulls use from then on."""
+        answers calls there (a kept connection: a unary gRPC call costs Python several times
+        the CPU at the two ends, and a channel reports once per tuple when tuples come one at a
+        time), else over gRPC. Its answer names the master's payload lane, which pulls use from then on."""
         try:
             reply = self._report_on_lane(request, timeout)
             if reply is None:

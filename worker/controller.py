@@ -71,8 +71,8 @@ def free_port(host: str, port_range: tuple[int, int] | None = None, exclude: fro
 
 def _engine_health(stub: health_pb2_grpc.HealthStub, channel_id: str) -> health_pb2.HealthCheckResponse:
     """The engine's health, asked by its service's name: another process's server that took
-    the port answers NOT_FOUND. An engine of an image built before engines answered by name
-    does too; it is then asked as before (the server as a whole), with a warning."""
+    the port answers NOT_FOUND. So does an engine whose image does not name its service
+    (it answers for the server as a whole); it is then asked that way, with a warning."""
     try:
         return stub.Check(health_pb2.HealthCheckRequest(service=ROLE_SERVICES["engine"]), timeout=HEALTH_TIMEOUT)
     except grpc.RpcError as exc:
@@ -344,7 +344,7 @@ class Controller:
     def tick(self, now: float) -> None:
         """One supervision pass over every slot. A slot the runtime cannot answer for just
         now (the Docker daemon restarting, an API timeout) is looked at again next pass; the
-        engines keep running meanwhile, instead of the worker stopping them all."""
+        engines keep running meanwhile; the worker does not stop them."""
         for slot in self._slots:
             try:
                 self._supervise(slot, now)

@@ -6,17 +6,17 @@ and unmaps it on free; it also hands a free heap top above its trim
 threshold back to the kernel. A tuple of 1 MB is copied several times on
 its way (gRPC message, protobuf field, joined payload), and with the default
 thresholds every copy is a new mapping whose ~250 pages all fault on first
-touch. Measured on the 2-core benchmark machine: copying 1 MB took 0.87 ms
-per copy, parsing a 1 MB frame 1.3 ms; with the thresholds raised, 0.1 ms and
-0.22 ms. The cost: a process keeps up to :data:`TRIM_THRESHOLD` of freed
-heap for reuse instead of returning it to the kernel at once.
+touch, which costs several times the copy itself. With the thresholds raised
+the heap's pages are reused, already mapped. The cost: a process keeps up to
+:data:`TRIM_THRESHOLD` of freed heap for reuse instead of returning it to the
+kernel at once.
 
 **Garbage collection.** Every tuple allocates short-lived containers (gRPC
 events, protobuf wrappers, frames); with the default threshold of 700 the
 cyclic collector runs hundreds of times a second, and each older-generation
 pass walks every object the imported libraries made at start (grpc,
-protobuf, numpy: ~10^5). Profiled, an engine spent about 17% of a core in
-``gc_collect_main`` at 1 MB tuples. :func:`freeze_startup_objects` moves what
+protobuf, numpy: ~10^5), so at high tuple rates the collector takes a
+visible share of a core. :func:`freeze_startup_objects` moves what
 exists after start-up out of the collector's sight (``gc.freeze``) and the
 first threshold is raised, so collections are rarer and only look at new objects.
 

@@ -4,6 +4,7 @@ run of the whole machinery (real roles, real Spark) on a tiny grid."""
 from __future__ import annotations
 
 import csv
+import os
 import math
 import subprocess
 import sys
@@ -249,3 +250,27 @@ def test_floor_bench_streams_both_paths_and_cleans_up_after_itself(tmp_path: Pat
     refused = subprocess.run([sys.executable, "-m", "hio.cli", "bench-floor", "--paths", "disk"],
                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert refused.returncode != 0 and "paths must be memory or spool, got disk" in refused.stderr + refused.stdout
+
+
+def test_report_lists_the_commit_machine_and_day_of_each_run_it_merges(tmp_path: Path) -> None:
+    results = tmp_path / "docs" / "benchmarks" / "results-full.csv"
+    results.parent.mkdir(parents=True)
+    _write_results(results)
+    rows = list(csv.DictReader(open(results)))
+    for row in rows:
+        row["commit"] = "abc1234" if row["system"] == "hio-direct" else "def5678+changes"
+        row["machine"] = "Some CPU x86_64, 2 cores, 8 GiB"
+    with open(results, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    text = write_report(results, tmp_path / "docs").read_text()
+    assert "| hio-direct | 4 | `abc1234` | Some CPU x86_64, 2 cores, 8 GiB | 2026-01-01 | 500 | not recorded |" in text
+    assert "| spark-file | 4 | `def5678+changes` |" in text
+
+
+def test_the_machine_and_commit_a_run_records() -> None:
+    from benchmarks.measure import machine_description, source_commit
+    assert f"{os.cpu_count()} cores" in machine_description()
+    commit = source_commit()
+    assert commit == "" or len(commit.split("+")[0]) >= 7

@@ -86,7 +86,7 @@ def test_where_a_role_listens_is_refused_in_the_cluster_table(tmp_path, key) -> 
 def test_a_shared_listen_variable_is_refused_and_the_role_s_own_is_named(role, variable, monkeypatch) -> None:
     """Every role started from one environment reads HIO_<NAME>: a shared HIO_LISTEN would
     start the master and the repository of `hio up` on one port, as [cluster] listen would.
-    Before, each role took it; now the role refuses it and names its own variable, which works."""
+    So a role refuses it and names its own variable, which works."""
     from hio.commands import COMMANDS, load
 
     config_class = load(COMMANDS[role][0])
@@ -102,7 +102,7 @@ def test_a_shared_listen_variable_is_refused_and_the_role_s_own_is_named(role, v
 
 def test_a_shared_listen_variable_is_not_passed_on_to_engines(monkeypatch) -> None:
     """The worker passes HIO_<NAME> of its engines' settings on; never a listen address,
-    which the worker sets for each engine (before, the worker refused to start)."""
+    which the worker sets for each engine; the worker starts with a shared one set."""
     from hio.worker.config import WorkerConfig
 
     monkeypatch.setenv("HIO_LISTEN", "127.0.0.1:7999")

@@ -281,8 +281,8 @@ def test_send_names_a_file_that_vanished_before_it_was_spooled(tmp_path: Path, c
 
 
 def test_send_stops_at_once_when_the_master_refuses_its_token(tmp_path: Path) -> None:
-    """A missing or wrong token never mends itself while hio send waits: it says so and stops
-    (it used to retry for ever); the file stays spooled for the next hio send."""
+    """A missing or wrong token never mends itself while hio send waits, so it says so and
+    stops instead of retrying; the file stays spooled for the next hio send."""
     from tests.harness import HioProcess
 
     tokens = tmp_path / "tokens"

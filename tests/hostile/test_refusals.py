@@ -58,7 +58,7 @@ from tests.hostile.cluster import (
 
 Code = grpc.StatusCode
 
-# How long a stalled client may hold what it took, when the fix (an idle bound) is in: the tests
+# How long a stalled client may hold what it took, given the idle bound: the tests
 # pass this as `stream_idle_seconds` to configs that have the setting, and wait a little longer.
 IDLE_BOUND = 3.0  # long enough that a loaded machine sees the stall hold what it took before it lapses
 STALL_PATIENCE = 15.0

@@ -109,7 +109,7 @@ def test_preview_draws_a_row_per_group() -> None:
 
 
 def test_knowledge_without_groups_still_reads() -> None:
-    """Knowledge written before groups existed prints its one group as before."""
+    """Knowledge without groups prints its one group from the top-level fields."""
     k = features_pb2.Knowledge(tuple_count=3, feature_names=["a"], feature_mean=[0.0], feature_std=[1.0],
                                algorithm="old")
     k.clusters.add(id=0, centre=[0.0], count=3)

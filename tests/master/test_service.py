@@ -325,7 +325,7 @@ def test_pull_brings_the_first_tuples_in_order_within_count_and_bytes(tmp_path: 
         _, tuples, _ = _pull_many(m.stub, ch, max_tuples=100, max_bytes=700)
         assert [t for t, _ in tuples] == [ids[10]], "a head over max_bytes still comes, alone"
         _, tuples, _ = _pull_many(m.stub, ch, max_tuples=0, max_bytes=0)
-        assert [t for t, _ in tuples] == [ids[11]], "0: one tuple, as before batching"
+        assert [t for t, _ in tuples] == [ids[11]], "0 asks for one tuple"
         for bad, text in (({"max_tuples": 5000}, "max_tuples"), ({"max_bytes": 1 << 40}, "max_bytes")):
             with pytest.raises(grpc.RpcError) as err:
                 list(m.stub.PullTuple(master_pb2.PullTupleRequest(channel_id=ch, **bad), timeout=5))

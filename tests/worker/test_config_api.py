@@ -351,8 +351,8 @@ def test_engine_ports_come_from_the_configured_range() -> None:
 def test_the_engine_health_probe_asks_by_name_and_still_knows_an_older_image(
         service: str, warned: bool, caplog: pytest.LogCaptureFixture) -> None:
     """An engine answers health for hio.proto.Engine (so another role's server on its port is not
-    taken for it); one from an image built before that answers only as a whole, and is still
-    found serving, with a warning that says to rebuild the image."""
+    taken for it); one whose image answers only for the server as a whole is found serving
+    too, with a warning that says to rebuild the image."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from hio.common.net import create_channel, create_server, set_serving

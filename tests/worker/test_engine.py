@@ -500,7 +500,7 @@ def test_a_failed_tuple_the_master_cannot_take_back_fails_alone_and_the_stream_g
     """A tuple whose processing failed goes back to the master's queue; when that queue takes
     no tuples (its disk failed to sync), the tuple fails to its sender with both reasons (the
     sender counts the attempt and sends it again) and the tuples after it in the stream are
-    processed; before, the stream broke and the sender charged every tuple left in it."""
+    processed: the stream does not break, so the sender charges no attempt to the others."""
     disk = FsyncDisk(monkeypatch)
     master = Master(tmp_path / "master", fsync="batch")
     try:

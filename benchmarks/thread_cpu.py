@@ -1,6 +1,7 @@
-"""CPU per thread of the running hio processes over a window (analysis.md, twelfth session).
+"""CPU per thread of the running hio processes over a window: which thread of which role
+spends the CPU a tuple costs.
 
-    python docs/benchmarks/thread_cpu.py 20     # while `hio bench-core ...` runs
+    python -m benchmarks.thread_cpu 20     # from a checkout, while `hio bench-core ...` runs
 
 Reads utime+stime of every thread from /proc/<pid>/task/*/stat at the start
 and the end of the window, and names the threads with `py-spy dump` (their
