@@ -11,6 +11,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -28,6 +29,9 @@ from hio.proto import (
 )
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
 from tests.harness import HioProcess, free_port, hio_env, wait_for
+
+if TYPE_CHECKING:
+    from hio.gateway.watch import DirectoryWatcher
 
 IMAGE = "hio/synthetic"
 
@@ -424,7 +428,7 @@ def _unmovable(tmp_path: Path) -> tuple[Path, Path, Path]:
     return watch, blocker, original
 
 
-def _take_and_store(gw: Gateway, watch: Path, blocker: Path) -> DirectoryWatcher:  # noqa: F821
+def _take_and_store(gw: Gateway, watch: Path, blocker: Path) -> DirectoryWatcher:
     """A watcher on ``watch``; its first settled file taken and stored."""
     from hio.gateway.watch import DirectoryWatcher
 
