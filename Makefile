@@ -72,4 +72,4 @@ bench-kd: setup
 	$(BIN)/hio bench-kd
 
 clean:
-	rm -rf $(VENV) var build *.egg-info proto/hio/proto/*_pb2*.py* .pytest_cache
+	rm -rf $(VENV) var build *.egg-info proto/hio/proto/*_pb2*.py* .pytest_cache .mypy_cache .ruff_cache
