@@ -30,14 +30,13 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.measure import loopback_bandwidth
+from benchmarks.measure import loopback_bandwidth, proc_cpu_seconds
 from hio.common.config import ConfigError, scaled, setting
 from hio.common.files import write_all
 from hio.common.frames import crc32
 from hio.common.settings import MiB
 from hio.gateway.spool import Spool
 from hio.proto.tuple_pb2 import TupleMeta
-from benchmarks.measure import proc_cpu_seconds
 
 PATHS = ("memory", "spool")
 HEADER_BYTES = 16                  # the generator's per-message part (a sequence number and a time)
@@ -107,11 +106,12 @@ def stream(size: int, path: str, seconds: float, streams: int, root: Path) -> Fl
                  for _ in range(streams)]
     for proc in receivers:
         proc.start()
+    pids = [proc.pid for proc in receivers if proc.pid is not None]   # all of them: started
     conns = [server.accept()[0] for _ in range(streams)]
     server.close()
     spool = _fresh_spool(root / "spool") if path == "spool" else None
     counts = [0] * streams
-    cpu_before = proc_cpu_seconds(os.getpid()) + sum(proc_cpu_seconds(proc.pid) for proc in receivers)
+    cpu_before = proc_cpu_seconds(os.getpid()) + sum(proc_cpu_seconds(pid) for pid in pids)
     start = time.monotonic()
     stop = start + seconds
 
@@ -141,9 +141,9 @@ def stream(size: int, path: str, seconds: float, streams: int, root: Path) -> Fl
     for conn in conns:
         conn.shutdown(socket.SHUT_WR)
     cpu_receivers = 0.0
-    for proc, conn in zip(receivers, conns):
+    for pid, conn in zip(pids, conns, strict=True):
         conn.recv(1)     # the receiver closes once it has read everything
-        cpu_receivers += proc_cpu_seconds(proc.pid)
+        cpu_receivers += proc_cpu_seconds(pid)
         conn.close()
     elapsed = time.monotonic() - start
     cpu = proc_cpu_seconds(os.getpid()) + cpu_receivers - cpu_before

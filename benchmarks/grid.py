@@ -38,13 +38,13 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
-from hio.common.config import ConfigError, positive, setting
-from hio.common.settings import ClusterSettings
 from benchmarks.report import cost_label, size_label
 from benchmarks.systems import SLOTS, SYSTEMS, MessageGenerator, System, make_system
+from hio.common.config import ConfigError, positive, setting
+from hio.common.settings import ClusterSettings
 
 log = logging.getLogger("hio.bench")
 
@@ -232,7 +232,7 @@ class StepRunner:
     def run(self, rate: float, min_messages: int | None = None) -> StepResult:
         self.counter += 1
         tag = f"{self.prefix}s{self.counter}"
-        seconds, count = self.duration(rate, min_messages or self.config.min_step_messages)
+        _seconds, count = self.duration(rate, min_messages or self.config.min_step_messages)
         errors_before = len(self.system.errors())
         base = self.system.finished_count()
         sent = [0]
@@ -278,7 +278,7 @@ class StepRunner:
                     time.sleep(wait)
                 try:
                     self.system.send(tag, i, self.generator.message(tag, i, time.time()), self.cost_s)
-                except Exception as exc:  # a failing send is a failed step, not a crash
+                except Exception as exc:  # noqa: BLE001 - a failing send is a failed step, not a crash
                     with lock:
                         errors.append(f"send: {exc}")
                 with lock:
@@ -489,8 +489,8 @@ def _upgrade_header(path: Path, fields: list[str]) -> None:
     os.replace(tmp, path)
 
 
-def _fmt(value: float) -> str:
-    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.6g}"
+def _fmt(value: float | None) -> str:
+    return "" if value is None or math.isnan(value) else f"{value:.6g}"
 
 
 class BenchRun:
@@ -622,12 +622,14 @@ class BenchRun:
                "latency_rate": _fmt(latency.rate) if latency else "",
                "p50_ms": _fmt(latency.percentile(0.5) * 1000) if latency else "",
                "p99_ms": _fmt(latency.percentile(0.99) * 1000) if latency else "",
-               "load_avg": _fmt(load_avg()), "cpu_slots": _fmt(cpu_slots), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "load_avg": _fmt(load_avg()), "cpu_slots": _fmt(cpu_slots),
+               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "steal": _fmt(steal), "commit": self.commit, "machine": self.machine}
         append_row(self.results, RESULT_FIELDS, row)
+        fail_note = f"; first fail: {point.first_fail.reason}" if point.first_fail else ""
         print(f"{system.name:>13} {size_label(size):>7} {cost_label(cost * 1000):>7}: "
               f"{point.max_rate:>10.4g}/s  bound {bound:>10.4g}/s  {point.max_rate / bound:>6.1%}  "
-              f"(CPU slots {cpu_slots:.2f}; steal {steal:.0%}; {len(point.steps)} steps{'; first fail: ' + point.first_fail.reason if point.first_fail else ''})"
+              f"(CPU slots {cpu_slots:.2f}; steal {steal:.0%}; {len(point.steps)} steps{fail_note})"
               + (f"  p50 {latency.percentile(0.5) * 1000:.0f} ms p99 {latency.percentile(0.99) * 1000:.0f} ms"
                  if latency else ""), flush=True)
         return row

@@ -57,9 +57,9 @@ def _uploads(first_id: int, count: int, features: int, groups: int, seed: int) -
     """PutFeatures uploads of ``count`` records drawn from ``features``-d blobs,
     tuple id ``i`` in group ``i % groups`` (image ``hio/bench-<g>``, features ``g<g>_f<j>``)."""
     import zstandard
-    from hio.proto import features_pb2, repository_pb2
 
     from hio.common.frames import crc32
+    from hio.proto import features_pb2, repository_pb2
 
     rng = np.random.default_rng(seed + first_id)
     centres = rng.uniform(-20, 20, size=(5, features))
@@ -73,7 +73,7 @@ def _uploads(first_id: int, count: int, features: int, groups: int, seed: int) -
         record = features_pb2.FeatureRecord(tuple_id=tuple_id, processed_unix=time.time(), kd_features=names[group])
         record.meta.tuple_id = tuple_id
         record.meta.image = f"hio/bench-{group}"
-        for name, value in zip(names[group], row):
+        for name, value in zip(names[group], row, strict=True):
             record.features[name].number = value
         data = compressor.compress(record.SerializeToString())
         uploads.append(repository_pb2.FeaturesUpload(tuple_id=tuple_id, record_zstd=data, crc32=crc32(data)))
@@ -84,12 +84,11 @@ class _Bench:
     """One repository + one Spark session; KD runs are `--once` passes."""
 
     def __init__(self, config: KDBenchConfig, work: Path) -> None:
+        from hio.common.net import create_channel
         from hio.kd.config import KDConfig
         from hio.kd.job import build_session
         from hio.proto import repository_pb2_grpc
         from hio.repository import RepositoryConfig, create_repository_server
-
-        from hio.common.net import create_channel
 
         self.config = config
         self.work = work

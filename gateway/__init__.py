@@ -15,8 +15,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
-    "Gateway", "GatewayStatus", "TupleFuture", "GatewayConfig", "SendConfig",
-    "run_gateway", "run_send", "DeliveryError", "DeliveryTimeout", "SpoolFull",
+    "DeliveryError",
+    "DeliveryTimeout",
+    "Gateway",
+    "GatewayConfig",
+    "GatewayStatus",
+    "SendConfig",
+    "SpoolFull",
+    "TupleFuture",
+    "run_gateway",
+    "run_send",
 ]
 
 _WHERE = {

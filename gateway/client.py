@@ -24,8 +24,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Self
 
 from hio.common import config as cfg
 from hio.common.config import state_dir
@@ -38,7 +39,7 @@ from hio.proto.tuple_pb2 import TupleMeta
 
 log = logging.getLogger("hio.gateway")
 
-__all__ = ["Gateway", "GatewayStatus", "DeliveryError", "DeliveryTimeout", "SpoolFull", "TupleFuture"]
+__all__ = ["DeliveryError", "DeliveryTimeout", "Gateway", "GatewayStatus", "SpoolFull", "TupleFuture"]
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -61,7 +62,7 @@ class DeliveryTimeout(DeliveryError, TimeoutError):
     """``send`` gave up waiting; the tuple stays spooled and delivery goes on."""
 
 
-class TupleFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+class TupleFuture(concurrent.futures.Future[int]):
     """Future of one tuple: resolves to its id once STORED or ENQUEUED.
 
     ``outcome`` ("stored", "enqueued", ...) and ``tuple_id`` are set before it
@@ -81,6 +82,7 @@ class TupleFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         self.outcome = ""
         self.tuple_id = 0
         self.detail = ""
+        self.seq = 0          # the spool's sequence number, set when tracked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +291,7 @@ class Gateway:
         """Block until every spooled tuple is delivered (or failed); False on timeout."""
         with self._lock:
             pending = list(self._futures.values())
-        done, not_done = concurrent.futures.wait(pending, timeout=timeout)
+        _done, not_done = concurrent.futures.wait(pending, timeout=timeout)
         return not not_done
 
     def close(self, timeout: float | None = None, *, drain: bool = True) -> None:
@@ -319,7 +321,7 @@ class Gateway:
                     "is sent at the next start", name=future.name))
         self.spool.close()
 
-    def __enter__(self) -> "Gateway":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -359,7 +361,7 @@ class Gateway:
         ``_closed``, so a close() in between cannot leave a future nobody resolves."""
         meta = entry.meta
         future = TupleFuture(meta.name, entry.size, meta.image, meta.created_unix, meta.crc32)
-        future.seq = entry.seq  # type: ignore[attr-defined]
+        future.seq = entry.seq
         with self._lock:
             closed = self._closed
             if not closed:
@@ -401,7 +403,7 @@ class Gateway:
         finally:  # delivered is delivered: callers learn it even if forgetting it failed (it is sent again)
             with self._lock:
                 futures = [self._futures.pop(entry.seq, None) for entry, _, _ in done]
-            for future, (entry, outcome, detail) in zip(futures, done):
+            for future, (entry, outcome, detail) in zip(futures, done, strict=True):
                 if future is not None and not future.done():
                     _resolve(future, entry, outcome, detail)
 

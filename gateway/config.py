@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from hio.common.config import ConfigError, positive, setting
-from hio.common.settings import SERVER_SETTINGS, MiB, ClusterSettings
+from hio.common.settings import SERVER_SETTINGS, ClusterSettings, MiB
 
 GiB = 1024 * MiB
 
@@ -134,8 +134,8 @@ class SendConfig(GatewayConfig):
     # accepted (one file configures the gateway daemon and hio send), not in --help
     UNLISTED: ClassVar[frozenset[str]] = SERVER_SETTINGS | {"watch", "done_dir", "settle_seconds", "poll_seconds"}
     POSITIONAL: ClassVar[tuple[str, str, str]] = (
-        "files", "FILE", "files to send (directories are walked); none: finish what an earlier "
-                         "hio send left spooled")
+        "files", "FILE", ("files to send (directories are walked); none: finish what an earlier "
+                          "hio send left spooled"))
 
     files: tuple[str, ...] = setting((), "files to send (directories are walked)", factory=tuple)
     drop_spooled: bool = setting(False, "drop the tuples earlier hio send runs (same --source) left spooled, "

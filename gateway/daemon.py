@@ -12,8 +12,10 @@ import signal
 import threading
 import time
 
+import grpc
+
 from hio.common.log import NOTICE
-from hio.common.net import ROLE_SERVICES, create_server, set_serving, wait_for_stop
+from hio.common.net import ROLE_SERVICES, RoleHealth, create_server, set_serving, wait_for_stop
 from hio.gateway.client import Gateway
 from hio.gateway.config import GatewayConfig
 from hio.gateway.ingest import POLICY, IngestReceiver, IngestServicer
@@ -34,7 +36,7 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
     try:
         if config.ingest_listen:
             servicer = IngestServicer(gateway, receiver)
-            server, port, health = create_server(
+            server, _port, health = create_server(
                 config, config.ingest_listen, policy=POLICY,
                 register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)],
                 service=ROLE_SERVICES["gateway"])
@@ -60,8 +62,8 @@ def _on_signals(stop: threading.Event) -> None:
             signal.signal(sig, lambda *_: stop.set())
 
 
-def _shutdown(config: GatewayConfig, gateway: Gateway, receiver: IngestReceiver, server, health,  # type: ignore[no-untyped-def]
-              watcher: DirectoryWatcher | None) -> None:
+def _shutdown(config: GatewayConfig, gateway: Gateway, receiver: IngestReceiver, server: grpc.Server | None,
+              health: RoleHealth | None, watcher: DirectoryWatcher | None) -> None:
     """Stop taking tuples, finish in-flight work within the grace period, keep the spool."""
     start = time.monotonic()
     grace = config.grace_seconds
@@ -69,7 +71,7 @@ def _shutdown(config: GatewayConfig, gateway: Gateway, receiver: IngestReceiver,
     if watcher is not None:
         watcher.stop()
     receiver.stop_accepting()
-    if server is not None:
+    if server is not None and health is not None:
         set_serving(health, False)
         server.stop(grace / 2).wait(grace / 2 + 1.0)
     gateway.close(max(0.0, grace - (time.monotonic() - start)), drain=False)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import cast
 
 import grpc
 
@@ -68,10 +69,10 @@ class IngestReceiver:
         if not self._accepting.is_set():
             raise Unavailable("the gateway is stopping; submit again to its next start")
 
-    def _receive_one(self, reader: FrameReader, stream: "_MetaTracker") -> tuple[TupleFuture | None, bool]:
+    def _receive_one(self, reader: FrameReader, stream: _MetaTracker) -> tuple[TupleFuture | None, bool]:
         holder: list[SpoolWriter] = []
 
-        def sink(chunk: bytes) -> None:
+        def sink(chunk: bytes | memoryview) -> None:
             if not holder:
                 holder.append(self._gateway.spool.writer(stream.current.size, timeout=0))
             holder[0].write(chunk)
@@ -110,7 +111,7 @@ class IngestReceiver:
     def _finished(waiting: dict[TupleFuture, int], timeout: float) -> Iterator[TupleReceipt]:
         done, _ = concurrent.futures.wait(list(waiting), timeout=timeout,
                                           return_when=concurrent.futures.FIRST_COMPLETED)
-        for future in done:
+        for future in cast("set[TupleFuture]", done):  # wait() hands back the futures it was given
             yield _final_receipt(waiting.pop(future), future)
 
 
@@ -130,7 +131,7 @@ class _MetaTracker:
         self._frames = iter(frames)
         self.current = TupleMeta()
 
-    def __iter__(self) -> "_MetaTracker":
+    def __iter__(self) -> _MetaTracker:
         return self
 
     def __next__(self) -> TupleFrame:

@@ -18,9 +18,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from hio.common.config import ConfigError
 from hio.common.errors import FailedPrecondition, InvalidArgument
@@ -71,7 +71,7 @@ class DirectoryWatcher:
         while not self._stop.is_set():
             try:
                 self.scan_once()
-            except Exception:  # noqa: BLE001 - keep watching whatever one scan hits
+            except Exception:  # keep watching whatever one scan hits
                 log.exception("watch scan failed", extra={"folder": str(self.watch)})
             self._stop.wait(self._poll)
 

@@ -8,19 +8,22 @@ docker) happen inside the command that needs them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # gRPC's C core logs each failed TLS handshake to stderr, unstructured, several times a
 # second while a client retries; our own logs say it once, with what to fix. Before any
 # import of grpc; GRPC_VERBOSITY set by the user still wins (and reaches child processes).
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from hio import commands  # noqa: E402 - after the gRPC setting above
-from hio.common import config as cfg  # noqa: E402 - after the gRPC setting above
+from hio import commands
+from hio.common import config as cfg
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hio", description=__doc__.split("\n\n")[0])
@@ -54,10 +57,8 @@ def _stacks_on_sigusr1() -> None:
     import signal
 
     if hasattr(signal, "SIGUSR1"):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # stderr is not a file: called in-process (tests, notebooks)
             faulthandler.register(signal.SIGUSR1, all_threads=True)
-        except (OSError, ValueError):  # stderr is not a file: called in-process (tests, notebooks)
-            pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,8 +30,9 @@ import sys
 import tempfile
 import tomllib
 import zipfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from hio.common.config import ConfigError, setting
 
@@ -169,7 +170,7 @@ def fill_dependency_wheels(root: Path, wheelhouse: Path, timeout: float) -> None
 def build_project_wheel(root: Path, wheelhouse: Path, timeout: float) -> Path:
     """A wheel of this project, built from a clean copy so nothing stale leaks in;
     it must carry the generated protobuf code."""
-    import hio.proto  # noqa: F401  (regenerates stale *_pb2.py in the checkout)
+    import hio.proto  # noqa: F401 - imported to regenerate stale *_pb2.py in the checkout
 
     for old in wheelhouse.glob(f"{PROJECT_WHEEL}-*.whl"):
         old.unlink()

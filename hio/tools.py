@@ -16,7 +16,6 @@ from hio.common.net import create_channel, rpc_error_text
 from hio.common.settings import SERVER_SETTINGS, ClusterSettings
 from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 
-
 # A tool only calls a role: the settings of servers and of tuple streams are not its own.
 _TOOL_UNLISTED = SERVER_SETTINGS | {"data_dir", "chunk_bytes", "max_tuple_bytes"}
 
@@ -54,8 +53,8 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
     lines = [
         f"master up {s.uptime_seconds:,.0f}s   last tuple id {s.last_tuple_id}",
         f"throughput  {s.tuples_per_second:,.1f} tuples/s   {s.bytes_per_second / 1e6:,.1f} MB/s (last minute)",
-        f"tuples      done {s.tuples_done:,}   failed {s.tuples_failed:,}   dead letters {s.dead_letters:,}"
-        f"   routed direct {s.routed_direct:,} / queue {s.routed_queue:,}",
+        (f"tuples      done {s.tuples_done:,}   failed {s.tuples_failed:,}   dead letters {s.dead_letters:,}"
+         f"   routed direct {s.routed_direct:,} / queue {s.routed_queue:,}"),
         f"channels    free {s.channels_free}   busy {s.channels_busy}   down {s.channels_down}",
     ]
     for w in s.workers:
@@ -153,10 +152,20 @@ def run_dead_letters(config: DeadLettersConfig) -> int:
     for d in reply.dead_letters:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.failed_unix))
         tried = max(d.meta.attempt - 1, 1)   # a dead letter's attempt is the one it would have been next
-        print(f"{d.meta.tuple_id:>12}  {d.meta.image:<18} {d.meta.name or '-':<24} attempts {tried}  {when}  {d.reason}")
+        print(f"{d.meta.tuple_id:>12}  {d.meta.image:<18} {d.meta.name or '-':<24} attempts {tried}  {when}  "
+              f"{d.reason}")
     print(f"{len(reply.dead_letters)} dead letters; send one again with: hio dead-letters --retry TUPLE_ID")
     return 0
 
 
-__all__ = ["StatusConfig", "KnowledgeConfig", "DeadLettersConfig", "run_status", "run_knowledge",
-           "run_dead_letters", "format_status", "fetch_knowledge", "ConfigError"]
+__all__ = [
+    "ConfigError",
+    "DeadLettersConfig",
+    "KnowledgeConfig",
+    "StatusConfig",
+    "fetch_knowledge",
+    "format_status",
+    "run_dead_letters",
+    "run_knowledge",
+    "run_status",
+]

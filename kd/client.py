@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Mapping
-from typing import Self
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Self, TypeVar
 
 import grpc
-from hio.proto import repository_pb2, repository_pb2_grpc
 
 from hio.common.errors import retry_after
 from hio.common.net import create_channel
 from hio.common.retry import RETRYABLE, Backoff, call_with_retry
 from hio.common.settings import ClusterSettings
+from hio.proto import repository_pb2, repository_pb2_grpc
+
+T = TypeVar("T")
 
 _OPTION_FIELDS = ("repository_address", "token", "token_file", "tls_ca", "tls_cert", "tls_key", "chunk_bytes")
 
@@ -46,7 +48,7 @@ class RepositoryClient:
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> RepositoryClient:
-        fields = {name: options.get(name, "") for name in _OPTION_FIELDS}
+        fields: dict[str, Any] = {name: options.get(name, "") for name in _OPTION_FIELDS}
         fields["chunk_bytes"] = int(fields["chunk_bytes"] or ClusterSettings.chunk_bytes)
         settings = dataclasses.replace(ClusterSettings(), **fields)
         return cls(settings, float(options.get("rpc_deadline") or 30.0))
@@ -60,7 +62,7 @@ class RepositoryClient:
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, fn):  # type: ignore[no-untyped-def]
+    def _call(self, fn: Callable[[], T]) -> T:
         return call_with_retry(fn, deadline=self.deadline)
 
     def offsets(self, consumer: str = "") -> repository_pb2.GetOffsetsResponse:
@@ -84,7 +86,7 @@ class RepositoryClient:
                         yield record
                 return
             except grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
+                code = exc.code()
                 if code not in RETRYABLE or time.monotonic() - stalled_since > self.deadline:
                     raise
                 backoff.sleep(retry_after(exc))

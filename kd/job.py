@@ -27,6 +27,7 @@ import warnings
 from typing import Any
 
 import pyarrow.compute as pc
+
 from hio.common.log import NOTICE
 from hio.kd.client import RepositoryClient, connection_options
 from hio.kd.config import KDConfig

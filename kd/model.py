@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from hio.kd.store import Group
 from hio.proto import features_pb2
 
@@ -64,6 +65,7 @@ def _fit_centres(spark: Any, points: np.ndarray, k: int, seed: int, max_iter: in
     import pyarrow as pa
     from pyspark.ml.clustering import BisectingKMeans
     from pyspark.ml.functions import array_to_vector
+    from pyspark.sql.functions import col
 
     # Spark splits a cluster by nudging its centre by 1e-4 x its norm: at the
     # origin (where normalised data is centred) both halves start identical and
@@ -74,7 +76,7 @@ def _fit_centres(spark: Any, points: np.ndarray, k: int, seed: int, max_iter: in
     # objects); one partition, cached: BisectingKMeans iterates over it.
     flat = pa.array(np.ascontiguousarray(points + shift, dtype=np.float64).ravel())
     column = pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, points.shape[1], dtype=np.int32)), flat)
-    frame = spark.createDataFrame(pa.table({"x": column})).select(array_to_vector("x").alias("features"))
+    frame = spark.createDataFrame(pa.table({"x": column})).select(array_to_vector(col("x")).alias("features"))
     frame = frame.coalesce(1).cache()
     try:
         model = BisectingKMeans(k=k, seed=seed, maxIter=max_iter, minDivisibleClusterSize=1.0).fit(frame)
@@ -152,7 +154,7 @@ def cluster_groups(spark: Any, groups: list[Group], chosen: list[Group], *, k: i
 
     if parallelism > 1 and len(chosen) > 1:
         with ThreadPoolExecutor(max_workers=min(parallelism, len(chosen)), thread_name_prefix="hio-kd-fit") as pool:
-            fitted = dict(zip(map(id, chosen), pool.map(fit, chosen)))
+            fitted = dict(zip(map(id, chosen), pool.map(fit, chosen), strict=True))
     else:
         fitted = {id(g): fit(g) for g in chosen}
     results = []
@@ -191,13 +193,13 @@ def group_message(result: GroupResult, listed: int) -> features_pb2.KnowledgeGro
     message.algorithm = clustering.algorithm
     message.feature_mean.extend(clustering.mean.tolist())
     message.feature_std.extend(clustering.std.tolist())
-    for index, (centre, count) in enumerate(zip(clustering.centres.tolist(), clustering.counts.tolist())):
+    for index, (centre, count) in enumerate(zip(clustering.centres.tolist(), clustering.counts.tolist(), strict=True)):
         message.clusters.add(id=index, centre=centre, count=count)
     for left, right, distance, size in clustering.linkage.tolist():
         message.dendrogram.add(left=int(left), right=int(right), distance=float(distance), size=int(size))
     start = group.count - listed
     ids, labels = group.ids[start:].tolist(), clustering.labels[start:].tolist()
-    message.assignments.extend(features_pb2.Assignment(tuple_id=t, cluster=c) for t, c in zip(ids, labels))
+    message.assignments.extend(features_pb2.Assignment(tuple_id=t, cluster=c) for t, c in zip(ids, labels, strict=True))
     return message
 
 
@@ -222,7 +224,7 @@ def to_knowledge(results: list[GroupResult], main: Group | None, *, up_to_offset
         computed_unix=time.time(), up_to_offset=up_to_offset, malformed_records=malformed,
         new_records=new_records, interval_seconds=interval_seconds)
     listed = listed_counts(results, max_assignments)
-    for result, count in zip(results, listed):
+    for result, count in zip(results, listed, strict=True):
         message = knowledge.groups.add()
         message.CopyFrom(group_message(result, count))
         if result.group is main:

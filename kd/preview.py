@@ -10,11 +10,16 @@ from __future__ import annotations
 import io
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
 from hio.common.files import atomic_write
 from hio.kd.model import Clustering, GroupResult
 from hio.kd.store import Group
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 def pca_2d(points: np.ndarray, extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -27,7 +32,7 @@ def pca_2d(points: np.ndarray, extra: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return (points - centre) @ axes, (extra - centre) @ axes
 
 
-def _scatter(ax, group: Group, result: Clustering, max_points: int, seed: int) -> None:  # type: ignore[no-untyped-def]
+def _scatter(ax: Axes, group: Group, result: Clustering, max_points: int, seed: int) -> None:
     pick = result.sample
     if len(pick) > max_points:
         pick = np.sort(np.random.default_rng(seed).choice(pick, size=max_points, replace=False))
@@ -43,7 +48,7 @@ def _scatter(ax, group: Group, result: Clustering, max_points: int, seed: int) -
     ax.set_ylabel("PC 2")
 
 
-def _dendrogram(ax, result: Clustering) -> None:  # type: ignore[no-untyped-def]
+def _dendrogram(ax: Axes, result: Clustering) -> None:
     if len(result.linkage) == 0:
         ax.text(0.5, 0.5, "one cluster", ha="center", va="center")
         ax.set_axis_off()
@@ -56,7 +61,7 @@ def _dendrogram(ax, result: Clustering) -> None:  # type: ignore[no-untyped-def]
     ax.set_ylabel("distance")
 
 
-def _history(ax, history: list[tuple[float, int]]) -> None:  # type: ignore[no-untyped-def]
+def _history(ax: Axes, history: list[tuple[float, int]]) -> None:
     if history:
         start = history[0][0]
         ax.step([(t - start) / 60.0 for t, _ in history], [n for _, n in history], where="post", marker="o")
@@ -65,7 +70,7 @@ def _history(ax, history: list[tuple[float, int]]) -> None:  # type: ignore[no-u
     ax.set_ylabel("tuples")
 
 
-def _empty(ax, text: str) -> None:  # type: ignore[no-untyped-def]
+def _empty(ax: Axes, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center")
     ax.set_axis_off()
 

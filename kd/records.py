@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import zstandard
+
 from hio.proto import features_pb2
 
 SPARK_SCHEMA = ("offset long, tuple_id long, image string, processed_unix double, "
@@ -44,7 +46,7 @@ class Row:
     values: tuple[float, ...] = ()
     error: str | None = None
 
-    def as_tuple(self) -> tuple:
+    def as_tuple(self) -> tuple[Any, ...]:
         """In ``COLUMNS`` order, ids signed, as Spark's Python data source expects."""
         return (self.offset, to_signed(self.tuple_id), self.image, self.processed_unix,
                 list(self.names), list(self.values), self.error)
@@ -92,9 +94,9 @@ def kd_vector(record: features_pb2.FeatureRecord) -> tuple[tuple[str, ...], tupl
         if not names:
             raise MalformedRecord("record has no numeric features")
     values = tuple(float(record.features[n].number) for n in names)
-    for name, value in zip(names, values):
-        if not math.isfinite(value):
-            raise MalformedRecord(f"feature '{name}' is not finite ({value})")
+    for name, number in zip(names, values, strict=True):
+        if not math.isfinite(number):
+            raise MalformedRecord(f"feature '{name}' is not finite ({number})")
     return names, values
 
 
@@ -111,15 +113,15 @@ def decode(offset: int, tuple_id: int, blob: bytes, max_bytes: int) -> Row:
                processed_unix=record.processed_unix, names=names, values=values)
 
 
-def to_table(rows: Iterable[Row]):  # type: ignore[no-untyped-def]
+def to_table(rows: Iterable[Row]) -> Any:  # a pyarrow.Table (pyarrow ships no types)
     """Rows as an Arrow table shaped like what Spark hands to ``foreachBatch``."""
     import pyarrow as pa
 
     schema = pa.schema([("offset", pa.int64()), ("tuple_id", pa.int64()), ("image", pa.string()),
                         ("processed_unix", pa.float64()), ("names", pa.list_(pa.string())),
                         ("values", pa.list_(pa.float64())), ("error", pa.string())])
-    out: dict[str, list] = {name: [] for name in COLUMNS}
+    out: dict[str, list[Any]] = {name: [] for name in COLUMNS}
     for row in rows:
-        for name, value in zip(COLUMNS, row.as_tuple()):
+        for name, value in zip(COLUMNS, row.as_tuple(), strict=True):
             out[name].append(value)
     return pa.table(out, schema=schema)

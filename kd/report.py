@@ -43,7 +43,8 @@ def _features(k: Clustered) -> list[str]:
         return []
     lines = ["", "features (normalisation: (x - mean) / std):"]
     width = max(len(n) for n in k.feature_names)
-    for name, mean, std in zip(k.feature_names, k.feature_mean, k.feature_std):
+    # a report shows what the message holds (a short list: fewer lines, not a failure)
+    for name, mean, std in zip(k.feature_names, k.feature_mean, k.feature_std, strict=False):
         lines.append(f"  {name:<{width}}  mean {mean:12.6g}  std {std:12.6g}")
     return lines
 
@@ -55,8 +56,8 @@ def _clusters(k: Clustered) -> list[str]:
     names = list(k.feature_names)[:MAX_CENTRE_FEATURES]
     lines = ["", "clusters (centre in original units):"]
     for c in k.clusters:
-        original = [m + s * v for v, m, s in zip(c.centre, k.feature_mean, k.feature_std)]
-        centre = ", ".join(f"{n}={v:.4g}" for n, v in zip(names, original))
+        original = [m + s * v for v, m, s in zip(c.centre, k.feature_mean, k.feature_std, strict=False)]
+        centre = ", ".join(f"{n}={v:.4g}" for n, v in zip(names, original, strict=False))  # the first names only
         more = " ..." if len(c.centre) > MAX_CENTRE_FEATURES else ""
         lines.append(f"  #{c.id:<3d} {c.count:>9d} tuples ({100.0 * c.count / total:5.1f}%)  {centre}{more}")
     return lines

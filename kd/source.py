@@ -18,9 +18,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from hio.kd.client import RepositoryClient
-from hio.kd.records import SPARK_SCHEMA, decode
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -28,6 +27,10 @@ from pyspark.sql.streaming.datasource import (
     ReadMaxRows,
     SupportsTriggerAvailableNow,
 )
+from pyspark.sql.types import StructType
+
+from hio.kd.client import RepositoryClient
+from hio.kd.records import SPARK_SCHEMA, decode
 
 NAME = "hio_repository"
 log = logging.getLogger("hio.kd")
@@ -66,7 +69,7 @@ class RepositoryDataSource(DataSource):
     def schema(self) -> str:
         return SPARK_SCHEMA
 
-    def streamReader(self, schema) -> RepositoryStreamReader:  # type: ignore[no-untyped-def]
+    def streamReader(self, schema: StructType) -> RepositoryStreamReader:
         return RepositoryStreamReader(dict(self.options))
 
 
@@ -85,7 +88,7 @@ class RepositoryStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
     def _client(self) -> RepositoryClient:
         return RepositoryClient.from_options(self.options)
 
-    def initialOffset(self) -> dict:
+    def initialOffset(self) -> dict[str, int]:
         """Where a query without a checkpoint starts: after what the consumer
         committed, or after what the store already holds, whichever is later."""
         with self._client() as client:
@@ -102,7 +105,7 @@ class RepositoryStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.max_records)
 
-    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
         begin = int(start["offset"])
         latest = self.target if self.target is not None else self._latest()
         if latest < begin:
@@ -115,19 +118,19 @@ class RepositoryStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             latest = min(latest, begin + self.max_records)
         return {"offset": latest}
 
-    def reportLatestOffset(self) -> dict:
+    def reportLatestOffset(self) -> dict[str, int]:
         return {"offset": self._latest()}
 
-    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         return split_range(int(start["offset"]), int(end["offset"]), self.partition_count)
 
-    def read(self, partition: InputPartition) -> Iterator[tuple]:
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, OffsetRange)
         with self._client() as client:
             for record in client.read(partition.after, partition.until):
                 yield decode(record.offset, record.tuple_id, record.record_zstd,
                              self.max_record_bytes).as_tuple()
 
-    def commit(self, end: dict) -> None:
+    def commit(self, end: dict[str, int]) -> None:
         with self._client() as client:
             client.commit(self.consumer, int(end["offset"]))

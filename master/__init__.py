@@ -19,13 +19,13 @@ import grpc
 from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
 from hio.common.log import NOTICE
 from hio.common.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
-from hio.master.config import MasterConfig
 from hio.common.tickets import make_ticket
+from hio.master.config import MasterConfig
 from hio.master.core import Master
 from hio.master.service import POLICY, MasterService
 from hio.proto import master_pb2_grpc
 
-__all__ = ["MasterConfig", "Master", "create_master_server", "run_master", "make_ticket", "POLICY"]
+__all__ = ["POLICY", "Master", "MasterConfig", "create_master_server", "make_ticket", "run_master"]
 
 log = logging.getLogger("hio.master")
 

@@ -16,14 +16,15 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, BinaryIO
 
 from hio.common.config import ConfigError, state_dir
-from hio.common.files import lock_folder
-from hio.common.tickets import load_ticket_key, make_ticket
 from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted
-from hio.common.frames import TupleFrame, TupleMeta, tuple_frames
+from hio.common.files import lock_folder
+from hio.common.frames import TupleFrame, TupleMeta, WireFrame, tuple_frames
+from hio.common.tickets import load_ticket_key, make_ticket
 from hio.master.backlog import BacklogQueue, ImageQueue, Lease, Stored
 from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
@@ -100,7 +101,7 @@ class Status:
 class Pulled:
     """Tuples leased to a channel by :meth:`Master.pull`, head first; stream them with :meth:`frames`."""
 
-    def __init__(self, master: "Master", leases: list[Lease]) -> None:
+    def __init__(self, master: Master, leases: list[Lease]) -> None:
         self._master = master
         self.leases = leases
         self.started = 0   # leases whose payload was opened to be sent (the rest never left)
@@ -114,7 +115,7 @@ class Pulled:
     def meta(self) -> TupleMeta:
         return self.lease.meta
 
-    def frames(self) -> Iterator[TupleFrame]:
+    def frames(self) -> Iterator[WireFrame]:
         return tuple_frames(self.payloads(), self._master.config.chunk_bytes, PULL_PACK_BYTES, encode=True)
 
     def payloads(self) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
@@ -166,7 +167,7 @@ class Master:
 
     # ---- lifecycle ---------------------------------------------------------------
 
-    def start(self) -> "Master":
+    def start(self) -> Master:
         """Start the maintenance thread (expiry, lease expiry, fsync batches)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._maintain, name="hio-master-maintenance", daemon=True)
@@ -206,7 +207,7 @@ class Master:
                 if now - last_expiry >= EXPIRY_EVERY:
                     last_expiry = now
                     self.expire()
-            except Exception:  # noqa: BLE001 - the maintenance thread must survive anything
+            except Exception:  # the maintenance thread must survive anything
                 log.exception("maintenance pass failed")
 
     def expire(self) -> None:

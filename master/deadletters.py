@@ -17,8 +17,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO
 
 from hio.common.files import copy_exact
 from hio.common.frames import TupleMeta
@@ -46,7 +47,7 @@ class DeadLetter:
 class DeadWriter:
     """Streams one tuple's payload into the store; :meth:`commit` publishes it."""
 
-    def __init__(self, store: "DeadLetterStore", meta: TupleMeta) -> None:
+    def __init__(self, store: DeadLetterStore, meta: TupleMeta) -> None:
         self._store = store
         self.meta = meta
         self._tmp = store.root / f"{meta.tuple_id}.payload.{uuid.uuid4().hex[:8]}.part"

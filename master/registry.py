@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import math
 import time
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from hio.common.errors import AlreadyExists, InvalidArgument
 
@@ -161,7 +161,7 @@ class ChannelRegistry:
         expired, down, lapsed = [], [], []
         for worker in list(self._workers.values()):
             if not worker.live:
-                if now - worker.expired_at >= self.forget_seconds:  # type: ignore[operator]
+                if worker.expired_at is not None and now - worker.expired_at >= self.forget_seconds:
                     self._forget(worker)
                 continue
             if now - worker.last_seen >= self.expiry_seconds:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Union
+from collections.abc import Callable
 
 from hio.master.registry import ChannelRegistry
 
@@ -28,7 +28,7 @@ class QueueRoute:
     queue_length: int   # tuples of the image ahead of these (queued or on their way)
 
 
-Route = Union[DirectRoute, QueueRoute]
+Route = DirectRoute | QueueRoute
 
 
 class PendingEnqueues:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 WINDOW_SECONDS = 60
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from hio.repository.server import create_repository_server, run_repository
     from hio.repository.store import FeatureStore
 
-__all__ = ["RepositoryConfig", "run_repository", "create_repository_server", "FeatureStore"]
+__all__ = ["FeatureStore", "RepositoryConfig", "create_repository_server", "run_repository"]
 
 _LAZY = {"run_repository": "hio.repository.server", "create_repository_server": "hio.repository.server",
          "FeatureStore": "hio.repository.store"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from hio.common.config import ConfigError, check_address, lane_listen_address, positive, same_port, setting
-from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB, ClusterSettings
+from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, ClusterSettings, MiB
 
 FSYNC_MODES = ("batch", "always", "never")
 
@@ -34,7 +34,8 @@ class RepositoryConfig(ClusterSettings):
     max_decompressed_bytes: int = setting(FEATURE_RECORD_DECOMPRESSED_BYTES,
                                           "largest decompressed feature record accepted")
     read_batch_records: int = setting(1000, "most records per ReadFeatures response message")
-    read_batch_bytes: int = setting(8 * MiB, "most record bytes per ReadFeatures response message (one larger record goes alone)")
+    read_batch_bytes: int = setting(8 * MiB, "most record bytes per ReadFeatures response message "
+                                             "(one larger record goes alone)")
     max_consumers: int = setting(1024, "most named consumers whose offsets are kept")
     max_workers: int = setting(32, "gRPC server threads")
     lanes: bool = setting(True, "also take PutFeatures on a lane (plain TCP, kept connections: about a tenth "

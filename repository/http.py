@@ -49,7 +49,7 @@ class PreviewHttpServer:
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="repository-http", daemon=True)
 
-    def start(self) -> "PreviewHttpServer":
+    def start(self) -> PreviewHttpServer:
         self._thread.start()
         return self
 
@@ -65,7 +65,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "hio-repository"
     protocol_version = "HTTP/1.1"
 
-    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+    def do_GET(self) -> None:
         url = urlsplit(self.path)
         routes = {"/": self._index, "/preview.png": self._preview,
                   "/knowledge.json": self._knowledge_json, "/healthz": self._healthz}
@@ -75,11 +75,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             route(parse_qs(url.query))
-        except Exception:  # noqa: BLE001 - a page must never take the thread down silently
+        except Exception:  # a page must never take the thread down silently
             log.exception("http request failed", extra={"path": url.path})
             self._send(500, "text/plain; charset=utf-8", b"internal error; see the repository log\n")
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self.do_GET()
 
     def _healthz(self, _query: dict[str, list[str]]) -> None:
@@ -119,8 +119,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        log.debug("http " + format, *args)
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
+        log.debug("http " + format, *args)  # noqa: G003 - the stdlib's %-format and its args, kept lazy
 
 
 def _knowledge(store: FeatureStore) -> features_pb2.Knowledge | None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import bisect
 from array import array
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 
 class Location(NamedTuple):
@@ -24,7 +25,7 @@ class Location(NamedTuple):
 class OffsetIndex:
     """tuple id -> offset, and offset -> (segment, position, length)."""
 
-    __slots__ = ("_ids", "_positions", "_lengths", "_segment_firsts")
+    __slots__ = ("_ids", "_lengths", "_positions", "_segment_firsts")
 
     def __init__(self) -> None:
         self._ids: dict[int, int] = {}
@@ -55,7 +56,7 @@ class OffsetIndex:
         self._ids.setdefault(tuple_id, offset)
         return offset
 
-    def extend(self, tuple_ids: Iterable[int], positions: array, lengths: array) -> None:
+    def extend(self, tuple_ids: Iterable[int], positions: array[int], lengths: array[int]) -> None:
         """Index many records of the last segment at once (the rebuild path)."""
         first = self.latest + 1
         self._positions.extend(positions)

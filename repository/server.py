@@ -7,8 +7,8 @@ import logging
 import grpc
 
 from hio.common.errors import HioError
-from hio.common.log import NOTICE
 from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
+from hio.common.log import NOTICE
 from hio.common.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig

@@ -10,8 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["WorkerConfig", "EngineConfig", "TupleInfo", "EngineLauncher", "EngineSpec",
-           "run_worker", "run_engine"]
+__all__ = [
+    "EngineConfig",
+    "EngineLauncher",
+    "EngineSpec",
+    "TupleInfo",
+    "WorkerConfig",
+    "run_engine",
+    "run_worker",
+]
 
 _EXPORTS = {
     "WorkerConfig": "hio.worker.config",

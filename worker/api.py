@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import types
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from hio.common.config import ConfigError
 
@@ -39,7 +40,7 @@ class TupleInfo:
     attributes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_meta(cls, meta: Any) -> "TupleInfo":
+    def from_meta(cls, meta: Any) -> TupleInfo:
         """From a ``hio.proto.TupleMeta`` (duck-typed so this module stays light).
 
         Runs once per tuple: it fills the instance's ``__dict__`` at once instead of

@@ -10,7 +10,8 @@ jittered backoff up to ``rpc_deadline`` seconds.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Sequence, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar, cast
 
 import grpc
 
@@ -51,7 +52,7 @@ class PullCall:
     payload lane): iterate its frames, or cancel it from another thread. ``max_chunk_bytes``:
     the largest frame payload it may bring (the lane sends a tuple as one frame)."""
 
-    def __init__(self, call: "grpc.Call | LaneDownload", max_chunk_bytes: int, settings: ClusterSettings) -> None:
+    def __init__(self, call: grpc.Call | LaneDownload, max_chunk_bytes: int, settings: ClusterSettings) -> None:
         self._call = call
         self.max_chunk_bytes = max_chunk_bytes
         self._settings = settings  # for the TLS advice when the pull never connected
@@ -59,7 +60,7 @@ class PullCall:
     def frames(self) -> Iterator[TupleFrame | ChunkFrame]:
         """The frames of the pulled tuples; empty when the master had nothing."""
         try:
-            yield from self._call  # type: ignore[misc]
+            yield from cast("Iterator[TupleFrame | ChunkFrame]", self._call)  # a stream call iterates its replies
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 return
@@ -156,7 +157,8 @@ class ClusterLink:
             raise errors.Unavailable(f"master: Enqueue of tuple {meta.tuple_id} answered {state}: {receipt.message}")
         return receipt
 
-    def report(self, request: master_pb2.ReportTuplesRequest, timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
+    def report(self, request: master_pb2.ReportTuplesRequest,
+               timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
         """One ReportTuples call, no retry (the reporter decides): on the master's lane when it
         answers calls there (a kept connection: a unary gRPC call costs Python several times
         the CPU at the two ends, and a channel reports once per tuple when tuples come one at a

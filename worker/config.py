@@ -21,8 +21,7 @@ import os
 import socket
 from typing import ClassVar
 
-from hio.common.config import (ConfigError, PassedOn, as_text, check_address, parse_assignments, positive,
-                               setting)
+from hio.common.config import ConfigError, PassedOn, as_text, check_address, parse_assignments, positive, setting
 from hio.common.settings import ClusterSettings
 
 DEFAULT_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
@@ -52,7 +51,8 @@ class EngineSettings(ClusterSettings):
 
     def validate_pull_batch(self) -> None:
         if not (math.isfinite(self.pull_batch_seconds) and 0 <= self.pull_batch_seconds <= 3600):
-            raise ConfigError(f"pull_batch_seconds must be 0 (one at a time) or up to 3600, got {self.pull_batch_seconds}")
+            raise ConfigError("pull_batch_seconds must be 0 (one at a time) or up to 3600, "
+                              f"got {self.pull_batch_seconds}")
         if not 1 <= self.pull_batch_tuples <= 1024:
             raise ConfigError(f"pull_batch_tuples must be between 1 and 1024, got {self.pull_batch_tuples}")
         if not 0 <= self.pull_batch_bytes <= 64 * 1024 * 1024:
@@ -85,16 +85,17 @@ class WorkerConfig(EngineSettings):
 
     #: the file's [engine] table, HIO_ENGINE_<NAME> variables, and the engines' own settings in
     #: [cluster] or as HIO_<NAME> reach the engines through engine_settings
-    PASSED_ON: ClassVar[PassedOn] = PassedOn("engine", "engine_settings", lambda: engine_own_settings())
+    PASSED_ON: ClassVar[PassedOn] = PassedOn("engine", "engine_settings",
+                                             lambda: engine_own_settings())  # noqa: PLW0108 - looked up late: defined below
 
     def engine_overrides(self) -> dict[str, str]:
         """The engine settings to pass on (as environment values), checked as an engine would
         check them: only those a worker does not decide itself, each valid."""
         where = "engine_settings ([engine], HIO_ENGINE_*)"
-        refused = {name: "the worker sets it for each engine" for name in ENGINE_SLOT_SETTINGS}
+        refused = dict.fromkeys(ENGINE_SLOT_SETTINGS, "the worker sets it for each engine")
         engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        refused.update((f.name, f"set it for the worker ([worker] or [cluster], HIO_WORKER_{f.name.upper()}); "
-                                "it passes its value on to its engines")
+        refused.update((f.name, (f"set it for the worker ([worker] or [cluster], HIO_WORKER_{f.name.upper()}); "
+                                 "it passes its value on to its engines"))
                        for f in dataclasses.fields(WorkerConfig) if f.name in engine_fields)
         values = parse_assignments(self.engine_settings, EngineConfig, where, refused=refused)
         try:   # an engine refusing its settings would only restart, again and again

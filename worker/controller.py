@@ -19,8 +19,8 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
-from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -66,19 +66,20 @@ def free_port(host: str, port_range: tuple[int, int] | None = None, exclude: fro
                 return port
     if port_range is None:
         raise RuntimeError(f"no free port for an engine on {host}")
-    raise RuntimeError(f"no free port for an engine in {port_range[0]}-{port_range[1]} on {host}")  # type: ignore[index]
+    raise RuntimeError(f"no free port for an engine in {port_range[0]}-{port_range[1]} on {host}")
 
 
 def _engine_health(stub: health_pb2_grpc.HealthStub, channel_id: str) -> health_pb2.HealthCheckResponse:
     """The engine's health, asked by its service's name: another process's server that took
     the port answers NOT_FOUND. So does an engine whose image does not name its service
     (it answers for the server as a whole); it is then asked that way, with a warning."""
+    check = stub.Check  # type: ignore[attr-defined]  # types-grpcio-health-checking's HealthStub lists no methods
     try:
-        return stub.Check(health_pb2.HealthCheckRequest(service=ROLE_SERVICES["engine"]), timeout=HEALTH_TIMEOUT)
+        return check(health_pb2.HealthCheckRequest(service=ROLE_SERVICES["engine"]), timeout=HEALTH_TIMEOUT)
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.NOT_FOUND:
             raise
-    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT)
+    reply = check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT)
     if reply.status == health_pb2.HealthCheckResponse.SERVING:
         log.warning("engine answers health only as a whole: an image built by an older hio (rebuild it: "
                     "hio images build), or another server holds its port", extra={"channel": channel_id})
@@ -181,7 +182,8 @@ class EngineSlot:
 class MasterSession:
     """Registration and heartbeats, on a thread of their own (never blocks supervision)."""
 
-    def __init__(self, config: WorkerConfig, worker_id: str, channels: Callable[[bool], list[master_pb2.ChannelInfo]]) -> None:
+    def __init__(self, config: WorkerConfig, worker_id: str,
+                 channels: Callable[[bool], list[master_pb2.ChannelInfo]]) -> None:
         self._config = config
         self._worker_id = worker_id
         self._channels = channels
@@ -227,7 +229,7 @@ class MasterSession:
                 wait = backoff.delay()
                 failures += 1
                 # the first failure of a streak is a warning; the rest would only repeat it
-                extra = {"worker": self._worker_id, "code": exc.code().name if exc.code() else "?",
+                extra = {"worker": self._worker_id, "code": getattr(exc.code(), "name", "?"),
                          "reason": exc.details(), "retry_in_s": round(wait, 2), "failures": failures}
                 hint = connect_hint(exc.details() or "", speaks_tls=self._config.speaks_tls)
                 if hint:   # a TLS mistake, not a master that is down
@@ -243,8 +245,8 @@ class MasterSession:
         reply = self._stub.RegisterWorker(request, timeout=MASTER_CALL_TIMEOUT)
         self._interval = reply.heartbeat_interval_seconds if reply.heartbeat_interval_seconds > 0 else 1.0
         self._registered = True
-        log.log(NOTICE, "registered with the master", extra={"worker": self._worker_id, "channels": len(request.channels),
-                                                      "heartbeat_s": self._interval})
+        log.log(NOTICE, "registered with the master",
+                extra={"worker": self._worker_id, "channels": len(request.channels), "heartbeat_s": self._interval})
 
     def _heartbeat(self) -> None:
         request = master_pb2.HeartbeatRequest(worker_id=self._worker_id, channels=self._channels(False))

@@ -23,6 +23,7 @@ Each engine runs as one container of the image its tuples name
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -299,10 +300,8 @@ def _numeric_user(user: str) -> tuple[int, int]:
 
 
 def _kill_quietly(container: Any) -> None:
-    try:
+    with contextlib.suppress(docker.errors.APIError):  # already gone or exited: the next poll sees it
         container.kill()
-    except docker.errors.APIError:
-        pass  # already gone or exited: the next poll sees it
 
 
 def _remove_quietly(container: Any) -> None:

@@ -110,7 +110,8 @@ def build_record(result: Any, meta: tuple_pb2.TupleMeta, *, kd_features: tuple[s
     numbers: dict[str, float] = {}
     for name, value in result.items():
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
-            raise FeatureError(f"feature name {name!r} must be a non-empty string of at most {MAX_NAME_CHARS} characters")
+            raise FeatureError(f"feature name {name!r} must be a non-empty string "
+                               f"of at most {MAX_NAME_CHARS} characters")
         number = _set_feature(features[name], name, value)
         if number is not None:
             numbers[name] = number

@@ -52,9 +52,12 @@ def generate(out: Path, names: tuple[str, ...], hosts: tuple[str, ...], days: in
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     out.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    pem_key = lambda k: k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,  # noqa: E731
-                                        serialization.NoEncryption())
+    now = datetime.datetime.now(datetime.UTC)
+
+    def pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
+        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                               serialization.NoEncryption())
+
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "HarmonicIO CA")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)

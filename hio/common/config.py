@@ -28,23 +28,28 @@ import os
 import re
 import tomllib
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from hio import commands
 from hio.common.errors import ConfigError
 
 
-C = TypeVar("C")
+class _Dataclass(Protocol):
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+
+C = TypeVar("C", bound=_Dataclass)
 
 CONFIG_ENV = "HIO_CONFIG"
 
 
-def setting(default: Any, help: str, *, factory: Any = None) -> Any:
+def setting(default: Any, help_text: str, *, factory: Any = None) -> Any:
     """Declare a configuration field with its help text."""
     if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=factory, metadata={"help": help_text})
+    return dataclasses.field(default=default, metadata={"help": help_text})
 
 
 def role_local(name: str) -> bool:
@@ -125,11 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, role: str) -> None
     parser.add_argument("--config", default=None,
                         help=f"TOML configuration file (env {CONFIG_ENV})")
     types = _field_types(cls)
-    unlisted = getattr(cls, "UNLISTED", frozenset())   # accepted, not in --help (a client's server-only settings)
+    # accepted, not in --help (a client's server-only settings)
+    unlisted: frozenset[str] = getattr(cls, "UNLISTED", frozenset())
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         typ = types[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default_factory() if callable(f.default_factory) else f.default
         help_text = f"{f.metadata.get('help', '')} [default: {default!r}; env {_env_names(role, f.name)[0]}]"
         help_text = help_text.replace("%", "%%")  # argparse formats help with %
         if f.name in unlisted:

@@ -13,7 +13,8 @@ import functools
 import inspect
 import logging
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import grpc
 
@@ -102,7 +103,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, float | None]:
         log.error("disk full", extra={"error": str(exc)})
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"the server's disk is full ({exc}); retry later", 5.0
     ref = uuid.uuid4().hex[:12]
-    log.exception("internal error ref=%s", ref)
+    log.error("internal error ref=%s", ref, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error (ref {ref}); see the server log", None
 
 
@@ -131,7 +132,7 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
             try:
                 yield from method(self, request, context)
-            except Exception as exc:  # noqa: BLE001 - this is the one place that maps errors
+            except Exception as exc:  # this is the one place that maps errors
                 if _is_abort(exc, context):
                     raise
                 _abort(context, exc)
@@ -141,7 +142,7 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     def unary_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if _is_abort(exc, context):
                 raise
             _abort(context, exc)
@@ -151,7 +152,9 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
 def retry_after(error: grpc.RpcError) -> float | None:
     """The server's retry hint carried by a RESOURCE_EXHAUSTED status, if any."""
     try:
-        for key, value in error.trailing_metadata() or ():  # type: ignore[attr-defined]
+        # (key, value) pairs: grpc's namedtuples or the lane's tuples (the stubs say objects)
+        metadata = cast("Iterable[tuple[str, str | bytes]]", error.trailing_metadata() or ())
+        for key, value in metadata:
             if key == RETRY_AFTER_KEY:
                 return float(value)
     except Exception:  # noqa: BLE001 - not every RpcError carries metadata

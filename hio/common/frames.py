@@ -14,11 +14,13 @@ without the copies Python protobuf makes of every payload.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
 import zlib
-from typing import BinaryIO, Callable, Iterable, Iterator, TypeVar, Union
+from collections.abc import Callable, Iterable, Iterator
+from typing import BinaryIO, TypeVar
 
 from hio.common.errors import DataLoss, DeadlineExceeded, InvalidArgument
 from hio.proto import tuple_pb2
@@ -30,7 +32,7 @@ Packable = TypeVar("Packable", TupleFrame, TupleReceipt)
 
 # A frame as senders hand it to gRPC: a message, or a large chunk already in
 # its wire form (:func:`encode_frame`); :func:`serialize_frame` sends both.
-WireFrame = Union[TupleFrame, bytes]
+WireFrame = TupleFrame | bytes
 
 # Chunks of at least this many bytes travel encoded by hand and are read
 # without copying (:func:`parse_frame`). Below it, protobuf's own code is as fast.
@@ -169,7 +171,7 @@ class ChunkFrame:
     def last(self) -> bool:
         return self._head.last
 
-    def HasField(self, name: str) -> bool:  # noqa: N802 - the protobuf name
+    def HasField(self, name: str) -> bool:  # the protobuf name
         return self._head.HasField(name)
 
 
@@ -291,10 +293,11 @@ def pack_small(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes
     packing = PackingFrames(pack_bytes, chunk_bytes)
     for meta, payload in tuples:
         if packing.packable(meta.size):
-            if not isinstance(payload, bytes):
-                with payload:
-                    payload = payload.read(meta.size)
-            if (message := packing.add(TupleFrame(meta=meta, data=payload, last=True))) is not None:
+            data = payload
+            if not isinstance(data, bytes):
+                with data:
+                    data = data.read(meta.size)
+            if (message := packing.add(TupleFrame(meta=meta, data=data, last=True))) is not None:
                 yield message
             continue
         if (message := packing.flush()) is not None:
@@ -348,7 +351,7 @@ class UnpackedFrames:
         self._pending: collections.deque[TupleFrame] = collections.deque()
         self.packed = False
 
-    def __iter__(self) -> "UnpackedFrames":
+    def __iter__(self) -> UnpackedFrames:
         return self
 
     @property
@@ -464,9 +467,9 @@ class FrameReader:
 
 
 class _Watch:
-    __slots__ = ("seconds", "on_idle", "waiting_since", "fired")
+    __slots__ = ("fired", "on_idle", "seconds", "waiting_since")
 
-    def __init__(self, seconds: float, on_idle: Callable[[], None]) -> None:
+    def __init__(self, seconds: float, on_idle: Callable[[], object]) -> None:
         self.seconds = seconds
         self.on_idle = on_idle
         self.waiting_since: float | None = None
@@ -502,17 +505,15 @@ class _IdleWatchdog:
                 for watch in stalled:
                     watch.fired = True
             for watch in stalled:
-                try:
+                with contextlib.suppress(Exception):  # ending a stream must not kill the watchdog
                     watch.on_idle()
-                except Exception:  # noqa: BLE001 - ending a stream must not kill the watchdog
-                    pass
 
 
 _WATCHDOG = _IdleWatchdog()
 
 
 def idle_bounded(frames: Iterable[TupleFrame], seconds: float,
-                 on_idle: Callable[[], None]) -> Iterator[TupleFrame]:
+                 on_idle: Callable[[], object]) -> Iterator[TupleFrame]:
     """The frames of a stream, ended when the sender sends nothing for ``seconds``.
 
     Only time spent waiting for the sender counts (not time the receiver

@@ -77,7 +77,8 @@ def run_playbook(playbook: Path, inventory: Path, tmp: Path, *args: str,
     proc = subprocess.run(cmd, cwd=ANSIBLE_DIR, env=ansible_env(tmp), capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}")
     return proc
 
 
@@ -129,8 +130,8 @@ def local_vars(tmp: Path) -> dict[str, Any]:
 def read_unit(path: Path) -> dict[str, list[str]]:
     """A systemd unit as key -> values (keys may repeat, e.g. Environment)."""
     values: dict[str, list[str]] = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
         if not line or line.startswith(("#", "[")) or "=" not in line:
             continue
         key, _, value = line.partition("=")

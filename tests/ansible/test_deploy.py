@@ -18,8 +18,16 @@ import pytest
 from hio.common.net import wait_healthy
 from hio.common.procs import child_env, free_port
 from hio.common.settings import ClusterSettings
-from tests.ansible.helpers import (REPO, base_python, local_vars, read_unit, recap, require_collections,
-                                   run_playbook, write_inventory)
+from tests.ansible.helpers import (
+    REPO,
+    base_python,
+    local_vars,
+    read_unit,
+    recap,
+    require_collections,
+    run_playbook,
+    write_inventory,
+)
 
 pytestmark = pytest.mark.slow
 

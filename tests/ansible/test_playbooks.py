@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ansible.helpers import (ANSIBLE_DIR, ansible_env, ansible_tool, inventory_json,
-                                   require_collections)
+from tests.ansible.helpers import ANSIBLE_DIR, ansible_env, ansible_tool, inventory_json, require_collections
 
 PLAYBOOKS = ["provision.yml", "site.yml"]
 

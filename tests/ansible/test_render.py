@@ -19,8 +19,7 @@ import pytest
 from hio.common import config as cfg
 from hio.common.net import TokenTable, create_server, set_serving, wait_healthy
 from hio.common.settings import ClusterSettings
-from tests.ansible.helpers import (local_vars, read_unit, require_collections, run_playbook,
-                                   write_inventory)
+from tests.ansible.helpers import local_vars, read_unit, require_collections, run_playbook, write_inventory
 
 ROLE_CONFIGS = {
     "master": "hio.master.config:MasterConfig",

@@ -12,8 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.grid import (BenchConfig, StepResult, bound_rate, find_max, parse_cost, parse_size, percentile,
-                       read_done, slope)
+from benchmarks.grid import (
+    BenchConfig,
+    StepResult,
+    bound_rate,
+    find_max,
+    parse_cost,
+    parse_size,
+    percentile,
+    read_done,
+    slope,
+)
 from benchmarks.report import check_targets, read_rows, spark_wins, write_report
 from benchmarks.systems import HEADER_BYTES, MessageGenerator, parse_header
 from hio.common.config import ConfigError
@@ -104,7 +113,7 @@ def _write_results(path: Path) -> None:
     rows = []
     for system, rates in {"hio-direct": (12000, 300, 19, 19.5), "spark-file": (40, 30, 18, 19.8),
                           "spark-socket": (30000, 5, 2, 1)}.items():
-        for (size, cost), rate in zip([(100, 0), (10**6, 0), (100, 100), (10**6, 100)], rates):
+        for (size, cost), rate in zip([(100, 0), (10**6, 0), (100, 100), (10**6, 100)], rates, strict=True):
             bound = min(500e6 / size, 2 / (cost / 1000)) if cost else 500e6 / size
             rows.append({"system": system, "size": size, "cost_ms": cost, "max_rate": rate, "bound": bound,
                          "fraction": rate / bound, "loopback_mb_s": 500, "steps": 5, "seconds": 30,
@@ -144,7 +153,7 @@ def test_report_shows_a_bound_range_when_runs_measured_different_loopbacks(tmp_p
     results = tmp_path / "docs" / "benchmarks" / "results-full.csv"
     results.parent.mkdir(parents=True)
     _write_results(results)
-    rows = list(csv.DictReader(open(results)))
+    rows = list(csv.DictReader(results.read_text().splitlines()))
     for row in rows:
         if row["system"] == "spark-file" and row["cost_ms"] == "0":
             row["bound"] = str(float(row["bound"]) * 2)           # measured in a run with twice the loopback
@@ -174,7 +183,7 @@ def test_smoke_whole_machinery_on_a_tiny_grid_and_resume(tmp_path: Path) -> None
     for row in rows:
         assert row["bound"] == pytest.approx(20.0)          # 2 slots / 100 ms
         assert int(row["steps"]) == 1                        # --max-steps bounds the search
-    steps = list(csv.DictReader(open(out / "benchmarks" / "smoke-steps.csv")))
+    steps = list(csv.DictReader((out / "benchmarks" / "smoke-steps.csv").read_text().splitlines()))
     assert {s["system"] for s in steps} == {r["system"] for r in rows}
     assert any(s["passed"] == "1" for s in steps), steps
     assert "## Targets" in (out / "benchmarks.md").read_text()
@@ -192,7 +201,7 @@ def test_resumed_csv_from_an_older_version_gets_the_new_columns(tmp_path: Path) 
     path = tmp_path / "r.csv"
     path.write_text("system,size\nhio-direct,100\n")
     append_row(path, ("system", "size", "cost_ms"), {"system": "spark-file", "size": 200, "cost_ms": 10})
-    rows = list(csv.DictReader(open(path)))
+    rows = list(csv.DictReader(path.read_text().splitlines()))
     assert rows == [{"system": "hio-direct", "size": "100", "cost_ms": ""},
                     {"system": "spark-file", "size": "200", "cost_ms": "10"}]
 

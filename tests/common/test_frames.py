@@ -11,7 +11,8 @@ def meta_for(data: bytes, tuple_id: int = 7, **kw) -> TupleMeta:
 
 
 def reader(frames, **kw) -> FrameReader:
-    return FrameReader(frames, max_tuple_bytes=kw.pop("max_tuple", 1 << 30), max_chunk_bytes=kw.pop("max_chunk", 1 << 20), **kw)
+    return FrameReader(frames, max_tuple_bytes=kw.pop("max_tuple", 1 << 30),
+                       max_chunk_bytes=kw.pop("max_chunk", 1 << 20), **kw)
 
 
 def test_many_tuples_of_many_chunks_round_trip(tmp_path) -> None:
@@ -151,15 +152,15 @@ def test_tuple_frames_pack_small_tuples_and_chunk_large_ones_from_bytes_or_files
     for n in (1, 3):  # the large tuple and the last small one come from files
         path = tmp_path / f"t{n}"
         path.write_bytes(b"xx" + payloads[n])
-        fh = open(path, "rb")
+        fh = open(path, "rb")  # noqa: SIM115 - handed over: the framing must close it (asserted below)
         fh.seek(2)
         files.append(fh)
     sources = [payloads[0], files[0], payloads[2], files[1]]
-    messages = list(tuple_frames(zip(metas, sources), chunk_bytes=1024, pack_bytes=4096))
+    messages = list(tuple_frames(zip(metas, sources, strict=True), chunk_bytes=1024, pack_bytes=4096))
     assert [len(m.packed) for m in messages] == [0, 0, 0, 0, 1], "small, then 3 chunks, then two packed together"
     assert all(fh.closed for fh in files)
     reader = FrameReader(iter(messages), max_tuple_bytes=10_000, max_chunk_bytes=1024)
     got = []
     while (item := reader.next_tuple_bytes()) is not None:
         got.append(item)
-    assert got == list(zip(metas, payloads))
+    assert got == list(zip(metas, payloads, strict=True))

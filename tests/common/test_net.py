@@ -230,7 +230,7 @@ def test_a_probe_naming_its_service_is_not_fooled_by_another_server_on_the_port(
     try:
         wait_healthy(address, settings, timeout=5)                                        # any server
         wait_healthy(address, settings, timeout=5, service=ROLE_SERVICES["repository"])   # the right one
-        with pytest.raises(TimeoutError, match="does not serve hio.proto.Master: another process holds the port"):
+        with pytest.raises(TimeoutError, match=r"does not serve hio\.proto\.Master: another process holds the port"):
             wait_healthy(address, settings, timeout=1, service=ROLE_SERVICES["master"])
         set_serving(health, False)
         with pytest.raises(TimeoutError):

@@ -10,9 +10,20 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hio.common.frames import (ENCODED_MIN_BYTES, ChunkFrame, FrameReader, TupleFrame, TupleMeta, crc32,
-                               encode_frame, frames_for_bytes, frames_for_stream, parse_frame, serialize_frame,
-                               tuple_frames)
+from hio.common.frames import (
+    ENCODED_MIN_BYTES,
+    ChunkFrame,
+    FrameReader,
+    TupleFrame,
+    TupleMeta,
+    crc32,
+    encode_frame,
+    frames_for_bytes,
+    frames_for_stream,
+    parse_frame,
+    serialize_frame,
+    tuple_frames,
+)
 
 BIG = ENCODED_MIN_BYTES + 17
 
@@ -97,7 +108,7 @@ def test_encoded_streams_read_back_verified_and_the_pipeline_gets_bytes(tmp_path
     path.write_bytes(payloads[2])
     sent = [*frames_for_bytes(metas_[0], payloads[0], BIG, encode=True),
             *frames_for_bytes(metas_[1], payloads[1], BIG, encode=True),
-            *frames_for_stream(metas_[2], open(path, "rb"), BIG, encode=True),
+            *frames_for_stream(metas_[2], path.open("rb"), BIG, encode=True),
             *tuple_frames([(metas_[3], payloads[3])], 1 << 20, 1 << 20, encode=True)]
     assert any(isinstance(f, bytes) for f in sent) and any(isinstance(f, TupleFrame) for f in sent)
     received = [parse_frame(serialize_frame(f)) for f in sent]

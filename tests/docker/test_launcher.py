@@ -7,8 +7,8 @@ from __future__ import annotations
 import io
 import tarfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -16,8 +16,15 @@ docker = pytest.importorskip("docker")
 
 from hio.worker.config import WorkerConfig
 from hio.worker.controller import engine_env
-from hio.worker.docker_launcher import (LABEL_CHANNEL, LABEL_MANAGED, LABEL_WORKER, DockerLauncher,
-                                        ImageMissing, container_name, docker_available)
+from hio.worker.docker_launcher import (
+    LABEL_CHANNEL,
+    LABEL_MANAGED,
+    LABEL_WORKER,
+    DockerLauncher,
+    ImageMissing,
+    container_name,
+    docker_available,
+)
 from hio.worker.launcher import EngineHandle, EngineSpec
 from tests.docker.cluster import Cluster
 from tests.harness import free_port, wait_for

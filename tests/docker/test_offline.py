@@ -14,8 +14,15 @@ import pytest
 from hio.common.config import ConfigError
 
 docker_launcher = pytest.importorskip("hio.worker.docker_launcher")
-from hio.images import (BUILTIN_IMAGES, ImagesConfig, build_project_wheel, project_root,  # noqa: E402
-                        runtime_requirements, selected_folders, stage_context)
+from hio.images import (
+    BUILTIN_IMAGES,
+    ImagesConfig,
+    build_project_wheel,
+    project_root,
+    runtime_requirements,
+    selected_folders,
+    stage_context,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

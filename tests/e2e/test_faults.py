@@ -62,7 +62,7 @@ class FaultCluster:
                                                  "--data-dir", str(root / "kd"), "--k", "2",
                                                  "--log-level", "info"], root)
 
-    def start(self) -> "FaultCluster":
+    def start(self) -> FaultCluster:
         for name, proc in self.procs.items():
             proc.start()
             if name in ("repository", "master"):
@@ -201,7 +201,7 @@ def test_every_role_killed_in_turn_loses_and_duplicates_nothing(tmp_path: Path) 
                 raise
             print(f"fault test: KD counted {k.tuple_count} tuples {time.monotonic() - started:.0f} s after")
             assert k.tuple_count == TUPLES, "KD counted each tuple exactly once"
-        done = set(p.name for p in (cluster.watch / ".hio-done").rglob("*") if p.is_file())
+        done = {p.name for p in (cluster.watch / ".hio-done").rglob("*") if p.is_file()}
         assert done == set(names), "every file was moved aside once its features were safe"
     finally:
         stop.set()

@@ -49,7 +49,7 @@ class Cluster:
                 "worker", ["--worker-id", worker_id, "--runtime", "process", "--engines", engines,
                            "--data-dir", str(root / worker_id), *common], root, name=worker_id)
 
-    def start(self, channels: int) -> "Cluster":
+    def start(self, channels: int) -> Cluster:
         for name, proc in self.procs.items():
             proc.start()
             if name in ("repository", "master"):
@@ -148,7 +148,7 @@ def test_ten_megabyte_tuples_move_in_chunks(cluster: Cluster) -> None:
         ids = [gw.send(p, image="hio/synthetic", name=f"big-{len(p)}", attributes={"cost_ms": "0"}, timeout=120)
                for p in payloads]
     records = {r.tuple_id: r for r in wait_all_stored(cluster, ids)}
-    for tuple_id, payload in zip(ids, payloads):
+    for tuple_id, payload in zip(ids, payloads, strict=True):
         record = records[tuple_id]
         assert record.meta.size == len(payload)
         assert record.features["size_bytes"].number == len(payload)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
@@ -12,9 +13,13 @@ from hio.gateway.spool import SpoolEntry
 from hio.proto.tuple_pb2 import TupleMeta
 
 
+def open_payload(entry: SpoolEntry) -> BinaryIO:
+    return open(entry.data_path, "rb")
+
+
 def dispatcher(**overrides: object) -> Dispatcher:
     config = GatewayConfig(**{"master_address": "127.0.0.1:1", **overrides})  # type: ignore[arg-type]
-    return Dispatcher(config, persist=lambda entries: None, open_payload=lambda e: open(e.data_path, "rb"), payload_damage=lambda e: "",
+    return Dispatcher(config, persist=lambda entries: None, open_payload=open_payload, payload_damage=lambda e: "",
                       on_complete=lambda *args: None)
 
 
@@ -61,7 +66,7 @@ def test_a_receipt_naming_another_tuple_settles_nothing() -> None:
 
     done: list[int] = []
     config = GatewayConfig(master_address="127.0.0.1:1")
-    d = Dispatcher(config, persist=lambda entries: None, open_payload=lambda e: open(e.data_path, "rb"), payload_damage=lambda e: "",
+    d = Dispatcher(config, persist=lambda entries: None, open_payload=open_payload, payload_damage=lambda e: "",
                    on_complete=lambda completed: done.extend(entry.meta.tuple_id for entry, _, _ in completed))
     sent = [_Pending(n, SpoolEntry(n, TupleMeta(image="hio/synthetic", size=1, tuple_id=100 + n), Path("/x")))
             for n in (1, 2)]
@@ -84,7 +89,7 @@ def test_a_tuple_an_engine_hands_back_on_its_last_attempt_is_a_dead_letter(attem
     from hio.proto.tuple_pb2 import TupleReceipt
 
     d = Dispatcher(GatewayConfig(master_address="127.0.0.1:1", max_attempts=3), persist=lambda entries: None,
-                   open_payload=lambda e: open(e.data_path, "rb"), payload_damage=lambda e: "",
+                   open_payload=open_payload, payload_damage=lambda e: "",
                    on_complete=lambda completed: None)
     sent = [_Pending(1, SpoolEntry(1, TupleMeta(image="hio/synthetic", size=1, tuple_id=7, attempt=attempt),
                                    Path("/x")))]

@@ -8,19 +8,30 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
 
 from hio.gateway import Gateway, GatewayConfig
 from hio.gateway.client import DeliveryTimeout
-from hio.proto import features_pb2, ingest_pb2, ingest_pb2_grpc, master_pb2, master_pb2_grpc
-from hio.proto import repository_pb2, repository_pb2_grpc
+from hio.proto import (
+    features_pb2,
+    ingest_pb2,
+    ingest_pb2_grpc,
+    master_pb2,
+    master_pb2_grpc,
+    repository_pb2,
+    repository_pb2_grpc,
+)
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
 from tests.harness import HioProcess, free_port, hio_env, wait_for
+
+if TYPE_CHECKING:
+    from hio.gateway.watch import DirectoryWatcher
 
 IMAGE = "hio/synthetic"
 
@@ -48,8 +59,8 @@ class Cluster:
     root: Path
 
     def config(self, name: str, **overrides: object) -> GatewayConfig:
-        values = dict(master_address=self.master, repository_address=self.repository,
-                      data_dir=str(self.root / name), source=name, ingest_listen="", grace_seconds=2.0)
+        values = {"master_address": self.master, "repository_address": self.repository,
+                  "data_dir": str(self.root / name), "source": name, "ingest_listen": "", "grace_seconds": 2.0}
         values.update(overrides)
         return GatewayConfig(**values)  # type: ignore[arg-type]
 
@@ -417,7 +428,7 @@ def _unmovable(tmp_path: Path) -> tuple[Path, Path, Path]:
     return watch, blocker, original
 
 
-def _take_and_store(gw: Gateway, watch: Path, blocker: Path) -> "DirectoryWatcher":  # noqa: F821
+def _take_and_store(gw: Gateway, watch: Path, blocker: Path) -> DirectoryWatcher:
     """A watcher on ``watch``; its first settled file taken and stored."""
     from hio.gateway.watch import DirectoryWatcher
 

@@ -12,8 +12,8 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
@@ -23,8 +23,8 @@ from hio.common.errors import retry_after
 from hio.gateway import Gateway, GatewayConfig, SendConfig
 from hio.gateway.config import infer_image
 from hio.gateway.daemon import run_gateway
-from hio.gateway.watch import DirectoryWatcher
 from hio.gateway.spool import spooled_metas
+from hio.gateway.watch import DirectoryWatcher
 from hio.proto import ingest_pb2, ingest_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
 from tests.harness import FsyncDisk, free_port, hio_env, wait_for
@@ -183,7 +183,7 @@ def test_library_blocks_then_raises_spool_full(tmp_path: Path) -> None:
         with pytest.raises(SpoolFull, match="spool_bytes"):
             gw.submit(b"y" * 3000, image="hio/synthetic", timeout=0.5)
         assert time.monotonic() - start >= 0.45
-        with pytest.raises(Exception, match="DEAD|unreachable|within"):
+        with pytest.raises(Exception, match=r"DEAD|unreachable|within"):
             gw.send(b"z" * 10, image="hio/synthetic", timeout=1.0)
 
 
@@ -267,7 +267,8 @@ def test_submit_after_close_says_the_gateway_is_closed(tmp_path: Path) -> None:
         gw.submit_file(tmp_path / "late.bin", image="hio/synthetic")
 
 
-def test_send_names_a_file_that_vanished_before_it_was_spooled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_send_names_a_file_that_vanished_before_it_was_spooled(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     from hio.gateway.config import SendConfig
     from hio.gateway.send import _Sender
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import grpc
 import pytest
-from hio.proto import features_pb2, master_pb2, repository_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hio.common.frames import TupleFrame, TupleMeta, TupleReceipt
 from hio.common.tickets import make_ticket
+from hio.proto import features_pb2, master_pb2, repository_pb2
 from tests.hostile.cluster import (
     CHUNK,
     ENGINE_IMAGE,
@@ -292,7 +292,7 @@ def test_master_random_requests(cluster: HostileCluster, request: tuple[str, Any
 def _uploads(cluster_ids: st.SearchStrategy[int]) -> st.SearchStrategy[repository_pb2.FeaturesUpload]:
     random_upload = st.builds(repository_pb2.FeaturesUpload, tuple_id=st.integers(0, 2**64 - 1),
                               record_zstd=st.binary(max_size=300), crc32=st.integers(0, 2**32 - 1))
-    good = cluster_ids.map(lambda i: upload(i))
+    good = cluster_ids.map(upload)
     return st.one_of(random_upload, good, good.map(_damaged))
 
 

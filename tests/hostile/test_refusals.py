@@ -22,6 +22,10 @@ from typing import Any
 
 import grpc
 import pytest
+
+from hio.common.frames import TupleFrame, TupleMeta, TupleReceipt
+from hio.common.net import create_channel
+from hio.common.settings import ClusterSettings
 from hio.proto import (
     engine_pb2_grpc,
     ingest_pb2,
@@ -31,10 +35,6 @@ from hio.proto import (
     repository_pb2,
     repository_pb2_grpc,
 )
-
-from hio.common.frames import TupleFrame, TupleMeta, TupleReceipt
-from hio.common.net import create_channel
-from hio.common.settings import ClusterSettings
 from tests.harness import wait_for
 from tests.hostile.cluster import (
     CHUNK,

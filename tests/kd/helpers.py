@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import zstandard
-from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
 
 from hio.common.frames import crc32
 from hio.common.net import create_channel
 from hio.common.settings import ClusterSettings
+from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
 
 CENTRES = np.array([[0.0, 0.0, 0.0], [10.0, 10.0, 0.0], [0.0, 10.0, 10.0]])
 
@@ -34,7 +34,8 @@ def blob(rec: features_pb2.FeatureRecord) -> bytes:
     return zstandard.ZstdCompressor().compress(rec.SerializeToString())
 
 
-def blobs_records(first_id: int, count: int, seed: int = 0, image: str = "hio/synthetic") -> tuple[list[features_pb2.FeatureRecord], np.ndarray]:
+def blobs_records(first_id: int, count: int, seed: int = 0,
+                  image: str = "hio/synthetic") -> tuple[list[features_pb2.FeatureRecord], np.ndarray]:
     """``count`` records from three well-separated blobs; (records, true blob of each)."""
     rng = np.random.default_rng(seed + first_id)
     truth = np.arange(count) % len(CENTRES)
@@ -57,7 +58,8 @@ class Repo:
             uploads = []
             for rec in records[start:start + batch]:
                 data = blob(rec)
-                uploads.append(repository_pb2.FeaturesUpload(tuple_id=rec.tuple_id, record_zstd=data, crc32=crc32(data)))
+                uploads.append(repository_pb2.FeaturesUpload(tuple_id=rec.tuple_id, record_zstd=data,
+                                                             crc32=crc32(data)))
             self.stub.PutFeatures(repository_pb2.PutFeaturesRequest(records=uploads), timeout=30)
 
     def knowledge(self) -> features_pb2.Knowledge | None:

@@ -5,6 +5,7 @@ and the text people read. (Clustering itself runs on Spark in test_kd_spark.)"""
 from __future__ import annotations
 
 import numpy as np
+
 from hio.kd.model import (
     Clustering,
     GroupResult,
@@ -49,7 +50,7 @@ def test_plan_keeps_main_and_bounds_clustered_groups() -> None:
 
 
 def test_assignment_bound_is_shared_by_all_groups_most_recent_first() -> None:
-    first = group("hio/microscopy", ("a", "b"), list(range(1, 7)) + [20, 21])   # 8 tuples
+    first = group("hio/microscopy", ("a", "b"), [*range(1, 7), 20, 21])   # 8 tuples
     second = group("hio/simulation", ("u",), list(range(7, 20)))                 # 13 tuples, offsets 7..19
     results = [clustered(second), clustered(first)]
     assert listed_counts(results, 100) == [13, 8]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from hio.kd.config import KDConfig
 from hio.kd.job import build_session, run
 from hio.kd.report import format_knowledge
-
 from tests.harness import HioProcess, wait_for
 from tests.kd.helpers import Repo, blobs_records, record, repository
 
@@ -66,7 +66,7 @@ def test_intervals_cluster_distinct_distributions_and_skip_malformed(spark, tmp_
     broken = record(5000, {"a": 1.0}, kd=("a", "absent"))
     other = record(5001, {"x": 1.0}, image="hio/other")
     with repository(tmp_path / "repo") as repo:
-        repo.put(records[:450] + [broken, other] + records[450:])
+        repo.put([*records[:450], broken, other, *records[450:]])
         config = kd_config(tmp_path, repo)
         assert run(config, spark=spark) == 0          # 902 records in 3 micro-batches of <= 400
         assert len(list(config.parquet_dir.glob("part-*.parquet"))) == 3
@@ -78,7 +78,7 @@ def test_intervals_cluster_distinct_distributions_and_skip_malformed(spark, tmp_
         assert len(knowledge.dendrogram) == 2 and len(knowledge.assignments) == 900
         assert [(g.image, g.tuple_count) for g in knowledge.groups] == [("hio/synthetic", 900), ("hio/other", 1)]
         assert knowledge.assignments_omitted == 0
-        truth_by_id = {r.tuple_id: int(t) for r, t in zip(records, truth)}
+        truth_by_id = {r.tuple_id: int(t) for r, t in zip(records, truth, strict=True)}
         assert purity(knowledge, truth_by_id) == 1.0
         assert repo.offsets().committed == 902
         assert config.preview_file.read_bytes().startswith(b"\x89PNG")
@@ -94,7 +94,7 @@ def test_intervals_cluster_distinct_distributions_and_skip_malformed(spark, tmp_
         assert (knowledge.tuple_count, knowledge.new_records) == (1200, 300)
         assert capsys.readouterr().out == ("hio kd: 300 new feature records (1,201 stored in all); published "
                                            "knowledge of 2 groups, 3 clusters (see it: hio knowledge)\n")
-        truth_by_id.update({r.tuple_id: int(t) for r, t in zip(more, more_truth)})
+        truth_by_id.update({r.tuple_id: int(t) for r, t in zip(more, more_truth, strict=True)})
         assert purity(knowledge, truth_by_id) == 1.0
 
 
@@ -111,7 +111,7 @@ def simulation_records(first_id: int, count: int) -> tuple[list, list[int]]:  # 
 def test_every_image_group_is_published_and_separated(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     micro, micro_truth = blobs_records(1, 600, image="hio/microscopy")
     sim, sim_truth = simulation_records(5000, 300)
-    truth = {r.tuple_id: int(t) for r, t in zip(micro + sim, list(micro_truth) + sim_truth)}
+    truth = {r.tuple_id: int(t) for r, t in zip(micro + sim, list(micro_truth) + sim_truth, strict=True)}
     with repository(tmp_path / "repo") as repo:
         repo.put(micro[:300] + sim[:150] + micro[300:] + sim[150:])     # interleaved pipelines
         config = kd_config(tmp_path, repo, max_assignments=750)
@@ -143,7 +143,8 @@ def test_every_image_group_is_published_and_separated(spark, tmp_path: Path) -> 
         repo.put(simulation_records(9000, 600)[0])                     # simulation becomes the larger group
         assert run(config, spark=spark) == 0
         knowledge = repo.knowledge()
-        assert [(g.image, g.tuple_count) for g in knowledge.groups] == [("hio/simulation", 900), ("hio/microscopy", 600)]
+        assert [(g.image, g.tuple_count) for g in knowledge.groups] == [("hio/simulation", 900),
+                                                                         ("hio/microscopy", 600)]
         assert (knowledge.tuple_count, knowledge.new_records, knowledge.up_to_offset) == (900, 600, 1500)
         preferred = kd_config(tmp_path, repo, image="hio/microscopy", max_groups=1, consumer="kd2",
                               data_dir=str(tmp_path / "var2"))

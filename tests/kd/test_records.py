@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hio.kd.records import decode, to_signed, to_unsigned
 
+from hio.kd.records import decode, to_signed, to_unsigned
 from tests.kd.helpers import blob, record
 
 LIMIT = 1 << 20

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from hio.common.config import ConfigError
 from hio.kd.config import KDConfig
 from hio.kd.report import format_knowledge
 from hio.proto import features_pb2
-
-from hio.common.config import ConfigError
 
 
 def test_knowledge_reads_as_text() -> None:

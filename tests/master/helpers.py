@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 
@@ -53,7 +53,7 @@ def big_frames(tuple_id: int, size: int, image: str = "hio/synthetic",
 
 
 def config(tmp_path: Path, **overrides: object) -> MasterConfig:
-    base = dict(listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), chunk_bytes=CHUNK, fsync="never")
+    base = {"listen": "127.0.0.1:0", "data_dir": str(tmp_path / "data"), "chunk_bytes": CHUNK, "fsync": "never"}
     base.update(overrides)
     cfg = MasterConfig(**base)  # type: ignore[arg-type]
     cfg.validate()

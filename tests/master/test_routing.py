@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -14,7 +14,6 @@ from hio.master.config import MasterConfig
 from hio.master.core import Master, Outcome, RouteItem
 from hio.master.registry import ChannelSpec, ChannelState
 from hio.master.routing import DirectRoute, QueueRoute
-
 from tests.harness import wait_for
 from tests.master.helpers import config, frames
 
@@ -211,7 +210,7 @@ def test_tickets_are_hmac_of_id_and_image(make_master, tmp_path: Path) -> None: 
     key_file.write_text("k" * 32 + "\n")
     master = make_master(ticket_key_file=str(key_file))
     routed = route(master, 2)
-    for tuple_id, ticket in zip(routed.tuple_ids, routed.tickets):
+    for tuple_id, ticket in zip(routed.tuple_ids, routed.tickets, strict=True):
         expected = hmac.new(b"k" * 32, tuple_id.to_bytes(8, "big") + IMAGE.encode(), hashlib.sha256).digest()[:16]
         assert ticket == expected
     key_file.write_text("short")

@@ -17,7 +17,6 @@ from hio.common.net import create_channel
 from hio.common.settings import ClusterSettings
 from hio.gateway import Gateway
 from hio.proto import master_pb2, master_pb2_grpc
-
 from tests.harness import FsyncDisk, free_port, wait_for
 from tests.master.helpers import frames, pull, register, report, route, running_master
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hio.worker.pipelines import _imaging, microscopy, samples
+from hio.worker.pipelines import imaging, microscopy, samples
 from tests.pipelines.conftest import Info, with_attributes
 
 
@@ -34,8 +34,8 @@ def sample_images(tmp_path_factory: pytest.TempPathFactory) -> list:
 def test_sample_images_give_all_features_finite(sample_images: list, info: Info) -> None:
     for path in sample_images:
         features = microscopy.process(path.read_bytes(), info)
-        for name in microscopy.KD_FEATURES + ["p01_intensity", "p99_intensity", "object_area_std",
-                                              "object_area_median", "width", "height"]:
+        for name in [*microscopy.KD_FEATURES, "p01_intensity", "p99_intensity", "object_area_std",
+                     "object_area_median", "width", "height"]:
             assert isinstance(features[name], float), name
         assert all(math.isfinite(v) for v in _numbers(features).values()), path.name
         hist = features["object_area_hist"]
@@ -66,7 +66,7 @@ def test_min_object_area_drops_small_objects(info: Info) -> None:
 
 def test_focus_lower_for_blurred_copy(info: Info) -> None:
     pixels, _ = _clean_image()
-    blurred = np.clip(np.rint(_imaging.gaussian_blur(pixels, 4.0)), 0, 65535).astype(np.uint16)
+    blurred = np.clip(np.rint(imaging.gaussian_blur(pixels, 4.0)), 0, 65535).astype(np.uint16)
     sharp = microscopy.process(_tiff(pixels), info)
     soft = microscopy.process(_tiff(blurred), info)
     assert soft["focus_laplacian_var"] < 0.5 * sharp["focus_laplacian_var"]

@@ -12,7 +12,6 @@ from hio.common.frames import crc32
 from hio.proto import features_pb2
 
 
-
 def feature_record(tuple_id: int, value: float = 1.0, *, image: str = "hio/synthetic") -> features_pb2.FeatureRecord:
     record = features_pb2.FeatureRecord(tuple_id=tuple_id, engine="w1/0", processed_unix=1_700_000_000.0)
     record.meta.tuple_id = tuple_id

@@ -13,7 +13,6 @@ from hio.proto import repository_pb2 as pb
 from hio.proto import repository_pb2_grpc
 from hio.repository.store import FeatureStore, StoreOptions
 from tests.harness import HioProcess, free_port, hio_env
-
 from tests.repository.records import upload
 
 

@@ -8,21 +8,19 @@ import random
 import urllib.error
 import urllib.request
 from array import array
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
 
 from hio.common.frames import crc32
 from hio.common.net import create_channel
-from hio.proto import features_pb2
+from hio.proto import features_pb2, repository_pb2_grpc
 from hio.proto import repository_pb2 as pb
-from hio.proto import repository_pb2_grpc
 from hio.repository import RepositoryConfig, create_repository_server
 from hio.repository.http import PreviewHttpServer
 from hio.repository.store import FeatureStore
-
 from tests.repository.records import compress, decode, knowledge, png_bytes, upload
 
 
@@ -179,9 +177,11 @@ def test_roles_limit_methods(tmp_path: Path) -> None:
         assert kd.GetOffsets(pb.GetOffsetsRequest(), timeout=10).latest == 1
         viewer.GetKnowledge(pb.GetKnowledgeRequest(), timeout=10)
         refusals = [
-            (lambda: list(worker.ReadFeatures(pb.ReadFeaturesRequest(), timeout=10)), grpc.StatusCode.PERMISSION_DENIED),
+            (lambda: list(worker.ReadFeatures(pb.ReadFeaturesRequest(), timeout=10)),
+             grpc.StatusCode.PERMISSION_DENIED),
             (lambda: kd.PutFeatures(put_request(2), timeout=10), grpc.StatusCode.PERMISSION_DENIED),
-            (lambda: viewer.CommitOffset(pb.CommitOffsetRequest(consumer="x"), timeout=10), grpc.StatusCode.PERMISSION_DENIED),
+            (lambda: viewer.CommitOffset(pb.CommitOffsetRequest(consumer="x"), timeout=10),
+             grpc.StatusCode.PERMISSION_DENIED),
             (lambda: running.stub("").GetOffsets(pb.GetOffsetsRequest(), timeout=10), grpc.StatusCode.UNAUTHENTICATED),
         ]
         for call, code in refusals:
@@ -213,7 +213,7 @@ def http(tmp_path: Path) -> Iterator[tuple[FeatureStore, str]]:
 
 
 def test_http_before_any_knowledge(http: tuple[FeatureStore, str]) -> None:
-    store, base = http
+    _store, base = http
     assert fetch(base + "/healthz")[0] == 200
     assert fetch(base + "/preview.png")[0] == 404
     status, _, body = fetch(base + "/knowledge.json")

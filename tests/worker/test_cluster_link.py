@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from hio.common import errors
 from hio.common.certs import generate
 from hio.common.settings import ClusterSettings
 from hio.worker.cluster import ClusterLink
-
 from tests.common.test_net import echo_server
 
 

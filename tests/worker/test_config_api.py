@@ -153,8 +153,8 @@ def test_engine_settings_reach_the_engines_in_the_usual_precedence(monkeypatch: 
 
 @pytest.mark.parametrize("variable, value, message", [
     ("HIO_ENGINE_CHANNEL_ID", "w/9", "engine_settings ([engine], HIO_ENGINE_*): channel_id: the worker sets it"),
-    ("HIO_ENGINE_TUPLE_TIMEOUT", "3", "tuple_timeout: set it for the worker ([worker] or [cluster], "
-                                      "HIO_WORKER_TUPLE_TIMEOUT)"),
+    ("HIO_ENGINE_TUPLE_TIMEOUT", "3", ("tuple_timeout: set it for the worker ([worker] or [cluster], "
+                                       "HIO_WORKER_TUPLE_TIMEOUT)")),
     ("HIO_ENGINE_RPC_DEADLINE", "soon", "rpc_deadline: 'soon' is not a number"),
     ("HIO_ENGINE_RPC_DEADLIN", "3", "unknown setting 'rpc_deadlin'"),
 ])
@@ -168,8 +168,8 @@ def test_a_wrong_engine_variable_of_a_worker_s_environment_is_refused_by_name(
 @pytest.mark.parametrize("table, message", [
     ({"tuple_timeout": 3}, "tuple_timeout: set it for the worker"),
     ({"listen": "127.0.0.1:9"}, "listen: the worker sets it for each engine"),
-    ({"lanes": False}, "lanes: set it for the worker ([worker] or [cluster], HIO_WORKER_LANES); it passes its "
-                       "value on"),
+    ({"lanes": False}, ("lanes: set it for the worker ([worker] or [cluster], HIO_WORKER_LANES); it passes its "
+                        "value on")),
     ({"rpc_deadlin": 3}, "unknown setting 'rpc_deadlin'; known: reservation_seconds, rpc_deadline"),
     ({"store_batch_records": "many"}, "store_batch_records: 'many' is not an integer"),
     ({"rpc_deadline": 0}, "engine_settings ([engine], HIO_ENGINE_*): rpc_deadline must be positive"),
@@ -183,7 +183,7 @@ def test_a_wrong_engine_table_is_refused_by_name(table: dict[str, object], messa
 def test_a_typo_in_the_cluster_table_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"unknown setting 'master_adress' in \[cluster\]: no role has it"):
         build(WorkerConfig, "worker", file_data={"cluster": {"master_adress": "m:1"}})
-    from hio.repository.config import RepositoryConfig   # a setting some roles share is no typo for the others
+    from hio.repository.config import RepositoryConfig  # a setting some roles share is no typo for the others
     assert build(RepositoryConfig, "repository", file_data={"cluster": {"max_attempts": 5}})
 
 

@@ -6,8 +6,9 @@ import contextlib
 import errno
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -15,8 +16,16 @@ import pytest
 from hio.common.frames import TupleMeta, TupleReceipt, frames_for_bytes
 from hio.proto import master_pb2
 from tests.harness import FsyncDisk, free_port, wait_for
-from tests.worker.conftest import (SETTINGS, TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple,
-                                   register_channel)
+from tests.worker.conftest import (
+    SETTINGS,
+    TEST_IMAGE,
+    Master,
+    Repo,
+    RunningEngine,
+    engine_config,
+    make_tuple,
+    register_channel,
+)
 
 
 @pytest.fixture
@@ -130,7 +139,7 @@ def test_repository_down_breaks_the_stream_unavailable(repo: Repo) -> None:
         with pytest.raises(grpc.RpcError) as err:
             engine.deliver([make_tuple(61, b"x")])
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "repository" in err.value.details()
-        from hio.common.errors import retry_after   # the engine's state: a gateway retries uncharged
+        from hio.common.errors import retry_after  # the engine's state: a gateway retries uncharged
         assert retry_after(err.value) is not None and "repository unreachable" in err.value.details()
     finally:
         engine.close()
@@ -224,7 +233,7 @@ def test_features_over_the_repository_limit_fail_their_tuple_alone(master: Maste
             source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * 3), timeout=5)
         tuples = [make_tuple(tid, b"data", **({"mode": "huge"} if n == 1 else {}))
                   for n, tid in enumerate(route.tuple_ids)]
-        for (meta, _), ticket in zip(tuples, route.tickets):
+        for (meta, _), ticket in zip(tuples, route.tickets, strict=True):
             meta.ticket = ticket
         receipts = engine.deliver(tuples)
         assert [r.state for r in receipts] == [TupleReceipt.STORED, TupleReceipt.ENQUEUED, TupleReceipt.STORED]
@@ -317,7 +326,7 @@ def test_cheap_queued_tuples_are_pulled_several_at_a_time(master: Master, repo: 
         route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
             source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=8)] * n, force_queue=True), timeout=5)
         tuples = []
-        for k, (tuple_id, ticket) in enumerate(zip(route.tuple_ids, route.tickets)):
+        for k, (tuple_id, ticket) in enumerate(zip(route.tuple_ids, route.tickets, strict=True)):
             meta, data = make_tuple(tuple_id, f"tuple{k:03d}".encode(), **({"mode": "fail"} if k == 150 else {}))
             meta.ticket = ticket
             tuples.append((meta, data))
@@ -348,7 +357,7 @@ def test_a_pull_that_turns_out_costly_returns_the_rest_to_the_queue_uncharged(ma
                 source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * count,
                 force_queue=True), timeout=5)
             tuples = []
-            for tuple_id, ticket in zip(route.tuple_ids, route.tickets):
+            for tuple_id, ticket in zip(route.tuple_ids, route.tickets, strict=True):
                 meta, data = make_tuple(tuple_id, b"data", **attributes)
                 meta.ticket = ticket
                 tuples.append((meta, data))
@@ -409,7 +418,7 @@ def test_pulled_tuples_go_back_uncharged_while_the_repository_is_unreachable(mas
         route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
             source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * 3, force_queue=True), timeout=5)
         tuples = []
-        for tuple_id, ticket in zip(route.tuple_ids, route.tickets):
+        for tuple_id, ticket in zip(route.tuple_ids, route.tickets, strict=True):
             meta, data = make_tuple(tuple_id, b"data")
             meta.ticket = ticket
             tuples.append((meta, data))
@@ -521,7 +530,8 @@ def test_a_failed_tuple_the_master_cannot_take_back_fails_alone_and_the_stream_g
             ok, ok_data = _routed(master, b"fine")
             first, second = engine.deliver([(failing, failing_data), (ok, ok_data)])
             assert first.state == TupleReceipt.FAILED
-            assert "ValueError: cannot analyse" in first.message and "the backlog's disk failed to sync" in first.message
+            assert "ValueError: cannot analyse" in first.message
+            assert "the backlog's disk failed to sync" in first.message
             assert second.state == TupleReceipt.STORED and ok.tuple_id in repo.records()
     finally:
         master.close()

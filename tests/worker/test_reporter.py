@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from hio.common.errors import InvalidArgument, Unavailable
 from hio.proto import master_pb2

@@ -6,11 +6,12 @@ run in file order and the last one stops the worker.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
@@ -72,10 +73,8 @@ class Cluster:
 
     def stop(self) -> None:
         for proc in (self.worker, self.master, self.repo):
-            try:
+            with contextlib.suppress(AssertionError):
                 proc.stop()
-            except AssertionError:
-                pass
         if self._channel is not None:
             self._channel.close()
             self._repo_channel.close()

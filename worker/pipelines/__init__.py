@@ -30,6 +30,9 @@ Built-in pipelines (image name -> ``module:function``), in :data:`BUILTIN`:
 
 :mod:`hio.worker.pipelines.samples` generates the deterministic sample
 dataset (``generate_demo_dataset``) that the demo and the benchmarks stream.
+:mod:`hio.worker.pipelines.imaging` (numpy image kernels) and
+:mod:`hio.worker.pipelines.params` (bounded per-tuple attributes) are what the
+built-ins share; they are not pipelines.
 """
 
 BUILTIN: dict[str, str] = {

@@ -56,8 +56,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageSequence, UnidentifiedImageError
 
-from hio.worker.pipelines import _imaging
-from hio.worker.pipelines._params import attr_choice, attr_float, attr_int, attributes_of
+from hio.worker.pipelines import imaging
+from hio.worker.pipelines.params import attr_choice, attr_float, attr_int, attributes_of
 
 log = logging.getLogger("hio.worker.pipelines.microscopy")
 
@@ -76,7 +76,7 @@ MAX_PIXELS = 1 << 26          # 64 Mpx per page: bounds memory (~0.5 GB of float
 MIN_SIDE = 3                  # the derivatives need a neighbourhood
 MAX_PAGES = 1024
 HIST_BINS = 256
-AREA_BIN_EDGES: tuple[float, ...] = (0.0,) + tuple(float(2**k) for k in range(5, 17)) + (math.inf,)
+AREA_BIN_EDGES: tuple[float, ...] = (0.0, *(float(2**k) for k in range(5, 17)), math.inf)
 """Object-area histogram edges in pixels: [0,32), [32,64), ..., [32768,65536), [65536,inf)."""
 
 _LUMA = np.array([0.299, 0.587, 0.114])
@@ -96,7 +96,7 @@ class Params:
     min_object_area: int = 20
 
     @classmethod
-    def from_info(cls, info: Any) -> "Params":
+    def from_info(cls, info: Any) -> Params:
         attrs = attributes_of(info)
         return cls(
             pages=attr_choice(attrs, "pages", cls.pages, ("first", "mean")),
@@ -216,9 +216,9 @@ def intensity_features(pixels: np.ndarray) -> dict[str, float]:
 
 def focus_features(pixels: np.ndarray, sigma: float) -> dict[str, float]:
     """Variance of the Laplacian and Tenengrad: both drop when an image is defocused."""
-    smooth = _imaging.gaussian_blur(pixels, sigma)
-    gy, gx = _imaging.sobel(smooth)
-    laplacian_var = float(_imaging.laplacian(smooth).var())
+    smooth = imaging.gaussian_blur(pixels, sigma)
+    gy, gx = imaging.sobel(smooth)
+    laplacian_var = float(imaging.laplacian(smooth).var())
     variance = float(smooth.var())
     return {
         "focus_laplacian_var": laplacian_var,
@@ -235,9 +235,9 @@ def area_histogram(areas: np.ndarray) -> list[float]:
 
 def object_features(pixels: np.ndarray, sigma: float, min_area: int) -> dict[str, float | list[float]]:
     """Otsu segmentation, connected components, small-object removal, object statistics."""
-    smooth = _imaging.gaussian_blur(pixels, sigma)
-    threshold, effectiveness = _imaging.otsu_threshold(smooth)
-    labels, count = _imaging.label_components(smooth > threshold, connectivity=8)
+    smooth = imaging.gaussian_blur(pixels, sigma)
+    threshold, effectiveness = imaging.otsu_threshold(smooth)
+    labels, count = imaging.label_components(smooth > threshold, connectivity=8)
     areas = np.bincount(labels.ravel(), minlength=count + 1)[1:]
     sums = np.bincount(labels.ravel(), weights=pixels.ravel(), minlength=count + 1)[1:]
     keep = areas >= min_area

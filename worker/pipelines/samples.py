@@ -47,11 +47,12 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from hio.worker.pipelines import _imaging
+from hio.worker.pipelines import imaging
 
 log = logging.getLogger("hio.worker.pipelines.samples")
 
@@ -121,7 +122,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def _cached(out_dir: Path, request: dict) -> list[Path] | None:
+def _cached(out_dir: Path, request: dict[str, Any]) -> list[Path] | None:
     """The files of a previous identical generation, if all are intact."""
     try:
         manifest = json.loads((out_dir / MANIFEST).read_text())
@@ -147,7 +148,7 @@ def _previous_files(out_dir: Path) -> set[str]:
         return set()
 
 
-def _generate(out_dir: Path, request: dict, files: "list[tuple[str, bytes]]") -> list[Path]:
+def _generate(out_dir: Path, request: dict[str, Any], files: list[tuple[str, bytes]]) -> list[Path]:
     """Write the files, then the manifest that makes them a cache hit.
 
     Files of an earlier, different generation that this one does not rewrite
@@ -189,7 +190,7 @@ def _place_cells(rng: np.random.Generator, size: int, count: int,
 def _add_cell(canvas: np.ndarray, y: float, x: float, r: float, photons: float,
               aspect: float, angle: float) -> None:
     """Add one soft-edged elliptic cell (major radius r) with a brighter interior."""
-    half = int(math.ceil(r)) + 3
+    half = math.ceil(r) + 3
     y0, y1 = max(0, int(y) - half), min(canvas.shape[0], int(y) + half + 1)
     x0, x1 = max(0, int(x) - half), min(canvas.shape[1], int(x) + half + 1)
     yy, xx = np.mgrid[y0:y1, x0:x1]
@@ -216,7 +217,7 @@ def make_cell_image(rng: np.random.Generator, size: int, cells: int, radius: tup
     placed = _place_cells(rng, size, cells, radius)
     for y, x, r in placed:
         _add_cell(signal, y, x, r, rng.uniform(*photons), rng.uniform(0.6, 1.0), rng.uniform(0, math.pi))
-    scene += _imaging.fft_gaussian_blur(signal, blur) if blur > 0 else signal
+    scene += imaging.fft_gaussian_blur(signal, blur) if blur > 0 else signal
     adu = OFFSET + GAIN * rng.poisson(scene) + rng.normal(0.0, READ_NOISE, scene.shape)
     return np.clip(np.rint(adu), 0, 65535).astype(np.uint16), len(placed)
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from hio.worker.pipelines._params import attr_float, attributes_of
+from hio.worker.pipelines.params import attr_float, attributes_of
 
 log = logging.getLogger("hio.worker.pipelines.simulation")
 
@@ -65,7 +65,7 @@ class Params:
     min_peak_power: float = 0.15
 
     @classmethod
-    def from_info(cls, info: Any) -> "Params":
+    def from_info(cls, info: Any) -> Params:
         attrs = attributes_of(info)
         return cls(
             min_cycles=attr_float(attrs, "min_cycles", cls.min_cycles, 1.0, 1000.0),
@@ -277,7 +277,7 @@ def analyse(realization: Realization, params: Params) -> dict[str, float | str |
         "voxels": float(realization.voxels),
         "t_span": float(t[-1] - t[0]),
     }
-    for name, series in zip(realization.species, realization.x):
+    for name, series in zip(realization.species, realization.x, strict=True):
         features.update(series_features(name, t, series, params))
     return features
 

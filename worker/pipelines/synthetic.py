@@ -22,7 +22,7 @@ import time
 import zlib
 from typing import Any
 
-from hio.worker.pipelines._params import attr_float, attr_int, attributes_of
+from hio.worker.pipelines.params import attr_float, attr_int, attributes_of
 
 KD_FEATURES = ["f0", "f1", "f2", "f3"]
 

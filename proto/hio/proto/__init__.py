@@ -9,6 +9,7 @@ is installed.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -24,8 +25,9 @@ def _stale() -> bool:
 
 def generate(out_root: Path | None = None) -> None:
     """Run protoc over the contract; output goes beside the .proto files by default."""
-    from grpc_tools import protoc  # type: ignore[import-untyped]
     import importlib.resources
+
+    from grpc_tools import protoc
 
     include_root = _HERE.parent.parent  # the folder that holds hio/proto/
     out = str(out_root or include_root)
@@ -38,7 +40,5 @@ def generate(out_root: Path | None = None) -> None:
 
 
 if _stale():
-    try:
+    with contextlib.suppress(ImportError):  # installed without grpcio-tools: the wheel carries generated code
         generate()
-    except ImportError:  # installed without grpcio-tools: the wheel carries generated code
-        pass

@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - exercised where scipy is absent
 
 def gaussian_kernel(sigma: float) -> np.ndarray:
     """Normalised 1-D Gaussian taps out to 3 sigma (at least one tap each side)."""
-    radius = max(1, int(math.ceil(3.0 * sigma)))
+    radius = max(1, math.ceil(3.0 * sigma))
     x = np.arange(-radius, radius + 1, dtype=np.float64)
     taps = np.exp(-0.5 * (x / sigma) ** 2)
     return taps / taps.sum()
@@ -149,7 +149,7 @@ def _union_find_roots(n: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
             i = parent[i]
         return i
 
-    for x, y in zip(a.tolist(), b.tolist()):
+    for x, y in zip(a.tolist(), b.tolist(), strict=True):
         rx, ry = find(x), find(y)
         if rx != ry:
             parent[max(rx, ry)] = min(rx, ry)

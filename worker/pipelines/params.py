@@ -9,7 +9,8 @@ pipeline with nonsense (or unbounded) settings.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 def attributes_of(info: Any) -> Mapping[str, str]:
