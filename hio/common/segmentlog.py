@@ -78,6 +78,7 @@ class Segment:
     fd: int | None = None          # open while appended to, and while sealed until its round syncs it
     sealed: bool = True            # takes no more appends
     unsynced: int = 0              # 'batch': bytes appended and not yet fsynced
+    held: bool = False             # a writer appends to it right now (:meth:`SegmentLog.take`)
     live: set[int] = dataclasses.field(default_factory=set)
 
 
@@ -100,6 +101,8 @@ class SegmentLog:
         self._flush_lock = threading.Lock()  # one round at a time
         self._folder_dirty = False           # 'batch': a file was made since the last round
         self._files: list[tuple[Path, int]] = []   # 'batch': other files to sync, with the bytes they settle
+        self._side: list[Segment] = []       # files beside the segments synced with them (a journal)
+        self._closed = False
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
 
@@ -151,27 +154,54 @@ class SegmentLog:
         """Seal the active segment and start a new one, ``seg_id`` or the next number."""
         if self.active is not None:
             self.seal(self.active)
-        seg_id = max(self.segments, default=0) + 1 if seg_id is None else seg_id
-        path = self.folder / self.naming.name(seg_id)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        segment = Segment(seg_id, path, fd=fd, sealed=False)
+        segment = self._create(seg_id)
+        with self.lock:
+            self.active = segment
+        return segment
+
+    def _create(self, seg_id: int | None, *, held: bool = False) -> Segment:
+        """A new segment file (its header written) open for appending."""
+        with self.lock:
+            seg_id = max(self.segments, default=0) + 1 if seg_id is None else seg_id
+            path = self.folder / self.naming.name(seg_id)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+            segment = Segment(seg_id, path, fd=fd, sealed=False, held=held)
+            self.segments[seg_id] = segment     # numbered: the next one made gets the next number
+            self._folder_dirty = True
         try:
             write_all(fd, self.header)
+            segment.size = len(self.header)
+            if self.header:
+                self.written(segment, len(self.header))
+            if self.fsync == "always":
+                self.budget.sync_folder(self.folder, refuse=True)
         except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
+            self.delete(segment).unlink(missing_ok=True)
             raise
-        segment.size = len(self.header)
-        with self.lock:
-            self.segments[seg_id] = segment
-            self.active = segment
-            self._folder_dirty = True
-        if self.fsync == "always":
-            self.budget.sync(fd, refuse=True)
-            self.budget.sync_folder(self.folder, refuse=True)
-        elif self.header:
-            self._counted(segment, len(self.header))
         return segment
+
+    def take(self) -> Segment:
+        """A segment for one writer alone (the oldest open one no writer holds, or a new one),
+        for stores that receive several records at once, each streamed whole into its own
+        segment; hand it back with :meth:`give_back`."""
+        with self.lock:
+            idle = [s for s in self.segments.values() if not s.sealed and not s.held]
+            segment = min(idle, key=lambda s: s.id) if idle else None
+            if segment is not None:
+                segment.held = True
+                return segment
+        if self._closed:
+            raise Unavailable("the store is closed; nothing was written")
+        return self._create(None, held=True)
+
+    def give_back(self, segment: Segment, idle_segments: int) -> None:
+        """The writer is done with ``segment``: sealed when full, when more than
+        ``idle_segments`` wait for writers, or when the log is closed."""
+        with self.lock:
+            segment.held = False
+            idle = sum(1 for s in self.segments.values() if not s.sealed and not s.held)
+        if segment.size >= self.segment_bytes or idle > idle_segments or self._closed:
+            self.seal(segment)
 
     def append(self, parts: Sequence[bytes | memoryview], admitted: int = 0) -> tuple[Segment, int]:
         """Append one record (its parts in order) to the active segment, rolling it first
@@ -203,22 +233,25 @@ class SegmentLog:
         segment.size += len(data)
 
     def commit(self, segment: Segment, start: int, admitted: int = 0) -> None:
-        """The record from ``start`` to the segment's end is whole: sync it ('always', cut
-        off and refused if that fails) or count it for the next round ('batch')."""
+        """The record from ``start`` to the segment's end is whole: :meth:`written`, and cut
+        off if that fails (with 'always', refused: a restart must not bring it back)."""
+        try:
+            self.written(segment, segment.size - start, admitted)
+        except BaseException:
+            self.cut(segment, start)
+            raise
+
+    def written(self, segment: Segment, nbytes: int, admitted: int = 0) -> None:
+        """``nbytes`` were appended to ``segment`` (or a side file): fsynced now ('always',
+        a failure raised as the refusal that names it) or counted for the next round
+        ('batch'; ``admitted`` of them the budget counts already)."""
         if self.fsync == "always":
             assert segment.fd is not None
-            try:
-                self.budget.sync(segment.fd, refuse=True)
-            except BaseException:
-                self.cut(segment, start)     # refused: a restart (not a power loss) must not bring it back
-                raise
+            self.budget.sync(segment.fd, refuse=True)
         elif self.fsync == "batch":
-            self._counted(segment, segment.size - start, admitted)
-
-    def _counted(self, segment: Segment, nbytes: int, admitted: int = 0) -> None:
-        with self.lock:
-            segment.unsynced += nbytes
-        self.budget.add(nbytes - admitted)
+            with self.lock:
+                segment.unsynced += nbytes
+            self.budget.add(nbytes - admitted)
 
     def cut(self, segment: Segment, start: int) -> None:
         """Cut a record that is not to stay off ``segment``; if even that fails, its size is
@@ -242,7 +275,7 @@ class SegmentLog:
             segment.sealed = True
             if self.active is segment:
                 self.active = None
-            fd, keep = segment.fd, self.fsync == "batch" and segment.unsynced > 0
+            fd, keep = segment.fd, self.fsync == "batch" and segment.unsynced > 0 and not self._closed
             if not keep:
                 segment.fd = None
         if fd is not None and not keep:
@@ -284,6 +317,34 @@ class SegmentLog:
         with self.lock:
             return sum(s.size for s in self.segments.values())
 
+    # -- side files ----------------------------------------------------------------
+
+    def attach(self, path: Path) -> Segment:
+        """Open ``path`` (a file beside the segments, such as a journal) for appending, to be
+        synced with the segments: report its appends with :meth:`written`."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        side = Segment(-1, path, size=os.fstat(fd).st_size, fd=fd, sealed=False)
+        with self.lock:
+            self._side.append(side)
+        return side
+
+    def detach(self, side: Segment, *, replaced: bool = False) -> None:
+        """Stop appending to a side file: it is synced with the next round (or at close), or
+        closed at once when ``replaced`` (a durable rewrite took its place)."""
+        if replaced:
+            with self.lock:
+                self._side.remove(side)
+                fd, side.fd = side.fd, None
+                unsynced, side.unsynced = side.unsynced, 0
+            self.budget.settle(unsynced)
+            if fd is not None:
+                os.close(fd)
+        else:
+            self.seal(side)
+            with self.lock:
+                if side.fd is None and side in self._side:
+                    self._side.remove(side)
+
     # -- syncing -----------------------------------------------------------------
 
     def sync_open(self) -> None:
@@ -316,7 +377,7 @@ class SegmentLog:
         segment whose fsync failed is not (the failure is final anyway)."""
         with self._flush_lock:
             with self.lock:
-                work = [(s, os.dup(s.fd), s.unsynced, s.sealed) for s in self.segments.values()
+                work = [(s, os.dup(s.fd), s.unsynced, s.sealed) for s in [*self.segments.values(), *self._side]
                         if s.fd is not None and (s.unsynced or s.sealed)]
                 files, self._files = self._files, []
                 folder, self._folder_dirty = self._folder_dirty, False
@@ -339,25 +400,31 @@ class SegmentLog:
         closed whatever the outcome (it gets no more bytes); one sealed since waits for the next."""
         error: OSError | None = None
         try:
-            with self.lock:
-                needed = segment.id in self.segments
-            if needed:
+            if self._kept(segment):
                 self.budget.sync(fd)
         except OSError as exc:
             error = exc
         finally:
             os.close(fd)
         close = None
+        kept = self._kept(segment)
         with self.lock:
-            if segment.id in self.segments and (error is None or sealed):
+            if kept and (error is None or sealed):
                 covered = segment.unsynced if sealed else covered
                 segment.unsynced -= covered
                 self.budget.settle(covered)
             if sealed and segment.fd is not None:
                 close, segment.fd = segment.fd, None
+            if sealed and segment in self._side:
+                self._side.remove(segment)
         if close is not None:
             os.close(close)
         return error
+
+    def _kept(self, segment: Segment) -> bool:
+        """False once a segment was deleted (its bytes need no disk)."""
+        with self.lock:
+            return self.segments.get(segment.id) is segment or segment in self._side
 
     def _sync_files(self, files: Iterable[tuple[Path, int]], errors: list[OSError]) -> list[tuple[Path, int]]:
         """fsync tracked files; returns those that failed (to try again), adding their errors."""
@@ -381,18 +448,25 @@ class SegmentLog:
 
     def _flush_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
-            error = ""
-            try:
-                self.flush()
-            except OSError as exc:  # keep flushing; the next round retries
-                error = str(exc)
-                log.error("fsync round failed", extra={"folder": str(self.folder), "error": error})
-            self.budget.round_done(error)
+            self.flush_round()
+
+    def flush_round(self) -> None:
+        """:meth:`flush` for a background round: its error is logged and named to the writers
+        waiting for the disk (:meth:`SyncBudget.round_done`); the next round retries."""
+        error = ""
+        try:
+            self.flush()
+        except OSError as exc:
+            error = str(exc)
+            log.error("fsync round failed", extra={"folder": str(self.folder), "error": error})
+        self.budget.round_done(error)
 
     # -- closing -----------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the rounds, sync what waits (unless 'never') and close every segment."""
+        """Stop the rounds, sync what waits (unless 'never') and close every segment but those
+        a writer holds (closed when it gives them back)."""
+        self._closed = True
         self._stop.set()
         self.budget.close()          # an append waiting for the disk goes on; the flush below syncs it
         flusher, self._flusher = self._flusher, None
@@ -403,9 +477,11 @@ class SegmentLog:
                 self.flush()
         finally:
             with self.lock:
-                fds = [s.fd for s in self.segments.values() if s.fd is not None]
-                for segment in self.segments.values():
+                done = [s for s in [*self.segments.values(), *self._side] if s.fd is not None and not s.held]
+                fds = [s.fd for s in done if s.fd is not None]
+                for segment in done:
                     segment.fd, segment.sealed = None, True
+                self._side.clear()
                 self.active = None
             for fd in fds:
                 os.close(fd)
