@@ -33,20 +33,13 @@ offers) would pin every later segment: when segments take more than twice the
 spool's bound, the oldest one's remaining tuples are copied forward into the
 active segment (same sequence number, current metadata) and it is deleted.
 
-When the bytes reach the disk is the fsync policy's choice: 'always' fsyncs
-before ``put`` returns; 'batch' (the gateway's default) fsyncs the segment in
-the background about every 100 ms, so a crash of the gateway process loses
-nothing and a power loss at most the last 100 ms of submissions; 'never'
-leaves it to the OS. META and DONE records ride along with the same policy.
-Under 'batch' a finished segment deleted before its turn is never synced (its
-tuples need no disk), and an append waits until its tuple fits within
-``unsynced_bytes`` of what still waits for an fsync (``SyncBudget``, which the
-master's backlog keeps too): when submissions outrun the disk, the disk sets
-the pace, and a power loss still takes at most that much. A failed fsync is
-final, with any policy: the spool then refuses new tuples (``FailedPrecondition``)
-until the gateway is restarted, since a later fsync can report success for
-bytes the failed one lost; the tuples it holds are still delivered
-(:attr:`Spool.disk_failure`).
+The segments, their roll, reclaim and fsync rounds are a
+:class:`~hio.common.segmentlog.SegmentLog`. 'batch' (the gateway's default)
+fsyncs about every 100 ms, so a crash of the gateway process loses nothing and
+a power loss at most the last 100 ms of submissions, and an append waits while
+``unsynced_bytes`` wait for the disk (the disk sets the pace). A failed fsync
+is final: new tuples are refused (``FailedPrecondition``) until the gateway is
+restarted; the tuples held are still delivered (:attr:`Spool.disk_failure`).
 
 Payloads given as bytes are also kept in memory while spooled, up to
 ``memory_bytes`` in all, so delivery does not read them back from disk; the
@@ -61,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -78,7 +70,7 @@ from google.protobuf.message import DecodeError
 
 from hio.common.config import ConfigError
 from hio.common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from hio.common.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries
+from hio.common.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, lock_folder
 from hio.common.frames import crc32, crc32_of_file
 from hio.common.segmentlog import Naming, Segment, SegmentLog
 from hio.proto.tuple_pb2 import TupleMeta
@@ -242,7 +234,11 @@ class Spool:
         self._reserved = 0
         self._entries: dict[int, SpoolEntry] = {}
         self._next_seq = 1
-        self._lock_fh = self._lock()
+        lock = lock_folder(self.root, ".lock")
+        if lock is None:
+            raise SpoolInUse(f"spool {self.root} is in use by another gateway process; "
+                             "give each gateway its own --source or --data-dir")
+        self._lock_fd: int | None = lock
         self._load()
         self._log.roll()
         with self._append_lock:
@@ -254,46 +250,21 @@ class Spool:
 
     # -- lifecycle ---------------------------------------------------------
 
-    def _lock(self):  # type: ignore[no-untyped-def]
-        fh = open(self.root / ".lock", "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            fh.close()
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise SpoolInUse(f"spool {self.root} is in use by another gateway process; "
-                                  "give each gateway its own --source or --data-dir") from None
-            raise
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{os.getpid()}\n")
-        fh.flush()
-        return fh
-
     def flush(self) -> None:
         """Make every record appended so far durable (segments, payload files, the folder);
         see :meth:`SegmentLog.flush`."""
         self._log.flush()
 
-    def _wait_for_disk(self, nbytes: int) -> int:
-        """'batch': wait until ``nbytes`` more fit what may wait for the disk (SyncBudget)
-        and count them; returns the bytes counted, to pass to the append or settle."""
-        if self.fsync != "batch":
-            return 0
-        self._budget.admit(nbytes)
-        return nbytes
-
     def close(self) -> None:
         """Release the folder lock. Entries stay on disk for the next start."""
-        if self._lock_fh is None:
+        if self._lock_fd is None:
             return
         try:
             with self._append_lock:   # no append runs while the segments close
                 self._log.close()
         finally:
-            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
-            self._lock_fh.close()
-            self._lock_fh = None
+            os.close(self._lock_fd)   # releases the folder lock
+            self._lock_fd = None
 
     # -- loading ------------------------------------------------------------------
 
@@ -452,7 +423,7 @@ class Spool:
             meta.size = size
             meta.crc32 = crc32(data)
             meta_bytes = _meta_bytes(meta)
-            admitted = self._wait_for_disk(size)
+            admitted = self._log.admit(size)
             with self._append_lock:
                 seq = self._take_seq()
                 head = _record(ADD, seq, meta_bytes, b"", size)
@@ -524,7 +495,7 @@ class Spool:
                 self._log.sync_path(tmp, refuse=True)   # the payload is on disk before a record names it
             meta_bytes = _meta_bytes(meta)
             move_bytes = _move_bytes(move)
-            admitted = self._wait_for_disk(meta.size)
+            admitted = self._log.admit(meta.size)
             with self._append_lock:
                 seq = self._take_seq()
                 data_path = self._data_path(seq)

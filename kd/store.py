@@ -24,6 +24,7 @@ known ids, a memory copy). The whole store is read once, at start.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -197,30 +198,16 @@ class AccumulatedStore:
         final = self.path / f"part-{first:020d}-{last:020d}.parquet"
         tmp = final.with_name(final.name + ".tmp")
         pq.write_table(table, tmp, compression="zstd")
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            self._disk.sync(fd, refuse=True)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
+        with open(tmp, "rb") as fh:
+            self._disk.sync(fh.fileno(), refuse=True)   # failed: the next open() drops the .tmp
         os.replace(tmp, final)
         self._sync_folder()
 
     def _sync_folder(self) -> None:
-        """fsync the folder after a rename or deletion. A failure is recorded as final, not
-        raised: the rename happened, so the rows are indexed like the file (the next
-        interval is refused)."""
-        try:
+        """fsync the folder after a rename or deletion; a failure is final but not raised:
+        the rename happened, so the rows are indexed as the file holds them."""
+        with contextlib.suppress(OSError):
             self._disk.sync_folder(self.path)
-        except OSError:
-            pass
-
-    @property
-    def disk_failure(self) -> str:
-        """'' while no fsync failed; else the failed fsync that stops new intervals until restart."""
-        return self._disk.failure
 
     # --- index -----------------------------------------------------------------
 

@@ -39,8 +39,8 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 from hio.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.common.files import copy_exact
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta
-from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.common.segmentlog import Segment, SegmentLog
+from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import (ACK, MOVE, NAMING, READ_BLOCK, Journal, RecordWriter, payload_intact,
                                 scan_segment)
 from hio.master.storage import Durability
@@ -195,19 +195,19 @@ class BacklogQueue:
         """Reserve room for ``meta.size`` bytes and a segment to write them into."""
         with self._cond:
             self._check_room(meta)   # a tuple to be refused is refused before it waits for the disk
-        self._durable.admit(meta.size)   # outside the lock: a disk behind the tuples holds this writer only
+        admitted = self._log.admit(meta.size)   # outside the lock: a disk behind the tuples holds this writer only
         try:
             writer = self._open_record(meta)
         except BaseException:
-            self._durable.release(meta.size)
+            self._durable.budget.settle(admitted)
             raise
-        writer.admitted = meta.size
+        writer.admitted = admitted
         return writer
 
     def _open_record(self, meta: TupleMeta) -> "RecordWriter":
         with self._cond:
             self._check_room(meta)           # again: others may have taken the room meanwhile
-            segment = self._take_segment()   # first: a segment that cannot be made reserves nothing
+            segment = self._log.take()       # first: a segment that cannot be made reserves nothing
             self._reserved += meta.size
             cache = meta.size <= self._memory_bytes - self._cached - self._cache_reserved
             if cache:
@@ -233,10 +233,6 @@ class BacklogQueue:
                 f"backlog queue full: {self._used + self._reserved} of {self.queue_bytes} bytes used "
                 f"({len(self._entries)} tuples); tuple {meta.tuple_id} needs {meta.size}",
                 retry_after=RETRY_AFTER_FULL)
-
-    def _take_segment(self) -> Segment:
-        """A segment for this record alone (concurrent streams never interleave)."""
-        return self._log.take()
 
     def _finish_record(self, writer: "RecordWriter") -> Placement:
         """Publish a verified record, or drop it if the tuple is already queued."""
@@ -272,7 +268,7 @@ class BacklogQueue:
                 return
             writer.ended = True
             if writer.admitted:   # never written for good: what the disk was to sync is not coming
-                self._durable.release(writer.admitted)
+                self._durable.budget.settle(writer.admitted)
                 writer.admitted = 0
             self._reserved -= writer.meta.size
             if writer.cache:

@@ -48,19 +48,6 @@ class Durability:
         """Run ``log``'s 'batch' rounds from :meth:`flush_due`."""
         self._logs.append(log)
 
-    def admit(self, nbytes: int) -> None:
-        """'batch': :meth:`SyncBudget.admit` (the caller reports the bytes to its segment log,
-        or gives them back with :meth:`release`); else only the refusal after a failed fsync."""
-        if self.policy == "batch":
-            self.budget.admit(nbytes)
-        else:
-            self.budget.check()
-
-    def release(self, nbytes: int) -> None:
-        """Admitted bytes that were not written after all."""
-        if self.policy == "batch":
-            self.budget.settle(nbytes)
-
     def sync_folder(self, path: Path, *, refuse: bool = True) -> None:
         """fsync ``path`` after a file in it was made or removed (unless 'never'); a failure
         is final, as for a file. ``refuse``: raise the refusal that names it (the caller has

@@ -102,6 +102,7 @@ class SegmentLog:
         self._folder_dirty = False           # 'batch': a file was made since the last round
         self._files: list[tuple[Path, int]] = []   # 'batch': other files to sync, with the bytes they settle
         self._side: list[Segment] = []       # files beside the segments synced with them (a journal)
+        self._top = 0                        # the highest segment number made: never used twice
         self._closed = False
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
@@ -119,6 +120,7 @@ class SegmentLog:
         for n, (seg_id, path) in enumerate(found, 1):
             segment = Segment(seg_id, path, size=path.stat().st_size)
             self.segments[seg_id] = segment
+            self._top = seg_id
             end = scan(segment, n == len(found))
             if end < segment.size:
                 self._cut_tail(segment, end)
@@ -162,11 +164,12 @@ class SegmentLog:
     def _create(self, seg_id: int | None, *, held: bool = False) -> Segment:
         """A new segment file (its header written) open for appending."""
         with self.lock:
-            seg_id = max(self.segments, default=0) + 1 if seg_id is None else seg_id
+            seg_id = self._top + 1 if seg_id is None else seg_id
+            self._top = max(self._top, seg_id)
             path = self.folder / self.naming.name(seg_id)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
             segment = Segment(seg_id, path, fd=fd, sealed=False, held=held)
-            self.segments[seg_id] = segment     # numbered: the next one made gets the next number
+            self.segments[seg_id] = segment
             self._folder_dirty = True
         try:
             write_all(fd, self.header)
@@ -202,6 +205,16 @@ class SegmentLog:
             idle = sum(1 for s in self.segments.values() if not s.sealed and not s.held)
         if segment.size >= self.segment_bytes or idle > idle_segments or self._closed:
             self.seal(segment)
+
+    def admit(self, nbytes: int) -> int:
+        """Before a record of ``nbytes`` is written: 'batch' waits until it fits what may wait
+        for the disk (:meth:`SyncBudget.admit`); every policy refuses it after a failed fsync.
+        Returns the bytes counted, for :meth:`append` (or ``budget.settle`` if not written)."""
+        if self.fsync != "batch":
+            self.budget.check()
+            return 0
+        self.budget.admit(nbytes)
+        return nbytes
 
     def append(self, parts: Sequence[bytes | memoryview], admitted: int = 0) -> tuple[Segment, int]:
         """Append one record (its parts in order) to the active segment, rolling it first
@@ -383,7 +396,7 @@ class SegmentLog:
                 folder, self._folder_dirty = self._folder_dirty, False
             errors = [e for args in work if (e := self._sync_segment(*args))]
             failed = self._sync_files(files, errors)
-            if folder or files or work:
+            if folder or files:   # a file was made or renamed in: its name needs the disk too
                 try:
                     self.budget.sync_folder(self.folder)
                 except OSError as exc:

