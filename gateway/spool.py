@@ -277,13 +277,7 @@ class Spool:
                 path.unlink(missing_ok=True)
             elif (match := _DATA.match(path.name)):
                 data_files[int(match.group(1))] = path
-        top = 0
-
-        def replay(segment: Segment, last: bool) -> int:
-            nonlocal top
-            end, top = self._replay(segment, top)
-            return end
-        self._log.open(replay)
+        self._log.open(self._replay)
         for seq, entry in list(self._entries.items()):
             if not entry.inline and not self._file_ok(entry):
                 self._set_aside(entry, f"payload file {entry.data_path.name} is missing or of the wrong size")
@@ -291,21 +285,20 @@ class Spool:
             if seq not in self._entries:   # written, but its ADD_FILE record never was
                 path.unlink(missing_ok=True)
         self._used = sum(e.size for e in self._entries.values())
-        self._next_seq = max(top, max(data_files, default=0)) + 1
+        self._next_seq = max(self._next_seq, max(data_files, default=0) + 1)
         if self._entries:
             log.info("spool resumed", extra={"tuples": len(self._entries), "bytes": self._used,
                                              "spool": str(self.root)})
 
-    def _replay(self, segment: Segment, top: int) -> tuple[int, int]:
-        """Apply one segment's records; (where its last whole record ends, the highest
-        sequence number seen)."""
+    def _replay(self, segment: Segment, last: bool) -> int:
+        """Apply one segment's records; where its last whole record ends."""
         pos = 0
         with open(segment.path, "rb") as fh:
             for kind, seq, meta_bytes, move_bytes, payload_at, end in _records(fh):
-                top = max(top, seq)
+                self._next_seq = max(self._next_seq, seq + 1)
                 self._apply(segment, kind, seq, meta_bytes, move_bytes, payload_at, fh)
                 pos = end
-        return pos, top
+        return pos
 
     def _apply(self, segment: Segment, kind: int, seq: int, meta_bytes: bytes, move_bytes: bytes,
                payload_at: int, fh: BinaryIO) -> None:

@@ -12,11 +12,8 @@ after a crash (its commit log entry missing), a query whose checkpoint was
 lost, or a compaction interrupted half-way therefore never counts a tuple
 twice, whatever the order of failures.
 
-A failed fsync (a folder's included) is final, as for every durable store
-(:class:`~hio.common.files.SyncBudget`): after it the kernel may report a later
-fsync as a success for bytes it dropped, so every later interval is refused
-(``FailedPrecondition`` naming the disk, the error and the time) until KD
-restarts; Spark then replays the intervals not stored.
+A failed fsync (a folder's included) is final (:class:`~hio.common.files.SyncBudget`):
+every later interval is refused until KD restarts; Spark replays them then.
 
 Cost: an append touches only the new rows (plus one sorted-array merge of the
 known ids, a memory copy). The whole store is read once, at start.

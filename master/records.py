@@ -134,30 +134,23 @@ class Journal:
         entry would end the journal at the next start: it is cut off."""
         if self._file is None:
             raise Unavailable("the master is shutting down")
-        body = _ENTRY_BODY.pack(kind, seq, order, attempt)
-        self._log.write(self._file, body + struct.pack(">I", crc32(body)), self._file.size)
+        self._log.write(self._file, _entry(kind, seq, order, attempt), self._file.size)
         self._unreported += _ENTRY.size
 
-    def written(self) -> None:
+    def written(self, file: Segment | None = None) -> None:
         """Report the entries appended since the last call: synced now ('always') or by the
         next round ('batch')."""
-        if self._file is not None:
-            self._report(self._file)
-
-    def _report(self, file: Segment) -> None:
-        if self._unreported:
+        file = file or self._file
+        if file is not None and self._unreported:
             nbytes, self._unreported = self._unreported, 0
             self._log.written(file, nbytes)
 
     def rewrite(self, lines: list[tuple[int, int, int, int]]) -> None:
         """Atomically replace the journal with ``lines``."""
-        data = bytearray()
-        for kind, seq, order, attempt in lines:
-            body = _ENTRY_BODY.pack(kind, seq, order, attempt)
-            data += body + struct.pack(">I", crc32(body))
+        data = b"".join(_entry(*line) for line in lines)
         replaced = False
         try:   # the old file stays the journal until the new one has replaced it
-            self._durable.replace(self.path.with_suffix(".tmp"), self.path, bytes(data))
+            self._durable.replace(self.path.with_suffix(".tmp"), self.path, data)
             replaced = True
         finally:   # append to whichever file is the journal now (the new one, or still the old)
             self.close(replaced=replaced)
@@ -168,10 +161,17 @@ class Journal:
         when a durable rewrite has ``replaced`` it."""
         if self._file is not None:
             file, self._file = self._file, None
-            if not replaced:   # entries not reported yet (a MOVE's) are synced with the rest
-                self._report(file)
+            if replaced:
+                self._log.delete(file)
+            else:              # entries not reported yet (a MOVE's) are synced with the rest
+                self.written(file)
+                self._log.seal(file)
             self._unreported = 0
-            self._log.detach(file, replaced=replaced)
+
+
+def _entry(kind: int, seq: int, order: int, attempt: int) -> bytes:
+    body = _ENTRY_BODY.pack(kind, seq, order, attempt)
+    return body + struct.pack(">I", crc32(body))
 
 
 def scan_segment(path: Path) -> tuple[list[tuple[int, TupleMeta, int]], int]:

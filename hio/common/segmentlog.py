@@ -27,9 +27,8 @@ report a later fsync as a success for bytes that never reached the disk, so the
 :class:`SyncBudget` refuses every new record until the role restarts
 (``FailedPrecondition``, naming the disk, the error and the time).
 
-Thread safety: appends (:meth:`append`, :meth:`roll`, :meth:`reclaim`, :meth:`write`,
-:meth:`commit`, :meth:`cut`) are serialised by the caller, which usually has to number
-its records in the same step; flushes run concurrently with them.
+Thread safety: the caller serialises the appends to a segment (it numbers its records
+in the same step); flushes run concurrently with them.
 """
 
 from __future__ import annotations
@@ -221,7 +220,9 @@ class SegmentLog:
         when full; returns the segment and where the record starts. ``admitted``: bytes of
         it the budget counts already. On an error nothing stays appended (the caller gives
         ``admitted`` back); with 'always', a failed fsync is that error (the refusal)."""
-        segment = self._writable()
+        segment = self.active
+        if segment is None or segment.fd is None:
+            raise Unavailable("the store is closed; nothing was written")
         if self.segment_bytes and segment.size >= self.segment_bytes:
             segment = self.roll()
         start = segment.size
@@ -276,12 +277,6 @@ class SegmentLog:
         except OSError:
             segment.size = os.fstat(segment.fd).st_size
 
-    def _writable(self) -> Segment:
-        segment = self.active
-        if segment is None or segment.fd is None:
-            raise Unavailable("the store is closed; nothing was written")
-        return segment
-
     def seal(self, segment: Segment) -> None:
         """No more appends to ``segment``; 'batch' keeps it open for its round to sync."""
         with self.lock:
@@ -291,6 +286,8 @@ class SegmentLog:
             fd, keep = segment.fd, self.fsync == "batch" and segment.unsynced > 0 and not self._closed
             if not keep:
                 segment.fd = None
+                if segment in self._side:
+                    self._side.remove(segment)
         if fd is not None and not keep:
             os.close(fd)
 
@@ -301,7 +298,10 @@ class SegmentLog:
         (closed unsynced). Returns its file for the caller to delete (it may be large:
         callers delete outside their locks)."""
         with self.lock:
-            self.segments.pop(segment.id, None)
+            if segment in self._side:
+                self._side.remove(segment)
+            elif self.segments.get(segment.id) is segment:
+                del self.segments[segment.id]
             fd, segment.fd = segment.fd, None
             unsynced, segment.unsynced = segment.unsynced, 0
         if fd is not None:
@@ -322,8 +322,11 @@ class SegmentLog:
                 carry(oldest)
                 if oldest.live:   # a record could not be carried (a read error): keep the segment
                     return deleted
-                if self.fsync == "batch":
-                    self.sync_open()   # the copies are on disk before the originals go
+                if self.fsync == "batch":   # the copies are on disk before the originals go
+                    with self.lock:
+                        fds = [s.fd for s in self.segments.values() if s.fd is not None]
+                    for fd in fds:
+                        self.budget.sync(fd)
             deleted.append(self.delete(oldest))
 
     def bytes_on_disk(self) -> int:
@@ -334,38 +337,15 @@ class SegmentLog:
 
     def attach(self, path: Path) -> Segment:
         """Open ``path`` (a file beside the segments, such as a journal) for appending, to be
-        synced with the segments: report its appends with :meth:`written`."""
+        synced with the segments: report its appends with :meth:`written`; :meth:`seal` it
+        (synced by the next round) or :meth:`delete` it (replaced: closed unsynced)."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         side = Segment(-1, path, size=os.fstat(fd).st_size, fd=fd, sealed=False)
         with self.lock:
             self._side.append(side)
         return side
 
-    def detach(self, side: Segment, *, replaced: bool = False) -> None:
-        """Stop appending to a side file: it is synced with the next round (or at close), or
-        closed at once when ``replaced`` (a durable rewrite took its place)."""
-        if replaced:
-            with self.lock:
-                self._side.remove(side)
-                fd, side.fd = side.fd, None
-                unsynced, side.unsynced = side.unsynced, 0
-            self.budget.settle(unsynced)
-            if fd is not None:
-                os.close(fd)
-        else:
-            self.seal(side)
-            with self.lock:
-                if side.fd is None and side in self._side:
-                    self._side.remove(side)
-
     # -- syncing -----------------------------------------------------------------
-
-    def sync_open(self) -> None:
-        """fsync every segment still open now (a failure is final and raised)."""
-        with self.lock:
-            fds = [s.fd for s in self.segments.values() if s.fd is not None]
-        for fd in fds:
-            self.budget.sync(fd)
 
     def sync_path(self, path: Path, *, refuse: bool = False) -> None:
         """fsync a file by name: failing to open it is not the disk's failure, failing to
