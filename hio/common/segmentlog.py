@@ -268,14 +268,16 @@ class SegmentLog:
             self.budget.add(nbytes - admitted)
 
     def cut(self, segment: Segment, start: int) -> None:
-        """Cut a record that is not to stay off ``segment``; if even that fails, its size is
-        what the file says (the next record's offset is where O_APPEND writes it)."""
+        """Cut a record that is not to stay off ``segment``. If even that fails, the part
+        left would end the segment's records at the next start (a torn record), so no new
+        record is taken until restart; its size is what the file says."""
         assert segment.fd is not None
         try:
             os.ftruncate(segment.fd, start)
             segment.size = start
-        except OSError:
+        except OSError as exc:
             segment.size = os.fstat(segment.fd).st_size
+            self.budget.fail(f"a partial record could not be cut off: {exc.strerror or exc}")
 
     def seal(self, segment: Segment) -> None:
         """No more appends to ``segment``; 'batch' keeps it open for its round to sync."""

@@ -476,3 +476,32 @@ def test_a_spool_folder_in_the_hsp1_format_resumes_its_tuples(tmp_path: Path) ->
     assert [(e.meta.name, e.meta.tuple_id, spool.read_payload(e)) for e in spool.entries()] == [
         ("t2", 42, bytes([2]) * 100), ("t3", 0, bytes([3]) * 100)]
     spool.close()
+
+
+def test_a_partial_record_that_cannot_be_cut_off_stops_new_tuples(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record the disk took only part of is cut off; when even the cut fails, what is left
+    would end the segment's records at the next start, so no new tuple is taken until the
+    gateway restarts (the tuples before it resume)."""
+    spool = Spool(tmp_path / "s", 1 << 20)
+    spool.put_bytes(b"a" * 100, meta("first"))
+    real_write = os.write
+
+    def half(fd: int, data: bytes) -> int:
+        real_write(fd, bytes(data)[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def no_truncate(fd: int, size: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "write", half)
+    monkeypatch.setattr(os, "ftruncate", no_truncate)
+    with pytest.raises(OSError):
+        spool.put_bytes(b"b" * 100, meta("second"))
+    monkeypatch.undo()
+    with pytest.raises(FailedPrecondition, match="partial record could not be cut off"):
+        spool.put_bytes(b"c" * 100, meta("third"))
+    spool.close()
+    again = Spool(tmp_path / "s", 1 << 20)
+    assert [e.meta.name for e in again.entries()] == ["first"]
+    again.close()
