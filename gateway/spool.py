@@ -72,7 +72,7 @@ from hio.common.config import ConfigError
 from hio.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from hio.common.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, lock_folder
 from hio.common.frames import crc32, crc32_of_file
-from hio.common.segmentlog import Naming, Segment, SegmentLog
+from hio.common.segmentlog import Naming, Segment, SegmentLog, crc32_at
 from hio.proto.tuple_pb2 import TupleMeta
 
 log = logging.getLogger("hio.gateway")
@@ -322,7 +322,7 @@ class Spool:
             move = None
         self._forget(seq)  # a copied-forward ADD supersedes the older one
         if kind == ADD:
-            if _crc_at(fh, payload_at, meta.size) != meta.crc32:
+            if crc32_at(fh, payload_at, meta.size) != meta.crc32:
                 log.error("spooled payload fails its CRC; set aside, not sent",
                           extra={"seq": seq, "tuple_name": meta.name, "segment": segment.path.name})
                 return
@@ -622,7 +622,7 @@ class Spool:
             return ""
         try:
             with self.open_payload(entry) as fh:
-                crc = _crc_at(fh, fh.tell(), entry.size)
+                crc = crc32_at(fh, fh.tell(), entry.size)
         except FileNotFoundError:
             return f"spooled payload {entry.data_path} is missing"
         except OSError:
@@ -739,18 +739,6 @@ def _read_record(fh: BinaryIO, pos: int) -> tuple[int, int, bytes, bytes, int, i
     if end > os.fstat(fh.fileno()).st_size:
         return None
     return kind, seq, meta, move, payload_at, end
-
-
-def _crc_at(fh: BinaryIO, offset: int, size: int) -> int:
-    fh.seek(offset)
-    crc, left = 0, size
-    while left:
-        block = fh.read(min(_READ_BLOCK, left))
-        if not block:
-            break
-        crc = crc32(block, crc)
-        left -= len(block)
-    return crc & 0xFFFFFFFF
 
 
 def _read_at(path: Path, offset: int, size: int) -> bytes:

@@ -39,10 +39,9 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 from hio.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.common.files import copy_exact
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta
-from hio.common.segmentlog import Segment, SegmentLog
+from hio.common.segmentlog import Segment, SegmentLog, crc32_at
 from hio.master.deadletters import DeadLetterStore, DeadWriter
-from hio.master.records import (ACK, MOVE, NAMING, READ_BLOCK, Journal, RecordWriter, payload_intact,
-                                scan_segment)
+from hio.master.records import ACK, MOVE, NAMING, READ_BLOCK, Journal, RecordWriter, scan_segment
 from hio.master.storage import Durability
 
 log = logging.getLogger("hio.master")
@@ -691,7 +690,7 @@ class BacklogQueue:
         if seq in acked:
             self._acked.setdefault(segment.id, []).append(seq)
             return False
-        if (seq, meta.tuple_id) in dead or not payload_intact(segment.path, offset, meta):
+        if (seq, meta.tuple_id) in dead or not self._payload_intact(segment, offset, meta):
             if (seq, meta.tuple_id) not in dead:
                 log.error("queued tuple damaged on disk, dropped",
                           extra={"tuple_id": meta.tuple_id, "segment": segment.path.name})
@@ -699,6 +698,11 @@ class BacklogQueue:
             self._journal.append(ACK, seq, 0, 0)
             return False
         return True
+
+    @staticmethod
+    def _payload_intact(segment: Segment, offset: int, meta: TupleMeta) -> bool:
+        with open(segment.path, "rb") as fh:
+            return crc32_at(fh, offset, meta.size) == meta.crc32
 
     def _rebuild(self, records: list[tuple[int, TupleMeta, int, int]], moves: dict[int, tuple[int, int]]) -> None:
         entries = []

@@ -248,17 +248,3 @@ def _read_record(fh: BinaryIO, pos: int, total: int) -> tuple[int, TupleMeta, in
     if meta.size != size:
         return None
     return seq, meta, offset, end
-
-
-def payload_intact(path: Path, offset: int, meta: TupleMeta) -> bool:
-    """True if the payload at ``offset`` matches ``meta``'s CRC-32."""
-    value, remaining = 0, meta.size
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        while remaining:
-            block = fh.read(min(READ_BLOCK, remaining))
-            if not block:
-                return False
-            value = crc32(block, value)
-            remaining -= len(block)
-    return value == meta.crc32

@@ -22,10 +22,8 @@ When bytes reach the disk is the fsync policy's choice:
   finished and needs no disk.
 * ``never``: the OS writes when it will.
 
-A failed fsync is final with every policy (a folder's included): after it the kernel may
-report a later fsync as a success for bytes that never reached the disk, so the
-:class:`SyncBudget` refuses every new record until the role restarts
-(``FailedPrecondition``, naming the disk, the error and the time).
+A failed fsync is final with every policy, a folder's included (:class:`SyncBudget`
+says why): every new record is refused until the role restarts.
 
 Thread safety: the caller serialises the appends to a segment (it numbers its records
 in the same step); flushes run concurrently with them.
@@ -39,15 +37,27 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import BinaryIO, Callable, Iterable, Sequence
 
 from hio.common.errors import Unavailable
 from hio.common.files import SyncBudget, write_all
+from hio.common.frames import crc32
 
 log = logging.getLogger("hio.segmentlog")
 
 POLICIES = ("always", "batch", "never")
 JOIN_BYTES = 64 * 1024   # parts of a record up to this size are written with one call
+
+
+def crc32_at(fh: BinaryIO, offset: int, size: int, block: int = 1024 * 1024) -> int:
+    """CRC-32 of the ``size`` bytes at ``offset`` of an open segment (of fewer if it ends
+    first): a record's payload, checked against the CRC its metadata carries."""
+    fh.seek(offset)
+    value, left = 0, size
+    while left and (chunk := fh.read(min(block, left))):
+        value = crc32(chunk, value)
+        left -= len(chunk)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
