@@ -33,20 +33,13 @@ offers) would pin every later segment: when segments take more than twice the
 spool's bound, the oldest one's remaining tuples are copied forward into the
 active segment (same sequence number, current metadata) and it is deleted.
 
-When the bytes reach the disk is the fsync policy's choice: 'always' fsyncs
-before ``put`` returns; 'batch' (the gateway's default) fsyncs the segment in
-the background about every 100 ms, so a crash of the gateway process loses
-nothing and a power loss at most the last 100 ms of submissions; 'never'
-leaves it to the OS. META and DONE records ride along with the same policy.
-Under 'batch' a finished segment deleted before its turn is never synced (its
-tuples need no disk), and an append waits until its tuple fits within
-``unsynced_bytes`` of what still waits for an fsync (``SyncBudget``, which the
-master's backlog keeps too): when submissions outrun the disk, the disk sets
-the pace, and a power loss still takes at most that much. A failed fsync is
-final, with any policy: the spool then refuses new tuples (``FailedPrecondition``)
-until the gateway is restarted, since a later fsync can report success for
-bytes the failed one lost; the tuples it holds are still delivered
-(:attr:`Spool.disk_failure`).
+The segments, their roll, reclaim and fsync rounds are a
+:class:`~hio.common.segmentlog.SegmentLog`. 'batch' (the gateway's default)
+fsyncs about every 100 ms, so a crash of the gateway process loses nothing and
+a power loss at most the last 100 ms of submissions, and an append waits while
+``unsynced_bytes`` wait for the disk (the disk sets the pace). A failed fsync
+is final: new tuples are refused (``FailedPrecondition``) until the gateway is
+restarted; the tuples held are still delivered (:attr:`Spool.disk_failure`).
 
 Payloads given as bytes are also kept in memory while spooled, up to
 ``memory_bytes`` in all, so delivery does not read them back from disk; the
@@ -61,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -78,13 +70,14 @@ from google.protobuf.message import DecodeError
 
 from hio.common.config import ConfigError
 from hio.common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from hio.common.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, write_all
+from hio.common.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, lock_folder
 from hio.common.frames import crc32, crc32_of_file
+from hio.common.segmentlog import Naming, Segment, SegmentLog, crc32_at
 from hio.proto.tuple_pb2 import TupleMeta
 
 log = logging.getLogger("hio.gateway")
 
-_SEGMENT = re.compile(r"^(\d{20})\.seg$")
+_NAMING = Naming("", 20, ".seg")
 _DATA = re.compile(r"^(\d{20})\.data$")
 _READ_BLOCK = 1024 * 1024
 
@@ -101,7 +94,6 @@ MAX_META_BYTES = 1024 * 1024
 # rolling (a file made and later deleted) is rare: every 160 tuples of 100 KB.
 SEGMENT_BYTES = 16 * 1024 * 1024
 BATCH_FSYNC_SECONDS = 0.1
-JOIN_BYTES = 64 * 1024           # parts of a record up to this size are written with one call
 MEMORY_BYTES = 64 * 1024 * 1024  # payloads kept in memory besides the disk copy (Spool memory_bytes)
 
 
@@ -162,16 +154,6 @@ def _record(kind: int, seq: int, meta: bytes = b"", move: bytes = b"", payload_l
     return body + struct.pack(">I", check) + meta + move
 
 
-@dataclasses.dataclass(eq=False)
-class _Segment:
-    id: int
-    path: Path
-    size: int = 0
-    fd: int | None = None               # open for appending while active
-    live: set[int] = dataclasses.field(default_factory=set)   # entries whose latest ADD is here
-    unsynced: int = 0                   # bytes appended and not yet fsynced ('batch')
-
-
 class SpoolWriter:
     """Streams one tuple's payload into the spool; ``commit`` makes it an entry.
 
@@ -230,205 +212,59 @@ class Spool:
     def __init__(self, root: str | os.PathLike[str], limit_bytes: int, fsync: str = "always",
                  memory_bytes: int = MEMORY_BYTES, segment_bytes: int = SEGMENT_BYTES,
                  unsynced_bytes: int = UNSYNCED_BYTES) -> None:
-        if fsync not in ("always", "batch", "never"):
-            raise ValueError(f"unknown fsync policy {fsync!r}")
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must not be negative, got {memory_bytes}")
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
-        # 'batch': what waits for the flush loop (the live segments' unsynced bytes, the
+        # 'batch': what waits for the flush loop (the segments' unsynced bytes, the
         # payload files not yet synced), within unsynced_bytes
         self._budget = SyncBudget(unsynced_bytes, disk="the spool's disk", owner="gateway")
+        self.root = Path(root)
+        self._log = SegmentLog(self.root, _NAMING, fsync=fsync, budget=self._budget,
+                               segment_bytes=int(segment_bytes))
         self.memory_limit = int(memory_bytes)
         self._memory_used = 0
         self.fsync = fsync
         self.segment_bytes = int(segment_bytes)
-        self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.limit = int(limit_bytes)
-        self._cond = threading.Condition()     # the bound, the entries, the segments
+        self._cond = threading.Condition()     # the bound, the entries, the segments' live sets
         self._append_lock = threading.Lock()   # one append at a time, in order
         self._used = 0
         self._reserved = 0
         self._entries: dict[int, SpoolEntry] = {}
-        self._segments: dict[int, _Segment] = {}
-        self._active: _Segment | None = None
         self._next_seq = 1
-        self._dirty = False                    # appended since the last fsync ('batch')
-        self._dirty_files: list[tuple[Path, int]] = []  # payload files not yet fsynced, and sizes ('batch')
-        self._flush_lock = threading.Lock()    # one flush at a time (the loop's, close's)
-        self._retired: list[tuple[_Segment, int]] = []  # rolled segments and fds to fsync and close ('batch')
-        self._closing = threading.Event()      # set at close: wakes the flush loop and waiting appends
-        self._flusher: threading.Thread | None = None
-        self._lock_fh = self._lock()
+        lock = lock_folder(self.root, ".lock")
+        if lock is None:
+            raise SpoolInUse(f"spool {self.root} is in use by another gateway process; "
+                             "give each gateway its own --source or --data-dir")
+        self._lock_fd: int | None = lock
         self._load()
-        self._roll()
+        self._log.roll()
         with self._append_lock:
             finished = self._reclaim()
         for path in finished:
             path.unlink(missing_ok=True)
         if fsync == "batch":
-            self._flusher = threading.Thread(target=self._flush_loop, name="spool-fsync", daemon=True)
-            self._flusher.start()
+            self._log.start_flusher(BATCH_FSYNC_SECONDS, "spool-fsync")
 
     # -- lifecycle ---------------------------------------------------------
 
-    def _lock(self):  # type: ignore[no-untyped-def]
-        fh = open(self.root / ".lock", "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            fh.close()
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise SpoolInUse(f"spool {self.root} is in use by another gateway process; "
-                                  "give each gateway its own --source or --data-dir") from None
-            raise
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{os.getpid()}\n")
-        fh.flush()
-        return fh
-
-    def _flush_loop(self) -> None:
-        """'batch': fsync what was appended, about every 100 ms, off the submit path."""
-        while self._lock_fh is not None:
-            if self._closing.wait(BATCH_FSYNC_SECONDS):
-                return
-            error = ""
-            try:
-                self.flush()
-            except OSError as exc:  # keep flushing; the next pass retries
-                error = str(exc)
-                log.error("spool fsync failed", extra={"error": error})
-            self._budget.round_done(error)
-
     def flush(self) -> None:
-        """Make every record appended so far durable (segment, payload files, the folder).
-
-        Every step is tried; the first error is raised after them (the flush loop logs
-        it), and the active segment and the files not synced are tried again next time.
-        A rolled segment whose fsync failed is not retried: after an error Linux may
-        report the next fsync as a success with the data lost, so the error is the signal
-        (the flush loop's failed round stops new tuples until a restart: SyncBudget).
-        A rolled segment already deleted is closed without an fsync: its tuples finished.
-        """
-        with self._flush_lock:
-            with self._append_lock:
-                active = self._active
-                dup = self._dirty and active is not None and active.fd is not None
-                fd = os.dup(active.fd) if dup else None   # first: if it fails, nothing is taken over
-                dirty, self._dirty = self._dirty, False
-                files, self._dirty_files = self._dirty_files, []
-                retired, self._retired = self._retired, []
-                covered = active.unsynced if active is not None and fd is not None else 0  # no append races this
-            errors: list[OSError] = []
-            for segment, old in retired:
-                if (error := self._sync_segment(segment, old)) is not None:
-                    errors.append(error)
-            if fd is not None and active is not None:
-                if (error := self._sync_segment(active, fd, covered)) is not None:
-                    errors.append(error)
-            unsynced = self._sync_files(files, errors)
-            if files or dirty or retired:
-                try:
-                    self._budget.sync_folder(self.root)
-                except OSError as exc:
-                    errors.append(exc)
-            if errors:
-                with self._append_lock:
-                    self._dirty = self._dirty or dirty
-                    self._dirty_files.extend(unsynced)
-                raise errors[0]
-
-    def _sync_segment(self, segment: _Segment, fd: int, covered: int | None = None) -> OSError | None:
-        """fsync a segment through ``fd`` (then closed), unless it was deleted (its tuples
-        finished, so nothing in it needs the disk), and stop counting what the fsync
-        covered as unsynced. ``covered`` None: a rolled segment, no more appends, so all
-        it holds, and whatever the outcome (it is not retried); else the active one's
-        bytes as of the dup, only on success (the next round tries them again)."""
-        error: OSError | None = None
-        try:
-            with self._cond:
-                needed = segment.id in self._segments
-            if needed:
-                self._budget.sync(fd)
-        except OSError as exc:
-            error = exc
-        finally:
-            os.close(fd)
-        if error is None or covered is None:
-            with self._cond:
-                if segment.id in self._segments:   # a deleted one was no longer counted
-                    done = segment.unsynced if covered is None else covered
-                    segment.unsynced -= done
-                    self._budget.settle(done)
-        return error
-
-    def _sync_files(self, files: list[tuple[Path, int]], errors: list[OSError]) -> list[tuple[Path, int]]:
-        """fsync payload files; the ones that failed (to try again), appending their errors."""
-        failed: list[tuple[Path, int]] = []
-        for path, size in files:
-            try:
-                self._fsync_path(path)
-            except FileNotFoundError:  # delivered and removed meanwhile
-                pass
-            except OSError as exc:
-                errors.append(exc)
-                failed.append((path, size))
-                continue
-            self._budget.settle(size)
-        return failed
-
-    @staticmethod
-    def _cut(segment: _Segment, start: int) -> None:
-        """Cut a refused record off ``segment``; if even that fails, its size is what the file
-        says (the next record's offset is where O_APPEND really writes it)."""
-        assert segment.fd is not None
-        try:
-            os.ftruncate(segment.fd, start)
-        except OSError:
-            segment.size = os.fstat(segment.fd).st_size
-
-    def _fsync_path(self, path: Path, *, refuse: bool = False) -> None:
-        """fsync a file by name: failing to open it is not the disk's failure, failing to
-        sync is (:meth:`SyncBudget.sync`)."""
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self._budget.sync(fd, refuse=refuse)
-        finally:
-            os.close(fd)
-
-    def _wait_for_disk(self, nbytes: int) -> int:
-        """'batch': wait until ``nbytes`` more fit what may wait for the disk (SyncBudget)
-        and count them; returns the bytes counted, to pass to ``_append`` or settle."""
-        if self.fsync != "batch":
-            return 0
-        self._budget.admit(nbytes)
-        return nbytes
+        """Make every record appended so far durable (segments, payload files, the folder);
+        see :meth:`SegmentLog.flush`."""
+        self._log.flush()
 
     def close(self) -> None:
         """Release the folder lock. Entries stay on disk for the next start."""
-        if self._lock_fh is None:
+        if self._lock_fd is None:
             return
-        self._closing.set()
-        self._budget.close()          # an append waiting for the disk goes on; close syncs below
-        flusher, self._flusher = self._flusher, None
-        if flusher is not None:
-            flusher.join(BATCH_FSYNC_SECONDS * 10)
         try:
-            if self.fsync != "never":
-                self.flush()
+            with self._append_lock:   # no append runs while the segments close
+                self._log.close()
         finally:
-            with self._append_lock:
-                for _segment, old in self._retired:
-                    os.close(old)
-                self._retired = []
-                if self._active is not None and self._active.fd is not None:
-                    os.close(self._active.fd)
-                    self._active.fd = None
-            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
-            self._lock_fh.close()
-            self._lock_fh = None
+            os.close(self._lock_fd)   # releases the folder lock
+            self._lock_fd = None
 
     # -- loading ------------------------------------------------------------------
 
@@ -436,19 +272,12 @@ class Spool:
         """Replay the segments; remove leftovers of interrupted writes."""
         clean_temporaries(self.root)
         data_files: dict[int, Path] = {}
-        segment_ids = []
         for path in self.root.iterdir():
             if path.name.startswith(".tmp-"):
                 path.unlink(missing_ok=True)
-            elif (match := _SEGMENT.match(path.name)):
-                segment_ids.append(int(match.group(1)))
             elif (match := _DATA.match(path.name)):
                 data_files[int(match.group(1))] = path
-        top = 0
-        for seg_id in sorted(segment_ids):
-            segment = _Segment(seg_id, self._segment_path(seg_id))
-            self._segments[seg_id] = segment
-            top = max(top, self._replay(segment))
+        self._log.open(self._replay)
         for seq, entry in list(self._entries.items()):
             if not entry.inline and not self._file_ok(entry):
                 self._set_aside(entry, f"payload file {entry.data_path.name} is missing or of the wrong size")
@@ -456,28 +285,22 @@ class Spool:
             if seq not in self._entries:   # written, but its ADD_FILE record never was
                 path.unlink(missing_ok=True)
         self._used = sum(e.size for e in self._entries.values())
-        self._next_seq = max(top, max(data_files, default=0)) + 1
+        self._next_seq = max(self._next_seq, max(data_files, default=0) + 1)
         if self._entries:
             log.info("spool resumed", extra={"tuples": len(self._entries), "bytes": self._used,
                                              "spool": str(self.root)})
 
-    def _replay(self, segment: _Segment) -> int:
-        """Apply one segment's records; cut a torn tail. Returns the highest sequence seen."""
-        top = pos = 0
+    def _replay(self, segment: Segment, last: bool) -> int:
+        """Apply one segment's records; where its last whole record ends."""
+        pos = 0
         with open(segment.path, "rb") as fh:
             for kind, seq, meta_bytes, move_bytes, payload_at, end in _records(fh):
-                top = max(top, seq)
+                self._next_seq = max(self._next_seq, seq + 1)
                 self._apply(segment, kind, seq, meta_bytes, move_bytes, payload_at, fh)
                 pos = end
-            total = os.fstat(fh.fileno()).st_size
-        if pos < total:
-            log.warning("torn spool record cut off", extra={"segment": segment.path.name, "at": pos,
-                                                            "bytes": total - pos})
-            os.truncate(segment.path, pos)
-        segment.size = pos
-        return top
+        return pos
 
-    def _apply(self, segment: _Segment, kind: int, seq: int, meta_bytes: bytes, move_bytes: bytes,
+    def _apply(self, segment: Segment, kind: int, seq: int, meta_bytes: bytes, move_bytes: bytes,
                payload_at: int, fh: BinaryIO) -> None:
         if kind == DONE:
             self._forget(seq)
@@ -499,7 +322,7 @@ class Spool:
             move = None
         self._forget(seq)  # a copied-forward ADD supersedes the older one
         if kind == ADD:
-            if _crc_at(fh, payload_at, meta.size) != meta.crc32:
+            if crc32_at(fh, payload_at, meta.size) != meta.crc32:
                 log.error("spooled payload fails its CRC; set aside, not sent",
                           extra={"seq": seq, "tuple_name": meta.name, "segment": segment.path.name})
                 return
@@ -512,7 +335,7 @@ class Spool:
     def _forget(self, seq: int) -> None:
         entry = self._entries.pop(seq, None)
         if entry is not None:
-            segment = self._segments.get(entry.segment)
+            segment = self._log.segments.get(entry.segment)
             if segment is not None:
                 segment.live.discard(seq)
 
@@ -537,64 +360,13 @@ class Spool:
 
     # -- appending ----------------------------------------------------------------
 
-    def _roll(self) -> None:
-        """Start a new active segment (at open, and when the active one is full)."""
-        old = self._active
-        if old is not None and old.fd is not None:
-            if self.fsync == "batch":
-                # made durable by the flush loop, outside the append lock: an fsync of a
-                # whole segment here held every submit for tens of ms at 500 MB/s
-                self._retired.append((old, old.fd))
-            else:                    # 'always' synced each record already
-                os.close(old.fd)
-            old.fd = None
-        seg_id = max(self._segments, default=0) + 1
-        segment = _Segment(seg_id, self._segment_path(seg_id))
-        segment.fd = os.open(segment.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        with self._cond:
-            self._segments[seg_id] = segment
-            self._active = segment
-        if self.fsync == "always":
-            self._budget.sync_folder(self.root, refuse=True)
-        else:
-            self._dirty = True
-
-    def _append(self, parts: list[bytes | memoryview], admitted: int = 0) -> tuple[_Segment, int]:
-        """Append one record (its parts in order); the segment and the record's start.
-        ``admitted``: bytes of it the budget already counts (the payload). Caller holds
-        ``_append_lock``; on an error nothing is appended and the caller settles ``admitted``."""
-        segment = self._active
-        if segment is None or segment.fd is None:
-            raise Unavailable("the spool is closed (its gateway was closed); nothing was written")
-        if segment.size >= self.segment_bytes:
-            self._roll()
-            segment = self._active
-            assert segment is not None and segment.fd is not None
-        start = segment.size
-        total = sum(len(p) for p in parts)
-        if len(parts) > 1 and total <= JOIN_BYTES:
-            parts = [b"".join(parts)]   # one write: each write gives up the GIL, and getting it
-            #                              back from a busy delivery thread costs more than the copy
+    def _append(self, parts: list[bytes | memoryview], admitted: int = 0) -> tuple[Segment, int]:
+        """:meth:`SegmentLog.append`, named for the spool when it is closed. Caller holds
+        ``_append_lock``."""
         try:
-            for part in parts:
-                write_all(segment.fd, part)
-        except BaseException:
-            self._cut(segment, start)         # never leave half a record before the next one
-            raise
-        if self.fsync == "always":
-            try:
-                self._budget.sync(segment.fd, refuse=True)
-            except BaseException:
-                self._cut(segment, start)     # refused: a restart (not a power loss) must not bring it back
-                raise
-        segment.size = start + total
-        if self.fsync != "always":
-            self._dirty = True
-            if self.fsync == "batch":
-                with self._cond:
-                    segment.unsynced += total
-                self._budget.add(total - admitted)
-        return segment, start
+            return self._log.append(parts, admitted)
+        except Unavailable:
+            raise Unavailable("the spool is closed (its gateway was closed); nothing was written") from None
 
     # -- the bound -----------------------------------------------------------
 
@@ -644,7 +416,7 @@ class Spool:
             meta.size = size
             meta.crc32 = crc32(data)
             meta_bytes = _meta_bytes(meta)
-            admitted = self._wait_for_disk(size)
+            admitted = self._log.admit(size)
             with self._append_lock:
                 seq = self._take_seq()
                 head = _record(ADD, seq, meta_bytes, b"", size)
@@ -713,10 +485,10 @@ class Spool:
         admitted = 0
         try:
             if self.fsync == "always":
-                self._fsync_path(tmp, refuse=True)   # the payload is on disk before a record names it
+                self._log.sync_path(tmp, refuse=True)   # the payload is on disk before a record names it
             meta_bytes = _meta_bytes(meta)
             move_bytes = _move_bytes(move)
-            admitted = self._wait_for_disk(meta.size)
+            admitted = self._log.admit(meta.size)
             with self._append_lock:
                 seq = self._take_seq()
                 data_path = self._data_path(seq)
@@ -727,7 +499,7 @@ class Spool:
                     data_path.unlink(missing_ok=True)
                     raise
                 if self.fsync == "batch":
-                    self._dirty_files.append((data_path, meta.size))   # the file's sync settles them
+                    self._log.track(data_path, meta.size)   # the file's sync settles them
                 admitted = 0
                 entry = SpoolEntry(seq, meta, data_path, move, offset=0, segment=segment.id)
                 self._admit(entry, segment, reserved)
@@ -742,7 +514,7 @@ class Spool:
         self._next_seq += 1
         return seq
 
-    def _admit(self, entry: SpoolEntry, segment: _Segment, reserved: int) -> None:
+    def _admit(self, entry: SpoolEntry, segment: Segment, reserved: int) -> None:
         with self._cond:
             self._entries[entry.seq] = entry
             segment.live.add(entry.seq)
@@ -791,37 +563,18 @@ class Spool:
 
     def _reclaim(self) -> list[Path]:
         """Retire finished segments oldest first; copy long-staying tuples forward when
-        segments take more than twice the bound. Returns the retired segments' files for
-        the caller to delete. Caller holds ``_append_lock`` (or is loading)."""
-        retired: list[Path] = []
-        while True:
-            with self._cond:
-                if not self._segments:
-                    return retired
-                oldest = self._segments[min(self._segments)]
-                if oldest is self._active:
-                    return retired
-                if oldest.live and not self._crowded():
-                    return retired
-                carry = [self._entries[s] for s in sorted(oldest.live)]
-            for entry in carry:
-                self._carry_forward(entry)
-            if carry and self.fsync == "batch":  # the copies are durable before their old segment goes
-                for fd in [*(fd for _segment, fd in self._retired),
-                           *([self._active.fd] if self._active and self._active.fd is not None else [])]:
-                    self._budget.sync(fd)
-            with self._cond:
-                if oldest.live:  # an entry could not be carried (read error): keep the segment
-                    return retired
-                del self._segments[oldest.id]
-                self._budget.settle(oldest.unsynced)   # finished: what it holds never needs the disk
-                oldest.unsynced = 0
-                self._cond.notify_all()
-            retired.append(oldest.path)
+        segments take more than twice the bound (:meth:`SegmentLog.reclaim`). Returns the
+        retired segments' files for the caller to delete. Caller holds ``_append_lock``."""
+        return self._log.reclaim(self._carry_all, self._crowded)
+
+    def _carry_all(self, segment: Segment) -> None:
+        with self._cond:
+            carry = [self._entries[s] for s in sorted(segment.live)]
+        for entry in carry:
+            self._carry_forward(entry)
 
     def _crowded(self) -> bool:
-        on_disk = sum(s.size for s in self._segments.values())
-        return on_disk > 2 * max(self.limit, self.segment_bytes)
+        return self._log.bytes_on_disk() > 2 * max(self.limit, self.segment_bytes)
 
     def _carry_forward(self, entry: SpoolEntry) -> None:
         """Append the entry again (current metadata, same sequence) to the active segment."""
@@ -841,7 +594,7 @@ class Spool:
             segment, start = self._append([head, payload])
             new_path, new_offset = segment.path, start + len(head)
         with self._cond:
-            old = self._segments.get(entry.segment)
+            old = self._log.segments.get(entry.segment)
             if old is not None:
                 old.live.discard(entry.seq)
             entry.data_path, entry.offset, entry.segment = new_path, new_offset, segment.id
@@ -869,7 +622,7 @@ class Spool:
             return ""
         try:
             with self.open_payload(entry) as fh:
-                crc = _crc_at(fh, fh.tell(), entry.size)
+                crc = crc32_at(fh, fh.tell(), entry.size)
         except FileNotFoundError:
             return f"spooled payload {entry.data_path} is missing"
         except OSError:
@@ -921,8 +674,8 @@ class Spool:
 
     @property
     def segment_files(self) -> int:
-        with self._cond:
-            return len(self._segments)
+        with self._log.lock:
+            return len(self._log.segments)
 
     def __len__(self) -> int:
         with self._cond:
@@ -986,18 +739,6 @@ def _read_record(fh: BinaryIO, pos: int) -> tuple[int, int, bytes, bytes, int, i
     if end > os.fstat(fh.fileno()).st_size:
         return None
     return kind, seq, meta, move, payload_at, end
-
-
-def _crc_at(fh: BinaryIO, offset: int, size: int) -> int:
-    fh.seek(offset)
-    crc, left = 0, size
-    while left:
-        block = fh.read(min(_READ_BLOCK, left))
-        if not block:
-            break
-        crc = crc32(block, crc)
-        left -= len(block)
-    return crc & 0xFFFFFFFF
 
 
 def _read_at(path: Path, offset: int, size: int) -> bytes:

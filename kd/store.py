@@ -12,12 +12,16 @@ after a crash (its commit log entry missing), a query whose checkpoint was
 lost, or a compaction interrupted half-way therefore never counts a tuple
 twice, whatever the order of failures.
 
+A failed fsync (a folder's included) is final (:class:`~hio.common.files.SyncBudget`):
+every later interval is refused until KD restarts; Spark replays them then.
+
 Cost: an append touches only the new rows (plus one sorted-array merge of the
 known ids, a memory copy). The whole store is read once, at start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -29,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from hio.common.files import fsync_dir
+from hio.common.files import SyncBudget
 from hio.kd.records import to_unsigned
 
 log = logging.getLogger("hio.kd")
@@ -114,6 +118,7 @@ class AccumulatedStore:
         self.groups: dict[tuple[str, tuple[str, ...]], Group] = {}
         self._known = np.empty(0, dtype=np.uint64)
         self._history: dict[float, int] = {}
+        self._disk = SyncBudget(disk="KD's disk", owner="kd")   # only its final-failure rule is used
 
     # --- start -----------------------------------------------------------------
 
@@ -145,12 +150,13 @@ class AccumulatedStore:
         self._write(table, int(offsets.min()), int(offsets.max()))
         for part in parts:
             part.unlink()
-        fsync_dir(self.path)
+        self._sync_folder()
 
     # --- append ----------------------------------------------------------------
 
     def append(self, table: pa.Table, interval_unix: float) -> Appended:
         """Keep the rows not stored yet; persist them (atomic), then index them."""
+        self._disk.check()
         fresh, duplicates = self._fresh(table)
         malformed = int(fresh.column("error").is_valid().to_numpy(zero_copy_only=False).sum()) if fresh.num_rows else 0
         if fresh.num_rows == 0:
@@ -190,9 +196,15 @@ class AccumulatedStore:
         tmp = final.with_name(final.name + ".tmp")
         pq.write_table(table, tmp, compression="zstd")
         with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
+            self._disk.sync(fh.fileno(), refuse=True)   # failed: the next open() drops the .tmp
         os.replace(tmp, final)
-        fsync_dir(self.path)
+        self._sync_folder()
+
+    def _sync_folder(self) -> None:
+        """fsync the folder after a rename or deletion; a failure is final but not raised:
+        the rename happened, so the rows are indexed as the file holds them."""
+        with contextlib.suppress(OSError):
+            self._disk.sync_folder(self.path)
 
     # --- index -----------------------------------------------------------------
 

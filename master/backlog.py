@@ -39,9 +39,9 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 from hio.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.common.files import copy_exact
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta
+from hio.common.segmentlog import Segment, SegmentLog, crc32_at
 from hio.master.deadletters import DeadLetterStore, DeadWriter
-from hio.master.records import (ACK, MOVE, READ_BLOCK, Journal, RecordWriter, Segment, payload_intact,
-                                scan_segment)
+from hio.master.records import ACK, MOVE, NAMING, READ_BLOCK, Journal, RecordWriter, scan_segment
 from hio.master.storage import Durability
 
 log = logging.getLogger("hio.master")
@@ -138,7 +138,11 @@ class BacklogQueue:
         self._durable = durability
         self._cond = cond or threading.Condition(threading.RLock())
         self._clock = clock
-        self._segments: dict[int, Segment] = {}
+        self._log = SegmentLog(self.root, NAMING, fsync=durability.policy, budget=durability.budget,
+                               segment_bytes=segment_bytes)
+        self._segments = self._log.segments                      # segment id -> segment (live: seqs)
+        self._acked: dict[int, list[int]] = {}                   # segment id -> seqs the journal ACKs
+        durability.attach(self._log)
         self._entries: dict[int, Entry] = {}                    # tuple id -> live entry
         self._ready: dict[str, collections.OrderedDict[int, Entry]] = {}
         self._leased: dict[int, Entry] = {}
@@ -154,10 +158,9 @@ class BacklogQueue:
         self._cache_reserved = 0
         self._next_seq = 1
         self._head_order = -1
-        self._next_segment = 1
         self._next_token = 1
         self._closed = False
-        self._journal = Journal(self.root / "journal.q", durability)
+        self._journal = Journal(self.root / "journal.q", self._log, durability)
         self._recover()
 
     # ---- receiving ---------------------------------------------------------------
@@ -191,37 +194,31 @@ class BacklogQueue:
         """Reserve room for ``meta.size`` bytes and a segment to write them into."""
         with self._cond:
             self._check_room(meta)   # a tuple to be refused is refused before it waits for the disk
-        self._durable.admit(meta.size)   # outside the lock: a disk behind the tuples holds this writer only
+        admitted = self._log.admit(meta.size)   # outside the lock: a disk behind the tuples holds this writer only
         try:
             writer = self._open_record(meta)
         except BaseException:
-            self._durable.release(meta.size)
+            self._durable.budget.settle(admitted)
             raise
-        writer.admitted = meta.size
+        writer.admitted = admitted
         return writer
 
     def _open_record(self, meta: TupleMeta) -> "RecordWriter":
         with self._cond:
             self._check_room(meta)           # again: others may have taken the room meanwhile
-            segment = self._take_segment()   # first: a segment that cannot be made reserves nothing
+            segment = self._log.take()       # first: a segment that cannot be made reserves nothing
             self._reserved += meta.size
             cache = meta.size <= self._memory_bytes - self._cached - self._cache_reserved
             if cache:
                 self._cache_reserved += meta.size
-        start = segment.size
         try:
-            return RecordWriter(segment, meta, cache)
+            return RecordWriter(self._log, segment, meta, cache)   # a head it could not write is cut off
         except BaseException:
             with self._cond:
-                if segment.fd is not None and segment.size != start:
-                    os.ftruncate(segment.fd, start)
-                    os.lseek(segment.fd, start, os.SEEK_SET)
-                    segment.size = start
                 self._reserved -= meta.size
                 if cache:
                     self._cache_reserved -= meta.size
                 self._give_back(segment)
-            self._close_sealed()
             raise
 
     def _check_room(self, meta: TupleMeta) -> None:
@@ -235,25 +232,6 @@ class BacklogQueue:
                 f"backlog queue full: {self._used + self._reserved} of {self.queue_bytes} bytes used "
                 f"({len(self._entries)} tuples); tuple {meta.tuple_id} needs {meta.size}",
                 retry_after=RETRY_AFTER_FULL)
-
-    def _take_segment(self) -> Segment:
-        idle = [s for s in self._segments.values() if not s.sealed and not s.in_use]
-        if idle:
-            segment = min(idle, key=lambda s: s.id)
-        else:
-            segment = self._new_segment()
-        segment.in_use = True
-        return segment
-
-    def _new_segment(self) -> Segment:
-        seg_id = self._next_segment
-        self._next_segment += 1
-        path = self.root / f"seg-{seg_id:010d}.q"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        segment = Segment(id=seg_id, path=path, size=0, fd=fd)
-        self._segments[seg_id] = segment
-        self._durable.sync_folder(self.root)
-        return segment
 
     def _finish_record(self, writer: "RecordWriter") -> Placement:
         """Publish a verified record, or drop it if the tuple is already queued."""
@@ -270,8 +248,6 @@ class BacklogQueue:
             return Placement.DUPLICATE
         try:
             writer.finish(seq)
-            self._durable.written(writer.segment.fd, writer.admitted)  # type: ignore[arg-type]
-            writer.admitted = 0
         except BaseException:
             with self._cond:
                 self._committing.discard(meta.tuple_id)
@@ -282,7 +258,6 @@ class BacklogQueue:
         with self._cond:
             self._committing.discard(meta.tuple_id)
             self._end_record(writer, entry)
-        self._close_sealed()
         return Placement.ENQUEUED
 
     def _end_record(self, writer: "RecordWriter", entry: Entry | None) -> None:
@@ -292,46 +267,31 @@ class BacklogQueue:
                 return
             writer.ended = True
             if writer.admitted:   # never written for good: what the disk was to sync is not coming
-                self._durable.release(writer.admitted)
+                self._durable.budget.settle(writer.admitted)
                 writer.admitted = 0
             self._reserved -= writer.meta.size
             if writer.cache:
                 self._cache_reserved -= writer.meta.size
             segment = writer.segment
             if entry is not None:
-                segment.live += 1
+                segment.live.add(entry.seq)
                 self._add(entry)
                 self._ready.setdefault(entry.image, collections.OrderedDict())[entry.tuple_id] = entry
                 self._cond.notify_all()
             self._give_back(segment)
 
     def _give_back(self, segment: Segment) -> None:
-        segment.in_use = False
-        idle = sum(1 for s in self._segments.values() if not s.sealed and not s.in_use)
-        if segment.size >= self._segment_bytes or idle > MAX_IDLE_SEGMENTS or self._closed:
-            self._seal(segment)
+        self._log.give_back(segment, MAX_IDLE_SEGMENTS)
         self._maybe_delete(segment)
 
-    def _seal(self, segment: Segment) -> None:
-        """No more appends to ``segment``: the durability policy syncs its descriptor and closes it."""
-        if segment.fd is not None:
-            fd, segment.fd = segment.fd, None
-            segment.retired = self._durable.retire(fd)
-
-    def _close_sealed(self) -> None:
-        """Close the sealed segments' descriptors that need no fsync (disk I/O: call without the lock)."""
-        self._durable.close_retired()
-
     def _maybe_delete(self, segment: Segment) -> None:
-        """Delete a segment none of whose records is still needed."""
-        if segment.live or segment.in_use or (not segment.sealed and segment.size < self._segment_bytes
-                                               and not self._closed):
+        """Delete a segment none of whose records is still needed (its bytes need no disk)."""
+        if segment.live or segment.held or (not segment.sealed and segment.size < self._segment_bytes
+                                             and not self._closed):
             return
-        self._seal(segment)
-        if segment.retired is not None:   # deleted: its bytes need no disk (a recovered segment has no descriptor)
-            self._durable.discard(segment.retired)
-        segment.path.unlink(missing_ok=True)
-        del self._segments[segment.id]
+        self._log.seal(segment)
+        self._log.delete(segment).unlink(missing_ok=True)
+        self._acked.pop(segment.id, None)
         if self._journal.size > JOURNAL_COMPACT_BYTES and not self._closed:   # closed: the journal is too
             self._compact_journal()
 
@@ -360,8 +320,8 @@ class BacklogQueue:
         self._journal.append(ACK, entry.seq, 0, 0)
         segment = self._segments.get(entry.segment)
         if segment is not None:
-            segment.live -= 1
-            segment.acked.append(entry.seq)
+            segment.live.discard(entry.seq)
+            self._acked.setdefault(segment.id, []).append(entry.seq)
             self._maybe_delete(segment)
 
     def _unlease(self, entry: Entry) -> None:
@@ -539,7 +499,6 @@ class BacklogQueue:
                 self._remove_ready(entry)
             self._drop(entry)
         self._durable_journal()
-        self._close_sealed()
         return True
 
     def fail(self, tuple_id: int, channel_id: str, reason: str) -> bool:
@@ -598,7 +557,6 @@ class BacklogQueue:
                 self._drop(entry)
                 self._cond.notify_all()   # a retry_dead may wait for this copy
             self._durable_journal()
-            self._close_sealed()
 
     def retry_dead(self, tuple_id: int) -> None:
         """Put a dead letter back at the tail of its queue with attempt 1."""
@@ -632,7 +590,6 @@ class BacklogQueue:
             writer.discard()
         finally:
             self._end_record(writer, None)
-            self._close_sealed()
 
     # ---- queries -----------------------------------------------------------------
 
@@ -681,8 +638,7 @@ class BacklogQueue:
         # Under the lock so a compaction cannot swap the descriptor meanwhile; the
         # journal is a few bytes per entry, never payload.
         with self._cond:
-            if self._journal.fd is not None:
-                self._durable.written(self._journal.fd)
+            self._journal.written()
 
     def close(self) -> None:
         """Seal the open segments and the journal; the queue refuses new tuples afterwards."""
@@ -691,12 +647,12 @@ class BacklogQueue:
                 return
             self._closed = True
             for segment in list(self._segments.values()):
-                if not segment.in_use:
-                    self._seal(segment)
+                if not segment.held:
+                    self._log.seal(segment)
                     self._maybe_delete(segment)
             self._journal.close()
             self._cond.notify_all()
-        self._durable.close()
+        self._log.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -709,24 +665,16 @@ class BacklogQueue:
         dead = self.dead.origins()
         records: list[tuple[int, TupleMeta, int, int]] = []     # seq, meta, segment, payload offset
         max_seq = max([0, *acked, *moves, *(order for order, _ in moves.values()), *(seq for seq, _ in dead)])
-        for path in sorted(self.root.glob("seg-*.q")):
-            seg_id = int(path.stem.split("-")[1])
-            self._next_segment = max(self._next_segment, seg_id + 1)
-            found, size = scan_segment(path)
-            segment = Segment(id=seg_id, path=path, size=size)
-            self._segments[seg_id] = segment
+
+        def recover(segment: Segment, last: bool) -> int:
+            nonlocal max_seq
+            found, end = scan_segment(segment.path)
             for seq, meta, offset in found:
                 max_seq = max(max_seq, seq)
-                if seq in acked:
-                    segment.acked.append(seq)
-                elif (seq, meta.tuple_id) in dead or not payload_intact(path, offset, meta):
-                    if (seq, meta.tuple_id) not in dead:
-                        log.error("queued tuple damaged on disk, dropped",
-                                  extra={"tuple_id": meta.tuple_id, "segment": path.name})
-                    segment.acked.append(seq)
-                    self._journal.append(ACK, seq, 0, 0)
-                else:
-                    records.append((seq, meta, seg_id, offset))
+                if self._recovered(segment, seq, meta, offset, acked, dead):
+                    records.append((seq, meta, segment.id, offset))
+            return end
+        self._log.open(recover)
         self._next_seq = max_seq + 1
         self._rebuild(records, moves)
         for segment in list(self._segments.values()):
@@ -734,6 +682,27 @@ class BacklogQueue:
         self._compact_journal()
         if self._entries:
             log.info("backlog recovered", extra={"tuples": len(self._entries), "bytes": self._used})
+
+    def _recovered(self, segment: Segment, seq: int, meta: TupleMeta, offset: int, acked: set[int],
+                   dead: set[tuple[int, int]]) -> bool:
+        """True if a record found at start is queued again; else it is done (acknowledged,
+        a dead letter, or damaged: acknowledged now)."""
+        if seq in acked:
+            self._acked.setdefault(segment.id, []).append(seq)
+            return False
+        if (seq, meta.tuple_id) in dead or not self._payload_intact(segment, offset, meta):
+            if (seq, meta.tuple_id) not in dead:
+                log.error("queued tuple damaged on disk, dropped",
+                          extra={"tuple_id": meta.tuple_id, "segment": segment.path.name})
+            self._acked.setdefault(segment.id, []).append(seq)
+            self._journal.append(ACK, seq, 0, 0)
+            return False
+        return True
+
+    @staticmethod
+    def _payload_intact(segment: Segment, offset: int, meta: TupleMeta) -> bool:
+        with open(segment.path, "rb") as fh:
+            return crc32_at(fh, offset, meta.size) == meta.crc32
 
     def _rebuild(self, records: list[tuple[int, TupleMeta, int, int]], moves: dict[int, tuple[int, int]]) -> None:
         entries = []
@@ -746,7 +715,7 @@ class BacklogQueue:
         entries.sort(key=lambda e: e.order)
         self._head_order = min([0, *(e.order for e in entries)]) - 1
         for entry in entries:
-            self._segments[entry.segment].live += 1
+            self._segments[entry.segment].live.add(entry.seq)
             if entry.tuple_id in self._entries:
                 self._entries_duplicate(entry)
                 continue
@@ -754,16 +723,15 @@ class BacklogQueue:
             self._ready.setdefault(entry.image, collections.OrderedDict())[entry.tuple_id] = entry
 
     def _entries_duplicate(self, entry: Entry) -> None:
-        segment = self._segments[entry.segment]
-        segment.live -= 1
-        segment.acked.append(entry.seq)
+        self._segments[entry.segment].live.discard(entry.seq)
+        self._acked.setdefault(entry.segment, []).append(entry.seq)
         self._journal.append(ACK, entry.seq, 0, 0)
 
     def _compact_journal(self) -> None:
         """Rewrite the journal with only what the remaining segments still need."""
         lines: list[tuple[int, int, int, int]] = []
-        for segment in self._segments.values():
-            lines.extend((ACK, seq, 0, 0) for seq in segment.acked)
+        for seg_id in self._segments:
+            lines.extend((ACK, seq, 0, 0) for seq in self._acked.get(seg_id, ()))
         lines.extend((MOVE, e.seq, e.order, e.meta.attempt) for e in self._entries.values() if e.moved)
         self._journal.rewrite(lines)
 

@@ -15,7 +15,6 @@ for good; MOVE: it moved in its queue), sequence, order, attempt, CRC-32.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import struct
@@ -24,7 +23,8 @@ from typing import BinaryIO
 
 from hio.common.errors import InvalidArgument, Unavailable
 from hio.common.frames import TupleMeta, crc32
-from hio.master.storage import Durability, Pending, write_all
+from hio.common.segmentlog import Naming, Segment, SegmentLog
+from hio.master.storage import Durability
 
 log = logging.getLogger("hio.master")
 
@@ -37,67 +37,47 @@ _HEAD_MAGIC = b"HIOR"
 _TAIL_MAGIC = b"HIOE"
 ACK, MOVE = 1, 2
 
+NAMING = Naming("seg-", 10, ".q")
 MAX_META_BYTES = 1024 * 1024
 READ_BLOCK = 1024 * 1024
 
 
-@dataclasses.dataclass(eq=False)
-class Segment:
-    id: int
-    path: Path
-    size: int
-    fd: int | None = None       # open for appending while not sealed
-    in_use: bool = False        # a writer owns it right now
-    live: int = 0               # records not yet done
-    acked: list[int] = dataclasses.field(default_factory=list)
-    retired: Pending | None = None   # sealed: the durability policy's handle on its descriptor
-
-    @property
-    def sealed(self) -> bool:
-        return self.fd is None
-
-
 class RecordWriter:
-    """Writes one record into a segment the writer owns until it is finished or discarded."""
+    """Streams one record into a segment of the log that the writer holds (:meth:`SegmentLog.take`)
+    until it is finished or discarded."""
 
-    def __init__(self, segment: Segment, meta: TupleMeta, cache: bool) -> None:
-        assert segment.fd is not None
+    def __init__(self, log: SegmentLog, segment: Segment, meta: TupleMeta, cache: bool) -> None:
+        self.log = log
         self.segment = segment
         self.meta = meta
         self.cache = cache
         self.ended = False    # reservations settled and segment handed back
         self.admitted = 0     # bytes the durability policy counts for this record until it is written
-        self._fd = segment.fd
-        self._start = segment.size
+        self.start = segment.size
         self._chunks: list[bytes] = []
         meta_bytes = meta.SerializeToString()
         if len(meta_bytes) > MAX_META_BYTES:
             raise InvalidArgument(f"tuple {meta.tuple_id}: metadata of {len(meta_bytes)} bytes is too large")
         self._head = _HEAD.pack(_HEAD_MAGIC, len(meta_bytes), meta.size) + meta_bytes
-        self._write(self._head)
+        log.write(segment, self._head, self.start)
         self.payload_offset = segment.size
 
-    def _write(self, data: bytes | bytearray | memoryview) -> None:
-        try:
-            write_all(self._fd, data)
-        finally:
-            self.segment.size = os.lseek(self._fd, 0, os.SEEK_CUR)
-
     def write(self, data: bytes) -> None:
-        self._write(data)
+        self.log.write(self.segment, data, self.start)
         if self.cache:  # an immutable chunk (bytes, or a view of a received message) is kept as is
             immutable = isinstance(data, bytes) or (isinstance(data, memoryview) and isinstance(data.obj, bytes))
             self._chunks.append(data if immutable else bytes(data))
 
     def finish(self, seq: int) -> None:
+        """Write the tail and commit the record (synced with 'always', counted with 'batch')."""
         seq_bytes = _SEQ.pack(seq)
-        self._write(_TAIL.pack(_TAIL_MAGIC, seq, crc32(seq_bytes, crc32(self._head))))
+        self.log.write(self.segment, _TAIL.pack(_TAIL_MAGIC, seq, crc32(seq_bytes, crc32(self._head))), self.start)
+        self.log.commit(self.segment, self.start, self.admitted)
+        self.admitted = 0
 
     def discard(self) -> None:
         """Cut the record off its segment, as if it had never been written."""
-        os.ftruncate(self._fd, self._start)
-        os.lseek(self._fd, self._start, os.SEEK_SET)
-        self.segment.size = self._start
+        self.log.cut(self.segment, self.start)
         self._chunks.clear()
 
     def cached(self) -> bytes | None:
@@ -109,13 +89,23 @@ class RecordWriter:
 
 
 class Journal:
-    """Append-only ACK/MOVE entries, each with its own CRC."""
+    """Append-only ACK/MOVE entries, each with its own CRC: a side file of the backlog's
+    segment log, synced with its segments."""
 
-    def __init__(self, path: Path, durability: Durability) -> None:
+    def __init__(self, path: Path, log: SegmentLog, durability: Durability) -> None:
         self.path = path
+        self._log = log
         self._durable = durability
-        self.fd: int | None = None
-        self.size = 0
+        self._file: Segment | None = None
+        self._unreported = 0   # bytes appended and not yet reported to the log
+
+    @property
+    def fd(self) -> int | None:
+        return self._file.fd if self._file is not None else None
+
+    @property
+    def size(self) -> int:
+        return self._file.size if self._file is not None else 0
 
     def load(self) -> tuple[set[int], dict[int, tuple[int, int]]]:
         """(acknowledged sequences, moves seq -> (order, attempt)); a torn tail is cut off."""
@@ -135,55 +125,58 @@ class Journal:
             good = pos + _ENTRY.size
         if good != len(raw):
             log.warning("journal tail torn, truncated", extra={"path": str(self.path), "bytes": len(raw) - good})
-        self._open(good)
+            os.truncate(self.path, good)
+        self._file = self._log.attach(self.path)
         return acked, moves
 
-    def _open(self, size: int) -> None:
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
-        os.ftruncate(self.fd, size)
-        os.lseek(self.fd, size, os.SEEK_SET)
-        self.size = size
-
     def append(self, kind: int, seq: int, order: int, attempt: int) -> None:
-        if self.fd is None:
+        """Append one entry (reported to the log, to sync it, with :meth:`written`). A partial
+        entry would end the journal at the next start: it is cut off."""
+        if self._file is None:
             raise Unavailable("the master is shutting down")
-        body = _ENTRY_BODY.pack(kind, seq, order, attempt)
-        try:
-            write_all(self.fd, body + struct.pack(">I", crc32(body)))
-        except OSError:   # a partial entry would end the journal at the next start: cut it off
-            os.ftruncate(self.fd, self.size)
-            os.lseek(self.fd, self.size, os.SEEK_SET)
-            raise
-        self.size += _ENTRY.size
+        self._log.write(self._file, _entry(kind, seq, order, attempt), self._file.size)
+        self._unreported += _ENTRY.size
+
+    def written(self, file: Segment | None = None) -> None:
+        """Report the entries appended since the last call: synced now ('always') or by the
+        next round ('batch')."""
+        file = file or self._file
+        if file is not None and self._unreported:
+            nbytes, self._unreported = self._unreported, 0
+            self._log.written(file, nbytes)
 
     def rewrite(self, lines: list[tuple[int, int, int, int]]) -> None:
         """Atomically replace the journal with ``lines``."""
-        data = bytearray()
-        for kind, seq, order, attempt in lines:
-            body = _ENTRY_BODY.pack(kind, seq, order, attempt)
-            data += body + struct.pack(">I", crc32(body))
+        data = b"".join(_entry(*line) for line in lines)
         replaced = False
         try:   # the old file stays the journal until the new one has replaced it
-            self._durable.replace(self.path.with_suffix(".tmp"), self.path, bytes(data))
+            self._durable.replace(self.path.with_suffix(".tmp"), self.path, data)
             replaced = True
         finally:   # append to whichever file is the journal now (the new one, or still the old)
             self.close(replaced=replaced)
-            self._open(self.path.stat().st_size)
+            self._file = self._log.attach(self.path)
 
     def close(self, *, replaced: bool = False) -> None:
-        """Hand the descriptor to the durability policy: it syncs and closes it (without the
-        caller's lock), or only closes it when a durable rewrite has ``replaced`` the file."""
-        if self.fd is not None:
-            fd, self.fd = self.fd, None
-            if not replaced:   # entries not reported yet (a MOVE's) are synced with the rest
-                self._durable.written(fd)
-            pending = self._durable.retire(fd)
+        """Hand the file to the log: synced with the next round (or at close), or only closed
+        when a durable rewrite has ``replaced`` it."""
+        if self._file is not None:
+            file, self._file = self._file, None
             if replaced:
-                self._durable.discard(pending)
+                self._log.delete(file)
+            else:              # entries not reported yet (a MOVE's) are synced with the rest
+                self.written(file)
+                self._log.seal(file)
+            self._unreported = 0
+
+
+def _entry(kind: int, seq: int, order: int, attempt: int) -> bytes:
+    body = _ENTRY_BODY.pack(kind, seq, order, attempt)
+    return body + struct.pack(">I", crc32(body))
 
 
 def scan_segment(path: Path) -> tuple[list[tuple[int, TupleMeta, int]], int]:
-    """The complete records of a segment, cutting off a torn tail.
+    """The complete records of a segment, and where the last one ends (the segment log cuts
+    off what follows: a torn tail).
 
     A damaged record with good ones after it (a flipped bit, not a crash: a crash
     only tears the end) costs only itself: the scan finds the next record by its
@@ -205,13 +198,6 @@ def scan_segment(path: Path) -> tuple[list[tuple[int, TupleMeta, int]], int]:
             seq, meta, offset, end = parsed
             records.append((seq, meta, offset))
             pos = end
-    if pos != total:
-        log.warning("segment tail torn, truncated",
-                    extra={"segment": path.name, "offset": pos, "bytes": total - pos})
-        with open(path, "r+b") as fh:
-            fh.truncate(pos)
-            fh.flush()
-            os.fsync(fh.fileno())
     return records, pos
 
 
@@ -262,17 +248,3 @@ def _read_record(fh: BinaryIO, pos: int, total: int) -> tuple[int, TupleMeta, in
     if meta.size != size:
         return None
     return seq, meta, offset, end
-
-
-def payload_intact(path: Path, offset: int, meta: TupleMeta) -> bool:
-    """True if the payload at ``offset`` matches ``meta``'s CRC-32."""
-    value, remaining = 0, meta.size
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        while remaining:
-            block = fh.read(min(READ_BLOCK, remaining))
-            if not block:
-                return False
-            value = crc32(block, value)
-            remaining -= len(block)
-    return value == meta.crc32

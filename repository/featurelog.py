@@ -9,10 +9,15 @@ Durability (``fsync``):
 * ``always``: every put fsyncs while holding the append lock (simplest
   ordering, lowest throughput under concurrency).
 * ``never``: data reaches the OS before a put returns (survives a crash of
-  this process), fsync happens only when a segment is sealed and at close.
+  this process); the OS writes it when it will.
 
-A failed fsync leaves the log read-only: after such a failure the kernel may
-have dropped the dirty pages, so a later fsync succeeding proves nothing.
+The segments, their torn-tail cut, roll and fsync rounds are a
+:class:`~hio.common.segmentlog.SegmentLog`; this module keeps the record offsets,
+the id index, group commit and the reads. A failed fsync (a folder's included)
+is final: after such a failure the kernel may have dropped the dirty pages, so
+a later fsync succeeding proves nothing; every put is refused
+(``FailedPrecondition`` naming the disk, the error and the time) until the
+repository restarts.
 """
 
 from __future__ import annotations
@@ -26,11 +31,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from hio.common.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
+from hio.common.files import SyncBudget, lock_folder
+from hio.common.segmentlog import Segment, SegmentLog
 from hio.repository.config import FSYNC_MODES
-from hio.common.files import fsync_dir, lock_folder
 from hio.repository.index import Location, OffsetIndex
-from hio.repository.segments import (MAGIC, decode_record, encode_record, parse_segment_name, record_follows,
-                                     scan_segment, segment_name)
+from hio.repository.segments import MAGIC, NAMING, decode_record, encode_record, record_follows, scan_segment
 
 log = logging.getLogger("hio.repository")
 
@@ -100,7 +105,7 @@ class _GroupCommit:
 
 
 class FeatureLog:
-    """Append-only, idempotent-by-tuple-id record log. Thread safe."""
+    """Append-only, idempotent-by-tuple-id record log on a :class:`SegmentLog`. Thread safe."""
 
     def __init__(self, folder: Path, *, segment_bytes: int, fsync: str = "batch",
                  fsync_interval: float = 0.0) -> None:
@@ -109,41 +114,39 @@ class FeatureLog:
         self._folder = folder
         self._segment_bytes = segment_bytes
         self._mode = fsync
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()      # the index, the paths and every append
         self._index = OffsetIndex()
-        self._paths: list[Path] = []
-        self._fd = -1
-        self._size = 0
+        self._paths: list[Path] = []       # by the index's segment number
         self._closed = False
-        self._broken = ""
+        self._budget = SyncBudget(disk="the repository's disk", owner="repository")
+        self._log = SegmentLog(folder, NAMING, fsync=fsync, budget=self._budget, header=MAGIC)
         self._commit = _GroupCommit(fsync_interval)
         folder.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_folder(folder)
         try:
             self._recover()
         except BaseException:
+            self._log.close()
             os.close(self._lock_fd)
             raise
 
     # ----------------------------------------------------------------- startup
 
     def _recover(self) -> None:
-        """Rebuild the index from the segments; truncate a torn tail of the last one."""
+        """Rebuild the index from the segments (the log cuts a torn tail of the last one)."""
         started = time.monotonic()
-        segments = sorted((first, p) for p in self._folder.iterdir()
-                          if (first := parse_segment_name(p)) is not None)
-        for i, (first, path) in enumerate(segments):
-            self._load_segment(first, path, last=i == len(segments) - 1)
-        if not segments:
-            self._create_segment(1)
+        if not self._log.open(self._load_segment):
+            self._new_segment(1)
         else:
-            self._open_last()
+            self._log.resume()
         self._commit.mark_durable(self._index.latest)
         log.info("feature log opened", extra={
             "records": self._index.latest, "segments": len(self._paths),
             "rebuild_s": round(time.monotonic() - started, 3)})
 
-    def _load_segment(self, first: int, path: Path, *, last: bool) -> None:
+    def _load_segment(self, segment: Segment, last: bool) -> int:
+        """Index one segment's records; where its last whole record ends."""
+        first, path = segment.id, segment.path
         if first != self._index.latest + 1:
             raise CorruptSegment(f"segment {path.name} starts at offset {first} but the segments before it "
                                  f"end at {self._index.latest}: a segment is missing or misnamed")
@@ -156,12 +159,14 @@ class FeatureLog:
         self._index.begin_segment(first)
         self._index.extend(scan.tuple_ids, scan.positions, scan.lengths)
         self._paths.append(path)
+        return scan.valid_end
 
     def _handle_damage(self, path: Path, problem: str, valid_end: int, torn: int, *, last: bool,
                        records_follow: bool = False) -> None:
-        """A torn tail of the last segment is cut off; damage anywhere else stops the start,
-        as does damage in the last segment with good records after it (a flipped bit, not a
-        crash: cutting there would throw away features already answered STORED)."""
+        """A torn tail of the last segment is kept aside for the log to cut off; damage
+        anywhere else stops the start, as does damage in the last segment with good records
+        after it (a flipped bit, not a crash: cutting there would throw away features
+        already answered STORED)."""
         if records_follow:
             raise CorruptSegment(f"segment {path} is damaged at byte {valid_end} ({problem}), and stored "
                                  "records follow the damage, so it is not a torn tail; not cutting them "
@@ -173,12 +178,6 @@ class FeatureLog:
         log.warning("truncating torn tail of feature segment", extra={
             "segment": path.name, "at_byte": valid_end, "dropped_bytes": torn, "problem": problem,
             "kept_in": kept})
-        with open(path, "r+b") as fh:
-            fh.truncate(valid_end)
-            if valid_end == 0:
-                fh.write(MAGIC)
-            fh.flush()
-            os.fsync(fh.fileno())
 
     def _keep_torn_tail(self, path: Path, valid_end: int) -> str:
         """Copy the bytes about to be cut to ``torn/`` so an operator can inspect them."""
@@ -193,26 +192,14 @@ class FeatureLog:
             os.fsync(dst.fileno())
         return str(target)
 
-    def _open_last(self) -> None:
-        path = self._paths[-1]
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        self._size = os.fstat(self._fd).st_size
-
-    def _create_segment(self, first: int) -> None:
-        """Start a new segment file beginning at offset ``first`` and make it current."""
-        path = self._folder / segment_name(first)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+    def _new_segment(self, first: int) -> None:
+        """Seal the current segment and start the one whose first record is ``first``."""
         try:
-            _write_all(fd, MAGIC)
-            os.fsync(fd)
-            fsync_dir(self._folder)
-        except OSError:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
+            segment = self._log.roll(first)
+        except OSError as exc:
+            raise Unavailable(f"the repository cannot start a new segment: {exc.strerror}") from None
         self._index.begin_segment(first)
-        self._paths.append(path)
-        self._fd, self._size = fd, len(MAGIC)
+        self._paths.append(segment.path)
 
     # ------------------------------------------------------------------ writes
 
@@ -229,7 +216,7 @@ class FeatureLog:
             if fresh:
                 self._write(fresh)
                 if self._mode == "always":
-                    self._fsync_locked()
+                    self._commit.mark_durable(self._index.latest)
         highest = max((r.offset for r in results), default=0)
         if self._mode != "never":
             self._commit.wait_durable(highest, self._sync_current)
@@ -238,8 +225,7 @@ class FeatureLog:
     def _check_writable(self) -> None:
         if self._closed:
             raise Unavailable("the repository is shutting down")
-        if self._broken:
-            raise Unavailable(f"the repository is read-only after a storage failure: {self._broken}")
+        self._budget.check()   # after a failed fsync: no new record until restart (SyncBudget)
 
     def _plan(self, items: Sequence[tuple[int, bytes]]) -> tuple[list[Appended], list[tuple[int, int, bytes]]]:
         """Offsets for each item; the (offset, tuple_id, payload) list of those to write."""
@@ -268,74 +254,42 @@ class FeatureLog:
             if used + len(record) > self._segment_bytes and used > len(MAGIC):
                 self._write_chunk(chunk)
                 chunk, chunk_bytes = [], 0
-                self._roll(offset)
+                self._new_segment(offset)
             chunk.append((tuple_id, record))
             chunk_bytes += len(record)
         self._write_chunk(chunk)
 
+    @property
+    def _size(self) -> int:
+        active = self._log.active
+        return active.size if active is not None else 0
+
     def _write_chunk(self, chunk: list[tuple[int, bytes]]) -> None:
-        """One write of records into the current segment, indexed only once written whole."""
+        """One append of records to the current segment, indexed only once written whole
+        (and, with 'always', synced)."""
         if not chunk:
             return
-        start = self._size
         try:
-            _write_all(self._fd, b"".join(record for _, record in chunk))
+            _, position = self._log.append([b"".join(record for _, record in chunk)])
         except OSError as exc:
-            self._undo_partial(start, exc)
+            log.error("feature write failed; cut off", extra={"error": exc.strerror})
             raise Unavailable(f"the repository cannot write features: {exc.strerror}") from None
-        position = start
         for tuple_id, record in chunk:
             self._index.add(tuple_id, position, len(record))
             position += len(record)
-        self._size = position
-
-    def _undo_partial(self, start: int, exc: OSError) -> None:
-        """Cut a half-written chunk off so the segment ends on a whole record."""
-        log.error("feature write failed; truncating", extra={"error": exc.strerror, "at_byte": start})
-        try:
-            os.ftruncate(self._fd, start)
-        except OSError as again:
-            self._broken = f"cannot truncate after a failed write ({again.strerror})"
-
-    def _roll(self, next_offset: int) -> None:
-        """Seal the current segment (always fsynced, whatever the mode) and start the next."""
-        old = self._fd
-        try:
-            os.fsync(old)
-        except OSError as exc:
-            self._broken = f"fsync failed ({exc.strerror})"
-            raise Unavailable(f"the repository cannot persist features: {exc.strerror}") from None
-        self._commit.mark_durable(next_offset - 1)
-        try:
-            self._create_segment(next_offset)
-        except OSError as exc:
-            raise Unavailable(f"the repository cannot start a new segment: {exc.strerror}") from None
-        os.close(old)
-
-    def _fsync_locked(self) -> None:
-        try:
-            os.fsync(self._fd)
-        except OSError as exc:
-            self._broken = f"fsync failed ({exc.strerror})"
-            raise Unavailable(f"the repository cannot persist features: {exc.strerror}") from None
-        self._commit.mark_durable(self._index.latest)
 
     def _sync_current(self) -> int:
-        """fsync the current segment outside the lock; returns the offset now durable."""
+        """One fsync round of the log, outside the lock; returns the offset now durable."""
         with self._lock:
             target = self._index.latest
             if self._closed:
                 return target  # close() synced everything
             self._check_writable()
-            fd = os.dup(self._fd)
         try:
-            os.fsync(fd)
+            self._log.flush()
         except OSError as exc:
-            with self._lock:
-                self._broken = f"fsync failed ({exc.strerror})"
+            self._budget.check()   # the fsync failed: the refusal that names it
             raise Unavailable(f"the repository cannot persist features: {exc.strerror}") from None
-        finally:
-            os.close(fd)
         return target
 
     # ------------------------------------------------------------------- reads
@@ -365,7 +319,7 @@ class FeatureLog:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"records": self._index.latest, "segments": len(self._paths),
-                    "bytes": sum(p.stat().st_size for p in self._paths[:-1]) + self._size}
+                    "bytes": self._log.bytes_on_disk()}
 
     def read(self, after: int, until: int = 0, max_records: int = 0) -> Iterator[tuple[int, int, bytes]]:
         """(offset, tuple_id, payload) for ``after < offset <= until`` (0 = latest), in
@@ -402,20 +356,19 @@ class FeatureLog:
                 os.close(fd)
 
     def close(self) -> None:
-        """Flush to disk and stop accepting writes. Safe to call twice."""
+        """Flush to disk (unless 'never') and stop accepting writes. Safe to call twice."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self._fd >= 0:
-                try:
-                    os.fsync(self._fd)
-                except OSError as exc:
-                    log.error("fsync at close failed", extra={"error": exc.strerror})
-                os.close(self._fd)
-                self._fd = -1
-            os.close(self._lock_fd)  # releases the folder lock
-        self._commit.mark_durable(self._index.latest)
+            try:
+                self._log.close()
+            except OSError as exc:
+                log.error("fsync at close failed", extra={"error": exc.strerror})
+            finally:
+                os.close(self._lock_fd)  # releases the folder lock
+        if self._mode != "never" and not self._budget.failure:
+            self._commit.mark_durable(self._index.latest)
 
 
 def _lock_folder(folder: Path) -> int:
@@ -424,13 +377,6 @@ def _lock_folder(folder: Path) -> int:
     if fd is None:
         raise FailedPrecondition(f"{folder} is in use by another repository process")
     return fd
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
 
 
 def _runs(first: int, locations: list[Location]) -> Iterator[tuple[int, list[Location]]]:

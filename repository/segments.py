@@ -24,25 +24,13 @@ from array import array
 from pathlib import Path
 
 from hio.common.frames import crc32
+from hio.common.segmentlog import Naming
 
 MAGIC = b"HIOFEAT1"
 HEADER = struct.Struct("<IIQQ")
 HEADER_SIZE = HEADER.size
 _IDS = struct.Struct("<QQ")
-SUFFIX = ".seg"
-
-
-def segment_name(first_offset: int) -> str:
-    """File name of the segment whose first record has ``first_offset``."""
-    return f"{first_offset:020d}{SUFFIX}"
-
-
-def parse_segment_name(path: Path) -> int | None:
-    """The first offset a segment file name declares, or None for other files."""
-    stem = path.name.removesuffix(SUFFIX)
-    if path.name.endswith(SUFFIX) and len(stem) == 20 and stem.isdigit():
-        return int(stem)
-    return None
+NAMING = Naming("", 20, ".seg")   # named after the offset of the segment's first record
 
 
 def encode_record(offset: int, tuple_id: int, payload: bytes) -> bytes:

@@ -149,7 +149,8 @@ class CuttingProxy:
 
 
 class FsyncDisk:
-    """Stands between a durable store (the gateway's spool, the master's backlog) and
+    """Stands between a durable store (the gateway's spool, the master's backlog, the
+    repository's feature log, KD's Parquet store) and
     ``os.fsync`` (a system call, not one of our roles): names what is synced, and can hold
     or fail the calls, as a slow or failing disk."""
 

@@ -104,14 +104,14 @@ def copy_exact(source: "BinaryIO", write: "Callable[[bytes], object]", size: int
         remaining -= len(chunk)
 
 
-def lock_folder(folder: Path) -> int | None:
-    """Take an exclusive lock on ``folder`` (its LOCK file, holding our pid).
+def lock_folder(folder: Path, name: str = "LOCK") -> int | None:
+    """Take an exclusive lock on ``folder`` (its file ``name``, holding our pid).
 
     Returns the descriptor that holds the lock (close it to release), or None
     when another process holds it: two writers must never share durable
     state. The caller words the refusal for its role.
     """
-    fd = os.open(folder / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -128,7 +128,7 @@ FAILED_DISK_RETRY_SECONDS = 30.0     # the retry hint a refusal after a failed f
 
 class SyncBudget:
     """Bytes a durable store has taken and its disk has not yet synced ('batch' fsync),
-    kept within ``limit``: the gateway's spool and the master's backlog each keep one.
+    kept within ``limit``: every durable store keeps one, for its segment log.
 
     Why: a store that fsyncs in background rounds answers before the disk has the
     bytes. A disk slower than the tuples lets the rounds fall behind without bound

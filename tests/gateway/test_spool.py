@@ -258,7 +258,6 @@ def test_batch_mode_syncs_a_rolled_segment_in_the_flush_loop_not_under_the_appen
     entries = [spool.put_bytes(p, meta(f"t{n}")) for n, p in enumerate(payloads)]
     assert spool.segment_files >= 4                    # three rolled, their fsyncs left to the flush loop
     spool.flush()
-    assert spool._retired == []
     assert len(_open_segments(root)) == 1                  # only the active segment stays open
     spool.remove_many(entries[:2])
     spool.close()
@@ -450,3 +449,59 @@ def test_a_flush_that_cannot_open_a_descriptor_is_not_final_and_loses_nothing_to
     assert spool.unsynced_bytes == 0
     assert str(entries[0].data_path) in disk.synced and any(p.endswith(".data") for p in disk.synced)
     spool.close()
+
+
+def _hsp1(kind: int, seq: int, meta_bytes: bytes = b"", payload: bytes = b"") -> bytes:
+    """A spool record in the HSP1 framing, byte by byte: magic, kind, sequence, meta, move and
+    payload lengths (big-endian), CRC-32 of those, the metadata, the payload."""
+    body = b"HSP1" + bytes([kind]) + seq.to_bytes(8, "big") + len(meta_bytes).to_bytes(4, "big") \
+        + (0).to_bytes(4, "big") + len(payload).to_bytes(8, "big")
+    return body + zlib.crc32(meta_bytes, zlib.crc32(body)).to_bytes(4, "big") + meta_bytes + payload
+
+
+def test_a_spool_folder_in_the_hsp1_format_resumes_its_tuples(tmp_path: Path) -> None:
+    """Tuples spooled before an upgrade are not lost: ADD, META and DONE records framed as
+    HSP1 resume as the same tuples, a torn record at the end cut off."""
+    root = tmp_path / "s"
+    root.mkdir()
+    records = b""
+    for seq in (1, 2, 3):
+        data = bytes([seq]) * 100
+        m = TupleMeta(name=f"t{seq}", image="img", size=len(data), crc32=zlib.crc32(data))
+        records += _hsp1(1, seq, m.SerializeToString(), data)
+    routed = TupleMeta(name="t2", image="img", size=100, crc32=zlib.crc32(bytes([2]) * 100), tuple_id=42)
+    records += _hsp1(3, 2, routed.SerializeToString()) + _hsp1(4, 1)
+    (root / f"{1:020d}.seg").write_bytes(records + _hsp1(4, 3)[:10])
+    spool = Spool(root, 1 << 20)
+    assert [(e.meta.name, e.meta.tuple_id, spool.read_payload(e)) for e in spool.entries()] == [
+        ("t2", 42, bytes([2]) * 100), ("t3", 0, bytes([3]) * 100)]
+    spool.close()
+
+
+def test_a_partial_record_that_cannot_be_cut_off_stops_new_tuples(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record the disk took only part of is cut off; when even the cut fails, what is left
+    would end the segment's records at the next start, so no new tuple is taken until the
+    gateway restarts (the tuples before it resume)."""
+    spool = Spool(tmp_path / "s", 1 << 20)
+    spool.put_bytes(b"a" * 100, meta("first"))
+    real_write = os.write
+
+    def half(fd: int, data: bytes) -> int:
+        real_write(fd, bytes(data)[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def no_truncate(fd: int, size: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "write", half)
+    monkeypatch.setattr(os, "ftruncate", no_truncate)
+    with pytest.raises(OSError):
+        spool.put_bytes(b"b" * 100, meta("second"))
+    monkeypatch.undo()
+    with pytest.raises(FailedPrecondition, match="partial record could not be cut off"):
+        spool.put_bytes(b"c" * 100, meta("third"))
+    spool.close()
+    again = Spool(tmp_path / "s", 1 << 20)
+    assert [e.meta.name for e in again.entries()] == ["first"]
+    again.close()

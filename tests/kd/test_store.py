@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
+import pytest
+from hio.common.errors import FailedPrecondition
 from hio.kd import store as store_mod
 from hio.kd.records import Row, to_table
 from hio.kd.store import AccumulatedStore
+
+from tests.harness import FsyncDisk
 
 
 def rows(first_offset: int, first_id: int, count: int, image: str = "img", names=("a", "b")) -> list[Row]:
@@ -76,3 +83,41 @@ def test_interrupted_compaction_overlap_counts_once(tmp_path: Path) -> None:
     merged = pa.concat_tables([pq.read_table(p) for p in parts])
     pq.write_table(merged, tmp_path / f"part-{1:020d}-{20:020d}.parquet")
     assert AccumulatedStore(tmp_path).open().total == 20
+
+
+def test_a_failed_fsync_refuses_every_later_interval_until_restart(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed fsync a later one may report success for bytes the disk dropped: the
+    interval whose fsync failed and every later one are refused until KD restarts; the
+    intervals stored before stay."""
+    disk = FsyncDisk(monkeypatch)
+    store = AccumulatedStore(tmp_path).open()
+    store.append(to_table(rows(1, 1, 3)), 1.0)
+    disk.error = OSError(errno.EIO, "Input/output error")
+    with pytest.raises(FailedPrecondition, match="KD's disk failed to sync"):
+        store.append(to_table(rows(4, 4, 3)), 2.0)
+    disk.error = None
+    with pytest.raises(FailedPrecondition, match="restart the kd"):
+        store.append(to_table(rows(7, 7, 3)), 3.0)
+    assert store.total == 3
+    again = AccumulatedStore(tmp_path).open()               # the restart takes intervals again
+    assert again.total == 3
+    assert again.append(to_table(rows(4, 4, 3)), 4.0).accepted == 3
+
+
+def test_a_failed_folder_fsync_is_final_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part file's rename reaches the disk with the folder's fsync; when that fails the
+    rows renamed in stay indexed, and the next interval is refused."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    store = AccumulatedStore(tmp_path).open()
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert store.append(to_table(rows(1, 1, 3)), 1.0).accepted == 3
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    with pytest.raises(FailedPrecondition, match="restart the kd"):
+        store.append(to_table(rows(4, 4, 3)), 2.0)

@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Iterator
 import pytest
 
 from hio.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from hio.common.frames import (ChunkFrame, TupleFrame, WireFrame, crc32, parse_frame, serialize_frame,
+from hio.common.frames import (ChunkFrame, TupleFrame, TupleMeta, WireFrame, crc32, parse_frame, serialize_frame,
                                tuple_frames)
 from hio.master.backlog import BacklogQueue, Lease, Placement, Stored
 from hio.master.deadletters import DeadLetterStore
@@ -415,7 +415,7 @@ def test_batch_never_syncs_a_sealed_segment_whose_tuples_were_done_before_its_ro
         put(q, frames(tid, payload(tid, 3000)))
     segments = _segments(tmp_path)
     assert len(segments) == 3                    # 1 2 | 3 4 | 5: a segment is sealed past 4096 bytes
-    assert durability.unsynced_bytes == 15000
+    assert 15000 < durability.unsynced_bytes < 16000   # the five records, payloads and framing
     assert not [p for p in disk.synced if "/seg-" in p], "sealing no longer syncs on the receiving thread"
     for _ in range(2):                           # tuples 1 and 2 are done: their segment is deleted
         tid, _, _ = take(q)
@@ -449,7 +449,7 @@ def test_batch_holds_senders_while_the_disk_lags_and_lets_them_go_once_synced(
             sender.start()
         senders[0].join(0.5)
         assert all(s.is_alive() for s in senders) and q.length() == 2, "the senders wait for the disk"
-        assert durability.unsynced_bytes == 6000
+        assert 6000 < durability.unsynced_bytes <= 7000         # the two records, payloads and framing
         disk.open.set()
         for sender in senders:
             sender.join(10)
@@ -659,6 +659,7 @@ def test_a_tuple_that_can_never_fit_is_refused_without_waiting_for_the_disk(
     durability = Durability("batch", unsynced_bytes=7000)
     q = open_queue(tmp_path, durability=durability, queue_bytes=10_000)
     put(q, frames(1, payload(1, 6000)))
+    behind = durability.unsynced_bytes
     disk.open.clear()                                        # the disk stalls: nothing more fits the budget
     refused: list[BaseException] = []
 
@@ -672,5 +673,31 @@ def test_a_tuple_that_can_never_fit_is_refused_without_waiting_for_the_disk(
     sender.join(5)
     disk.open.set()
     assert not sender.is_alive() and isinstance(refused[0], InvalidArgument)
-    assert "can never fit" in str(refused[0]) and durability.unsynced_bytes == 6000
+    assert "can never fit" in str(refused[0]) and durability.unsynced_bytes == behind
+    q.close()
+
+
+def _hior(seq: int, meta: TupleMeta, data: bytes) -> bytes:
+    """A backlog record in the HIOR/HIOE framing, byte by byte: head (magic, meta length,
+    payload length), metadata, payload, tail (magic, sequence, CRC-32 of head, metadata and
+    sequence); big-endian."""
+    meta_bytes = meta.SerializeToString()
+    head = b"HIOR" + len(meta_bytes).to_bytes(4, "big") + len(data).to_bytes(8, "big") + meta_bytes
+    return head + data + b"HIOE" + seq.to_bytes(8, "big") \
+        + crc32(seq.to_bytes(8, "big"), crc32(head)).to_bytes(4, "big")
+
+
+def test_a_backlog_folder_in_the_hior_format_requeues_its_tuples(tmp_path: Path) -> None:
+    """Tuples queued before an upgrade are not lost: HIOR/HIOE segments and a journal whose
+    ACK entry (kind, sequence, order, attempt, CRC-32) removes one are queued again."""
+    folder = tmp_path / "queue"
+    folder.mkdir()
+    metas = {tid: TupleMeta(tuple_id=tid, image="hio/synthetic", size=1000, crc32=crc32(payload(tid)), attempt=1)
+             for tid in (1, 2, 3)}
+    (folder / "seg-0000000001.q").write_bytes(_hior(1, metas[1], payload(1)) + _hior(2, metas[2], payload(2)))
+    (folder / "seg-0000000002.q").write_bytes(_hior(3, metas[3], payload(3)) + b"HIOR\x00")   # torn tail
+    ack = bytes([1]) + (1).to_bytes(8, "big") + (0).to_bytes(8, "big") + (0).to_bytes(4, "big")
+    (folder / "journal.q").write_bytes(ack + crc32(ack).to_bytes(4, "big"))
+    q = open_queue(tmp_path)
+    assert [take(q)[:2] for _ in range(2)] == [(2, payload(2)), (3, payload(3))]
     q.close()

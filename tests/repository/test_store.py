@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import stat
+import struct
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -16,6 +21,7 @@ from hio.repository.featurelog import CorruptSegment
 from hio.repository.segments import HEADER_SIZE, MAGIC
 from hio.repository.store import FeatureStore, StoreOptions
 
+from tests.harness import FsyncDisk
 from tests.repository.records import compress, decode, feature_record, knowledge, png_bytes, upload
 
 SMALL = StoreOptions(segment_bytes=4096)
@@ -427,3 +433,75 @@ def test_bad_knowledge_refused_and_old_kept(store: FeatureStore, payload: bytes 
     with pytest.raises(InvalidArgument, match=message):
         store.put_knowledge(good if payload is None else payload, png)
     assert store.get_knowledge() == good and store.get_preview() == png_bytes()
+
+
+# ------------------------------------------------------------- failed fsync
+
+@pytest.mark.parametrize("mode", ["batch", "always"])
+def test_a_failed_fsync_refuses_every_later_put_until_restart(tmp_path: Path, mode: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed fsync the kernel may report a later one as a success for bytes it
+    dropped: the put whose fsync failed and every later one are refused, naming the disk,
+    the error and the restart; what was stored before stays readable."""
+    disk = FsyncDisk(monkeypatch)
+    options = StoreOptions(segment_bytes=4096, fsync=mode)
+    s = FeatureStore(tmp_path / "s", options)
+    s.put([upload(1)])
+    disk.error = OSError(errno.EIO, "Input/output error")
+    with pytest.raises(FailedPrecondition, match="the repository's disk failed to sync"):
+        s.put([upload(2)])
+    disk.error = None                                   # a later fsync would "succeed": not trusted
+    with pytest.raises(FailedPrecondition, match="Input/output error.*restart the repository"):
+        s.put([upload(3)])
+    assert [t for _, t, _ in s.read()] == [1]
+    s.close()
+    with FeatureStore(tmp_path / "s", options) as again:   # the restart takes puts again
+        assert again.put([upload(3)])[0].offset == again.latest()
+
+
+def test_a_failed_folder_fsync_is_final_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new segment's name reaches the disk with the folder's fsync: its failure stops puts
+    like a file's."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    s = FeatureStore(tmp_path / "s", StoreOptions(segment_bytes=4096, fsync="always"))
+    s.put([upload(1)])
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(FailedPrecondition, match="failed to sync"):
+        for i in range(2, 300):                          # until a segment rolls
+            s.put([upload(i)])
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    with pytest.raises(FailedPrecondition, match="restart the repository"):
+        s.put([upload(1000)])
+    s.close()
+
+
+# ------------------------------------------------------- existing data on disk
+
+def _old_record(offset: int, tuple_id: int, payload: bytes) -> bytes:
+    """A record as the format's first writer framed it (u32 length, u32 CRC-32 of the rest,
+    u64 offset, u64 tuple id, little-endian), written out here byte by byte."""
+    body = struct.pack("<QQ", offset, tuple_id) + payload
+    return struct.pack("<II", len(payload), zlib.crc32(body)) + body
+
+
+def test_segments_written_in_the_hiofeat1_format_read_back_the_same(tmp_path: Path) -> None:
+    """Users' long-term data: a folder of HIOFEAT1 segments opens, reads the same records
+    and takes new ones after them."""
+    features = tmp_path / "s" / "features"
+    features.mkdir(parents=True)
+    payloads = {n: compress(feature_record(n).SerializeToString()) for n in range(1, 6)}
+    (features / f"{1:020d}.seg").write_bytes(
+        b"HIOFEAT1" + b"".join(_old_record(n, n, payloads[n]) for n in (1, 2, 3)))
+    (features / f"{4:020d}.seg").write_bytes(
+        b"HIOFEAT1" + b"".join(_old_record(n, n, payloads[n]) for n in (4, 5)))
+    with FeatureStore(tmp_path / "s", SMALL) as s:
+        assert [(o, t, p) for o, t, p in s.read()] == [(n, n, payloads[n]) for n in range(1, 6)]
+        assert s.put([upload(6)])[0].offset == 6
+    with FeatureStore(tmp_path / "s", SMALL) as s:
+        assert [t for _, t, _ in s.read()] == [1, 2, 3, 4, 5, 6]

@@ -1,0 +1,492 @@
+"""One append-only segment log under the durable stores (the gateway's spool, the
+master's backlog, the repository's feature log); each store keeps only its record
+format and its indexes on top of it.
+
+A log is a folder of numbered segment files (:class:`Naming`), each starting with the
+store's ``header`` (a file magic; may be empty). Records are appended to the active
+segment in one piece (or streamed and then committed); a record the disk did not take
+whole is cut off, so a segment always ends on a whole record. At open, each segment is
+scanned by the store and cut after its last whole record (a torn tail: a crash
+mid-append). Segments roll at ``segment_bytes``; :meth:`SegmentLog.reclaim` deletes
+finished segments oldest first, copying the few records still needed forward when the
+old ones take too much room.
+
+When bytes reach the disk is the fsync policy's choice:
+
+* ``always``: each record is fsynced before :meth:`SegmentLog.append` returns; one whose
+  fsync failed is refused and cut off its segment.
+* ``batch``: :meth:`SegmentLog.flush` (a background round, or a caller waiting for it)
+  fsyncs what was appended since the last round, sealed segments and tracked files
+  included; what waits for it is counted in the store's :class:`SyncBudget` (which bounds
+  it). A sealed segment deleted before its round is closed unsynced: what it held
+  finished and needs no disk.
+* ``never``: the OS writes when it will.
+
+A failed fsync is final with every policy, a folder's included (:class:`SyncBudget`
+says why): every new record is refused until the role restarts.
+
+Thread safety: the caller serialises the appends to a segment (it numbers its records
+in the same step); flushes run concurrently with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterable, Sequence
+
+from hio.common.errors import Unavailable
+from hio.common.files import SyncBudget, write_all
+from hio.common.frames import crc32
+
+log = logging.getLogger("hio.segmentlog")
+
+POLICIES = ("always", "batch", "never")
+JOIN_BYTES = 64 * 1024   # parts of a record up to this size are written with one call
+
+
+def crc32_at(fh: BinaryIO, offset: int, size: int, block: int = 1024 * 1024) -> int:
+    """CRC-32 of the ``size`` bytes at ``offset`` of an open segment (of fewer if it ends
+    first): a record's payload, checked against the CRC its metadata carries."""
+    fh.seek(offset)
+    value, left = 0, size
+    while left and (chunk := fh.read(min(block, left))):
+        value = crc32(chunk, value)
+        left -= len(chunk)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Naming:
+    """How segment files are named: ``<prefix><id, zero-padded to digits><suffix>``."""
+
+    prefix: str
+    digits: int
+    suffix: str
+
+    def name(self, seg_id: int) -> str:
+        return f"{self.prefix}{seg_id:0{self.digits}d}{self.suffix}"
+
+    def parse(self, name: str) -> int | None:
+        """The id a file name declares, or None for other files."""
+        match = re.fullmatch(rf"{re.escape(self.prefix)}(\d{{{self.digits}}}){re.escape(self.suffix)}", name)
+        return int(match.group(1)) if match else None
+
+
+@dataclasses.dataclass(eq=False)
+class Segment:
+    """One segment file; ``live`` holds the keys of the records in it its store still needs."""
+
+    id: int
+    path: Path
+    size: int = 0
+    fd: int | None = None          # open while appended to, and while sealed until its round syncs it
+    sealed: bool = True            # takes no more appends
+    unsynced: int = 0              # 'batch': bytes appended and not yet fsynced
+    held: bool = False             # a writer appends to it right now (:meth:`SegmentLog.take`)
+    live: set[int] = dataclasses.field(default_factory=set)
+
+
+class SegmentLog:
+    """The segment files of one store folder (see the module doc)."""
+
+    def __init__(self, folder: Path, naming: Naming, *, fsync: str, budget: SyncBudget,
+                 segment_bytes: int = 0, header: bytes = b"") -> None:
+        if fsync not in POLICIES:
+            raise ValueError(f"unknown fsync policy {fsync!r}")
+        self.folder = Path(folder)
+        self.naming = naming
+        self.fsync = fsync
+        self.budget = budget
+        self.segment_bytes = segment_bytes   # 0: the store rolls (its names say where records start)
+        self.header = header
+        self.segments: dict[int, Segment] = {}
+        self.active: Segment | None = None
+        self.lock = threading.Lock()         # the segments and their counts (short holds only)
+        self._flush_lock = threading.Lock()  # one round at a time
+        self._folder_dirty = False           # 'batch': a file was made since the last round
+        self._files: list[tuple[Path, int]] = []   # 'batch': other files to sync, with the bytes they settle
+        self._side: list[Segment] = []       # files beside the segments synced with them (a journal)
+        self._top = 0                        # the highest segment number made: never used twice
+        self._closed = False
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+
+    # -- opening -----------------------------------------------------------------
+
+    def open(self, scan: Callable[[Segment, bool], int]) -> list[Segment]:
+        """Scan the segments oldest first; ``scan(segment, last)`` applies a segment's records
+        and returns where its last whole one ends (or raises: damage it will not cut). What
+        follows is cut off (a torn tail), and a torn header written again. Returns the
+        segments, oldest first."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        found = sorted((seg_id, path) for path in self.folder.iterdir()
+                       if (seg_id := self.naming.parse(path.name)) is not None)
+        for n, (seg_id, path) in enumerate(found, 1):
+            segment = Segment(seg_id, path, size=path.stat().st_size)
+            self.segments[seg_id] = segment
+            self._top = seg_id
+            end = scan(segment, n == len(found))
+            if end < segment.size:
+                self._cut_tail(segment, end)
+        return list(self.segments.values())
+
+    def _cut_tail(self, segment: Segment, end: int) -> None:
+        log.warning("torn segment tail cut off", extra={"segment": segment.path.name, "at_byte": end,
+                                                         "bytes": segment.size - end})
+        fd = os.open(segment.path, os.O_WRONLY)
+        try:
+            if end < len(self.header):
+                os.ftruncate(fd, 0)
+                write_all(fd, self.header)
+                end = len(self.header)
+            os.ftruncate(fd, end)
+            if self.fsync != "never":
+                self.budget.sync(fd)
+        finally:
+            os.close(fd)
+        segment.size = end
+
+    def resume(self) -> Segment:
+        """Append to the newest segment again (a store whose names say where records start)."""
+        segment = self.segments[max(self.segments)]
+        segment.fd = os.open(segment.path, os.O_WRONLY | os.O_APPEND)
+        segment.sealed = False
+        self.active = segment
+        return segment
+
+    # -- appending ---------------------------------------------------------------
+
+    def roll(self, seg_id: int | None = None) -> Segment:
+        """Seal the active segment and start a new one, ``seg_id`` or the next number."""
+        if self.active is not None:
+            self.seal(self.active)
+        segment = self._create(seg_id)
+        with self.lock:
+            self.active = segment
+        return segment
+
+    def _create(self, seg_id: int | None, *, held: bool = False) -> Segment:
+        """A new segment file (its header written) open for appending."""
+        with self.lock:
+            seg_id = self._top + 1 if seg_id is None else seg_id
+            self._top = max(self._top, seg_id)
+            path = self.folder / self.naming.name(seg_id)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+            segment = Segment(seg_id, path, fd=fd, sealed=False, held=held)
+            self.segments[seg_id] = segment
+            self._folder_dirty = True
+        try:
+            write_all(fd, self.header)
+            segment.size = len(self.header)
+            if self.header:
+                self.written(segment, len(self.header))
+            if self.fsync == "always":
+                self.budget.sync_folder(self.folder, refuse=True)
+        except BaseException:
+            self.delete(segment).unlink(missing_ok=True)
+            raise
+        return segment
+
+    def take(self) -> Segment:
+        """A segment for one writer alone (the oldest open one no writer holds, or a new one),
+        for stores that receive several records at once, each streamed whole into its own
+        segment; hand it back with :meth:`give_back`."""
+        with self.lock:
+            idle = [s for s in self.segments.values() if not s.sealed and not s.held]
+            segment = min(idle, key=lambda s: s.id) if idle else None
+            if segment is not None:
+                segment.held = True
+                return segment
+        if self._closed:
+            raise Unavailable("the store is closed; nothing was written")
+        return self._create(None, held=True)
+
+    def give_back(self, segment: Segment, idle_segments: int) -> None:
+        """The writer is done with ``segment``: sealed when full, when more than
+        ``idle_segments`` wait for writers, or when the log is closed."""
+        with self.lock:
+            segment.held = False
+            idle = sum(1 for s in self.segments.values() if not s.sealed and not s.held)
+        if segment.size >= self.segment_bytes or idle > idle_segments or self._closed:
+            self.seal(segment)
+
+    def admit(self, nbytes: int) -> int:
+        """Before a record of ``nbytes`` is written: 'batch' waits until it fits what may wait
+        for the disk (:meth:`SyncBudget.admit`); every policy refuses it after a failed fsync.
+        Returns the bytes counted, for :meth:`append` (or ``budget.settle`` if not written)."""
+        if self.fsync != "batch":
+            self.budget.check()
+            return 0
+        self.budget.admit(nbytes)
+        return nbytes
+
+    def append(self, parts: Sequence[bytes | memoryview], admitted: int = 0) -> tuple[Segment, int]:
+        """Append one record (its parts in order) to the active segment, rolling it first
+        when full; returns the segment and where the record starts. ``admitted``: bytes of
+        it the budget counts already. On an error nothing stays appended (the caller gives
+        ``admitted`` back); with 'always', a failed fsync is that error (the refusal)."""
+        segment = self.active
+        if segment is None or segment.fd is None:
+            raise Unavailable("the store is closed; nothing was written")
+        if self.segment_bytes and segment.size >= self.segment_bytes:
+            segment = self.roll()
+        start = segment.size
+        total = sum(len(p) for p in parts)
+        if len(parts) > 1 and total <= JOIN_BYTES:
+            parts = [b"".join(parts)]   # one write: each write gives up the GIL, and getting it
+            #                              back from a busy delivery thread costs more than the copy
+        for part in parts:
+            self.write(segment, part, start)
+        self.commit(segment, start, admitted)
+        return segment, start
+
+    def write(self, segment: Segment, data: bytes | bytearray | memoryview, start: int) -> None:
+        """Append part of a record that starts at ``start`` (a record streamed in pieces);
+        on an error the record is cut off and the error raised."""
+        assert segment.fd is not None
+        try:
+            write_all(segment.fd, data)
+        except BaseException:
+            self.cut(segment, start)
+            raise
+        segment.size += len(data)
+
+    def commit(self, segment: Segment, start: int, admitted: int = 0) -> None:
+        """The record from ``start`` to the segment's end is whole: :meth:`written`, and cut
+        off if that fails (with 'always', refused: a restart must not bring it back)."""
+        try:
+            self.written(segment, segment.size - start, admitted)
+        except BaseException:
+            self.cut(segment, start)
+            raise
+
+    def written(self, segment: Segment, nbytes: int, admitted: int = 0) -> None:
+        """``nbytes`` were appended to ``segment`` (or a side file): fsynced now ('always',
+        a failure raised as the refusal that names it) or counted for the next round
+        ('batch'; ``admitted`` of them the budget counts already)."""
+        if self.fsync == "always":
+            assert segment.fd is not None
+            self.budget.sync(segment.fd, refuse=True)
+        elif self.fsync == "batch":
+            with self.lock:
+                segment.unsynced += nbytes
+            self.budget.add(nbytes - admitted)
+
+    def cut(self, segment: Segment, start: int) -> None:
+        """Cut a record that is not to stay off ``segment``. If even that fails, the part
+        left would end the segment's records at the next start (a torn record), so no new
+        record is taken until restart; its size is what the file says."""
+        assert segment.fd is not None
+        try:
+            os.ftruncate(segment.fd, start)
+            segment.size = start
+        except OSError as exc:
+            segment.size = os.fstat(segment.fd).st_size
+            self.budget.fail(f"a partial record could not be cut off: {exc.strerror or exc}")
+
+    def seal(self, segment: Segment) -> None:
+        """No more appends to ``segment``; 'batch' keeps it open for its round to sync."""
+        with self.lock:
+            segment.sealed = True
+            if self.active is segment:
+                self.active = None
+            fd, keep = segment.fd, self.fsync == "batch" and segment.unsynced > 0 and not self._closed
+            if not keep:
+                segment.fd = None
+                if segment in self._side:
+                    self._side.remove(segment)
+        if fd is not None and not keep:
+            os.close(fd)
+
+    # -- removing ----------------------------------------------------------------
+
+    def delete(self, segment: Segment) -> Path:
+        """Forget a sealed segment none of whose records is needed; its bytes need no disk
+        (closed unsynced). Returns its file for the caller to delete (it may be large:
+        callers delete outside their locks)."""
+        with self.lock:
+            if segment in self._side:
+                self._side.remove(segment)
+            elif self.segments.get(segment.id) is segment:
+                del self.segments[segment.id]
+            fd, segment.fd = segment.fd, None
+            unsynced, segment.unsynced = segment.unsynced, 0
+        if fd is not None:
+            os.close(fd)
+        self.budget.settle(unsynced)
+        return segment.path
+
+    def reclaim(self, carry: Callable[[Segment], None], crowded: Callable[[], bool]) -> list[Path]:
+        """Delete finished segments oldest first (so a later record never outlives one it
+        refers to); while ``crowded()``, ``carry`` first copies the oldest one's live
+        records forward into the active segment. Returns the files to delete."""
+        deleted: list[Path] = []
+        while True:
+            oldest = self.segments.get(min(self.segments, default=-1))
+            if oldest is None or oldest is self.active or (oldest.live and not crowded()):
+                return deleted
+            if oldest.live:
+                carry(oldest)
+                if oldest.live:   # a record could not be carried (a read error): keep the segment
+                    return deleted
+                if self.fsync == "batch":   # the copies are on disk before the originals go
+                    with self.lock:
+                        fds = [s.fd for s in self.segments.values() if s.fd is not None]
+                    for fd in fds:
+                        self.budget.sync(fd)
+            deleted.append(self.delete(oldest))
+
+    def bytes_on_disk(self) -> int:
+        with self.lock:
+            return sum(s.size for s in self.segments.values())
+
+    # -- side files ----------------------------------------------------------------
+
+    def attach(self, path: Path) -> Segment:
+        """Open ``path`` (a file beside the segments, such as a journal) for appending, to be
+        synced with the segments: report its appends with :meth:`written`; :meth:`seal` it
+        (synced by the next round) or :meth:`delete` it (replaced: closed unsynced)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        side = Segment(-1, path, size=os.fstat(fd).st_size, fd=fd, sealed=False)
+        with self.lock:
+            self._side.append(side)
+        return side
+
+    # -- syncing -----------------------------------------------------------------
+
+    def sync_path(self, path: Path, *, refuse: bool = False) -> None:
+        """fsync a file by name: failing to open it is not the disk's failure, failing to
+        sync is (final)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self.budget.sync(fd, refuse=refuse)
+        finally:
+            os.close(fd)
+
+    def track(self, path: Path, nbytes: int) -> None:
+        """'batch': the next round syncs ``path`` (a file the store made beside its segments)
+        and settles ``nbytes`` (counted by the caller's admission)."""
+        with self.lock:
+            self._files.append((path, nbytes))
+            self._folder_dirty = True
+
+    def flush(self) -> None:
+        """One round: fsync what was appended (segments, sealed ones then closed, tracked
+        files, the folder). Every step is tried; the first error is raised after them.
+        The open segments and files not synced are tried again next round; a sealed
+        segment whose fsync failed is not (the failure is final anyway)."""
+        with self._flush_lock:
+            with self.lock:
+                work = [(s, os.dup(s.fd), s.unsynced, s.sealed) for s in [*self.segments.values(), *self._side]
+                        if s.fd is not None and (s.unsynced or s.sealed)]
+                files, self._files = self._files, []
+                folder, self._folder_dirty = self._folder_dirty, False
+            errors = [e for args in work if (e := self._sync_segment(*args))]
+            failed = self._sync_files(files, errors)
+            if folder or files:   # a file was made or renamed in: its name needs the disk too
+                try:
+                    self.budget.sync_folder(self.folder)
+                except OSError as exc:
+                    errors.append(exc)
+            if errors:
+                with self.lock:
+                    self._files.extend(failed)
+                    self._folder_dirty = self._folder_dirty or folder
+                raise errors[0]
+
+    def _sync_segment(self, segment: Segment, fd: int, covered: int, sealed: bool) -> OSError | None:
+        """fsync ``segment`` through ``fd`` (a duplicate, then closed) unless it was deleted, and
+        settle the bytes it ``covered``. One ``sealed`` before the round took it is settled and
+        closed whatever the outcome (it gets no more bytes); one sealed since waits for the next."""
+        error: OSError | None = None
+        try:
+            if self._kept(segment):
+                self.budget.sync(fd)
+        except OSError as exc:
+            error = exc
+        finally:
+            os.close(fd)
+        close = None
+        kept = self._kept(segment)
+        with self.lock:
+            if kept and (error is None or sealed):
+                covered = segment.unsynced if sealed else covered
+                segment.unsynced -= covered
+                self.budget.settle(covered)
+            if sealed and segment.fd is not None:
+                close, segment.fd = segment.fd, None
+            if sealed and segment in self._side:
+                self._side.remove(segment)
+        if close is not None:
+            os.close(close)
+        return error
+
+    def _kept(self, segment: Segment) -> bool:
+        """False once a segment was deleted (its bytes need no disk)."""
+        with self.lock:
+            return self.segments.get(segment.id) is segment or segment in self._side
+
+    def _sync_files(self, files: Iterable[tuple[Path, int]], errors: list[OSError]) -> list[tuple[Path, int]]:
+        """fsync tracked files; returns those that failed (to try again), adding their errors."""
+        failed: list[tuple[Path, int]] = []
+        for path, nbytes in files:
+            try:
+                self.sync_path(path)
+            except FileNotFoundError:  # finished and deleted meanwhile
+                pass
+            except OSError as exc:
+                errors.append(exc)
+                failed.append((path, nbytes))
+                continue
+            self.budget.settle(nbytes)
+        return failed
+
+    def start_flusher(self, interval: float, name: str) -> None:
+        """'batch': run :meth:`flush` about every ``interval`` seconds in the background."""
+        self._flusher = threading.Thread(target=self._flush_loop, args=(interval,), name=name, daemon=True)
+        self._flusher.start()
+
+    def _flush_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.flush_round()
+
+    def flush_round(self) -> None:
+        """:meth:`flush` for a background round: its error is logged and named to the writers
+        waiting for the disk (:meth:`SyncBudget.round_done`); the next round retries."""
+        error = ""
+        try:
+            self.flush()
+        except OSError as exc:
+            error = str(exc)
+            log.error("fsync round failed", extra={"folder": str(self.folder), "error": error})
+        self.budget.round_done(error)
+
+    # -- closing -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the rounds, sync what waits (unless 'never') and close every segment but those
+        a writer holds (closed when it gives them back)."""
+        self._closed = True
+        self._stop.set()
+        self.budget.close()          # an append waiting for the disk goes on; the flush below syncs it
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            flusher.join(10.0)
+        try:
+            if self.fsync != "never":
+                self.flush()
+        finally:
+            with self.lock:
+                done = [s for s in [*self.segments.values(), *self._side] if s.fd is not None and not s.held]
+                fds = [s.fd for s in done if s.fd is not None]
+                for segment in done:
+                    segment.fd, segment.sealed = None, True
+                self._side.clear()
+                self.active = None
+            for fd in fds:
+                os.close(fd)
