@@ -131,6 +131,7 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
         self._calls: set[grpc.Future] = set()
         self._channels: dict[str, grpc.Channel] = {}
+        self._route_call = master_pb2_grpc.MasterStub(self._channel(config.master_address)).RouteTuples
         token = config.presented_token()   # read once, as for the gRPC channels
         self._payload = PayloadPeers(
             lanes=config.lanes and not config.speaks_tls, logger=log,   # the lanes have no TLS
@@ -307,8 +308,7 @@ class Dispatcher:
             wait_seconds=0.0 if force_queue else self._config.route_wait_seconds,
             items=[master_pb2.RouteItem(size=p.entry.size, tuple_id=p.entry.meta.tuple_id) for p in batch])
         timeout = self._config.route_timeout_seconds + request.wait_seconds
-        stub = master_pb2_grpc.MasterStub(self._channel(self._config.master_address))
-        response = stub.RouteTuples(request, timeout=timeout)
+        response = self._route_call(request, timeout=timeout)
         if len(response.tuple_ids) != len(batch) or len(response.tickets) != len(batch):
             raise _Protocol(f"master answered {len(response.tuple_ids)} ids for {len(batch)} tuples")
         return response

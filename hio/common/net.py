@@ -221,21 +221,15 @@ def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(deny)
 
 
-# Keepalive, one setting for every client and server: each pings an idle connection every
-# KEEPALIVE_MS (with or without calls), and a server accepts a ping every half of that. gRPC's
-# server default is one in 5 minutes: past two pings sooner ("strikes") it sends the client away
-# (GOAWAY ENHANCE_YOUR_CALM "too_many_pings"), and the client's next call fails.
+# Keepalive, the same for every client and server (with or without calls); a server accepts a
+# ping every half of it. gRPC's default allowance is one in 5 minutes: past two pings sooner it
+# sends the client away (GOAWAY ENHANCE_YOUR_CALM "too_many_pings") and its next call fails.
 KEEPALIVE_MS = 20_000
-KEEPALIVE_TIMEOUT_MS = 10_000
 
 
-def _keepalive_options() -> list[tuple[str, int]]:
-    return [
-        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
+def _keepalive() -> list[tuple[str, int]]:
+    return [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
 def _server_options(settings: ClusterSettings) -> list[tuple[str, int]]:
@@ -243,7 +237,7 @@ def _server_options(settings: ClusterSettings) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
-        *_keepalive_options(),
+        *_keepalive(),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ("grpc.so_reuseport", 0),
     ]
@@ -390,7 +384,7 @@ def create_channel(address: str, settings: ClusterSettings, token: str | None = 
     options = [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
-        *_keepalive_options(),
+        *_keepalive(),
         ("grpc.enable_retries", 0),
         # Each channel its own connections: with gRPC's process-wide pool, a channel to an
         # address another channel failed to reach (a role that was down, a port reused by a
