@@ -4,9 +4,9 @@ Everything above this module (``Engine``, ``Reporter``) sees plain methods
 that raise ``hio.common.errors`` classes, never ``grpc.RpcError``: the data
 path is testable and readable without the transport. Calls that may succeed
 later (``UNAVAILABLE``, ``RESOURCE_EXHAUSTED``) are retried here with
-jittered backoff up to ``rpc_deadline`` seconds. Every call is gRPC on one
-kept channel per peer, but a pull's payloads, which come on the master's
-:class:`~hio.common.payload.PayloadChannel` (its lane, or gRPC chunks).
+jittered backoff up to ``rpc_deadline`` seconds. Every call is a gRPC call on
+one kept channel per peer; payloads (pulls, and tuples handed back to the
+queue) travel on the master's :class:`~hio.common.payload.PayloadChannel`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import grpc
 
 from hio.common import errors
-from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
+from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32
+from hio.common.lane import LaneError
 from hio.common.config import lane_beside
-from hio.common.net import create_channel, message_limit, rpc_error_text, rpc_status, send_frames
+from hio.common.net import create_channel, message_limit, rpc_error_text, rpc_status
 from hio.common.payload import Download, GrpcPayload, LanePayload, PayloadPeers
 from hio.common.retry import call_with_retry
 from hio.common.settings import ClusterSettings
@@ -82,7 +83,6 @@ class ClusterLink:
         self._repo_channel = create_channel(settings.repository_address, settings)
         self._master = master_pb2_grpc.MasterStub(self._master_channel)
         self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)
-        self._enqueue = send_frames(self._master_channel, "Master", "Enqueue")
         self._master_lane_port = 0                     # learnt from report answers
         token = settings.presented_token()             # read once, as for the gRPC channels
         limit = message_limit(settings)
@@ -123,11 +123,19 @@ class ClusterLink:
         return list(reply.duplicate)
 
     def enqueue(self, meta: TupleMeta, data: bytes, deadline: float | None = None) -> TupleReceipt:
-        """Stream one tuple into the master's backlog; its receipt (ENQUEUED when durable)."""
-        chunk = self._settings.chunk_bytes
+        """Stream one tuple into the master's backlog; its receipt (ENQUEUED when durable). A lane
+        that breaks moves the master to gRPC (:mod:`hio.common.payload`), where the retry goes."""
+        address, lane = self._master_peer()
 
         def send() -> list[TupleReceipt]:
-            return list(self._enqueue(frames_for_bytes(meta, data, chunk, encode=True), timeout=CALL_TIMEOUT))
+            try:
+                call, _reading = self._payload.get(address, lane).upload("Enqueue", iter([(meta, data)]),
+                                                                         timeout=CALL_TIMEOUT)
+                return list(call)
+            except LaneError as exc:
+                if exc.transport:
+                    self._payload.broken(address, lane, exc.details())
+                raise
 
         receipts = self._retry(send, "master", deadline)
         if len(receipts) != 1:
@@ -154,8 +162,7 @@ class ClusterLink:
         :mod:`hio.common.payload`), and the pull goes there."""
         request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds,
                                               max_tuples=max_tuples, max_bytes=max_bytes)
-        address = self._settings.master_address
-        lane = lane_beside(address, self._master_lane_port) if self._master_lane_port else ""
+        address, lane = self._master_peer()
         channel = self._payload.get(address, lane)
         try:
             call = channel.download(request, timeout=wait_seconds + 10.0,
@@ -165,3 +172,8 @@ class ClusterLink:
             channel = self._payload.get(address, lane)
             call = channel.download(request, timeout=wait_seconds + 10.0, on_broken=lambda why: None)
         return PullCall(call, max_chunk_bytes=channel.max_chunk_bytes, settings=self._settings)
+
+    def _master_peer(self) -> tuple[str, str]:
+        """The master's gRPC address and its payload lane ('' until a report's answer names it)."""
+        address = self._settings.master_address
+        return address, lane_beside(address, self._master_lane_port) if self._master_lane_port else ""
