@@ -52,7 +52,7 @@ from hio.common.errors import retry_after
 from hio.common.config import lane_beside
 from hio.common.frames import TupleMeta, unpacked_receipts
 from hio.common.net import NEVER_CONNECTED, create_channel, message_limit, rpc_error_text, rpc_status
-from hio.common.payload import GrpcPayload, LanePayload, PayloadPeers
+from hio.common.payload import GrpcPayload, LanePayload, PayloadPeers, Upload
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
 from hio.proto import master_pb2, master_pb2_grpc
@@ -129,7 +129,7 @@ class Dispatcher:
         self._errors: dict[int, str] = {}                      # seq -> last error, for callers
         self._stopping = False
         self._threads: list[threading.Thread] = []
-        self._calls: set[grpc.Future] = set()
+        self._calls: set[Upload] = set()
         self._channels: dict[str, grpc.Channel] = {}
         self._route_call = master_pb2_grpc.MasterStub(self._channel(config.master_address)).RouteTuples
         token = config.presented_token()   # read once, as for the gRPC channels
@@ -350,7 +350,7 @@ class Dispatcher:
                 self._lane_broken(batch, skipped, exc, address, lane, direct=direct)
                 return
             if channel.kind == "lane" and getattr(exc, "transport", False):
-                self._payload.broken(address, lane, exc.details())
+                self._payload.broken(address, lane, rpc_status(exc)[1])
             self._stream_failed(_unsettled(batch, sent, settled, skipped), exc, address, direct=direct)
             return
         finally:
