@@ -75,9 +75,9 @@ class GatewayConfig(ClusterSettings):
                                        "message of at most this many bytes; 0 = one message per tuple")
     max_attempts: int = setting(3, "delivery attempts before a tuple is handed to the master's dead letters")
     force_queue: bool = setting(False, "always route through the master's backlog queue")
-    lanes: bool = setting(True, "stream to an engine (or the master's queue) over its payload lane when it "
-                                "offers one (plain TCP, sendfile from the spool; about half of gRPC's CPU "
-                                "per MB), else gRPC")
+    lanes: bool = setting(True, "send payloads to a peer (engine, master) over its payload lane when it offers "
+                                "one that answers at connect (plain TCP, sendfile from the spool; about half of "
+                                "gRPC's CPU per MB), else over gRPC; chosen once per peer")
     ingest_listen: str = setting("127.0.0.1:7300", "host:port of the local ingest gRPC API; empty = off")
     watch: str = setting("", "folder to watch for new files; empty = no watch")
     done_dir: str = setting("", "where watched files go once stored; empty = <watch>/.hio-done")

@@ -4,7 +4,9 @@
 one image (at most ``batch_tuples`` and ``batch_bytes``; a bigger tuple goes
 alone), ask ``Master.RouteTuples`` for one route, persist the ids, and stream
 the batch over one ``Engine.Deliver`` (or ``Master.Enqueue``) call, reading
-receipts as they arrive. Payloads the spool keeps in memory (bytes submitted
+receipts as they arrive. Routes are gRPC calls on one kept channel to the master;
+payloads travel on each peer's :class:`~hio.common.payload.PayloadChannel` (its
+payload lane, or gRPC chunks), chosen once per peer. Payloads the spool keeps in memory (bytes submitted
 through the library, within its ``memory_bytes`` bound) are streamed from
 there; the others are read from the spool chunk by chunk, so memory stays bounded.
 
@@ -39,18 +41,18 @@ import heapq
 import itertools
 import logging
 import random
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Generic, Iterator, TypeVar
+from typing import BinaryIO, Callable, Iterator
 
 import grpc
 
 from hio.common.errors import retry_after
-from hio.common.frames import TupleMeta, WireFrame, tuple_frames, unpacked_receipts
-from hio.common.lane import LaneCall, LaneSkips, LearntLane, lane_frames
-from hio.common.net import NEVER_CONNECTED, create_channel, rpc_error_text, rpc_status, send_frames
+from hio.common.config import lane_beside
+from hio.common.frames import TupleMeta, unpacked_receipts
+from hio.common.net import NEVER_CONNECTED, create_channel, message_limit, rpc_error_text, rpc_status
+from hio.common.payload import GrpcPayload, LanePayload, PayloadPeers, Upload
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
 from hio.proto import master_pb2, master_pb2_grpc
@@ -127,13 +129,16 @@ class Dispatcher:
         self._errors: dict[int, str] = {}                      # seq -> last error, for callers
         self._stopping = False
         self._threads: list[threading.Thread] = []
-        self._calls: set[grpc.Future] = set()
+        self._calls: set[Upload] = set()
         self._channels: dict[str, grpc.Channel] = {}
-        self._token = config.presented_token()   # read once, as for the gRPC channels
-        self._use_lanes = config.lanes and not config.speaks_tls   # the lanes have no TLS
-        self._lanes = LaneSkips(log, "payload lane unusable; using gRPC")
-        self._master_calls = LearntLane(       # RouteTuples on the master's lane, once it says where
-            self._lanes, server=config.master_address, enabled=self._use_lanes, token=self._token)
+        self._route_call = master_pb2_grpc.MasterStub(self._channel(config.master_address)).RouteTuples
+        token = config.presented_token()   # read once, as for the gRPC channels
+        self._payload = PayloadPeers(
+            lanes=config.lanes and not config.speaks_tls, logger=log,   # the lanes have no TLS
+            lane=lambda lane: LanePayload(lane, token, chunk_bytes=config.chunk_bytes, pack_bytes=config.pack_bytes,
+                                          max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes),
+            grpc=lambda address: GrpcPayload(self._channel(address), chunk_bytes=config.chunk_bytes,
+                                             pack_bytes=config.pack_bytes, max_chunk_bytes=message_limit(config)))
         self._unreachable_logged: dict[str, float] = {}      # engine address -> when last logged
         self._master_down_since: float | None = None
         self._queue_full_logged = False
@@ -205,7 +210,6 @@ class Dispatcher:
         for channel in list(self._channels.values()):
             channel.close()
         self._channels.clear()
-        self._master_calls.close()
 
     # -- batching ------------------------------------------------------------
 
@@ -294,9 +298,9 @@ class Dispatcher:
             self._stream(batch, self._config.master_address, direct=False, lane=self._master_lane(route))
 
     def _master_lane(self, route: master_pb2.RouteTuplesResponse) -> str:
-        """The master's payload lane: its port on the host we reach the master at ('' = none,
-        or lanes not used)."""
-        return self._master_calls.beside(route.queue.lane_port if route.HasField("queue") else 0)
+        """The master's payload lane: its port on the host we reach the master at ('' = none)."""
+        port = route.queue.lane_port if route.HasField("queue") else 0
+        return lane_beside(self._config.master_address, port) if port else ""
 
     def _route(self, batch: list[_Pending], *, force_queue: bool) -> master_pb2.RouteTuplesResponse:
         request = master_pb2.RouteTuplesRequest(
@@ -304,50 +308,29 @@ class Dispatcher:
             wait_seconds=0.0 if force_queue else self._config.route_wait_seconds,
             items=[master_pb2.RouteItem(size=p.entry.size, tuple_id=p.entry.meta.tuple_id) for p in batch])
         timeout = self._config.route_timeout_seconds + request.wait_seconds
-        response = self._route_on_lane(request, timeout)
-        if response is None:
-            stub = master_pb2_grpc.MasterStub(self._channel(self._config.master_address))
-            response = stub.RouteTuples(request, timeout=timeout)
-        self._master_calls.learn(response.calls_lane_port)
+        response = self._route_call(request, timeout=timeout)
         if len(response.tuple_ids) != len(batch) or len(response.tickets) != len(batch):
             raise _Protocol(f"master answered {len(response.tuple_ids)} ids for {len(batch)} tuples")
         return response
-
-    def _route_on_lane(self, request: master_pb2.RouteTuplesRequest,
-                       timeout: float) -> master_pb2.RouteTuplesResponse | None:
-        """RouteTuples on the master's lane, on a kept connection (a gRPC call cost about 2 ms
-        of CPU at the two ends, the most of a tuple's overhead when tuples come one at a
-        time); None when the master offers no lane for calls or it is not usable now. A lane
-        that breaks is skipped for a while, and this route goes over gRPC (a route whose
-        answer was lost costs only ids and a reservation that expires)."""
-        return self._master_calls.request("RouteTuples", request, master_pb2.RouteTuplesResponse, timeout=timeout)
 
     def _persist(self, batch: list[_Pending]) -> None:
         """Record ids and attempts in the spool (one append), so any redelivery keeps them."""
         self._persist_entries([p.entry for p in batch])
 
     def _stream(self, batch: list[_Pending], address: str, *, direct: bool, lane: str = "") -> None:
-        """One Deliver/Enqueue stream for the batch; settle each tuple by its receipt.
-        It goes over the engine's (or the master's) payload lane when one is offered and answers."""
+        """One Deliver/Enqueue stream for the batch on the peer's payload channel (its lane
+        ``lane`` or gRPC, chosen once per peer); settle each tuple by its receipt."""
         sent: list[_Pending] = []
         skipped: set[int] = set()
-        timeout = self._config.stream_timeout_seconds
-        lane_socket = self._open_lane(lane, "Deliver" if direct else "Enqueue") if lane else None
+        channel = self._payload.get(address, lane)
         abandoned = threading.Event()   # set once this stream is settled: a late lane sender stops
-        if lane_socket is not None:
-            payloads = self._payloads(batch, sent, skipped, abandoned)
-            reading = _GuardedFrames(lane_frames(payloads, self._config.chunk_bytes, self._config.pack_bytes),
-                                     cancels=False)
-            try:
-                call = LaneCall(lane_socket, iter(reading), timeout=timeout)
-            except BaseException:
-                lane_socket.close()
-                raise
-        else:
-            reading = _GuardedFrames(self._frames(batch, sent, skipped), cancels=True)
-            service, method = ("Engine", "Deliver") if direct else ("Master", "Enqueue")
-            call = send_frames(self._channel(address), service, method)(iter(reading), timeout=timeout)
-            reading.attach(call.cancel)
+        try:
+            call, reading = channel.upload("Deliver" if direct else "Enqueue",
+                                           self._payloads(batch, sent, skipped, abandoned),
+                                           timeout=self._config.stream_timeout_seconds)
+        except grpc.RpcError as exc:   # the lane cannot be opened: the peer's connection is lost
+            self._lane_broken(batch, skipped, exc, address, lane, direct=direct)
+            return
         with self._cond:
             self._calls.add(call)
         settled: set[int] = set()
@@ -363,14 +346,11 @@ class Dispatcher:
             if reading.failure:
                 self._read_failed(_unsettled(batch, sent, settled, skipped), sent[-1], reading.failure)
                 return
-            if lane_socket is not None and getattr(exc, "transport", False) and not settled:
-                # The lane broke before the server answered anything (closed, garbage): not the
-                # tuples' fault. The same route (its reservation is ours) goes over gRPC.
-                self._lanes.down(lane, exc.details())
-                unsent = [p for p in batch if p.seq not in skipped]
-                if unsent:
-                    self._stream(unsent, address, direct=direct)
+            if channel.kind == "lane" and getattr(exc, "transport", False) and not settled:
+                self._lane_broken(batch, skipped, exc, address, lane, direct=direct)
                 return
+            if channel.kind == "lane" and getattr(exc, "transport", False):
+                self._payload.broken(address, lane, rpc_status(exc)[1])
             self._stream_failed(_unsettled(batch, sent, settled, skipped), exc, address, direct=direct)
             return
         finally:
@@ -384,24 +364,15 @@ class Dispatcher:
         if left:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
 
-    def _open_lane(self, lane: str, method: str) -> "socket.socket | None":
-        """A connection to a payload lane for ``method``; None (use gRPC) when lanes are off, TLS
-        is on, or the lane is skipped (:class:`LaneSkips`: a firewall that opens only the gRPC
-        port, a server that predates lanes)."""
-        if not self._use_lanes:
-            return None
-        return self._lanes.open(lane, self._token, method=method)
-
-    def _frames(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int]) -> Iterator[WireFrame]:
-        """Frames of the batch, from memory when the spool kept the payload, else read
-        from the spool chunk by chunk; ``sent`` records the order.
-
-        Small tuples travel packed, several in one message (``pack_bytes``):
-        Python gRPC costs about 0.4-1.4 ms per message on one stream here,
-        whatever its size, which capped 100-byte tuples near 500/s.
-        """
-        return tuple_frames(self._payloads(batch, sent, skipped), self._config.chunk_bytes, self._config.pack_bytes,
-                            encode=True)
+    def _lane_broken(self, batch: list[_Pending], skipped: set[int], exc: grpc.RpcError, address: str,
+                     lane: str, *, direct: bool) -> None:
+        """The peer's lane broke before it answered anything (unreachable, closed, garbage): not
+        the tuples' fault. The peer moves to gRPC and the same route (its reservation is ours)
+        is streamed again there, uncharged."""
+        self._payload.broken(address, lane, rpc_status(exc)[1])
+        unsent = [p for p in batch if p.seq not in skipped]
+        if unsent:
+            self._stream(unsent, address, direct=direct, lane=lane)
 
     def _payloads(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int],
                   abandoned: threading.Event | None = None) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
@@ -700,36 +671,6 @@ class _Protocol(grpc.RpcError):
 
     def details(self) -> str:
         return self._message
-
-
-F = TypeVar("F")
-
-
-class _GuardedFrames(Generic[F]):
-    """A stream's frames, read from the spool, keeping the reason in ``failure`` when a
-    payload cannot be read. Attached to a gRPC call, it cancels the call, where gRPC
-    would log a traceback and end it with nothing but "Exception iterating requests!";
-    unattached (the lane), it raises on, and the lane call ends with the error."""
-
-    def __init__(self, frames: Iterator[F], *, cancels: bool) -> None:
-        self._frames = frames
-        self._cancels = cancels
-        self._cancel: Callable[[], object] | None = None
-        self._attached = threading.Event()
-        self.failure = ""
-
-    def attach(self, cancel: Callable[[], object]) -> None:
-        self._cancel = cancel
-        self._attached.set()
-
-    def __iter__(self) -> Iterator[F]:
-        try:
-            yield from self._frames
-        except OSError as exc:
-            self.failure = str(exc) or type(exc).__name__
-            if not self._cancels or not self._attached.wait(10.0):   # attached as the call starts
-                raise
-            self._cancel()  # type: ignore[misc]
 
 
 def _unsettled(batch: list[_Pending], sent: list[_Pending], settled: set[int],

@@ -29,9 +29,8 @@ __all__ = ["POLICY", "Master", "MasterConfig", "create_master_server", "make_tic
 
 log = logging.getLogger("hio.master")
 
-# Connections at once on the lane: Enqueue (gateways), PullTuple (each idle engine holds one) and
-# the kept connections of unary calls (a gateway's delivery threads, each engine's reporter). One
-# beyond it is closed at once, and its caller uses gRPC for a while.
+# Connections at once on the lane: Enqueue (gateways' delivery threads) and PullTuple (each idle
+# engine holds one). One beyond it is closed at once, and its caller uses gRPC for a while.
 LANE_CONNECTIONS = 512
 
 
@@ -51,13 +50,12 @@ def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, RoleHealth]:
 
 
 def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable | None) -> LaneServer | None:
-    """The master's payload lane (Enqueue, PullTuple and the per-tuple calls over plain
-    TCP), started; None when there is none."""
+    """The master's payload lane (Enqueue and PullTuple over plain TCP), started; None when
+    there is none."""
     return start_lane_server(config.lane_address(), lambda listen: LaneServer(
         listen, service="Master",
         uploads={"Enqueue": service.enqueue},   # uploads arrive in pieces of chunk_bytes
         downloads={"PullTuple": service.pull_for_lane},
-        unaries=service.lane_unaries(),
         table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
         max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
         max_connections=LANE_CONNECTIONS, piece_bytes=config.chunk_bytes),

@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 
 from hio.common.errors import InvalidArgument, grpc_errors
 from hio.common.frames import TupleFrame, TupleReceipt, idle_bounded
-from hio.common.lane import LaneFrame, lane_frames, unary_on_bytes
+from hio.common.lane import LaneFrame, lane_frames
 from hio.master.backlog import Placement
 from hio.master.core import PULL_PACK_BYTES, Master, Outcome, RouteItem, Status
 from hio.master.deadletters import DeadLetter
@@ -69,28 +69,18 @@ class MasterService(master_pb2_grpc.MasterServicer):
     @grpc_errors
     def RouteTuples(self, request: master_pb2.RouteTuplesRequest,
                     context: grpc.ServicerContext) -> master_pb2.RouteTuplesResponse:
-        return self.route(request)
-
-    def route(self, request: master_pb2.RouteTuplesRequest) -> master_pb2.RouteTuplesResponse:
-        """RouteTuples, for gRPC and the payload lane's unary calls."""
         items = [RouteItem(size=i.size, tuple_id=i.tuple_id) for i in request.items]
         routed = self._master.route(source=request.source, image=request.image, items=items,
                                     force_queue=request.force_queue, wait_seconds=request.wait_seconds)
-        lane_port = self._master.lane_port
-        reply = master_pb2.RouteTuplesResponse(tuple_ids=routed.tuple_ids, tickets=routed.tickets,
-                                               calls_lane_port=lane_port)
+        reply = master_pb2.RouteTuplesResponse(tuple_ids=routed.tuple_ids, tickets=routed.tickets)
         if isinstance(routed.route, DirectRoute):
             reply.channel.CopyFrom(master_pb2.ChannelRoute(
                 channel_id=routed.route.channel_id, address=routed.route.address,
                 reservation_seconds=routed.route.reservation_seconds, lane_address=routed.route.lane_address))
         else:
-            reply.queue.CopyFrom(master_pb2.QueueRoute(queue_length=routed.route.queue_length, lane_port=lane_port))
+            reply.queue.CopyFrom(master_pb2.QueueRoute(queue_length=routed.route.queue_length,
+                                                      lane_port=self._master.lane_port))
         return reply
-
-    def lane_unaries(self) -> dict[str, Callable[[bytes], bytes]]:
-        """The unary calls the payload lane answers (the ones made once per tuple at low rates)."""
-        return {"RouteTuples": unary_on_bytes(master_pb2.RouteTuplesRequest, self.route),
-                "ReportTuples": unary_on_bytes(master_pb2.ReportTuplesRequest, self.report)}
 
     @grpc_errors
     def Enqueue(self, request_iterator: Iterable[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
@@ -150,10 +140,6 @@ class MasterService(master_pb2_grpc.MasterServicer):
     @grpc_errors
     def ReportTuples(self, request: master_pb2.ReportTuplesRequest,
                      context: grpc.ServicerContext) -> master_pb2.ReportTuplesResponse:
-        return self.report(request)
-
-    def report(self, request: master_pb2.ReportTuplesRequest) -> master_pb2.ReportTuplesResponse:
-        """ReportTuples, for gRPC and the payload lane's unary calls."""
         outcomes = [Outcome(tuple_id=o.tuple_id, ok=o.ok, message=o.message, from_queue=o.from_queue,
                             size=o.size, processing_seconds=o.processing_seconds, accepted_unix=o.accepted_unix,
                             stored_unix=o.stored_unix)
@@ -162,8 +148,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                                    processing=request.processing, pull_done=request.pull_done)
         config = self._master.config
         return master_pb2.ReportTuplesResponse(pull_queue=pull, reservation_seconds=config.reservation_seconds,
-                                               lease_seconds=config.lease_seconds, lane_port=self._master.lane_port,
-                                               calls_lane_port=self._master.lane_port)
+                                               lease_seconds=config.lease_seconds, lane_port=self._master.lane_port)
 
     @grpc_errors
     def GetStatus(self, request: master_pb2.GetStatusRequest,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hio.common.config import ConfigError, check_address, lane_listen_address, positive, same_port, setting
+from hio.common.config import ConfigError, check_address, positive, setting
 from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, ClusterSettings, MiB
 
 FSYNC_MODES = ("batch", "always", "never")
@@ -38,15 +38,6 @@ class RepositoryConfig(ClusterSettings):
                                              "(one larger record goes alone)")
     max_consumers: int = setting(1024, "most named consumers whose offsets are kept")
     max_workers: int = setting(32, "gRPC server threads")
-    lanes: bool = setting(True, "also take PutFeatures on a lane (plain TCP, kept connections: about a tenth "
-                                "of a gRPC call's CPU, which engines pay per tuple when tuples come one at "
-                                "a time); off with TLS")
-    lane_listen: str = setting("", "host:port of the lane; empty = listen's host and port + 1 "
-                                   "(any free port when listen's port is 0)")
-
-    def lane_address(self) -> str:
-        """Where the lane listens; '' when there is none (turned off, or TLS)."""
-        return lane_listen_address(self.listen, self.lane_listen, offered=self.lanes and not self.tls_cert)
 
     def validate(self) -> None:
         """Refuse settings the repository cannot honour; messages name the setting."""
@@ -54,12 +45,6 @@ class RepositoryConfig(ClusterSettings):
         self.validate_serving()
         check_address("listen", self.listen)
         check_address("http_listen", self.http_listen, allow_empty=True)
-        check_address("lane_listen", self.lane_listen, allow_empty=True)
-        lane = self.lane_address()   # refuses a listen port without a port + 1 for the lane
-        for name in ("listen", "http_listen"):
-            if lane and getattr(self, name) and same_port(lane, getattr(self, name)):
-                raise ConfigError(f"the lane's address {lane} takes {name}'s port: " + (
-                    "choose another lane_listen" if self.lane_listen else "it is listen's port + 1; set lane_listen"))
         if self.fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {self.fsync!r}")
         if self.fsync_interval_ms < 0 or self.fsync_interval_ms > 10_000:

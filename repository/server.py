@@ -7,9 +7,8 @@ import logging
 import grpc
 
 from hio.common.errors import HioError
-from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
 from hio.common.log import NOTICE
-from hio.common.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
+from hio.common.net import ROLE_SERVICES, RoleHealth, create_server, run_until_signal, set_serving
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig
 from hio.repository.http import PreviewHttpServer
@@ -18,33 +17,20 @@ from hio.repository.store import FeatureStore
 
 log = logging.getLogger("hio.repository")
 
-LANE_CONNECTIONS = 512   # kept connections: two engines' storers per worker, and room
-
 
 def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, RoleHealth, FeatureStore]:
     store = FeatureStore.from_config(config)
     service = RepositoryService(store, read_batch_records=config.read_batch_records,
                                 read_batch_bytes=config.read_batch_bytes)
     try:
-        server, port, health_servicer, store.lane = create_server_with_lane(
-            config, config.listen, lane=lambda table: _start_lane(config, service, table),
-            max_workers=config.max_workers, policy=POLICY, service=ROLE_SERVICES["repository"],
+        server, port, health_servicer = create_server(
+            config, config.listen, max_workers=config.max_workers, policy=POLICY, service=ROLE_SERVICES["repository"],
             register=[lambda s: repository_pb2_grpc.add_RepositoryServicer_to_server(service, s)])
     except BaseException:
         store.close()
         raise
     set_serving(health_servicer, False)
     return server, port, health_servicer, store
-
-
-def _start_lane(config: RepositoryConfig, service: RepositoryService, table: TokenTable | None) -> LaneServer | None:
-    """The lane PutFeatures also arrives on (sessions of calls on kept connections), started;
-    None when there is none."""
-    return start_lane_server(config.lane_address(), lambda listen: LaneServer(
-        listen, service="Repository", uploads={}, unaries=service.lane_unaries(),
-        table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
-        max_head_bytes=message_limit(config), max_data_bytes=0, max_connections=LANE_CONNECTIONS),
-        chosen=bool(config.lane_listen), logger=log)
 
 
 def create_repository_server(config: RepositoryConfig) -> tuple[grpc.Server, int, FeatureStore]:
@@ -71,7 +57,7 @@ def run_repository(config: RepositoryConfig) -> int:
         server.start()
         set_serving(health_servicer, True)
         log.log(NOTICE, "repository serving", extra={
-            "port": port, "records": store.latest(), "lane_port": store.lane_port,
+            "port": port, "records": store.latest(),
             "http_port": http_server.port if http_server else None})
         return run_until_signal(server, on_stop=[lambda: set_serving(health_servicer, False)])
     finally:

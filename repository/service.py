@@ -6,12 +6,11 @@ Every method is wrapped with ``@grpc_errors`` so domain errors become statuses.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator
+from typing import Iterator
 
 import grpc
 
 from hio.common.errors import InvalidArgument, NotFound, grpc_errors
-from hio.common.lane import unary_on_bytes
 from hio.proto import repository_pb2 as pb
 from hio.proto import repository_pb2_grpc
 from hio.repository.store import FeatureStore
@@ -40,23 +39,13 @@ class RepositoryService(repository_pb2_grpc.RepositoryServicer):
 
     @grpc_errors
     def PutFeatures(self, request: pb.PutFeaturesRequest, context: grpc.ServicerContext) -> pb.PutFeaturesResponse:
-        return self.put(request)
-
-    def put(self, request: pb.PutFeaturesRequest) -> pb.PutFeaturesResponse:
-        """PutFeatures, for gRPC and the lane; the answer names the lane (engines store there
-        from then on)."""
         if not request.records:
             raise InvalidArgument("PutFeatures carries no records")
         results = self._store.put((r.tuple_id, r.record_zstd, r.crc32) for r in request.records)
         stored = sum(not r.duplicate for r in results)
         log.debug("features stored", extra={"records": len(results), "new": stored})
         return pb.PutFeaturesResponse(offsets=[r.offset for r in results],
-                                      duplicate=[r.duplicate for r in results],
-                                      calls_lane_port=self._store.lane_port)
-
-    def lane_unaries(self) -> dict[str, Callable[[bytes], bytes]]:
-        """The unary calls the lane answers: the one an engine makes per tuple at low rates."""
-        return {"PutFeatures": unary_on_bytes(pb.PutFeaturesRequest, self.put)}
+                                      duplicate=[r.duplicate for r in results])
 
     @grpc_errors
     def GetOffsets(self, request: pb.GetOffsetsRequest, context: grpc.ServicerContext) -> pb.GetOffsetsResponse:

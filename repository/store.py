@@ -22,7 +22,6 @@ from hio.repository.knowledge import KnowledgeFiles
 from hio.repository.records import RecordLimits, verify_upload
 
 if TYPE_CHECKING:
-    from hio.common.lane import LaneServer
     from hio.proto import features_pb2
     from hio.repository.config import RepositoryConfig
 
@@ -50,7 +49,6 @@ class FeatureStore:
         self.root = Path(root)
         self.options = options or StoreOptions()
         self._limits = RecordLimits(self.options.max_record_bytes, self.options.max_decompressed_bytes)
-        self.lane: LaneServer | None = None   # the lane PutFeatures also arrives on (server module); closed by close()
         self._features = FeatureLog(self.root / "features", segment_bytes=self.options.segment_bytes,
                                     fsync=self.options.fsync,
                                     fsync_interval=self.options.fsync_interval_ms / 1000.0)
@@ -141,15 +139,8 @@ class FeatureStore:
         """Both at once, guaranteed to belong together."""
         return self._knowledge.get()
 
-    @property
-    def lane_port(self) -> int:
-        """The lane's port, told to engines in every PutFeatures answer; 0 = none."""
-        return self.lane.port if self.lane is not None else 0
-
     def close(self) -> None:
-        """Stop the lane, flush and close; further writes are refused."""
-        if self.lane is not None:
-            self.lane.stop()
+        """Flush and close; further writes are refused."""
         self._features.close()
 
     def __enter__(self) -> "FeatureStore":

@@ -4,7 +4,9 @@ Everything above this module (``Engine``, ``Reporter``) sees plain methods
 that raise ``hio.common.errors`` classes, never ``grpc.RpcError``: the data
 path is testable and readable without the transport. Calls that may succeed
 later (``UNAVAILABLE``, ``RESOURCE_EXHAUSTED``) are retried here with
-jittered backoff up to ``rpc_deadline`` seconds.
+jittered backoff up to ``rpc_deadline`` seconds. Every call is a gRPC call on
+one kept channel per peer; payloads (pulls, and tuples handed back to the
+queue) travel on the master's :class:`~hio.common.payload.PayloadChannel`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from typing import TypeVar, cast
 import grpc
 
 from hio.common import errors
-from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
-from hio.common.lane import LaneCalls, LaneDownload, LaneSkips, LearntLane
-from hio.common.net import create_channel, message_limit, pull_frames, rpc_error_text, rpc_status, send_frames
+from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32
+from hio.common.lane import LaneError
+from hio.common.config import lane_beside
+from hio.common.net import create_channel, message_limit, rpc_error_text, rpc_status
+from hio.common.payload import Download, GrpcPayload, LanePayload, PayloadPeers
 from hio.common.retry import call_with_retry
 from hio.common.settings import ClusterSettings
 from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
@@ -48,11 +52,11 @@ def translate(exc: grpc.RpcError, peer: str, settings: ClusterSettings) -> error
 
 
 class PullCall:
-    """An open ``PullTuple`` long-poll (over gRPC, or a :class:`LaneDownload` on the master's
-    payload lane): iterate its frames, or cancel it from another thread. ``max_chunk_bytes``:
-    the largest frame payload it may bring (the lane sends a tuple as one frame)."""
+    """An open ``PullTuple`` long-poll (on the master's payload channel): iterate its frames,
+    or cancel it from another thread. ``max_chunk_bytes``: the largest frame payload it may
+    bring (the lane sends a tuple as one frame)."""
 
-    def __init__(self, call: grpc.Call | LaneDownload, max_chunk_bytes: int, settings: ClusterSettings) -> None:
+    def __init__(self, call: Download, max_chunk_bytes: int, settings: ClusterSettings) -> None:
         self._call = call
         self.max_chunk_bytes = max_chunk_bytes
         self._settings = settings  # for the TLS advice when the pull never connected
@@ -80,23 +84,19 @@ class ClusterLink:
         self._repo_channel = create_channel(settings.repository_address, settings)
         self._master = master_pb2_grpc.MasterStub(self._master_channel)
         self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)
-        self._enqueue = send_frames(self._master_channel, "Master", "Enqueue")
-        self._pull = pull_frames(self._master_channel)
         self._master_lane_port = 0                     # learnt from report answers
-        self._use_lanes = lanes and not settings.speaks_tls   # off: every call goes over gRPC
-        self._token = settings.presented_token()             # read once, as for the gRPC channels
-        self._lanes = LaneSkips(log, "master's payload lane unusable; pulling and reporting over gRPC")
-        self._master_calls = LearntLane(    # ReportTuples on the master's lane, once it says where
-            self._lanes, server=settings.master_address, enabled=self._use_lanes, token=self._token)
-        self._repository_calls = LearntLane(   # PutFeatures on the repository's lane, likewise
-            LaneSkips(log, "repository's lane unusable; storing features over gRPC"),
-            server=settings.repository_address, enabled=self._use_lanes, token=self._token)
+        token = settings.presented_token()             # read once, as for the gRPC channels
+        limit = message_limit(settings)
+        self._payload = PayloadPeers(
+            lanes=lanes and not settings.speaks_tls, logger=log,   # the lanes have no TLS
+            lane=lambda lane: LanePayload(lane, token, chunk_bytes=settings.chunk_bytes, pack_bytes=0,
+                                          max_head_bytes=limit, max_data_bytes=settings.max_tuple_bytes),
+            grpc=lambda _address: GrpcPayload(self._master_channel, chunk_bytes=settings.chunk_bytes,
+                                              pack_bytes=0, max_chunk_bytes=limit))
 
     def close(self) -> None:
         self._master_channel.close()
         self._repo_channel.close()
-        self._master_calls.close()
-        self._repository_calls.close()
 
     def _retry(self, fn: Callable[[], T], peer: str, deadline: float | None = None) -> T:
         try:
@@ -117,36 +117,26 @@ class ClusterLink:
         request = repository_pb2.PutFeaturesRequest(records=[
             repository_pb2.FeaturesUpload(tuple_id=tuple_id, record_zstd=blob, crc32=crc32(blob))
             for tuple_id, blob in records])
-        reply = self._retry(lambda: self._put_features(request), "repository")
+        reply = self._retry(lambda: self._repo.PutFeatures(request, timeout=CALL_TIMEOUT), "repository")
         if len(reply.duplicate) != len(records):
             raise errors.HioError(f"repository: PutFeatures answered {len(reply.duplicate)} results "
                                   f"for {len(records)} records")
         return list(reply.duplicate)
 
-    def _put_features(self, request: repository_pb2.PutFeaturesRequest) -> repository_pb2.PutFeaturesResponse:
-        """One PutFeatures: on the repository's lane when it answers calls there (a kept
-        connection: a unary gRPC call costs Python several times the CPU at the two ends, and
-        an engine stores once per tuple when tuples come one at a time), else over gRPC. A lane that breaks
-        under the call is skipped a while and the call goes over gRPC (stores are idempotent:
-        a record the lost answer had stored comes back a duplicate)."""
-        reply = self._repository_calls.request("PutFeatures", request, repository_pb2.PutFeaturesResponse,
-                                               timeout=CALL_TIMEOUT)
-        if reply is None:
-            reply = self._repo.PutFeatures(request, timeout=CALL_TIMEOUT)
-        self._repository_calls.learn(reply.calls_lane_port)
-        return reply
-
-    @property
-    def repository_lane(self) -> LaneCalls | None:
-        """The repository's lane this engine stores on, once an answer named it (for tests)."""
-        return self._repository_calls.calls
-
     def enqueue(self, meta: TupleMeta, data: bytes, deadline: float | None = None) -> TupleReceipt:
-        """Stream one tuple into the master's backlog; its receipt (ENQUEUED when durable)."""
-        chunk = self._settings.chunk_bytes
+        """Stream one tuple into the master's backlog; its receipt (ENQUEUED when durable). A lane
+        that breaks moves the master to gRPC (:mod:`hio.common.payload`), where the retry goes."""
+        address, lane = self._master_peer()
 
         def send() -> list[TupleReceipt]:
-            return list(self._enqueue(frames_for_bytes(meta, data, chunk, encode=True), timeout=CALL_TIMEOUT))
+            try:
+                call, _reading = self._payload.get(address, lane).upload("Enqueue", iter([(meta, data)]),
+                                                                         timeout=CALL_TIMEOUT)
+                return list(call)
+            except LaneError as exc:
+                if exc.transport:
+                    self._payload.broken(address, lane, exc.details())
+                raise
 
         receipts = self._retry(send, "master", deadline)
         if len(receipts) != 1:
@@ -157,43 +147,34 @@ class ClusterLink:
             raise errors.Unavailable(f"master: Enqueue of tuple {meta.tuple_id} answered {state}: {receipt.message}")
         return receipt
 
-    def report(self, request: master_pb2.ReportTuplesRequest,
-               timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
-        """One ReportTuples call, no retry (the reporter decides): on the master's lane when it
-        answers calls there (a kept connection: a unary gRPC call costs Python several times
-        the CPU at the two ends, and a channel reports once per tuple when tuples come one at a
-        time), else over gRPC. Its answer names the master's payload lane, which pulls use from then on."""
+    def report(self, request: master_pb2.ReportTuplesRequest, timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
+        """One ReportTuples call (the reporter batches outcomes and decides on retries). Its
+        answer names the master's payload lane, which pulls use from then on."""
         try:
-            reply = self._report_on_lane(request, timeout)
-            if reply is None:
-                reply = self._master.ReportTuples(request, timeout=timeout)
+            reply = self._master.ReportTuples(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise translate(exc, "master", self._settings) from None
         self._master_lane_port = reply.lane_port
-        self._master_calls.learn(reply.calls_lane_port)
         return reply
 
-    def _report_on_lane(self, request: master_pb2.ReportTuplesRequest,
-                        timeout: float) -> master_pb2.ReportTuplesResponse | None:
-        """The report on the master's lane; None when not usable now (then gRPC). A lane that
-        breaks is skipped for a while, and this report goes over gRPC (the reporter sends
-        what a lost answer leaves unsaid again, as after a gRPC call cut off)."""
-        return self._master_calls.request("ReportTuples", request, master_pb2.ReportTuplesResponse, timeout=timeout)
-
     def pull(self, channel_id: str, wait_seconds: float, *, max_tuples: int = 1, max_bytes: int = 0) -> PullCall:
-        """Open a PullTuple long-poll for ``channel_id`` (up to ``max_tuples`` tuples): on the
-        master's payload lane when it offers one and it answers, else over gRPC."""
+        """Open a PullTuple long-poll for ``channel_id`` (up to ``max_tuples`` tuples) on the
+        master's payload channel. A lane that cannot be opened moves the master to gRPC (see
+        :mod:`hio.common.payload`), and the pull goes there."""
         request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds,
                                               max_tuples=max_tuples, max_bytes=max_bytes)
-        timeout = wait_seconds + 10.0
-        lane = self._master_calls.beside(self._master_lane_port)   # "" when lanes are not used
-        sock = self._lanes.open(lane, self._token, method="PullTuple",
-                                request=request.SerializeToString()) if lane else None
-        if sock is not None:
-            return PullCall(LaneDownload(sock, timeout=timeout, max_head_bytes=message_limit(self._settings),
-                                         max_data_bytes=self._settings.max_tuple_bytes,
-                                         on_broken=lambda why: self._lanes.down(lane, why)),
-                            max_chunk_bytes=self._settings.max_tuple_bytes, settings=self._settings)
-        return PullCall(self._pull(request, timeout=timeout), max_chunk_bytes=message_limit(self._settings),
-                        settings=self._settings)
+        address, lane = self._master_peer()
+        channel = self._payload.get(address, lane)
+        try:
+            call = channel.download(request, timeout=wait_seconds + 10.0,
+                                    on_broken=lambda why: self._payload.broken(address, lane, why))
+        except grpc.RpcError as exc:
+            self._payload.broken(address, lane, rpc_status(exc)[1])
+            channel = self._payload.get(address, lane)
+            call = channel.download(request, timeout=wait_seconds + 10.0, on_broken=lambda why: None)
+        return PullCall(call, max_chunk_bytes=channel.max_chunk_bytes, settings=self._settings)
 
+    def _master_peer(self) -> tuple[str, str]:
+        """The master's gRPC address and its payload lane ('' until a report's answer names it)."""
+        address = self._settings.master_address
+        return address, lane_beside(address, self._master_lane_port) if self._master_lane_port else ""

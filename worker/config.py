@@ -75,9 +75,8 @@ class WorkerConfig(EngineSettings):
     engine_cpus: float = setting(1.0, "CPUs per engine (docker runtime)")
     restart_backoff_max: float = setting(30.0, "longest wait, in seconds, before restarting a crashed engine")
     lanes: bool = setting(True, "engines serve a payload lane (Deliver over plain TCP, on a second port "
-                                "from engine_ports) that gateways use for payloads, and use the master's "
-                                "and the repository's lanes (pulls, reports, feature stores); off = gRPC "
-                                "only; off with TLS")
+                                "from engine_ports) that gateways use for payloads, and pull from the "
+                                "master's lane; off = gRPC only; off with TLS")
     engine_settings: tuple[str, ...] = setting((), "engine settings passed to every engine this worker starts, "
                                                    "NAME=VALUE (e.g. rpc_deadline=120); with the file's [engine] "
                                                    "table and HIO_ENGINE_<NAME> variables, in the usual "
@@ -202,8 +201,7 @@ class EngineConfig(EngineSettings):
     listen: str = setting("127.0.0.1:0", "host:port the Engine service listens on")
     lane_listen: str = setting("", "host:port of the payload lane (Deliver over plain TCP, for large "
                                    "payloads without gRPC's copies); empty = none; off with TLS")
-    lanes: bool = setting(True, "use the master's and the repository's lanes when they offer them (pulls, "
-                                "reports, feature stores on plain TCP); off = over gRPC only")
+    lanes: bool = setting(True, "pull over the master's payload lane when it offers one; off = over gRPC only")
     store_batch_records: int = setting(256, "most feature records stored in one repository call")
     store_pending_records: int = setting(1024, "processed tuples whose features may wait to be stored "
                                                "before processing pauses")

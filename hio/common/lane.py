@@ -8,15 +8,8 @@ layers. On the lane a payload goes from the spool file to the socket with
 the one ``bytes`` object the pipeline gets. Frames, receipts, checks and
 statuses are exactly Deliver's: the engine runs the same ``deliver`` on both.
 The master serves ``Enqueue`` the same way (its receipts, checks and statuses
-are Enqueue's). The framing is documented in ``proto/hio/proto/engine.proto``.
-
-A lane also carries *sessions of unary calls* (:data:`CALLS`): the master's
-``RouteTuples`` and ``ReportTuples`` and, on a lane of the repository's own,
-``PutFeatures``; one each per tuple when tuples come one at a time, on a
-connection kept open between calls (:class:`LaneCalls`). A unary
-call cost about 1 ms of CPU at each end in Python gRPC here (its server
-hands every call from a polling thread to a handler thread), and 0.1-0.2 ms
-on a kept connection.
+are Enqueue's), and ``PullTuple`` the other way round. Every other call is gRPC's.
+The framing is documented in ``proto/hio/proto/engine.proto``.
 
 Servers configured with TLS offer no lane; senders then use gRPC.
 """
@@ -30,14 +23,14 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, NamedTuple, TypeVar, Union
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Union
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import DecodeError
 
 from hio.common.config import ConfigError, lane_beside, split_address
 from hio.common.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
-                               PermissionDenied, ResourceExhausted, Unauthenticated, status_of)
+                               PermissionDenied, Unauthenticated, status_of)
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
 from hio.common.net import RoleHealth, TokenTable, create_server, refuse_caller
 from hio.common.settings import ClusterSettings
@@ -50,10 +43,7 @@ _FRAME_PREFIX = struct.Struct(">IQ")   # head bytes, data bytes
 END_OF_INPUT = _FRAME_PREFIX.pack(0, 0)  # no frame is empty: this prefix ends the input
 _REPLY_PREFIX = struct.Struct(">BI")   # kind, body bytes
 _HELLO_PREFIX = struct.Struct(">I")
-RECEIPT, STATUS, RESPONSE = 1, 2, 3
-CALLS = "Calls"             # the hello of a session of unary calls (each names its method)
-_CALL_PREFIX = struct.Struct(">HI")    # method name bytes, request bytes
-MAX_METHOD_BYTES = 256
+RECEIPT, STATUS = 1, 2
 MAX_HELLO_BYTES = 64 * 1024
 MAX_STATUS_BYTES = 64 * 1024        # a status alone (a download's last reply)
 MAX_REPLY_BYTES = 64 * 1024 * 1024
@@ -62,29 +52,23 @@ DRAIN_SECONDS = 1.0         # after an error status, how long the server reads w
 MAX_CONNECTIONS = 16        # an engine serves one call at a time; more connections are closed at once
 READ_BUFFER = 256 * 1024    # larger reads go straight into their destination
 SMALL_SEND = 64 * 1024      # a frame up to this is sent with its prefix in one send
-LANE_CONNECT_SECONDS = 3.0  # a lane that does not answer within this is skipped
-LANE_RETRY_SECONDS = 60.0   # a skipped lane (firewall, old server, broken) is tried again after this
+LANE_CONNECT_SECONDS = 3.0  # a lane that does not answer within this is not chosen
 SENDER_JOIN_SECONDS = 30.0  # how long a finished call waits for its sender before leaving it the socket
 STOP_WAIT_SECONDS = 2.0     # how long stop() waits for the calls it ended
-CLIENT_SESSION_IDLE_SECONDS = 30.0    # a kept connection unused this long is closed by its client
-SERVER_SESSION_IDLE_SECONDS = 600.0   # ... and by the server after this (a client that vanished)
-
 Payload = Union[bytes, memoryview, BinaryIO]
 LaneFrame = tuple[bytes, Payload, int]   # (head, payload, payload size)
 Handler = Callable[[Iterator[Union[TupleFrame, ChunkFrame]]], Iterator[TupleReceipt]]
 # A download (the master's PullTuple): the hello's request and a check that the caller is
 # still connected, to the frames it is sent (they end with END_OF_INPUT, then the status).
 Download = Callable[[bytes, Callable[[], bool]], Iterator[LaneFrame]]
-# A unary call (in a session): the request's bytes to the response's; errors become statuses.
-Unary = Callable[[bytes], bytes]
-M = TypeVar("M", bound=Message)
 
 
 class LaneError(grpc.RpcError):
     """A lane call's failure, read like a failed gRPC call (``code()``, ``details()``).
 
     ``transport``: the lane itself failed (refused, closed without a status,
-    garbage), not the engine's verdict; a sender may then use gRPC instead.
+    garbage), not the engine's verdict: the peer's connection is lost
+    (:meth:`hio.common.payload.PayloadPeers.broken`).
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, *, transport: bool = False,
@@ -232,9 +216,7 @@ def _pieces(reader: BinaryIO, frame: TupleFrame, size: int, piece_bytes: int) ->
 class LaneServer:
     """Serves calls of ``service`` on a TCP port, a thread per connection: ``uploads``
     take frames and answer receipts (the engine's Deliver, the master's Enqueue);
-    ``downloads`` take the hello's request and send frames (the master's PullTuple);
-    ``unaries`` answer requests, many on one connection (a :data:`CALLS` session:
-    the master's RouteTuples and ReportTuples, the repository's PutFeatures).
+    ``downloads`` take the hello's request and send frames (the master's PullTuple).
 
     Callers are authenticated like gRPC callers (the hello carries the
     token; the same table and policy); statuses are the errors' gRPC codes.
@@ -244,7 +226,7 @@ class LaneServer:
     """
 
     def __init__(self, listen: str, *, service: str, uploads: dict[str, Handler],
-                 downloads: dict[str, Download] | None = None, unaries: dict[str, Unary] | None = None,
+                 downloads: dict[str, Download] | None = None,
                  table: TokenTable | None,
                  policy: dict[str, set[str]], idle_seconds: float, max_head_bytes: int,
                  max_data_bytes: int, max_connections: int = MAX_CONNECTIONS, piece_bytes: int = 0) -> None:
@@ -252,7 +234,6 @@ class LaneServer:
         self._piece = piece_bytes
         self._uploads = uploads
         self._downloads = downloads or {}
-        self._unaries = unaries or {}
         self._service = service
         self._max_connections = max_connections
         self._table = table
@@ -266,11 +247,10 @@ class LaneServer:
         self._stopping = False
         self.port = 0
         self.methods: collections.Counter[str] = collections.Counter()   # calls that passed the hello, by method
-        self.sessions = 0                                                 # CALLS sessions opened (kept connections)
 
     @property
     def calls(self) -> int:
-        """Calls that passed the hello, and unary calls answered (for status and tests)."""
+        """Calls that passed the hello (for status and tests)."""
         with self._lock:
             return sum(self.methods.values())
 
@@ -375,12 +355,6 @@ class LaneServer:
         download: Download | None = None
         try:
             hello = self._hello(conn)
-            if hello.method == CALLS and self._unaries:
-                self._check_caller(CALLS, hello.token)   # the token, once: no request is read for a stranger
-                with self._lock:
-                    self.sessions += 1
-                self._session(conn, readers, hello.token)
-                return None, False
             download = self._downloads.get(hello.method)
             self._check_caller(hello.method, hello.token)
             with self._lock:
@@ -443,12 +417,9 @@ class LaneServer:
         except DecodeError as exc:
             raise InvalidArgument(f"payload lane: unreadable hello: {exc}") from None
         conn.settimeout(self._idle if self._idle > 0 else None)  # from here: the idle bound
-        if hello.method not in self._uploads and hello.method not in self._downloads and \
-                not (hello.method == CALLS and self._unaries):
+        if hello.method not in self._uploads and hello.method not in self._downloads:
             served = " and ".join(sorted([*self._uploads, *self._downloads]))
-            calls = (f" (and the unary calls {' and '.join(sorted(self._unaries))} in a {CALLS!r} session)"
-                     if self._unaries else "")
-            raise InvalidArgument(f"payload lane: serves {served} only{calls}, not {hello.method!r}")
+            raise InvalidArgument(f"payload lane: serves {served} only, not {hello.method!r}")
         return hello
 
     def _check_caller(self, method: str, token: str) -> None:
@@ -458,46 +429,6 @@ class LaneServer:
             if refusal is not None:
                 code, message = refusal
                 raise (Unauthenticated if code == grpc.StatusCode.UNAUTHENTICATED else PermissionDenied)(message)
-
-    def _session(self, conn: socket.socket, readers: list[BinaryIO], token: str) -> None:
-        """Answer unary calls one after another until the client closes the connection (or
-        leaves it idle :data:`SERVER_SESSION_IDLE_SECONDS`). A call's error is its status
-        and the session goes on; a request that cannot be read ends the session."""
-        reader = conn.makefile("rb", buffering=READ_BUFFER)
-        readers.append(reader)
-        while True:
-            conn.settimeout(SERVER_SESSION_IDLE_SECONDS)
-            try:
-                prefix = _read(reader, _CALL_PREFIX.size)
-                if len(prefix) != _CALL_PREFIX.size:   # closed by the client (between calls, or cut)
-                    return
-                conn.settimeout(self._idle if self._idle > 0 else None)
-                name_size, body_size = _CALL_PREFIX.unpack(prefix)
-                if name_size > MAX_METHOD_BYTES or body_size > self._max_head:   # as gRPC's message limit
-                    _reply(conn, STATUS, _error_status(ResourceExhausted(
-                        f"payload lane: a call of {name_size}+{body_size} bytes is over the limit of "
-                        f"{MAX_METHOD_BYTES}+{self._max_head}")).SerializeToString())
-                    return   # what follows cannot be framed: the session ends
-                method = _read_exact(reader, name_size, "a method name").decode("utf-8", "replace")
-                body = _read_exact(reader, body_size, "a request")
-            except HioError:   # idle, cut or reset between or inside requests: nobody waits for an answer
-                return
-            _reply(conn, *self._answer(method, body, token))
-
-    def _answer(self, method: str, body: bytes, token: str) -> tuple[int, bytes]:
-        """(RESPONSE, response) of one unary call, or (STATUS, its error)."""
-        try:
-            handler = self._unaries.get(method)
-            if handler is None:
-                raise InvalidArgument(f"payload lane: answers {' and '.join(sorted(self._unaries))} only, "
-                                      f"not {method!r}")
-            self._check_caller(method, token)
-            with self._lock:
-                self.methods[method] += 1
-            return RESPONSE, handler(body)
-        except Exception as exc:  # noqa: BLE001 - mapped as gRPC's servicers map theirs
-            return STATUS, _error_status(exc).SerializeToString()
-
 
 def _error_status(exc: BaseException) -> LaneStatus:
     """The status a lane caller is told for ``exc`` (:func:`errors.status_of`, as gRPC's
@@ -605,18 +536,6 @@ def create_server_with_lane(settings: ClusterSettings, listen: str, *,
         raise
 
 
-def unary_on_bytes(request_type: type[M], handler: Callable[[M], Message]) -> Unary:
-    """``handler`` as a lane's unary call, taking and giving bytes: an unreadable request is
-    INVALID_ARGUMENT, as the roles' gRPC servers say it (``hio.common.net._ParsingInterceptor``)."""
-    def call(body: bytes) -> bytes:
-        try:
-            request = request_type.FromString(body)
-        except DecodeError as exc:
-            raise InvalidArgument(f"unreadable {request_type.__name__}: {exc}") from None
-        return handler(request).SerializeToString()
-    return call
-
-
 def start_lane_server(address: str, make: Callable[[str], "LaneServer"], *, chosen: bool,
                       logger: logging.Logger) -> "LaneServer | None":
     """``make(address)``, started; None when ``address`` is '' (the server offers no lane).
@@ -641,40 +560,6 @@ def start_lane_server(address: str, make: Callable[[str], "LaneServer"], *, chos
         return started(lane_beside(address, 0))
 
 
-class LaneSkips:
-    """Lanes found unusable (refused, broken, silent), skipped for :data:`LANE_RETRY_SECONDS`
-    while the caller uses gRPC; said once until the lane works again. Thread-safe."""
-
-    def __init__(self, logger: logging.Logger, message: str) -> None:
-        self._log = logger
-        self._message = message
-        self._lock = threading.Lock()
-        self._until: dict[str, float] = {}   # lane -> monotonic time to try it again
-
-    def open(self, lane: str, token: str, *, method: str, request: bytes = b"") -> socket.socket | None:
-        """A lane connection introduced for ``method``; None while the lane is skipped, or
-        when it does not answer (then it is skipped)."""
-        with self._lock:
-            if time.monotonic() < self._until.get(lane, 0.0):
-                return None
-        try:
-            sock = open_lane(lane, token, connect_seconds=LANE_CONNECT_SECONDS, method=method, request=request)
-        except (OSError, ValueError) as exc:
-            self.down(lane, str(exc))
-            return None
-        with self._lock:
-            self._until.pop(lane, None)
-        return sock
-
-    def down(self, lane: str, error: str) -> None:
-        """Skip ``lane`` for a while (it refused, broke or stayed silent)."""
-        with self._lock:
-            first = lane not in self._until
-            self._until[lane] = time.monotonic() + LANE_RETRY_SECONDS
-        if first:
-            self._log.warning(self._message, extra={"lane": lane, "error": error})
-
-
 def open_lane(address: str, token: str, *, connect_seconds: float, method: str,
               request: bytes = b"") -> socket.socket:
     """A connected lane socket, introduced (hello sent) for ``method`` (Deliver to an
@@ -691,196 +576,6 @@ def open_lane(address: str, token: str, *, connect_seconds: float, method: str,
         sock.close()
         raise
     return sock
-
-
-class _Kept(NamedTuple):
-    """A connection kept open between unary calls."""
-
-    sock: socket.socket
-    reader: BinaryIO
-    used: float      # monotonic time of its last answer
-
-
-class LaneCalls:
-    """Unary calls to one server's lane on kept connections (a :data:`CALLS` session each):
-    the gateway's RouteTuples and the engines' ReportTuples to the master, the engines'
-    PutFeatures to the repository. Thread-safe:
-    a call takes an idle connection (or opens one) and gives it back once answered, so
-    callers at once use connections of their own.
-
-    Every connection's hello presents ``token``, which authorizes each call made on it
-    (one client, one token, as a gRPC channel's).
-    :meth:`call` returns None when the lane cannot be used now (skipped for a while by
-    ``skips``: refused, silent); the caller then uses gRPC. A call that fails on the lane
-    raises :class:`LaneError` as gRPC would (UNAVAILABLE when the connection broke: the
-    server may or may not have answered it, as for a gRPC call cut off).
-    """
-
-    def __init__(self, address: str, skips: LaneSkips, *, token: str = "") -> None:
-        self.address = address
-        self._skips = skips
-        self._token = token
-        self._lock = threading.Lock()
-        self._idle: list[_Kept] = []   # newest last
-        self._closed = False
-
-    @property
-    def kept(self) -> int:
-        """Connections kept open between calls (for status and tests)."""
-        with self._lock:
-            return len(self._idle)
-
-    def call(self, method: str, request: bytes, *, timeout: float) -> bytes | None:
-        """The response's bytes; None when the lane is not usable now (use gRPC)."""
-        taken = self._take()
-        if taken is None:
-            return None
-        sock, reader = taken
-        name = method.encode()
-        try:
-            sock.settimeout(timeout)
-            sock.sendall(b"".join((_CALL_PREFIX.pack(len(name), len(request)), name, request)))
-            prefix = reader.read(_REPLY_PREFIX.size)
-            if len(prefix) != _REPLY_PREFIX.size:
-                raise LaneError(grpc.StatusCode.UNAVAILABLE, "lane connection closed without an answer",
-                                transport=True)
-            kind, size = _REPLY_PREFIX.unpack(prefix)
-            if kind not in (RESPONSE, STATUS) or size > MAX_REPLY_BYTES:
-                raise LaneError(grpc.StatusCode.INTERNAL, f"payload lane sent an unreadable answer "
-                                f"(kind {kind}, {size} bytes)", transport=True)
-            body = _read_exact(reader, size, "an answer")
-        except BaseException as exc:
-            _close_pair(sock, reader)
-            if isinstance(exc, (TimeoutError, DeadlineExceeded)):
-                raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
-            if isinstance(exc, (OSError, HioError)):
-                raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane connection failed: {exc}",
-                                transport=True) from None
-            raise
-        self._give_back(sock, reader)
-        if kind == RESPONSE:
-            return body
-        try:
-            status = LaneStatus.FromString(body)
-        except DecodeError as exc:
-            raise LaneError(grpc.StatusCode.INTERNAL, f"payload lane sent an unreadable status: {exc}",
-                            transport=True) from None
-        raise _status_error(status) or LaneError(grpc.StatusCode.INTERNAL, "payload lane answered OK without a response")
-
-    def request(self, method: str, request: Message, response_type: type[M], *, timeout: float) -> M | None:
-        """:meth:`call` with messages. None also when the lane broke under the call: it is then
-        skipped a while, and the caller makes this call over gRPC (as after a gRPC call cut
-        off, the server may have answered the first one)."""
-        try:
-            body = self.call(method, request.SerializeToString(), timeout=timeout)
-        except LaneError as exc:
-            if not exc.transport:
-                raise
-            self._skips.down(self.address, exc.details())
-            return None
-        if body is None:
-            return None
-        try:
-            return response_type.FromString(body)
-        except DecodeError as exc:
-            raise LaneError(grpc.StatusCode.INTERNAL,
-                            f"payload lane sent an unreadable {response_type.__name__}: {exc}") from None
-
-    def close(self) -> None:
-        """Close the kept connections (a call in progress closes its own when done)."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for kept in idle:
-            _close_pair(kept.sock, kept.reader)
-
-    def _take(self) -> tuple[socket.socket, BinaryIO] | None:
-        """A kept connection still open (the server's end not closed: a restarted server), or a
-        new one; None while the lane is skipped."""
-        now = time.monotonic()
-        while True:
-            with self._lock:
-                if not self._idle:
-                    break
-                kept = self._idle.pop()
-            if now - kept.used < CLIENT_SESSION_IDLE_SECONDS and _peer_open(kept.sock):
-                return kept.sock, kept.reader
-            _close_pair(kept.sock, kept.reader)
-        sock = self._skips.open(self.address, self._token, method=CALLS)
-        if sock is None:
-            return None
-        return sock, sock.makefile("rb", buffering=64 * 1024)
-
-    def _give_back(self, sock: socket.socket, reader: BinaryIO) -> None:
-        now = time.monotonic()
-        back = _Kept(sock, reader, now)
-        with self._lock:
-            stale = [kept for kept in self._idle if now - kept.used >= CLIENT_SESSION_IDLE_SECONDS]
-            self._idle = [kept for kept in self._idle if now - kept.used < CLIENT_SESSION_IDLE_SECONDS]
-            if self._closed:
-                stale.append(back)
-            else:
-                self._idle.append(back)
-        for kept in stale:
-            _close_pair(kept.sock, kept.reader)
-
-
-class LearntLane:
-    """The :class:`LaneCalls` of a server whose lane its answers name (the master's, told in
-    every route and report answer; the repository's, in every PutFeatures answer): it may
-    appear, move or go. Thread-safe.
-
-    ``server`` is the server's gRPC address (its lane is on the same host); ``enabled``
-    false (lanes turned off, or TLS, which the lane lacks) keeps every call on gRPC;
-    ``token`` is presented in each session's hello (read once, as a gRPC channel does).
-    """
-
-    def __init__(self, skips: LaneSkips, *, server: str, enabled: bool, token: str) -> None:
-        self._skips = skips
-        self._server = server
-        self._enabled = enabled
-        self._token = token
-        self._lock = threading.Lock()
-        self._calls: LaneCalls | None = None
-
-    def beside(self, port: int) -> str:
-        """The server's lane at ``port`` (as its answers name it); '' when it offers none (0)
-        or lanes are not used (turned off, or TLS)."""
-        return lane_beside(self._server, port) if port and self._enabled else ""
-
-    def learn(self, port: int) -> None:
-        """Call the server's lane at ``port`` from now on (0: it offers none; use gRPC)."""
-        lane = self.beside(port)
-        with self._lock:
-            calls = self._calls
-            if (calls.address if calls is not None else "") == lane:
-                return
-            self._calls = LaneCalls(lane, self._skips, token=self._token) if lane else None
-        if calls is not None:
-            calls.close()
-
-    @property
-    def calls(self) -> LaneCalls | None:
-        """The lane learnt, None when there is none (for status and tests)."""
-        return self._calls
-
-    def request(self, method: str, request: Message, response_type: type[M], *, timeout: float) -> M | None:
-        """:meth:`LaneCalls.request` on the lane learnt; None when there is none (use gRPC)."""
-        calls = self._calls
-        if calls is None:
-            return None
-        return calls.request(method, request, response_type, timeout=timeout)
-
-    def close(self) -> None:
-        self.learn(0)
-
-
-def _close_pair(sock: socket.socket, reader: BinaryIO) -> None:
-    try:
-        reader.close()
-    except OSError:
-        pass
-    sock.close()
 
 
 class LaneCall:

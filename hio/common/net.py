@@ -221,16 +221,24 @@ def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(deny)
 
 
+# Keepalive, the same for every client and server (with or without calls); a server accepts a
+# ping every half of it. gRPC's default allowance is one in 5 minutes: past two pings sooner it
+# sends the client away (GOAWAY ENHANCE_YOUR_CALM "too_many_pings") and its next call fails.
+KEEPALIVE_MS = 20_000
+
+
+def _keepalive() -> list[tuple[str, int]]:
+    return [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+
+
 def _server_options(settings: ClusterSettings) -> list[tuple[str, int]]:
     limit = message_limit(settings)
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-        ("grpc.http2.max_pings_without_data", 0),
+        *_keepalive(),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ("grpc.so_reuseport", 0),
     ]
 
@@ -376,10 +384,7 @@ def create_channel(address: str, settings: ClusterSettings, token: str | None = 
     options = [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
+        *_keepalive(),
         ("grpc.enable_retries", 0),
         # Each channel its own connections: with gRPC's process-wide pool, a channel to an
         # address another channel failed to reach (a role that was down, a port reused by a

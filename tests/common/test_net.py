@@ -242,3 +242,39 @@ def test_a_probe_naming_its_service_is_not_fooled_by_another_server_on_the_port(
 def test_free_port_never_gives_one_process_the_same_port_twice() -> None:
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
+
+
+def _idle_then_call(monkeypatch: pytest.MonkeyPatch, *, client_ms: int, server_ms: int) -> list[str]:
+    """A server built with keepalive ``server_ms``, a client with ``client_ms``: call, stay idle
+    six client intervals, call again; the client channel's states after its first READY."""
+    import time
+
+    from hio.common import net
+
+    monkeypatch.setattr(net, "KEEPALIVE_MS", server_ms)
+    server, address = echo_server(ClusterSettings())
+    monkeypatch.setattr(net, "KEEPALIVE_MS", client_ms)
+    states: list[str] = []
+    try:
+        with create_channel(address, ClusterSettings()) as channel:
+            channel.subscribe(lambda state: states.append(state.name), try_to_connect=False)
+            assert channel.unary_unary("/test.Echo/Say")(b"hi", timeout=5) == b"hi"
+            time.sleep(6 * client_ms / 1000)
+            assert channel.unary_unary("/test.Echo/Say")(b"again", timeout=5) == b"again"
+    finally:
+        server.stop(None)
+    return states[states.index("READY"):]
+
+
+def test_an_idle_client_keeps_its_connection_across_many_keepalive_pings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients ping every KEEPALIVE_MS and servers accept a ping every half of it: a client idle
+    for several intervals is not sent away (GOAWAY ENHANCE_YOUR_CALM "too_many_pings", which
+    would drop the connection: the channel would leave READY)."""
+    assert _idle_then_call(monkeypatch, client_ms=1000, server_ms=1000) == ["READY"]
+
+
+def test_a_client_pinging_faster_than_its_server_allows_is_sent_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the test above would see if the settings disagreed (as when the server's option had
+    a name gRPC does not read, and it allowed one ping in 5 minutes)."""
+    states = _idle_then_call(monkeypatch, client_ms=1000, server_ms=60_000)
+    assert states[0] == "READY" and len(states) > 1, states

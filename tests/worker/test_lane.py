@@ -263,10 +263,11 @@ class _ClosingListener:
 
 @needs_master
 @pytest.mark.parametrize("lane", ["engine", "unreachable", "broken"])
-def test_gateway_sends_over_the_lane_and_falls_back_to_grpc(lane: str, master: Master, repo: Repo,
-                                                           tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The engine's lane when it works; gRPC Deliver, with no attempt charged, when the lane
-    refuses connections or closes them without a word."""
+def test_gateway_sends_over_the_lane_or_grpc_as_chosen_for_the_peer(
+        lane: str, master: Master, repo: Repo, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The engine's lane when it answers at connect; gRPC Deliver when it refuses connections;
+    when it closes them without a word (chosen, then broken), the peer moves to gRPC and the
+    batch is sent there again, no attempt charged."""
     from hio.gateway import Gateway, GatewayConfig
 
     e = lane_engine(repo, master=master.address)
@@ -295,8 +296,9 @@ def test_gateway_sends_over_the_lane_and_falls_back_to_grpc(lane: str, master: M
             assert e.engine.lane.calls == 0
         if broken is not None:
             assert broken.accepted >= 1
-        unusable = [r for r in caplog.records if "payload lane unusable" in r.getMessage()]
-        assert len(unusable) == (0 if lane == "engine" else 1)
+        moved = [r.getMessage() for r in caplog.records if "this peer uses gRPC" in r.getMessage()]
+        assert moved == {"engine": [], "unreachable": ["payload lane unreachable; this peer uses gRPC"],
+                         "broken": ["payload lane broke; this peer uses gRPC"]}[lane]
     finally:
         if broken is not None:
             broken.close()

@@ -1,0 +1,117 @@
+"""An engine's PutFeatures, through its own ClusterLink: gRPC on one kept channel, the
+records of many tuples in one call. Real servers over loopback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from hio.common.errors import DataLoss, PermissionDenied, Unauthenticated
+from hio.common.settings import ClusterSettings
+from hio.proto import repository_pb2 as pb
+from hio.repository import RepositoryConfig
+from hio.worker.cluster import ClusterLink
+from tests.harness import HioProcess, free_port
+from tests.repository.records import decode, upload
+from tests.repository.test_service import Running, config_for
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Iterator[Running]:
+    running = Running(config_for(tmp_path))
+    yield running
+    running.close()
+
+
+def engine_link(repo: Running, **settings: object) -> ClusterLink:
+    """The link an engine stores through (no master needed for PutFeatures)."""
+    values: dict[str, object] = {"repository_address": repo.address, "master_address": "127.0.0.1:1"}
+    values.update(settings)
+    return ClusterLink(ClusterSettings(**values), rpc_deadline=10.0)  # type: ignore[arg-type]
+
+
+def records(*ids: int) -> list[tuple[int, bytes]]:
+    return [(tuple_id, data) for tuple_id, data, _crc in (upload(i) for i in ids)]
+
+
+def stored(repo: Running) -> dict[int, bytes]:
+    """What the store holds, by tuple id (read from the store itself: the tokens test allows no reader)."""
+    return {tuple_id: data for _offset, tuple_id, data in repo.store.read(0)}
+
+
+def test_an_engines_stores_are_kept_and_a_record_stored_again_is_a_duplicate(repo: Running) -> None:
+    link = engine_link(repo)
+    try:
+        for n in range(1, 7):
+            assert link.store_many(records(n)) == [False]
+        assert link.store_many(records(3, 7)) == [True, False]
+    finally:
+        link.close()
+    held = stored(repo)
+    assert sorted(held) == [1, 2, 3, 4, 5, 6, 7]
+    assert all(decode(data).tuple_id == tuple_id for tuple_id, data in held.items())
+
+
+def test_a_refused_record_refuses_its_batch_with_the_domain_error(repo: Running) -> None:
+    tuple_id, data, crc = upload(2)
+    bad = pb.PutFeaturesRequest(records=[pb.FeaturesUpload(tuple_id=1, record_zstd=records(1)[0][1]),
+                                         pb.FeaturesUpload(tuple_id=tuple_id, record_zstd=data, crc32=crc ^ 1)])
+    link = engine_link(repo)
+    try:
+        link.store_many(records(3))
+        with pytest.raises(DataLoss, match="checksum mismatch"):
+            link._retry(lambda: link._repo.PutFeatures(bad, timeout=10), "repository")
+    finally:
+        link.close()
+    assert sorted(stored(repo)) == [3], "the repository checks every record before storing any"
+
+
+def test_stores_are_authorized_by_token_and_role(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("wk-secret worker w1\ngw-secret gateway g1\n")
+    repo = Running(config_for(tmp_path, tokens_file=str(tokens)))
+    try:
+        for token, refusal in (("gw-secret", PermissionDenied), ("nobody", Unauthenticated)):
+            link = engine_link(repo, token=token)
+            try:
+                with pytest.raises(refusal):
+                    link.store_many(records(3))
+            finally:
+                link.close()
+        link = engine_link(repo, token="wk-secret")
+        try:
+            link.store_many(records(1))
+            link.store_many(records(2))
+        finally:
+            link.close()
+        assert sorted(stored(repo)) == [1, 2]
+    finally:
+        repo.close()
+
+
+def test_stores_go_on_after_the_repository_restarts(tmp_path: Path) -> None:
+    """The kept channel reconnects to a restarted repository; what the first one stored is kept."""
+    address = f"127.0.0.1:{free_port()}"
+    args = ["--listen", address, "--http-listen", "", "--data-dir", str(tmp_path / "repo")]
+    link = ClusterLink(ClusterSettings(repository_address=address, master_address="127.0.0.1:1"), rpc_deadline=30.0)
+    try:
+        with HioProcess("repository", args, tmp_path, name="repository-1") as first:
+            first.wait_healthy(address)
+            link.store_many(records(1))
+            link.store_many(records(2))
+        with HioProcess("repository", args, tmp_path, name="repository-2") as second:
+            second.wait_healthy(address)
+            for n in range(3, 6):
+                assert link.store_many(records(n)) == [False]
+            assert link.store_many(records(2)) == [True]
+    finally:
+        link.close()
+
+
+def test_the_repository_has_no_lane_settings() -> None:
+    """PutFeatures is gRPC only: no lane, so no lane port (listen's last port leaves none free)."""
+    with pytest.raises(TypeError):
+        RepositoryConfig(lane_listen="127.0.0.1:7101")  # type: ignore[call-arg]
+    RepositoryConfig(listen="127.0.0.1:65535", http_listen="").validate()
