@@ -150,7 +150,7 @@ def run_core_bench(config: CoreBenchConfig) -> int:
     from hio.cluster import LocalCluster
 
     data_dir = Path(config.data_dir).expanduser().resolve() / "bench-core"
-    cluster = LocalCluster(data_dir, config)
+    cluster = LocalCluster(data_dir, config, workers={"": [f"hio/synthetic={config.engines}"]}, worker_timeout=60)
     bench = dataclasses.replace(config, master_address=cluster.master, repository_address=cluster.repository)
     bound = loopback_bandwidth()
     pace = f"paced at {config.rate:g}/s" if config.rate > 0 else "submitted at once"
@@ -158,7 +158,6 @@ def run_core_bench(config: CoreBenchConfig) -> int:
           f"{os.cpu_count()} cores; {config.engines} synthetic engines; chunk {config.chunk_bytes} B; "
           f"tuples {pace}, {config.cost_ms:g} ms of CPU each")
     with cluster:
-        cluster.add_worker(engines=[f"hio/synthetic={config.engines}"], timeout=60)
         pids = cluster.pids()
         print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}")
         for text in config.sizes:

@@ -32,8 +32,8 @@ WARMUP = 5
 
 def run_one(runtime: str, tuples: int, size: int, root: Path) -> dict[str, float]:
     """Per-tuple latencies (seconds) of ``tuples`` sequential sends on ``runtime``."""
-    with LocalCluster(root) as cluster:
-        cluster.add_worker(f"bench-{runtime}", [f"{IMAGE}=1"], runtime=runtime, timeout=120)
+    with LocalCluster(root, workers={f"bench-{runtime}": [f"{IMAGE}=1"]}, runtime=runtime,
+                      worker_timeout=120) as cluster:
         payload = os.urandom(size)
         latencies = []
         with Gateway(master_address=cluster.master, repository_address=cluster.repository,

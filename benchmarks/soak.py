@@ -92,7 +92,7 @@ class SoakCluster:
 
         self.config = config
         self.root = root
-        self._cluster = LocalCluster(root, config)
+        self._cluster = LocalCluster(root, config, workers={"": [f"{IMAGE}={config.engines}"]}, worker_timeout=120)
         self.master, self.repository = self._cluster.master, self._cluster.repository
         self.gateway: Any = None
         self.pids: dict[str, int] = {}
@@ -101,7 +101,6 @@ class SoakCluster:
         from hio.gateway import Gateway
 
         self._cluster.start()
-        self._cluster.add_worker(engines=[f"{IMAGE}={self.config.engines}"], timeout=120)
         self.pids = self._cluster.pids()
         self.gateway = Gateway(master_address=self.master, repository_address=self.repository,
                                data_dir=str(self.root / "gateway"), source="soak",

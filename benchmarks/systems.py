@@ -183,9 +183,8 @@ class HioSystem(System):
 
         self._generation += 1
         data_dir = self.root / f"{self.name}-{self._generation}"
-        self._cluster = LocalCluster(data_dir, ClusterSettings(chunk_bytes=self.chunk_bytes))
-        self._cluster.start()
-        self._cluster.add_worker(engines=[f"{HIO_IMAGE}={SLOTS}"], timeout=90)
+        self._cluster = LocalCluster(data_dir, ClusterSettings(chunk_bytes=self.chunk_bytes),
+                                     workers={"": [f"{HIO_IMAGE}={SLOTS}"]}).start()
         settings = self._cluster.settings
         self._repo_channel = create_channel(self._cluster.repository, settings)
         self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)

@@ -2,8 +2,9 @@
 
 Used by `hio up`, the benchmarks, the soak and every test that starts roles::
 
-    with LocalCluster(root) as cluster:        # a repository and a master, on free ports
-        cluster.add_worker("w1", ["hio/synthetic=2"])   # returns once its engines are FREE
+    with LocalCluster(root, workers={"w1": ["hio/synthetic=2"]}) as cluster:
+        # a repository and a master on free ports, and w1 with its engines FREE
+        cluster.add_worker("w2", ["hio/simulation=1"])  # another, also waited for
         cluster.add("kd", ["--interval", "3"])          # any other role
         ... cluster.master, cluster.repository, cluster.settings (for clients) ...
     # leaving: SIGTERM to every role in reverse order, SIGKILL after stop_timeout
@@ -27,7 +28,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from hio.common.procs import RoleProcess, children, free_port
 from hio.common.settings import ClusterSettings
@@ -62,12 +63,14 @@ def expected_engines(engines: Sequence[str], cpus: int | None = None) -> int:
 
 
 class LocalCluster:
-    """A repository and a master (:meth:`start`), workers and other roles added to them.
+    """A repository, a master and ``workers`` (:meth:`start`); more roles added to them.
 
     ``settings``: what every role shares (tokens, TLS, chunk size, log level); its
     addresses and data folder are not used. ``master_address`` / ``repository_address``:
     where those listen, by default free loopback ports. ``http_listen``: the repository's
     preview page ('' = off). ``master_args`` / ``repository_args``: their own flags.
+    ``workers``: worker id ('' = the worker's default) -> its ``--engines`` entries, started
+    with ``runtime`` and ``worker_args``; :meth:`start` returns once their engines are FREE.
     ``env``: variables for every role. ``process``: the class of each role's process
     (tests use one whose failures are test failures).
     """
@@ -75,6 +78,8 @@ class LocalCluster:
     def __init__(self, root: Path, settings: ClusterSettings | None = None, *,
                  master_address: str = "", repository_address: str = "", http_listen: str = "",
                  master_args: Sequence[str] = (), repository_args: Sequence[str] = (),
+                 workers: Mapping[str, Sequence[str]] | None = None, runtime: str = "process",
+                 worker_args: Sequence[str] = (), worker_timeout: float = 90.0,
                  env: dict[str, str] | None = None, logs: Path | None = None,
                  process: type[RoleProcess] = RoleProcess, stop_timeout: float = 20.0) -> None:
         self.root = Path(root)
@@ -88,6 +93,10 @@ class LocalCluster:
             master_address=self.master, repository_address=self.repository, data_dir=str(self.root))
         self.master_args = list(master_args)
         self.repository_args = list(repository_args)
+        self.workers = dict(workers or {})
+        self.runtime = runtime
+        self.worker_args = list(worker_args)
+        self.worker_timeout = worker_timeout
         self.env = dict(env or {})
         if self.settings.token:
             self.env.setdefault("HIO_TOKEN", self.settings.token)
@@ -100,14 +109,22 @@ class LocalCluster:
     # ---- starting
 
     def start(self) -> "LocalCluster":
-        """Start the repository and the master; return once both serve. Everything started
-        so far is stopped again if this fails (or is interrupted)."""
+        """Start the repository and the master, then the workers; return once the servers serve
+        and the workers' engines are FREE. Everything started is stopped again if this fails
+        (or is interrupted)."""
         try:
             if "repository" not in self.procs:
                 self.add("repository", ["--listen", self.repository, "--http-listen", self.http_listen,
                                         *self.repository_args], health=self.repository)
             if "master" not in self.procs:
                 self.add("master", ["--listen", self.master, *self.master_args], health=self.master)
+            started = [(self.add_worker(worker_id, engines, runtime=self.runtime, args=self.worker_args,
+                                        wait=False), worker_id, engines)
+                       for worker_id, engines in self.workers.items() if (worker_id or "worker") not in self.procs]
+            deadline = time.monotonic() + self.worker_timeout
+            for proc, worker_id, engines in started:   # started together, so their waits overlap
+                self.wait_channels(expected_engines(engines), worker_id or self.worker_id(proc),
+                                   max(1.0, deadline - time.monotonic()))
         except BaseException:
             self.stop()
             raise

@@ -160,15 +160,14 @@ def run_up(config: UpConfig) -> int:
     files = generate_demo_dataset(samples_dir)
     shared = dataclasses.replace(config, log_level=config.log_level if config.log_level != "warning" else "info")
     cluster = LocalCluster(data_dir, shared, master_address=config.master_address,
-                           repository_address=config.repository_address, http_listen=config.http_listen)
+                           repository_address=config.repository_address, http_listen=config.http_listen,
+                           workers={"": config.engines}, runtime=config.runtime, worker_timeout=config.timeout)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         _say(f"starting repository ({config.repository_address}), master ({config.master_address}) "
              f"and a worker; logs in {cluster.logs}")
         cluster.start()
-        cluster.add_worker(engines=config.engines, runtime=config.runtime,
-                           timeout=max(1.0, deadline - time.monotonic()))
         _say(f"streaming {len(files)} sample tuples "
              f"({sum(p.stat().st_size for p, _ in files) / 1e6:.1f} MB)")
         started = time.monotonic()
