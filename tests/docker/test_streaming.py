@@ -72,7 +72,7 @@ def test_containers_give_the_same_features_as_processes(cluster: Cluster, worker
         stored = cluster.wait_stored(ids)
         features[runtime] = [comparable(stored[i][0]) for i in ids]
         assert all(stored[i][0].engine.startswith(wid) for i in ids)
-        cluster.stop_worker(wid)
+        cluster.remove(wid)
         remove_containers_of(wid)
     assert features["docker"] == features["process"]
 

@@ -109,3 +109,46 @@ def test_ctrl_c_stops_the_cluster_cleanly(tmp_path: Path) -> None:
     finally:
         parent.kill()
         parent.wait()
+
+
+INTERRUPTED_SESSION = """
+import json, os, signal
+from pathlib import Path
+
+import pytest
+
+from tests.harness import local_cluster
+
+REPORT = Path(os.environ["REPORT"])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = local_cluster(tmp_path_factory.mktemp("c"), workers={"w": ["hio/synthetic=1"]})
+    try:
+        with c:
+            REPORT.write_text(json.dumps({"roles": list(c.pids().values()), "engines": c.engine_pids()}))
+            os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C while the fixture is being set up
+            yield c
+    finally:
+        REPORT.with_suffix(".stopped").write_text(json.dumps(c.problems))
+
+
+def test_never_runs(cluster):
+    raise AssertionError("the session was interrupted before")
+"""
+
+
+def test_a_test_session_interrupted_while_starting_a_cluster_stops_it(tmp_path: Path) -> None:
+    (tmp_path / "test_interrupted.py").write_text(INTERRUPTED_SESSION)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    report = tmp_path / "pids.json"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+                          str(tmp_path / "pytest.ini"), str(tmp_path / "test_interrupted.py")],
+                         cwd=tmp_path, env={**hio_env(), "REPORT": str(report)}, capture_output=True,
+                         text=True, timeout=180)
+    assert "KeyboardInterrupt" in run.stdout + run.stderr, run.stdout + run.stderr
+    pids = json.loads(report.read_text())
+    assert len(pids["roles"]) == 3 and len(pids["engines"]) == 1, pids
+    assert json.loads(report.with_suffix(".stopped").read_text()) == [], "every role stopped cleanly"
+    _all_gone(pids, 1)
