@@ -139,12 +139,13 @@ _AT_EXIT: list[bool] = []
 
 def stop_all(timeout: float = 10.0) -> list[str]:
     """Stop every RoleProcess this process started and did not stop (runs at exit too).
-    Returns the names of those it stopped: a caller that should have stopped them."""
+    Returns the names of those that were still running: their starters should have stopped them."""
     with _RUNNING_LOCK:
         left = list(_RUNNING)
+    running = [proc.name for proc in left if proc.alive()]
     for proc in left:
         proc.stop(timeout)
-    return [proc.name for proc in left]
+    return running
 
 
 class RoleProcess:
