@@ -82,7 +82,8 @@ def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> di
 def role_cpu(pids: dict[str, int]) -> dict[str, float]:
     """CPU seconds each role has used so far: the gateway is this process, the engines
     are the worker's children."""
-    from benchmarks.measure import children, proc_cpu_seconds
+    from benchmarks.measure import proc_cpu_seconds
+    from hio.common.procs import children
 
     usage = {"gateway": proc_cpu_seconds(os.getpid())}
     for role, pid in pids.items():

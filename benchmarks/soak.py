@@ -34,9 +34,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import Usage, children, proc_usage, total
+from benchmarks.measure import Usage, proc_usage, total
 from hio.common import config as cfg
 from hio.common.config import ConfigError, positive, setting
+from hio.common.procs import children
 from hio.common.settings import ClusterSettings
 
 log = logging.getLogger("hio.soak")

@@ -248,7 +248,8 @@ class LocalCluster:
             try:
                 code = proc.stop(self.stop_timeout)
             except Exception as exc:  # noqa: BLE001 - the others must still be stopped
-                code = f"an error stopping it: {exc}"   # type: ignore[assignment]
+                problems.append(f"{name} could not be stopped: {exc!r}")
+                continue
             if code not in CLEAN_EXITS:
                 problems.append(f"{name} exited with {code}; its log {proc.log_path}:\n{proc.output(3000)}")
         self.procs.clear()
