@@ -28,9 +28,10 @@ import json, sys, time
 from pathlib import Path
 from hio.cluster import LocalCluster
 
+root, worker_id, runtime = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 try:
-    with LocalCluster(Path(sys.argv[1])) as cluster:
-        cluster.add_worker("orphan-check", ["hio/synthetic=2"], args=["--grace-seconds", "1"])
+    with LocalCluster(root) as cluster:
+        cluster.add_worker(worker_id, ["hio/synthetic=2"], runtime=runtime, args=["--grace-seconds", "1"])
         print(json.dumps({"roles": cluster.pids(), "engines": cluster.engine_pids()}), flush=True)
         time.sleep(600)
 except KeyboardInterrupt:
@@ -58,11 +59,14 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z" and b"hio.cli" in cmdline
 
 
-def _start_parent(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, list[int]]]:
+def start_parent(tmp_path: Path, worker_id: str = "orphan-check", runtime: str = "process",
+                 ) -> tuple[subprocess.Popen[str], dict[str, list[int]]]:
+    """A process that starts a cluster with a worker of two ``hio/synthetic`` engines; it and
+    the pids of the cluster's roles and (process) engines."""
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path / "cluster")], cwd=tmp_path,
-                              env=hio_env(), stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path / "cluster"), worker_id, runtime],
+                              cwd=tmp_path, env=hio_env(), stdout=subprocess.PIPE, text=True)
     try:
         line = _line(parent, 150)
         started = json.loads(line)
@@ -71,41 +75,41 @@ def _start_parent(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, list
         parent.wait()
         raise
     pids = {"roles": list(started["roles"].values()), "engines": started["engines"]}
-    assert len(pids["roles"]) == 3 and len(pids["engines"]) == 2, line
+    assert len(pids["roles"]) == 3 and len(pids["engines"]) == (2 if runtime == "process" else 0), line
     assert all(_running(pid) for group in pids.values() for pid in group)
     return parent, pids
 
 
-def _still_running(pids: dict[str, list[int]]) -> list[int]:
+def still_running(pids: dict[str, list[int]]) -> list[int]:
     return [pid for group in pids.values() for pid in group if _running(pid)]
 
 
-def _all_gone(pids: dict[str, list[int]], timeout: float) -> None:
-    wait_for(lambda: not _still_running(pids), timeout=timeout, interval=0.1,
-             what=lambda: f"every role and engine to go; still running: {_still_running(pids)}")
+def all_gone(pids: dict[str, list[int]], timeout: float) -> None:
+    wait_for(lambda: not still_running(pids), timeout=timeout, interval=0.1,
+             what=lambda: f"every role and engine to go; still running: {still_running(pids)}")
 
 
 def test_roles_and_engines_die_when_their_starter_is_killed(tmp_path: Path) -> None:
-    parent, pids = _start_parent(tmp_path)
+    parent, pids = start_parent(tmp_path)
     started = time.monotonic()
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait(10)
     try:
-        _all_gone(pids, 10)
+        all_gone(pids, 10)
     finally:   # never leave them behind, even when the lifeline failed
-        for pid in _still_running(pids):
+        for pid in still_running(pids):
             os.kill(pid, signal.SIGKILL)
     assert time.monotonic() - started < 10
 
 
 def test_ctrl_c_stops_the_cluster_cleanly(tmp_path: Path) -> None:
-    parent, pids = _start_parent(tmp_path)
+    parent, pids = start_parent(tmp_path)
     parent.send_signal(signal.SIGINT)
     try:
         report = json.loads(_line(parent, 60))
         assert report == {"problems": []}, report
         assert parent.wait(10) == 0
-        _all_gone(pids, 5)
+        all_gone(pids, 5)
     finally:
         parent.kill()
         parent.wait()
@@ -151,4 +155,4 @@ def test_a_test_session_interrupted_while_starting_a_cluster_stops_it(tmp_path: 
     pids = json.loads(report.read_text())
     assert len(pids["roles"]) == 3 and len(pids["engines"]) == 1, pids
     assert json.loads(report.with_suffix(".stopped").read_text()) == [], "every role stopped cleanly"
-    _all_gone(pids, 1)
+    all_gone(pids, 1)
