@@ -11,11 +11,11 @@ With ``--keep`` everything stays up (KD on its interval) until Ctrl-C.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import signal
 import socket
 import sys
-import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -67,8 +67,11 @@ def _stream_samples(config: UpConfig, data_dir: Path, files: list[tuple[Path, st
         futures = [(path, gateway.submit_file(str(path), image=image)) for path, image in files]
         with tqdm(total=total, unit="B", unit_scale=True, desc="streaming samples",
                   disable=None, file=sys.stdout) as bar:
+            end = time.monotonic() + config.timeout
             for path, future in futures:
-                ids.append(future.result(timeout=config.timeout))
+                while not future.done() and time.monotonic() < end:   # short waits: SIGTERM and Ctrl-C
+                    concurrent.futures.wait([future], timeout=0.5)     # reach this (main) thread at once
+                ids.append(future.result(timeout=0))
                 bar.update(path.stat().st_size)
     return ids
 
@@ -143,6 +146,10 @@ def _ports_in_use(config: UpConfig) -> list[str]:
     return taken
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_up(config: UpConfig) -> int:
     taken = _ports_in_use(config)
     if taken:
@@ -162,8 +169,7 @@ def run_up(config: UpConfig) -> int:
     cluster = LocalCluster(data_dir, shared, master_address=config.master_address,
                            repository_address=config.repository_address, http_listen=config.http_listen,
                            workers={"": config.engines}, runtime=config.runtime, worker_timeout=config.timeout)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, _interrupt)   # stops the demo too, as Ctrl-C does
     try:
         _say(f"starting repository ({config.repository_address}), master ({config.master_address}) "
              f"and a worker; logs in {cluster.logs}")
@@ -204,8 +210,8 @@ def run_up(config: UpConfig) -> int:
             _say("everything keeps running; `hio status` shows it, `hio send FILE --image IMG` adds tuples; "
                  "Ctrl-C stops")
             try:
-                while not stop.wait(1.0):
-                    pass
+                while True:
+                    time.sleep(1.0)
             except KeyboardInterrupt:
                 pass
         return 0

@@ -20,11 +20,15 @@ from typing import Any, Callable
 import pytest
 
 from hio.cluster import LocalCluster
-from hio.common.procs import RoleProcess, child_env, free_port
+from hio.common.procs import LIFELINE_ENV, RoleProcess, child_env, free_port
 
 __all__ = ["FsyncDisk", "HioProcess", "free_port", "hio_env", "local_cluster", "stop_cleanly", "wait_for"]
 
-hio_env = child_env
+
+def hio_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a `hio` command a test runs: no stray HIO_* settings, and it dies
+    with the test process (as the roles a test starts do)."""
+    return child_env({LIFELINE_ENV: str(os.getpid()), **(extra or {})})
 
 
 class HioProcess(RoleProcess):
