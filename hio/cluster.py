@@ -253,6 +253,7 @@ class LocalCluster:
             if code not in CLEAN_EXITS:
                 problems.append(f"{name} exited with {code}; its log {proc.log_path}:\n{proc.output(3000)}")
         self.procs.clear()
+        self.health.clear()
         self.problems += problems
         return problems
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from hio.common.config import ConfigError
-from hio.common.procs import LIFELINE_ENV, spawn
 from hio.worker.config import WorkerConfig
 
 log = logging.getLogger("hio.worker")
@@ -131,12 +130,10 @@ class ProcessLauncher(EngineLauncher):
     @staticmethod
     def _spawn(spec: EngineSpec, out: IO[bytes]) -> subprocess.Popen[bytes]:
         env = _child_env(spec.env)
-        # A worker killed with -9 takes its engines along: the kernel signals them (the lifeline),
-        # and the engine also stops once it sees another parent (parent_pid).
-        env["HIO_ENGINE_PARENT_PID"] = env[LIFELINE_ENV] = str(os.getpid())
-        return spawn(lambda: subprocess.Popen([sys.executable, "-m", "hio.cli", "engine"], env=env,
-                                              stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                              close_fds=True))
+        env["HIO_ENGINE_PARENT_PID"] = str(os.getpid())  # a worker killed with -9 takes its engines along
+        return subprocess.Popen([sys.executable, "-m", "hio.cli", "engine"], env=env,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                close_fds=True)
 
     def poll(self, handle: EngineHandle) -> int | None:
         code = handle.native.poll()

@@ -1,14 +1,14 @@
 """Child `hio` processes: start, wait healthy, stop with SIGTERM, show logs; and
 the lifeline that makes them die with the process that started them.
 
-Every child a :class:`RoleProcess` starts (and every engine a worker starts)
-gets ``HIO_DIE_WITH_PARENT=<our pid>``; ``hio.cli`` then asks the kernel for
-SIGTERM when its parent dies (``PR_SET_PDEATHSIG``) and checks that the parent
-is still the one named, closing the race with a parent that died first. So a
-test run that is killed, or a `hio up` killed with -9, takes its roles along.
-The kernel sends that signal when the *thread* that started the child ends,
-so children are started from a thread that lives as long as the process (the
-main thread, else :func:`spawn`'s own).
+Every child a :class:`RoleProcess` starts gets ``HIO_DIE_WITH_PARENT=<our
+pid>``; ``hio.cli`` then asks the kernel for SIGTERM when its parent dies
+(``PR_SET_PDEATHSIG``) and checks that the parent is still the one named,
+closing the race with a parent that died first. So a test run that is killed,
+or a `hio up` killed with -9, takes its roles along (a worker's engines stop
+once they see their worker gone). The kernel sends that signal when the
+*thread* that started the child ends, so children are started from a thread
+that lives as long as the process (the main thread, else :func:`spawn`'s own).
 
 The local-cluster builder on top of this is :mod:`hio.cluster`.
 """
