@@ -55,42 +55,33 @@ def die_with_parent() -> None:
         raise SystemExit(f"hio: the process that started this one (pid {expected}) is gone")
 
 
-class _Spawner:
-    """One daemon thread that starts children for threads that may end before them."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="hio-spawner", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            job, future = self._jobs.get()
-            try:
-                future.set_result(job())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
-
-    def call(self, job: Callable[[], T]) -> T:
-        future: Future[T] = Future()
-        self._jobs.put((job, future))
-        return future.result()
-
-
-_spawner: _Spawner | None = None
+_spawn_jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+_spawner: list[threading.Thread] = []
 _spawner_lock = threading.Lock()
+
+
+def _spawn_forever() -> None:
+    while True:
+        job, future = _spawn_jobs.get()
+        try:
+            future.set_result(job())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
 
 
 def spawn(start: Callable[[], T]) -> T:
     """Run ``start`` (which starts a child process) on a thread that lives as long as this
     process: the main thread if we are on it, else a daemon thread kept for this. A
     child's death signal follows the thread that started it, not the process."""
-    global _spawner
     if threading.current_thread() is threading.main_thread():
         return start()
     with _spawner_lock:
-        if _spawner is None:
-            _spawner = _Spawner()
-    return _spawner.call(start)
+        if not _spawner:
+            _spawner.append(threading.Thread(target=_spawn_forever, name="hio-spawner", daemon=True))
+            _spawner[0].start()
+    future: Future[T] = Future()
+    _spawn_jobs.put((start, future))
+    return future.result()
 
 
 def children(pid: int) -> list[int]:

@@ -14,12 +14,13 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.harness import hio_env, wait_for
+from tests.harness import HioProcess, free_port, hio_env, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -156,3 +157,25 @@ def test_a_test_session_interrupted_while_starting_a_cluster_stops_it(tmp_path: 
     assert len(pids["roles"]) == 3 and len(pids["engines"]) == 1, pids
     assert json.loads(report.with_suffix(".stopped").read_text()) == [], "every role stopped cleanly"
     all_gone(pids, 1)
+
+
+def test_a_role_started_from_a_thread_outlives_the_thread(tmp_path: Path) -> None:
+    """The kernel's signal follows the thread that started a child: a role a test's thread
+    starts (the fault test restarts roles from one) must not die when that thread ends."""
+    address = f"127.0.0.1:{free_port()}"
+    started: list[HioProcess] = []
+
+    def start() -> None:   # and live on until the role asked for its death signal (it serves by then)
+        started.append(HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path)], tmp_path).start())
+        started[0].wait_healthy(address)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    [master] = started
+    try:
+        time.sleep(0.5)
+        master.wait_healthy(address)
+        assert master.alive()
+    finally:
+        assert master.stop() == 0, master.output()
