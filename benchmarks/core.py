@@ -82,7 +82,8 @@ def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> di
 def role_cpu(pids: dict[str, int]) -> dict[str, float]:
     """CPU seconds each role has used so far: the gateway is this process, the engines
     are the worker's children."""
-    from benchmarks.measure import children, proc_cpu_seconds
+    from benchmarks.measure import proc_cpu_seconds
+    from hio.common.procs import children
 
     usage = {"gateway": proc_cpu_seconds(os.getpid())}
     for role, pid in pids.items():
@@ -147,28 +148,18 @@ def _wait_done(config: CoreBenchConfig, mode: str, count: int) -> None:
 
 
 def run_core_bench(config: CoreBenchConfig) -> int:
-    from hio.common.procs import free_port
-    from hio.up import Cluster, UpConfig
+    from hio.cluster import LocalCluster
 
     data_dir = Path(config.data_dir).expanduser().resolve() / "bench-core"
-    master = f"127.0.0.1:{free_port()}"
-    repository = f"127.0.0.1:{free_port()}"
-    up = UpConfig(master_address=master, repository_address=repository, data_dir=str(data_dir),
-                  chunk_bytes=config.chunk_bytes, token=config.token, token_file=config.token_file)
-    bench = dataclasses.replace(config, master_address=master, repository_address=repository)
-    cluster = Cluster(up, data_dir)
+    cluster = LocalCluster(data_dir, config, workers={"": [f"hio/synthetic={config.engines}"]}, worker_timeout=60)
+    bench = dataclasses.replace(config, master_address=cluster.master, repository_address=cluster.repository)
     bound = loopback_bandwidth()
     pace = f"paced at {config.rate:g}/s" if config.rate > 0 else "submitted at once"
     print(f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; "
           f"{os.cpu_count()} cores; {config.engines} synthetic engines; chunk {config.chunk_bytes} B; "
           f"tuples {pace}, {config.cost_ms:g} ms of CPU each")
-    try:
-        cluster.start("repository", ["--listen", repository, "--http-listen", ""], health=repository)
-        cluster.start("master", ["--listen", master], health=master)
-        cluster.start("worker", ["--runtime", "process", "--engines", f"hio/synthetic={config.engines}"], health=None)
-        from hio.up import wait_channels
-        wait_channels(up, config.engines, time.monotonic() + 60)
-        pids = {role.name: role.proc.pid for role in cluster.roles if role.proc is not None}
+    with cluster:
+        pids = cluster.pids()
         print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}")
         for text in config.sizes:
             size = _parse_size(text)
@@ -181,6 +172,4 @@ def run_core_bench(config: CoreBenchConfig) -> int:
                 time.sleep(0.3)   # the roles' last flush rounds: their syncs and deletions count
                 print(f"{'':>17}{disk_per_tuple(disk_before, role_disk_bytes(pids), int(r['tuples']), size)}",
                       flush=True)
-    finally:
-        cluster.stop()
     return 0

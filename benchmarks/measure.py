@@ -73,18 +73,6 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc/<pid>/task/*/children)."""
-    found: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            text = Path(f"/proc/{pid}/task/{task}/children").read_text()
-            found += [int(c) for c in text.split()]
-    except (FileNotFoundError, ProcessLookupError):
-        return []
-    return sorted(set(found))
-
-
 def total(usages: list[Usage | None]) -> Usage:
     alive = [u for u in usages if u is not None]
     return Usage(rss_kib=sum(u.rss_kib for u in alive), fds=sum(u.fds for u in alive),

@@ -23,57 +23,27 @@ import tempfile
 import time
 from pathlib import Path
 
-from hio.common.net import create_channel
-from hio.common.procs import RoleProcess, free_port
-from hio.common.settings import ClusterSettings
+from hio.cluster import LocalCluster
 from hio.gateway import Gateway
-from hio.proto import master_pb2, master_pb2_grpc
 
 IMAGE = "hio/synthetic"
 WARMUP = 5
 
 
-def wait_free_channel(settings: ClusterSettings, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    with create_channel(settings.master_address, settings) as channel:
-        stub = master_pb2_grpc.MasterStub(channel)
-        while time.monotonic() < deadline:
-            if stub.GetStatus(master_pb2.GetStatusRequest(), timeout=10).channels_free >= 1:
-                return
-            time.sleep(0.2)
-    raise TimeoutError("no engine became free")
-
-
 def run_one(runtime: str, tuples: int, size: int, root: Path) -> dict[str, float]:
     """Per-tuple latencies (seconds) of ``tuples`` sequential sends on ``runtime``."""
-    master, repository = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    settings = ClusterSettings(master_address=master, repository_address=repository)
-    common = ["--master-address", master, "--repository-address", repository]
-    procs = [
-        RoleProcess("repository", ["--listen", repository, "--http-listen", "", "--data-dir",
-                                   str(root / "repo"), *common], root),
-        RoleProcess("master", ["--listen", master, "--data-dir", str(root / "master"), *common], root),
-        RoleProcess("worker", ["--worker-id", f"bench-{runtime}", "--runtime", runtime, "--engines", f"{IMAGE}=1",
-                               "--data-dir", str(root / "worker"), *common], root),
-    ]
-    try:
-        procs[0].start().wait_healthy(repository)
-        procs[1].start().wait_healthy(master)
-        procs[2].start()
-        wait_free_channel(settings)
+    with LocalCluster(root, workers={f"bench-{runtime}": [f"{IMAGE}=1"]}, runtime=runtime,
+                      worker_timeout=120) as cluster:
         payload = os.urandom(size)
         latencies = []
-        with Gateway(master_address=master, repository_address=repository, data_dir=str(root / "gw"),
-                     source="bench", progress=False, streams=1) as gw:
+        with Gateway(master_address=cluster.master, repository_address=cluster.repository,
+                     data_dir=str(root / "gw"), source="bench", progress=False, streams=1) as gw:
             for i in range(WARMUP + tuples):
                 start = time.perf_counter()
                 gw.send(payload, image=IMAGE, name=f"t{i}", attributes={"cost_ms": "0"}, timeout=120)
                 if i >= WARMUP:
                     latencies.append(time.perf_counter() - start)
         return summarise(latencies, size)
-    finally:
-        for proc in reversed(procs):
-            proc.stop(timeout=30)
 
 
 def summarise(latencies: list[float], size: int) -> dict[str, float]:

@@ -34,9 +34,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import Usage, children, proc_usage, total
+from benchmarks.measure import Usage, proc_usage, total
 from hio.common import config as cfg
 from hio.common.config import ConfigError, positive, setting
+from hio.common.procs import children
 from hio.common.settings import ClusterSettings
 
 log = logging.getLogger("hio.soak")
@@ -88,32 +89,20 @@ class SoakCluster:
     """Repository, master and worker as ``hio`` processes; an in-process gateway."""
 
     def __init__(self, config: SoakConfig, root: Path) -> None:
-        from hio.common.procs import free_port
-        from hio.up import Cluster, UpConfig
+        from hio.cluster import LocalCluster
 
         self.config = config
         self.root = root
-        self.master = f"127.0.0.1:{free_port()}"
-        self.repository = f"127.0.0.1:{free_port()}"
-        self._up = UpConfig(master_address=self.master, repository_address=self.repository, data_dir=str(root),
-                            chunk_bytes=config.chunk_bytes, token=config.token, token_file=config.token_file,
-                            tokens_file=config.tokens_file, log_level="warning")
-        self._cluster = Cluster(self._up, root)
+        self._cluster = LocalCluster(root, config, workers={"": [f"{IMAGE}={config.engines}"]}, worker_timeout=120)
+        self.master, self.repository = self._cluster.master, self._cluster.repository
         self.gateway: Any = None
         self.pids: dict[str, int] = {}
 
     def start(self) -> None:
         from hio.gateway import Gateway
-        from hio.up import wait_channels
 
-        repo = self._cluster.start("repository", ["--listen", self.repository, "--http-listen", ""],
-                                   health=self.repository)
-        master = self._cluster.start("master", ["--listen", self.master], health=self.master)
-        worker = self._cluster.start("worker", ["--runtime", "process", "--engines",
-                                                f"{IMAGE}={self.config.engines}"], health=None)
-        wait_channels(self._up, self.config.engines, time.monotonic() + 120)
-        self.pids = {"repository": repo.proc.pid, "master": master.proc.pid,  # type: ignore[union-attr]
-                     "worker": worker.proc.pid}  # type: ignore[union-attr]
+        self._cluster.start()
+        self.pids = self._cluster.pids()
         self.gateway = Gateway(master_address=self.master, repository_address=self.repository,
                                data_dir=str(self.root / "gateway"), source="soak",
                                chunk_bytes=self.config.chunk_bytes, streams=self.config.streams, progress=False,
@@ -127,17 +116,13 @@ class SoakCluster:
         return out
 
     def status(self) -> Any:
-        from hio.common.net import create_channel
-        from hio.proto import master_pb2, master_pb2_grpc
-
-        with create_channel(self.master, self.config) as channel:
-            return master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=10)
+        return self._cluster.status()
 
     def stored_records(self) -> int:
         from hio.common.net import create_channel
         from hio.proto import repository_pb2, repository_pb2_grpc
 
-        with create_channel(self.repository, self.config) as channel:
+        with create_channel(self.repository, self._cluster.settings) as channel:
             stub = repository_pb2_grpc.RepositoryStub(channel)
             return stub.GetOffsets(repository_pb2.GetOffsetsRequest(), timeout=10).records
 

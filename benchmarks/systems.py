@@ -7,7 +7,7 @@ has two processing slots (our worker with two ``hio/synthetic`` engines; Spark
 when, so the step runner can judge every system by the same rules:
 
 * ``hio-direct`` / ``hio-queue``: a repository, a master and a worker as real
-  child processes (``hio.up.Cluster``), fed by an in-process
+  child processes (:class:`hio.cluster.LocalCluster`), fed by an in-process
   :class:`hio.gateway.Gateway` (``force_queue`` for the queue path). Finished
   means the features are in the repository; latency is
   ``FeatureRecord.processed_unix - meta.accepted_unix``.
@@ -146,44 +146,6 @@ class System(abc.ABC):
 
 # -- HarmonicIO ---------------------------------------------------------------------
 
-class HioCluster:
-    """Repository, master and worker as child processes (shared by both HIO paths)."""
-
-    def __init__(self, data_dir: Path, *, chunk_bytes: int, engines: int = SLOTS,
-                 extra_master: tuple[str, ...] = ()) -> None:
-        self.data_dir = data_dir
-        self.chunk_bytes = chunk_bytes
-        self.engines = engines
-        self.extra_master = extra_master
-        self.cluster: Any = None
-        self.master = ""
-        self.repository = ""
-        self.settings: Any = None
-
-    def start(self) -> None:
-        from hio.common.procs import free_port
-        from hio.up import Cluster, UpConfig, wait_channels
-
-        self.master = f"127.0.0.1:{free_port()}"
-        self.repository = f"127.0.0.1:{free_port()}"
-        self.settings = UpConfig(master_address=self.master, repository_address=self.repository,
-                                 data_dir=str(self.data_dir), chunk_bytes=self.chunk_bytes,
-                                 log_level="warning")
-        self.cluster = Cluster(self.settings, self.data_dir)
-        self.cluster.logs = self.data_dir / "logs"
-        self.cluster.start("repository", ["--listen", self.repository, "--http-listen", ""],
-                           health=self.repository)
-        self.cluster.start("master", ["--listen", self.master, *self.extra_master], health=self.master)
-        self.cluster.start("worker", ["--runtime", "process", "--engines", f"{HIO_IMAGE}={self.engines}"],
-                           health=None)
-        wait_channels(self.settings, self.engines, time.monotonic() + 90)
-
-    def stop(self) -> None:
-        if self.cluster is not None:
-            self.cluster.stop()
-            self.cluster = None
-
-
 class HioSystem(System):
     """This system: gateway -> (direct | queue) -> two synthetic engines -> repository."""
 
@@ -198,7 +160,7 @@ class HioSystem(System):
         self.streams = streams
         self.batch_tuples = batch_tuples
         self._generation = 0
-        self._cluster: HioCluster | None = None
+        self._cluster: Any = None
         self._gateway: Any = None
         self._repo_channel: Any = None
         self._repo: Any = None
@@ -213,14 +175,16 @@ class HioSystem(System):
     def start(self) -> None:
         import grpc  # noqa: F401  (fail early if missing)
 
+        from hio.cluster import LocalCluster
         from hio.common.net import create_channel
+        from hio.common.settings import ClusterSettings
         from hio.gateway import Gateway
         from hio.proto import master_pb2_grpc, repository_pb2_grpc
 
         self._generation += 1
         data_dir = self.root / f"{self.name}-{self._generation}"
-        self._cluster = HioCluster(data_dir, chunk_bytes=self.chunk_bytes)
-        self._cluster.start()
+        self._cluster = LocalCluster(data_dir, ClusterSettings(chunk_bytes=self.chunk_bytes),
+                                     workers={"": [f"{HIO_IMAGE}={SLOTS}"]}).start()
         settings = self._cluster.settings
         self._repo_channel = create_channel(self._cluster.repository, settings)
         self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)

@@ -62,6 +62,9 @@ def _stacks_on_sigusr1() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:   # a process of its own, maybe started to die with its parent
+        from hio.common.procs import die_with_parent
+        die_with_parent()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands.COMMANDS:
         parser = build_parser()

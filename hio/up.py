@@ -11,23 +11,23 @@ With ``--keep`` everything stays up (KD on its interval) until Ctrl-C.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import signal
 import socket
 import sys
-import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import grpc
 import zstandard
 
+from hio.cluster import LocalCluster
 from hio.common.config import ConfigError, setting
 from hio.common.net import create_channel
 from hio.common.procs import RoleProcess
 from hio.common.settings import ClusterSettings
-from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,66 +52,6 @@ def _say(message: str) -> None:
     print(f"hio up: {message}", flush=True)
 
 
-def _cluster_args(config: UpConfig, data_dir: Path) -> list[str]:
-    args = ["--master-address", config.master_address, "--repository-address", config.repository_address,
-            "--data-dir", str(data_dir), "--chunk-bytes", str(config.chunk_bytes),
-            "--log-level", config.log_level if config.log_level != "warning" else "info"]
-    for name in ("token_file", "tokens_file", "tls_cert", "tls_key", "tls_ca"):
-        value = getattr(config, name)
-        if value:
-            args += ["--" + name.replace("_", "-"), value]
-    return args
-
-
-class Cluster:
-    """The roles of one machine as child processes, stopped in reverse order."""
-
-    def __init__(self, config: UpConfig, data_dir: Path) -> None:
-        self.config = config
-        self.data_dir = data_dir
-        self.logs = data_dir / "logs"
-        self.roles: list[RoleProcess] = []
-
-    def start(self, command: str, extra: list[str], health: str | None) -> RoleProcess:
-        proc = RoleProcess(command, [*extra, *_cluster_args(self.config, self.data_dir)], self.logs)
-        proc.start()
-        self.roles.append(proc)
-        if health:
-            proc.wait_healthy(health, settings=self.config)
-        return proc
-
-    def stop(self) -> None:
-        for proc in reversed(self.roles):
-            code = proc.stop(timeout=20.0)
-            if code not in (0, None, -signal.SIGTERM):
-                _say(f"{proc.name} exited with {code}; see {proc.log_path}")
-        self.roles.clear()
-
-
-def wait_channels(config: UpConfig, expected: int, deadline: float) -> None:
-    """Wait until the worker's engines are up (FREE) at the master."""
-    with create_channel(config.master_address, config) as channel:
-        stub = master_pb2_grpc.MasterStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                status = stub.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
-                if status.channels_free >= expected:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise RuntimeError("the worker's engines did not come up in time; see logs")
-
-
-def _expected_engines(config: UpConfig) -> int:
-    """How many engines the worker starts for ``config.engines`` on this machine."""
-    import os
-
-    from hio.worker.config import engine_counts
-
-    return sum(count for _, count in engine_counts(config.engines, os.cpu_count() or 1))
-
-
 def _stream_samples(config: UpConfig, data_dir: Path, files: list[tuple[Path, str]]) -> list[int]:
     """Send the sample files through an in-process gateway, with a progress bar."""
     from tqdm import tqdm
@@ -127,8 +67,11 @@ def _stream_samples(config: UpConfig, data_dir: Path, files: list[tuple[Path, st
         futures = [(path, gateway.submit_file(str(path), image=image)) for path, image in files]
         with tqdm(total=total, unit="B", unit_scale=True, desc="streaming samples",
                   disable=None, file=sys.stdout) as bar:
+            end = time.monotonic() + config.timeout
             for path, future in futures:
-                ids.append(future.result(timeout=config.timeout))
+                while not future.done() and time.monotonic() < end:   # short waits: SIGTERM and Ctrl-C
+                    concurrent.futures.wait([future], timeout=0.5)     # reach this (main) thread at once
+                ids.append(future.result(timeout=0))
                 bar.update(path.stat().st_size)
     return ids
 
@@ -180,9 +123,8 @@ def format_summary(records: list[features_pb2.FeatureRecord]) -> str:
     return "\n".join(lines)
 
 
-def _run_kd(cluster: Cluster, config: UpConfig, once: bool) -> RoleProcess:
-    args = ["--once"] if once else ["--interval", str(config.kd_interval)]
-    return cluster.start("kd", args, health=None)
+def _run_kd(cluster: LocalCluster, config: UpConfig, once: bool) -> RoleProcess:
+    return cluster.add("kd", ["--once"] if once else ["--interval", str(config.kd_interval)])
 
 
 def _ports_in_use(config: UpConfig) -> list[str]:
@@ -204,6 +146,10 @@ def _ports_in_use(config: UpConfig) -> list[str]:
     return taken
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_up(config: UpConfig) -> int:
     taken = _ports_in_use(config)
     if taken:
@@ -219,20 +165,15 @@ def run_up(config: UpConfig) -> int:
     samples_dir = Path(config.samples_dir) if config.samples_dir else data_dir / "samples"
     _say(f"generating the sample dataset in {samples_dir} (cached after the first run)")
     files = generate_demo_dataset(samples_dir)
-    cluster = Cluster(config, data_dir)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    shared = dataclasses.replace(config, log_level=config.log_level if config.log_level != "warning" else "info")
+    cluster = LocalCluster(data_dir, shared, master_address=config.master_address,
+                           repository_address=config.repository_address, http_listen=config.http_listen,
+                           workers={"": config.engines}, runtime=config.runtime, worker_timeout=config.timeout)
+    signal.signal(signal.SIGTERM, _interrupt)   # stops the demo too, as Ctrl-C does
     try:
         _say(f"starting repository ({config.repository_address}), master ({config.master_address}) "
              f"and a worker; logs in {cluster.logs}")
-        cluster.start("repository", ["--listen", config.repository_address, "--http-listen", config.http_listen],
-                      health=config.repository_address)
-        cluster.start("master", ["--listen", config.master_address], health=config.master_address)
-        worker_args = ["--runtime", config.runtime]
-        for engine in config.engines:
-            worker_args += ["--engines", engine]
-        cluster.start("worker", worker_args, health=None)
-        wait_channels(config, _expected_engines(config), deadline)
+        cluster.start()
         _say(f"streaming {len(files)} sample tuples "
              f"({sum(p.stat().st_size for p, _ in files) / 1e6:.1f} MB)")
         started = time.monotonic()
@@ -247,7 +188,7 @@ def run_up(config: UpConfig) -> int:
             kd = _run_kd(cluster, config, once=True)
             assert kd.proc is not None
             code = kd.proc.wait(max(30.0, deadline - time.monotonic()))
-            cluster.roles.remove(kd)
+            cluster.remove("kd")
             if code != 0:
                 _say(f"knowledge discovery failed (exit {code}); see {kd.log_path}")
                 return 1
@@ -269,8 +210,8 @@ def run_up(config: UpConfig) -> int:
             _say("everything keeps running; `hio status` shows it, `hio send FILE --image IMG` adds tuples; "
                  "Ctrl-C stops")
             try:
-                while not stop.wait(1.0):
-                    pass
+                while True:
+                    time.sleep(1.0)
             except KeyboardInterrupt:
                 pass
         return 0
@@ -278,4 +219,5 @@ def run_up(config: UpConfig) -> int:
         _say(str(exc))
         return 1
     finally:
-        cluster.stop()
+        for problem in cluster.stop():
+            _say(problem)

@@ -21,3 +21,13 @@ def _no_stray_hio_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("HIO_"):
             monkeypatch.delenv(key)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Roles a test started and nothing stopped (a fixture cut short, Ctrl-C) stop with the
+    session, gracefully; should this process die instead, they die with it (the lifeline)."""
+    from hio.common.procs import stop_all
+
+    left = stop_all()
+    if left:
+        print(f"\nstopped at the end of the session, left running by their tests: {', '.join(sorted(left))}")

@@ -14,15 +14,21 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
-from hio.common.procs import RoleProcess, child_env, free_port
+from hio.cluster import LocalCluster
+from hio.common.procs import LIFELINE_ENV, RoleProcess, child_env, free_port
 
-__all__ = ["FsyncDisk", "HioProcess", "free_port", "hio_env", "wait_for"]
+__all__ = ["FsyncDisk", "HioProcess", "free_port", "hio_env", "local_cluster", "stop_cleanly", "wait_for"]
 
-hio_env = child_env
+
+def hio_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a `hio` command a test runs: no stray HIO_* settings, and it dies
+    with the test process (as the roles a test starts do)."""
+    return child_env({LIFELINE_ENV: str(os.getpid()), **(extra or {})})
 
 
 class HioProcess(RoleProcess):
@@ -53,6 +59,17 @@ class HioProcess(RoleProcess):
         code = self.stop()
         if exc[0] is None and code not in (0, -signal.SIGTERM):
             raise AssertionError(f"{self.name} exited with {code} after SIGTERM:\n{self.output()}")
+
+
+def local_cluster(root: Path, **options: Any) -> LocalCluster:
+    """A :class:`LocalCluster` (same options) whose roles' failures are test failures."""
+    return LocalCluster(root, process=HioProcess, **options)
+
+
+def stop_cleanly(cluster: LocalCluster) -> None:
+    """Stop every role of ``cluster``; one that did not exit cleanly fails the test, with its log."""
+    problems = cluster.stop()
+    assert not problems, "\n".join(problems)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1,

@@ -1,20 +1,98 @@
-"""Child `hio` processes: start, wait healthy, stop with SIGTERM, show logs.
+"""Child `hio` processes: start, wait healthy, stop with SIGTERM, show logs; and
+the lifeline that makes them die with the process that started them.
 
-Used by `hio up` (every role on one machine) and by the end-to-end tests.
+Every child a :class:`RoleProcess` starts gets ``HIO_DIE_WITH_PARENT=<our
+pid>``; ``hio.cli`` then asks the kernel for SIGTERM when its parent dies
+(``PR_SET_PDEATHSIG``) and checks that the parent is still the one named,
+closing the race with a parent that died first. So a test run that is killed,
+or a `hio up` killed with -9, takes its roles along (a worker's engines stop
+once they see their worker gone). The kernel sends that signal when the
+*thread* that started the child ends, so children are started from a thread
+that lives as long as the process (the main thread, else :func:`spawn`'s own).
+
+The local-cluster builder on top of this is :mod:`hio.cluster`.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
-from hio.common.net import ROLE_SERVICES, wait_healthy
-from hio.common.settings import ClusterSettings
+if TYPE_CHECKING:
+    from hio.common.settings import ClusterSettings
+
+LIFELINE_ENV = "HIO_DIE_WITH_PARENT"   # the pid of the process whose death ends this one
+_PR_SET_PDEATHSIG = 1
+T = TypeVar("T")
+
+
+def die_with_parent() -> None:
+    """In a child started with :data:`LIFELINE_ENV`: get SIGTERM when the parent dies.
+
+    Called first thing by ``hio.cli``. If the parent is already gone (it died
+    before the request took effect), exit now. The variable is removed, so
+    processes this one starts do not inherit it."""
+    expected = os.environ.pop(LIFELINE_ENV, "")
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):   # not glibc/musl: the parent's own cleanup still applies
+        return
+    if os.getppid() != int(expected):
+        raise SystemExit(f"hio: the process that started this one (pid {expected}) is gone")
+
+
+_spawn_jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+_spawner: list[threading.Thread] = []
+_spawner_lock = threading.Lock()
+
+
+def _spawn_forever() -> None:
+    while True:
+        job, future = _spawn_jobs.get()
+        try:
+            future.set_result(job())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
+
+
+def spawn(start: Callable[[], T]) -> T:
+    """Run ``start`` (which starts a child process) on a thread that lives as long as this
+    process: the main thread if we are on it, else a daemon thread kept for this. A
+    child's death signal follows the thread that started it, not the process."""
+    if threading.current_thread() is threading.main_thread():
+        return start()
+    with _spawner_lock:
+        if not _spawner:
+            _spawner.append(threading.Thread(target=_spawn_forever, name="hio-spawner", daemon=True))
+            _spawner[0].start()
+    future: Future[T] = Future()
+    _spawn_jobs.put((start, future))
+    return future.result()
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux: /proc/<pid>/task/*/children); [] once it is gone."""
+    found: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            found += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    return sorted(set(found))
 
 
 _GIVEN_PORTS: set[int] = set()   # ports free_port returned: the roles given them may not have bound yet
@@ -45,11 +123,27 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+_RUNNING: set["RoleProcess"] = set()   # started and not stopped: stop_all's work
+_RUNNING_LOCK = threading.Lock()
+_AT_EXIT: list[bool] = []
+
+
+def stop_all(timeout: float = 10.0) -> list[str]:
+    """Stop every RoleProcess this process started and did not stop (runs at exit too).
+    Returns the names of those that were still running: their starters should have stopped them."""
+    with _RUNNING_LOCK:
+        left = list(_RUNNING)
+    running = [proc.name for proc in left if proc.alive()]
+    for proc in left:
+        proc.stop(timeout)
+    return running
+
+
 class RoleProcess:
     """One `python -m hio.cli <command> ...` child, its output in a log file.
 
     The child leads its own process group, so ``kill`` also takes the engines
-    a worker started.
+    a worker started, and it dies with this process (see the module's doc).
     """
 
     def __init__(self, command: str, args: Sequence[str], workdir: Path,
@@ -65,17 +159,31 @@ class RoleProcess:
         self._log: IO[bytes] | None = None
 
     def start(self) -> "RoleProcess":
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "hio.cli", self.command, *self.args],
-                                     cwd=self.workdir, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        if self._log is None:
+            self._log = open(self.log_path, "ab")
+        env = {**self.env, LIFELINE_ENV: str(os.getpid())}
+        self.proc = spawn(lambda: subprocess.Popen(
+            [sys.executable, "-m", "hio.cli", self.command, *self.args], cwd=self.workdir, env=env,
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+        with _RUNNING_LOCK:
+            if not _AT_EXIT:
+                atexit.register(stop_all)
+                _AT_EXIT.append(True)
+            _RUNNING.add(self)
         return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, f"{self.name} was never started"
+        return self.proc.pid
 
     def wait_healthy(self, address: str, timeout: float = 60.0,
                      settings: ClusterSettings | None = None) -> None:
         """Wait for SERVING of this role's service (not of whatever else answers at
         ``address``); if the process dies or time runs out, raise with its log."""
+        from hio.common.net import ROLE_SERVICES, wait_healthy
+        from hio.common.settings import ClusterSettings
+
         try:
             wait_healthy(address, settings or ClusterSettings(), timeout=timeout,
                          alive=self.alive, service=ROLE_SERVICES.get(self.command, ""))
@@ -99,7 +207,10 @@ class RoleProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            self.proc.wait(10)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:   # unkillable (stuck in the kernel): nothing more to do
+                pass
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM and wait; SIGKILL after ``timeout``. Returns the exit code (None if killed)."""
@@ -118,4 +229,6 @@ class RoleProcess:
         if self._log:
             self._log.close()
             self._log = None
+        with _RUNNING_LOCK:
+            _RUNNING.discard(self)
         return code

@@ -6,6 +6,7 @@ answers health and an authenticated `hio status`, drains on SIGTERM with exit
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import signal
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hio.common.net import wait_healthy
-from hio.common.procs import child_env, free_port
+from hio.common.procs import LIFELINE_ENV, child_env, free_port
 from hio.common.settings import ClusterSettings
 from tests.ansible.helpers import (
     REPO,
@@ -54,9 +55,10 @@ def build_wheel(dest: Path) -> Path:
 
 
 def start_from_unit(unit_path: Path, log: Path) -> subprocess.Popen[bytes]:
-    """Run the unit's ExecStart with its Environment= lines, as systemd would."""
+    """Run the unit's ExecStart with its Environment= lines, as systemd would (and so that it
+    dies with this test process, as every role a test starts)."""
     unit = read_unit(unit_path)
-    env = child_env(dict(item.split("=", 1) for item in unit["Environment"]))
+    env = child_env({**dict(item.split("=", 1) for item in unit["Environment"]), LIFELINE_ENV: str(os.getpid())})
     with open(log, "wb") as out:
         return subprocess.Popen(shlex.split(unit["ExecStart"][0]), cwd=unit["WorkingDirectory"][0], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -2,59 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import docker
 
-from hio.common.net import create_channel
-from hio.common.settings import ClusterSettings
+from hio.cluster import LocalCluster
+from hio.common.procs import RoleProcess
 from hio.gateway import Gateway
-from hio.proto import features_pb2, master_pb2, master_pb2_grpc
+from hio.proto import features_pb2, master_pb2
 from hio.up import read_features
 from hio.worker.docker_launcher import LABEL_WORKER
-from tests.harness import HioProcess, free_port, wait_for
+from tests.harness import HioProcess, wait_for
 
 
-class Cluster:
+class Cluster(LocalCluster):
     """A repository and a master; workers are added and removed by the test."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.master = f"127.0.0.1:{free_port()}"
-        self.repository = f"127.0.0.1:{free_port()}"
-        self.settings = ClusterSettings(master_address=self.master, repository_address=self.repository)
-        self.common = ["--master-address", self.master, "--repository-address", self.repository]
-        self.procs: dict[str, HioProcess] = {
-            "repository": HioProcess("repository", ["--listen", self.repository, "--http-listen", "",
-                                                    "--data-dir", str(root / "repo"), *self.common], root),
-            "master": HioProcess("master", ["--listen", self.master, "--data-dir", str(root / "master"),
-                                            "--expiry-seconds", "4", "--heartbeat-interval", "0.5",
-                                            "--log-level", "info",
-                                            *self.common], root),
-        }
+        super().__init__(root, process=HioProcess, stop_timeout=30.0, master_args=[
+            "--expiry-seconds", "4", "--heartbeat-interval", "0.5", "--log-level", "info"])
 
-    def start(self) -> "Cluster":
-        for name in ("repository", "master"):
-            self.procs[name].start().wait_healthy(getattr(self, name))
-        return self
-
-    def add_worker(self, worker_id: str, engines: list[str], runtime: str = "docker",
-                   extra: list[str] | None = None) -> HioProcess:
-        args = ["--worker-id", worker_id, "--runtime", runtime, "--data-dir", str(self.root / worker_id),
-                "--restart-backoff-max", "2", *self.common, *(extra or [])]
-        for entry in engines:
-            args += ["--engines", entry]
-        proc = HioProcess("worker", args, self.root, name=worker_id).start()
-        self.procs[worker_id] = proc
-        return proc
-
-    def stop_worker(self, worker_id: str) -> None:
-        self.procs.pop(worker_id).stop(timeout=30)
-
-    def status(self) -> master_pb2.GetStatusResponse:
-        with create_channel(self.master, self.settings) as channel:
-            return master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=10)
+    def add_worker(self, worker_id: str = "", engines: Sequence[str] = (), **options: Any) -> RoleProcess:
+        """Engines in containers unless ``runtime`` says otherwise; not waited for (each test
+        waits for what it expects, with :meth:`wait_free`)."""
+        options.setdefault("runtime", "docker")
+        options.setdefault("wait", False)
+        options["args"] = ["--restart-backoff-max", "2", *options.get("args", ())]
+        return super().add_worker(worker_id, engines, **options)
 
     def channels(self, worker_id: str) -> list[master_pb2.ChannelInfo]:
         return [ch for w in self.status().workers if w.worker_id == worker_id for ch in w.channels]
@@ -94,12 +70,7 @@ class Cluster:
         lines = [f"master: queues {[(q.image, q.length, q.leased) for q in status.queues]}, dead letters "
                  f"{status.dead_letters}, failed {status.tuples_failed}, channels "
                  f"{[(c.channel_id, c.state, c.processing, c.detail) for w in status.workers for c in w.channels]}"]
-        lines += [f"--- {name} ---\n{proc.output(3000)}" for name, proc in self.procs.items()]
-        return "\n".join(lines)
-
-    def stop(self) -> None:
-        for name in reversed(list(self.procs)):
-            self.procs[name].stop(timeout=30)
+        return "\n".join([*lines, self.output(3000)])
 
 
 def containers_of(worker_id: str, all_states: bool = True) -> list[Any]:

@@ -72,7 +72,7 @@ def test_containers_give_the_same_features_as_processes(cluster: Cluster, worker
         stored = cluster.wait_stored(ids)
         features[runtime] = [comparable(stored[i][0]) for i in ids]
         assert all(stored[i][0].engine.startswith(wid) for i in ids)
-        cluster.stop_worker(wid)
+        cluster.remove(wid)
         remove_containers_of(wid)
     assert features["docker"] == features["process"]
 
@@ -160,3 +160,21 @@ def test_bring_your_own_pipeline_image_gets_tuples_by_name(cluster: Cluster, wor
     record = cluster.wait_stored([tuple_id])[tuple_id][0]
     assert record.features["peak_frequency"].number == pytest.approx(50.0)
     assert list(record.kd_features) == ["peak_frequency", "spectral_centroid", "rms"]
+
+
+def test_containers_go_when_the_process_that_started_the_cluster_is_killed(tmp_path: Path) -> None:
+    """The worker dies with its starter, and stops its containers as it goes."""
+    import signal
+
+    from tests.e2e.test_no_orphans import all_gone, start_parent
+
+    worker_id = f"dw-{uuid.uuid4().hex[:8]}"
+    try:
+        parent, pids = start_parent(tmp_path, worker_id, runtime="docker")
+        assert len(containers_of(worker_id, all_states=False)) == 2
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        all_gone(pids, 30)
+        assert containers_of(worker_id) == [], "the worker stopped and removed its containers"
+    finally:
+        remove_containers_of(worker_id)

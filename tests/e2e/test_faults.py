@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -20,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from hio.common.net import create_channel
-from hio.common.settings import ClusterSettings
+from hio.cluster import LocalCluster
 from hio.kd.client import RepositoryClient
-from hio.proto import features_pb2, master_pb2, master_pb2_grpc
+from hio.proto import features_pb2
 from hio.tools import fetch_knowledge
 from hio.up import read_features
 from tests.harness import CuttingProxy, HioProcess, free_port, wait_for
@@ -33,44 +31,35 @@ pytestmark = [pytest.mark.slow]
 TUPLES = int(os.environ.get("FAULT_TUPLES", "500"))
 
 
-class FaultCluster:
+class FaultCluster(LocalCluster):
+    """Worker and gateway reach the master and the repository through proxies that cut."""
+
     def __init__(self, root: Path, with_kd: bool) -> None:
-        self.root = root
-        self.master = f"127.0.0.1:{free_port()}"
-        self.repository = f"127.0.0.1:{free_port()}"
-        self.master_proxy = CuttingProxy(self.master)
-        self.repo_proxy = CuttingProxy(self.repository)
+        master, repository = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        super().__init__(root, master_address=master, repository_address=repository, process=HioProcess,
+                         master_args=["--expiry-seconds", "3", "--heartbeat-interval", "0.5",
+                                      "--lease-seconds", "10", "--reservation-seconds", "6"])
+        self.with_kd = with_kd
+        self.master_proxy = CuttingProxy(master)
+        self.repo_proxy = CuttingProxy(repository)
         self.watch = root / "incoming"
         self.watch.mkdir()
-        self.settings = ClusterSettings(master_address=self.master, repository_address=self.repository)
-        via = ["--master-address", self.master_proxy.address, "--repository-address", self.repo_proxy.address]
-        self.procs = {
-            "repository": HioProcess("repository", ["--listen", self.repository, "--http-listen", "",
-                                                    "--data-dir", str(root / "repo")], root),
-            "master": HioProcess("master", ["--listen", self.master, "--data-dir", str(root / "master"),
-                                            "--expiry-seconds", "3", "--heartbeat-interval", "0.5",
-                                            "--lease-seconds", "10", "--reservation-seconds", "6"], root),
-            "worker": HioProcess("worker", ["--worker-id", "fw", "--runtime", "process",
-                                            "--engines", "hio/synthetic=2", "--data-dir", str(root / "worker"),
-                                            *via], root),
-            "gateway": HioProcess("gateway", ["--watch", str(self.watch), "--image", "hio/synthetic",
-                                              "--settle-seconds", "0.2", "--ingest-listen", "",
-                                              "--data-dir", str(root / "gateway"), "--source", "fault", *via], root),
-        }
-        if with_kd:
-            self.procs["kd"] = HioProcess("kd", ["--interval", "3", "--repository-address", self.repository,
-                                                 "--data-dir", str(root / "kd"), "--k", "2",
-                                                 "--log-level", "info"], root)
 
-    def start(self) -> FaultCluster:
-        for name, proc in self.procs.items():
-            proc.start()
-            if name in ("repository", "master"):
-                proc.wait_healthy(getattr(self, name))
-        wait_for(lambda: self.status().channels_free >= 2, timeout=60, what="engines up")
+    def start(self) -> "FaultCluster":
+        super().start()
+        via = ["--master-address", self.master_proxy.address, "--repository-address", self.repo_proxy.address]
+        try:
+            self.add_worker("fw", ["hio/synthetic=2"], args=via, name="worker", timeout=60)
+            self.add("gateway", ["--watch", str(self.watch), "--image", "hio/synthetic", "--settle-seconds",
+                                 "0.2", "--ingest-listen", "", "--source", "fault", *via])
+            if self.with_kd:
+                self.add("kd", ["--interval", "3", "--k", "2", "--log-level", "info"])
+        except BaseException:
+            self.stop()
+            raise
         return self
 
-    def restart(self, name: str) -> None:
+    def kill_and_restart(self, name: str) -> None:
         proc = self.procs[name]
         if name == "worker":
             # Only the controller dies: its engines must notice and go too.
@@ -80,29 +69,23 @@ class FaultCluster:
         else:
             proc.kill()
         time.sleep(random.uniform(0.2, 1.0))
-        proc.start()
-        if name in ("repository", "master"):
-            proc.wait_healthy(getattr(self, name))
+        self.restart(name)
 
     def kill_an_engine(self) -> bool:
-        out = subprocess.run(["pgrep", "-f", "hio.cli engine"], capture_output=True, text=True).stdout.split()
-        if not out:
+        engines = self.engine_pids()
+        if not engines:
             return False
-        os.kill(int(random.choice(out)), signal.SIGKILL)
+        os.kill(random.choice(engines), signal.SIGKILL)
         return True
-
-    def status(self) -> master_pb2.GetStatusResponse:
-        with create_channel(self.master, self.settings) as channel:
-            return master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=10)
 
     def knowledge(self) -> features_pb2.Knowledge | None:
         return fetch_knowledge(self.settings)
 
-    def stop(self) -> None:
-        for proc in reversed(list(self.procs.values())):
-            proc.stop()
+    def stop(self) -> list[str]:
+        problems = super().stop()
         self.master_proxy.close()
         self.repo_proxy.close()
+        return problems
 
 
 def write_files(watch: Path, count: int, seconds: float) -> list[str]:
@@ -131,7 +114,7 @@ def chaos(cluster: FaultCluster, stop: threading.Event, log: list[str]) -> None:
             cluster.master_proxy.cut()
             cluster.repo_proxy.cut()
         else:
-            cluster.restart(what)
+            cluster.kill_and_restart(what)
         log.append(f"{time.strftime('%H:%M:%S')} {what}")
 
 

@@ -18,48 +18,21 @@ from unittest import mock
 
 import pytest
 
-from hio.common.net import create_channel
-from hio.common.settings import ClusterSettings
+from hio.cluster import LocalCluster
 from hio.gateway import Gateway
-from hio.proto import master_pb2, master_pb2_grpc
+from hio.proto import master_pb2
 from hio.up import read_features
-from tests.harness import HioProcess, free_port, wait_for
+from tests.harness import HioProcess, free_port, stop_cleanly, wait_for
 
 pytestmark = pytest.mark.slow
 
 
-class Cluster:
-    """Repository + master + workers as real processes."""
+class Cluster(LocalCluster):
+    """Repository + master + workers (id -> engines) as real processes; gateways in this one."""
 
     def __init__(self, root: Path, workers: dict[str, str], expiry_seconds: float = 6.0) -> None:
-        self.root = root
-        self.master = f"127.0.0.1:{free_port()}"
-        self.repository = f"127.0.0.1:{free_port()}"
-        self.settings = ClusterSettings(master_address=self.master, repository_address=self.repository)
-        common = ["--master-address", self.master, "--repository-address", self.repository]
-        self.procs: dict[str, HioProcess] = {
-            "repository": HioProcess("repository", ["--listen", self.repository, "--http-listen", "",
-                                                    "--data-dir", str(root / "repo"), *common], root),
-            "master": HioProcess("master", ["--listen", self.master, "--data-dir", str(root / "master"),
-                                            "--expiry-seconds", f"{expiry_seconds:g}",
-                                            "--heartbeat-interval", f"{expiry_seconds / 6:g}", *common], root),
-        }
-        for worker_id, engines in workers.items():
-            self.procs[worker_id] = HioProcess(
-                "worker", ["--worker-id", worker_id, "--runtime", "process", "--engines", engines,
-                           "--data-dir", str(root / worker_id), *common], root, name=worker_id)
-
-    def start(self, channels: int) -> Cluster:
-        for name, proc in self.procs.items():
-            proc.start()
-            if name in ("repository", "master"):
-                proc.wait_healthy(getattr(self, name))
-        wait_for(lambda: self.status().channels_free >= channels, timeout=60, what=f"{channels} free channels")
-        return self
-
-    def status(self) -> master_pb2.GetStatusResponse:
-        with create_channel(self.master, self.settings) as channel:
-            return master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=10)
+        super().__init__(root, process=HioProcess, workers={w: [e] for w, e in workers.items()}, master_args=[
+            "--expiry-seconds", f"{expiry_seconds:g}", "--heartbeat-interval", f"{expiry_seconds / 6:g}"])
 
     def gateway(self, name: str, **overrides) -> Gateway:  # type: ignore[no-untyped-def]
         return Gateway(master_address=self.master, repository_address=self.repository,
@@ -67,14 +40,6 @@ class Cluster:
 
     def records(self) -> list:  # type: ignore[type-arg]
         return read_features(self.settings)
-
-    def stop(self) -> None:
-        failures = []
-        for name, proc in reversed(list(self.procs.items())):
-            code = proc.stop()
-            if code not in (0, None, -15) and proc.proc is not None and proc.proc.returncode != -9:
-                failures.append(f"{name} exited {code}:\n{proc.output(3000)}")
-        assert not failures, "\n".join(failures)
 
 
 def wait_all_stored(cluster: Cluster, ids: list[int], timeout: float = 120) -> list:  # type: ignore[type-arg]
@@ -91,9 +56,9 @@ def wait_all_stored(cluster: Cluster, ids: list[int], timeout: float = 120) -> l
 def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     c = Cluster(tmp_path_factory.mktemp("e2e"), {"w1": "hio/synthetic=2", "w2": "hio/synthetic=2"})
     try:
-        yield c.start(channels=4)
+        yield c.start()
     finally:
-        c.stop()
+        stop_cleanly(c)
 
 
 def test_two_gateways_route_direct_and_spill_to_queue(cluster: Cluster) -> None:
@@ -155,7 +120,7 @@ def test_ten_megabyte_tuples_move_in_chunks(cluster: Cluster) -> None:
 
 
 def test_a_killed_worker_loses_nothing(tmp_path: Path) -> None:
-    c = Cluster(tmp_path, {"k1": "hio/synthetic=2", "k2": "hio/synthetic=2"}, expiry_seconds=3.0).start(channels=4)
+    c = Cluster(tmp_path, {"k1": "hio/synthetic=2", "k2": "hio/synthetic=2"}, expiry_seconds=3.0).start()
     try:
         with c.gateway("kill", streams=4) as gw:
             futures = [gw.submit(os.urandom(100_000), image="hio/synthetic", name=f"k-{i}",
@@ -174,7 +139,7 @@ def test_a_killed_worker_loses_nothing(tmp_path: Path) -> None:
         assert sorted(counts) == sorted(ids), "every tuple stored"
         assert max(counts.values()) == 1, "and none twice"
     finally:
-        c.stop()
+        stop_cleanly(c)
 
 
 def _finishing(c: Cluster) -> bool:
@@ -186,7 +151,7 @@ def _finishing(c: Cluster) -> bool:
 
 
 def test_queue_drains_first_come_first_served(tmp_path: Path) -> None:
-    c = Cluster(tmp_path, {"solo": "hio/synthetic=1"}).start(channels=1)
+    c = Cluster(tmp_path, {"solo": "hio/synthetic=1"}).start()
     try:
         with c.gateway("fifo", streams=4, route_wait_seconds=0) as gw:
             # The first tuple is processed; the second is received meanwhile and waits for the
@@ -210,7 +175,7 @@ def test_queue_drains_first_come_first_served(tmp_path: Path) -> None:
         assert status.routed_queue >= 8, "with the channel busy, later tuples waited in the queue"
         assert status.routed_direct >= 2
     finally:
-        c.stop()
+        stop_cleanly(c)
 
 
 def test_operator_commands_report_the_running_cluster(cluster: Cluster, capsys: pytest.CaptureFixture) -> None:

@@ -28,7 +28,7 @@ from hio.proto import (
     repository_pb2_grpc,
 )
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
-from tests.harness import HioProcess, free_port, hio_env, wait_for
+from tests.harness import HioProcess, free_port, hio_env, local_cluster, wait_for
 
 if TYPE_CHECKING:
     from hio.gateway.watch import DirectoryWatcher
@@ -84,32 +84,11 @@ class Cluster:
         return wait_for(ready, timeout=timeout, interval=0.3, what=f"features of tuples {ids}")
 
 
-def _free_channels(master: str) -> int:
-    try:
-        with grpc.insecure_channel(master) as channel:
-            status = master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=2)
-        return status.channels_free
-    except grpc.RpcError:
-        return 0
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
-    master, repository = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    common = ["--master-address", master, "--repository-address", repository]
-    with HioProcess("repository", ["--listen", repository, "--http-listen", "",
-                                   "--data-dir", str(root / "repo")], root) as repo_proc, \
-         HioProcess("master", ["--listen", master, "--data-dir", str(root / "master"), *common], root) as m_proc:
-        repo_proc.wait_healthy(repository)
-        m_proc.wait_healthy(master)
-        with HioProcess("worker", ["--engines", f"{IMAGE}=2", "--runtime", "process",
-                                   "--data-dir", str(root / "worker"), *common], root) as w_proc:
-            try:
-                wait_for(lambda: _free_channels(master) >= 2, timeout=60, what="two free channels")
-            except AssertionError:
-                raise AssertionError(f"worker did not offer channels:\n{w_proc.output()}") from None
-            yield Cluster(master, repository, root)
+    with local_cluster(root, workers={"": [f"{IMAGE}=2"]}) as roles:
+        yield Cluster(roles.master, roles.repository, root)
 
 
 def test_send_bytes_stores_features(cluster: Cluster) -> None:

@@ -6,7 +6,6 @@ run in file order and the last one stops the worker.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -16,10 +15,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from hio.cluster import LocalCluster
 from hio.common.frames import TupleReceipt, frames_for_bytes
 from hio.common.net import create_channel
-from hio.proto import engine_pb2_grpc, master_pb2
-from tests.harness import HioProcess, free_port, wait_for
+from hio.proto import engine_pb2_grpc, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+from tests.harness import HioProcess, wait_for
 from tests.worker.conftest import REPO_ROOT, SETTINGS, TEST_IMAGE, TEST_PIPELINE, make_tuple, master_available
 
 pytestmark = pytest.mark.skipif(not master_available(), reason="hio.master.create_master_server not built yet")
@@ -28,69 +28,43 @@ WORKER_ID = "wt"
 GRACE = 2.0
 
 
-class Cluster:
+class Cluster(LocalCluster):
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.master_address = f"127.0.0.1:{free_port()}"
-        self.repo_address = f"127.0.0.1:{free_port()}"
-        self.repo = HioProcess("repository", ["--listen", self.repo_address, "--http-listen=",
-                                              "--data-dir", str(root / "data")], root / "repo")
-        self.master = HioProcess("master", ["--listen", self.master_address, "--data-dir", str(root / "data"),
-                                            "--expiry-seconds", "4", "--max-attempts", "2",
-                                            "--images", TEST_IMAGE], root / "master")
-        self.worker = HioProcess("worker", [
-            "--master-address", self.master_address, "--repository-address", self.repo_address,
-            "--data-dir", str(root / "data"), "--worker-id", WORKER_ID, "--runtime", "process",
-            "--engines", f"{TEST_IMAGE}=2", "--pipelines", f"{TEST_IMAGE}={TEST_PIPELINE}",
-            "--tuple-timeout", "1.5", "--pull-wait", "1", "--max-attempts", "2",
-            "--grace-seconds", str(GRACE), "--restart-backoff-max", "2"], root / "worker",
-            env={"PYTHONPATH": REPO_ROOT})
-        self._channel: grpc.Channel | None = None
+        super().__init__(root, process=HioProcess, env={"PYTHONPATH": REPO_ROOT},
+                         master_args=["--expiry-seconds", "4", "--max-attempts", "2", "--images", TEST_IMAGE])
 
-    def start(self) -> None:
-        self.repo.start()
-        self.master.start()
-        self.repo.wait_healthy(self.repo_address)
-        self.master.wait_healthy(self.master_address)
-        self.worker.start()
-        self._channel = create_channel(self.master_address, SETTINGS)
-        from hio.proto import master_pb2_grpc, repository_pb2_grpc
-        self.stub = master_pb2_grpc.MasterStub(self._channel)
-        self.repo_stub = repository_pb2_grpc.RepositoryStub(self._channel_repo())
-
-    def _channel_repo(self) -> grpc.Channel:
-        self._repo_channel = create_channel(self.repo_address, SETTINGS)
-        return self._repo_channel
+    def start(self) -> "Cluster":
+        super().start()
+        self.worker = self.add_worker(WORKER_ID, [f"{TEST_IMAGE}=2"], wait=False, args=[
+            "--pipelines", f"{TEST_IMAGE}={TEST_PIPELINE}", "--tuple-timeout", "1.5", "--pull-wait", "1",
+            "--max-attempts", "2", "--grace-seconds", str(GRACE), "--restart-backoff-max", "2"])
+        self._channels = [create_channel(address, SETTINGS) for address in (self.master, self.repository)]
+        self.stub = master_pb2_grpc.MasterStub(self._channels[0])
+        self.repo_stub = repository_pb2_grpc.RepositoryStub(self._channels[1])
+        return self
 
     def channels(self) -> dict[str, master_pb2.ChannelInfo]:
         status = self.stub.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
         return {c.channel_id: c for w in status.workers if w.worker_id == WORKER_ID for c in w.channels}
 
     def stored_ids(self) -> set[int]:
-        from hio.proto import repository_pb2
         return {r.tuple_id for batch in self.repo_stub.ReadFeatures(repository_pb2.ReadFeaturesRequest(), timeout=5)
                 for r in batch.records}
 
-    def stop(self) -> None:
-        for proc in (self.worker, self.master, self.repo):
-            with contextlib.suppress(AssertionError):
-                proc.stop()
-        if self._channel is not None:
-            self._channel.close()
-            self._repo_channel.close()
+    def stop(self) -> list[str]:
+        for channel in getattr(self, "_channels", []):
+            channel.close()
+        return super().stop()
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("worker-e2e"))
-    c.start()
-    try:
-        yield c
-    except BaseException:
-        print(c.worker.output())
-        raise
-    finally:
-        c.stop()
+    with Cluster(tmp_path_factory.mktemp("worker-e2e")) as c:
+        try:
+            yield c
+        except BaseException:
+            print(c.worker.output())
+            raise
 
 
 def _engine_pids(worker_pid: int) -> dict[str, int]:
