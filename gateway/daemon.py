@@ -8,14 +8,13 @@ exits 0; undelivered tuples stay spooled for the next start.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 
 import grpc
 
 from hio.common.log import NOTICE
-from hio.common.net import ROLE_SERVICES, RoleHealth, create_server, set_serving, wait_for_stop
+from hio.common.net import ROLE_SERVICES, RoleHealth, create_server, set_serving, stop_on_signals, wait_for_stop
 from hio.gateway.client import Gateway
 from hio.gateway.config import GatewayConfig
 from hio.gateway.ingest import POLICY, IngestReceiver, IngestServicer
@@ -28,7 +27,7 @@ log = logging.getLogger("hio.gateway")
 def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None) -> int:
     """Run until SIGTERM/SIGINT (or ``stop_event``); 0 after a clean stop. Blocks."""
     stop = stop_event or threading.Event()
-    _on_signals(stop)
+    stop_on_signals(stop)
     gateway = Gateway(config)
     receiver = IngestReceiver(gateway)
     server = health = None
@@ -54,12 +53,6 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
     finally:
         _shutdown(config, gateway, receiver, server, health, watcher)
     return 0
-
-
-def _on_signals(stop: threading.Event) -> None:
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
 
 
 def _shutdown(config: GatewayConfig, gateway: Gateway, receiver: IngestReceiver, server: grpc.Server | None,

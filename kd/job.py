@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any
 import pyarrow.compute as pc
 
 from hio.common.log import NOTICE
+from hio.common.net import stop_on_signals
 from hio.kd.client import RepositoryClient, connection_options
 from hio.kd.config import KDConfig
 from hio.kd.model import cluster_groups, plan, to_knowledge
@@ -245,12 +245,6 @@ def _stop_query(query: Any) -> None:
         log.debug("could not stop the query", extra={"error": str(exc)[:200]})
 
 
-def _install_signals(stop: threading.Event) -> None:
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-
-
 class SparkSessionKeeper:
     """The Spark session KD runs on. One KD built itself (``owned``) is built
     again when its driver JVM died (killed, out of memory): KD then carries on
@@ -355,7 +349,7 @@ def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None
     config.checkpoint_dir.parent.mkdir(parents=True, exist_ok=True)
     session = SparkSessionKeeper(config, spark)
     if session.owned:
-        _install_signals(stop)
+        stop_on_signals(stop)
     job = KnowledgeJob(config, session.spark, store)
     log.log(NOTICE, "KD started", extra={"spark": config.spark_master, "repository": config.repository_address,
                                   "stored": store.total, "once": config.once})

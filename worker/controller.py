@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import signal
 import socket
 import threading
 import time
@@ -26,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hio.common.log import NOTICE
-from hio.common.net import ROLE_SERVICES, connect_hint, create_channel
+from hio.common.net import ROLE_SERVICES, connect_hint, create_channel, stop_on_signals
 from hio.common.retry import Backoff
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
@@ -439,9 +438,7 @@ def run_worker(config: WorkerConfig) -> int:
     launcher = select_launcher(config, worker_id)
     controller = Controller(config, worker_id, launcher)
     stop = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     log.info("worker starting", extra={"worker": worker_id, "engines": len(controller.slots),
                                        "launcher": type(launcher).__name__})
     code = controller.run(stop)

@@ -449,6 +449,23 @@ def wait_for_stop(stop: threading.Event, tick: float = 1.0) -> None:
         pass
 
 
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set ``stop`` (from the main thread only, where Python allows handlers).
+
+    The handler hands the set to a thread of its own: Python runs it on the main thread
+    between two bytecodes, and when those are inside ``stop.wait`` holding the event's lock,
+    setting the event right there would wait for that lock for ever.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(*_: object) -> None:
+        threading.Thread(target=stop.set, name="stop-signal", daemon=True).start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
 def run_until_signal(server: grpc.Server, *, grace: float = 5.0,
                      on_stop: Sequence[Callable[[], None]] = (),
                      stop_event: threading.Event | None = None) -> int:
@@ -458,9 +475,7 @@ def run_until_signal(server: grpc.Server, *, grace: float = 5.0,
     stops accepting, so roles can deregister and flush.
     """
     stop = stop_event or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     wait_for_stop(stop)
     log.info("stopping", extra={"grace_s": grace})
     for callback in on_stop:

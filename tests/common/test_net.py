@@ -1,5 +1,7 @@
 """Tokens, roles and TLS as every role's server and channel apply them."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -278,3 +280,28 @@ def test_a_client_pinging_faster_than_its_server_allows_is_sent_away(monkeypatch
     a name gRPC does not read, and it allowed one ping in 5 minutes)."""
     states = _idle_then_call(monkeypatch, client_ms=1000, server_ms=60_000)
     assert states[0] == "READY" and len(states) > 1, states
+
+
+_SIGNAL_WHILE_WAITING = """
+import os, signal, threading
+from hio.common.net import {install}
+stop = threading.Event()
+{call}
+with stop._cond:                        # the lock stop.wait() holds while it starts and ends waiting
+    os.kill(os.getpid(), signal.SIGTERM)   # the handler runs here, on this thread, lock held
+print("stopped" if stop.wait(5) else "not stopped", flush=True)
+"""
+
+
+def test_a_signal_arriving_while_the_main_thread_holds_the_stop_event_s_lock_still_stops_the_role() -> None:
+    code = _SIGNAL_WHILE_WAITING.format(install="stop_on_signals", call="stop_on_signals(stop)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert proc.stdout.strip() == "stopped", proc.stderr
+
+
+def test_setting_the_event_inside_the_handler_would_deadlock_there() -> None:
+    """The case stop_on_signals exists for: a handler that sets the event itself never returns."""
+    code = _SIGNAL_WHILE_WAITING.format(
+        install="wait_for_stop", call="signal.signal(signal.SIGTERM, lambda *_: stop.set())")
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3)
