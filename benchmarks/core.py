@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from benchmarks.measure import loopback_bandwidth
-from hio.common.config import ConfigError, setting
-from hio.common.settings import ClusterSettings
+from hio.config import ConfigError, setting
+from hio.settings import ClusterSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class CoreBenchConfig(ClusterSettings):
 
 
 def _parse_size(text: str) -> int:
-    from hio.common.config import scaled
+    from hio.config import scaled
     return scaled(text)
 
 
@@ -83,7 +83,7 @@ def role_cpu(pids: dict[str, int]) -> dict[str, float]:
     """CPU seconds each role has used so far: the gateway is this process, the engines
     are the worker's children."""
     from benchmarks.measure import proc_cpu_seconds
-    from hio.common.procs import children
+    from hio.process.procs import children
 
     usage = {"gateway": proc_cpu_seconds(os.getpid())}
     for role, pid in pids.items():
@@ -129,7 +129,7 @@ def _wait_done(config: CoreBenchConfig, mode: str, count: int) -> None:
     """Queued tuples are ENQUEUED before processed: wait until the master counts them done."""
     import grpc
 
-    from hio.common.net import create_channel
+    from hio.transport.net import create_channel
     from hio.proto import master_pb2, master_pb2_grpc
 
     with create_channel(config.master_address, config) as channel:

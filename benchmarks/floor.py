@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 
 from benchmarks.measure import loopback_bandwidth, proc_cpu_seconds
-from hio.common.config import ConfigError, scaled, setting
-from hio.common.files import write_all
-from hio.common.frames import crc32
-from hio.common.settings import MiB
+from hio.config import ConfigError, scaled, setting
+from hio.storage.files import write_all
+from hio.transport.frames import crc32
+from hio.settings import MiB
 from hio.gateway.spool import Spool
 from hio.proto.tuple_pb2 import TupleMeta
 

@@ -43,8 +43,8 @@ from pathlib import Path
 
 from benchmarks.report import cost_label, size_label
 from benchmarks.systems import SLOTS, SYSTEMS, MessageGenerator, System, make_system
-from hio.common.config import ConfigError, positive, setting
-from hio.common.settings import ClusterSettings
+from hio.config import ConfigError, positive, setting
+from hio.settings import ClusterSettings
 
 log = logging.getLogger("hio.bench")
 

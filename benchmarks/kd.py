@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from hio.common.config import ConfigError, positive, setting
-from hio.common.settings import ClusterSettings
+from hio.config import ConfigError, positive, setting
+from hio.settings import ClusterSettings
 
 WARMUP_RECORDS = 500
 
@@ -58,7 +58,7 @@ def _uploads(first_id: int, count: int, features: int, groups: int, seed: int) -
     tuple id ``i`` in group ``i % groups`` (image ``hio/bench-<g>``, features ``g<g>_f<j>``)."""
     import zstandard
 
-    from hio.common.frames import crc32
+    from hio.transport.frames import crc32
     from hio.proto import features_pb2, repository_pb2
 
     rng = np.random.default_rng(seed + first_id)
@@ -84,7 +84,7 @@ class _Bench:
     """One repository + one Spark session; KD runs are `--once` passes."""
 
     def __init__(self, config: KDBenchConfig, work: Path) -> None:
-        from hio.common.net import create_channel
+        from hio.transport.net import create_channel
         from hio.kd.config import KDConfig
         from hio.kd.job import build_session
         from hio.proto import repository_pb2_grpc

@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import Usage, proc_usage, total
-from hio.common import config as cfg
-from hio.common.config import ConfigError, positive, setting
-from hio.common.procs import children
-from hio.common.settings import ClusterSettings
+from hio import config as cfg
+from hio.config import ConfigError, positive, setting
+from hio.process.procs import children
+from hio.settings import ClusterSettings
 
 log = logging.getLogger("hio.soak")
 
@@ -119,7 +119,7 @@ class SoakCluster:
         return self._cluster.status()
 
     def stored_records(self) -> int:
-        from hio.common.net import create_channel
+        from hio.transport.net import create_channel
         from hio.proto import repository_pb2, repository_pb2_grpc
 
         with create_channel(self.repository, self._cluster.settings) as channel:
@@ -378,7 +378,7 @@ def _steady(cluster: SoakCluster, load: Load, config: SoakConfig, rate: float) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hio.common.log import setup_logging
+    from hio.process.log import setup_logging
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     cfg.add_arguments(parser, SoakConfig, "soak")

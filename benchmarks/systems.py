@@ -176,8 +176,8 @@ class HioSystem(System):
         import grpc  # noqa: F401  (fail early if missing)
 
         from hio.cluster import LocalCluster
-        from hio.common.net import create_channel
-        from hio.common.settings import ClusterSettings
+        from hio.transport.net import create_channel
+        from hio.settings import ClusterSettings
         from hio.gateway import Gateway
         from hio.proto import master_pb2_grpc, repository_pb2_grpc
 

@@ -28,10 +28,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Self
 
-from hio.common import config as cfg
-from hio.common.config import state_dir
-from hio.common.files import atomic_write
-from hio.common.frames import check_meta
+from hio import config as cfg
+from hio.config import state_dir
+from hio.storage.files import atomic_write
+from hio.transport.frames import check_meta
 from hio.gateway.config import GatewayConfig, infer_image
 from hio.gateway.dispatch import Completion, Dispatcher, Outcome
 from hio.gateway.spool import MoveOnDone, Spool, SpoolEntry, SpoolFull, safe_name

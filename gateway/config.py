@@ -11,8 +11,8 @@ import socket
 from pathlib import Path
 from typing import ClassVar
 
-from hio.common.config import ConfigError, positive, setting
-from hio.common.settings import SERVER_SETTINGS, ClusterSettings, MiB
+from hio.config import ConfigError, positive, setting
+from hio.settings import SERVER_SETTINGS, ClusterSettings, MiB
 
 GiB = 1024 * MiB
 

@@ -13,8 +13,8 @@ import time
 
 import grpc
 
-from hio.common.log import NOTICE
-from hio.common.net import ROLE_SERVICES, RoleHealth, create_server, set_serving, stop_on_signals, wait_for_stop
+from hio.process.log import NOTICE
+from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, set_serving, stop_on_signals, wait_for_stop
 from hio.gateway.client import Gateway
 from hio.gateway.config import GatewayConfig
 from hio.gateway.ingest import POLICY, IngestReceiver, IngestServicer

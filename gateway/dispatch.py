@@ -5,7 +5,7 @@ one image (at most ``batch_tuples`` and ``batch_bytes``; a bigger tuple goes
 alone), ask ``Master.RouteTuples`` for one route, persist the ids, and stream
 the batch over one ``Engine.Deliver`` (or ``Master.Enqueue``) call, reading
 receipts as they arrive. Routes are gRPC calls on one kept channel to the master;
-payloads travel on each peer's :class:`~hio.common.payload.PayloadChannel` (its
+payloads travel on each peer's :class:`~hio.transport.payload.PayloadChannel` (its
 payload lane, or gRPC chunks), chosen once per peer. Payloads the spool keeps in memory (bytes submitted
 through the library, within its ``memory_bytes`` bound) are streamed from
 there; the others are read from the spool chunk by chunk, so memory stays bounded.
@@ -48,11 +48,11 @@ from typing import BinaryIO, Callable, Iterator
 
 import grpc
 
-from hio.common.errors import retry_after
-from hio.common.config import lane_beside
-from hio.common.frames import TupleMeta, unpacked_receipts
-from hio.common.net import NEVER_CONNECTED, create_channel, message_limit, rpc_error_text, rpc_status
-from hio.common.payload import GrpcPayload, LanePayload, PayloadPeers, Upload
+from hio.transport.errors import retry_after
+from hio.config import lane_beside
+from hio.transport.frames import TupleMeta, unpacked_receipts
+from hio.transport.net import NEVER_CONNECTED, create_channel, message_limit, rpc_error_text, rpc_status
+from hio.transport.payload import GrpcPayload, LanePayload, PayloadPeers, Upload
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
 from hio.proto import master_pb2, master_pb2_grpc

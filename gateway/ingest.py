@@ -1,7 +1,7 @@
 """The local ingest API (``hio.proto.Ingest``) for instrument software in any language.
 
 :class:`IngestReceiver` is the domain side (no grpc): it verifies incoming
-tuples with :class:`~hio.common.frames.FrameReader`, spools them chunk by chunk
+tuples with :class:`~hio.transport.frames.FrameReader`, spools them chunk by chunk
 and reports ACCEPTED, then (when the metadata asks ``hio.wait = stored``) the
 final outcome. :class:`IngestServicer` only translates to and from gRPC.
 """
@@ -16,8 +16,8 @@ from typing import cast
 
 import grpc
 
-from hio.common.errors import InvalidArgument, Unavailable, grpc_errors
-from hio.common.frames import FrameReader, UnpackedFrames, idle_bounded
+from hio.transport.errors import InvalidArgument, Unavailable, grpc_errors
+from hio.transport.frames import FrameReader, UnpackedFrames, idle_bounded
 from hio.gateway.client import DeliveryError, Gateway, TupleFuture
 from hio.gateway.spool import SpoolWriter
 from hio.proto import ingest_pb2, ingest_pb2_grpc

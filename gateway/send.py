@@ -27,9 +27,9 @@ from typing import Iterator, TextIO
 
 import grpc
 
-from hio.common.config import ConfigError, state_dir
-from hio.common.frames import WireFrame, crc32_of_file, frames_for_file
-from hio.common.net import create_channel, rpc_error_text, send_frames
+from hio.config import ConfigError, state_dir
+from hio.transport.frames import WireFrame, crc32_of_file, frames_for_file
+from hio.transport.net import create_channel, rpc_error_text, send_frames
 from hio.gateway.client import Gateway, TupleFuture
 from hio.gateway.config import SendConfig, infer_image, is_ignored
 from hio.gateway.spool import Spool, SpoolFull, SpoolInUse, safe_name, spooled_metas

@@ -34,7 +34,7 @@ spool's bound, the oldest one's remaining tuples are copied forward into the
 active segment (same sequence number, current metadata) and it is deleted.
 
 The segments, their roll, reclaim and fsync rounds are a
-:class:`~hio.common.segmentlog.SegmentLog`. 'batch' (the gateway's default)
+:class:`~hio.storage.segmentlog.SegmentLog`. 'batch' (the gateway's default)
 fsyncs about every 100 ms, so a crash of the gateway process loses nothing and
 a power loss at most the last 100 ms of submissions, and an append waits while
 ``unsynced_bytes`` wait for the disk (the disk sets the pace). A failed fsync
@@ -68,11 +68,11 @@ from typing import BinaryIO, Iterator
 
 from google.protobuf.message import DecodeError
 
-from hio.common.config import ConfigError
-from hio.common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from hio.common.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, lock_folder
-from hio.common.frames import crc32, crc32_of_file
-from hio.common.segmentlog import Naming, Segment, SegmentLog, crc32_at
+from hio.config import ConfigError
+from hio.transport.errors import InvalidArgument, ResourceExhausted, Unavailable
+from hio.storage.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, lock_folder
+from hio.transport.frames import crc32, crc32_of_file
+from hio.storage.segmentlog import Naming, Segment, SegmentLog, crc32_at
 from hio.proto.tuple_pb2 import TupleMeta
 
 log = logging.getLogger("hio.gateway")

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hio.common.config import ConfigError
-from hio.common.errors import FailedPrecondition, InvalidArgument
+from hio.config import ConfigError
+from hio.transport.errors import FailedPrecondition, InvalidArgument
 from hio.gateway.client import Gateway
 from hio.gateway.config import infer_image, is_ignored
 from hio.gateway.spool import SpoolFull

@@ -22,7 +22,7 @@ from typing import Any
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from hio import commands
-from hio.common import config as cfg
+from hio import config as cfg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +63,7 @@ def _stacks_on_sigusr1() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:   # a process of its own, maybe started to die with its parent
-        from hio.common.procs import die_with_parent
+        from hio.process.procs import die_with_parent
         die_with_parent()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands.COMMANDS:
@@ -91,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     except cfg.ConfigError as exc:
         print(f"hio {name}: {exc}", file=sys.stderr)
         return 2
-    from hio.common.log import setup_logging
+    from hio.process.log import setup_logging
     setup_logging(getattr(config, "log_level", "warning"), getattr(config, "log_json", False))
     _stacks_on_sigusr1()
     run: Callable[[Any], int] = commands.load(run_path)
-    from hio.common.memory import tune_process
+    from hio.process.memory import tune_process
     tune_process()  # tuple buffers reused instead of faulted in per copy; start-up objects out of the GC's way
     try:
         return int(run(config) or 0)

@@ -17,7 +17,7 @@ in the environment, not on the command line). Arguments given for one role
 come after those, so they override them (``--master-address PROXY``).
 Logs are ``root/logs/<name>.log``; a role that fails to come up raises with
 its log. Every role dies with this process, even one killed with -9
-(:mod:`hio.common.procs`).
+(:mod:`hio.process.procs`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from hio.common.procs import RoleProcess, children, free_port
-from hio.common.settings import ClusterSettings
+from hio.process.procs import RoleProcess, children, free_port
+from hio.settings import ClusterSettings
 
 #: Exit codes of a role that stopped as asked (None: killed after the timeout; -SIGKILL: killed
 #: by its user on purpose, as the fault tests do).
@@ -182,7 +182,7 @@ class LocalCluster:
 
     def status(self, timeout: float = 10.0) -> Any:
         """The master's GetStatus."""
-        from hio.common.net import create_channel
+        from hio.transport.net import create_channel
         from hio.proto import master_pb2, master_pb2_grpc
 
         with create_channel(self.master, self.settings) as channel:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hio.common.errors import ConfigError
+from hio.transport.errors import ConfigError
 
 # name: (config class, config section, run function, help)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                   "print the knowledge KD last wrote to the repository"),
     "dead-letters": ("hio.tools:DeadLettersConfig", "dead_letters", "hio.tools:run_dead_letters",
                      "list tuples that failed too often, or send one again"),
-    "certs": ("hio.common.certs:CertsConfig", "certs", "hio.common.certs:run_certs",
+    "certs": ("hio.transport.certs:CertsConfig", "certs", "hio.transport.certs:run_certs",
               "make a private CA and certificates for TLS / mutual TLS between roles"),
     "bench": ("benchmarks.grid:BenchConfig", "bench", "benchmarks.grid:run_bench",
               "benchmark against Spark Structured Streaming over size x cost"),

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hio.common.config import ConfigError, setting
+from hio.config import ConfigError, setting
 
 log = logging.getLogger("hio.images")
 

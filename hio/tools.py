@@ -11,9 +11,9 @@ from typing import ClassVar
 import grpc
 from google.protobuf import json_format
 
-from hio.common.config import ConfigError, setting
-from hio.common.net import create_channel, rpc_error_text
-from hio.common.settings import SERVER_SETTINGS, ClusterSettings
+from hio.config import ConfigError, setting
+from hio.transport.net import create_channel, rpc_error_text
+from hio.settings import SERVER_SETTINGS, ClusterSettings
 from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 
 # A tool only calls a role: the settings of servers and of tuple streams are not its own.

@@ -23,10 +23,10 @@ from pathlib import Path
 import zstandard
 
 from hio.cluster import LocalCluster
-from hio.common.config import ConfigError, setting
-from hio.common.net import create_channel
-from hio.common.procs import RoleProcess
-from hio.common.settings import ClusterSettings
+from hio.config import ConfigError, setting
+from hio.transport.net import create_channel
+from hio.process.procs import RoleProcess
+from hio.settings import ClusterSettings
 from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
 
 
@@ -130,7 +130,7 @@ def _run_kd(cluster: LocalCluster, config: UpConfig, once: bool) -> RoleProcess:
 def _ports_in_use(config: UpConfig) -> list[str]:
     """The addresses hio up would listen on that something already holds (another hio up?):
     its roles would fail to start, while the health checks found the other system's."""
-    from hio.common.config import split_address
+    from hio.config import split_address
 
     wanted = [("repository", config.repository_address), ("master", config.master_address)]
     if config.http_listen:

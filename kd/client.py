@@ -17,10 +17,10 @@ from typing import Any, Self, TypeVar
 
 import grpc
 
-from hio.common.errors import retry_after
-from hio.common.net import create_channel
-from hio.common.retry import RETRYABLE, Backoff, call_with_retry
-from hio.common.settings import ClusterSettings
+from hio.transport.errors import retry_after
+from hio.transport.net import create_channel
+from hio.transport.retry import RETRYABLE, Backoff, call_with_retry
+from hio.settings import ClusterSettings
 from hio.proto import repository_pb2, repository_pb2_grpc
 
 T = TypeVar("T")

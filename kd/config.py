@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from hio.common.config import ConfigError, positive, setting
-from hio.common.settings import ClusterSettings
+from hio.config import ConfigError, positive, setting
+from hio.settings import ClusterSettings
 
 
 @dataclasses.dataclass(frozen=True)

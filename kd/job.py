@@ -27,8 +27,8 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from hio.common.log import NOTICE
-from hio.common.net import stop_on_signals
+from hio.process.log import NOTICE
+from hio.transport.net import stop_on_signals
 from hio.kd.client import RepositoryClient, connection_options
 from hio.kd.config import KDConfig
 from hio.kd.model import cluster_groups, plan, to_knowledge

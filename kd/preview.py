@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hio.common.files import atomic_write
+from hio.storage.files import atomic_write
 from hio.kd.model import Clustering, GroupResult
 from hio.kd.store import Group
 

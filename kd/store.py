@@ -12,7 +12,7 @@ after a crash (its commit log entry missing), a query whose checkpoint was
 lost, or a compaction interrupted half-way therefore never counts a tuple
 twice, whatever the order of failures.
 
-A failed fsync (a folder's included) is final (:class:`~hio.common.files.SyncBudget`):
+A failed fsync (a folder's included) is final (:class:`~hio.storage.files.SyncBudget`):
 every later interval is refused until KD restarts; Spark replays them then.
 
 Cost: an append touches only the new rows (plus one sorted-array merge of the
@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from hio.common.files import SyncBudget
+from hio.storage.files import SyncBudget
 from hio.kd.records import to_unsigned
 
 log = logging.getLogger("hio.kd")

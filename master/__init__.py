@@ -16,10 +16,10 @@ import logging
 
 import grpc
 
-from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
-from hio.common.log import NOTICE
-from hio.common.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
-from hio.common.tickets import make_ticket
+from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
+from hio.process.log import NOTICE
+from hio.transport.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
+from hio.transport.tickets import make_ticket
 from hio.master.config import MasterConfig
 from hio.master.core import Master
 from hio.master.service import POLICY, MasterService

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
-from hio.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from hio.common.files import copy_exact
-from hio.common.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta
-from hio.common.segmentlog import Segment, SegmentLog, crc32_at
+from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from hio.storage.files import copy_exact
+from hio.transport.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta
+from hio.storage.segmentlog import Segment, SegmentLog, crc32_at
 from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import ACK, MOVE, NAMING, READ_BLOCK, Journal, RecordWriter, scan_segment
 from hio.master.storage import Durability

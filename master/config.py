@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hio.common.config import ConfigError, check_address, lane_listen_address, positive, same_port, setting
-from hio.common.settings import ClusterSettings
+from hio.config import ConfigError, check_address, lane_listen_address, positive, same_port, setting
+from hio.settings import ClusterSettings
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from hio.common.config import ConfigError, state_dir
-from hio.common.errors import InvalidArgument, NotFound, ResourceExhausted
-from hio.common.files import lock_folder
-from hio.common.frames import TupleFrame, TupleMeta, WireFrame, tuple_frames
-from hio.common.tickets import load_ticket_key, make_ticket
+from hio.config import ConfigError, state_dir
+from hio.transport.errors import InvalidArgument, NotFound, ResourceExhausted
+from hio.storage.files import lock_folder
+from hio.transport.frames import TupleFrame, TupleMeta, WireFrame, tuple_frames
+from hio.transport.tickets import load_ticket_key, make_ticket
 from hio.master.backlog import BacklogQueue, ImageQueue, Lease, Stored
 from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
@@ -35,7 +35,7 @@ from hio.master.stats import Stats
 from hio.master.storage import Durability
 
 if TYPE_CHECKING:
-    from hio.common.lane import LaneServer
+    from hio.transport.lane import LaneServer
 
 log = logging.getLogger("hio.master")
 

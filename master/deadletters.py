@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from hio.common.files import copy_exact
-from hio.common.frames import TupleMeta
+from hio.storage.files import copy_exact
+from hio.transport.frames import TupleMeta
 from hio.master.storage import Durability, write_all
 
 log = logging.getLogger("hio.master")

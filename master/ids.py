@@ -12,7 +12,7 @@ import os
 import struct
 from pathlib import Path
 
-from hio.common.frames import crc32
+from hio.transport.frames import crc32
 from hio.master.storage import fsync_dir
 
 _RECORD = struct.Struct(">QI")  # high-water mark, CRC-32 of the mark

@@ -21,9 +21,9 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from hio.common.errors import InvalidArgument, Unavailable
-from hio.common.frames import TupleMeta, crc32
-from hio.common.segmentlog import Naming, Segment, SegmentLog
+from hio.transport.errors import InvalidArgument, Unavailable
+from hio.transport.frames import TupleMeta, crc32
+from hio.storage.segmentlog import Naming, Segment, SegmentLog
 from hio.master.storage import Durability
 
 log = logging.getLogger("hio.master")

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from hio.common.errors import AlreadyExists, InvalidArgument
+from hio.transport.errors import AlreadyExists, InvalidArgument
 
 MAX_CHANNELS_PER_WORKER = 1024
 MAX_NAME = 256

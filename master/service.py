@@ -12,9 +12,9 @@ from typing import Callable, Iterable, Iterator
 import grpc
 from google.protobuf.message import DecodeError
 
-from hio.common.errors import InvalidArgument, grpc_errors
-from hio.common.frames import TupleFrame, TupleReceipt, idle_bounded
-from hio.common.lane import LaneFrame, lane_frames
+from hio.transport.errors import InvalidArgument, grpc_errors
+from hio.transport.frames import TupleFrame, TupleReceipt, idle_bounded
+from hio.transport.lane import LaneFrame, lane_frames
 from hio.master.backlog import Placement
 from hio.master.core import PULL_PACK_BYTES, Master, Outcome, RouteItem, Status
 from hio.master.deadletters import DeadLetter
@@ -23,7 +23,7 @@ from hio.master.routing import DirectRoute
 from hio.proto import master_pb2, master_pb2_grpc
 
 
-# Method name -> roles allowed (passed to hio.common.net.create_server as `policy`).
+# Method name -> roles allowed (passed to hio.transport.net.create_server as `policy`).
 POLICY: dict[str, set[str]] = {
     "RegisterWorker": {"worker"},
     "Heartbeat": {"worker"},

@@ -8,8 +8,8 @@ import threading
 import time
 from pathlib import Path
 
-from hio.common.files import UNSYNCED_BYTES, SyncBudget, fsync_dir, write_all
-from hio.common.segmentlog import POLICIES, SegmentLog
+from hio.storage.files import UNSYNCED_BYTES, SyncBudget, fsync_dir, write_all
+from hio.storage.segmentlog import POLICIES, SegmentLog
 
 __all__ = ["Durability", "fsync_dir", "write_all"]
 
@@ -18,7 +18,7 @@ BATCH_INTERVAL = 0.1  # seconds: 'batch' fsyncs what waits at most this often
 
 class Durability:
     """The master's fsync policy: 'always', 'batch' or 'never' (see
-    :mod:`hio.common.segmentlog`), its :class:`SyncBudget` (the bound on what waits for
+    :mod:`hio.storage.segmentlog`), its :class:`SyncBudget` (the bound on what waits for
     an fsync, and the final refusal after a failed one), and the 'batch' rounds:
     :meth:`flush_due`, called by the master's maintenance thread, runs one over the
     segment logs that :meth:`attach` named, at most every ``interval`` seconds."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from hio.common.config import ConfigError, check_address, positive, setting
-from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, ClusterSettings, MiB
+from hio.config import ConfigError, check_address, positive, setting
+from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, ClusterSettings, MiB
 
 FSYNC_MODES = ("batch", "always", "never")
 
@@ -55,8 +55,8 @@ class RepositoryConfig(ClusterSettings):
         self._validate_sizes()
 
     def _validate_sizes(self) -> None:
-        # Imported here: hio.common.net imports grpc, which the CLI should not pay for to parse flags.
-        from hio.common.net import message_limit
+        # Imported here: hio.transport.net imports grpc, which the CLI should not pay for to parse flags.
+        from hio.transport.net import message_limit
 
         limit = message_limit(self) - RECORD_HEADROOM
         if self.max_record_bytes > limit:

@@ -14,8 +14,8 @@ import re
 import threading
 from pathlib import Path
 
-from hio.common.errors import FailedPrecondition, InvalidArgument
-from hio.common.files import atomic_write, clean_temporaries
+from hio.transport.errors import FailedPrecondition, InvalidArgument
+from hio.storage.files import atomic_write, clean_temporaries
 
 log = logging.getLogger("hio.repository")
 

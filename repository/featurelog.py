@@ -12,7 +12,7 @@ Durability (``fsync``):
   this process); the OS writes it when it will.
 
 The segments, their torn-tail cut, roll and fsync rounds are a
-:class:`~hio.common.segmentlog.SegmentLog`; this module keeps the record offsets,
+:class:`~hio.storage.segmentlog.SegmentLog`; this module keeps the record offsets,
 the id index, group commit and the reads. A failed fsync (a folder's included)
 is final: after such a failure the kernel may have dropped the dirty pages, so
 a later fsync succeeding proves nothing; every put is refused
@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from hio.common.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
-from hio.common.files import SyncBudget, lock_folder
-from hio.common.segmentlog import Segment, SegmentLog
+from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
+from hio.storage.files import SyncBudget, lock_folder
+from hio.storage.segmentlog import Segment, SegmentLog
 from hio.repository.config import FSYNC_MODES
 from hio.repository.index import Location, OffsetIndex
 from hio.repository.segments import MAGIC, NAMING, decode_record, encode_record, record_follows, scan_segment

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from google.protobuf import json_format
 
-from hio.common.config import ConfigError
+from hio.config import ConfigError
 from hio.proto import features_pb2
 from hio.repository.store import FeatureStore
 

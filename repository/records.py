@@ -15,8 +15,8 @@ import threading
 import zstandard
 from google.protobuf.message import DecodeError
 
-from hio.common.errors import DataLoss, InvalidArgument
-from hio.common.frames import crc32
+from hio.transport.errors import DataLoss, InvalidArgument
+from hio.transport.frames import crc32
 from hio.proto import features_pb2
 
 MAX_TUPLE_ID = 2**64 - 1

@@ -23,8 +23,8 @@ import struct
 from array import array
 from pathlib import Path
 
-from hio.common.frames import crc32
-from hio.common.segmentlog import Naming
+from hio.transport.frames import crc32
+from hio.storage.segmentlog import Naming
 
 MAGIC = b"HIOFEAT1"
 HEADER = struct.Struct("<IIQQ")

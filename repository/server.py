@@ -6,9 +6,9 @@ import logging
 
 import grpc
 
-from hio.common.errors import HioError
-from hio.common.log import NOTICE
-from hio.common.net import ROLE_SERVICES, RoleHealth, create_server, run_until_signal, set_serving
+from hio.transport.errors import HioError
+from hio.process.log import NOTICE
+from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, run_until_signal, set_serving
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig
 from hio.repository.http import PreviewHttpServer

@@ -10,14 +10,14 @@ from typing import Iterator
 
 import grpc
 
-from hio.common.errors import InvalidArgument, NotFound, grpc_errors
+from hio.transport.errors import InvalidArgument, NotFound, grpc_errors
 from hio.proto import repository_pb2 as pb
 from hio.proto import repository_pb2_grpc
 from hio.repository.store import FeatureStore
 
 log = logging.getLogger("hio.repository")
 
-# Which caller roles may call which method (see hio.common.net: 'admin' and 'any' pass everywhere).
+# Which caller roles may call which method (see hio.transport.net: 'admin' and 'any' pass everywhere).
 POLICY: dict[str, set[str]] = {
     "PutFeatures": {"worker"},
     "ReadFeatures": {"kd"},

@@ -6,7 +6,7 @@ Layout under the repository folder (``data_dir/repository/``)::
     consumers/  one committed offset per consumer name
     knowledge/  knowledge.pb and preview.png
 
-No gRPC here: errors are ``hio.common.errors`` classes the servicer maps.
+No gRPC here: errors are ``hio.transport.errors`` classes the servicer maps.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB
+from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB
 from hio.repository.consumers import ConsumerOffsets
 from hio.repository.featurelog import Appended, FeatureLog
 from hio.repository.knowledge import KnowledgeFiles
@@ -63,8 +63,8 @@ class FeatureStore:
     @classmethod
     def from_config(cls, config: "RepositoryConfig") -> "FeatureStore":
         """The store under ``config.data_dir/repository`` with the config's bounds."""
-        from hio.common.config import state_dir
-        from hio.common.net import message_limit
+        from hio.config import state_dir
+        from hio.transport.net import message_limit
 
         options = StoreOptions(
             segment_bytes=config.segment_bytes, fsync=config.fsync, fsync_interval_ms=config.fsync_interval_ms,

@@ -26,7 +26,7 @@ def _no_stray_hio_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Roles a test started and nothing stopped (a fixture cut short, Ctrl-C) stop with the
     session, gracefully; should this process die instead, they die with it (the lifeline)."""
-    from hio.common.procs import stop_all
+    from hio.process.procs import stop_all
 
     left = stop_all()
     if left:

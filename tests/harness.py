@@ -1,4 +1,4 @@
-"""Real `hio` processes for tests, on top of :mod:`hio.common.procs`.
+"""Real `hio` processes for tests, on top of :mod:`hio.process.procs`.
 
     with HioProcess("master", ["--listen", f"127.0.0.1:{port}"], tmp_path) as master:
         master.wait_healthy(f"127.0.0.1:{port}")
@@ -20,7 +20,7 @@ from typing import Any, Callable
 import pytest
 
 from hio.cluster import LocalCluster
-from hio.common.procs import LIFELINE_ENV, RoleProcess, child_env, free_port
+from hio.process.procs import LIFELINE_ENV, RoleProcess, child_env, free_port
 
 __all__ = ["FsyncDisk", "HioProcess", "free_port", "hio_env", "local_cluster", "stop_cleanly", "wait_for"]
 

@@ -14,7 +14,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hio.common.config import ConfigError
+from hio.config import ConfigError
 
 BUILTIN_PIPELINES = ("microscopy", "simulation", "synthetic")
 # An engine whose pipeline cannot be loaded exits with this (EX_CONFIG) after one line saying why:

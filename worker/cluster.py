@@ -1,12 +1,12 @@
 """The engine's calls to the master and the repository, in one gRPC adapter.
 
 Everything above this module (``Engine``, ``Reporter``) sees plain methods
-that raise ``hio.common.errors`` classes, never ``grpc.RpcError``: the data
+that raise ``hio.transport.errors`` classes, never ``grpc.RpcError``: the data
 path is testable and readable without the transport. Calls that may succeed
 later (``UNAVAILABLE``, ``RESOURCE_EXHAUSTED``) are retried here with
 jittered backoff up to ``rpc_deadline`` seconds. Every call is a gRPC call on
 one kept channel per peer; payloads (pulls, and tuples handed back to the
-queue) travel on the master's :class:`~hio.common.payload.PayloadChannel`.
+queue) travel on the master's :class:`~hio.transport.payload.PayloadChannel`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import TypeVar, cast
 
 import grpc
 
-from hio.common import errors
-from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32
-from hio.common.lane import LaneError
-from hio.common.config import lane_beside
-from hio.common.net import create_channel, message_limit, rpc_error_text, rpc_status
-from hio.common.payload import Download, GrpcPayload, LanePayload, PayloadPeers
-from hio.common.retry import call_with_retry
-from hio.common.settings import ClusterSettings
+from hio.transport import errors
+from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32
+from hio.transport.lane import LaneError
+from hio.config import lane_beside
+from hio.transport.net import create_channel, message_limit, rpc_error_text, rpc_status
+from hio.transport.payload import Download, GrpcPayload, LanePayload, PayloadPeers
+from hio.transport.retry import call_with_retry
+from hio.settings import ClusterSettings
 from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 
 log = logging.getLogger("hio.worker")
@@ -125,7 +125,7 @@ class ClusterLink:
 
     def enqueue(self, meta: TupleMeta, data: bytes, deadline: float | None = None) -> TupleReceipt:
         """Stream one tuple into the master's backlog; its receipt (ENQUEUED when durable). A lane
-        that breaks moves the master to gRPC (:mod:`hio.common.payload`), where the retry goes."""
+        that breaks moves the master to gRPC (:mod:`hio.transport.payload`), where the retry goes."""
         address, lane = self._master_peer()
 
         def send() -> list[TupleReceipt]:
@@ -160,7 +160,7 @@ class ClusterLink:
     def pull(self, channel_id: str, wait_seconds: float, *, max_tuples: int = 1, max_bytes: int = 0) -> PullCall:
         """Open a PullTuple long-poll for ``channel_id`` (up to ``max_tuples`` tuples) on the
         master's payload channel. A lane that cannot be opened moves the master to gRPC (see
-        :mod:`hio.common.payload`), and the pull goes there."""
+        :mod:`hio.transport.payload`), and the pull goes there."""
         request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds,
                                               max_tuples=max_tuples, max_bytes=max_bytes)
         address, lane = self._master_peer()

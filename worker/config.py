@@ -10,7 +10,7 @@ engine's own tunables (``store_batch_records``, ``rpc_deadline``, ...) come
 from the worker's ``engine_settings``, which the ``[engine]`` table of the
 worker's configuration file and ``HIO_ENGINE_<NAME>`` variables of the worker's
 environment fill (and, for settings only engines have, ``[cluster]`` and
-``HIO_<NAME>``, as for any role; :class:`hio.common.config.PassedOn`).
+``HIO_<NAME>``, as for any role; :class:`hio.config.PassedOn`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import os
 import socket
 from typing import ClassVar
 
-from hio.common.config import ConfigError, PassedOn, as_text, check_address, parse_assignments, positive, setting
-from hio.common.settings import ClusterSettings
+from hio.config import ConfigError, PassedOn, as_text, check_address, parse_assignments, positive, setting
+from hio.settings import ClusterSettings
 
 DEFAULT_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
 RUNTIMES = ("auto", "process", "docker")

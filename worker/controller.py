@@ -24,9 +24,9 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hio.common.log import NOTICE
-from hio.common.net import ROLE_SERVICES, connect_hint, create_channel, stop_on_signals
-from hio.common.retry import Backoff
+from hio.process.log import NOTICE
+from hio.transport.net import ROLE_SERVICES, connect_hint, create_channel, stop_on_signals
+from hio.transport.retry import Backoff
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
 from hio.worker.config import WorkerConfig, engine_counts

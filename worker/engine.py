@@ -31,15 +31,15 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import zstandard
 
-from hio.common.errors import (DataLoss, DeadlineExceeded, FailedPrecondition, HioError, InvalidArgument,
+from hio.transport.errors import (DataLoss, DeadlineExceeded, FailedPrecondition, HioError, InvalidArgument,
                                PermissionDenied, ResourceExhausted, Unavailable, grpc_errors)
-from hio.common.tickets import load_ticket_key, verify_ticket
-from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
-from hio.common.config import ConfigError
-from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
-from hio.common.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
-from hio.common.retry import Backoff
-from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
+from hio.transport.tickets import load_ticket_key, verify_ticket
+from hio.transport.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
+from hio.config import ConfigError
+from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
+from hio.transport.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
+from hio.transport.retry import Backoff
+from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
 from hio.proto import engine_pb2_grpc, master_pb2
 from hio.worker.api import PIPELINE_EXIT_CODE, Pipeline, TupleInfo, load_pipeline, pipeline_for_image
 from hio.worker.cluster import ClusterLink, PullCall

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from hio.common.config import ConfigError
+from hio.config import ConfigError
 from hio.worker.config import WorkerConfig
 
 log = logging.getLogger("hio.worker")

@@ -22,8 +22,8 @@ import threading
 import time
 from typing import Callable, Deque, Iterable, Union
 
-from hio.common import errors
-from hio.common.retry import Backoff
+from hio.transport import errors
+from hio.transport.retry import Backoff
 from hio.proto import master_pb2
 
 log = logging.getLogger("hio.worker")
@@ -47,7 +47,7 @@ _Item = Union[master_pb2.TupleOutcome, _Release]
 class Reporter:
     """Batches outcomes and releases for one channel; thread-safe, never blocks callers.
 
-    ``send`` performs one ReportTuples call and raises ``hio.common.errors``
+    ``send`` performs one ReportTuples call and raises ``hio.transport.errors``
     classes on failure. Release callbacks receive the master's ``pull_queue``
     answer (False when the report could not be delivered).
     """

@@ -28,9 +28,9 @@ def main() -> int:
     if not listen.rpartition(":")[2].isdigit():
         print(f"healthcheck: HIO_ENGINE_LISTEN is not host:port: {listen!r}", file=sys.stderr)
         return 1
-    from hio.common import config
-    from hio.common.net import ROLE_SERVICES, wait_healthy
-    from hio.common.settings import ClusterSettings
+    from hio import config
+    from hio.transport.net import ROLE_SERVICES, wait_healthy
+    from hio.settings import ClusterSettings
 
     settings = config.build(ClusterSettings, "engine")
     try:

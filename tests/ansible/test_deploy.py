@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hio.common.net import wait_healthy
-from hio.common.procs import LIFELINE_ENV, child_env, free_port
-from hio.common.settings import ClusterSettings
+from hio.transport.net import wait_healthy
+from hio.process.procs import LIFELINE_ENV, child_env, free_port
+from hio.settings import ClusterSettings
 from tests.ansible.helpers import (
     REPO,
     base_python,

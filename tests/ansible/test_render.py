@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from hio.common import config as cfg
-from hio.common.net import TokenTable, create_server, set_serving, wait_healthy
-from hio.common.settings import ClusterSettings
+from hio import config as cfg
+from hio.transport.net import TokenTable, create_server, set_serving, wait_healthy
+from hio.settings import ClusterSettings
 from tests.ansible.helpers import local_vars, read_unit, require_collections, run_playbook, write_inventory
 
 ROLE_CONFIGS = {

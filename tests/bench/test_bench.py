@@ -25,7 +25,7 @@ from benchmarks.grid import (
 )
 from benchmarks.report import check_targets, read_rows, spark_wins, write_report
 from benchmarks.systems import HEADER_BYTES, MessageGenerator, parse_header
-from hio.common.config import ConfigError
+from hio.config import ConfigError
 
 
 def test_sizes_and_costs_parse_in_the_papers_units() -> None:

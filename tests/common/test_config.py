@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from hio.common import config as cfg
-from hio.common.settings import ClusterSettings
+from hio import config as cfg
+from hio.settings import ClusterSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +197,7 @@ def test_a_client_command_does_not_list_server_settings_but_accepts_them(command
     (":7000", "master_address must name a host"),
 ])
 def test_a_peer_address_without_a_port_or_host_is_refused(address: str, message: str) -> None:
-    from hio.common.settings import ClusterSettings
+    from hio.settings import ClusterSettings
     with pytest.raises(cfg.ConfigError, match=re.escape(message)):
         ClusterSettings(master_address=address).validate_cluster()
     ClusterSettings(master_address="dns:///master.example.org:7000").validate_cluster()   # a gRPC target as it is

@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from hio.common.errors import DataLoss, InvalidArgument
-from hio.common.frames import FrameReader, TupleFrame, TupleMeta, crc32, frames_for_bytes, frames_for_file
+from hio.transport.errors import DataLoss, InvalidArgument
+from hio.transport.frames import FrameReader, TupleFrame, TupleMeta, crc32, frames_for_bytes, frames_for_file
 
 
 def meta_for(data: bytes, tuple_id: int = 7, **kw) -> TupleMeta:
@@ -73,7 +73,7 @@ def test_oversized_chunk_and_missing_meta_are_refused() -> None:
 
 
 def _packed(payloads: list[bytes], pack_bytes: int = 1 << 20) -> list[TupleFrame]:
-    from hio.common.frames import PackingFrames
+    from hio.transport.frames import PackingFrames
 
     packing, out = PackingFrames(pack_bytes, 1 << 20), []
     for i, p in enumerate(payloads):
@@ -124,7 +124,7 @@ def test_packing_rules_are_enforced(breakage: str) -> None:
 
 
 def test_only_tuples_within_a_chunk_and_a_quarter_message_are_packed() -> None:
-    from hio.common.frames import PackingFrames
+    from hio.transport.frames import PackingFrames
 
     assert PackingFrames(1 << 20, 1 << 20).packable(256 * 1024)
     assert not PackingFrames(1 << 20, 1 << 20).packable(256 * 1024 + 1)
@@ -144,7 +144,7 @@ def test_reader_names_the_tuple_it_failed_to_read() -> None:
 
 
 def test_tuple_frames_pack_small_tuples_and_chunk_large_ones_from_bytes_or_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from hio.common.frames import tuple_frames
+    from hio.transport.frames import tuple_frames
 
     payloads = [b"a" * 10, b"b" * 3000, b"c" * 20, b"d" * 30]
     metas = [TupleMeta(tuple_id=n + 1, image="i", size=len(p), crc32=crc32(p)) for n, p in enumerate(payloads)]

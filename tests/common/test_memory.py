@@ -8,12 +8,12 @@ import subprocess
 import sys
 import zlib
 
-from hio.common.frames import crc32
-from hio.common.memory import GC_THRESHOLDS
+from hio.transport.frames import crc32
+from hio.process.memory import GC_THRESHOLDS
 
 
 def test_tuning_takes_effect_in_a_fresh_process() -> None:
-    code = ("import gc, json; from hio.common.memory import tune_process, tune_malloc; tune_process(); "
+    code = ("import gc, json; from hio.process.memory import tune_process, tune_malloc; tune_process(); "
             "print(json.dumps([tune_malloc(), list(gc.get_threshold()), gc.get_freeze_count()]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     malloc_tuned, thresholds, frozen = json.loads(out.stdout)

@@ -7,10 +7,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from hio.common.certs import generate
-from hio.common.net import connect_hint, create_channel, create_server, rpc_error_text, set_serving, wait_healthy
-from hio.common.procs import free_port
-from hio.common.settings import ClusterSettings
+from hio.transport.certs import generate
+from hio.transport.net import connect_hint, create_channel, create_server, rpc_error_text, set_serving, wait_healthy
+from hio.process.procs import free_port
+from hio.settings import ClusterSettings
 
 
 def echo_server(settings: ClusterSettings, policy=None):
@@ -127,7 +127,7 @@ def test_a_call_that_never_connected_says_which_tls_setting_to_fix(tmp_path: Pat
 
 
 def test_servicer_errors_become_statuses_and_aborts_pass_through() -> None:
-    from hio.common.errors import ResourceExhausted, grpc_errors, retry_after
+    from hio.transport.errors import ResourceExhausted, grpc_errors, retry_after
 
     class Servicer:
         @grpc_errors
@@ -167,7 +167,7 @@ def test_servicer_errors_become_statuses_and_aborts_pass_through() -> None:
 def test_a_channel_reaches_a_server_another_channel_found_down() -> None:
     """A restarted engine often gets its old port back: a channel opened to it must not fail
     because another channel of the process failed to connect there and is backing off."""
-    from hio.common.procs import free_port
+    from hio.process.procs import free_port
 
     settings = ClusterSettings()
     port = free_port()
@@ -190,8 +190,8 @@ def test_a_channel_reaches_a_server_another_channel_found_down() -> None:
 
 
 def test_a_tokens_file_with_an_unknown_role_is_refused_by_line(tmp_path: Path) -> None:
-    from hio.common.config import ConfigError
-    from hio.common.net import TokenTable
+    from hio.config import ConfigError
+    from hio.transport.net import TokenTable
 
     path = tmp_path / "tokens"
     path.write_text("gw-secret gateway gw1\nwk-secret workers w1\n")   # 'workers' would refuse w1 on every call
@@ -201,7 +201,7 @@ def test_a_tokens_file_with_an_unknown_role_is_refused_by_line(tmp_path: Path) -
 
 def test_every_role_a_service_grants_is_a_known_token_role() -> None:
     """The roles named in each service's policy are the ones a tokens file may grant."""
-    from hio.common.net import TOKEN_ROLES
+    from hio.transport.net import TOKEN_ROLES
     from hio.gateway.ingest import POLICY as INGEST
     from hio.master.service import POLICY as MASTER
     from hio.repository.service import POLICY as REPOSITORY
@@ -212,7 +212,7 @@ def test_every_role_a_service_grants_is_a_known_token_role() -> None:
 
 
 def test_role_services_are_the_services_the_protos_define() -> None:
-    from hio.common.net import ROLE_SERVICES
+    from hio.transport.net import ROLE_SERVICES
     from hio.proto import engine_pb2, ingest_pb2, master_pb2, repository_pb2
 
     defined = {module.DESCRIPTOR.services_by_name[name].full_name
@@ -222,7 +222,7 @@ def test_role_services_are_the_services_the_protos_define() -> None:
 
 
 def test_a_probe_naming_its_service_is_not_fooled_by_another_server_on_the_port() -> None:
-    from hio.common.net import ROLE_SERVICES
+    from hio.transport.net import ROLE_SERVICES
 
     settings = ClusterSettings()
     server, port, health = create_server(settings, "127.0.0.1:0", service=ROLE_SERVICES["repository"])
@@ -251,7 +251,7 @@ def _idle_then_call(monkeypatch: pytest.MonkeyPatch, *, client_ms: int, server_m
     six client intervals, call again; the client channel's states after its first READY."""
     import time
 
-    from hio.common import net
+    from hio.transport import net
 
     monkeypatch.setattr(net, "KEEPALIVE_MS", server_ms)
     server, address = echo_server(ClusterSettings())
@@ -284,7 +284,7 @@ def test_a_client_pinging_faster_than_its_server_allows_is_sent_away(monkeypatch
 
 _SIGNAL_WHILE_WAITING = """
 import os, signal, threading
-from hio.common.net import {install}
+from hio.transport.net import {install}
 stop = threading.Event()
 {call}
 with stop._cond:                        # the lock stop.wait() holds while it starts and ends waiting

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from hio.common import payload
-from hio.common.payload import PayloadPeers
+from hio.transport import payload
+from hio.transport.payload import PayloadPeers
 
 
 class _Made:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from hio.common import retry
+from hio.transport import retry
 
 
 class FakeError(grpc.RpcError):

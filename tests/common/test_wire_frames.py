@@ -10,7 +10,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hio.common.frames import (
+from hio.transport.frames import (
     ENCODED_MIN_BYTES,
     ChunkFrame,
     FrameReader,

@@ -9,7 +9,7 @@ from typing import Any
 import docker
 
 from hio.cluster import LocalCluster
-from hio.common.procs import RoleProcess
+from hio.process.procs import RoleProcess
 from hio.gateway import Gateway
 from hio.proto import features_pb2, master_pb2
 from hio.up import read_features

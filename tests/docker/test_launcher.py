@@ -74,7 +74,7 @@ def test_engine_container_runs_with_labels_limits_and_host_network(cluster: Clus
     try:
         assert isinstance(handle, EngineHandle) and handle.spec == spec
         cluster_settings = cluster.settings
-        from hio.common.net import wait_healthy
+        from hio.transport.net import wait_healthy
         wait_healthy(f"127.0.0.1:{spec.port}", cluster_settings, timeout=60)  # reachable over host networking
         assert launcher.poll(handle) is None
         container = docker.from_env().containers.get(handle.ident)

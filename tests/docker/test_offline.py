@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hio.common.config import ConfigError
+from hio.config import ConfigError
 
 docker_launcher = pytest.importorskip("hio.worker.docker_launcher")
 from hio.images import (

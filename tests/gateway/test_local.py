@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from hio.common.config import ConfigError, build
-from hio.common.errors import retry_after
+from hio.config import ConfigError, build
+from hio.transport.errors import retry_after
 from hio.gateway import Gateway, GatewayConfig, SendConfig
 from hio.gateway.config import infer_image
 from hio.gateway.daemon import run_gateway

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hio.common.config import ConfigError
-from hio.common.errors import FailedPrecondition, InvalidArgument
+from hio.config import ConfigError
+from hio.transport.errors import FailedPrecondition, InvalidArgument
 from hio.gateway import spool as spool_module
 from hio.gateway.spool import MoveOnDone, Spool, SpoolFull, safe_name
 from hio.proto.tuple_pb2 import TupleMeta

@@ -34,15 +34,15 @@ from hio.proto import (
     repository_pb2_grpc,
 )
 
-from hio.common.frames import (
+from hio.transport.frames import (
     TupleFrame,
     TupleMeta,
     TupleReceipt,
     crc32,
     frames_for_bytes,
 )
-from hio.common.net import AUTH_HEADER, create_channel, create_server, set_serving
-from hio.common.settings import ClusterSettings
+from hio.transport.net import AUTH_HEADER, create_channel, create_server, set_serving
+from hio.settings import ClusterSettings
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -28,8 +28,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hio.common.frames import TupleFrame, TupleMeta, TupleReceipt
-from hio.common.tickets import make_ticket
+from hio.transport.frames import TupleFrame, TupleMeta, TupleReceipt
+from hio.transport.tickets import make_ticket
 from hio.proto import features_pb2, master_pb2, repository_pb2
 from tests.hostile.cluster import (
     CHUNK,
@@ -397,7 +397,7 @@ def test_raw_bytes_to_every_method(cluster: HostileCluster, target: tuple[str, s
     if method.endswith("/PullTuple"):        # a parseable request could long-poll; keep it short
         payloads = [p for p in payloads if not p] or [b""]
     error = raw_call(cluster, server, method, kind, payloads)
-    no_crash(error)  # unparseable bytes are INVALID_ARGUMENT (hio.common.net parses inside the handler)
+    no_crash(error)  # unparseable bytes are INVALID_ARGUMENT (hio.transport.net parses inside the handler)
     cluster.stored()
     assert cluster.drain_queue() == {}
     all_serving(cluster)

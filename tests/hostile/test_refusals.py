@@ -23,9 +23,9 @@ from typing import Any
 import grpc
 import pytest
 
-from hio.common.frames import TupleFrame, TupleMeta, TupleReceipt
-from hio.common.net import create_channel
-from hio.common.settings import ClusterSettings
+from hio.transport.frames import TupleFrame, TupleMeta, TupleReceipt
+from hio.transport.net import create_channel
+from hio.settings import ClusterSettings
 from hio.proto import (
     engine_pb2_grpc,
     ingest_pb2,

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from hio.common.frames import crc32
-from hio.common.net import create_channel
-from hio.common.settings import ClusterSettings
+from hio.transport.frames import crc32
+from hio.transport.net import create_channel
+from hio.settings import ClusterSettings
 from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
 
 CENTRES = np.array([[0.0, 0.0, 0.0], [10.0, 10.0, 0.0], [0.0, 10.0, 10.0]])

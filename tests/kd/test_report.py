@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hio.common.config import ConfigError
+from hio.config import ConfigError
 from hio.kd.config import KDConfig
 from hio.kd.report import format_knowledge
 from hio.proto import features_pb2

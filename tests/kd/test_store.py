@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hio.common.errors import FailedPrecondition
+from hio.transport.errors import FailedPrecondition
 from hio.kd import store as store_mod
 from hio.kd.records import Row, to_table
 from hio.kd.store import AccumulatedStore

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import grpc
 
-from hio.common.frames import TupleFrame, TupleMeta, crc32, frames_for_bytes
-from hio.common.net import create_channel
+from hio.transport.frames import TupleFrame, TupleMeta, crc32, frames_for_bytes
+from hio.transport.net import create_channel
 from hio.master import create_master_server
 from hio.master.config import MasterConfig
 from hio.proto import master_pb2, master_pb2_grpc

@@ -10,8 +10,8 @@ from typing import Callable, Iterable, Iterator
 
 import pytest
 
-from hio.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from hio.common.frames import (ChunkFrame, TupleFrame, TupleMeta, WireFrame, crc32, parse_frame, serialize_frame,
+from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hio.transport.frames import (ChunkFrame, TupleFrame, TupleMeta, WireFrame, crc32, parse_frame, serialize_frame,
                                tuple_frames)
 from hio.master.backlog import BacklogQueue, Lease, Placement, Stored
 from hio.master.deadletters import DeadLetterStore

@@ -13,10 +13,10 @@ from typing import Any, Iterator
 import grpc
 import pytest
 
-from hio.common.config import ConfigError, build
-from hio.common.errors import Unavailable
-from hio.common.lane import END_OF_INPUT, MAGIC, LaneCall, LaneDownload, lane_frames, open_lane
-from hio.common.frames import TupleReceipt, unpacked_receipts
+from hio.config import ConfigError, build
+from hio.transport.errors import Unavailable
+from hio.transport.lane import END_OF_INPUT, MAGIC, LaneCall, LaneDownload, lane_frames, open_lane
+from hio.transport.frames import TupleReceipt, unpacked_receipts
 from hio.master import MasterConfig
 from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
@@ -211,7 +211,7 @@ def test_a_taken_lane_port_gives_way_only_when_derived(tmp_path: Path) -> None:
 
 
 def test_a_full_queue_answers_with_the_retry_hint_gRPC_would_carry(tmp_path: Path) -> None:
-    from hio.common.errors import retry_after
+    from hio.transport.errors import retry_after
 
     m = Master(tmp_path / "master", images=(TEST_IMAGE,), queue_bytes=1_000_000)
     try:
@@ -234,7 +234,7 @@ def test_a_full_queue_answers_with_the_retry_hint_gRPC_would_carry(tmp_path: Pat
 
 def test_a_pull_over_the_lane_brings_each_queued_tuple_intact_from_memory_or_disk(tmp_path: Path) -> None:
     """Small tuples packed, one cached in memory, one read from its backlog segment (sendfile)."""
-    from hio.common.frames import FrameReader
+    from hio.transport.frames import FrameReader
 
     m = Master(tmp_path / "master", images=(TEST_IMAGE,), queue_memory_bytes=1_000_000)
     try:
@@ -293,7 +293,7 @@ def test_a_handlers_own_error_is_internal_with_a_log_reference_not_a_lost_client
     """A disk error while storing is the server's: INTERNAL (details in the log, as gRPC's
     servicers do), not a silently dropped connection the sender would take for an outage.
     A full disk says so, as RESOURCE_EXHAUSTED: the sender waits and retries, uncharged."""
-    from hio.common.lane import LaneServer
+    from hio.transport.lane import LaneServer
 
     def failing(frames: Iterator[Any]) -> Iterator[TupleReceipt]:
         next(frames)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hio.common.net import create_channel
-from hio.common.settings import ClusterSettings
+from hio.transport.net import create_channel
+from hio.settings import ClusterSettings
 from hio.proto import master_pb2, master_pb2_grpc
 from tests.harness import HioProcess, free_port
 from tests.master.helpers import frames, pull, register, route

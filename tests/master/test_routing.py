@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hio.common.config import ConfigError
-from hio.common.errors import InvalidArgument, NotFound
+from hio.config import ConfigError
+from hio.transport.errors import InvalidArgument, NotFound
 from hio.master.config import MasterConfig
 from hio.master.core import Master, Outcome, RouteItem
 from hio.master.registry import ChannelSpec, ChannelState

@@ -10,11 +10,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from hio.common import files
-from hio.common.errors import retry_after
-from hio.common.frames import TupleFrame, TupleReceipt
-from hio.common.net import create_channel
-from hio.common.settings import ClusterSettings
+from hio.storage import files
+from hio.transport.errors import retry_after
+from hio.transport.frames import TupleFrame, TupleReceipt
+from hio.transport.net import create_channel
+from hio.settings import ClusterSettings
 from hio.gateway import Gateway
 from hio.proto import master_pb2, master_pb2_grpc
 from tests.harness import FsyncDisk, free_port, wait_for
@@ -276,7 +276,7 @@ def test_roles_are_enforced(tmp_path: Path) -> None:
 
 
 def test_packed_tuples_are_queued_each_and_pulled_alone(tmp_path: Path) -> None:
-    from hio.common.frames import PackingFrames
+    from hio.transport.frames import PackingFrames
 
     with running_master(tmp_path) as m:
         ch = register(m.stub, "w1")[0]
@@ -296,7 +296,7 @@ def test_packed_tuples_are_queued_each_and_pulled_alone(tmp_path: Path) -> None:
 def _pull_many(stub: master_pb2_grpc.MasterStub, channel_id: str, max_tuples: int,
                max_bytes: int) -> tuple[list[TupleFrame], list[tuple[int, bytes]], list[int]]:
     """One PullTuple asking for several tuples: the raw messages, (id, payload) of each, their attempts."""
-    from hio.common.frames import FrameReader
+    from hio.transport.frames import FrameReader
 
     request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=0, max_tuples=max_tuples,
                                           max_bytes=max_bytes)

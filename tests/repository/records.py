@@ -8,7 +8,7 @@ import zlib
 
 import zstandard
 
-from hio.common.frames import crc32
+from hio.transport.frames import crc32
 from hio.proto import features_pb2
 
 

@@ -8,8 +8,8 @@ from typing import Iterator
 
 import pytest
 
-from hio.common.errors import DataLoss, PermissionDenied, Unauthenticated
-from hio.common.settings import ClusterSettings
+from hio.transport.errors import DataLoss, PermissionDenied, Unauthenticated
+from hio.settings import ClusterSettings
 from hio.proto import repository_pb2 as pb
 from hio.repository import RepositoryConfig
 from hio.worker.cluster import ClusterLink

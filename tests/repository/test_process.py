@@ -7,8 +7,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from hio.common.net import create_channel
-from hio.common.settings import ClusterSettings
+from hio.transport.net import create_channel
+from hio.settings import ClusterSettings
 from hio.proto import repository_pb2 as pb
 from hio.proto import repository_pb2_grpc
 from hio.repository.store import FeatureStore, StoreOptions

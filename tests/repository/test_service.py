@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from hio.common.frames import crc32
-from hio.common.net import create_channel
+from hio.transport.frames import crc32
+from hio.transport.net import create_channel
 from hio.proto import features_pb2, repository_pb2_grpc
 from hio.proto import repository_pb2 as pb
 from hio.repository import RepositoryConfig, create_repository_server

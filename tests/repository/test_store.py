@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hio.common.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
-from hio.common.frames import crc32
+from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
+from hio.transport.frames import crc32
 from hio.proto import features_pb2
 from hio.repository.featurelog import CorruptSegment
 from hio.repository.segments import HEADER_SIZE, MAGIC

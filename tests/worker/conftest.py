@@ -12,10 +12,10 @@ import grpc
 import pytest
 import zstandard
 
-from hio.common.config import build
-from hio.common.frames import TupleMeta, crc32, frames_for_bytes
-from hio.common.net import create_channel
-from hio.common.settings import ClusterSettings
+from hio.config import build
+from hio.transport.frames import TupleMeta, crc32, frames_for_bytes
+from hio.transport.net import create_channel
+from hio.settings import ClusterSettings
 from hio.proto import engine_pb2_grpc, features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 from hio.worker.config import EngineConfig
 from hio.worker.engine import create_engine_server

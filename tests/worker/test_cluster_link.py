@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from hio.common import errors
-from hio.common.certs import generate
-from hio.common.settings import ClusterSettings
+from hio.transport import errors
+from hio.transport.certs import generate
+from hio.settings import ClusterSettings
 from hio.worker.cluster import ClusterLink
 from tests.common.test_net import echo_server
 

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from hio.common.config import ConfigError, build, load_file
+from hio.config import ConfigError, build, load_file
 from hio.proto import features_pb2, tuple_pb2
 from hio.worker.api import PIPELINE_EXIT_CODE, TupleInfo, load_pipeline, pipeline_for_image
 from hio.worker.config import EngineConfig, WorkerConfig, engine_counts
@@ -334,7 +334,7 @@ def test_build_record_stores_every_kind_of_value_as_feature_value_would() -> Non
 
 
 def test_engine_ports_come_from_the_configured_range() -> None:
-    from hio.common.config import ConfigError
+    from hio.config import ConfigError
     from hio.worker.config import WorkerConfig
     from hio.worker.controller import free_port
 
@@ -355,8 +355,8 @@ def test_the_engine_health_probe_asks_by_name_and_still_knows_an_older_image(
     too, with a warning that says to rebuild the image."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from hio.common.net import create_channel, create_server, set_serving
-    from hio.common.settings import ClusterSettings
+    from hio.transport.net import create_channel, create_server, set_serving
+    from hio.settings import ClusterSettings
     from hio.worker.controller import _engine_health
 
     server, port, health = create_server(ClusterSettings(), "127.0.0.1:0", service=service)

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from hio.common.frames import TupleMeta, TupleReceipt, frames_for_bytes
+from hio.transport.frames import TupleMeta, TupleReceipt, frames_for_bytes
 from hio.proto import master_pb2
 from tests.harness import FsyncDisk, free_port, wait_for
 from tests.worker.conftest import (
@@ -139,7 +139,7 @@ def test_repository_down_breaks_the_stream_unavailable(repo: Repo) -> None:
         with pytest.raises(grpc.RpcError) as err:
             engine.deliver([make_tuple(61, b"x")])
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "repository" in err.value.details()
-        from hio.common.errors import retry_after  # the engine's state: a gateway retries uncharged
+        from hio.transport.errors import retry_after  # the engine's state: a gateway retries uncharged
         assert retry_after(err.value) is not None and "repository unreachable" in err.value.details()
     finally:
         engine.close()
@@ -266,7 +266,7 @@ def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Re
 
 
 def test_packed_stream_is_answered_with_packed_receipts(engine: RunningEngine, repo: Repo) -> None:
-    from hio.common.frames import PackingFrames, TupleFrame, unpacked_receipts
+    from hio.transport.frames import PackingFrames, TupleFrame, unpacked_receipts
 
     packing = PackingFrames(1 << 20, 1 << 20)
     for tuple_id in range(71, 91):

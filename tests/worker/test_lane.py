@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import grpc
 import pytest
 
-from hio.common.frames import TupleReceipt, unpacked_receipts
-from hio.common.lane import MAGIC, LaneCall, LaneError, lane_frames, open_lane
+from hio.transport.frames import TupleReceipt, unpacked_receipts
+from hio.transport.lane import MAGIC, LaneCall, LaneError, lane_frames, open_lane
 from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 from tests.harness import free_port, wait_for
@@ -122,7 +122,7 @@ def test_a_client_that_is_not_a_lane_client_gets_a_clear_status(engine: RunningE
 
 def test_random_bytes_and_a_silent_or_trickling_client_are_refused_and_the_lane_keeps_serving(
         engine: RunningEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hio.common.lane as lane_module
+    import hio.transport.lane as lane_module
 
     monkeypatch.setattr(lane_module, "HELLO_SECONDS", 0.5)
     status = raw_status(engine, os.urandom(64))
@@ -170,7 +170,7 @@ def test_a_sender_that_goes_without_ending_its_input_is_a_cancelled_call(engine:
 
 
 def make_head(meta: Any) -> bytes:
-    from hio.common.frames import TupleFrame
+    from hio.transport.frames import TupleFrame
     return TupleFrame(meta=meta, last=True).SerializeToString()
 
 
@@ -224,7 +224,7 @@ def test_a_stopped_lane_accepts_no_more_calls(repo: Repo) -> None:
 
 
 def test_tls_engines_offer_no_lane(repo: Repo, tmp_path: Path) -> None:
-    from hio.common.certs import generate
+    from hio.transport.certs import generate
 
     certs = generate(tmp_path / "certs", ("engine",), ("127.0.0.1",))
     e = RunningEngine(engine_config(master=f"127.0.0.1:{free_port()}", repository=repo.address,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hio.common.config import ConfigError, build
-from hio.common.net import wait_healthy
-from hio.common.settings import ClusterSettings
+from hio.config import ConfigError, build
+from hio.transport.net import wait_healthy
+from hio.settings import ClusterSettings
 from hio.worker.api import PIPELINE_EXIT_CODE
 from hio.worker.config import WorkerConfig
 from hio.worker.controller import engine_env

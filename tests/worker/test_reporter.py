@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from hio.common.errors import InvalidArgument, Unavailable
+from hio.transport.errors import InvalidArgument, Unavailable
 from hio.proto import master_pb2
 from hio.worker.reporter import MAX_BATCH, Reporter
 from tests.harness import wait_for

@@ -8,8 +8,8 @@ import time
 import pytest
 import zstandard
 
-from hio.common.errors import InvalidArgument
-from hio.common.frames import TupleMeta, TupleReceipt
+from hio.transport.errors import InvalidArgument
+from hio.transport.frames import TupleMeta, TupleReceipt
 from hio.proto import features_pb2
 from hio.worker.cluster import ClusterLink
 from hio.worker import engine as engine_module

@@ -6,8 +6,8 @@ import signal
 import time
 from pathlib import Path
 
-from hio.common.net import wait_healthy
-from hio.common.settings import ClusterSettings
+from hio.transport.net import wait_healthy
+from hio.settings import ClusterSettings
 from tests.harness import HioProcess, free_port, wait_for
 from tests.worker.conftest import REPO_ROOT, TEST_IMAGE, TEST_PIPELINE
 from tests.worker.test_worker_process import _engine_pids

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from hio.cluster import LocalCluster
-from hio.common.frames import TupleReceipt, frames_for_bytes
-from hio.common.net import create_channel
+from hio.transport.frames import TupleReceipt, frames_for_bytes
+from hio.transport.net import create_channel
 from hio.proto import engine_pb2_grpc, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 from tests.harness import HioProcess, wait_for
 from tests.worker.conftest import REPO_ROOT, SETTINGS, TEST_IMAGE, TEST_PIPELINE, make_tuple, master_available

@@ -15,7 +15,7 @@ import ipaddress
 import os
 from pathlib import Path
 
-from hio.common.config import ConfigError, setting
+from hio.config import ConfigError, setting
 
 
 @dataclasses.dataclass(frozen=True)

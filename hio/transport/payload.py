@@ -3,7 +3,7 @@
 A :class:`PayloadChannel` carries the calls that move payloads: the uploads
 ``Engine.Deliver`` and ``Master.Enqueue`` (frames in, receipts out) and the
 download ``Master.PullTuple``. Its adapters are :class:`LanePayload` (the
-peer's payload lane, ``hio.common.lane``: a payload goes from the spool file
+peer's payload lane, ``hio.transport.lane``: a payload goes from the spool file
 with ``sendfile``, one frame a tuple) and :class:`GrpcPayload` (gRPC chunks).
 Every other call (routes, reports, heartbeats, feature stores, status) is a
 gRPC call on the peer's kept channel.
@@ -29,10 +29,10 @@ from typing import BinaryIO, Callable, Generic, Iterable, Iterator, Protocol, Ty
 
 import grpc
 
-from hio.common.config import split_address
-from hio.common.frames import TupleMeta, TupleReceipt, tuple_frames
-from hio.common.lane import LANE_CONNECT_SECONDS, LaneCall, LaneDownload, LaneError, lane_frames, open_lane
-from hio.common.net import pull_frames, send_frames
+from hio.config import split_address
+from hio.transport.frames import TupleMeta, TupleReceipt, tuple_frames
+from hio.transport.lane import LANE_CONNECT_SECONDS, LaneCall, LaneDownload, LaneError, lane_frames, open_lane
+from hio.transport.net import pull_frames, send_frames
 from hio.proto.master_pb2 import PullTupleRequest
 
 LANE_RETRY_SECONDS = 60.0   # a peer moved to gRPC (its lane unreachable or broken) chooses again after this

@@ -22,7 +22,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO, TypeVar
 
-from hio.common.errors import DataLoss, DeadlineExceeded, InvalidArgument
+from hio.transport.errors import DataLoss, DeadlineExceeded, InvalidArgument
 from hio.proto import tuple_pb2
 
 TupleMeta = tuple_pb2.TupleMeta

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 if TYPE_CHECKING:
-    from hio.common.settings import ClusterSettings
+    from hio.settings import ClusterSettings
 
 LIFELINE_ENV = "HIO_DIE_WITH_PARENT"   # the pid of the process whose death ends this one
 _PR_SET_PDEATHSIG = 1
@@ -181,8 +181,8 @@ class RoleProcess:
                      settings: ClusterSettings | None = None) -> None:
         """Wait for SERVING of this role's service (not of whatever else answers at
         ``address``); if the process dies or time runs out, raise with its log."""
-        from hio.common.net import ROLE_SERVICES, wait_healthy
-        from hio.common.settings import ClusterSettings
+        from hio.transport.net import ROLE_SERVICES, wait_healthy
+        from hio.settings import ClusterSettings
 
         try:
             wait_healthy(address, settings or ClusterSettings(), timeout=timeout,

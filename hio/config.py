@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from hio import commands
-from hio.common.errors import ConfigError
+from hio.transport.errors import ConfigError
 
 
 class _Dataclass(Protocol):

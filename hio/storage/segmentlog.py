@@ -39,9 +39,9 @@ import threading
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Sequence
 
-from hio.common.errors import Unavailable
-from hio.common.files import SyncBudget, write_all
-from hio.common.frames import crc32
+from hio.transport.errors import Unavailable
+from hio.storage.files import SyncBudget, write_all
+from hio.transport.frames import crc32
 
 log = logging.getLogger("hio.segmentlog")
 

@@ -28,12 +28,12 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Union
 import grpc
 from google.protobuf.message import DecodeError
 
-from hio.common.config import ConfigError, lane_beside, split_address
-from hio.common.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
+from hio.config import ConfigError, lane_beside, split_address
+from hio.transport.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
                                PermissionDenied, Unauthenticated, status_of)
-from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
-from hio.common.net import RoleHealth, TokenTable, create_server, refuse_caller
-from hio.common.settings import ClusterSettings
+from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
+from hio.transport.net import RoleHealth, TokenTable, create_server, refuse_caller
+from hio.settings import ClusterSettings
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 
 log = logging.getLogger("hio.lane")
@@ -68,7 +68,7 @@ class LaneError(grpc.RpcError):
 
     ``transport``: the lane itself failed (refused, closed without a status,
     garbage), not the engine's verdict: the peer's connection is lost
-    (:meth:`hio.common.payload.PayloadPeers.broken`).
+    (:meth:`hio.transport.payload.PayloadPeers.broken`).
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, *, transport: bool = False,

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, NoReturn
 
-from hio.common.errors import FailedPrecondition, Unavailable
+from hio.transport.errors import FailedPrecondition, Unavailable
 
 log = logging.getLogger("hio.files")
 

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import grpc
 
-from hio.common.errors import retry_after
+from hio.transport.errors import retry_after
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from hio.common.config import ConfigError, check_peer, setting
+from hio.config import ConfigError, check_peer, setting
 
 MiB = 1024 * 1024
 # The repository's default bound on one feature record decompressed; an engine refuses

@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hio.common.config import ConfigError
-from hio.common.frames import TupleFrame, TupleReceipt, parse_frame, serialize_frame
-from hio.common.settings import ClusterSettings
+from hio.config import ConfigError
+from hio.transport.frames import TupleFrame, TupleReceipt, parse_frame, serialize_frame
+from hio.settings import ClusterSettings
 
 log = logging.getLogger("hio.net")
 

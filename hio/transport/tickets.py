@@ -12,7 +12,7 @@ import hashlib
 import hmac
 from pathlib import Path
 
-from hio.common.config import ConfigError
+from hio.config import ConfigError
 
 TICKET_BYTES = 16
 MIN_KEY_BYTES = 16
