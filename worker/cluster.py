@@ -18,9 +18,9 @@ from typing import TypeVar, cast
 import grpc
 
 from hio.common import errors
+from hio.common.config import lane_beside
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32
 from hio.common.lane import LaneError
-from hio.common.config import lane_beside
 from hio.common.net import create_channel, message_limit, rpc_error_text, rpc_status
 from hio.common.payload import Download, GrpcPayload, LanePayload, PayloadPeers
 from hio.common.retry import call_with_retry
@@ -147,7 +147,8 @@ class ClusterLink:
             raise errors.Unavailable(f"master: Enqueue of tuple {meta.tuple_id} answered {state}: {receipt.message}")
         return receipt
 
-    def report(self, request: master_pb2.ReportTuplesRequest, timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
+    def report(self, request: master_pb2.ReportTuplesRequest,
+               timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
         """One ReportTuples call (the reporter batches outcomes and decides on retries). Its
         answer names the master's payload lane, which pulls use from then on."""
         try:

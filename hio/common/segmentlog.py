@@ -36,8 +36,9 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Sequence
+from typing import BinaryIO
 
 from hio.common.errors import Unavailable
 from hio.common.files import SyncBudget, write_all
