@@ -43,13 +43,14 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO
 
 import grpc
 
-from hio.transport.errors import retry_after
 from hio.config import lane_beside
+from hio.transport.errors import retry_after
 from hio.transport.frames import TupleMeta, unpacked_receipts
 from hio.transport.net import NEVER_CONNECTED, create_channel, message_limit, rpc_error_text, rpc_status
 from hio.transport.payload import GrpcPayload, LanePayload, PayloadPeers, Upload
@@ -220,7 +221,7 @@ class Dispatcher:
                 return
             try:
                 self._deliver(batch)
-            except Exception as exc:  # noqa: BLE001 - a worker must never die; the tuple stays spooled
+            except Exception as exc:  # a worker must never die; the tuple stays spooled
                 log.exception("delivery failed unexpectedly")
                 with self._cond:   # those settled or already back in the queue are not sent again
                     left = [p for p in batch if p.taken]
@@ -286,7 +287,7 @@ class Dispatcher:
         if self._unserved:
             self._image_served(batch[0].entry.meta.image)
         direct = route.HasField("channel") and not dead
-        for pending, tuple_id, ticket in zip(batch, route.tuple_ids, route.tickets):
+        for pending, tuple_id, ticket in zip(batch, route.tuple_ids, route.tickets, strict=True):
             meta = pending.entry.meta
             meta.tuple_id, meta.ticket = tuple_id, ticket
             if pending.failure and not direct:   # the reason the master gives if it keeps a dead letter
@@ -461,7 +462,7 @@ class Dispatcher:
                     "tuple_id": pending.entry.meta.tuple_id, "tuple_name": pending.entry.meta.name, "error": detail})
         try:
             self._on_complete([(pending.entry, outcome, detail) for pending, outcome, detail in done])
-        except Exception:  # noqa: BLE001 - the hook's failure must not stop delivery of others
+        except Exception:  # the hook's failure must not stop delivery of others
             log.exception("completion hook failed", extra={"seqs": [pending.seq for pending, _, _ in done]})
 
     def _retry(self, batch: list[_Pending], error: str, *, count_attempt: bool,

@@ -22,8 +22,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO, cast
 
 import grpc
 
@@ -34,6 +35,9 @@ from hio.gateway.client import Gateway, TupleFuture
 from hio.gateway.config import SendConfig, infer_image, is_ignored
 from hio.gateway.spool import Spool, SpoolFull, SpoolInUse, safe_name, spooled_metas
 from hio.proto.tuple_pb2 import TupleMeta, TupleReceipt
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 MB = 1e6
 
@@ -140,7 +144,7 @@ class _Sender:
         self.images = images
         self.failures: list[str] = []
         self.tuples = len(files)   # the files, and the resumed tuples not among them
-        self.bar = None
+        self.bar: tqdm[NoReturn] | None = None
         self._tick_lock = threading.Lock()
         self._settled = 0
         self.unserved: dict[TupleFuture, str] = {}   # given up on: no engine serves the image
@@ -182,15 +186,15 @@ class _Sender:
                 by_identity.setdefault((path.name, st.st_size, st.st_mtime), []).append(path)
         futures: dict[TupleFuture, Path | str] = {}
         for future in gateway.resumed_futures:
-            path = _same_file(future, by_identity.get((future.name, future.size, future.created_unix), []))
-            if path is None:
+            same = _same_file(future, by_identity.get((future.name, future.size, future.created_unix), []))
+            if same is None:
                 futures[future] = f"{future.name or '(unnamed)'} (spooled earlier)"
                 self.tuples += 1
             else:
-                futures[future] = path
-                if future.image != self.images[path]:
-                    print(f"hio send: {path} was spooled earlier for image '{future.image}' and goes "
-                          f"as that; to send it for '{self.images[path]}', drop it first "
+                futures[future] = same
+                if future.image != self.images[same]:
+                    print(f"hio send: {same} was spooled earlier for image '{future.image}' and goes "
+                          f"as that; to send it for '{self.images[same]}', drop it first "
                           "(hio send --drop-spooled)", file=sys.stderr)
         if futures:
             named = sum(isinstance(label, Path) for label in futures.values())
@@ -225,7 +229,7 @@ class _Sender:
                 self.failures.append(f"{path}: {getattr(exc, 'message', exc)}")
                 return None
 
-    def _tick(self, future: concurrent.futures.Future) -> None:  # type: ignore[type-arg]
+    def _tick(self, future: concurrent.futures.Future[int]) -> None:
         """Progress: called from delivery threads as each tuple settles."""
         with self._tick_lock:
             self._settled += 1
@@ -241,7 +245,8 @@ class _Sender:
         """
         pending = set(futures)
         while pending:
-            _, pending = concurrent.futures.wait(pending, timeout=0.5)
+            # wait() hands back the futures it was given
+            pending = cast("set[TupleFuture]", concurrent.futures.wait(pending, timeout=0.5).not_done)
             status = gateway.status()
             if pending and status.master_unreachable_seconds > self.config.connect_seconds:
                 return True
@@ -297,7 +302,7 @@ class _Sender:
         return 0 if not self.failures and not gave_up else 1
 
 
-def _progress(config: SendConfig, total_bytes: int, tuples: int):  # type: ignore[no-untyped-def]
+def _progress(config: SendConfig, total_bytes: int, tuples: int) -> tqdm[NoReturn] | None:
     if not (config.progress and sys.stderr.isatty()):
         return None
     from tqdm import tqdm

@@ -63,8 +63,9 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from google.protobuf.message import DecodeError
 
@@ -163,15 +164,15 @@ class SpoolWriter:
     with other uploads), which the ADD_FILE record then names.
     """
 
-    def __init__(self, spool: "Spool", size: int) -> None:
+    def __init__(self, spool: Spool, size: int) -> None:
         self._spool = spool
         self._reserved = size
         self.path = spool.root / f".tmp-{uuid.uuid4().hex}.data"
-        self._fh = open(self.path, "wb")
+        self._fh = open(self.path, "wb")  # noqa: SIM115 - held across write() calls; commit() or abort() closes it
         self.crc = 0
         self.written = 0
 
-    def write(self, chunk: bytes) -> None:
+    def write(self, chunk: bytes | memoryview) -> None:
         if self.written + len(chunk) > self._reserved:
             raise InvalidArgument(f"more bytes than the {self._reserved} declared for this tuple")
         self._fh.write(chunk)
@@ -278,7 +279,7 @@ class Spool:
             elif (match := _DATA.match(path.name)):
                 data_files[int(match.group(1))] = path
         self._log.open(self._replay)
-        for seq, entry in list(self._entries.items()):
+        for entry in list(self._entries.values()):
             if not entry.inline and not self._file_ok(entry):
                 self._set_aside(entry, f"payload file {entry.data_path.name} is missing or of the wrong size")
         for seq, path in data_files.items():
@@ -610,7 +611,7 @@ class Spool:
         """
         with self._cond:
             path, offset = entry.data_path, entry.offset
-            fh = open(path, "rb")
+            fh = open(path, "rb")  # noqa: SIM115 - returned open: the caller reads the payload and closes it
         fh.seek(offset)
         return fh
 

@@ -95,7 +95,8 @@ class Appended:
 def _examples(table: pa.Table, limit: int = 3) -> tuple[str, ...]:
     bad = table.filter(table.column("error").is_valid()).slice(0, limit)
     return tuple(f"offset {o} tuple {to_unsigned(t)}: {e}" for o, t, e in zip(
-        bad.column("offset").to_pylist(), bad.column("tuple_id").to_pylist(), bad.column("error").to_pylist()))
+        bad.column("offset").to_pylist(), bad.column("tuple_id").to_pylist(), bad.column("error").to_pylist(),
+        strict=True))
 
 
 def _merge_sorted(known: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -136,7 +137,7 @@ class AccumulatedStore:
 
     def _parts(self) -> list[Path]:
         found = [(PART_RE.match(p.name), p) for p in self.path.iterdir()]
-        return [p for m, p in sorted((m.groups(), p) for m, p in found if m)]  # type: ignore[union-attr]
+        return [p for m, p in sorted((m.groups(), p) for m, p in found if m)]
 
     def _compact_if_needed(self) -> None:
         """Merge many small interval files into one so a start opens few files.
@@ -224,7 +225,7 @@ class AccumulatedStore:
         self.total += ok.num_rows
         if ok.num_rows and "interval_unix" in ok.column_names:
             when, counts = np.unique(ok.column("interval_unix").to_numpy(), return_counts=True)
-            for t, n in zip(when.tolist(), counts.tolist()):
+            for t, n in zip(when.tolist(), counts.tolist(), strict=True):
                 self._history[t] = self._history.get(t, 0) + n
 
     def _index_groups(self, ok: pa.Table) -> None:
@@ -232,7 +233,7 @@ class AccumulatedStore:
             return
         joined = pc.binary_join(ok.column("names"), KEY_SEP).to_pylist()
         images = ok.column("image").to_pylist()
-        keys = np.array([f"{i}{KEY_SEP * 2}{j}" for i, j in zip(images, joined)], dtype=object)
+        keys = np.array([f"{i}{KEY_SEP * 2}{j}" for i, j in zip(images, joined, strict=True)], dtype=object)
         uniq, inverse = np.unique(keys, return_inverse=True)
         ids = ok.column("tuple_id").to_numpy().view(np.uint64)
         offsets = ok.column("offset").to_numpy()

@@ -33,8 +33,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import BinaryIO
 
 from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.storage.files import copy_exact
@@ -190,7 +191,7 @@ class BacklogQueue:
                 raise
             yield Stored(index=index, meta=meta, placement=placement)
 
-    def _begin_record(self, meta: TupleMeta) -> "RecordWriter":
+    def _begin_record(self, meta: TupleMeta) -> RecordWriter:
         """Reserve room for ``meta.size`` bytes and a segment to write them into."""
         with self._cond:
             self._check_room(meta)   # a tuple to be refused is refused before it waits for the disk
@@ -203,7 +204,7 @@ class BacklogQueue:
         writer.admitted = admitted
         return writer
 
-    def _open_record(self, meta: TupleMeta) -> "RecordWriter":
+    def _open_record(self, meta: TupleMeta) -> RecordWriter:
         with self._cond:
             self._check_room(meta)           # again: others may have taken the room meanwhile
             segment = self._log.take()       # first: a segment that cannot be made reserves nothing
@@ -233,7 +234,7 @@ class BacklogQueue:
                 f"({len(self._entries)} tuples); tuple {meta.tuple_id} needs {meta.size}",
                 retry_after=RETRY_AFTER_FULL)
 
-    def _finish_record(self, writer: "RecordWriter") -> Placement:
+    def _finish_record(self, writer: RecordWriter) -> Placement:
         """Publish a verified record, or drop it if the tuple is already queued."""
         meta = writer.meta
         with self._cond:
@@ -260,7 +261,7 @@ class BacklogQueue:
             self._end_record(writer, entry)
         return Placement.ENQUEUED
 
-    def _end_record(self, writer: "RecordWriter", entry: Entry | None) -> None:
+    def _end_record(self, writer: RecordWriter, entry: Entry | None) -> None:
         """Settle reservations, hand the segment back, publish ``entry`` if any (once per writer)."""
         with self._cond:
             if writer.ended:
@@ -419,7 +420,7 @@ class BacklogQueue:
                 raise NotFound(f"tuple {lease.tuple_id} is no longer leased to {lease.channel_id}")
             if entry.cached is not None:
                 return entry.cached
-            fh = open(self._segments[entry.segment].path, "rb")
+            fh = open(self._segments[entry.segment].path, "rb")  # noqa: SIM115 - returned open: the stream reads and closes it
             fh.seek(entry.offset)
             return fh
 
@@ -582,7 +583,7 @@ class BacklogQueue:
         self.dead.remove(tuple_id)
         log.info("dead letter retried", extra={"tuple_id": tuple_id, "image": meta.image})
 
-    def _abort_record(self, writer: "RecordWriter") -> None:
+    def _abort_record(self, writer: RecordWriter) -> None:
         """Cut an unpublished record off its segment and release what it reserved."""
         if writer.ended:
             return
@@ -743,7 +744,7 @@ class _MetaTap:
         self._frames = iter(frames)
         self.on_meta: Callable[[TupleMeta], None] | None = None
 
-    def __iter__(self) -> "_MetaTap":
+    def __iter__(self) -> _MetaTap:
         return self
 
     def __next__(self) -> TupleFrame:
@@ -781,7 +782,7 @@ class _Receiving:
         else:
             self._record = self._queue._begin_record(meta)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         if self._record is not None:
             self._record.write(data)
         elif self._dead is not None:

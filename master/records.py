@@ -54,7 +54,7 @@ class RecordWriter:
         self.ended = False    # reservations settled and segment handed back
         self.admitted = 0     # bytes the durability policy counts for this record until it is written
         self.start = segment.size
-        self._chunks: list[bytes] = []
+        self._chunks: list[bytes | memoryview] = []
         meta_bytes = meta.SerializeToString()
         if len(meta_bytes) > MAX_META_BYTES:
             raise InvalidArgument(f"tuple {meta.tuple_id}: metadata of {len(meta_bytes)} bytes is too large")
@@ -62,10 +62,10 @@ class RecordWriter:
         log.write(segment, self._head, self.start)
         self.payload_offset = segment.size
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self.log.write(self.segment, data, self.start)
         if self.cache:  # an immutable chunk (bytes, or a view of a received message) is kept as is
-            immutable = isinstance(data, bytes) or (isinstance(data, memoryview) and isinstance(data.obj, bytes))
+            immutable = isinstance(data, bytes) or isinstance(data.obj, bytes)
             self._chunks.append(data if immutable else bytes(data))
 
     def finish(self, seq: int) -> None:

@@ -7,13 +7,14 @@ status, anything else ``INTERNAL`` with a log reference.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import cast
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from hio.transport.errors import InvalidArgument, grpc_errors
-from hio.transport.frames import TupleFrame, TupleReceipt, idle_bounded
+from hio.transport.frames import ChunkFrame, TupleFrame, TupleReceipt, WireFrame, idle_bounded
 from hio.transport.lane import LaneFrame, lane_frames
 from hio.master.backlog import Placement
 from hio.master.core import PULL_PACK_BYTES, Master, Outcome, RouteItem, Status
@@ -21,7 +22,6 @@ from hio.master.deadletters import DeadLetter
 from hio.master.registry import ChannelSpec
 from hio.master.routing import DirectRoute
 from hio.proto import master_pb2, master_pb2_grpc
-
 
 # Method name -> roles allowed (passed to hio.transport.net.create_server as `policy`).
 POLICY: dict[str, set[str]] = {
@@ -87,10 +87,11 @@ class MasterService(master_pb2_grpc.MasterServicer):
         frames = idle_bounded(request_iterator, self._master.config.stream_idle_seconds, context.cancel)
         yield from self.enqueue(frames)
 
-    def enqueue(self, frames: Iterable[TupleFrame]) -> Iterator[TupleReceipt]:
+    def enqueue(self, frames: Iterable[TupleFrame | ChunkFrame]) -> Iterator[TupleReceipt]:
         """Enqueue's receipts, for gRPC and the payload lane (which hands frames on in pieces
         of ``chunk_bytes``, so both take the same chunk bound)."""
-        for stored in self._master.enqueue(frames):
+        # A ChunkFrame reads like a TupleFrame to the FrameReader the backlog reads with.
+        for stored in self._master.enqueue(cast("Iterable[TupleFrame]", frames)):
             yield TupleReceipt(index=stored.index, tuple_id=stored.meta.tuple_id, state=TupleReceipt.ENQUEUED,
                                message=_RECEIPT_MESSAGES[stored.placement],
                                dead_lettered=stored.placement is Placement.DEAD_LETTER)
@@ -119,7 +120,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 pulled.abandon("pull stream cancelled")
 
     @grpc_errors
-    def PullTuple(self, request: master_pb2.PullTupleRequest, context: grpc.ServicerContext) -> Iterator[TupleFrame]:
+    def PullTuple(self, request: master_pb2.PullTupleRequest, context: grpc.ServicerContext) -> Iterator[WireFrame]:
         pulled = self._master.pull(request.channel_id, request.wait_seconds, max_tuples=request.max_tuples,
                                    max_bytes=request.max_bytes, alive=context.is_active)
         if pulled is None:
@@ -175,8 +176,10 @@ def _encode_status(status: Status) -> master_pb2.GetStatusResponse:
     workers = [master_pb2.WorkerStatus(
         worker_id=worker.worker_id, host=worker.host, last_heartbeat_age_seconds=age,
         channels=[master_pb2.ChannelInfo(channel_id=c.channel_id, image=c.image, address=c.address,
-                                         lane_address=c.lane_address, state=int(c.state), detail=c.detail, tuples_done=c.tuples_done,
-                                         processing=c.processing)
+                                         lane_address=c.lane_address,
+                                         # the registry's ChannelState has the proto enum's numbers
+                                         state=cast("master_pb2.ChannelState", int(c.state)),
+                                         detail=c.detail, tuples_done=c.tuples_done, processing=c.processing)
                   for c in channels])
         for worker, age, channels in status.workers]
     queues = [master_pb2.QueueStatus(image=q.image, length=q.length, bytes=q.bytes, leased=q.leased)

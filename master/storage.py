@@ -3,6 +3,7 @@ journal, the dead letters), and the file helpers they use."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -55,10 +56,8 @@ class Durability:
         what the caller keeps in memory must follow the files)."""
         if not self.syncs:
             return
-        try:
+        with contextlib.suppress(OSError):   # not refusing: recorded by the budget, and the caller goes on
             self.budget.sync_folder(path, refuse=refuse)
-        except OSError:   # not refusing: recorded by the budget, and the caller goes on
-            pass
 
     def replace(self, tmp: Path, final: Path, data: bytes) -> None:
         """Write ``data`` to ``tmp`` (synced unless 'never'), then rename it over ``final``

@@ -27,8 +27,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 from hio.storage.files import SyncBudget, lock_folder

@@ -61,8 +61,8 @@ class ScanResult:
     valid_end: int                 # byte position just after the last valid record
     file_size: int
     tuple_ids: list[int]
-    positions: array               # array('Q') of record start positions
-    lengths: array                 # array('I') of whole record lengths (header + payload)
+    positions: array[int]          # array('Q') of record start positions
+    lengths: array[int]            # array('I') of whole record lengths (header + payload)
     problem: str = ""              # why scanning stopped before the end, if it did
 
     @property

@@ -6,7 +6,7 @@ Every method is wrapped with ``@grpc_errors`` so domain errors become statuses.
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 

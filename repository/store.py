@@ -12,8 +12,9 @@ No gRPC here: errors are ``hio.transport.errors`` classes the servicer maps.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Self
 
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB
 from hio.repository.consumers import ConsumerOffsets
@@ -61,7 +62,7 @@ class FeatureStore:
             raise
 
     @classmethod
-    def from_config(cls, config: "RepositoryConfig") -> "FeatureStore":
+    def from_config(cls, config: RepositoryConfig) -> FeatureStore:
         """The store under ``config.data_dir/repository`` with the config's bounds."""
         from hio.config import state_dir
         from hio.transport.net import message_limit
@@ -123,7 +124,7 @@ class FeatureStore:
 
     # --------------------------------------------------------------- knowledge
 
-    def put_knowledge(self, knowledge: bytes, preview_png: bytes | None = None) -> "features_pb2.Knowledge":
+    def put_knowledge(self, knowledge: bytes, preview_png: bytes | None = None) -> features_pb2.Knowledge:
         """Replace the knowledge (must parse as Knowledge) and the preview (PNG or None)."""
         return self._knowledge.put(knowledge, preview_png)
 
@@ -143,7 +144,7 @@ class FeatureStore:
         """Flush and close; further writes are refused."""
         self._features.close()
 
-    def __enter__(self) -> "FeatureStore":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

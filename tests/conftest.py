@@ -7,7 +7,7 @@ import pytest
 # Tests run from a checkout; make `tests.harness` importable without installing tests.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.harness import free_port  # noqa: E402
+from tests.harness import free_port
 
 
 @pytest.fixture

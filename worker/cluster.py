@@ -18,9 +18,9 @@ from typing import TypeVar, cast
 import grpc
 
 from hio.transport import errors
+from hio.config import lane_beside
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32
 from hio.transport.lane import LaneError
-from hio.config import lane_beside
 from hio.transport.net import create_channel, message_limit, rpc_error_text, rpc_status
 from hio.transport.payload import Download, GrpcPayload, LanePayload, PayloadPeers
 from hio.transport.retry import call_with_retry
@@ -147,7 +147,8 @@ class ClusterLink:
             raise errors.Unavailable(f"master: Enqueue of tuple {meta.tuple_id} answered {state}: {receipt.message}")
         return receipt
 
-    def report(self, request: master_pb2.ReportTuplesRequest, timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
+    def report(self, request: master_pb2.ReportTuplesRequest,
+               timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
         """One ReportTuples call (the reporter batches outcomes and decides on retries). Its
         answer names the master's payload lane, which pulls use from then on."""
         try:

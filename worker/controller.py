@@ -30,7 +30,8 @@ from hio.transport.retry import Backoff
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
 from hio.worker.config import WorkerConfig, engine_counts
-from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec, ProcessLauncher, select_launcher
+from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec, ProcessLauncher
+from hio.worker.runtimes import select_launcher
 
 log = logging.getLogger("hio.worker")
 

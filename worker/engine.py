@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -27,19 +28,29 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
 
 import zstandard
 
-from hio.transport.errors import (DataLoss, DeadlineExceeded, FailedPrecondition, HioError, InvalidArgument,
-                               PermissionDenied, ResourceExhausted, Unavailable, grpc_errors)
-from hio.transport.tickets import load_ticket_key, verify_ticket
-from hio.transport.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
 from hio.config import ConfigError
+from hio.transport.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    HioError,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+    grpc_errors,
+)
+from hio.transport.frames import ChunkFrame, FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
 from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
 from hio.transport.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
 from hio.transport.retry import Backoff
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
+from hio.transport.tickets import load_ticket_key, verify_ticket
 from hio.proto import engine_pb2_grpc, master_pb2
 from hio.worker.api import PIPELINE_EXIT_CODE, Pipeline, TupleInfo, load_pipeline, pipeline_for_image
 from hio.worker.cluster import ClusterLink, PullCall
@@ -79,6 +90,12 @@ def error_text(exc: BaseException) -> str:
 def truncate(text: str, limit: int = LAST_ERROR_BYTES) -> str:
     data = text.encode("utf-8")
     return text if len(data) <= limit else data[:limit].decode("utf-8", errors="ignore")
+
+
+def _as_tuple_frames(frames: Iterable[TupleFrame | ChunkFrame]) -> Iterable[TupleFrame]:
+    """The frames as :class:`FrameReader` is typed to take them: a ChunkFrame reads like a
+    TupleFrame there (``meta``, ``data``, ``last``, ``packed``, ``HasField``)."""
+    return cast("Iterable[TupleFrame]", frames)
 
 
 @dataclasses.dataclass
@@ -147,7 +164,7 @@ class _Prefetcher:
     """
 
     def __init__(self, reader: FrameReader, publish: Callable[[tuple[str, Any]], None],
-                 handover: "_Handover") -> None:
+                 handover: _Handover) -> None:
         self._reader = reader
         self._publish = publish
         self._handover = handover
@@ -207,7 +224,7 @@ class _Background:
     def __init__(self, name: str) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=name)
 
-    def submit(self, call: Callable[[], Any], failed: Any) -> "concurrent.futures.Future[Any]":
+    def submit(self, call: Callable[[], Any], failed: Any) -> concurrent.futures.Future[Any]:
         try:
             return self._pool.submit(self._run, call, failed)
         except RuntimeError:  # closed: the engine is stopping
@@ -221,7 +238,7 @@ class _Background:
             return call()
         except HioError as exc:  # the caller goes on as after the failure it stands for
             log.debug("background call failed", extra={"reason": exc.message})
-        except BaseException:  # noqa: BLE001 - must not stop the puller
+        except BaseException:  # must not stop the puller
             log.exception("background call failed unexpectedly")
         return failed
 
@@ -458,7 +475,7 @@ class Engine:
 
     # ---- lifecycle
 
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         self._puller.start()
         return self
 
@@ -482,7 +499,8 @@ class Engine:
     def _claim(self, kind: str) -> None:
         with self._cond:
             if self._stopping:
-                raise Unavailable(f"channel {self._channel} is stopping; send elsewhere", retry_after=ENGINE_STATE_RETRY)
+                raise Unavailable(f"channel {self._channel} is stopping; send elsewhere",
+                                  retry_after=ENGINE_STATE_RETRY)
             if self._active is not None:
                 raise ResourceExhausted(f"channel {self._channel} busy", retry_after=0.05)
             self._active = kind
@@ -518,7 +536,8 @@ class Engine:
 
     # ---- direct delivery
 
-    def deliver(self, frames: Iterable[TupleFrame], *, max_chunk_bytes: int | None = None) -> Iterator[TupleReceipt]:
+    def deliver(self, frames: Iterable[TupleFrame | ChunkFrame], *,
+                max_chunk_bytes: int | None = None) -> Iterator[TupleReceipt]:
         """Serve one Deliver stream: a receipt per tuple, in order.
 
         Tuples are processed one at a time while the next one is received and
@@ -532,7 +551,7 @@ class Engine:
         """
         self._claim("deliver")
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        reader = FrameReader(frames, max_tuple_bytes=self._config.max_tuple_bytes,
+        reader = FrameReader(_as_tuple_frames(frames), max_tuple_bytes=self._config.max_tuple_bytes,
                              max_chunk_bytes=max_chunk_bytes or message_limit(self._config), need_id=True)
         handover = _Handover(self._hand_over)
         prefetch = _Prefetcher(reader, events.put, handover)
@@ -550,7 +569,7 @@ class Engine:
                 self._unclaim()
 
     def _serve(self, prefetch: _Prefetcher, storer: _BatchStorer,
-               events: "queue.SimpleQueue[tuple[str, Any]]", handover: _Handover,
+               events: queue.SimpleQueue[tuple[str, Any]], handover: _Handover,
                reader: FrameReader) -> Iterator[TupleReceipt]:
         """The stream's loop: take events (a tuple, the end, an error, a stored batch), answer in order.
 
@@ -575,10 +594,11 @@ class Engine:
         answers: list[TupleReceipt] = []
         since = 0.0
         while True:
-            while slots and slots[0].receipt is not None:
+            while slots and (receipt := slots[0].receipt) is not None:
                 if not answers:
                     since = time.monotonic()
-                answers.append(slots.popleft().receipt)
+                slots.popleft()
+                answers.append(receipt)
             finishing = storer.error is not None or (ended and not slots)
             if answers and (finishing or events.empty() or time.monotonic() - since >= ANSWER_DELAY):
                 if reader.packed:  # the sender packs: one message for all receipts ready now
@@ -595,7 +615,7 @@ class Engine:
             kind, value = events.get()
             if kind == "tuple" and not ended:
                 try:
-                    slots.append(self._take_tuple(index, *value, storer, started))
+                    slots.append(self._take_tuple(index, value[0], value[1], storer, started))  # (meta, data)
                 except BaseException as exc:  # noqa: BLE001 - sent after the earlier receipts
                     ended, failure = True, exc
                 value = None  # the payload must not outlive its processing (memory: two tuples a channel)
@@ -631,7 +651,7 @@ class Engine:
         """A batch is in the repository: report each tuple and make its receipt STORED."""
         self._reporter.outcomes([self._outcome(slot.meta, ok=True, from_queue=False, seconds=slot.cpu)
                                  for slot in slots])
-        for slot, duplicate in zip(slots, duplicates):
+        for slot, duplicate in zip(slots, duplicates, strict=True):
             self._log_stored(slot.meta, slot.blob, duplicate, slot.cpu)
             slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.STORED)
 
@@ -749,7 +769,8 @@ class Engine:
         """Hand the hung tuple back (synchronously, bounded), then end the process."""
         message = f"timeout after {self._config.tuple_timeout:g} s"
         log.error("tuple timed out; handing it back and restarting",
-                  extra={"channel": self._channel, "tuple_id": job.meta.tuple_id, "timeout_s": self._config.tuple_timeout})
+                  extra={"channel": self._channel, "tuple_id": job.meta.tuple_id,
+                         "timeout_s": self._config.tuple_timeout})
         try:
             if not job.from_queue:
                 self._hand_back(job.meta, job.data, message, deadline=HANDOFF_DEADLINE)
@@ -788,7 +809,7 @@ class Engine:
                          extra={"channel": self._channel, "reason": exc.message, "retry_in_s": round(delay, 2)})
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping, timeout=delay)
-            except BaseException:  # noqa: BLE001 - the puller must outlive any one tuple
+            except BaseException:  # the puller must outlive any one tuple
                 log.exception("pulling from the queue failed unexpectedly", extra={"channel": self._channel})
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping, timeout=backoff.delay())
@@ -819,7 +840,7 @@ class Engine:
                 if storing is not None and not storing.result():
                     complete = False  # the repository is unreachable: these go back unreported
                 else:
-                    storing = self._background.submit(lambda done=done: self._store_pulled(done), False)
+                    storing = self._background.submit(functools.partial(self._store_pulled, done), False)
                 pulled, full = ahead.result() if ahead is not None else ([], False)
                 if not complete or self._stopping:
                     break
@@ -873,8 +894,8 @@ class Engine:
             return [], False
         return self._read_pull(call, first, frames, max_tuples, max_bytes)
 
-    def _read_pull(self, call: PullCall, first: TupleFrame, frames: Iterator[TupleFrame], max_tuples: int,
-                   max_bytes: int) -> tuple[list[tuple[TupleMeta, bytes]], bool]:
+    def _read_pull(self, call: PullCall, first: TupleFrame | ChunkFrame, frames: Iterator[TupleFrame | ChunkFrame],
+                   max_tuples: int, max_bytes: int) -> tuple[list[tuple[TupleMeta, bytes]], bool]:
         """The pulled tuples, and whether the pull came full: as many as asked, or another
         like the last would not have fitted in the bytes (then more are likely waiting)."""
         pulled = self._read_pulled(itertools.chain([first], frames), first.meta, max_chunk_bytes=call.max_chunk_bytes)
@@ -914,7 +935,7 @@ class Engine:
         return True
 
     def _process_pulled(self, pulled: list[tuple[TupleMeta, bytes]], *, ahead: bool) -> tuple[
-            list[tuple[TupleMeta, bytes, float]], bool, "concurrent.futures.Future[tuple[list[Any], bool]] | None"]:
+            list[tuple[TupleMeta, bytes, float]], bool, concurrent.futures.Future[tuple[list[Any], bool]] | None]:
         """Process the pulled tuples in order; their records (for :meth:`_store_pulled`), True
         when every one was processed, and the next pull when ``ahead`` (fetched beside the
         last tuple's processing). A tuple that fails is reported at once.
@@ -950,9 +971,9 @@ class Engine:
             self._learn_cost((time.monotonic() - started) / processed)
         return done, processed == len(pulled), fetching
 
-    def _read_pulled(self, frames: Iterable[TupleFrame], first_meta: TupleMeta, *,
+    def _read_pulled(self, frames: Iterable[TupleFrame | ChunkFrame], first_meta: TupleMeta, *,
                      max_chunk_bytes: int | None = None) -> list[tuple[TupleMeta, bytes]]:
-        reader = FrameReader(frames, max_tuple_bytes=self._config.max_tuple_bytes,
+        reader = FrameReader(_as_tuple_frames(frames), max_tuple_bytes=self._config.max_tuple_bytes,
                              max_chunk_bytes=max_chunk_bytes or message_limit(self._config), need_id=True)
         pulled: list[tuple[TupleMeta, bytes]] = []
         try:
@@ -1005,7 +1026,7 @@ class Engine:
             return
         self._reporter.outcomes([self._outcome(meta, ok=True, from_queue=True, seconds=cpu)
                                  for meta, _, cpu in batch])
-        for (meta, blob, cpu), duplicate in zip(batch, duplicates):
+        for (meta, blob, cpu), duplicate in zip(batch, duplicates, strict=True):
             self._log_stored(meta, blob, duplicate, cpu)
 
     def _learn_cost(self, seconds: float) -> None:
@@ -1054,7 +1075,7 @@ def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], 
     return server, port, health, engine
 
 
-def create_lane(config: EngineConfig, engine: "Engine", table: TokenTable | None) -> LaneServer | None:
+def create_lane(config: EngineConfig, engine: Engine, table: TokenTable | None) -> LaneServer | None:
     """The engine's payload lane (Deliver over plain TCP), started; None when not configured
     or when TLS is (the lane carries no TLS: senders then use Deliver)."""
     if config.lane_listen and config.tls_cert:

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Deque, Iterable, Union
+from collections.abc import Callable, Iterable
 
 from hio.transport import errors
 from hio.transport.retry import Backoff
@@ -41,7 +41,7 @@ class _Release:
     pull_done: bool = False
 
 
-_Item = Union[master_pb2.TupleOutcome, _Release]
+_Item = master_pb2.TupleOutcome | _Release
 
 
 class Reporter:
@@ -66,7 +66,7 @@ class Reporter:
         self._releases = 0        # releases pending: they go at once
         self._max_pending = max_pending
         self._cond = threading.Condition()
-        self._items: Deque[_Item] = collections.deque()
+        self._items: collections.deque[_Item] = collections.deque()
         self._busy = False
         self._state_due = False
         self._stopping = False
@@ -75,7 +75,7 @@ class Reporter:
         self._last_sent = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"reporter-{channel_id}", daemon=True)
 
-    def start(self) -> "Reporter":
+    def start(self) -> Reporter:
         self._thread.start()
         return self
 
@@ -146,7 +146,7 @@ class Reporter:
         excess = len(self._items) - self._max_pending
         if excess <= 0:
             return
-        kept: Deque[_Item] = collections.deque()
+        kept: collections.deque[_Item] = collections.deque()
         for item in self._items:
             if excess > 0 and isinstance(item, master_pb2.TupleOutcome):
                 excess -= 1

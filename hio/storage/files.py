@@ -13,8 +13,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable, NoReturn
+from typing import BinaryIO, NoReturn
 
 from hio.transport.errors import FailedPrecondition, Unavailable
 
@@ -92,7 +93,7 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view = view[written:]
 
 
-def copy_exact(source: "BinaryIO", write: "Callable[[bytes], object]", size: int, what: str,
+def copy_exact(source: BinaryIO, write: Callable[[bytes], object], size: int, what: str,
                block: int = 1024 * 1024) -> None:
     """Copy exactly ``size`` bytes from ``source`` to ``write``; OSError if it ends early."""
     remaining = size

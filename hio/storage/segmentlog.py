@@ -36,8 +36,9 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Sequence
+from typing import BinaryIO
 
 from hio.transport.errors import Unavailable
 from hio.storage.files import SyncBudget, write_all

@@ -13,16 +13,23 @@ import hmac
 import logging
 import signal
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hio.config import ConfigError
-from hio.transport.frames import TupleFrame, TupleReceipt, parse_frame, serialize_frame
+from hio.transport.frames import ChunkFrame, TupleFrame, TupleReceipt, WireFrame, parse_frame, serialize_frame
 from hio.settings import ClusterSettings
+
+if TYPE_CHECKING:
+    from hio.proto import master_pb2
+
+    _Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    _Continuation: TypeAlias = Callable[[grpc.HandlerCallDetails], _Handler | None]
 
 log = logging.getLogger("hio.net")
 
@@ -99,12 +106,12 @@ class TokenTable:
         self._entries = [(t.encode(), role, name) for t, role, name in entries]
 
     @classmethod
-    def from_settings(cls, settings: ClusterSettings) -> "TokenTable | None":
+    def from_settings(cls, settings: ClusterSettings) -> TokenTable | None:
         """From --tokens-file ('token role name' a line), else the shared token; None = open."""
         if settings.tokens_file:
             entries = []
-            for n, line in enumerate(_read(settings.tokens_file, "tokens file").decode().splitlines(), 1):
-                line = line.split("#", 1)[0].strip()
+            for n, raw in enumerate(_read(settings.tokens_file, "tokens file").decode().splitlines(), 1):
+                line = raw.split("#", 1)[0].strip()
                 if not line:
                     continue
                 parts = line.split()
@@ -139,7 +146,8 @@ class _AuthInterceptor(grpc.ServerInterceptor):
         self._table = table
         self._policy = policy or {}
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+    def intercept_service(self, continuation: _Continuation,
+                          handler_call_details: grpc.HandlerCallDetails) -> _Handler | None:
         method = handler_call_details.method
         if method.startswith(self.OPEN_METHODS):
             return continuation(handler_call_details)
@@ -163,7 +171,7 @@ def refuse_caller(table: TokenTable, policy: dict[str, set[str]], method: str,
         return grpc.StatusCode.UNAUTHENTICATED, f"{reason}: present a valid token (--token-file)"
     role, _name = who
     allowed = policy.get(method.rsplit("/", 1)[-1])
-    if role != "any" and allowed is not None and role not in allowed and "admin" != role:
+    if role != "any" and allowed is not None and role not in allowed and role != "admin":
         return grpc.StatusCode.PERMISSION_DENIED, f"role '{role}' may not call {method}"
     return None
 
@@ -175,7 +183,8 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
     servicer code runs; a client's bug would then look like a server crash.
     """
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+    def intercept_service(self, continuation: _Continuation,
+                          handler_call_details: grpc.HandlerCallDetails) -> _Handler | None:
         handler = continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
@@ -187,13 +196,13 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
         if serialize == TupleFrame.SerializeToString:  # ... and sent as encoded by the sender
             serialize = serialize_frame
 
-        def decode(raw: bytes, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
+        def decode(raw: bytes, context: grpc.ServicerContext) -> Any:
             try:
                 return parse(raw)
             except Exception as exc:  # noqa: BLE001 - any parse failure is the client's
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {type_name}: {exc}")
 
-        def decode_all(raws, context):  # type: ignore[no-untyped-def]
+        def decode_all(raws: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
             for raw in raws:
                 yield decode(raw, context)
 
@@ -210,12 +219,13 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(
                 lambda raws, ctx: inner_su(decode_all(raws, ctx), ctx), response_serializer=serialize)
         inner_ss = handler.stream_stream
+        assert inner_ss is not None   # a handler is of one of the four kinds
         return grpc.stream_stream_rpc_method_handler(
             lambda raws, ctx: inner_ss(decode_all(raws, ctx), ctx), response_serializer=serialize)
 
 
-def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    def deny(request_or_iterator, context):  # type: ignore[no-untyped-def]
+def _refusal(code: grpc.StatusCode, message: str) -> _Handler:
+    def deny(request_or_iterator: object, context: grpc.ServicerContext) -> None:
         context.abort(code, message)
     # A stream-stream handler refuses every kind of call before reading it.
     return grpc.stream_stream_rpc_method_handler(deny)
@@ -250,7 +260,7 @@ def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 
                   policy: dict[str, set[str]] | None = None,
                   register: Iterable[Callable[[grpc.Server], None]] = (),
                   table: TokenTable | None = _FROM_SETTINGS,
-                  service: str = "") -> tuple[grpc.Server, int, "RoleHealth"]:
+                  service: str = "") -> tuple[grpc.Server, int, RoleHealth]:
     """Build a started-not-yet server bound to ``listen`` ('host:port', port 0 = any).
 
     Returns (server, bound port, health servicer). The caller adds servicers via
@@ -260,7 +270,7 @@ def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 
     ``service``: the role's gRPC service (``hio.proto.Master``), for which the
     health service answers too, so a probe can tell which role holds a port.
     """
-    interceptors = []
+    interceptors: list[grpc.ServerInterceptor] = []
     if table is _FROM_SETTINGS:
         table = TokenTable.from_settings(settings)
     if table is not None:
@@ -321,35 +331,40 @@ class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStream
     def __init__(self, token: str) -> None:
         self._md = (AUTH_HEADER, f"Bearer {token}")
 
-    def _details(self, details):  # type: ignore[no-untyped-def]
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         md = list(details.metadata or ())
         md.append(self._md)
         return details._replace(metadata=md) if hasattr(details, "_replace") else _Details(details, md)
 
-    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+    def intercept_unary_unary(self, continuation: Callable[[grpc.ClientCallDetails, Any], Any],
+                              details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+    def intercept_unary_stream(self, continuation: Callable[[grpc.ClientCallDetails, Any], Any],
+                               details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+    def intercept_stream_unary(self, continuation: Callable[[grpc.ClientCallDetails, Any], Any],
+                               details: grpc.ClientCallDetails, request_iterator: Any) -> Any:
         return continuation(self._details(details), request_iterator)
 
-    def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+    def intercept_stream_stream(self, continuation: Callable[[grpc.ClientCallDetails, Any], Any],
+                                details: grpc.ClientCallDetails, request_iterator: Any) -> Any:
         return continuation(self._details(details), request_iterator)
 
 
 class _Details(grpc.ClientCallDetails):
-    def __init__(self, base, metadata):  # type: ignore[no-untyped-def]
+    def __init__(self, base: grpc.ClientCallDetails, metadata: Sequence[tuple[str, str | bytes]]) -> None:
         self.method = base.method
         self.timeout = base.timeout
-        self.metadata = metadata
+        self.metadata = tuple(metadata)
         self.credentials = base.credentials
         self.wait_for_ready = getattr(base, "wait_for_ready", None)
         self.compression = getattr(base, "compression", None)
 
 
-def send_frames(channel: grpc.Channel, service: str, method: str) -> grpc.StreamStreamMultiCallable:
+def send_frames(channel: grpc.Channel, service: str,
+                method: str) -> grpc.StreamStreamMultiCallable[WireFrame, TupleReceipt]:
     """A frames-in, receipts-out call (``Engine.Deliver``, ``Master.Enqueue``,
     ``Ingest.Submit``) that sends large chunks as encoded (:func:`frames.encode_frame`).
     The generated stubs would call ``SerializeToString`` on them."""
@@ -357,7 +372,8 @@ def send_frames(channel: grpc.Channel, service: str, method: str) -> grpc.Stream
                                  response_deserializer=TupleReceipt.FromString)
 
 
-def pull_frames(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
+def pull_frames(
+        channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable[master_pb2.PullTupleRequest, TupleFrame | ChunkFrame]:
     """``Master.PullTuple`` whose large chunks are read in place (:func:`frames.parse_frame`)."""
     from hio.proto import master_pb2
 
@@ -421,13 +437,16 @@ def wait_healthy(address: str, settings: ClusterSettings, timeout: float = 30.0,
     deadline = time.monotonic() + timeout
     last: Exception | str | None = None
     with create_channel(address, settings) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+        # What HealthStub(channel).Check is (the stubs of grpcio-health-checking do not declare it).
+        check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
         while time.monotonic() < deadline:
             if alive is not None and not alive():
                 last = "the process exited"
                 break
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                reply = check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError as exc:
@@ -481,7 +500,7 @@ def run_until_signal(server: grpc.Server, *, grace: float = 5.0,
     for callback in on_stop:
         try:
             callback()
-        except Exception:  # noqa: BLE001 - keep stopping whatever a callback does
+        except Exception:  # keep stopping whatever a callback does
             log.exception("stop callback failed")
     server.stop(grace).wait(grace + 1.0)
     return 0

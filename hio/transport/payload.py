@@ -25,13 +25,14 @@ import logging
 import socket
 import threading
 import time
-from typing import BinaryIO, Callable, Generic, Iterable, Iterator, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import BinaryIO, Generic, Protocol, TypeVar
 
 import grpc
 
 from hio.config import split_address
-from hio.transport.frames import TupleMeta, TupleReceipt, tuple_frames
-from hio.transport.lane import LANE_CONNECT_SECONDS, LaneCall, LaneDownload, LaneError, lane_frames, open_lane
+from hio.transport.frames import TupleMeta, TupleReceipt, WireFrame, tuple_frames
+from hio.transport.lane import LANE_CONNECT_SECONDS, LaneCall, LaneDownload, LaneError, LaneFrame, lane_frames, open_lane
 from hio.transport.net import pull_frames, send_frames
 from hio.proto.master_pb2 import PullTupleRequest
 
@@ -62,7 +63,7 @@ class PayloadChannel(Protocol):
     kind: str              # "lane" or "grpc"
     max_chunk_bytes: int   # the largest frame payload a download may bring
 
-    def upload(self, method: str, payloads: Payloads, *, timeout: float) -> tuple[Upload, "GuardedFrames"]:
+    def upload(self, method: str, payloads: Payloads, *, timeout: float) -> tuple[Upload, GuardedFrames[object]]:
         """Stream ``payloads`` to ``method`` ("Deliver" or "Enqueue"); the call and its frames
         (whose ``failure`` says why a payload could not be read)."""
 
@@ -82,7 +83,8 @@ class GrpcPayload:
         self._pack = pack_bytes
         self.max_chunk_bytes = max_chunk_bytes
 
-    def upload(self, method: str, payloads: Payloads, *, timeout: float) -> tuple[Upload, GuardedFrames]:
+    def upload(self, method: str, payloads: Payloads, *,
+               timeout: float) -> tuple[Upload, GuardedFrames[WireFrame]]:
         reading = GuardedFrames(tuple_frames(payloads, self._chunk, self._pack, encode=True), cancels=True)
         call = send_frames(self._channel, _SERVICES[method], method)(iter(reading), timeout=timeout)
         reading.attach(call.cancel)
@@ -115,7 +117,8 @@ class LanePayload:
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"payload lane {self.lane} unreachable: {exc}",
                             transport=True) from None
 
-    def upload(self, method: str, payloads: Payloads, *, timeout: float) -> tuple[Upload, GuardedFrames]:
+    def upload(self, method: str, payloads: Payloads, *,
+               timeout: float) -> tuple[Upload, GuardedFrames[LaneFrame]]:
         sock = self._open(method)
         reading = GuardedFrames(lane_frames(payloads, self._chunk, self._pack), cancels=False)
         try:
@@ -179,7 +182,7 @@ class PayloadPeers:
                               extra={"peer": address, "lane": lane, "error": why})
 
 
-F = TypeVar("F")
+F = TypeVar("F", covariant=True)   # read only: a channel's frames are objects to its callers
 
 
 class GuardedFrames(Generic[F]):
@@ -206,4 +209,5 @@ class GuardedFrames(Generic[F]):
             self.failure = str(exc) or type(exc).__name__
             if not self._cancels or not self._attached.wait(10.0):   # attached as the call starts
                 raise
-            self._cancel()  # type: ignore[misc]
+            assert self._cancel is not None   # set before _attached is
+            self._cancel()

@@ -15,7 +15,6 @@ from hio.transport.errors import FailedPrecondition, InvalidArgument
 from hio.gateway import spool as spool_module
 from hio.gateway.spool import MoveOnDone, Spool, SpoolFull, safe_name
 from hio.proto.tuple_pb2 import TupleMeta
-
 from tests.harness import FsyncDisk
 
 
@@ -109,7 +108,7 @@ def test_torn_record_is_cut_off_and_earlier_ones_survive(tmp_path: Path) -> None
 
 
 def spool_payload(entry: object) -> bytes:
-    return f"good {entry.meta.name[1:]}".encode()    # type: ignore[attr-defined]
+    return f"good {entry.meta.name[1:]}".encode()    # type: ignore[attr-defined] - a SpoolEntry, typed as object
 
 
 def test_damaged_payload_is_set_aside_not_sent(tmp_path: Path) -> None:
@@ -283,7 +282,7 @@ def test_an_upload_aborted_on_a_full_disk_leaves_no_file_and_no_reservation(tmp_
     spool = Spool(tmp_path / "s", 1000)
     writer = spool.writer(100)
     writer._fh.close()
-    writer._fh = open("/dev/full", "wb", buffering=4096)   # every flush fails with ENOSPC
+    writer._fh = open("/dev/full", "wb", buffering=4096)  # noqa: SIM115 - the writer owns it: abort() closes it; every flush fails with ENOSPC
     writer.write(b"x" * 100)
     with pytest.raises(OSError):
         writer.commit(meta())

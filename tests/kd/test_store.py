@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from hio.transport.errors import FailedPrecondition
 from hio.kd import store as store_mod
 from hio.kd.records import Row, to_table
 from hio.kd.store import AccumulatedStore
-
 from tests.harness import FsyncDisk
 
 
@@ -25,14 +25,14 @@ def rows(first_offset: int, first_id: int, count: int, image: str = "img", names
 def test_append_persists_and_reopens_identically(tmp_path: Path) -> None:
     store = AccumulatedStore(tmp_path).open()
     bad = Row(offset=11, tuple_id=11, error="kd feature 'x' is missing")
-    result = store.append(to_table(rows(1, 1, 10) + [bad]), 100.0)
+    result = store.append(to_table([*rows(1, 1, 10), bad]), 100.0)
     assert (result.accepted, result.malformed, result.duplicates) == (10, 1, 0)
     assert "offset 11 tuple 11" in result.examples[0]
     again = AccumulatedStore(tmp_path).open()
     assert (again.total, again.malformed, again.max_offset) == (10, 1, 11)
     group = again.select("")
     assert group is not None and group.names == ("a", "b")
-    np.testing.assert_array_equal(group.values, store.select("").values)  # type: ignore[union-attr]
+    np.testing.assert_array_equal(group.values, store.select("").values)  # type: ignore[union-attr] - the group exists
     assert again.history() == [(100.0, 10)]
 
 
@@ -53,13 +53,13 @@ def test_groups_by_image_and_feature_set(tmp_path: Path) -> None:
     store = AccumulatedStore(tmp_path).open()
     store.append(to_table(rows(1, 1, 3, image="small") + rows(4, 4, 5, image="big")
                           + rows(9, 9, 2, image="big", names=("z",))), 1.0)
-    assert store.select("").image == "big"              # type: ignore[union-attr]
-    assert store.select("").count == 5                  # type: ignore[union-attr]
-    assert store.select("small").names == ("a", "b")    # type: ignore[union-attr]
+    assert store.select("").image == "big"              # type: ignore[union-attr] - the group exists
+    assert store.select("").count == 5                  # type: ignore[union-attr] - the group exists
+    assert store.select("small").names == ("a", "b")    # type: ignore[union-attr] - the group exists
     assert store.select("absent") is None
 
 
-def test_leftover_tmp_removed_and_many_files_compacted(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_leftover_tmp_removed_and_many_files_compacted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store_mod, "COMPACT_AT_FILES", 4)
     store = AccumulatedStore(tmp_path).open()
     for i in range(5):

@@ -5,18 +5,26 @@ from __future__ import annotations
 import errno
 import threading
 import tracemalloc
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Self
 
 import pytest
 
 from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from hio.transport.frames import (ChunkFrame, TupleFrame, TupleMeta, WireFrame, crc32, parse_frame, serialize_frame,
-                               tuple_frames)
+from hio.transport.frames import (
+    ChunkFrame,
+    TupleFrame,
+    TupleMeta,
+    WireFrame,
+    crc32,
+    parse_frame,
+    serialize_frame,
+    tuple_frames,
+)
 from hio.master.backlog import BacklogQueue, Lease, Placement, Stored
 from hio.master.deadletters import DeadLetterStore
 from hio.master.storage import Durability
-
 from tests.harness import FsyncDisk, wait_for
 from tests.master.helpers import big_frames, frames
 
@@ -35,11 +43,11 @@ def open_queue(root: Path, clock: Clock | None = None, **kw: object) -> BacklogQ
     durability = kw.pop("durability", None) or Durability(str(kw.pop("fsync", "always")))
     assert isinstance(durability, Durability)
     dead = DeadLetterStore(root / "dead", durability)
-    params: dict[str, object] = dict(queue_bytes=100 * MiB, memory_bytes=1 * MiB, segment_bytes=4 * MiB,
-                                     max_attempts=3)
+    params: dict[str, object] = {"queue_bytes": 100 * MiB, "memory_bytes": 1 * MiB, "segment_bytes": 4 * MiB,
+                                 "max_attempts": 3}
     params.update(kw)
     return BacklogQueue(root / "queue", dead=dead, durability=durability, clock=clock or Clock(),
-                        **params)  # type: ignore[arg-type]
+                        **params)  # type: ignore[arg-type] - the keywords are BacklogQueue's, their values objects
 
 
 def received(frames: Iterable[TupleFrame | bytes]) -> list[TupleFrame | ChunkFrame]:
@@ -315,8 +323,8 @@ def test_big_tuple_streams_without_holding_it_in_memory(tmp_path: Path) -> None:
         lease = lease_one(q, "hio/synthetic", "w/0", 60)
         assert lease is not None
         value, received = 0, 0
-        for frame in leased_frames(q, [lease], 1 * MiB):
-            frame = parse_frame(serialize_frame(frame))
+        for leased in leased_frames(q, [lease], 1 * MiB):
+            frame = parse_frame(serialize_frame(leased))
             value = crc32(frame.data, value)
             received += len(frame.data)
         _, peak_out = tracemalloc.get_traced_memory()
@@ -389,7 +397,7 @@ class _Rounds:
         while not self._stop.wait(0.02):
             self._durability.flush_due(force=True)
 
-    def __enter__(self) -> "_Rounds":
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -500,15 +508,15 @@ def _pause_dead_letter_copy(q: BacklogQueue, during: Callable[[], object]) -> No
     add = q.dead.add
 
     def add_then_race(*args: object, **kwargs: object) -> object:
-        letter = add(*args, **kwargs)  # type: ignore[arg-type]
+        letter = add(*args, **kwargs)  # type: ignore[arg-type] - passed on as given
         racer = threading.Thread(target=during)
         racer.start()
         time.sleep(0.3)
-        q._racers.append(racer)  # type: ignore[attr-defined]
+        q._racers.append(racer)  # type: ignore[attr-defined] - the test's own attribute on the queue
         return letter
 
-    q._racers = []  # type: ignore[attr-defined]
-    q.dead.add = add_then_race  # type: ignore[method-assign]
+    q._racers = []  # type: ignore[attr-defined] - the test's own attribute on the queue
+    q.dead.add = add_then_race  # type: ignore[method-assign] - wrapped to race another thread
 
 
 def test_a_dead_letter_retried_while_it_is_written_is_queued_not_lost(tmp_path: Path) -> None:
@@ -519,7 +527,7 @@ def test_a_dead_letter_retried_while_it_is_written_is_queued_not_lost(tmp_path: 
     _pause_dead_letter_copy(q, lambda: q.retry_dead(1))
     clock.now += 100
     q.expire_leases()                                    # exhausted: on its way to the dead letters
-    for racer in q._racers:  # type: ignore[attr-defined]
+    for racer in q._racers:  # type: ignore[attr-defined] - the test's own attribute on the queue
         racer.join(10)
     assert (q.length(), q.contains(1), q.dead.get(1)) == (1, True, None)
     q.close()
@@ -537,7 +545,7 @@ def test_a_late_success_report_while_the_dead_letter_is_written_changes_nothing(
     _pause_dead_letter_copy(q, lambda: acked.append(q.ack(1, "w/0")))
     clock.now += 100
     q.expire_leases()                                    # used to raise KeyError in _drop
-    for racer in q._racers:  # type: ignore[attr-defined]
+    for racer in q._racers:  # type: ignore[attr-defined] - the test's own attribute on the queue
         racer.join(10)
     assert acked == [False]
     assert q.length() == 0 and q.dead.get(1) is not None
@@ -599,7 +607,7 @@ def test_a_segment_that_cannot_be_created_reserves_nothing(tmp_path: Path, monke
     def no_room(path: object, flags: int, *args: object) -> int:
         if str(path).endswith(".q"):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_open(path, flags, *args)  # type: ignore[arg-type]
+        return real_open(path, flags, *args)  # type: ignore[arg-type] - passed on as given
 
     monkeypatch.setattr(os, "open", no_room)
     for tid in (1, 2, 3):

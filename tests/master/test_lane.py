@@ -7,22 +7,25 @@ import os
 import socket
 import struct
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import pytest
 
 from hio.config import ConfigError, build
 from hio.transport.errors import Unavailable
-from hio.transport.lane import END_OF_INPUT, MAGIC, LaneCall, LaneDownload, lane_frames, open_lane
 from hio.transport.frames import TupleReceipt, unpacked_receipts
+from hio.transport.lane import END_OF_INPUT, MAGIC, LaneCall, LaneDownload, lane_frames, open_lane
 from hio.master import MasterConfig
 from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 from tests.harness import wait_for
-from tests.worker.conftest import (TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple,  # noqa: F401
-                                   register_channel, repo)   # repo: the worker tests' repository fixture
+from tests.worker import conftest as worker_conftest
+from tests.worker.conftest import TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple, register_channel
+
+repo = worker_conftest.repo   # the worker tests' repository fixture, for the tests here
 
 TOKENS = "gw-secret gateway gw1\nwk-secret worker w1\nview-secret viewer v1\n"
 
@@ -50,7 +53,7 @@ def routed(master: Master, count: int) -> list[tuple[int, bytes]]:
         source="test", image=TEST_IMAGE, force_queue=True,
         items=[master_pb2.RouteItem(size=1) for _ in range(count)]), timeout=5)
     assert reply.HasField("queue") and reply.queue.lane_port == master.domain.lane.port
-    return list(zip(reply.tuple_ids, reply.tickets))
+    return list(zip(reply.tuple_ids, reply.tickets, strict=True))
 
 
 def test_gateway_queues_over_the_lane_and_an_engine_stores_every_payload(
@@ -242,7 +245,7 @@ def test_a_pull_over_the_lane_brings_each_queued_tuple_intact_from_memory_or_dis
         payloads = [b"tiny", os.urandom(500_000), os.urandom(3_000_000)]   # the last one is not cached
         routes = routed(m, len(payloads))
         tuples = []
-        for (tuple_id, ticket), payload in zip(routes, payloads):
+        for (tuple_id, ticket), payload in zip(routes, payloads, strict=True):
             meta, data = make_tuple(tuple_id, payload)
             meta.ticket = ticket
             tuples.append((meta, data))

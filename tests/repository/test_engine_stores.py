@@ -3,8 +3,8 @@ records of many tuples in one call. Real servers over loopback."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -29,7 +29,7 @@ def engine_link(repo: Running, **settings: object) -> ClusterLink:
     """The link an engine stores through (no master needed for PutFeatures)."""
     values: dict[str, object] = {"repository_address": repo.address, "master_address": "127.0.0.1:1"}
     values.update(settings)
-    return ClusterLink(ClusterSettings(**values), rpc_deadline=10.0)  # type: ignore[arg-type]
+    return ClusterLink(ClusterSettings(**values), rpc_deadline=10.0)  # type: ignore[arg-type] - settings' keywords, as objects
 
 
 def records(*ids: int) -> list[tuple[int, bytes]]:
@@ -113,5 +113,5 @@ def test_stores_go_on_after_the_repository_restarts(tmp_path: Path) -> None:
 def test_the_repository_has_no_lane_settings() -> None:
     """PutFeatures is gRPC only: no lane, so no lane port (listen's last port leaves none free)."""
     with pytest.raises(TypeError):
-        RepositoryConfig(lane_listen="127.0.0.1:7101")  # type: ignore[call-arg]
+        RepositoryConfig(lane_listen="127.0.0.1:7101")  # type: ignore[call-arg] - the refusal under test
     RepositoryConfig(listen="127.0.0.1:65535", http_listen="").validate()

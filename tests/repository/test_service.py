@@ -8,7 +8,7 @@ import random
 import urllib.error
 import urllib.request
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -28,7 +28,7 @@ def config_for(tmp_path: Path, **overrides: object) -> RepositoryConfig:
     values: dict[str, object] = {"listen": "127.0.0.1:0", "http_listen": "", "data_dir": str(tmp_path / "data"),
                                  "segment_bytes": 64 * 1024}
     values.update(overrides)
-    config = RepositoryConfig(**values)  # type: ignore[arg-type]
+    config = RepositoryConfig(**values)  # type: ignore[arg-type] - the config's keywords, as objects
     config.validate()
     return config
 
@@ -124,7 +124,8 @@ def test_largest_record_round_trips(repo: Running) -> None:
      grpc.StatusCode.INVALID_ARGUMENT, "not zstd"),
     (lambda u: u.__setattr__("tuple_id", 99), grpc.StatusCode.INVALID_ARGUMENT, "names tuple 2"),
 ])
-def test_bad_uploads_map_to_statuses(repo: Running, mutate, code: grpc.StatusCode, text: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_uploads_map_to_statuses(repo: Running, mutate: Callable[[pb.FeaturesUpload], object],
+                                     code: grpc.StatusCode, text: str) -> None:
     request = put_request(1, 2)
     mutate(request.records[1])
     with pytest.raises(grpc.RpcError) as info:

@@ -11,6 +11,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,6 @@ from hio.proto import features_pb2
 from hio.repository.featurelog import CorruptSegment
 from hio.repository.segments import HEADER_SIZE, MAGIC
 from hio.repository.store import FeatureStore, StoreOptions
-
 from tests.harness import FsyncDisk
 from tests.repository.records import compress, decode, feature_record, knowledge, png_bytes, upload
 
@@ -56,7 +56,10 @@ def test_duplicate_keeps_the_first_bytes(store: FeatureStore) -> None:
 
 def test_read_ranges(store: FeatureStore) -> None:
     store.put([upload(100 + i) for i in range(1, 51)])
-    offsets = lambda **kw: [o for o, _, _ in store.read(**kw)]  # noqa: E731
+
+    def offsets(**kw: Any) -> list[int]:
+        return [o for o, _, _ in store.read(**kw)]
+
     assert offsets() == list(range(1, 51))
     assert offsets(after=10, until=15) == [11, 12, 13, 14, 15]
     assert offsets(after=45) == [46, 47, 48, 49, 50]
@@ -137,7 +140,7 @@ def test_concurrent_puts_store_each_id_once(store: FeatureStore) -> None:
             order = ids[seed::3] + ids  # overlapping ids from every thread
             for start in range(0, len(order), 7):
                 store.put([upload(t) for t in order[start:start + 7]])
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread, which fails on it
             errors.append(exc)
 
     threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
@@ -201,7 +204,7 @@ def test_bad_record_refused_and_nothing_stored(tmp_path: Path, case: str) -> Non
 
 def test_oversized_compressed_record_refused(tmp_path: Path) -> None:
     with FeatureStore(tmp_path, StoreOptions(max_record_bytes=64)) as s:
-        tid, data, crc = upload(1)
+        tid, data, _crc = upload(1)
         big = data + b"\x00" * 64
         with pytest.raises(InvalidArgument, match="over the limit of 64"):
             s.put([(tid, big, crc32(big))])
@@ -451,7 +454,7 @@ def test_a_failed_fsync_refuses_every_later_put_until_restart(tmp_path: Path, mo
     with pytest.raises(FailedPrecondition, match="the repository's disk failed to sync"):
         s.put([upload(2)])
     disk.error = None                                   # a later fsync would "succeed": not trusted
-    with pytest.raises(FailedPrecondition, match="Input/output error.*restart the repository"):
+    with pytest.raises(FailedPrecondition, match=r"Input/output error.*restart the repository"):
         s.put([upload(3)])
     assert [t for _, t, _ in s.read()] == [1]
     s.close()

@@ -10,8 +10,9 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -21,8 +22,16 @@ from hio.transport.lane import MAGIC, LaneCall, LaneError, lane_frames, open_lan
 from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 from tests.harness import free_port, wait_for
-from tests.worker.conftest import (TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple,
-                                   needs_master, register_channel)
+from tests.worker.conftest import (
+    TEST_IMAGE,
+    Master,
+    Repo,
+    RunningEngine,
+    engine_config,
+    make_tuple,
+    needs_master,
+    register_channel,
+)
 
 TOKEN = "lane-s3cret"
 
@@ -77,14 +86,14 @@ def test_lane_stores_tuples_of_every_size_in_order(engine: RunningEngine, repo: 
     spooled = os.urandom(200_000)
     path = tmp_path / "spooled.bin"
     path.write_bytes(b"x" * 100 + spooled + b"y" * 50)  # the payload sits inside a larger file, as in the spool
-    fh = open(path, "rb")
-    fh.seek(100)
-    tuples = [make_tuple(1, small), make_tuple(2, big), make_tuple(3, empty)]
-    meta4, _ = make_tuple(4, spooled)
-    receipts = deliver(engine, [*tuples, (meta4, fh)])
-    assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
-        (i, i + 1, TupleReceipt.STORED) for i in range(4)]
-    assert fh.closed
+    with open(path, "rb") as fh:
+        fh.seek(100)
+        tuples = [make_tuple(1, small), make_tuple(2, big), make_tuple(3, empty)]
+        meta4, _ = make_tuple(4, spooled)
+        receipts = deliver(engine, [*tuples, (meta4, fh)])
+        assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
+            (i, i + 1, TupleReceipt.STORED) for i in range(4)]
+        assert fh.closed   # the lane closed it
     records = repo.records()
     assert {t: records[t].meta.size for t in records} == {1: 3, 2: len(big), 3: 0, 4: len(spooled)}
     assert records[2].features["size"].number == len(big)
@@ -274,7 +283,7 @@ def test_gateway_sends_over_the_lane_or_grpc_as_chosen_for_the_peer(
     broken = _ClosingListener() if lane == "broken" else None
     try:
         address = {"engine": lane_address(e), "unreachable": f"127.0.0.1:{free_port()}"}.get(lane)
-        register_channel(master, e, lane_address=address or broken.address)  # type: ignore[union-attr]
+        register_channel(master, e, lane_address=address or broken.address)  # type: ignore[union-attr] - broken is set when no address is
         config = GatewayConfig(master_address=master.address, repository_address=repo.address,
                                data_dir=str(tmp_path / "gw"), source="lane", ingest_listen="", grace_seconds=2.0)
         payloads = [os.urandom(300_000), b"small"]

@@ -8,11 +8,10 @@ import time
 import pytest
 import zstandard
 
-from hio.transport.errors import InvalidArgument
 from hio.transport.frames import TupleMeta, TupleReceipt
 from hio.proto import features_pb2
-from hio.worker.cluster import ClusterLink
 from hio.worker import engine as engine_module
+from hio.worker.cluster import ClusterLink
 from hio.worker.engine import _BatchStorer, _Slot
 from tests.harness import free_port, wait_for
 from tests.worker.conftest import Repo, RunningEngine, engine_config, make_tuple
@@ -48,7 +47,7 @@ def test_a_refused_record_fails_alone_and_the_others_are_stored(repo: Repo) -> N
     woke = threading.Event()
 
     def on_stored(slots: list[_Slot], duplicates: list[bool]) -> None:
-        stored.extend((s.meta.tuple_id, d) for s, d in zip(slots, duplicates))
+        stored.extend((s.meta.tuple_id, d) for s, d in zip(slots, duplicates, strict=True))
 
     storer = _BatchStorer(link.store_many, on_stored, woke.set, max_records=64, max_bytes=1 << 20,
                           max_pending=64, on_refused=lambda slot, why: refused.append((slot.meta.tuple_id, why)))
