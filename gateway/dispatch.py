@@ -408,7 +408,7 @@ class Dispatcher:
             return
         pending = sent[receipt.index]
         if receipt.tuple_id and receipt.tuple_id != pending.entry.meta.tuple_id:
-            # A receiver that numbers tuples otherwise (e.g. one that predates packing and skipped
+            # A receiver that numbers tuples otherwise (e.g. one without packing, which skips
             # packed tuples): never settle a tuple on another's receipt; it is delivered again.
             log.warning("receipt names another tuple; ignored", extra={
                 "index": receipt.index, "receipt_tuple_id": receipt.tuple_id,

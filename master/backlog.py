@@ -364,7 +364,7 @@ class BacklogQueue:
         self._cond.notify_all()
         try:   # after the tuple is back: a journal that cannot be written must not strand it
             self._journal.append(MOVE, entry.seq, entry.order, attempt)
-            self._durable_journal()      # synced like an ACK (before, a MOVE waited for the next one)
+            self._durable_journal()      # synced like an ACK: a requeue survives a power loss as an ack does
         except (OSError, FailedPrecondition) as exc:
             log.error("cannot journal a requeue; the tuple is queued, but after a restart it would "
                       "have its earlier place and attempt count",

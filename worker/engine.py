@@ -64,8 +64,8 @@ LAST_ERROR_KEY = "hio.last_error"
 LAST_ERROR_BYTES = 1024
 TIMEOUT_EXIT_CODE = 75       # EX_TEMPFAIL: the controller restarts us
 ZSTD_LEVEL = 3
-ZSTD_SMALL_LEVEL = -1        # records up to ZSTD_SMALL_BYTES: zstd's fast mode (4 us less per record,
-ZSTD_SMALL_BYTES = 512       # 2% larger here; level 3 costs ~6 us even for 200 bytes)
+ZSTD_SMALL_LEVEL = -1        # records up to ZSTD_SMALL_BYTES: zstd's fast mode, cheaper per small
+ZSTD_SMALL_BYTES = 512       # record and a little larger than level 3
 HANDOFF_DEADLINE = 10.0      # seconds the watchdog may spend handing a hung tuple back
 RECORD_HEADROOM = 64 * 1024  # bytes of a PutFeatures message beyond the record itself
 MIN_EMPTY_PULL = 0.1         # seconds between long-polls the master answers at once
@@ -212,11 +212,10 @@ class _Background:
     """Calls run beside the processing of pulled tuples, on two threads kept for it.
 
     The queue path runs two things beside the processing of a pull: fetching
-    the next pull (a queue channel used to pull only once idle, so each pull
-    left its slot idle for a release, a pull and the transfer), and storing
-    the last pull's features (the answer waits for the repository's fsync,
-    which took 13% of an engine's time at 10 MB while the disk was busy with
-    the spool and the backlog). Kept threads: starting one waits until it
+    the next pull (pulling only once idle would leave the slot idle for a
+    release, a pull and the transfer), and storing the last pull's features
+    (the answer waits for the repository's fsync, time the slot would
+    otherwise spend idle). Kept threads: starting one waits until it
     runs, a time slice on a loaded machine. A failure is logged and gives
     the call's ``failed`` value.
     """
@@ -251,8 +250,7 @@ class _Handover:
 
     Why: a channel held until the last STORED receipt idles while its
     features are stored and while the release, the next route and the next
-    stream's first bytes travel (about 8 ms a tuple here, most of a 10 ms
-    tuple's cost). Once the stream's input has ended and its last tuple has
+    stream's first bytes travel, which for a cheap tuple is most of its cost. Once the stream's input has ended and its last tuple has
     started processing, nothing more of this stream will need the processing
     slot, so the next stream may be received while that tuple is processed:
     one tuple ahead, as within a stream, never more (a stream still waiting
@@ -368,9 +366,8 @@ class _BatchStorer:
     def _linger(self) -> None:
         """While records arrive fast (small tuples), let a small batch wait a few ms for more (lock held).
 
-        Why: at thousands of small tuples a second, each PutFeatures carried
-        about a dozen records, and its gRPC work on both ends cost more than
-        storing them (100 B tuples: 350 calls/s). Records that come slower
+        Why: at thousands of small tuples a second, a PutFeatures per few records
+        costs more gRPC work on both ends than storing them. Records that come slower
         than one a millisecond (costly or large tuples) never wait.
         """
         deadline = time.monotonic() + STORE_LINGER
@@ -579,8 +576,8 @@ class Engine:
 
         Receipts are sent when no tuple is waiting, or once the oldest has
         waited :data:`ANSWER_DELAY`: sending a gRPC response blocks this
-        thread until it is written (about 1-2 ms here), which, once per small
-        tuple, cost more than processing it.
+        thread until it is written, which, once per small tuple, costs more than
+        processing it.
         """
         slots: collections.deque[_Slot] = collections.deque()
 
@@ -677,7 +674,7 @@ class Engine:
     def _not_taken_back(self, slot: _Slot, error: str, refusal: HioError) -> _Slot:
         """The master's queue did not take a failed tuple back (unreachable, or its disk failed
         to sync): the tuple fails to its sender, which counts the attempt and sends it again,
-        and the stream goes on (before, the stream broke and every tuple after it was charged)."""
+        and the stream goes on, so the tuples after it are not charged an attempt."""
         message = truncate(f"{error}; the master's queue did not take it back: {refusal.message}")
         log.warning("failed tuple not taken back by the master; its sender retries it",
                     extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": refusal.message})

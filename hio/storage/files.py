@@ -132,9 +132,8 @@ class SyncBudget:
     kept within ``limit``: every durable store keeps one, for its segment log.
 
     Why: a store that fsyncs in background rounds answers before the disk has the
-    bytes. A disk slower than the tuples lets the rounds fall behind without bound
-    (10 MB tuples at 700 MB/s on a 300 MB/s disk: rounds of 5-15 s), and a power loss
-    would take seconds of receipts, not 100 ms. A writer is therefore admitted only
+    bytes. A disk slower than the tuples lets the rounds fall behind without bound,
+    and a power loss would take seconds of receipts, not one round's. A writer is therefore admitted only
     while its tuple keeps the total within ``limit`` (one larger than ``limit`` waits
     until nothing does); counting before the write makes it a bound for concurrent
     writers too.

@@ -59,7 +59,7 @@ def test_a_batch_holds_one_image_and_respects_bytes() -> None:
 
 
 def test_a_receipt_naming_another_tuple_settles_nothing() -> None:
-    """A receiver that numbers tuples otherwise (one that predates packing skips packed tuples)
+    """A receiver that numbers tuples otherwise (one without packing skips packed tuples)
     must not make the gateway forget a tuple it never processed."""
     from hio.gateway.dispatch import _Pending
     from hio.proto.tuple_pb2 import TupleReceipt

@@ -248,8 +248,8 @@ def _open_segments(root: Path) -> set[str]:
 
 
 def test_batch_mode_syncs_a_rolled_segment_in_the_flush_loop_not_under_the_append_lock(tmp_path: Path) -> None:
-    """Filling a segment hands its fsync to the flush loop (an fsync under the append lock held
-    every submit for tens of ms at 500 MB/s); the next flush syncs and closes it, and the
+    """Filling a segment hands its fsync to the flush loop (an fsync under the append lock would
+    hold every submit for the length of the fsync); the next flush syncs and closes it, and the
     tuples in it survive a restart."""
     root = tmp_path / "s"
     spool = Spool(root, 1 << 20, fsync="batch", segment_bytes=4096)
@@ -423,8 +423,7 @@ def test_a_flush_that_cannot_open_a_descriptor_is_not_final_and_loses_nothing_to
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A flush that fails before any fsync (no descriptor left: EMFILE) is not the disk's
     failure: the spool goes on taking tuples, and the next flush syncs everything the failed
-    one had taken over (before, a failed dup dropped the retired segments and the files to
-    sync, so they were never synced and their bytes stayed counted)."""
+    one had taken over, so nothing it had taken over is left unsynced or counted."""
     monkeypatch.setattr(spool_module, "BATCH_FSYNC_SECONDS", 3600.0)   # this test flushes by hand
     disk = FsyncDisk(monkeypatch)
     root = tmp_path / "s"

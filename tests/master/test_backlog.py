@@ -424,7 +424,7 @@ def test_batch_never_syncs_a_sealed_segment_whose_tuples_were_done_before_its_ro
     segments = _segments(tmp_path)
     assert len(segments) == 3                    # 1 2 | 3 4 | 5: a segment is sealed past 4096 bytes
     assert 15000 < durability.unsynced_bytes < 16000   # the five records, payloads and framing
-    assert not [p for p in disk.synced if "/seg-" in p], "sealing no longer syncs on the receiving thread"
+    assert not [p for p in disk.synced if "/seg-" in p], "sealing does not sync on the receiving thread"
     for _ in range(2):                           # tuples 1 and 2 are done: their segment is deleted
         tid, _, _ = take(q)
         assert q.ack(tid, "w/0")
@@ -442,9 +442,8 @@ def test_batch_never_syncs_a_sealed_segment_whose_tuples_were_done_before_its_ro
 def test_batch_holds_senders_while_the_disk_lags_and_lets_them_go_once_synced(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tuple is admitted only while what waits for an fsync stays within ``unsynced_bytes``,
-    concurrent senders included, so a power loss never costs more than that; before, fsync
-    rounds fell behind without bound (and a first version counted a tuple only once written,
-    so each concurrent sender could add a whole tuple past the bound)."""
+    concurrent senders included (a tuple counts when admitted, not once written), so a power
+    loss never costs more than that."""
     disk = FsyncDisk(monkeypatch)
     durability = Durability("batch", unsynced_bytes=7000)
     q = open_queue(tmp_path, durability=durability)
@@ -496,12 +495,12 @@ def test_batch_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
     q.close()
 
 
-# ---- races and faults found by a review (each test fails on the code before its fix) ----------
+# ---- races and faults: each test pins one interleaving ----------
 
 
 def _pause_dead_letter_copy(q: BacklogQueue, during: Callable[[], object]) -> None:
     """Run ``during`` in another thread while settle() has written a dead letter but not yet
-    dropped the queue entry (the window a concurrent report or retry used to fall into)."""
+    dropped the queue entry (the window a concurrent report or retry can fall into)."""
     import threading
     import time
 
@@ -544,7 +543,7 @@ def test_a_late_success_report_while_the_dead_letter_is_written_changes_nothing(
     acked: list[bool] = []
     _pause_dead_letter_copy(q, lambda: acked.append(q.ack(1, "w/0")))
     clock.now += 100
-    q.expire_leases()                                    # used to raise KeyError in _drop
+    q.expire_leases()                                    # does not raise
     for racer in q._racers:  # type: ignore[attr-defined] - the test's own attribute on the queue
         racer.join(10)
     assert acked == [False]
@@ -661,8 +660,7 @@ def test_batch_syncs_a_requeue_s_journal_entry_like_an_ack(tmp_path: Path, monke
 def test_a_tuple_that_can_never_fit_is_refused_without_waiting_for_the_disk(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cheap refusals come before the wait for the disk: a tuple larger than the queue
-    bound is refused at once even while the disk is behind (before, it waited for the disk,
-    holding what it was admitted for, and only then was refused)."""
+    bound is refused at once even while the disk is behind, holding nothing meanwhile."""
     disk = FsyncDisk(monkeypatch)
     durability = Durability("batch", unsynced_bytes=7000)
     q = open_queue(tmp_path, durability=durability, queue_bytes=10_000)

@@ -269,7 +269,7 @@ def test_flipped_bit_in_tail_record_is_dropped(store: FeatureStore, store_dir: P
 def test_a_flipped_bit_with_stored_records_after_it_stops_the_start_and_cuts_nothing(
         store: FeatureStore, store_dir: Path) -> None:
     """Damage in the last segment with good records after it is not a torn tail: the records
-    after it were answered STORED, so they must not be cut off (they used to be)."""
+    after it were answered STORED, so they must not be cut off."""
     store.put([upload(i) for i in range(1, 6)])
     store.close()
     last = segments(store_dir)[-1]

@@ -99,7 +99,7 @@ def _batches_of_three(repo: Repo, pause: float) -> list[list[int]]:
 def test_records_that_arrive_fast_wait_for_each_other_and_slow_ones_go_at_once(
         repo: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
     """Small tuples: one PutFeatures for records that come close together (the gRPC work of a call
-    cost more than storing a dozen records); records that come apart are not held back."""
+    costs more than storing a few records); records that come apart are not held back."""
     monkeypatch.setattr(engine_module, "STORE_GAP", 0.5)     # "close together": within 0.5 s
     monkeypatch.setattr(engine_module, "STORE_LINGER", 3.0)
     assert _batches_of_three(repo, pause=0.1) == [[1, 2, 3]]
