@@ -144,13 +144,17 @@ def test_never_runs(cluster):
 """
 
 
+CHECKOUT = str(Path(__file__).resolve().parents[2])   # where `tests.harness` is imported from
+
+
 def test_a_test_session_interrupted_while_starting_a_cluster_stops_it(tmp_path: Path) -> None:
     (tmp_path / "test_interrupted.py").write_text(INTERRUPTED_SESSION)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     report = tmp_path / "pids.json"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
                           str(tmp_path / "pytest.ini"), str(tmp_path / "test_interrupted.py")],
-                         cwd=tmp_path, env={**hio_env(), "REPORT": str(report)}, capture_output=True,
+                         cwd=tmp_path, env={**hio_env(), "REPORT": str(report), "PYTHONPATH": CHECKOUT},
+                         capture_output=True,
                          text=True, timeout=180)
     assert "KeyboardInterrupt" in run.stdout + run.stderr, run.stdout + run.stderr
     pids = json.loads(report.read_text())
