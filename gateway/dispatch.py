@@ -50,6 +50,7 @@ import grpc
 from hio.common.errors import retry_after
 from hio.common.frames import TupleMeta, WireFrame, tuple_frames, unpacked_receipts
 from hio.common.lane import LaneCall, LaneSkips, LearntLane, lane_frames
+from hio.common.lanetls import client_context
 from hio.common.net import NEVER_CONNECTED, create_channel, rpc_error_text, rpc_status, send_frames
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
@@ -130,8 +131,8 @@ class Dispatcher:
         self._calls: set[grpc.Future] = set()
         self._channels: dict[str, grpc.Channel] = {}
         self._token = config.presented_token()   # read once, as for the gRPC channels
-        self._use_lanes = config.lanes and not config.speaks_tls   # the lanes have no TLS
-        self._lanes = LaneSkips(log, "payload lane unusable; using gRPC")
+        self._use_lanes = config.lanes
+        self._lanes = LaneSkips(log, "payload lane unusable; using gRPC", tls=client_context(config))
         self._master_calls = LearntLane(       # RouteTuples on the master's lane, once it says where
             self._lanes, server=config.master_address, enabled=self._use_lanes, token=self._token)
         self._unreachable_logged: dict[str, float] = {}      # engine address -> when last logged
@@ -385,8 +386,8 @@ class Dispatcher:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
 
     def _open_lane(self, lane: str, method: str) -> "socket.socket | None":
-        """A connection to a payload lane for ``method``; None (use gRPC) when lanes are off, TLS
-        is on, or the lane is skipped (:class:`LaneSkips`: a firewall that opens only the gRPC
+        """A connection to a payload lane for ``method``; None (use gRPC) when lanes are off,
+        or the lane is skipped (:class:`LaneSkips`: a firewall that opens only the gRPC
         port, a server that predates lanes)."""
         if not self._use_lanes:
             return None

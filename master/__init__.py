@@ -17,6 +17,7 @@ import logging
 import grpc
 
 from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
+from hio.common.lanetls import server_context
 from hio.common.log import NOTICE
 from hio.common.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
 from hio.master.config import MasterConfig
@@ -60,7 +61,7 @@ def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable 
         unaries=service.lane_unaries(),
         table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
         max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
-        max_connections=LANE_CONNECTIONS, piece_bytes=config.chunk_bytes),
+        max_connections=LANE_CONNECTIONS, piece_bytes=config.chunk_bytes, tls=server_context(config)),
         chosen=bool(config.lane_listen), logger=log)
 
 

@@ -37,15 +37,15 @@ class RepositoryConfig(ClusterSettings):
     read_batch_bytes: int = setting(8 * MiB, "most record bytes per ReadFeatures response message (one larger record goes alone)")
     max_consumers: int = setting(1024, "most named consumers whose offsets are kept")
     max_workers: int = setting(32, "gRPC server threads")
-    lanes: bool = setting(True, "also take PutFeatures on a lane (plain TCP, kept connections: about a tenth "
-                                "of a gRPC call's CPU, which engines pay per tuple when tuples come one at "
-                                "a time); off with TLS")
+    lanes: bool = setting(True, "also take PutFeatures on a lane (TCP, TLS as gRPC's, kept connections: about "
+                                "a tenth of a gRPC call's CPU, which engines pay per tuple when tuples come "
+                                "one at a time)")
     lane_listen: str = setting("", "host:port of the lane; empty = listen's host and port + 1 "
                                    "(any free port when listen's port is 0)")
 
     def lane_address(self) -> str:
-        """Where the lane listens; '' when there is none (turned off, or TLS)."""
-        return lane_listen_address(self.listen, self.lane_listen, offered=self.lanes and not self.tls_cert)
+        """Where the lane listens; '' when there is none (turned off)."""
+        return lane_listen_address(self.listen, self.lane_listen, offered=self.lanes)
 
     def validate(self) -> None:
         """Refuse settings the repository cannot honour; messages name the setting."""

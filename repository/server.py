@@ -9,6 +9,7 @@ import grpc
 from hio.common.errors import HioError
 from hio.common.log import NOTICE
 from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
+from hio.common.lanetls import server_context
 from hio.common.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig
@@ -43,7 +44,8 @@ def _start_lane(config: RepositoryConfig, service: RepositoryService, table: Tok
     return start_lane_server(config.lane_address(), lambda listen: LaneServer(
         listen, service="Repository", uploads={}, unaries=service.lane_unaries(),
         table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
-        max_head_bytes=message_limit(config), max_data_bytes=0, max_connections=LANE_CONNECTIONS),
+        max_head_bytes=message_limit(config), max_data_bytes=0, max_connections=LANE_CONNECTIONS,
+        tls=server_context(config)),
         chosen=bool(config.lane_listen), logger=log)
 
 

@@ -17,6 +17,7 @@ import grpc
 from hio.common import errors
 from hio.common.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32, frames_for_bytes
 from hio.common.lane import LaneCalls, LaneDownload, LaneSkips, LearntLane
+from hio.common.lanetls import client_context
 from hio.common.net import create_channel, message_limit, pull_frames, rpc_error_text, rpc_status, send_frames
 from hio.common.retry import call_with_retry
 from hio.common.settings import ClusterSettings
@@ -82,13 +83,14 @@ class ClusterLink:
         self._enqueue = send_frames(self._master_channel, "Master", "Enqueue")
         self._pull = pull_frames(self._master_channel)
         self._master_lane_port = 0                     # learnt from report answers
-        self._use_lanes = lanes and not settings.speaks_tls   # off: every call goes over gRPC
+        self._use_lanes = lanes   # off: every call goes over gRPC
         self._token = settings.presented_token()             # read once, as for the gRPC channels
-        self._lanes = LaneSkips(log, "master's payload lane unusable; pulling and reporting over gRPC")
+        tls = client_context(settings)                       # the lanes' TLS, as the channels'
+        self._lanes = LaneSkips(log, "master's payload lane unusable; pulling and reporting over gRPC", tls=tls)
         self._master_calls = LearntLane(    # ReportTuples on the master's lane, once it says where
             self._lanes, server=settings.master_address, enabled=self._use_lanes, token=self._token)
         self._repository_calls = LearntLane(   # PutFeatures on the repository's lane, likewise
-            LaneSkips(log, "repository's lane unusable; storing features over gRPC"),
+            LaneSkips(log, "repository's lane unusable; storing features over gRPC", tls=tls),
             server=settings.repository_address, enabled=self._use_lanes, token=self._token)
 
     def close(self) -> None:

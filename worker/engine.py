@@ -37,6 +37,7 @@ from hio.common.tickets import load_ticket_key, verify_ticket
 from hio.common.frames import FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
 from hio.common.config import ConfigError
 from hio.common.lane import LaneServer, create_server_with_lane, start_lane_server
+from hio.common.lanetls import server_context
 from hio.common.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
 from hio.common.retry import Backoff
 from hio.common.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
@@ -1055,18 +1056,16 @@ def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], 
 
 
 def create_lane(config: EngineConfig, engine: "Engine", table: TokenTable | None) -> LaneServer | None:
-    """The engine's payload lane (Deliver over plain TCP), started; None when not configured
-    or when TLS is (the lane carries no TLS: senders then use Deliver)."""
-    if config.lane_listen and config.tls_cert:
-        log.info("payload lane off: TLS is configured", extra={"channel": config.channel_id})
-        return None
+    """The engine's payload lane (Deliver over TCP, TLS with the gRPC server's certificates
+    when configured), started; None when not configured."""
+    tls = server_context(config)
     return start_lane_server(  # the worker chose the port: one that cannot be had is an error
         config.lane_listen,
         lambda listen: LaneServer(
             listen, service="Engine",
             uploads={"Deliver": lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes)},
             table=table, policy=POLICY, idle_seconds=engine.idle_seconds,
-            max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes),
+            max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes, tls=tls),
         chosen=True, logger=log)
 
 

@@ -80,7 +80,7 @@ def test_the_grpc_answer_names_the_lane_and_none_when_lanes_are_off(tmp_path: Pa
         on.close()
         off.close()
     tls = RepositoryConfig(listen="127.0.0.1:7100", tls_cert="host.crt", tls_key="host.key")
-    assert tls.lane_address() == "", "the lane has no TLS: a repository that speaks TLS offers none"
+    assert tls.lane_address() == "127.0.0.1:7101", "a repository that speaks TLS offers its lane, over TLS too"
     assert RepositoryConfig(listen="0.0.0.0:7100").lane_address() == "0.0.0.0:7101"
 
 
