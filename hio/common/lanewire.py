@@ -49,7 +49,6 @@ class Header:
 
 # client -> server, once: MAGIC, then the LaneHello's size, then the LaneHello
 HELLO = Header("Hello", ("magic", "8s"), ("size", "I"))
-HELLO_PREFIX = Header("HelloSize", ("size", "I"))                       # HELLO after its magic
 # a frame, either way (uploads: client -> server; downloads: server -> client)
 FRAME_PREFIX = Header("Frame", ("head_size", "I"), ("data_size", "Q"))  # then head, then data
 END_OF_INPUT = FRAME_PREFIX.pack(0, 0)   # no frame is empty: this prefix ends the frames
@@ -66,10 +65,6 @@ MAX_REPLY_BYTES = 64 * 1024 * 1024    # any other reply body
 MAX_METHOD_BYTES = 256                # a Calls method name
 HELLO_SECONDS = 10.0                  # the TLS handshake and the whole hello arrive within this
 DRAIN_SECONDS = 1.0                   # after an error status the server reads on this long, then closes
-
-# Codes of LaneStatus.code: gRPC's status codes (0 = OK). Those the lane itself gives:
-OK, CANCELLED, INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = 0, 1, 3, 4, 8
-PERMISSION_DENIED, UNIMPLEMENTED, INTERNAL, DATA_LOSS, UNAUTHENTICATED = 7, 12, 13, 15, 16
 
 # A TLS record's first byte (handshake 22, alert 21): what a plaintext peer of a TLS lane reads
 TLS_RECORD_TYPES = (0x15, 0x16)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import socket
 import ssl
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -252,3 +251,13 @@ def test_a_client_resumes_its_last_session_with_a_server_and_only_its_own(certs:
         other.close()
     finally:
         server.stop()
+
+
+def test_the_headers_are_laid_out_as_docs_lane_md_says() -> None:
+    from hio.common.lanewire import END_OF_INPUT, FRAME_PREFIX, MAGIC
+
+    assert MAGIC == b"HIOLANE1" and HELLO.pack(MAGIC, 3) == b"HIOLANE1\x00\x00\x00\x03"
+    assert HELLO.unpack(b"HIOLANE1\x00\x01\x00\x00") == (b"HIOLANE1", 65536)
+    assert FRAME_PREFIX.pack(5, 2**40) == b"\x00\x00\x00\x05" + (2**40).to_bytes(8, "big")
+    assert FRAME_PREFIX.unpack(bytes(12)).data_size == 0 and END_OF_INPUT == bytes(12)
+    assert REPLY_PREFIX.pack(STATUS, 258) == b"\x02\x00\x00\x01\x02" and REPLY_PREFIX.size == 5
