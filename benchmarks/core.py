@@ -33,6 +33,8 @@ class CoreBenchConfig(ClusterSettings):
     modes: tuple[str, ...] = setting(None, "paths to measure", factory=lambda: ("direct", "queue"))
     rate: float = setting(0.0, "tuples per second to offer, paced; 0 = submit them all at once")
     cost_ms: float = setting(0.0, "milliseconds of CPU each tuple burns in its engine")
+    secure: bool = setting(False, "a secure cluster: mutual TLS on every connection, lanes included (a CA and "
+                                  "certificates made in the data dir), and a token checked on every call")
 
     def validate(self) -> None:
         self.validate_cluster()
@@ -63,7 +65,8 @@ def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> di
     with Gateway(master_address=config.master_address, repository_address=config.repository_address,
                  data_dir=str(data_dir / f"gw-{mode}-{size}"), source=f"bench-{mode}",
                  chunk_bytes=config.chunk_bytes, streams=config.streams, progress=False,
-                 force_queue=(mode == "queue"), token=config.token, token_file=config.token_file) as gateway:
+                 force_queue=(mode == "queue"), token=config.token, token_file=config.token_file,
+                 tls_ca=config.tls_ca, tls_cert=config.tls_cert, tls_key=config.tls_key) as gateway:
         futures = []
         for i in range(count):
             if config.rate > 0 and (wait := started + i / config.rate - time.perf_counter()) > 0:
@@ -147,17 +150,35 @@ def _wait_done(config: CoreBenchConfig, mode: str, count: int) -> None:
             time.sleep(0.01)
 
 
+def secured(config: CoreBenchConfig, data_dir: Path) -> tuple[CoreBenchConfig, list[str]]:
+    """``--secure``: the config with a certificate and a token for every role (one pair, as
+    `hio certs` writes them), and the servers' extra flag for mutual TLS."""
+    from hio.transport.certs import generate
+
+    paths = generate(data_dir / "certs", ("cluster",), ("127.0.0.1", "localhost"))
+    token = data_dir / "certs" / "token"
+    token.write_text(os.urandom(16).hex())
+    os.chmod(token, 0o600)
+    return dataclasses.replace(config, tls_cert=str(paths["cluster"]), tls_key=str(paths["cluster-key"]),
+                               tls_ca=str(paths["ca"]), token="", token_file=str(token)), ["--tls-client-auth"]
+
+
 def run_core_bench(config: CoreBenchConfig) -> int:
     from hio.cluster import LocalCluster
 
     data_dir = Path(config.data_dir).expanduser().resolve() / "bench-core"
-    cluster = LocalCluster(data_dir, config, workers={"": [f"hio/synthetic={config.engines}"]}, worker_timeout=60)
+    servers: list[str] = []   # extra flags of the roles that serve
+    if config.secure:
+        config, servers = secured(config, data_dir)
+    cluster = LocalCluster(data_dir, config, workers={"": [f"hio/synthetic={config.engines}"]}, worker_timeout=60,
+                           master_args=servers, repository_args=servers, worker_args=servers)
     bench = dataclasses.replace(config, master_address=cluster.master, repository_address=cluster.repository)
     bound = loopback_bandwidth()
     pace = f"paced at {config.rate:g}/s" if config.rate > 0 else "submitted at once"
     print(f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; "
           f"{os.cpu_count()} cores; {config.engines} synthetic engines; chunk {config.chunk_bytes} B; "
-          f"tuples {pace}, {config.cost_ms:g} ms of CPU each")
+          f"tuples {pace}, {config.cost_ms:g} ms of CPU each"
+          f"{'; secure: mutual TLS and tokens' if config.secure else ''}")
     with cluster:
         pids = cluster.pids()
         print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}")

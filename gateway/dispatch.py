@@ -54,6 +54,7 @@ from hio.transport.errors import retry_after
 from hio.transport.frames import TupleMeta, unpacked_receipts
 from hio.transport.net import NEVER_CONNECTED, create_channel, message_limit, rpc_error_text, rpc_status
 from hio.transport.payload import GrpcPayload, LanePayload, PayloadPeers, Upload
+from hio.transport.lanetls import client_context
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
 from hio.proto import master_pb2, master_pb2_grpc
@@ -134,10 +135,12 @@ class Dispatcher:
         self._channels: dict[str, grpc.Channel] = {}
         self._route_call = master_pb2_grpc.MasterStub(self._channel(config.master_address)).RouteTuples
         token = config.presented_token()   # read once, as for the gRPC channels
+        tls = client_context(config)         # the lanes' TLS, as the channels'
         self._payload = PayloadPeers(
-            lanes=config.lanes and not config.speaks_tls, logger=log,   # the lanes have no TLS
+            lanes=config.lanes, logger=log,
             lane=lambda lane: LanePayload(lane, token, chunk_bytes=config.chunk_bytes, pack_bytes=config.pack_bytes,
-                                          max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes),
+                                          max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
+                                          tls=tls),
             grpc=lambda address: GrpcPayload(self._channel(address), chunk_bytes=config.chunk_bytes,
                                              pack_bytes=config.pack_bytes, max_chunk_bytes=message_limit(config)))
         self._unreachable_logged: dict[str, float] = {}      # engine address -> when last logged

@@ -332,7 +332,7 @@ def same_port(a: str, b: str) -> bool:
 def lane_listen_address(listen: str, lane_listen: str, *, offered: bool) -> str:
     """Where a server's lane listens: ``lane_listen``, else ``listen``'s host and port + 1
     (any free port when ``listen``'s port is 0; a ConfigError when there is no port + 1);
-    '' when it offers none (``offered`` false: lanes turned off, or TLS, which the lane lacks)."""
+    '' when it offers none (``offered`` false)."""
     if not offered:
         return ""
     if lane_listen:

@@ -45,8 +45,8 @@ class ClusterSettings:
 
     @property
     def speaks_tls(self) -> bool:
-        """This process's gRPC connections use TLS; then it uses no payload lane (plain TCP),
-        so its token and tuples never travel in the clear."""
+        """This process's gRPC connections use TLS; its payload lanes then do too
+        (``hio.transport.lanetls``)."""
         return bool(self.tls_ca or self.tls_cert)
 
     def presented_token(self) -> str:

@@ -17,6 +17,7 @@ import logging
 import grpc
 
 from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
+from hio.transport.lanetls import server_context
 from hio.process.log import NOTICE
 from hio.transport.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
 from hio.transport.tickets import make_ticket
@@ -58,7 +59,7 @@ def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable 
         downloads={"PullTuple": service.pull_for_lane},
         table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
         max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
-        max_connections=LANE_CONNECTIONS, piece_bytes=config.chunk_bytes),
+        max_connections=LANE_CONNECTIONS, piece_bytes=config.chunk_bytes, tls=server_context(config)),
         chosen=bool(config.lane_listen), logger=log)
 
 

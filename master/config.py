@@ -42,14 +42,14 @@ class MasterConfig(ClusterSettings):
         48, "at most this many PullTuple calls wait at once; more are refused with RESOURCE_EXHAUSTED")
     dead_list_limit: int = setting(1000, "at most this many dead letters in one ListDeadLetters answer")
     forget_seconds: float = setting(600.0, "an expired worker is forgotten (and its warning dropped) after this long")
-    lanes: bool = setting(True, "also take Enqueue on a payload lane (plain TCP; about half of gRPC's CPU "
-                                "per MB), which gateways use for the queue path; off with TLS")
+    lanes: bool = setting(True, "also take Enqueue on a payload lane (TCP, TLS as gRPC's; about half of gRPC's "
+                                "CPU per MB), which gateways use for the queue path")
     lane_listen: str = setting("", "host:port of the payload lane; empty = listen's host and port + 1 "
                                    "(any free port when listen's port is 0)")
 
     def lane_address(self) -> str:
-        """Where the payload lane listens; '' when there is none (turned off, or TLS)."""
-        return lane_listen_address(self.listen, self.lane_listen, offered=self.lanes and not self.tls_cert)
+        """Where the payload lane listens; '' when there is none (turned off)."""
+        return lane_listen_address(self.listen, self.lane_listen, offered=self.lanes)
 
     def validate(self) -> None:
         """Refuse settings the master cannot run with; each message names the setting."""

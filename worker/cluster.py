@@ -25,6 +25,7 @@ from hio.transport.net import create_channel, message_limit, rpc_error_text, rpc
 from hio.transport.payload import Download, GrpcPayload, LanePayload, PayloadPeers
 from hio.transport.retry import call_with_retry
 from hio.settings import ClusterSettings
+from hio.transport.lanetls import client_context
 from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 
 log = logging.getLogger("hio.worker")
@@ -87,10 +88,12 @@ class ClusterLink:
         self._master_lane_port = 0                     # learnt from report answers
         token = settings.presented_token()             # read once, as for the gRPC channels
         limit = message_limit(settings)
+        tls = client_context(settings)                       # the lanes' TLS, as the channels'
         self._payload = PayloadPeers(
-            lanes=lanes and not settings.speaks_tls, logger=log,   # the lanes have no TLS
+            lanes=lanes, logger=log,
             lane=lambda lane: LanePayload(lane, token, chunk_bytes=settings.chunk_bytes, pack_bytes=0,
-                                          max_head_bytes=limit, max_data_bytes=settings.max_tuple_bytes),
+                                          max_head_bytes=limit, max_data_bytes=settings.max_tuple_bytes,
+                                          tls=tls),
             grpc=lambda _address: GrpcPayload(self._master_channel, chunk_bytes=settings.chunk_bytes,
                                               pack_bytes=0, max_chunk_bytes=limit))
 

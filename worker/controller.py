@@ -288,13 +288,13 @@ class Controller:
         return free_port(self._config.engine_listen_host, self._config.engine_port_range(), exclude=taken)
 
     def _lane_port(self, slots: list[EngineSlot], port: int, *also: int) -> int:
-        """A port for the engine's payload lane (0 = none: lanes off, TLS, which the lane
-        lacks, or an engine_ports range without two ports per engine)."""
+        """A port for the engine's payload lane (0 = none: lanes off, or an engine_ports
+        range without two ports per engine)."""
         return self._free_port(slots, port, *also) if self._lanes else 0
 
     def _lanes_fit(self, engines: int) -> bool:
-        """Lanes on unless turned off, TLS is on, or engine_ports cannot give each engine two ports."""
-        if not self._config.lanes or self._config.tls_cert:
+        """Lanes on unless turned off, or engine_ports cannot give each engine two ports."""
+        if not self._config.lanes:
             return False
         span = self._config.engine_port_range()
         if span is not None and span[1] - span[0] + 1 < 2 * engines:

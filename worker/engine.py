@@ -51,6 +51,7 @@ from hio.transport.net import ROLE_SERVICES, TokenTable, message_limit, run_unti
 from hio.transport.retry import Backoff
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
 from hio.transport.tickets import load_ticket_key, verify_ticket
+from hio.transport.lanetls import server_context
 from hio.proto import engine_pb2_grpc, master_pb2
 from hio.worker.api import PIPELINE_EXIT_CODE, Pipeline, TupleInfo, load_pipeline, pipeline_for_image
 from hio.worker.cluster import ClusterLink, PullCall
@@ -1072,19 +1073,17 @@ def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], 
     return server, port, health, engine
 
 
-def create_lane(config: EngineConfig, engine: Engine, table: TokenTable | None) -> LaneServer | None:
-    """The engine's payload lane (Deliver over plain TCP), started; None when not configured
-    or when TLS is (the lane carries no TLS: senders then use Deliver)."""
-    if config.lane_listen and config.tls_cert:
-        log.info("payload lane off: TLS is configured", extra={"channel": config.channel_id})
-        return None
+def create_lane(config: EngineConfig, engine: "Engine", table: TokenTable | None) -> LaneServer | None:
+    """The engine's payload lane (Deliver over TCP, TLS with the gRPC server's certificates
+    when configured), started; None when not configured."""
+    tls = server_context(config)
     return start_lane_server(  # the worker chose the port: one that cannot be had is an error
         config.lane_listen,
         lambda listen: LaneServer(
             listen, service="Engine",
             uploads={"Deliver": lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes)},
             table=table, policy=POLICY, idle_seconds=engine.idle_seconds,
-            max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes),
+            max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes, tls=tls),
         chosen=True, logger=log)
 
 

@@ -78,6 +78,10 @@ class Aborted(HioError):
     code = grpc.StatusCode.ABORTED
 
 
+class Unimplemented(HioError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class DeadlineExceeded(HioError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

@@ -9,9 +9,12 @@ the one ``bytes`` object the pipeline gets. Frames, receipts, checks and
 statuses are exactly Deliver's: the engine runs the same ``deliver`` on both.
 The master serves ``Enqueue`` the same way (its receipts, checks and statuses
 are Enqueue's), and ``PullTuple`` the other way round. Every other call is gRPC's.
-The framing is documented in ``proto/hio/proto/engine.proto``.
+The protocol is specified in ``docs/lane.md``; its wire format is declared in
+:mod:`hio.transport.lanewire`.
 
-Servers configured with TLS offer no lane; senders then use gRPC.
+With TLS configured (``tls_cert``), a server's lane speaks TLS with the certificates and
+CA its gRPC server uses (:mod:`hio.transport.lanetls`); a payload is then read from its
+file and encrypted in pieces instead of going out with ``sendfile``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import collections
 import logging
 import select
 import socket
-import struct
+import ssl
 import threading
 import time
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, Union
@@ -30,25 +33,20 @@ from google.protobuf.message import DecodeError
 
 from hio.config import ConfigError, lane_beside, split_address
 from hio.transport.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
-                               PermissionDenied, Unauthenticated, status_of)
+                               PermissionDenied, Unauthenticated, Unimplemented, status_of)
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
+from hio.transport.lanetls import TLSSocket, accept_tls, connect_tls
+from hio.transport.lanewire import (DRAIN_SECONDS, END_OF_INPUT, HELLO, HELLO_SECONDS, MAGIC, MAGIC_PREFIX,
+                                 MAX_HELLO_BYTES, MAX_REPLY_BYTES, MAX_STATUS_BYTES, RECEIPT,
+                                 STATUS, TLS_RECORD_TYPES, VERSIONS)
+from hio.transport.lanewire import FRAME_PREFIX as _FRAME_PREFIX
+from hio.transport.lanewire import REPLY_PREFIX as _REPLY_PREFIX
 from hio.transport.net import RoleHealth, TokenTable, create_server, refuse_caller
 from hio.settings import ClusterSettings
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 
 log = logging.getLogger("hio.lane")
 
-MAGIC = b"HIOLANE1"
-_FRAME_PREFIX = struct.Struct(">IQ")   # head bytes, data bytes
-END_OF_INPUT = _FRAME_PREFIX.pack(0, 0)  # no frame is empty: this prefix ends the input
-_REPLY_PREFIX = struct.Struct(">BI")   # kind, body bytes
-_HELLO_PREFIX = struct.Struct(">I")
-RECEIPT, STATUS = 1, 2
-MAX_HELLO_BYTES = 64 * 1024
-MAX_STATUS_BYTES = 64 * 1024        # a status alone (a download's last reply)
-MAX_REPLY_BYTES = 64 * 1024 * 1024
-HELLO_SECONDS = 10.0        # a client must introduce itself within this
-DRAIN_SECONDS = 1.0         # after an error status, how long the server reads what the client still sends
 MAX_CONNECTIONS = 16        # an engine serves one call at a time; more connections are closed at once
 READ_BUFFER = 256 * 1024    # larger reads go straight into their destination
 SMALL_SEND = 64 * 1024      # a frame up to this is sent with its prefix in one send
@@ -148,6 +146,10 @@ def _read(reader: BinaryIO, size: int) -> bytes:
         raise Cancelled(f"payload lane: connection lost: {exc}") from None
 
 
+_SPEAKS_TLS = ("payload lane speaks TLS and this client does not: set tls_ca (and tls_cert, tls_key when "
+               "the server requires client certificates), as for its gRPC address")
+
+
 class _Lost(Exception):
     """A reply could not be written: the client is gone (nothing more to tell it)."""
 
@@ -170,6 +172,8 @@ def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int,
         prefix = _read(reader, _FRAME_PREFIX.size)
         if not prefix:   # gone without ending its input: cancelled, as a gRPC call would be
             raise Cancelled("payload lane: the sender went away before ending its input")
+        if prefix[0] in TLS_RECORD_TYPES:   # a head of 350 MB or more: no frame, a TLS record
+            raise DataLoss(_SPEAKS_TLS)
         if len(prefix) != _FRAME_PREFIX.size:
             raise DataLoss("payload lane: connection ended inside a frame prefix")
         if prefix == END_OF_INPUT:
@@ -220,6 +224,8 @@ class LaneServer:
 
     Callers are authenticated like gRPC callers (the hello carries the
     token; the same table and policy); statuses are the errors' gRPC codes.
+    With ``tls`` (:func:`lanetls.server_context`) every connection speaks TLS,
+    its handshake made within the hello's time on the connection's own thread.
     The idle bound is the socket's timeout: it runs only while the engine
     waits for bytes, and any byte restarts it (a large frame may take long
     on a slow link without counting as a stall).
@@ -229,8 +235,10 @@ class LaneServer:
                  downloads: dict[str, Download] | None = None,
                  table: TokenTable | None,
                  policy: dict[str, set[str]], idle_seconds: float, max_head_bytes: int,
-                 max_data_bytes: int, max_connections: int = MAX_CONNECTIONS, piece_bytes: int = 0) -> None:
+                 max_data_bytes: int, max_connections: int = MAX_CONNECTIONS, piece_bytes: int = 0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._listen = listen
+        self._tls = tls
         self._piece = piece_bytes
         self._uploads = uploads
         self._downloads = downloads or {}
@@ -309,6 +317,8 @@ class LaneServer:
                 log.warning("payload lane cannot accept", extra={"error": str(exc)})
                 time.sleep(0.1)   # e.g. out of file descriptors: do not spin
                 continue
+            if self._tls is not None:   # no I/O yet: the handshake is the connection thread's
+                conn = accept_tls(conn, self._tls)  # type: ignore[assignment]
             with self._lock:
                 stopping = self._stopping
                 crowded = len(self._conns) >= self._max_connections
@@ -400,13 +410,24 @@ class LaneServer:
         """Read and check the hello, all of it within :data:`HELLO_SECONDS` (a client
         trickling bytes cannot hold a connection longer)."""
         deadline = time.monotonic() + HELLO_SECONDS
-        magic = _recv_before(conn, len(MAGIC) + _HELLO_PREFIX.size, deadline)
-        if magic and not MAGIC.startswith(magic[:len(MAGIC)]):
-            raise InvalidArgument("payload lane: not a lane client (expected the HIOLANE1 hello; "
-                                  f"gRPC clients use the {self._service.lower()}'s gRPC address)")
-        if len(magic) != len(MAGIC) + _HELLO_PREFIX.size:
+        if isinstance(conn, TLSSocket):
+            try:
+                conn.handshake(HELLO_SECONDS)
+            except OSError as exc:   # refused (no or a wrong certificate), not TLS, or silent
+                log.info("payload lane: TLS handshake failed", extra={"service": self._service, "error": str(exc)})
+                raise _Lost(str(exc)) from None
+        head = _recv_before(conn, HELLO.size, deadline)
+        if head[:len(MAGIC_PREFIX)] != MAGIC_PREFIX[:len(head)]:
+            tls = " (this client speaks TLS; this lane is plain TCP: its server has no tls_cert)" \
+                if head[:1] == bytes([TLS_RECORD_TYPES[1]]) else ""
+            raise InvalidArgument(f"payload lane: not a lane client (expected the {MAGIC.decode()} hello; "
+                                  f"gRPC clients use the {self._service.lower()}'s gRPC address){tls}")
+        if len(head) > len(MAGIC_PREFIX) and head[:len(MAGIC)] != MAGIC:   # a version not spoken here
+            raise Unimplemented(f"payload lane: speaks version {', '.join(map(str, VERSIONS))}, not "
+                                f"{head[len(MAGIC_PREFIX):len(MAGIC)].decode('ascii', 'replace')!r}")
+        if len(head) != HELLO.size:
             raise InvalidArgument(f"payload lane: no whole hello within {HELLO_SECONDS:g} s")
-        (size,) = _HELLO_PREFIX.unpack(magic[len(MAGIC):])
+        size = HELLO.unpack(head).size
         if size > MAX_HELLO_BYTES:
             raise InvalidArgument(f"payload lane: hello of {size} bytes is over {MAX_HELLO_BYTES}")
         body = _recv_before(conn, size, deadline)
@@ -561,17 +582,21 @@ def start_lane_server(address: str, make: Callable[[str], "LaneServer"], *, chos
 
 
 def open_lane(address: str, token: str, *, connect_seconds: float, method: str,
-              request: bytes = b"") -> socket.socket:
+              request: bytes = b"", tls: ssl.SSLContext | None = None) -> socket.socket:
     """A connected lane socket, introduced (hello sent) for ``method`` (Deliver to an
-    engine; Enqueue or PullTuple, with its ``request``, to the master). Raises OSError
-    when unreachable."""
+    engine; Enqueue or PullTuple, with its ``request``, to the master). With ``tls``
+    (:func:`lanetls.client_context`), a :class:`lanetls.TLSSocket` whose handshake
+    (the server verified for the address's host) took at most ``connect_seconds``.
+    Raises OSError when unreachable, and ssl.SSLError (an OSError) when refused."""
     host, port = split_address(address)
     sock = socket.create_connection((host, port), timeout=connect_seconds)
     try:
         tune(sock)
+        if tls is not None:
+            sock = connect_tls(sock, tls, host, connect_seconds)  # type: ignore[assignment]
         sock.settimeout(None)
         hello = LaneHello(method=method, token=token, request=request).SerializeToString()
-        sock.sendall(MAGIC + _HELLO_PREFIX.pack(len(hello)) + hello)
+        sock.sendall(HELLO.pack(MAGIC, len(hello)) + hello)
     except BaseException:
         sock.close()
         raise
@@ -629,6 +654,8 @@ class LaneCall:
             if len(prefix) != _REPLY_PREFIX.size:
                 raise self._failure("lane connection closed without a status")
             kind, size = _REPLY_PREFIX.unpack(prefix)
+            if kind in TLS_RECORD_TYPES:
+                raise LaneError(grpc.StatusCode.UNAVAILABLE, _SPEAKS_TLS, transport=True)
             if size > MAX_REPLY_BYTES or kind not in (RECEIPT, STATUS):
                 raise LaneError(grpc.StatusCode.INTERNAL, f"payload lane sent an unreadable reply "
                                 f"(kind {kind}, {size} bytes)", transport=True)
@@ -713,7 +740,8 @@ class LaneCall:
 
 
 def _send_file(sock: socket.socket, fh: BinaryIO, size: int) -> None:
-    """``size`` bytes of an open file from its position, kernel to kernel. DataLoss when the
+    """``size`` bytes of an open file from its position, kernel to kernel (over TLS: read
+    and encrypted in pieces, :meth:`lanetls.TLSSocket.sendfile`). DataLoss when the
     file is shorter; an OSError is taken as the socket's (a spool read error after the
     file opened is rare, and the engine then ends the call for a cut frame)."""
     sent = sock.sendfile(fh, fh.tell(), size)   # waits as the socket's timeout says (os.sendfile would not)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -101,9 +102,10 @@ class LanePayload:
     kind = "lane"
 
     def __init__(self, lane: str, token: str, *, chunk_bytes: int, pack_bytes: int, max_head_bytes: int,
-                 max_data_bytes: int) -> None:
+                 max_data_bytes: int, tls: ssl.SSLContext | None = None) -> None:
         self.lane = lane
         self._token = token
+        self._tls = tls   # the lane's TLS (lanetls.client_context), None for plain TCP
         self._chunk = chunk_bytes
         self._pack = pack_bytes
         self._max_head = max_head_bytes
@@ -112,7 +114,7 @@ class LanePayload:
     def _open(self, method: str, request: bytes = b"") -> socket.socket:
         try:
             return open_lane(self.lane, self._token, connect_seconds=LANE_CONNECT_SECONDS, method=method,
-                             request=request)
+                             request=request, tls=self._tls)
         except (OSError, ValueError) as exc:
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"payload lane {self.lane} unreachable: {exc}",
                             transport=True) from None

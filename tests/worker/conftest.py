@@ -30,15 +30,15 @@ REPO_ROOT = str(Path(__file__).resolve().parents[2])
 class Repo:
     """A real repository server in this process, and a reader of what it stores."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, settings: ClusterSettings = SETTINGS, **overrides: Any) -> None:
         from hio.repository import RepositoryConfig, create_repository_server
 
         config = build(RepositoryConfig, "repository", overrides={
-            "listen": "127.0.0.1:0", "http_listen": "", "data_dir": str(data_dir)})
+            "listen": "127.0.0.1:0", "http_listen": "", "data_dir": str(data_dir), **overrides})
         self.server, port, self.store = create_repository_server(config)
         self.server.start()
         self.address = f"127.0.0.1:{port}"
-        self._channel = create_channel(self.address, SETTINGS)
+        self._channel = create_channel(self.address, settings)   # settings: this test's, as a client
         self.stub = repository_pb2_grpc.RepositoryStub(self._channel)
 
     def records(self) -> dict[int, features_pb2.FeatureRecord]:
@@ -58,14 +58,14 @@ class Repo:
 class Master:
     """A real master server in this process, with a stub to drive it."""
 
-    def __init__(self, data_dir: Path, **overrides: Any) -> None:
+    def __init__(self, data_dir: Path, settings: ClusterSettings = SETTINGS, **overrides: Any) -> None:
         module = importlib.import_module("hio.master")
         config = build(module.MasterConfig, "master", overrides={
             "listen": "127.0.0.1:0", "data_dir": str(data_dir), **overrides})
         self.server, port, self.domain = module.create_master_server(config)
         self.server.start()
         self.address = f"127.0.0.1:{port}"
-        self._channel = create_channel(self.address, SETTINGS)
+        self._channel = create_channel(self.address, settings)
         self.stub = master_pb2_grpc.MasterStub(self._channel)
 
     def status(self) -> master_pb2.GetStatusResponse:

@@ -232,15 +232,66 @@ def test_a_stopped_lane_accepts_no_more_calls(repo: Repo) -> None:
         open_lane(address, "", connect_seconds=2, method="Deliver")
 
 
-def test_tls_engines_offer_no_lane(repo: Repo, tmp_path: Path) -> None:
+@needs_master
+def test_a_tls_cluster_keeps_its_lanes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With mutual TLS and a token on every role, payloads still take the lanes (over TLS, with
+    the certificates gRPC uses): the gateway's Deliver to the engine and Enqueue to the master,
+    the engine's pulls from the master; every tuple stored intact, no lane skipped."""
+    from hio.transport.certs import generate
+    from hio.settings import ClusterSettings
+    from hio.gateway import Gateway, GatewayConfig
+
+    certs = generate(tmp_path / "certs", ("node",), ("127.0.0.1",))
+    tls: dict[str, Any] = {"tls_cert": str(certs["node"]), "tls_key": str(certs["node-key"]),
+                           "tls_ca": str(certs["ca"]), "token": TOKEN}
+    client = ClusterSettings(chunk_bytes=1024, **tls)
+    repo = Repo(tmp_path / "repo", settings=client, tls_client_auth=True, **tls)
+    master = Master(tmp_path / "master", settings=client, tls_client_auth=True, images=(TEST_IMAGE,), **tls)
+    e = lane_engine(repo, master=master.address, tls_client_auth=True, **tls)
+    try:
+        assert master.domain.lane is not None
+        register_channel(master, e, lane_address=lane_address(e))
+        direct = [os.urandom(2_000_000), b"small", os.urandom(300_000)]
+        queued = [os.urandom(1_500_000), b"tiny"]
+        with caplog.at_level(logging.WARNING):
+            base = {"master_address": master.address, "repository_address": repo.address, "ingest_listen": "",
+                    "grace_seconds": 2.0, **tls}
+            with Gateway(GatewayConfig(data_dir=str(tmp_path / "gw"), source="tls", **base)) as gw:
+                ids = gw.send_many(direct, image=TEST_IMAGE, timeout=60)
+                assert gw.status().sent_direct == 3
+            with Gateway(GatewayConfig(data_dir=str(tmp_path / "gwq"), source="tlsq", force_queue=True,
+                                       **base)) as gw:
+                ids += gw.send_many(queued, image=TEST_IMAGE, timeout=60)
+                assert gw.status().enqueued == 2
+
+            def stored() -> dict[int, Any] | None:
+                found = repo.records()
+                return found if set(ids) <= set(found) else None
+
+            records = wait_for(stored, timeout=60, what="every tuple stored")
+        assert [records[i].meta.crc32 for i in ids] == [zlib.crc32(p) for p in direct + queued]
+        assert [records[i].meta.size for i in ids] == [len(p) for p in direct + queued]
+        assert e.engine.lane.calls >= 1                      # Deliver over the engine's TLS lane
+        assert master.domain.lane.methods["Enqueue"] >= 1    # Enqueue over the master's
+        assert master.domain.lane.methods["PullTuple"] >= 1  # the engine's pulls, too
+        skipped = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
+        assert skipped == []
+    finally:
+        e.close()
+        master.close()
+        repo.close()
+
+
+def test_a_plaintext_client_of_a_tls_engine_lane_is_told_to_use_tls(repo: Repo, tmp_path: Path) -> None:
     from hio.transport.certs import generate
 
     certs = generate(tmp_path / "certs", ("engine",), ("127.0.0.1",))
-    e = RunningEngine(engine_config(master=f"127.0.0.1:{free_port()}", repository=repo.address,
-                                    lane_listen="127.0.0.1:0", tls_cert=str(certs["engine"]),
-                                    tls_key=str(certs["engine-key"])))
+    e = lane_engine(repo, tls_cert=str(certs["engine"]), tls_key=str(certs["engine-key"]))
     try:
-        assert e.engine.lane is None
+        with pytest.raises(LaneError) as err:
+            deliver(e, [make_tuple(81, b"x")])
+        assert err.value.transport and "speaks TLS" in err.value.details()
+        assert e.engine.lane.calls == 0
     finally:
         e.close()
 
