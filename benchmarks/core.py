@@ -17,6 +17,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.measure import loopback_bandwidth
 from hio.config import ConfigError, setting
@@ -33,8 +34,11 @@ class CoreBenchConfig(ClusterSettings):
     modes: tuple[str, ...] = setting(None, "paths to measure", factory=lambda: ("direct", "queue"))
     rate: float = setting(0.0, "tuples per second to offer, paced; 0 = submit them all at once")
     cost_ms: float = setting(0.0, "milliseconds of CPU each tuple burns in its engine")
-    secure: bool = setting(False, "a secure cluster: mutual TLS on every connection, lanes included (a CA and "
-                                  "certificates made in the data dir), and a token checked on every call")
+    secure: bool = setting(
+        False,
+        "a secure cluster: mutual TLS on every connection, lanes included (a CA and "
+        "certificates made in the data dir), and a token checked on every call",
+    )
 
     def validate(self) -> None:
         self.validate_cluster()
@@ -49,10 +53,11 @@ class CoreBenchConfig(ClusterSettings):
 
 def _parse_size(text: str) -> int:
     from hio.config import scaled
+
     return scaled(text)
 
 
-def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> dict[str, float]:
+def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> dict[str, Any]:
     """Stream tuples of ``size`` bytes; tuples/s and MB/s until all are stored."""
     from hio.gateway import Gateway
 
@@ -62,11 +67,21 @@ def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> di
         count = max(8, min(config.max_tuples, int(config.seconds * config.rate)))
     attributes = {"cost_ms": f"{config.cost_ms:g}"}
     started = time.perf_counter()
-    with Gateway(master_address=config.master_address, repository_address=config.repository_address,
-                 data_dir=str(data_dir / f"gw-{mode}-{size}"), source=f"bench-{mode}",
-                 chunk_bytes=config.chunk_bytes, streams=config.streams, progress=False,
-                 force_queue=(mode == "queue"), token=config.token, token_file=config.token_file,
-                 tls_ca=config.tls_ca, tls_cert=config.tls_cert, tls_key=config.tls_key) as gateway:
+    with Gateway(
+        master_address=config.master_address,
+        repository_address=config.repository_address,
+        data_dir=str(data_dir / f"gw-{mode}-{size}"),
+        source=f"bench-{mode}",
+        chunk_bytes=config.chunk_bytes,
+        streams=config.streams,
+        progress=False,
+        force_queue=(mode == "queue"),
+        token=config.token,
+        token_file=config.token_file,
+        tls_ca=config.tls_ca,
+        tls_cert=config.tls_cert,
+        tls_key=config.tls_key,
+    ) as gateway:
         futures = []
         for i in range(count):
             if config.rate > 0 and (wait := started + i / config.rate - time.perf_counter()) > 0:
@@ -78,8 +93,14 @@ def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> di
     _wait_done(config, mode, count)  # the master's count, so the next measurement starts from it
     if mode == "queue":  # an ENQUEUED receipt does not: the tuple is done once the master counts it
         elapsed = time.perf_counter() - started
-    return {"size": size, "mode": mode, "tuples": count, "seconds": elapsed,
-            "tuples_per_s": count / elapsed, "mb_per_s": count * size / elapsed / 1e6}
+    return {
+        "size": size,
+        "mode": mode,
+        "tuples": count,
+        "seconds": elapsed,
+        "tuples_per_s": count / elapsed,
+        "mb_per_s": count * size / elapsed / 1e6,
+    }
 
 
 def role_cpu(pids: dict[str, int]) -> dict[str, float]:
@@ -132,8 +153,8 @@ def _wait_done(config: CoreBenchConfig, mode: str, count: int) -> None:
     """Queued tuples are ENQUEUED before processed: wait until the master counts them done."""
     import grpc
 
-    from hio.transport.net import create_channel
     from hio.proto import master_pb2, master_pb2_grpc
+    from hio.transport.net import create_channel
 
     with create_channel(config.master_address, config) as channel:
         stub = master_pb2_grpc.MasterStub(channel)
@@ -159,26 +180,41 @@ def secured(config: CoreBenchConfig, data_dir: Path) -> tuple[CoreBenchConfig, l
     token = data_dir / "certs" / "token"
     token.write_text(os.urandom(16).hex())
     os.chmod(token, 0o600)
-    return dataclasses.replace(config, tls_cert=str(paths["cluster"]), tls_key=str(paths["cluster-key"]),
-                               tls_ca=str(paths["ca"]), token="", token_file=str(token)), ["--tls-client-auth"]
+    return dataclasses.replace(
+        config,
+        tls_cert=str(paths["cluster"]),
+        tls_key=str(paths["cluster-key"]),
+        tls_ca=str(paths["ca"]),
+        token="",
+        token_file=str(token),
+    ), ["--tls-client-auth"]
 
 
 def run_core_bench(config: CoreBenchConfig) -> int:
     from hio.cluster import LocalCluster
 
     data_dir = Path(config.data_dir).expanduser().resolve() / "bench-core"
-    servers: list[str] = []   # extra flags of the roles that serve
+    servers: list[str] = []  # extra flags of the roles that serve
     if config.secure:
         config, servers = secured(config, data_dir)
-    cluster = LocalCluster(data_dir, config, workers={"": [f"hio/synthetic={config.engines}"]}, worker_timeout=60,
-                           master_args=servers, repository_args=servers, worker_args=servers)
+    cluster = LocalCluster(
+        data_dir,
+        config,
+        workers={"": [f"hio/synthetic={config.engines}"]},
+        worker_timeout=60,
+        master_args=servers,
+        repository_args=servers,
+        worker_args=servers,
+    )
     bench = dataclasses.replace(config, master_address=cluster.master, repository_address=cluster.repository)
     bound = loopback_bandwidth()
     pace = f"paced at {config.rate:g}/s" if config.rate > 0 else "submitted at once"
-    print(f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; "
-          f"{os.cpu_count()} cores; {config.engines} synthetic engines; chunk {config.chunk_bytes} B; "
-          f"tuples {pace}, {config.cost_ms:g} ms of CPU each"
-          f"{'; secure: mutual TLS and tokens' if config.secure else ''}")
+    print(
+        f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; "
+        f"{os.cpu_count()} cores; {config.engines} synthetic engines; chunk {config.chunk_bytes} B; "
+        f"tuples {pace}, {config.cost_ms:g} ms of CPU each"
+        f"{'; secure: mutual TLS and tokens' if config.secure else ''}"
+    )
     with cluster:
         pids = cluster.pids()
         print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}")
@@ -187,10 +223,14 @@ def run_core_bench(config: CoreBenchConfig) -> int:
             for mode in config.modes:
                 before, disk_before = role_cpu(pids), role_disk_bytes(pids)
                 r = measure(bench, data_dir, size, mode)
-                print(f"{text:>8} {mode:>7} {r['tuples']:>7.0f} {r['seconds']:>8.2f} {r['tuples_per_s']:>9.1f}"
-                      f" {r['mb_per_s']:>8.1f} {r['mb_per_s'] * 1e6 / bound:>8.1%}", flush=True)
+                print(
+                    f"{text:>8} {mode:>7} {r['tuples']:>7.0f} {r['seconds']:>8.2f} {r['tuples_per_s']:>9.1f}"
+                    f" {r['mb_per_s']:>8.1f} {r['mb_per_s'] * 1e6 / bound:>8.1%}",
+                    flush=True,
+                )
                 print(f"{'':>17}{cpu_per_tuple(before, role_cpu(pids), int(r['tuples']))}", flush=True)
-                time.sleep(0.3)   # the roles' last flush rounds: their syncs and deletions count
-                print(f"{'':>17}{disk_per_tuple(disk_before, role_disk_bytes(pids), int(r['tuples']), size)}",
-                      flush=True)
+                time.sleep(0.3)  # the roles' last flush rounds: their syncs and deletions count
+                print(
+                    f"{'':>17}{disk_per_tuple(disk_before, role_disk_bytes(pids), int(r['tuples']), size)}", flush=True
+                )
     return 0

@@ -32,14 +32,14 @@ from pathlib import Path
 
 from benchmarks.measure import loopback_bandwidth, proc_cpu_seconds
 from hio.config import ConfigError, scaled, setting
-from hio.storage.files import write_all
-from hio.transport.frames import crc32
-from hio.settings import MiB
 from hio.gateway.spool import Spool
 from hio.proto.tuple_pb2 import TupleMeta
+from hio.settings import MiB
+from hio.storage.files import write_all
+from hio.transport.frames import crc32
 
 PATHS = ("memory", "spool")
-HEADER_BYTES = 16                  # the generator's per-message part (a sequence number and a time)
+HEADER_BYTES = 16  # the generator's per-message part (a sequence number and a time)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +47,9 @@ class FloorConfig:
     sizes: tuple[str, ...] = setting(None, "tuple sizes to measure", factory=lambda: ("1M", "10M"))
     seconds: float = setting(4.0, "time to stream each size on each path")
     streams: int = setting(2, "sender threads, each to a receiver process of its own (as two engines)")
-    paths: tuple[str, ...] = setting(None, "'memory' (no spool) and/or 'spool' (durable, as the gateway's)",
-                                     factory=lambda: PATHS)
+    paths: tuple[str, ...] = setting(
+        None, "'memory' (no spool) and/or 'spool' (durable, as the gateway's)", factory=lambda: PATHS
+    )
     data_dir: str = setting("./var", "folder for the spool segments (a subfolder bench-floor is used)")
     disk_probe: str = setting("512M", "bytes to write and fsync there first, to measure the disk (0: skip)")
     log_level: str = setting("warning", "log level")
@@ -77,7 +78,7 @@ class FloorResult:
     path: str
     tuples: int
     seconds: float
-    cpu_seconds: float    # every process of the run: sender (with its fsync thread) and receivers
+    cpu_seconds: float  # every process of the run: sender (with its fsync thread) and receivers
 
     @property
     def bytes_per_s(self) -> float:
@@ -102,11 +103,12 @@ def stream(size: int, path: str, seconds: float, streams: int, root: Path) -> Fl
     server.bind(("127.0.0.1", 0))
     server.listen(streams)
     context = multiprocessing.get_context("fork")
-    receivers = [context.Process(target=receive, args=(server.getsockname()[1], size), daemon=True)
-                 for _ in range(streams)]
+    receivers = [
+        context.Process(target=receive, args=(server.getsockname()[1], size), daemon=True) for _ in range(streams)
+    ]
     for proc in receivers:
         proc.start()
-    pids = [proc.pid for proc in receivers if proc.pid is not None]   # all of them: started
+    pids = [proc.pid for proc in receivers if proc.pid is not None]  # all of them: started
     conns = [server.accept()[0] for _ in range(streams)]
     server.close()
     spool = _fresh_spool(root / "spool") if path == "spool" else None
@@ -136,13 +138,13 @@ def stream(size: int, path: str, seconds: float, streams: int, root: Path) -> Fl
     for thread in threads:
         thread.join()
     if spool is not None:
-        spool.close()   # the last fsync belongs to the run: it is the promise the spool makes
+        spool.close()  # the last fsync belongs to the run: it is the promise the spool makes
         shutil.rmtree(spool.root)
     for conn in conns:
         conn.shutdown(socket.SHUT_WR)
     cpu_receivers = 0.0
     for pid, conn in zip(pids, conns, strict=True):
-        conn.recv(1)     # the receiver closes once it has read everything
+        conn.recv(1)  # the receiver closes once it has read everything
         cpu_receivers += proc_cpu_seconds(pid)
         conn.close()
     elapsed = time.monotonic() - start
@@ -168,7 +170,7 @@ def disk_write_bandwidth(root: Path, total: int, block: int = 4 * 1024 * 1024) -
     try:
         start = time.monotonic()
         for done in range(0, total, block):
-            write_all(fd, memoryview(data)[:min(block, total - done)])
+            write_all(fd, memoryview(data)[: min(block, total - done)])
         os.fsync(fd)
         return total / (time.monotonic() - start)
     finally:
@@ -182,15 +184,24 @@ def run_floor(config: FloorConfig) -> int:
     bound = loopback_bandwidth()
     probe = scaled(config.disk_probe)
     disk = f"{disk_write_bandwidth(root, probe) / 1e6:,.0f} MB/s" if probe else "not measured"
-    print(f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; disk, written and fsynced: {disk}; "
-          f"{os.cpu_count()} cores; {config.streams} streams", flush=True)
-    print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}"
-          f" {'CPU ms/tuple':>12} {'cores':>6}", flush=True)
+    print(
+        f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; disk, written and fsynced: {disk}; "
+        f"{os.cpu_count()} cores; {config.streams} streams",
+        flush=True,
+    )
+    print(
+        f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}"
+        f" {'CPU ms/tuple':>12} {'cores':>6}",
+        flush=True,
+    )
     for text in config.sizes:
         size = scaled(text)
         for path in config.paths:
             r = stream(size, path, config.seconds, config.streams, root)
-            print(f"{text:>8} {path:>7} {r.tuples:>7} {r.seconds:>8.2f} {r.tuples / r.seconds:>9.1f}"
-                  f" {r.bytes_per_s / 1e6:>8.1f} {r.bytes_per_s / bound:>8.1%} {r.cpu_ms_per_tuple:>12.2f}"
-                  f" {r.cpu_seconds / r.seconds:>6.2f}", flush=True)
+            print(
+                f"{text:>8} {path:>7} {r.tuples:>7} {r.seconds:>8.2f} {r.tuples / r.seconds:>9.1f}"
+                f" {r.bytes_per_s / 1e6:>8.1f} {r.bytes_per_s / bound:>8.1%} {r.cpu_ms_per_tuple:>12.2f}"
+                f" {r.cpu_seconds / r.seconds:>6.2f}",
+                flush=True,
+            )
     return 0

@@ -53,41 +53,82 @@ FULL_COSTS = ("0", "10ms", "100ms", "1s")
 QUICK_SIZES = ("100", "1M")
 QUICK_COSTS = ("0", "100ms")
 
-RESULT_FIELDS = ("system", "size", "cost_ms", "max_rate", "bound", "fraction", "loopback_mb_s", "steps",
-                 "seconds", "first_fail_rate", "first_fail_reason", "latency_rate", "p50_ms", "p99_ms",
-                 "load_avg", "cpu_slots", "finished_at", "steal", "commit", "machine")
-STEP_FIELDS = ("system", "size", "cost_ms", "rate", "messages", "seconds", "sent_rate", "finished",
-               "finished_fraction", "backlog_growth", "passed", "reason", "p50_ms", "p99_ms", "load_avg", "steal")
+RESULT_FIELDS = (
+    "system",
+    "size",
+    "cost_ms",
+    "max_rate",
+    "bound",
+    "fraction",
+    "loopback_mb_s",
+    "steps",
+    "seconds",
+    "first_fail_rate",
+    "first_fail_reason",
+    "latency_rate",
+    "p50_ms",
+    "p99_ms",
+    "load_avg",
+    "cpu_slots",
+    "finished_at",
+    "steal",
+    "commit",
+    "machine",
+)
+STEP_FIELDS = (
+    "system",
+    "size",
+    "cost_ms",
+    "rate",
+    "messages",
+    "seconds",
+    "sent_rate",
+    "finished",
+    "finished_fraction",
+    "backlog_growth",
+    "passed",
+    "reason",
+    "p50_ms",
+    "p99_ms",
+    "load_avg",
+    "steal",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig(ClusterSettings):
     quick: bool = setting(False, "the quick grid (sizes 100 B and 1 MB x costs 0 and 100 ms, short steps)")
-    sizes: tuple[str, ...] = setting((), "message sizes (decimal units: 100, 10K, 1M); empty = the grid's",
-                                     factory=tuple)
+    sizes: tuple[str, ...] = setting(
+        (), "message sizes (decimal units: 100, 10K, 1M); empty = the grid's", factory=tuple
+    )
     costs: tuple[str, ...] = setting((), "CPU cost per message (0, 10ms, 1s); empty = the grid's", factory=tuple)
-    systems: tuple[str, ...] = setting(None, "systems to measure",
-                                       factory=lambda: ("hio-direct", "hio-queue", "spark-file", "spark-socket"))
+    systems: tuple[str, ...] = setting(
+        None, "systems to measure", factory=lambda: ("hio-direct", "hio-queue", "spark-file", "spark-socket")
+    )
     out_dir: str = setting("docs", "where benchmarks.md goes; plots and CSVs under OUT_DIR/benchmarks/")
-    results_name: str = setting("", "CSV file name under OUT_DIR/benchmarks/; empty = results-full.csv "
-                                    "or results-quick.csv")
+    results_name: str = setting(
+        "", "CSV file name under OUT_DIR/benchmarks/; empty = results-full.csv or results-quick.csv"
+    )
     fresh: bool = setting(False, "ignore earlier results in the CSV instead of resuming after them")
     report: bool = setting(True, "regenerate OUT_DIR/benchmarks.md and the plots at the end")
     min_step_seconds: float = setting(0.0, "shortest step (0 = 4 s, quick grid 3 s)")
     max_step_seconds: float = setting(0.0, "longest step (0 = 10 s, quick grid 6 s)")
     min_step_messages: int = setting(20, "messages a step sends at least (unless that exceeds the longest step)")
-    grace_seconds: float = setting(4.0, "after the last send, time allowed (plus 2x the cost) to finish 95% "
-                                        "(covers Spark's micro-batch latency)")
-    drain_seconds: float = setting(45.0, "after a step, wait this long for the backlog to empty; "
-                                         "then the system is reset")
+    grace_seconds: float = setting(
+        4.0, "after the last send, time allowed (plus 2x the cost) to finish 95% (covers Spark's micro-batch latency)"
+    )
+    drain_seconds: float = setting(
+        45.0, "after a step, wait this long for the backlog to empty; then the system is reset"
+    )
     tolerance: float = setting(0.05, "bisect until (high - low) / high is at most this")
     max_steps: int = setting(12, "steps per grid point at most")
     start_rate: float = setting(100.0, "first rate (/s) of a point without a better guess")
     start_fraction: float = setting(0.9, "first rate as a fraction of the bound, where the bound is finite")
     min_rate: float = setting(0.1, "below this rate (/s) a point is recorded as 0")
     max_rate: float = setting(200_000.0, "never try a rate above this (/s): the generator's own limit")
-    latency_sizes: tuple[str, ...] = setting(None, "sizes where latency is measured at half the maximum",
-                                             factory=lambda: ("1M", "10M"))
+    latency_sizes: tuple[str, ...] = setting(
+        None, "sizes where latency is measured at half the maximum", factory=lambda: ("1M", "10M")
+    )
     latency_messages: int = setting(30, "messages of the latency step at least")
     streams: int = setting(4, "gateway delivery streams (this system)")
     batch_tuples: int = setting(256, "gateway batch size in tuples (this system)")
@@ -104,9 +145,20 @@ class BenchConfig(ClusterSettings):
                 raise ConfigError(f"sizes: {text!r} is below 64 bytes (the message header needs 48)")
         for text in self.grid_costs():
             parse_cost(text)
-        for name in ("min_step_messages", "drain_seconds", "tolerance", "max_steps", "start_rate",
-                     "min_rate", "max_rate", "latency_messages", "streams", "batch_tuples", "point_seconds",
-                     "start_fraction"):
+        for name in (
+            "min_step_messages",
+            "drain_seconds",
+            "tolerance",
+            "max_steps",
+            "start_rate",
+            "min_rate",
+            "max_rate",
+            "latency_messages",
+            "streams",
+            "batch_tuples",
+            "point_seconds",
+            "start_fraction",
+        ):
             positive(name, getattr(self, name))
         if self.min_step_seconds < 0 or self.max_step_seconds < 0 or self.grace_seconds < 0:
             raise ConfigError("min_step_seconds, max_step_seconds and grace_seconds must not be negative")
@@ -168,6 +220,7 @@ def bound_rate(size: int, cost_s: float, bandwidth: float, slots: int) -> float:
 
 # -- one step -------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class StepResult:
     rate: float
@@ -210,10 +263,11 @@ def slope(points: list[tuple[float, float]]) -> float:
 class StepRunner:
     """Runs steps of one grid point on one system, by the pass rules in the module doc."""
 
-    def __init__(self, system: System, generator: MessageGenerator, cost_s: float, config: BenchConfig,
-                 prefix: str = "") -> None:
+    def __init__(
+        self, system: System, generator: MessageGenerator, cost_s: float, config: BenchConfig, prefix: str = ""
+    ) -> None:
         self.system = system
-        self.prefix = prefix         # makes step tags unique across the points of one system run
+        self.prefix = prefix  # makes step tags unique across the points of one system run
         self.generator = generator
         self.cost_s = cost_s
         self.config = config
@@ -239,8 +293,7 @@ class StepRunner:
         samples: list[tuple[float, float]] = []
         t0 = time.monotonic() + 0.05
         stop_sampling = threading.Event()
-        sampler = threading.Thread(target=self._sample, args=(t0, base, sent, samples, stop_sampling),
-                                   daemon=True)
+        sampler = threading.Thread(target=self._sample, args=(t0, base, sent, samples, stop_sampling), daemon=True)
         sampler.start()
         send_errors = self._pace(tag, rate, count, t0, sent)
         send_end = time.monotonic()
@@ -291,8 +344,9 @@ class StepRunner:
             thread.join()
         return errors[:5]
 
-    def _sample(self, t0: float, base: int, sent: list[int], samples: list[tuple[float, float]],
-                stop: threading.Event) -> None:
+    def _sample(
+        self, t0: float, base: int, sent: list[int], samples: list[tuple[float, float]], stop: threading.Event
+    ) -> None:
         while not stop.wait(0.2):
             now = time.monotonic()
             samples.append((now - t0, sent[0] - (self.system.finished_count() - base)))
@@ -305,8 +359,9 @@ class StepRunner:
         tail = [(t, y) for t, y in samples if t >= start]
         return slope(tail) * (span - start)
 
-    def _judge(self, rate: float, count: int, send_seconds: float, in_time: int, growth: float,
-               errors: list[str]) -> StepResult:
+    def _judge(
+        self, rate: float, count: int, send_seconds: float, in_time: int, growth: float, errors: list[str]
+    ) -> StepResult:
         planned = count / rate
         sent_rate = count / max(send_seconds, 1e-9)
         allowed_growth = max(2 * SLOTS, 0.05 * count)
@@ -338,6 +393,7 @@ class StepRunner:
 
 # -- one point: ramp, then bisect -------------------------------------------------------
 
+
 @dataclasses.dataclass
 class PointResult:
     max_rate: float
@@ -345,8 +401,16 @@ class PointResult:
     first_fail: StepResult | None
 
 
-def find_max(run_step: Callable[[float], StepResult], start: float, cap: float, *, tolerance: float,
-             min_rate: float, max_steps: int, deadline: float) -> PointResult:
+def find_max(
+    run_step: Callable[[float], StepResult],
+    start: float,
+    cap: float,
+    *,
+    tolerance: float,
+    min_rate: float,
+    max_steps: int,
+    deadline: float,
+) -> PointResult:
     """Ramp up from ``start`` (x4 while far below ``cap``, else x2) until a step fails
     or ``cap`` passes; if the very first step fails, halve until one passes; then
     bisect between the highest pass and the lowest fail until within ``tolerance``."""
@@ -384,8 +448,8 @@ def find_max(run_step: Callable[[float], StepResult], start: float, cap: float, 
 
 # -- the run --------------------------------------------------------------------------
 
-WARM_UP_RATE = 20.0                    # messages/s of the warm-up step (at most)
-WARM_UP_BYTES_PER_SECOND = 50e6        # ...and at most this many bytes/s, for large messages
+WARM_UP_RATE = 20.0  # messages/s of the warm-up step (at most)
+WARM_UP_BYTES_PER_SECOND = 50e6  # ...and at most this many bytes/s, for large messages
 WARM_UP_MESSAGES = 20
 
 
@@ -422,6 +486,7 @@ def steal_between(before: tuple[int, int], after: tuple[int, int]) -> float:
 
 def _burn(seconds: float) -> float:
     from hio.worker.pipelines.synthetic import burn_cpu
+
     return burn_cpu(seconds)
 
 
@@ -439,7 +504,7 @@ class CpuProbe:
 
         self.seconds = seconds
         self._pool = multiprocessing.get_context("spawn").Pool(SLOTS)
-        self._pool.map(_burn, [0.0] * SLOTS)    # pay the start-up once
+        self._pool.map(_burn, [0.0] * SLOTS)  # pay the start-up once
 
     def slots(self) -> float:
         start = time.monotonic()
@@ -517,13 +582,18 @@ class BenchRun:
             for path in (self.results, self.steps_path):
                 path.unlink(missing_ok=True)
         done = read_done(self.results)
-        pending = {name: [(size, cost) for cost in self.costs for size in self.sizes
-                          if (name, size, cost * 1000) not in done] for name in self.config.systems}
+        pending = {
+            name: [(size, cost) for cost in self.costs for size in self.sizes if (name, size, cost * 1000) not in done]
+            for name in self.config.systems
+        }
         if any(pending.values()):
             self.commit, self.machine = source_commit(), machine_description()
             self.bandwidth = loopback_bandwidth(seconds=2.0)
-            print(f"hio bench: loopback {self.bandwidth / 1e6:,.0f} MB/s; {os.cpu_count()} cores; "
-                  f"load {load_avg():.1f}; results {self.results}", flush=True)
+            print(
+                f"hio bench: loopback {self.bandwidth / 1e6:,.0f} MB/s; {os.cpu_count()} cores; "
+                f"load {load_avg():.1f}; results {self.results}",
+                flush=True,
+            )
         self.probe = CpuProbe() if any(pending.values()) else None
         try:
             for name, todo in pending.items():
@@ -541,11 +611,17 @@ class BenchRun:
             print(f"hio bench: wrote {doc}")
         return 0
 
-    def _run_system(self, name: str, todo: list[tuple[int, float]],
-                    done: dict[tuple[str, int, float], dict[str, str]]) -> None:
-        system = make_system(name, self.work / f"{name}-{os.getpid()}-{int(time.time())}",
-                             chunk_bytes=self.config.chunk_bytes, streams=self.config.streams,
-                             batch_tuples=self.config.batch_tuples, spark_conf=self.config.spark_conf)
+    def _run_system(
+        self, name: str, todo: list[tuple[int, float]], done: dict[tuple[str, int, float], dict[str, str]]
+    ) -> None:
+        system = make_system(
+            name,
+            self.work / f"{name}-{os.getpid()}-{int(time.time())}",
+            chunk_bytes=self.config.chunk_bytes,
+            streams=self.config.streams,
+            batch_tuples=self.config.batch_tuples,
+            spark_conf=self.config.spark_conf,
+        )
         started = time.monotonic()
         print(f"hio bench: starting {name}", flush=True)
         system.start()
@@ -564,38 +640,46 @@ class BenchRun:
         rate = min(WARM_UP_RATE, WARM_UP_BYTES_PER_SECOND / size)
         system.begin_point(size, 0.0)
         try:
-            result = StepRunner(system, MessageGenerator(size, text=system.text_payload), 0.0, self.config,
-                                prefix="warm").run(rate, min_messages=WARM_UP_MESSAGES)
+            result = StepRunner(
+                system, MessageGenerator(size, text=system.text_payload), 0.0, self.config, prefix="warm"
+            ).run(rate, min_messages=WARM_UP_MESSAGES)
         finally:
             system.end_point()
-        print(f"hio bench: {system.name} warmed up ({result.finished}/{result.messages} messages at "
-              f"{rate:.3g}/s; not recorded)", flush=True)
+        print(
+            f"hio bench: {system.name} warmed up ({result.finished}/{result.messages} messages at "
+            f"{rate:.3g}/s; not recorded)",
+            flush=True,
+        )
 
-    def _guess(self, name: str, size: int, cost: float,
-               done: dict[tuple[str, int, float], dict[str, str]]) -> float:
+    def _guess(self, name: str, size: int, cost: float, done: dict[tuple[str, int, float], dict[str, str]]) -> float:
         """The best earlier result of this system at the same cost and a smaller size."""
-        smaller = [float(row["max_rate"]) for (s, sz, c), row in done.items()
-                   if s == name and c == cost * 1000 and sz < size and float(row["max_rate"] or 0) > 0]
+        smaller = [
+            float(row["max_rate"])
+            for (s, sz, c), row in done.items()
+            if s == name and c == cost * 1000 and sz < size and float(row["max_rate"] or 0) > 0
+        ]
         return min(smaller) if smaller else 0.0
 
-    def _run_point(self, system: System, size: int, cost: float,
-                   done: dict[tuple[str, int, float], dict[str, str]]) -> dict[str, object]:
+    def _run_point(
+        self, system: System, size: int, cost: float, done: dict[tuple[str, int, float], dict[str, str]]
+    ) -> dict[str, object]:
         config = self.config
         bound = bound_rate(size, cost, self.bandwidth, SLOTS)
         cap = min(bound, config.max_rate)
         guess = self._guess(system.name, size, cost, done)
-        if cap < config.max_rate:          # a finite bound: start just under it
+        if cap < config.max_rate:  # a finite bound: start just under it
             start = cap * config.start_fraction if not guess else min(cap * config.start_fraction, guess)
         else:
             start = guess or config.start_rate
         cpu_slots = self.probe.slots() if self.probe is not None else math.nan
         started = time.monotonic()
         system.begin_point(size, cost)
-        begun = time.monotonic()           # a Spark query may take long to start on a loaded machine
+        begun = time.monotonic()  # a Spark query may take long to start on a loaded machine
         try:
             self.points += 1
-            runner = StepRunner(system, MessageGenerator(size, text=system.text_payload), cost, config,
-                                prefix=f"p{self.points}")
+            runner = StepRunner(
+                system, MessageGenerator(size, text=system.text_payload), cost, config, prefix=f"p{self.points}"
+            )
 
             def step(rate: float, **options: int) -> StepResult:
                 """One step, logged with the steal during it."""
@@ -605,45 +689,92 @@ class BenchRun:
                 return result
 
             point_ticks = cpu_ticks()
-            point = find_max(step, start, cap, tolerance=config.tolerance, min_rate=config.min_rate,
-                             max_steps=config.max_steps, deadline=begun + config.point_seconds)
+            point = find_max(
+                step,
+                start,
+                cap,
+                tolerance=config.tolerance,
+                min_rate=config.min_rate,
+                max_steps=config.max_steps,
+                deadline=begun + config.point_seconds,
+            )
             steal = steal_between(point_ticks, cpu_ticks())
             latency = None
             if size in self.latency_sizes and point.max_rate > 0:
                 latency = step(point.max_rate / 2, min_messages=config.latency_messages)
         finally:
             system.end_point()
-        row = {"system": system.name, "size": size, "cost_ms": _fmt(cost * 1000),
-               "max_rate": _fmt(point.max_rate), "bound": _fmt(bound),
-               "fraction": _fmt(point.max_rate / bound), "loopback_mb_s": _fmt(self.bandwidth / 1e6),
-               "steps": len(point.steps), "seconds": _fmt(time.monotonic() - started),
-               "first_fail_rate": _fmt(point.first_fail.rate) if point.first_fail else "",
-               "first_fail_reason": point.first_fail.reason if point.first_fail else "",
-               "latency_rate": _fmt(latency.rate) if latency else "",
-               "p50_ms": _fmt(latency.percentile(0.5) * 1000) if latency else "",
-               "p99_ms": _fmt(latency.percentile(0.99) * 1000) if latency else "",
-               "load_avg": _fmt(load_avg()), "cpu_slots": _fmt(cpu_slots),
-               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "steal": _fmt(steal), "commit": self.commit, "machine": self.machine}
+        row = {
+            "system": system.name,
+            "size": size,
+            "cost_ms": _fmt(cost * 1000),
+            "max_rate": _fmt(point.max_rate),
+            "bound": _fmt(bound),
+            "fraction": _fmt(point.max_rate / bound),
+            "loopback_mb_s": _fmt(self.bandwidth / 1e6),
+            "steps": len(point.steps),
+            "seconds": _fmt(time.monotonic() - started),
+            "first_fail_rate": _fmt(point.first_fail.rate) if point.first_fail else "",
+            "first_fail_reason": point.first_fail.reason if point.first_fail else "",
+            "latency_rate": _fmt(latency.rate) if latency else "",
+            "p50_ms": _fmt(latency.percentile(0.5) * 1000) if latency else "",
+            "p99_ms": _fmt(latency.percentile(0.99) * 1000) if latency else "",
+            "load_avg": _fmt(load_avg()),
+            "cpu_slots": _fmt(cpu_slots),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "steal": _fmt(steal),
+            "commit": self.commit,
+            "machine": self.machine,
+        }
         append_row(self.results, RESULT_FIELDS, row)
         fail_note = f"; first fail: {point.first_fail.reason}" if point.first_fail else ""
-        print(f"{system.name:>13} {size_label(size):>7} {cost_label(cost * 1000):>7}: "
-              f"{point.max_rate:>10.4g}/s  bound {bound:>10.4g}/s  {point.max_rate / bound:>6.1%}  "
-              f"(CPU slots {cpu_slots:.2f}; steal {steal:.0%}; {len(point.steps)} steps{fail_note})"
-              + (f"  p50 {latency.percentile(0.5) * 1000:.0f} ms p99 {latency.percentile(0.99) * 1000:.0f} ms"
-                 if latency else ""), flush=True)
+        print(
+            f"{system.name:>13} {size_label(size):>7} {cost_label(cost * 1000):>7}: "
+            f"{point.max_rate:>10.4g}/s  bound {bound:>10.4g}/s  {point.max_rate / bound:>6.1%}  "
+            f"(CPU slots {cpu_slots:.2f}; steal {steal:.0%}; {len(point.steps)} steps{fail_note})"
+            + (
+                f"  p50 {latency.percentile(0.5) * 1000:.0f} ms p99 {latency.percentile(0.99) * 1000:.0f} ms"
+                if latency
+                else ""
+            ),
+            flush=True,
+        )
         return row
 
     def _log_step(self, name: str, size: int, cost: float, result: StepResult, steal: float) -> None:
-        append_row(self.steps_path, STEP_FIELDS, {
-            "system": name, "size": size, "cost_ms": _fmt(cost * 1000), "rate": _fmt(result.rate),
-            "messages": result.messages, "seconds": _fmt(result.seconds), "sent_rate": _fmt(result.sent_rate),
-            "finished": result.finished, "finished_fraction": _fmt(result.finished / result.messages),
-            "backlog_growth": _fmt(result.backlog_growth), "passed": int(result.passed), "reason": result.reason,
-            "p50_ms": _fmt(result.percentile(0.5) * 1000), "p99_ms": _fmt(result.percentile(0.99) * 1000),
-            "load_avg": _fmt(load_avg()), "steal": _fmt(steal)})
-        log.info("step", extra={"system": name, "size": size, "cost_s": cost, "rate": result.rate,
-                                "passed": result.passed, "reason": result.reason})
+        append_row(
+            self.steps_path,
+            STEP_FIELDS,
+            {
+                "system": name,
+                "size": size,
+                "cost_ms": _fmt(cost * 1000),
+                "rate": _fmt(result.rate),
+                "messages": result.messages,
+                "seconds": _fmt(result.seconds),
+                "sent_rate": _fmt(result.sent_rate),
+                "finished": result.finished,
+                "finished_fraction": _fmt(result.finished / result.messages),
+                "backlog_growth": _fmt(result.backlog_growth),
+                "passed": int(result.passed),
+                "reason": result.reason,
+                "p50_ms": _fmt(result.percentile(0.5) * 1000),
+                "p99_ms": _fmt(result.percentile(0.99) * 1000),
+                "load_avg": _fmt(load_avg()),
+                "steal": _fmt(steal),
+            },
+        )
+        log.info(
+            "step",
+            extra={
+                "system": name,
+                "size": size,
+                "cost_s": cost,
+                "rate": result.rate,
+                "passed": result.passed,
+                "reason": result.reason,
+            },
+        )
 
 
 def _interrupt_on_sigterm() -> None:

@@ -44,8 +44,16 @@ class KDBenchConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
-        for name in ("stored", "new", "features", "groups", "k", "sample_size", "max_records_per_interval",
-                     "ratio_bound"):
+        for name in (
+            "stored",
+            "new",
+            "features",
+            "groups",
+            "k",
+            "sample_size",
+            "max_records_per_interval",
+            "ratio_bound",
+        ):
             positive(name, getattr(self, name))
         if self.features > 64:
             raise ConfigError(f"features must be at most 64, got {self.features}")
@@ -58,8 +66,8 @@ def _uploads(first_id: int, count: int, features: int, groups: int, seed: int) -
     tuple id ``i`` in group ``i % groups`` (image ``hio/bench-<g>``, features ``g<g>_f<j>``)."""
     import zstandard
 
-    from hio.transport.frames import crc32
     from hio.proto import features_pb2, repository_pb2
+    from hio.transport.frames import crc32
 
     rng = np.random.default_rng(seed + first_id)
     centres = rng.uniform(-20, 20, size=(5, features))
@@ -84,17 +92,18 @@ class _Bench:
     """One repository + one Spark session; KD runs are `--once` passes."""
 
     def __init__(self, config: KDBenchConfig, work: Path) -> None:
-        from hio.transport.net import create_channel
         from hio.kd.config import KDConfig
         from hio.kd.job import build_session
         from hio.proto import repository_pb2_grpc
         from hio.repository import RepositoryConfig, create_repository_server
+        from hio.transport.net import create_channel
 
         self.config = config
         self.work = work
         # Spark first: launching the JVM forks, which gRPC threads started before it dislike.
-        self.spark = build_session(KDConfig(spark_master=config.spark_master, data_dir=str(work)),
-                                   app_name="hio-bench-kd")
+        self.spark = build_session(
+            KDConfig(spark_master=config.spark_master, data_dir=str(work)), app_name="hio-bench-kd"
+        )
         repo_config = RepositoryConfig(listen="127.0.0.1:0", http_listen="", data_dir=str(work / "repo"), fsync="never")
         self.server, port, self.repo_store = create_repository_server(repo_config)
         self.server.start()
@@ -132,9 +141,16 @@ class _Bench:
         from hio.kd.store import AccumulatedStore
 
         c = self.config
-        kd = KDConfig(repository_address=self.address, data_dir=str(self.work / name), once=True, k=c.k,
-                      consumer=name, sample_size=c.sample_size, max_records_per_interval=c.max_records_per_interval,
-                      seed=c.seed)
+        kd = KDConfig(
+            repository_address=self.address,
+            data_dir=str(self.work / name),
+            once=True,
+            k=c.k,
+            consumer=name,
+            sample_size=c.sample_size,
+            max_records_per_interval=c.max_records_per_interval,
+            seed=c.seed,
+        )
         job = KnowledgeJob(kd, self.spark, AccumulatedStore(kd.parquet_dir).open())
         try:
             if supervise(SparkSessionKeeper(kd, self.spark), kd, job, threading.Event()) != 0:
@@ -149,15 +165,15 @@ def _measure(config: KDBenchConfig, work: Path) -> list[tuple[str, int, Any]]:
     bench = _Bench(config, work)
     try:
         bench.put(WARMUP_RECORDS)
-        bench.kd_pass("warmup")                            # start Python workers, warm the JVM
-        bench.commit("empty", WARMUP_RECORDS)              # the empty-store case starts after them
+        bench.kd_pass("warmup")  # start Python workers, warm the JVM
+        bench.commit("empty", WARMUP_RECORDS)  # the empty-store case starts after them
         bench.put(config.new)
-        empty = bench.kd_pass("empty")                     # timed: `new` records over an empty store
+        empty = bench.kd_pass("empty")  # timed: `new` records over an empty store
         bench.put(config.stored - WARMUP_RECORDS - config.new)
-        large = bench.kd_pass("large")                     # catch up on `stored` records, in batches
+        large = bench.kd_pass("large")  # catch up on `stored` records, in batches
         stored = large.store.total
         bench.put(config.new)
-        large = bench.kd_pass("large")                     # timed: `new` records over `stored`
+        large = bench.kd_pass("large")  # timed: `new` records over `stored`
         return [("empty store", 0, empty), ("large store", stored, large)]
     finally:
         bench.close()
@@ -174,8 +190,10 @@ def run_kd_bench(config: KDBenchConfig) -> int:
     finally:
         if not config.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"KD interval with new records, {config.groups} groups, k={config.k}, {config.features} features, "
-          f"sample bound {config.sample_size}, Spark {config.spark_master}")
+    print(
+        f"KD interval with new records, {config.groups} groups, k={config.k}, {config.features} features, "
+        f"sample bound {config.sample_size}, Spark {config.spark_master}"
+    )
     print(f"{'case':<12} {'stored before':>13} {'new':>6} {'interval s':>10}  breakdown (s)")
     for name, stored, job in results:
         breakdown = ", ".join(f"{k} {v:.3f}" for k, v in job.last_timings.items())

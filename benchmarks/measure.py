@@ -60,8 +60,12 @@ def proc_usage(pid: int) -> Usage | None:
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    return Usage(rss_kib=int(fields.get("VmRSS", "0 kB").split()[0]), fds=fds,
-                 threads=int(fields.get("Threads", "0")), processes=1)
+    return Usage(
+        rss_kib=int(fields.get("VmRSS", "0 kB").split()[0]),
+        fds=fds,
+        threads=int(fields.get("Threads", "0")),
+        processes=1,
+    )
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -75,8 +79,12 @@ def proc_cpu_seconds(pid: int) -> float:
 
 def total(usages: list[Usage | None]) -> Usage:
     alive = [u for u in usages if u is not None]
-    return Usage(rss_kib=sum(u.rss_kib for u in alive), fds=sum(u.fds for u in alive),
-                 threads=sum(u.threads for u in alive), processes=len(alive))
+    return Usage(
+        rss_kib=sum(u.rss_kib for u in alive),
+        fds=sum(u.fds for u in alive),
+        threads=sum(u.threads for u in alive),
+        processes=len(alive),
+    )
 
 
 def machine_description() -> str:
@@ -114,13 +122,28 @@ def source_commit(root: Path | None = None) -> str:
 
     root = root or Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"],
-                              capture_output=True, text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if head.returncode != 0:
             return ""
-        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no",
-                                  "--", ".", ":(exclude)docs", ":(exclude)*.md"],
-                                 capture_output=True, text=True, timeout=10)
+        changed = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(root),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":(exclude)docs",
+                ":(exclude)*.md",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return ""
     return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")

@@ -43,8 +43,22 @@ def read_rows(path: Path) -> list[Row]:
     with open(path, newline="") as fh:
         for raw in csv.DictReader(fh):
             row: Row = dict(raw)
-            for key in ("size", "cost_ms", "max_rate", "bound", "fraction", "loopback_mb_s", "p50_ms",
-                        "p99_ms", "latency_rate", "first_fail_rate", "load_avg", "seconds", "cpu_slots", "steal"):
+            for key in (
+                "size",
+                "cost_ms",
+                "max_rate",
+                "bound",
+                "fraction",
+                "loopback_mb_s",
+                "p50_ms",
+                "p99_ms",
+                "latency_rate",
+                "first_fail_rate",
+                "load_avg",
+                "seconds",
+                "cpu_slots",
+                "steal",
+            ):
                 try:
                     row[key] = float(raw.get(key) or "nan")
                 except ValueError:
@@ -93,13 +107,14 @@ def best_per_cell(rows: list[Row]) -> dict[tuple[int, float], Row]:
 
 # -- plots ----------------------------------------------------------------------------------
 
+
 def plot_heatmap(rows: list[Row], path: Path) -> None:
     """Fig. 3: the best system per cell (colour), its rate in bold, the others below."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
-
 
     sizes, costs = _cells(rows)
     index = _index(rows)
@@ -118,8 +133,15 @@ def plot_heatmap(rows: list[Row], path: Path) -> None:
                     lines.append((system, row))
             for n, (system, row) in enumerate(lines):
                 is_best = winner is not None and system == winner["system"]
-                ax.text(x + 0.5, y + 0.82 - n * 0.19, f"{system}: {_rate(row['max_rate'])}",
-                        ha="center", va="center", fontsize=7, fontweight="bold" if is_best else "normal")
+                ax.text(
+                    x + 0.5,
+                    y + 0.82 - n * 0.19,
+                    f"{system}: {_rate(row['max_rate'])}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    fontweight="bold" if is_best else "normal",
+                )
     ax.set_xlim(0, len(sizes))
     ax.set_ylim(0, len(costs))
     ax.set_xticks([i + 0.5 for i in range(len(sizes))], [size_label(s) for s in sizes])
@@ -127,8 +149,13 @@ def plot_heatmap(rows: list[Row], path: Path) -> None:
     ax.set_xlabel("message size")
     ax.set_ylabel("CPU cost per message")
     ax.set_title("Max sustained frequency (messages/s); colour = best system (ties: first in the legend)", fontsize=10)
-    ax.legend(handles=[Patch(facecolor=COLORS.get(s, "#999"), alpha=0.5, label=s) for s in systems],
-              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(systems), fontsize=8)
+    ax.legend(
+        handles=[Patch(facecolor=COLORS.get(s, "#999"), alpha=0.5, label=s) for s in systems],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12),
+        ncol=len(systems),
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -137,9 +164,9 @@ def plot_heatmap(rows: list[Row], path: Path) -> None:
 def plot_frequency(rows: list[Row], path: Path) -> None:
     """Fig. 4: frequency against size, one panel per cost, with the bound."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
 
     sizes, costs = _cells(rows)
     index = _index(rows)
@@ -179,8 +206,13 @@ def index_bound(rows: list[Row], size: int, cost: float) -> float:
 
 def _bound_cell(rows: list[Row], size: int, cost: float) -> str:
     """The bound of a cell; a range when runs that measured different loopback speeds share it."""
-    bounds = sorted({row["bound"] for row in rows
-                     if row["size"] == size and row["cost_ms"] == cost and not math.isnan(row["bound"])})
+    bounds = sorted(
+        {
+            row["bound"]
+            for row in rows
+            if row["size"] == size and row["cost_ms"] == cost and not math.isnan(row["bound"])
+        }
+    )
     if not bounds:
         return "–"
     if bounds[-1] - bounds[0] <= 1e-9 * bounds[-1]:
@@ -189,6 +221,7 @@ def _bound_cell(rows: list[Row], size: int, cost: float) -> str:
 
 
 # -- targets ---------------------------------------------------------------------------------
+
 
 def cpu_left_fraction(row: Row) -> float:
     """The row's rate against the bound recomputed with the CPU the hypervisor left during the point.
@@ -225,32 +258,56 @@ def check_targets(rows: list[Row]) -> list[tuple[str, str, str]]:
             out.append((f"{size_label(size)}, no cost: >= 50% of bound", "not measured", ""))
             continue
         ok = row["fraction"] >= 0.5
-        out.append((f"{size_label(size)}, no cost: >= 50% of bound", "met" if ok else "NOT met",
-                    f"{_rate(row['max_rate'])}/s = {_pct(row['fraction'])} of {_rate(row['bound'])}/s"))
+        out.append(
+            (
+                f"{size_label(size)}, no cost: >= 50% of bound",
+                "met" if ok else "NOT met",
+                f"{_rate(row['max_rate'])}/s = {_pct(row['fraction'])} of {_rate(row['bound'])}/s",
+            )
+        )
         spark = index.get(("spark-file", size, 0.0))
         if spark is None:
             out.append((f"{size_label(size)}, no cost: >= 5x Spark file source", "not measured", ""))
         else:
             ratio = row["max_rate"] / spark["max_rate"] if spark["max_rate"] > 0 else math.inf
-            out.append((f"{size_label(size)}, no cost: >= 5x Spark file source", "met" if ratio >= 5 else "NOT met",
-                        f"{ratio:.1f}x ({_rate(row['max_rate'])} vs {_rate(spark['max_rate'])}/s)"))
+            out.append(
+                (
+                    f"{size_label(size)}, no cost: >= 5x Spark file source",
+                    "met" if ratio >= 5 else "NOT met",
+                    f"{ratio:.1f}x ({_rate(row['max_rate'])} vs {_rate(spark['max_rate'])}/s)",
+                )
+            )
     heavy = [r for r in rows if r["system"] == HIO and r["cost_ms"] >= 100]
     if heavy:
         low = [r for r in heavy if r["fraction"] < 0.9]
-        detail = "; ".join(f"{size_label(r['size'])} x {cost_label(r['cost_ms'])}: {r['fraction']:.0%}{_left(r)}"
-                           for r in sorted(heavy, key=lambda r: (r["cost_ms"], r["size"])))
+        detail = "; ".join(
+            f"{size_label(r['size'])} x {cost_label(r['cost_ms'])}: {r['fraction']:.0%}{_left(r)}"
+            for r in sorted(heavy, key=lambda r: (r["cost_ms"], r["size"]))
+        )
         out.append(("cost >= 100 ms: >= 90% of bound in every cell", "met" if not low else "NOT met", detail))
     else:
         out.append(("cost >= 100 ms: >= 90% of bound in every cell", "not measured", ""))
     small = hio(100, 0.0)
-    out.append(("100-byte tuples: >= 10,000/s", "not measured" if small is None else
-                ("met" if small["max_rate"] >= 10_000 else "NOT met"),
-                "" if small is None else f"{_rate(small['max_rate'])}/s"))
+    out.append(
+        (
+            "100-byte tuples: >= 10,000/s",
+            "not measured" if small is None else ("met" if small["max_rate"] >= 10_000 else "NOT met"),
+            "" if small is None else f"{_rate(small['max_rate'])}/s",
+        )
+    )
     losses = spark_wins(rows)
     worse = [(row, ratio) for row, ratio in losses if ratio > 2]
-    out.append(("no cell where Spark beats this system by more than 2x", "met" if not worse else "NOT met",
-                "; ".join(f"{size_label(r['size'])} x {cost_label(r['cost_ms'])}: {r['system']} {ratio:.1f}x"
-                          for r, ratio in worse) or "none"))
+    out.append(
+        (
+            "no cell where Spark beats this system by more than 2x",
+            "met" if not worse else "NOT met",
+            "; ".join(
+                f"{size_label(r['size'])} x {cost_label(r['cost_ms'])}: {r['system']} {ratio:.1f}x"
+                for r, ratio in worse
+            )
+            or "none",
+        )
+    )
     return out
 
 
@@ -274,15 +331,16 @@ def spark_wins(rows: list[Row]) -> list[tuple[Row, float]]:
 
 # -- the document -----------------------------------------------------------------------------
 
+
 def _table(rows: list[Row], systems: list[str]) -> list[str]:
 
     sizes, costs = _cells(rows)
     index = _index(rows)
-    lines = ["| system | cost | " + " | ".join(size_label(s) for s in sizes) + " |",
-             "|---|---|" + "---|" * len(sizes)]
+    lines = ["| system | cost | " + " | ".join(size_label(s) for s in sizes) + " |", "|---|---|" + "---|" * len(sizes)]
     for cost in costs:
-        lines.append(f"| *bound* | {cost_label(cost)} | "
-                     + " | ".join(f"*{_bound_cell(rows, s, cost)}*" for s in sizes) + " |")
+        lines.append(
+            f"| *bound* | {cost_label(cost)} | " + " | ".join(f"*{_bound_cell(rows, s, cost)}*" for s in sizes) + " |"
+        )
         for system in systems:
             cells = []
             for size in sizes:
@@ -299,8 +357,10 @@ def _latency_table(rows: list[Row]) -> list[str]:
         return ["No latency measured (no latency size in the grid)."]
     lines = ["| system | size | cost | at rate (/s) | p50 (ms) | p99 (ms) |", "|---|---|---|---|---|---|"]
     for r in sorted(with_latency, key=lambda r: (r["size"], r["cost_ms"], r["system"])):
-        lines.append(f"| {r['system']} | {size_label(r['size'])} | {cost_label(r['cost_ms'])} | "
-                     f"{_rate(r['latency_rate'])} | {r['p50_ms']:,.0f} | {r['p99_ms']:,.0f} |")
+        lines.append(
+            f"| {r['system']} | {size_label(r['size'])} | {cost_label(r['cost_ms'])} | "
+            f"{_rate(r['latency_rate'])} | {r['p50_ms']:,.0f} | {r['p99_ms']:,.0f} |"
+        )
     return lines
 
 
@@ -309,8 +369,10 @@ def _failures(rows: list[Row]) -> list[str]:
     lines = ["| system | size | cost | first failing rate (/s) | why |", "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["system"], r["cost_ms"], r["size"])):
         if r.get("first_fail_reason"):
-            lines.append(f"| {r['system']} | {size_label(r['size'])} | {cost_label(r['cost_ms'])} | "
-                         f"{_rate(r['first_fail_rate'])} | {r['first_fail_reason']} |")
+            lines.append(
+                f"| {r['system']} | {size_label(r['size'])} | {cost_label(r['cost_ms'])} | "
+                f"{_rate(r['first_fail_rate'])} | {r['first_fail_reason']} |"
+            )
     return lines
 
 
@@ -328,17 +390,23 @@ def _runs_table(rows: list[Row]) -> list[str]:
         groups.setdefault((r["system"], r.get("commit") or "", r.get("machine") or ""), []).append(r)
     if not any(commit or machine for _, commit, machine in groups):
         return ["The results file records no commit or machine (it predates those columns)."]
-    lines = ["| system | cells | commit | machine | finished | loopback (MB/s) | steal |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| system | cells | commit | machine | finished | loopback (MB/s) | steal |",
+        "|---|---|---|---|---|---|---|",
+    ]
     order = {name: n for n, name in enumerate(COLORS)}
-    for (system, commit, machine), group in sorted(groups.items(), key=lambda g: (order.get(g[0][0], 99), min(
-            r.get("finished_at") or "" for r in g[1]))):
+    for (system, commit, machine), group in sorted(
+        groups.items(), key=lambda g: (order.get(g[0][0], 99), min(r.get("finished_at") or "" for r in g[1]))
+    ):
         days = sorted({(r.get("finished_at") or "")[:10] for r in group} - {""})
         loop = sorted({r["loopback_mb_s"] for r in group if not math.isnan(r["loopback_mb_s"])})
         steal = [r["steal"] for r in group if not math.isnan(r.get("steal", math.nan))]
-        lines.append(f"| {system} | {len(group)} | {f'`{commit}`' if commit else '–'} | {machine or '–'} | "
-                     f"{' to '.join(dict.fromkeys((days[0], days[-1]))) if days else '–'} | "
-                     f"{', '.join(f'{b:,.0f}' for b in loop) or '–'} | "
-                     f"{_span(steal) if steal else 'not recorded'} |")
+        lines.append(
+            f"| {system} | {len(group)} | {f'`{commit}`' if commit else '–'} | {machine or '–'} | "
+            f"{' to '.join(dict.fromkeys((days[0], days[-1]))) if days else '–'} | "
+            f"{', '.join(f'{b:,.0f}' for b in loop) or '–'} | "
+            f"{_span(steal) if steal else 'not recorded'} |"
+        )
     return lines
 
 
@@ -351,10 +419,16 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
     doc = out_dir / "benchmarks.md"
     systems = sorted({r["system"] for r in rows}, key=lambda s: list(COLORS).index(s) if s in COLORS else 99)
     stem = results.stem
-    lines = ["# Benchmarks: HarmonicIO against Spark Structured Streaming", "",
-             ("*Generated by `hio bench` (`make bench`); do not edit by hand. "
-              f"Source data: [`{results.name}`](benchmarks/{results.name}), every step in "
-              f"[`{stem}-steps.csv`](benchmarks/{stem}-steps.csv).*"), ""]
+    lines = [
+        "# Benchmarks: HarmonicIO against Spark Structured Streaming",
+        "",
+        (
+            "*Generated by `hio bench` (`make bench`); do not edit by hand. "
+            f"Source data: [`{results.name}`](benchmarks/{results.name}), every step in "
+            f"[`{stem}-steps.csv`](benchmarks/{stem}-steps.csv).*"
+        ),
+        "",
+    ]
     if not rows:
         doc.write_text("\n".join([*lines, "No results yet: run `hio bench`.", ""]))
         return doc
@@ -365,63 +439,126 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
     slots = [r["cpu_slots"] for r in rows if not math.isnan(r.get("cpu_slots", math.nan))]
     steals = [r["steal"] for r in rows if not math.isnan(r.get("steal", math.nan))]
     lines += [
-        "## How it was measured", "",
-        ("Maximum sustained frequency per (message size, CPU cost per message) as in Blamey et al., "
-         "*Apache Spark Streaming, Kafka and HarmonicIO* (Fig. 3, Fig. 4), on one "
-         f"{os.cpu_count()}-core machine, every system with two processing slots:"), "",
-        ("* **hio-direct**: this system as deployed: gateway (in-process library) -> master route -> "
-         "worker with two `hio/synthetic` engines (real processes) -> repository; the master picks direct "
-         "or queue. **hio-queue**: the same, every tuple forced through the master's backlog queue."),
-        ("* **spark-file**: Spark Structured Streaming (`local[2]`), `binaryFile` source; each message "
-         "written beside the watched folder and renamed into it; fresh folder and checkpoint per point."),
-        ("* **spark-socket**: Spark Structured Streaming (`local[2]`), `socket` source (lines; text-safe "
-         "payloads); the benchmark is the server Spark reads from."), "",
-        ("One message generator (a 48-byte header naming step, sequence and send time, then the body), one "
-         "CPU burn (`hio.worker.pipelines.synthetic.burn_cpu`, thread CPU time, not wall time). "
-         "A step sends N messages paced at the target rate and passes only if the source kept the pace, "
-         ">= 95% were finished within a grace after the last send (4 s or twice the latency seen, plus 2x "
-         "the cost), the backlog (sent - finished) did not grow once the pipeline was full (least-squares "
-         "slope; steps last at least three latencies), and there were no errors. The rate ramps up, "
-         "then bisects to within 5%. "
-         "Finished means: features stored in the repository (this system); the micro-batch that processed "
-         "it completed (Spark). Latency is from accepted (gateway) / sent (Spark) to finished, at half the "
-         "maximum rate."), "",
-        ("The bound is `min(loopback bandwidth / size, 2 / cost)`; loopback bandwidth (one TCP stream, "
-         f"measured by each run): {', '.join(f'{b:,.0f}' for b in loopback)} MB/s. Cells show "
-         "messages/s and, in brackets, the fraction of the bound."), "",
-        (f"**Load.** The 1-minute load average after each point was {min(loads):.1f} to {max(loads):.1f} "
-         f"on {os.cpu_count()} cores; it counts the measured system's own processes and threads, so it "
-         "says little about other work on the machine. The CPU share below does.") if loads else "", "",
-        (f"Before each point two processes burned 0.2 s of CPU each: the machine gave "
-         f"{min(slots):.2f} to {max(slots):.2f} of the 2 slots the bound assumes (column `cpu_slots` "
-         "of the CSV); a CPU-bound cell cannot exceed `cpu_slots / cost`.") if slots else "", "",
-        (f"**Steal.** This is a virtual machine: while the points ran, its hypervisor took "
-         f"{min(steals):.0%} to {max(steals):.0%} of the machine's CPU time for other guests (column `steal`, "
-         "from `/proc/stat`, measured around each point's steps; "
-         f"{sum(1 for r in rows if not math.isnan(r.get('steal', math.nan)))} of {len(rows)} points have it). "
-         "No system can use CPU the host does not give it: for costly cells the targets also show the "
-         "rate against `min(loopback / size, 2 x (1 - steal) / cost)`. It is a rough guide only: steal is "
-         "averaged over a point's steps, quiet moments included, and some 1 s cells come out above 100% "
-         "of it.") if steals else "", "",
-        "**Runs.** Each row of the CSV records when it finished, the commit it measured (`+changes`: "
-        "with uncommitted changes to the code) and the machine; the grid below merges these runs:", "",
-        *_runs_table(rows), "",
-        "## Best system per cell (Fig. 3)", "", f"![best system per cell](benchmarks/{stem}-best.png)", "",
-        "## Frequency against size (Fig. 4)", "", f"![frequency against size](benchmarks/{stem}-frequency.png)",
-        "", "## Maximum sustained frequency (messages/s, fraction of bound)", "", *_table(rows, systems), "",
-        "## Latency at half the maximum rate", "", *_latency_table(rows), "",
-        "## Targets", "", "| target | status | detail |", "|---|---|---|",
-        *[f"| {t} | {s} | {d} |" for t, s, d in check_targets(rows)], "",
-        "## Cells where Spark wins", ""]
+        "## How it was measured",
+        "",
+        (
+            "Maximum sustained frequency per (message size, CPU cost per message) as in Blamey et al., "
+            "*Apache Spark Streaming, Kafka and HarmonicIO* (Fig. 3, Fig. 4), on one "
+            f"{os.cpu_count()}-core machine, every system with two processing slots:"
+        ),
+        "",
+        (
+            "* **hio-direct**: this system as deployed: gateway (in-process library) -> master route -> "
+            "worker with two `hio/synthetic` engines (real processes) -> repository; the master picks direct "
+            "or queue. **hio-queue**: the same, every tuple forced through the master's backlog queue."
+        ),
+        (
+            "* **spark-file**: Spark Structured Streaming (`local[2]`), `binaryFile` source; each message "
+            "written beside the watched folder and renamed into it; fresh folder and checkpoint per point."
+        ),
+        (
+            "* **spark-socket**: Spark Structured Streaming (`local[2]`), `socket` source (lines; text-safe "
+            "payloads); the benchmark is the server Spark reads from."
+        ),
+        "",
+        (
+            "One message generator (a 48-byte header naming step, sequence and send time, then the body), one "
+            "CPU burn (`hio.worker.pipelines.synthetic.burn_cpu`, thread CPU time, not wall time). "
+            "A step sends N messages paced at the target rate and passes only if the source kept the pace, "
+            ">= 95% were finished within a grace after the last send (4 s or twice the latency seen, plus 2x "
+            "the cost), the backlog (sent - finished) did not grow once the pipeline was full (least-squares "
+            "slope; steps last at least three latencies), and there were no errors. The rate ramps up, "
+            "then bisects to within 5%. "
+            "Finished means: features stored in the repository (this system); the micro-batch that processed "
+            "it completed (Spark). Latency is from accepted (gateway) / sent (Spark) to finished, at half the "
+            "maximum rate."
+        ),
+        "",
+        (
+            "The bound is `min(loopback bandwidth / size, 2 / cost)`; loopback bandwidth (one TCP stream, "
+            f"measured by each run): {', '.join(f'{b:,.0f}' for b in loopback)} MB/s. Cells show "
+            "messages/s and, in brackets, the fraction of the bound."
+        ),
+        "",
+        (
+            f"**Load.** The 1-minute load average after each point was {min(loads):.1f} to {max(loads):.1f} "
+            f"on {os.cpu_count()} cores; it counts the measured system's own processes and threads, so it "
+            "says little about other work on the machine. The CPU share below does."
+        )
+        if loads
+        else "",
+        "",
+        (
+            f"Before each point two processes burned 0.2 s of CPU each: the machine gave "
+            f"{min(slots):.2f} to {max(slots):.2f} of the 2 slots the bound assumes (column `cpu_slots` "
+            "of the CSV); a CPU-bound cell cannot exceed `cpu_slots / cost`."
+        )
+        if slots
+        else "",
+        "",
+        (
+            f"**Steal.** This is a virtual machine: while the points ran, its hypervisor took "
+            f"{min(steals):.0%} to {max(steals):.0%} of the machine's CPU time for other guests (column `steal`, "
+            "from `/proc/stat`, measured around each point's steps; "
+            f"{sum(1 for r in rows if not math.isnan(r.get('steal', math.nan)))} of {len(rows)} points have it). "
+            "No system can use CPU the host does not give it: for costly cells the targets also show the "
+            "rate against `min(loopback / size, 2 x (1 - steal) / cost)`. It is a rough guide only: steal is "
+            "averaged over a point's steps, quiet moments included, and some 1 s cells come out above 100% "
+            "of it."
+        )
+        if steals
+        else "",
+        "",
+        (
+            "**Runs.** Each row of the CSV records when it finished, the commit it measured (`+changes`: "
+            "with uncommitted changes to the code) and the machine; the grid below merges these runs:"
+        ),
+        "",
+        *_runs_table(rows),
+        "",
+        "## Best system per cell (Fig. 3)",
+        "",
+        f"![best system per cell](benchmarks/{stem}-best.png)",
+        "",
+        "## Frequency against size (Fig. 4)",
+        "",
+        f"![frequency against size](benchmarks/{stem}-frequency.png)",
+        "",
+        "## Maximum sustained frequency (messages/s, fraction of bound)",
+        "",
+        *_table(rows, systems),
+        "",
+        "## Latency at half the maximum rate",
+        "",
+        *_latency_table(rows),
+        "",
+        "## Targets",
+        "",
+        "| target | status | detail |",
+        "|---|---|---|",
+        *[f"| {t} | {s} | {d} |" for t, s, d in check_targets(rows)],
+        "",
+        "## Cells where Spark wins",
+        "",
+    ]
     wins = spark_wins(rows)
     if wins:
         for row, ratio in wins:
-            lines.append(f"* {size_label(row['size'])} x {cost_label(row['cost_ms'])}: {row['system']} "
-                         f"{_rate(row['max_rate'])}/s, {ratio:.2f}x this system.")
+            lines.append(
+                f"* {size_label(row['size'])} x {cost_label(row['cost_ms'])}: {row['system']} "
+                f"{_rate(row['max_rate'])}/s, {ratio:.2f}x this system."
+            )
     else:
         lines.append("None.")
-    lines += ["", "## Why each first failing step failed", "", *_failures(rows), "",
-              f"*Written {time.strftime('%Y-%m-%d %H:%M:%S')}.*", ""]
+    lines += [
+        "",
+        "## Why each first failing step failed",
+        "",
+        *_failures(rows),
+        "",
+        f"*Written {time.strftime('%Y-%m-%d %H:%M:%S')}.*",
+        "",
+    ]
     analysis = out_dir / "benchmarks" / "analysis.md"
     if analysis.exists():
         lines[-2:-2] = ["## Analysis", "", analysis.read_text().strip(), ""]

@@ -32,12 +32,19 @@ WARMUP = 5
 
 def run_one(runtime: str, tuples: int, size: int, root: Path) -> dict[str, float]:
     """Per-tuple latencies (seconds) of ``tuples`` sequential sends on ``runtime``."""
-    with LocalCluster(root, workers={f"bench-{runtime}": [f"{IMAGE}=1"]}, runtime=runtime,
-                      worker_timeout=120) as cluster:
+    with LocalCluster(
+        root, workers={f"bench-{runtime}": [f"{IMAGE}=1"]}, runtime=runtime, worker_timeout=120
+    ) as cluster:
         payload = os.urandom(size)
         latencies = []
-        with Gateway(master_address=cluster.master, repository_address=cluster.repository,
-                     data_dir=str(root / "gw"), source="bench", progress=False, streams=1) as gw:
+        with Gateway(
+            master_address=cluster.master,
+            repository_address=cluster.repository,
+            data_dir=str(root / "gw"),
+            source="bench",
+            progress=False,
+            streams=1,
+        ) as gw:
             for i in range(WARMUP + tuples):
                 start = time.perf_counter()
                 gw.send(payload, image=IMAGE, name=f"t{i}", attributes={"cost_ms": "0"}, timeout=120)
@@ -49,10 +56,14 @@ def run_one(runtime: str, tuples: int, size: int, root: Path) -> dict[str, float
 def summarise(latencies: list[float], size: int) -> dict[str, float]:
     ordered = sorted(latencies)
     total = sum(latencies)
-    return {"tuples": len(latencies), "mean_ms": 1000 * total / len(latencies),
-            "p50_ms": 1000 * statistics.median(ordered),
-            "p95_ms": 1000 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
-            "tuples_per_s": len(latencies) / total, "mb_per_s": len(latencies) * size / total / 1e6}
+    return {
+        "tuples": len(latencies),
+        "mean_ms": 1000 * total / len(latencies),
+        "p50_ms": 1000 * statistics.median(ordered),
+        "p95_ms": 1000 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
+        "tuples_per_s": len(latencies) / total,
+        "mb_per_s": len(latencies) * size / total / 1e6,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,13 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix=f"hio-bench-{runtime}-") as tmp:
             results[runtime] = run_one(runtime, args.tuples, args.size, Path(tmp))
         r = results[runtime]
-        print(f"{runtime:>8}: {r['tuples']:.0f} tuples of {args.size} B: mean {r['mean_ms']:.2f} ms, "
-              f"p50 {r['p50_ms']:.2f} ms, p95 {r['p95_ms']:.2f} ms, {r['tuples_per_s']:.1f} tuples/s, "
-              f"{r['mb_per_s']:.1f} MB/s", flush=True)
+        print(
+            f"{runtime:>8}: {r['tuples']:.0f} tuples of {args.size} B: mean {r['mean_ms']:.2f} ms, "
+            f"p50 {r['p50_ms']:.2f} ms, p95 {r['p95_ms']:.2f} ms, {r['tuples_per_s']:.1f} tuples/s, "
+            f"{r['mb_per_s']:.1f} MB/s",
+            flush=True,
+        )
     if "process" in results and "docker" in results:
         extra = results["docker"]["mean_ms"] - results["process"]["mean_ms"]
-        print(f"docker overhead per tuple: {extra:+.2f} ms mean "
-              f"({extra / results['process']['mean_ms']:+.1%})")
+        print(f"docker overhead per tuple: {extra:+.2f} ms mean ({extra / results['process']['mean_ms']:+.1%})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -65,16 +65,25 @@ class SoakConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
-        for name in ("minutes", "load", "engines", "streams", "ramp_seconds", "ramp_outstanding",
-                     "sample_seconds", "drain_seconds"):
+        for name in (
+            "minutes",
+            "load",
+            "engines",
+            "streams",
+            "ramp_seconds",
+            "ramp_outstanding",
+            "sample_seconds",
+            "drain_seconds",
+        ):
             positive(name, getattr(self, name))
         if self.load > 1.5:
             raise ConfigError(f"load must be at most 1.5 (a fraction of capacity), got {self.load}")
         if self.cost_ms < 0 or self.warmup_seconds < 0 or self.rss_tolerance < 0 or self.count_slack < 0:
             raise ConfigError("cost_ms, warmup_seconds, rss_tolerance and count_slack must not be negative")
         if self.warmup_seconds >= self.minutes * 60:
-            raise ConfigError(f"warmup_seconds ({self.warmup_seconds}) must be shorter than the run "
-                              f"({self.minutes} minutes)")
+            raise ConfigError(
+                f"warmup_seconds ({self.warmup_seconds}) must be shorter than the run ({self.minutes} minutes)"
+            )
         if self.tuple_bytes() > self.max_tuple_bytes:
             raise ConfigError(f"size {self.size} is over max_tuple_bytes ({self.max_tuple_bytes})")
 
@@ -103,10 +112,17 @@ class SoakCluster:
 
         self._cluster.start()
         self.pids = self._cluster.pids()
-        self.gateway = Gateway(master_address=self.master, repository_address=self.repository,
-                               data_dir=str(self.root / "gateway"), source="soak",
-                               chunk_bytes=self.config.chunk_bytes, streams=self.config.streams, progress=False,
-                               token=self.config.token, token_file=self.config.token_file)
+        self.gateway = Gateway(
+            master_address=self.master,
+            repository_address=self.repository,
+            data_dir=str(self.root / "gateway"),
+            source="soak",
+            chunk_bytes=self.config.chunk_bytes,
+            streams=self.config.streams,
+            progress=False,
+            token=self.config.token,
+            token_file=self.config.token_file,
+        )
 
     def usage(self) -> dict[str, Usage]:
         """Per role: what its processes use now (engines: the worker's children)."""
@@ -119,8 +135,8 @@ class SoakCluster:
         return self._cluster.status()
 
     def stored_records(self) -> int:
-        from hio.transport.net import create_channel
         from hio.proto import repository_pb2, repository_pb2_grpc
+        from hio.transport.net import create_channel
 
         with create_channel(self.repository, self._cluster.settings) as channel:
             stub = repository_pb2_grpc.RepositoryStub(channel)
@@ -150,8 +166,13 @@ class Load:
         self.late_seconds = 0.0
 
     def submit_one(self) -> None:
-        future = self._gateway.submit(self._payloads[self.submitted % len(self._payloads)], image=IMAGE,
-                                      name=f"soak-{self.submitted}", attributes=self._attributes, timeout=None)
+        future = self._gateway.submit(
+            self._payloads[self.submitted % len(self._payloads)],
+            image=IMAGE,
+            name=f"soak-{self.submitted}",
+            attributes=self._attributes,
+            timeout=None,
+        )
         with self._lock:
             self.submitted += 1
             self._outstanding.append(future)
@@ -216,7 +237,7 @@ def wait_processed(cluster: SoakCluster, load: Load, timeout: float) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
-    seconds: float                 # since the steady phase began
+    seconds: float  # since the steady phase began
     usage: dict[str, Usage]
     done_per_s: float
     queue_length: int
@@ -226,8 +247,7 @@ class Sample:
 class Sampler:
     """Takes a :class:`Sample` every ``interval`` seconds on its own thread."""
 
-    def __init__(self, cluster: SoakCluster, load: Load, interval: float,
-                 on_sample: Callable[[Sample], None]) -> None:
+    def __init__(self, cluster: SoakCluster, load: Load, interval: float, on_sample: Callable[[Sample], None]) -> None:
         self._cluster = cluster
         self._load = load
         self._interval = interval
@@ -254,9 +274,13 @@ class Sampler:
                 log.warning("status unavailable", extra={"error": str(exc)})
                 continue
             now = time.monotonic()
-            sample = Sample(seconds=now - self._start, usage=self._cluster.usage(),
-                            done_per_s=(status.tuples_done - last_done) / (now - last_t),
-                            queue_length=sum(q.length for q in status.queues), outstanding=self._load.outstanding())
+            sample = Sample(
+                seconds=now - self._start,
+                usage=self._cluster.usage(),
+                done_per_s=(status.tuples_done - last_done) / (now - last_t),
+                queue_length=sum(q.length for q in status.queues),
+                outstanding=self._load.outstanding(),
+            )
             last_done, last_t = status.tuples_done, now
             self.samples.append(sample)
             self._on_sample(sample)
@@ -273,10 +297,12 @@ class Verdict:
 
 def _mean_usage(samples: list[Sample], role: str) -> Usage:
     usages = [s.usage[role] for s in samples]
-    return Usage(rss_kib=round(statistics.fmean(u.rss_kib for u in usages)),
-                 fds=round(statistics.fmean(u.fds for u in usages)),
-                 threads=round(statistics.fmean(u.threads for u in usages)),
-                 processes=max(u.processes for u in usages))
+    return Usage(
+        rss_kib=round(statistics.fmean(u.rss_kib for u in usages)),
+        fds=round(statistics.fmean(u.fds for u in usages)),
+        threads=round(statistics.fmean(u.threads for u in usages)),
+        processes=max(u.processes for u in usages),
+    )
 
 
 def judge(samples: list[Sample], config: SoakConfig) -> list[Verdict]:
@@ -300,10 +326,12 @@ def judge(samples: list[Sample], config: SoakConfig) -> list[Verdict]:
 
 
 def format_sample(sample: Sample) -> str:
-    cells = " ".join(f"{s.usage[r].rss_kib / 1024:>7.1f} {s.usage[r].fds:>4} {s.usage[r].threads:>4}"
-                     for s in (sample,) for r in ROLES)
-    return (f"{sample.seconds:>6.0f} {cells} {sample.done_per_s:>7.1f} {sample.queue_length:>6} "
-            f"{sample.outstanding:>6}")
+    cells = " ".join(
+        f"{s.usage[r].rss_kib / 1024:>7.1f} {s.usage[r].fds:>4} {s.usage[r].threads:>4}"
+        for s in (sample,)
+        for r in ROLES
+    )
+    return f"{sample.seconds:>6.0f} {cells} {sample.done_per_s:>7.1f} {sample.queue_length:>6} {sample.outstanding:>6}"
 
 
 def header() -> str:
@@ -315,8 +343,10 @@ def header() -> str:
 def report(verdicts: list[Verdict]) -> str:
     lines = [f"{'role':<11} {'RSS MiB first→last':>20} {'fds':>10} {'threads':>10}  verdict"]
     for v in verdicts:
-        lines.append(f"{v.role:<11} {v.first.rss_kib / 1024:>9.1f}→{v.last.rss_kib / 1024:<9.1f} "
-                     f"{v.first.fds:>4}→{v.last.fds:<5} {v.first.threads:>4}→{v.last.threads:<5}  {v.why}")
+        lines.append(
+            f"{v.role:<11} {v.first.rss_kib / 1024:>9.1f}→{v.last.rss_kib / 1024:<9.1f} "
+            f"{v.first.fds:>4}→{v.last.fds:<5} {v.first.threads:>4}→{v.last.threads:<5}  {v.why}"
+        )
     return "\n".join(lines)
 
 
@@ -331,9 +361,12 @@ def run_soak(config: SoakConfig) -> int:
     try:
         from benchmarks.measure import loopback_bandwidth
 
-        print(f"soak: loopback bandwidth (one TCP stream) {loopback_bandwidth() / 1e6:,.0f} MB/s, "
-              f"{os.cpu_count()} cores; starting repository, master, worker ({config.engines} x {IMAGE}) "
-              f"in {root}", flush=True)
+        print(
+            f"soak: loopback bandwidth (one TCP stream) {loopback_bandwidth() / 1e6:,.0f} MB/s, "
+            f"{os.cpu_count()} cores; starting repository, master, worker ({config.engines} x {IMAGE}) "
+            f"in {root}",
+            flush=True,
+        )
         cluster.start()
         load = Load(cluster, config)
         capacity = measure_capacity(cluster, load, config)
@@ -341,9 +374,12 @@ def run_soak(config: SoakConfig) -> int:
             print(f"soak: the capacity ramp did not finish ({capacity:.1f} tuples/s measured)", flush=True)
             return 1
         rate = config.load * capacity
-        print(f"soak: capacity {capacity:.1f} tuples/s ({capacity * config.tuple_bytes() / 1e6:.1f} MB/s) of "
-              f"{config.size} tuples at {config.cost_ms:g} ms CPU; offering {rate:.1f} tuples/s "
-              f"({config.load:.0%}) for {config.minutes:g} min", flush=True)
+        print(
+            f"soak: capacity {capacity:.1f} tuples/s ({capacity * config.tuple_bytes() / 1e6:.1f} MB/s) of "
+            f"{config.size} tuples at {config.cost_ms:g} ms CPU; offering {rate:.1f} tuples/s "
+            f"({config.load:.0%}) for {config.minutes:g} min",
+            flush=True,
+        )
         return _steady(cluster, load, config, rate)
     finally:
         cluster.stop()
@@ -369,9 +405,11 @@ def _steady(cluster: SoakCluster, load: Load, config: SoakConfig, rate: float) -
     verdicts = judge(sampler.samples, config)
     print(report(verdicts))
     exact = drained and stored == offered and load.failed == 0
-    print(f"soak: {offered} tuples offered in the steady phase, {stored} feature records stored, "
-          f"{load.failed} failed; backlog drained: {'yes' if drained else 'NO'}; "
-          f"worst submit lateness {load.late_seconds:.2f} s")
+    print(
+        f"soak: {offered} tuples offered in the steady phase, {stored} feature records stored, "
+        f"{load.failed} failed; backlog drained: {'yes' if drained else 'NO'}; "
+        f"worst submit lateness {load.late_seconds:.2f} s"
+    )
     flat = all(v.flat for v in verdicts)
     print(f"soak: {'FLAT' if flat else 'NOT FLAT'}; {'every tuple stored once' if exact else 'TUPLES MISSING'}")
     return 0 if flat and exact else 1

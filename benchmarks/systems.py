@@ -25,6 +25,7 @@ time the message carries in its header.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import logging
 import os
@@ -35,17 +36,19 @@ import string
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("hio.bench")
 
-HEADER_BYTES = 48            # "<tag>|<seq>|<sent_unix>|" padded with '.'; ASCII
-SLOTS = 2                    # processing slots every system gets
+HEADER_BYTES = 48  # "<tag>|<seq>|<sent_unix>|" padded with '.'; ASCII
+SLOTS = 2  # processing slots every system gets
 HIO_IMAGE = "hio/synthetic"
 
 
 # -- messages -------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
@@ -103,12 +106,13 @@ def parse_header(head: bytes | str) -> tuple[str, int, float] | None:
 
 # -- the interface ----------------------------------------------------------------
 
+
 class System(abc.ABC):
     """One system under test. ``send`` is called from several threads at once."""
 
     name: str = ""
-    text_payload: bool = False      # needs text-safe messages (line-based source)
-    sender_threads: int = 1         # how many threads may call ``send`` concurrently
+    text_payload: bool = False  # needs text-safe messages (line-based source)
+    sender_threads: int = 1  # how many threads may call ``send`` concurrently
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -146,13 +150,13 @@ class System(abc.ABC):
 
 # -- HarmonicIO ---------------------------------------------------------------------
 
+
 class HioSystem(System):
     """This system: gateway -> (direct | queue) -> two synthetic engines -> repository."""
 
     sender_threads = 4
 
-    def __init__(self, data_dir: Path, *, force_queue: bool, chunk_bytes: int, streams: int,
-                 batch_tuples: int) -> None:
+    def __init__(self, data_dir: Path, *, force_queue: bool, chunk_bytes: int, streams: int, batch_tuples: int) -> None:
         self.name = "hio-queue" if force_queue else "hio-direct"
         self.force_queue = force_queue
         self.root = data_dir
@@ -167,8 +171,8 @@ class HioSystem(System):
         self._master: Any = None
         self._errors: list[str] = []
         self._lock = threading.Lock()
-        self._read_offset = 0          # repository offset read up to
-        self._failed_seen = 0          # master's failed + dead-lettered count already reported
+        self._read_offset = 0  # repository offset read up to
+        self._failed_seen = 0  # master's failed + dead-lettered count already reported
         self._by_tag: dict[str, list[Finished]] = {}
 
     # lifecycle
@@ -176,26 +180,33 @@ class HioSystem(System):
         import grpc  # noqa: F401  (fail early if missing)
 
         from hio.cluster import LocalCluster
-        from hio.transport.net import create_channel
-        from hio.settings import ClusterSettings
         from hio.gateway import Gateway
         from hio.proto import master_pb2_grpc, repository_pb2_grpc
+        from hio.settings import ClusterSettings
+        from hio.transport.net import create_channel
 
         self._generation += 1
         data_dir = self.root / f"{self.name}-{self._generation}"
-        self._cluster = LocalCluster(data_dir, ClusterSettings(chunk_bytes=self.chunk_bytes),
-                                     workers={"": [f"{HIO_IMAGE}={SLOTS}"]}).start()
+        self._cluster = LocalCluster(
+            data_dir, ClusterSettings(chunk_bytes=self.chunk_bytes), workers={"": [f"{HIO_IMAGE}={SLOTS}"]}
+        ).start()
         settings = self._cluster.settings
         self._repo_channel = create_channel(self._cluster.repository, settings)
         self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)
         self._master_channel = create_channel(self._cluster.master, settings)
         self._master = master_pb2_grpc.MasterStub(self._master_channel)
-        self._gateway = Gateway(master_address=self._cluster.master,
-                                repository_address=self._cluster.repository,
-                                data_dir=str(data_dir), source=f"bench-{self.name}",
-                                chunk_bytes=self.chunk_bytes, streams=self.streams,
-                                batch_tuples=self.batch_tuples, force_queue=self.force_queue,
-                                progress=False, grace_seconds=2.0)
+        self._gateway = Gateway(
+            master_address=self._cluster.master,
+            repository_address=self._cluster.repository,
+            data_dir=str(data_dir),
+            source=f"bench-{self.name}",
+            chunk_bytes=self.chunk_bytes,
+            streams=self.streams,
+            batch_tuples=self.batch_tuples,
+            force_queue=self.force_queue,
+            progress=False,
+            grace_seconds=2.0,
+        )
         self._read_offset = 0
         self._failed_seen = 0
         self._by_tag.clear()
@@ -204,7 +215,7 @@ class HioSystem(System):
         if self._gateway is not None:
             try:
                 self._gateway.close(timeout=2.0, drain=False)
-            except Exception as exc:  # closing must never hide the benchmark's result
+            except Exception as exc:  # noqa: BLE001 - closing must never hide the benchmark's result
                 log.warning("gateway close failed", extra={"error": str(exc)})
             self._gateway = None
         for channel in (self._repo_channel, getattr(self, "_master_channel", None)):
@@ -227,8 +238,9 @@ class HioSystem(System):
 
     # data path
     def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
-        future = self._gateway.submit(payload, image=HIO_IMAGE, name=f"{tag}|{seq}",
-                                      attributes={"cost_ms": f"{cost_s * 1000:g}"})
+        future = self._gateway.submit(
+            payload, image=HIO_IMAGE, name=f"{tag}|{seq}", attributes={"cost_ms": f"{cost_s * 1000:g}"}
+        )
         future.add_done_callback(self._check_future)
 
     def _check_future(self, future: Any) -> None:
@@ -238,14 +250,15 @@ class HioSystem(System):
                 self._errors.append(f"delivery: {exc}")
 
     def begin_point(self, size: int, cost_s: float) -> None:
-        self.finished("")            # index what is stored so far, then forget it
+        self.finished("")  # index what is stored so far, then forget it
         self._by_tag.clear()
 
     def finished_count(self) -> int:
         from hio.proto import repository_pb2
+
         try:
             return int(self._repo.GetOffsets(repository_pb2.GetOffsetsRequest(), timeout=5).records)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - an error of the system under test is a result, recorded
             with self._lock:
                 self._errors.append(f"repository GetOffsets: {exc}")
             return 0
@@ -267,7 +280,8 @@ class HioSystem(System):
                 if not seq.isdigit():
                     continue
                 self._by_tag.setdefault(step, []).append(
-                    Finished(int(seq), record.meta.accepted_unix, record.processed_unix))
+                    Finished(int(seq), record.meta.accepted_unix, record.processed_unix)
+                )
         return list(self._by_tag.get(tag, []))
 
     def errors(self) -> list[str]:
@@ -279,10 +293,9 @@ class HioSystem(System):
             failed = int(status.tuples_failed) + int(status.dead_letters)
             if failed > self._failed_seen:
                 with self._lock:
-                    self._errors.append(f"master: {failed - self._failed_seen} more tuples failed "
-                                        f"or dead-lettered")
+                    self._errors.append(f"master: {failed - self._failed_seen} more tuples failed or dead-lettered")
                 self._failed_seen = failed
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - an error of the system under test is a result, recorded
             with self._lock:
                 self._errors.append(f"master GetStatus: {exc}")
         with self._lock:
@@ -290,6 +303,7 @@ class HioSystem(System):
 
 
 # -- Spark ------------------------------------------------------------------------------
+
 
 def build_spark_session(app_name: str, slots: int = SLOTS, conf: tuple[str, ...] = ()) -> Any:
     """``local[slots]``, no UI, two shuffle partitions, Python workers on this interpreter."""
@@ -301,16 +315,19 @@ def build_spark_session(app_name: str, slots: int = SLOTS, conf: tuple[str, ...]
     warnings.filterwarnings("ignore", message="Cannot infer the eval type", module=r"pyspark\..*")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    builder = (SparkSession.builder.master(f"local[{slots}]").appName(app_name)
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.shuffle.partitions", str(slots))
-               .config("spark.pyspark.python", sys.executable)
-               .config("spark.pyspark.driver.python", sys.executable)
-               .config("spark.driver.host", "127.0.0.1")
-               .config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.driver.memory", "4g")
-               .config("spark.sql.streaming.minBatchesToRetain", "2"))
+    builder = (
+        SparkSession.builder.master(f"local[{slots}]")
+        .appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", str(slots))
+        .config("spark.pyspark.python", sys.executable)
+        .config("spark.pyspark.driver.python", sys.executable)
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.memory", "4g")
+        .config("spark.sql.streaming.minBatchesToRetain", "2")
+    )
     for item in conf:
         key, _, value = item.partition("=")
         builder = builder.config(key.strip(), value.strip())
@@ -373,15 +390,17 @@ class SparkSystem(System):
         point_dir.mkdir(parents=True, exist_ok=True)
         self._point_dir = point_dir
         frame = self._source(point_dir)
-        from pyspark.sql import functions as F
+        from pyspark.sql import functions as F  # noqa: N812 - PySpark's own convention
         from pyspark.sql.types import StringType
 
         udf = F.udf(burn_and_header(cost_s), StringType())
-        self.query = (frame.select(udf(self._column()).alias("head")).writeStream
-                      .foreachBatch(self._on_batch)
-                      .option("checkpointLocation", str(point_dir / "checkpoint"))
-                      .queryName(f"bench_{self.name.replace('-', '_')}_{self._point}")
-                      .start())
+        self.query = (
+            frame.select(udf(self._column()).alias("head"))
+            .writeStream.foreachBatch(self._on_batch)
+            .option("checkpointLocation", str(point_dir / "checkpoint"))
+            .queryName(f"bench_{self.name.replace('-', '_')}_{self._point}")
+            .start()
+        )
         self._after_start()
 
     def end_point(self) -> None:
@@ -389,7 +408,7 @@ class SparkSystem(System):
             self._stopping = True
             try:
                 self.query.stop()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the next point starts a fresh query either way
                 log.warning("stopping the Spark query failed", extra={"error": str(exc)})
             finally:
                 self._stopping = False
@@ -409,7 +428,7 @@ class SparkSystem(System):
         try:
             heads = [row[0] for row in frame.collect()]
         except Exception as exc:
-            if self._stopping:       # the query is being stopped under a running batch: expected
+            if self._stopping:  # the query is being stopped under a running batch: expected
                 return
             with self._lock:
                 self._errors.append(f"spark batch {batch_id}: {str(exc)[:300]}")
@@ -471,10 +490,14 @@ class SparkFileSystem(SparkSystem):
         self._staging.mkdir(exist_ok=True)
         from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType, TimestampType
 
-        schema = StructType([StructField("path", StringType(), False),
-                             StructField("modificationTime", TimestampType(), False),
-                             StructField("length", LongType(), False),
-                             StructField("content", BinaryType(), True)])
+        schema = StructType(
+            [
+                StructField("path", StringType(), False),
+                StructField("modificationTime", TimestampType(), False),
+                StructField("length", LongType(), False),
+                StructField("content", BinaryType(), True),
+            ]
+        )
         return self.spark.readStream.format("binaryFile").schema(schema).load(str(self._incoming))
 
     def _column(self) -> str:
@@ -507,8 +530,7 @@ class SparkSocketSystem(SparkSystem):
         self._server.bind(("127.0.0.1", 0))
         self._server.listen(1)
         port = self._server.getsockname()[1]
-        return (self.spark.readStream.format("socket").option("host", "127.0.0.1")
-                .option("port", port).load())
+        return self.spark.readStream.format("socket").option("host", "127.0.0.1").option("port", port).load()
 
     def _column(self) -> str:
         return "value"
@@ -518,17 +540,15 @@ class SparkSocketSystem(SparkSystem):
         self._server.settimeout(60)
         try:
             self._conn, _ = self._server.accept()
-        except socket.timeout:
+        except TimeoutError:
             raise RuntimeError("Spark's socket source did not connect within 60 s") from None
         self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def _close_source(self) -> None:
         for sock in (self._conn, self._server):
             if sock is not None:
-                try:
+                with contextlib.suppress(OSError):
                     sock.close()
-                except OSError:
-                    pass
         self._conn = self._server = None
 
     def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
@@ -546,12 +566,18 @@ class SparkSocketSystem(SparkSystem):
 SYSTEMS = ("hio-direct", "hio-queue", "spark-file", "spark-socket")
 
 
-def make_system(name: str, data_dir: Path, *, chunk_bytes: int, streams: int, batch_tuples: int,
-                spark_conf: tuple[str, ...] = ()) -> System:
+def make_system(
+    name: str, data_dir: Path, *, chunk_bytes: int, streams: int, batch_tuples: int, spark_conf: tuple[str, ...] = ()
+) -> System:
     """The system called ``name`` (one of :data:`SYSTEMS`), its state under ``data_dir``."""
     if name in ("hio-direct", "hio-queue"):
-        return HioSystem(data_dir, force_queue=name == "hio-queue", chunk_bytes=chunk_bytes,
-                         streams=streams, batch_tuples=batch_tuples)
+        return HioSystem(
+            data_dir,
+            force_queue=name == "hio-queue",
+            chunk_bytes=chunk_bytes,
+            streams=streams,
+            batch_tuples=batch_tuples,
+        )
     if name == "spark-file":
         return SparkFileSystem(data_dir, spark_conf)
     if name == "spark-socket":

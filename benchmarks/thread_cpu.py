@@ -62,8 +62,9 @@ def thread_names(pid: int) -> dict[int, str]:
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists() and not shutil.which(spy):
         return {}
-    dump = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True,
-                          text=True, check=False).stdout
+    dump = subprocess.run(
+        [spy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True, check=False
+    ).stdout
     names = {}
     for match in re.finditer(r'Thread (\S+) \((\w+)\): "([^"]*)"\n((?:\s+.*\n){0,2})', dump):
         try:

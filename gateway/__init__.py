@@ -28,10 +28,16 @@ __all__ = [
 ]
 
 _WHERE = {
-    "Gateway": "client", "GatewayStatus": "client", "TupleFuture": "client",
-    "DeliveryError": "client", "DeliveryTimeout": "client", "SpoolFull": "spool",
-    "GatewayConfig": "config", "SendConfig": "config",
-    "run_gateway": "daemon", "run_send": "send",
+    "Gateway": "client",
+    "GatewayStatus": "client",
+    "TupleFuture": "client",
+    "DeliveryError": "client",
+    "DeliveryTimeout": "client",
+    "SpoolFull": "spool",
+    "GatewayConfig": "config",
+    "SendConfig": "config",
+    "run_gateway": "daemon",
+    "run_send": "send",
 }
 
 if TYPE_CHECKING:

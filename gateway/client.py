@@ -30,12 +30,12 @@ from typing import Any, Self
 
 from hio import config as cfg
 from hio.config import state_dir
-from hio.storage.files import atomic_write
-from hio.transport.frames import check_meta
 from hio.gateway.config import GatewayConfig, infer_image
 from hio.gateway.dispatch import Completion, Dispatcher, Outcome
 from hio.gateway.spool import MoveOnDone, Spool, SpoolEntry, SpoolFull, safe_name
 from hio.proto.tuple_pb2 import TupleMeta
+from hio.storage.files import atomic_write
+from hio.transport.frames import check_meta
 
 log = logging.getLogger("hio.gateway")
 
@@ -82,7 +82,7 @@ class TupleFuture(concurrent.futures.Future[int]):
         self.outcome = ""
         self.tuple_id = 0
         self.detail = ""
-        self.seq = 0          # the spool's sequence number, set when tracked
+        self.seq = 0  # the spool's sequence number, set when tracked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,13 +114,16 @@ class GatewayStatus:
         if self.spool_failure:
             out.append(self.spool_failure)
         if self.master_queue_refusal:
-            out.append(f"the master's queue takes no tuples (they wait in the spool, or go to a free "
-                       f"channel): {self.master_queue_refusal}")
+            out.append(
+                f"the master's queue takes no tuples (they wait in the spool, or go to a free "
+                f"channel): {self.master_queue_refusal}"
+            )
         if self.master_refusal:
             out.append(f"the master refuses this gateway (tuples wait in the spool): {self.master_refusal}")
         if self.master_unreachable_seconds:
-            out.append(f"the master has been unreachable for {self.master_unreachable_seconds:.0f}s; "
-                       "tuples wait in the spool")
+            out.append(
+                f"the master has been unreachable for {self.master_unreachable_seconds:.0f}s; tuples wait in the spool"
+            )
         for image, (seconds, words) in sorted(self.unserved_images.items()):
             out.append(f"no engine serves image '{image}' (for {seconds:.0f}s; tuples wait in the spool): {words}")
         return out
@@ -137,8 +140,7 @@ class Gateway:
     the source name), so several gateways can share a ``data_dir``.
     """
 
-    def __init__(self, config: GatewayConfig | None = None, *, spool_name: str | None = None,
-                 **overrides: Any) -> None:
+    def __init__(self, config: GatewayConfig | None = None, *, spool_name: str | None = None, **overrides: Any) -> None:
         if config is None:
             config = cfg.build(GatewayConfig, "gateway", overrides=overrides)
         elif overrides:
@@ -147,18 +149,21 @@ class Gateway:
         self.config = config
         self._source = config.resolved_source()
         root = state_dir(config.data_dir, "gateway") / "spool" / safe_name(spool_name or self._source)
-        self.spool = Spool(root, config.spool_bytes, fsync=config.spool_fsync,
-                           memory_bytes=config.spool_memory_bytes)
+        self.spool = Spool(root, config.spool_bytes, fsync=config.spool_fsync, memory_bytes=config.spool_memory_bytes)
         self._lock = threading.Lock()
         self._futures: dict[int, TupleFuture] = {}
         self._closed = False
-        self._unforgotten: list[SpoolEntry] = []    # delivered, but their DONE record could not be written
+        self._unforgotten: list[SpoolEntry] = []  # delivered, but their DONE record could not be written
         self._unmoved_file = self.spool.root / UNMOVED_FILE
         # delivered originals whose move failed; kept on disk, so a restart does not send them again
         self._unmoved: dict[str, tuple[MoveOnDone, Outcome]] = _load_unmoved(self._unmoved_file)
-        self._dispatcher = Dispatcher(config, persist=self.spool.update_many, open_payload=self.spool.open_payload,
-                                      payload_damage=self.spool.payload_damage,
-                                      on_complete=self._finish)
+        self._dispatcher = Dispatcher(
+            config,
+            persist=self.spool.update_many,
+            open_payload=self.spool.open_payload,
+            payload_damage=self.spool.payload_damage,
+            on_complete=self._finish,
+        )
         #: futures of the tuples an earlier run left spooled; they are delivered like new ones
         self.resumed_futures: list[TupleFuture] = [self._track(entry) for entry in self.spool.entries()]
         self._dispatcher.start()
@@ -170,9 +175,16 @@ class Gateway:
 
     # -- submitting (non-blocking) -------------------------------------------------
 
-    def submit(self, data: bytes, *, image: str | None = None, name: str = "",
-               attributes: Mapping[str, str] | None = None, created_unix: float | None = None,
-               timeout: float | None = DEFAULT_TIMEOUT) -> TupleFuture:
+    def submit(
+        self,
+        data: bytes,
+        *,
+        image: str | None = None,
+        name: str = "",
+        attributes: Mapping[str, str] | None = None,
+        created_unix: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> TupleFuture:
         """Spool ``data`` as one tuple and return a future of its id.
 
         Returns once the tuple is written to the spool (fsynced before that with
@@ -192,10 +204,17 @@ class Gateway:
         entry = self.spool.put_bytes(bytes(data), meta, timeout=timeout)
         return self._track(entry)
 
-    def submit_file(self, path: str | os.PathLike[str], *, image: str | None = None, name: str | None = None,
-                    attributes: Mapping[str, str] | None = None, created_unix: float | None = None,
-                    move_to: str | os.PathLike[str] | None = None,
-                    timeout: float | None = DEFAULT_TIMEOUT) -> TupleFuture:
+    def submit_file(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        image: str | None = None,
+        name: str | None = None,
+        attributes: Mapping[str, str] | None = None,
+        created_unix: float | None = None,
+        move_to: str | os.PathLike[str] | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> TupleFuture:
         """Spool a file as one tuple (hard link or copy; never modified) and return a future.
 
         ``image`` defaults to the configured one, else the file extension's.
@@ -207,17 +226,29 @@ class Gateway:
         path = Path(path)
         stat = path.stat()
         image = infer_image(path, image or self.config.image)
-        meta = self._meta(image, path.name if name is None else name, stat.st_size, attributes,
-                          stat.st_mtime if created_unix is None else created_unix)
+        meta = self._meta(
+            image,
+            path.name if name is None else name,
+            stat.st_size,
+            attributes,
+            stat.st_mtime if created_unix is None else created_unix,
+        )
         move = MoveOnDone(str(path.resolve()), str(Path(move_to).resolve())) if move_to else None
         entry = self.spool.put_file(path, meta, move=move, timeout=timeout)
         return self._track(entry)
 
     # -- sending (blocking) -------------------------------------------------------
 
-    def send(self, data: bytes, *, image: str | None = None, name: str = "",
-             attributes: Mapping[str, str] | None = None, created_unix: float | None = None,
-             timeout: float | None = DEFAULT_TIMEOUT) -> int:
+    def send(
+        self,
+        data: bytes,
+        *,
+        image: str | None = None,
+        name: str = "",
+        attributes: Mapping[str, str] | None = None,
+        created_unix: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> int:
         """Send one tuple and block until it is STORED or ENQUEUED; return its id.
 
         Retries as the delivery policy says (re-routing, ``max_attempts``).
@@ -228,20 +259,25 @@ class Gateway:
         id (the master's queue retries it). Thread-safe.
         """
         start = time.monotonic()
-        future = self.submit(data, image=image, name=name, attributes=attributes,
-                             created_unix=created_unix, timeout=timeout)
+        future = self.submit(
+            data, image=image, name=name, attributes=attributes, created_unix=created_unix, timeout=timeout
+        )
         return self.result(future, _left(start, timeout))
 
-    def send_file(self, path: str | os.PathLike[str], *, timeout: float | None = DEFAULT_TIMEOUT,
-                  **kwargs: Any) -> int:
+    def send_file(self, path: str | os.PathLike[str], *, timeout: float | None = DEFAULT_TIMEOUT, **kwargs: Any) -> int:
         """:meth:`submit_file` and wait like :meth:`send`; returns the tuple id."""
         start = time.monotonic()
         future = self.submit_file(path, timeout=timeout, **kwargs)
         return self.result(future, _left(start, timeout))
 
-    def send_many(self, items: Iterable[bytes | str | os.PathLike[str]], *, image: str | None = None,
-                  attributes: Mapping[str, str] | None = None,
-                  timeout: float | None = DEFAULT_TIMEOUT) -> list[int]:
+    def send_many(
+        self,
+        items: Iterable[bytes | str | os.PathLike[str]],
+        *,
+        image: str | None = None,
+        attributes: Mapping[str, str] | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> list[int]:
         """Send many tuples (bytes, or paths of files) concurrently; their ids in order.
 
         All are spooled first, then delivered over ``streams`` parallel streams
@@ -250,10 +286,12 @@ class Gateway:
         the whole call.
         """
         start = time.monotonic()
-        futures = [self.submit(item, image=image, attributes=attributes, timeout=timeout)
-                   if isinstance(item, (bytes, bytearray, memoryview))
-                   else self.submit_file(item, image=image, attributes=attributes, timeout=timeout)
-                   for item in items]
+        futures = [
+            self.submit(item, image=image, attributes=attributes, timeout=timeout)
+            if isinstance(item, (bytes, bytearray, memoryview))
+            else self.submit_file(item, image=image, attributes=attributes, timeout=timeout)
+            for item in items
+        ]
         return [self.result(f, _left(start, timeout)) for f in futures]
 
     def result(self, future: TupleFuture, timeout: float | None = None) -> int:
@@ -270,20 +308,28 @@ class Gateway:
             except concurrent.futures.TimeoutError:
                 unserved = self._dispatcher.unserved_images().get(future.image)
                 if unserved is not None and unserved[0] > self.config.image_wait_seconds:
-                    why = (f"no engine serves image '{future.image}' after {unserved[0]:.0f}s "
-                           f"(master: {unserved[1]})")
-                    raise DeliveryTimeout(f"tuple '{future.name}' not delivered (it stays spooled, and goes "
-                                          f"once an engine serves its image): {why}",
-                                          name=future.name, reason=why) from None
+                    why = f"no engine serves image '{future.image}' after {unserved[0]:.0f}s (master: {unserved[1]})"
+                    raise DeliveryTimeout(
+                        f"tuple '{future.name}' not delivered (it stays spooled, and goes "
+                        f"once an engine serves its image): {why}",
+                        name=future.name,
+                        reason=why,
+                    ) from None
                 if left is not None and left <= 0.25:
                     break
         seq = getattr(future, "seq", 0)
         last = self._dispatcher.last_error(seq) if seq else ""
         down = self._dispatcher.master_unreachable_for()
-        why = last or (f"master {self.config.master_address} unreachable for {down:.0f}s" if down else
-                       "still waiting for a channel or the queue")
-        raise DeliveryTimeout(f"tuple '{future.name}' not delivered within {timeout:.0f}s "
-                              f"(it stays spooled): {why}", name=future.name, reason=why)
+        why = last or (
+            f"master {self.config.master_address} unreachable for {down:.0f}s"
+            if down
+            else "still waiting for a channel or the queue"
+        )
+        raise DeliveryTimeout(
+            f"tuple '{future.name}' not delivered within {timeout:.0f}s (it stays spooled): {why}",
+            name=future.name,
+            reason=why,
+        )
 
     # -- waiting and closing ------------------------------------------------------
 
@@ -316,9 +362,13 @@ class Gateway:
             self._futures.clear()
         for future in pending:
             if not future.done():
-                future.set_exception(DeliveryError(
-                    f"tuple '{future.name}': gateway closed before delivery; it stays spooled and "
-                    "is sent at the next start", name=future.name))
+                future.set_exception(
+                    DeliveryError(
+                        f"tuple '{future.name}': gateway closed before delivery; it stays spooled and "
+                        "is sent at the next start",
+                        name=future.name,
+                    )
+                )
         self.spool.close()
 
     def __enter__(self) -> Self:
@@ -331,22 +381,38 @@ class Gateway:
         """Counters and spool usage. Non-blocking, thread-safe."""
         s = self._dispatcher.stats
         return GatewayStatus(
-            spooled_tuples=len(self.spool), spooled_bytes=self.spool.used_bytes,
-            spool_bytes_limit=self.spool.limit, sent_direct=s.sent_direct, sent_queue=s.sent_queue,
-            stored=s.stored, enqueued=s.enqueued, failed=s.failed, retries=s.retries,
+            spooled_tuples=len(self.spool),
+            spooled_bytes=self.spool.used_bytes,
+            spool_bytes_limit=self.spool.limit,
+            sent_direct=s.sent_direct,
+            sent_queue=s.sent_queue,
+            stored=s.stored,
+            enqueued=s.enqueued,
+            failed=s.failed,
+            retries=s.retries,
             master_unreachable_seconds=self._dispatcher.master_unreachable_for(),
             unserved_images=self._dispatcher.unserved_images(),
-            master_refusal=self._dispatcher.master_refusal(), spool_failure=self.spool.disk_failure,
-            master_queue_refusal=self._dispatcher.queue_refusal())
+            master_refusal=self._dispatcher.master_refusal(),
+            spool_failure=self.spool.disk_failure,
+            master_queue_refusal=self._dispatcher.queue_refusal(),
+        )
 
     # -- internals ------------------------------------------------------------------
 
-    def _meta(self, image: str, name: str, size: int, attributes: Mapping[str, str] | None,
-              created_unix: float | None) -> TupleMeta:
+    def _meta(
+        self, image: str, name: str, size: int, attributes: Mapping[str, str] | None, created_unix: float | None
+    ) -> TupleMeta:
         now = time.time()
-        meta = TupleMeta(source=self._source, image=image or "", size=size, name=name,
-                         created_unix=now if created_unix is None else float(created_unix),
-                         attempt=1, accepted_unix=now, attributes=dict(attributes or {}))
+        meta = TupleMeta(
+            source=self._source,
+            image=image or "",
+            size=size,
+            name=name,
+            created_unix=now if created_unix is None else float(created_unix),
+            attempt=1,
+            accepted_unix=now,
+            attributes=dict(attributes or {}),
+        )
         check_meta(meta, self.config.max_tuple_bytes, need_id=False)
         return meta
 
@@ -367,8 +433,12 @@ class Gateway:
             if not closed:
                 self._futures[entry.seq] = future
         if closed:
-            future.set_exception(DeliveryError(f"tuple '{future.name}': gateway is closed; it stays "
-                                               "spooled and is sent at the next start", name=future.name))
+            future.set_exception(
+                DeliveryError(
+                    f"tuple '{future.name}': gateway is closed; it stays spooled and is sent at the next start",
+                    name=future.name,
+                )
+            )
         else:
             self._dispatcher.add(entry)
         return future
@@ -393,12 +463,15 @@ class Gateway:
     def _finish(self, done: list[Completion]) -> None:
         """Delivery hook: move the originals, drop the spool entries (one append), resolve the futures."""
         try:
-            unmoved = [(entry.move, outcome) for entry, outcome, _ in done
-                       if entry.move is not None and not _move(entry.move, outcome)]
+            unmoved = [
+                (entry.move, outcome)
+                for entry, outcome, _ in done
+                if entry.move is not None and not _move(entry.move, outcome)
+            ]
             if unmoved:
                 with self._lock:
                     self._unmoved.update((move.source, (move, outcome)) for move, outcome in unmoved)
-                self._save_unmoved()   # before the spool forgets them: a restart must know them
+                self._save_unmoved()  # before the spool forgets them: a restart must know them
             self._forget([entry for entry, _, _ in done])
         finally:  # delivered is delivered: callers learn it even if forgetting it failed (it is sent again)
             with self._lock:
@@ -410,13 +483,22 @@ class Gateway:
     def _save_unmoved(self) -> None:
         """Write the unmoved originals (with each file's identity) atomically beside the spool."""
         with self._lock:
-            records = [{"source": move.source, "target": move.target, "outcome": outcome.value,
-                        "identity": _identity(move.source)} for move, outcome in self._unmoved.values()]
+            records = [
+                {
+                    "source": move.source,
+                    "target": move.target,
+                    "outcome": outcome.value,
+                    "identity": _identity(move.source),
+                }
+                for move, outcome in self._unmoved.values()
+            ]
         try:
             atomic_write(self._unmoved_file, json.dumps(records).encode())
         except OSError as exc:
-            log.error("cannot record the delivered files that could not be moved; after a restart "
-                      "they would be sent again", extra={"path": str(self._unmoved_file), "error": str(exc)})
+            log.error(
+                "cannot record the delivered files that could not be moved; after a restart they would be sent again",
+                extra={"path": str(self._unmoved_file), "error": str(exc)},
+            )
 
     def _forget(self, entries: list[SpoolEntry]) -> None:
         """Drop delivered entries from the spool; those a failed append could not drop
@@ -429,8 +511,10 @@ class Gateway:
         except OSError as exc:
             with self._lock:
                 self._unforgotten = entries + self._unforgotten
-            log.error("cannot record delivered tuples in the spool; trying again with the next ones",
-                      extra={"tuples": len(entries), "error": str(exc)})
+            log.error(
+                "cannot record delivered tuples in the spool; trying again with the next ones",
+                extra={"tuples": len(entries), "error": str(exc)},
+            )
 
 
 UNMOVED_FILE = "unmoved.json"
@@ -453,8 +537,10 @@ def _load_unmoved(path: Path) -> dict[str, tuple[MoveOnDone, Outcome]]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        log.error("cannot read the delivered files that could not be moved; they may be sent again",
-                  extra={"path": str(path), "error": str(exc)})
+        log.error(
+            "cannot read the delivered files that could not be moved; they may be sent again",
+            extra={"path": str(path), "error": str(exc)},
+        )
         return {}
     kept: dict[str, tuple[MoveOnDone, Outcome]] = {}
     for record in records:
@@ -472,11 +558,19 @@ def _resolve(future: TupleFuture, entry: SpoolEntry, outcome: Outcome, detail: s
     if outcome in (Outcome.STORED, Outcome.ENQUEUED):
         future.set_result(int(entry.meta.tuple_id))
     else:
-        label = f"tuple '{entry.meta.name}' (id {entry.meta.tuple_id})" if entry.meta.name \
+        label = (
+            f"tuple '{entry.meta.name}' (id {entry.meta.tuple_id})"
+            if entry.meta.name
             else f"tuple {entry.meta.tuple_id}"
-        future.set_exception(DeliveryError(
-            f"{label} {outcome.value}: {detail}",
-            tuple_id=int(entry.meta.tuple_id), reason=detail, name=entry.meta.name))
+        )
+        future.set_exception(
+            DeliveryError(
+                f"{label} {outcome.value}: {detail}",
+                tuple_id=int(entry.meta.tuple_id),
+                reason=detail,
+                name=entry.meta.name,
+            )
+        )
 
 
 def _move(move: MoveOnDone, outcome: Outcome, *, quiet: bool = False) -> bool:
@@ -492,8 +586,10 @@ def _move(move: MoveOnDone, outcome: Outcome, *, quiet: bool = False) -> bool:
         if isinstance(exc, FileNotFoundError) and not os.path.lexists(move.source):
             log.info("original already moved", extra={"path": move.source})
             return True
-        (log.debug if quiet else log.error)("cannot move delivered file; it stays and is not sent again",
-                                            extra={"path": move.source, "target": str(target), "error": str(exc)})
+        (log.debug if quiet else log.error)(
+            "cannot move delivered file; it stays and is not sent again",
+            extra={"path": move.source, "target": str(target), "error": str(exc)},
+        )
         return False
     return True
 

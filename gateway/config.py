@@ -18,9 +18,13 @@ GiB = 1024 * MiB
 
 # File extension -> engine image, used when no image is given.
 IMAGE_BY_EXTENSION: dict[str, str] = {
-    ".tif": "hio/microscopy", ".tiff": "hio/microscopy", ".png": "hio/microscopy",
-    ".jpg": "hio/microscopy", ".jpeg": "hio/microscopy",
-    ".npz": "hio/simulation", ".npy": "hio/simulation",
+    ".tif": "hio/microscopy",
+    ".tiff": "hio/microscopy",
+    ".png": "hio/microscopy",
+    ".jpg": "hio/microscopy",
+    ".jpeg": "hio/microscopy",
+    ".npz": "hio/simulation",
+    ".npy": "hio/simulation",
 }
 
 # Files a directory walk or watch never takes: still being written, or hidden.
@@ -49,8 +53,9 @@ def infer_image(path: str | os.PathLike[str], image: str = "") -> str:
         return IMAGE_BY_EXTENSION[suffix]
     except KeyError:
         known = ", ".join(sorted(IMAGE_BY_EXTENSION))
-        raise ConfigError(f"{path}: cannot tell the image from the extension "
-                          f"'{suffix or '(none)'}' (known: {known}); pass --image") from None
+        raise ConfigError(
+            f"{path}: cannot tell the image from the extension '{suffix or '(none)'}' (known: {known}); pass --image"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,26 +63,44 @@ class GatewayConfig(ClusterSettings):
     """Everything ``hio gateway`` and the :class:`hio.gateway.Gateway` library use."""
 
     source: str = setting("", "who produces the tuples (TupleMeta.source); empty = this host's name")
-    image: str = setting("", "engine image of the tuples; empty = infer from the file extension "
-                             "(.tif/.tiff/.png/.jpg -> hio/microscopy, .npz/.npy -> hio/simulation)")
+    image: str = setting(
+        "",
+        "engine image of the tuples; empty = infer from the file extension "
+        "(.tif/.tiff/.png/.jpg -> hio/microscopy, .npz/.npy -> hio/simulation)",
+    )
     spool_bytes: int = setting(2 * GiB, "bound of the on-disk spool; a full spool refuses (or blocks) new tuples")
-    spool_fsync: str = setting("batch", "when spooled tuples reach the disk: always (before submit returns), "
-                                        "batch (within ~100 ms; a crash of the gateway loses nothing, a power "
-                                        "loss at most the last 100 ms, and never more than 256 MiB: submit then waits "
-                                        "for the disk) or never (left to the OS)")
-    spool_memory_bytes: int = setting(64 * MiB, "payloads submitted as bytes are also kept in memory up to "
-                                                "this much, so delivery need not read them back from disk")
+    spool_fsync: str = setting(
+        "batch",
+        "when spooled tuples reach the disk: always (before submit returns), "
+        "batch (within ~100 ms; a crash of the gateway loses nothing, a power "
+        "loss at most the last 100 ms, and never more than 256 MiB: submit then waits "
+        "for the disk) or never (left to the OS)",
+    )
+    spool_memory_bytes: int = setting(
+        64 * MiB,
+        "payloads submitted as bytes are also kept in memory up to "
+        "this much, so delivery need not read them back from disk",
+    )
     streams: int = setting(4, "parallel delivery streams (batches in flight)")
     batch_tuples: int = setting(256, "most tuples per route and stream (small ones travel packed)")
-    batch_bytes: int = setting(64 * MiB, "most bytes per batch; a larger tuple goes alone (each batch costs a "
-                                         "route and a stream: 8 MiB batches carried a third fewer 1-10 MB tuples)")
-    pack_bytes: int = setting(1 * MiB, "tuples of at most a quarter of this travel packed, several in one gRPC "
-                                       "message of at most this many bytes; 0 = one message per tuple")
+    batch_bytes: int = setting(
+        64 * MiB,
+        "most bytes per batch; a larger tuple goes alone (each batch costs a "
+        "route and a stream: 8 MiB batches carried a third fewer 1-10 MB tuples)",
+    )
+    pack_bytes: int = setting(
+        1 * MiB,
+        "tuples of at most a quarter of this travel packed, several in one gRPC "
+        "message of at most this many bytes; 0 = one message per tuple",
+    )
     max_attempts: int = setting(3, "delivery attempts before a tuple is handed to the master's dead letters")
     force_queue: bool = setting(False, "always route through the master's backlog queue")
-    lanes: bool = setting(True, "send payloads to a peer (engine, master) over its payload lane when it offers "
-                                "one that answers at connect (plain TCP, sendfile from the spool; about half of "
-                                "gRPC's CPU per MB), else over gRPC; chosen once per peer")
+    lanes: bool = setting(
+        True,
+        "send payloads to a peer (engine, master) over its payload lane when it offers "
+        "one that answers at connect (plain TCP, sendfile from the spool; about half of "
+        "gRPC's CPU per MB), else over gRPC; chosen once per peer",
+    )
     ingest_listen: str = setting("127.0.0.1:7300", "host:port of the local ingest gRPC API; empty = off")
     watch: str = setting("", "folder to watch for new files; empty = no watch")
     done_dir: str = setting("", "where watched files go once stored; empty = <watch>/.hio-done")
@@ -86,14 +109,21 @@ class GatewayConfig(ClusterSettings):
     progress: bool = setting(True, "show a progress bar when stderr is a terminal")
     grace_seconds: float = setting(10.0, "on SIGTERM: time to finish in-flight streams")
     route_timeout_seconds: float = setting(15.0, "deadline of one RouteTuples call (beyond route_wait_seconds)")
-    route_wait_seconds: float = setting(5.0, "when every channel is busy, how long the master may hold a batch "
-                                             "for one before sending it to the queue (0-30; 0 = queue at once)")
+    route_wait_seconds: float = setting(
+        5.0,
+        "when every channel is busy, how long the master may hold a batch "
+        "for one before sending it to the queue (0-30; 0 = queue at once)",
+    )
     stream_timeout_seconds: float = setting(900.0, "deadline of one delivery stream (a whole batch)")
-    connect_seconds: float = setting(20.0, "hio send / the library: how long the master may stay "
-                                           "unreachable before giving up")
-    image_wait_seconds: float = setting(30.0, "hio send / the library's blocking calls: how long to wait for "
-                                              "an engine that serves a tuple's image (no worker offers it yet) "
-                                              "before giving up on it; it stays spooled (the daemon waits on)")
+    connect_seconds: float = setting(
+        20.0, "hio send / the library: how long the master may stay unreachable before giving up"
+    )
+    image_wait_seconds: float = setting(
+        30.0,
+        "hio send / the library's blocking calls: how long to wait for "
+        "an engine that serves a tuple's image (no worker offers it yet) "
+        "before giving up on it; it stays spooled (the daemon waits on)",
+    )
 
     def resolved_source(self) -> str:
         return self.source or default_source()
@@ -105,9 +135,19 @@ class GatewayConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
-        for name in ("spool_bytes", "streams", "batch_tuples", "batch_bytes", "max_attempts",
-                     "settle_seconds", "poll_seconds", "route_timeout_seconds",
-                     "stream_timeout_seconds", "connect_seconds", "image_wait_seconds"):
+        for name in (
+            "spool_bytes",
+            "streams",
+            "batch_tuples",
+            "batch_bytes",
+            "max_attempts",
+            "settle_seconds",
+            "poll_seconds",
+            "route_timeout_seconds",
+            "stream_timeout_seconds",
+            "connect_seconds",
+            "image_wait_seconds",
+        ):
             positive(name, getattr(self, name))
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
@@ -134,14 +174,21 @@ class SendConfig(GatewayConfig):
     # accepted (one file configures the gateway daemon and hio send), not in --help
     UNLISTED: ClassVar[frozenset[str]] = SERVER_SETTINGS | {"watch", "done_dir", "settle_seconds", "poll_seconds"}
     POSITIONAL: ClassVar[tuple[str, str, str]] = (
-        "files", "FILE", ("files to send (directories are walked); none: finish what an earlier "
-                          "hio send left spooled"))
+        "files",
+        "FILE",
+        ("files to send (directories are walked); none: finish what an earlier hio send left spooled"),
+    )
 
     files: tuple[str, ...] = setting((), "files to send (directories are walked)", factory=tuple)
-    drop_spooled: bool = setting(False, "drop the tuples earlier hio send runs (same --source) left spooled, "
-                                        "naming each, instead of sending anything")
-    wait: bool = setting(True, "wait until stored or enqueued; --no-wait hands the files to the "
-                               "gateway daemon at --ingest-listen and returns once it spooled them")
+    drop_spooled: bool = setting(
+        False,
+        "drop the tuples earlier hio send runs (same --source) left spooled, naming each, instead of sending anything",
+    )
+    wait: bool = setting(
+        True,
+        "wait until stored or enqueued; --no-wait hands the files to the "
+        "gateway daemon at --ingest-listen and returns once it spooled them",
+    )
 
     def validate(self) -> None:
         super().validate()

@@ -13,13 +13,13 @@ import time
 
 import grpc
 
-from hio.process.log import NOTICE
-from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, set_serving, stop_on_signals, wait_for_stop
 from hio.gateway.client import Gateway
 from hio.gateway.config import GatewayConfig
 from hio.gateway.ingest import POLICY, IngestReceiver, IngestServicer
 from hio.gateway.watch import DirectoryWatcher
+from hio.process.log import NOTICE
 from hio.proto import ingest_pb2_grpc
+from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, set_serving, stop_on_signals, wait_for_stop
 
 log = logging.getLogger("hio.gateway")
 
@@ -36,27 +36,48 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
         if config.ingest_listen:
             servicer = IngestServicer(gateway, receiver)
             server, _port, health = create_server(
-                config, config.ingest_listen, policy=POLICY,
+                config,
+                config.ingest_listen,
+                policy=POLICY,
                 register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)],
-                service=ROLE_SERVICES["gateway"])
+                service=ROLE_SERVICES["gateway"],
+            )
             server.start()
             set_serving(health)
         if config.watch:
-            watcher = DirectoryWatcher(gateway, config.watch, config.resolved_done_dir(),
-                                       settle_seconds=config.settle_seconds,
-                                       poll_seconds=config.poll_seconds, image=config.image)
+            watcher = DirectoryWatcher(
+                gateway,
+                config.watch,
+                config.resolved_done_dir(),
+                settle_seconds=config.settle_seconds,
+                poll_seconds=config.poll_seconds,
+                image=config.image,
+            )
             watcher.start()
-        log.log(NOTICE, "gateway ready", extra={"ingest": config.ingest_listen or "off",
-                                            "watch": config.watch or "off", "resumed": gateway.resumed,
-                                            "master": config.master_address})
+        log.log(
+            NOTICE,
+            "gateway ready",
+            extra={
+                "ingest": config.ingest_listen or "off",
+                "watch": config.watch or "off",
+                "resumed": gateway.resumed,
+                "master": config.master_address,
+            },
+        )
         wait_for_stop(stop)
     finally:
         _shutdown(config, gateway, receiver, server, health, watcher)
     return 0
 
 
-def _shutdown(config: GatewayConfig, gateway: Gateway, receiver: IngestReceiver, server: grpc.Server | None,
-              health: RoleHealth | None, watcher: DirectoryWatcher | None) -> None:
+def _shutdown(
+    config: GatewayConfig,
+    gateway: Gateway,
+    receiver: IngestReceiver,
+    server: grpc.Server | None,
+    health: RoleHealth | None,
+    watcher: DirectoryWatcher | None,
+) -> None:
     """Stop taking tuples, finish in-flight work within the grace period, keep the spool."""
     start = time.monotonic()
     grace = config.grace_seconds

@@ -50,35 +50,35 @@ from typing import BinaryIO
 import grpc
 
 from hio.config import lane_beside
-from hio.transport.errors import retry_after
-from hio.transport.frames import TupleMeta, unpacked_receipts
-from hio.transport.net import NEVER_CONNECTED, create_channel, message_limit, rpc_error_text, rpc_status
-from hio.transport.payload import GrpcPayload, LanePayload, PayloadPeers, Upload
-from hio.transport.lanetls import client_context
 from hio.gateway.config import GatewayConfig
 from hio.gateway.spool import SpoolEntry
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.proto.tuple_pb2 import TupleReceipt
+from hio.transport.errors import retry_after
+from hio.transport.frames import TupleMeta, unpacked_receipts
+from hio.transport.lanetls import client_context
+from hio.transport.net import NEVER_CONNECTED, create_channel, message_limit, rpc_error_text, rpc_status
+from hio.transport.payload import GrpcPayload, LanePayload, PayloadPeers, Upload
 
 log = logging.getLogger("hio.gateway")
 
 LAST_ERROR_ATTRIBUTE = "hio.last_error"
-QUEUE_REFUSAL_SHOWN_SECONDS = 60.0   # how long the status shows the master's queue refusing
+QUEUE_REFUSAL_SHOWN_SECONDS = 60.0  # how long the status shows the master's queue refusing
 _QUEUE_REFUSED = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE})
 _MASTER_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-UNREACHABLE_LOG_SECONDS = 60.0   # an unreachable engine is logged at most once in this long
+UNREACHABLE_LOG_SECONDS = 60.0  # an unreachable engine is logged at most once in this long
 
 
 class Outcome(enum.Enum):
     """How a tuple left the spool."""
 
-    STORED = "stored"              # features in the repository
-    ENQUEUED = "enqueued"          # durably in the master's backlog queue
+    STORED = "stored"  # features in the repository
+    ENQUEUED = "enqueued"  # durably in the master's backlog queue
     DEAD_LETTERED = "dead-lettered"  # failed max_attempts times; the master keeps it
-    REJECTED = "rejected"          # refused for good (bad tuple); dropped from the spool
+    REJECTED = "rejected"  # refused for good (bad tuple); dropped from the spool
 
 
-Completion = tuple[SpoolEntry, Outcome, str]   # a tuple that left delivery: how, and why (if it failed)
+Completion = tuple[SpoolEntry, Outcome, str]  # a tuple that left delivery: how, and why (if it failed)
 CompletionHook = Callable[[list[Completion]], None]
 
 
@@ -89,8 +89,8 @@ class _Pending:
     seq: int
     entry: SpoolEntry = field(compare=False)
     not_before: float = field(default=0.0, compare=False)
-    last_error: str = field(default="", compare=False)   # the latest problem (shown on timeouts)
-    failure: str = field(default="", compare=False)      # the last counted failure (dead-letter reason)
+    last_error: str = field(default="", compare=False)  # the latest problem (shown on timeouts)
+    failure: str = field(default="", compare=False)  # the last counted failure (dead-letter reason)
     solo: bool = field(default=False, compare=False)  # route alone (its batch was refused)
     taken: bool = field(default=False, compare=False)  # a delivery thread holds it (not queued, not settled)
 
@@ -116,9 +116,15 @@ class Dispatcher:
     (so the spool forgets them in one append); the hook removes them from the spool.
     """
 
-    def __init__(self, config: GatewayConfig, *, persist: Callable[[list[SpoolEntry]], None],
-                 open_payload: Callable[[SpoolEntry], BinaryIO], payload_damage: Callable[[SpoolEntry], str],
-                 on_complete: CompletionHook) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        persist: Callable[[list[SpoolEntry]], None],
+        open_payload: Callable[[SpoolEntry], BinaryIO],
+        payload_damage: Callable[[SpoolEntry], str],
+        on_complete: CompletionHook,
+    ) -> None:
         self._config = config
         self._persist_entries = persist
         self._open_payload = open_payload
@@ -126,29 +132,41 @@ class Dispatcher:
         self._on_complete = on_complete
         self._source = config.resolved_source()
         self._cond = threading.Condition()
-        self._ready: list[tuple[int, _Pending]] = []           # heap by seq (ints compare in C)
+        self._ready: list[tuple[int, _Pending]] = []  # heap by seq (ints compare in C)
         self._delayed: list[tuple[float, int, _Pending]] = []  # heap by time
-        self._errors: dict[int, str] = {}                      # seq -> last error, for callers
+        self._errors: dict[int, str] = {}  # seq -> last error, for callers
         self._stopping = False
         self._threads: list[threading.Thread] = []
         self._calls: set[Upload] = set()
         self._channels: dict[str, grpc.Channel] = {}
         self._route_call = master_pb2_grpc.MasterStub(self._channel(config.master_address)).RouteTuples
-        token = config.presented_token()   # read once, as for the gRPC channels
-        tls = client_context(config)         # the lanes' TLS, as the channels'
+        token = config.presented_token()  # read once, as for the gRPC channels
+        tls = client_context(config)  # the lanes' TLS, as the channels'
         self._payload = PayloadPeers(
-            lanes=config.lanes, logger=log,
-            lane=lambda lane: LanePayload(lane, token, chunk_bytes=config.chunk_bytes, pack_bytes=config.pack_bytes,
-                                          max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
-                                          tls=tls),
-            grpc=lambda address: GrpcPayload(self._channel(address), chunk_bytes=config.chunk_bytes,
-                                             pack_bytes=config.pack_bytes, max_chunk_bytes=message_limit(config)))
-        self._unreachable_logged: dict[str, float] = {}      # engine address -> when last logged
+            lanes=config.lanes,
+            logger=log,
+            lane=lambda lane: LanePayload(
+                lane,
+                token,
+                chunk_bytes=config.chunk_bytes,
+                pack_bytes=config.pack_bytes,
+                max_head_bytes=message_limit(config),
+                max_data_bytes=config.max_tuple_bytes,
+                tls=tls,
+            ),
+            grpc=lambda address: GrpcPayload(
+                self._channel(address),
+                chunk_bytes=config.chunk_bytes,
+                pack_bytes=config.pack_bytes,
+                max_chunk_bytes=message_limit(config),
+            ),
+        )
+        self._unreachable_logged: dict[str, float] = {}  # engine address -> when last logged
         self._master_down_since: float | None = None
         self._queue_full_logged = False
-        self._queue_refusal = (0.0, "")                       # (when, the master's words): its queue refused
-        self._unserved: dict[str, tuple[float, str]] = {}    # image -> (since, the master's words)
-        self._refusal = ""                                    # the master's words while it refuses us (auth)
+        self._queue_refusal = (0.0, "")  # (when, the master's words): its queue refused
+        self._unserved: dict[str, tuple[float, str]] = {}  # image -> (since, the master's words)
+        self._refusal = ""  # the master's words while it refuses us (auth)
         self._counter = itertools.count()
         self.stats = DispatchStats()
 
@@ -226,7 +244,7 @@ class Dispatcher:
                 self._deliver(batch)
             except Exception as exc:  # a worker must never die; the tuple stays spooled
                 log.exception("delivery failed unexpectedly")
-                with self._cond:   # those settled or already back in the queue are not sent again
+                with self._cond:  # those settled or already back in the queue are not sent again
                     left = [p for p in batch if p.taken]
                 if left:
                     self._retry(left, f"gateway error: {exc}", count_attempt=False, delay=1.0)
@@ -264,8 +282,12 @@ class Dispatcher:
         image = head.entry.meta.image
         while self._ready and len(batch) < limit:
             nxt = self._ready[0][1]
-            if (nxt.entry.meta.image != image or nxt.solo or self._is_dead(nxt)
-                    or total + nxt.entry.size > self._config.batch_bytes):
+            if (
+                nxt.entry.meta.image != image
+                or nxt.solo
+                or self._is_dead(nxt)
+                or total + nxt.entry.size > self._config.batch_bytes
+            ):
                 break
             batch.append(heapq.heappop(self._ready)[1])
             nxt.taken = True
@@ -293,7 +315,7 @@ class Dispatcher:
         for pending, tuple_id, ticket in zip(batch, route.tuple_ids, route.tickets, strict=True):
             meta = pending.entry.meta
             meta.tuple_id, meta.ticket = tuple_id, ticket
-            if pending.failure and not direct:   # the reason the master gives if it keeps a dead letter
+            if pending.failure and not direct:  # the reason the master gives if it keeps a dead letter
                 meta.attributes[LAST_ERROR_ATTRIBUTE] = pending.failure[:1000]
         self._persist(batch)
         if direct:
@@ -308,9 +330,12 @@ class Dispatcher:
 
     def _route(self, batch: list[_Pending], *, force_queue: bool) -> master_pb2.RouteTuplesResponse:
         request = master_pb2.RouteTuplesRequest(
-            source=self._source, image=batch[0].entry.meta.image, force_queue=force_queue,
+            source=self._source,
+            image=batch[0].entry.meta.image,
+            force_queue=force_queue,
             wait_seconds=0.0 if force_queue else self._config.route_wait_seconds,
-            items=[master_pb2.RouteItem(size=p.entry.size, tuple_id=p.entry.meta.tuple_id) for p in batch])
+            items=[master_pb2.RouteItem(size=p.entry.size, tuple_id=p.entry.meta.tuple_id) for p in batch],
+        )
         timeout = self._config.route_timeout_seconds + request.wait_seconds
         response = self._route_call(request, timeout=timeout)
         if len(response.tuple_ids) != len(batch) or len(response.tickets) != len(batch):
@@ -327,12 +352,14 @@ class Dispatcher:
         sent: list[_Pending] = []
         skipped: set[int] = set()
         channel = self._payload.get(address, lane)
-        abandoned = threading.Event()   # set once this stream is settled: a late lane sender stops
+        abandoned = threading.Event()  # set once this stream is settled: a late lane sender stops
         try:
-            call, reading = channel.upload("Deliver" if direct else "Enqueue",
-                                           self._payloads(batch, sent, skipped, abandoned),
-                                           timeout=self._config.stream_timeout_seconds)
-        except grpc.RpcError as exc:   # the lane cannot be opened: the peer's connection is lost
+            call, reading = channel.upload(
+                "Deliver" if direct else "Enqueue",
+                self._payloads(batch, sent, skipped, abandoned),
+                timeout=self._config.stream_timeout_seconds,
+            )
+        except grpc.RpcError as exc:  # the lane cannot be opened: the peer's connection is lost
             self._lane_broken(batch, skipped, exc, address, lane, direct=direct)
             return
         with self._cond:
@@ -368,8 +395,9 @@ class Dispatcher:
         if left:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
 
-    def _lane_broken(self, batch: list[_Pending], skipped: set[int], exc: grpc.RpcError, address: str,
-                     lane: str, *, direct: bool) -> None:
+    def _lane_broken(
+        self, batch: list[_Pending], skipped: set[int], exc: grpc.RpcError, address: str, lane: str, *, direct: bool
+    ) -> None:
         """The peer's lane broke before it answered anything (unreachable, closed, garbage): not
         the tuples' fault. The peer moves to gRPC and the same route (its reservation is ours)
         is streamed again there, uncharged."""
@@ -378,8 +406,9 @@ class Dispatcher:
         if unsent:
             self._stream(unsent, address, direct=direct, lane=lane)
 
-    def _payloads(self, batch: list[_Pending], sent: list[_Pending], skipped: set[int],
-                  abandoned: threading.Event | None = None) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
+    def _payloads(
+        self, batch: list[_Pending], sent: list[_Pending], skipped: set[int], abandoned: threading.Event | None = None
+    ) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
         """Each tuple's metadata and payload (kept in memory, else its spooled file), in order;
         a tuple whose spooled payload is gone is rejected and skipped. Stops once ``abandoned``
         is set (its stream was settled without it: the tuples left are retried elsewhere)."""
@@ -394,13 +423,20 @@ class Dispatcher:
                 self._complete(pending, Outcome.REJECTED, f"spooled payload {entry.data_path} is missing")
                 continue
             except OSError:
-                sent.append(pending)   # last in ``sent``: the tuple _read_failed blames
+                sent.append(pending)  # last in ``sent``: the tuple _read_failed blames
                 raise
             sent.append(pending)
             yield entry.meta, payload
 
-    def _settle(self, receipt: TupleReceipt, sent: list[_Pending], settled: set[int],
-                done: list[tuple[_Pending, Outcome, str]], *, direct: bool) -> None:
+    def _settle(
+        self,
+        receipt: TupleReceipt,
+        sent: list[_Pending],
+        settled: set[int],
+        done: list[tuple[_Pending, Outcome, str]],
+        *,
+        direct: bool,
+    ) -> None:
         """Act on one receipt: a tuple it completes goes to ``done``, a failed one is retried.
 
         An engine answers ENQUEUED only for a tuple whose processing failed and that it
@@ -413,9 +449,14 @@ class Dispatcher:
         if receipt.tuple_id and receipt.tuple_id != pending.entry.meta.tuple_id:
             # A receiver that numbers tuples otherwise (e.g. one without packing, which skips
             # packed tuples): never settle a tuple on another's receipt; it is delivered again.
-            log.warning("receipt names another tuple; ignored", extra={
-                "index": receipt.index, "receipt_tuple_id": receipt.tuple_id,
-                "tuple_id": pending.entry.meta.tuple_id})
+            log.warning(
+                "receipt names another tuple; ignored",
+                extra={
+                    "index": receipt.index,
+                    "receipt_tuple_id": receipt.tuple_id,
+                    "tuple_id": pending.entry.meta.tuple_id,
+                },
+            )
             return
         state = receipt.state
         if state == TupleReceipt.STORED:
@@ -426,7 +467,7 @@ class Dispatcher:
             # The receiver says when the master kept the tuple as a dead letter (the master's
             # max_attempts decides, which may be lower than ours); one that does not say so
             # (an older release) is judged by our own count.
-            handed_back = direct and bool(receipt.message)   # charged one attempt: its last one dead-letters it
+            handed_back = direct and bool(receipt.message)  # charged one attempt: its last one dead-letters it
             dead = receipt.dead_lettered or self._is_dead(pending, charged=int(handed_back))
             if handed_back:
                 detail = f"processing failed: {receipt.message}"
@@ -461,15 +502,22 @@ class Dispatcher:
                     stats.failed += 1
         for pending, outcome, detail in done:
             if outcome is Outcome.DEAD_LETTERED:
-                log.warning("tuple dead-lettered at the master", extra={
-                    "tuple_id": pending.entry.meta.tuple_id, "tuple_name": pending.entry.meta.name, "error": detail})
+                log.warning(
+                    "tuple dead-lettered at the master",
+                    extra={
+                        "tuple_id": pending.entry.meta.tuple_id,
+                        "tuple_name": pending.entry.meta.name,
+                        "error": detail,
+                    },
+                )
         try:
             self._on_complete([(pending.entry, outcome, detail) for pending, outcome, detail in done])
         except Exception:  # the hook's failure must not stop delivery of others
             log.exception("completion hook failed", extra={"seqs": [pending.seq for pending, _, _ in done]})
 
-    def _retry(self, batch: list[_Pending], error: str, *, count_attempt: bool,
-               delay: float | None = None, solo: bool = False) -> None:
+    def _retry(
+        self, batch: list[_Pending], error: str, *, count_attempt: bool, delay: float | None = None, solo: bool = False
+    ) -> None:
         """Put tuples back for another route after a delay; count the attempt if asked."""
         if count_attempt:
             with self._cond:
@@ -479,7 +527,7 @@ class Dispatcher:
                     self.stats.retries += 1
             try:
                 self._persist(batch)
-            except OSError as exc:   # the count lives on in memory; it is only lost if the gateway stops
+            except OSError as exc:  # the count lives on in memory; it is only lost if the gateway stops
                 log.error("cannot record the attempt in the spool", extra={"error": str(exc)})
         now = time.monotonic()
         with self._cond:
@@ -492,8 +540,9 @@ class Dispatcher:
                 pending.not_before = now + wait
                 heapq.heappush(self._delayed, (pending.not_before, next(self._counter), pending))
             self._cond.notify_all()
-        log.info("tuples back for redelivery", extra={"tuples": len(batch), "error": error,
-                                                      "attempt_counted": count_attempt})
+        log.info(
+            "tuples back for redelivery", extra={"tuples": len(batch), "error": error, "attempt_counted": count_attempt}
+        )
 
     def _route_failed(self, batch: list[_Pending], exc: grpc.RpcError) -> None:
         code, details = rpc_status(exc)
@@ -529,8 +578,10 @@ class Dispatcher:
         tuple, so it is routed again as a new tuple rather than dropped; refused again without
         an id, it is rejected for what it is."""
         meta = pending.entry.meta
-        log.warning("the master refused the tuple's id; routing it again as a new tuple",
-                    extra={"tuple_id": meta.tuple_id, "tuple": meta.name, "error": details})
+        log.warning(
+            "the master refused the tuple's id; routing it again as a new tuple",
+            extra={"tuple_id": meta.tuple_id, "tuple": meta.name, "error": details},
+        )
         meta.tuple_id, meta.ticket = 0, b""
         self._persist([pending])
         self._retry([pending], details, count_attempt=False, delay=0.0, solo=True)
@@ -556,8 +607,9 @@ class Dispatcher:
             # charging each refused route would dead-letter healthy tuples.
             self._engine_unreachable(address, error)
             self._retry(left, error, count_attempt=False, delay=random.uniform(0.5, 1.5))
-        elif not direct and (code == grpc.StatusCode.RESOURCE_EXHAUSTED or (
-                code in _QUEUE_REFUSED and retry_after(exc) is not None)):
+        elif not direct and (
+            code == grpc.StatusCode.RESOURCE_EXHAUSTED or (code in _QUEUE_REFUSED and retry_after(exc) is not None)
+        ):
             # The master answers but its queue takes nothing now: full, or (with a hint) its
             # disk failed to sync, for good until it restarts (FAILED_PRECONDITION) or for a
             # round (UNAVAILABLE). The tuples wait here, uncounted, and are routed again after
@@ -566,9 +618,12 @@ class Dispatcher:
                 self._queue_refusal = (time.monotonic(), details)
             if not self._queue_full_logged:
                 self._queue_full_logged = True
-                log.warning("queue full, slowing down" if code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                            else "the master's queue takes no tuples, slowing down",
-                            extra={"master": address, "error": details})
+                log.warning(
+                    "queue full, slowing down"
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    else "the master's queue takes no tuples, slowing down",
+                    extra={"master": address, "error": details},
+                )
             self._retry(left, error, count_attempt=False, delay=_hinted(exc))
         elif not direct and code in _MASTER_DOWN:
             self._master_unreachable(error)
@@ -584,8 +639,10 @@ class Dispatcher:
         the reason; the tuples beside it were not at fault and go again uncounted."""
         entry = culprit.entry
         error = f"cannot read the spooled payload {entry.data_path} of '{entry.meta.name}': {failure}"
-        log.error("cannot read a spooled payload", extra={"tuple": entry.meta.name, "path": str(entry.data_path),
-                                                          "error": failure})
+        log.error(
+            "cannot read a spooled payload",
+            extra={"tuple": entry.meta.name, "path": str(entry.data_path), "error": failure},
+        )
         others = [p for p in left if p is not culprit]
         if others:
             self._retry(others, error, count_attempt=False, delay=0.0)
@@ -599,16 +656,19 @@ class Dispatcher:
         for pending in left:
             why = self._payload_damage(pending.entry)
             if why:
-                log.error("spooled payload damaged; tuple rejected", extra={
-                    "tuple": pending.entry.meta.name, "path": str(pending.entry.data_path), "error": why})
+                log.error(
+                    "spooled payload damaged; tuple rejected",
+                    extra={"tuple": pending.entry.meta.name, "path": str(pending.entry.data_path), "error": why},
+                )
                 self._complete(pending, Outcome.REJECTED, why)
             else:
                 retry.append(pending)
         if retry:
             self._retry(retry, error, count_attempt=True)
 
-    def _engine_unreachable(self, address: str, error: str,
-                            what: str = "engine unreachable; routing its tuples again") -> None:
+    def _engine_unreachable(
+        self, address: str, error: str, what: str = "engine unreachable; routing its tuples again"
+    ) -> None:
         """Say that an engine refuses connections (or tuples), at most once a minute per engine."""
         now = time.monotonic()
         with self._cond:
@@ -641,8 +701,9 @@ class Dispatcher:
             if first:
                 self._unserved[image] = (time.monotonic(), details)
         if first:
-            log.warning("no channel serves this image; tuples wait in the spool",
-                        extra={"image": image, "error": details})
+            log.warning(
+                "no channel serves this image; tuples wait in the spool", extra={"image": image, "error": details}
+            )
 
     def _image_served(self, image: str) -> None:
         with self._cond:
@@ -677,8 +738,7 @@ class _Protocol(grpc.RpcError):
         return self._message
 
 
-def _unsettled(batch: list[_Pending], sent: list[_Pending], settled: set[int],
-               skipped: set[int]) -> list[_Pending]:
+def _unsettled(batch: list[_Pending], sent: list[_Pending], settled: set[int], skipped: set[int]) -> list[_Pending]:
     """Tuples of the batch without a final receipt: sent but unanswered, or never sent."""
     sent_seqs = {p.seq for p in sent}
     left = [p for i, p in enumerate(sent) if i not in settled]

@@ -16,12 +16,12 @@ from typing import cast
 
 import grpc
 
-from hio.transport.errors import InvalidArgument, Unavailable, grpc_errors
-from hio.transport.frames import FrameReader, UnpackedFrames, idle_bounded
 from hio.gateway.client import DeliveryError, Gateway, TupleFuture
 from hio.gateway.spool import SpoolWriter
 from hio.proto import ingest_pb2, ingest_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
+from hio.transport.errors import InvalidArgument, Unavailable, grpc_errors
+from hio.transport.frames import FrameReader, UnpackedFrames, idle_bounded
 
 WAIT_ATTRIBUTE = "hio.wait"
 _POLL = 0.5
@@ -39,8 +39,9 @@ class IngestReceiver:
         """New streams and tuples are refused with UNAVAILABLE from now on."""
         self._accepting.clear()
 
-    def receive(self, frames: Iterable[TupleFrame],
-                still_wanted: Callable[[], bool] = lambda: True) -> Iterator[TupleReceipt]:
+    def receive(
+        self, frames: Iterable[TupleFrame], still_wanted: Callable[[], bool] = lambda: True
+    ) -> Iterator[TupleReceipt]:
         """Receipts for a stream of tuples: ACCEPTED each, then final ones for waiting tuples.
 
         Raises InvalidArgument (bad metadata, oversized), DataLoss (size or
@@ -49,8 +50,9 @@ class IngestReceiver:
         """
         config = self._gateway.config
         stream = _MetaTracker(UnpackedFrames(frames))  # packed tuples tracked like any other
-        reader = FrameReader(stream, max_tuple_bytes=config.max_tuple_bytes,
-                             max_chunk_bytes=config.chunk_bytes, need_id=False)
+        reader = FrameReader(
+            stream, max_tuple_bytes=config.max_tuple_bytes, max_chunk_bytes=config.chunk_bytes, need_id=False
+        )
         waiting: dict[TupleFuture, int] = {}
         while True:
             self._check_accepting()
@@ -97,8 +99,10 @@ class IngestReceiver:
             raise InvalidArgument(f"tuple '{meta.name}': tuple_id must be 0 (the master assigns ids)")
         wait_value = meta.attributes.pop(WAIT_ATTRIBUTE, "")
         if wait_value not in ("", "stored", "accepted"):
-            raise InvalidArgument(f"tuple '{meta.name}': attribute {WAIT_ATTRIBUTE} must be 'stored' "
-                                  f"or 'accepted', got '{wait_value[:40]}'")
+            raise InvalidArgument(
+                f"tuple '{meta.name}': attribute {WAIT_ATTRIBUTE} must be 'stored' "
+                f"or 'accepted', got '{wait_value[:40]}'"
+            )
         now = time.time()
         meta.source = meta.source or self._gateway.config.resolved_source()
         meta.created_unix = meta.created_unix or now
@@ -109,8 +113,9 @@ class IngestReceiver:
 
     @staticmethod
     def _finished(waiting: dict[TupleFuture, int], timeout: float) -> Iterator[TupleReceipt]:
-        done, _ = concurrent.futures.wait(list(waiting), timeout=timeout,
-                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        done, _ = concurrent.futures.wait(
+            list(waiting), timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED
+        )
         for future in cast("set[TupleFuture]", done):  # wait() hands back the futures it was given
             yield _final_receipt(waiting.pop(future), future)
 
@@ -153,17 +158,25 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         self._receiver = receiver
 
     @grpc_errors
-    def Submit(self, request_iterator: Iterator[TupleFrame],
-               context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
+    def Submit(self, request_iterator: Iterator[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
         frames = idle_bounded(request_iterator, self._gateway.config.stream_idle_seconds, context.cancel)
         yield from self._receiver.receive(frames, still_wanted=context.is_active)
 
     @grpc_errors
-    def GetGatewayStatus(self, request: ingest_pb2.GetGatewayStatusRequest,
-                         context: grpc.ServicerContext) -> ingest_pb2.GetGatewayStatusResponse:
+    def GetGatewayStatus(
+        self, request: ingest_pb2.GetGatewayStatusRequest, context: grpc.ServicerContext
+    ) -> ingest_pb2.GetGatewayStatusResponse:
         s = self._gateway.status()
         return ingest_pb2.GetGatewayStatusResponse(
-            spooled_tuples=s.spooled_tuples, spooled_bytes=s.spooled_bytes,
-            spool_bytes_limit=s.spool_bytes_limit, sent_direct=s.sent_direct, sent_queue=s.sent_queue,
-            stored=s.stored, failed=s.failed, retries=s.retries, enqueued=s.enqueued,
-            warnings=s.warnings(), master_unreachable_seconds=s.master_unreachable_seconds)
+            spooled_tuples=s.spooled_tuples,
+            spooled_bytes=s.spooled_bytes,
+            spool_bytes_limit=s.spool_bytes_limit,
+            sent_direct=s.sent_direct,
+            sent_queue=s.sent_queue,
+            stored=s.stored,
+            failed=s.failed,
+            retries=s.retries,
+            enqueued=s.enqueued,
+            warnings=s.warnings(),
+            master_unreachable_seconds=s.master_unreachable_seconds,
+        )

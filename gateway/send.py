@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, NoReturn, TextIO, cast
 import grpc
 
 from hio.config import ConfigError, state_dir
-from hio.transport.frames import WireFrame, crc32_of_file, frames_for_file
-from hio.transport.net import create_channel, rpc_error_text, send_frames
 from hio.gateway.client import Gateway, TupleFuture
 from hio.gateway.config import SendConfig, infer_image, is_ignored
 from hio.gateway.spool import Spool, SpoolFull, SpoolInUse, safe_name, spooled_metas
 from hio.proto.tuple_pb2 import TupleMeta, TupleReceipt
+from hio.transport.frames import WireFrame, crc32_of_file, frames_for_file
+from hio.transport.net import create_channel, rpc_error_text, send_frames
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -58,8 +58,11 @@ def run_send(config: SendConfig) -> int:
     if not config.wait:
         return _hand_over(config, files, images)
     if not files and not spooled_metas(send_spool(config)):
-        print(f"hio send: nothing to send: no FILE named, and no earlier hio send (source "
-              f"'{config.resolved_source()}') left tuples spooled", file=sys.stderr)
+        print(
+            f"hio send: nothing to send: no FILE named, and no earlier hio send (source "
+            f"'{config.resolved_source()}') left tuples spooled",
+            file=sys.stderr,
+        )
         return 2
     problem = _master_problem(config)
     if problem:
@@ -91,8 +94,11 @@ def send_spool(config: SendConfig) -> Path:
 
 def _spool_in_use(config: SendConfig) -> int:
     """Say that a running ``hio send`` of this source holds its spool; the exit code."""
-    print(f"hio send: another hio send of source '{config.resolved_source()}' is running and holds its "
-          "spool; wait for it to finish (or stop it), or give this one its own --source", file=sys.stderr)
+    print(
+        f"hio send: another hio send of source '{config.resolved_source()}' is running and holds its "
+        "spool; wait for it to finish (or stop it), or give this one its own --source",
+        file=sys.stderr,
+    )
     return 2
 
 
@@ -106,19 +112,23 @@ def _drop_spooled(config: SendConfig) -> int:
     root = send_spool(config)
     try:
         spool = Spool(root, config.spool_bytes, memory_bytes=0)
-    except SpoolInUse:   # a running hio send holds it
+    except SpoolInUse:  # a running hio send holds it
         return _spool_in_use(config)
     try:
         entries = spool.entries()
         for entry in entries:
             meta = entry.meta
-            print(f"dropped {meta.name or '(unnamed)'} ({meta.size / MB:.1f} MB, image {meta.image}"
-                  f"{f', id {meta.tuple_id}' if meta.tuple_id else ''})")
+            print(
+                f"dropped {meta.name or '(unnamed)'} ({meta.size / MB:.1f} MB, image {meta.image}"
+                f"{f', id {meta.tuple_id}' if meta.tuple_id else ''})"
+            )
         spool.remove_many(entries)
     finally:
         spool.close()
-    print(f"dropped {len(entries)} spooled tuples ({sum(e.size for e in entries) / MB:.1f} MB) of source "
-          f"'{config.resolved_source()}'")
+    print(
+        f"dropped {len(entries)} spooled tuples ({sum(e.size for e in entries) / MB:.1f} MB) of source "
+        f"'{config.resolved_source()}'"
+    )
     return 0
 
 
@@ -129,8 +139,10 @@ def _master_problem(config: SendConfig) -> str:
         grpc.channel_ready_future(channel).result(timeout=config.connect_seconds)
         return ""
     except grpc.FutureTimeoutError:
-        return (f"cannot reach the master at {config.master_address} within {config.connect_seconds:.0f}s; "
-                "is it running? (--master-address)")
+        return (
+            f"cannot reach the master at {config.master_address} within {config.connect_seconds:.0f}s; "
+            "is it running? (--master-address)"
+        )
     finally:
         channel.close()
 
@@ -143,12 +155,12 @@ class _Sender:
         self.files = files
         self.images = images
         self.failures: list[str] = []
-        self.tuples = len(files)   # the files, and the resumed tuples not among them
+        self.tuples = len(files)  # the files, and the resumed tuples not among them
         self.bar: tqdm[NoReturn] | None = None
         self._tick_lock = threading.Lock()
         self._settled = 0
-        self.unserved: dict[TupleFuture, str] = {}   # given up on: no engine serves the image
-        self.refusal = ""                              # the master refused us (token, certificate)
+        self.unserved: dict[TupleFuture, str] = {}  # given up on: no engine serves the image
+        self.refusal = ""  # the master refused us (token, certificate)
 
     def run(self) -> int:
         try:
@@ -160,11 +172,12 @@ class _Sender:
             return 2
         start = time.monotonic()
         futures = self._resumed(gateway)
-        resumed = {label for label in futures.values() if isinstance(label, Path)}   # files among them
-        total = sum(_size(p) for p in self.files if p not in resumed) \
-            + sum(f.size for f in futures)   # a file gone by now is reported by its submit
+        resumed = {label for label in futures.values() if isinstance(label, Path)}  # files among them
+        total = sum(_size(p) for p in self.files if p not in resumed) + sum(
+            f.size for f in futures
+        )  # a file gone by now is reported by its submit
         self.bar = _progress(self.config, total, self.tuples)
-        for future in futures:   # after the bar exists, so one settled already counts on it
+        for future in futures:  # after the bar exists, so one settled already counts on it
             future.add_done_callback(self._tick)
         try:
             futures.update(self._submit_all(gateway, resumed))
@@ -193,9 +206,12 @@ class _Sender:
             else:
                 futures[future] = same
                 if future.image != self.images[same]:
-                    print(f"hio send: {same} was spooled earlier for image '{future.image}' and goes "
-                          f"as that; to send it for '{self.images[same]}', drop it first "
-                          "(hio send --drop-spooled)", file=sys.stderr)
+                    print(
+                        f"hio send: {same} was spooled earlier for image '{future.image}' and goes "
+                        f"as that; to send it for '{self.images[same]}', drop it first "
+                        "(hio send --drop-spooled)",
+                        file=sys.stderr,
+                    )
         if futures:
             named = sum(isinstance(label, Path) for label in futures.values())
             among = f", {named} of them among the files named" if named else ""
@@ -250,7 +266,7 @@ class _Sender:
             status = gateway.status()
             if pending and status.master_unreachable_seconds > self.config.connect_seconds:
                 return True
-            if pending and status.master_refusal:   # a token or certificate: waiting cannot help
+            if pending and status.master_refusal:  # a token or certificate: waiting cannot help
                 self.refusal = status.master_refusal
                 return True
             for image, (seconds, words) in status.unserved_images.items():
@@ -261,22 +277,25 @@ class _Sender:
     def _give_up_on(self, image: str, words: str, pending: set[TupleFuture]) -> None:
         for future in [f for f in pending if f.image == image]:
             pending.discard(future)
-            self.unserved[future] = (f"not delivered: no engine serves image '{image}' after "
-                                     f"{self.config.image_wait_seconds:.0f}s (master: {words}); "
-                                     "it stays spooled for the next hio send (hio send --drop-spooled "
-                                     "drops it)")
+            self.unserved[future] = (
+                f"not delivered: no engine serves image '{image}' after "
+                f"{self.config.image_wait_seconds:.0f}s (master: {words}); "
+                "it stays spooled for the next hio send (hio send --drop-spooled "
+                "drops it)"
+            )
 
-    def _summary(self, gateway: Gateway, futures: dict[TupleFuture, Path | str], seconds: float,
-                 gave_up: bool) -> int:
+    def _summary(self, gateway: Gateway, futures: dict[TupleFuture, Path | str], seconds: float, gave_up: bool) -> int:
         ok = {f for f in futures if f.done() and not f.cancelled() and f.exception() is None}
         retrying = []
         for future, path in futures.items():
             if future in ok:
                 if future.detail:
-                    retrying.append(f"{path}: {future.detail}; it is in the master's queue, which tries it "
-                                    "again (hio dead-letters lists it if every attempt fails)")
+                    retrying.append(
+                        f"{path}: {future.detail}; it is in the master's queue, which tries it "
+                        "again (hio dead-letters lists it if every attempt fails)"
+                    )
                 continue
-            if future in self.unserved:   # closing failed it too, with less to say
+            if future in self.unserved:  # closing failed it too, with less to say
                 self.failures.append(f"{path}: {self.unserved[future]}")
             elif future.done() and future.exception() is not None:
                 self.failures.append(f"{path}: {future.exception()}")
@@ -286,19 +305,24 @@ class _Sender:
         mbytes = sum(f.size for f in ok) / MB
         out: TextIO = sys.stdout
         again = f", {len(retrying)} queued again after their processing failed" if retrying else ""
-        print(f"sent {len(ok)} of {self.tuples} tuples ({mbytes:.1f} MB) in {seconds:.1f} s: "
-              f"{status.sent_direct} direct, {status.sent_queue} queued{again}, {len(self.failures)} failed; "
-              f"{mbytes / max(seconds, 1e-9):.1f} MB/s", file=out)
+        print(
+            f"sent {len(ok)} of {self.tuples} tuples ({mbytes:.1f} MB) in {seconds:.1f} s: "
+            f"{status.sent_direct} direct, {status.sent_queue} queued{again}, {len(self.failures)} failed; "
+            f"{mbytes / max(seconds, 1e-9):.1f} MB/s",
+            file=out,
+        )
         for line in retrying:
             print(f"RETRYING {line}", file=out)
         for line in self.failures:
             print(f"FAILED {line}", file=out)
         if gave_up and self.refusal:
-            print(f"hio send: {self.refusal}; the files not sent stay spooled for the next hio send",
-                  file=sys.stderr)
+            print(f"hio send: {self.refusal}; the files not sent stay spooled for the next hio send", file=sys.stderr)
         elif gave_up:
-            print(f"hio send: the master at {self.config.master_address} was unreachable for more than "
-                  f"{self.config.connect_seconds:.0f}s; gave up waiting", file=sys.stderr)
+            print(
+                f"hio send: the master at {self.config.master_address} was unreachable for more than "
+                f"{self.config.connect_seconds:.0f}s; gave up waiting",
+                file=sys.stderr,
+            )
         return 0 if not self.failures and not gave_up else 1
 
 
@@ -306,8 +330,8 @@ def _progress(config: SendConfig, total_bytes: int, tuples: int) -> tqdm[NoRetur
     if not (config.progress and sys.stderr.isatty()):
         return None
     from tqdm import tqdm
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000,
-                desc="sending", file=sys.stderr)
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="sending", file=sys.stderr)
 
 
 # -- --no-wait: hand the files to the gateway daemon ------------------------------------
@@ -322,8 +346,11 @@ def _hand_over(config: SendConfig, files: list[Path], images: dict[Path, str]) -
         for receipt in submit(_ingest_frames(config, files, images), timeout=config.stream_timeout_seconds):
             accepted += receipt.state == TupleReceipt.ACCEPTED
     except grpc.RpcError as exc:
-        print(f"hio send: gateway at {config.ingest_listen}: {rpc_error_text(exc, config)} "
-              f"({accepted} of {len(files)} accepted)", file=sys.stderr)
+        print(
+            f"hio send: gateway at {config.ingest_listen}: {rpc_error_text(exc, config)} "
+            f"({accepted} of {len(files)} accepted)",
+            file=sys.stderr,
+        )
         return 2 if exc.code() == grpc.StatusCode.UNAVAILABLE and not accepted else 1
     finally:
         channel.close()
@@ -334,8 +361,14 @@ def _hand_over(config: SendConfig, files: list[Path], images: dict[Path, str]) -
 def _ingest_frames(config: SendConfig, files: list[Path], images: dict[Path, str]) -> Iterator[WireFrame]:
     for path in files:
         crc, size = crc32_of_file(path)
-        meta = TupleMeta(image=images[path], name=path.name, size=size, crc32=crc,
-                         created_unix=path.stat().st_mtime, source=config.source)
+        meta = TupleMeta(
+            image=images[path],
+            name=path.name,
+            size=size,
+            crc32=crc,
+            created_unix=path.stat().st_mtime,
+            source=config.source,
+        )
         yield from frames_for_file(meta, path, config.chunk_bytes, encode=True)
 
 

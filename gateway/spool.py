@@ -70,11 +70,11 @@ from typing import BinaryIO
 from google.protobuf.message import DecodeError
 
 from hio.config import ConfigError
-from hio.transport.errors import InvalidArgument, ResourceExhausted, Unavailable
-from hio.storage.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, lock_folder
-from hio.transport.frames import crc32, crc32_of_file
-from hio.storage.segmentlog import Naming, Segment, SegmentLog, crc32_at
 from hio.proto.tuple_pb2 import TupleMeta
+from hio.storage.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, lock_folder
+from hio.storage.segmentlog import Naming, Segment, SegmentLog, crc32_at
+from hio.transport.errors import InvalidArgument, ResourceExhausted, Unavailable
+from hio.transport.frames import crc32, crc32_of_file
 
 log = logging.getLogger("hio.gateway")
 
@@ -128,7 +128,7 @@ class SpoolEntry:
     data_path: Path
     move: MoveOnDone | None = None
     offset: int = 0
-    segment: int = 0            # segment holding the entry's latest ADD record
+    segment: int = 0  # segment holding the entry's latest ADD record
     # The payload itself while it is spooled, for tuples given as bytes and within the
     # spool's memory bound: delivery then streams it without reading it back from disk.
     payload: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -210,9 +210,15 @@ class SpoolWriter:
 class Spool:
     """The durable, bounded spool of one gateway instance (see the module doc)."""
 
-    def __init__(self, root: str | os.PathLike[str], limit_bytes: int, fsync: str = "always",
-                 memory_bytes: int = MEMORY_BYTES, segment_bytes: int = SEGMENT_BYTES,
-                 unsynced_bytes: int = UNSYNCED_BYTES) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        limit_bytes: int,
+        fsync: str = "always",
+        memory_bytes: int = MEMORY_BYTES,
+        segment_bytes: int = SEGMENT_BYTES,
+        unsynced_bytes: int = UNSYNCED_BYTES,
+    ) -> None:
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must not be negative, got {memory_bytes}")
         if segment_bytes <= 0:
@@ -221,24 +227,25 @@ class Spool:
         # payload files not yet synced), within unsynced_bytes
         self._budget = SyncBudget(unsynced_bytes, disk="the spool's disk", owner="gateway")
         self.root = Path(root)
-        self._log = SegmentLog(self.root, _NAMING, fsync=fsync, budget=self._budget,
-                               segment_bytes=int(segment_bytes))
+        self._log = SegmentLog(self.root, _NAMING, fsync=fsync, budget=self._budget, segment_bytes=int(segment_bytes))
         self.memory_limit = int(memory_bytes)
         self._memory_used = 0
         self.fsync = fsync
         self.segment_bytes = int(segment_bytes)
         self.root.mkdir(parents=True, exist_ok=True)
         self.limit = int(limit_bytes)
-        self._cond = threading.Condition()     # the bound, the entries, the segments' live sets
-        self._append_lock = threading.Lock()   # one append at a time, in order
+        self._cond = threading.Condition()  # the bound, the entries, the segments' live sets
+        self._append_lock = threading.Lock()  # one append at a time, in order
         self._used = 0
         self._reserved = 0
         self._entries: dict[int, SpoolEntry] = {}
         self._next_seq = 1
         lock = lock_folder(self.root, ".lock")
         if lock is None:
-            raise SpoolInUse(f"spool {self.root} is in use by another gateway process; "
-                             "give each gateway its own --source or --data-dir")
+            raise SpoolInUse(
+                f"spool {self.root} is in use by another gateway process; "
+                "give each gateway its own --source or --data-dir"
+            )
         self._lock_fd: int | None = lock
         self._load()
         self._log.roll()
@@ -261,10 +268,10 @@ class Spool:
         if self._lock_fd is None:
             return
         try:
-            with self._append_lock:   # no append runs while the segments close
+            with self._append_lock:  # no append runs while the segments close
                 self._log.close()
         finally:
-            os.close(self._lock_fd)   # releases the folder lock
+            os.close(self._lock_fd)  # releases the folder lock
             self._lock_fd = None
 
     # -- loading ------------------------------------------------------------------
@@ -276,20 +283,21 @@ class Spool:
         for path in self.root.iterdir():
             if path.name.startswith(".tmp-"):
                 path.unlink(missing_ok=True)
-            elif (match := _DATA.match(path.name)):
+            elif match := _DATA.match(path.name):
                 data_files[int(match.group(1))] = path
         self._log.open(self._replay)
         for entry in list(self._entries.values()):
             if not entry.inline and not self._file_ok(entry):
                 self._set_aside(entry, f"payload file {entry.data_path.name} is missing or of the wrong size")
         for seq, path in data_files.items():
-            if seq not in self._entries:   # written, but its ADD_FILE record never was
+            if seq not in self._entries:  # written, but its ADD_FILE record never was
                 path.unlink(missing_ok=True)
         self._used = sum(e.size for e in self._entries.values())
         self._next_seq = max(self._next_seq, max(data_files, default=0) + 1)
         if self._entries:
-            log.info("spool resumed", extra={"tuples": len(self._entries), "bytes": self._used,
-                                             "spool": str(self.root)})
+            log.info(
+                "spool resumed", extra={"tuples": len(self._entries), "bytes": self._used, "spool": str(self.root)}
+            )
 
     def _replay(self, segment: Segment, last: bool) -> int:
         """Apply one segment's records; where its last whole record ends."""
@@ -301,8 +309,9 @@ class Spool:
                 pos = end
         return pos
 
-    def _apply(self, segment: Segment, kind: int, seq: int, meta_bytes: bytes, move_bytes: bytes,
-               payload_at: int, fh: BinaryIO) -> None:
+    def _apply(
+        self, segment: Segment, kind: int, seq: int, meta_bytes: bytes, move_bytes: bytes, payload_at: int, fh: BinaryIO
+    ) -> None:
         if kind == DONE:
             self._forget(seq)
             return
@@ -324,8 +333,10 @@ class Spool:
         self._forget(seq)  # a copied-forward ADD supersedes the older one
         if kind == ADD:
             if crc32_at(fh, payload_at, meta.size) != meta.crc32:
-                log.error("spooled payload fails its CRC; set aside, not sent",
-                          extra={"seq": seq, "tuple_name": meta.name, "segment": segment.path.name})
+                log.error(
+                    "spooled payload fails its CRC; set aside, not sent",
+                    extra={"seq": seq, "tuple_name": meta.name, "segment": segment.path.name},
+                )
                 return
             entry = SpoolEntry(seq, meta, segment.path, move, offset=payload_at, segment=segment.id)
         else:
@@ -347,8 +358,9 @@ class Spool:
             return False
 
     def _set_aside(self, entry: SpoolEntry, reason: str) -> None:
-        log.error("unusable spool entry set aside", extra={"seq": entry.seq, "tuple_name": entry.meta.name,
-                                                           "error": reason})
+        log.error(
+            "unusable spool entry set aside", extra={"seq": entry.seq, "tuple_name": entry.meta.name, "error": reason}
+        )
         self._forget(entry.seq)
         if entry.data_path.exists() and not entry.inline:
             entry.data_path.rename(entry.data_path.with_name(entry.data_path.name + ".bad"))
@@ -374,17 +386,18 @@ class Spool:
     def _reserve(self, size: int, timeout: float | None) -> None:
         """Take ``size`` bytes of the bound, waiting up to ``timeout`` s (None = forever)."""
         if size > self.limit:
-            raise InvalidArgument(f"a tuple of {size} bytes can never fit in the spool "
-                                  f"(spool_bytes={self.limit})")
-        self._budget.check()          # refused before any I/O once an fsync has failed
+            raise InvalidArgument(f"a tuple of {size} bytes can never fit in the spool (spool_bytes={self.limit})")
+        self._budget.check()  # refused before any I/O once an fsync has failed
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._used + self._reserved + size > self.limit:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise SpoolFull(f"spool full: {self._used + self._reserved} of {self.limit} bytes "
-                                    f"(spool_bytes) hold tuples not yet delivered; retry later",
-                                    retry_after=1.0)
+                    raise SpoolFull(
+                        f"spool full: {self._used + self._reserved} of {self.limit} bytes "
+                        f"(spool_bytes) hold tuples not yet delivered; retry later",
+                        retry_after=1.0,
+                    )
                 self._cond.wait(left)
             self._reserved += size
 
@@ -422,7 +435,7 @@ class Spool:
                 seq = self._take_seq()
                 head = _record(ADD, seq, meta_bytes, b"", size)
                 segment, start = self._append([head, data], admitted)
-                admitted = 0     # appended: the segment's count holds them now
+                admitted = 0  # appended: the segment's count holds them now
                 entry = SpoolEntry(seq, meta, segment.path, None, offset=start + len(head), segment=segment.id)
                 self._admit(entry, segment, size)
         except BaseException:
@@ -441,8 +454,14 @@ class Spool:
                 entry.payload = data
                 self._memory_used += len(data)
 
-    def put_file(self, path: str | os.PathLike[str], meta: TupleMeta, *,
-                 move: MoveOnDone | None = None, timeout: float | None = 0.0) -> SpoolEntry:
+    def put_file(
+        self,
+        path: str | os.PathLike[str],
+        meta: TupleMeta,
+        *,
+        move: MoveOnDone | None = None,
+        timeout: float | None = 0.0,
+    ) -> SpoolEntry:
         """Spool a file: hard-linked when on the same filesystem, else copied.
 
         The original is never modified. Its CRC-32 and size are computed here,
@@ -459,7 +478,7 @@ class Spool:
                     raise InvalidArgument(f"{path} changed size while being spooled ({size} -> {actual} bytes)")
                 meta.size, meta.crc32 = actual, crc
             except BaseException:
-                self._release(size)   # _commit_file was not reached: the room is given back here
+                self._release(size)  # _commit_file was not reached: the room is given back here
                 raise
             entry = self._commit_file(tmp, meta, move, size)
         except BaseException:
@@ -486,7 +505,7 @@ class Spool:
         admitted = 0
         try:
             if self.fsync == "always":
-                self._log.sync_path(tmp, refuse=True)   # the payload is on disk before a record names it
+                self._log.sync_path(tmp, refuse=True)  # the payload is on disk before a record names it
             meta_bytes = _meta_bytes(meta)
             move_bytes = _move_bytes(move)
             admitted = self._log.admit(meta.size)
@@ -500,7 +519,7 @@ class Spool:
                     data_path.unlink(missing_ok=True)
                     raise
                 if self.fsync == "batch":
-                    self._log.track(data_path, meta.size)   # the file's sync settles them
+                    self._log.track(data_path, meta.size)  # the file's sync settles them
                 admitted = 0
                 entry = SpoolEntry(seq, meta, data_path, move, offset=0, segment=segment.id)
                 self._admit(entry, segment, reserved)
@@ -586,8 +605,9 @@ class Spool:
             new_path, new_offset = entry.data_path, 0
         else:
             try:
-                payload = entry.payload if entry.payload is not None else _read_at(
-                    entry.data_path, entry.offset, entry.size)
+                payload = (
+                    entry.payload if entry.payload is not None else _read_at(entry.data_path, entry.offset, entry.size)
+                )
             except OSError as exc:
                 log.error("cannot carry a spooled tuple forward", extra={"seq": entry.seq, "error": str(exc)})
                 return
@@ -630,9 +650,11 @@ class Spool:
             return ""
         if crc == entry.meta.crc32:
             return ""
-        return (f"the spooled copy of '{entry.meta.name}' changed after it was taken (CRC-32 now {crc:08x}, "
-                f"taken as {entry.meta.crc32:08x}): was the original rewritten in place? Write new files "
-                f"under a new name (or as .part, then rename)")
+        return (
+            f"the spooled copy of '{entry.meta.name}' changed after it was taken (CRC-32 now {crc:08x}, "
+            f"taken as {entry.meta.crc32:08x}): was the original rewritten in place? Write new files "
+            f"under a new name (or as .part, then rename)"
+        )
 
     def read_payload(self, entry: SpoolEntry) -> bytes:
         """The entry's whole payload (for tools and tests; delivery streams it)."""
@@ -733,7 +755,7 @@ def _read_record(fh: BinaryIO, pos: int) -> tuple[int, int, bytes, bytes, int, i
     move = fh.read(move_len)
     if len(meta) < meta_len or len(move) < move_len:
         return None
-    if crc32(move, crc32(meta, crc32(head[:_HEAD_BODY.size]))) != check:
+    if crc32(move, crc32(meta, crc32(head[: _HEAD_BODY.size]))) != check:
         return None
     payload_at = pos + _HEAD.size + meta_len + move_len
     end = payload_at + payload_len

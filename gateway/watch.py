@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hio.config import ConfigError
-from hio.transport.errors import FailedPrecondition, InvalidArgument
 from hio.gateway.client import Gateway
 from hio.gateway.config import infer_image, is_ignored
 from hio.gateway.spool import SpoolFull
+from hio.transport.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("hio.gateway")
 
@@ -41,8 +41,16 @@ class _Seen:
 class DirectoryWatcher:
     """Feeds settled files of ``watch`` into a :class:`Gateway`. Thread-safe start/stop."""
 
-    def __init__(self, gateway: Gateway, watch: str | os.PathLike[str], done_dir: str | os.PathLike[str],
-                 *, settle_seconds: float, poll_seconds: float = 0.25, image: str = "") -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        watch: str | os.PathLike[str],
+        done_dir: str | os.PathLike[str],
+        *,
+        settle_seconds: float,
+        poll_seconds: float = 0.25,
+        image: str = "",
+    ) -> None:
         self._gateway = gateway
         self.watch = Path(watch).resolve()
         self.done_dir = Path(done_dir).resolve()
@@ -122,12 +130,15 @@ class DirectoryWatcher:
         try:
             image = infer_image(path, self._image)
             self._gateway.submit_file(path, image=image, move_to=target, timeout=0)
-        except (SpoolFull, FailedPrecondition) as exc:   # full, or its disk failed to sync: try later
+        except (SpoolFull, FailedPrecondition) as exc:  # full, or its disk failed to sync: try later
             if not self._spool_full_logged:
                 self._spool_full_logged = True
-                log.warning("spool full; new files wait in the folder" if isinstance(exc, SpoolFull)
-                            else "the spool takes no new files; they wait in the folder",
-                            extra={"error": exc.message})
+                log.warning(
+                    "spool full; new files wait in the folder"
+                    if isinstance(exc, SpoolFull)
+                    else "the spool takes no new files; they wait in the folder",
+                    extra={"error": exc.message},
+                )
             return "full"
         except (ConfigError, InvalidArgument) as exc:
             seen = self._seen[path]

@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _version() -> str:
     from hio import __version__
+
     return f"hio {__version__}"
 
 
@@ -62,8 +63,9 @@ def _stacks_on_sigusr1() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:   # a process of its own, maybe started to die with its parent
+    if argv is None:  # a process of its own, maybe started to die with its parent
         from hio.process.procs import die_with_parent
+
         die_with_parent()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands.COMMANDS:
@@ -92,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hio {name}: {exc}", file=sys.stderr)
         return 2
     from hio.process.log import setup_logging
+
     setup_logging(getattr(config, "log_level", "warning"), getattr(config, "log_json", False))
     _stacks_on_sigusr1()
     run: Callable[[Any], int] = commands.load(run_path)
     from hio.process.memory import tune_process
+
     tune_process()  # tuple buffers reused instead of faulted in per copy; start-up objects out of the GC's way
     try:
         return int(run(config) or 0)
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:   # `hio knowledge | head`: the reader left; nothing more to say, no traceback
+    except BrokenPipeError:  # `hio knowledge | head`: the reader left; nothing more to say, no traceback
         _quiet_stdout()
         return 1
     except OSError as exc:
@@ -118,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # OS errors that say what is wrong with the machine (named in one line, no traceback)
-_ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS,
-                                 errno.ENOTDIR, errno.EISDIR, errno.EEXIST})
+_ENVIRONMENT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+)
 
 
 def _quiet_stdout() -> None:
@@ -127,7 +132,7 @@ def _quiet_stdout() -> None:
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):   # stdout is not a file descriptor (called in-process)
+    except (OSError, ValueError):  # stdout is not a file descriptor (called in-process)
         pass
 
 

@@ -27,8 +27,9 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Self
 
 from hio.process.procs import RoleProcess, children, free_port
 from hio.settings import ClusterSettings
@@ -75,22 +76,38 @@ class LocalCluster:
     (tests use one whose failures are test failures).
     """
 
-    def __init__(self, root: Path, settings: ClusterSettings | None = None, *,
-                 master_address: str = "", repository_address: str = "", http_listen: str = "",
-                 master_args: Sequence[str] = (), repository_args: Sequence[str] = (),
-                 workers: Mapping[str, Sequence[str]] | None = None, runtime: str = "process",
-                 worker_args: Sequence[str] = (), worker_timeout: float = 90.0,
-                 env: dict[str, str] | None = None, logs: Path | None = None,
-                 process: type[RoleProcess] = RoleProcess, stop_timeout: float = 20.0) -> None:
+    def __init__(
+        self,
+        root: Path,
+        settings: ClusterSettings | None = None,
+        *,
+        master_address: str = "",
+        repository_address: str = "",
+        http_listen: str = "",
+        master_args: Sequence[str] = (),
+        repository_args: Sequence[str] = (),
+        workers: Mapping[str, Sequence[str]] | None = None,
+        runtime: str = "process",
+        worker_args: Sequence[str] = (),
+        worker_timeout: float = 90.0,
+        env: dict[str, str] | None = None,
+        logs: Path | None = None,
+        process: type[RoleProcess] = RoleProcess,
+        stop_timeout: float = 20.0,
+    ) -> None:
         self.root = Path(root)
         self.logs = Path(logs) if logs else self.root / "logs"
         self.master = master_address or f"127.0.0.1:{free_port()}"
         self.repository = repository_address or f"127.0.0.1:{free_port()}"
         self.http_listen = http_listen
         self.settings = dataclasses.replace(
-            ClusterSettings(**{f.name: getattr(settings or ClusterSettings(), f.name)
-                               for f in dataclasses.fields(ClusterSettings)}),
-            master_address=self.master, repository_address=self.repository, data_dir=str(self.root))
+            ClusterSettings(
+                **{f.name: getattr(settings or ClusterSettings(), f.name) for f in dataclasses.fields(ClusterSettings)}
+            ),
+            master_address=self.master,
+            repository_address=self.repository,
+            data_dir=str(self.root),
+        )
         self.master_args = list(master_args)
         self.repository_args = list(repository_args)
         self.workers = dict(workers or {})
@@ -103,51 +120,78 @@ class LocalCluster:
         self.process = process
         self.stop_timeout = stop_timeout
         self.procs: dict[str, RoleProcess] = {}
-        self.health: dict[str, str] = {}     # name -> address to wait for SERVING at (re)start
-        self.problems: list[str] = []        # what stop() found: roles that did not exit cleanly
+        self.health: dict[str, str] = {}  # name -> address to wait for SERVING at (re)start
+        self.problems: list[str] = []  # what stop() found: roles that did not exit cleanly
 
     # ---- starting
 
-    def start(self) -> "LocalCluster":
+    def start(self) -> Self:
         """Start the repository and the master, then the workers; return once the servers serve
         and the workers' engines are FREE. Everything started is stopped again if this fails
         (or is interrupted)."""
         try:
             if "repository" not in self.procs:
-                self.add("repository", ["--listen", self.repository, "--http-listen", self.http_listen,
-                                        *self.repository_args], health=self.repository)
+                self.add(
+                    "repository",
+                    ["--listen", self.repository, "--http-listen", self.http_listen, *self.repository_args],
+                    health=self.repository,
+                )
             if "master" not in self.procs:
                 self.add("master", ["--listen", self.master, *self.master_args], health=self.master)
-            started = [(self.add_worker(worker_id, engines, runtime=self.runtime, args=self.worker_args,
-                                        wait=False), worker_id, engines)
-                       for worker_id, engines in self.workers.items() if (worker_id or "worker") not in self.procs]
+            started = [
+                (
+                    self.add_worker(worker_id, engines, runtime=self.runtime, args=self.worker_args, wait=False),
+                    worker_id,
+                    engines,
+                )
+                for worker_id, engines in self.workers.items()
+                if (worker_id or "worker") not in self.procs
+            ]
             deadline = time.monotonic() + self.worker_timeout
-            for proc, worker_id, engines in started:   # started together, so their waits overlap
-                self.wait_channels(expected_engines(engines), worker_id or self.worker_id(proc),
-                                   max(1.0, deadline - time.monotonic()))
+            for proc, worker_id, engines in started:  # started together, so their waits overlap
+                self.wait_channels(
+                    expected_engines(engines), worker_id or self.worker_id(proc), max(1.0, deadline - time.monotonic())
+                )
         except BaseException:
             self.stop()
             raise
         return self
 
-    def add(self, command: str, args: Iterable[str] = (), *, name: str | None = None,
-            env: dict[str, str] | None = None, health: str | None = None,
-            health_timeout: float = 60.0) -> RoleProcess:
+    def add(
+        self,
+        command: str,
+        args: Iterable[str] = (),
+        *,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
+        health: str | None = None,
+        health_timeout: float = 60.0,
+    ) -> RoleProcess:
         """Start one more role (``hio <command>``); with ``health``, wait until it serves there."""
         name = name or command
         if name in self.procs and self.procs[name].alive():
             raise RuntimeError(f"{name} is already running in this cluster")
-        proc = self.process(command, [*self.common_args(), *args], self.logs,
-                            env={**self.env, **(env or {})}, name=name)
+        proc = self.process(
+            command, [*self.common_args(), *args], self.logs, env={**self.env, **(env or {})}, name=name
+        )
         self.procs[name] = proc
         if health:
             self.health[name] = health
         self._start(name, health_timeout)
         return proc
 
-    def add_worker(self, worker_id: str = "", engines: Sequence[str] = ("hio/synthetic=2",), *,
-                   runtime: str = "process", args: Iterable[str] = (), env: dict[str, str] | None = None,
-                   name: str | None = None, wait: bool = True, timeout: float = 90.0) -> RoleProcess:
+    def add_worker(
+        self,
+        worker_id: str = "",
+        engines: Sequence[str] = ("hio/synthetic=2",),
+        *,
+        runtime: str = "process",
+        args: Iterable[str] = (),
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+        wait: bool = True,
+        timeout: float = 90.0,
+    ) -> RoleProcess:
         """Start a worker (``worker_id`` '' = the worker's own default) with ``engines``
         (IMAGE or IMAGE=COUNT each); with ``wait``, return once its engines are FREE."""
         flags = ["--runtime", runtime, *(["--worker-id", worker_id] if worker_id else [])]
@@ -170,8 +214,15 @@ class LocalCluster:
             proc.wait_healthy(self.health[name], timeout=health_timeout, settings=self.settings)
 
     def common_args(self) -> list[str]:
-        return ["--master-address", self.master, "--repository-address", self.repository,
-                "--data-dir", str(self.root), *settings_args(self.settings)]
+        return [
+            "--master-address",
+            self.master,
+            "--repository-address",
+            self.repository,
+            "--data-dir",
+            str(self.root),
+            *settings_args(self.settings),
+        ]
 
     # ---- looking at it
 
@@ -182,8 +233,8 @@ class LocalCluster:
 
     def status(self, timeout: float = 10.0) -> Any:
         """The master's GetStatus."""
-        from hio.transport.net import create_channel
         from hio.proto import master_pb2, master_pb2_grpc
+        from hio.transport.net import create_channel
 
         with create_channel(self.master, self.settings) as channel:
             return master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=timeout)
@@ -200,8 +251,9 @@ class LocalCluster:
             return 0
         if not worker_id:
             return int(status.channels_free)
-        return sum(1 for w in status.workers if w.worker_id == worker_id
-                   for c in w.channels if c.state == master_pb2.FREE)
+        return sum(
+            1 for w in status.workers if w.worker_id == worker_id for c in w.channels if c.state == master_pb2.FREE
+        )
 
     def wait_channels(self, count: int, worker_id: str = "", timeout: float = 90.0) -> None:
         """Wait until ``count`` channels (of ``worker_id``, if given) are FREE at the master;
@@ -211,10 +263,14 @@ class LocalCluster:
             if self.free_channels(worker_id) >= count:
                 return
             time.sleep(0.2)
-        logs = "\n".join(f"--- {name} ({proc.log_path}) ---\n{proc.output(3000)}"
-                         for name, proc in self.procs.items() if proc.command == "worker")
-        raise RuntimeError(f"{count} engines{f' of {worker_id}' if worker_id else ''} did not come up "
-                           f"within {timeout:.0f} s\n{logs}")
+        logs = "\n".join(
+            f"--- {name} ({proc.log_path}) ---\n{proc.output(3000)}"
+            for name, proc in self.procs.items()
+            if proc.command == "worker"
+        )
+        raise RuntimeError(
+            f"{count} engines{f' of {worker_id}' if worker_id else ''} did not come up within {timeout:.0f} s\n{logs}"
+        )
 
     def pids(self) -> dict[str, int]:
         """Running roles' pids, by name."""
@@ -222,14 +278,16 @@ class LocalCluster:
 
     def engine_pids(self, name: str = "") -> list[int]:
         """Processes the workers (or worker ``name``) started: their engines."""
-        return [pid for worker, proc in self.procs.items()
-                if proc.command == "worker" and proc.alive() and (not name or worker == name)
-                for pid in children(proc.pid)]
+        return [
+            pid
+            for worker, proc in self.procs.items()
+            if proc.command == "worker" and proc.alive() and (not name or worker == name)
+            for pid in children(proc.pid)
+        ]
 
     def output(self, limit: int = 3000) -> str:
         """The end of every role's log: what to show when something went wrong."""
-        return "\n".join(f"--- {name} ({proc.log_path}) ---\n{proc.output(limit)}"
-                         for name, proc in self.procs.items())
+        return "\n".join(f"--- {name} ({proc.log_path}) ---\n{proc.output(limit)}" for name, proc in self.procs.items())
 
     # ---- stopping
 
@@ -257,7 +315,7 @@ class LocalCluster:
         self.problems += problems
         return problems
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

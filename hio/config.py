@@ -71,7 +71,8 @@ def _refuse_shared_listen(role: str, names: set[str]) -> None:
             raise ConfigError(
                 f"environment {shared}: where a role listens is set per role "
                 f"(HIO_{role.upper()}_{name.upper()} for {role}); a shared {shared} would put every "
-                "role started from this environment on the same address")
+                "role started from this environment on the same address"
+            )
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -106,8 +107,7 @@ def _convert(value: Any, typ: Any, where: str) -> Any:
         if typ is str:
             return str(value)
         if origin is tuple:
-            items = value if isinstance(value, (list, tuple)) else [
-                v for v in str(value).split(",") if v.strip()]
+            items = value if isinstance(value, (list, tuple)) else [v for v in str(value).split(",") if v.strip()]
             return tuple(str(v).strip() for v in items)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
@@ -127,8 +127,7 @@ def scaled(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, role: str) -> None:
     """Add one flag per field of ``cls``; the help shows the environment fallback."""
-    parser.add_argument("--config", default=None,
-                        help=f"TOML configuration file (env {CONFIG_ENV})")
+    parser.add_argument("--config", default=None, help=f"TOML configuration file (env {CONFIG_ENV})")
     types = _field_types(cls)
     # accepted, not in --help (a client's server-only settings)
     unlisted: frozenset[str] = getattr(cls, "UNLISTED", frozenset())
@@ -141,11 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, role: str) -> None
         if f.name in unlisted:
             help_text = argparse.SUPPRESS
         if typ is bool:
-            parser.add_argument(flag, dest=f.name, default=None,
-                                action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
         elif typing.get_origin(typ) is tuple:
-            parser.add_argument(flag, dest=f.name, default=None, action="append",
-                                help=help_text + " (repeatable)")
+            parser.add_argument(flag, dest=f.name, default=None, action="append", help=help_text + " (repeatable)")
         else:
             parser.add_argument(flag, dest=f.name, default=None, help=help_text)
 
@@ -178,32 +175,48 @@ class PassedOn:
     worker's ``HIO_ENGINE_LISTEN_HOST`` is its ``engine_listen_host``) are not passed on.
     """
 
-    section: str                          # the other role's table and variable prefix: engine
-    field: str                            # the setting carrying the items: engine_settings
-    own_names: Callable[[], frozenset[str]]   # the other role's settings this role lacks
+    section: str  # the other role's table and variable prefix: engine
+    field: str  # the setting carrying the items: engine_settings
+    own_names: Callable[[], frozenset[str]]  # the other role's settings this role lacks
 
-    def items(self, role: str, names: set[str], file_data: dict[str, Any], *, in_file: tuple[str, ...],
-              given: tuple[str, ...]) -> tuple[str, ...]:
+    def items(
+        self, role: str, names: set[str], file_data: dict[str, Any], *, in_file: tuple[str, ...], given: tuple[str, ...]
+    ) -> tuple[str, ...]:
         """All the items, lowest precedence first: ``in_file`` is ``field`` as the file set it,
         ``given`` as the environment or a flag set it (which then replaced the file's)."""
         table = file_data.get(self.section, {})
         if not isinstance(table, dict):
             raise ConfigError(f"[{self.section}] in the configuration file must be a table")
-        theirs = self.own_names()   # not this role's settings, so HIO_<NAME> of theirs is not ours
+        theirs = self.own_names()  # not this role's settings, so HIO_<NAME> of theirs is not ours
         ours = {env for name in names for env in _env_names(role, name)}
         prefix = f"HIO_{self.section.upper()}_"
-        generic = tuple(f"{name}={os.environ[f'HIO_{name.upper()}']}" for name in sorted(theirs)
-                        if f"HIO_{name.upper()}" in os.environ and not role_local(name))
-        prefixed = tuple(f"{key[len(prefix):].lower()}={value}" for key, value in sorted(os.environ.items())
-                         if key.startswith(prefix) and len(key) > len(prefix) and key not in ours)
-        return (tuple(f"{key}={as_text(value)}" for key, value in file_data.get("cluster", {}).items()
-                      if key in theirs)
-                + tuple(f"{key}={as_text(value)}" for key, value in table.items())
-                + in_file + generic + prefixed + given)
+        generic = tuple(
+            f"{name}={os.environ[f'HIO_{name.upper()}']}"
+            for name in sorted(theirs)
+            if f"HIO_{name.upper()}" in os.environ and not role_local(name)
+        )
+        prefixed = tuple(
+            f"{key[len(prefix) :].lower()}={value}"
+            for key, value in sorted(os.environ.items())
+            if key.startswith(prefix) and len(key) > len(prefix) and key not in ours
+        )
+        return (
+            tuple(f"{key}={as_text(value)}" for key, value in file_data.get("cluster", {}).items() if key in theirs)
+            + tuple(f"{key}={as_text(value)}" for key, value in table.items())
+            + in_file
+            + generic
+            + prefixed
+            + given
+        )
 
 
-def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
-          overrides: dict[str, Any] | None = None, file_data: dict[str, Any] | None = None) -> C:
+def build(
+    cls: type[C],
+    role: str,
+    args: argparse.Namespace | None = None,
+    overrides: dict[str, Any] | None = None,
+    file_data: dict[str, Any] | None = None,
+) -> C:
     """Build the frozen config of ``role`` from defaults, file, env, flags, overrides."""
     types = _field_types(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -219,16 +232,19 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
                 raise ConfigError(
                     f"[cluster] {key}: where a role listens belongs in that role's table ([master], "
                     "[repository], ...); in [cluster] it would put every role that reads this file "
-                    "on the same address")
+                    "on the same address"
+                )
             if key in names:
                 values[key] = _convert(value, types[key], f"[{section}] {key}")
             elif section == role:
                 raise ConfigError(f"unknown setting '{key}' in [{section}]; known: {', '.join(sorted(names))}")
             elif key not in _cluster_names():
-                raise ConfigError(f"unknown setting '{key}' in [cluster]: no role has it "
-                                  "(hio <role> --help lists each role's settings)")
-    passed: PassedOn | None = getattr(cls, "PASSED_ON", None)   # the worker's settings for its engines
-    in_file = tuple(values.pop(passed.field, ())) if passed else ()   # what follows tells if it is replaced
+                raise ConfigError(
+                    f"unknown setting '{key}' in [cluster]: no role has it "
+                    "(hio <role> --help lists each role's settings)"
+                )
+    passed: PassedOn | None = getattr(cls, "PASSED_ON", None)  # the worker's settings for its engines
+    in_file = tuple(values.pop(passed.field, ())) if passed else ()  # what follows tells if it is replaced
     _refuse_shared_listen(role, names)
     for name in names:
         for env in _env_names(role, name):
@@ -244,7 +260,7 @@ def build(cls: type[C], role: str, args: argparse.Namespace | None = None,
                 values[name] = _convert(value, types[name], "--" + name.replace("_", "-"))
     if passed:
         given: tuple[Any, ...] = ()
-        if passed.field in values:   # set by the environment or a flag: it replaces the file's, as any setting
+        if passed.field in values:  # set by the environment or a flag: it replaces the file's, as any setting
             given, in_file = tuple(values[passed.field]), ()
         values[passed.field] = passed.items(role, names, file_data, in_file=in_file, given=given)
     for name, value in (overrides or {}).items():

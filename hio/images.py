@@ -48,8 +48,22 @@ REPRODUCIBLE_ENV = {"SOURCE_DATE_EPOCH": "315532800"}
 # Folders and files never copied when building the project's wheel from a
 # clean copy of the checkout (a stale build/ would leak removed modules).
 _WHEEL_COPY_IGNORE = shutil.ignore_patterns(
-    ".git", ".venv", "venv", "var", "build", "dist", "wheelhouse", "*.egg-info",
-    "__pycache__", "*.pyc", ".pytest_cache", "bench-out", "spark-warehouse", "images", "tests")
+    ".git",
+    ".venv",
+    "venv",
+    "var",
+    "build",
+    "dist",
+    "wheelhouse",
+    "*.egg-info",
+    "__pycache__",
+    "*.pyc",
+    ".pytest_cache",
+    "bench-out",
+    "spark-warehouse",
+    "images",
+    "tests",
+)
 
 
 class ImageBuildError(RuntimeError):
@@ -61,12 +75,12 @@ class ImagesConfig:
     POSITIONAL = ("action", "ACTION", "build (default), list, base or wheelhouse")
 
     action: tuple[str, ...] = setting((), "what to do: build, list, base, wheelhouse")
-    images: tuple[str, ...] = setting(
-        (), "folders of images/ to build (default: base microscopy simulation synthetic)")
+    images: tuple[str, ...] = setting((), "folders of images/ to build (default: base microscopy simulation synthetic)")
     base_image: str = setting("python:3.11-slim", "image hio/base starts FROM (needs python3.11 + venv)")
     fallback_base: str = setting(
         "hio/debian-python:bookworm",
-        "base used when --base-image is not available; created by images/make-base.sh if missing")
+        "base used when --base-image is not available; created by images/make-base.sh if missing",
+    )
     pull_base: bool = setting(True, "try to pull --base-image when it is not present locally")
     tag: str = setting("latest", "tag of the images built")
     wheelhouse: str = setting("", "folder of wheels installed into hio/base (default: <project>/wheelhouse)")
@@ -92,13 +106,16 @@ class ImagesConfig:
 
 def project_root(config: ImagesConfig) -> Path:
     """The checkout: --project-dir, else the folder above the hio package, else cwd."""
-    candidates = [Path(config.project_dir)] if config.project_dir else [
-        Path(__file__).resolve().parent.parent, Path.cwd()]
+    candidates = (
+        [Path(config.project_dir)] if config.project_dir else [Path(__file__).resolve().parent.parent, Path.cwd()]
+    )
     for path in candidates:
         if (path / "pyproject.toml").is_file() and (path / "images").is_dir():
             return path.resolve()
-    raise ConfigError("project_dir: no checkout with pyproject.toml and images/ found "
-                      f"(looked in {', '.join(str(p) for p in candidates)}); pass --project-dir")
+    raise ConfigError(
+        "project_dir: no checkout with pyproject.toml and images/ found "
+        f"(looked in {', '.join(str(p) for p in candidates)}); pass --project-dir"
+    )
 
 
 def image_name(folder: str, images_dir: Path) -> str:
@@ -136,19 +153,20 @@ def _requirement_lines(path: Path) -> list[str]:
     return [ln.split("#", 1)[0].strip() for ln in lines if ln.split("#", 1)[0].strip()]
 
 
-def _run(cmd: list[str], what: str, timeout: float,
-         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _run(
+    cmd: list[str], what: str, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     log.debug("run", extra={"cmd": " ".join(cmd)})
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
-                              env={**os.environ, **(env or {})})
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, check=False, env={**os.environ, **(env or {})}
+        )
     except subprocess.TimeoutExpired:
         raise ImageBuildError(f"{what} did not finish within {timeout:.0f}s") from None
 
 
 def _pip_wheel(args: list[str], wheelhouse: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "pip", "wheel", "--disable-pip-version-check", "-q",
-           "-w", str(wheelhouse), *args]
+    cmd = [sys.executable, "-m", "pip", "wheel", "--disable-pip-version-check", "-q", "-w", str(wheelhouse), *args]
     return _run(cmd, "pip wheel", timeout, env=REPRODUCIBLE_ENV)
 
 
@@ -243,8 +261,11 @@ def ensure_base(client: Any, config: ImagesConfig, root: Path) -> str:
     if config.pull_base and _try_pull(client, config.base_image):
         return config.base_image
     if not has_image(client, config.fallback_base):
-        print(f"hio images: {config.base_image} is not available; creating {config.fallback_base} "
-              "with debootstrap (images/make-base.sh)", flush=True)
+        print(
+            f"hio images: {config.base_image} is not available; creating {config.fallback_base} "
+            "with debootstrap (images/make-base.sh)",
+            flush=True,
+        )
         script = root / "images" / "make-base.sh"
         result = _run(["bash", str(script), config.fallback_base], "make-base.sh", config.step_timeout)
         if result.returncode != 0:
@@ -281,8 +302,9 @@ def stage_context(folder: Path, wheelhouse: Path | None, requirements: list[str]
     return dest
 
 
-def build_image(client: Any, context: Path, name: str, buildargs: dict[str, str], nocache: bool,
-                target: str | None = None) -> str:
+def build_image(
+    client: Any, context: Path, name: str, buildargs: dict[str, str], nocache: bool, target: str | None = None
+) -> str:
     """Build ``context`` (up to stage ``target``) as ``name`` with networking off; the image id."""
     output: list[str] = []
     image_id = ""
@@ -301,11 +323,22 @@ def build_image(client: Any, context: Path, name: str, buildargs: dict[str, str]
     return image_id
 
 
-def _build_stream(client: Any, context: Path, name: str, buildargs: dict[str, str],
-                  nocache: bool, target: str | None) -> Iterator[dict[str, Any]]:
-    return client.api.build(path=str(context), tag=name, buildargs=buildargs, rm=True, forcerm=True,
-                            nocache=nocache, pull=False, network_mode="none", decode=True,
-                            labels={IMAGE_LABEL: "true"}, target=target)
+def _build_stream(
+    client: Any, context: Path, name: str, buildargs: dict[str, str], nocache: bool, target: str | None
+) -> Iterator[dict[str, Any]]:
+    return client.api.build(
+        path=str(context),
+        tag=name,
+        buildargs=buildargs,
+        rm=True,
+        forcerm=True,
+        nocache=nocache,
+        pull=False,
+        network_mode="none",
+        decode=True,
+        labels={IMAGE_LABEL: "true"},
+        target=target,
+    )
 
 
 def keep_build_stage(client: Any, context: Path, name: str, buildargs: dict[str, str]) -> None:
@@ -347,8 +380,12 @@ def build_all(config: ImagesConfig) -> list[tuple[str, str]]:
             wheelhouse = ensure_wheelhouse(config, root)
         print(f"hio images: building {name} FROM {from_image}", flush=True)
         with tempfile.TemporaryDirectory(prefix="hio-image-") as tmp:
-            ctx = stage_context(images_dir / folder, wheelhouse if needs_wheels else None,
-                                runtime_requirements(root, images_dir / folder), Path(tmp) / "ctx")
+            ctx = stage_context(
+                images_dir / folder,
+                wheelhouse if needs_wheels else None,
+                runtime_requirements(root, images_dir / folder),
+                Path(tmp) / "ctx",
+            )
             buildargs = {"BASE_IMAGE": from_image}
             image_id = build_image(client, ctx, name, buildargs, config.no_cache)
             if folder == "base":

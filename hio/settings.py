@@ -27,17 +27,23 @@ class ClusterSettings:
     data_dir: str = setting("./var", "folder for this role's durable state")
     token: str = setting("", "token this process presents to other roles")
     token_file: str = setting("", "file holding the token to present (preferred over --token)")
-    tokens_file: str = setting("", "server side: file of accepted tokens, one 'token role name' a line; "
-                                   "empty = no authentication")
-    tls_cert: str = setting("", "PEM certificate this process presents: a server's, or a client's for mutual TLS "
-                                "(enables TLS)")
+    tokens_file: str = setting(
+        "", "server side: file of accepted tokens, one 'token role name' a line; empty = no authentication"
+    )
+    tls_cert: str = setting(
+        "", "PEM certificate this process presents: a server's, or a client's for mutual TLS (enables TLS)"
+    )
     tls_key: str = setting("", "PEM private key for --tls-cert")
     tls_ca: str = setting("", "PEM CA bundle to verify peers (clients: servers; servers: client certs for mutual TLS)")
     tls_client_auth: bool = setting(False, "servers: require client certificates signed by --tls-ca (mutual TLS)")
-    ticket_key_file: str = setting("", "secret key (file) the master signs routed tuple ids with and engines check; "
-                                       "empty = off")
-    stream_idle_seconds: float = setting(30.0, "end an incoming tuple stream whose sender sends nothing for this "
-                                         "long (frees the channel, queue or spool room it held); 0 = never")
+    ticket_key_file: str = setting(
+        "", "secret key (file) the master signs routed tuple ids with and engines check; empty = off"
+    )
+    stream_idle_seconds: float = setting(
+        30.0,
+        "end an incoming tuple stream whose sender sends nothing for this "
+        "long (frees the channel, queue or spool room it held); 0 = never",
+    )
     chunk_bytes: int = setting(1 * MiB, "bytes per chunk when streaming tuples")
     max_tuple_bytes: int = setting(256 * MiB, "largest tuple accepted anywhere")
     log_level: str = setting("warning", "debug, info, warning (also one line when a role is ready) or error")
@@ -75,9 +81,11 @@ class ClusterSettings:
         means a certificate of their own. With tls_ca alone they would serve plaintext
         while speaking TLS to each other, and every connection would fail its handshake."""
         if self.tls_ca and not self.tls_cert:
-            raise ConfigError("tls_ca is set without tls_cert and tls_key: this role serves gRPC, and would "
-                              "serve it in plaintext to peers that speak TLS; give it a certificate "
-                              "(`hio certs`), or drop tls_ca")
+            raise ConfigError(
+                "tls_ca is set without tls_cert and tls_key: this role serves gRPC, and would "
+                "serve it in plaintext to peers that speak TLS; give it a certificate "
+                "(`hio certs`), or drop tls_ca"
+            )
 
     def validate(self) -> None:
         self.validate_cluster()

@@ -12,9 +12,9 @@ import grpc
 from google.protobuf import json_format
 
 from hio.config import ConfigError, setting
-from hio.transport.net import create_channel, rpc_error_text
-from hio.settings import SERVER_SETTINGS, ClusterSettings
 from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+from hio.settings import SERVER_SETTINGS, ClusterSettings
+from hio.transport.net import create_channel, rpc_error_text
 
 # A tool only calls a role: the settings of servers and of tuple streams are not its own.
 _TOOL_UNLISTED = SERVER_SETTINGS | {"data_dir", "chunk_bytes", "max_tuple_bytes"}
@@ -40,8 +40,7 @@ class DeadLettersConfig(ClusterSettings):
     json: bool = setting(False, "print as JSON")
 
 
-_STATE = {master_pb2.FREE: "free", master_pb2.DIRECT: "direct", master_pb2.QUEUE: "queue",
-          master_pb2.DOWN: "DOWN"}
+_STATE = {master_pb2.FREE: "free", master_pb2.DIRECT: "direct", master_pb2.QUEUE: "queue", master_pb2.DOWN: "DOWN"}
 
 
 def _mb(n: float) -> str:
@@ -53,8 +52,10 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
     lines = [
         f"master up {s.uptime_seconds:,.0f}s   last tuple id {s.last_tuple_id}",
         f"throughput  {s.tuples_per_second:,.1f} tuples/s   {s.bytes_per_second / 1e6:,.1f} MB/s (last minute)",
-        (f"tuples      done {s.tuples_done:,}   failed {s.tuples_failed:,}   dead letters {s.dead_letters:,}"
-         f"   routed direct {s.routed_direct:,} / queue {s.routed_queue:,}"),
+        (
+            f"tuples      done {s.tuples_done:,}   failed {s.tuples_failed:,}   dead letters {s.dead_letters:,}"
+            f"   routed direct {s.routed_direct:,} / queue {s.routed_queue:,}"
+        ),
         f"channels    free {s.channels_free}   busy {s.channels_busy}   down {s.channels_down}",
     ]
     for w in s.workers:
@@ -63,8 +64,9 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
             detail = f"  {c.detail}" if c.detail else ""
             state = "busy" if c.state == master_pb2.FREE and c.processing else _STATE.get(c.state, "?")
             lane = f"  lane {c.lane_address}" if c.lane_address else ""
-            lines.append(f"    {c.channel_id:<24} {c.image:<18} {state:<7}"
-                         f" {c.address:<22} done {c.tuples_done:,}{lane}{detail}")
+            lines.append(
+                f"    {c.channel_id:<24} {c.image:<18} {state:<7} {c.address:<22} done {c.tuples_done:,}{lane}{detail}"
+            )
     if s.queues:
         lines.append(f"queues (limit {_mb(s.queue_bytes_limit)})")
         for q in s.queues:
@@ -90,7 +92,7 @@ def run_status(config: StatusConfig) -> int:
             if config.json:
                 print(json_format.MessageToJson(status, always_print_fields_with_no_presence=True))
             else:
-                if config.watch and sys.stdout.isatty():   # a pipe or a file gets the reports one after another
+                if config.watch and sys.stdout.isatty():  # a pipe or a file gets the reports one after another
                     print("\033[2J\033[H", end="")
                 print(format_status(status))
             if not config.watch:
@@ -102,7 +104,8 @@ def fetch_knowledge(config: ClusterSettings) -> features_pb2.Knowledge | None:
     """The knowledge stored in the repository, or None when KD has not written any."""
     with create_channel(config.repository_address, config) as channel:
         reply = repository_pb2_grpc.RepositoryStub(channel).GetKnowledge(
-            repository_pb2.GetKnowledgeRequest(), timeout=30)
+            repository_pb2.GetKnowledgeRequest(), timeout=30
+        )
     if not reply.knowledge:
         return None
     knowledge = features_pb2.Knowledge()
@@ -122,6 +125,7 @@ def run_knowledge(config: KnowledgeConfig) -> int:
         print(json_format.MessageToJson(knowledge))
         return 0
     from hio.kd.report import format_knowledge
+
     print(format_knowledge(knowledge))
     return 0
 
@@ -151,9 +155,10 @@ def run_dead_letters(config: DeadLettersConfig) -> int:
         return 0
     for d in reply.dead_letters:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.failed_unix))
-        tried = max(d.meta.attempt - 1, 1)   # a dead letter's attempt is the one it would have been next
-        print(f"{d.meta.tuple_id:>12}  {d.meta.image:<18} {d.meta.name or '-':<24} attempts {tried}  {when}  "
-              f"{d.reason}")
+        tried = max(d.meta.attempt - 1, 1)  # a dead letter's attempt is the one it would have been next
+        print(
+            f"{d.meta.tuple_id:>12}  {d.meta.image:<18} {d.meta.name or '-':<24} attempts {tried}  {when}  {d.reason}"
+        )
     print(f"{len(reply.dead_letters)} dead letters; send one again with: hio dead-letters --retry TUPLE_ID")
     return 0
 

@@ -24,17 +24,18 @@ import zstandard
 
 from hio.cluster import LocalCluster
 from hio.config import ConfigError, setting
-from hio.transport.net import create_channel
 from hio.process.procs import RoleProcess
-from hio.settings import ClusterSettings
 from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
+from hio.settings import ClusterSettings
+from hio.transport.net import create_channel
 
 
 @dataclasses.dataclass(frozen=True)
 class UpConfig(ClusterSettings):
     http_listen: str = setting("127.0.0.1:7180", "repository's HTTP preview page")
-    engines: tuple[str, ...] = setting(None, "engines of the worker (IMAGE or IMAGE=COUNT)",
-                                       factory=lambda: ("hio/microscopy", "hio/simulation"))
+    engines: tuple[str, ...] = setting(
+        None, "engines of the worker (IMAGE or IMAGE=COUNT)", factory=lambda: ("hio/microscopy", "hio/simulation")
+    )
     runtime: str = setting("auto", "engine runtime: auto, process or docker")
     samples_dir: str = setting("", "where the sample dataset is generated (default DATA_DIR/samples)")
     kd: bool = setting(True, "run knowledge discovery on Spark over the demo's features")
@@ -60,17 +61,27 @@ def _stream_samples(config: UpConfig, data_dir: Path, files: list[tuple[Path, st
 
     total = sum(path.stat().st_size for path, _ in files)
     ids: list[int] = []
-    with Gateway(master_address=config.master_address, repository_address=config.repository_address,
-                 data_dir=str(data_dir), source="hio-up-demo", chunk_bytes=config.chunk_bytes,
-                 token=config.token, token_file=config.token_file, tls_ca=config.tls_ca,
-                 tls_cert=config.tls_cert, tls_key=config.tls_key, progress=False) as gateway:
+    with Gateway(
+        master_address=config.master_address,
+        repository_address=config.repository_address,
+        data_dir=str(data_dir),
+        source="hio-up-demo",
+        chunk_bytes=config.chunk_bytes,
+        token=config.token,
+        token_file=config.token_file,
+        tls_ca=config.tls_ca,
+        tls_cert=config.tls_cert,
+        tls_key=config.tls_key,
+        progress=False,
+    ) as gateway:
         futures = [(path, gateway.submit_file(str(path), image=image)) for path, image in files]
-        with tqdm(total=total, unit="B", unit_scale=True, desc="streaming samples",
-                  disable=None, file=sys.stdout) as bar:
+        with tqdm(
+            total=total, unit="B", unit_scale=True, desc="streaming samples", disable=None, file=sys.stdout
+        ) as bar:
             end = time.monotonic() + config.timeout
             for path, future in futures:
-                while not future.done() and time.monotonic() < end:   # short waits: SIGTERM and Ctrl-C
-                    concurrent.futures.wait([future], timeout=0.5)     # reach this (main) thread at once
+                while not future.done() and time.monotonic() < end:  # short waits: SIGTERM and Ctrl-C
+                    concurrent.futures.wait([future], timeout=0.5)  # reach this (main) thread at once
                 ids.append(future.result(timeout=0))
                 bar.update(path.stat().st_size)
     return ids
@@ -110,14 +121,20 @@ def format_summary(records: list[features_pb2.FeatureRecord]) -> str:
         size = sum(r.meta.size for r in group)
         cpu = sum(r.processing_seconds for r in group)
         lines.append(f"  {image}: {len(group)} tuples, {size / 1e6:.1f} MB, {cpu:.2f} s of processing")
-        names = list(group[0].kd_features) or [k for k, v in group[0].features.items()
-                                              if v.WhichOneof("kind") == "number"]
+        names = list(group[0].kd_features) or [
+            k for k, v in group[0].features.items() if v.WhichOneof("kind") == "number"
+        ]
         for name in names[:8]:
-            values = [r.features[name].number for r in group
-                      if name in r.features and r.features[name].WhichOneof("kind") == "number"]
+            values = [
+                r.features[name].number
+                for r in group
+                if name in r.features and r.features[name].WhichOneof("kind") == "number"
+            ]
             if values:
-                lines.append(f"      {name:<28} mean {sum(values) / len(values):>14.4g}"
-                             f"   min {min(values):>12.4g}   max {max(values):>12.4g}")
+                lines.append(
+                    f"      {name:<28} mean {sum(values) / len(values):>14.4g}"
+                    f"   min {min(values):>12.4g}   max {max(values):>12.4g}"
+                )
     engines = Counter(r.engine for r in records)
     lines.append("  processed by: " + ", ".join(f"{e} ({n})" for e, n in sorted(engines.items())))
     return "\n".join(lines)
@@ -153,9 +170,11 @@ def _interrupt(*_: object) -> None:
 def run_up(config: UpConfig) -> int:
     taken = _ports_in_use(config)
     if taken:
-        _say(f"cannot start: {', '.join(taken)} already in use (another hio up or hio role running?). "
-             "Stop it (hio up --keep stops with Ctrl-C), or choose other addresses "
-             "(--master-address, --repository-address, --http-listen)")
+        _say(
+            f"cannot start: {', '.join(taken)} already in use (another hio up or hio role running?). "
+            "Stop it (hio up --keep stops with Ctrl-C), or choose other addresses "
+            "(--master-address, --repository-address, --http-listen)"
+        )
         return 2
     data_dir = Path(config.data_dir).expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -166,16 +185,24 @@ def run_up(config: UpConfig) -> int:
     _say(f"generating the sample dataset in {samples_dir} (cached after the first run)")
     files = generate_demo_dataset(samples_dir)
     shared = dataclasses.replace(config, log_level=config.log_level if config.log_level != "warning" else "info")
-    cluster = LocalCluster(data_dir, shared, master_address=config.master_address,
-                           repository_address=config.repository_address, http_listen=config.http_listen,
-                           workers={"": config.engines}, runtime=config.runtime, worker_timeout=config.timeout)
-    signal.signal(signal.SIGTERM, _interrupt)   # stops the demo too, as Ctrl-C does
+    cluster = LocalCluster(
+        data_dir,
+        shared,
+        master_address=config.master_address,
+        repository_address=config.repository_address,
+        http_listen=config.http_listen,
+        workers={"": config.engines},
+        runtime=config.runtime,
+        worker_timeout=config.timeout,
+    )
+    signal.signal(signal.SIGTERM, _interrupt)  # stops the demo too, as Ctrl-C does
     try:
-        _say(f"starting repository ({config.repository_address}), master ({config.master_address}) "
-             f"and a worker; logs in {cluster.logs}")
+        _say(
+            f"starting repository ({config.repository_address}), master ({config.master_address}) "
+            f"and a worker; logs in {cluster.logs}"
+        )
         cluster.start()
-        _say(f"streaming {len(files)} sample tuples "
-             f"({sum(p.stat().st_size for p, _ in files) / 1e6:.1f} MB)")
+        _say(f"streaming {len(files)} sample tuples ({sum(p.stat().st_size for p, _ in files) / 1e6:.1f} MB)")
         started = time.monotonic()
         ids = _stream_samples(config, data_dir, files)
         _wait_stored(config, len(ids), deadline)
@@ -202,13 +229,16 @@ def run_up(config: UpConfig) -> int:
             if config.keep and config.http_listen:
                 _say(f"preview: http://{config.http_listen}/  (image: http://{config.http_listen}/preview.png)")
             else:
-                _say(f"preview image: {preview}  (`hio up --keep` keeps every role running and serves it "
-                     f"at http://{config.http_listen or '127.0.0.1:7180'}/)")
+                _say(
+                    f"preview image: {preview}  (`hio up --keep` keeps every role running and serves it "
+                    f"at http://{config.http_listen or '127.0.0.1:7180'}/)"
+                )
         if config.keep:
             if config.kd:
                 _run_kd(cluster, config, once=False)
-            _say("everything keeps running; `hio status` shows it, `hio send FILE --image IMG` adds tuples; "
-                 "Ctrl-C stops")
+            _say(
+                "everything keeps running; `hio status` shows it, `hio send FILE --image IMG` adds tuples; Ctrl-C stops"
+            )
             try:
                 while True:
                     time.sleep(1.0)

@@ -17,11 +17,11 @@ from typing import Any, Self, TypeVar
 
 import grpc
 
+from hio.proto import repository_pb2, repository_pb2_grpc
+from hio.settings import ClusterSettings
 from hio.transport.errors import retry_after
 from hio.transport.net import create_channel
 from hio.transport.retry import RETRYABLE, Backoff, call_with_retry
-from hio.settings import ClusterSettings
-from hio.proto import repository_pb2, repository_pb2_grpc
 
 T = TypeVar("T")
 

@@ -21,8 +21,11 @@ class KDConfig(ClusterSettings):
     checkpoint_path: str = setting("", "Structured Streaming checkpoint folder; empty = data_dir/kd/checkpoint")
     preview_path: str = setting("", "preview PNG written each interval; empty = data_dir/kd/preview.png")
     k: int = setting(4, "number of clusters (capped by the number of distinct points)")
-    image: str = setting("", "image whose largest group fills the knowledge's top-level (main) fields; "
-                             "empty = the largest group of any image (every group is clustered regardless)")
+    image: str = setting(
+        "",
+        "image whose largest group fills the knowledge's top-level (main) fields; "
+        "empty = the largest group of any image (every group is clustered regardless)",
+    )
     max_groups: int = setting(8, "most groups (image + feature set) clustered each interval, largest first")
     fit_parallelism: int = setting(2, "groups fitted at the same time (concurrent Spark jobs from the driver)")
     max_records_per_interval: int = setting(50_000, "most repository records read in one micro-batch")

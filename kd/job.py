@@ -27,14 +27,14 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from hio.process.log import NOTICE
-from hio.transport.net import stop_on_signals
 from hio.kd.client import RepositoryClient, connection_options
 from hio.kd.config import KDConfig
 from hio.kd.model import cluster_groups, plan, to_knowledge
 from hio.kd.preview import render, write_atomic
 from hio.kd.store import AccumulatedStore, Appended
+from hio.process.log import NOTICE
 from hio.proto import features_pb2
+from hio.transport.net import stop_on_signals
 
 log = logging.getLogger("hio.kd")
 
@@ -72,16 +72,19 @@ def build_session(config: KDConfig, app_name: str = "hio-kd") -> Any:
     # interpreter, which has hio installed; Spark's default is `python3`.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    builder = (SparkSession.builder.master(config.spark_master).appName(app_name)
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.extraJavaOptions", _quiet_jvm_options(config))
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.pyspark.python", sys.executable)
-               .config("spark.pyspark.driver.python", sys.executable)
-               .config("spark.sql.streaming.minBatchesToRetain", "20")
-               # Python workers start slowly on a busy machine; the default 15 s fails queries.
-               .config("spark.python.authenticate.socketTimeout", "120s"))
+    builder = (
+        SparkSession.builder.master(config.spark_master)
+        .appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.extraJavaOptions", _quiet_jvm_options(config))
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.pyspark.python", sys.executable)
+        .config("spark.pyspark.driver.python", sys.executable)
+        .config("spark.sql.streaming.minBatchesToRetain", "20")
+        # Python workers start slowly on a busy machine; the default 15 s fails queries.
+        .config("spark.python.authenticate.socketTimeout", "120s")
+    )
     if config.spark_master.startswith("local"):
         builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
     for item in config.spark_conf:
@@ -110,9 +113,9 @@ class KnowledgeJob:
         self.last_seconds = 0.0
         self.last_timings: dict[str, float] = {}
         self._published_at = time.monotonic()
-        self._unpublished: int | None = None   # records accepted since the last publication
-        self.accepted = 0                      # records accepted by this run
-        self.knowledge: features_pb2.Knowledge | None = None   # the last one this run published
+        self._unpublished: int | None = None  # records accepted since the last publication
+        self.accepted = 0  # records accepted by this run
+        self.knowledge: features_pb2.Knowledge | None = None  # the last one this run published
 
     def close(self) -> None:
         self.client.close()
@@ -139,11 +142,19 @@ class KnowledgeJob:
         self.intervals += 1
         self.last_seconds = time.monotonic() - started
         self.last_timings = {k: round(v, 3) for k, v in timings.items()}
-        log.info("interval", extra={"batch": batch_id, "new": appended.accepted, "malformed": appended.malformed,
-                                    "total": self.store.total,
-                                    "groups": len(knowledge.groups) if knowledge else "later",
-                                    "clusters": len(knowledge.clusters) if knowledge else "later",
-                                    "seconds": round(self.last_seconds, 3), **self.last_timings})
+        log.info(
+            "interval",
+            extra={
+                "batch": batch_id,
+                "new": appended.accepted,
+                "malformed": appended.malformed,
+                "total": self.store.total,
+                "groups": len(knowledge.groups) if knowledge else "later",
+                "clusters": len(knowledge.clusters) if knowledge else "later",
+                "seconds": round(self.last_seconds, 3),
+                **self.last_timings,
+            },
+        )
 
     def _should_publish(self, end_offset: int) -> bool:
         """Publish when caught up, or when the last publication is an interval old."""
@@ -158,9 +169,14 @@ class KnowledgeJob:
 
     def _report_malformed(self, appended: Appended) -> None:
         if appended.malformed:
-            log.warning("skipped malformed feature records", extra={
-                "count": appended.malformed, "total_malformed": self.store.malformed,
-                "examples": "; ".join(appended.examples)})
+            log.warning(
+                "skipped malformed feature records",
+                extra={
+                    "count": appended.malformed,
+                    "total_malformed": self.store.malformed,
+                    "examples": "; ".join(appended.examples),
+                },
+            )
 
     def publish(self, started: float, timings: dict[str, float]) -> features_pb2.Knowledge:
         """Cluster every group (the largest ``max_groups``), write the preview
@@ -169,21 +185,38 @@ class KnowledgeJob:
         mark = time.monotonic()
         groups = self.store.ordered()
         main, chosen = plan(groups, config.image, config.max_groups)
-        results = cluster_groups(self.spark, groups, chosen, k=config.k, sample_size=config.sample_size,
-                                 seed=config.seed, max_iter=config.max_iterations,
-                                 parallelism=config.fit_parallelism)
+        results = cluster_groups(
+            self.spark,
+            groups,
+            chosen,
+            k=config.k,
+            sample_size=config.sample_size,
+            seed=config.seed,
+            max_iter=config.max_iterations,
+            parallelism=config.fit_parallelism,
+        )
         timings["cluster"] = time.monotonic() - mark
         mark = time.monotonic()
-        png = render(results, self.store.history(), max_points=config.preview_points, seed=config.seed,
-                     max_rows=config.preview_groups, title=f"[{len(groups)} groups]" if groups else "")
+        png = render(
+            results,
+            self.store.history(),
+            max_points=config.preview_points,
+            seed=config.seed,
+            max_rows=config.preview_groups,
+            title=f"[{len(groups)} groups]" if groups else "",
+        )
         write_atomic(config.preview_file, png)
         timings["preview"] = time.monotonic() - mark
         mark = time.monotonic()
-        knowledge = to_knowledge(results, main, up_to_offset=self.store.max_offset,
-                                 malformed=self.store.malformed,
-                                 new_records=self._unpublished or 0,
-                                 interval_seconds=time.monotonic() - started,
-                                 max_assignments=config.max_assignments)
+        knowledge = to_knowledge(
+            results,
+            main,
+            up_to_offset=self.store.max_offset,
+            malformed=self.store.malformed,
+            new_records=self._unpublished or 0,
+            interval_seconds=time.monotonic() - started,
+            max_assignments=config.max_assignments,
+        )
         self.client.put_knowledge(knowledge.SerializeToString(), png)
         timings["publish"] = time.monotonic() - mark
         self._published_at = time.monotonic()
@@ -196,15 +229,21 @@ class KnowledgeJob:
         read = f"{self.accepted:,} new feature records ({self.store.total:,} stored in all)"
         if self.knowledge is None:
             return f"hio kd: {read}; knowledge unchanged"
-        return (f"hio kd: {read}; published knowledge of {len(self.knowledge.groups)} groups, "
-                f"{len(self.knowledge.clusters)} clusters (see it: hio knowledge)")
+        return (
+            f"hio kd: {read}; published knowledge of {len(self.knowledge.groups)} groups, "
+            f"{len(self.knowledge.clusters)} clusters (see it: hio knowledge)"
+        )
 
 
 def _source_options(config: KDConfig, store: AccumulatedStore) -> dict[str, str]:
     options = connection_options(config, config.rpc_deadline)
-    options.update(consumer=config.consumer, max_records=str(config.max_records_per_interval),
-                   partitions=str(config.read_partitions), max_record_bytes=str(config.max_record_bytes),
-                   start_after=str(store.max_offset))
+    options.update(
+        consumer=config.consumer,
+        max_records=str(config.max_records_per_interval),
+        partitions=str(config.read_partitions),
+        max_record_bytes=str(config.max_record_bytes),
+        start_after=str(store.max_offset),
+    )
     return options
 
 
@@ -214,8 +253,11 @@ def start_query(spark: Any, config: KDConfig, job: KnowledgeJob) -> Any:
 
     spark.dataSource.register(RepositoryDataSource)
     frame = spark.readStream.format(NAME).options(**_source_options(config, job.store)).load()
-    writer = (frame.writeStream.queryName("hio_kd").foreachBatch(job.process_batch)
-              .option("checkpointLocation", str(config.checkpoint_dir)))
+    writer = (
+        frame.writeStream.queryName("hio_kd")
+        .foreachBatch(job.process_batch)
+        .option("checkpointLocation", str(config.checkpoint_dir))
+    )
     if config.once:
         writer = writer.trigger(availableNow=True)
     else:
@@ -351,8 +393,16 @@ def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None
     if session.owned:
         stop_on_signals(stop)
     job = KnowledgeJob(config, session.spark, store)
-    log.log(NOTICE, "KD started", extra={"spark": config.spark_master, "repository": config.repository_address,
-                                  "stored": store.total, "once": config.once})
+    log.log(
+        NOTICE,
+        "KD started",
+        extra={
+            "spark": config.spark_master,
+            "repository": config.repository_address,
+            "stored": store.total,
+            "once": config.once,
+        },
+    )
     try:
         code = supervise(session, config, job, stop)
         if config.once and code == 0:

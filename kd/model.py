@@ -36,11 +36,11 @@ from hio.proto import features_pb2
 class Clustering:
     mean: np.ndarray
     std: np.ndarray
-    centres: np.ndarray          # (k, d), normalised space
-    labels: np.ndarray           # (n,) cluster of every tuple of the group
-    counts: np.ndarray           # (k,)
-    linkage: np.ndarray          # (k-1, 4) scipy linkage matrix over centres
-    sample: np.ndarray           # indices of the points the model was fitted on
+    centres: np.ndarray  # (k, d), normalised space
+    labels: np.ndarray  # (n,) cluster of every tuple of the group
+    counts: np.ndarray  # (k,)
+    linkage: np.ndarray  # (k-1, 4) scipy linkage matrix over centres
+    sample: np.ndarray  # indices of the points the model was fitted on
     algorithm: str
 
 
@@ -94,11 +94,11 @@ def _distinct_rows(points: np.ndarray) -> int:
 def assign(points: np.ndarray, centres: np.ndarray, block: int = 65_536) -> np.ndarray:
     """Index of the nearest centre of each point, in blocks to bound memory."""
     labels = np.empty(len(points), dtype=np.int32)
-    sq = (centres ** 2).sum(axis=1)
+    sq = (centres**2).sum(axis=1)
     for start in range(0, len(points), block):
-        chunk = points[start:start + block]
+        chunk = points[start : start + block]
         dist = sq[None, :] - 2.0 * chunk @ centres.T
-        labels[start:start + block] = dist.argmin(axis=1)
+        labels[start : start + block] = dist.argmin(axis=1)
     return labels
 
 
@@ -119,14 +119,17 @@ def cluster(spark: Any, group: Group, *, k: int, sample_size: int, seed: int, ma
     centres = _fit_centres(spark, points, k_eff, seed, max_iter)
     labels = assign(scaled, centres)
     counts = np.bincount(labels, minlength=len(centres))
-    algorithm = (f"BisectingKMeans(k={k}, fitted on {len(sample)} of {len(scaled)} tuples, seed={seed}); "
-                 f"nearest-centre assignment; Ward linkage of centres; group image='{group.image}'")
+    algorithm = (
+        f"BisectingKMeans(k={k}, fitted on {len(sample)} of {len(scaled)} tuples, seed={seed}); "
+        f"nearest-centre assignment; Ward linkage of centres; group image='{group.image}'"
+    )
     return Clustering(mean, std, centres, labels, counts, ward_linkage(centres), sample, algorithm)
 
 
 @dataclass(frozen=True)
 class GroupResult:
     """One group and its clustering (None: not clustered this interval, ``note`` says why)."""
+
     group: Group
     clustering: Clustering | None
     note: str = ""
@@ -137,18 +140,28 @@ def plan(groups: list[Group], image: str, max_groups: int) -> tuple[Group | None
     main group is the first (of ``image`` when given) and is always clustered,
     with the largest others up to ``max_groups`` in all."""
     main = next((g for g in groups if not image or g.image == image), None)
-    others = [g for g in groups if g is not main][:max(0, max_groups - (main is not None))]
+    others = [g for g in groups if g is not main][: max(0, max_groups - (main is not None))]
     return main, ([main] if main is not None else []) + others
 
 
-def cluster_groups(spark: Any, groups: list[Group], chosen: list[Group], *, k: int, sample_size: int,
-                   seed: int, max_iter: int, parallelism: int = 1) -> list[GroupResult]:
+def cluster_groups(
+    spark: Any,
+    groups: list[Group],
+    chosen: list[Group],
+    *,
+    k: int,
+    sample_size: int,
+    seed: int,
+    max_iter: int,
+    parallelism: int = 1,
+) -> list[GroupResult]:
     """A result per group (in ``groups`` order); only ``chosen`` ones are clustered.
 
     A fit on a bounded sample costs Spark job overhead far more than arithmetic
     and runs on one partition, so fitting ``parallelism`` groups at once (one
     driver thread each; Spark schedules concurrent jobs) makes an interval with
     two groups cost about what one group does."""
+
     def fit(group: Group) -> Clustering:
         return cluster(spark, group, k=k, sample_size=sample_size, seed=seed, max_iter=max_iter)
 
@@ -162,8 +175,10 @@ def cluster_groups(spark: Any, groups: list[Group], chosen: list[Group], *, k: i
         if id(group) in fitted:
             results.append(GroupResult(group, fitted[id(group)]))
         else:
-            note = (f"not clustered: only the {len(chosen)} largest groups are clustered each interval "
-                    f"(max_groups); group image='{group.image}'")
+            note = (
+                f"not clustered: only the {len(chosen)} largest groups are clustered each interval "
+                f"(max_groups); group image='{group.image}'"
+            )
             results.append(GroupResult(group, None, note))
     return results
 
@@ -186,8 +201,9 @@ def listed_counts(results: list[GroupResult], max_assignments: int) -> list[int]
 def group_message(result: GroupResult, listed: int) -> features_pb2.KnowledgeGroup:
     """The ``KnowledgeGroup`` of one group, with its last ``listed`` assignments."""
     group, clustering = result.group, result.clustering
-    message = features_pb2.KnowledgeGroup(image=group.image, feature_names=list(group.names),
-                                          tuple_count=group.count, algorithm=result.note)
+    message = features_pb2.KnowledgeGroup(
+        image=group.image, feature_names=list(group.names), tuple_count=group.count, algorithm=result.note
+    )
     if clustering is None:
         return message
     message.algorithm = clustering.algorithm
@@ -215,14 +231,26 @@ def _fill_main(knowledge: features_pb2.Knowledge, main: features_pb2.KnowledgeGr
     knowledge.algorithm = main.algorithm
 
 
-def to_knowledge(results: list[GroupResult], main: Group | None, *, up_to_offset: int, malformed: int,
-                 new_records: int, interval_seconds: float, max_assignments: int) -> features_pb2.Knowledge:
+def to_knowledge(
+    results: list[GroupResult],
+    main: Group | None,
+    *,
+    up_to_offset: int,
+    malformed: int,
+    new_records: int,
+    interval_seconds: float,
+    max_assignments: int,
+) -> features_pb2.Knowledge:
     """The ``Knowledge`` message: every group in ``groups`` (in ``results`` order),
     ``main`` in the top-level fields; at most ``max_assignments`` assignments in
     all groups, the most recent."""
     knowledge = features_pb2.Knowledge(
-        computed_unix=time.time(), up_to_offset=up_to_offset, malformed_records=malformed,
-        new_records=new_records, interval_seconds=interval_seconds)
+        computed_unix=time.time(),
+        up_to_offset=up_to_offset,
+        malformed_records=malformed,
+        new_records=new_records,
+        interval_seconds=interval_seconds,
+    )
     listed = listed_counts(results, max_assignments)
     for result, count in zip(results, listed, strict=True):
         message = knowledge.groups.add()
@@ -231,6 +259,9 @@ def to_knowledge(results: list[GroupResult], main: Group | None, *, up_to_offset
             _fill_main(knowledge, message)
     knowledge.assignments_omitted = sum(r.group.count for r in results) - sum(listed)
     if main is None:
-        knowledge.algorithm = ("none: no well-formed feature records yet" if not results
-                               else "none: no feature records of the preferred image; see groups")
+        knowledge.algorithm = (
+            "none: no well-formed feature records yet"
+            if not results
+            else "none: no feature records of the preferred image; see groups"
+        )
     return knowledge

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hio.storage.files import atomic_write
 from hio.kd.model import Clustering, GroupResult
 from hio.kd.store import Group
+from hio.storage.files import atomic_write
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -38,8 +38,16 @@ def _scatter(ax: Axes, group: Group, result: Clustering, max_points: int, seed: 
         pick = np.sort(np.random.default_rng(seed).choice(pick, size=max_points, replace=False))
     scaled = (group.values[pick] - result.mean) / result.std
     xy, centres = pca_2d(scaled, result.centres)
-    ax.scatter(xy[:, 0], xy[:, 1], c=result.labels[pick], cmap="tab10", s=6, alpha=0.6,
-               vmin=0, vmax=max(9, len(result.centres) - 1))
+    ax.scatter(
+        xy[:, 0],
+        xy[:, 1],
+        c=result.labels[pick],
+        cmap="tab10",
+        s=6,
+        alpha=0.6,
+        vmin=0,
+        vmax=max(9, len(result.centres) - 1),
+    )
     ax.scatter(centres[:, 0], centres[:, 1], c="black", marker="x", s=60)
     for index, (x, y) in enumerate(centres):
         ax.annotate(str(index), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=9)
@@ -75,15 +83,22 @@ def _empty(ax: Axes, text: str) -> None:
     ax.set_axis_off()
 
 
-def render(results: list[GroupResult], history: list[tuple[float, int]], *, max_points: int = 5000,
-           seed: int = 1, max_rows: int = 4, title: str = "") -> bytes:
+def render(
+    results: list[GroupResult],
+    history: list[tuple[float, int]],
+    *,
+    max_points: int = 5000,
+    seed: int = 1,
+    max_rows: int = 4,
+    title: str = "",
+) -> bytes:
     """The preview as PNG bytes: a row (scatter, dendrogram) per clustered group."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
 
-    shown = [r for r in results if r.clustering is not None][:max(1, max_rows)]
+    shown = [r for r in results if r.clustering is not None][: max(1, max_rows)]
     rows = max(1, len(shown))
     fig = Figure(figsize=(15, 0.6 + 4.0 * rows), dpi=90)
     grid = fig.add_gridspec(rows, 3)

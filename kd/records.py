@@ -19,8 +19,10 @@ import zstandard
 
 from hio.proto import features_pb2
 
-SPARK_SCHEMA = ("offset long, tuple_id long, image string, processed_unix double, "
-                "names array<string>, `values` array<double>, error string")
+SPARK_SCHEMA = (
+    "offset long, tuple_id long, image string, processed_unix double, "
+    "names array<string>, `values` array<double>, error string"
+)
 COLUMNS = ("offset", "tuple_id", "image", "processed_unix", "names", "values", "error")
 MAX_ERROR_CHARS = 200
 
@@ -38,6 +40,7 @@ def to_unsigned(value: int) -> int:
 @dataclass(frozen=True)
 class Row:
     """One repository record, decoded (``error`` empty) or refused (``error`` says why)."""
+
     offset: int
     tuple_id: int
     image: str = ""
@@ -48,8 +51,15 @@ class Row:
 
     def as_tuple(self) -> tuple[Any, ...]:
         """In ``COLUMNS`` order, ids signed, as Spark's Python data source expects."""
-        return (self.offset, to_signed(self.tuple_id), self.image, self.processed_unix,
-                list(self.names), list(self.values), self.error)
+        return (
+            self.offset,
+            to_signed(self.tuple_id),
+            self.image,
+            self.processed_unix,
+            list(self.names),
+            list(self.values),
+            self.error,
+        )
 
 
 class MalformedRecord(ValueError):
@@ -109,17 +119,31 @@ def decode(offset: int, tuple_id: int, blob: bytes, max_bytes: int) -> Row:
         names, values = kd_vector(record)
     except MalformedRecord as exc:
         return Row(offset=offset, tuple_id=tuple_id, error=str(exc)[:MAX_ERROR_CHARS])
-    return Row(offset=offset, tuple_id=tuple_id, image=record.meta.image,
-               processed_unix=record.processed_unix, names=names, values=values)
+    return Row(
+        offset=offset,
+        tuple_id=tuple_id,
+        image=record.meta.image,
+        processed_unix=record.processed_unix,
+        names=names,
+        values=values,
+    )
 
 
 def to_table(rows: Iterable[Row]) -> Any:  # a pyarrow.Table (pyarrow ships no types)
     """Rows as an Arrow table shaped like what Spark hands to ``foreachBatch``."""
     import pyarrow as pa
 
-    schema = pa.schema([("offset", pa.int64()), ("tuple_id", pa.int64()), ("image", pa.string()),
-                        ("processed_unix", pa.float64()), ("names", pa.list_(pa.string())),
-                        ("values", pa.list_(pa.float64())), ("error", pa.string())])
+    schema = pa.schema(
+        [
+            ("offset", pa.int64()),
+            ("tuple_id", pa.int64()),
+            ("image", pa.string()),
+            ("processed_unix", pa.float64()),
+            ("names", pa.list_(pa.string())),
+            ("values", pa.list_(pa.float64())),
+            ("error", pa.string()),
+        ]
+    )
     out: dict[str, list[Any]] = {name: [] for name in COLUMNS}
     for row in rows:
         for name, value in zip(COLUMNS, row.as_tuple(), strict=True):

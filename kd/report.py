@@ -31,8 +31,10 @@ def _header(k: features_pb2.Knowledge) -> list[str]:
         f"malformed:     {k.malformed_records} records skipped",
     ]
     if k.groups:
-        lines += [f"groups:        {len(k.groups)} (image + feature set, each clustered on its own)",
-                  f"assignments:   {listed} listed, {k.assignments_omitted} omitted (bound over all groups)"]
+        lines += [
+            f"groups:        {len(k.groups)} (image + feature set, each clustered on its own)",
+            f"assignments:   {listed} listed, {k.assignments_omitted} omitted (bound over all groups)",
+        ]
     else:
         lines.append(f"algorithm:     {k.algorithm or '-'}")
     return lines
@@ -73,8 +75,9 @@ def _dendrogram(k: Clustered) -> list[str]:
 
     lines = ["", "dendrogram (agglomerative merges of cluster centres, closest first):"]
     for index, m in enumerate(k.dendrogram):
-        lines.append(f"  m{index:<3d} = {label(m.left)} + {label(m.right)}"
-                     f"   distance {m.distance:.4g}, {m.size} clusters")
+        lines.append(
+            f"  m{index:<3d} = {label(m.left)} + {label(m.right)}   distance {m.distance:.4g}, {m.size} clusters"
+        )
     return lines
 
 
@@ -88,7 +91,10 @@ def _assignments(k: Clustered) -> list[str]:
 
 def _is_main(k: features_pb2.Knowledge, group: features_pb2.KnowledgeGroup) -> bool:
     return (group.tuple_count, list(group.feature_names), group.algorithm) == (
-        k.tuple_count, list(k.feature_names), k.algorithm)
+        k.tuple_count,
+        list(k.feature_names),
+        k.algorithm,
+    )
 
 
 def _group(k: features_pb2.Knowledge, index: int, group: features_pb2.KnowledgeGroup) -> list[str]:

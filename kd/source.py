@@ -39,6 +39,7 @@ log = logging.getLogger("hio.kd")
 @dataclass(frozen=True)
 class OffsetRange(InputPartition):
     """One slice of a micro-batch: repository offsets ``after < offset <= until``."""
+
     after: int
     until: int
 
@@ -109,8 +110,10 @@ class RepositoryStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         begin = int(start["offset"])
         latest = self.target if self.target is not None else self._latest()
         if latest < begin:
-            log.warning("repository offsets went backwards; waiting for new records",
-                        extra={"latest": latest, "kd_offset": begin})
+            log.warning(
+                "repository offsets went backwards; waiting for new records",
+                extra={"latest": latest, "kd_offset": begin},
+            )
             return {"offset": begin}
         if isinstance(limit, ReadMaxRows):
             latest = min(latest, begin + limit.max_rows)
@@ -128,8 +131,7 @@ class RepositoryStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         assert isinstance(partition, OffsetRange)
         with self._client() as client:
             for record in client.read(partition.after, partition.until):
-                yield decode(record.offset, record.tuple_id, record.record_zstd,
-                             self.max_record_bytes).as_tuple()
+                yield decode(record.offset, record.tuple_id, record.record_zstd, self.max_record_bytes).as_tuple()
 
     def commit(self, end: dict[str, int]) -> None:
         with self._client() as client:

@@ -33,8 +33,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from hio.storage.files import SyncBudget
 from hio.kd.records import to_unsigned
+from hio.storage.files import SyncBudget
 
 log = logging.getLogger("hio.kd")
 
@@ -46,6 +46,7 @@ COMPACT_AT_FILES = 64
 @dataclass
 class Group:
     """Features of one image with one feature set: what one clustering runs over."""
+
     image: str
     names: tuple[str, ...]
     _ids: list[np.ndarray] = field(default_factory=list)
@@ -84,19 +85,26 @@ class Group:
 @dataclass(frozen=True)
 class Appended:
     """What one interval added to the store."""
+
     accepted: int
     malformed: int
     duplicates: int
     first_offset: int
     last_offset: int
-    examples: tuple[str, ...] = ()    # a few malformed records: "offset N tuple T: why"
+    examples: tuple[str, ...] = ()  # a few malformed records: "offset N tuple T: why"
 
 
 def _examples(table: pa.Table, limit: int = 3) -> tuple[str, ...]:
     bad = table.filter(table.column("error").is_valid()).slice(0, limit)
-    return tuple(f"offset {o} tuple {to_unsigned(t)}: {e}" for o, t, e in zip(
-        bad.column("offset").to_pylist(), bad.column("tuple_id").to_pylist(), bad.column("error").to_pylist(),
-        strict=True))
+    return tuple(
+        f"offset {o} tuple {to_unsigned(t)}: {e}"
+        for o, t, e in zip(
+            bad.column("offset").to_pylist(),
+            bad.column("tuple_id").to_pylist(),
+            bad.column("error").to_pylist(),
+            strict=True,
+        )
+    )
 
 
 def _merge_sorted(known: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -119,7 +127,7 @@ class AccumulatedStore:
         self.groups: dict[tuple[str, tuple[str, ...]], Group] = {}
         self._known = np.empty(0, dtype=np.uint64)
         self._history: dict[float, int] = {}
-        self._disk = SyncBudget(disk="KD's disk", owner="kd")   # only its final-failure rule is used
+        self._disk = SyncBudget(disk="KD's disk", owner="kd")  # only its final-failure rule is used
 
     # --- start -----------------------------------------------------------------
 
@@ -131,8 +139,15 @@ class AccumulatedStore:
         for part in self._parts():
             self._ingest(pq.read_table(part))
         self._compact_if_needed()
-        log.info("store opened", extra={"path": str(self.path), "records": self.total,
-                                        "malformed": self.malformed, "max_offset": self.max_offset})
+        log.info(
+            "store opened",
+            extra={
+                "path": str(self.path),
+                "records": self.total,
+                "malformed": self.malformed,
+                "max_offset": self.max_offset,
+            },
+        )
         return self
 
     def _parts(self) -> list[Path]:
@@ -197,7 +212,7 @@ class AccumulatedStore:
         tmp = final.with_name(final.name + ".tmp")
         pq.write_table(table, tmp, compression="zstd")
         with open(tmp, "rb") as fh:
-            self._disk.sync(fh.fileno(), refuse=True)   # failed: the next open() drops the .tmp
+            self._disk.sync(fh.fileno(), refuse=True)  # failed: the next open() drops the .tmp
         os.replace(tmp, final)
         self._sync_folder()
 

@@ -16,15 +16,15 @@ import logging
 
 import grpc
 
-from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
-from hio.transport.lanetls import server_context
-from hio.process.log import NOTICE
-from hio.transport.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
-from hio.transport.tickets import make_ticket
 from hio.master.config import MasterConfig
 from hio.master.core import Master
 from hio.master.service import POLICY, MasterService
+from hio.process.log import NOTICE
 from hio.proto import master_pb2_grpc
+from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
+from hio.transport.lanetls import server_context
+from hio.transport.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
+from hio.transport.tickets import make_ticket
 
 __all__ = ["POLICY", "Master", "MasterConfig", "create_master_server", "make_ticket", "run_master"]
 
@@ -40,9 +40,14 @@ def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, RoleHealth]:
     try:
         service = MasterService(master)
         server, port, health_servicer, master.lane = create_server_with_lane(
-            config, config.listen, lane=lambda table: _start_lane(config, service, table),
-            max_workers=config.server_threads, policy=POLICY, service=ROLE_SERVICES["master"],
-            register=[lambda s: master_pb2_grpc.add_MasterServicer_to_server(service, s)])
+            config,
+            config.listen,
+            lane=lambda table: _start_lane(config, service, table),
+            max_workers=config.server_threads,
+            policy=POLICY,
+            service=ROLE_SERVICES["master"],
+            register=[lambda s: master_pb2_grpc.add_MasterServicer_to_server(service, s)],
+        )
     except BaseException:
         master.close()
         raise
@@ -53,14 +58,25 @@ def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, RoleHealth]:
 def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable | None) -> LaneServer | None:
     """The master's payload lane (Enqueue and PullTuple over plain TCP), started; None when
     there is none."""
-    return start_lane_server(config.lane_address(), lambda listen: LaneServer(
-        listen, service="Master",
-        uploads={"Enqueue": service.enqueue},   # uploads arrive in pieces of chunk_bytes
-        downloads={"PullTuple": service.pull_for_lane},
-        table=table, policy=POLICY, idle_seconds=config.stream_idle_seconds,
-        max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes,
-        max_connections=LANE_CONNECTIONS, piece_bytes=config.chunk_bytes, tls=server_context(config)),
-        chosen=bool(config.lane_listen), logger=log)
+    return start_lane_server(
+        config.lane_address(),
+        lambda listen: LaneServer(
+            listen,
+            service="Master",
+            uploads={"Enqueue": service.enqueue},  # uploads arrive in pieces of chunk_bytes
+            downloads={"PullTuple": service.pull_for_lane},
+            table=table,
+            policy=POLICY,
+            idle_seconds=config.stream_idle_seconds,
+            max_head_bytes=message_limit(config),
+            max_data_bytes=config.max_tuple_bytes,
+            max_connections=LANE_CONNECTIONS,
+            piece_bytes=config.chunk_bytes,
+            tls=server_context(config),
+        ),
+        chosen=bool(config.lane_listen),
+        logger=log,
+    )
 
 
 def create_master_server(config: MasterConfig) -> tuple[grpc.Server, int, Master]:
@@ -78,14 +94,21 @@ def run_master(config: MasterConfig) -> int:
     server.start()
     set_serving(health_servicer, True)
     host = config.listen.rsplit(":", 1)[0]
-    log.log(NOTICE, "master listening", extra={"address": f"{host}:{port}", "data_dir": config.data_dir,
-                                           "lane_port": master.lane_port,
-                                           "queued": master.queue.length()})
+    log.log(
+        NOTICE,
+        "master listening",
+        extra={
+            "address": f"{host}:{port}",
+            "data_dir": config.data_dir,
+            "lane_port": master.lane_port,
+            "queued": master.queue.length(),
+        },
+    )
 
     def draining() -> None:
         set_serving(health_servicer, False)
-        master.begin_shutdown()       # first: a pull waiting on the lane returns now, so stop() need not wait for it
-        if master.lane is not None:   # its calls end now (senders send again); pulls void their leases
+        master.begin_shutdown()  # first: a pull waiting on the lane returns now, so stop() need not wait for it
+        if master.lane is not None:  # its calls end now (senders send again); pulls void their leases
             master.lane.stop()
 
     try:

@@ -37,19 +37,19 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from hio.storage.files import copy_exact
-from hio.transport.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta
-from hio.storage.segmentlog import Segment, SegmentLog, crc32_at
 from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import ACK, MOVE, NAMING, READ_BLOCK, Journal, RecordWriter, scan_segment
 from hio.master.storage import Durability
+from hio.storage.files import copy_exact
+from hio.storage.segmentlog import Segment, SegmentLog, crc32_at
+from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from hio.transport.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta
 
 log = logging.getLogger("hio.master")
 
-MAX_IDLE_SEGMENTS = 4          # open, partly filled segments kept for the next writers
+MAX_IDLE_SEGMENTS = 4  # open, partly filled segments kept for the next writers
 JOURNAL_COMPACT_BYTES = 1024 * 1024
-RETRY_AFTER_FULL = 1.0         # seconds: hint to a sender refused because the queue is full
+RETRY_AFTER_FULL = 1.0  # seconds: hint to a sender refused because the queue is full
 LAST_ERROR_ATTRIBUTE = "hio.last_error"
 
 
@@ -57,8 +57,8 @@ class Placement(enum.Enum):
     """What happened to a received tuple (each is receipted ENQUEUED)."""
 
     ENQUEUED = "enqueued"
-    DUPLICATE = "duplicate"       # already in the queue: stored once
-    DEAD_LETTER = "dead_letter"   # attempts exhausted on arrival
+    DUPLICATE = "duplicate"  # already in the queue: stored once
+    DEAD_LETTER = "dead_letter"  # attempts exhausted on arrival
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class ImageQueue:
     """One image's queue as reported in the status."""
 
     image: str
-    length: int   # waiting plus leased
+    length: int  # waiting plus leased
     bytes: int
     leased: int
 
@@ -87,8 +87,8 @@ class Entry:
     seq: int
     meta: TupleMeta
     segment: int
-    offset: int           # where the payload starts in the segment
-    order: int            # sort key at recovery (sequence number unless moved)
+    offset: int  # where the payload starts in the segment
+    order: int  # sort key at recovery (sequence number unless moved)
     moved: bool = False
     cached: bytes | None = None
     leased_to: str = ""
@@ -124,11 +124,19 @@ class Lease:
 class BacklogQueue:
     """Durable FIFO queues of tuples, one per image, bounded in total payload bytes."""
 
-    def __init__(self, root: str | os.PathLike[str], *, dead: DeadLetterStore, durability: Durability,
-                 queue_bytes: int, memory_bytes: int = 64 * 1024 * 1024,
-                 segment_bytes: int = 64 * 1024 * 1024, max_attempts: int = 3,
-                 cond: threading.Condition | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        dead: DeadLetterStore,
+        durability: Durability,
+        queue_bytes: int,
+        memory_bytes: int = 64 * 1024 * 1024,
+        segment_bytes: int = 64 * 1024 * 1024,
+        max_attempts: int = 3,
+        cond: threading.Condition | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.dead = dead
@@ -139,18 +147,19 @@ class BacklogQueue:
         self._durable = durability
         self._cond = cond or threading.Condition(threading.RLock())
         self._clock = clock
-        self._log = SegmentLog(self.root, NAMING, fsync=durability.policy, budget=durability.budget,
-                               segment_bytes=segment_bytes)
-        self._segments = self._log.segments                      # segment id -> segment (live: seqs)
-        self._acked: dict[int, list[int]] = {}                   # segment id -> seqs the journal ACKs
+        self._log = SegmentLog(
+            self.root, NAMING, fsync=durability.policy, budget=durability.budget, segment_bytes=segment_bytes
+        )
+        self._segments = self._log.segments  # segment id -> segment (live: seqs)
+        self._acked: dict[int, list[int]] = {}  # segment id -> seqs the journal ACKs
         durability.attach(self._log)
-        self._entries: dict[int, Entry] = {}                    # tuple id -> live entry
+        self._entries: dict[int, Entry] = {}  # tuple id -> live entry
         self._ready: dict[str, collections.OrderedDict[int, Entry]] = {}
         self._leased: dict[int, Entry] = {}
         self._by_channel: dict[str, set[int]] = {}
         self._committing: set[int] = set()
         self._to_dead: list[tuple[Entry, str]] = []
-        self._settling: set[int] = set()   # tuple ids being copied to the dead letters (off the lock)
+        self._settling: set[int] = set()  # tuple ids being copied to the dead letters (off the lock)
         self._image_bytes: collections.Counter[str] = collections.Counter()
         self._image_len: collections.Counter[str] = collections.Counter()
         self._used = 0
@@ -166,8 +175,14 @@ class BacklogQueue:
 
     # ---- receiving ---------------------------------------------------------------
 
-    def receive(self, frames: Iterable[TupleFrame], *, max_tuple_bytes: int, max_chunk_bytes: int,
-                admit: Callable[[TupleMeta], None] = lambda meta: None) -> Iterator[Stored]:
+    def receive(
+        self,
+        frames: Iterable[TupleFrame],
+        *,
+        max_tuple_bytes: int,
+        max_chunk_bytes: int,
+        admit: Callable[[TupleMeta], None] = lambda meta: None,
+    ) -> Iterator[Stored]:
         """Store the tuples of a frame stream one after the other; yield one receipt each.
 
         ``admit`` sees each tuple's metadata before any payload is stored and
@@ -194,8 +209,8 @@ class BacklogQueue:
     def _begin_record(self, meta: TupleMeta) -> RecordWriter:
         """Reserve room for ``meta.size`` bytes and a segment to write them into."""
         with self._cond:
-            self._check_room(meta)   # a tuple to be refused is refused before it waits for the disk
-        admitted = self._log.admit(meta.size)   # outside the lock: a disk behind the tuples holds this writer only
+            self._check_room(meta)  # a tuple to be refused is refused before it waits for the disk
+        admitted = self._log.admit(meta.size)  # outside the lock: a disk behind the tuples holds this writer only
         try:
             writer = self._open_record(meta)
         except BaseException:
@@ -206,14 +221,14 @@ class BacklogQueue:
 
     def _open_record(self, meta: TupleMeta) -> RecordWriter:
         with self._cond:
-            self._check_room(meta)           # again: others may have taken the room meanwhile
-            segment = self._log.take()       # first: a segment that cannot be made reserves nothing
+            self._check_room(meta)  # again: others may have taken the room meanwhile
+            segment = self._log.take()  # first: a segment that cannot be made reserves nothing
             self._reserved += meta.size
             cache = meta.size <= self._memory_bytes - self._cached - self._cache_reserved
             if cache:
                 self._cache_reserved += meta.size
         try:
-            return RecordWriter(self._log, segment, meta, cache)   # a head it could not write is cut off
+            return RecordWriter(self._log, segment, meta, cache)  # a head it could not write is cut off
         except BaseException:
             with self._cond:
                 self._reserved -= meta.size
@@ -226,13 +241,16 @@ class BacklogQueue:
         """Refuse a tuple the queue is closed to, that can never fit, or that does not fit now."""
         self._check_open()
         if meta.size > self.queue_bytes:
-            raise InvalidArgument(f"tuple {meta.tuple_id}: {meta.size} bytes can never fit the backlog "
-                                  f"queue bound of {self.queue_bytes} bytes")
+            raise InvalidArgument(
+                f"tuple {meta.tuple_id}: {meta.size} bytes can never fit the backlog "
+                f"queue bound of {self.queue_bytes} bytes"
+            )
         if self._used + self._reserved + meta.size > self.queue_bytes:
             raise ResourceExhausted(
                 f"backlog queue full: {self._used + self._reserved} of {self.queue_bytes} bytes used "
                 f"({len(self._entries)} tuples); tuple {meta.tuple_id} needs {meta.size}",
-                retry_after=RETRY_AFTER_FULL)
+                retry_after=RETRY_AFTER_FULL,
+            )
 
     def _finish_record(self, writer: RecordWriter) -> Placement:
         """Publish a verified record, or drop it if the tuple is already queued."""
@@ -254,8 +272,14 @@ class BacklogQueue:
                 self._committing.discard(meta.tuple_id)
             self._abort_record(writer)
             raise
-        entry = Entry(seq=seq, meta=meta, segment=writer.segment.id, offset=writer.payload_offset, order=seq,
-                      cached=writer.cached())
+        entry = Entry(
+            seq=seq,
+            meta=meta,
+            segment=writer.segment.id,
+            offset=writer.payload_offset,
+            order=seq,
+            cached=writer.cached(),
+        )
         with self._cond:
             self._committing.discard(meta.tuple_id)
             self._end_record(writer, entry)
@@ -267,7 +291,7 @@ class BacklogQueue:
             if writer.ended:
                 return
             writer.ended = True
-            if writer.admitted:   # never written for good: what the disk was to sync is not coming
+            if writer.admitted:  # never written for good: what the disk was to sync is not coming
                 self._durable.budget.settle(writer.admitted)
                 writer.admitted = 0
             self._reserved -= writer.meta.size
@@ -287,13 +311,16 @@ class BacklogQueue:
 
     def _maybe_delete(self, segment: Segment) -> None:
         """Delete a segment none of whose records is still needed (its bytes need no disk)."""
-        if segment.live or segment.held or (not segment.sealed and segment.size < self._segment_bytes
-                                             and not self._closed):
+        if (
+            segment.live
+            or segment.held
+            or (not segment.sealed and segment.size < self._segment_bytes and not self._closed)
+        ):
             return
         self._log.seal(segment)
         self._log.delete(segment).unlink(missing_ok=True)
         self._acked.pop(segment.id, None)
-        if self._journal.size > JOURNAL_COMPACT_BYTES and not self._closed:   # closed: the journal is too
+        if self._journal.size > JOURNAL_COMPACT_BYTES and not self._closed:  # closed: the journal is too
             self._compact_journal()
 
     # ---- entries -----------------------------------------------------------------
@@ -362,18 +389,21 @@ class BacklogQueue:
         if head:
             ready.move_to_end(entry.tuple_id, last=False)
         self._cond.notify_all()
-        try:   # after the tuple is back: a journal that cannot be written must not strand it
+        try:  # after the tuple is back: a journal that cannot be written must not strand it
             self._journal.append(MOVE, entry.seq, entry.order, attempt)
-            self._durable_journal()      # synced like an ACK: a requeue survives a power loss as an ack does
+            self._durable_journal()  # synced like an ACK: a requeue survives a power loss as an ack does
         except (OSError, FailedPrecondition) as exc:
-            log.error("cannot journal a requeue; the tuple is queued, but after a restart it would "
-                      "have its earlier place and attempt count",
-                      extra={"tuple_id": entry.tuple_id, "error": str(exc)})
+            log.error(
+                "cannot journal a requeue; the tuple is queued, but after a restart it would "
+                "have its earlier place and attempt count",
+                extra={"tuple_id": entry.tuple_id, "error": str(exc)},
+            )
 
     # ---- leasing -----------------------------------------------------------------
 
-    def lease_many(self, image: str, channel_id: str, lease_seconds: float, *,
-                   max_tuples: int = 1, max_bytes: int = 0) -> list[Lease]:
+    def lease_many(
+        self, image: str, channel_id: str, lease_seconds: float, *, max_tuples: int = 1, max_bytes: int = 0
+    ) -> list[Lease]:
         """Lease the first waiting tuples of ``image`` to ``channel_id``, in order.
 
         The head always; after it, more while there are at most ``max_tuples``
@@ -388,8 +418,7 @@ class BacklogQueue:
             total = 0
             while ready and len(leases) < max(1, max_tuples):
                 head = next(iter(ready.values()))
-                if leases and (total + head.size > max_bytes or head.meta.attempt > 1
-                               or leases[0].meta.attempt > 1):
+                if leases and (total + head.size > max_bytes or head.meta.attempt > 1 or leases[0].meta.attempt > 1):
                     break  # within the bytes; a tuple delivered before travels alone
                 ready.popitem(last=False)
                 total += head.size
@@ -442,16 +471,19 @@ class BacklogQueue:
         exhausted ones to the dead letters (disk I/O) to a later :meth:`settle`, for a caller
         that holds a lock of its own."""
         with self._cond:
-            voided = sorted((self._leased[t] for t in self._by_channel.get(channel_id, ())),
-                            key=lambda e: e.order, reverse=True)
+            voided = sorted(
+                (self._leased[t] for t in self._by_channel.get(channel_id, ())), key=lambda e: e.order, reverse=True
+            )
             for entry in voided:
                 self._unlease(entry)
                 self._requeue(entry, head=True, reason=reason, charge=charge)
         if settle:
             self.settle()
         if voided:
-            log.info("leases voided", extra={"channel": channel_id, "tuples": len(voided), "reason": reason,
-                                             "charged": charge})
+            log.info(
+                "leases voided",
+                extra={"channel": channel_id, "tuples": len(voided), "reason": reason, "charged": charge},
+            )
         return [e.tuple_id for e in voided]
 
     def void_lease(self, lease: Lease, reason: str, *, charge: bool = True) -> bool:
@@ -533,7 +565,7 @@ class BacklogQueue:
                 if not self._to_dead:
                     break
                 entry, reason = self._to_dead.pop(0)
-                self._settling.add(entry.tuple_id)   # neither ready nor leased: nobody may touch it
+                self._settling.add(entry.tuple_id)  # neither ready nor leased: nobody may touch it
                 cached = entry.cached
                 path = self._segments[entry.segment].path
             try:
@@ -544,8 +576,10 @@ class BacklogQueue:
                         fh.seek(entry.offset)
                         self.dead.add(entry.meta, reason, fh, seq=entry.seq)
             except OSError as exc:
-                log.error("cannot write dead letter; tuple stays queued",
-                          extra={"tuple_id": entry.tuple_id, "error": str(exc)})
+                log.error(
+                    "cannot write dead letter; tuple stays queued",
+                    extra={"tuple_id": entry.tuple_id, "error": str(exc)},
+                )
                 with self._cond:
                     self._settling.discard(entry.tuple_id)
                     ready = self._ready.setdefault(entry.image, collections.OrderedDict())
@@ -556,7 +590,7 @@ class BacklogQueue:
             with self._cond:
                 self._settling.discard(entry.tuple_id)
                 self._drop(entry)
-                self._cond.notify_all()   # a retry_dead may wait for this copy
+                self._cond.notify_all()  # a retry_dead may wait for this copy
             self._durable_journal()
 
     def retry_dead(self, tuple_id: int) -> None:
@@ -568,7 +602,7 @@ class BacklogQueue:
         meta.CopyFrom(letter.meta)
         meta.attempt = 1
         meta.attributes.pop(LAST_ERROR_ATTRIBUTE, None)
-        with self._cond:   # a letter still being written is not yet out of the queue: wait for it
+        with self._cond:  # a letter still being written is not yet out of the queue: wait for it
             self._cond.wait_for(lambda: tuple_id not in self._settling, timeout=60.0)
             queued = tuple_id in self._entries or tuple_id in self._committing
         if not queued:
@@ -626,8 +660,10 @@ class BacklogQueue:
     def status(self) -> list[ImageQueue]:
         with self._cond:
             leased = collections.Counter(e.image for e in self._leased.values())
-            return [ImageQueue(image=i, length=n, bytes=self._image_bytes[i], leased=leased.get(i, 0))
-                    for i, n in sorted(self._image_len.items())]
+            return [
+                ImageQueue(image=i, length=n, bytes=self._image_bytes[i], leased=leased.get(i, 0))
+                for i, n in sorted(self._image_len.items())
+            ]
 
     # ---- durability and lifecycle ------------------------------------------------
 
@@ -664,7 +700,7 @@ class BacklogQueue:
     def _recover(self) -> None:
         acked, moves = self._journal.load()
         dead = self.dead.origins()
-        records: list[tuple[int, TupleMeta, int, int]] = []     # seq, meta, segment, payload offset
+        records: list[tuple[int, TupleMeta, int, int]] = []  # seq, meta, segment, payload offset
         max_seq = max([0, *acked, *moves, *(order for order, _ in moves.values()), *(seq for seq, _ in dead)])
 
         def recover(segment: Segment, last: bool) -> int:
@@ -675,6 +711,7 @@ class BacklogQueue:
                 if self._recovered(segment, seq, meta, offset, acked, dead):
                     records.append((seq, meta, segment.id, offset))
             return end
+
         self._log.open(recover)
         self._next_seq = max_seq + 1
         self._rebuild(records, moves)
@@ -684,8 +721,9 @@ class BacklogQueue:
         if self._entries:
             log.info("backlog recovered", extra={"tuples": len(self._entries), "bytes": self._used})
 
-    def _recovered(self, segment: Segment, seq: int, meta: TupleMeta, offset: int, acked: set[int],
-                   dead: set[tuple[int, int]]) -> bool:
+    def _recovered(
+        self, segment: Segment, seq: int, meta: TupleMeta, offset: int, acked: set[int], dead: set[tuple[int, int]]
+    ) -> bool:
         """True if a record found at start is queued again; else it is done (acknowledged,
         a dead letter, or damaged: acknowledged now)."""
         if seq in acked:
@@ -693,8 +731,10 @@ class BacklogQueue:
             return False
         if (seq, meta.tuple_id) in dead or not self._payload_intact(segment, offset, meta):
             if (seq, meta.tuple_id) not in dead:
-                log.error("queued tuple damaged on disk, dropped",
-                          extra={"tuple_id": meta.tuple_id, "segment": segment.path.name})
+                log.error(
+                    "queued tuple damaged on disk, dropped",
+                    extra={"tuple_id": meta.tuple_id, "segment": segment.path.name},
+                )
             self._acked.setdefault(segment.id, []).append(seq)
             self._journal.append(ACK, seq, 0, 0)
             return False
@@ -777,7 +817,7 @@ class _Receiving:
         if self._queue.contains(meta.tuple_id):
             self._duplicate = True
         elif meta.attempt > self._queue.max_attempts:
-            self._queue._durable.budget.check()   # a dead letter is receipted too: not onto a failed disk
+            self._queue._durable.budget.check()  # a dead letter is receipted too: not onto a failed disk
             self._dead = self._queue.dead.writer(meta)
         else:
             self._record = self._queue._begin_record(meta)

@@ -23,29 +23,38 @@ class MasterConfig(ClusterSettings):
     listen: str = setting("127.0.0.1:7000", "host:port the master serves on")
     queue_bytes: int = setting(4 * GiB, "bound of the backlog queue on disk (payload bytes, all images)")
     queue_memory_bytes: int = setting(
-        64 * MiB, "queued payload cached in memory; larger tuples are read back from disk chunk by chunk")
+        64 * MiB, "queued payload cached in memory; larger tuples are read back from disk chunk by chunk"
+    )
     segment_bytes: int = setting(64 * MiB, "size at which a backlog segment file is sealed")
     fsync: str = setting(
-        "batch", "durability of the backlog: 'batch' (fsync at most every 100 ms; senders wait while "
-                 "256 MiB wait for the disk), 'always' "
-                 "(before every receipt and acknowledgement) or 'never' (leave it to the OS)")
+        "batch",
+        "durability of the backlog: 'batch' (fsync at most every 100 ms; senders wait while "
+        "256 MiB wait for the disk), 'always' "
+        "(before every receipt and acknowledgement) or 'never' (leave it to the OS)",
+    )
     heartbeat_interval: float = setting(1.0, "seconds between worker heartbeats (told to workers)")
     expiry_seconds: float = setting(6.0, "a worker silent this long leaves routing (at most 10)")
     reservation_seconds: float = setting(
-        15.0, "a channel routed to (or told to pull) without any report for this long is free again")
+        15.0, "a channel routed to (or told to pull) without any report for this long is free again"
+    )
     lease_seconds: float = setting(60.0, "a pulled tuple without reports from its channel for this long is redelivered")
     max_attempts: int = setting(3, "processing attempts of a tuple before it becomes a dead letter")
     images: tuple[str, ...] = setting(BUILTIN_IMAGES, "images always accepted, even before a worker offers them")
     grace_seconds: float = setting(5.0, "on SIGTERM, seconds to let calls in flight finish")
     server_threads: int = setting(64, "gRPC handler threads (long-polling PullTuple calls hold one each)")
     pull_waiters: int = setting(
-        48, "at most this many PullTuple calls wait at once; more are refused with RESOURCE_EXHAUSTED")
+        48, "at most this many PullTuple calls wait at once; more are refused with RESOURCE_EXHAUSTED"
+    )
     dead_list_limit: int = setting(1000, "at most this many dead letters in one ListDeadLetters answer")
     forget_seconds: float = setting(600.0, "an expired worker is forgotten (and its warning dropped) after this long")
-    lanes: bool = setting(True, "also take Enqueue on a payload lane (TCP, TLS as gRPC's; about half of gRPC's "
-                                "CPU per MB), which gateways use for the queue path")
-    lane_listen: str = setting("", "host:port of the payload lane; empty = listen's host and port + 1 "
-                                   "(any free port when listen's port is 0)")
+    lanes: bool = setting(
+        True,
+        "also take Enqueue on a payload lane (TCP, TLS as gRPC's; about half of gRPC's "
+        "CPU per MB), which gateways use for the queue path",
+    )
+    lane_listen: str = setting(
+        "", "host:port of the payload lane; empty = listen's host and port + 1 (any free port when listen's port is 0)"
+    )
 
     def lane_address(self) -> str:
         """Where the payload lane listens; '' when there is none (turned off)."""
@@ -57,12 +66,22 @@ class MasterConfig(ClusterSettings):
         self.validate_serving()
         check_address("listen", self.listen)
         check_address("lane_listen", self.lane_listen, allow_empty=True)
-        self.lane_address()   # refuses a listen port without a port + 1 for the lane
+        self.lane_address()  # refuses a listen port without a port + 1 for the lane
         if self.lane_listen and same_port(self.lane_listen, self.listen):
             raise ConfigError(f"lane_listen {self.lane_listen} takes listen's port: choose another")
-        for name in ("queue_bytes", "segment_bytes", "heartbeat_interval", "expiry_seconds",
-                     "reservation_seconds", "lease_seconds", "max_attempts", "server_threads",
-                     "pull_waiters", "dead_list_limit", "forget_seconds"):
+        for name in (
+            "queue_bytes",
+            "segment_bytes",
+            "heartbeat_interval",
+            "expiry_seconds",
+            "reservation_seconds",
+            "lease_seconds",
+            "max_attempts",
+            "server_threads",
+            "pull_waiters",
+            "dead_list_limit",
+            "forget_seconds",
+        ):
             value = getattr(self, name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{name} must be a finite number, got {value}")
@@ -76,13 +95,17 @@ class MasterConfig(ClusterSettings):
         if self.expiry_seconds > MAX_EXPIRY_SECONDS:
             raise ConfigError(f"expiry_seconds must be at most {MAX_EXPIRY_SECONDS:g}, got {self.expiry_seconds}")
         if self.expiry_seconds <= self.heartbeat_interval:
-            raise ConfigError(f"expiry_seconds ({self.expiry_seconds}) must exceed heartbeat_interval "
-                              f"({self.heartbeat_interval}), or live workers expire")
+            raise ConfigError(
+                f"expiry_seconds ({self.expiry_seconds}) must exceed heartbeat_interval "
+                f"({self.heartbeat_interval}), or live workers expire"
+            )
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
         if self.pull_waiters >= self.server_threads:
-            raise ConfigError(f"pull_waiters ({self.pull_waiters}) must be below server_threads "
-                              f"({self.server_threads}), or waiting pulls starve every other call")
+            raise ConfigError(
+                f"pull_waiters ({self.pull_waiters}) must be below server_threads "
+                f"({self.server_threads}), or waiting pulls starve every other call"
+            )
         for image in self.images:
             if not image or len(image) > 256:
                 raise ConfigError(f"images: invalid image name {image!r}")

@@ -21,10 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from hio.config import ConfigError, state_dir
-from hio.transport.errors import InvalidArgument, NotFound, ResourceExhausted
-from hio.storage.files import lock_folder
-from hio.transport.frames import TupleFrame, TupleMeta, WireFrame, tuple_frames
-from hio.transport.tickets import load_ticket_key, make_ticket
 from hio.master.backlog import BacklogQueue, ImageQueue, Lease, Stored
 from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
@@ -33,6 +29,10 @@ from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelSpec, Ch
 from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
 from hio.master.stats import Stats
 from hio.master.storage import Durability
+from hio.storage.files import lock_folder
+from hio.transport.errors import InvalidArgument, NotFound, ResourceExhausted
+from hio.transport.frames import TupleFrame, TupleMeta, WireFrame, tuple_frames
+from hio.transport.tickets import load_ticket_key, make_ticket
 
 if TYPE_CHECKING:
     from hio.transport.lane import LaneServer
@@ -42,14 +42,12 @@ log = logging.getLogger("hio.master")
 MAX_ROUTE_ITEMS = 10_000
 MAX_OUTCOMES = 10_000
 MAX_PULL_WAIT = 30.0
-MAX_PULL_TUPLES = 1024          # tuples one PullTuple may lease
+MAX_PULL_TUPLES = 1024  # tuples one PullTuple may lease
 MAX_PULL_BYTES = 64 * 1024 * 1024
-PULL_PACK_BYTES = 1024 * 1024   # small pulled tuples travel packed, this much per message
-TICK_SECONDS = 0.1       # maintenance: fsync batches
-EXPIRY_EVERY = 0.25      # maintenance: worker expiry, reservations, leases
+PULL_PACK_BYTES = 1024 * 1024  # small pulled tuples travel packed, this much per message
+TICK_SECONDS = 0.1  # maintenance: fsync batches
+EXPIRY_EVERY = 0.25  # maintenance: worker expiry, reservations, leases
 QUEUE_FULL_WARNING = 0.9
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +78,7 @@ class Outcome:
 @dataclasses.dataclass(frozen=True)
 class Status:
     uptime_seconds: float
-    workers: list[tuple[Worker, float, list[Channel]]]     # worker, heartbeat age, channels (copies)
+    workers: list[tuple[Worker, float, list[Channel]]]  # worker, heartbeat age, channels (copies)
     queues: list[ImageQueue]
     channels_free: int
     channels_busy: int
@@ -104,7 +102,7 @@ class Pulled:
     def __init__(self, master: Master, leases: list[Lease]) -> None:
         self._master = master
         self.leases = leases
-        self.started = 0   # leases whose payload was opened to be sent (the rest never left)
+        self.started = 0  # leases whose payload was opened to be sent (the rest never left)
 
     @property
     def lease(self) -> Lease:
@@ -136,7 +134,7 @@ class Master:
 
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
-        self.lane: LaneServer | None = None   # the payload lane the server module starts; stopped by close()
+        self.lane: LaneServer | None = None  # the payload lane the server module starts; stopped by close()
         self.root = state_dir(config.data_dir, "master")
         self._ticket_key = load_ticket_key(config.ticket_key_file)
         self._lock_fd: int | None = _lock_dir(self.root)
@@ -146,16 +144,24 @@ class Master:
             self.ids = TupleIdAllocator(self.root / "ids")
             self.dead = DeadLetterStore(self.root / "dead", durability)
             self._durability = durability
-            self.queue = BacklogQueue(self.root / "queue", dead=self.dead, durability=durability,
-                                      queue_bytes=config.queue_bytes, memory_bytes=config.queue_memory_bytes,
-                                      segment_bytes=config.segment_bytes, max_attempts=config.max_attempts,
-                                      cond=self._cond)
+            self.queue = BacklogQueue(
+                self.root / "queue",
+                dead=self.dead,
+                durability=durability,
+                queue_bytes=config.queue_bytes,
+                memory_bytes=config.queue_memory_bytes,
+                segment_bytes=config.segment_bytes,
+                max_attempts=config.max_attempts,
+                cond=self._cond,
+            )
         except BaseException:
             os.close(self._lock_fd)
             raise
-        self.registry = ChannelRegistry(expiry_seconds=config.expiry_seconds,
-                                        reservation_seconds=config.reservation_seconds,
-                                        forget_seconds=config.forget_seconds)
+        self.registry = ChannelRegistry(
+            expiry_seconds=config.expiry_seconds,
+            reservation_seconds=config.reservation_seconds,
+            forget_seconds=config.forget_seconds,
+        )
         self.registry.offered_images.update(self.queue.images())
         self.pending = PendingEnqueues(config.reservation_seconds)
         self.stats = Stats()
@@ -187,7 +193,7 @@ class Master:
 
     def close(self) -> None:
         """Stop the payload lane and maintenance, seal the backlog; idempotent."""
-        self.begin_shutdown()   # first: waiting pulls return, so the lane's stop() need not wait for them
+        self.begin_shutdown()  # first: waiting pulls return, so the lane's stop() need not wait for them
         if self.lane is not None:
             self.lane.stop()
         self._stop.set()
@@ -220,7 +226,7 @@ class Master:
                 self.queue.void_leases(channel_id, "worker expired", settle=False)
             if result.expired_workers or result.lapsed_channels:
                 self._cond.notify_all()
-        self.queue.settle()   # dead-letter copies (up to a tuple's size of disk I/O) off the master lock
+        self.queue.settle()  # dead-letter copies (up to a tuple's size of disk I/O) off the master lock
         for worker_id in result.expired_workers:
             log.warning("worker expired", extra={"worker": worker_id, "after_s": self.config.expiry_seconds})
         for channel_id in self.queue.expire_leases():
@@ -253,8 +259,9 @@ class Master:
 
     # ---- routing -----------------------------------------------------------------
 
-    def route(self, *, source: str, image: str, items: list[RouteItem], force_queue: bool = False,
-              wait_seconds: float = 0.0) -> Routed:
+    def route(
+        self, *, source: str, image: str, items: list[RouteItem], force_queue: bool = False, wait_seconds: float = 0.0
+    ) -> Routed:
         """Assign ids (keeping those already routed) and decide where the batch goes.
 
         With ``wait_seconds``, a batch that finds every channel busy (and
@@ -267,11 +274,14 @@ class Master:
         with self._cond:
             for item in items:
                 if item.tuple_id and not self.ids.issued(item.tuple_id):
-                    raise InvalidArgument(f"tuple id {item.tuple_id} was never issued by this master "
-                                          f"(last issued {self.ids.last_issued})")
+                    raise InvalidArgument(
+                        f"tuple id {item.tuple_id} was never issued by this master (last issued {self.ids.last_issued})"
+                    )
             if not self._known_image(image):
-                raise NotFound(f"image '{image}': no worker offers it and it is not in the master's images "
-                               f"({self._images_known()})")
+                raise NotFound(
+                    f"image '{image}': no worker offers it and it is not in the master's images "
+                    f"({self._images_known()})"
+                )
             fresh = iter(self.ids.allocate(sum(1 for i in items if not i.tuple_id)))
             tuple_ids = [item.tuple_id or next(fresh) for item in items]
             route = self._route_waiting(image, tuple_ids, force_queue, wait_seconds)
@@ -290,14 +300,26 @@ class Master:
         try:
             while True:
                 first = waiters[0] is token
-                decide_now = (force_queue or self._stopping or time.monotonic() >= deadline
-                              or self.queue.ready_count(image) > 0 or self.pending.count(image) > 0
-                              or not self.registry.serves(image) or len(waiters) > self.config.pull_waiters)
+                decide_now = (
+                    force_queue
+                    or self._stopping
+                    or time.monotonic() >= deadline
+                    or self.queue.ready_count(image) > 0
+                    or self.pending.count(image) > 0
+                    or not self.registry.serves(image)
+                    or len(waiters) > self.config.pull_waiters
+                )
                 if first or decide_now:
-                    route = route_tuples(self.registry, self.pending, image=image, tuple_ids=tuple_ids,
-                                         queue_waiting=self.queue.ready_count(image),
-                                         queue_length=self.queue.length(image), force_queue=force_queue,
-                                         may_wait=not decide_now)
+                    route = route_tuples(
+                        self.registry,
+                        self.pending,
+                        image=image,
+                        tuple_ids=tuple_ids,
+                        queue_waiting=self.queue.ready_count(image),
+                        queue_length=self.queue.length(image),
+                        force_queue=force_queue,
+                        may_wait=not decide_now,
+                    )
                     if route is not None:
                         return route
                 self._cond.wait(max(0.0, min(deadline - time.monotonic(), 1.0)))
@@ -317,8 +339,9 @@ class Master:
             raise InvalidArgument(f"a route request carries 1 to {MAX_ROUTE_ITEMS} items, got {len(items)}")
         for n, item in enumerate(items):
             if item.size > self.config.max_tuple_bytes:
-                raise InvalidArgument(f"item {n}: {item.size} bytes is over max_tuple_bytes "
-                                      f"({self.config.max_tuple_bytes})")
+                raise InvalidArgument(
+                    f"item {n}: {item.size} bytes is over max_tuple_bytes ({self.config.max_tuple_bytes})"
+                )
 
     def _known_image(self, image: str) -> bool:
         return image in self.config.images or image in self.registry.offered_images
@@ -335,27 +358,46 @@ class Master:
 
     def enqueue(self, frames: Iterable[TupleFrame]) -> Iterator[Stored]:
         """Store a stream of tuples in the backlog; one receipt each (see BacklogQueue.receive)."""
-        stored_any = self.queue.receive(frames, max_tuple_bytes=self.config.max_tuple_bytes,
-                                        max_chunk_bytes=self.config.chunk_bytes,
-                                        admit=self._admit)
+        stored_any = self.queue.receive(
+            frames,
+            max_tuple_bytes=self.config.max_tuple_bytes,
+            max_chunk_bytes=self.config.chunk_bytes,
+            admit=self._admit,
+        )
         for stored in stored_any:
             with self._cond:
                 self.pending.arrived(stored.meta.image, stored.meta.tuple_id)
-            log.debug("enqueued", extra={"tuple_id": stored.meta.tuple_id, "image": stored.meta.image,
-                                         "placement": stored.placement.value})
+            log.debug(
+                "enqueued",
+                extra={
+                    "tuple_id": stored.meta.tuple_id,
+                    "image": stored.meta.image,
+                    "placement": stored.placement.value,
+                },
+            )
             yield stored
 
     def _admit(self, meta: TupleMeta) -> None:
         with self._cond:
             if not self.ids.issued(meta.tuple_id):
-                raise InvalidArgument(f"tuple {meta.tuple_id}: id was never issued by this master "
-                                      f"(last issued {self.ids.last_issued}); route it first")
+                raise InvalidArgument(
+                    f"tuple {meta.tuple_id}: id was never issued by this master "
+                    f"(last issued {self.ids.last_issued}); route it first"
+                )
             if not self._known_image(meta.image):
-                raise NotFound(f"tuple {meta.tuple_id}: image '{meta.image}' is neither configured nor "
-                               "offered by any worker")
+                raise NotFound(
+                    f"tuple {meta.tuple_id}: image '{meta.image}' is neither configured nor offered by any worker"
+                )
 
-    def pull(self, channel_id: str, wait_seconds: float, *, max_tuples: int = 1,
-             max_bytes: int = 0, alive: Callable[[], bool] = lambda: True) -> Pulled | None:
+    def pull(
+        self,
+        channel_id: str,
+        wait_seconds: float,
+        *,
+        max_tuples: int = 1,
+        max_bytes: int = 0,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> Pulled | None:
         """Lease the head of the channel's image queue (and up to ``max_tuples`` tuples of at
         most ``max_bytes`` in all after it), waiting up to ``wait_seconds``; None if nothing.
 
@@ -380,14 +422,24 @@ class Master:
                         return None
                     # A channel reserved for a direct stream keeps its pull waiting: it may lease
                     # once the stream releases it, and the engine need not open a new pull per stream.
-                    if channel.state != ChannelState.DIRECT and self.registry.routable(channel) \
-                            and not self._yields(channel):
-                        leases = self.queue.lease_many(channel.image, channel_id, self.config.lease_seconds,
-                                                       max_tuples=max_tuples, max_bytes=max_bytes)
+                    if (
+                        channel.state != ChannelState.DIRECT
+                        and self.registry.routable(channel)
+                        and not self._yields(channel)
+                    ):
+                        leases = self.queue.lease_many(
+                            channel.image,
+                            channel_id,
+                            self.config.lease_seconds,
+                            max_tuples=max_tuples,
+                            max_bytes=max_bytes,
+                        )
                         if leases:
                             self.registry.set_queue(channel, leased=True)
-                            log.debug("pulled", extra={"tuple_id": leases[0].tuple_id, "tuples": len(leases),
-                                                       "channel": channel_id})
+                            log.debug(
+                                "pulled",
+                                extra={"tuple_id": leases[0].tuple_id, "tuples": len(leases), "channel": channel_id},
+                            )
                             return Pulled(self, leases)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -396,9 +448,11 @@ class Master:
                         return None
                     if not waiting:
                         if self._waiters >= self.config.pull_waiters:
-                            raise ResourceExhausted(f"{self._waiters} PullTuple calls already wait "
-                                                    f"(pull_waiters={self.config.pull_waiters})",
-                                                    retry_after=min(1.0, wait_seconds))
+                            raise ResourceExhausted(
+                                f"{self._waiters} PullTuple calls already wait "
+                                f"(pull_waiters={self.config.pull_waiters})",
+                                retry_after=min(1.0, wait_seconds),
+                            )
                         self._waiters += 1
                         waiting = True
                     self._cond.wait(remaining)
@@ -417,21 +471,41 @@ class Master:
         """Void the leases of a pull whose stream broke; the tuples go back to the head of their
         queue. Only those the stream had started to send are charged (``charge``): the rest
         never left the master."""
-        voided = [lease for n, lease in reversed(list(enumerate(pulled.leases)))
-                  if self.queue.void_lease(lease, reason, charge=charge and n < pulled.started)]
+        voided = [
+            lease
+            for n, lease in reversed(list(enumerate(pulled.leases)))
+            if self.queue.void_lease(lease, reason, charge=charge and n < pulled.started)
+        ]
         if not voided:
             return
-        log.info("lease voided", extra={"tuple_id": pulled.lease.tuple_id, "tuples": len(voided),
-                                        "channel": pulled.lease.channel_id, "reason": reason})
+        log.info(
+            "lease voided",
+            extra={
+                "tuple_id": pulled.lease.tuple_id,
+                "tuples": len(voided),
+                "channel": pulled.lease.channel_id,
+                "reason": reason,
+            },
+        )
         with self._cond:
             channel = self.registry.channel(pulled.lease.channel_id)
-            if channel is not None and channel.state == ChannelState.QUEUE \
-                    and not self.queue.has_lease(channel.channel_id):
+            if (
+                channel is not None
+                and channel.state == ChannelState.QUEUE
+                and not self.queue.has_lease(channel.channel_id)
+            ):
                 self.registry.set_free(channel)
             self._cond.notify_all()
 
-    def report(self, channel_id: str, outcomes: list[Outcome], release: bool, *, processing: bool = False,
-               pull_done: bool = False) -> bool:
+    def report(
+        self,
+        channel_id: str,
+        outcomes: list[Outcome],
+        release: bool,
+        *,
+        processing: bool = False,
+        pull_done: bool = False,
+    ) -> bool:
         """Record outcomes, settle queued tuples, release the channel; True: pull the queue next.
 
         ``processing`` is whether the channel is processing a tuple as it
@@ -461,11 +535,15 @@ class Master:
                 continue
             if outcome.ok:
                 if not self.queue.ack(outcome.tuple_id, channel_id):
-                    log.info("success report ignored: tuple not queued or never held by this channel",
-                             extra={"tuple_id": outcome.tuple_id, "channel": channel_id})
+                    log.info(
+                        "success report ignored: tuple not queued or never held by this channel",
+                        extra={"tuple_id": outcome.tuple_id, "channel": channel_id},
+                    )
             elif not self.queue.fail(outcome.tuple_id, channel_id, outcome.message):
-                log.info("failure report ignored: tuple not leased to this channel",
-                         extra={"tuple_id": outcome.tuple_id, "channel": channel_id})
+                log.info(
+                    "failure report ignored: tuple not leased to this channel",
+                    extra={"tuple_id": outcome.tuple_id, "channel": channel_id},
+                )
         if not release:
             self._after_outcomes(channel_id)
             return False
@@ -486,8 +564,10 @@ class Master:
     def _check_outcome(self, n: int, outcome: Outcome) -> None:
         """Refuse figures no real tuple can have, so a bad report cannot poison the counters."""
         if outcome.size > self.config.max_tuple_bytes:
-            raise InvalidArgument(f"outcome {n}: size {outcome.size} is over max_tuple_bytes "
-                                  f"({self.config.max_tuple_bytes}); no tuple that large was routed")
+            raise InvalidArgument(
+                f"outcome {n}: size {outcome.size} is over max_tuple_bytes "
+                f"({self.config.max_tuple_bytes}); no tuple that large was routed"
+            )
         for name in ("processing_seconds", "accepted_unix", "stored_unix"):
             value = getattr(outcome, name)
             if not math.isfinite(value) or value < 0:
@@ -497,8 +577,12 @@ class Master:
         """A QUEUE channel whose tuple is settled but not released lapses to FREE unless it pulls again."""
         with self._cond:
             channel = self.registry.channel(channel_id)
-            if channel is not None and channel.state == ChannelState.QUEUE and channel.deadline == NEVER \
-                    and not self.queue.has_lease(channel_id):
+            if (
+                channel is not None
+                and channel.state == ChannelState.QUEUE
+                and channel.deadline == NEVER
+                and not self.queue.has_lease(channel_id)
+            ):
                 self.registry.set_queue(channel, leased=False)
 
     # ---- dead letters and status -------------------------------------------------
@@ -512,21 +596,35 @@ class Master:
     def status(self) -> Status:
         """A consistent snapshot of everything an operator looks at."""
         with self._cond:
-            workers = [(w, self.registry.age(w), [dataclasses.replace(c) for c in w.channels.values()])
-                       for w in self.registry.workers()]
+            workers = [
+                (w, self.registry.age(w), [dataclasses.replace(c) for c in w.channels.values()])
+                for w in self.registry.workers()
+            ]
             free, busy, down = self.registry.counts()
             queues = self.queue.status()
             rates = self.stats.rates()
             used = self.queue.used_bytes
             dead = len(self.dead)
             warnings = self._warnings(queues, used, dead)
-            return Status(uptime_seconds=self.stats.uptime(), workers=workers, queues=queues,
-                          channels_free=free, channels_busy=busy, channels_down=down,
-                          routed_direct=self.stats.routed_direct, routed_queue=self.stats.routed_queue,
-                          tuples_done=self.stats.tuples_done, tuples_failed=self.stats.tuples_failed,
-                          bytes_done=self.stats.bytes_done, tuples_per_second=rates.tuples_per_second,
-                          bytes_per_second=rates.bytes_per_second, queue_bytes_limit=self.config.queue_bytes,
-                          dead_letters=dead, warnings=warnings, last_tuple_id=self.ids.last_issued)
+            return Status(
+                uptime_seconds=self.stats.uptime(),
+                workers=workers,
+                queues=queues,
+                channels_free=free,
+                channels_busy=busy,
+                channels_down=down,
+                routed_direct=self.stats.routed_direct,
+                routed_queue=self.stats.routed_queue,
+                tuples_done=self.stats.tuples_done,
+                tuples_failed=self.stats.tuples_failed,
+                bytes_done=self.stats.bytes_done,
+                tuples_per_second=rates.tuples_per_second,
+                bytes_per_second=rates.bytes_per_second,
+                queue_bytes_limit=self.config.queue_bytes,
+                dead_letters=dead,
+                warnings=warnings,
+                last_tuple_id=self.ids.last_issued,
+            )
 
     def _warnings(self, queues: list[ImageQueue], used: int, dead: int) -> list[str]:
         warnings = []
@@ -535,16 +633,21 @@ class Master:
                 warnings.append(f"no channel offers image {q.image}; {q.length} tuples wait in its queue")
         for worker in self.registry.workers():
             if not worker.live:
-                warnings.append(f"worker {worker.worker_id} expired (no heartbeat for "
-                                f"{self.registry.age(worker):.0f} s)")
+                warnings.append(
+                    f"worker {worker.worker_id} expired (no heartbeat for {self.registry.age(worker):.0f} s)"
+                )
         if used >= QUEUE_FULL_WARNING * self.config.queue_bytes:
-            warnings.append(f"backlog queue {100 * used / self.config.queue_bytes:.0f}% full "
-                            f"({used} of {self.config.queue_bytes} bytes)")
+            warnings.append(
+                f"backlog queue {100 * used / self.config.queue_bytes:.0f}% full "
+                f"({used} of {self.config.queue_bytes} bytes)"
+            )
         if dead:
             warnings.append(f"{dead} dead letters (see `hio dead-letters`)")
         if self._durability.budget.failure:
-            warnings.append(f"{self._durability.budget.failure}; tuples with no free channel wait "
-                            "in their gateways' spools meanwhile")
+            warnings.append(
+                f"{self._durability.budget.failure}; tuples with no free channel wait "
+                "in their gateways' spools meanwhile"
+            )
         return warnings
 
 

@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
+from hio.master.storage import Durability, write_all
 from hio.storage.files import copy_exact
 from hio.transport.frames import TupleMeta
-from hio.master.storage import Durability, write_all
 
 log = logging.getLogger("hio.master")
 
@@ -137,7 +137,7 @@ class DeadLetterStore:
             self._letters.pop(tuple_id, None)
             self._meta(tuple_id).unlink(missing_ok=True)
             self._payload(tuple_id).unlink(missing_ok=True)
-        self.durability.sync_folder(self.root, refuse=False)   # it is back in the queue already
+        self.durability.sync_folder(self.root, refuse=False)  # it is back in the queue already
 
     def _payload(self, tuple_id: int) -> Path:
         return self.root / f"{tuple_id}.payload"
@@ -147,15 +147,22 @@ class DeadLetterStore:
 
     def _publish(self, meta: TupleMeta, tmp: Path, reason: str, seq: int) -> DeadLetter:
         letter = DeadLetter(meta=_copy(meta), reason=reason[:4096], failed_unix=time.time(), seq=seq)
-        doc = {"meta": base64.b64encode(letter.meta.SerializeToString()).decode(),
-               "reason": letter.reason, "failed_unix": letter.failed_unix, "seq": seq}
+        doc = {
+            "meta": base64.b64encode(letter.meta.SerializeToString()).decode(),
+            "reason": letter.reason,
+            "failed_unix": letter.failed_unix,
+            "seq": seq,
+        }
         with self._lock:
             os.replace(tmp, self._payload(meta.tuple_id))
-            self.durability.replace(self.root / f"{meta.tuple_id}.json.tmp", self._meta(meta.tuple_id),
-                                    json.dumps(doc).encode())
+            self.durability.replace(
+                self.root / f"{meta.tuple_id}.json.tmp", self._meta(meta.tuple_id), json.dumps(doc).encode()
+            )
             self._letters[meta.tuple_id] = letter
-        log.warning("dead letter", extra={"tuple_id": meta.tuple_id, "image": meta.image,
-                                          "attempt": meta.attempt, "reason": letter.reason})
+        log.warning(
+            "dead letter",
+            extra={"tuple_id": meta.tuple_id, "image": meta.image, "attempt": meta.attempt, "reason": letter.reason},
+        )
         return letter
 
     def _load(self) -> None:
@@ -165,8 +172,12 @@ class DeadLetterStore:
             try:
                 doc = json.loads(path.read_text())
                 meta = TupleMeta.FromString(base64.b64decode(doc["meta"]))
-                letter = DeadLetter(meta=meta, reason=str(doc["reason"]),
-                                    failed_unix=float(doc["failed_unix"]), seq=int(doc.get("seq", 0)))
+                letter = DeadLetter(
+                    meta=meta,
+                    reason=str(doc["reason"]),
+                    failed_unix=float(doc["failed_unix"]),
+                    seq=int(doc.get("seq", 0)),
+                )
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.error("unreadable dead letter skipped", extra={"path": str(path), "error": str(exc)})
                 continue

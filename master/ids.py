@@ -12,8 +12,8 @@ import os
 import struct
 from pathlib import Path
 
-from hio.transport.frames import crc32
 from hio.master.storage import fsync_dir
+from hio.transport.frames import crc32
 
 _RECORD = struct.Struct(">QI")  # high-water mark, CRC-32 of the mark
 MAX_ID = 2**64 - 1
@@ -80,7 +80,8 @@ class TupleIdAllocator:
             raise IdFileError(f"{self._path}: expected {_RECORD.size} bytes, found {len(raw)}")
         mark, check = _RECORD.unpack(raw)
         if crc32(struct.pack(">Q", mark)) != check:
-            raise IdFileError(f"{self._path}: checksum mismatch; restore it or remove it only if "
-                              "no gateway holds ids from this master")
+            raise IdFileError(
+                f"{self._path}: checksum mismatch; restore it or remove it only if "
+                "no gateway holds ids from this master"
+            )
         return mark
-

@@ -21,17 +21,17 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
+from hio.master.storage import Durability
+from hio.storage.segmentlog import Naming, Segment, SegmentLog
 from hio.transport.errors import InvalidArgument, Unavailable
 from hio.transport.frames import TupleMeta, crc32
-from hio.storage.segmentlog import Naming, Segment, SegmentLog
-from hio.master.storage import Durability
 
 log = logging.getLogger("hio.master")
 
-_HEAD = struct.Struct(">4sIQ")     # magic, meta length, payload length
-_TAIL = struct.Struct(">4sQI")     # magic, sequence number, CRC-32 of head + meta + sequence
+_HEAD = struct.Struct(">4sIQ")  # magic, meta length, payload length
+_TAIL = struct.Struct(">4sQI")  # magic, sequence number, CRC-32 of head + meta + sequence
 _SEQ = struct.Struct(">Q")
-_ENTRY = struct.Struct(">BQqII")   # kind, sequence, order, attempt, CRC-32
+_ENTRY = struct.Struct(">BQqII")  # kind, sequence, order, attempt, CRC-32
 _ENTRY_BODY = struct.Struct(">BQqI")
 _HEAD_MAGIC = b"HIOR"
 _TAIL_MAGIC = b"HIOE"
@@ -51,8 +51,8 @@ class RecordWriter:
         self.segment = segment
         self.meta = meta
         self.cache = cache
-        self.ended = False    # reservations settled and segment handed back
-        self.admitted = 0     # bytes the durability policy counts for this record until it is written
+        self.ended = False  # reservations settled and segment handed back
+        self.admitted = 0  # bytes the durability policy counts for this record until it is written
         self.start = segment.size
         self._chunks: list[bytes | memoryview] = []
         meta_bytes = meta.SerializeToString()
@@ -97,7 +97,7 @@ class Journal:
         self._log = log
         self._durable = durability
         self._file: Segment | None = None
-        self._unreported = 0   # bytes appended and not yet reported to the log
+        self._unreported = 0  # bytes appended and not yet reported to the log
 
     @property
     def fd(self) -> int | None:
@@ -115,7 +115,7 @@ class Journal:
         good = 0
         for pos in range(0, len(raw) - _ENTRY.size + 1, _ENTRY.size):
             kind, seq, order, attempt, check = _ENTRY.unpack_from(raw, pos)
-            if crc32(raw[pos:pos + _ENTRY.size - 4]) != check or kind not in (ACK, MOVE):
+            if crc32(raw[pos : pos + _ENTRY.size - 4]) != check or kind not in (ACK, MOVE):
                 break
             if kind == ACK:
                 acked.add(seq)
@@ -149,10 +149,10 @@ class Journal:
         """Atomically replace the journal with ``lines``."""
         data = b"".join(_entry(*line) for line in lines)
         replaced = False
-        try:   # the old file stays the journal until the new one has replaced it
+        try:  # the old file stays the journal until the new one has replaced it
             self._durable.replace(self.path.with_suffix(".tmp"), self.path, data)
             replaced = True
-        finally:   # append to whichever file is the journal now (the new one, or still the old)
+        finally:  # append to whichever file is the journal now (the new one, or still the old)
             self.close(replaced=replaced)
             self._file = self._log.attach(self.path)
 
@@ -163,7 +163,7 @@ class Journal:
             file, self._file = self._file, None
             if replaced:
                 self._log.delete(file)
-            else:              # entries not reported yet (a MOVE's) are synced with the rest
+            else:  # entries not reported yet (a MOVE's) are synced with the rest
                 self.written(file)
                 self._log.seal(file)
             self._unreported = 0
@@ -193,16 +193,17 @@ def scan_segment(path: Path) -> tuple[list[tuple[int, TupleMeta, int]], int]:
                 if found is None:
                     break
                 start, parsed = found
-                log.error("damaged record in a backlog segment skipped; the tuple in it is lost",
-                          extra={"segment": path.name, "offset": pos, "bytes": start - pos})
+                log.error(
+                    "damaged record in a backlog segment skipped; the tuple in it is lost",
+                    extra={"segment": path.name, "offset": pos, "bytes": start - pos},
+                )
             seq, meta, offset, end = parsed
             records.append((seq, meta, offset))
             pos = end
     return records, pos
 
 
-def _next_record(fh: BinaryIO, start: int,
-                 total: int) -> tuple[int, tuple[int, TupleMeta, int, int]] | None:
+def _next_record(fh: BinaryIO, start: int, total: int) -> tuple[int, tuple[int, TupleMeta, int, int]] | None:
     """(where it starts, the record) of the first good record at or after ``start`` (found
     by its head magic), or None."""
     block = 1 << 20

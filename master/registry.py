@@ -37,7 +37,7 @@ class ChannelSpec:
     address: str
     down: bool = False
     detail: str = ""
-    lane_address: str = ""      # the engine's payload lane; empty = none
+    lane_address: str = ""  # the engine's payload lane; empty = none
 
 
 @dataclasses.dataclass
@@ -50,9 +50,9 @@ class Channel:
     state: ChannelState = ChannelState.FREE
     detail: str = ""
     tuples_done: int = 0
-    last_used: float = 0.0        # when it was last given work: free channels are chosen least recently used
-    processing: bool = False      # its last report said a tuple is in progress (a FREE one finishes its last)
-    deadline: float = NEVER       # DIRECT, or QUEUE before its pull: becomes FREE after this without reports
+    last_used: float = 0.0  # when it was last given work: free channels are chosen least recently used
+    processing: bool = False  # its last report said a tuple is in progress (a FREE one finishes its last)
+    deadline: float = NEVER  # DIRECT, or QUEUE before its pull: becomes FREE after this without reports
 
 
 @dataclasses.dataclass
@@ -74,15 +74,21 @@ class Expiry:
     """What one expiry pass changed."""
 
     expired_workers: list[str]
-    down_channels: list[str]       # their leases must be voided
-    lapsed_channels: list[str]     # reservations that ran out (now FREE)
+    down_channels: list[str]  # their leases must be voided
+    lapsed_channels: list[str]  # reservations that ran out (now FREE)
 
 
 class ChannelRegistry:
     """Registered workers, their channels and channel states."""
 
-    def __init__(self, *, expiry_seconds: float, reservation_seconds: float, forget_seconds: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        expiry_seconds: float,
+        reservation_seconds: float,
+        forget_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.expiry_seconds = expiry_seconds
         self.reservation_seconds = reservation_seconds
         self.forget_seconds = forget_seconds
@@ -119,20 +125,27 @@ class ChannelRegistry:
             self._channels.pop(channel_id, None)
         channels: dict[str, Channel] = {}
         for spec in specs:
-            previous = self._channels.pop(spec.channel_id, None)   # taken over from an expired worker
+            previous = self._channels.pop(spec.channel_id, None)  # taken over from an expired worker
             if previous is not None:
                 self._workers[previous.worker_id].channels.pop(spec.channel_id, None)
                 replaced.append(spec.channel_id)
             done = old.channels[spec.channel_id].tuples_done if old and spec.channel_id in old.channels else 0
-            channel = Channel(channel_id=spec.channel_id, worker_id=worker_id, image=spec.image,
-                              address=spec.address, lane_address=spec.lane_address, tuples_done=done,
-                              state=ChannelState.DOWN if spec.down else ChannelState.FREE,
-                              detail=spec.detail if spec.down else "")
+            channel = Channel(
+                channel_id=spec.channel_id,
+                worker_id=worker_id,
+                image=spec.image,
+                address=spec.address,
+                lane_address=spec.lane_address,
+                tuples_done=done,
+                state=ChannelState.DOWN if spec.down else ChannelState.FREE,
+                detail=spec.detail if spec.down else "",
+            )
             channels[spec.channel_id] = channel
             self._channels[spec.channel_id] = channel
             self.offered_images.add(spec.image)
-        self._workers[worker_id] = Worker(worker_id=worker_id, host=host[:MAX_NAME], cpus=cpus,
-                                          last_seen=now, channels=channels)
+        self._workers[worker_id] = Worker(
+            worker_id=worker_id, host=host[:MAX_NAME], cpus=cpus, last_seen=now, channels=channels
+        )
         return replaced
 
     def heartbeat(self, worker_id: str, down: dict[str, str]) -> tuple[bool, list[str]]:
@@ -202,8 +215,11 @@ class ChannelRegistry:
         One with nothing in progress before one still processing its last
         tuple (that one would make the new tuple wait), then least recently used.
         """
-        free = [c for c in self._channels.values()
-                if c.image == image and c.state == ChannelState.FREE and self._workers[c.worker_id].live]
+        free = [
+            c
+            for c in self._channels.values()
+            if c.image == image and c.state == ChannelState.FREE and self._workers[c.worker_id].live
+        ]
         if not free:
             return None
         channel = min(free, key=lambda c: (c.processing, c.last_used, c.channel_id))
@@ -217,10 +233,16 @@ class ChannelRegistry:
         """True if another live channel of ``channel``'s image is idle: FREE and processing
         nothing, or QUEUE and holding no lease (released, its pull on the way). A pull ahead
         (from a channel still busy with its last pull) yields to it."""
-        return any(c.image == channel.image and c is not channel and self._workers[c.worker_id].live
-                   and ((c.state == ChannelState.FREE and not c.processing)
-                        or (c.state == ChannelState.QUEUE and not holds_lease(c.channel_id)))
-                   for c in self._channels.values())
+        return any(
+            c.image == channel.image
+            and c is not channel
+            and self._workers[c.worker_id].live
+            and (
+                (c.state == ChannelState.FREE and not c.processing)
+                or (c.state == ChannelState.QUEUE and not holds_lease(c.channel_id))
+            )
+            for c in self._channels.values()
+        )
 
     def touch(self, channel: Channel) -> None:
         """A report from the channel: a reservation (not a lease-held QUEUE) lives on."""

@@ -25,7 +25,7 @@ class DirectRoute:
 
 @dataclasses.dataclass(frozen=True)
 class QueueRoute:
-    queue_length: int   # tuples of the image ahead of these (queued or on their way)
+    queue_length: int  # tuples of the image ahead of these (queued or on their way)
 
 
 Route = DirectRoute | QueueRoute
@@ -73,9 +73,17 @@ class PendingEnqueues:
                 del self._pending[name]
 
 
-def route_tuples(registry: ChannelRegistry, pending: PendingEnqueues, *, image: str, tuple_ids: list[int],
-                 queue_waiting: int, queue_length: int, force_queue: bool,
-                 may_wait: bool = False) -> Route | None:
+def route_tuples(
+    registry: ChannelRegistry,
+    pending: PendingEnqueues,
+    *,
+    image: str,
+    tuple_ids: list[int],
+    queue_waiting: int,
+    queue_length: int,
+    force_queue: bool,
+    may_wait: bool = False,
+) -> Route | None:
     """Decide the route of one batch; reserves the channel or records the pending enqueues.
 
     With ``may_wait``, None instead of a queue route when only a busy channel
@@ -85,8 +93,12 @@ def route_tuples(registry: ChannelRegistry, pending: PendingEnqueues, *, image: 
     if not force_queue and queue_waiting == 0 and on_the_way == 0:
         channel = registry.reserve_free(image)
         if channel is not None:
-            return DirectRoute(channel_id=channel.channel_id, address=channel.address,
-                               reservation_seconds=registry.reservation_seconds, lane_address=channel.lane_address)
+            return DirectRoute(
+                channel_id=channel.channel_id,
+                address=channel.address,
+                reservation_seconds=registry.reservation_seconds,
+                lane_address=channel.lane_address,
+            )
         if may_wait:
             return None
     pending.add(image, tuple_ids)

@@ -13,15 +13,15 @@ from typing import cast
 import grpc
 from google.protobuf.message import DecodeError
 
-from hio.transport.errors import InvalidArgument, grpc_errors
-from hio.transport.frames import ChunkFrame, TupleFrame, TupleReceipt, WireFrame, idle_bounded
-from hio.transport.lane import LaneFrame, lane_frames
 from hio.master.backlog import Placement
 from hio.master.core import PULL_PACK_BYTES, Master, Outcome, RouteItem, Status
 from hio.master.deadletters import DeadLetter
 from hio.master.registry import ChannelSpec
 from hio.master.routing import DirectRoute
 from hio.proto import master_pb2, master_pb2_grpc
+from hio.transport.errors import InvalidArgument, grpc_errors
+from hio.transport.frames import ChunkFrame, TupleFrame, TupleReceipt, WireFrame, idle_bounded
+from hio.transport.lane import LaneFrame, lane_frames
 
 # Method name -> roles allowed (passed to hio.transport.net.create_server as `policy`).
 POLICY: dict[str, set[str]] = {
@@ -50,36 +50,59 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._master = master
 
     @grpc_errors
-    def RegisterWorker(self, request: master_pb2.RegisterWorkerRequest,
-                       context: grpc.ServicerContext) -> master_pb2.RegisterWorkerResponse:
-        specs = [ChannelSpec(channel_id=c.channel_id, image=c.image, address=c.address,
-                             lane_address=c.lane_address, down=c.state == master_pb2.DOWN, detail=c.detail)
-                 for c in request.channels]
+    def RegisterWorker(
+        self, request: master_pb2.RegisterWorkerRequest, context: grpc.ServicerContext
+    ) -> master_pb2.RegisterWorkerResponse:
+        specs = [
+            ChannelSpec(
+                channel_id=c.channel_id,
+                image=c.image,
+                address=c.address,
+                lane_address=c.lane_address,
+                down=c.state == master_pb2.DOWN,
+                detail=c.detail,
+            )
+            for c in request.channels
+        ]
         self._master.register_worker(request.worker_id, request.host, request.cpus, specs)
         config = self._master.config
-        return master_pb2.RegisterWorkerResponse(heartbeat_interval_seconds=config.heartbeat_interval,
-                                                 expiry_seconds=config.expiry_seconds)
+        return master_pb2.RegisterWorkerResponse(
+            heartbeat_interval_seconds=config.heartbeat_interval, expiry_seconds=config.expiry_seconds
+        )
 
     @grpc_errors
-    def Heartbeat(self, request: master_pb2.HeartbeatRequest,
-                  context: grpc.ServicerContext) -> master_pb2.HeartbeatResponse:
+    def Heartbeat(
+        self, request: master_pb2.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> master_pb2.HeartbeatResponse:
         down = {c.channel_id: c.detail for c in request.channels if c.state == master_pb2.DOWN}
         return master_pb2.HeartbeatResponse(known=self._master.heartbeat(request.worker_id, down))
 
     @grpc_errors
-    def RouteTuples(self, request: master_pb2.RouteTuplesRequest,
-                    context: grpc.ServicerContext) -> master_pb2.RouteTuplesResponse:
+    def RouteTuples(
+        self, request: master_pb2.RouteTuplesRequest, context: grpc.ServicerContext
+    ) -> master_pb2.RouteTuplesResponse:
         items = [RouteItem(size=i.size, tuple_id=i.tuple_id) for i in request.items]
-        routed = self._master.route(source=request.source, image=request.image, items=items,
-                                    force_queue=request.force_queue, wait_seconds=request.wait_seconds)
+        routed = self._master.route(
+            source=request.source,
+            image=request.image,
+            items=items,
+            force_queue=request.force_queue,
+            wait_seconds=request.wait_seconds,
+        )
         reply = master_pb2.RouteTuplesResponse(tuple_ids=routed.tuple_ids, tickets=routed.tickets)
         if isinstance(routed.route, DirectRoute):
-            reply.channel.CopyFrom(master_pb2.ChannelRoute(
-                channel_id=routed.route.channel_id, address=routed.route.address,
-                reservation_seconds=routed.route.reservation_seconds, lane_address=routed.route.lane_address))
+            reply.channel.CopyFrom(
+                master_pb2.ChannelRoute(
+                    channel_id=routed.route.channel_id,
+                    address=routed.route.address,
+                    reservation_seconds=routed.route.reservation_seconds,
+                    lane_address=routed.route.lane_address,
+                )
+            )
         else:
-            reply.queue.CopyFrom(master_pb2.QueueRoute(queue_length=routed.route.queue_length,
-                                                      lane_port=self._master.lane_port))
+            reply.queue.CopyFrom(
+                master_pb2.QueueRoute(queue_length=routed.route.queue_length, lane_port=self._master.lane_port)
+            )
         return reply
 
     @grpc_errors
@@ -92,9 +115,13 @@ class MasterService(master_pb2_grpc.MasterServicer):
         of ``chunk_bytes``, so both take the same chunk bound)."""
         # A ChunkFrame reads like a TupleFrame to the FrameReader the backlog reads with.
         for stored in self._master.enqueue(cast("Iterable[TupleFrame]", frames)):
-            yield TupleReceipt(index=stored.index, tuple_id=stored.meta.tuple_id, state=TupleReceipt.ENQUEUED,
-                               message=_RECEIPT_MESSAGES[stored.placement],
-                               dead_lettered=stored.placement is Placement.DEAD_LETTER)
+            yield TupleReceipt(
+                index=stored.index,
+                tuple_id=stored.meta.tuple_id,
+                state=TupleReceipt.ENQUEUED,
+                message=_RECEIPT_MESSAGES[stored.placement],
+                dead_lettered=stored.placement is Placement.DEAD_LETTER,
+            )
 
     def pull_for_lane(self, request_bytes: bytes, alive: Callable[[], bool]) -> Iterator[LaneFrame]:
         """PullTuple on the payload lane: the leased tuples as lane frames (a payload on disk is
@@ -104,8 +131,13 @@ class MasterService(master_pb2_grpc.MasterServicer):
             request = master_pb2.PullTupleRequest.FromString(request_bytes)
         except DecodeError as exc:
             raise InvalidArgument(f"unreadable PullTupleRequest: {exc}") from None
-        pulled = self._master.pull(request.channel_id, request.wait_seconds, max_tuples=request.max_tuples,
-                                   max_bytes=request.max_bytes, alive=alive)
+        pulled = self._master.pull(
+            request.channel_id,
+            request.wait_seconds,
+            max_tuples=request.max_tuples,
+            max_bytes=request.max_bytes,
+            alive=alive,
+        )
         if pulled is None:
             return
         if not alive():
@@ -121,8 +153,13 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     @grpc_errors
     def PullTuple(self, request: master_pb2.PullTupleRequest, context: grpc.ServicerContext) -> Iterator[WireFrame]:
-        pulled = self._master.pull(request.channel_id, request.wait_seconds, max_tuples=request.max_tuples,
-                                   max_bytes=request.max_bytes, alive=context.is_active)
+        pulled = self._master.pull(
+            request.channel_id,
+            request.wait_seconds,
+            max_tuples=request.max_tuples,
+            max_bytes=request.max_bytes,
+            alive=context.is_active,
+        )
         if pulled is None:
             return
         finished = threading.Event()
@@ -139,31 +176,49 @@ class MasterService(master_pb2_grpc.MasterServicer):
         finished.set()
 
     @grpc_errors
-    def ReportTuples(self, request: master_pb2.ReportTuplesRequest,
-                     context: grpc.ServicerContext) -> master_pb2.ReportTuplesResponse:
-        outcomes = [Outcome(tuple_id=o.tuple_id, ok=o.ok, message=o.message, from_queue=o.from_queue,
-                            size=o.size, processing_seconds=o.processing_seconds, accepted_unix=o.accepted_unix,
-                            stored_unix=o.stored_unix)
-                    for o in request.outcomes]
-        pull = self._master.report(request.channel_id, outcomes, request.release,
-                                   processing=request.processing, pull_done=request.pull_done)
+    def ReportTuples(
+        self, request: master_pb2.ReportTuplesRequest, context: grpc.ServicerContext
+    ) -> master_pb2.ReportTuplesResponse:
+        outcomes = [
+            Outcome(
+                tuple_id=o.tuple_id,
+                ok=o.ok,
+                message=o.message,
+                from_queue=o.from_queue,
+                size=o.size,
+                processing_seconds=o.processing_seconds,
+                accepted_unix=o.accepted_unix,
+                stored_unix=o.stored_unix,
+            )
+            for o in request.outcomes
+        ]
+        pull = self._master.report(
+            request.channel_id, outcomes, request.release, processing=request.processing, pull_done=request.pull_done
+        )
         config = self._master.config
-        return master_pb2.ReportTuplesResponse(pull_queue=pull, reservation_seconds=config.reservation_seconds,
-                                               lease_seconds=config.lease_seconds, lane_port=self._master.lane_port)
+        return master_pb2.ReportTuplesResponse(
+            pull_queue=pull,
+            reservation_seconds=config.reservation_seconds,
+            lease_seconds=config.lease_seconds,
+            lane_port=self._master.lane_port,
+        )
 
     @grpc_errors
-    def GetStatus(self, request: master_pb2.GetStatusRequest,
-                  context: grpc.ServicerContext) -> master_pb2.GetStatusResponse:
+    def GetStatus(
+        self, request: master_pb2.GetStatusRequest, context: grpc.ServicerContext
+    ) -> master_pb2.GetStatusResponse:
         return _encode_status(self._master.status())
 
     @grpc_errors
-    def ListDeadLetters(self, request: master_pb2.ListDeadLettersRequest,
-                        context: grpc.ServicerContext) -> master_pb2.ListDeadLettersResponse:
+    def ListDeadLetters(
+        self, request: master_pb2.ListDeadLettersRequest, context: grpc.ServicerContext
+    ) -> master_pb2.ListDeadLettersResponse:
         return master_pb2.ListDeadLettersResponse(dead_letters=[_encode_dead(d) for d in self._master.dead_letters()])
 
     @grpc_errors
-    def RetryDeadLetter(self, request: master_pb2.RetryDeadLetterRequest,
-                        context: grpc.ServicerContext) -> master_pb2.RetryDeadLetterResponse:
+    def RetryDeadLetter(
+        self, request: master_pb2.RetryDeadLetterRequest, context: grpc.ServicerContext
+    ) -> master_pb2.RetryDeadLetterResponse:
         self._master.retry_dead_letter(request.tuple_id)
         return master_pb2.RetryDeadLetterResponse()
 
@@ -173,22 +228,47 @@ def _encode_dead(letter: DeadLetter) -> master_pb2.DeadLetter:
 
 
 def _encode_status(status: Status) -> master_pb2.GetStatusResponse:
-    workers = [master_pb2.WorkerStatus(
-        worker_id=worker.worker_id, host=worker.host, last_heartbeat_age_seconds=age,
-        channels=[master_pb2.ChannelInfo(channel_id=c.channel_id, image=c.image, address=c.address,
-                                         lane_address=c.lane_address,
-                                         # the registry's ChannelState has the proto enum's numbers
-                                         state=cast("master_pb2.ChannelState", int(c.state)),
-                                         detail=c.detail, tuples_done=c.tuples_done, processing=c.processing)
-                  for c in channels])
-        for worker, age, channels in status.workers]
-    queues = [master_pb2.QueueStatus(image=q.image, length=q.length, bytes=q.bytes, leased=q.leased)
-              for q in status.queues]
+    workers = [
+        master_pb2.WorkerStatus(
+            worker_id=worker.worker_id,
+            host=worker.host,
+            last_heartbeat_age_seconds=age,
+            channels=[
+                master_pb2.ChannelInfo(
+                    channel_id=c.channel_id,
+                    image=c.image,
+                    address=c.address,
+                    lane_address=c.lane_address,
+                    # the registry's ChannelState has the proto enum's numbers
+                    state=cast("master_pb2.ChannelState", int(c.state)),
+                    detail=c.detail,
+                    tuples_done=c.tuples_done,
+                    processing=c.processing,
+                )
+                for c in channels
+            ],
+        )
+        for worker, age, channels in status.workers
+    ]
+    queues = [
+        master_pb2.QueueStatus(image=q.image, length=q.length, bytes=q.bytes, leased=q.leased) for q in status.queues
+    ]
     return master_pb2.GetStatusResponse(
-        uptime_seconds=status.uptime_seconds, workers=workers, queues=queues,
-        channels_free=status.channels_free, channels_busy=status.channels_busy,
-        channels_down=status.channels_down, routed_direct=status.routed_direct,
-        routed_queue=status.routed_queue, tuples_done=status.tuples_done, tuples_failed=status.tuples_failed,
-        bytes_done=status.bytes_done, tuples_per_second=status.tuples_per_second,
-        bytes_per_second=status.bytes_per_second, queue_bytes_limit=status.queue_bytes_limit,
-        dead_letters=status.dead_letters, warnings=status.warnings, last_tuple_id=status.last_tuple_id)
+        uptime_seconds=status.uptime_seconds,
+        workers=workers,
+        queues=queues,
+        channels_free=status.channels_free,
+        channels_busy=status.channels_busy,
+        channels_down=status.channels_down,
+        routed_direct=status.routed_direct,
+        routed_queue=status.routed_queue,
+        tuples_done=status.tuples_done,
+        tuples_failed=status.tuples_failed,
+        bytes_done=status.bytes_done,
+        tuples_per_second=status.tuples_per_second,
+        bytes_per_second=status.bytes_per_second,
+        queue_bytes_limit=status.queue_bytes_limit,
+        dead_letters=status.dead_letters,
+        warnings=status.warnings,
+        last_tuple_id=status.last_tuple_id,
+    )

@@ -14,7 +14,7 @@ WINDOW_SECONDS = 60
 class Rates:
     tuples_per_second: float
     bytes_per_second: float
-    mean_latency_seconds: float   # accepted at a gateway -> features stored, last minute (0 if unknown)
+    mean_latency_seconds: float  # accepted at a gateway -> features stored, last minute (0 if unknown)
 
 
 class Stats:
@@ -59,8 +59,11 @@ class Stats:
         lat_sum = sum(b[2] for b in self._buckets.values())
         lat_n = sum(b[3] for b in self._buckets.values())
         span = min(float(WINDOW_SECONDS), max(1.0, now - self.started))
-        return Rates(tuples_per_second=tuples / span, bytes_per_second=size / span,
-                     mean_latency_seconds=lat_sum / lat_n if lat_n else 0.0)
+        return Rates(
+            tuples_per_second=tuples / span,
+            bytes_per_second=size / span,
+            mean_latency_seconds=lat_sum / lat_n if lat_n else 0.0,
+        )
 
     def uptime(self) -> float:
         return self._clock() - self.started

@@ -24,15 +24,14 @@ class Durability:
     :meth:`flush_due`, called by the master's maintenance thread, runs one over the
     segment logs that :meth:`attach` named, at most every ``interval`` seconds."""
 
-    def __init__(self, policy: str, interval: float = BATCH_INTERVAL,
-                 unsynced_bytes: int = UNSYNCED_BYTES) -> None:
+    def __init__(self, policy: str, interval: float = BATCH_INTERVAL, unsynced_bytes: int = UNSYNCED_BYTES) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown fsync policy {policy!r}")
         self.policy = policy
         self.budget = SyncBudget(unsynced_bytes, disk="the backlog's disk", owner="master")
         self._interval = interval
         self._logs: list[SegmentLog] = []
-        self._round = threading.Lock()           # one round at a time
+        self._round = threading.Lock()  # one round at a time
         self._last = time.monotonic()
 
     @property
@@ -56,7 +55,7 @@ class Durability:
         what the caller keeps in memory must follow the files)."""
         if not self.syncs:
             return
-        with contextlib.suppress(OSError):   # not refusing: recorded by the budget, and the caller goes on
+        with contextlib.suppress(OSError):  # not refusing: recorded by the budget, and the caller goes on
             self.budget.sync_folder(path, refuse=refuse)
 
     def replace(self, tmp: Path, final: Path, data: bytes) -> None:

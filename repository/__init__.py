@@ -18,8 +18,11 @@ if TYPE_CHECKING:
 
 __all__ = ["FeatureStore", "RepositoryConfig", "create_repository_server", "run_repository"]
 
-_LAZY = {"run_repository": "hio.repository.server", "create_repository_server": "hio.repository.server",
-         "FeatureStore": "hio.repository.store"}
+_LAZY = {
+    "run_repository": "hio.repository.server",
+    "create_repository_server": "hio.repository.server",
+    "FeatureStore": "hio.repository.store",
+}
 
 
 def __getattr__(name: str) -> Any:

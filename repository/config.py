@@ -25,17 +25,23 @@ class RepositoryConfig(ClusterSettings):
         "batch",
         "durability of PutFeatures: 'batch' = fsync before answering, concurrent puts share one "
         "fsync (group commit); 'always' = one fsync per request, serialised; 'never' = leave "
-        "flushing to the OS (survives a process crash, not a power loss)")
+        "flushing to the OS (survives a process crash, not a power loss)",
+    )
     fsync_interval_ms: int = setting(
-        0, "batch mode: least milliseconds between two fsyncs; puts arriving meanwhile share the "
-           "next one (more throughput under load, more latency per put). 0 = sync at once")
-    max_record_bytes: int = setting(16 * MiB - RECORD_HEADROOM,
-                                    "largest compressed feature record accepted (must fit one gRPC message)")
-    max_decompressed_bytes: int = setting(FEATURE_RECORD_DECOMPRESSED_BYTES,
-                                          "largest decompressed feature record accepted")
+        0,
+        "batch mode: least milliseconds between two fsyncs; puts arriving meanwhile share the "
+        "next one (more throughput under load, more latency per put). 0 = sync at once",
+    )
+    max_record_bytes: int = setting(
+        16 * MiB - RECORD_HEADROOM, "largest compressed feature record accepted (must fit one gRPC message)"
+    )
+    max_decompressed_bytes: int = setting(
+        FEATURE_RECORD_DECOMPRESSED_BYTES, "largest decompressed feature record accepted"
+    )
     read_batch_records: int = setting(1000, "most records per ReadFeatures response message")
-    read_batch_bytes: int = setting(8 * MiB, "most record bytes per ReadFeatures response message "
-                                             "(one larger record goes alone)")
+    read_batch_bytes: int = setting(
+        8 * MiB, "most record bytes per ReadFeatures response message (one larger record goes alone)"
+    )
     max_consumers: int = setting(1024, "most named consumers whose offsets are kept")
     max_workers: int = setting(32, "gRPC server threads")
 
@@ -49,8 +55,15 @@ class RepositoryConfig(ClusterSettings):
             raise ConfigError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {self.fsync!r}")
         if self.fsync_interval_ms < 0 or self.fsync_interval_ms > 10_000:
             raise ConfigError(f"fsync_interval_ms must be between 0 and 10000, got {self.fsync_interval_ms}")
-        for name in ("segment_bytes", "max_record_bytes", "max_decompressed_bytes", "read_batch_records",
-                     "read_batch_bytes", "max_consumers", "max_workers"):
+        for name in (
+            "segment_bytes",
+            "max_record_bytes",
+            "max_decompressed_bytes",
+            "read_batch_records",
+            "read_batch_bytes",
+            "max_consumers",
+            "max_workers",
+        ):
             positive(name, getattr(self, name))
         self._validate_sizes()
 
@@ -60,8 +73,10 @@ class RepositoryConfig(ClusterSettings):
 
         limit = message_limit(self) - RECORD_HEADROOM
         if self.max_record_bytes > limit:
-            raise ConfigError(f"max_record_bytes ({self.max_record_bytes}) must leave room in one gRPC message "
-                              f"(at most {limit} with chunk_bytes={self.chunk_bytes})")
+            raise ConfigError(
+                f"max_record_bytes ({self.max_record_bytes}) must leave room in one gRPC message "
+                f"(at most {limit} with chunk_bytes={self.chunk_bytes})"
+            )
         if self.read_batch_bytes > limit:
             raise ConfigError(f"read_batch_bytes ({self.read_batch_bytes}) must be at most {limit}")
         if self.segment_bytes < 64 * 1024:

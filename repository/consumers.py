@@ -14,8 +14,8 @@ import re
 import threading
 from pathlib import Path
 
-from hio.transport.errors import FailedPrecondition, InvalidArgument
 from hio.storage.files import atomic_write, clean_temporaries
+from hio.transport.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("hio.repository")
 
@@ -26,8 +26,9 @@ _SUFFIX = ".offset"
 def check_consumer_name(name: str) -> None:
     """Refuse names that are not 1..128 of [A-Za-z0-9_.-] (they become file names)."""
     if not _NAME.match(name) or name in (".", ".."):
-        raise InvalidArgument(f"consumer name {name[:140]!r} is invalid: use 1..128 characters of "
-                              "letters, digits, '_', '.', '-'")
+        raise InvalidArgument(
+            f"consumer name {name[:140]!r} is invalid: use 1..128 characters of letters, digits, '_', '.', '-'"
+        )
 
 
 class ConsumerOffsets:
@@ -49,8 +50,9 @@ class ConsumerOffsets:
                 offsets[name] = int(path.read_text().strip())
             except (OSError, ValueError) as exc:
                 # Written atomically, so this is outside damage; do not guess an offset.
-                raise FailedPrecondition(f"consumer offset file {path} is unreadable ({exc}); "
-                                         "fix or remove it") from None
+                raise FailedPrecondition(
+                    f"consumer offset file {path} is unreadable ({exc}); fix or remove it"
+                ) from None
         return offsets
 
     def clamp(self, latest: int) -> None:
@@ -65,9 +67,11 @@ class ConsumerOffsets:
             for name, offset in ahead.items():
                 atomic_write(self._folder / f"{name}{_SUFFIX}", f"{latest}\n".encode())
                 self._offsets[name] = latest
-                log.warning("consumer offset past the latest stored record; moved back to it "
-                            "(records it had read were lost: see the log above)",
-                            extra={"consumer": name, "committed": offset, "latest": latest})
+                log.warning(
+                    "consumer offset past the latest stored record; moved back to it "
+                    "(records it had read were lost: see the log above)",
+                    extra={"consumer": name, "committed": offset, "latest": latest},
+                )
 
     def committed(self, name: str) -> int:
         """The consumer's committed offset; 0 for an unknown or empty name."""
@@ -81,12 +85,14 @@ class ConsumerOffsets:
         """Persist ``offset`` for ``name``; refuse offsets past ``latest``."""
         check_consumer_name(name)
         if offset < 0 or offset > latest:
-            raise InvalidArgument(f"consumer {name}: cannot commit offset {offset}; "
-                                  f"the latest stored offset is {latest}")
+            raise InvalidArgument(
+                f"consumer {name}: cannot commit offset {offset}; the latest stored offset is {latest}"
+            )
         with self._lock:
             if name not in self._offsets and len(self._offsets) >= self._max:
-                raise FailedPrecondition(f"consumer {name}: already {self._max} consumers "
-                                         "(max_consumers); reuse a name")
+                raise FailedPrecondition(
+                    f"consumer {name}: already {self._max} consumers (max_consumers); reuse a name"
+                )
             if self._offsets.get(name) == offset and (self._folder / f"{name}{_SUFFIX}").exists():
                 return
             atomic_write(self._folder / f"{name}{_SUFFIX}", f"{offset}\n".encode())

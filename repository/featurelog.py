@@ -30,16 +30,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
-from hio.storage.files import SyncBudget, lock_folder
-from hio.storage.segmentlog import Segment, SegmentLog
 from hio.repository.config import FSYNC_MODES
 from hio.repository.index import Location, OffsetIndex
 from hio.repository.segments import MAGIC, NAMING, decode_record, encode_record, record_follows, scan_segment
+from hio.storage.files import SyncBudget, lock_folder
+from hio.storage.segmentlog import Segment, SegmentLog
+from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 
 log = logging.getLogger("hio.repository")
 
-_LOOKUP_CHUNK = 1024            # offsets resolved per lock acquisition when reading
+_LOOKUP_CHUNK = 1024  # offsets resolved per lock acquisition when reading
 _READ_RUN_BYTES = 4 * 1024 * 1024  # adjacent records fetched with one pread, up to this much
 
 
@@ -107,16 +107,15 @@ class _GroupCommit:
 class FeatureLog:
     """Append-only, idempotent-by-tuple-id record log on a :class:`SegmentLog`. Thread safe."""
 
-    def __init__(self, folder: Path, *, segment_bytes: int, fsync: str = "batch",
-                 fsync_interval: float = 0.0) -> None:
+    def __init__(self, folder: Path, *, segment_bytes: int, fsync: str = "batch", fsync_interval: float = 0.0) -> None:
         if fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
         self._folder = folder
         self._segment_bytes = segment_bytes
         self._mode = fsync
-        self._lock = threading.Lock()      # the index, the paths and every append
+        self._lock = threading.Lock()  # the index, the paths and every append
         self._index = OffsetIndex()
-        self._paths: list[Path] = []       # by the index's segment number
+        self._paths: list[Path] = []  # by the index's segment number
         self._closed = False
         self._budget = SyncBudget(disk="the repository's disk", owner="repository")
         self._log = SegmentLog(folder, NAMING, fsync=fsync, budget=self._budget, header=MAGIC)
@@ -140,44 +139,61 @@ class FeatureLog:
         else:
             self._log.resume()
         self._commit.mark_durable(self._index.latest)
-        log.info("feature log opened", extra={
-            "records": self._index.latest, "segments": len(self._paths),
-            "rebuild_s": round(time.monotonic() - started, 3)})
+        log.info(
+            "feature log opened",
+            extra={
+                "records": self._index.latest,
+                "segments": len(self._paths),
+                "rebuild_s": round(time.monotonic() - started, 3),
+            },
+        )
 
     def _load_segment(self, segment: Segment, last: bool) -> int:
         """Index one segment's records; where its last whole record ends."""
         first, path = segment.id, segment.path
         if first != self._index.latest + 1:
-            raise CorruptSegment(f"segment {path.name} starts at offset {first} but the segments before it "
-                                 f"end at {self._index.latest}: a segment is missing or misnamed")
+            raise CorruptSegment(
+                f"segment {path.name} starts at offset {first} but the segments before it "
+                f"end at {self._index.latest}: a segment is missing or misnamed"
+            )
         scan = scan_segment(path, first)
         if scan.problem:
-            damaged = first + len(scan.tuple_ids)   # the next good record is one of the few after it
+            damaged = first + len(scan.tuple_ids)  # the next good record is one of the few after it
             follows = last and record_follows(path, scan.valid_end, range(damaged + 1, damaged + 9))
-            self._handle_damage(path, scan.problem, scan.valid_end, scan.torn_bytes, last=last,
-                                records_follow=follows)
+            self._handle_damage(path, scan.problem, scan.valid_end, scan.torn_bytes, last=last, records_follow=follows)
         self._index.begin_segment(first)
         self._index.extend(scan.tuple_ids, scan.positions, scan.lengths)
         self._paths.append(path)
         return scan.valid_end
 
-    def _handle_damage(self, path: Path, problem: str, valid_end: int, torn: int, *, last: bool,
-                       records_follow: bool = False) -> None:
+    def _handle_damage(
+        self, path: Path, problem: str, valid_end: int, torn: int, *, last: bool, records_follow: bool = False
+    ) -> None:
         """A torn tail of the last segment is kept aside for the log to cut off; damage
         anywhere else stops the start, as does damage in the last segment with good records
         after it (a flipped bit, not a crash: cutting there would throw away features
         already answered STORED)."""
         if records_follow:
-            raise CorruptSegment(f"segment {path} is damaged at byte {valid_end} ({problem}), and stored "
-                                 "records follow the damage, so it is not a torn tail; not cutting them "
-                                 "off. Restore the segment from a backup, or move it aside")
+            raise CorruptSegment(
+                f"segment {path} is damaged at byte {valid_end} ({problem}), and stored "
+                "records follow the damage, so it is not a torn tail; not cutting them "
+                "off. Restore the segment from a backup, or move it aside"
+            )
         if not last or (valid_end == 0 and path.stat().st_size >= len(MAGIC)):
-            raise CorruptSegment(f"segment {path} is damaged at byte {valid_end} ({problem}); "
-                                 "restore it from a backup or move it aside")
+            raise CorruptSegment(
+                f"segment {path} is damaged at byte {valid_end} ({problem}); restore it from a backup or move it aside"
+            )
         kept = self._keep_torn_tail(path, valid_end)
-        log.warning("truncating torn tail of feature segment", extra={
-            "segment": path.name, "at_byte": valid_end, "dropped_bytes": torn, "problem": problem,
-            "kept_in": kept})
+        log.warning(
+            "truncating torn tail of feature segment",
+            extra={
+                "segment": path.name,
+                "at_byte": valid_end,
+                "dropped_bytes": torn,
+                "problem": problem,
+                "kept_in": kept,
+            },
+        )
 
     def _keep_torn_tail(self, path: Path, valid_end: int) -> str:
         """Copy the bytes about to be cut to ``torn/`` so an operator can inspect them."""
@@ -225,7 +241,7 @@ class FeatureLog:
     def _check_writable(self) -> None:
         if self._closed:
             raise Unavailable("the repository is shutting down")
-        self._budget.check()   # after a failed fsync: no new record until restart (SyncBudget)
+        self._budget.check()  # after a failed fsync: no new record until restart (SyncBudget)
 
     def _plan(self, items: Sequence[tuple[int, bytes]]) -> tuple[list[Appended], list[tuple[int, int, bytes]]]:
         """Offsets for each item; the (offset, tuple_id, payload) list of those to write."""
@@ -288,7 +304,7 @@ class FeatureLog:
         try:
             self._log.flush()
         except OSError as exc:
-            self._budget.check()   # the fsync failed: the refusal that names it
+            self._budget.check()  # the fsync failed: the refusal that names it
             raise Unavailable(f"the repository cannot persist features: {exc.strerror}") from None
         return target
 
@@ -318,8 +334,7 @@ class FeatureLog:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"records": self._index.latest, "segments": len(self._paths),
-                    "bytes": self._log.bytes_on_disk()}
+            return {"records": self._index.latest, "segments": len(self._paths), "bytes": self._log.bytes_on_disk()}
 
     def read(self, after: int, until: int = 0, max_records: int = 0) -> Iterator[tuple[int, int, bytes]]:
         """(offset, tuple_id, payload) for ``after < offset <= until`` (0 = latest), in
@@ -385,8 +400,11 @@ def _runs(first: int, locations: list[Location]) -> Iterator[tuple[int, list[Loc
     run_first = first
     run_bytes = 0
     for offset, loc in enumerate(locations, first):
-        if run and (loc.segment != run[-1].segment or loc.position != run[-1].position + run[-1].length
-                    or run_bytes + loc.length > _READ_RUN_BYTES):
+        if run and (
+            loc.segment != run[-1].segment
+            or loc.position != run[-1].position + run[-1].length
+            or run_bytes + loc.length > _READ_RUN_BYTES
+        ):
             yield run_first, run
             run, run_bytes = [], 0
         if not run:
@@ -403,10 +421,9 @@ def _read_run(fd: int, path: Path, first: int, run: list[Location]) -> Iterator[
     buf = os.pread(fd, size, start)
     view = memoryview(buf)
     for offset, loc in enumerate(run, first):
-        piece = view[loc.position - start:loc.position - start + loc.length]
+        piece = view[loc.position - start : loc.position - start + loc.length]
         decoded = decode_record(piece, offset)
         if decoded is None:
             log.error("damaged feature record on disk", extra={"segment": path.name, "offset": offset})
             raise DataLoss(f"the record at offset {offset} is damaged on disk ({path.name})")
         yield offset, decoded[0], decoded[1]
-

@@ -46,8 +46,9 @@ class PreviewHttpServer:
             raise ConfigError(f"http_listen: cannot listen on {listen} ({exc})") from None
         self._server.store = store
         self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="repository-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, name="repository-http", daemon=True
+        )
 
     def start(self) -> PreviewHttpServer:
         self._thread.start()
@@ -67,8 +68,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         url = urlsplit(self.path)
-        routes = {"/": self._index, "/preview.png": self._preview,
-                  "/knowledge.json": self._knowledge_json, "/healthz": self._healthz}
+        routes = {
+            "/": self._index,
+            "/preview.png": self._preview,
+            "/knowledge.json": self._knowledge_json,
+            "/healthz": self._healthz,
+        }
         route = routes.get(url.path)
         if route is None:
             self._send(404, "text/plain; charset=utf-8", f"not found: {url.path}\n".encode())
@@ -101,9 +106,12 @@ class _Handler(BaseHTTPRequestHandler):
             knowledge.ClearField("assignments")
             for group in knowledge.groups:
                 group.ClearField("assignments")
-        text = json_format.MessageToJson(knowledge, preserving_proto_field_name=True,
-                                         always_print_fields_with_no_presence=True,
-                                         unquote_int64_if_possible=True)
+        text = json_format.MessageToJson(
+            knowledge,
+            preserving_proto_field_name=True,
+            always_print_fields_with_no_presence=True,
+            unquote_int64_if_possible=True,
+        )
         self._send(200, "application/json", text.encode())
 
     def _index(self, _query: dict[str, list[str]]) -> None:
@@ -142,20 +150,30 @@ def render_page(store: FeatureStore) -> str:
     if knowledge is None:
         rows.append(("knowledge", "none yet"))
     else:
-        rows += [("knowledge computed", _when(parsed.computed_unix)),
-                 ("tuples clustered", str(parsed.tuple_count)),
-                 ("up to offset", str(parsed.up_to_offset)),
-                 ("algorithm", parsed.algorithm or "-"),
-                 ("features", ", ".join(parsed.feature_names) or "-")]
+        rows += [
+            ("knowledge computed", _when(parsed.computed_unix)),
+            ("tuples clustered", str(parsed.tuple_count)),
+            ("up to offset", str(parsed.up_to_offset)),
+            ("algorithm", parsed.algorithm or "-"),
+            ("features", ", ".join(parsed.feature_names) or "-"),
+        ]
     table = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     clusters = "".join(f"<tr><td>{c.id}</td><td>{c.count}</td></tr>" for c in parsed.clusters)
-    groups = "".join(f"<tr><td>{html.escape(g.image)}</td><td>{html.escape(', '.join(g.feature_names))}</td>"
-                     f"<td>{g.tuple_count}</td><td>{len(g.clusters)}</td></tr>" for g in parsed.groups)
+    groups = "".join(
+        f"<tr><td>{html.escape(g.image)}</td><td>{html.escape(', '.join(g.feature_names))}</td>"
+        f"<td>{g.tuple_count}</td><td>{len(g.clusters)}</td></tr>"
+        for g in parsed.groups
+    )
     if groups:
-        groups = ("<h2>Groups (image + feature set, each clustered on its own)</h2><table><tr><th>image</th>"
-                  f"<th>features</th><th>tuples</th><th>clusters</th></tr>{groups}</table>")
-    image = ('<img src="/preview.png" alt="knowledge preview" style="max-width:100%">'
-             if preview is not None else "<p>No preview yet.</p>")
+        groups = (
+            "<h2>Groups (image + feature set, each clustered on its own)</h2><table><tr><th>image</th>"
+            f"<th>features</th><th>tuples</th><th>clusters</th></tr>{groups}</table>"
+        )
+    image = (
+        '<img src="/preview.png" alt="knowledge preview" style="max-width:100%">'
+        if preview is not None
+        else "<p>No preview yet.</p>"
+    )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_SECONDS}">
 <title>HarmonicIO repository</title>

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from hio.transport.errors import InvalidArgument
-from hio.storage.files import atomic_write, clean_temporaries, remove_durably
 from hio.proto import features_pb2
+from hio.storage.files import atomic_write, clean_temporaries, remove_durably
+from hio.transport.errors import InvalidArgument
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _KNOWLEDGE = "knowledge.pb"

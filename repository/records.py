@@ -15,9 +15,9 @@ import threading
 import zstandard
 from google.protobuf.message import DecodeError
 
+from hio.proto import features_pb2
 from hio.transport.errors import DataLoss, InvalidArgument
 from hio.transport.frames import crc32
-from hio.proto import features_pb2
 
 MAX_TUPLE_ID = 2**64 - 1
 
@@ -35,7 +35,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 class RecordLimits:
     """Bounds on one uploaded record."""
 
-    max_record_bytes: int          # compressed
+    max_record_bytes: int  # compressed
     max_decompressed_bytes: int
 
 
@@ -47,8 +47,9 @@ def verify_upload(tuple_id: int, record_zstd: bytes, crc: int, limits: RecordLim
     if not record_zstd:
         raise InvalidArgument(f"{what}: record_zstd is empty")
     if len(record_zstd) > limits.max_record_bytes:
-        raise InvalidArgument(f"{what}: compressed record of {len(record_zstd)} bytes is over the limit "
-                              f"of {limits.max_record_bytes}")
+        raise InvalidArgument(
+            f"{what}: compressed record of {len(record_zstd)} bytes is over the limit of {limits.max_record_bytes}"
+        )
     actual = crc32(record_zstd)
     if actual != crc:
         raise DataLoss(f"{what}: record checksum mismatch (CRC-32 {actual:08x}, expected {crc:08x}); resend it")
@@ -58,8 +59,10 @@ def verify_upload(tuple_id: int, record_zstd: bytes, crc: int, limits: RecordLim
     except DecodeError:
         raise InvalidArgument(f"{what}: record_zstd does not hold a serialized FeatureRecord") from None
     if record.tuple_id != tuple_id:
-        raise InvalidArgument(f"{what}: the FeatureRecord inside names tuple {record.tuple_id}, "
-                              f"not the id {tuple_id} it was uploaded under")
+        raise InvalidArgument(
+            f"{what}: the FeatureRecord inside names tuple {record.tuple_id}, "
+            f"not the id {tuple_id} it was uploaded under"
+        )
     return record
 
 
@@ -74,5 +77,7 @@ def _decompress(what: str, data: bytes, limit: int) -> bytes:
     try:
         return _decompressor().decompress(data, max_output_size=limit, allow_extra_data=False)
     except zstandard.ZstdError as exc:
-        raise InvalidArgument(f"{what}: record_zstd does not decompress ({exc}); "
-                              f"it must be one zstd frame of at most {limit} bytes decompressed") from None
+        raise InvalidArgument(
+            f"{what}: record_zstd does not decompress ({exc}); "
+            f"it must be one zstd frame of at most {limit} bytes decompressed"
+        ) from None

@@ -23,14 +23,14 @@ import struct
 from array import array
 from pathlib import Path
 
-from hio.transport.frames import crc32
 from hio.storage.segmentlog import Naming
+from hio.transport.frames import crc32
 
 MAGIC = b"HIOFEAT1"
 HEADER = struct.Struct("<IIQQ")
 HEADER_SIZE = HEADER.size
 _IDS = struct.Struct("<QQ")
-NAMING = Naming("", 20, ".seg")   # named after the offset of the segment's first record
+NAMING = Naming("", 20, ".seg")  # named after the offset of the segment's first record
 
 
 def encode_record(offset: int, tuple_id: int, payload: bytes) -> bytes:
@@ -58,12 +58,12 @@ def decode_record(buf: bytes | memoryview, offset: int) -> tuple[int, bytes] | N
 class ScanResult:
     """What scanning one segment found: the valid records and where they end."""
 
-    valid_end: int                 # byte position just after the last valid record
+    valid_end: int  # byte position just after the last valid record
     file_size: int
     tuple_ids: list[int]
-    positions: array[int]          # array('Q') of record start positions
-    lengths: array[int]            # array('I') of whole record lengths (header + payload)
-    problem: str = ""              # why scanning stopped before the end, if it did
+    positions: array[int]  # array('Q') of record start positions
+    lengths: array[int]  # array('I') of whole record lengths (header + payload)
+    problem: str = ""  # why scanning stopped before the end, if it did
 
     @property
     def torn_bytes(self) -> int:
@@ -87,7 +87,7 @@ def scan_segment(path: Path, first_offset: int) -> ScanResult:
         result.valid_end, result.problem = 0, "segment shorter than its header"
         return result
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if mm[:len(MAGIC)] != MAGIC:
+        if mm[: len(MAGIC)] != MAGIC:
             result.valid_end, result.problem = 0, "segment does not start with the segment magic"
             return result
         _scan_records(memoryview(mm), first_offset, result)
@@ -104,10 +104,10 @@ def record_follows(path: Path, start: int, offsets: range) -> bool:
             needle = offset.to_bytes(8, "little")
             hit = mm.find(needle, start + 8)
             while hit != -1:
-                pos = hit - 8                 # the offset follows length and CRC in the header
+                pos = hit - 8  # the offset follows length and CRC in the header
                 length, crc, found, _ = HEADER.unpack_from(mm, pos)
                 end = pos + HEADER_SIZE + length
-                if found == offset and end <= size and crc32(memoryview(mm)[pos + 8:end]) == crc:
+                if found == offset and end <= size and crc32(memoryview(mm)[pos + 8 : end]) == crc:
                     return True
                 hit = mm.find(needle, hit + 1)
     return False
@@ -128,7 +128,7 @@ def _scan_records(view: memoryview, expected: int, out: ScanResult) -> None:
             if end > size:
                 out.problem = "incomplete record"
                 break
-            if crc32(view[pos + 8:end]) != crc:
+            if crc32(view[pos + 8 : end]) != crc:
                 out.problem = "record checksum mismatch"
                 break
             if offset != expected:

@@ -6,26 +6,32 @@ import logging
 
 import grpc
 
-from hio.transport.errors import HioError
 from hio.process.log import NOTICE
-from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, run_until_signal, set_serving
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig
 from hio.repository.http import PreviewHttpServer
 from hio.repository.service import POLICY, RepositoryService
 from hio.repository.store import FeatureStore
+from hio.transport.errors import HioError
+from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, run_until_signal, set_serving
 
 log = logging.getLogger("hio.repository")
 
 
 def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, RoleHealth, FeatureStore]:
     store = FeatureStore.from_config(config)
-    service = RepositoryService(store, read_batch_records=config.read_batch_records,
-                                read_batch_bytes=config.read_batch_bytes)
+    service = RepositoryService(
+        store, read_batch_records=config.read_batch_records, read_batch_bytes=config.read_batch_bytes
+    )
     try:
         server, port, health_servicer = create_server(
-            config, config.listen, max_workers=config.max_workers, policy=POLICY, service=ROLE_SERVICES["repository"],
-            register=[lambda s: repository_pb2_grpc.add_RepositoryServicer_to_server(service, s)])
+            config,
+            config.listen,
+            max_workers=config.max_workers,
+            policy=POLICY,
+            service=ROLE_SERVICES["repository"],
+            register=[lambda s: repository_pb2_grpc.add_RepositoryServicer_to_server(service, s)],
+        )
     except BaseException:
         store.close()
         raise
@@ -56,9 +62,11 @@ def run_repository(config: RepositoryConfig) -> int:
             http_server = PreviewHttpServer(store, config.http_listen).start()
         server.start()
         set_serving(health_servicer, True)
-        log.log(NOTICE, "repository serving", extra={
-            "port": port, "records": store.latest(),
-            "http_port": http_server.port if http_server else None})
+        log.log(
+            NOTICE,
+            "repository serving",
+            extra={"port": port, "records": store.latest(), "http_port": http_server.port if http_server else None},
+        )
         return run_until_signal(server, on_stop=[lambda: set_serving(health_servicer, False)])
     finally:
         if http_server is not None:

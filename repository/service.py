@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import grpc
 
-from hio.transport.errors import InvalidArgument, NotFound, grpc_errors
 from hio.proto import repository_pb2 as pb
 from hio.proto import repository_pb2_grpc
 from hio.repository.store import FeatureStore
+from hio.transport.errors import InvalidArgument, NotFound, grpc_errors
 
 log = logging.getLogger("hio.repository")
 
@@ -44,18 +44,19 @@ class RepositoryService(repository_pb2_grpc.RepositoryServicer):
         results = self._store.put((r.tuple_id, r.record_zstd, r.crc32) for r in request.records)
         stored = sum(not r.duplicate for r in results)
         log.debug("features stored", extra={"records": len(results), "new": stored})
-        return pb.PutFeaturesResponse(offsets=[r.offset for r in results],
-                                      duplicate=[r.duplicate for r in results])
+        return pb.PutFeaturesResponse(offsets=[r.offset for r in results], duplicate=[r.duplicate for r in results])
 
     @grpc_errors
     def GetOffsets(self, request: pb.GetOffsetsRequest, context: grpc.ServicerContext) -> pb.GetOffsetsResponse:
         latest = self._store.latest()
-        return pb.GetOffsetsResponse(latest=latest, committed=self._store.committed(request.consumer),
-                                     records=self._store.count())
+        return pb.GetOffsetsResponse(
+            latest=latest, committed=self._store.committed(request.consumer), records=self._store.count()
+        )
 
     @grpc_errors
-    def ReadFeatures(self, request: pb.ReadFeaturesRequest,
-                     context: grpc.ServicerContext) -> Iterator[pb.ReadFeaturesResponse]:
+    def ReadFeatures(
+        self, request: pb.ReadFeaturesRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ReadFeaturesResponse]:
         batch: list[pb.StoredRecord] = []
         batch_bytes = 0
         for offset, tuple_id, data in self._store.read(request.after, request.until, request.max_records):
@@ -68,23 +69,26 @@ class RepositoryService(repository_pb2_grpc.RepositoryServicer):
             yield pb.ReadFeaturesResponse(records=batch)
 
     @grpc_errors
-    def CommitOffset(self, request: pb.CommitOffsetRequest,
-                     context: grpc.ServicerContext) -> pb.CommitOffsetResponse:
+    def CommitOffset(self, request: pb.CommitOffsetRequest, context: grpc.ServicerContext) -> pb.CommitOffsetResponse:
         self._store.commit(request.consumer, request.offset)
         return pb.CommitOffsetResponse()
 
     @grpc_errors
-    def PutKnowledge(self, request: pb.PutKnowledgeRequest,
-                     context: grpc.ServicerContext) -> pb.PutKnowledgeResponse:
+    def PutKnowledge(self, request: pb.PutKnowledgeRequest, context: grpc.ServicerContext) -> pb.PutKnowledgeResponse:
         knowledge = self._store.put_knowledge(request.knowledge, request.preview_png or None)
-        log.info("knowledge stored", extra={"tuples": knowledge.tuple_count, "clusters": len(knowledge.clusters),
-                                            "up_to_offset": knowledge.up_to_offset,
-                                            "preview": bool(request.preview_png)})
+        log.info(
+            "knowledge stored",
+            extra={
+                "tuples": knowledge.tuple_count,
+                "clusters": len(knowledge.clusters),
+                "up_to_offset": knowledge.up_to_offset,
+                "preview": bool(request.preview_png),
+            },
+        )
         return pb.PutKnowledgeResponse()
 
     @grpc_errors
-    def GetKnowledge(self, request: pb.GetKnowledgeRequest,
-                     context: grpc.ServicerContext) -> pb.GetKnowledgeResponse:
+    def GetKnowledge(self, request: pb.GetKnowledgeRequest, context: grpc.ServicerContext) -> pb.GetKnowledgeResponse:
         knowledge, preview = self._store.get_knowledge_and_preview()
         return pb.GetKnowledgeResponse(knowledge=knowledge or b"", has_preview=preview is not None)
 

@@ -16,11 +16,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
-from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB
 from hio.repository.consumers import ConsumerOffsets
 from hio.repository.featurelog import Appended, FeatureLog
 from hio.repository.knowledge import KnowledgeFiles
 from hio.repository.records import RecordLimits, verify_upload
+from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB
 
 if TYPE_CHECKING:
     from hio.proto import features_pb2
@@ -50,9 +50,12 @@ class FeatureStore:
         self.root = Path(root)
         self.options = options or StoreOptions()
         self._limits = RecordLimits(self.options.max_record_bytes, self.options.max_decompressed_bytes)
-        self._features = FeatureLog(self.root / "features", segment_bytes=self.options.segment_bytes,
-                                    fsync=self.options.fsync,
-                                    fsync_interval=self.options.fsync_interval_ms / 1000.0)
+        self._features = FeatureLog(
+            self.root / "features",
+            segment_bytes=self.options.segment_bytes,
+            fsync=self.options.fsync,
+            fsync_interval=self.options.fsync_interval_ms / 1000.0,
+        )
         try:
             self._consumers = ConsumerOffsets(self.root / "consumers", max_consumers=self.options.max_consumers)
             self._consumers.clamp(self._features.latest)
@@ -68,9 +71,14 @@ class FeatureStore:
         from hio.transport.net import message_limit
 
         options = StoreOptions(
-            segment_bytes=config.segment_bytes, fsync=config.fsync, fsync_interval_ms=config.fsync_interval_ms,
-            max_record_bytes=config.max_record_bytes, max_decompressed_bytes=config.max_decompressed_bytes,
-            max_consumers=config.max_consumers, max_knowledge_bytes=message_limit(config))
+            segment_bytes=config.segment_bytes,
+            fsync=config.fsync,
+            fsync_interval_ms=config.fsync_interval_ms,
+            max_record_bytes=config.max_record_bytes,
+            max_decompressed_bytes=config.max_decompressed_bytes,
+            max_consumers=config.max_consumers,
+            max_knowledge_bytes=message_limit(config),
+        )
         return cls(state_dir(config.data_dir, "repository"), options)
 
     # ---------------------------------------------------------------- features

@@ -9,13 +9,15 @@ Failures carry the process's log, so a broken test shows why.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Self
 
 import pytest
 
@@ -47,11 +49,15 @@ class HioProcess(RoleProcess):
             return f"{self.name} is not running (exit {None if self.proc is None else self.proc.returncode})"
         self.proc.send_signal(signal.SIGUSR1)
         time.sleep(settle)
-        tree = subprocess.run(["ps", "--ppid", str(self.proc.pid), "-o", "pid,etime,pcpu,args"],
-                              capture_output=True, text=True, check=False).stdout
+        tree = subprocess.run(
+            ["ps", "--ppid", str(self.proc.pid), "-o", "pid,etime,pcpu,args"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
         return f"processes under {self.name}:\n{tree}\n{self.output()}"
 
-    def __enter__(self) -> "HioProcess":
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -72,8 +78,12 @@ def stop_cleanly(cluster: LocalCluster) -> None:
     assert not problems, "\n".join(problems)
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1,
-             what: str | Callable[[], str] = "condition") -> Any:
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float = 30.0,
+    interval: float = 0.1,
+    what: str | Callable[[], str] = "condition",
+) -> Any:
     """Poll ``predicate`` until it returns a truthy value; that value, or AssertionError.
 
     ``what`` may be a function: it is called on failure, so a process's log
@@ -139,10 +149,8 @@ class CuttingProxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.close()
-                except OSError:
-                    pass
 
     def cut(self) -> None:
         """Sever every connection open right now (RST, as a dead link)."""

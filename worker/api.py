@@ -49,9 +49,15 @@ class TupleInfo:
         """
         attributes = meta.attributes
         info = object.__new__(cls)
-        info.__dict__.update(tuple_id=int(meta.tuple_id), source=meta.source, image=meta.image, name=meta.name,
-                             size=int(meta.size), created_unix=float(meta.created_unix),
-                             attributes=types.MappingProxyType(dict(attributes)) if attributes else _NO_ATTRIBUTES)
+        info.__dict__.update(
+            tuple_id=int(meta.tuple_id),
+            source=meta.source,
+            image=meta.image,
+            name=meta.name,
+            size=int(meta.size),
+            created_unix=float(meta.created_unix),
+            attributes=types.MappingProxyType(dict(attributes)) if attributes else _NO_ATTRIBUTES,
+        )
         return info
 
 
@@ -106,5 +112,7 @@ def pipeline_for_image(image: str, extra_mappings: tuple[str, ...] | list[str] =
     if prefix == "hio" and name in BUILTIN_PIPELINES:
         return f"hio.worker.pipelines.{name}:process"
     known = [f"hio/{n}" for n in BUILTIN_PIPELINES] + [m.partition("=")[0].strip() for m in extra_mappings]
-    raise ConfigError(f"no pipeline for image {image!r}; known images: {', '.join(known)} "
-                      "(add one with pipelines = [\"IMAGE=module:function\"])")
+    raise ConfigError(
+        f"no pipeline for image {image!r}; known images: {', '.join(known)} "
+        '(add one with pipelines = ["IMAGE=module:function"])'
+    )

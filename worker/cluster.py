@@ -17,26 +17,36 @@ from typing import TypeVar, cast
 
 import grpc
 
-from hio.transport import errors
 from hio.config import lane_beside
+from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+from hio.settings import ClusterSettings
+from hio.transport import errors
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32
 from hio.transport.lane import LaneError
+from hio.transport.lanetls import client_context
 from hio.transport.net import create_channel, message_limit, rpc_error_text, rpc_status
 from hio.transport.payload import Download, GrpcPayload, LanePayload, PayloadPeers
 from hio.transport.retry import call_with_retry
-from hio.settings import ClusterSettings
-from hio.transport.lanetls import client_context
-from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 
 log = logging.getLogger("hio.worker")
 
 T = TypeVar("T")
 
 _BY_CODE: dict[grpc.StatusCode, type[errors.HioError]] = {
-    cls.code: cls for cls in (
-        errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.FailedPrecondition,
-        errors.ResourceExhausted, errors.DataLoss, errors.Unavailable, errors.Unauthenticated,
-        errors.PermissionDenied, errors.Aborted, errors.DeadlineExceeded)
+    cls.code: cls
+    for cls in (
+        errors.InvalidArgument,
+        errors.NotFound,
+        errors.AlreadyExists,
+        errors.FailedPrecondition,
+        errors.ResourceExhausted,
+        errors.DataLoss,
+        errors.Unavailable,
+        errors.Unauthenticated,
+        errors.PermissionDenied,
+        errors.Aborted,
+        errors.DeadlineExceeded,
+    )
 }
 
 CALL_TIMEOUT = 30.0  # seconds one attempt of a unary call may take
@@ -85,17 +95,26 @@ class ClusterLink:
         self._repo_channel = create_channel(settings.repository_address, settings)
         self._master = master_pb2_grpc.MasterStub(self._master_channel)
         self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)
-        self._master_lane_port = 0                     # learnt from report answers
-        token = settings.presented_token()             # read once, as for the gRPC channels
+        self._master_lane_port = 0  # learnt from report answers
+        token = settings.presented_token()  # read once, as for the gRPC channels
         limit = message_limit(settings)
-        tls = client_context(settings)                       # the lanes' TLS, as the channels'
+        tls = client_context(settings)  # the lanes' TLS, as the channels'
         self._payload = PayloadPeers(
-            lanes=lanes, logger=log,
-            lane=lambda lane: LanePayload(lane, token, chunk_bytes=settings.chunk_bytes, pack_bytes=0,
-                                          max_head_bytes=limit, max_data_bytes=settings.max_tuple_bytes,
-                                          tls=tls),
-            grpc=lambda _address: GrpcPayload(self._master_channel, chunk_bytes=settings.chunk_bytes,
-                                              pack_bytes=0, max_chunk_bytes=limit))
+            lanes=lanes,
+            logger=log,
+            lane=lambda lane: LanePayload(
+                lane,
+                token,
+                chunk_bytes=settings.chunk_bytes,
+                pack_bytes=0,
+                max_head_bytes=limit,
+                max_data_bytes=settings.max_tuple_bytes,
+                tls=tls,
+            ),
+            grpc=lambda _address: GrpcPayload(
+                self._master_channel, chunk_bytes=settings.chunk_bytes, pack_bytes=0, max_chunk_bytes=limit
+            ),
+        )
 
     def close(self) -> None:
         self._master_channel.close()
@@ -117,13 +136,17 @@ class ClusterLink:
         The repository checks every record before storing any: a refused
         record (INVALID_ARGUMENT, DATA_LOSS) means none of the batch is stored.
         """
-        request = repository_pb2.PutFeaturesRequest(records=[
-            repository_pb2.FeaturesUpload(tuple_id=tuple_id, record_zstd=blob, crc32=crc32(blob))
-            for tuple_id, blob in records])
+        request = repository_pb2.PutFeaturesRequest(
+            records=[
+                repository_pb2.FeaturesUpload(tuple_id=tuple_id, record_zstd=blob, crc32=crc32(blob))
+                for tuple_id, blob in records
+            ]
+        )
         reply = self._retry(lambda: self._repo.PutFeatures(request, timeout=CALL_TIMEOUT), "repository")
         if len(reply.duplicate) != len(records):
-            raise errors.HioError(f"repository: PutFeatures answered {len(reply.duplicate)} results "
-                                  f"for {len(records)} records")
+            raise errors.HioError(
+                f"repository: PutFeatures answered {len(reply.duplicate)} results for {len(records)} records"
+            )
         return list(reply.duplicate)
 
     def enqueue(self, meta: TupleMeta, data: bytes, deadline: float | None = None) -> TupleReceipt:
@@ -133,8 +156,9 @@ class ClusterLink:
 
         def send() -> list[TupleReceipt]:
             try:
-                call, _reading = self._payload.get(address, lane).upload("Enqueue", iter([(meta, data)]),
-                                                                         timeout=CALL_TIMEOUT)
+                call, _reading = self._payload.get(address, lane).upload(
+                    "Enqueue", iter([(meta, data)]), timeout=CALL_TIMEOUT
+                )
                 return list(call)
             except LaneError as exc:
                 if exc.transport:
@@ -150,8 +174,9 @@ class ClusterLink:
             raise errors.Unavailable(f"master: Enqueue of tuple {meta.tuple_id} answered {state}: {receipt.message}")
         return receipt
 
-    def report(self, request: master_pb2.ReportTuplesRequest,
-               timeout: float = CALL_TIMEOUT) -> master_pb2.ReportTuplesResponse:
+    def report(
+        self, request: master_pb2.ReportTuplesRequest, timeout: float = CALL_TIMEOUT
+    ) -> master_pb2.ReportTuplesResponse:
         """One ReportTuples call (the reporter batches outcomes and decides on retries). Its
         answer names the master's payload lane, which pulls use from then on."""
         try:
@@ -165,13 +190,15 @@ class ClusterLink:
         """Open a PullTuple long-poll for ``channel_id`` (up to ``max_tuples`` tuples) on the
         master's payload channel. A lane that cannot be opened moves the master to gRPC (see
         :mod:`hio.transport.payload`), and the pull goes there."""
-        request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=wait_seconds,
-                                              max_tuples=max_tuples, max_bytes=max_bytes)
+        request = master_pb2.PullTupleRequest(
+            channel_id=channel_id, wait_seconds=wait_seconds, max_tuples=max_tuples, max_bytes=max_bytes
+        )
         address, lane = self._master_peer()
         channel = self._payload.get(address, lane)
         try:
-            call = channel.download(request, timeout=wait_seconds + 10.0,
-                                    on_broken=lambda why: self._payload.broken(address, lane, why))
+            call = channel.download(
+                request, timeout=wait_seconds + 10.0, on_broken=lambda why: self._payload.broken(address, lane, why)
+            )
         except grpc.RpcError as exc:
             self._payload.broken(address, lane, rpc_status(exc)[1])
             channel = self._payload.get(address, lane)

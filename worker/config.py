@@ -35,24 +35,35 @@ class EngineSettings(ClusterSettings):
     """What a worker and each of its engines must agree on: declared once, the
     worker passes its values on to the engines it starts."""
 
-    tuple_timeout: float = setting(600.0, "seconds one tuple may spend in process() before the engine "
-                                   "gives it back to the master and restarts; 0 = no limit")
+    tuple_timeout: float = setting(
+        600.0,
+        "seconds one tuple may spend in process() before the engine "
+        "gives it back to the master and restarts; 0 = no limit",
+    )
     pull_wait: float = setting(5.0, "seconds an idle engine's queue long-poll stays open")
     max_attempts: int = setting(3, "delivery attempts per tuple (must match the master's)")
     grace_seconds: float = setting(5.0, "on SIGTERM: seconds an engine gets to finish its current tuple")
-    pull_batch_seconds: float = setting(0.1, "processing time an idle engine takes from the queue in one pull: "
-                                        "cheap tuples come several at a time; 0 = always one")
+    pull_batch_seconds: float = setting(
+        0.1,
+        "processing time an idle engine takes from the queue in one pull: "
+        "cheap tuples come several at a time; 0 = always one",
+    )
     pull_batch_tuples: int = setting(256, "most tuples one pull from the queue brings")
-    pull_batch_bytes: int = setting(1024 * 1024, "most payload bytes one pull brings in all (its first tuple "
-                                    "comes whatever its size)")
-    pull_ahead: bool = setting(True, "while an engine processes what it pulled from the queue, it fetches "
-                               "the next pull, so its slot does not wait for the transfer; off = pull only "
-                               "once idle")
+    pull_batch_bytes: int = setting(
+        1024 * 1024, "most payload bytes one pull brings in all (its first tuple comes whatever its size)"
+    )
+    pull_ahead: bool = setting(
+        True,
+        "while an engine processes what it pulled from the queue, it fetches "
+        "the next pull, so its slot does not wait for the transfer; off = pull only "
+        "once idle",
+    )
 
     def validate_pull_batch(self) -> None:
         if not (math.isfinite(self.pull_batch_seconds) and 0 <= self.pull_batch_seconds <= 3600):
-            raise ConfigError("pull_batch_seconds must be 0 (one at a time) or up to 3600, "
-                              f"got {self.pull_batch_seconds}")
+            raise ConfigError(
+                f"pull_batch_seconds must be 0 (one at a time) or up to 3600, got {self.pull_batch_seconds}"
+            )
         if not 1 <= self.pull_batch_tuples <= 1024:
             raise ConfigError(f"pull_batch_tuples must be between 1 and 1024, got {self.pull_batch_tuples}")
         if not 0 <= self.pull_batch_bytes <= 64 * 1024 * 1024:
@@ -64,28 +75,36 @@ class WorkerConfig(EngineSettings):
     worker_id: str = setting("", "this worker's id, unique in the cluster; empty = <hostname>-<pid>")
     advertise_host: str = setting("127.0.0.1", "host gateways use to reach this worker's engines")
     engine_listen_host: str = setting("127.0.0.1", "interface engines listen on")
-    engine_ports: str = setting("", "port range engines listen in, e.g. 20000-21000 (for firewalls); "
-                                "empty = any free port")
-    engines: tuple[str, ...] = setting(DEFAULT_IMAGES, "engines to run: IMAGE or IMAGE=COUNT; "
-                                       "without a count an image gets cpus / len(engines), at least 1")
+    engine_ports: str = setting(
+        "", "port range engines listen in, e.g. 20000-21000 (for firewalls); empty = any free port"
+    )
+    engines: tuple[str, ...] = setting(
+        DEFAULT_IMAGES,
+        "engines to run: IMAGE or IMAGE=COUNT; without a count an image gets cpus / len(engines), at least 1",
+    )
     cpus: int = setting(0, "CPUs this worker offers; 0 = all of this machine's")
     runtime: str = setting("auto", "how engines run: auto (docker when usable, else process), process or docker")
     pipelines: tuple[str, ...] = setting((), "extra IMAGE=module:function pipeline mappings (process runtime)")
     engine_memory_bytes: int = setting(0, "memory limit per engine (docker runtime); 0 = no limit")
     engine_cpus: float = setting(1.0, "CPUs per engine (docker runtime)")
     restart_backoff_max: float = setting(30.0, "longest wait, in seconds, before restarting a crashed engine")
-    lanes: bool = setting(True, "engines serve a payload lane (Deliver over plain TCP, on a second port "
-                                "from engine_ports) that gateways use for payloads, and pull from the "
-                                "master's lane; off = gRPC only; off with TLS")
-    engine_settings: tuple[str, ...] = setting((), "engine settings passed to every engine this worker starts, "
-                                                   "NAME=VALUE (e.g. rpc_deadline=120); with the file's [engine] "
-                                                   "table and HIO_ENGINE_<NAME> variables, in the usual "
-                                                   "precedence: file < environment < flags")
+    lanes: bool = setting(
+        True,
+        "engines serve a payload lane (Deliver over plain TCP, on a second port "
+        "from engine_ports) that gateways use for payloads, and pull from the "
+        "master's lane; off = gRPC only; off with TLS",
+    )
+    engine_settings: tuple[str, ...] = setting(
+        (),
+        "engine settings passed to every engine this worker starts, "
+        "NAME=VALUE (e.g. rpc_deadline=120); with the file's [engine] "
+        "table and HIO_ENGINE_<NAME> variables, in the usual "
+        "precedence: file < environment < flags",
+    )
 
     #: the file's [engine] table, HIO_ENGINE_<NAME> variables, and the engines' own settings in
     #: [cluster] or as HIO_<NAME> reach the engines through engine_settings
-    PASSED_ON: ClassVar[PassedOn] = PassedOn("engine", "engine_settings",
-                                             lambda: engine_own_settings())  # noqa: PLW0108 - looked up late: defined below
+    PASSED_ON: ClassVar[PassedOn] = PassedOn("engine", "engine_settings", lambda: engine_own_settings())  # noqa: PLW0108 - looked up late: defined below
 
     def engine_overrides(self) -> dict[str, str]:
         """The engine settings to pass on (as environment values), checked as an engine would
@@ -93,11 +112,19 @@ class WorkerConfig(EngineSettings):
         where = "engine_settings ([engine], HIO_ENGINE_*)"
         refused = dict.fromkeys(ENGINE_SLOT_SETTINGS, "the worker sets it for each engine")
         engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        refused.update((f.name, (f"set it for the worker ([worker] or [cluster], HIO_WORKER_{f.name.upper()}); "
-                                 "it passes its value on to its engines"))
-                       for f in dataclasses.fields(WorkerConfig) if f.name in engine_fields)
+        refused.update(
+            (
+                f.name,
+                (
+                    f"set it for the worker ([worker] or [cluster], HIO_WORKER_{f.name.upper()}); "
+                    "it passes its value on to its engines"
+                ),
+            )
+            for f in dataclasses.fields(WorkerConfig)
+            if f.name in engine_fields
+        )
         values = parse_assignments(self.engine_settings, EngineConfig, where, refused=refused)
-        try:   # an engine refusing its settings would only restart, again and again
+        try:  # an engine refusing its settings would only restart, again and again
             EngineConfig(channel_id="check/0", image="check", **values).validate()
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
@@ -189,8 +216,9 @@ def engine_own_settings() -> frozenset[str]:
     ``store_batch_records``, ...): a ``[cluster]`` value or ``HIO_<NAME>`` of the worker's
     environment reaches the engines, as it would any role that has the setting."""
     worker = {f.name for f in dataclasses.fields(WorkerConfig)}
-    return frozenset(f.name for f in dataclasses.fields(EngineConfig)
-                     if f.name not in worker and f.name not in ENGINE_SLOT_SETTINGS)
+    return frozenset(
+        f.name for f in dataclasses.fields(EngineConfig) if f.name not in worker and f.name not in ENGINE_SLOT_SETTINGS
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,12 +227,16 @@ class EngineConfig(EngineSettings):
     image: str = setting("", "the engine image this channel runs; tuples of other images are refused")
     pipeline: str = setting("", "module:function to call; empty = $HIO_PIPELINE, else the built-in for the image")
     listen: str = setting("127.0.0.1:0", "host:port the Engine service listens on")
-    lane_listen: str = setting("", "host:port of the payload lane (Deliver over plain TCP, for large "
-                                   "payloads without gRPC's copies); empty = none; off with TLS")
+    lane_listen: str = setting(
+        "",
+        "host:port of the payload lane (Deliver over plain TCP, for large "
+        "payloads without gRPC's copies); empty = none; off with TLS",
+    )
     lanes: bool = setting(True, "pull over the master's payload lane when it offers one; off = over gRPC only")
     store_batch_records: int = setting(256, "most feature records stored in one repository call")
-    store_pending_records: int = setting(1024, "processed tuples whose features may wait to be stored "
-                                               "before processing pauses")
+    store_pending_records: int = setting(
+        1024, "processed tuples whose features may wait to be stored before processing pauses"
+    )
     reservation_seconds: float = setting(15.0, "the master's reservation time; keep-alive reports every third of it")
     rpc_deadline: float = setting(60.0, "seconds to keep retrying the repository or master while unavailable")
     parent_pid: int = setting(0, "stop when this process (the worker that started us) is gone; 0 = never")

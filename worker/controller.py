@@ -25,9 +25,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hio.process.log import NOTICE
+from hio.proto import master_pb2, master_pb2_grpc
 from hio.transport.net import ROLE_SERVICES, connect_hint, create_channel, stop_on_signals
 from hio.transport.retry import Backoff
-from hio.proto import master_pb2, master_pb2_grpc
 from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
 from hio.worker.config import WorkerConfig, engine_counts
 from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec, ProcessLauncher
@@ -35,10 +35,10 @@ from hio.worker.runtimes import select_launcher
 
 log = logging.getLogger("hio.worker")
 
-SUPERVISE_INTERVAL = 0.2     # seconds between engine polls
-RESTART_BACKOFF_MIN = 0.5    # first restart delay; doubles up to restart_backoff_max
-HEALTHY_RESET = 60.0         # seconds of healthy running that reset the backoff
-NEW_PORT_AFTER = 3           # failed starts in a row before an engine gets a new port
+SUPERVISE_INTERVAL = 0.2  # seconds between engine polls
+RESTART_BACKOFF_MIN = 0.5  # first restart delay; doubles up to restart_backoff_max
+HEALTHY_RESET = 60.0  # seconds of healthy running that reset the backoff
+NEW_PORT_AFTER = 3  # failed starts in a row before an engine gets a new port
 HEALTH_TIMEOUT = 0.5
 MASTER_CALL_TIMEOUT = 5.0
 
@@ -50,7 +50,7 @@ def free_port(host: str, port_range: tuple[int, int] | None = None, exclude: fro
     so firewalls between gateways and workers can stay narrow.
     """
     if port_range is None:
-        candidates = [0] * 100   # the kernel's choice, drawn again while it falls in ``exclude``
+        candidates = [0] * 100  # the kernel's choice, drawn again while it falls in ``exclude``
     else:
         candidates = [port for port in range(port_range[0], port_range[1] + 1) if port not in exclude]
         random.shuffle(candidates)
@@ -81,8 +81,11 @@ def _engine_health(stub: health_pb2_grpc.HealthStub, channel_id: str) -> health_
             raise
     reply = check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT)
     if reply.status == health_pb2.HealthCheckResponse.SERVING:
-        log.warning("engine answers health only as a whole: an image built by an older hio (rebuild it: "
-                    "hio images build), or another server holds its port", extra={"channel": channel_id})
+        log.warning(
+            "engine answers health only as a whole: an image built by an older hio (rebuild it: "
+            "hio images build), or another server holds its port",
+            extra={"channel": channel_id},
+        )
     return reply
 
 
@@ -91,8 +94,9 @@ def local_host(listen_host: str) -> str:
     return "127.0.0.1" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
 
 
-def engine_env(config: WorkerConfig, *, channel_id: str, image: str, pipeline: str, port: int,
-               lane_port: int = 0) -> dict[str, str]:
+def engine_env(
+    config: WorkerConfig, *, channel_id: str, image: str, pipeline: str, port: int, lane_port: int = 0
+) -> dict[str, str]:
     """The complete environment of one engine: its settings and the cluster's.
 
     Complete on purpose: the same variables configure a local process and a
@@ -143,14 +147,14 @@ class EngineSlot:
     image: str
     pipeline: str
     port: int
-    lane_port: int = 0               # the engine's payload lane; 0 = none
+    lane_port: int = 0  # the engine's payload lane; 0 = none
     handle: EngineHandle | None = None
     up: bool = False
     detail: str = "starting"
     restarts: int = 0
-    failed_starts: int = 0           # exits in a row before becoming healthy
+    failed_starts: int = 0  # exits in a row before becoming healthy
     backoff: float = RESTART_BACKOFF_MIN
-    next_start: float = 0.0          # monotonic time the engine may (re)start
+    next_start: float = 0.0  # monotonic time the engine may (re)start
     up_since: float = 0.0
 
     def on_exit(self, code: int, now: float, backoff_max: float, last_line: str = "") -> str:
@@ -182,8 +186,9 @@ class EngineSlot:
 class MasterSession:
     """Registration and heartbeats, on a thread of their own (never blocks supervision)."""
 
-    def __init__(self, config: WorkerConfig, worker_id: str,
-                 channels: Callable[[bool], list[master_pb2.ChannelInfo]]) -> None:
+    def __init__(
+        self, config: WorkerConfig, worker_id: str, channels: Callable[[bool], list[master_pb2.ChannelInfo]]
+    ) -> None:
         self._config = config
         self._worker_id = worker_id
         self._channels = channels
@@ -229,24 +234,39 @@ class MasterSession:
                 wait = backoff.delay()
                 failures += 1
                 # the first failure of a streak is a warning; the rest would only repeat it
-                extra = {"worker": self._worker_id, "code": getattr(exc.code(), "name", "?"),
-                         "reason": exc.details(), "retry_in_s": round(wait, 2), "failures": failures}
+                extra = {
+                    "worker": self._worker_id,
+                    "code": getattr(exc.code(), "name", "?"),
+                    "reason": exc.details(),
+                    "retry_in_s": round(wait, 2),
+                    "failures": failures,
+                }
                 hint = connect_hint(exc.details() or "", speaks_tls=self._config.speaks_tls)
-                if hint:   # a TLS mistake, not a master that is down
+                if hint:  # a TLS mistake, not a master that is down
                     extra["hint"] = hint
-                log.log(logging.WARNING if failures == 1 else logging.DEBUG,
-                        "master unreachable" if not self._registered else "heartbeat failed", extra=extra)
+                log.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
+                    "master unreachable" if not self._registered else "heartbeat failed",
+                    extra=extra,
+                )
             self._poke.wait(wait)
             self._poke.clear()
 
     def _register(self) -> None:
-        request = master_pb2.RegisterWorkerRequest(worker_id=self._worker_id, host=socket.gethostname(),
-                                                   cpus=self._config.effective_cpus(), channels=self._channels(True))
+        request = master_pb2.RegisterWorkerRequest(
+            worker_id=self._worker_id,
+            host=socket.gethostname(),
+            cpus=self._config.effective_cpus(),
+            channels=self._channels(True),
+        )
         reply = self._stub.RegisterWorker(request, timeout=MASTER_CALL_TIMEOUT)
         self._interval = reply.heartbeat_interval_seconds if reply.heartbeat_interval_seconds > 0 else 1.0
         self._registered = True
-        log.log(NOTICE, "registered with the master",
-                extra={"worker": self._worker_id, "channels": len(request.channels), "heartbeat_s": self._interval})
+        log.log(
+            NOTICE,
+            "registered with the master",
+            extra={"worker": self._worker_id, "channels": len(request.channels), "heartbeat_s": self._interval},
+        )
 
     def _heartbeat(self) -> None:
         request = master_pb2.HeartbeatRequest(worker_id=self._worker_id, channels=self._channels(False))
@@ -278,8 +298,15 @@ class Controller:
             pipeline = pipeline_for_image(image, self._config.pipelines) if local else self._extra_pipeline(image)
             for _ in range(count):
                 port = self._free_port(slots)
-                slots.append(EngineSlot(channel_id=f"{self._worker_id}/{len(slots)}", image=image,
-                                        pipeline=pipeline, port=port, lane_port=self._lane_port(slots, port)))
+                slots.append(
+                    EngineSlot(
+                        channel_id=f"{self._worker_id}/{len(slots)}",
+                        image=image,
+                        pipeline=pipeline,
+                        port=port,
+                        lane_port=self._lane_port(slots, port),
+                    )
+                )
         return slots
 
     def _free_port(self, slots: list[EngineSlot], *also: int) -> int:
@@ -298,8 +325,10 @@ class Controller:
             return False
         span = self._config.engine_port_range()
         if span is not None and span[1] - span[0] + 1 < 2 * engines:
-            log.warning("engine_ports has fewer than two ports per engine; engines serve no payload lane",
-                        extra={"engine_ports": self._config.engine_ports, "engines": engines})
+            log.warning(
+                "engine_ports has fewer than two ports per engine; engines serve no payload lane",
+                extra={"engine_ports": self._config.engine_ports, "engines": engines},
+            )
             return False
         return True
 
@@ -323,10 +352,16 @@ class Controller:
                 if slot.up and not everything:
                     continue
                 state = master_pb2.FREE if slot.up else master_pb2.DOWN
-                infos.append(master_pb2.ChannelInfo(
-                    channel_id=slot.channel_id, image=slot.image, address=f"{host}:{slot.port}",
-                    lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
-                    state=state, detail=slot.detail))
+                infos.append(
+                    master_pb2.ChannelInfo(
+                        channel_id=slot.channel_id,
+                        image=slot.image,
+                        address=f"{host}:{slot.port}",
+                        lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
+                        state=state,
+                        detail=slot.detail,
+                    )
+                )
         return infos
 
     # ---- running
@@ -351,8 +386,10 @@ class Controller:
             try:
                 self._supervise(slot, now)
             except Exception as exc:  # noqa: BLE001 - docker's errors are requests' and its own
-                log.warning("cannot supervise an engine just now; trying again",
-                            extra={"channel": slot.channel_id, "error": f"{type(exc).__name__}: {exc}"})
+                log.warning(
+                    "cannot supervise an engine just now; trying again",
+                    extra={"channel": slot.channel_id, "error": f"{type(exc).__name__}: {exc}"},
+                )
 
     def _supervise(self, slot: EngineSlot, now: float) -> None:
         if slot.handle is None:
@@ -370,20 +407,33 @@ class Controller:
     def _start(self, slot: EngineSlot) -> None:
         if slot.failed_starts >= NEW_PORT_AFTER:
             others = [other for other in self._slots if other is not slot]
-            try:   # not the ports that kept failing either
+            try:  # not the ports that kept failing either
                 port = self._free_port(others, slot.port, slot.lane_port)
                 lane_port = self._lane_port(others, port, slot.port, slot.lane_port)
-            except RuntimeError:   # a range with no other free port: keep trying the ones it has
+            except RuntimeError:  # a range with no other free port: keep trying the ones it has
                 port, lane_port = slot.port, slot.lane_port
             with self._lock:
                 slot.port, slot.lane_port, slot.failed_starts = port, lane_port, 0
-            log.warning("engine keeps failing to start; moving it to a new port",
-                        extra={"channel": slot.channel_id, "port": slot.port})
+            log.warning(
+                "engine keeps failing to start; moving it to a new port",
+                extra={"channel": slot.channel_id, "port": slot.port},
+            )
             self._session.reregister()
-        spec = EngineSpec(channel_id=slot.channel_id, image=slot.image, port=slot.port,
-                          env=engine_env(self._config, channel_id=slot.channel_id, image=slot.image,
-                                         pipeline=slot.pipeline, port=slot.port, lane_port=slot.lane_port),
-                          cpus=self._config.engine_cpus, memory_bytes=self._config.engine_memory_bytes)
+        spec = EngineSpec(
+            channel_id=slot.channel_id,
+            image=slot.image,
+            port=slot.port,
+            env=engine_env(
+                self._config,
+                channel_id=slot.channel_id,
+                image=slot.image,
+                pipeline=slot.pipeline,
+                port=slot.port,
+                lane_port=slot.lane_port,
+            ),
+            cpus=self._config.engine_cpus,
+            memory_bytes=self._config.engine_memory_bytes,
+        )
         try:
             handle = self._launcher.start(spec)
         except Exception as exc:  # noqa: BLE001 - a launcher failure is one more crash to back off from
@@ -397,16 +447,19 @@ class Controller:
             slot.handle = handle
             if slot.restarts:
                 slot.detail = f"restarting (restart {slot.restarts})"
-        log.info("engine started", extra={"channel": slot.channel_id, "image": slot.image, "port": slot.port,
-                                          "id": handle.ident})
+        log.info(
+            "engine started",
+            extra={"channel": slot.channel_id, "image": slot.image, "port": slot.port, "id": handle.ident},
+        )
 
     def _on_exit(self, slot: EngineSlot, code: int, now: float) -> None:
         handle = slot.handle
         lines = self._launcher.logs(handle, 3).strip().splitlines() if handle is not None else []
         with self._lock:
             detail = slot.on_exit(code, now, self._config.restart_backoff_max, lines[-1].strip() if lines else "")
-        log.warning("engine exited", extra={"channel": slot.channel_id, "detail": detail,
-                                            "log_tail": " | ".join(lines)[-1000:]})
+        log.warning(
+            "engine exited", extra={"channel": slot.channel_id, "detail": detail, "log_tail": " | ".join(lines)[-1000:]}
+        )
         self._session.poke()
 
     def _check_health(self, slot: EngineSlot, now: float) -> None:
@@ -440,8 +493,10 @@ def run_worker(config: WorkerConfig) -> int:
     controller = Controller(config, worker_id, launcher)
     stop = threading.Event()
     stop_on_signals(stop)
-    log.info("worker starting", extra={"worker": worker_id, "engines": len(controller.slots),
-                                       "launcher": type(launcher).__name__})
+    log.info(
+        "worker starting",
+        extra={"worker": worker_id, "engines": len(controller.slots), "launcher": type(launcher).__name__},
+    )
     code = controller.run(stop)
     log.info("worker stopped", extra={"worker": worker_id})
     return code

@@ -44,13 +44,13 @@ log = logging.getLogger("hio.worker")
 LABEL_MANAGED = "io.harmonicio.managed"
 LABEL_WORKER = "io.harmonicio.worker"
 LABEL_CHANNEL = "io.harmonicio.channel"
-ENGINE_COMMAND = ["engine"]          # the base image's ENTRYPOINT is the `hio` command
-PING_TIMEOUT = 2.0                   # docker_available(): a daemon that answers slower is not usable
-API_TIMEOUT = 60                     # seconds one Docker API call may take
-PIDS_LIMIT = 4096                    # processes/threads per engine container
-LOG_MAX_SIZE = "10m"                 # json-file log rotation per container
+ENGINE_COMMAND = ["engine"]  # the base image's ENTRYPOINT is the `hio` command
+PING_TIMEOUT = 2.0  # docker_available(): a daemon that answers slower is not usable
+API_TIMEOUT = 60  # seconds one Docker API call may take
+PIDS_LIMIT = 4096  # processes/threads per engine container
+LOG_MAX_SIZE = "10m"  # json-file log rotation per container
 LOG_MAX_FILES = "3"
-SECRETS_DIR = "/run/hio"             # where credential files are copied inside the container
+SECRETS_DIR = "/run/hio"  # where credential files are copied inside the container
 EXITED_STATES = ("exited", "dead")
 
 # Settings that name files on the worker's host. Inside the container they are
@@ -104,9 +104,9 @@ def container_name(worker_id: str, channel_id: str) -> str:
 def _env_key(key: str) -> str | None:
     """The setting an HIO_* variable sets (``HIO_ENGINE_TLS_KEY`` -> ``tls_key``)."""
     if key.startswith("HIO_ENGINE_"):
-        return key[len("HIO_ENGINE_"):].lower()
+        return key[len("HIO_ENGINE_") :].lower()
     if key.startswith("HIO_"):
-        return key[len("HIO_"):].lower()
+        return key[len("HIO_") :].lower()
     return None
 
 
@@ -116,7 +116,7 @@ class DockerLauncher(EngineLauncher):
     def __init__(self, config: WorkerConfig, worker_id: str | None = None, client: Any = None) -> None:
         self._worker_id = worker_id or config.effective_worker_id()
         self._client = client or _shared_client()
-        self._seen_healthy: set[str] = set()   # container ids Docker has reported healthy
+        self._seen_healthy: set[str] = set()  # container ids Docker has reported healthy
 
     @property
     def worker_id(self) -> str:
@@ -140,12 +140,22 @@ class DockerLauncher(EngineLauncher):
         self._remove_stale(name)
         env, files = self._container_env(spec.env, image_pipeline(image) is not None)
         container = self._client.containers.create(
-            image.id, command=ENGINE_COMMAND, name=name, detach=True, environment=env,
-            labels=self._labels(spec), network_mode="host", init=True,
+            image.id,
+            command=ENGINE_COMMAND,
+            name=name,
+            detach=True,
+            environment=env,
+            labels=self._labels(spec),
+            network_mode="host",
+            init=True,
             nano_cpus=int(spec.cpus * 1e9) if spec.cpus > 0 else None,
-            mem_limit=spec.memory_bytes or None, memswap_limit=spec.memory_bytes or None,
-            pids_limit=PIDS_LIMIT, security_opt=["no-new-privileges"], cap_drop=["ALL"],
-            log_config={"type": "json-file", "config": {"max-size": LOG_MAX_SIZE, "max-file": LOG_MAX_FILES}})
+            mem_limit=spec.memory_bytes or None,
+            memswap_limit=spec.memory_bytes or None,
+            pids_limit=PIDS_LIMIT,
+            security_opt=["no-new-privileges"],
+            cap_drop=["ALL"],
+            log_config={"type": "json-file", "config": {"max-size": LOG_MAX_SIZE, "max-file": LOG_MAX_FILES}},
+        )
         try:
             if files:
                 container.put_archive("/", _secrets_tar(files, image.attrs.get("Config", {}).get("User", "")))
@@ -153,8 +163,10 @@ class DockerLauncher(EngineLauncher):
         except Exception:
             _remove_quietly(container)
             raise
-        log.info("engine container started", extra={"channel": spec.channel_id, "image": spec.image,
-                                                    "container": container.short_id, "port": spec.port})
+        log.info(
+            "engine container started",
+            extra={"channel": spec.channel_id, "image": spec.image, "container": container.short_id, "port": spec.port},
+        )
         return EngineHandle(spec=spec, ident=container.short_id, native=container)
 
     def _local_image(self, image: str) -> Any:
@@ -164,8 +176,12 @@ class DockerLauncher(EngineLauncher):
             raise ImageMissing(image) from None
 
     def _labels(self, spec: EngineSpec) -> dict[str, str]:
-        return {LABEL_MANAGED: "true", LABEL_WORKER: self._worker_id,
-                LABEL_CHANNEL: spec.channel_id, "io.harmonicio.image": spec.image}
+        return {
+            LABEL_MANAGED: "true",
+            LABEL_WORKER: self._worker_id,
+            LABEL_CHANNEL: spec.channel_id,
+            "io.harmonicio.image": spec.image,
+        }
 
     def _remove_stale(self, name: str) -> None:
         """A container of ours with this name is a leftover (a crash, a restart): remove it.
@@ -175,8 +191,10 @@ class DockerLauncher(EngineLauncher):
         except docker.errors.NotFound:
             return
         if not self._is_ours(old):
-            raise RuntimeError(f"container name {name} is taken by a container HarmonicIO did not start; "
-                               "rename it or give this worker another worker_id")
+            raise RuntimeError(
+                f"container name {name} is taken by a container HarmonicIO did not start; "
+                "rename it or give this worker another worker_id"
+            )
         log.info("removing leftover engine container", extra={"container": name, "status": old.status})
         old.remove(force=True)
 
@@ -229,8 +247,10 @@ class DockerLauncher(EngineLauncher):
         if health == "healthy":
             self._seen_healthy.add(container.id)
         elif health == "unhealthy" and container.id in self._seen_healthy:
-            log.warning("engine container unhealthy; killing it",
-                        extra={"channel": handle.spec.channel_id, "container": handle.ident})
+            log.warning(
+                "engine container unhealthy; killing it",
+                extra={"channel": handle.spec.channel_id, "container": handle.ident},
+            )
             _kill_quietly(container)
         return None
 
@@ -242,8 +262,10 @@ class DockerLauncher(EngineLauncher):
         except docker.errors.NotFound:
             return
         except docker.errors.APIError as exc:
-            log.warning("stopping engine container failed; killing it",
-                        extra={"container": handle.ident, "error": str(exc)[:200]})
+            log.warning(
+                "stopping engine container failed; killing it",
+                extra={"container": handle.ident, "error": str(exc)[:200]},
+            )
             _kill_quietly(container)
         _remove_quietly(container)
 
@@ -259,8 +281,10 @@ class DockerLauncher(EngineLauncher):
     def cleanup(self) -> None:
         """Remove exited containers carrying our labels and this worker's id.
         Running containers and anyone else's are left alone."""
-        filters = {"label": [f"{LABEL_MANAGED}=true", f"{LABEL_WORKER}={self._worker_id}"],
-                   "status": ["exited", "dead", "created"]}
+        filters = {
+            "label": [f"{LABEL_MANAGED}=true", f"{LABEL_WORKER}={self._worker_id}"],
+            "status": ["exited", "dead", "created"],
+        }
         for container in self._client.containers.list(all=True, filters=filters):
             if self._is_ours(container) and container.status in (*EXITED_STATES, "created"):
                 log.info("removing exited engine container", extra={"container": container.name})
@@ -310,5 +334,4 @@ def _remove_quietly(container: Any) -> None:
     except docker.errors.NotFound:
         pass
     except docker.errors.APIError as exc:
-        log.warning("could not remove container", extra={"container": container.short_id,
-                                                         "error": str(exc)[:200]})
+        log.warning("could not remove container", extra={"container": container.short_id, "error": str(exc)[:200]})

@@ -34,6 +34,8 @@ from typing import Any, cast
 import zstandard
 
 from hio.config import ConfigError
+from hio.proto import engine_pb2_grpc, master_pb2
+from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
 from hio.transport.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -47,12 +49,10 @@ from hio.transport.errors import (
 )
 from hio.transport.frames import ChunkFrame, FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
 from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
+from hio.transport.lanetls import server_context
 from hio.transport.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
 from hio.transport.retry import Backoff
-from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
 from hio.transport.tickets import load_ticket_key, verify_ticket
-from hio.transport.lanetls import server_context
-from hio.proto import engine_pb2_grpc, master_pb2
 from hio.worker.api import PIPELINE_EXIT_CODE, Pipeline, TupleInfo, load_pipeline, pipeline_for_image
 from hio.worker.cluster import ClusterLink, PullCall
 from hio.worker.config import EngineConfig
@@ -63,20 +63,20 @@ log = logging.getLogger("hio.worker.engine")
 
 LAST_ERROR_KEY = "hio.last_error"
 LAST_ERROR_BYTES = 1024
-TIMEOUT_EXIT_CODE = 75       # EX_TEMPFAIL: the controller restarts us
+TIMEOUT_EXIT_CODE = 75  # EX_TEMPFAIL: the controller restarts us
 ZSTD_LEVEL = 3
-ZSTD_SMALL_LEVEL = -1        # records up to ZSTD_SMALL_BYTES: zstd's fast mode, cheaper per small
-ZSTD_SMALL_BYTES = 512       # record and a little larger than level 3
-HANDOFF_DEADLINE = 10.0      # seconds the watchdog may spend handing a hung tuple back
+ZSTD_SMALL_LEVEL = -1  # records up to ZSTD_SMALL_BYTES: zstd's fast mode, cheaper per small
+ZSTD_SMALL_BYTES = 512  # record and a little larger than level 3
+HANDOFF_DEADLINE = 10.0  # seconds the watchdog may spend handing a hung tuple back
 RECORD_HEADROOM = 64 * 1024  # bytes of a PutFeatures message beyond the record itself
-MIN_EMPTY_PULL = 0.1         # seconds between long-polls the master answers at once
-AHEAD_MAX_SECONDS = 1.0      # queue tuples that take longer are not pulled ahead (_worth_pulling_ahead)
+MIN_EMPTY_PULL = 0.1  # seconds between long-polls the master answers at once
+AHEAD_MAX_SECONDS = 1.0  # queue tuples that take longer are not pulled ahead (_worth_pulling_ahead)
 PARENT_CHECK_SECONDS = 0.5
-STORER_JOIN_SECONDS = 5.0    # how long a stream's end waits for a PutFeatures still in flight
-ANSWER_DELAY = 0.02          # seconds a ready receipt may wait while tuples are still being processed
-STORE_LINGER = 0.004         # seconds a small batch of records may wait for more while they arrive fast
-STORE_GAP = 0.001            # ... "fast": the next record came within this
-STORE_FULL = 64              # ... until this many wait
+STORER_JOIN_SECONDS = 5.0  # how long a stream's end waits for a PutFeatures still in flight
+ANSWER_DELAY = 0.02  # seconds a ready receipt may wait while tuples are still being processed
+STORE_LINGER = 0.004  # seconds a small batch of records may wait for more while they arrive fast
+STORE_GAP = 0.001  # ... "fast": the next record came within this
+STORE_FULL = 64  # ... until this many wait
 # An UNAVAILABLE carrying a retry hint is the engine's state (stopping, its repository
 # unreachable), not the tuples' fault: the gateway retries them without counting an attempt.
 ENGINE_STATE_RETRY = 1.0
@@ -164,8 +164,7 @@ class _Prefetcher:
     than the tuple).
     """
 
-    def __init__(self, reader: FrameReader, publish: Callable[[tuple[str, Any]], None],
-                 handover: _Handover) -> None:
+    def __init__(self, reader: FrameReader, publish: Callable[[tuple[str, Any]], None], handover: _Handover) -> None:
         self._reader = reader
         self._publish = publish
         self._handover = handover
@@ -251,8 +250,9 @@ class _Handover:
 
     Why: a channel held until the last STORED receipt idles while its
     features are stored and while the release, the next route and the next
-    stream's first bytes travel, which for a cheap tuple is most of its cost. Once the stream's input has ended and its last tuple has
-    started processing, nothing more of this stream will need the processing
+    stream's first bytes travel, which for a cheap tuple is most of its cost.
+    Once the stream's input has ended and its last tuple has started
+    processing, nothing more of this stream will need the processing
     slot, so the next stream may be received while that tuple is processed:
     one tuple ahead, as within a stream, never more (a stream still waiting
     for the slot does not hand over).
@@ -325,9 +325,17 @@ class _BatchStorer:
     after it is stored.
     """
 
-    def __init__(self, store_many: StoreMany, on_stored: Callable[[list[_Slot], list[bool]], None],
-                 wake: Callable[[], None], *, max_records: int, max_bytes: int, max_pending: int,
-                 on_refused: Callable[[_Slot, str], None]) -> None:
+    def __init__(
+        self,
+        store_many: StoreMany,
+        on_stored: Callable[[list[_Slot], list[bool]], None],
+        wake: Callable[[], None],
+        *,
+        max_records: int,
+        max_bytes: int,
+        max_pending: int,
+        on_refused: Callable[[_Slot, str], None],
+    ) -> None:
         self._store_many = store_many
         self._on_stored = on_stored
         self._on_refused = on_refused
@@ -347,8 +355,11 @@ class _BatchStorer:
     def submit(self, slot: _Slot) -> None:
         """Queue a processed slot; blocks while ``max_pending`` records wait. Raises the storer's error."""
         with self._cond:
-            self._cond.wait_for(lambda: self.error is not None or self._closed
-                                or len(self._waiting) + self._in_flight < self._max_pending)
+            self._cond.wait_for(
+                lambda: (
+                    self.error is not None or self._closed or len(self._waiting) + self._in_flight < self._max_pending
+                )
+            )
             if self.error is not None:
                 raise self.error
             self._waiting.append(slot)
@@ -398,7 +409,7 @@ class _BatchStorer:
             try:
                 self._store(batch)
             except BaseException as exc:  # noqa: BLE001 - handed to the stream, which ends with it
-                if isinstance(exc, (Unavailable, DeadlineExceeded)):   # the repository's state, not the tuples'
+                if isinstance(exc, (Unavailable, DeadlineExceeded)):  # the repository's state, not the tuples'
                     exc = Unavailable(f"repository unreachable: {exc.message}", retry_after=ENGINE_STATE_RETRY)
                 with self._cond:
                     self.error = exc
@@ -438,8 +449,15 @@ class Engine:
     processing its last tuple and storing its features meanwhile.
     """
 
-    def __init__(self, config: EngineConfig, pipeline: Pipeline, cluster: ClusterLink, reporter: Reporter,
-                 *, exit_process: Callable[[int], None] = os._exit) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pipeline: Pipeline,
+        cluster: ClusterLink,
+        reporter: Reporter,
+        *,
+        exit_process: Callable[[int], None] = os._exit,
+    ) -> None:
         self._config = config
         self._pipeline = pipeline
         self._cluster = cluster
@@ -447,9 +465,9 @@ class Engine:
         self._exit = exit_process
         self._channel = config.channel_id
         self._cond = threading.Condition()
-        self._active: str | None = None   # "deliver" | "queue" | None: who may take the next tuple
-        self._releases_pending = 0          # releases queued at the reporter, not yet sent
-        self._tails = 0                     # streams handed over whose last tuple is not settled yet
+        self._active: str | None = None  # "deliver" | "queue" | None: who may take the next tuple
+        self._releases_pending = 0  # releases queued at the reporter, not yet sent
+        self._tails = 0  # streams handed over whose last tuple is not settled yet
         self._processing_slot = threading.Lock()  # the one tuple processed at a time
         self.processing = False
         self._stopping = False
@@ -458,7 +476,7 @@ class Engine:
         self._small_compressor = zstandard.ZstdCompressor(level=ZSTD_SMALL_LEVEL)
         self._ticket_key = load_ticket_key(config.ticket_key_file)
         self.idle_seconds = config.stream_idle_seconds
-        self.lane: LaneServer | None = None   # the payload lane, when it serves one (create_lane)
+        self.lane: LaneServer | None = None  # the payload lane, when it serves one (create_lane)
         self._max_record = message_limit(config) - RECORD_HEADROOM
         self._store_batch_records = config.store_batch_records
         self._store_pending_records = config.store_pending_records
@@ -497,8 +515,9 @@ class Engine:
     def _claim(self, kind: str) -> None:
         with self._cond:
             if self._stopping:
-                raise Unavailable(f"channel {self._channel} is stopping; send elsewhere",
-                                  retry_after=ENGINE_STATE_RETRY)
+                raise Unavailable(
+                    f"channel {self._channel} is stopping; send elsewhere", retry_after=ENGINE_STATE_RETRY
+                )
             if self._active is not None:
                 raise ResourceExhausted(f"channel {self._channel} busy", retry_after=0.05)
             self._active = kind
@@ -534,8 +553,9 @@ class Engine:
 
     # ---- direct delivery
 
-    def deliver(self, frames: Iterable[TupleFrame | ChunkFrame], *,
-                max_chunk_bytes: int | None = None) -> Iterator[TupleReceipt]:
+    def deliver(
+        self, frames: Iterable[TupleFrame | ChunkFrame], *, max_chunk_bytes: int | None = None
+    ) -> Iterator[TupleReceipt]:
         """Serve one Deliver stream: a receipt per tuple, in order.
 
         Tuples are processed one at a time while the next one is received and
@@ -549,13 +569,23 @@ class Engine:
         """
         self._claim("deliver")
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        reader = FrameReader(_as_tuple_frames(frames), max_tuple_bytes=self._config.max_tuple_bytes,
-                             max_chunk_bytes=max_chunk_bytes or message_limit(self._config), need_id=True)
+        reader = FrameReader(
+            _as_tuple_frames(frames),
+            max_tuple_bytes=self._config.max_tuple_bytes,
+            max_chunk_bytes=max_chunk_bytes or message_limit(self._config),
+            need_id=True,
+        )
         handover = _Handover(self._hand_over)
         prefetch = _Prefetcher(reader, events.put, handover)
-        storer = _BatchStorer(self._cluster.store_many, self._stored, lambda: events.put(("wake", None)),
-                              max_records=self._store_batch_records, max_bytes=self._max_record,
-                              max_pending=self._store_pending_records, on_refused=self._refused)
+        storer = _BatchStorer(
+            self._cluster.store_many,
+            self._stored,
+            lambda: events.put(("wake", None)),
+            max_records=self._store_batch_records,
+            max_bytes=self._max_record,
+            max_pending=self._store_pending_records,
+            on_refused=self._refused,
+        )
         try:
             yield from self._serve(prefetch, storer, events, handover, reader)
         finally:
@@ -566,9 +596,14 @@ class Engine:
             else:
                 self._unclaim()
 
-    def _serve(self, prefetch: _Prefetcher, storer: _BatchStorer,
-               events: queue.SimpleQueue[tuple[str, Any]], handover: _Handover,
-               reader: FrameReader) -> Iterator[TupleReceipt]:
+    def _serve(
+        self,
+        prefetch: _Prefetcher,
+        storer: _BatchStorer,
+        events: queue.SimpleQueue[tuple[str, Any]],
+        handover: _Handover,
+        reader: FrameReader,
+    ) -> Iterator[TupleReceipt]:
         """The stream's loop: take events (a tuple, the end, an error, a stored batch), answer in order.
 
         An error of the stream or of a tuple stops taking tuples; the receipts
@@ -623,12 +658,14 @@ class Engine:
             elif kind == "error" and not ended:
                 ended, failure = True, value
 
-    def _take_tuple(self, index: int, meta: TupleMeta, data: bytes, storer: _BatchStorer,
-                    started: Callable[[], None]) -> _Slot:
+    def _take_tuple(
+        self, index: int, meta: TupleMeta, data: bytes, storer: _BatchStorer, started: Callable[[], None]
+    ) -> _Slot:
         """Check and process one tuple of a stream; its record goes to ``storer``."""
         if self._stopping:
-            raise Unavailable(f"channel {self._channel} is stopping; send the rest elsewhere",
-                              retry_after=ENGINE_STATE_RETRY)
+            raise Unavailable(
+                f"channel {self._channel} is stopping; send the rest elsewhere", retry_after=ENGINE_STATE_RETRY
+            )
         self._check_image(meta)
         slot = _Slot(index, meta)
         result = self._compute(meta, data, from_queue=False, started=started)
@@ -638,8 +675,9 @@ class Engine:
             except HioError as exc:
                 return self._not_taken_back(slot, result, exc)
             self._report(meta, ok=False, from_queue=False, message=result)
-            slot.receipt = TupleReceipt(index=index, tuple_id=meta.tuple_id, state=TupleReceipt.ENQUEUED,
-                                        message=result, dead_lettered=dead)
+            slot.receipt = TupleReceipt(
+                index=index, tuple_id=meta.tuple_id, state=TupleReceipt.ENQUEUED, message=result, dead_lettered=dead
+            )
         else:
             slot.blob, slot.cpu = result
             storer.submit(slot)
@@ -647,8 +685,9 @@ class Engine:
 
     def _stored(self, slots: list[_Slot], duplicates: list[bool]) -> None:
         """A batch is in the repository: report each tuple and make its receipt STORED."""
-        self._reporter.outcomes([self._outcome(slot.meta, ok=True, from_queue=False, seconds=slot.cpu)
-                                 for slot in slots])
+        self._reporter.outcomes(
+            [self._outcome(slot.meta, ok=True, from_queue=False, seconds=slot.cpu) for slot in slots]
+        )
         for slot, duplicate in zip(slots, duplicates, strict=True):
             self._log_stored(slot.meta, slot.blob, duplicate, slot.cpu)
             slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.STORED)
@@ -657,31 +696,41 @@ class Engine:
         """The repository refused this tuple's record: the tuple fails (the gateway counts an
         attempt and, if it keeps failing, it ends in the dead letters with this reason)."""
         error = truncate(f"cannot store features: {message}")
-        log.warning("features refused by the repository", extra={"channel": self._channel,
-                                                                  "tuple_id": slot.meta.tuple_id, "error": error})
+        log.warning(
+            "features refused by the repository",
+            extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": error},
+        )
         self._report(slot.meta, ok=False, from_queue=False, message=error)
-        slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED,
-                                    message=error)
+        slot.receipt = TupleReceipt(
+            index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED, message=error
+        )
 
     def _check_image(self, meta: TupleMeta) -> None:
         """Refuse a tuple of another image, or one the master did not route (ticket)."""
         if meta.image != self._config.image:
-            raise FailedPrecondition(f"tuple {meta.tuple_id} is for image {meta.image!r} but channel "
-                                     f"{self._channel} runs {self._config.image!r}")
+            raise FailedPrecondition(
+                f"tuple {meta.tuple_id} is for image {meta.image!r} but channel "
+                f"{self._channel} runs {self._config.image!r}"
+            )
         if self._ticket_key and not verify_ticket(self._ticket_key, meta.tuple_id, meta.image, meta.ticket):
-            raise PermissionDenied(f"tuple {meta.tuple_id}: its ticket does not match; "
-                                   "only tuples routed by this cluster's master are accepted")
+            raise PermissionDenied(
+                f"tuple {meta.tuple_id}: its ticket does not match; "
+                "only tuples routed by this cluster's master are accepted"
+            )
 
     def _not_taken_back(self, slot: _Slot, error: str, refusal: HioError) -> _Slot:
         """The master's queue did not take a failed tuple back (unreachable, or its disk failed
         to sync): the tuple fails to its sender, which counts the attempt and sends it again,
         and the stream goes on, so the tuples after it are not charged an attempt."""
         message = truncate(f"{error}; the master's queue did not take it back: {refusal.message}")
-        log.warning("failed tuple not taken back by the master; its sender retries it",
-                    extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": refusal.message})
+        log.warning(
+            "failed tuple not taken back by the master; its sender retries it",
+            extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": refusal.message},
+        )
         self._report(slot.meta, ok=False, from_queue=False, message=message)
-        slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED,
-                                    message=message)
+        slot.receipt = TupleReceipt(
+            index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED, message=message
+        )
         return slot
 
     def _hand_back(self, meta: TupleMeta, data: bytes, error: str, deadline: float | None = None) -> bool:
@@ -692,15 +741,23 @@ class Engine:
         again.attempt = max(meta.attempt, 1) + 1
         again.attributes[LAST_ERROR_KEY] = truncate(error)
         receipt = self._cluster.enqueue(again, data, deadline)
-        log.info("tuple failed; handed back to the master",
-                 extra={"channel": self._channel, "tuple_id": meta.tuple_id, "attempt": again.attempt,
-                        "error": error, "dead_lettered": receipt.dead_lettered})
+        log.info(
+            "tuple failed; handed back to the master",
+            extra={
+                "channel": self._channel,
+                "tuple_id": meta.tuple_id,
+                "attempt": again.attempt,
+                "error": error,
+                "dead_lettered": receipt.dead_lettered,
+            },
+        )
         return receipt.dead_lettered
 
     # ---- processing one tuple
 
-    def _compute(self, meta: TupleMeta, data: bytes, *, from_queue: bool,
-                 started: Callable[[], None] | None = None) -> tuple[bytes, float] | str:
+    def _compute(
+        self, meta: TupleMeta, data: bytes, *, from_queue: bool, started: Callable[[], None] | None = None
+    ) -> tuple[bytes, float] | str:
         """Run the pipeline on one tuple in the processing slot: (compressed record, CPU seconds), or the error.
 
         ``started`` runs once the slot is ours. When the channel was handed
@@ -725,59 +782,87 @@ class Engine:
         try:
             result = self._pipeline.process(data, TupleInfo.from_meta(meta))
             cpu = time.thread_time() - cpu_start
-            record = build_record(result, meta, kd_features=self._pipeline.kd_features, engine=self._channel,
-                                  processed_unix=time.time(), processing_seconds=cpu)
+            record = build_record(
+                result,
+                meta,
+                kd_features=self._pipeline.kd_features,
+                engine=self._channel,
+                processed_unix=time.time(),
+                processing_seconds=cpu,
+            )
         except BaseException as exc:  # noqa: BLE001 - user code may raise anything (CancelledError, a Timeout)
-            log.info("pipeline failed", extra={"channel": self._channel, "tuple_id": meta.tuple_id,
-                                               "error": error_text(exc)})
+            log.info(
+                "pipeline failed", extra={"channel": self._channel, "tuple_id": meta.tuple_id, "error": error_text(exc)}
+            )
             return error_text(exc)
         finally:
             self._watchdog.end(job)
         serialized = record.SerializeToString()
         if len(serialized) > FEATURE_RECORD_DECOMPRESSED_BYTES:
-            return truncate(f"FeatureError: features of {len(serialized)} bytes (before compression) are over "
-                            f"the repository's limit of {FEATURE_RECORD_DECOMPRESSED_BYTES}")
+            return truncate(
+                f"FeatureError: features of {len(serialized)} bytes (before compression) are over "
+                f"the repository's limit of {FEATURE_RECORD_DECOMPRESSED_BYTES}"
+            )
         compressor = self._small_compressor if len(serialized) <= ZSTD_SMALL_BYTES else self._compressor
         blob = compressor.compress(serialized)
         if len(blob) > self._max_record:
-            return truncate(f"FeatureError: compressed features of {len(blob)} bytes are over the "
-                            f"limit of {self._max_record}")
+            return truncate(
+                f"FeatureError: compressed features of {len(blob)} bytes are over the limit of {self._max_record}"
+            )
         return blob, cpu
 
     def _log_stored(self, meta: TupleMeta, blob: bytes, duplicate: bool, cpu: float) -> None:
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("tuple stored", extra={"channel": self._channel, "tuple_id": meta.tuple_id,
-                                             "bytes": len(blob), "duplicate": duplicate, "cpu_s": round(cpu, 4)})
+            log.debug(
+                "tuple stored",
+                extra={
+                    "channel": self._channel,
+                    "tuple_id": meta.tuple_id,
+                    "bytes": len(blob),
+                    "duplicate": duplicate,
+                    "cpu_s": round(cpu, 4),
+                },
+            )
 
-    def _report(self, meta: TupleMeta, *, ok: bool, from_queue: bool, message: str = "",
-                seconds: float = 0.0) -> None:
-        self._reporter.outcome(self._outcome(meta, ok=ok, from_queue=from_queue, message=message,
-                                             seconds=seconds))
+    def _report(self, meta: TupleMeta, *, ok: bool, from_queue: bool, message: str = "", seconds: float = 0.0) -> None:
+        self._reporter.outcome(self._outcome(meta, ok=ok, from_queue=from_queue, message=message, seconds=seconds))
 
     @staticmethod
-    def _outcome(meta: TupleMeta, *, ok: bool, from_queue: bool, message: str = "",
-                 seconds: float = 0.0) -> master_pb2.TupleOutcome:
-        return master_pb2.TupleOutcome(tuple_id=meta.tuple_id, ok=ok, message=message, from_queue=from_queue,
-                                       size=meta.size, processing_seconds=seconds,
-                                       accepted_unix=meta.accepted_unix, stored_unix=time.time())
+    def _outcome(
+        meta: TupleMeta, *, ok: bool, from_queue: bool, message: str = "", seconds: float = 0.0
+    ) -> master_pb2.TupleOutcome:
+        return master_pb2.TupleOutcome(
+            tuple_id=meta.tuple_id,
+            ok=ok,
+            message=message,
+            from_queue=from_queue,
+            size=meta.size,
+            processing_seconds=seconds,
+            accepted_unix=meta.accepted_unix,
+            stored_unix=time.time(),
+        )
 
     # ---- the per-tuple timeout
 
     def _on_timeout(self, job: _Job) -> None:
         """Hand the hung tuple back (synchronously, bounded), then end the process."""
         message = f"timeout after {self._config.tuple_timeout:g} s"
-        log.error("tuple timed out; handing it back and restarting",
-                  extra={"channel": self._channel, "tuple_id": job.meta.tuple_id,
-                         "timeout_s": self._config.tuple_timeout})
+        log.error(
+            "tuple timed out; handing it back and restarting",
+            extra={"channel": self._channel, "tuple_id": job.meta.tuple_id, "timeout_s": self._config.tuple_timeout},
+        )
         try:
             if not job.from_queue:
                 self._hand_back(job.meta, job.data, message, deadline=HANDOFF_DEADLINE)
             outcome = self._outcome(job.meta, ok=False, from_queue=job.from_queue, message=message)
-            self._cluster.report(master_pb2.ReportTuplesRequest(channel_id=self._channel, outcomes=[outcome]),
-                                 timeout=HANDOFF_DEADLINE)
+            self._cluster.report(
+                master_pb2.ReportTuplesRequest(channel_id=self._channel, outcomes=[outcome]), timeout=HANDOFF_DEADLINE
+            )
         except HioError as exc:
-            log.error("could not hand the timed-out tuple back; its sender will redeliver it",
-                      extra={"channel": self._channel, "tuple_id": job.meta.tuple_id, "reason": exc.message})
+            log.error(
+                "could not hand the timed-out tuple back; its sender will redeliver it",
+                extra={"channel": self._channel, "tuple_id": job.meta.tuple_id, "reason": exc.message},
+            )
         finally:
             self._reporter.stop(timeout=1.0)  # outcomes of earlier tuples still on their way
             logging.shutdown()
@@ -803,8 +888,10 @@ class Engine:
                         self._cond.wait_for(lambda: self._stopping, timeout=MIN_EMPTY_PULL)
             except HioError as exc:
                 delay = backoff.delay(exc.retry_after)
-                log.info("pulling from the queue failed; retrying",
-                         extra={"channel": self._channel, "reason": exc.message, "retry_in_s": round(delay, 2)})
+                log.info(
+                    "pulling from the queue failed; retrying",
+                    extra={"channel": self._channel, "reason": exc.message, "retry_in_s": round(delay, 2)},
+                )
                 with self._cond:
                     self._cond.wait_for(lambda: self._stopping, timeout=delay)
             except BaseException:  # the puller must outlive any one tuple
@@ -892,8 +979,14 @@ class Engine:
             return [], False
         return self._read_pull(call, first, frames, max_tuples, max_bytes)
 
-    def _read_pull(self, call: PullCall, first: TupleFrame | ChunkFrame, frames: Iterator[TupleFrame | ChunkFrame],
-                   max_tuples: int, max_bytes: int) -> tuple[list[tuple[TupleMeta, bytes]], bool]:
+    def _read_pull(
+        self,
+        call: PullCall,
+        first: TupleFrame | ChunkFrame,
+        frames: Iterator[TupleFrame | ChunkFrame],
+        max_tuples: int,
+        max_bytes: int,
+    ) -> tuple[list[tuple[TupleMeta, bytes]], bool]:
         """The pulled tuples, and whether the pull came full: as many as asked, or another
         like the last would not have fitted in the bytes (then more are likely waiting)."""
         pulled = self._read_pulled(itertools.chain([first], frames), first.meta, max_chunk_bytes=call.max_chunk_bytes)
@@ -932,8 +1025,9 @@ class Engine:
         self._reporter.set_busy(True)
         return True
 
-    def _process_pulled(self, pulled: list[tuple[TupleMeta, bytes]], *, ahead: bool) -> tuple[
-            list[tuple[TupleMeta, bytes, float]], bool, concurrent.futures.Future[tuple[list[Any], bool]] | None]:
+    def _process_pulled(
+        self, pulled: list[tuple[TupleMeta, bytes]], *, ahead: bool
+    ) -> tuple[list[tuple[TupleMeta, bytes, float]], bool, concurrent.futures.Future[tuple[list[Any], bool]] | None]:
         """Process the pulled tuples in order; their records (for :meth:`_store_pulled`), True
         when every one was processed, and the next pull when ``ahead`` (fetched beside the
         last tuple's processing). A tuple that fails is reported at once.
@@ -957,8 +1051,12 @@ class Engine:
             if ahead and processed == len(pulled):
                 fetching = self._background.submit(self._fetch_ahead, ([], False))
             if meta.image != self._config.image:
-                self._report(meta, ok=False, from_queue=True,
-                             message=f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}")
+                self._report(
+                    meta,
+                    ok=False,
+                    from_queue=True,
+                    message=f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}",
+                )
                 continue
             result = self._compute(meta, data, from_queue=True)
             if isinstance(result, str):
@@ -969,10 +1067,15 @@ class Engine:
             self._learn_cost((time.monotonic() - started) / processed)
         return done, processed == len(pulled), fetching
 
-    def _read_pulled(self, frames: Iterable[TupleFrame | ChunkFrame], first_meta: TupleMeta, *,
-                     max_chunk_bytes: int | None = None) -> list[tuple[TupleMeta, bytes]]:
-        reader = FrameReader(_as_tuple_frames(frames), max_tuple_bytes=self._config.max_tuple_bytes,
-                             max_chunk_bytes=max_chunk_bytes or message_limit(self._config), need_id=True)
+    def _read_pulled(
+        self, frames: Iterable[TupleFrame | ChunkFrame], first_meta: TupleMeta, *, max_chunk_bytes: int | None = None
+    ) -> list[tuple[TupleMeta, bytes]]:
+        reader = FrameReader(
+            _as_tuple_frames(frames),
+            max_tuple_bytes=self._config.max_tuple_bytes,
+            max_chunk_bytes=max_chunk_bytes or message_limit(self._config),
+            need_id=True,
+        )
         pulled: list[tuple[TupleMeta, bytes]] = []
         try:
             while (item := reader.next_tuple_bytes()) is not None:
@@ -982,8 +1085,10 @@ class Engine:
             if damaged is not None:  # charged: the master requeues it, or dead-letters it when exhausted
                 self._report(damaged, ok=False, from_queue=True, message=f"damaged queue tuple: {exc.message}")
             else:
-                log.warning("damaged pull; what follows goes back to the queue", extra={
-                    "channel": self._channel, "after_tuple_id": pulled[-1][0].tuple_id, "reason": exc.message})
+                log.warning(
+                    "damaged pull; what follows goes back to the queue",
+                    extra={"channel": self._channel, "after_tuple_id": pulled[-1][0].tuple_id, "reason": exc.message},
+                )
         return pulled
 
     def _store_pulled(self, done: list[tuple[TupleMeta, bytes, float]]) -> bool:
@@ -997,15 +1102,20 @@ class Engine:
         start = 0
         while start < len(done):
             end, size = start, 0
-            while end < len(done) and end - start < self._store_batch_records \
-                    and (end == start or size + len(done[end][1]) <= self._max_record):
+            while (
+                end < len(done)
+                and end - start < self._store_batch_records
+                and (end == start or size + len(done[end][1]) <= self._max_record)
+            ):
                 size += len(done[end][1])
                 end += 1
             try:
                 self._store_and_report(done[start:end])
             except HioError as exc:
-                log.warning("cannot store features; the pulled tuples go back to the queue", extra={
-                    "channel": self._channel, "tuples": len(done) - start, "reason": exc.message})
+                log.warning(
+                    "cannot store features; the pulled tuples go back to the queue",
+                    extra={"channel": self._channel, "tuples": len(done) - start, "reason": exc.message},
+                )
                 return False
             start = end
         return True
@@ -1022,8 +1132,7 @@ class Engine:
                 return
             self._report(batch[0][0], ok=False, from_queue=True, message=f"cannot store features: {exc.message}")
             return
-        self._reporter.outcomes([self._outcome(meta, ok=True, from_queue=True, seconds=cpu)
-                                 for meta, _, cpu in batch])
+        self._reporter.outcomes([self._outcome(meta, ok=True, from_queue=True, seconds=cpu) for meta, _, cpu in batch])
         for (meta, blob, cpu), duplicate in zip(batch, duplicates, strict=True):
             self._log_stored(meta, blob, duplicate, cpu)
 
@@ -1051,8 +1160,9 @@ def resolve_pipeline(config: EngineConfig) -> str:
     return config.pipeline or os.environ.get("HIO_PIPELINE", "") or pipeline_for_image(config.image)
 
 
-def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], None] = os._exit,
-                         pipeline: Pipeline | None = None) -> tuple[Any, int, Any, Engine]:
+def create_engine_server(
+    config: EngineConfig, *, exit_process: Callable[[int], None] = os._exit, pipeline: Pipeline | None = None
+) -> tuple[Any, int, Any, Engine]:
     """Load the pipeline (unless given) and build (server not started, port, health, engine started).
 
     Health is SERVING from the start: the pipeline is loaded before the
@@ -1061,30 +1171,47 @@ def create_engine_server(config: EngineConfig, *, exit_process: Callable[[int], 
     if pipeline is None:
         pipeline = load_pipeline(resolve_pipeline(config))
     cluster = ClusterLink(config, rpc_deadline=config.rpc_deadline, lanes=config.lanes)
-    reporter = Reporter(config.channel_id, cluster.report, keepalive=config.reservation_seconds / 3,
-                        processing=lambda: engine.processing)
+    reporter = Reporter(
+        config.channel_id,
+        cluster.report,
+        keepalive=config.reservation_seconds / 3,
+        processing=lambda: engine.processing,
+    )
     engine = Engine(config, pipeline, cluster, reporter, exit_process=exit_process)
     reporter.start()
     server, port, health, engine.lane = create_server_with_lane(
-        config, config.listen, lane=lambda table: create_lane(config, engine, table),
-        max_workers=8, policy=POLICY, service=ROLE_SERVICES["engine"],
-        register=[lambda s: engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), s)])
+        config,
+        config.listen,
+        lane=lambda table: create_lane(config, engine, table),
+        max_workers=8,
+        policy=POLICY,
+        service=ROLE_SERVICES["engine"],
+        register=[lambda s: engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), s)],
+    )
     set_serving(health, True)
     return server, port, health, engine
 
 
-def create_lane(config: EngineConfig, engine: "Engine", table: TokenTable | None) -> LaneServer | None:
+def create_lane(config: EngineConfig, engine: Engine, table: TokenTable | None) -> LaneServer | None:
     """The engine's payload lane (Deliver over TCP, TLS with the gRPC server's certificates
     when configured), started; None when not configured."""
     tls = server_context(config)
     return start_lane_server(  # the worker chose the port: one that cannot be had is an error
         config.lane_listen,
         lambda listen: LaneServer(
-            listen, service="Engine",
+            listen,
+            service="Engine",
             uploads={"Deliver": lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes)},
-            table=table, policy=POLICY, idle_seconds=engine.idle_seconds,
-            max_head_bytes=message_limit(config), max_data_bytes=config.max_tuple_bytes, tls=tls),
-        chosen=True, logger=log)
+            table=table,
+            policy=POLICY,
+            idle_seconds=engine.idle_seconds,
+            max_head_bytes=message_limit(config),
+            max_data_bytes=config.max_tuple_bytes,
+            tls=tls,
+        ),
+        chosen=True,
+        logger=log,
+    )
 
 
 def watch_parent(parent_pid: int, stop: threading.Event, interval: float = PARENT_CHECK_SECONDS) -> None:
@@ -1093,6 +1220,7 @@ def watch_parent(parent_pid: int, stop: threading.Event, interval: float = PAREN
     An engine must not outlive a worker killed with SIGKILL: a new worker
     would start engines for the same channels while the orphans keep pulling.
     """
+
     def run() -> None:
         while not stop.wait(interval):
             if os.getppid() != parent_pid:
@@ -1116,10 +1244,10 @@ def run_engine(config: EngineConfig) -> int:
     its last line: the worker shows that line as the channel's state."""
     try:
         pipeline = load_pipeline(resolve_pipeline(config))
-    except ConfigError as exc:   # no such module or function
+    except ConfigError as exc:  # no such module or function
         return _pipeline_failed(str(exc))
     except Exception as exc:  # noqa: BLE001 - the user's own code (a SyntaxError, a setup() that raises)
-        traceback.print_exc(file=sys.stderr)   # where it failed, in the engine's log
+        traceback.print_exc(file=sys.stderr)  # where it failed, in the engine's log
         return _pipeline_failed(f"{type(exc).__name__}: {exc}")
     server, port, health, engine = create_engine_server(config, pipeline=pipeline)
     server.start()
@@ -1127,12 +1255,14 @@ def run_engine(config: EngineConfig) -> int:
     stop_event = threading.Event()
     if config.parent_pid > 0:
         watch_parent(config.parent_pid, stop_event)
-    log.info("engine serving", extra={"channel": config.channel_id, "image": config.image, "port": port,
-                                      "pipeline": engine.pipeline_spec})
+    log.info(
+        "engine serving",
+        extra={"channel": config.channel_id, "image": config.image, "port": port, "pipeline": engine.pipeline_spec},
+    )
 
     def stop() -> None:
         set_serving(health, False)
-        engine.stop(config.grace_seconds)   # new lane calls are refused (UNAVAILABLE) meanwhile
+        engine.stop(config.grace_seconds)  # new lane calls are refused (UNAVAILABLE) meanwhile
         if engine.lane is not None:
             engine.lane.stop()
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from hio.proto import features_pb2, tuple_pb2
 
-MAX_FEATURES = 4096            # names per record
+MAX_FEATURES = 4096  # names per record
 MAX_NAME_CHARS = 256
 MAX_TEXT_CHARS = 64 * 1024
-MAX_ARRAY_VALUES = 1_000_000   # 8 MB of doubles
+MAX_ARRAY_VALUES = 1_000_000  # 8 MB of doubles
 
 
 class FeatureError(ValueError):
@@ -89,8 +89,15 @@ def _set_feature(slot: features_pb2.FeatureValue, name: str, value: Any) -> floa
     return slot.number if slot.WhichOneof("kind") == "number" else None
 
 
-def build_record(result: Any, meta: tuple_pb2.TupleMeta, *, kd_features: tuple[str, ...],
-                 engine: str, processed_unix: float, processing_seconds: float) -> features_pb2.FeatureRecord:
+def build_record(
+    result: Any,
+    meta: tuple_pb2.TupleMeta,
+    *,
+    kd_features: tuple[str, ...],
+    engine: str,
+    processed_unix: float,
+    processing_seconds: float,
+) -> features_pb2.FeatureRecord:
     """The record of one processed tuple; raises FeatureError for an unusable result.
 
     ``meta`` is copied (it never carries the payload) without its ticket. KD features the
@@ -101,17 +108,22 @@ def build_record(result: Any, meta: tuple_pb2.TupleMeta, *, kd_features: tuple[s
         raise FeatureError(f"process() returned {type(result).__name__}; it must return a dict of features")
     if len(result) > MAX_FEATURES:
         raise FeatureError(f"process() returned {len(result)} features, over the limit of {MAX_FEATURES}")
-    record = features_pb2.FeatureRecord(tuple_id=meta.tuple_id, kd_features=list(kd_features),
-                                        processed_unix=processed_unix,
-                                        processing_seconds=processing_seconds, engine=engine)
+    record = features_pb2.FeatureRecord(
+        tuple_id=meta.tuple_id,
+        kd_features=list(kd_features),
+        processed_unix=processed_unix,
+        processing_seconds=processing_seconds,
+        engine=engine,
+    )
     record.meta.CopyFrom(meta)
     record.meta.ClearField("ticket")  # proof of routing: of no use to readers of the repository
     features = record.features
     numbers: dict[str, float] = {}
     for name, value in result.items():
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
-            raise FeatureError(f"feature name {name!r} must be a non-empty string "
-                               f"of at most {MAX_NAME_CHARS} characters")
+            raise FeatureError(
+                f"feature name {name!r} must be a non-empty string of at most {MAX_NAME_CHARS} characters"
+            )
         number = _set_feature(features[name], name, value)
         if number is not None:
             numbers[name] = number

@@ -119,8 +119,10 @@ class ProcessLauncher(EngineLauncher):
     def start(self, spec: EngineSpec) -> EngineHandle:
         log_path = self._log_dir / f"{spec.channel_id.rsplit('/', 1)[-1]}.log"
         with open(log_path, "ab") as fh:
-            fh.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting engine {spec.channel_id} "
-                     f"({spec.image}) on port {spec.port}\n".encode())
+            fh.write(
+                f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting engine {spec.channel_id} "
+                f"({spec.image}) on port {spec.port}\n".encode()
+            )
             proc = self._spawn(spec, fh)
         with self._lock:
             self._running[proc.pid] = proc
@@ -130,9 +132,14 @@ class ProcessLauncher(EngineLauncher):
     def _spawn(spec: EngineSpec, out: IO[bytes]) -> subprocess.Popen[bytes]:
         env = _child_env(spec.env)
         env["HIO_ENGINE_PARENT_PID"] = str(os.getpid())  # a worker killed with -9 takes its engines along
-        return subprocess.Popen([sys.executable, "-m", "hio.cli", "engine"], env=env,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                close_fds=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "hio.cli", "engine"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            close_fds=True,
+        )
 
     def poll(self, handle: EngineHandle) -> int | None:
         code = handle.native.poll()
@@ -148,8 +155,10 @@ class ProcessLauncher(EngineLauncher):
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("engine did not stop in time; killing it",
-                            extra={"channel": handle.spec.channel_id, "pid": proc.pid, "timeout_s": timeout})
+                log.warning(
+                    "engine did not stop in time; killing it",
+                    extra={"channel": handle.spec.channel_id, "pid": proc.pid, "timeout_s": timeout},
+                )
                 proc.kill()
                 proc.wait(5.0)
         with self._lock:

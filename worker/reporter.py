@@ -22,9 +22,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from hio.proto import master_pb2
 from hio.transport import errors
 from hio.transport.retry import Backoff
-from hio.proto import master_pb2
 
 log = logging.getLogger("hio.worker")
 
@@ -52,9 +52,17 @@ class Reporter:
     answer (False when the report could not be delivered).
     """
 
-    def __init__(self, channel_id: str, send: Send, *, keepalive: float, flush_interval: float = 0.05,
-                 direct_interval: float = 1.0, max_pending: int = 10_000,
-                 processing: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        channel_id: str,
+        send: Send,
+        *,
+        keepalive: float,
+        flush_interval: float = 0.05,
+        direct_interval: float = 1.0,
+        max_pending: int = 10_000,
+        processing: Callable[[], bool] = lambda: False,
+    ) -> None:
         self._channel_id = channel_id
         self._send = send
         self._processing = processing
@@ -63,7 +71,7 @@ class Reporter:
         self._flush_interval = flush_interval
         self._direct_interval = max(flush_interval, direct_interval)
         self._queue_outcomes = 0  # outcomes pending that settle a lease: these go within flush_interval
-        self._releases = 0        # releases pending: they go at once
+        self._releases = 0  # releases pending: they go at once
         self._max_pending = max_pending
         self._cond = threading.Condition()
         self._items: collections.deque[_Item] = collections.deque()
@@ -154,8 +162,10 @@ class Reporter:
                 continue
             kept.append(item)
         self._items = kept
-        log.warning("master unreachable: dropped the oldest tuple outcomes",
-                    extra={"channel": self._channel_id, "pending": len(self._items)})
+        log.warning(
+            "master unreachable: dropped the oldest tuple outcomes",
+            extra={"channel": self._channel_id, "pending": len(self._items)},
+        )
 
     def _next_batch(self) -> tuple[list[master_pb2.TupleOutcome], list[_Release], bool] | None:
         """Wait for something to send; (outcomes, releases, keepalive) or None to stop."""
@@ -164,8 +174,9 @@ class Reporter:
                 now = time.monotonic()
                 has_release = self._releases > 0
                 interval = self._flush_interval if self._queue_outcomes else self._direct_interval
-                batch_due = bool(self._items) and (has_release or self._stopping or len(self._items) >= MAX_BATCH
-                                                   or now - self._last_sent >= interval)
+                batch_due = bool(self._items) and (
+                    has_release or self._stopping or len(self._items) >= MAX_BATCH or now - self._last_sent >= interval
+                )
                 keepalive_due = (self._busy and now - self._last_sent >= self._keepalive) or self._state_due
                 if batch_due or keepalive_due:
                     return self._take()
@@ -201,9 +212,13 @@ class Reporter:
 
     def _send_batch(self, outcomes: list[master_pb2.TupleOutcome], releases: list[_Release]) -> None:
         """One report of these outcomes and releases; each release's callback gets the answer."""
-        request = master_pb2.ReportTuplesRequest(channel_id=self._channel_id, outcomes=outcomes,
-                                                 release=bool(releases), processing=self._processing(),
-                                                 pull_done=any(r.pull_done for r in releases))
+        request = master_pb2.ReportTuplesRequest(
+            channel_id=self._channel_id,
+            outcomes=outcomes,
+            release=bool(releases),
+            processing=self._processing(),
+            pull_done=any(r.pull_done for r in releases),
+        )
         pull_queue = self._deliver(request)
         for release in releases:
             if release.callback is not None:
@@ -221,15 +236,22 @@ class Reporter:
                 return bool(reply.pull_queue)
             except RETRYABLE as exc:
                 if self._give_up():
-                    log.warning("report not delivered before stopping",
-                                extra={"channel": self._channel_id, "reason": exc.message})
+                    log.warning(
+                        "report not delivered before stopping",
+                        extra={"channel": self._channel_id, "reason": exc.message},
+                    )
                     return False
                 log.info("report failed; retrying", extra={"channel": self._channel_id, "reason": exc.message})
                 time.sleep(min(backoff.delay(exc.retry_after), max(0.0, self._stop_deadline - time.monotonic())))
             except Exception as exc:  # noqa: BLE001 - refused (or broken): drop it, keep reporting
-                log.warning("master refused a report; dropped",
-                            extra={"channel": self._channel_id, "outcomes": len(request.outcomes),
-                                   "reason": exc.message if isinstance(exc, errors.HioError) else repr(exc)})
+                log.warning(
+                    "master refused a report; dropped",
+                    extra={
+                        "channel": self._channel_id,
+                        "outcomes": len(request.outcomes),
+                        "reason": exc.message if isinstance(exc, errors.HioError) else repr(exc),
+                    },
+                )
                 with self._cond:
                     self._last_sent = time.monotonic()
                 return False

@@ -47,11 +47,14 @@ def select_launcher(config: WorkerConfig, worker_id: str | None = None) -> Engin
     images = [image for image, _ in engine_counts(config.engines, config.effective_cpus())]
     if config.runtime == "docker":
         if module is None:
-            raise ConfigError("runtime is 'docker' but the Docker launcher cannot be imported "
-                              "(pip install 'harmonicio[docker]')")
+            raise ConfigError(
+                "runtime is 'docker' but the Docker launcher cannot be imported (pip install 'harmonicio[docker]')"
+            )
         if not module.docker_available():
-            raise ConfigError("runtime is 'docker' but no Docker engine answers (is the daemon running "
-                              "and may this user reach its socket?)")
+            raise ConfigError(
+                "runtime is 'docker' but no Docker engine answers (is the daemon running "
+                "and may this user reach its socket?)"
+            )
         return module.DockerLauncher(config, worker_id)
     if module is not None and _docker_usable(module, images):
         log.info("engines run in docker containers")

@@ -28,8 +28,13 @@ class _Formatter(logging.Formatter):
         fields = {k: v for k, v in vars(record).items() if k not in _STD and not k.startswith("_")}
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
         if self._json:
-            doc = {"ts": ts, "level": record.levelname.lower(), "logger": record.name,
-                   "msg": record.getMessage(), **fields}
+            doc = {
+                "ts": ts,
+                "level": record.levelname.lower(),
+                "logger": record.name,
+                "msg": record.getMessage(),
+                **fields,
+            }
             if record.exc_info:
                 doc["exc"] = self.formatException(record.exc_info)
             return json.dumps(doc, default=str)

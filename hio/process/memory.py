@@ -33,10 +33,10 @@ import logging
 
 log = logging.getLogger("hio")
 
-MMAP_THRESHOLD = 64 << 20   # allocations below this come from the heap and are reused after free
+MMAP_THRESHOLD = 64 << 20  # allocations below this come from the heap and are reused after free
 TRIM_THRESHOLD = 256 << 20  # free heap kept before giving memory back to the kernel
 GC_THRESHOLDS = (20_000, 20, 20)  # young-generation allocations before a collection; then generation ratios
-_M_TRIM_THRESHOLD = -1      # glibc's mallopt parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
 
 _tuned = False

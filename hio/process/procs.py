@@ -16,6 +16,7 @@ The local-cluster builder on top of this is :mod:`hio.cluster`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import signal
@@ -23,14 +24,15 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from hio.settings import ClusterSettings
 
-LIFELINE_ENV = "HIO_DIE_WITH_PARENT"   # the pid of the process whose death ends this one
+LIFELINE_ENV = "HIO_DIE_WITH_PARENT"  # the pid of the process whose death ends this one
 _PR_SET_PDEATHSIG = 1
 T = TypeVar("T")
 
@@ -49,7 +51,7 @@ def die_with_parent() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    except (OSError, AttributeError):   # not glibc/musl: the parent's own cleanup still applies
+    except (OSError, AttributeError):  # not glibc/musl: the parent's own cleanup still applies
         return
     if os.getppid() != int(expected):
         raise SystemExit(f"hio: the process that started this one (pid {expected}) is gone")
@@ -95,7 +97,7 @@ def children(pid: int) -> list[int]:
     return sorted(set(found))
 
 
-_GIVEN_PORTS: set[int] = set()   # ports free_port returned: the roles given them may not have bound yet
+_GIVEN_PORTS: set[int] = set()  # ports free_port returned: the roles given them may not have bound yet
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -123,7 +125,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-_RUNNING: set["RoleProcess"] = set()   # started and not stopped: stop_all's work
+_RUNNING: set[RoleProcess] = set()  # started and not stopped: stop_all's work
 _RUNNING_LOCK = threading.Lock()
 _AT_EXIT: list[bool] = []
 
@@ -146,8 +148,14 @@ class RoleProcess:
     a worker started, and it dies with this process (see the module's doc).
     """
 
-    def __init__(self, command: str, args: Sequence[str], workdir: Path,
-                 env: dict[str, str] | None = None, name: str | None = None) -> None:
+    def __init__(
+        self,
+        command: str,
+        args: Sequence[str],
+        workdir: Path,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+    ) -> None:
         self.command = command
         self.args = list(args)
         self.name = name or command
@@ -158,13 +166,21 @@ class RoleProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
-    def start(self) -> "RoleProcess":
+    def start(self) -> RoleProcess:
         if self._log is None:
-            self._log = open(self.log_path, "ab")
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes to it until stop() closes it
         env = {**self.env, LIFELINE_ENV: str(os.getpid())}
-        self.proc = spawn(lambda: subprocess.Popen(
-            [sys.executable, "-m", "hio.cli", self.command, *self.args], cwd=self.workdir, env=env,
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+        self.proc = spawn(
+            lambda: subprocess.Popen(
+                [sys.executable, "-m", "hio.cli", self.command, *self.args],
+                cwd=self.workdir,
+                env=env,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )
         with _RUNNING_LOCK:
             if not _AT_EXIT:
                 atexit.register(stop_all)
@@ -177,19 +193,25 @@ class RoleProcess:
         assert self.proc is not None, f"{self.name} was never started"
         return self.proc.pid
 
-    def wait_healthy(self, address: str, timeout: float = 60.0,
-                     settings: ClusterSettings | None = None) -> None:
+    def wait_healthy(self, address: str, timeout: float = 60.0, settings: ClusterSettings | None = None) -> None:
         """Wait for SERVING of this role's service (not of whatever else answers at
         ``address``); if the process dies or time runs out, raise with its log."""
-        from hio.transport.net import ROLE_SERVICES, wait_healthy
         from hio.settings import ClusterSettings
+        from hio.transport.net import ROLE_SERVICES, wait_healthy
 
         try:
-            wait_healthy(address, settings or ClusterSettings(), timeout=timeout,
-                         alive=self.alive, service=ROLE_SERVICES.get(self.command, ""))
+            wait_healthy(
+                address,
+                settings or ClusterSettings(),
+                timeout=timeout,
+                alive=self.alive,
+                service=ROLE_SERVICES.get(self.command, ""),
+            )
         except TimeoutError as exc:
-            raise RuntimeError(f"{self.name} did not become healthy at {address} ({exc}); "
-                               f"its log {self.log_path}:\n{self.output(4000)}") from None
+            raise RuntimeError(
+                f"{self.name} did not become healthy at {address} ({exc}); "
+                f"its log {self.log_path}:\n{self.output(4000)}"
+            ) from None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -203,14 +225,10 @@ class RoleProcess:
     def kill(self) -> None:
         """SIGKILL the process group (the role and any engines it started)."""
         if self.proc is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (stuck in the kernel)
                 self.proc.wait(10)
-            except subprocess.TimeoutExpired:   # unkillable (stuck in the kernel): nothing more to do
-                pass
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM and wait; SIGKILL after ``timeout``. Returns the exit code (None if killed)."""

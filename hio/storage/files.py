@@ -36,7 +36,7 @@ def fsync_dir(path: Path, *, strict: bool = False) -> None:
         os.fsync(fd)
     except OSError as exc:  # some filesystems refuse fsync on folders; the rename still happened
         if strict and exc.errno not in _NO_FOLDER_FSYNC:
-            raise           # the disk failed to sync: the caller must not count on the rename
+            raise  # the disk failed to sync: the caller must not count on the rename
     finally:
         os.close(fd)
 
@@ -93,8 +93,9 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view = view[written:]
 
 
-def copy_exact(source: BinaryIO, write: Callable[[bytes], object], size: int, what: str,
-               block: int = 1024 * 1024) -> None:
+def copy_exact(
+    source: BinaryIO, write: Callable[[bytes], object], size: int, what: str, block: int = 1024 * 1024
+) -> None:
     """Copy exactly ``size`` bytes from ``source`` to ``write``; OSError if it ends early."""
     remaining = size
     while remaining:
@@ -123,8 +124,8 @@ def lock_folder(folder: Path, name: str = "LOCK") -> int | None:
     return fd
 
 
-UNSYNCED_BYTES = 256 * 1024 * 1024   # 'batch' fsync: what may wait for the disk (about a second of it)
-FAILED_DISK_RETRY_SECONDS = 30.0     # the retry hint a refusal after a failed fsync carries
+UNSYNCED_BYTES = 256 * 1024 * 1024  # 'batch' fsync: what may wait for the disk (about a second of it)
+FAILED_DISK_RETRY_SECONDS = 30.0  # the retry hint a refusal after a failed fsync carries
 
 
 class SyncBudget:
@@ -151,13 +152,13 @@ class SyncBudget:
         if limit <= 0:
             raise ValueError(f"unsynced_bytes must be positive, got {limit}")
         self.limit = int(limit)
-        self._disk = disk                 # "the spool's disk": how a refusal names it
-        self._owner = owner               # "gateway": the role to restart after a failed fsync
+        self._disk = disk  # "the spool's disk": how a refusal names it
+        self._owner = owner  # "gateway": the role to restart after a failed fsync
         self._unsynced = 0
         self._cond = threading.Condition(threading.Lock())
-        self._rounds = 0                  # flush rounds finished
-        self._error = ""                  # why the latest round failed ('' after a success)
-        self._failure = ""                # the first failed fsync, for good ('' if none failed)
+        self._rounds = 0  # flush rounds finished
+        self._error = ""  # why the latest round failed ('' after a success)
+        self._failure = ""  # the first failed fsync, for good ('' if none failed)
         self._closed = False
 
     @property
@@ -175,8 +176,9 @@ class SyncBudget:
         where UNAVAILABLE would have clients retry at once; it carries a retry hint all the
         same, for senders that wait for the restart (the gateway keeps such tuples spooled)."""
         if self._failure:
-            raise FailedPrecondition(f"{self._failure}; nothing of this tuple was written",
-                                     retry_after=FAILED_DISK_RETRY_SECONDS)
+            raise FailedPrecondition(
+                f"{self._failure}; nothing of this tuple was written", retry_after=FAILED_DISK_RETRY_SECONDS
+            )
 
     def admit(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more fit, then count them (the caller writes them, or
@@ -190,10 +192,12 @@ class SyncBudget:
                 if self._closed or not self._unsynced or self._unsynced + nbytes <= self.limit:
                     break
                 if self._error and self._rounds > start:
-                    raise Unavailable(f"{self._disk} does not sync ({self._error}); "
-                                      f"{self._unsynced} bytes wait for it; nothing was written",
-                                      retry_after=1.0)
-                self._cond.wait()   # every change it waits for notifies (settle, round_done, fail, close)
+                    raise Unavailable(
+                        f"{self._disk} does not sync ({self._error}); "
+                        f"{self._unsynced} bytes wait for it; nothing was written",
+                        retry_after=1.0,
+                    )
+                self._cond.wait()  # every change it waits for notifies (settle, round_done, fail, close)
             self._unsynced += nbytes
 
     def add(self, nbytes: int) -> None:
@@ -247,9 +251,9 @@ class SyncBudget:
                     f"{self._disk} failed to sync at {when} ({error}), so it takes no new tuples "
                     f"until the {self._owner} is restarted: after a failed fsync, a later one can "
                     "report success for bytes that never reached the disk. Tuples taken before "
-                    f"are still delivered; check the disk, then restart the {self._owner}")
-                log.error("fsync failed: no new tuples until restart",
-                          extra={"disk": self._disk, "error": error})
+                    f"are still delivered; check the disk, then restart the {self._owner}"
+                )
+                log.error("fsync failed: no new tuples until restart", extra={"disk": self._disk, "error": error})
             self._cond.notify_all()
 
     def close(self) -> None:

@@ -40,14 +40,14 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from hio.transport.errors import Unavailable
 from hio.storage.files import SyncBudget, write_all
+from hio.transport.errors import Unavailable
 from hio.transport.frames import crc32
 
 log = logging.getLogger("hio.segmentlog")
 
 POLICIES = ("always", "batch", "never")
-JOIN_BYTES = 64 * 1024   # parts of a record up to this size are written with one call
+JOIN_BYTES = 64 * 1024  # parts of a record up to this size are written with one call
 
 
 def crc32_at(fh: BinaryIO, offset: int, size: int, block: int = 1024 * 1024) -> int:
@@ -85,34 +85,42 @@ class Segment:
     id: int
     path: Path
     size: int = 0
-    fd: int | None = None          # open while appended to, and while sealed until its round syncs it
-    sealed: bool = True            # takes no more appends
-    unsynced: int = 0              # 'batch': bytes appended and not yet fsynced
-    held: bool = False             # a writer appends to it right now (:meth:`SegmentLog.take`)
+    fd: int | None = None  # open while appended to, and while sealed until its round syncs it
+    sealed: bool = True  # takes no more appends
+    unsynced: int = 0  # 'batch': bytes appended and not yet fsynced
+    held: bool = False  # a writer appends to it right now (:meth:`SegmentLog.take`)
     live: set[int] = dataclasses.field(default_factory=set)
 
 
 class SegmentLog:
     """The segment files of one store folder (see the module doc)."""
 
-    def __init__(self, folder: Path, naming: Naming, *, fsync: str, budget: SyncBudget,
-                 segment_bytes: int = 0, header: bytes = b"") -> None:
+    def __init__(
+        self,
+        folder: Path,
+        naming: Naming,
+        *,
+        fsync: str,
+        budget: SyncBudget,
+        segment_bytes: int = 0,
+        header: bytes = b"",
+    ) -> None:
         if fsync not in POLICIES:
             raise ValueError(f"unknown fsync policy {fsync!r}")
         self.folder = Path(folder)
         self.naming = naming
         self.fsync = fsync
         self.budget = budget
-        self.segment_bytes = segment_bytes   # 0: the store rolls (its names say where records start)
+        self.segment_bytes = segment_bytes  # 0: the store rolls (its names say where records start)
         self.header = header
         self.segments: dict[int, Segment] = {}
         self.active: Segment | None = None
-        self.lock = threading.Lock()         # the segments and their counts (short holds only)
+        self.lock = threading.Lock()  # the segments and their counts (short holds only)
         self._flush_lock = threading.Lock()  # one round at a time
-        self._folder_dirty = False           # 'batch': a file was made since the last round
-        self._files: list[tuple[Path, int]] = []   # 'batch': other files to sync, with the bytes they settle
-        self._side: list[Segment] = []       # files beside the segments synced with them (a journal)
-        self._top = 0                        # the highest segment number made: never used twice
+        self._folder_dirty = False  # 'batch': a file was made since the last round
+        self._files: list[tuple[Path, int]] = []  # 'batch': other files to sync, with the bytes they settle
+        self._side: list[Segment] = []  # files beside the segments synced with them (a journal)
+        self._top = 0  # the highest segment number made: never used twice
         self._closed = False
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
@@ -125,8 +133,9 @@ class SegmentLog:
         follows is cut off (a torn tail), and a torn header written again. Returns the
         segments, oldest first."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        found = sorted((seg_id, path) for path in self.folder.iterdir()
-                       if (seg_id := self.naming.parse(path.name)) is not None)
+        found = sorted(
+            (seg_id, path) for path in self.folder.iterdir() if (seg_id := self.naming.parse(path.name)) is not None
+        )
         for n, (seg_id, path) in enumerate(found, 1):
             segment = Segment(seg_id, path, size=path.stat().st_size)
             self.segments[seg_id] = segment
@@ -137,8 +146,10 @@ class SegmentLog:
         return list(self.segments.values())
 
     def _cut_tail(self, segment: Segment, end: int) -> None:
-        log.warning("torn segment tail cut off", extra={"segment": segment.path.name, "at_byte": end,
-                                                         "bytes": segment.size - end})
+        log.warning(
+            "torn segment tail cut off",
+            extra={"segment": segment.path.name, "at_byte": end, "bytes": segment.size - end},
+        )
         fd = os.open(segment.path, os.O_WRONLY)
         try:
             if end < len(self.header):
@@ -239,7 +250,7 @@ class SegmentLog:
         start = segment.size
         total = sum(len(p) for p in parts)
         if len(parts) > 1 and total <= JOIN_BYTES:
-            parts = [b"".join(parts)]   # one write: each write gives up the GIL, and getting it
+            parts = [b"".join(parts)]  # one write: each write gives up the GIL, and getting it
             #                              back from a busy delivery thread costs more than the copy
         for part in parts:
             self.write(segment, part, start)
@@ -333,9 +344,9 @@ class SegmentLog:
                 return deleted
             if oldest.live:
                 carry(oldest)
-                if oldest.live:   # a record could not be carried (a read error): keep the segment
+                if oldest.live:  # a record could not be carried (a read error): keep the segment
                     return deleted
-                if self.fsync == "batch":   # the copies are on disk before the originals go
+                if self.fsync == "batch":  # the copies are on disk before the originals go
                     with self.lock:
                         fds = [s.fd for s in self.segments.values() if s.fd is not None]
                     for fd in fds:
@@ -383,13 +394,16 @@ class SegmentLog:
         segment whose fsync failed is not (the failure is final anyway)."""
         with self._flush_lock:
             with self.lock:
-                work = [(s, os.dup(s.fd), s.unsynced, s.sealed) for s in [*self.segments.values(), *self._side]
-                        if s.fd is not None and (s.unsynced or s.sealed)]
+                work = [
+                    (s, os.dup(s.fd), s.unsynced, s.sealed)
+                    for s in [*self.segments.values(), *self._side]
+                    if s.fd is not None and (s.unsynced or s.sealed)
+                ]
                 files, self._files = self._files, []
                 folder, self._folder_dirty = self._folder_dirty, False
             errors = [e for args in work if (e := self._sync_segment(*args))]
             failed = self._sync_files(files, errors)
-            if folder or files:   # a file was made or renamed in: its name needs the disk too
+            if folder or files:  # a file was made or renamed in: its name needs the disk too
                 try:
                     self.budget.sync_folder(self.folder)
                 except OSError as exc:
@@ -474,7 +488,7 @@ class SegmentLog:
         a writer holds (closed when it gives them back)."""
         self._closed = True
         self._stop.set()
-        self.budget.close()          # an append waiting for the disk goes on; the flush below syncs it
+        self.budget.close()  # an append waiting for the disk goes on; the flush below syncs it
         flusher, self._flusher = self._flusher, None
         if flusher is not None:
             flusher.join(10.0)

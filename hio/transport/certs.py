@@ -21,10 +21,12 @@ from hio.config import ConfigError, setting
 @dataclasses.dataclass(frozen=True)
 class CertsConfig:
     out: str = setting("./certs", "folder to write the CA and certificates to")
-    names: tuple[str, ...] = setting(None, "one certificate per name",
-                                     factory=lambda: ("master", "repository", "worker", "gateway", "kd"))
-    hosts: tuple[str, ...] = setting(None, "DNS names and IP addresses every certificate is valid for",
-                                     factory=lambda: ("localhost", "127.0.0.1"))
+    names: tuple[str, ...] = setting(
+        None, "one certificate per name", factory=lambda: ("master", "repository", "worker", "gateway", "kd")
+    )
+    hosts: tuple[str, ...] = setting(
+        None, "DNS names and IP addresses every certificate is valid for", factory=lambda: ("localhost", "127.0.0.1")
+    )
     days: int = setting(825, "validity in days")
     log_level: str = setting("warning", "log level")
     log_json: bool = setting(False, "log as JSON")
@@ -55,19 +57,37 @@ def generate(out: Path, names: tuple[str, ...], hosts: tuple[str, ...], days: in
     now = datetime.datetime.now(datetime.UTC)
 
     def pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
-        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                               serialization.NoEncryption())
+        return k.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "HarmonicIO CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     paths = {"ca": out / "ca.pem", "ca-key": out / "ca-key.pem"}
     _write(paths["ca"], ca.public_bytes(serialization.Encoding.PEM))
     _write(paths["ca-key"], pem_key(ca_key), private=True)
@@ -79,16 +99,22 @@ def generate(out: Path, names: tuple[str, ...], hosts: tuple[str, ...], days: in
             alt.append(x509.DNSName(host))
     for name in names:
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=days))
-                .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
         paths[name] = out / f"{name}.pem"
         paths[f"{name}-key"] = out / f"{name}-key.pem"
         _write(paths[name], cert.public_bytes(serialization.Encoding.PEM))

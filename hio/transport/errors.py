@@ -54,11 +54,13 @@ class FailedPrecondition(HioError):
 
 class ResourceExhausted(HioError):
     """A bound is reached; the caller should slow down and retry after a while."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class DataLoss(HioError):
     """Bytes arrived damaged (checksum or size mismatch); the sender should resend."""
+
     code = grpc.StatusCode.DATA_LOSS
 
 
@@ -88,6 +90,7 @@ class DeadlineExceeded(HioError):
 
 class Cancelled(HioError):
     """The caller went away (or gave up) before ending its request."""
+
     code = grpc.StatusCode.CANCELLED
 
 
@@ -132,6 +135,7 @@ def _is_abort(exc: BaseException, context: grpc.ServicerContext) -> bool:
 def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a servicer method (unary or streaming) so errors become statuses."""
     if inspect.isgeneratorfunction(method):
+
         @functools.wraps(method)
         def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
             try:
@@ -140,6 +144,7 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
                 if _is_abort(exc, context):
                     raise
                 _abort(context, exc)
+
         return stream_wrapper
 
     @functools.wraps(method)
@@ -150,6 +155,7 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             if _is_abort(exc, context):
                 raise
             _abort(context, exc)
+
     return unary_wrapper
 
 

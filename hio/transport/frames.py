@@ -22,8 +22,8 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO, TypeVar
 
-from hio.transport.errors import DataLoss, DeadlineExceeded, InvalidArgument
 from hio.proto import tuple_pb2
+from hio.transport.errors import DataLoss, DeadlineExceeded, InvalidArgument
 
 TupleMeta = tuple_pb2.TupleMeta
 TupleFrame = tuple_pb2.TupleFrame
@@ -64,8 +64,7 @@ def crc32_of_file(path: str | os.PathLike[str], block: int = 4 * 1024 * 1024) ->
     return value & 0xFFFFFFFF, size
 
 
-def frames_for_bytes(meta: TupleMeta, data: bytes, chunk_bytes: int, *,
-                     encode: bool = False) -> Iterator[WireFrame]:
+def frames_for_bytes(meta: TupleMeta, data: bytes, chunk_bytes: int, *, encode: bool = False) -> Iterator[WireFrame]:
     """Frames of one in-memory tuple: meta with the first chunk, `last` on the final one.
 
     With ``encode``, chunks of :data:`ENCODED_MIN_BYTES` or more come already
@@ -82,8 +81,7 @@ def frames_for_bytes(meta: TupleMeta, data: bytes, chunk_bytes: int, *,
         yield _frame(meta if start == 0 else None, view[start:end], end == size, encode)
 
 
-def frames_for_stream(meta: TupleMeta, fh: BinaryIO, chunk_bytes: int, *,
-                      encode: bool = False) -> Iterator[WireFrame]:
+def frames_for_stream(meta: TupleMeta, fh: BinaryIO, chunk_bytes: int, *, encode: bool = False) -> Iterator[WireFrame]:
     """Frames of one tuple read from an open binary file of exactly ``meta.size`` bytes
     (``encode`` as for :func:`frames_for_bytes`)."""
     remaining = meta.size
@@ -98,8 +96,9 @@ def frames_for_stream(meta: TupleMeta, fh: BinaryIO, chunk_bytes: int, *,
             return
 
 
-def frames_for_file(meta: TupleMeta, path: str | os.PathLike[str], chunk_bytes: int, *,
-                    encode: bool = False) -> Iterator[WireFrame]:
+def frames_for_file(
+    meta: TupleMeta, path: str | os.PathLike[str], chunk_bytes: int, *, encode: bool = False
+) -> Iterator[WireFrame]:
     """Frames of one tuple stored in a file; the file is read chunk by chunk."""
     with open(path, "rb") as fh:
         yield from frames_for_stream(meta, fh, chunk_bytes, encode=encode)
@@ -152,14 +151,15 @@ def serialize_frame(frame: WireFrame) -> bytes:
 
 
 class ChunkFrame:
-    """A received frame whose payload was left where it arrived: ``data`` is a memoryview
-    of the received message. Reads like a ``TupleFrame`` (``meta``, ``data``, ``last``,
-    ``packed``, ``HasField``) for :class:`FrameReader`; never carries packed tuples."""
+    """A received frame whose payload was left where it arrived: ``data`` is a memoryview of
+    the received message (or the bytes a lane read it into). Reads like a ``TupleFrame``
+    (``meta``, ``data``, ``last``, ``packed``, ``HasField``) for :class:`FrameReader`; never
+    carries packed tuples."""
 
     __slots__ = ("_head", "data")
     packed: tuple[TupleFrame, ...] = ()
 
-    def __init__(self, head: TupleFrame, data: memoryview) -> None:
+    def __init__(self, head: TupleFrame, data: bytes | memoryview) -> None:
         self._head = head
         self.data = data
 
@@ -229,14 +229,16 @@ def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
     return 0, -1
 
 
-SYSTEM_ATTRIBUTES = 4              # keys the system may add to a tuple's attributes (hio.last_error)
+SYSTEM_ATTRIBUTES = 4  # keys the system may add to a tuple's attributes (hio.last_error)
 SYSTEM_ATTRIBUTE_BYTES = 4 * 1024  # ... and their bytes (hio.last_error is cut to 1 KiB)
 
 
 def check_meta(meta: TupleMeta, max_tuple_bytes: int, *, need_id: bool) -> None:
     """Refuse metadata that is missing, inconsistent or over the bounds (runs for every tuple)."""
+
     def what() -> str:
         return f"tuple {meta.tuple_id}" if meta.tuple_id else f"tuple '{meta.name or '?'}'"
+
     if need_id and meta.tuple_id == 0:
         raise InvalidArgument(f"{what()}: no tuple id (ask the master for a route first)")
     if not meta.image:
@@ -285,8 +287,9 @@ class PackingFrames:
         return message
 
 
-def pack_small(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes: int,
-               pack_bytes: int) -> Iterator[TupleFrame | tuple[TupleMeta, bytes | BinaryIO]]:
+def pack_small(
+    tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes: int, pack_bytes: int
+) -> Iterator[TupleFrame | tuple[TupleMeta, bytes | BinaryIO]]:
     """The tuples in order: small ones gathered into packed messages (``TupleFrame``,
     :class:`PackingFrames`; a small spooled file is read and closed here), every
     other one as given, ``(meta, payload)``. Shared by the gRPC and the lane framing."""
@@ -307,8 +310,9 @@ def pack_small(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes
         yield message
 
 
-def tuple_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes: int,
-                 pack_bytes: int, *, encode: bool = False) -> Iterator[WireFrame]:
+def tuple_frames(
+    tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes: int, pack_bytes: int, *, encode: bool = False
+) -> Iterator[WireFrame]:
     """The frames of several tuples in order, each given by its metadata and its payload:
     bytes, or an open file positioned at it (closed here). Small ones travel packed
     (:func:`pack_small`); ``tuples`` is consumed lazily, one file open at a time.
@@ -368,8 +372,9 @@ class UnpackedFrames:
             raise InvalidArgument("a frame carrying packed tuples must end its own tuple (set last)")
         for n, inner in enumerate(frame.packed):
             if not inner.HasField("meta") or not inner.last or inner.packed:
-                raise InvalidArgument(f"packed tuple {n}: must be one whole tuple in one frame "
-                                      "(metadata, last set, nothing packed in it)")
+                raise InvalidArgument(
+                    f"packed tuple {n}: must be one whole tuple in one frame (metadata, last set, nothing packed in it)"
+                )
         self.packed = True
         self._pending.extend(frame.packed)
         return TupleFrame(meta=frame.meta, data=frame.data, last=True)
@@ -383,8 +388,9 @@ class FrameReader:
     counts tuples read so far.
     """
 
-    def __init__(self, frames: Iterable[TupleFrame], *, max_tuple_bytes: int,
-                 max_chunk_bytes: int, need_id: bool = True) -> None:
+    def __init__(
+        self, frames: Iterable[TupleFrame], *, max_tuple_bytes: int, max_chunk_bytes: int, need_id: bool = True
+    ) -> None:
         self._frames = frames if isinstance(frames, UnpackedFrames) else UnpackedFrames(frames)
         self._max_tuple = max_tuple_bytes
         self._max_chunk = max_chunk_bytes
@@ -427,8 +433,9 @@ class FrameReader:
         while True:
             data = frame.data
             if len(data) > self._max_chunk:
-                raise InvalidArgument(f"{self._label(meta)}: chunk of {len(data)} bytes is over the limit "
-                                      f"of {self._max_chunk}")
+                raise InvalidArgument(
+                    f"{self._label(meta)}: chunk of {len(data)} bytes is over the limit of {self._max_chunk}"
+                )
             received += len(data)
             if received > meta.size:
                 raise DataLoss(f"{self._label(meta)}: more bytes than the {meta.size} its metadata declares")
@@ -446,8 +453,9 @@ class FrameReader:
         if received != meta.size:
             raise DataLoss(f"{self._label(meta)}: got {received} bytes, metadata declares {meta.size}")
         if (value & 0xFFFFFFFF) != meta.crc32:
-            raise DataLoss(f"{self._label(meta)}: checksum mismatch (CRC-32 {value & 0xFFFFFFFF:08x}, "
-                           f"expected {meta.crc32:08x})")
+            raise DataLoss(
+                f"{self._label(meta)}: checksum mismatch (CRC-32 {value & 0xFFFFFFFF:08x}, expected {meta.crc32:08x})"
+            )
         self.index += 1
         self.reading = None
         return meta
@@ -500,8 +508,11 @@ class _IdleWatchdog:
             time.sleep(0.2)
             now = time.monotonic()
             with self._lock:
-                stalled = [w for w in self._watches if not w.fired and w.waiting_since is not None
-                           and now - w.waiting_since > w.seconds]
+                stalled = [
+                    w
+                    for w in self._watches
+                    if not w.fired and w.waiting_since is not None and now - w.waiting_since > w.seconds
+                ]
                 for watch in stalled:
                     watch.fired = True
             for watch in stalled:
@@ -512,8 +523,7 @@ class _IdleWatchdog:
 _WATCHDOG = _IdleWatchdog()
 
 
-def idle_bounded(frames: Iterable[TupleFrame], seconds: float,
-                 on_idle: Callable[[], object]) -> Iterator[TupleFrame]:
+def idle_bounded(frames: Iterable[TupleFrame], seconds: float, on_idle: Callable[[], object]) -> Iterator[TupleFrame]:
     """The frames of a stream, ended when the sender sends nothing for ``seconds``.
 
     Only time spent waiting for the sender counts (not time the receiver

@@ -20,42 +20,67 @@ file and encrypted in pieces instead of going out with ``sendfile``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import select
 import socket
 import ssl
 import threading
 import time
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Union
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO, TypeVar, cast
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from hio.config import ConfigError, lane_beside, split_address
-from hio.transport.errors import (RETRY_AFTER_KEY, Cancelled, DataLoss, DeadlineExceeded, HioError, InvalidArgument,
-                               PermissionDenied, Unauthenticated, Unimplemented, status_of)
+from hio.proto.engine_pb2 import LaneHello, LaneStatus
+from hio.settings import ClusterSettings
+from hio.transport.errors import (
+    RETRY_AFTER_KEY,
+    Cancelled,
+    DataLoss,
+    DeadlineExceeded,
+    HioError,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+    Unimplemented,
+    status_of,
+)
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
 from hio.transport.lanetls import TLSSocket, accept_tls, connect_tls
-from hio.transport.lanewire import (DRAIN_SECONDS, END_OF_INPUT, HELLO, HELLO_SECONDS, MAGIC, MAGIC_PREFIX,
-                                 MAX_HELLO_BYTES, MAX_REPLY_BYTES, MAX_STATUS_BYTES, RECEIPT,
-                                 STATUS, TLS_RECORD_TYPES, VERSIONS)
+from hio.transport.lanewire import (
+    DRAIN_SECONDS,
+    END_OF_INPUT,
+    HELLO,
+    HELLO_SECONDS,
+    MAGIC,
+    MAGIC_PREFIX,
+    MAX_HELLO_BYTES,
+    MAX_REPLY_BYTES,
+    MAX_STATUS_BYTES,
+    RECEIPT,
+    STATUS,
+    TLS_RECORD_TYPES,
+    VERSIONS,
+)
 from hio.transport.lanewire import FRAME_PREFIX as _FRAME_PREFIX
 from hio.transport.lanewire import REPLY_PREFIX as _REPLY_PREFIX
 from hio.transport.net import RoleHealth, TokenTable, create_server, refuse_caller
-from hio.settings import ClusterSettings
-from hio.proto.engine_pb2 import LaneHello, LaneStatus
 
+M = TypeVar("M", bound=Message)
 log = logging.getLogger("hio.lane")
 
-MAX_CONNECTIONS = 16        # an engine serves one call at a time; more connections are closed at once
-READ_BUFFER = 256 * 1024    # larger reads go straight into their destination
-SMALL_SEND = 64 * 1024      # a frame up to this is sent with its prefix in one send
+MAX_CONNECTIONS = 16  # an engine serves one call at a time; more connections are closed at once
+READ_BUFFER = 256 * 1024  # larger reads go straight into their destination
+SMALL_SEND = 64 * 1024  # a frame up to this is sent with its prefix in one send
 LANE_CONNECT_SECONDS = 3.0  # a lane that does not answer within this is not chosen
 SENDER_JOIN_SECONDS = 30.0  # how long a finished call waits for its sender before leaving it the socket
-STOP_WAIT_SECONDS = 2.0     # how long stop() waits for the calls it ended
-Payload = Union[bytes, memoryview, BinaryIO]
-LaneFrame = tuple[bytes, Payload, int]   # (head, payload, payload size)
-Handler = Callable[[Iterator[Union[TupleFrame, ChunkFrame]]], Iterator[TupleReceipt]]
+STOP_WAIT_SECONDS = 2.0  # how long stop() waits for the calls it ended
+Payload = bytes | memoryview | BinaryIO
+LaneFrame = tuple[bytes, Payload, int]  # (head, payload, payload size)
+Handler = Callable[[Iterator[TupleFrame | ChunkFrame]], Iterator[TupleReceipt]]
 # A download (the master's PullTuple): the hello's request and a check that the caller is
 # still connected, to the frames it is sent (they end with END_OF_INPUT, then the status).
 Download = Callable[[bytes, Callable[[], bool]], Iterator[LaneFrame]]
@@ -69,8 +94,9 @@ class LaneError(grpc.RpcError):
     (:meth:`hio.transport.payload.PayloadPeers.broken`).
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, transport: bool = False,
-                 retry_after: float = 0.0) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, *, transport: bool = False, retry_after: float = 0.0
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self._code = code
         self._message = message
@@ -83,7 +109,7 @@ class LaneError(grpc.RpcError):
     def details(self) -> str:
         return self._message
 
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:  # type: ignore[override]  # stubs: a private type
         """The server's retry hint, where gRPC would carry it (:func:`errors.retry_after` reads it)."""
         return ((RETRY_AFTER_KEY, f"{self._retry_after:.3f}"),) if self._retry_after > 0 else ()
 
@@ -95,8 +121,9 @@ def _status_error(status: LaneStatus) -> LaneError | None:
     """The call's failure a server's status says, as gRPC would raise it; None for OK."""
     if not status.code:
         return None
-    return LaneError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message,
-                     retry_after=status.retry_after_seconds)
+    return LaneError(
+        _CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message, retry_after=status.retry_after_seconds
+    )
 
 
 def tune(sock: socket.socket) -> None:
@@ -120,12 +147,27 @@ def _recv_before(conn: socket.socket, size: int, deadline: float) -> bytes:
         conn.settimeout(left)
         try:
             n = conn.recv_into(view[got:])
-        except OSError:   # timed out, or the client is gone: a short hello either way
+        except OSError:  # timed out, or the client is gone: a short hello either way
             break
         if not n:
             break
         got += n
     return bytes(buf[:got])
+
+
+def _decoded(message: type[M], body: bytes) -> M:
+    """A reply's body as ``message``; a body that does not decode is the transport's failure."""
+    try:
+        return message.FromString(body)
+    except DecodeError as exc:
+        raise LaneError(
+            grpc.StatusCode.INTERNAL, f"payload lane sent an unreadable reply: {exc}", transport=True
+        ) from None
+
+
+def _reader(sock: socket.socket, buffering: int = READ_BUFFER) -> BinaryIO:
+    """A buffered reader of ``sock`` (of a :class:`lanetls.TLSSocket`: of what it decrypts)."""
+    return cast(BinaryIO, sock.makefile("rb", buffering=buffering))
 
 
 def _read_exact(reader: BinaryIO, size: int, what: str) -> bytes:
@@ -142,12 +184,14 @@ def _read(reader: BinaryIO, size: int) -> bytes:
         return reader.read(size)
     except TimeoutError:
         raise DeadlineExceeded("no bytes within the idle bound (stream_idle_seconds): the sender stalled") from None
-    except OSError as exc:   # reset, or shut by stop(): the peer is gone, as a cancelled gRPC call
+    except OSError as exc:  # reset, or shut by stop(): the peer is gone, as a cancelled gRPC call
         raise Cancelled(f"payload lane: connection lost: {exc}") from None
 
 
-_SPEAKS_TLS = ("payload lane speaks TLS and this client does not: set tls_ca (and tls_cert, tls_key when "
-               "the server requires client certificates), as for its gRPC address")
+_SPEAKS_TLS = (
+    "payload lane speaks TLS and this client does not: set tls_ca (and tls_cert, tls_key when "
+    "the server requires client certificates), as for its gRPC address"
+)
 
 
 class _Lost(Exception):
@@ -156,8 +200,10 @@ class _Lost(Exception):
 
 # -- the engine's side ---------------------------------------------------------------
 
-def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int,
-                piece_bytes: int = 0) -> Iterator[Union[TupleFrame, ChunkFrame]]:
+
+def read_frames(
+    reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int, piece_bytes: int = 0
+) -> Iterator[TupleFrame | ChunkFrame]:
     """The frames a client sends, until it ends its input (:data:`END_OF_INPUT`); a
     connection that ends without it is a cancelled call.
 
@@ -170,9 +216,9 @@ def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int,
     """
     while True:
         prefix = _read(reader, _FRAME_PREFIX.size)
-        if not prefix:   # gone without ending its input: cancelled, as a gRPC call would be
+        if not prefix:  # gone without ending its input: cancelled, as a gRPC call would be
             raise Cancelled("payload lane: the sender went away before ending its input")
-        if prefix[0] in TLS_RECORD_TYPES:   # a head of 350 MB or more: no frame, a TLS record
+        if prefix[0] in TLS_RECORD_TYPES:  # a head of 350 MB or more: no frame, a TLS record
             raise DataLoss(_SPEAKS_TLS)
         if len(prefix) != _FRAME_PREFIX.size:
             raise DataLoss("payload lane: connection ended inside a frame prefix")
@@ -180,9 +226,13 @@ def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int,
             return
         head_size, data_size = _FRAME_PREFIX.unpack(prefix)
         if head_size > max_head_bytes:
-            raise InvalidArgument(f"payload lane: frame head of {head_size} bytes is over the limit of {max_head_bytes}")
+            raise InvalidArgument(
+                f"payload lane: frame head of {head_size} bytes is over the limit of {max_head_bytes}"
+            )
         if data_size > max_data_bytes:
-            raise InvalidArgument(f"payload lane: frame data of {data_size} bytes is over the limit of {max_data_bytes}")
+            raise InvalidArgument(
+                f"payload lane: frame data of {data_size} bytes is over the limit of {max_data_bytes}"
+            )
         try:
             frame = TupleFrame.FromString(_read_exact(reader, head_size, "a frame head"))
         except DecodeError as exc:
@@ -191,12 +241,16 @@ def read_frames(reader: BinaryIO, *, max_head_bytes: int, max_data_bytes: int,
             yield frame
             continue
         if frame.data or frame.packed:
-            raise InvalidArgument("payload lane: a frame with lane data must carry neither data nor packed tuples in its head")
+            raise InvalidArgument(
+                "payload lane: a frame with lane data must carry neither data nor packed tuples in its head"
+            )
         if frame.HasField("meta") and data_size > frame.meta.size:
-            raise DataLoss(f"payload lane: tuple {frame.meta.tuple_id or frame.meta.name}: frame of {data_size} "
-                           f"bytes, more than the {frame.meta.size} its metadata declares")
+            raise DataLoss(
+                f"payload lane: tuple {frame.meta.tuple_id or frame.meta.name}: frame of {data_size} "
+                f"bytes, more than the {frame.meta.size} its metadata declares"
+            )
         if not piece_bytes or data_size <= piece_bytes:
-            yield ChunkFrame(frame, _read_exact(reader, data_size, "a frame's data"))  # type: ignore[arg-type]
+            yield ChunkFrame(frame, _read_exact(reader, data_size, "a frame's data"))
             continue
         yield from _pieces(reader, frame, data_size, piece_bytes)
 
@@ -208,12 +262,12 @@ def _pieces(reader: BinaryIO, frame: TupleFrame, size: int, piece_bytes: int) ->
     while done < size:
         step = min(piece_bytes, size - done)
         ends = last and done + step == size
-        if done == 0:   # the frame is ours (just parsed): it becomes the first piece's head
+        if done == 0:  # the frame is ours (just parsed): it becomes the first piece's head
             head = frame
             head.last = ends
         else:
             head = TupleFrame(last=ends)
-        yield ChunkFrame(head, _read_exact(reader, step, "a frame's data"))  # type: ignore[arg-type]
+        yield ChunkFrame(head, _read_exact(reader, step, "a frame's data"))
         done += step
 
 
@@ -231,12 +285,22 @@ class LaneServer:
     on a slow link without counting as a stall).
     """
 
-    def __init__(self, listen: str, *, service: str, uploads: dict[str, Handler],
-                 downloads: dict[str, Download] | None = None,
-                 table: TokenTable | None,
-                 policy: dict[str, set[str]], idle_seconds: float, max_head_bytes: int,
-                 max_data_bytes: int, max_connections: int = MAX_CONNECTIONS, piece_bytes: int = 0,
-                 tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        listen: str,
+        *,
+        service: str,
+        uploads: dict[str, Handler],
+        downloads: dict[str, Download] | None = None,
+        table: TokenTable | None,
+        policy: dict[str, set[str]],
+        idle_seconds: float,
+        max_head_bytes: int,
+        max_data_bytes: int,
+        max_connections: int = MAX_CONNECTIONS,
+        piece_bytes: int = 0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self._listen = listen
         self._tls = tls
         self._piece = piece_bytes
@@ -254,7 +318,7 @@ class LaneServer:
         self._sock: socket.socket | None = None
         self._stopping = False
         self.port = 0
-        self.methods: collections.Counter[str] = collections.Counter()   # calls that passed the hello, by method
+        self.methods: collections.Counter[str] = collections.Counter()  # calls that passed the hello, by method
 
     @property
     def calls(self) -> int:
@@ -276,7 +340,7 @@ class LaneServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host or "0.0.0.0", port))
-        except OSError:   # the callers say which lane (and the master's derived one gives way)
+        except OSError:  # the callers say which lane (and the master's derived one gives way)
             sock.close()
             raise
         sock.listen(64)
@@ -292,7 +356,7 @@ class LaneServer:
         if sock is not None:
             _shutdown(sock)
             sock.close()
-        with self._lock:   # from here the accepting thread closes what it still accepts
+        with self._lock:  # from here the accepting thread closes what it still accepts
             self._stopping = True
             conns = list(self._conns)
         for conn in conns:
@@ -315,16 +379,16 @@ class LaneServer:
                 if self._sock is None:
                     return
                 log.warning("payload lane cannot accept", extra={"error": str(exc)})
-                time.sleep(0.1)   # e.g. out of file descriptors: do not spin
+                time.sleep(0.1)  # e.g. out of file descriptors: do not spin
                 continue
-            if self._tls is not None:   # no I/O yet: the handshake is the connection thread's
-                conn = accept_tls(conn, self._tls)  # type: ignore[assignment]
+            if self._tls is not None:  # no I/O yet: the handshake is the connection thread's
+                conn = accept_tls(conn, self._tls)  # type: ignore[assignment]  # a TLSSocket is used as a socket
             with self._lock:
                 stopping = self._stopping
                 crowded = len(self._conns) >= self._max_connections
                 if not crowded and not stopping:
                     self._conns.add(conn)
-            if stopping:   # accepted as stop() began: it would not be ended
+            if stopping:  # accepted as stop() began: it would not be ended
                 conn.close()
                 return
             if crowded:  # closed without a word: the gateway sends over gRPC and leaves the lane a while
@@ -344,7 +408,7 @@ class LaneServer:
             status, download = self._run(conn, readers)
             if status is not None:
                 conn.settimeout(DRAIN_SECONDS)
-                if download:   # a download's status always follows its frames and the end-of-input mark
+                if download:  # a download's status always follows its frames and the end-of-input mark
                     _send(conn, END_OF_INPUT)
                 _reply(conn, STATUS, status.SerializeToString())
                 if status.code:
@@ -354,7 +418,7 @@ class LaneServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
-            _shutdown(conn)          # ends a read still blocked on another thread before closing
+            _shutdown(conn)  # ends a read still blocked on another thread before closing
             for reader in readers:
                 reader.close()
             conn.close()
@@ -371,16 +435,17 @@ class LaneServer:
                 self.methods[hello.method] += 1
             if download is not None:
                 return (LaneStatus(code=0) if self._download(conn, download, hello.request) else None), True
-            reader = conn.makefile("rb", buffering=READ_BUFFER)
+            reader = _reader(conn)
             readers.append(reader)
-            frames = read_frames(reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data,
-                                 piece_bytes=self._piece)
+            frames = read_frames(
+                reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data, piece_bytes=self._piece
+            )
             receipts = self._uploads[hello.method](frames)
             try:
                 for message in receipts:
                     _reply(conn, RECEIPT, message.SerializeToString())
             finally:
-                receipts.close()  # type: ignore[attr-defined]
+                receipts.close()  # type: ignore[attr-defined]  # a generator, typed as an iterator
         except _Lost:
             return None, download is not None
         except Exception as exc:  # noqa: BLE001 - mapped as gRPC's servicers map theirs (a disk error: INTERNAL)
@@ -403,7 +468,7 @@ class LaneServer:
                 except OSError as exc:
                     raise _Lost(str(exc)) from None
         finally:
-            frames.close()  # type: ignore[attr-defined]
+            frames.close()  # type: ignore[attr-defined]  # a generator, typed as an iterator
         return True
 
     def _hello(self, conn: socket.socket) -> LaneHello:
@@ -413,18 +478,25 @@ class LaneServer:
         if isinstance(conn, TLSSocket):
             try:
                 conn.handshake(HELLO_SECONDS)
-            except OSError as exc:   # refused (no or a wrong certificate), not TLS, or silent
+            except OSError as exc:  # refused (no or a wrong certificate), not TLS, or silent
                 log.info("payload lane: TLS handshake failed", extra={"service": self._service, "error": str(exc)})
                 raise _Lost(str(exc)) from None
         head = _recv_before(conn, HELLO.size, deadline)
-        if head[:len(MAGIC_PREFIX)] != MAGIC_PREFIX[:len(head)]:
-            tls = " (this client speaks TLS; this lane is plain TCP: its server has no tls_cert)" \
-                if head[:1] == bytes([TLS_RECORD_TYPES[1]]) else ""
-            raise InvalidArgument(f"payload lane: not a lane client (expected the {MAGIC.decode()} hello; "
-                                  f"gRPC clients use the {self._service.lower()}'s gRPC address){tls}")
-        if len(head) > len(MAGIC_PREFIX) and head[:len(MAGIC)] != MAGIC:   # a version not spoken here
-            raise Unimplemented(f"payload lane: speaks version {', '.join(map(str, VERSIONS))}, not "
-                                f"{head[len(MAGIC_PREFIX):len(MAGIC)].decode('ascii', 'replace')!r}")
+        if head[: len(MAGIC_PREFIX)] != MAGIC_PREFIX[: len(head)]:
+            tls = (
+                " (this client speaks TLS; this lane is plain TCP: its server has no tls_cert)"
+                if head[:1] == bytes([TLS_RECORD_TYPES[1]])
+                else ""
+            )
+            raise InvalidArgument(
+                f"payload lane: not a lane client (expected the {MAGIC.decode()} hello; "
+                f"gRPC clients use the {self._service.lower()}'s gRPC address){tls}"
+            )
+        if len(head) > len(MAGIC_PREFIX) and head[: len(MAGIC)] != MAGIC:  # a version not spoken here
+            raise Unimplemented(
+                f"payload lane: speaks version {', '.join(map(str, VERSIONS))}, not "
+                f"{head[len(MAGIC_PREFIX) : len(MAGIC)].decode('ascii', 'replace')!r}"
+            )
         if len(head) != HELLO.size:
             raise InvalidArgument(f"payload lane: no whole hello within {HELLO_SECONDS:g} s")
         size = HELLO.unpack(head).size
@@ -451,6 +523,7 @@ class LaneServer:
                 code, message = refusal
                 raise (Unauthenticated if code == grpc.StatusCode.UNAUTHENTICATED else PermissionDenied)(message)
 
+
 def _error_status(exc: BaseException) -> LaneStatus:
     """The status a lane caller is told for ``exc`` (:func:`errors.status_of`, as gRPC's
     servicers; call it from the ``except`` block: an unexpected error is logged there)."""
@@ -462,11 +535,11 @@ def _peer_open(conn: socket.socket) -> bool:
     """Whether the client is still connected (a download's caller that went away while
     the server waited must not be given tuples it cannot take)."""
     try:
-        poller = select.poll()   # not select(): it fails for descriptors above 1023
+        poller = select.poll()  # not select(): it fails for descriptors above 1023
         poller.register(conn, select.POLLIN)
         if not poller.poll(0):
             return True
-        return conn.recv(1, socket.MSG_PEEK) != b""   # readable: end of stream, or bytes
+        return conn.recv(1, socket.MSG_PEEK) != b""  # readable: end of stream, or bytes
     except OSError:
         return False
 
@@ -521,16 +594,16 @@ def _drain(conn: socket.socket) -> None:
 
 
 def _shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(how)
-    except OSError:
-        pass
 
 
 # -- the gateway's side ---------------------------------------------------------------
 
-def lane_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes: int,
-                pack_bytes: int) -> Iterator[LaneFrame]:
+
+def lane_frames(
+    tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes: int, pack_bytes: int
+) -> Iterator[LaneFrame]:
     """The lane frames of several tuples in order (as :func:`frames.tuple_frames` for gRPC):
     small ones packed in a head, each other tuple one frame whose payload is its
     bytes or its open spool file (sent with ``sendfile``, then closed)."""
@@ -542,9 +615,13 @@ def lane_frames(tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_byte
             yield TupleFrame(meta=meta, last=True).SerializeToString(), payload, meta.size
 
 
-def create_server_with_lane(settings: ClusterSettings, listen: str, *,
-                            lane: Callable[[TokenTable | None], "LaneServer | None"],
-                            **server_args: Any) -> tuple[grpc.Server, int, RoleHealth, "LaneServer | None"]:
+def create_server_with_lane(
+    settings: ClusterSettings,
+    listen: str,
+    *,
+    lane: Callable[[TokenTable | None], LaneServer | None],
+    **server_args: Any,
+) -> tuple[grpc.Server, int, RoleHealth, LaneServer | None]:
     """A role's gRPC server (:func:`create_server`, not started) and the lane beside it (from
     ``lane(table)``, started; None when there is none): one read of the tokens for both, and
     the server stopped (its port freed) when the lane cannot start."""
@@ -557,13 +634,15 @@ def create_server_with_lane(settings: ClusterSettings, listen: str, *,
         raise
 
 
-def start_lane_server(address: str, make: Callable[[str], "LaneServer"], *, chosen: bool,
-                      logger: logging.Logger) -> "LaneServer | None":
+def start_lane_server(
+    address: str, make: Callable[[str], LaneServer], *, chosen: bool, logger: logging.Logger
+) -> LaneServer | None:
     """``make(address)``, started; None when ``address`` is '' (the server offers no lane).
     A port only derived from ``listen`` (not ``chosen``) that is taken gives way to any free
     one, with a warning (the server's answers name the port it got; a firewall that opens
     only listen's port + 1 then makes callers use gRPC); a chosen one that cannot be had is
     a ConfigError naming ``lane_listen``."""
+
     def started(listen: str) -> LaneServer:
         lane = make(listen)
         lane.start()
@@ -575,14 +654,22 @@ def start_lane_server(address: str, make: Callable[[str], "LaneServer"], *, chos
         return started(address)
     except OSError as exc:
         if chosen:
-            raise ConfigError(f"cannot listen for the payload lane on {address}: {exc} "
-                              "(set another lane_listen, or lanes = false)") from None
+            raise ConfigError(
+                f"cannot listen for the payload lane on {address}: {exc} (set another lane_listen, or lanes = false)"
+            ) from None
         logger.warning("payload lane port taken; using any free port", extra={"wanted": address, "error": str(exc)})
         return started(lane_beside(address, 0))
 
 
-def open_lane(address: str, token: str, *, connect_seconds: float, method: str,
-              request: bytes = b"", tls: ssl.SSLContext | None = None) -> socket.socket:
+def open_lane(
+    address: str,
+    token: str,
+    *,
+    connect_seconds: float,
+    method: str,
+    request: bytes = b"",
+    tls: ssl.SSLContext | None = None,
+) -> socket.socket:
     """A connected lane socket, introduced (hello sent) for ``method`` (Deliver to an
     engine; Enqueue or PullTuple, with its ``request``, to the master). With ``tls``
     (:func:`lanetls.client_context`), a :class:`lanetls.TLSSocket` whose handshake
@@ -593,7 +680,7 @@ def open_lane(address: str, token: str, *, connect_seconds: float, method: str,
     try:
         tune(sock)
         if tls is not None:
-            sock = connect_tls(sock, tls, host, connect_seconds)  # type: ignore[assignment]
+            sock = connect_tls(sock, tls, host, connect_seconds)  # type: ignore[assignment]  # a TLSSocket is used as a socket
         sock.settimeout(None)
         hello = LaneHello(method=method, token=token, request=request).SerializeToString()
         sock.sendall(HELLO.pack(MAGIC, len(hello)) + hello)
@@ -613,9 +700,9 @@ class LaneCall:
         self._sock = sock
         self._frames = frames
         self._lock = threading.Lock()
-        self._ended: LaneError | None = None     # why the call ended early (cancel, deadline, sender)
+        self._ended: LaneError | None = None  # why the call ended early (cancel, deadline, sender)
         self._finished = False
-        self._close_by_sender = False            # the sender outlived the call: it closes the socket
+        self._close_by_sender = False  # the sender outlived the call: it closes the socket
         self._sender_done = False
         self._timer = threading.Timer(timeout, self._expire) if timeout else None
         if self._timer is not None:
@@ -628,19 +715,14 @@ class LaneCall:
         self._end(LaneError(grpc.StatusCode.CANCELLED, "cancelled by the sender"))
 
     def __iter__(self) -> Iterator[TupleReceipt]:
-        reader = self._sock.makefile("rb", buffering=64 * 1024)
+        reader = _reader(self._sock, 64 * 1024)
         try:
             while True:
                 kind, body = self._reply(reader)
-                try:
-                    message = TupleReceipt.FromString(body) if kind == RECEIPT else LaneStatus.FromString(body)
-                except DecodeError as exc:
-                    raise LaneError(grpc.StatusCode.INTERNAL, f"payload lane sent an unreadable reply: {exc}",
-                                    transport=True) from None
                 if kind == RECEIPT:
-                    yield message
+                    yield _decoded(TupleReceipt, body)
                     continue
-                error = _status_error(message)
+                error = _status_error(_decoded(LaneStatus, body))
                 if error is not None:
                     raise error
                 return
@@ -657,10 +739,13 @@ class LaneCall:
             if kind in TLS_RECORD_TYPES:
                 raise LaneError(grpc.StatusCode.UNAVAILABLE, _SPEAKS_TLS, transport=True)
             if size > MAX_REPLY_BYTES or kind not in (RECEIPT, STATUS):
-                raise LaneError(grpc.StatusCode.INTERNAL, f"payload lane sent an unreadable reply "
-                                f"(kind {kind}, {size} bytes)", transport=True)
+                raise LaneError(
+                    grpc.StatusCode.INTERNAL,
+                    f"payload lane sent an unreadable reply (kind {kind}, {size} bytes)",
+                    transport=True,
+                )
             return kind, _read_exact(reader, size, "a reply")
-        except (HioError, OSError) as exc:   # cut off, reset, timed out (keepalive)
+        except (HioError, OSError) as exc:  # cut off, reset, timed out (keepalive)
             raise self._failure(f"lane connection failed: {exc}") from None
 
     def _failure(self, message: str) -> LaneError:
@@ -677,7 +762,7 @@ class LaneCall:
         try:
             while True:
                 try:
-                    head, payload, size = next(frames)   # opens and reads spooled payloads
+                    head, payload, size = next(frames)  # opens and reads spooled payloads
                 except StopIteration:
                     break
                 except Exception as exc:  # noqa: BLE001 - the payload's fault, not the lane's
@@ -732,7 +817,7 @@ class LaneCall:
             self._timer.cancel()
         self._sender.join(SENDER_JOIN_SECONDS)
         with self._lock:
-            if not self._sender_done:   # stuck reading a payload: it closes the socket when done
+            if not self._sender_done:  # stuck reading a payload: it closes the socket when done
                 self._close_by_sender = True
                 log.warning("lane sender still busy after its call ended")
                 return
@@ -744,7 +829,7 @@ def _send_file(sock: socket.socket, fh: BinaryIO, size: int) -> None:
     and encrypted in pieces, :meth:`lanetls.TLSSocket.sendfile`). DataLoss when the
     file is shorter; an OSError is taken as the socket's (a spool read error after the
     file opened is rare, and the engine then ends the call for a cut frame)."""
-    sent = sock.sendfile(fh, fh.tell(), size)   # waits as the socket's timeout says (os.sendfile would not)
+    sent = sock.sendfile(fh, fh.tell(), size)  # waits as the socket's timeout says (os.sendfile would not)
     if sent != size:
         raise DataLoss(f"payload file ended after {sent} of {size} bytes")
 
@@ -756,8 +841,15 @@ class LaneDownload:
     :meth:`cancel` ends it from another thread. ``timeout``: the longest wait for
     any byte (the server's long-poll included)."""
 
-    def __init__(self, sock: socket.socket, *, timeout: float, max_head_bytes: int, max_data_bytes: int,
-                 on_broken: Callable[[str], None] = lambda why: None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        timeout: float,
+        max_head_bytes: int,
+        max_data_bytes: int,
+        on_broken: Callable[[str], None] = lambda why: None,
+    ) -> None:
         self._sock = sock
         self._timeout = timeout
         self._max_head = max_head_bytes
@@ -766,16 +858,16 @@ class LaneDownload:
         self._cancelled = False
         self._started = False
 
-    def __iter__(self) -> Iterator[Union[TupleFrame, ChunkFrame]]:
+    def __iter__(self) -> Iterator[TupleFrame | ChunkFrame]:
         return self.frames()
 
-    def frames(self) -> Iterator[Union[TupleFrame, ChunkFrame]]:
+    def frames(self) -> Iterator[TupleFrame | ChunkFrame]:
         """The frames; ``on_broken`` hears of a lane that broke or stayed silent before its
         first frame or status (not a server's answer: the caller may use gRPC for a while)."""
         self._started = True
         sock = self._sock
         sock.settimeout(self._timeout)
-        reader = sock.makefile("rb", buffering=READ_BUFFER)
+        reader = _reader(sock)
         answered = False
         try:
             try:
@@ -809,5 +901,5 @@ class LaneDownload:
     def cancel(self) -> None:
         self._cancelled = True
         _shutdown(self._sock)
-        if not self._started:   # frames() never ran: nothing else will close the socket
+        if not self._started:  # frames() never ran: nothing else will close the socket
             self._sock.close()

@@ -20,20 +20,21 @@ import ssl
 import threading
 import time
 import weakref
-from typing import BinaryIO
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 from hio.config import ConfigError
-from hio.transport.lanewire import HELLO_SECONDS
 from hio.settings import ClusterSettings
+from hio.transport.lanewire import HELLO_SECONDS
 
-PIECE_BYTES = 256 * 1024   # bytes encrypted (and read from the socket) at a time
+PIECE_BYTES = 256 * 1024  # bytes encrypted (and read from the socket) at a time
 # A fatal protocol_version alert in a plaintext TLS record: what a server tells a peer whose
 # first bytes are no TLS record at all (a plaintext lane client reads it where it expected a
 # reply, and names the cause; OpenSSL itself then sends nothing).
 NOT_TLS_ALERT = bytes([0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 70])
 
 
-def _load(what: str, load, *paths: str) -> None:  # type: ignore[no-untyped-def]
+def _load(what: str, load: Callable[..., None], *paths: str) -> None:
     try:
         load(*paths)
     except (OSError, ssl.SSLError) as exc:
@@ -47,7 +48,7 @@ def server_context(settings: ClusterSettings) -> ssl.SSLContext | None:
     if not settings.tls_cert:
         return None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2   # gRPC's minimum too
+    context.minimum_version = ssl.TLSVersion.TLSv1_2  # gRPC's minimum too
     _load("certificate and key", context.load_cert_chain, settings.tls_cert, settings.tls_key)
     if settings.tls_client_auth:
         _load("CA", context.load_verify_locations, settings.tls_ca)
@@ -62,7 +63,7 @@ def client_context(settings: ClusterSettings) -> ssl.SSLContext | None:
     (mutual TLS). None when this process does not speak TLS."""
     if not settings.speaks_tls:
         return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)   # CERT_REQUIRED, check_hostname
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, check_hostname
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     if settings.tls_ca:
         _load("CA", context.load_verify_locations, settings.tls_ca)
@@ -83,16 +84,24 @@ class TLSSocket:
     status), which TLS authenticates, so a cut is seen as one.
     """
 
-    def __init__(self, sock: socket.socket, context: ssl.SSLContext, *, server_side: bool,
-                 server_hostname: str | None = None, session: ssl.SSLSession | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        context: ssl.SSLContext,
+        *,
+        server_side: bool,
+        server_hostname: str | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> None:
         self.raw = sock
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname,
-                                     session=session)
-        self._resume: _Sessions | None = None   # a client's: where to keep its session for the next connection
-        self._lock = threading.Lock()        # the SSLObject: one thread in it at a time
-        self._send_lock = threading.Lock()   # the order of the encrypted bytes on the wire
-        self._buffer = bytearray(PIECE_BYTES)   # the reading thread's (one at a time)
+        self._tls = context.wrap_bio(
+            self._in, self._out, server_side=server_side, server_hostname=server_hostname, session=session
+        )
+        self._resume: _Sessions | None = None  # a client's: where to keep its session for the next connection
+        self._lock = threading.Lock()  # the SSLObject: one thread in it at a time
+        self._send_lock = threading.Lock()  # the order of the encrypted bytes on the wire
+        self._buffer = bytearray(PIECE_BYTES)  # the reading thread's (one at a time)
 
     # -- the handshake ----------------------------------------------------------------
 
@@ -100,7 +109,7 @@ class TLSSocket:
         """Complete the TLS handshake within ``seconds``; ssl.SSLError (an OSError) when the
         peer is refused or refuses, TimeoutError when it stays silent."""
         deadline = time.monotonic() + seconds
-        first = b""   # the peer's first byte
+        first = b""  # the peer's first byte
         while True:
             failed: ssl.SSLError | None = None
             with self._lock:
@@ -114,7 +123,7 @@ class TLSSocket:
                 out = self._out.read()
             if failed is not None and not out and first[:1] not in (b"", b"\x16"):
                 out = NOT_TLS_ALERT
-            if out:   # a failed handshake's alert too: the peer then learns why
+            if out:  # a failed handshake's alert too: the peer then learns why
                 self.raw.settimeout(max(deadline - time.monotonic(), 0.001))
                 try:
                     self.raw.sendall(out)
@@ -131,13 +140,15 @@ class TLSSocket:
             self.raw.settimeout(left)
             received = self.raw.recv_into(self._buffer)
             if not received:
-                raise ssl.SSLEOFError("the peer closed the connection during the TLS handshake "
-                                      "(it may not speak TLS, or refused this side's certificate)")
+                raise ssl.SSLEOFError(
+                    "the peer closed the connection during the TLS handshake "
+                    "(it may not speak TLS, or refused this side's certificate)"
+                )
             first = first or bytes(self._buffer[:1])
             with self._lock:
                 self._in.write(memoryview(self._buffer)[:received])
 
-    def peer_certificate(self) -> dict | None:  # type: ignore[type-arg]
+    def peer_certificate(self) -> dict[str, Any] | None:
         return self._tls.getpeercert()
 
     def version(self) -> str | None:
@@ -150,7 +161,7 @@ class TLSSocket:
         with self._send_lock:
             for start in range(0, len(view), PIECE_BYTES):
                 with self._lock:
-                    self._tls.write(view[start:start + PIECE_BYTES])
+                    self._tls.write(view[start : start + PIECE_BYTES])
                     out = self._out.read()
                 self.raw.sendall(out)
 
@@ -163,7 +174,7 @@ class TLSSocket:
         piece = bytearray(min(PIECE_BYTES, max(left, 1)))
         view, sent = memoryview(piece), 0
         while left > 0:
-            n = fh.readinto(view[:min(left, len(piece))])  # type: ignore[attr-defined]
+            n = fh.readinto(view[: min(left, len(piece))])  # type: ignore[attr-defined]  # a file opened "rb": typing.BinaryIO lacks readinto
             if not n:
                 break
             self.sendall(view[:n])
@@ -198,7 +209,7 @@ class TLSSocket:
             with self._lock:
                 while got < want:
                     try:
-                        n: int = self._tls.read(want - got, view[got:want])  # type: ignore[arg-type,assignment]
+                        n: int = self._tls.read(want - got, view[got:want])  # type: ignore[assignment]  # with a buffer: a count
                     except ssl.SSLWantReadError:
                         break
                     except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
@@ -232,7 +243,7 @@ class TLSSocket:
     def makefile(self, mode: str = "rb", buffering: int = io.DEFAULT_BUFFER_SIZE) -> BinaryIO:
         if mode != "rb":
             raise ValueError("a TLS lane socket reads only through makefile('rb')")
-        return io.BufferedReader(_Reader(self), buffering)  # type: ignore[return-value]
+        return io.BufferedReader(_Reader(self), buffering)
 
     # -- the socket ---------------------------------------------------------------------
 
@@ -245,13 +256,13 @@ class TLSSocket:
     def gettimeout(self) -> float | None:
         return self.raw.gettimeout()
 
-    def setsockopt(self, *args) -> None:  # type: ignore[no-untyped-def]
+    def setsockopt(self, *args: Any) -> None:
         self.raw.setsockopt(*args)
 
-    def getsockname(self):  # type: ignore[no-untyped-def]
+    def getsockname(self) -> Any:
         return self.raw.getsockname()
 
-    def getpeername(self):  # type: ignore[no-untyped-def]
+    def getpeername(self) -> Any:
         return self.raw.getpeername()
 
     def shutdown(self, how: int) -> None:
@@ -271,7 +282,7 @@ class _Reader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def, override]
+    def readinto(self, buffer: Any) -> int:
         return self._sock.recv_into(buffer)
 
 
@@ -283,7 +294,7 @@ class _Sessions:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._last: dict[tuple[str, str, int], ssl.SSLSession] = {}   # (name checked, address, port)
+        self._last: dict[tuple[str, str, int], ssl.SSLSession] = {}  # (name checked, address, port)
 
     def get(self, host: str, peer: tuple[str, int]) -> ssl.SSLSession | None:
         with self._lock:
@@ -307,8 +318,7 @@ _SESSIONS: weakref.WeakKeyDictionary[ssl.SSLContext, _Sessions] = weakref.WeakKe
 _SESSIONS_LOCK = threading.Lock()
 
 
-def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str,
-                seconds: float = HELLO_SECONDS) -> TLSSocket:
+def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str, seconds: float = HELLO_SECONDS) -> TLSSocket:
     """A connected socket's client end of TLS, the server verified for ``host`` (the host
     of the lane's address: as gRPC checks the host of its target); the server's last
     session from this context resumed when it still takes it."""

@@ -13,9 +13,9 @@ import collections
 import struct
 from typing import Any
 
-VERSION = 1                      # the lane version this code speaks (the one there is)
-VERSIONS = (VERSION,)            # every version a server here accepts in a hello
-MAGIC_PREFIX = b"HIOLANE"        # a hello's first 7 bytes; the 8th is the version as an ASCII digit
+VERSION = 1  # the lane version this code speaks (the one there is)
+VERSIONS = (VERSION,)  # every version a server here accepts in a hello
+MAGIC_PREFIX = b"HIOLANE"  # a hello's first 7 bytes; the 8th is the version as an ASCII digit
 
 
 def magic(version: int = VERSION) -> bytes:
@@ -23,7 +23,7 @@ def magic(version: int = VERSION) -> bytes:
     return MAGIC_PREFIX + str(version).encode("ascii")
 
 
-MAGIC = magic()                  # b"HIOLANE1"
+MAGIC = magic()  # b"HIOLANE1"
 
 
 class Header:
@@ -33,7 +33,7 @@ class Header:
         self.name = name
         self.fields = tuple(field for field, _ in fields)
         self._struct = struct.Struct(">" + "".join(code for _, code in fields))
-        self._tuple = collections.namedtuple(name, self.fields)  # type: ignore[misc]
+        self._tuple = collections.namedtuple(name, self.fields)  # type: ignore[misc]  # noqa: PYI024 - fields known only at run time
         self.size = self._struct.size
 
     def pack(self, *values: Any) -> bytes:
@@ -41,7 +41,7 @@ class Header:
 
     def unpack(self, data: bytes) -> Any:
         """The fields of exactly :attr:`size` bytes, as a named tuple."""
-        return self._tuple._make(self._struct.unpack(data))  # type: ignore[attr-defined]
+        return self._tuple._make(self._struct.unpack(data))  # type: ignore[attr-defined]  # a namedtuple class
 
     def __repr__(self) -> str:
         return f"Header({self.name}: {', '.join(self.fields)}; {self.size} bytes)"
@@ -51,17 +51,17 @@ class Header:
 HELLO = Header("Hello", ("magic", "8s"), ("size", "I"))
 # a frame, either way (uploads: client -> server; downloads: server -> client)
 FRAME_PREFIX = Header("Frame", ("head_size", "I"), ("data_size", "Q"))  # then head, then data
-END_OF_INPUT = FRAME_PREFIX.pack(0, 0)   # no frame is empty: this prefix ends the frames
+END_OF_INPUT = FRAME_PREFIX.pack(0, 0)  # no frame is empty: this prefix ends the frames
 # server -> client: receipts and the final status
-REPLY_PREFIX = Header("Reply", ("kind", "B"), ("size", "I"))           # then the body
-RECEIPT, STATUS = 1, 2                   # a reply's kind: TupleReceipt, LaneStatus (3 is reserved)
+REPLY_PREFIX = Header("Reply", ("kind", "B"), ("size", "I"))  # then the body
+RECEIPT, STATUS = 1, 2  # a reply's kind: TupleReceipt, LaneStatus (3 is reserved)
 
 # Limits a peer may rely on (docs/lane.md, "Limits")
-MAX_HELLO_BYTES = 64 * 1024           # a LaneHello
-MAX_STATUS_BYTES = 64 * 1024          # a LaneStatus that ends a download
-MAX_REPLY_BYTES = 64 * 1024 * 1024    # any other reply body
-HELLO_SECONDS = 10.0                  # the TLS handshake and the whole hello arrive within this
-DRAIN_SECONDS = 1.0                   # after an error status the server reads on this long, then closes
+MAX_HELLO_BYTES = 64 * 1024  # a LaneHello
+MAX_STATUS_BYTES = 64 * 1024  # a LaneStatus that ends a download
+MAX_REPLY_BYTES = 64 * 1024 * 1024  # any other reply body
+HELLO_SECONDS = 10.0  # the TLS handshake and the whole hello arrive within this
+DRAIN_SECONDS = 1.0  # after an error status the server reads on this long, then closes
 
 # A TLS record's first byte (handshake 22, alert 21): what a plaintext peer of a TLS lane reads
 TLS_RECORD_TYPES = (0x15, 0x16)

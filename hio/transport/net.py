@@ -22,8 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hio.config import ConfigError
-from hio.transport.frames import ChunkFrame, TupleFrame, TupleReceipt, WireFrame, parse_frame, serialize_frame
 from hio.settings import ClusterSettings
+from hio.transport.frames import ChunkFrame, TupleFrame, TupleReceipt, WireFrame, parse_frame, serialize_frame
 
 if TYPE_CHECKING:
     from hio.proto import master_pb2
@@ -36,7 +36,7 @@ log = logging.getLogger("hio.net")
 AUTH_HEADER = "authorization"
 
 
-NEVER_CONNECTED = "failed to connect to all addresses"   # gRPC's words when no connection was made
+NEVER_CONNECTED = "failed to connect to all addresses"  # gRPC's words when no connection was made
 
 
 def connect_hint(details: str, *, speaks_tls: bool) -> str:
@@ -50,20 +50,25 @@ def connect_hint(details: str, *, speaks_tls: bool) -> str:
     if NEVER_CONNECTED not in details:
         return ""
     if "Hostname Verification" in details or "not in peer certificate" in details:
-        return ("TLS: the server's certificate does not name the host or IP this address uses; "
-                "connect by a name in the certificate, or issue it with this name")
+        return (
+            "TLS: the server's certificate does not name the host or IP this address uses; "
+            "connect by a name in the certificate, or issue it with this name"
+        )
     if "WRONG_VERSION_NUMBER" in details:
         return "TLS: the server does not speak TLS; drop tls_ca/tls_cert here, or give the server a certificate"
-    if "handshake failed" in details.lower() or "SSL_ERROR" in details:   # "Tls handshake failed (...)"
-        reason = details.removesuffix(": OK").rpartition(": ")[2].strip()   # OpenSSL's last words
-        return (f"TLS handshake failed ({reason}): check that tls_ca is the CA that signed "
-                "the server's certificate")
+    if "handshake failed" in details.lower() or "SSL_ERROR" in details:  # "Tls handshake failed (...)"
+        reason = details.removesuffix(": OK").rpartition(": ")[2].strip()  # OpenSSL's last words
+        return f"TLS handshake failed ({reason}): check that tls_ca is the CA that signed the server's certificate"
     if "Socket closed" in details:
         if speaks_tls:
-            return ("the server closed the connection during the TLS handshake: it may require a client "
-                    "certificate signed by its CA (tls_cert, tls_key)")
-        return ("the server closed the connection at once: if it serves TLS, set tls_ca (and tls_cert, "
-                "tls_key if it requires client certificates)")
+            return (
+                "the server closed the connection during the TLS handshake: it may require a client "
+                "certificate signed by its CA (tls_cert, tls_key)"
+            )
+        return (
+            "the server closed the connection at once: if it serves TLS, set tls_ca (and tls_cert, "
+            "tls_key if it requires client certificates)"
+        )
     return ""
 
 
@@ -117,9 +122,10 @@ class TokenTable:
                 parts = line.split()
                 if len(parts) < 2:
                     raise ConfigError(f"{settings.tokens_file}:{n}: expected 'token role [name]'")
-                if parts[1] not in TOKEN_ROLES:   # a typo would refuse that client on every call
-                    raise ConfigError(f"{settings.tokens_file}:{n}: unknown role '{parts[1]}'; "
-                                      f"known: {', '.join(TOKEN_ROLES)}")
+                if parts[1] not in TOKEN_ROLES:  # a typo would refuse that client on every call
+                    raise ConfigError(
+                        f"{settings.tokens_file}:{n}: unknown role '{parts[1]}'; known: {', '.join(TOKEN_ROLES)}"
+                    )
                 entries.append((parts[0], parts[1], parts[2] if len(parts) > 2 else parts[1]))
             return cls(entries)
         shared = settings.presented_token()
@@ -146,23 +152,25 @@ class _AuthInterceptor(grpc.ServerInterceptor):
         self._table = table
         self._policy = policy or {}
 
-    def intercept_service(self, continuation: _Continuation,
-                          handler_call_details: grpc.HandlerCallDetails) -> _Handler | None:
+    def intercept_service(
+        self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> _Handler | None:
         method = handler_call_details.method
         if method.startswith(self.OPEN_METHODS):
             return continuation(handler_call_details)
         token = ""
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_HEADER and isinstance(value, str) and value.startswith("Bearer "):
-                token = value[len("Bearer "):]
+                token = value[len("Bearer ") :]
         refusal = refuse_caller(self._table, self._policy, method, token)
         if refusal is not None:
             return _refusal(*refusal)
         return continuation(handler_call_details)
 
 
-def refuse_caller(table: TokenTable, policy: dict[str, set[str]], method: str,
-                  token: str) -> tuple[grpc.StatusCode, str] | None:
+def refuse_caller(
+    table: TokenTable, policy: dict[str, set[str]], method: str, token: str
+) -> tuple[grpc.StatusCode, str] | None:
     """Why a caller presenting ``token`` may not call ``method`` (status, message); None = it may.
     Shared by the gRPC services and the engine's payload lane."""
     who = table.lookup(token) if token else None
@@ -183,8 +191,9 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
     servicer code runs; a client's bug would then look like a server crash.
     """
 
-    def intercept_service(self, continuation: _Continuation,
-                          handler_call_details: grpc.HandlerCallDetails) -> _Handler | None:
+    def intercept_service(
+        self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> _Handler | None:
         handler = continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
@@ -209,24 +218,29 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
         if handler.unary_unary:
             inner = handler.unary_unary
             return grpc.unary_unary_rpc_method_handler(
-                lambda raw, ctx: inner(decode(raw, ctx), ctx), response_serializer=serialize)
+                lambda raw, ctx: inner(decode(raw, ctx), ctx), response_serializer=serialize
+            )
         if handler.unary_stream:
             inner_us = handler.unary_stream
             return grpc.unary_stream_rpc_method_handler(
-                lambda raw, ctx: inner_us(decode(raw, ctx), ctx), response_serializer=serialize)
+                lambda raw, ctx: inner_us(decode(raw, ctx), ctx), response_serializer=serialize
+            )
         if handler.stream_unary:
             inner_su = handler.stream_unary
             return grpc.stream_unary_rpc_method_handler(
-                lambda raws, ctx: inner_su(decode_all(raws, ctx), ctx), response_serializer=serialize)
+                lambda raws, ctx: inner_su(decode_all(raws, ctx), ctx), response_serializer=serialize
+            )
         inner_ss = handler.stream_stream
-        assert inner_ss is not None   # a handler is of one of the four kinds
+        assert inner_ss is not None  # a handler is of one of the four kinds
         return grpc.stream_stream_rpc_method_handler(
-            lambda raws, ctx: inner_ss(decode_all(raws, ctx), ctx), response_serializer=serialize)
+            lambda raws, ctx: inner_ss(decode_all(raws, ctx), ctx), response_serializer=serialize
+        )
 
 
 def _refusal(code: grpc.StatusCode, message: str) -> _Handler:
     def deny(request_or_iterator: object, context: grpc.ServicerContext) -> None:
         context.abort(code, message)
+
     # A stream-stream handler refuses every kind of call before reading it.
     return grpc.stream_stream_rpc_method_handler(deny)
 
@@ -238,8 +252,12 @@ KEEPALIVE_MS = 20_000
 
 
 def _keepalive() -> list[tuple[str, int]]:
-    return [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+    return [
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 def _server_options(settings: ClusterSettings) -> list[tuple[str, int]]:
@@ -256,11 +274,16 @@ def _server_options(settings: ClusterSettings) -> list[tuple[str, int]]:
 _FROM_SETTINGS: Any = object()
 
 
-def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 32,
-                  policy: dict[str, set[str]] | None = None,
-                  register: Iterable[Callable[[grpc.Server], None]] = (),
-                  table: TokenTable | None = _FROM_SETTINGS,
-                  service: str = "") -> tuple[grpc.Server, int, RoleHealth]:
+def create_server(
+    settings: ClusterSettings,
+    listen: str,
+    *,
+    max_workers: int = 32,
+    policy: dict[str, set[str]] | None = None,
+    register: Iterable[Callable[[grpc.Server], None]] = (),
+    table: TokenTable | None = _FROM_SETTINGS,
+    service: str = "",
+) -> tuple[grpc.Server, int, RoleHealth]:
     """Build a started-not-yet server bound to ``listen`` ('host:port', port 0 = any).
 
     Returns (server, bound port, health servicer). The caller adds servicers via
@@ -276,8 +299,11 @@ def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 
     if table is not None:
         interceptors.append(_AuthInterceptor(table, policy))
     interceptors.append(_ParsingInterceptor())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                         interceptors=interceptors, options=_server_options(settings))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=interceptors,
+        options=_server_options(settings),
+    )
     for add in register:
         add(server)
     health_servicer = RoleHealth(service)
@@ -286,18 +312,21 @@ def create_server(settings: ClusterSettings, listen: str, *, max_workers: int = 
         creds = grpc.ssl_server_credentials(
             [(_read(settings.tls_key, "TLS key"), _read(settings.tls_cert, "TLS certificate"))],
             root_certificates=_read(settings.tls_ca, "TLS CA") if settings.tls_ca else None,
-            require_client_auth=settings.tls_client_auth)
-    try:   # grpcio returns 0 for a port it cannot bind, or (newer) raises RuntimeError
+            require_client_auth=settings.tls_client_auth,
+        )
+    try:  # grpcio returns 0 for a port it cannot bind, or (newer) raises RuntimeError
         port = server.add_secure_port(listen, creds) if settings.tls_cert else server.add_insecure_port(listen)
     except RuntimeError:
         port = 0
     if port == 0:
-        raise ConfigError(f"cannot listen on {listen}: the port is in use (another hio process there?) or the "
-                          "address is not this machine's; stop that process or choose another address")
+        raise ConfigError(
+            f"cannot listen on {listen}: the port is in use (another hio process there?) or the "
+            "address is not this machine's; stop that process or choose another address"
+        )
     return server, port, health_servicer
 
 
-ROLE_SERVICES = {   # the gRPC service each role's server is for (proto/hio/proto/*.proto)
+ROLE_SERVICES = {  # the gRPC service each role's server is for (proto/hio/proto/*.proto)
     "master": "hio.proto.Master",
     "repository": "hio.proto.Repository",
     "gateway": "hio.proto.Ingest",
@@ -326,8 +355,12 @@ def set_serving(health_servicer: RoleHealth, serving: bool = True) -> None:
         health_servicer.set(health_servicer.service, status)
 
 
-class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _TokenClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, token: str) -> None:
         self._md = (AUTH_HEADER, f"Bearer {token}")
 
@@ -336,20 +369,30 @@ class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStream
         md.append(self._md)
         return details._replace(metadata=md) if hasattr(details, "_replace") else _Details(details, md)
 
-    def intercept_unary_unary(self, continuation: Callable[[grpc.ClientCallDetails, Any], Any],
-                              details: grpc.ClientCallDetails, request: Any) -> Any:
+    def intercept_unary_unary(
+        self, continuation: Callable[[grpc.ClientCallDetails, Any], Any], details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation: Callable[[grpc.ClientCallDetails, Any], Any],
-                               details: grpc.ClientCallDetails, request: Any) -> Any:
+    def intercept_unary_stream(
+        self, continuation: Callable[[grpc.ClientCallDetails, Any], Any], details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_stream_unary(self, continuation: Callable[[grpc.ClientCallDetails, Any], Any],
-                               details: grpc.ClientCallDetails, request_iterator: Any) -> Any:
+    def intercept_stream_unary(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Any], Any],
+        details: grpc.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
         return continuation(self._details(details), request_iterator)
 
-    def intercept_stream_stream(self, continuation: Callable[[grpc.ClientCallDetails, Any], Any],
-                                details: grpc.ClientCallDetails, request_iterator: Any) -> Any:
+    def intercept_stream_stream(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Any], Any],
+        details: grpc.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
         return continuation(self._details(details), request_iterator)
 
 
@@ -363,23 +406,28 @@ class _Details(grpc.ClientCallDetails):
         self.compression = getattr(base, "compression", None)
 
 
-def send_frames(channel: grpc.Channel, service: str,
-                method: str) -> grpc.StreamStreamMultiCallable[WireFrame, TupleReceipt]:
+def send_frames(
+    channel: grpc.Channel, service: str, method: str
+) -> grpc.StreamStreamMultiCallable[WireFrame, TupleReceipt]:
     """A frames-in, receipts-out call (``Engine.Deliver``, ``Master.Enqueue``,
     ``Ingest.Submit``) that sends large chunks as encoded (:func:`frames.encode_frame`).
     The generated stubs would call ``SerializeToString`` on them."""
-    return channel.stream_stream(_method_path(service, method), request_serializer=serialize_frame,
-                                 response_deserializer=TupleReceipt.FromString)
+    return channel.stream_stream(
+        _method_path(service, method), request_serializer=serialize_frame, response_deserializer=TupleReceipt.FromString
+    )
 
 
 def pull_frames(
-        channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable[master_pb2.PullTupleRequest, TupleFrame | ChunkFrame]:
+    channel: grpc.Channel,
+) -> grpc.UnaryStreamMultiCallable[master_pb2.PullTupleRequest, TupleFrame | ChunkFrame]:
     """``Master.PullTuple`` whose large chunks are read in place (:func:`frames.parse_frame`)."""
     from hio.proto import master_pb2
 
-    return channel.unary_stream(_method_path("Master", "PullTuple"),
-                                request_serializer=master_pb2.PullTupleRequest.SerializeToString,
-                                response_deserializer=parse_frame)
+    return channel.unary_stream(
+        _method_path("Master", "PullTuple"),
+        request_serializer=master_pb2.PullTupleRequest.SerializeToString,
+        response_deserializer=parse_frame,
+    )
 
 
 @functools.cache
@@ -414,7 +462,8 @@ def create_channel(address: str, settings: ClusterSettings, token: str | None = 
         creds = grpc.ssl_channel_credentials(
             root_certificates=_read(settings.tls_ca, "TLS CA") if settings.tls_ca else None,
             private_key=_read(settings.tls_key, "TLS key") if settings.tls_key else None,
-            certificate_chain=_read(settings.tls_cert, "TLS certificate") if settings.tls_cert else None)
+            certificate_chain=_read(settings.tls_cert, "TLS certificate") if settings.tls_cert else None,
+        )
         channel = grpc.secure_channel(address, creds, options=options)
     else:
         channel = grpc.insecure_channel(address, options=options)
@@ -424,8 +473,13 @@ def create_channel(address: str, settings: ClusterSettings, token: str | None = 
     return channel
 
 
-def wait_healthy(address: str, settings: ClusterSettings, timeout: float = 30.0,
-                 alive: Callable[[], bool] | None = None, service: str = "") -> None:
+def wait_healthy(
+    address: str,
+    settings: ClusterSettings,
+    timeout: float = 30.0,
+    alive: Callable[[], bool] | None = None,
+    service: str = "",
+) -> None:
     """Block until the server at ``address`` reports SERVING, or raise TimeoutError.
 
     ``alive`` (optional) is polled too: when it turns false, give up at once.
@@ -438,9 +492,11 @@ def wait_healthy(address: str, settings: ClusterSettings, timeout: float = 30.0,
     last: Exception | str | None = None
     with create_channel(address, settings) as channel:
         # What HealthStub(channel).Check is (the stubs of grpcio-health-checking do not declare it).
-        check = channel.unary_unary("/grpc.health.v1.Health/Check",
-                                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
         while time.monotonic() < deadline:
             if alive is not None and not alive():
                 last = "the process exited"
@@ -485,9 +541,13 @@ def stop_on_signals(stop: threading.Event) -> None:
         signal.signal(sig, handler)
 
 
-def run_until_signal(server: grpc.Server, *, grace: float = 5.0,
-                     on_stop: Sequence[Callable[[], None]] = (),
-                     stop_event: threading.Event | None = None) -> int:
+def run_until_signal(
+    server: grpc.Server,
+    *,
+    grace: float = 5.0,
+    on_stop: Sequence[Callable[[], None]] = (),
+    stop_event: threading.Event | None = None,
+) -> int:
     """Serve until SIGTERM/SIGINT (or ``stop_event``); drain within ``grace`` seconds.
 
     Exit code 0 after a clean stop. ``on_stop`` callbacks run before the server

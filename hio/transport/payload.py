@@ -32,12 +32,20 @@ from typing import BinaryIO, Generic, Protocol, TypeVar
 import grpc
 
 from hio.config import split_address
-from hio.transport.frames import TupleMeta, TupleReceipt, WireFrame, tuple_frames
-from hio.transport.lane import LANE_CONNECT_SECONDS, LaneCall, LaneDownload, LaneError, LaneFrame, lane_frames, open_lane
-from hio.transport.net import pull_frames, send_frames
 from hio.proto.master_pb2 import PullTupleRequest
+from hio.transport.frames import TupleMeta, TupleReceipt, WireFrame, tuple_frames
+from hio.transport.lane import (
+    LANE_CONNECT_SECONDS,
+    LaneCall,
+    LaneDownload,
+    LaneError,
+    LaneFrame,
+    lane_frames,
+    open_lane,
+)
+from hio.transport.net import pull_frames, send_frames
 
-LANE_RETRY_SECONDS = 60.0   # a peer moved to gRPC (its lane unreachable or broken) chooses again after this
+LANE_RETRY_SECONDS = 60.0  # a peer moved to gRPC (its lane unreachable or broken) chooses again after this
 Payloads = Iterator[tuple[TupleMeta, "bytes | BinaryIO"]]
 _SERVICES = {"Deliver": "Engine", "Enqueue": "Master"}
 
@@ -61,15 +69,14 @@ class Download(Protocol):
 class PayloadChannel(Protocol):
     """How payload bytes travel between this process and one peer."""
 
-    kind: str              # "lane" or "grpc"
-    max_chunk_bytes: int   # the largest frame payload a download may bring
+    kind: str  # "lane" or "grpc"
+    max_chunk_bytes: int  # the largest frame payload a download may bring
 
     def upload(self, method: str, payloads: Payloads, *, timeout: float) -> tuple[Upload, GuardedFrames[object]]:
         """Stream ``payloads`` to ``method`` ("Deliver" or "Enqueue"); the call and its frames
         (whose ``failure`` says why a payload could not be read)."""
 
-    def download(self, request: PullTupleRequest, *, timeout: float,
-                 on_broken: Callable[[str], None]) -> Download:
+    def download(self, request: PullTupleRequest, *, timeout: float, on_broken: Callable[[str], None]) -> Download:
         """Open a PullTuple; ``on_broken`` hears of a lane that broke before it answered."""
 
 
@@ -84,15 +91,13 @@ class GrpcPayload:
         self._pack = pack_bytes
         self.max_chunk_bytes = max_chunk_bytes
 
-    def upload(self, method: str, payloads: Payloads, *,
-               timeout: float) -> tuple[Upload, GuardedFrames[WireFrame]]:
+    def upload(self, method: str, payloads: Payloads, *, timeout: float) -> tuple[Upload, GuardedFrames[WireFrame]]:
         reading = GuardedFrames(tuple_frames(payloads, self._chunk, self._pack, encode=True), cancels=True)
         call = send_frames(self._channel, _SERVICES[method], method)(iter(reading), timeout=timeout)
         reading.attach(call.cancel)
         return call, reading
 
-    def download(self, request: PullTupleRequest, *, timeout: float,
-                 on_broken: Callable[[str], None]) -> Download:
+    def download(self, request: PullTupleRequest, *, timeout: float, on_broken: Callable[[str], None]) -> Download:
         return pull_frames(self._channel)(request, timeout=timeout)
 
 
@@ -101,26 +106,41 @@ class LanePayload:
 
     kind = "lane"
 
-    def __init__(self, lane: str, token: str, *, chunk_bytes: int, pack_bytes: int, max_head_bytes: int,
-                 max_data_bytes: int, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        lane: str,
+        token: str,
+        *,
+        chunk_bytes: int,
+        pack_bytes: int,
+        max_head_bytes: int,
+        max_data_bytes: int,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.lane = lane
         self._token = token
-        self._tls = tls   # the lane's TLS (lanetls.client_context), None for plain TCP
+        self._tls = tls  # the lane's TLS (lanetls.client_context), None for plain TCP
         self._chunk = chunk_bytes
         self._pack = pack_bytes
         self._max_head = max_head_bytes
-        self.max_chunk_bytes = max_data_bytes   # the lane sends a tuple as one frame
+        self.max_chunk_bytes = max_data_bytes  # the lane sends a tuple as one frame
 
     def _open(self, method: str, request: bytes = b"") -> socket.socket:
         try:
-            return open_lane(self.lane, self._token, connect_seconds=LANE_CONNECT_SECONDS, method=method,
-                             request=request, tls=self._tls)
+            return open_lane(
+                self.lane,
+                self._token,
+                connect_seconds=LANE_CONNECT_SECONDS,
+                method=method,
+                request=request,
+                tls=self._tls,
+            )
         except (OSError, ValueError) as exc:
-            raise LaneError(grpc.StatusCode.UNAVAILABLE, f"payload lane {self.lane} unreachable: {exc}",
-                            transport=True) from None
+            raise LaneError(
+                grpc.StatusCode.UNAVAILABLE, f"payload lane {self.lane} unreachable: {exc}", transport=True
+            ) from None
 
-    def upload(self, method: str, payloads: Payloads, *,
-               timeout: float) -> tuple[Upload, GuardedFrames[LaneFrame]]:
+    def upload(self, method: str, payloads: Payloads, *, timeout: float) -> tuple[Upload, GuardedFrames[LaneFrame]]:
         sock = self._open(method)
         reading = GuardedFrames(lane_frames(payloads, self._chunk, self._pack), cancels=False)
         try:
@@ -129,11 +149,15 @@ class LanePayload:
             sock.close()
             raise
 
-    def download(self, request: PullTupleRequest, *, timeout: float,
-                 on_broken: Callable[[str], None]) -> Download:
+    def download(self, request: PullTupleRequest, *, timeout: float, on_broken: Callable[[str], None]) -> Download:
         sock = self._open("PullTuple", request.SerializeToString())
-        return LaneDownload(sock, timeout=timeout, max_head_bytes=self._max_head,
-                            max_data_bytes=self.max_chunk_bytes, on_broken=on_broken)
+        return LaneDownload(
+            sock,
+            timeout=timeout,
+            max_head_bytes=self._max_head,
+            max_data_bytes=self.max_chunk_bytes,
+            on_broken=on_broken,
+        )
 
 
 class PayloadPeers:
@@ -141,14 +165,20 @@ class PayloadPeers:
     words). ``lane(address)`` and ``grpc(address)`` make the adapters; ``lanes`` false (turned
     off, or TLS, which the lane lacks) chooses gRPC for every peer. Thread-safe."""
 
-    def __init__(self, *, lanes: bool, lane: Callable[[str], LanePayload], grpc: Callable[[str], GrpcPayload],
-                 logger: logging.Logger) -> None:
+    def __init__(
+        self,
+        *,
+        lanes: bool,
+        lane: Callable[[str], LanePayload],
+        grpc: Callable[[str], GrpcPayload],
+        logger: logging.Logger,
+    ) -> None:
         self._lanes = lanes
         self._make_lane = lane
         self._make_grpc = grpc
         self._log = logger
         self._lock = threading.Lock()
-        self._chosen: dict[tuple[str, str], tuple[PayloadChannel, float]] = {}   # (peer, lane) -> (adapter, until)
+        self._chosen: dict[tuple[str, str], tuple[PayloadChannel, float]] = {}  # (peer, lane) -> (adapter, until)
 
     def get(self, address: str, lane: str) -> PayloadChannel:
         """The channel of the peer at ``address`` (its gRPC address) whose lane is ``lane`` ('' = none)."""
@@ -165,8 +195,10 @@ class PayloadPeers:
                 socket.create_connection(split_address(lane), timeout=LANE_CONNECT_SECONDS).close()
                 channel, until = self._make_lane(lane), float("inf")
             except (OSError, ValueError) as exc:
-                self._log.warning("payload lane unreachable; this peer uses gRPC",
-                                  extra={"peer": address, "lane": lane, "error": str(exc)})
+                self._log.warning(
+                    "payload lane unreachable; this peer uses gRPC",
+                    extra={"peer": address, "lane": lane, "error": str(exc)},
+                )
                 channel, until = self._make_grpc(address), time.monotonic() + LANE_RETRY_SECONDS
         with self._lock:
             self._chosen[key] = (channel, until)
@@ -180,11 +212,12 @@ class PayloadPeers:
             was = self._chosen.get((address, lane))
             self._chosen[(address, lane)] = (grpc_channel, time.monotonic() + LANE_RETRY_SECONDS)
         if was is None or was[0].kind == "lane":
-            self._log.warning("payload lane broke; this peer uses gRPC",
-                              extra={"peer": address, "lane": lane, "error": why})
+            self._log.warning(
+                "payload lane broke; this peer uses gRPC", extra={"peer": address, "lane": lane, "error": why}
+            )
 
 
-F = TypeVar("F", covariant=True)   # read only: a channel's frames are objects to its callers
+F = TypeVar("F", covariant=True)  # read only: a channel's frames are objects to its callers
 
 
 class GuardedFrames(Generic[F]):
@@ -209,7 +242,7 @@ class GuardedFrames(Generic[F]):
             yield from self._frames
         except OSError as exc:
             self.failure = str(exc) or type(exc).__name__
-            if not self._cancels or not self._attached.wait(10.0):   # attached as the call starts
+            if not self._cancels or not self._attached.wait(10.0):  # attached as the call starts
                 raise
-            assert self._cancel is not None   # set before _attached is
+            assert self._cancel is not None  # set before _attached is
             self._cancel()

@@ -25,7 +25,7 @@ class Backoff:
         self.base, self.cap, self.attempt = base, cap, 0
 
     def delay(self, hint: float | None = None) -> float:
-        bound = min(self.cap, self.base * (2 ** self.attempt))
+        bound = min(self.cap, self.base * (2**self.attempt))
         self.attempt += 1
         wait = random.uniform(0, bound)
         return max(wait, hint) if hint else wait
@@ -37,9 +37,13 @@ class Backoff:
         self.attempt = 0
 
 
-def call_with_retry(fn: Callable[[], T], *, deadline: float = 60.0,
-                    retryable: frozenset[grpc.StatusCode] = RETRYABLE,
-                    on_retry: Callable[[grpc.RpcError], None] | None = None) -> T:
+def call_with_retry(
+    fn: Callable[[], T],
+    *,
+    deadline: float = 60.0,
+    retryable: frozenset[grpc.StatusCode] = RETRYABLE,
+    on_retry: Callable[[grpc.RpcError], None] | None = None,
+) -> T:
     """Call ``fn`` until it succeeds, a non-retryable status arrives, or ``deadline`` s pass
     (the last wait ends at the deadline, so callers can count on it)."""
     end = time.monotonic() + deadline

@@ -29,8 +29,8 @@ def main() -> int:
         print(f"healthcheck: HIO_ENGINE_LISTEN is not host:port: {listen!r}", file=sys.stderr)
         return 1
     from hio import config
-    from hio.transport.net import ROLE_SERVICES, wait_healthy
     from hio.settings import ClusterSettings
+    from hio.transport.net import ROLE_SERVICES, wait_healthy
 
     settings = config.build(ClusterSettings, "engine")
     try:

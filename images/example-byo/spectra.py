@@ -40,7 +40,7 @@ def process(data: bytes, info: Any) -> dict[str, float | str | list[float]]:
     total = float(spectrum.sum()) or 1.0
     return {
         "samples": float(signal.size),
-        "rms": float(np.sqrt(np.mean(signal ** 2))),
+        "rms": float(np.sqrt(np.mean(signal**2))),
         "peak_frequency": float(freqs[int(np.argmax(spectrum))]),
         "spectral_centroid": float((freqs * spectrum).sum() / total),
         "band_power": [float(p) for p in np.array_split(spectrum, 8) for p in [p.sum() / total]],

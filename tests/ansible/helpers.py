@@ -51,34 +51,47 @@ def collection_available(name: str) -> bool:
 def require_collections() -> None:
     missing = [c for c in COLLECTIONS if not collection_available(c)]
     if missing:
-        pytest.skip(f"collections {', '.join(missing)} missing: ansible-galaxy collection install "
-                    f"-r ansible/requirements.yml -p ansible/collections (or pip install ansible==12.3.0)")
+        pytest.skip(
+            f"collections {', '.join(missing)} missing: ansible-galaxy collection install "
+            f"-r ansible/requirements.yml -p ansible/collections (or pip install ansible==12.3.0)"
+        )
 
 
 def ansible_env(tmp: Path) -> dict[str, str]:
     """Environment for ansible-playbook: our ansible.cfg, a private local temp, no HIO_*."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HIO_", "ANSIBLE_"))}
-    env.update({
-        "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
-        "ANSIBLE_LOCAL_TEMP": str(tmp / "ansible-local"),
-        "ANSIBLE_REMOTE_TEMP": str(tmp / "ansible-remote"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_FORCE_COLOR": "0",
-        "ANSIBLE_RETRY_FILES_ENABLED": "0",
-        "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-    })
+    env.update(
+        {
+            "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
+            "ANSIBLE_LOCAL_TEMP": str(tmp / "ansible-local"),
+            "ANSIBLE_REMOTE_TEMP": str(tmp / "ansible-remote"),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_FORCE_COLOR": "0",
+            "ANSIBLE_RETRY_FILES_ENABLED": "0",
+            "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        }
+    )
     return env
 
 
-def run_playbook(playbook: Path, inventory: Path, tmp: Path, *args: str,
-                 timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def run_playbook(
+    playbook: Path, inventory: Path, tmp: Path, *args: str, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
     """Run a playbook; fail the test with its output when it fails."""
     cmd = [ansible_tool("ansible-playbook"), "-i", str(inventory), str(playbook), *args]
-    proc = subprocess.run(cmd, cwd=ANSIBLE_DIR, env=ansible_env(tmp), capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        cmd,
+        cwd=ANSIBLE_DIR,
+        env=ansible_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -96,12 +109,17 @@ def local_identity() -> dict[str, str]:
     return {"hio_user": user, "hio_group": grp.getgrgid(os.getgid()).gr_name, "hio_config_owner": user}
 
 
-def write_inventory(path: Path, groups: dict[str, list[str]], host_vars: dict[str, dict[str, Any]],
-                    common_vars: dict[str, Any]) -> Path:
+def write_inventory(
+    path: Path, groups: dict[str, list[str]], host_vars: dict[str, dict[str, Any]], common_vars: dict[str, Any]
+) -> Path:
     """A YAML inventory of local hosts: ``groups`` maps group -> host names."""
-    inventory: dict[str, Any] = {"all": {"vars": common_vars, "hosts": host_vars,
-                                         "children": {g: {"hosts": {h: {} for h in hosts}}
-                                                      for g, hosts in groups.items()}}}
+    inventory: dict[str, Any] = {
+        "all": {
+            "vars": common_vars,
+            "hosts": host_vars,
+            "children": {g: {"hosts": {h: {} for h in hosts}} for g, hosts in groups.items()},
+        }
+    }
     path.write_text(yaml.safe_dump(inventory, sort_keys=False))
     return path
 
@@ -140,9 +158,15 @@ def read_unit(path: Path) -> dict[str, list[str]]:
 
 
 def inventory_json(inventory: Path, tmp: Path) -> dict[str, Any]:
-    out = subprocess.run([ansible_tool("ansible-inventory"), "-i", str(inventory), "--list"],
-                         cwd=ANSIBLE_DIR, env=ansible_env(tmp), capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [ansible_tool("ansible-inventory"), "-i", str(inventory), "--list"],
+        cwd=ANSIBLE_DIR,
+        env=ansible_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 

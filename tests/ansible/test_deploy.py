@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hio.transport.net import wait_healthy
 from hio.process.procs import LIFELINE_ENV, child_env, free_port
 from hio.settings import ClusterSettings
+from hio.transport.net import wait_healthy
 from tests.ansible.helpers import (
     REPO,
     base_python,
@@ -34,8 +34,7 @@ pytestmark = pytest.mark.slow
 
 # What a clean copy of the checkout needs to build the wheel (a stale build/
 # in the working tree must not leak into it).
-WHEEL_SOURCES = ("pyproject.toml", "README.md", "hio", "proto", "master", "worker", "gateway",
-                 "repository", "kd")
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "hio", "proto", "master", "worker", "gateway", "repository", "kd")
 
 
 def build_wheel(dest: Path) -> Path:
@@ -49,8 +48,12 @@ def build_wheel(dest: Path) -> Path:
         elif path.exists():
             shutil.copy2(path, src / name)
     dist = dest / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    str(src), "-w", str(dist)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w", str(dist)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return next(dist.glob("harmonicio-*.whl"))
 
 
@@ -60,9 +63,15 @@ def start_from_unit(unit_path: Path, log: Path) -> subprocess.Popen[bytes]:
     unit = read_unit(unit_path)
     env = child_env({**dict(item.split("=", 1) for item in unit["Environment"]), LIFELINE_ENV: str(os.getpid())})
     with open(log, "wb") as out:
-        return subprocess.Popen(shlex.split(unit["ExecStart"][0]), cwd=unit["WorkingDirectory"][0], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            shlex.split(unit["ExecStart"][0]),
+            cwd=unit["WorkingDirectory"][0],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def test_site_deploys_a_master_that_serves(tmp_path: Path) -> None:
@@ -73,13 +82,24 @@ def test_site_deploys_a_master_that_serves(tmp_path: Path) -> None:
     wheel = build_wheel(tmp_path)
     port = free_port()
     host = "hio-local"
-    common = {**local_vars(tmp_path), "hio_dist_dir": str(wheel.parent), "hio_host_wheelhouse": str(wheelhouse),
-              "hio_python": base_python(), "hio_bind_host": "127.0.0.1", "hio_address": "127.0.0.1",
-              "hio_master_port": port, "hio_log_level": "info",
-              "hio_cli_link": str(tmp_path / host / "usr/local/bin/hio")}
+    common = {
+        **local_vars(tmp_path),
+        "hio_dist_dir": str(wheel.parent),
+        "hio_host_wheelhouse": str(wheelhouse),
+        "hio_python": base_python(),
+        "hio_bind_host": "127.0.0.1",
+        "hio_address": "127.0.0.1",
+        "hio_master_port": port,
+        "hio_log_level": "info",
+        "hio_cli_link": str(tmp_path / host / "usr/local/bin/hio"),
+    }
     (tmp_path / host / "usr/local/bin").mkdir(parents=True)
-    inventory = write_inventory(tmp_path / "inventory.yml", {"master": [host], "repository": ["hio-repo"]},
-                                {host: {}, "hio-repo": {"hio_private_ip": "127.0.0.1"}}, common)
+    inventory = write_inventory(
+        tmp_path / "inventory.yml",
+        {"master": [host], "repository": ["hio-repo"]},
+        {host: {}, "hio-repo": {"hio_private_ip": "127.0.0.1"}},
+        common,
+    )
     site = REPO / "ansible" / "site.yml"
     first = run_playbook(site, inventory, tmp_path, "--limit", host)
     assert recap(first.stdout, host)["changed"] > 0
@@ -92,14 +112,25 @@ def test_site_deploys_a_master_that_serves(tmp_path: Path) -> None:
     try:
         wait_healthy(f"127.0.0.1:{port}", ClusterSettings(), timeout=60)
         # The operators' command finds hio.toml by itself and presents the admin token.
-        status = subprocess.run([str(root / "usr/local/bin/hio"), "status"], capture_output=True, text=True,
-                                timeout=60, env=child_env(), cwd=tmp_path)
+        status = subprocess.run(
+            [str(root / "usr/local/bin/hio"), "status"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=child_env(),
+            cwd=tmp_path,
+        )
         assert status.returncode == 0, status.stdout + status.stderr + log.read_text()
         assert "master up" in status.stdout
         # Without the admin token the master refuses: the tokens file is in force.
-        anonymous = subprocess.run([str(root / "opt/hio/bin/hio"), "status", "--master-address",
-                                    f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60,
-                                   env=child_env(), cwd=tmp_path)
+        anonymous = subprocess.run(
+            [str(root / "opt/hio/bin/hio"), "status", "--master-address", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=child_env(),
+            cwd=tmp_path,
+        )
         assert anonymous.returncode != 0
         assert "token" in (anonymous.stdout + anonymous.stderr).lower()
     finally:

@@ -18,9 +18,14 @@ PLAYBOOKS = ["provision.yml", "site.yml"]
 @pytest.mark.parametrize("playbook", PLAYBOOKS)
 def test_syntax_check(playbook: str, tmp_path: Path) -> None:
     require_collections()
-    proc = subprocess.run([ansible_tool("ansible-playbook"), "--syntax-check", "-i", "inventory.example.yml",
-                           playbook], cwd=ANSIBLE_DIR, env=ansible_env(tmp_path), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [ansible_tool("ansible-playbook"), "--syntax-check", "-i", "inventory.example.yml", playbook],
+        cwd=ANSIBLE_DIR,
+        env=ansible_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"playbook: {playbook}" in proc.stdout
 

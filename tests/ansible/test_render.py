@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from hio import config as cfg
-from hio.transport.net import TokenTable, create_server, set_serving, wait_healthy
 from hio.settings import ClusterSettings
+from hio.transport.net import TokenTable, create_server, set_serving, wait_healthy
 from tests.ansible.helpers import local_vars, read_unit, require_collections, run_playbook, write_inventory
 
 ROLE_CONFIGS = {
@@ -29,10 +29,19 @@ ROLE_CONFIGS = {
     "kd": "hio.kd.config:KDConfig",
 }
 # hio-m runs master, repository and kd (KD beside the repository, as provisioned).
-GROUPS = {"master": ["hio-m"], "repository": ["hio-m"], "kd": ["hio-m"],
-          "workers": ["hio-w1", "hio-w2"], "gateways": ["hio-g1"]}
-HOST_ROLES = {"hio-m": ["master", "repository", "kd"], "hio-w1": ["worker"], "hio-w2": ["worker"],
-              "hio-g1": ["gateway"]}
+GROUPS = {
+    "master": ["hio-m"],
+    "repository": ["hio-m"],
+    "kd": ["hio-m"],
+    "workers": ["hio-w1", "hio-w2"],
+    "gateways": ["hio-g1"],
+}
+HOST_ROLES = {
+    "hio-m": ["master", "repository", "kd"],
+    "hio-w1": ["worker"],
+    "hio-w2": ["worker"],
+    "hio-g1": ["gateway"],
+}
 # One Ansible run over four hosts, TLS included: well over 20 s on two cores.
 pytestmark = pytest.mark.slow
 
@@ -71,8 +80,12 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
     root = tmp_path_factory.mktemp("render")
     playbook = root / "render.yml"
     playbook.write_text(RENDER_PLAYBOOK)
-    common = {**local_vars(root), "hio_tls": True, "hio_tls_client_auth": True,
-              "hio_gateway_watch": str(root) + "/{{ inventory_hostname }}/incoming"}
+    common = {
+        **local_vars(root),
+        "hio_tls": True,
+        "hio_tls_client_auth": True,
+        "hio_gateway_watch": str(root) + "/{{ inventory_hostname }}/incoming",
+    }
     hosts = {h: {"hio_private_ip": ip} for h, ip in PRIVATE_IP.items()}
     inventory = write_inventory(root / "inventory.yml", GROUPS, hosts, common)
     for host in HOST_ROLES:  # GatewayConfig checks that the watched folder exists
@@ -138,16 +151,18 @@ def test_each_host_gets_only_its_own_token(rendered: Rendered) -> None:
     assert tokens("hio-w1") == {"worker.token", "worker.tokens"}
     assert tokens("hio-g1") == {"gateway.token"}
     assert tokens("hio-m") == {"kd.token", "admin.token", "master.tokens", "repository.tokens"}
-    assert (rendered.host("hio-w1") / "etc/hio/tokens/worker.token").read_text().strip() == \
-        rendered.token("worker-hio-w1")
+    assert (rendered.host("hio-w1") / "etc/hio/tokens/worker.token").read_text().strip() == rendered.token(
+        "worker-hio-w1"
+    )
     assert rendered.token("worker-hio-w1") != rendered.token("worker-hio-w2")
     for path in (rendered.host("hio-w1") / "etc/hio/tokens").iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o640, path
 
 
 def _table(rendered: Rendered, host: str, role: str) -> TokenTable:
-    table = TokenTable.from_settings(ClusterSettings(
-        tokens_file=str(rendered.host(host) / f"etc/hio/tokens/{role}.tokens")))
+    table = TokenTable.from_settings(
+        ClusterSettings(tokens_file=str(rendered.host(host) / f"etc/hio/tokens/{role}.tokens"))
+    )
     assert table is not None
     return table
 

@@ -34,8 +34,10 @@ def test_defaults_run_on_one_machine() -> None:
 
 def test_precedence_file_then_env_then_flags(tmp_path, monkeypatch) -> None:
     path = tmp_path / "hio.toml"
-    path.write_text('[cluster]\nmaster_address = "m:1"\nchunk_bytes = 2048\n'
-                    '[demo]\nqueue_bytes = 20\nratio = 0.25\nengines = ["x=2", "y"]\n')
+    path.write_text(
+        '[cluster]\nmaster_address = "m:1"\nchunk_bytes = 2048\n'
+        '[demo]\nqueue_bytes = 20\nratio = 0.25\nengines = ["x=2", "y"]\n'
+    )
     monkeypatch.setenv("HIO_DEMO_QUEUE_BYTES", "30")
     monkeypatch.setenv("HIO_FAST", "yes")
     c = cfg.build(DemoConfig, "demo", parse(["--config", str(path), "--ratio", "0.75"]))
@@ -51,12 +53,15 @@ def test_sizes_with_units_and_repeatable_lists(monkeypatch) -> None:
     assert c.queue_bytes == 64 * 1024 * 1024 and c.engines == ("a=1", "b", "c")
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--queue-bytes", "lots"], "--queue-bytes"),
-    (["--queue-bytes", "0"], "queue_bytes must be positive"),
-    (["--chunk-bytes", "10"], "chunk_bytes"),
-    (["--tls-cert", "x.pem"], "tls_cert and tls_key"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--queue-bytes", "lots"], "--queue-bytes"),
+        (["--queue-bytes", "0"], "queue_bytes must be positive"),
+        (["--chunk-bytes", "10"], "chunk_bytes"),
+        (["--tls-cert", "x.pem"], "tls_cert and tls_key"),
+    ],
+)
 def test_bad_values_name_the_setting(argv, message) -> None:
     with pytest.raises(cfg.ConfigError, match=message):
         cfg.build(DemoConfig, "demo", parse(argv))
@@ -81,8 +86,15 @@ def test_where_a_role_listens_is_refused_in_the_cluster_table(tmp_path, key) -> 
     assert cfg.build(DemoConfig, "demo", parse(["--config", str(path)])).listen == "0.0.0.0:7000"
 
 
-@pytest.mark.parametrize("role, variable", [("master", "HIO_LISTEN"), ("master", "HIO_LANE_LISTEN"),
-                                            ("repository", "HIO_HTTP_LISTEN"), ("gateway", "HIO_INGEST_LISTEN")])
+@pytest.mark.parametrize(
+    "role, variable",
+    [
+        ("master", "HIO_LISTEN"),
+        ("master", "HIO_LANE_LISTEN"),
+        ("repository", "HIO_HTTP_LISTEN"),
+        ("gateway", "HIO_INGEST_LISTEN"),
+    ],
+)
 def test_a_shared_listen_variable_is_refused_and_the_role_s_own_is_named(role, variable, monkeypatch) -> None:
     """Every role started from one environment reads HIO_<NAME>: a shared HIO_LISTEN would
     start the master and the repository of `hio up` on one port, as [cluster] listen would.
@@ -122,6 +134,7 @@ def test_missing_or_broken_file_is_a_clear_error(tmp_path) -> None:
 
 def test_cli_reports_config_errors_with_exit_2(capsys) -> None:
     from hio.cli import main
+
     assert main(["status", "--chunk-bytes", "abc"]) == 2
     assert "chunk-bytes" in capsys.readouterr().err
     assert main(["no-such-command"]) == 2
@@ -130,6 +143,7 @@ def test_cli_reports_config_errors_with_exit_2(capsys) -> None:
 @pytest.mark.parametrize("command", __import__("hio.commands", fromlist=["COMMANDS"]).COMMANDS)
 def test_every_command_prints_its_help(command, capsys) -> None:
     from hio.cli import main
+
     with pytest.raises(SystemExit) as done:
         main([command, "--help"])
     assert done.value.code == 0
@@ -140,6 +154,7 @@ def test_every_command_prints_its_help(command, capsys) -> None:
 @pytest.mark.parametrize("command", ["master", "repository", "worker"])
 def test_a_serving_role_with_a_ca_but_no_certificate_is_refused(command, tmp_path, capsys) -> None:
     from hio.cli import main
+
     ca = tmp_path / "ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
     assert main([command, "--tls-ca", str(ca), "--data-dir", str(tmp_path)]) == 2
@@ -147,8 +162,9 @@ def test_a_serving_role_with_a_ca_but_no_certificate_is_refused(command, tmp_pat
     assert "tls_ca is set without tls_cert" in err and "hio certs" in err
 
 
-@pytest.mark.parametrize("value", ["127.0.0.1:7000", "0.0.0.0:0", "[::1]:7000", "[::]:7300", ":7000",
-                                   "master.example.org:65535"])
+@pytest.mark.parametrize(
+    "value", ["127.0.0.1:7000", "0.0.0.0:0", "[::1]:7000", "[::]:7300", ":7000", "master.example.org:65535"]
+)
 def test_an_address_is_host_and_port(value: str) -> None:
     cfg.check_address("listen", value)
 
@@ -159,26 +175,38 @@ def test_a_mistyped_address_is_refused_with_its_setting_named(value: str) -> Non
         cfg.check_address("listen", value)
 
 
-@pytest.mark.parametrize("command, flag", [("master", "--listen"), ("master", "--lane-listen"),
-                                           ("repository", "--listen"), ("repository", "--http-listen"),
-                                           ("engine", "--listen"), ("engine", "--lane-listen")])
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        ("master", "--listen"),
+        ("master", "--lane-listen"),
+        ("repository", "--listen"),
+        ("repository", "--http-listen"),
+        ("engine", "--listen"),
+        ("engine", "--lane-listen"),
+    ],
+)
 def test_every_serving_role_checks_its_addresses_the_same_way(command, flag, tmp_path, capsys) -> None:
     from hio.cli import main
+
     extra = ["--channel-id", "w/0", "--image", "hio/synthetic"] if command == "engine" else []
     assert main([command, flag, "localhost:http", "--data-dir", str(tmp_path), *extra]) == 2
     setting = flag.removeprefix("--").replace("-", "_")
     assert f"{setting} must be host:port, got 'localhost:http'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command, unlisted, listed", [
-    ("status", "--tokens-file", "--master-address"),
-    ("send", "--ticket-key-file", "--image"),
-    ("send", "--watch", "--master-address"),
-    ("master", None, "--tokens-file"),
-])
-def test_a_client_command_does_not_list_server_settings_but_accepts_them(command, unlisted, listed,
-                                                                        capsys) -> None:
+@pytest.mark.parametrize(
+    "command, unlisted, listed",
+    [
+        ("status", "--tokens-file", "--master-address"),
+        ("send", "--ticket-key-file", "--image"),
+        ("send", "--watch", "--master-address"),
+        ("master", None, "--tokens-file"),
+    ],
+)
+def test_a_client_command_does_not_list_server_settings_but_accepts_them(command, unlisted, listed, capsys) -> None:
     from hio.cli import main
+
     with pytest.raises(SystemExit):
         main([command, "--help"])
     out = capsys.readouterr().out
@@ -188,22 +216,28 @@ def test_a_client_command_does_not_list_server_settings_but_accepts_them(command
         # one configuration file serves every role: the setting is still accepted
         from hio.cli import command_parser
         from hio.commands import COMMANDS, load
+
         args = command_parser(command, load(COMMANDS[command][0])).parse_args([unlisted, "x"])
         assert getattr(args, unlisted[2:].replace("-", "_")) == "x"
 
 
-@pytest.mark.parametrize("address, message", [
-    ("master", "master_address must be host:port, got 'master'"),     # gRPC would try port 443
-    (":7000", "master_address must name a host"),
-])
+@pytest.mark.parametrize(
+    "address, message",
+    [
+        ("master", "master_address must be host:port, got 'master'"),  # gRPC would try port 443
+        (":7000", "master_address must name a host"),
+    ],
+)
 def test_a_peer_address_without_a_port_or_host_is_refused(address: str, message: str) -> None:
     from hio.settings import ClusterSettings
+
     with pytest.raises(cfg.ConfigError, match=re.escape(message)):
         ClusterSettings(master_address=address).validate_cluster()
-    ClusterSettings(master_address="dns:///master.example.org:7000").validate_cluster()   # a gRPC target as it is
+    ClusterSettings(master_address="dns:///master.example.org:7000").validate_cluster()  # a gRPC target as it is
 
 
 def test_the_tools_kept_out_of_the_cluster_table_are_commands() -> None:
     from hio.commands import COMMANDS, TOOLS, cluster_setting_names
+
     assert set(COMMANDS) >= TOOLS
     assert {"max_attempts", "watch", "spark_master", "engines"} <= cluster_setting_names()

@@ -11,8 +11,9 @@ def meta_for(data: bytes, tuple_id: int = 7, **kw) -> TupleMeta:
 
 
 def reader(frames, **kw) -> FrameReader:
-    return FrameReader(frames, max_tuple_bytes=kw.pop("max_tuple", 1 << 30),
-                       max_chunk_bytes=kw.pop("max_chunk", 1 << 20), **kw)
+    return FrameReader(
+        frames, max_tuple_bytes=kw.pop("max_tuple", 1 << 30), max_chunk_bytes=kw.pop("max_chunk", 1 << 20), **kw
+    )
 
 
 def test_many_tuples_of_many_chunks_round_trip(tmp_path) -> None:
@@ -54,11 +55,14 @@ def test_truncated_stream_and_size_lies_are_data_loss() -> None:
         reader(frames_for_bytes(lying, data, 1000)).next_tuple_bytes()
 
 
-@pytest.mark.parametrize("meta,message", [
-    (TupleMeta(tuple_id=0, image="x", size=1), "no tuple id"),
-    (TupleMeta(tuple_id=1, image="", size=1), "names no image"),
-    (TupleMeta(tuple_id=1, image="x", size=1 << 40), "over the limit"),
-])
+@pytest.mark.parametrize(
+    "meta,message",
+    [
+        (TupleMeta(tuple_id=0, image="x", size=1), "no tuple id"),
+        (TupleMeta(tuple_id=1, image="", size=1), "names no image"),
+        (TupleMeta(tuple_id=1, image="x", size=1 << 40), "over the limit"),
+    ],
+)
 def test_bad_metadata_is_invalid_argument(meta, message) -> None:
     with pytest.raises(InvalidArgument, match=message):
         reader([TupleFrame(meta=meta, data=b"x", last=True)]).next_tuple_bytes()
@@ -88,7 +92,7 @@ def _packed(payloads: list[bytes], pack_bytes: int = 1 << 20) -> list[TupleFrame
 def test_packed_small_tuples_read_as_if_each_came_alone() -> None:
     payloads = [os.urandom(n) for n in (0, 1, 100, 5000)] * 50
     messages = _packed(payloads, pack_bytes=64 * 1024)
-    assert 1 < len(messages) < 20                        # many tuples per message, split at the bound
+    assert 1 < len(messages) < 20  # many tuples per message, split at the bound
     assert all(m.ByteSize() <= 64 * 1024 for m in messages)
     r = reader(messages)
     got = []
@@ -133,8 +137,10 @@ def test_only_tuples_within_a_chunk_and_a_quarter_message_are_packed() -> None:
 
 def test_reader_names_the_tuple_it_failed_to_read() -> None:
     good, bad = b"fine", b"damaged"
-    metas = [TupleMeta(tuple_id=1, image="i", size=len(good), crc32=crc32(good)),
-             TupleMeta(tuple_id=2, image="i", size=len(bad), crc32=crc32(bad) ^ 1)]
+    metas = [
+        TupleMeta(tuple_id=1, image="i", size=len(good), crc32=crc32(good)),
+        TupleMeta(tuple_id=2, image="i", size=len(bad), crc32=crc32(bad) ^ 1),
+    ]
     frames = [TupleFrame(meta=metas[0], data=good, last=True), TupleFrame(meta=metas[1], data=bad, last=True)]
     reader = FrameReader(iter(frames), max_tuple_bytes=100, max_chunk_bytes=100)
     assert reader.next_tuple_bytes() == (metas[0], good) and reader.reading is None

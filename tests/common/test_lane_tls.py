@@ -14,14 +14,14 @@ from typing import Any
 import grpc
 import pytest
 
+from hio.proto.engine_pb2 import LaneHello, LaneStatus
+from hio.settings import ClusterSettings
 from hio.transport.certs import generate
 from hio.transport.frames import TupleMeta, TupleReceipt, crc32
 from hio.transport.lane import LaneCall, LaneError, LaneServer, lane_frames, open_lane
 from hio.transport.lanetls import client_context, server_context
 from hio.transport.lanewire import HELLO, MAGIC_PREFIX, REPLY_PREFIX, STATUS, magic
 from hio.transport.net import TokenTable
-from hio.settings import ClusterSettings
-from hio.proto.engine_pb2 import LaneHello, LaneStatus
 
 TOKEN = "tls-s3cret"
 POLICY = {"Deliver": {"gateway"}}
@@ -31,28 +31,39 @@ POLICY = {"Deliver": {"gateway"}}
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("certs")
     paths = generate(root / "good", ("server", "gateway"), ("localhost", "127.0.0.1"))
-    other = generate(root / "other", ("stranger",), ("localhost", "127.0.0.1"))   # another CA's
-    named = generate(root / "named", ("elsewhere",), ("db.example.org",))          # not this host
-    return {**paths, "stranger": other["stranger"], "stranger-key": other["stranger-key"],
-            "elsewhere": named["elsewhere"], "elsewhere-key": named["elsewhere-key"], "named-ca": named["ca"]}
+    other = generate(root / "other", ("stranger",), ("localhost", "127.0.0.1"))  # another CA's
+    named = generate(root / "named", ("elsewhere",), ("db.example.org",))  # not this host
+    return {
+        **paths,
+        "stranger": other["stranger"],
+        "stranger-key": other["stranger-key"],
+        "elsewhere": named["elsewhere"],
+        "elsewhere-key": named["elsewhere-key"],
+        "named-ca": named["ca"],
+    }
 
 
-def server_settings(certs: dict[str, Path], *, client_auth: bool = False, name: str = "server",
-                    ca: str = "ca") -> ClusterSettings:
-    return ClusterSettings(tls_cert=str(certs[name]), tls_key=str(certs[f"{name}-key"]), tls_ca=str(certs[ca]),
-                           tls_client_auth=client_auth)
+def server_settings(
+    certs: dict[str, Path], *, client_auth: bool = False, name: str = "server", ca: str = "ca"
+) -> ClusterSettings:
+    return ClusterSettings(
+        tls_cert=str(certs[name]), tls_key=str(certs[f"{name}-key"]), tls_ca=str(certs[ca]), tls_client_auth=client_auth
+    )
 
 
 def client_settings(certs: dict[str, Path], *, name: str | None = "gateway", ca: str | None = "ca") -> ClusterSettings:
-    return ClusterSettings(tls_ca=str(certs[ca]) if ca else "",
-                           tls_cert=str(certs[name]) if name else "", tls_key=str(certs[f"{name}-key"]) if name else "")
+    return ClusterSettings(
+        tls_ca=str(certs[ca]) if ca else "",
+        tls_cert=str(certs[name]) if name else "",
+        tls_key=str(certs[f"{name}-key"]) if name else "",
+    )
 
 
 class Received:
     """The upload handler: checks each tuple's size and CRC-32 as an engine would, and says STORED."""
 
     def __init__(self) -> None:
-        self.tuples: list[tuple[int, int]] = []   # (tuple id, crc32) in order
+        self.tuples: list[tuple[int, int]] = []  # (tuple id, crc32) in order
 
     def __call__(self, frames: Iterator[Any]) -> Iterator[TupleReceipt]:
         for frame in frames:
@@ -63,9 +74,17 @@ class Received:
 
 
 def serve(settings: ClusterSettings | None, handler: Received, *, table: TokenTable | None = None) -> LaneServer:
-    server = LaneServer("127.0.0.1:0", service="Engine", uploads={"Deliver": handler}, table=table, policy=POLICY,
-                        idle_seconds=10, max_head_bytes=1 << 20, max_data_bytes=64 << 20,
-                        tls=server_context(settings) if settings else None)
+    server = LaneServer(
+        "127.0.0.1:0",
+        service="Engine",
+        uploads={"Deliver": handler},
+        table=table,
+        policy=POLICY,
+        idle_seconds=10,
+        max_head_bytes=1 << 20,
+        max_data_bytes=64 << 20,
+        tls=server_context(settings) if settings else None,
+    )
     server.start()
     return server
 
@@ -74,8 +93,14 @@ def meta_of(tuple_id: int, data: bytes) -> TupleMeta:
     return TupleMeta(tuple_id=tuple_id, source="test", image="i", size=len(data), crc32=crc32(data), attempt=1)
 
 
-def deliver(port: int, tuples: list[tuple[TupleMeta, Any]], *, settings: ClusterSettings | None,
-            token: str = "", host: str = "127.0.0.1") -> list[TupleReceipt]:
+def deliver(
+    port: int,
+    tuples: list[tuple[TupleMeta, Any]],
+    *,
+    settings: ClusterSettings | None,
+    token: str = "",
+    host: str = "127.0.0.1",
+) -> list[TupleReceipt]:
     tls = client_context(settings) if settings else None
     sock = open_lane(f"{host}:{port}", token, connect_seconds=5, method="Deliver", tls=tls)
     call = LaneCall(sock, lane_frames(iter(tuples), chunk_bytes=1 << 20, pack_bytes=0), timeout=60)
@@ -83,8 +108,9 @@ def deliver(port: int, tuples: list[tuple[TupleMeta, Any]], *, settings: Cluster
 
 
 @pytest.mark.parametrize("client_auth", [False, True], ids=["tls", "mutual-tls"])
-def test_a_tls_lane_carries_tuples_from_memory_and_from_files(certs: dict[str, Path], tmp_path: Path,
-                                                               client_auth: bool) -> None:
+def test_a_tls_lane_carries_tuples_from_memory_and_from_files(
+    certs: dict[str, Path], tmp_path: Path, client_auth: bool
+) -> None:
     """Receipts flow back while frames still go out (the sender and the reader share one TLS
     connection from two threads); every payload arrives whole, in order."""
     handler = Received()
@@ -92,7 +118,7 @@ def test_a_tls_lane_carries_tuples_from_memory_and_from_files(certs: dict[str, P
     try:
         spooled = os.urandom(3_000_000)
         path = tmp_path / "spool.bin"
-        path.write_bytes(b"h" * 1000 + spooled + b"t" * 10)   # inside a larger file, as in the spool
+        path.write_bytes(b"h" * 1000 + spooled + b"t" * 10)  # inside a larger file, as in the spool
         tuples: list[tuple[TupleMeta, Any]] = []
         for n in range(300):
             data = os.urandom(70_000 + n * 37)
@@ -117,14 +143,19 @@ def test_tokens_and_roles_are_checked_over_tls(certs: dict[str, Path]) -> None:
     server = serve(server_settings(certs), handler, table=table)
     data = b"x" * 100
     try:
-        for token, code in (("", grpc.StatusCode.UNAUTHENTICATED), ("wrong", grpc.StatusCode.UNAUTHENTICATED),
-                            ("viewer-token", grpc.StatusCode.PERMISSION_DENIED)):
+        for token, code in (
+            ("", grpc.StatusCode.UNAUTHENTICATED),
+            ("wrong", grpc.StatusCode.UNAUTHENTICATED),
+            ("viewer-token", grpc.StatusCode.PERMISSION_DENIED),
+        ):
             with pytest.raises(LaneError) as err:
                 deliver(server.port, [(meta_of(1, data), data)], settings=client_settings(certs), token=token)
             assert err.value.code() == code and not err.value.transport
         assert handler.tuples == []
-        assert deliver(server.port, [(meta_of(2, data), data)], settings=client_settings(certs),
-                       token=TOKEN)[0].state == TupleReceipt.STORED
+        assert (
+            deliver(server.port, [(meta_of(2, data), data)], settings=client_settings(certs), token=TOKEN)[0].state
+            == TupleReceipt.STORED
+        )
     finally:
         server.stop()
 
@@ -136,15 +167,21 @@ def test_a_client_that_cannot_verify_the_server_refuses_it(certs: dict[str, Path
     try:
         for settings in (client_settings(certs, ca="named-ca"), client_settings(certs, ca=None)):
             with pytest.raises(ssl.SSLCertVerificationError, match="certificate verify failed"):
-                open_lane(f"127.0.0.1:{server.port}", "", connect_seconds=5, method="Deliver",
-                          tls=client_context(settings))
+                open_lane(
+                    f"127.0.0.1:{server.port}", "", connect_seconds=5, method="Deliver", tls=client_context(settings)
+                )
     finally:
         server.stop()
     named = serve(server_settings(certs, name="elsewhere", ca="named-ca"), Received())
-    try:   # signed by the CA the client trusts, but for db.example.org, not 127.0.0.1
+    try:  # signed by the CA the client trusts, but for db.example.org, not 127.0.0.1
         with pytest.raises(ssl.SSLCertVerificationError, match="IP address mismatch"):
-            open_lane(f"127.0.0.1:{named.port}", "", connect_seconds=5, method="Deliver",
-                      tls=client_context(client_settings(certs, name=None, ca="named-ca")))
+            open_lane(
+                f"127.0.0.1:{named.port}",
+                "",
+                connect_seconds=5,
+                method="Deliver",
+                tls=client_context(client_settings(certs, name=None, ca="named-ca")),
+            )
         assert named.calls == 0
     finally:
         named.stop()
@@ -159,7 +196,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_of_its_ca(certs: dict
         with pytest.raises((LaneError, ssl.SSLError)) as err:
             deliver(server.port, [(meta_of(1, data), data)], settings=client_settings(certs, name=name))
         text = str(err.value)
-        assert "ALERT" in text.upper() or "certificate" in text, text   # OpenSSL's alert names the reason
+        assert "ALERT" in text.upper() or "certificate" in text, text  # OpenSSL's alert names the reason
         if isinstance(err.value, LaneError):
             assert err.value.transport and err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert handler.tuples == [] and server.calls == 0
@@ -187,8 +224,13 @@ def test_a_tls_client_of_a_plain_lane_fails_its_handshake(certs: dict[str, Path]
     server = serve(None, Received())
     try:
         with pytest.raises(ssl.SSLError):
-            open_lane(f"127.0.0.1:{server.port}", "", connect_seconds=5, method="Deliver",
-                      tls=client_context(client_settings(certs)))
+            open_lane(
+                f"127.0.0.1:{server.port}",
+                "",
+                connect_seconds=5,
+                method="Deliver",
+                tls=client_context(client_settings(certs)),
+            )
         assert server.calls == 0
     finally:
         server.stop()
@@ -214,7 +256,7 @@ def test_an_unknown_version_is_answered_unimplemented_in_version_1() -> None:
         assert "speaks version 1" in status.message and "'2'" in status.message
         status = _raw_status(server.port, b"GET / HTTP/1.1\r\n\r\n")
         assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "HIOLANE1" in status.message
-        assert MAGIC_PREFIX + b"1" == magic()
+        assert magic() == MAGIC_PREFIX + b"1"
     finally:
         server.stop()
 
@@ -225,7 +267,7 @@ def test_lane_tls_follows_the_grpc_settings(certs: dict[str, Path]) -> None:
     assert server_context(server_settings(certs, client_auth=True)).verify_mode == ssl.CERT_REQUIRED
     client = client_context(client_settings(certs))
     assert client.verify_mode == ssl.CERT_REQUIRED and client.check_hostname
-    assert client_context(ClusterSettings(tls_ca=str(certs["ca"]))) is not None   # a client without a certificate
+    assert client_context(ClusterSettings(tls_ca=str(certs["ca"]))) is not None  # a client without a certificate
 
 
 def test_a_client_resumes_its_last_session_with_a_server_and_only_its_own(certs: dict[str, Path]) -> None:
@@ -240,13 +282,20 @@ def test_a_client_resumes_its_last_session_with_a_server_and_only_its_own(certs:
         for n in range(10):
             sock = open_lane(f"127.0.0.1:{server.port}", "", connect_seconds=5, method="Deliver", tls=context)
             reused.append(sock._tls.session_reused)  # type: ignore[attr-defined]
-            assert [r.tuple_id for r in LaneCall(sock, lane_frames(iter([(meta_of(n, data), data)]), 1 << 20, 0),
-                                                  timeout=30)] == [n]
+            assert [
+                r.tuple_id
+                for r in LaneCall(sock, lane_frames(iter([(meta_of(n, data), data)]), 1 << 20, 0), timeout=30)
+            ] == [n]
         # OpenSSL 3.0 here declines the first ticket or few of a new client (not understood);
         # after that every connection resumes
         assert not reused[0] and reused[-1], reused
-        other = open_lane(f"127.0.0.1:{server.port}", "", connect_seconds=5, method="Deliver",
-                          tls=client_context(client_settings(certs)))
+        other = open_lane(
+            f"127.0.0.1:{server.port}",
+            "",
+            connect_seconds=5,
+            method="Deliver",
+            tls=client_context(client_settings(certs)),
+        )
         assert not other._tls.session_reused  # type: ignore[attr-defined]
         other.close()
     finally:
@@ -259,5 +308,5 @@ def test_the_headers_are_laid_out_as_docs_lane_md_says() -> None:
     assert MAGIC == b"HIOLANE1" and HELLO.pack(MAGIC, 3) == b"HIOLANE1\x00\x00\x00\x03"
     assert HELLO.unpack(b"HIOLANE1\x00\x01\x00\x00") == (b"HIOLANE1", 65536)
     assert FRAME_PREFIX.pack(5, 2**40) == b"\x00\x00\x00\x05" + (2**40).to_bytes(8, "big")
-    assert FRAME_PREFIX.unpack(bytes(12)).data_size == 0 and END_OF_INPUT == bytes(12)
+    assert FRAME_PREFIX.unpack(bytes(12)).data_size == 0 and bytes(12) == END_OF_INPUT
     assert REPLY_PREFIX.pack(STATUS, 258) == b"\x02\x00\x00\x01\x02" and REPLY_PREFIX.size == 5

@@ -8,18 +8,20 @@ import subprocess
 import sys
 import zlib
 
-from hio.transport.frames import crc32
 from hio.process.memory import GC_THRESHOLDS
+from hio.transport.frames import crc32
 
 
 def test_tuning_takes_effect_in_a_fresh_process() -> None:
-    code = ("import gc, json; from hio.process.memory import tune_process, tune_malloc; tune_process(); "
-            "print(json.dumps([tune_malloc(), list(gc.get_threshold()), gc.get_freeze_count()]))")
+    code = (
+        "import gc, json; from hio.process.memory import tune_process, tune_malloc; tune_process(); "
+        "print(json.dumps([tune_malloc(), list(gc.get_threshold()), gc.get_freeze_count()]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     malloc_tuned, thresholds, frozen = json.loads(out.stdout)
-    assert malloc_tuned is True                      # glibc: mallopt accepted both thresholds
+    assert malloc_tuned is True  # glibc: mallopt accepted both thresholds
     assert tuple(thresholds) == GC_THRESHOLDS
-    assert frozen > 10_000                           # the imported libraries' objects are out of the GC's way
+    assert frozen > 10_000  # the imported libraries' objects are out of the GC's way
 
 
 def test_fast_crc32_is_zlibs_crc32() -> None:

@@ -7,19 +7,23 @@ from pathlib import Path
 import grpc
 import pytest
 
-from hio.transport.certs import generate
-from hio.transport.net import connect_hint, create_channel, create_server, rpc_error_text, set_serving, wait_healthy
 from hio.process.procs import free_port
 from hio.settings import ClusterSettings
+from hio.transport.certs import generate
+from hio.transport.net import connect_hint, create_channel, create_server, rpc_error_text, set_serving, wait_healthy
 
 
 def echo_server(settings: ClusterSettings, policy=None):
-    handler = grpc.method_handlers_generic_handler("test.Echo", {
-        "Say": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req),
-        "Admin": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"ok"),
-    })
-    server, port, health = create_server(settings, "127.0.0.1:0", policy=policy,
-                                         register=[lambda s: s.add_generic_rpc_handlers((handler,))])
+    handler = grpc.method_handlers_generic_handler(
+        "test.Echo",
+        {
+            "Say": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req),
+            "Admin": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"ok"),
+        },
+    )
+    server, port, health = create_server(
+        settings, "127.0.0.1:0", policy=policy, register=[lambda s: s.add_generic_rpc_handlers((handler,))]
+    )
     server.start()
     set_serving(health)
     return server, f"127.0.0.1:{port}"
@@ -77,16 +81,20 @@ def test_token_file_is_what_a_client_presents(tmp_path: Path, tokens: Path) -> N
 def test_tls_and_mutual_tls(tmp_path: Path) -> None:
     certs = generate(tmp_path / "certs", ("server", "client"), ("127.0.0.1", "localhost"))
     other = generate(tmp_path / "other", ("client",), ("127.0.0.1",))
-    serve = ClusterSettings(tls_cert=str(certs["server"]), tls_key=str(certs["server-key"]),
-                            tls_ca=str(certs["ca"]), tls_client_auth=True)
+    serve = ClusterSettings(
+        tls_cert=str(certs["server"]), tls_key=str(certs["server-key"]), tls_ca=str(certs["ca"]), tls_client_auth=True
+    )
     server, address = echo_server(serve)
     try:
         good = ClusterSettings(tls_cert=str(certs["client"]), tls_key=str(certs["client-key"]), tls_ca=str(certs["ca"]))
         assert say(address, good) == b"hi"
-        for bad in (ClusterSettings(tls_ca=str(certs["ca"])),   # no client certificate
-                    ClusterSettings(tls_cert=str(other["client"]), tls_key=str(other["client-key"]),
-                                    tls_ca=str(certs["ca"])),  # client cert from another CA
-                    ClusterSettings()):                         # plaintext to a TLS port
+        for bad in (
+            ClusterSettings(tls_ca=str(certs["ca"])),  # no client certificate
+            ClusterSettings(
+                tls_cert=str(other["client"]), tls_key=str(other["client-key"]), tls_ca=str(certs["ca"])
+            ),  # client cert from another CA
+            ClusterSettings(),
+        ):  # plaintext to a TLS port
             with pytest.raises(grpc.RpcError) as err:
                 say(address, bad)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -101,15 +109,16 @@ def test_a_call_that_never_connected_says_which_tls_setting_to_fix(tmp_path: Pat
     other = generate(tmp_path / "other", ("server",), ("127.0.0.1",))
     by_name = generate(tmp_path / "by-name", ("server",), ("localhost",))
     tls, tls_address = echo_server(ClusterSettings(tls_cert=str(certs["server"]), tls_key=str(certs["server-key"])))
-    named, named_address = echo_server(ClusterSettings(tls_cert=str(by_name["server"]),
-                                                       tls_key=str(by_name["server-key"])))
+    named, named_address = echo_server(
+        ClusterSettings(tls_cert=str(by_name["server"]), tls_key=str(by_name["server-key"]))
+    )
     plain, plain_address = echo_server(ClusterSettings())
     cases = [
         (tls_address, ClusterSettings(tls_ca=str(other["ca"])), "check that tls_ca is the CA that signed"),
         (plain_address, ClusterSettings(tls_ca=str(certs["ca"])), "the server does not speak TLS"),
         (tls_address, ClusterSettings(), "if it serves TLS, set tls_ca"),
         (named_address, ClusterSettings(tls_ca=str(by_name["ca"])), "does not name the host or IP"),
-        (f"127.0.0.1:{free_port()}", ClusterSettings(), None),   # refused: nothing to add
+        (f"127.0.0.1:{free_port()}", ClusterSettings(), None),  # refused: nothing to add
     ]
     try:
         for address, settings, advice in cases:
@@ -143,17 +152,21 @@ def test_servicer_errors_become_statuses_and_aborts_pass_through() -> None:
             raise KeyError("secret internals")
 
     s = Servicer()
-    handler = grpc.method_handlers_generic_handler("test.Err", {
-        name: grpc.unary_unary_rpc_method_handler(getattr(s, name)) for name in ("full", "aborts", "bug")})
-    server, port, _ = create_server(ClusterSettings(), "127.0.0.1:0",
-                                    register=[lambda srv: srv.add_generic_rpc_handlers((handler,))])
+    handler = grpc.method_handlers_generic_handler(
+        "test.Err", {name: grpc.unary_unary_rpc_method_handler(getattr(s, name)) for name in ("full", "aborts", "bug")}
+    )
+    server, port, _ = create_server(
+        ClusterSettings(), "127.0.0.1:0", register=[lambda srv: srv.add_generic_rpc_handlers((handler,))]
+    )
     server.start()
     try:
         with create_channel(f"127.0.0.1:{port}", ClusterSettings()) as channel:
+
             def call(name):
                 with pytest.raises(grpc.RpcError) as err:
                     channel.unary_unary(f"/test.Err/{name}")(b"", timeout=5)
                 return err.value
+
             e = call("full")
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in e.details()
             assert retry_after(e) == 1.5
@@ -177,10 +190,12 @@ def test_a_channel_reaches_a_server_another_channel_found_down() -> None:
         with pytest.raises(grpc.RpcError) as refused:
             earlier.unary_unary("/test.Echo/Say")(b"hi", timeout=2)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        handler = grpc.method_handlers_generic_handler("test.Echo", {
-            "Say": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)})
-        server, bound, _ = create_server(settings, f"127.0.0.1:{port}",
-                                         register=[lambda s: s.add_generic_rpc_handlers((handler,))])
+        handler = grpc.method_handlers_generic_handler(
+            "test.Echo", {"Say": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)}
+        )
+        server, bound, _ = create_server(
+            settings, f"127.0.0.1:{port}", register=[lambda s: s.add_generic_rpc_handlers((handler,))]
+        )
         server.start()
         try:
             assert bound == port
@@ -194,17 +209,17 @@ def test_a_tokens_file_with_an_unknown_role_is_refused_by_line(tmp_path: Path) -
     from hio.transport.net import TokenTable
 
     path = tmp_path / "tokens"
-    path.write_text("gw-secret gateway gw1\nwk-secret workers w1\n")   # 'workers' would refuse w1 on every call
+    path.write_text("gw-secret gateway gw1\nwk-secret workers w1\n")  # 'workers' would refuse w1 on every call
     with pytest.raises(ConfigError, match=r"tokens:2: unknown role 'workers'; known: admin, any, gateway, instrument"):
         TokenTable.from_settings(ClusterSettings(tokens_file=str(path)))
 
 
 def test_every_role_a_service_grants_is_a_known_token_role() -> None:
     """The roles named in each service's policy are the ones a tokens file may grant."""
-    from hio.transport.net import TOKEN_ROLES
     from hio.gateway.ingest import POLICY as INGEST
     from hio.master.service import POLICY as MASTER
     from hio.repository.service import POLICY as REPOSITORY
+    from hio.transport.net import TOKEN_ROLES
     from hio.worker.engine import POLICY as ENGINE
 
     granted = {role for policy in (INGEST, MASTER, REPOSITORY, ENGINE) for roles in policy.values() for role in roles}
@@ -212,12 +227,18 @@ def test_every_role_a_service_grants_is_a_known_token_role() -> None:
 
 
 def test_role_services_are_the_services_the_protos_define() -> None:
-    from hio.transport.net import ROLE_SERVICES
     from hio.proto import engine_pb2, ingest_pb2, master_pb2, repository_pb2
+    from hio.transport.net import ROLE_SERVICES
 
-    defined = {module.DESCRIPTOR.services_by_name[name].full_name
-               for module, name in ((master_pb2, "Master"), (repository_pb2, "Repository"),
-                                    (ingest_pb2, "Ingest"), (engine_pb2, "Engine"))}
+    defined = {
+        module.DESCRIPTOR.services_by_name[name].full_name
+        for module, name in (
+            (master_pb2, "Master"),
+            (repository_pb2, "Repository"),
+            (ingest_pb2, "Ingest"),
+            (engine_pb2, "Engine"),
+        )
+    }
     assert set(ROLE_SERVICES.values()) == defined
 
 
@@ -230,8 +251,8 @@ def test_a_probe_naming_its_service_is_not_fooled_by_another_server_on_the_port(
     set_serving(health)
     address = f"127.0.0.1:{port}"
     try:
-        wait_healthy(address, settings, timeout=5)                                        # any server
-        wait_healthy(address, settings, timeout=5, service=ROLE_SERVICES["repository"])   # the right one
+        wait_healthy(address, settings, timeout=5)  # any server
+        wait_healthy(address, settings, timeout=5, service=ROLE_SERVICES["repository"])  # the right one
         with pytest.raises(TimeoutError, match=r"does not serve hio\.proto\.Master: another process holds the port"):
             wait_healthy(address, settings, timeout=1, service=ROLE_SERVICES["master"])
         set_serving(health, False)
@@ -265,7 +286,7 @@ def _idle_then_call(monkeypatch: pytest.MonkeyPatch, *, client_ms: int, server_m
             assert channel.unary_unary("/test.Echo/Say")(b"again", timeout=5) == b"again"
     finally:
         server.stop(None)
-    return states[states.index("READY"):]
+    return states[states.index("READY") :]
 
 
 def test_an_idle_client_keeps_its_connection_across_many_keepalive_pings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -302,6 +323,7 @@ def test_a_signal_arriving_while_the_main_thread_holds_the_stop_event_s_lock_sti
 def test_setting_the_event_inside_the_handler_would_deadlock_there() -> None:
     """The case stop_on_signals exists for: a handler that sets the event itself never returns."""
     code = _SIGNAL_WHILE_WAITING.format(
-        install="wait_for_stop", call="signal.signal(signal.SIGTERM, lambda *_: stop.set())")
+        install="wait_for_stop", call="signal.signal(signal.SIGTERM, lambda *_: stop.set())"
+    )
     with pytest.raises(subprocess.TimeoutExpired):
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3)

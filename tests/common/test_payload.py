@@ -19,8 +19,12 @@ class _Made:
 
 
 def peers() -> PayloadPeers:
-    return PayloadPeers(lanes=True, logger=logging.getLogger("test"),
-                        lane=lambda lane: _Made("lane", lane), grpc=lambda address: _Made("grpc", address))  # type: ignore[arg-type,return-value] - a stand-in channel
+    return PayloadPeers(
+        lanes=True,
+        logger=logging.getLogger("test"),
+        lane=lambda lane: _Made("lane", lane),
+        grpc=lambda address: _Made("grpc", address),
+    )  # type: ignore[arg-type,return-value] - a stand-in channel
 
 
 def test_a_peer_is_chosen_once_and_moved_to_grpc_when_its_lane_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,6 +49,10 @@ def test_a_lane_that_cannot_be_reached_at_connect_leaves_the_peer_on_grpc(caplog
         assert chooser.get("peer:1", lane).kind == "grpc"
         assert chooser.get("peer:1", lane).kind == "grpc"
     assert [r.getMessage() for r in caplog.records] == ["payload lane unreachable; this peer uses gRPC"]
-    off = PayloadPeers(lanes=False, logger=logging.getLogger("test"),
-                       lane=lambda lane: _Made("lane", lane), grpc=lambda address: _Made("grpc", address))  # type: ignore[arg-type,return-value] - a stand-in channel
+    off = PayloadPeers(
+        lanes=False,
+        logger=logging.getLogger("test"),
+        lane=lambda lane: _Made("lane", lane),
+        grpc=lambda address: _Made("grpc", address),
+    )  # type: ignore[arg-type,return-value] - a stand-in channel
     assert off.get("peer:1", lane).kind == "grpc", "lanes off (or TLS): every peer is gRPC's"

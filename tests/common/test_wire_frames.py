@@ -27,10 +27,19 @@ from hio.transport.frames import (
 
 BIG = ENCODED_MIN_BYTES + 17
 
-metas = st.one_of(st.none(), st.just(TupleMeta()), st.builds(
-    TupleMeta, tuple_id=st.integers(0, 2**64 - 1), image=st.text(max_size=20), size=st.integers(0, 2**40),
-    crc32=st.integers(0, 2**32 - 1), attempt=st.integers(0, 9),
-    attributes=st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3)))
+metas = st.one_of(
+    st.none(),
+    st.just(TupleMeta()),
+    st.builds(
+        TupleMeta,
+        tuple_id=st.integers(0, 2**64 - 1),
+        image=st.text(max_size=20),
+        size=st.integers(0, 2**40),
+        crc32=st.integers(0, 2**32 - 1),
+        attempt=st.integers(0, 9),
+        attributes=st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+    ),
+)
 sizes = st.sampled_from([0, 1, 127, 128, 16383, 16384, ENCODED_MIN_BYTES - 1, ENCODED_MIN_BYTES, BIG, 2_100_000])
 
 
@@ -71,28 +80,40 @@ LAST = b"\x18\x01"
 META = encode_frame(TupleMeta(tuple_id=9, image="x"), b"", False)
 
 
-@pytest.mark.parametrize("wire", [
-    frame_with(LAST, DATA_FIELD, META),                          # fields in another order
-    frame_with(DATA_FIELD, OTHER_DATA_FIELD, LAST),              # data twice: the last one wins
-    frame_with(META, META, DATA_FIELD),                          # meta twice: merged
-    frame_with(DATA_FIELD, b"\x28\x05", LAST),                   # an unknown varint field (a newer sender)
-    frame_with(DATA_FIELD, b"\x32\x03abc"),                      # an unknown length-delimited field
-    frame_with(META, DATA_FIELD, b"\x22" + bytes([len(p := TupleFrame(meta=TupleMeta(tuple_id=10), data=b"a",
-                                                                       last=True).SerializeToString())]) + p, LAST),
-    frame_with(DATA_FIELD, b"\x18\x00"),                         # last written as false
-    LAST * 40_000,                                               # many small fields: protobuf's parser reads them
-    frame_with(META, DATA_FIELD, LAST * 40_000),
-])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        frame_with(LAST, DATA_FIELD, META),  # fields in another order
+        frame_with(DATA_FIELD, OTHER_DATA_FIELD, LAST),  # data twice: the last one wins
+        frame_with(META, META, DATA_FIELD),  # meta twice: merged
+        frame_with(DATA_FIELD, b"\x28\x05", LAST),  # an unknown varint field (a newer sender)
+        frame_with(DATA_FIELD, b"\x32\x03abc"),  # an unknown length-delimited field
+        frame_with(
+            META,
+            DATA_FIELD,
+            b"\x22"
+            + bytes([len(p := TupleFrame(meta=TupleMeta(tuple_id=10), data=b"a", last=True).SerializeToString())])
+            + p,
+            LAST,
+        ),
+        frame_with(DATA_FIELD, b"\x18\x00"),  # last written as false
+        LAST * 40_000,  # many small fields: protobuf's parser reads them
+        frame_with(META, DATA_FIELD, LAST * 40_000),
+    ],
+)
 def test_frames_that_protobuf_reads_are_read_with_the_same_meaning(wire: bytes) -> None:
     same_frame(parse_frame(wire), TupleFrame.FromString(wire))
 
 
-@pytest.mark.parametrize("wire", [
-    DATA_FIELD[:-1000],                                          # cut inside the payload
-    b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01" + DATA,  # a length varint that never ends
-    b"\x0a\x05\xff\xff\xff\xff\xff" + DATA_FIELD,                # meta that is not a message
-    b"\x0f" + DATA,                                              # a field with wire type 7
-])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        DATA_FIELD[:-1000],  # cut inside the payload
+        b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01" + DATA,  # a length varint that never ends
+        b"\x0a\x05\xff\xff\xff\xff\xff" + DATA_FIELD,  # meta that is not a message
+        b"\x0f" + DATA,  # a field with wire type 7
+    ],
+)
 def test_damaged_frames_are_refused_as_protobuf_refuses_them(wire: bytes) -> None:
     with pytest.raises(DecodeError):
         TupleFrame.FromString(wire)
@@ -102,14 +123,17 @@ def test_damaged_frames_are_refused_as_protobuf_refuses_them(wire: bytes) -> Non
 
 def test_encoded_streams_read_back_verified_and_the_pipeline_gets_bytes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     payloads = [os.urandom(n) for n in (10, BIG, 3 * BIG + 5, 2_000_000)]
-    metas_ = [TupleMeta(tuple_id=i + 1, image="hio/synthetic", size=len(p), crc32=crc32(p))
-              for i, p in enumerate(payloads)]
+    metas_ = [
+        TupleMeta(tuple_id=i + 1, image="hio/synthetic", size=len(p), crc32=crc32(p)) for i, p in enumerate(payloads)
+    ]
     path = tmp_path / "t.bin"
     path.write_bytes(payloads[2])
-    sent = [*frames_for_bytes(metas_[0], payloads[0], BIG, encode=True),
-            *frames_for_bytes(metas_[1], payloads[1], BIG, encode=True),
-            *frames_for_stream(metas_[2], path.open("rb"), BIG, encode=True),
-            *tuple_frames([(metas_[3], payloads[3])], 1 << 20, 1 << 20, encode=True)]
+    sent = [
+        *frames_for_bytes(metas_[0], payloads[0], BIG, encode=True),
+        *frames_for_bytes(metas_[1], payloads[1], BIG, encode=True),
+        *frames_for_stream(metas_[2], path.open("rb"), BIG, encode=True),
+        *tuple_frames([(metas_[3], payloads[3])], 1 << 20, 1 << 20, encode=True),
+    ]
     assert any(isinstance(f, bytes) for f in sent) and any(isinstance(f, TupleFrame) for f in sent)
     received = [parse_frame(serialize_frame(f)) for f in sent]
     reader = FrameReader(received, max_tuple_bytes=1 << 30, max_chunk_bytes=1 << 21)

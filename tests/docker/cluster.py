@@ -9,8 +9,8 @@ from typing import Any
 import docker
 
 from hio.cluster import LocalCluster
-from hio.process.procs import RoleProcess
 from hio.gateway import Gateway
+from hio.process.procs import RoleProcess
 from hio.proto import features_pb2, master_pb2
 from hio.up import read_features
 from hio.worker.docker_launcher import LABEL_WORKER
@@ -21,8 +21,12 @@ class Cluster(LocalCluster):
     """A repository and a master; workers are added and removed by the test."""
 
     def __init__(self, root: Path) -> None:
-        super().__init__(root, process=HioProcess, stop_timeout=30.0, master_args=[
-            "--expiry-seconds", "4", "--heartbeat-interval", "0.5", "--log-level", "info"])
+        super().__init__(
+            root,
+            process=HioProcess,
+            stop_timeout=30.0,
+            master_args=["--expiry-seconds", "4", "--heartbeat-interval", "0.5", "--log-level", "info"],
+        )
 
     def add_worker(self, worker_id: str = "", engines: Sequence[str] = (), **options: Any) -> RoleProcess:
         """Engines in containers unless ``runtime`` says otherwise; not waited for (each test
@@ -40,12 +44,23 @@ class Cluster(LocalCluster):
             chans = self.channels(worker_id)
             free = [c for c in chans if c.state == master_pb2.FREE]
             return chans if len(free) >= count else None
-        return wait_for(ready, timeout=timeout, interval=0.3,
-                        what=lambda: f"{count} free channels on {worker_id}:\n{self.procs[worker_id].output()}")
+
+        return wait_for(
+            ready,
+            timeout=timeout,
+            interval=0.3,
+            what=lambda: f"{count} free channels on {worker_id}:\n{self.procs[worker_id].output()}",
+        )
 
     def gateway(self, name: str, **overrides: Any) -> Gateway:
-        return Gateway(master_address=self.master, repository_address=self.repository,
-                       data_dir=str(self.root / f"gw-{name}"), source=name, progress=False, **overrides)
+        return Gateway(
+            master_address=self.master,
+            repository_address=self.repository,
+            data_dir=str(self.root / f"gw-{name}"),
+            source=name,
+            progress=False,
+            **overrides,
+        )
 
     def records(self) -> list[features_pb2.FeatureRecord]:
         return read_features(self.settings)
@@ -59,6 +74,7 @@ class Cluster(LocalCluster):
                 if record.tuple_id in wanted:
                     found.setdefault(record.tuple_id, []).append(record)
             return found if set(found) == wanted else None
+
         try:
             return wait_for(stored, timeout=timeout, interval=0.3, what=f"{len(ids)} tuples stored")
         except AssertionError as exc:
@@ -67,9 +83,13 @@ class Cluster(LocalCluster):
     def diagnosis(self) -> str:
         """Where tuples may be instead: the master's view and every process's last output."""
         status = self.status()
-        lines = [f"master: queues {[(q.image, q.length, q.leased) for q in status.queues]}, dead letters "
-                 f"{status.dead_letters}, failed {status.tuples_failed}, channels "
-                 f"{[(c.channel_id, c.state, c.processing, c.detail) for w in status.workers for c in w.channels]}"]
+        lines = [
+            (
+                f"master: queues {[(q.image, q.length, q.leased) for q in status.queues]}, dead letters "
+                f"{status.dead_letters}, failed {status.tuples_failed}, channels "
+                f"{[(c.channel_id, c.state, c.processing, c.detail) for w in status.workers for c in w.channels]}"
+            )
+        ]
         return "\n".join([*lines, self.output(3000)])
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 ENGINE_IMAGES = ("hio/base", "hio/microscopy", "hio/simulation", "hio/synthetic")
-NO_ENGINE_NEEDED = "test_offline.py"   # runs everywhere: no Docker engine involved
+NO_ENGINE_NEEDED = "test_offline.py"  # runs everywhere: no Docker engine involved
 
 
 def _skip_reason() -> str | None:
@@ -27,8 +27,12 @@ def _skip_reason() -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark everything here `docker`; skip it all, with the reason, when Docker is unusable."""
-    ours = [item for item in items if "tests/docker/" in item.nodeid.replace("\\", "/")
-            and not item.nodeid.replace("\\", "/").split("::")[0].endswith(NO_ENGINE_NEEDED)]
+    ours = [
+        item
+        for item in items
+        if "tests/docker/" in item.nodeid.replace("\\", "/")
+        and not item.nodeid.replace("\\", "/").split("::")[0].endswith(NO_ENGINE_NEEDED)
+    ]
     if not ours:
         return
     reason = _skip_reason()

@@ -48,15 +48,22 @@ def worker_id() -> Iterator[str]:
         container.remove(force=True)
 
 
-def make_spec(cluster: Cluster, worker_id: str, n: int = 1, image: str = "hio/synthetic",
-              **config: object) -> EngineSpec:
-    wc = WorkerConfig(worker_id=worker_id, master_address=cluster.master,
-                      repository_address=cluster.repository, **config)  # type: ignore[arg-type]
+def make_spec(
+    cluster: Cluster, worker_id: str, n: int = 1, image: str = "hio/synthetic", **config: object
+) -> EngineSpec:
+    wc = WorkerConfig(
+        worker_id=worker_id, master_address=cluster.master, repository_address=cluster.repository, **config
+    )  # type: ignore[arg-type]
     port = free_port()
     channel = f"{worker_id}/{n}"
-    return EngineSpec(channel_id=channel, image=image, port=port,
-                      env=engine_env(wc, channel_id=channel, image=image, pipeline="", port=port),
-                      cpus=0.5, memory_bytes=256 * 1024 * 1024)
+    return EngineSpec(
+        channel_id=channel,
+        image=image,
+        port=port,
+        env=engine_env(wc, channel_id=channel, image=image, pipeline="", port=port),
+        cpus=0.5,
+        memory_bytes=256 * 1024 * 1024,
+    )
 
 
 def launcher_for(worker_id: str) -> DockerLauncher:
@@ -75,6 +82,7 @@ def test_engine_container_runs_with_labels_limits_and_host_network(cluster: Clus
         assert isinstance(handle, EngineHandle) and handle.spec == spec
         cluster_settings = cluster.settings
         from hio.transport.net import wait_healthy
+
         wait_healthy(f"127.0.0.1:{spec.port}", cluster_settings, timeout=60)  # reachable over host networking
         assert launcher.poll(handle) is None
         container = docker.from_env().containers.get(handle.ident)
@@ -92,9 +100,12 @@ def test_engine_container_runs_with_labels_limits_and_host_network(cluster: Clus
         assert env["HIO_MASTER_ADDRESS"] == cluster.master
         assert env["HIO_PIPELINE"] == "hio.worker.pipelines.synthetic:process", "the image names its pipeline"
         assert container.attrs["Config"]["Healthcheck"]["Test"][0] == "CMD"
-        wait_for(lambda: container.reload() or
-                 container.attrs["State"].get("Health", {}).get("Status") == "healthy",
-                 timeout=60, interval=1, what="Docker health check to pass")
+        wait_for(
+            lambda: container.reload() or container.attrs["State"].get("Health", {}).get("Status") == "healthy",
+            timeout=60,
+            interval=1,
+            what="Docker health check to pass",
+        )
         assert "engine" in launcher.logs(handle, 50).lower()
     finally:
         launcher.stop(handle, timeout=10)
@@ -106,8 +117,7 @@ def test_engine_container_runs_with_labels_limits_and_host_network(cluster: Clus
 def test_exit_code_and_logs_of_an_engine_that_cannot_start(cluster: Cluster, worker_id: str) -> None:
     launcher = launcher_for(worker_id)
     spec = make_spec(cluster, worker_id)
-    bad = EngineSpec(**{**spec.__dict__, "env": {k: v for k, v in spec.env.items()
-                                                 if k != "HIO_ENGINE_CHANNEL_ID"}})
+    bad = EngineSpec(**{**spec.__dict__, "env": {k: v for k, v in spec.env.items() if k != "HIO_ENGINE_CHANNEL_ID"}})
     handle = launcher.start(bad)
     code = wait_for(lambda: launcher.poll(handle), timeout=60, what="the engine to exit")
     assert code == 2
@@ -165,10 +175,10 @@ def test_cleanup_removes_only_our_exited_containers(cluster: Cluster, worker_id:
     tag = uuid.uuid4().hex[:8]
     exited = {"entrypoint": ["python3", "-c", "pass"], "detach": True}
     foreign = client.containers.run("hio/base", name=f"someone-else-{tag}", **exited)
-    other_worker = client.containers.run("hio/base", name=f"other-worker-{tag}", **exited,
-                                         labels={LABEL_MANAGED: "true", LABEL_WORKER: f"other-{tag}"})
-    unmanaged = client.containers.run("hio/base", name=f"mislabelled-{tag}", **exited,
-                                      labels={LABEL_WORKER: worker_id})
+    other_worker = client.containers.run(
+        "hio/base", name=f"other-worker-{tag}", **exited, labels={LABEL_MANAGED: "true", LABEL_WORKER: f"other-{tag}"}
+    )
+    unmanaged = client.containers.run("hio/base", name=f"mislabelled-{tag}", **exited, labels={LABEL_WORKER: worker_id})
     try:
         launcher = launcher_for(worker_id)
         running = launcher.start(make_spec(cluster, worker_id, n=1))
@@ -192,8 +202,9 @@ def test_cleanup_removes_only_our_exited_containers(cluster: Cluster, worker_id:
 def test_a_foreign_container_holding_our_name_is_not_removed(cluster: Cluster, worker_id: str) -> None:
     client = docker.from_env()
     spec = make_spec(cluster, worker_id, n=7)
-    squatter = client.containers.create("hio/base", name=container_name(worker_id, spec.channel_id),
-                                        entrypoint=["python3", "-c", "pass"])
+    squatter = client.containers.create(
+        "hio/base", name=container_name(worker_id, spec.channel_id), entrypoint=["python3", "-c", "pass"]
+    )
     try:
         with pytest.raises(RuntimeError, match="did not start"):
             launcher_for(worker_id).start(spec)

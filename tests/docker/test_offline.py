@@ -40,12 +40,23 @@ def test_container_env_passes_settings_and_credentials(tmp_path: Path) -> None:
     token.write_text("tok\n")
     key = tmp_path / "key.pem"
     key.write_bytes(b"KEY")
-    spec_env = {"HIO_ENGINE_CHANNEL_ID": "w/1", "HIO_MASTER_ADDRESS": "127.0.0.1:7000",
-                "HIO_TOKEN_FILE": str(token), "HIO_TLS_KEY": str(key), "HIO_DATA_DIR": "/host/var",
-                "HIO_ENGINE_PIPELINE": "mine:process", "HIO_TLS_CLIENT_AUTH": "false"}
+    spec_env = {
+        "HIO_ENGINE_CHANNEL_ID": "w/1",
+        "HIO_MASTER_ADDRESS": "127.0.0.1:7000",
+        "HIO_TOKEN_FILE": str(token),
+        "HIO_TLS_KEY": str(key),
+        "HIO_DATA_DIR": "/host/var",
+        "HIO_ENGINE_PIPELINE": "mine:process",
+        "HIO_TLS_CLIENT_AUTH": "false",
+    }
     env, files = docker_launcher.DockerLauncher._container_env(spec_env, image_names_pipeline=True)
-    assert env == {"HIO_ENGINE_CHANNEL_ID": "w/1", "HIO_MASTER_ADDRESS": "127.0.0.1:7000",
-                   "HIO_TOKEN": "tok", "HIO_TLS_KEY": "/run/hio/tls_key", "HIO_TLS_CLIENT_AUTH": "false"}
+    assert env == {
+        "HIO_ENGINE_CHANNEL_ID": "w/1",
+        "HIO_MASTER_ADDRESS": "127.0.0.1:7000",
+        "HIO_TOKEN": "tok",
+        "HIO_TLS_KEY": "/run/hio/tls_key",
+        "HIO_TLS_CLIENT_AUTH": "false",
+    }
     assert files == {"/run/hio/tls_key": b"KEY"}
     env, _ = docker_launcher.DockerLauncher._container_env(spec_env, image_names_pipeline=False)
     assert env["HIO_ENGINE_PIPELINE"] == "mine:process", "without HIO_PIPELINE in the image the mapping applies"

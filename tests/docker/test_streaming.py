@@ -50,17 +50,17 @@ def worker_id(cluster: Cluster) -> Iterator[str]:
 
 def send_all(cluster: Cluster, name: str, items: list[tuple[bytes, str, dict[str, str]]]) -> list[int]:
     with cluster.gateway(name, streams=2) as gw:
-        futures = [gw.submit(data, image=image, name=f"{name}-{i}", attributes=attrs)
-                   for i, (data, image, attrs) in enumerate(items)]
+        futures = [
+            gw.submit(data, image=image, name=f"{name}-{i}", attributes=attrs)
+            for i, (data, image, attrs) in enumerate(items)
+        ]
         return [f.result(timeout=180) for f in futures]
 
 
-def test_containers_give_the_same_features_as_processes(cluster: Cluster, worker_id: str,
-                                                        tmp_path: Path) -> None:
+def test_containers_give_the_same_features_as_processes(cluster: Cluster, worker_id: str, tmp_path: Path) -> None:
     images = [p.read_bytes() for p in generate_microscopy(tmp_path / "samples", count=3, size=256)]
     synthetic = [os.urandom(300_000 + i) for i in range(3)]
-    items = [(d, "hio/microscopy", {}) for d in images] + \
-            [(d, "hio/synthetic", {"cost_ms": "5"}) for d in synthetic]
+    items = [(d, "hio/microscopy", {}) for d in images] + [(d, "hio/synthetic", {"cost_ms": "5"}) for d in synthetic]
     engines = ["hio/microscopy=1", "hio/synthetic=1"]
 
     features: dict[str, list[dict]] = {}
@@ -77,19 +77,19 @@ def test_containers_give_the_same_features_as_processes(cluster: Cluster, worker
     assert features["docker"] == features["process"]
 
 
-def test_a_container_killed_mid_tuple_is_restarted_and_the_tuple_stored_once(
-        cluster: Cluster, worker_id: str) -> None:
+def test_a_container_killed_mid_tuple_is_restarted_and_the_tuple_stored_once(cluster: Cluster, worker_id: str) -> None:
     cluster.add_worker(worker_id, ["hio/synthetic=1"])
     cluster.wait_free(worker_id, 1)
     [first] = containers_of(worker_id, all_states=False)
     with cluster.gateway("kill", streams=1) as gw:
-        future = gw.submit(os.urandom(1_000_000), image="hio/synthetic", name="victim",
-                           attributes={"cost_ms": "4000"})
+        future = gw.submit(os.urandom(1_000_000), image="hio/synthetic", name="victim", attributes={"cost_ms": "4000"})
         # The channel is BUSY while the tuple arrives, then FREE with `processing` set once the
         # engine has taken it into its processing slot and handed the channel over.
-        wait_for(lambda: any(ch.state != master_pb2.FREE or ch.processing
-                             for ch in cluster.channels(worker_id)),
-                 timeout=30, what="the tuple to reach the engine")
+        wait_for(
+            lambda: any(ch.state != master_pb2.FREE or ch.processing for ch in cluster.channels(worker_id)),
+            timeout=30,
+            what="the tuple to reach the engine",
+        )
         time.sleep(1.0)  # well inside the 4 s of processing
         first.kill()
         tuple_id = future.result(timeout=180)
@@ -103,15 +103,15 @@ def test_a_container_killed_mid_tuple_is_restarted_and_the_tuple_stored_once(
     assert cluster.wait_free(worker_id, 1)
 
 
-def test_two_images_on_one_worker_each_get_their_own_tuples(cluster: Cluster, worker_id: str,
-                                                           tmp_path: Path) -> None:
+def test_two_images_on_one_worker_each_get_their_own_tuples(cluster: Cluster, worker_id: str, tmp_path: Path) -> None:
     cluster.add_worker(worker_id, ["hio/synthetic=1", "hio/microscopy=1"])
     channels = cluster.wait_free(worker_id, 2)
     image_of = {ch.channel_id: ch.image for ch in channels}
     assert sorted(image_of.values()) == ["hio/microscopy", "hio/synthetic"]
     micro = [p.read_bytes() for p in generate_microscopy(tmp_path / "s", count=4, size=128)]
-    items = [(d, "hio/microscopy", {}) for d in micro] + \
-            [(os.urandom(50_000), "hio/synthetic", {"cost_ms": "20"}) for _ in range(6)]
+    items = [(d, "hio/microscopy", {}) for d in micro] + [
+        (os.urandom(50_000), "hio/synthetic", {"cost_ms": "20"}) for _ in range(6)
+    ]
     ids = send_all(cluster, "two", items)
     stored = cluster.wait_stored(ids)
     for tuple_id in ids:
@@ -128,13 +128,23 @@ def test_a_missing_image_is_reported_and_its_tuple_waits_in_the_queue(cluster: C
     expected = f"image {image} not found locally; build it with `make images`"
 
     def down_with_detail() -> master_pb2.ChannelInfo | None:
-        return next((ch for ch in cluster.channels(worker_id)
-                     if ch.image == image and ch.state == master_pb2.DOWN and expected in ch.detail), None)
+        return next(
+            (
+                ch
+                for ch in cluster.channels(worker_id)
+                if ch.image == image and ch.state == master_pb2.DOWN and expected in ch.detail
+            ),
+            None,
+        )
+
     wait_for(down_with_detail, timeout=30, what="the channel DOWN naming the missing image")
     with cluster.gateway("missing", streams=1) as gw:
         future = gw.submit(os.urandom(10_000), image=image, name="patient", attributes={"cost_ms": "0"})
-        wait_for(lambda: any(q.image == image and q.length == 1 for q in cluster.status().queues),
-                 timeout=30, what="the tuple waiting in the master's queue")
+        wait_for(
+            lambda: any(q.image == image and q.length == 1 for q in cluster.status().queues),
+            timeout=30,
+            what="the tuple waiting in the master's queue",
+        )
         tuple_id = future.result(timeout=30)  # ENQUEUED: the gateway's job is done, nothing is lost
         client = docker.from_env()
         client.images.get("hio/synthetic").tag(image)  # "build" the image: the next restart finds it

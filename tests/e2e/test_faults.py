@@ -36,22 +36,49 @@ class FaultCluster(LocalCluster):
 
     def __init__(self, root: Path, with_kd: bool) -> None:
         master, repository = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        super().__init__(root, master_address=master, repository_address=repository, process=HioProcess,
-                         master_args=["--expiry-seconds", "3", "--heartbeat-interval", "0.5",
-                                      "--lease-seconds", "10", "--reservation-seconds", "6"])
+        super().__init__(
+            root,
+            master_address=master,
+            repository_address=repository,
+            process=HioProcess,
+            master_args=[
+                "--expiry-seconds",
+                "3",
+                "--heartbeat-interval",
+                "0.5",
+                "--lease-seconds",
+                "10",
+                "--reservation-seconds",
+                "6",
+            ],
+        )
         self.with_kd = with_kd
         self.master_proxy = CuttingProxy(master)
         self.repo_proxy = CuttingProxy(repository)
         self.watch = root / "incoming"
         self.watch.mkdir()
 
-    def start(self) -> "FaultCluster":
+    def start(self) -> FaultCluster:
         super().start()
         via = ["--master-address", self.master_proxy.address, "--repository-address", self.repo_proxy.address]
         try:
             self.add_worker("fw", ["hio/synthetic=2"], args=via, name="worker", timeout=60)
-            self.add("gateway", ["--watch", str(self.watch), "--image", "hio/synthetic", "--settle-seconds",
-                                 "0.2", "--ingest-listen", "", "--source", "fault", *via])
+            self.add(
+                "gateway",
+                [
+                    "--watch",
+                    str(self.watch),
+                    "--image",
+                    "hio/synthetic",
+                    "--settle-seconds",
+                    "0.2",
+                    "--ingest-listen",
+                    "",
+                    "--source",
+                    "fault",
+                    *via,
+                ],
+            )
             if self.with_kd:
                 self.add("kd", ["--interval", "3", "--k", "2", "--log-level", "info"])
         except BaseException:
@@ -131,12 +158,14 @@ def diagnose(cluster: FaultCluster, names: list[str], log: list[str]) -> str:
     status = cluster.status()
     waiting = sorted(p.name for p in cluster.watch.iterdir() if p.is_file())
     spooled = sum(1 for p in (cluster.root / "gateway").rglob("*") if p.is_file())
-    return (f"\nDIAGNOSIS: stored {stored}, duplicated {duplicated}, lost {lost}; "
-            f"files not yet taken {len(waiting)} {waiting[:5]}; files under gateway/ {spooled}; "
-            f"queues {[(q.image, q.length, q.leased) for q in status.queues]}; dead letters {status.dead_letters}; "
-            f"channels free/busy/down {status.channels_free}/{status.channels_busy}/{status.channels_down}; "
-            f"warnings {list(status.warnings)}; chaos {log}\n"
-            f"--- gateway log tail ---\n{cluster.procs['gateway'].output(3000)}")
+    return (
+        f"\nDIAGNOSIS: stored {stored}, duplicated {duplicated}, lost {lost}; "
+        f"files not yet taken {len(waiting)} {waiting[:5]}; files under gateway/ {spooled}; "
+        f"queues {[(q.image, q.length, q.leased) for q in status.queues]}; dead letters {status.dead_letters}; "
+        f"channels free/busy/down {status.channels_free}/{status.channels_busy}/{status.channels_down}; "
+        f"warnings {list(status.warnings)}; chaos {log}\n"
+        f"--- gateway log tail ---\n{cluster.procs['gateway'].output(3000)}"
+    )
 
 
 def diagnose_kd(cluster: FaultCluster) -> str:
@@ -145,10 +174,12 @@ def diagnose_kd(cluster: FaultCluster) -> str:
     k = cluster.knowledge()
     with RepositoryClient(cluster.settings, deadline=10) as client:
         offsets = client.offsets("kd")
-    return (f"\nKD DIAGNOSIS: alive {kd.alive()} (exit {kd.proc.poll() if kd.proc else None}); "
-            f"knowledge {(k.tuple_count, k.up_to_offset) if k else None}; "
-            f"repository offsets {str(offsets).replace(chr(10), ' ')}\n"
-            f"--- kd log tail ---\n{kd.output(6000)}")
+    return (
+        f"\nKD DIAGNOSIS: alive {kd.alive()} (exit {kd.proc.poll() if kd.proc else None}); "
+        f"knowledge {(k.tuple_count, k.up_to_offset) if k else None}; "
+        f"repository offsets {str(offsets).replace(chr(10), ' ')}\n"
+        f"--- kd log tail ---\n{kd.output(6000)}"
+    )
 
 
 @pytest.mark.spark
@@ -165,20 +196,25 @@ def test_every_role_killed_in_turn_loses_and_duplicates_nothing(tmp_path: Path) 
         stop.set()
         chaos_thread.join(60)
         try:
-            wait_for(lambda: count_stored(cluster, names)[2] == 0, timeout=300, interval=1.0,
-                     what="every tuple stored")
+            wait_for(lambda: count_stored(cluster, names)[2] == 0, timeout=300, interval=1.0, what="every tuple stored")
         except AssertionError:
             print(diagnose(cluster, names, log))
             raise
         stored, duplicated, lost = count_stored(cluster, names)
-        print(f"\nfault test: sent {len(names)}, stored {stored}, duplicated {duplicated}, lost {lost}; "
-              f"chaos: {', '.join(log)}")
+        print(
+            f"\nfault test: sent {len(names)}, stored {stored}, duplicated {duplicated}, lost {lost}; "
+            f"chaos: {', '.join(log)}"
+        )
         assert duplicated == 0 and lost == 0 and stored == len(names)
         if with_kd:
             started = time.monotonic()
             try:
-                k = wait_for(lambda: (k := cluster.knowledge()) is not None and k.tuple_count >= TUPLES and k,
-                             timeout=300, interval=1.0, what="KD to count every tuple")
+                k = wait_for(
+                    lambda: (k := cluster.knowledge()) is not None and k.tuple_count >= TUPLES and k,
+                    timeout=300,
+                    interval=1.0,
+                    what="KD to count every tuple",
+                )
             except AssertionError:
                 print(diagnose_kd(cluster))
                 raise

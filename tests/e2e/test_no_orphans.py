@@ -60,14 +60,22 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z" and b"hio.cli" in cmdline
 
 
-def start_parent(tmp_path: Path, worker_id: str = "orphan-check", runtime: str = "process",
-                 ) -> tuple[subprocess.Popen[str], dict[str, list[int]]]:
+def start_parent(
+    tmp_path: Path,
+    worker_id: str = "orphan-check",
+    runtime: str = "process",
+) -> tuple[subprocess.Popen[str], dict[str, list[int]]]:
     """A process that starts a cluster with a worker of two ``hio/synthetic`` engines; it and
     the pids of the cluster's roles and (process) engines."""
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path / "cluster"), worker_id, runtime],
-                              cwd=tmp_path, env=hio_env(), stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "cluster"), worker_id, runtime],
+        cwd=tmp_path,
+        env=hio_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = _line(parent, 150)
         started = json.loads(line)
@@ -86,8 +94,12 @@ def still_running(pids: dict[str, list[int]]) -> list[int]:
 
 
 def all_gone(pids: dict[str, list[int]], timeout: float) -> None:
-    wait_for(lambda: not still_running(pids), timeout=timeout, interval=0.1,
-             what=lambda: f"every role and engine to go; still running: {still_running(pids)}")
+    wait_for(
+        lambda: not still_running(pids),
+        timeout=timeout,
+        interval=0.1,
+        what=lambda: f"every role and engine to go; still running: {still_running(pids)}",
+    )
 
 
 def test_roles_and_engines_die_when_their_starter_is_killed(tmp_path: Path) -> None:
@@ -97,7 +109,7 @@ def test_roles_and_engines_die_when_their_starter_is_killed(tmp_path: Path) -> N
     parent.wait(10)
     try:
         all_gone(pids, 10)
-    finally:   # never leave them behind, even when the lifeline failed
+    finally:  # never leave them behind, even when the lifeline failed
         for pid in still_running(pids):
             os.kill(pid, signal.SIGKILL)
     assert time.monotonic() - started < 10
@@ -144,18 +156,31 @@ def test_never_runs(cluster):
 """
 
 
-CHECKOUT = str(Path(__file__).resolve().parents[2])   # where `tests.harness` is imported from
+CHECKOUT = str(Path(__file__).resolve().parents[2])  # where `tests.harness` is imported from
 
 
 def test_a_test_session_interrupted_while_starting_a_cluster_stops_it(tmp_path: Path) -> None:
     (tmp_path / "test_interrupted.py").write_text(INTERRUPTED_SESSION)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     report = tmp_path / "pids.json"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
-                          str(tmp_path / "pytest.ini"), str(tmp_path / "test_interrupted.py")],
-                         cwd=tmp_path, env={**hio_env(), "REPORT": str(report), "PYTHONPATH": CHECKOUT},
-                         capture_output=True,
-                         text=True, timeout=180)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(tmp_path / "pytest.ini"),
+            str(tmp_path / "test_interrupted.py"),
+        ],
+        cwd=tmp_path,
+        env={**hio_env(), "REPORT": str(report), "PYTHONPATH": CHECKOUT},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert "KeyboardInterrupt" in run.stdout + run.stderr, run.stdout + run.stderr
     pids = json.loads(report.read_text())
     assert len(pids["roles"]) == 3 and len(pids["engines"]) == 1, pids
@@ -169,7 +194,7 @@ def test_a_role_started_from_a_thread_outlives_the_thread(tmp_path: Path) -> Non
     address = f"127.0.0.1:{free_port()}"
     started: list[HioProcess] = []
 
-    def start() -> None:   # and live on until the role asked for its death signal (it serves by then)
+    def start() -> None:  # and live on until the role asked for its death signal (it serves by then)
         started.append(HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path)], tmp_path).start())
         started[0].wait_healthy(address)
 

@@ -31,12 +31,22 @@ class Cluster(LocalCluster):
     """Repository + master + workers (id -> engines) as real processes; gateways in this one."""
 
     def __init__(self, root: Path, workers: dict[str, str], expiry_seconds: float = 6.0) -> None:
-        super().__init__(root, process=HioProcess, workers={w: [e] for w, e in workers.items()}, master_args=[
-            "--expiry-seconds", f"{expiry_seconds:g}", "--heartbeat-interval", f"{expiry_seconds / 6:g}"])
+        super().__init__(
+            root,
+            process=HioProcess,
+            workers={w: [e] for w, e in workers.items()},
+            master_args=["--expiry-seconds", f"{expiry_seconds:g}", "--heartbeat-interval", f"{expiry_seconds / 6:g}"],
+        )
 
     def gateway(self, name: str, **overrides) -> Gateway:  # type: ignore[no-untyped-def]
-        return Gateway(master_address=self.master, repository_address=self.repository,
-                       data_dir=str(self.root / f"gw-{name}"), source=name, progress=False, **overrides)
+        return Gateway(
+            master_address=self.master,
+            repository_address=self.repository,
+            data_dir=str(self.root / f"gw-{name}"),
+            source=name,
+            progress=False,
+            **overrides,
+        )
 
     def records(self) -> list:  # type: ignore[type-arg]
         return read_features(self.settings)
@@ -69,8 +79,10 @@ def test_two_gateways_route_direct_and_spill_to_queue(cluster: Cluster) -> None:
     def run(name: str) -> None:
         # No waiting for a channel: batches that find every channel busy spill to the queue.
         with cluster.gateway(name, streams=4, route_wait_seconds=0) as gw:
-            futures = [gw.submit(payload, image="hio/synthetic", name=f"{name}-{i}",
-                                 attributes={"cost_ms": "150"}) for i in range(24)]
+            futures = [
+                gw.submit(payload, image="hio/synthetic", name=f"{name}-{i}", attributes={"cost_ms": "150"})
+                for i in range(24)
+            ]
             results[name] = [f.result(timeout=180) for f in futures]
 
     threads = [threading.Thread(target=run, args=(n,)) for n in ("gw-a", "gw-b")]
@@ -97,8 +109,10 @@ def test_busy_channels_make_batches_wait_instead_of_crossing_the_master(cluster:
     """Every channel busy, queue empty: the master holds route requests, then hands out channels."""
     before = cluster.status()
     with cluster.gateway("patient", streams=8, batch_tuples=2, route_wait_seconds=10) as gw:
-        futures = [gw.submit(os.urandom(50_000), image="hio/synthetic", name=f"p-{i}",
-                             attributes={"cost_ms": "100"}) for i in range(32)]
+        futures = [
+            gw.submit(os.urandom(50_000), image="hio/synthetic", name=f"p-{i}", attributes={"cost_ms": "100"})
+            for i in range(32)
+        ]
         ids = [f.result(timeout=120) for f in futures]
     wait_all_stored(cluster, ids)
     after = cluster.status()
@@ -110,8 +124,10 @@ def test_ten_megabyte_tuples_move_in_chunks(cluster: Cluster) -> None:
     sizes = [10 * 1024 * 1024, 12 * 1024 * 1024 + 17]
     payloads = [os.urandom(n) for n in sizes]
     with cluster.gateway("big", chunk_bytes=1024 * 1024) as gw:
-        ids = [gw.send(p, image="hio/synthetic", name=f"big-{len(p)}", attributes={"cost_ms": "0"}, timeout=120)
-               for p in payloads]
+        ids = [
+            gw.send(p, image="hio/synthetic", name=f"big-{len(p)}", attributes={"cost_ms": "0"}, timeout=120)
+            for p in payloads
+        ]
     records = {r.tuple_id: r for r in wait_all_stored(cluster, ids)}
     for tuple_id, payload in zip(ids, payloads, strict=True):
         record = records[tuple_id]
@@ -123,15 +139,24 @@ def test_a_killed_worker_loses_nothing(tmp_path: Path) -> None:
     c = Cluster(tmp_path, {"k1": "hio/synthetic=2", "k2": "hio/synthetic=2"}, expiry_seconds=3.0).start()
     try:
         with c.gateway("kill", streams=4) as gw:
-            futures = [gw.submit(os.urandom(100_000), image="hio/synthetic", name=f"k-{i}",
-                                 attributes={"cost_ms": "250"}) for i in range(40)]
+            futures = [
+                gw.submit(os.urandom(100_000), image="hio/synthetic", name=f"k-{i}", attributes={"cost_ms": "250"})
+                for i in range(40)
+            ]
             wait_for(lambda: c.status().tuples_done >= 4, timeout=60, what="processing under way")
             c.procs["k1"].kill()
             killed_at = time.monotonic()
-            expired = wait_for(lambda: all(w.worker_id != "k1" or all(ch.state == master_pb2.DOWN
-                                                                      for ch in w.channels)
-                                           for w in c.status().workers) and time.monotonic(),
-                               timeout=15, what="k1 leaving routing")
+            expired = wait_for(
+                lambda: (
+                    all(
+                        w.worker_id != "k1" or all(ch.state == master_pb2.DOWN for ch in w.channels)
+                        for w in c.status().workers
+                    )
+                    and time.monotonic()
+                ),
+                timeout=15,
+                what="k1 leaving routing",
+            )
             assert expired - killed_at <= 10.0, "a silent worker leaves routing within 10 s"
             ids = [f.result(timeout=240) for f in futures]
         records = wait_all_stored(c, ids, timeout=180)
@@ -156,17 +181,19 @@ def test_queue_drains_first_come_first_served(tmp_path: Path) -> None:
         with c.gateway("fifo", streams=4, route_wait_seconds=0) as gw:
             # The first tuple is processed; the second is received meanwhile and waits for the
             # processing slot (one ahead), holding the channel: everything after goes to the queue.
-            first = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-first",
-                              attributes={"cost_ms": "5000"})
+            first = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-first", attributes={"cost_ms": "5000"})
             # Handed over: FREE at the master while the first tuple is processed (and counted busy).
             wait_for(lambda: _finishing(c), timeout=30, what="the only channel handed over while processing")
             assert c.status().channels_busy == 1
-            second = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-second",
-                               attributes={"cost_ms": "50"})
+            second = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-second", attributes={"cost_ms": "50"})
             wait_for(lambda: c.status().routed_direct == 2, timeout=30, what="the second tuple routed direct")
             # One at a time, each returning once durably queued: the queue's order is known.
-            queued = [gw.send(os.urandom(10_000), image="hio/synthetic", name=f"f-{i}",
-                              attributes={"cost_ms": "50"}, timeout=60) for i in range(8)]
+            queued = [
+                gw.send(
+                    os.urandom(10_000), image="hio/synthetic", name=f"f-{i}", attributes={"cost_ms": "50"}, timeout=60
+                )
+                for i in range(8)
+            ]
             ids = [first.result(timeout=60), second.result(timeout=60), *queued]
         records = wait_all_stored(c, ids)
         order = [r.tuple_id for r in sorted(records, key=lambda r: r.processed_unix) if r.tuple_id in set(ids)]
@@ -196,7 +223,7 @@ def test_operator_commands_report_the_running_cluster(cluster: Cluster, capsys: 
     assert main(["dead-letters", "--retry", "abc", *where]) == 2
     assert "--retry: 'abc' is not an integer" in capsys.readouterr().err
 
-    class _ReaderGone(io.StringIO):   # `hio status | head -1`: the reader has left
+    class _ReaderGone(io.StringIO):  # `hio status | head -1`: the reader has left
         def write(self, text: str) -> int:
             raise BrokenPipeError(32, "Broken pipe")
 

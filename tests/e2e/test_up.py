@@ -14,10 +14,23 @@ pytestmark = pytest.mark.slow
 
 
 def test_hio_up_streams_the_samples_and_summarises_the_repository(tmp_path: Path) -> None:
-    args = [sys.executable, "-m", "hio.cli", "up", "--data-dir", str(tmp_path / "var"),
-            "--master-address", f"127.0.0.1:{free_port()}",
-            "--repository-address", f"127.0.0.1:{free_port()}",
-            "--http-listen", f"127.0.0.1:{free_port()}", "--runtime", "process", "--no-kd"]
+    args = [
+        sys.executable,
+        "-m",
+        "hio.cli",
+        "up",
+        "--data-dir",
+        str(tmp_path / "var"),
+        "--master-address",
+        f"127.0.0.1:{free_port()}",
+        "--repository-address",
+        f"127.0.0.1:{free_port()}",
+        "--http-listen",
+        f"127.0.0.1:{free_port()}",
+        "--runtime",
+        "process",
+        "--no-kd",
+    ]
     done = subprocess.run(args, cwd=tmp_path, env=hio_env(), capture_output=True, text=True, timeout=300)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
@@ -36,9 +49,29 @@ def test_hio_up_refuses_to_start_beside_a_running_system(tmp_path: Path) -> None
     master = f"127.0.0.1:{free_port()}"
     with HioProcess("master", ["--listen", master, "--data-dir", str(tmp_path / "other")], tmp_path) as other:
         other.wait_healthy(master)
-        proc = subprocess.run([sys.executable, "-m", "hio.cli", "up", "--runtime", "process", "--no-kd",
-                               "--master-address", master, "--repository-address", f"127.0.0.1:{free_port()}",
-                               "--http-listen", "", "--data-dir", str(tmp_path / "up")],
-                              capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hio.cli",
+                "up",
+                "--runtime",
+                "process",
+                "--no-kd",
+                "--master-address",
+                master,
+                "--repository-address",
+                f"127.0.0.1:{free_port()}",
+                "--http-listen",
+                "",
+                "--data-dir",
+                str(tmp_path / "up"),
+            ],
+            capture_output=True,
+            text=True,
+            env=hio_env(),
+            timeout=60,
+            cwd=tmp_path,
+        )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{master} (master)" in proc.stdout and "already in use" in proc.stdout

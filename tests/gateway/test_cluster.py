@@ -40,8 +40,12 @@ def _roles_built() -> str:
     """'' when the master, worker and repository roles can run, else what is missing."""
     import importlib
 
-    for module, name in (("hio.master", "run_master"), ("hio.worker", "run_worker"),
-                         ("hio.repository", "run_repository"), ("hio.worker.pipelines.synthetic", "process")):
+    for module, name in (
+        ("hio.master", "run_master"),
+        ("hio.worker", "run_worker"),
+        ("hio.repository", "run_repository"),
+        ("hio.worker.pipelines.synthetic", "process"),
+    ):
         try:
             getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:
@@ -59,8 +63,14 @@ class Cluster:
     root: Path
 
     def config(self, name: str, **overrides: object) -> GatewayConfig:
-        values = {"master_address": self.master, "repository_address": self.repository,
-                  "data_dir": str(self.root / name), "source": name, "ingest_listen": "", "grace_seconds": 2.0}
+        values = {
+            "master_address": self.master,
+            "repository_address": self.repository,
+            "data_dir": str(self.root / name),
+            "source": name,
+            "ingest_listen": "",
+            "grace_seconds": 2.0,
+        }
         values.update(overrides)
         return GatewayConfig(**values)  # type: ignore[arg-type]
 
@@ -81,6 +91,7 @@ class Cluster:
         def ready() -> dict[int, features_pb2.FeatureRecord] | None:
             found = self.records()
             return found if all(i in found for i in ids) else None
+
         return wait_for(ready, timeout=timeout, interval=0.3, what=f"features of tuples {ids}")
 
 
@@ -133,19 +144,36 @@ def test_forced_queue_path(cluster: Cluster) -> None:
 
 def test_ingest_submit_from_a_raw_stub(cluster: Cluster, tmp_path: Path) -> None:
     port = free_port()
-    args = ["--master-address", cluster.master, "--ingest-listen", f"127.0.0.1:{port}",
-            "--data-dir", str(tmp_path / "var"), "--source", "ingest"]
+    args = [
+        "--master-address",
+        cluster.master,
+        "--ingest-listen",
+        f"127.0.0.1:{port}",
+        "--data-dir",
+        str(tmp_path / "var"),
+        "--source",
+        "ingest",
+    ]
     with HioProcess("gateway", args, tmp_path) as gateway:
         gateway.wait_healthy(f"127.0.0.1:{port}")
         data = os.urandom(2 * 1024 * 1024 + 500_017)
-        meta = TupleMeta(image=IMAGE, name="from-c++", size=len(data), crc32=zlib.crc32(data) & 0xFFFFFFFF,
-                         attributes={"hio.wait": "stored"})
-        frames = [TupleFrame(meta=meta, data=data[:1 << 20]), TupleFrame(data=data[1 << 20:2 << 20]),
-                  TupleFrame(data=data[2 << 20:], last=True)]
+        meta = TupleMeta(
+            image=IMAGE,
+            name="from-c++",
+            size=len(data),
+            crc32=zlib.crc32(data) & 0xFFFFFFFF,
+            attributes={"hio.wait": "stored"},
+        )
+        frames = [
+            TupleFrame(meta=meta, data=data[: 1 << 20]),
+            TupleFrame(data=data[1 << 20 : 2 << 20]),
+            TupleFrame(data=data[2 << 20 :], last=True),
+        ]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             receipts = list(ingest_pb2_grpc.IngestStub(channel).Submit(iter(frames), timeout=60))
             status = ingest_pb2_grpc.IngestStub(channel).GetGatewayStatus(
-                ingest_pb2.GetGatewayStatusRequest(), timeout=5)
+                ingest_pb2.GetGatewayStatusRequest(), timeout=5
+            )
     assert [r.state for r in receipts] == [TupleReceipt.ACCEPTED, TupleReceipt.STORED]
     tuple_id = receipts[1].tuple_id
     assert tuple_id > 0 and status.stored == 1 and status.spooled_tuples == 0
@@ -157,8 +185,22 @@ def test_ingest_submit_from_a_raw_stub(cluster: Cluster, tmp_path: Path) -> None
 def test_watch_takes_a_slowly_written_file_once_settled(cluster: Cluster, tmp_path: Path) -> None:
     watch = tmp_path / "instrument"
     (watch / "day1").mkdir(parents=True)
-    args = ["--master-address", cluster.master, "--ingest-listen", "", "--watch", str(watch),
-            "--image", IMAGE, "--settle-seconds", "1.0", "--data-dir", str(tmp_path / "var"), "--source", "watch"]
+    args = [
+        "--master-address",
+        cluster.master,
+        "--ingest-listen",
+        "",
+        "--watch",
+        str(watch),
+        "--image",
+        IMAGE,
+        "--settle-seconds",
+        "1.0",
+        "--data-dir",
+        str(tmp_path / "var"),
+        "--source",
+        "watch",
+    ]
     target = watch / "day1" / "slow.bin"
     with HioProcess("gateway", args, tmp_path):
         with open(target, "wb") as fh:
@@ -196,18 +238,21 @@ def test_spooled_tuples_survive_kill_9(cluster: Cluster, tmp_path: Path) -> None
         def drained() -> bool:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 status = ingest_pb2_grpc.IngestStub(channel).GetGatewayStatus(
-                    ingest_pb2.GetGatewayStatusRequest(), timeout=5)
+                    ingest_pb2.GetGatewayStatusRequest(), timeout=5
+                )
             return status.spooled_tuples == 0 and status.stored + status.sent_queue == 3
+
         wait_for(drained, timeout=60, what="the resumed tuples delivered")
     records = [r for r in cluster.records().values() if r.meta.source == "crashy"]
     assert sorted(r.meta.name for r in records) == ["t0", "t1", "t2"]
 
 
-@pytest.mark.parametrize("lanes, master_attempts", [(False, 1000), (True, 1000), (True, 1)],
-                         ids=["grpc", "lane", "master-dead-letters"])
+@pytest.mark.parametrize(
+    "lanes, master_attempts", [(False, 1000), (True, 1000), (True, 1)], ids=["grpc", "lane", "master-dead-letters"]
+)
 def test_a_spooled_payload_that_cannot_be_read_is_named_and_sent_once_it_can_be(
-        cluster: Cluster, tmp_path: Path, caplog: pytest.LogCaptureFixture, lanes: bool,
-        master_attempts: int) -> None:
+    cluster: Cluster, tmp_path: Path, caplog: pytest.LogCaptureFixture, lanes: bool, master_attempts: int
+) -> None:
     """Over gRPC or a payload lane, a spooled file that cannot be read while it is streamed ends
     the call with its path and the reason, not gRPC's "Exception iterating requests!"
     and a traceback; it stays spooled, and goes once it can be read again. A second
@@ -226,23 +271,35 @@ def test_a_spooled_payload_that_cannot_be_read_is_named_and_sent_once_it_can_be(
     master = f"127.0.0.1:{free_port()}"
     original = tmp_path / "frame.bin"
     original.write_bytes(os.urandom(300_000))
-    with Gateway(cluster.config(f"unreadable-{lanes}-{master_attempts}", master_address=master, lanes=lanes,
-                                max_attempts=1000)) as gw:
+    with Gateway(
+        cluster.config(f"unreadable-{lanes}-{master_attempts}", master_address=master, lanes=lanes, max_attempts=1000)
+    ) as gw:
         future = gw.submit_file(original, image=IMAGE)
-        spooled = [p for p in (cluster.root / f"unreadable-{lanes}-{master_attempts}").rglob("*")
-                   if p.is_file() and p.stat().st_ino == original.stat().st_ino]
+        spooled = [
+            p
+            for p in (cluster.root / f"unreadable-{lanes}-{master_attempts}").rglob("*")
+            if p.is_file() and p.stat().st_ino == original.stat().st_ino
+        ]
         assert len(spooled) == 1, "put_file hard-links the file into the spool"
         spooled[0].unlink()
         (tmp_path / "a-folder").mkdir()
-        spooled[0].symlink_to(tmp_path / "a-folder")    # open() now fails: IsADirectoryError
-        with HioProcess("master", ["--listen", master, "--data-dir", str(tmp_path / "master"),
-                                   "--max-attempts", str(master_attempts)],
-                        tmp_path, name="master-unreadable") as second:
+        spooled[0].symlink_to(tmp_path / "a-folder")  # open() now fails: IsADirectoryError
+        with HioProcess(
+            "master",
+            ["--listen", master, "--data-dir", str(tmp_path / "master"), "--max-attempts", str(master_attempts)],
+            tmp_path,
+            name="master-unreadable",
+        ) as second:
             second.wait_healthy(master)
 
             def named() -> bool:
-                return any(r.getMessage() == "cannot read a spooled payload" and getattr(r, "path", "") ==
-                           str(spooled[0]) and "Is a directory" in getattr(r, "error", "") for r in caplog.records)
+                return any(
+                    r.getMessage() == "cannot read a spooled payload"
+                    and getattr(r, "path", "") == str(spooled[0])
+                    and "Is a directory" in getattr(r, "error", "")
+                    for r in caplog.records
+                )
+
             wait_for(named, timeout=30, what="the unreadable payload named in the log")
             assert not future.done()
             os.link(original, tmp_path / "mended")
@@ -268,9 +325,26 @@ def test_hio_send_prints_a_summary(cluster: Cluster, tmp_path: Path) -> None:
     for n in range(3):
         (folder / f"r{n}.bin").write_bytes(os.urandom(20_000))
     (folder / "skip.part").write_bytes(b"still being written")
-    proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", str(folder), "--image", IMAGE,
-                           "--master-address", cluster.master, "--data-dir", str(tmp_path / "var")],
-                          capture_output=True, text=True, env=hio_env(), timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hio.cli",
+            "send",
+            str(folder),
+            "--image",
+            IMAGE,
+            "--master-address",
+            cluster.master,
+            "--data-dir",
+            str(tmp_path / "var"),
+        ],
+        capture_output=True,
+        text=True,
+        env=hio_env(),
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "sent 3 of 3 tuples" in proc.stdout and "0 failed" in proc.stdout and "MB/s" in proc.stdout
 
@@ -285,11 +359,18 @@ def test_hio_send_gives_up_on_an_image_no_engine_serves_and_says_which(cluster: 
     common = ["--master-address", cluster.master, "--data-dir", str(tmp_path / "var"), "--source", "typo"]
     send = [sys.executable, "-m", "hio.cli", "send", "--image-wait-seconds", "3", *common]
     started = time.monotonic()
-    first = subprocess.run([*send, "--image", IMAGE, str(good)], capture_output=True, text=True,
-                           env=hio_env(), timeout=60, cwd=tmp_path)
+    first = subprocess.run(
+        [*send, "--image", IMAGE, str(good)], capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path
+    )
     assert first.returncode == 0, first.stdout + first.stderr
-    second = subprocess.run([*send, "--image", "hio/synthetik", str(typo)], capture_output=True, text=True,
-                            env=hio_env(), timeout=60, cwd=tmp_path)
+    second = subprocess.run(
+        [*send, "--image", "hio/synthetik", str(typo)],
+        capture_output=True,
+        text=True,
+        env=hio_env(),
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert time.monotonic() - started < 50
     assert second.returncode == 1, second.stdout + second.stderr
     assert "sent 0 of 1 tuples" in second.stdout
@@ -297,7 +378,7 @@ def test_hio_send_gives_up_on_an_image_no_engine_serves_and_says_which(cluster: 
     assert len(failed) == 1 and "typo.bin" in failed[0], second.stdout
     assert "no engine serves image 'hio/synthetik'" in failed[0] and IMAGE in failed[0], failed[0]
     assert "stays spooled" in failed[0]
-    with Gateway(cluster.config("typo-status", image_wait_seconds=2.0)) as gw:   # the library and the daemon too
+    with Gateway(cluster.config("typo-status", image_wait_seconds=2.0)) as gw:  # the library and the daemon too
         gw.submit(b"abc", image="hio/synthetik")
         warnings = wait_for(lambda: gw.status().warnings(), timeout=20, what="the unserved image in the status")
         assert "no engine serves image 'hio/synthetik'" in warnings[0] and IMAGE in warnings[0]
@@ -312,14 +393,22 @@ def test_hio_send_gives_up_on_an_image_no_engine_serves_and_says_which(cluster: 
     from hio.gateway.spool import spooled_metas
 
     spool = tmp_path / "var" / "gateway" / "spool" / "send-typo"
-    assert [(m.name, m.image) for m in spooled_metas(spool)] == [("typo.bin", "hio/synthetik")], \
+    assert [(m.name, m.image) for m in spooled_metas(spool)] == [("typo.bin", "hio/synthetik")], (
         "the unserved tuple stays spooled"
-    again = subprocess.run([*send, "--image", "hio/synthetik", str(typo)], capture_output=True, text=True,
-                           env=hio_env(), timeout=60, cwd=tmp_path)   # the same file again: not spooled twice
+    )
+    again = subprocess.run(
+        [*send, "--image", "hio/synthetik", str(typo)],
+        capture_output=True,
+        text=True,
+        env=hio_env(),
+        timeout=60,
+        cwd=tmp_path,
+    )  # the same file again: not spooled twice
     assert again.returncode == 1 and "1 of them among the files named" in again.stderr, again.stdout + again.stderr
     assert "sent 0 of 1 tuples" in again.stdout and len(spooled_metas(spool)) == 1
-    dropped = subprocess.run([*send, "--drop-spooled"], capture_output=True, text=True, env=hio_env(),
-                             timeout=60, cwd=tmp_path)
+    dropped = subprocess.run(
+        [*send, "--drop-spooled"], capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path
+    )
     assert dropped.returncode == 0, dropped.stdout + dropped.stderr
     assert "dropped typo.bin (0.0 MB, image hio/synthetik" in dropped.stdout
     assert "dropped 1 spooled tuples" in dropped.stdout and spooled_metas(spool) == []
@@ -330,11 +419,16 @@ def test_hio_send_gives_up_on_an_image_no_engine_serves_and_says_which(cluster: 
 def _spool_for_send(root: Path, source: str, files: list[Path], **submit: object) -> None:
     """Leave ``files`` in ``hio send``'s spool for ``source``, as a run cut short
     (its master unreachable) would."""
-    config = GatewayConfig(master_address=f"127.0.0.1:{free_port()}", data_dir=str(root), source=source,
-                           ingest_listen="", grace_seconds=0.2)
+    config = GatewayConfig(
+        master_address=f"127.0.0.1:{free_port()}",
+        data_dir=str(root),
+        source=source,
+        ingest_listen="",
+        grace_seconds=0.2,
+    )
     gw = Gateway(config, spool_name=f"send-{source}")
     for path in files:
-        gw.submit_file(path, image=IMAGE, **submit)   # type: ignore[arg-type]
+        gw.submit_file(path, image=IMAGE, **submit)  # type: ignore[arg-type]
     gw.close(timeout=0.2, drain=False)
 
 
@@ -347,10 +441,23 @@ def test_hio_send_again_after_a_cut_short_run_sends_each_file_once(cluster: Clus
         path.write_bytes(os.urandom(20_000))
         os.utime(path, (1_700_000_000, 1_700_000_000))
     _spool_for_send(tmp_path / "var", "rerun", [files[0], files[2]])
-    send = [sys.executable, "-m", "hio.cli", "send", "--image", IMAGE, "--master-address", cluster.master,
-            "--data-dir", str(tmp_path / "var"), "--source", "rerun"]
-    proc = subprocess.run([*send, *map(str, files)], capture_output=True, text=True, env=hio_env(),
-                          timeout=120, cwd=tmp_path)
+    send = [
+        sys.executable,
+        "-m",
+        "hio.cli",
+        "send",
+        "--image",
+        IMAGE,
+        "--master-address",
+        cluster.master,
+        "--data-dir",
+        str(tmp_path / "var"),
+        "--source",
+        "rerun",
+    ]
+    proc = subprocess.run(
+        [*send, *map(str, files)], capture_output=True, text=True, env=hio_env(), timeout=120, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resuming 2 tuples" in proc.stderr and "2 of them among the files named" in proc.stderr
     assert "sent 4 of 4 tuples" in proc.stdout, proc.stdout
@@ -359,16 +466,31 @@ def test_hio_send_again_after_a_cut_short_run_sends_each_file_once(cluster: Clus
     assert {m.crc32 for m in stored} == {zlib.crc32(p.read_bytes()) for p in files}, "and every one of them"
 
 
-def test_hio_send_names_a_tuple_whose_processing_failed_and_went_to_the_queue(
-        cluster: Cluster, tmp_path: Path) -> None:
+def test_hio_send_names_a_tuple_whose_processing_failed_and_went_to_the_queue(cluster: Cluster, tmp_path: Path) -> None:
     """hio send with no FILE finishes what is spooled; a tuple the engine could not process
     is delivered (the master's queue tries it again) but listed with the engine's error."""
     bad = tmp_path / "bad.bin"
     bad.write_bytes(os.urandom(5_000))
     _spool_for_send(tmp_path / "var", "retrying", [bad], attributes={"cost_ms": "abc"})
-    proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", "--master-address", cluster.master,
-                           "--data-dir", str(tmp_path / "var"), "--source", "retrying"],
-                          capture_output=True, text=True, env=hio_env(), timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hio.cli",
+            "send",
+            "--master-address",
+            cluster.master,
+            "--data-dir",
+            str(tmp_path / "var"),
+            "--source",
+            "retrying",
+        ],
+        capture_output=True,
+        text=True,
+        env=hio_env(),
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "sent 1 of 1 tuples" in proc.stdout and "1 queued again after their processing failed" in proc.stdout
     [line] = [line for line in proc.stdout.splitlines() if line.startswith("RETRYING")]
@@ -382,17 +504,44 @@ def test_hio_send_no_wait_hands_files_to_the_daemon(cluster: Cluster, tmp_path: 
     for n in range(2):
         files.append(tmp_path / f"h{n}.bin")
         files[-1].write_bytes(os.urandom(30_000))
-    args = ["--master-address", cluster.master, "--ingest-listen", f"127.0.0.1:{port}",
-            "--data-dir", str(tmp_path / "var"), "--source", "handover"]
+    args = [
+        "--master-address",
+        cluster.master,
+        "--ingest-listen",
+        f"127.0.0.1:{port}",
+        "--data-dir",
+        str(tmp_path / "var"),
+        "--source",
+        "handover",
+    ]
     with HioProcess("gateway", args, tmp_path) as gateway:
         gateway.wait_healthy(f"127.0.0.1:{port}")
-        proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", *map(str, files), "--no-wait",
-                               "--image", IMAGE, "--ingest-listen", f"127.0.0.1:{port}"],
-                              capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hio.cli",
+                "send",
+                *map(str, files),
+                "--no-wait",
+                "--image",
+                IMAGE,
+                "--ingest-listen",
+                f"127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            env=hio_env(),
+            timeout=60,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "handed 2 of 2 tuples" in proc.stdout
-        wait_for(lambda: len([r for r in cluster.records().values() if r.meta.source == "handover"]) == 2,
-                 timeout=60, what="the handed-over tuples stored")
+        wait_for(
+            lambda: len([r for r in cluster.records().values() if r.meta.source == "handover"]) == 2,
+            timeout=60,
+            what="the handed-over tuples stored",
+        )
 
 
 def _unmovable(tmp_path: Path) -> tuple[Path, Path, Path]:
@@ -412,8 +561,8 @@ def _take_and_store(gw: Gateway, watch: Path, blocker: Path) -> DirectoryWatcher
     from hio.gateway.watch import DirectoryWatcher
 
     watcher = DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1, image=IMAGE)
-    watcher.scan_once(now=0.0)                                    # first sight
-    assert watcher.scan_once(now=1.0) == 1                       # settled: taken
+    watcher.scan_once(now=0.0)  # first sight
+    assert watcher.scan_once(now=1.0) == 1  # settled: taken
     wait_for(lambda: gw.status().stored == 1, timeout=60, what="the file stored")
     return watcher
 
@@ -422,10 +571,10 @@ def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again(cluster: Cluste
     watch, blocker, original = _unmovable(tmp_path)
     with Gateway(cluster.config("unmovable")) as gw:
         watcher = _take_and_store(gw, watch, blocker)
-        for n in range(5):                                        # delivered, not movable: left alone
+        for n in range(5):  # delivered, not movable: left alone
             assert watcher.scan_once(now=2.0 + n) == 0
         assert original.exists() and gw.unmoved_sources() == {str(original)}
-        blocker.unlink()                                          # the folder can be made now
+        blocker.unlink()  # the folder can be made now
         watcher.scan_once(now=10.0)
         assert not original.exists() and (blocker / "day1" / "plate.bin").exists()
         assert gw.unmoved_sources() == set()
@@ -434,7 +583,8 @@ def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again(cluster: Cluste
 
 
 def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again_after_a_restart(
-        cluster: Cluster, tmp_path: Path) -> None:
+    cluster: Cluster, tmp_path: Path
+) -> None:
     """The gateway keeps the delivered-but-unmoved originals on disk beside its spool: a
     restarted gateway leaves them alone too, and moves them once it can."""
     from hio.gateway.watch import DirectoryWatcher
@@ -443,7 +593,7 @@ def test_a_delivered_file_that_cannot_be_moved_is_not_sent_again_after_a_restart
     config = cluster.config("unmovable-restart")
     with Gateway(config) as gw:
         _take_and_store(gw, watch, blocker)
-    with Gateway(config) as gw:                                   # a restart: still not movable
+    with Gateway(config) as gw:  # a restart: still not movable
         assert gw.unmoved_sources() == {str(original)}
         again = DirectoryWatcher(gw, watch, blocker / "day1", settle_seconds=0.0, poll_seconds=0.1, image=IMAGE)
         for n in range(3):
@@ -464,7 +614,7 @@ def test_a_new_file_under_an_unmoved_file_s_name_is_sent(cluster: Cluster, tmp_p
     with Gateway(config) as gw:
         _take_and_store(gw, watch, blocker)
     original.unlink()
-    original.write_bytes(os.urandom(6_000))                     # the instrument's next run, same name
+    original.write_bytes(os.urandom(6_000))  # the instrument's next run, same name
     with Gateway(config) as gw:
         assert gw.unmoved_sources() == set()
         _take_and_store(gw, watch, blocker)
@@ -473,14 +623,15 @@ def test_a_new_file_under_an_unmoved_file_s_name_is_sent(cluster: Cluster, tmp_p
 
 
 def test_a_spooled_tuple_whose_id_the_master_never_issued_is_sent_as_a_new_tuple(
-        cluster: Cluster, tmp_path: Path) -> None:
+    cluster: Cluster, tmp_path: Path
+) -> None:
     """As after the master lost its state: the tuple is no less the user's data."""
     dead_master = f"127.0.0.1:{free_port()}"
     config = cluster.config("stranger")
     with Gateway(config, master_address=dead_master) as gw:
         gw.submit(b"kept through a master reset", image=IMAGE, name="orphan")
         entry = gw.spool.entries()[0]
-        entry.meta.tuple_id, entry.meta.ticket = 10**15, b"not-a-ticket"   # an id from another master
+        entry.meta.tuple_id, entry.meta.ticket = 10**15, b"not-a-ticket"  # an id from another master
         gw.spool.update(entry)
         gw.close(timeout=0.2, drain=False)
     with Gateway(config) as gw:
@@ -493,7 +644,8 @@ def test_a_spooled_tuple_whose_id_the_master_never_issued_is_sent_as_a_new_tuple
 
 
 def test_a_file_rewritten_in_place_after_it_was_spooled_is_rejected_by_name_not_retried_forever(
-        cluster: Cluster, tmp_path: Path) -> None:
+    cluster: Cluster, tmp_path: Path
+) -> None:
     """The spool hard-links a file; an instrument that rewrites it in place changes the spooled
     copy too, and every receiver then finds it damaged (DATA_LOSS)."""
     dead_master = f"127.0.0.1:{free_port()}"
@@ -503,7 +655,7 @@ def test_a_file_rewritten_in_place_after_it_was_spooled_is_rejected_by_name_not_
     with Gateway(config, master_address=dead_master) as gw:
         gw.submit_file(original, image=IMAGE)
         gw.close(timeout=0.2, drain=False)
-    with open(original, "r+b") as fh:                 # same size, other bytes, same inode
+    with open(original, "r+b") as fh:  # same size, other bytes, same inode
         fh.write(b"b" * 50_000)
     with Gateway(config) as gw:
         assert gw.resumed == 1

@@ -19,7 +19,6 @@ import grpc
 import pytest
 
 from hio.config import ConfigError, build
-from hio.transport.errors import retry_after
 from hio.gateway import Gateway, GatewayConfig, SendConfig
 from hio.gateway.config import infer_image
 from hio.gateway.daemon import run_gateway
@@ -27,6 +26,7 @@ from hio.gateway.spool import spooled_metas
 from hio.gateway.watch import DirectoryWatcher
 from hio.proto import ingest_pb2, ingest_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
+from hio.transport.errors import retry_after
 from tests.harness import FsyncDisk, free_port, hio_env, wait_for
 
 DEAD_MASTER = "127.0.0.1:1"  # nothing listens on port 1: every call is UNAVAILABLE
@@ -35,7 +35,7 @@ DEAD_MASTER = "127.0.0.1:1"  # nothing listens on port 1: every call is UNAVAILA
 def frames(data: bytes, chunk: int = 1 << 20, **fields: object) -> Iterator[TupleFrame]:
     meta = TupleMeta(size=len(data), crc32=zlib.crc32(data) & 0xFFFFFFFF, **fields)
     for start in range(0, max(len(data), 1), chunk):
-        part = data[start:start + chunk]
+        part = data[start : start + chunk]
         yield TupleFrame(meta=meta if start == 0 else None, data=part, last=start + chunk >= len(data))
 
 
@@ -60,9 +60,16 @@ def running_gateway(config: GatewayConfig) -> Iterator[ingest_pb2_grpc.IngestStu
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[tuple[ingest_pb2_grpc.IngestStub, Path]]:
     """`run_gateway` in a thread with an unreachable master: tuples are accepted and stay spooled."""
-    config = GatewayConfig(master_address=DEAD_MASTER, data_dir=str(tmp_path / "var"), source="lab",
-                           ingest_listen=f"127.0.0.1:{free_port()}", max_tuple_bytes=1 << 20,
-                           spool_bytes=64 * 1024, chunk_bytes=16 * 1024, grace_seconds=1.0)
+    config = GatewayConfig(
+        master_address=DEAD_MASTER,
+        data_dir=str(tmp_path / "var"),
+        source="lab",
+        ingest_listen=f"127.0.0.1:{free_port()}",
+        max_tuple_bytes=1 << 20,
+        spool_bytes=64 * 1024,
+        chunk_bytes=16 * 1024,
+        grace_seconds=1.0,
+    )
     with running_gateway(config) as stub:
         yield stub, tmp_path / "var" / "gateway" / "spool" / "lab"
 
@@ -88,6 +95,7 @@ def test_gateway_status_says_why_tuples_wait(daemon: tuple[ingest_pb2_grpc.Inges
     def warned() -> ingest_pb2.GetGatewayStatusResponse | None:
         status = stub.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5)
         return status if status.warnings else None
+
     status = wait_for(warned, timeout=20, what="a warning in the gateway's status")
     assert status.master_unreachable_seconds > 0 and status.spooled_tuples == 1
     assert "master has been unreachable" in status.warnings[0] and "wait in the spool" in status.warnings[0]
@@ -130,7 +138,8 @@ def test_ingest_spool_full_is_resource_exhausted(daemon: tuple[ingest_pb2_grpc.I
 
 
 def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """After a failed spool fsync a later one can report success for bytes the failed one
     lost, so the gateway takes no new tuple, also once the disk syncs again: the ingest API
     answers FAILED_PRECONDITION with the reason and a retry hint, the status names it, and watched
@@ -139,21 +148,31 @@ def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted
     disk = FsyncDisk(monkeypatch)
     watch = tmp_path / "in"
     watch.mkdir()
-    config = GatewayConfig(master_address=DEAD_MASTER, data_dir=str(tmp_path / "var"), source="lab",
-                           ingest_listen=f"127.0.0.1:{free_port()}", watch=str(watch), settle_seconds=0.2,
-                           poll_seconds=0.05, grace_seconds=1.0)
+    config = GatewayConfig(
+        master_address=DEAD_MASTER,
+        data_dir=str(tmp_path / "var"),
+        source="lab",
+        ingest_listen=f"127.0.0.1:{free_port()}",
+        watch=str(watch),
+        settle_seconds=0.2,
+        poll_seconds=0.05,
+        grace_seconds=1.0,
+    )
 
     def status(stub: ingest_pb2_grpc.IngestStub) -> ingest_pb2.GetGatewayStatusResponse:
         return stub.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5)
 
     with running_gateway(config) as stub:
-        disk.open.clear()                                        # no round ends before 'a' is in
+        disk.open.clear()  # no round ends before 'a' is in
         disk.error = OSError(errno.EIO, "Input/output error")
         [receipt] = stub.Submit(frames(b"a" * 100, image="hio/synthetic", name="a.bin"), timeout=10)
-        assert receipt.state == TupleReceipt.ACCEPTED          # 'batch': receipted before its fsync
+        assert receipt.state == TupleReceipt.ACCEPTED  # 'batch': receipted before its fsync
         disk.open.set()
-        warned = wait_for(lambda: [w for w in status(stub).warnings if "failed to sync" in w],
-                          timeout=10, what="the failed fsync in the gateway's status")
+        warned = wait_for(
+            lambda: [w for w in status(stub).warnings if "failed to sync" in w],
+            timeout=10,
+            what="the failed fsync in the gateway's status",
+        )
         assert "Input/output error" in warned[0] and "restart the gateway" in warned[0]
         disk.error = None
         with pytest.raises(grpc.RpcError) as refused:
@@ -161,8 +180,11 @@ def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "the spool's disk failed to sync" in refused.value.details() and retry_after(refused.value)
         (watch / "late.tif").write_bytes(b"t" * 100)
-        wait_for(lambda: any("the spool takes no new files" in r.getMessage() for r in caplog.records),
-                 timeout=10, what="the watcher refused by the spool")
+        wait_for(
+            lambda: any("the spool takes no new files" in r.getMessage() for r in caplog.records),
+            timeout=10,
+            what="the watcher refused by the spool",
+        )
         assert (watch / "late.tif").exists() and status(stub).spooled_tuples == 1
         assert not list((tmp_path / "var" / "gateway" / "spool" / "lab").glob(".tmp-*"))
     with running_gateway(config) as stub:
@@ -176,8 +198,9 @@ def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted
 def test_library_blocks_then_raises_spool_full(tmp_path: Path) -> None:
     from hio.gateway import SpoolFull
 
-    with Gateway(master_address=DEAD_MASTER, data_dir=str(tmp_path), spool_bytes=4096,
-                 chunk_bytes=1024, grace_seconds=0.2) as gw:
+    with Gateway(
+        master_address=DEAD_MASTER, data_dir=str(tmp_path), spool_bytes=4096, chunk_bytes=1024, grace_seconds=0.2
+    ) as gw:
         gw.submit(b"x" * 3000, image="hio/synthetic")
         start = time.monotonic()
         with pytest.raises(SpoolFull, match="spool_bytes"):
@@ -202,9 +225,9 @@ def test_watcher_takes_a_file_only_once_it_settles(tmp_path: Path) -> None:
             fh.write(b"2" * 100)
         os.utime(growing, ns=(1, 1))  # the writer touched it: the clock restarts
         assert watcher.scan_once(now=0.9) == 0
-        assert watcher.scan_once(now=1.5) == 0   # unchanged for 0.6 s only
-        assert watcher.scan_once(now=2.0) == 1   # unchanged for 1.1 s: taken
-        assert watcher.scan_once(now=9.0) == 0   # never twice
+        assert watcher.scan_once(now=1.5) == 0  # unchanged for 0.6 s only
+        assert watcher.scan_once(now=2.0) == 1  # unchanged for 1.1 s: taken
+        assert watcher.scan_once(now=9.0) == 0  # never twice
         [entry] = gw.spool.entries()
         assert (entry.meta.image, entry.meta.name, entry.meta.size) == ("hio/microscopy", "a.tif", 200)
         assert entry.move.target == str((watch / ".hio-done" / "plate" / "a.tif").resolve())
@@ -238,9 +261,26 @@ def test_send_fails_fast_naming_an_unreachable_master(tmp_path: Path) -> None:
     sample = tmp_path / "plate.tif"
     sample.write_bytes(b"x" * 100)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", str(sample), "--master-address", DEAD_MASTER,
-                           "--connect-seconds", "1", "--data-dir", str(tmp_path / "var")],
-                          capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hio.cli",
+            "send",
+            str(sample),
+            "--master-address",
+            DEAD_MASTER,
+            "--connect-seconds",
+            "1",
+            "--data-dir",
+            str(tmp_path / "var"),
+        ],
+        capture_output=True,
+        text=True,
+        env=hio_env(),
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert DEAD_MASTER in proc.stderr and "cannot reach the master" in proc.stderr
     assert time.monotonic() - start < 30
@@ -249,8 +289,14 @@ def test_send_fails_fast_naming_an_unreachable_master(tmp_path: Path) -> None:
 def test_send_refuses_a_file_without_image(tmp_path: Path) -> None:
     sample = tmp_path / "notes.txt"
     sample.write_text("hello")
-    proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", str(sample), "--master-address", DEAD_MASTER],
-                          capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hio.cli", "send", str(sample), "--master-address", DEAD_MASTER],
+        capture_output=True,
+        text=True,
+        env=hio_env(),
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert "notes.txt" in proc.stderr and "--image" in proc.stderr
 
@@ -267,14 +313,20 @@ def test_submit_after_close_says_the_gateway_is_closed(tmp_path: Path) -> None:
         gw.submit_file(tmp_path / "late.bin", image="hio/synthetic")
 
 
-def test_send_names_a_file_that_vanished_before_it_was_spooled(tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_send_names_a_file_that_vanished_before_it_was_spooled(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from hio.gateway.config import SendConfig
     from hio.gateway.send import _Sender
 
-    gone = tmp_path / "gone.bin"        # listed, then deleted by the instrument before hio send reached it
-    config = SendConfig(master_address=DEAD_MASTER, data_dir=str(tmp_path / "var"), connect_seconds=1.0,
-                        progress=False, grace_seconds=0.2)
+    gone = tmp_path / "gone.bin"  # listed, then deleted by the instrument before hio send reached it
+    config = SendConfig(
+        master_address=DEAD_MASTER,
+        data_dir=str(tmp_path / "var"),
+        connect_seconds=1.0,
+        progress=False,
+        grace_seconds=0.2,
+    )
     code = _Sender(config, [gone], {gone: "hio/synthetic"}).run()
     assert code != 0
     out = capsys.readouterr().out
@@ -290,14 +342,33 @@ def test_send_stops_at_once_when_the_master_refuses_its_token(tmp_path: Path) ->
     tokens.write_text("good-token gateway lab\n")
     address = f"127.0.0.1:{free_port()}"
     (tmp_path / "a.bin").write_bytes(b"x" * 100)
-    with HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path / "m"),
-                               "--tokens-file", str(tokens)], tmp_path) as master:
+    with HioProcess(
+        "master", ["--listen", address, "--data-dir", str(tmp_path / "m"), "--tokens-file", str(tokens)], tmp_path
+    ) as master:
         master.wait_healthy(address)
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", str(tmp_path / "a.bin"), "--image",
-                               "hio/synthetic", "--master-address", address, "--token", "wrong-token",
-                               "--data-dir", str(tmp_path / "var")],
-                              capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hio.cli",
+                "send",
+                str(tmp_path / "a.bin"),
+                "--image",
+                "hio/synthetic",
+                "--master-address",
+                address,
+                "--token",
+                "wrong-token",
+                "--data-dir",
+                str(tmp_path / "var"),
+            ],
+            capture_output=True,
+            text=True,
+            env=hio_env(),
+            timeout=60,
+            cwd=tmp_path,
+        )
         assert time.monotonic() - started < 30
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "refuses this gateway" in proc.stderr and "UNAUTHENTICATED" in proc.stderr, proc.stderr
@@ -307,11 +378,26 @@ def test_send_stops_at_once_when_the_master_refuses_its_token(tmp_path: Path) ->
 def test_drop_spooled_while_another_hio_send_runs_says_so(tmp_path: Path) -> None:
     from hio.gateway.spool import Spool
 
-    held = Spool(tmp_path / "var" / "gateway" / "spool" / "send-busy", 1 << 20)   # as a running hio send holds it
+    held = Spool(tmp_path / "var" / "gateway" / "spool" / "send-busy", 1 << 20)  # as a running hio send holds it
     try:
-        proc = subprocess.run([sys.executable, "-m", "hio.cli", "send", "--drop-spooled", "--source", "busy",
-                               "--data-dir", str(tmp_path / "var")], capture_output=True, text=True,
-                              env=hio_env(), timeout=60, cwd=tmp_path)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hio.cli",
+                "send",
+                "--drop-spooled",
+                "--source",
+                "busy",
+                "--data-dir",
+                str(tmp_path / "var"),
+            ],
+            capture_output=True,
+            text=True,
+            env=hio_env(),
+            timeout=60,
+            cwd=tmp_path,
+        )
     finally:
         held.close()
     assert proc.returncode == 2

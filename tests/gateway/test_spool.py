@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from hio.config import ConfigError
-from hio.transport.errors import FailedPrecondition, InvalidArgument
 from hio.gateway import spool as spool_module
 from hio.gateway.spool import MoveOnDone, Spool, SpoolFull, safe_name
 from hio.proto.tuple_pb2 import TupleMeta
+from hio.transport.errors import FailedPrecondition, InvalidArgument
 from tests.harness import FsyncDisk
 
 
@@ -41,7 +41,8 @@ def test_bound_refuses_with_a_message_naming_it(tmp_path: Path) -> None:
         spool.put_bytes(b"z" * 101, meta())
     assert len(spool) == 1 and spool.used_bytes == 60 and spool.reserved_bytes == 0
     assert sorted(p.name for p in (tmp_path / "s").iterdir() if not p.name.startswith(".")) == [
-        "00000000000000000001.seg"]     # one segment, nothing else: refused tuples left no trace
+        "00000000000000000001.seg"
+    ]  # one segment, nothing else: refused tuples left no trace
 
 
 def test_removal_frees_room_for_a_waiting_writer(tmp_path: Path) -> None:
@@ -79,7 +80,7 @@ def test_interrupted_writes_leave_no_entry(tmp_path: Path) -> None:
     spool = Spool(root, 1 << 20)
     keep = spool.put_bytes(b"kept", meta())
     writer = spool.writer(10)
-    writer.write(b"half")     # a crash now leaves a temp file
+    writer.write(b"half")  # a crash now leaves a temp file
     spool.close()
     (root / "00000000000000000009.data").write_bytes(b"payload whose record never got written")
     (root / ".tmp-123").write_bytes(b"temp meta")
@@ -87,8 +88,10 @@ def test_interrupted_writes_leave_no_entry(tmp_path: Path) -> None:
     again = Spool(root, 1 << 20)
     assert [e.seq for e in again.entries()] == [keep.seq]
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".lock")) == [
-        "00000000000000000001.seg", "00000000000000000002.seg"]
-    assert again.put_bytes(b"next", meta()).seq == 10     # never reuses a sequence a file had
+        "00000000000000000001.seg",
+        "00000000000000000002.seg",
+    ]
+    assert again.put_bytes(b"next", meta()).seq == 10  # never reuses a sequence a file had
 
 
 def test_torn_record_is_cut_off_and_earlier_ones_survive(tmp_path: Path) -> None:
@@ -99,16 +102,16 @@ def test_torn_record_is_cut_off_and_earlier_ones_survive(tmp_path: Path) -> None
     spool.close()
     segment = root / "00000000000000000001.seg"
     size = segment.stat().st_size
-    os.truncate(segment, size - 150)       # a crash in the middle of the last append
+    os.truncate(segment, size - 150)  # a crash in the middle of the last append
     again = Spool(root, 1 << 20)
     assert [e.meta.name for e in again.entries()] == ["g0", "g1", "g2"]
     assert [again.read_payload(e) for e in again.entries()] == [spool_payload(e) for e in good]
-    assert segment.stat().st_size < size - 150     # the torn record is gone for good
+    assert segment.stat().st_size < size - 150  # the torn record is gone for good
     again.close()
 
 
 def spool_payload(entry: object) -> bytes:
-    return f"good {entry.meta.name[1:]}".encode()    # type: ignore[attr-defined] - a SpoolEntry, typed as object
+    return f"good {entry.meta.name[1:]}".encode()  # type: ignore[attr-defined] - a SpoolEntry, typed as object
 
 
 def test_damaged_payload_is_set_aside_not_sent(tmp_path: Path) -> None:
@@ -119,7 +122,7 @@ def test_damaged_payload_is_set_aside_not_sent(tmp_path: Path) -> None:
     spool.close()
     segment = root / "00000000000000000001.seg"
     data = bytearray(segment.read_bytes())
-    data[first.offset + 500] ^= 0xFF       # a flipped bit on the disk
+    data[first.offset + 500] ^= 0xFF  # a flipped bit on the disk
     segment.write_bytes(bytes(data))
     again = Spool(root, 1 << 20)
     assert [e.meta.name for e in again.entries()] == ["second"]
@@ -146,9 +149,9 @@ def test_finished_segments_are_deleted_oldest_first(tmp_path: Path) -> None:
     assert spool.segment_files >= 4
     for entry in entries[1:]:
         spool.remove(entry)
-    assert spool.segment_files >= 4          # the first tuple pins its segment and the later ones
+    assert spool.segment_files >= 4  # the first tuple pins its segment and the later ones
     spool.remove(entries[0])
-    assert spool.segment_files == 1          # only the active one is left
+    assert spool.segment_files == 1  # only the active one is left
     spool.close()
     assert Spool(root, 1 << 20).entries() == []
 
@@ -159,7 +162,7 @@ def test_a_tuple_that_stays_is_carried_forward_so_disk_use_stays_bounded(tmp_pat
     stuck = spool.put_bytes(b"S" * 500, meta("stuck"))
     stuck.meta.tuple_id = 7
     spool.update(stuck)
-    for i in range(200):                     # far more than the bound passes through
+    for i in range(200):  # far more than the bound passes through
         spool.remove(spool.put_bytes(bytes([i % 256]) * 900, meta(f"n{i}")))
     on_disk = sum(p.stat().st_size for p in root.glob("*.seg"))
     assert on_disk <= 2 * 10_000 + 3 * 2048
@@ -220,10 +223,10 @@ def test_remove_many_is_one_append_and_survives_restart(tmp_path: Path) -> None:
     entries = [spool.put_bytes(f"tuple {i}".encode(), meta(f"n{i}")) for i in range(6)]
     segment = tmp_path / "s" / "00000000000000000001.seg"
     before = segment.stat().st_size
-    gone = [entries[0], entries[2], entries[2], entries[5]]   # a repeat is forgotten once
+    gone = [entries[0], entries[2], entries[2], entries[5]]  # a repeat is forgotten once
     spool.remove_many(gone)
     added = segment.stat().st_size - before
-    spool.remove_many([entries[0]])                            # already gone: nothing written
+    spool.remove_many([entries[0]])  # already gone: nothing written
     assert segment.stat().st_size - before == added
     assert [e.meta.name for e in spool.entries()] == ["n1", "n3", "n4"]
     assert spool.used_bytes == sum(e.size for e in spool.entries())
@@ -255,9 +258,9 @@ def test_batch_mode_syncs_a_rolled_segment_in_the_flush_loop_not_under_the_appen
     spool = Spool(root, 1 << 20, fsync="batch", segment_bytes=4096)
     payloads = [bytes([n]) * 3000 for n in range(8)]
     entries = [spool.put_bytes(p, meta(f"t{n}")) for n, p in enumerate(payloads)]
-    assert spool.segment_files >= 4                    # three rolled, their fsyncs left to the flush loop
+    assert spool.segment_files >= 4  # three rolled, their fsyncs left to the flush loop
     spool.flush()
-    assert len(_open_segments(root)) == 1                  # only the active segment stays open
+    assert len(_open_segments(root)) == 1  # only the active segment stays open
     spool.remove_many(entries[:2])
     spool.close()
     again = Spool(root, 1 << 20)
@@ -267,14 +270,14 @@ def test_batch_mode_syncs_a_rolled_segment_in_the_flush_loop_not_under_the_appen
 
 
 def test_a_file_that_cannot_be_spooled_gives_its_room_back(tmp_path: Path) -> None:
-    folder = tmp_path / "not-a-file"      # stat works, reading it fails: as a file that vanishes or errs
+    folder = tmp_path / "not-a-file"  # stat works, reading it fails: as a file that vanishes or errs
     folder.mkdir()
     size = os.stat(folder).st_size
     spool = Spool(tmp_path / "s", size)
     with pytest.raises(OSError):
         spool.put_file(folder, meta())
     assert spool.reserved_bytes == 0 and len(spool) == 0
-    spool.put_bytes(b"x" * size, meta(), timeout=0)   # the whole bound is there again
+    spool.put_bytes(b"x" * size, meta(), timeout=0)  # the whole bound is there again
     assert not [p for p in (tmp_path / "s").iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -286,7 +289,7 @@ def test_an_upload_aborted_on_a_full_disk_leaves_no_file_and_no_reservation(tmp_
     writer.write(b"x" * 100)
     with pytest.raises(OSError):
         writer.commit(meta())
-    writer.abort()                                          # must not raise again (closing flushes)
+    writer.abort()  # must not raise again (closing flushes)
     assert spool.reserved_bytes == 0 and len(spool) == 0
     assert not writer.path.exists()
 
@@ -297,7 +300,7 @@ def test_payload_damage_names_a_spooled_file_rewritten_in_place(tmp_path: Path) 
     spool = Spool(tmp_path / "s", 1 << 20)
     entry = spool.put_file(original, meta("frame.bin"))
     assert spool.payload_damage(entry) == ""
-    with open(original, "r+b") as fh:          # same inode as the hard-linked spooled copy
+    with open(original, "r+b") as fh:  # same inode as the hard-linked spooled copy
         fh.write(b"b" * 1000)
     assert "'frame.bin' changed after it was taken" in spool.payload_damage(entry)
     inline = spool.put_bytes(b"c" * 1000, meta("inline"))
@@ -305,20 +308,21 @@ def test_payload_damage_names_a_spooled_file_rewritten_in_place(tmp_path: Path) 
 
 
 def test_batch_mode_never_syncs_a_segment_whose_tuples_finished_before_its_turn(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A finished segment deleted before the flush loop reached it never goes to the disk
     (its tuples need no disk); a rolled segment with a tuple not yet finished is synced,
     and so is the active one; what they hold survives a restart."""
-    monkeypatch.setattr(spool_module, "BATCH_FSYNC_SECONDS", 3600.0)   # this test flushes by hand
+    monkeypatch.setattr(spool_module, "BATCH_FSYNC_SECONDS", 3600.0)  # this test flushes by hand
     disk = FsyncDisk(monkeypatch)
     root = tmp_path / "s"
     spool = Spool(root, 1 << 20, fsync="batch", segment_bytes=4096)
     payloads = [bytes([n]) * 3000 for n in range(5)]
     entries = [spool.put_bytes(p, meta(f"t{n}")) for n, p in enumerate(payloads)]
     segments = sorted({str(e.data_path) for e in entries})
-    assert len(segments) == 3                    # t0 t1 | t2 t3 | t4 (a segment rolls past 4096 bytes)
+    assert len(segments) == 3  # t0 t1 | t2 t3 | t4 (a segment rolls past 4096 bytes)
     assert spool.unsynced_bytes > 15000
-    spool.remove_many(entries[:2])               # the first segment is finished and deleted
+    spool.remove_many(entries[:2])  # the first segment is finished and deleted
     assert not Path(segments[0]).exists()
     spool.flush()
     assert segments[0] not in disk.synced
@@ -337,12 +341,14 @@ def test_batch_mode_holds_appends_while_the_disk_is_behind(tmp_path: Path, monke
     was counted once appended, so each concurrent submitter could add one past the bound."""
     disk = FsyncDisk(monkeypatch)
     spool = Spool(tmp_path / "s", 1 << 20, fsync="batch", unsynced_bytes=13_000)
-    disk.open.clear()                            # the disk stalls
+    disk.open.clear()  # the disk stalls
     spool.put_bytes(b"a" * 6000, meta("t0"))
-    spool.put_bytes(b"b" * 6000, meta("t1"))     # appended: 12000 and their records fit in 13000
+    spool.put_bytes(b"b" * 6000, meta("t1"))  # appended: 12000 and their records fit in 13000
     behind = spool.unsynced_bytes
-    others = [threading.Thread(target=spool.put_bytes, args=(bytes([n]) * 6000, meta(f"t{n}")), daemon=True)
-              for n in range(2, 5)]
+    others = [
+        threading.Thread(target=spool.put_bytes, args=(bytes([n]) * 6000, meta(f"t{n}")), daemon=True)
+        for n in range(2, 5)
+    ]
     for other in others:
         other.start()
     others[0].join(0.5)
@@ -356,7 +362,8 @@ def test_batch_mode_holds_appends_while_the_disk_is_behind(tmp_path: Path, monke
 
 
 def test_batch_mode_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A failed flush is final: after it, Linux may report a later fsync as a success for
     bytes it dropped, so the spool refuses every new tuple (FailedPrecondition, naming the disk
     and the restart, nothing written: no record, no payload file), also once the disk
@@ -366,28 +373,30 @@ def test_batch_mode_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
     disk = FsyncDisk(monkeypatch)
     root = tmp_path / "s"
     spool = Spool(root, 1 << 20, fsync="batch", unsynced_bytes=13_000)
-    disk.open.clear()                                             # no round ends before both are in
+    disk.open.clear()  # no round ends before both are in
     disk.error = OSError(errno.EIO, "Input/output error")
     spool.put_bytes(b"a" * 6000, meta("t0"))
     spool.put_bytes(b"b" * 6000, meta("t1"))
     disk.open.set()
     refusal = r"the spool's disk failed to sync at .*\(.*Input/output error\).*restart the gateway"
-    with pytest.raises(FailedPrecondition, match=refusal) as held:   # held for the disk (or refused at once)
+    with pytest.raises(FailedPrecondition, match=refusal) as held:  # held for the disk (or refused at once)
         spool.put_bytes(b"c" * 6000, meta("t2"))
     assert held.value.retry_after and "nothing of this tuple was written" in held.value.message
     assert "Input/output error" in spool.disk_failure
     disk.error = None
-    spool.flush()                                                 # the disk "syncs" again
+    spool.flush()  # the disk "syncs" again
     assert spool.unsynced_bytes == 0
     original = tmp_path / "frame.bin"
     original.write_bytes(b"d" * 100)
-    for attempt in (lambda: spool.put_bytes(b"c", meta("t2")),    # well within the bound: refused all the same
-                    lambda: spool.put_file(original, meta("frame.bin"))):
+    for attempt in (
+        lambda: spool.put_bytes(b"c", meta("t2")),  # well within the bound: refused all the same
+        lambda: spool.put_file(original, meta("frame.bin")),
+    ):
         with pytest.raises(FailedPrecondition, match=refusal):
             attempt()
     assert len(spool) == 2 and spool.used_bytes == 12_000 and spool.reserved_bytes == 0
     assert not list(root.glob(".tmp-*")) and original.read_bytes() == b"d" * 100
-    assert [spool.read_payload(e)[:1] for e in spool.entries()] == [b"a", b"b"]   # still delivered
+    assert [spool.read_payload(e)[:1] for e in spool.entries()] == [b"a", b"b"]  # still delivered
     spool.close()
     again = Spool(root, 1 << 20, fsync="batch")
     assert again.disk_failure == ""
@@ -396,8 +405,10 @@ def test_batch_mode_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
     assert len(again) == 3
     again.close()
 
+
 def test_always_mode_refuses_the_tuple_whose_fsync_failed_and_every_later_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With 'always' the tuple whose fsync failed is refused and cut off its segment (a
     restart does not bring back what its sender was told failed, to be sent twice), and the
     failure is as final as in 'batch': later tuples are refused before any I/O."""
@@ -407,7 +418,7 @@ def test_always_mode_refuses_the_tuple_whose_fsync_failed_and_every_later_one(
     spool.put_bytes(b"a" * 100, meta("t0"))
     disk.error = OSError(errno.EIO, "Input/output error")
     refusal = r"the spool's disk failed to sync .*\(Input/output error\).*restart the gateway"
-    with pytest.raises(FailedPrecondition, match=refusal):        # the tuple whose fsync failed
+    with pytest.raises(FailedPrecondition, match=refusal):  # the tuple whose fsync failed
         spool.put_bytes(b"b" * 100, meta("t1"))
     disk.error = None
     with pytest.raises(FailedPrecondition, match=refusal):
@@ -420,23 +431,25 @@ def test_always_mode_refuses_the_tuple_whose_fsync_failed_and_every_later_one(
 
 
 def test_a_flush_that_cannot_open_a_descriptor_is_not_final_and_loses_nothing_to_sync(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A flush that fails before any fsync (no descriptor left: EMFILE) is not the disk's
     failure: the spool goes on taking tuples, and the next flush syncs everything the failed
     one had taken over, so nothing it had taken over is left unsynced or counted."""
-    monkeypatch.setattr(spool_module, "BATCH_FSYNC_SECONDS", 3600.0)   # this test flushes by hand
+    monkeypatch.setattr(spool_module, "BATCH_FSYNC_SECONDS", 3600.0)  # this test flushes by hand
     disk = FsyncDisk(monkeypatch)
     root = tmp_path / "s"
     spool = Spool(root, 1 << 20, fsync="batch", segment_bytes=4096)
     original = tmp_path / "frame.bin"
     original.write_bytes(b"f" * 500)
     spool.put_file(original, meta("frame.bin"))
-    entries = [spool.put_bytes(bytes([n]) * 3000, meta(f"t{n}")) for n in range(3)]   # a segment rolls
+    entries = [spool.put_bytes(bytes([n]) * 3000, meta(f"t{n}")) for n in range(3)]  # a segment rolls
     assert spool.unsynced_bytes > 9000
     real_dup = os.dup
 
     def no_descriptor(fd: int) -> int:
         raise OSError(errno.EMFILE, "Too many open files")
+
     monkeypatch.setattr(os, "dup", no_descriptor)
     with pytest.raises(OSError, match="Too many open files"):
         spool.flush()
@@ -452,8 +465,14 @@ def test_a_flush_that_cannot_open_a_descriptor_is_not_final_and_loses_nothing_to
 def _hsp1(kind: int, seq: int, meta_bytes: bytes = b"", payload: bytes = b"") -> bytes:
     """A spool record in the HSP1 framing, byte by byte: magic, kind, sequence, meta, move and
     payload lengths (big-endian), CRC-32 of those, the metadata, the payload."""
-    body = b"HSP1" + bytes([kind]) + seq.to_bytes(8, "big") + len(meta_bytes).to_bytes(4, "big") \
-        + (0).to_bytes(4, "big") + len(payload).to_bytes(8, "big")
+    body = (
+        b"HSP1"
+        + bytes([kind])
+        + seq.to_bytes(8, "big")
+        + len(meta_bytes).to_bytes(4, "big")
+        + (0).to_bytes(4, "big")
+        + len(payload).to_bytes(8, "big")
+    )
     return body + zlib.crc32(meta_bytes, zlib.crc32(body)).to_bytes(4, "big") + meta_bytes + payload
 
 
@@ -472,12 +491,15 @@ def test_a_spool_folder_in_the_hsp1_format_resumes_its_tuples(tmp_path: Path) ->
     (root / f"{1:020d}.seg").write_bytes(records + _hsp1(4, 3)[:10])
     spool = Spool(root, 1 << 20)
     assert [(e.meta.name, e.meta.tuple_id, spool.read_payload(e)) for e in spool.entries()] == [
-        ("t2", 42, bytes([2]) * 100), ("t3", 0, bytes([3]) * 100)]
+        ("t2", 42, bytes([2]) * 100),
+        ("t3", 0, bytes([3]) * 100),
+    ]
     spool.close()
 
 
-def test_a_partial_record_that_cannot_be_cut_off_stops_new_tuples(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_partial_record_that_cannot_be_cut_off_stops_new_tuples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A record the disk took only part of is cut off; when even the cut fails, what is left
     would end the segment's records at the next start, so no new tuple is taken until the
     gateway restarts (the tuples before it resume)."""

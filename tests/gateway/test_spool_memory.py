@@ -15,12 +15,12 @@ def meta() -> TupleMeta:
 def test_payloads_stay_in_memory_within_the_bound_and_leave_with_the_entry(tmp_path: Path) -> None:
     spool = Spool(tmp_path / "s", 1 << 20, fsync="never", memory_bytes=250)
     first = spool.put_bytes(b"a" * 200, meta())
-    second = spool.put_bytes(b"b" * 100, meta())          # would pass the bound: disk only
+    second = spool.put_bytes(b"b" * 100, meta())  # would pass the bound: disk only
     assert first.payload == b"a" * 200 and second.payload is None
-    assert spool.read_payload(first) == b"a" * 200   # the durable copy is still written
+    assert spool.read_payload(first) == b"a" * 200  # the durable copy is still written
     spool.remove(first)
     assert first.payload is None
-    third = spool.put_bytes(b"c" * 100, meta())           # room again once the first left
+    third = spool.put_bytes(b"c" * 100, meta())  # room again once the first left
     assert third.payload == b"c" * 100
     spool.close()
     reopened = Spool(tmp_path / "s", 1 << 20, fsync="never", memory_bytes=250)

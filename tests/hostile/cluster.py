@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import zstandard
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from hio.proto import (
     engine_pb2_grpc,
     features_pb2,
@@ -33,7 +34,7 @@ from hio.proto import (
     repository_pb2,
     repository_pb2_grpc,
 )
-
+from hio.settings import ClusterSettings
 from hio.transport.frames import (
     TupleFrame,
     TupleMeta,
@@ -42,7 +43,6 @@ from hio.transport.frames import (
     frames_for_bytes,
 )
 from hio.transport.net import AUTH_HEADER, create_channel, create_server, set_serving
-from hio.settings import ClusterSettings
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -54,8 +54,13 @@ ENGINE_IMAGE = "hio/synthetic"
 QUEUE_IMAGE = "hostile/q"
 GATEWAY_IMAGE = "hio/simulation"
 
-TOKENS = {"gateway": "tok-gateway", "worker": "tok-worker", "kd": "tok-kd", "admin": "tok-admin",
-          "viewer": "tok-viewer"}
+TOKENS = {
+    "gateway": "tok-gateway",
+    "worker": "tok-worker",
+    "kd": "tok-kd",
+    "admin": "tok-admin",
+    "viewer": "tok-viewer",
+}
 TICKET_KEY = b"hostile-ticket-key-0123456789abcdef"
 
 
@@ -77,8 +82,15 @@ def cluster_settings(root: Path) -> dict[str, Any]:
 
 def meta_for(tuple_id: int, data: bytes, image: str = ENGINE_IMAGE, **fields: Any) -> TupleMeta:
     """Metadata matching ``data`` (size and CRC-32)."""
-    base: dict[str, Any] = {"tuple_id": tuple_id, "image": image, "size": len(data), "crc32": crc32(data),
-                            "source": "hostile", "name": f"t{tuple_id}", "attempt": 1}
+    base: dict[str, Any] = {
+        "tuple_id": tuple_id,
+        "image": image,
+        "size": len(data),
+        "crc32": crc32(data),
+        "source": "hostile",
+        "name": f"t{tuple_id}",
+        "attempt": 1,
+    }
     base.update(fields)
     return TupleMeta(**base)
 
@@ -94,8 +106,9 @@ def auth(role: str) -> tuple[tuple[str, str], ...]:
 
 def wide_channel(address: str) -> grpc.Channel:
     """A channel that sends messages up to 64 MiB: to prove the *server* refuses oversized ones."""
-    return grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 * MiB),
-                                                   ("grpc.max_receive_message_length", 64 * MiB)])
+    return grpc.insecure_channel(
+        address, options=[("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)]
+    )
 
 
 def serving(address: str) -> bool:
@@ -159,9 +172,15 @@ class HostileCluster:
     def _start_repository(self) -> None:
         from hio.repository import RepositoryConfig, create_repository_server
 
-        config = RepositoryConfig(listen="127.0.0.1:0", http_listen="", data_dir=str(self.root / "repo"),
-                                  fsync="never", max_record_bytes=MAX_RECORD,
-                                  max_decompressed_bytes=MAX_DECOMPRESSED, **self.shared)
+        config = RepositoryConfig(
+            listen="127.0.0.1:0",
+            http_listen="",
+            data_dir=str(self.root / "repo"),
+            fsync="never",
+            max_record_bytes=MAX_RECORD,
+            max_decompressed_bytes=MAX_DECOMPRESSED,
+            **self.shared,
+        )
         config.validate()
         server, port, store = create_repository_server(config)
         server.start()
@@ -171,9 +190,15 @@ class HostileCluster:
     def _start_master(self, overrides: dict[str, Any]) -> None:
         from hio.master import MasterConfig, create_master_server
 
-        values: dict[str, Any] = {"listen": "127.0.0.1:0", "data_dir": str(self.root / "master"), "fsync": "never",
-                                  "queue_bytes": 64 * MiB, "segment_bytes": MiB,
-                                  "images": (ENGINE_IMAGE, QUEUE_IMAGE, GATEWAY_IMAGE), **self.shared}
+        values: dict[str, Any] = {
+            "listen": "127.0.0.1:0",
+            "data_dir": str(self.root / "master"),
+            "fsync": "never",
+            "queue_bytes": 64 * MiB,
+            "segment_bytes": MiB,
+            "images": (ENGINE_IMAGE, QUEUE_IMAGE, GATEWAY_IMAGE),
+            **self.shared,
+        }
         values.update(overrides)
         config = MasterConfig(**values)
         config.validate()
@@ -186,6 +211,7 @@ class HostileCluster:
             master.begin_shutdown()
             server.stop(0).wait(5)
             master.close()
+
         self._add("master", self.master_address, stop)
 
     def start_engine(self, channel_id: str, **overrides: Any) -> str:
@@ -193,10 +219,18 @@ class HostileCluster:
         from hio.worker.config import EngineConfig
         from hio.worker.engine import create_engine_server
 
-        values: dict[str, Any] = {"channel_id": channel_id, "image": ENGINE_IMAGE, "listen": "127.0.0.1:0",
-                                  "master_address": self.master_address,
-                                  "repository_address": self.repository_address, "token": TOKENS["worker"],
-                                  "pull_wait": 1.0, "rpc_deadline": 5.0, "grace_seconds": 1.0, **self.shared}
+        values: dict[str, Any] = {
+            "channel_id": channel_id,
+            "image": ENGINE_IMAGE,
+            "listen": "127.0.0.1:0",
+            "master_address": self.master_address,
+            "repository_address": self.repository_address,
+            "token": TOKENS["worker"],
+            "pull_wait": 1.0,
+            "rpc_deadline": 5.0,
+            "grace_seconds": 1.0,
+            **self.shared,
+        }
         values.update({k: v for k, v in overrides.items() if k in {f.name for f in dataclasses.fields(EngineConfig)}})
         config = EngineConfig(**values)
         config.validate()
@@ -210,6 +244,7 @@ class HostileCluster:
             stopper.start()
             stopper.join(5)
             server.stop(0).wait(5)
+
         self._add(f"engine {channel_id}", address, stop)
         return address
 
@@ -220,13 +255,21 @@ class HostileCluster:
         """A Gateway library object serving the ingest API on port 0: (gateway, address)."""
         from hio.gateway.client import Gateway
         from hio.gateway.config import GatewayConfig
-        from hio.gateway.ingest import POLICY as INGEST_POLICY, IngestReceiver, IngestServicer
+        from hio.gateway.ingest import POLICY as INGEST_POLICY
+        from hio.gateway.ingest import IngestReceiver, IngestServicer
 
-        values: dict[str, Any] = {"master_address": self.master_address,
-                                  "repository_address": self.repository_address,
-                                  "data_dir": str(self.root / name), "source": name, "token": TOKENS["gateway"],
-                                  "ingest_listen": "127.0.0.1:0", "progress": False, "spool_bytes": 32 * MiB,
-                                  "grace_seconds": 1.0, **self.shared}
+        values: dict[str, Any] = {
+            "master_address": self.master_address,
+            "repository_address": self.repository_address,
+            "data_dir": str(self.root / name),
+            "source": name,
+            "token": TOKENS["gateway"],
+            "ingest_listen": "127.0.0.1:0",
+            "progress": False,
+            "spool_bytes": 32 * MiB,
+            "grace_seconds": 1.0,
+            **self.shared,
+        }
         values.update({k: v for k, v in overrides.items() if k in {f.name for f in dataclasses.fields(GatewayConfig)}})
         config = GatewayConfig(**values)
         config.validate()
@@ -234,8 +277,11 @@ class HostileCluster:
         receiver = IngestReceiver(gateway)
         servicer = IngestServicer(gateway, receiver)
         server, port, health = create_server(
-            config, "127.0.0.1:0", policy=INGEST_POLICY,
-            register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)])
+            config,
+            "127.0.0.1:0",
+            policy=INGEST_POLICY,
+            register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)],
+        )
         server.start()
         set_serving(health)
         address = f"127.0.0.1:{port}"
@@ -244,6 +290,7 @@ class HostileCluster:
             receiver.stop_accepting()
             server.stop(0).wait(5)
             gateway.close(1.0, drain=False)
+
         self._add(f"gateway {name}", address, stop)
         return gateway, address
 
@@ -255,8 +302,9 @@ class HostileCluster:
         """A channel presenting ``role``'s token (None: no token), shared; closed with the cluster."""
         key = (address, role)
         if key not in self._channels:
-            self._channels[key] = create_channel(address, ClusterSettings(chunk_bytes=CHUNK),
-                                                 token=TOKENS[role] if role else "")
+            self._channels[key] = create_channel(
+                address, ClusterSettings(chunk_bytes=CHUNK), token=TOKENS[role] if role else ""
+            )
         return self._channels[key]
 
     def close(self) -> None:
@@ -272,8 +320,9 @@ class HostileCluster:
     def route(self, count: int, image: str = ENGINE_IMAGE, size: int = 100) -> master_pb2.RouteTuplesResponse:
         """Ids and tickets for ``count`` tuples, always via the queue (no channel is reserved)."""
         items = [master_pb2.RouteItem(size=size) for _ in range(count)]
-        return self.master.RouteTuples(master_pb2.RouteTuplesRequest(source="hostile", image=image, items=items,
-                                                                     force_queue=True), timeout=5)
+        return self.master.RouteTuples(
+            master_pb2.RouteTuplesRequest(source="hostile", image=image, items=items, force_queue=True), timeout=5
+        )
 
     def routed_tuple(self, data: bytes, image: str = ENGINE_IMAGE, **fields: Any) -> TupleMeta:
         """Metadata of a tuple the master routed (id and ticket filled in)."""
@@ -302,9 +351,15 @@ class HostileCluster:
         worker = master_pb2_grpc.MasterStub(self.channel(self.master_address, "worker"))
         pulled: dict[int, bytes] = {}
         with self._probe_lock:
-            worker.RegisterWorker(master_pb2.RegisterWorkerRequest(
-                worker_id=probe, host="probe", cpus=1, channels=[master_pb2.ChannelInfo(
-                    channel_id=channel_id, image=image, address="127.0.0.1:9")]), timeout=5)
+            worker.RegisterWorker(
+                master_pb2.RegisterWorkerRequest(
+                    worker_id=probe,
+                    host="probe",
+                    cpus=1,
+                    channels=[master_pb2.ChannelInfo(channel_id=channel_id, image=image, address="127.0.0.1:9")],
+                ),
+                timeout=5,
+            )
             while True:
                 meta, data = self._pull_one(worker, channel_id)
                 if meta is None:
@@ -313,8 +368,9 @@ class HostileCluster:
                 assert meta.tuple_id not in pulled, f"tuple {meta.tuple_id} pulled twice"
                 pulled[meta.tuple_id] = data
                 outcome = master_pb2.TupleOutcome(tuple_id=meta.tuple_id, ok=True, from_queue=True, size=meta.size)
-                worker.ReportTuples(master_pb2.ReportTuplesRequest(channel_id=channel_id, outcomes=[outcome],
-                                                                   release=True), timeout=5)
+                worker.ReportTuples(
+                    master_pb2.ReportTuplesRequest(channel_id=channel_id, outcomes=[outcome], release=True), timeout=5
+                )
 
     @staticmethod
     def _pull_one(stub: master_pb2_grpc.MasterStub, channel_id: str) -> tuple[TupleMeta | None, bytes]:
@@ -342,8 +398,7 @@ class HostileCluster:
         return records
 
     def deliver(self, tuples: Sequence[tuple[TupleMeta, bytes]], role: str = "gateway") -> list[TupleReceipt]:
-        stub = engine_pb2_grpc.EngineStub(self.channel(self.engine_address, role)) if role != "gateway" \
-            else self.engine
+        stub = engine_pb2_grpc.EngineStub(self.channel(self.engine_address, role)) if role != "gateway" else self.engine
         stream = (f for meta, data in tuples for f in frames_for_bytes(meta, data, CHUNK))
         return list(stub.Deliver(stream, timeout=15))
 
@@ -354,8 +409,9 @@ class HostileCluster:
         return self.ingest.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5)
 
 
-def stall_after(first: Iterator[TupleFrame] | Sequence[TupleFrame], release: threading.Event,
-                limit: float = 30.0) -> Iterator[TupleFrame]:
+def stall_after(
+    first: Iterator[TupleFrame] | Sequence[TupleFrame], release: threading.Event, limit: float = 30.0
+) -> Iterator[TupleFrame]:
     """Send ``first`` frames, then nothing until ``release`` is set (a stalled client)."""
     yield from first
     release.wait(limit)

@@ -28,9 +28,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hio.proto import features_pb2, master_pb2, repository_pb2
 from hio.transport.frames import TupleFrame, TupleMeta, TupleReceipt
 from hio.transport.tickets import make_ticket
-from hio.proto import features_pb2, master_pb2, repository_pb2
 from tests.hostile.cluster import (
     CHUNK,
     ENGINE_IMAGE,
@@ -47,15 +47,20 @@ Code = grpc.StatusCode
 
 def examples(count: int) -> settings:
     """Our settings: no per-example deadline (real RPCs), no example database in the checkout."""
-    return settings(max_examples=count, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    return settings(
+        max_examples=count,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
 
 
 # The gateway's dispatcher draws retry jitter from the global `random` module on its own threads;
 # hypothesis notices the global state moving during a draw and warns, wrongly blaming our strategies.
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:Do not use the `random` module inside strategies:hypothesis.errors.HypothesisDeprecationWarning")
-POOL = 64                      # routed ids per image, drawn by the strategies
+    "ignore:Do not use the `random` module inside strategies:hypothesis.errors.HypothesisDeprecationWarning"
+)
+POOL = 64  # routed ids per image, drawn by the strategies
 
 
 @pytest.fixture(scope="module")
@@ -99,24 +104,44 @@ def all_serving(cluster: HostileCluster) -> None:
 
 small_text = st.text(max_size=12)
 attribute_keys = st.text(alphabet="abcdefghijklmnopqrstuvwxyz._", min_size=1, max_size=10).filter(
-    lambda k: k not in ("cost_ms", "features", "mode"))      # knobs that make the synthetic pipeline slow
-MUTATIONS = ["none"] * 6 + ["crc", "size", "drop_last", "extra_frame", "no_meta", "meta_again", "flip_byte",
-                            "all_last", "empty_first", "huge_size"]
+    lambda k: k not in ("cost_ms", "features", "mode")
+)  # knobs that make the synthetic pipeline slow
+MUTATIONS = ["none"] * 6 + [
+    "crc",
+    "size",
+    "drop_last",
+    "extra_frame",
+    "no_meta",
+    "meta_again",
+    "flip_byte",
+    "all_last",
+    "empty_first",
+    "huge_size",
+]
 
 
 @st.composite
-def tuple_frames(draw: st.DrawFn, ids: st.SearchStrategy[int], images: st.SearchStrategy[str],
-                 ticket: bool) -> list[TupleFrame]:
+def tuple_frames(
+    draw: st.DrawFn, ids: st.SearchStrategy[int], images: st.SearchStrategy[str], ticket: bool
+) -> list[TupleFrame]:
     """The frames of one tuple, mostly well-formed, sometimes broken in one way."""
     size = draw(st.integers(0, 3 * CHUNK))
     payload = hashlib.shake_128(draw(st.binary(min_size=1, max_size=8))).digest(size)
-    meta = TupleMeta(tuple_id=draw(ids), image=draw(images), size=size, crc32=zlib.crc32(payload),
-                     source=draw(small_text), name=draw(small_text), attempt=draw(st.integers(0, 5)),
-                     created_unix=draw(st.floats(allow_nan=True, allow_infinity=True)),
-                     attributes=draw(st.dictionaries(attribute_keys, small_text, max_size=4)))
+    meta = TupleMeta(
+        tuple_id=draw(ids),
+        image=draw(images),
+        size=size,
+        crc32=zlib.crc32(payload),
+        source=draw(small_text),
+        name=draw(small_text),
+        attempt=draw(st.integers(0, 5)),
+        created_unix=draw(st.floats(allow_nan=True, allow_infinity=True)),
+        attributes=draw(st.dictionaries(attribute_keys, small_text, max_size=4)),
+    )
     if ticket:
-        meta.ticket = draw(st.one_of(st.just(make_ticket(TICKET_KEY, meta.tuple_id, meta.image)),
-                                     st.binary(max_size=20)))
+        meta.ticket = draw(
+            st.one_of(st.just(make_ticket(TICKET_KEY, meta.tuple_id, meta.image)), st.binary(max_size=20))
+        )
     cuts = sorted(draw(st.lists(st.integers(0, size), max_size=4)))
     bounds = [0, *cuts, size]
     chunks = [payload[a:b] for a, b in itertools.pairwise(bounds)] or [b""]
@@ -137,8 +162,9 @@ def _mutate(draw: st.DrawFn, how: str, frames: list[TupleFrame]) -> list[TupleFr
     elif how == "drop_last":
         frames.pop()
     elif how == "extra_frame":
-        frames.insert(draw(st.integers(0, len(frames))), TupleFrame(data=draw(st.binary(max_size=64)),
-                                                                    last=draw(st.booleans())))
+        frames.insert(
+            draw(st.integers(0, len(frames))), TupleFrame(data=draw(st.binary(max_size=64)), last=draw(st.booleans()))
+        )
     elif how == "no_meta":
         frames[0].ClearField("meta")
     elif how == "meta_again" and len(frames) > 1:
@@ -156,11 +182,13 @@ def _mutate(draw: st.DrawFn, how: str, frames: list[TupleFrame]) -> list[TupleFr
     return frames
 
 
-def streams(ids: st.SearchStrategy[int], images: st.SearchStrategy[str], ticket: bool = False
-            ) -> st.SearchStrategy[list[TupleFrame]]:
+def streams(
+    ids: st.SearchStrategy[int], images: st.SearchStrategy[str], ticket: bool = False
+) -> st.SearchStrategy[list[TupleFrame]]:
     """One to three tuples back to back."""
     return st.lists(tuple_frames(ids, images, ticket), min_size=1, max_size=3).map(
-        lambda tuples: [f for frames in tuples for f in frames])
+        lambda tuples: [f for frames in tuples for f in frames]
+    )
 
 
 def pool_ids(cluster: HostileCluster, image: str) -> st.SearchStrategy[int]:
@@ -179,7 +207,7 @@ def test_enqueue_random_streams(cluster: HostileCluster, data: st.DataObject) ->
     frames = data.draw(streams(pool_ids(cluster, QUEUE_IMAGE), images))
     receipts, error = collect(cluster.master.Enqueue(iter(frames), timeout=15))
     no_crash(error)
-    drained = cluster.drain_queue()          # verifies every payload's size and CRC-32
+    drained = cluster.drain_queue()  # verifies every payload's size and CRC-32
     receipted = {r.tuple_id for r in receipts if r.state == TupleReceipt.ENQUEUED}
     queued = {r.tuple_id for r in receipts if r.state == TupleReceipt.ENQUEUED and not r.message}
     assert set(drained) <= receipted, "a tuple was queued without a receipt"
@@ -195,7 +223,7 @@ def test_deliver_random_streams(cluster: HostileCluster, data: st.DataObject) ->
     before = set(cluster.stored())
     receipts, error = collect(cluster.engine.Deliver(iter(frames), timeout=15))
     no_crash(error)
-    stored = cluster.stored()                # every record decodes, names its id, offsets dense
+    stored = cluster.stored()  # every record decodes, names its id, offsets dense
     said_stored = {r.tuple_id for r in receipts if r.state == TupleReceipt.STORED}
     assert said_stored <= set(stored), "STORED receipt for a tuple the repository does not hold"
     assert set(stored) - before <= said_stored, "features stored for a tuple that was not receipted"
@@ -210,7 +238,7 @@ def test_submit_random_streams(cluster: HostileCluster, data: st.DataObject) -> 
     images = st.sampled_from([GATEWAY_IMAGE, GATEWAY_IMAGE, "", "zz/none", "x" * 300])
     ids = st.one_of(st.just(0), st.just(0), st.integers(0, 2**64 - 1))
     frames = data.draw(streams(ids, images))
-    for frame in frames:                     # never ask to wait for the outcome: it may never come
+    for frame in frames:  # never ask to wait for the outcome: it may never come
         if frame.HasField("meta") and "hio.wait" in frame.meta.attributes:
             frame.meta.attributes["hio.wait"] = data.draw(st.sampled_from(["", "accepted", "bogus"]))
     gateway = cluster.gateway
@@ -221,7 +249,7 @@ def test_submit_random_streams(cluster: HostileCluster, data: st.DataObject) -> 
     for entry in gateway.spool.entries():
         try:
             payload = gateway.spool.read_payload(entry)
-        except FileNotFoundError:            # delivered meanwhile
+        except FileNotFoundError:  # delivered meanwhile
             continue
         assert len(payload) == entry.meta.size and zlib.crc32(payload) == entry.meta.crc32
     all_serving(cluster)
@@ -241,33 +269,62 @@ def _waits() -> st.SearchStrategy[float]:
 
 
 def _channel_info() -> st.SearchStrategy[master_pb2.ChannelInfo]:
-    return st.builds(master_pb2.ChannelInfo, channel_id=small_text, image=st.sampled_from(
-        ["", "rand/img", QUEUE_IMAGE, "y" * 300]), address=small_text, state=st.integers(0, 4), detail=small_text)
+    return st.builds(
+        master_pb2.ChannelInfo,
+        channel_id=small_text,
+        image=st.sampled_from(["", "rand/img", QUEUE_IMAGE, "y" * 300]),
+        address=small_text,
+        state=st.integers(0, 4),
+        detail=small_text,
+    )
 
 
 def _outcome() -> st.SearchStrategy[master_pb2.TupleOutcome]:
-    return st.builds(master_pb2.TupleOutcome, tuple_id=st.integers(2**40, 2**64 - 1), ok=st.booleans(),
-                     message=small_text, from_queue=st.booleans(), size=st.integers(0, 2**64 - 1),
-                     processing_seconds=_floats(), accepted_unix=_floats())
+    return st.builds(
+        master_pb2.TupleOutcome,
+        tuple_id=st.integers(2**40, 2**64 - 1),
+        ok=st.booleans(),
+        message=small_text,
+        from_queue=st.booleans(),
+        size=st.integers(0, 2**64 - 1),
+        processing_seconds=_floats(),
+        accepted_unix=_floats(),
+    )
 
 
 MASTER_REQUESTS = st.one_of(
-    st.builds(master_pb2.RouteTuplesRequest, source=small_text,
-              image=st.sampled_from(["", "no/such", QUEUE_IMAGE, ENGINE_IMAGE, "z" * 300]),
-              items=st.lists(st.builds(master_pb2.RouteItem, size=st.integers(0, 2**64 - 1),
-                                       tuple_id=st.integers(0, 2**64 - 1)), max_size=5),
-              force_queue=st.just(True)).map(lambda r: ("RouteTuples", r)),
-    st.builds(master_pb2.ReportTuplesRequest, channel_id=small_text, outcomes=st.lists(_outcome(), max_size=4),
-              release=st.booleans()).map(lambda r: ("ReportTuples", r)),
-    st.builds(master_pb2.RegisterWorkerRequest, worker_id=small_text, host=small_text,
-              cpus=st.integers(0, 2**32 - 1), channels=st.lists(_channel_info(), max_size=3)
-              ).map(lambda r: ("RegisterWorker", r)),
-    st.builds(master_pb2.HeartbeatRequest, worker_id=small_text, channels=st.lists(_channel_info(), max_size=3)
-              ).map(lambda r: ("Heartbeat", r)),
-    st.builds(master_pb2.PullTupleRequest, channel_id=small_text, wait_seconds=_waits()
-              ).map(lambda r: ("PullTuple", r)),
-    st.builds(master_pb2.RetryDeadLetterRequest, tuple_id=st.integers(2**40, 2**64 - 1)
-              ).map(lambda r: ("RetryDeadLetter", r)),
+    st.builds(
+        master_pb2.RouteTuplesRequest,
+        source=small_text,
+        image=st.sampled_from(["", "no/such", QUEUE_IMAGE, ENGINE_IMAGE, "z" * 300]),
+        items=st.lists(
+            st.builds(master_pb2.RouteItem, size=st.integers(0, 2**64 - 1), tuple_id=st.integers(0, 2**64 - 1)),
+            max_size=5,
+        ),
+        force_queue=st.just(True),
+    ).map(lambda r: ("RouteTuples", r)),
+    st.builds(
+        master_pb2.ReportTuplesRequest,
+        channel_id=small_text,
+        outcomes=st.lists(_outcome(), max_size=4),
+        release=st.booleans(),
+    ).map(lambda r: ("ReportTuples", r)),
+    st.builds(
+        master_pb2.RegisterWorkerRequest,
+        worker_id=small_text,
+        host=small_text,
+        cpus=st.integers(0, 2**32 - 1),
+        channels=st.lists(_channel_info(), max_size=3),
+    ).map(lambda r: ("RegisterWorker", r)),
+    st.builds(master_pb2.HeartbeatRequest, worker_id=small_text, channels=st.lists(_channel_info(), max_size=3)).map(
+        lambda r: ("Heartbeat", r)
+    ),
+    st.builds(master_pb2.PullTupleRequest, channel_id=small_text, wait_seconds=_waits()).map(
+        lambda r: ("PullTuple", r)
+    ),
+    st.builds(master_pb2.RetryDeadLetterRequest, tuple_id=st.integers(2**40, 2**64 - 1)).map(
+        lambda r: ("RetryDeadLetter", r)
+    ),
     st.just(("GetStatus", master_pb2.GetStatusRequest())),
     st.just(("ListDeadLetters", master_pb2.ListDeadLettersRequest())),
 )
@@ -285,13 +342,17 @@ def test_master_random_requests(cluster: HostileCluster, request: tuple[str, Any
     no_crash(error)
     status = cluster.master.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
     assert all(q.leased <= q.length for q in status.queues)
-    assert cluster.drain_queue() == {}       # nothing appeared in the backlog
+    assert cluster.drain_queue() == {}  # nothing appeared in the backlog
     all_serving(cluster)
 
 
 def _uploads(cluster_ids: st.SearchStrategy[int]) -> st.SearchStrategy[repository_pb2.FeaturesUpload]:
-    random_upload = st.builds(repository_pb2.FeaturesUpload, tuple_id=st.integers(0, 2**64 - 1),
-                              record_zstd=st.binary(max_size=300), crc32=st.integers(0, 2**32 - 1))
+    random_upload = st.builds(
+        repository_pb2.FeaturesUpload,
+        tuple_id=st.integers(0, 2**64 - 1),
+        record_zstd=st.binary(max_size=300),
+        crc32=st.integers(0, 2**32 - 1),
+    )
     good = cluster_ids.map(upload)
     return st.one_of(random_upload, good, good.map(_damaged))
 
@@ -303,24 +364,40 @@ def _damaged(u: repository_pb2.FeaturesUpload) -> repository_pb2.FeaturesUpload:
 
 
 def _knowledge() -> st.SearchStrategy[bytes]:
-    real = st.builds(features_pb2.Knowledge, tuple_count=st.integers(0, 2**64 - 1), algorithm=small_text,
-                     feature_names=st.lists(small_text, max_size=3)).map(lambda k: k.SerializeToString())
+    real = st.builds(
+        features_pb2.Knowledge,
+        tuple_count=st.integers(0, 2**64 - 1),
+        algorithm=small_text,
+        feature_names=st.lists(small_text, max_size=3),
+    ).map(lambda k: k.SerializeToString())
     return st.one_of(st.binary(max_size=200), real)
 
 
 REPOSITORY_REQUESTS = st.one_of(
-    st.builds(repository_pb2.PutFeaturesRequest, records=st.lists(
-        _uploads(st.integers(10**12, 10**12 + 10_000)), max_size=4)).map(lambda r: ("PutFeatures", r)),
-    st.builds(repository_pb2.ReadFeaturesRequest, after=st.integers(0, 2**64 - 1), until=st.integers(0, 2**64 - 1),
-              max_records=st.integers(0, 2**32 - 1)).map(lambda r: ("ReadFeatures", r)),
-    st.builds(repository_pb2.CommitOffsetRequest, consumer=st.one_of(small_text, st.just("kd"), st.just("../x")),
-              offset=st.integers(0, 2**64 - 1)).map(lambda r: ("CommitOffset", r)),
-    st.builds(repository_pb2.GetOffsetsRequest, consumer=st.one_of(small_text, st.text(min_size=200, max_size=300))
-              ).map(lambda r: ("GetOffsets", r)),
-    st.builds(repository_pb2.PutKnowledgeRequest, knowledge=_knowledge(),
-              preview_png=st.one_of(st.just(b""), st.binary(max_size=50),
-                                    st.binary(max_size=50).map(lambda b: b"\x89PNG\r\n\x1a\n" + b))
-              ).map(lambda r: ("PutKnowledge", r)),
+    st.builds(
+        repository_pb2.PutFeaturesRequest, records=st.lists(_uploads(st.integers(10**12, 10**12 + 10_000)), max_size=4)
+    ).map(lambda r: ("PutFeatures", r)),
+    st.builds(
+        repository_pb2.ReadFeaturesRequest,
+        after=st.integers(0, 2**64 - 1),
+        until=st.integers(0, 2**64 - 1),
+        max_records=st.integers(0, 2**32 - 1),
+    ).map(lambda r: ("ReadFeatures", r)),
+    st.builds(
+        repository_pb2.CommitOffsetRequest,
+        consumer=st.one_of(small_text, st.just("kd"), st.just("../x")),
+        offset=st.integers(0, 2**64 - 1),
+    ).map(lambda r: ("CommitOffset", r)),
+    st.builds(
+        repository_pb2.GetOffsetsRequest, consumer=st.one_of(small_text, st.text(min_size=200, max_size=300))
+    ).map(lambda r: ("GetOffsets", r)),
+    st.builds(
+        repository_pb2.PutKnowledgeRequest,
+        knowledge=_knowledge(),
+        preview_png=st.one_of(
+            st.just(b""), st.binary(max_size=50), st.binary(max_size=50).map(lambda b: b"\x89PNG\r\n\x1a\n" + b)
+        ),
+    ).map(lambda r: ("PutKnowledge", r)),
     st.just(("GetKnowledge", repository_pb2.GetKnowledgeRequest())),
     st.just(("GetPreview", repository_pb2.GetPreviewRequest())),
 )
@@ -343,7 +420,7 @@ def test_repository_random_requests(cluster: HostileCluster, request: tuple[str,
     else:
         _, error = unary(lambda: call(message, timeout=10))
     no_crash(error)
-    after = cluster.stored()                  # every record decodes to a FeatureRecord of its id
+    after = cluster.stored()  # every record decodes to a FeatureRecord of its id
     for tuple_id, record in before.items():
         assert after[tuple_id] == record, "a stored record changed"
     if method == "PutFeatures" and error is None:
@@ -360,12 +437,16 @@ def test_repository_random_requests(cluster: HostileCluster, request: tuple[str,
 # Raw bytes that need not be protobuf at all
 
 METHODS = [
-    ("master", "/hio.proto.Master/RouteTuples", "unary"), ("master", "/hio.proto.Master/ReportTuples", "unary"),
-    ("master", "/hio.proto.Master/RegisterWorker", "unary"), ("master", "/hio.proto.Master/Heartbeat", "unary"),
-    ("master", "/hio.proto.Master/PullTuple", "server_stream"), ("master", "/hio.proto.Master/Enqueue", "bidi"),
+    ("master", "/hio.proto.Master/RouteTuples", "unary"),
+    ("master", "/hio.proto.Master/ReportTuples", "unary"),
+    ("master", "/hio.proto.Master/RegisterWorker", "unary"),
+    ("master", "/hio.proto.Master/Heartbeat", "unary"),
+    ("master", "/hio.proto.Master/PullTuple", "server_stream"),
+    ("master", "/hio.proto.Master/Enqueue", "bidi"),
     ("master", "/hio.proto.Master/RetryDeadLetter", "unary"),
     ("engine", "/hio.proto.Engine/Deliver", "bidi"),
-    ("gateway", "/hio.proto.Ingest/Submit", "bidi"), ("gateway", "/hio.proto.Ingest/GetGatewayStatus", "unary"),
+    ("gateway", "/hio.proto.Ingest/Submit", "bidi"),
+    ("gateway", "/hio.proto.Ingest/GetGatewayStatus", "unary"),
     ("repository", "/hio.proto.Repository/PutFeatures", "unary"),
     ("repository", "/hio.proto.Repository/ReadFeatures", "server_stream"),
     ("repository", "/hio.proto.Repository/CommitOffset", "unary"),
@@ -374,12 +455,17 @@ METHODS = [
 
 
 def _address(cluster: HostileCluster, server: str) -> str:
-    return {"master": cluster.master_address, "engine": cluster.engine_address,
-            "gateway": cluster.gateway_address, "repository": cluster.repository_address}[server]
+    return {
+        "master": cluster.master_address,
+        "engine": cluster.engine_address,
+        "gateway": cluster.gateway_address,
+        "repository": cluster.repository_address,
+    }[server]
 
 
-def raw_call(cluster: HostileCluster, server: str, method: str, kind: str, payloads: list[bytes]
-             ) -> grpc.RpcError | None:
+def raw_call(
+    cluster: HostileCluster, server: str, method: str, kind: str, payloads: list[bytes]
+) -> grpc.RpcError | None:
     """Send ``payloads`` as serialized requests (no serializer: bytes go out as they are)."""
     channel = cluster.channel(_address(cluster, server), "admin")
     if kind == "unary":
@@ -391,10 +477,11 @@ def raw_call(cluster: HostileCluster, server: str, method: str, kind: str, paylo
 
 @examples(120)
 @given(target=st.sampled_from(METHODS), payloads=st.lists(st.binary(max_size=200), min_size=1, max_size=3))
-def test_raw_bytes_to_every_method(cluster: HostileCluster, target: tuple[str, str, str],
-                                   payloads: list[bytes]) -> None:
+def test_raw_bytes_to_every_method(
+    cluster: HostileCluster, target: tuple[str, str, str], payloads: list[bytes]
+) -> None:
     server, method, kind = target
-    if method.endswith("/PullTuple"):        # a parseable request could long-poll; keep it short
+    if method.endswith("/PullTuple"):  # a parseable request could long-poll; keep it short
         payloads = [p for p in payloads if not p] or [b""]
     error = raw_call(cluster, server, method, kind, payloads)
     no_crash(error)  # unparseable bytes are INVALID_ARGUMENT (hio.transport.net parses inside the handler)
@@ -403,10 +490,11 @@ def test_raw_bytes_to_every_method(cluster: HostileCluster, target: tuple[str, s
     all_serving(cluster)
 
 
-@pytest.mark.parametrize("server,method,kind", [m for m in METHODS if m[1].rsplit("/", 1)[1] in
-                                                ("RouteTuples", "Enqueue", "PutFeatures", "Submit", "Deliver")])
-def test_unparseable_request_is_invalid_argument(cluster: HostileCluster, server: str, method: str,
-                                                 kind: str) -> None:
-    error = raw_call(cluster, server, method, kind, [b"\xff\xff\xff\xff"])   # a truncated varint field
+@pytest.mark.parametrize(
+    "server,method,kind",
+    [m for m in METHODS if m[1].rsplit("/", 1)[1] in ("RouteTuples", "Enqueue", "PutFeatures", "Submit", "Deliver")],
+)
+def test_unparseable_request_is_invalid_argument(cluster: HostileCluster, server: str, method: str, kind: str) -> None:
+    error = raw_call(cluster, server, method, kind, [b"\xff\xff\xff\xff"])  # a truncated varint field
     assert error is not None and error.code() == Code.INVALID_ARGUMENT, (error.code(), error.details())
     all_serving(cluster)

@@ -23,9 +23,6 @@ from typing import Any
 import grpc
 import pytest
 
-from hio.transport.frames import TupleFrame, TupleMeta, TupleReceipt
-from hio.transport.net import create_channel
-from hio.settings import ClusterSettings
 from hio.proto import (
     engine_pb2_grpc,
     ingest_pb2,
@@ -35,6 +32,9 @@ from hio.proto import (
     repository_pb2,
     repository_pb2_grpc,
 )
+from hio.settings import ClusterSettings
+from hio.transport.frames import TupleFrame, TupleMeta, TupleReceipt
+from hio.transport.net import create_channel
 from tests.harness import wait_for
 from tests.hostile.cluster import (
     CHUNK,
@@ -91,9 +91,10 @@ def assert_refused(call: Callable[[], Any], code: Code, *needles: str) -> grpc.R
 # Each case builds frames from a good (meta, data) and breaks them; `named` is what the message
 # must contain (besides the tuple id or name where the code puts it).
 
+
 def _corrupt(meta: TupleMeta, data: bytes) -> list[TupleFrame]:
     bad = frames(meta, data)
-    bad[1] = TupleFrame(data=b"\xff" * len(bad[1].data), last=bad[1].last)   # one damaged chunk
+    bad[1] = TupleFrame(data=b"\xff" * len(bad[1].data), last=bad[1].last)  # one damaged chunk
     return bad
 
 
@@ -142,7 +143,7 @@ BROKEN = {
     "tuple over the limit": (_over_tuple_limit, Code.INVALID_ARGUMENT, f"over the limit of {MAX_TUPLE}"),
     "too many attributes": (_attributes_flood, Code.INVALID_ARGUMENT, "too many or too large attributes"),
 }
-PAYLOAD = bytes(range(256)) * 1024    # 256 KiB: four 64 KiB chunks
+PAYLOAD = bytes(range(256)) * 1024  # 256 KiB: four 64 KiB chunks
 
 
 @pytest.mark.parametrize("case", list(BROKEN))
@@ -154,8 +155,8 @@ def test_master_enqueue_refuses_broken_streams_and_stores_nothing(cluster: Hosti
     bad = breaker(meta_for(ids[1], PAYLOAD, QUEUE_IMAGE), PAYLOAD)
     error = assert_refused(lambda: cluster.enqueue(good + bad), code, needle)
     if code == Code.DATA_LOSS:
-        assert str(ids[1]) in error.details()     # names the damaged tuple
-    assert cluster.queue()[0] == before[0] + 1    # the good tuple before it is kept, the bad one is not
+        assert str(ids[1]) in error.details()  # names the damaged tuple
+    assert cluster.queue()[0] == before[0] + 1  # the good tuple before it is kept, the bad one is not
     assert cluster.drain_queue() == {ids[0]: PAYLOAD}
 
 
@@ -183,13 +184,13 @@ def test_gateway_submit_refuses_broken_streams_and_spools_nothing(cluster: Hosti
     before = cluster.gateway_status()
     bad = breaker(meta_for(0, PAYLOAD, GATEWAY_IMAGE, name="victim.npz"), PAYLOAD)
     assert_refused(lambda: cluster.submit(bad), code, needle)
-    assert cluster.gateway.spool.reserved_bytes == 0      # the aborted writer gave its room back
+    assert cluster.gateway.spool.reserved_bytes == 0  # the aborted writer gave its room back
     assert all(e.meta.name != "victim.npz" for e in cluster.gateway.spool.entries())
     good = cluster.submit(frames(meta_for(0, b"fine", GATEWAY_IMAGE, name="fine.npz"), b"fine"))
     assert [r.state for r in good] == [TupleReceipt.ACCEPTED]
     assert cluster.gateway.flush(timeout=10)
     assert cluster.gateway_status().sent_queue == before.sent_queue + 1
-    assert list(cluster.drain_queue(GATEWAY_IMAGE).values()) == [b"fine"]   # the good one only, intact
+    assert list(cluster.drain_queue(GATEWAY_IMAGE).values()) == [b"fine"]  # the good one only, intact
 
 
 def test_chunks_over_the_limit(cluster: HostileCluster) -> None:
@@ -197,18 +198,24 @@ def test_chunks_over_the_limit(cluster: HostileCluster) -> None:
     routed = cluster.route(1, QUEUE_IMAGE).tuple_ids[0]
     big = b"c" * (CHUNK + 1)
     one_frame = [TupleFrame(meta=meta_for(routed, big, QUEUE_IMAGE), data=big, last=True)]
-    assert_refused(lambda: cluster.enqueue(one_frame), Code.INVALID_ARGUMENT,
-                   f"chunk of {CHUNK + 1} bytes is over the limit of {CHUNK}")
+    assert_refused(
+        lambda: cluster.enqueue(one_frame),
+        Code.INVALID_ARGUMENT,
+        f"chunk of {CHUNK + 1} bytes is over the limit of {CHUNK}",
+    )
     assert cluster.drain_queue() == {}
     sub = [TupleFrame(meta=meta_for(0, big, GATEWAY_IMAGE), data=big, last=True)]
     assert_refused(lambda: cluster.submit(sub), Code.INVALID_ARGUMENT, "over the limit")
-    huge = b"h" * (17 * MiB)       # over the 16 MiB message bound every server applies
-    meta = cluster.routed_tuple(b"small")    # the message bound applies before any metadata check
+    huge = b"h" * (17 * MiB)  # over the 16 MiB message bound every server applies
+    meta = cluster.routed_tuple(b"small")  # the message bound applies before any metadata check
     with wide_channel(cluster.engine_address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         stream = [TupleFrame(meta=meta, data=huge, last=True)]
-        assert_refused(lambda: list(stub.Deliver(iter(stream), metadata=auth("gateway"), timeout=30)),
-                       Code.RESOURCE_EXHAUSTED, "larger than max")
+        assert_refused(
+            lambda: list(stub.Deliver(iter(stream), metadata=auth("gateway"), timeout=30)),
+            Code.RESOURCE_EXHAUSTED,
+            "larger than max",
+        )
     assert meta.tuple_id not in cluster.stored()
     ok = cluster.routed_tuple(b"ok")
     assert cluster.deliver([(ok, b"ok")])[0].state == TupleReceipt.STORED
@@ -219,8 +226,11 @@ def test_route_refuses_oversized_and_malformed_batches(cluster: HostileCluster) 
         return lambda: cluster.master.RouteTuples(master_pb2.RouteTuplesRequest(**fields), timeout=5)
 
     last = cluster.master.GetStatus(master_pb2.GetStatusRequest(), timeout=5).last_tuple_id
-    assert_refused(route(image=QUEUE_IMAGE, items=[master_pb2.RouteItem(size=MAX_TUPLE + 1)]),
-                   Code.INVALID_ARGUMENT, "over max_tuple_bytes")
+    assert_refused(
+        route(image=QUEUE_IMAGE, items=[master_pb2.RouteItem(size=MAX_TUPLE + 1)]),
+        Code.INVALID_ARGUMENT,
+        "over max_tuple_bytes",
+    )
     assert_refused(route(image=QUEUE_IMAGE), Code.INVALID_ARGUMENT, "1 to")
     assert_refused(route(image="", items=[master_pb2.RouteItem(size=1)]), Code.INVALID_ARGUMENT, "image")
     assert_refused(route(image="no/such", items=[master_pb2.RouteItem(size=1)]), Code.NOT_FOUND, "no/such")
@@ -231,8 +241,9 @@ def test_unknown_image(cluster: HostileCluster) -> None:
     """Master: NOT_FOUND naming the image. Engine: FAILED_PRECONDITION naming both images.
     Gateway: accepted and kept in the spool (a worker may offer the image later), never enqueued."""
     tuple_id = cluster.route(1, QUEUE_IMAGE).tuple_ids[0]
-    assert_refused(lambda: cluster.enqueue(frames(meta_for(tuple_id, b"x", "no/such"), b"x")),
-                   Code.NOT_FOUND, "no/such")
+    assert_refused(
+        lambda: cluster.enqueue(frames(meta_for(tuple_id, b"x", "no/such"), b"x")), Code.NOT_FOUND, "no/such"
+    )
     assert cluster.queue("no/such") == (0, 0, 0) and cluster.drain_queue() == {}
     meta = cluster.routed_tuple(b"x")
     meta.image = "no/such"
@@ -248,11 +259,15 @@ def test_unknown_image(cluster: HostileCluster) -> None:
 
 
 def test_missing_or_invalid_ids_and_attributes(cluster: HostileCluster) -> None:
-    assert_refused(lambda: cluster.enqueue(frames(meta_for(0, b"x", QUEUE_IMAGE), b"x")),
-                   Code.INVALID_ARGUMENT, "no tuple id")
+    assert_refused(
+        lambda: cluster.enqueue(frames(meta_for(0, b"x", QUEUE_IMAGE), b"x")), Code.INVALID_ARGUMENT, "no tuple id"
+    )
     assert_refused(lambda: cluster.deliver([(meta_for(0, b"x"), b"x")]), Code.INVALID_ARGUMENT, "no tuple id")
-    assert_refused(lambda: cluster.submit(frames(meta_for(7, b"x", GATEWAY_IMAGE), b"x")),
-                   Code.INVALID_ARGUMENT, "tuple_id must be 0")
+    assert_refused(
+        lambda: cluster.submit(frames(meta_for(7, b"x", GATEWAY_IMAGE), b"x")),
+        Code.INVALID_ARGUMENT,
+        "tuple_id must be 0",
+    )
     wait = meta_for(0, b"x", GATEWAY_IMAGE, attributes={"hio.wait": "forever"})
     assert_refused(lambda: cluster.submit(frames(wait, b"x")), Code.INVALID_ARGUMENT, "hio.wait")
     long_name = meta_for(0, b"x", GATEWAY_IMAGE, name="n" * 2000)
@@ -263,16 +278,23 @@ def test_missing_or_invalid_ids_and_attributes(cluster: HostileCluster) -> None:
 # ---------------------------------------------------------------------------------------------
 # Replayed tuple ids.
 
+
 def test_engine_refuses_a_tuple_whose_ticket_does_not_match(cluster: HostileCluster) -> None:
     first = cluster.routed_tuple(b"one")
     second = cluster.routed_tuple(b"two")
-    forged = [meta_for(first.tuple_id, b"one"),                                       # no ticket
-              meta_for(first.tuple_id, b"one", ticket=second.ticket),                 # another id's ticket
-              meta_for(first.tuple_id + 10_000, b"one", ticket=first.ticket),         # replayed for a new id
-              meta_for(first.tuple_id, b"one", ticket=bytes(16))]                     # made up
+    forged = [
+        meta_for(first.tuple_id, b"one"),  # no ticket
+        meta_for(first.tuple_id, b"one", ticket=second.ticket),  # another id's ticket
+        meta_for(first.tuple_id + 10_000, b"one", ticket=first.ticket),  # replayed for a new id
+        meta_for(first.tuple_id, b"one", ticket=bytes(16)),
+    ]  # made up
     for meta in forged:
-        assert_refused(lambda meta=meta: cluster.deliver([(meta, b"one")]), Code.PERMISSION_DENIED,
-                       f"tuple {meta.tuple_id}", "ticket does not match")
+        assert_refused(
+            lambda meta=meta: cluster.deliver([(meta, b"one")]),
+            Code.PERMISSION_DENIED,
+            f"tuple {meta.tuple_id}",
+            "ticket does not match",
+        )
     stored = cluster.stored()
     assert first.tuple_id not in stored and first.tuple_id + 10_000 not in stored
     assert cluster.deliver([(first, b"one")])[0].state == TupleReceipt.STORED
@@ -281,11 +303,21 @@ def test_engine_refuses_a_tuple_whose_ticket_does_not_match(cluster: HostileClus
 def test_master_refuses_ids_it_never_issued(cluster: HostileCluster) -> None:
     last = cluster.master.GetStatus(master_pb2.GetStatusRequest(), timeout=5).last_tuple_id
     never = last + 1_000
-    assert_refused(lambda: cluster.enqueue(frames(meta_for(never, b"x", QUEUE_IMAGE), b"x")),
-                   Code.INVALID_ARGUMENT, str(never), "never issued")
-    assert_refused(lambda: cluster.master.RouteTuples(master_pb2.RouteTuplesRequest(
-        image=QUEUE_IMAGE, items=[master_pb2.RouteItem(size=1, tuple_id=never)]), timeout=5),
-        Code.INVALID_ARGUMENT, str(never), "never issued")
+    assert_refused(
+        lambda: cluster.enqueue(frames(meta_for(never, b"x", QUEUE_IMAGE), b"x")),
+        Code.INVALID_ARGUMENT,
+        str(never),
+        "never issued",
+    )
+    assert_refused(
+        lambda: cluster.master.RouteTuples(
+            master_pb2.RouteTuplesRequest(image=QUEUE_IMAGE, items=[master_pb2.RouteItem(size=1, tuple_id=never)]),
+            timeout=5,
+        ),
+        Code.INVALID_ARGUMENT,
+        str(never),
+        "never issued",
+    )
     assert cluster.drain_queue() == {}
 
 
@@ -295,8 +327,9 @@ def test_replayed_ids_are_stored_once(cluster: HostileCluster) -> None:
         assert cluster.deliver([(meta, b"replay")])[0].state == TupleReceipt.STORED
     records = cluster.stored()
     assert meta.tuple_id in records and records[meta.tuple_id].meta.size == len(b"replay")
-    reply = cluster.repository.PutFeatures(repository_pb2.PutFeaturesRequest(records=[upload(meta.tuple_id)]),
-                                           timeout=5)
+    reply = cluster.repository.PutFeatures(
+        repository_pb2.PutFeaturesRequest(records=[upload(meta.tuple_id)]), timeout=5
+    )
     assert list(reply.duplicate) == [True] and len(cluster.stored()) == len(records)
     queued = cluster.route(1, QUEUE_IMAGE).tuple_ids[0]
     once = frames(meta_for(queued, b"q", QUEUE_IMAGE), b"q")
@@ -308,8 +341,10 @@ def test_replayed_ids_are_stored_once(cluster: HostileCluster) -> None:
 
 def test_report_from_a_stranger_does_not_drop_a_queued_tuple(cluster: HostileCluster) -> None:
     tuple_id = cluster.route(1, QUEUE_IMAGE).tuple_ids[0]
-    assert cluster.enqueue(frames(meta_for(tuple_id, b"keep me", QUEUE_IMAGE), b"keep me"))[0].state == \
-        TupleReceipt.ENQUEUED
+    assert (
+        cluster.enqueue(frames(meta_for(tuple_id, b"keep me", QUEUE_IMAGE), b"keep me"))[0].state
+        == TupleReceipt.ENQUEUED
+    )
     worker = master_pb2_grpc.MasterStub(cluster.channel(cluster.master_address, "worker"))
     forged = master_pb2.TupleOutcome(tuple_id=tuple_id, ok=True, from_queue=True, size=7)
     worker.ReportTuples(master_pb2.ReportTuplesRequest(channel_id="nobody/0", outcomes=[forged]), timeout=5)
@@ -318,6 +353,7 @@ def test_report_from_a_stranger_does_not_drop_a_queued_tuple(cluster: HostileClu
 
 # ---------------------------------------------------------------------------------------------
 # The repository: corrupt and oversized records.
+
 
 def test_repository_refuses_corrupt_and_oversized_records(cluster: HostileCluster) -> None:
     import zstandard
@@ -330,25 +366,28 @@ def test_repository_refuses_corrupt_and_oversized_records(cluster: HostileCluste
     not_zstd.crc32 = zlib.crc32(b"plain")
     wrong_id = upload(base + 3, inner_id=base + 4)
     bomb_data = zstandard.ZstdCompressor().compress(b"\0" * (MAX_DECOMPRESSED + 1))
-    bomb = repository_pb2.FeaturesUpload(tuple_id=base + 5, record_zstd=bomb_data,
-                                         crc32=zlib.crc32(bomb_data))
+    bomb = repository_pb2.FeaturesUpload(tuple_id=base + 5, record_zstd=bomb_data, crc32=zlib.crc32(bomb_data))
     oversized_data = os.urandom(MAX_RECORD + 1)
-    oversized = repository_pb2.FeaturesUpload(tuple_id=base + 6, record_zstd=oversized_data,
-                                              crc32=zlib.crc32(oversized_data))
-    cases = [(bad_crc, Code.DATA_LOSS, "checksum mismatch"),
-             (not_zstd, Code.INVALID_ARGUMENT, "not zstd"),
-             (wrong_id, Code.INVALID_ARGUMENT, "names tuple"),
-             (bomb, Code.INVALID_ARGUMENT, "over the limit"),
-             (oversized, Code.INVALID_ARGUMENT, f"over the limit of {MAX_RECORD}"),
-             (repository_pb2.FeaturesUpload(tuple_id=0), Code.INVALID_ARGUMENT, "not a valid id")]
+    oversized = repository_pb2.FeaturesUpload(
+        tuple_id=base + 6, record_zstd=oversized_data, crc32=zlib.crc32(oversized_data)
+    )
+    cases = [
+        (bad_crc, Code.DATA_LOSS, "checksum mismatch"),
+        (not_zstd, Code.INVALID_ARGUMENT, "not zstd"),
+        (wrong_id, Code.INVALID_ARGUMENT, "names tuple"),
+        (bomb, Code.INVALID_ARGUMENT, "over the limit"),
+        (oversized, Code.INVALID_ARGUMENT, f"over the limit of {MAX_RECORD}"),
+        (repository_pb2.FeaturesUpload(tuple_id=0), Code.INVALID_ARGUMENT, "not a valid id"),
+    ]
     worker = repository_pb2_grpc.RepositoryStub(cluster.channel(cluster.repository_address, "worker"))
     before = cluster.stored()
-    for upload_, code, needle in cases:   # each batch also carries a good record: all or nothing
+    for upload_, code, needle in cases:  # each batch also carries a good record: all or nothing
         batch = repository_pb2.PutFeaturesRequest(records=[good, upload_])
         assert_refused(lambda batch=batch: worker.PutFeatures(batch, timeout=5), code, needle)
     assert cluster.stored() == before
-    assert_refused(lambda: worker.PutFeatures(repository_pb2.PutFeaturesRequest(), timeout=5),
-                   Code.INVALID_ARGUMENT, "no records")
+    assert_refused(
+        lambda: worker.PutFeatures(repository_pb2.PutFeaturesRequest(), timeout=5), Code.INVALID_ARGUMENT, "no records"
+    )
     reply = worker.PutFeatures(repository_pb2.PutFeaturesRequest(records=[good]), timeout=5)
     assert list(reply.duplicate) == [False] and base in cluster.stored()
 
@@ -356,12 +395,15 @@ def test_repository_refuses_corrupt_and_oversized_records(cluster: HostileCluste
 # ---------------------------------------------------------------------------------------------
 # Tokens: absent, wrong, wrong role; on every service.
 
+
 def _calls(cluster: HostileCluster) -> dict[str, tuple[str, Callable[[grpc.Channel], Any], str]]:
     """name -> (server address, call on a channel, a role the policy does not allow or '')."""
+
     def enqueue(ch: grpc.Channel) -> Any:
         tuple_id = cluster.route(1, QUEUE_IMAGE).tuple_ids[0]
-        return list(master_pb2_grpc.MasterStub(ch).Enqueue(iter(frames(meta_for(tuple_id, b"t", QUEUE_IMAGE),
-                                                                          b"t")), timeout=5))
+        return list(
+            master_pb2_grpc.MasterStub(ch).Enqueue(iter(frames(meta_for(tuple_id, b"t", QUEUE_IMAGE), b"t")), timeout=5)
+        )
 
     def deliver(ch: grpc.Channel) -> Any:
         meta = cluster.routed_tuple(b"t")
@@ -369,45 +411,93 @@ def _calls(cluster: HostileCluster) -> dict[str, tuple[str, Callable[[grpc.Chann
 
     return {
         "Master.Enqueue": (cluster.master_address, enqueue, "viewer"),
-        "Master.RetryDeadLetter": (cluster.master_address, lambda ch: master_pb2_grpc.MasterStub(ch).RetryDeadLetter(
-            master_pb2.RetryDeadLetterRequest(tuple_id=1), timeout=5), "worker"),
-        "Master.RegisterWorker": (cluster.master_address, lambda ch: master_pb2_grpc.MasterStub(ch).RegisterWorker(
-            master_pb2.RegisterWorkerRequest(worker_id="intruder"), timeout=5), "gateway"),
+        "Master.RetryDeadLetter": (
+            cluster.master_address,
+            lambda ch: master_pb2_grpc.MasterStub(ch).RetryDeadLetter(
+                master_pb2.RetryDeadLetterRequest(tuple_id=1), timeout=5
+            ),
+            "worker",
+        ),
+        "Master.RegisterWorker": (
+            cluster.master_address,
+            lambda ch: master_pb2_grpc.MasterStub(ch).RegisterWorker(
+                master_pb2.RegisterWorkerRequest(worker_id="intruder"), timeout=5
+            ),
+            "gateway",
+        ),
         "Engine.Deliver": (cluster.engine_address, deliver, "kd"),
-        "Repository.PutFeatures": (cluster.repository_address, lambda ch: repository_pb2_grpc.RepositoryStub(
-            ch).PutFeatures(repository_pb2.PutFeaturesRequest(records=[upload(9_000_000)]), timeout=5), "gateway"),
-        "Repository.CommitOffset": (cluster.repository_address, lambda ch: repository_pb2_grpc.RepositoryStub(
-            ch).CommitOffset(repository_pb2.CommitOffsetRequest(consumer="intruder", offset=0), timeout=5), "worker"),
-        "Ingest.Submit": (cluster.gateway_address, lambda ch: list(ingest_pb2_grpc.IngestStub(ch).Submit(
-            iter(frames(meta_for(0, b"t", GATEWAY_IMAGE), b"t")), timeout=5)), ""),
-        "Ingest.GetGatewayStatus": (cluster.gateway_address, lambda ch: ingest_pb2_grpc.IngestStub(
-            ch).GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5), ""),
+        "Repository.PutFeatures": (
+            cluster.repository_address,
+            lambda ch: repository_pb2_grpc.RepositoryStub(ch).PutFeatures(
+                repository_pb2.PutFeaturesRequest(records=[upload(9_000_000)]), timeout=5
+            ),
+            "gateway",
+        ),
+        "Repository.CommitOffset": (
+            cluster.repository_address,
+            lambda ch: repository_pb2_grpc.RepositoryStub(ch).CommitOffset(
+                repository_pb2.CommitOffsetRequest(consumer="intruder", offset=0), timeout=5
+            ),
+            "worker",
+        ),
+        "Ingest.Submit": (
+            cluster.gateway_address,
+            lambda ch: list(
+                ingest_pb2_grpc.IngestStub(ch).Submit(iter(frames(meta_for(0, b"t", GATEWAY_IMAGE), b"t")), timeout=5)
+            ),
+            "",
+        ),
+        "Ingest.GetGatewayStatus": (
+            cluster.gateway_address,
+            lambda ch: ingest_pb2_grpc.IngestStub(ch).GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5),
+            "",
+        ),
     }
 
 
-CALLS = ["Master.Enqueue", "Master.RetryDeadLetter", "Master.RegisterWorker", "Engine.Deliver",
-         "Repository.PutFeatures", "Repository.CommitOffset", "Ingest.Submit", "Ingest.GetGatewayStatus"]
+CALLS = [
+    "Master.Enqueue",
+    "Master.RetryDeadLetter",
+    "Master.RegisterWorker",
+    "Engine.Deliver",
+    "Repository.PutFeatures",
+    "Repository.CommitOffset",
+    "Ingest.Submit",
+    "Ingest.GetGatewayStatus",
+]
 
 
 def _trace(cluster: HostileCluster) -> tuple[Any, ...]:
     """What a refused call must not change."""
     status = cluster.master.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
     consumers = cluster.repository.GetOffsets(repository_pb2.GetOffsetsRequest(consumer="intruder"), timeout=5)
-    return (len(cluster.stored()), cluster.queue(), [w.worker_id for w in status.workers],
-            consumers.committed, len(cluster.gateway.spool), status.dead_letters)
+    return (
+        len(cluster.stored()),
+        cluster.queue(),
+        [w.worker_id for w in status.workers],
+        consumers.committed,
+        len(cluster.gateway.spool),
+        status.dead_letters,
+    )
 
 
 @pytest.mark.parametrize("name", CALLS)
 def test_tokens_absent_wrong_or_of_the_wrong_role(cluster: HostileCluster, name: str) -> None:
     address, call, wrong_role = _calls(cluster)[name]
     before = _trace(cluster)
-    for token, message in ((None, "missing token"), ("not-a-token", "invalid token"),
-                           (TOKENS["admin"] + "x", "invalid token")):
+    for token, message in (
+        (None, "missing token"),
+        ("not-a-token", "invalid token"),
+        (TOKENS["admin"] + "x", "invalid token"),
+    ):
         with create_channel(address, ClusterSettings(), token=token or "") as channel:
             assert_refused(lambda: call(channel), Code.UNAUTHENTICATED, message)
     if wrong_role:
-        assert_refused(lambda: call(cluster.channel(address, wrong_role)), Code.PERMISSION_DENIED,
-                       f"role '{wrong_role}' may not call")
+        assert_refused(
+            lambda: call(cluster.channel(address, wrong_role)),
+            Code.PERMISSION_DENIED,
+            f"role '{wrong_role}' may not call",
+        )
     assert _trace(cluster) == before
     assert serving(address)
 
@@ -417,9 +507,11 @@ def test_ingest_api_lets_viewers_read_but_not_submit(cluster: HostileCluster) ->
     assert ingest.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5).spool_bytes_limit > 0
     before = len(cluster.stored())
     data = b"not from an instrument"
-    assert_refused(lambda: list(ingest.Submit(iter(frames(meta_for(0, data, GATEWAY_IMAGE, name="x"), data)),
-                                              timeout=5)),
-                   Code.PERMISSION_DENIED, "role 'viewer' may not call")
+    assert_refused(
+        lambda: list(ingest.Submit(iter(frames(meta_for(0, data, GATEWAY_IMAGE, name="x"), data)), timeout=5)),
+        Code.PERMISSION_DENIED,
+        "role 'viewer' may not call",
+    )
     assert len(cluster.stored()) == before
 
 
@@ -444,7 +536,7 @@ def _throw(address: str, payload: bytes) -> bytes:
         try:
             while chunk := sock.recv(4096):
                 answer += chunk
-        except OSError:   # timeout or reset: either is fine, the server decides
+        except OSError:  # timeout or reset: either is fine, the server decides
             pass
         return answer
 
@@ -463,8 +555,12 @@ def _good_call(cluster: HostileCluster, server: str) -> None:
 
 @pytest.mark.parametrize("server", ["master", "repository", "engine", "gateway"])
 def test_garbage_bytes_on_the_port_leave_the_server_serving(cluster: HostileCluster, server: str) -> None:
-    address = {"master": cluster.master_address, "repository": cluster.repository_address,
-               "engine": cluster.engine_address, "gateway": cluster.gateway_address}[server]
+    address = {
+        "master": cluster.master_address,
+        "repository": cluster.repository_address,
+        "engine": cluster.engine_address,
+        "gateway": cluster.gateway_address,
+    }[server]
     before = len(cluster.stored())
     threads = [threading.Thread(target=_throw, args=(address, payload)) for payload in GARBAGE.values()]
     for t in threads:
@@ -473,7 +569,7 @@ def test_garbage_bytes_on_the_port_leave_the_server_serving(cluster: HostileClus
         t.join(10)
     host, port = address.rsplit(":", 1)
     silent = socket.create_connection((host, int(port)), timeout=5)
-    try:                                  # a connection that never speaks must not block others
+    try:  # a connection that never speaks must not block others
         assert serving(address)
         _good_call(cluster, server)
     finally:
@@ -483,6 +579,7 @@ def test_garbage_bytes_on_the_port_leave_the_server_serving(cluster: HostileClus
 
 # ---------------------------------------------------------------------------------------------
 # A client that stalls mid-stream must not hold a channel, queue room or a spool reservation forever.
+
 
 def _idle_fields(config_cls: type) -> dict[str, float]:
     names = {f.name for f in dataclasses.fields(config_cls)}
@@ -508,6 +605,7 @@ def test_stalled_deliver_does_not_hold_the_channel(cluster: HostileCluster) -> N
             except grpc.RpcError as exc:
                 assert exc.code() == Code.RESOURCE_EXHAUSTED and "busy" in exc.details()
                 return False
+
         wait_for(free, timeout=STALL_PATIENCE, interval=0.25, what="the stalled stream to release the channel")
     finally:
         release.set()
@@ -524,11 +622,10 @@ def test_stalled_enqueue_does_not_hold_queue_room(tmp_path: Path) -> None:
         data = os.urandom(900 * 1024)
         release = threading.Event()
         stub = master_pb2_grpc.MasterStub(small.channel(small.master_address, "gateway"))
-        stalled = stub.Enqueue(stall_after(frames(meta_for(ids[0], data, QUEUE_IMAGE), data)[:1], release),
-                               timeout=60)
+        stalled = stub.Enqueue(stall_after(frames(meta_for(ids[0], data, QUEUE_IMAGE), data)[:1], release), timeout=60)
         try:
             time.sleep(1.0)  # the stalled stream's first frame is in (its room lasts IDLE_BOUND)
-            second = frames(meta_for(ids[1], data[:300 * 1024], QUEUE_IMAGE), data[:300 * 1024])
+            second = frames(meta_for(ids[1], data[: 300 * 1024], QUEUE_IMAGE), data[: 300 * 1024])
             assert_refused(lambda: small.enqueue(second), Code.RESOURCE_EXHAUSTED, "backlog queue full")
 
             def room() -> bool:
@@ -537,6 +634,7 @@ def test_stalled_enqueue_does_not_hold_queue_room(tmp_path: Path) -> None:
                 except grpc.RpcError as exc:
                     assert exc.code() == Code.RESOURCE_EXHAUSTED
                     return False
+
             wait_for(room, timeout=STALL_PATIENCE, interval=0.25, what="the stalled Enqueue to give its room back")
         finally:
             release.set()
@@ -553,13 +651,22 @@ def test_stalled_submit_does_not_hold_spool_room(cluster: HostileCluster) -> Non
     stub = ingest_pb2_grpc.IngestStub(cluster.channel(address, "gateway"))
     data = os.urandom(900 * 1024)
     release = threading.Event()
-    stalled = stub.Submit(stall_after(frames(meta_for(0, data, GATEWAY_IMAGE, name="slow.npz"), data)[:1],
-                                      release), timeout=60)
+    stalled = stub.Submit(
+        stall_after(frames(meta_for(0, data, GATEWAY_IMAGE, name="slow.npz"), data)[:1], release), timeout=60
+    )
     try:
-        wait_for(lambda: gateway.spool.reserved_bytes == len(data), timeout=IDLE_BOUND, interval=0.01,
-                 what="the stalled Submit holding its spool room")
-        wait_for(lambda: gateway.spool.reserved_bytes == 0, timeout=STALL_PATIENCE, interval=0.25,
-                 what="the stalled Submit to give its spool room back")
+        wait_for(
+            lambda: gateway.spool.reserved_bytes == len(data),
+            timeout=IDLE_BOUND,
+            interval=0.01,
+            what="the stalled Submit holding its spool room",
+        )
+        wait_for(
+            lambda: gateway.spool.reserved_bytes == 0,
+            timeout=STALL_PATIENCE,
+            interval=0.25,
+            what="the stalled Submit to give its spool room back",
+        )
     finally:
         release.set()
         stalled.cancel()

@@ -10,16 +10,22 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
+from hio.settings import ClusterSettings
 from hio.transport.frames import crc32
 from hio.transport.net import create_channel
-from hio.settings import ClusterSettings
-from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
 
 CENTRES = np.array([[0.0, 0.0, 0.0], [10.0, 10.0, 0.0], [0.0, 10.0, 10.0]])
 
 
-def record(tuple_id: int, values: dict[str, float], *, image: str = "hio/synthetic",
-           kd: Sequence[str] = (), text: dict[str, str] | None = None) -> features_pb2.FeatureRecord:
+def record(
+    tuple_id: int,
+    values: dict[str, float],
+    *,
+    image: str = "hio/synthetic",
+    kd: Sequence[str] = (),
+    text: dict[str, str] | None = None,
+) -> features_pb2.FeatureRecord:
     rec = features_pb2.FeatureRecord(tuple_id=tuple_id, processed_unix=time.time(), kd_features=list(kd))
     rec.meta.tuple_id = tuple_id
     rec.meta.image = image
@@ -34,14 +40,17 @@ def blob(rec: features_pb2.FeatureRecord) -> bytes:
     return zstandard.ZstdCompressor().compress(rec.SerializeToString())
 
 
-def blobs_records(first_id: int, count: int, seed: int = 0,
-                  image: str = "hio/synthetic") -> tuple[list[features_pb2.FeatureRecord], np.ndarray]:
+def blobs_records(
+    first_id: int, count: int, seed: int = 0, image: str = "hio/synthetic"
+) -> tuple[list[features_pb2.FeatureRecord], np.ndarray]:
     """``count`` records from three well-separated blobs; (records, true blob of each)."""
     rng = np.random.default_rng(seed + first_id)
     truth = np.arange(count) % len(CENTRES)
     points = CENTRES[truth] + rng.normal(scale=0.5, size=(count, CENTRES.shape[1]))
-    records = [record(first_id + i, {"a": p[0], "b": p[1], "c": p[2]}, image=image, kd=("a", "b", "c"),
-                      text={"label": "x"}) for i, p in enumerate(points.tolist())]
+    records = [
+        record(first_id + i, {"a": p[0], "b": p[1], "c": p[2]}, image=image, kd=("a", "b", "c"), text={"label": "x"})
+        for i, p in enumerate(points.tolist())
+    ]
     return records, truth
 
 
@@ -56,10 +65,11 @@ class Repo:
     def put(self, records: Sequence[features_pb2.FeatureRecord], batch: int = 500) -> None:
         for start in range(0, len(records), batch):
             uploads = []
-            for rec in records[start:start + batch]:
+            for rec in records[start : start + batch]:
                 data = blob(rec)
-                uploads.append(repository_pb2.FeaturesUpload(tuple_id=rec.tuple_id, record_zstd=data,
-                                                             crc32=crc32(data)))
+                uploads.append(
+                    repository_pb2.FeaturesUpload(tuple_id=rec.tuple_id, record_zstd=data, crc32=crc32(data))
+                )
             self.stub.PutFeatures(repository_pb2.PutFeaturesRequest(records=uploads), timeout=30)
 
     def knowledge(self) -> features_pb2.Knowledge | None:

@@ -35,8 +35,15 @@ def spark(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 def kd_config(tmp_path: Path, repo: Repo, **overrides) -> KDConfig:  # type: ignore[no-untyped-def]
     settings: dict[str, object] = {
-        "repository_address": repo.address, "data_dir": str(tmp_path / "var"), "once": True, "k": 3,
-        "rpc_deadline": 10.0, "restart_delay": 0.2, "max_records_per_interval": 400, "max_iterations": 5}
+        "repository_address": repo.address,
+        "data_dir": str(tmp_path / "var"),
+        "once": True,
+        "k": 3,
+        "rpc_deadline": 10.0,
+        "restart_delay": 0.2,
+        "max_records_per_interval": 400,
+        "max_iterations": 5,
+    }
     settings.update(overrides)
     return KDConfig(**settings)  # type: ignore[arg-type]
 
@@ -55,20 +62,23 @@ def test_empty_repository_writes_nothing(spark, tmp_path: Path, capsys) -> None:
         config = kd_config(tmp_path, repo)
         assert run(config, spark=spark) == 0
         assert capsys.readouterr().out == "hio kd: 0 new feature records (0 stored in all); knowledge unchanged\n"
-        assert run(config, spark=spark) == 0          # a second empty pass, from the checkpoint
+        assert run(config, spark=spark) == 0  # a second empty pass, from the checkpoint
         assert repo.knowledge() is None
         assert not list(config.parquet_dir.glob("part-*"))
 
 
-def test_intervals_cluster_distinct_distributions_and_skip_malformed(spark, tmp_path: Path,  # type: ignore[no-untyped-def]
-                                                                    capsys) -> None:
+def test_intervals_cluster_distinct_distributions_and_skip_malformed(
+    spark,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+    capsys,
+) -> None:
     records, truth = blobs_records(1, 900)
     broken = record(5000, {"a": 1.0}, kd=("a", "absent"))
     other = record(5001, {"x": 1.0}, image="hio/other")
     with repository(tmp_path / "repo") as repo:
         repo.put([*records[:450], broken, other, *records[450:]])
         config = kd_config(tmp_path, repo)
-        assert run(config, spark=spark) == 0          # 902 records in 3 micro-batches of <= 400
+        assert run(config, spark=spark) == 0  # 902 records in 3 micro-batches of <= 400
         assert len(list(config.parquet_dir.glob("part-*.parquet"))) == 3
         knowledge = repo.knowledge()
         assert knowledge is not None
@@ -92,8 +102,10 @@ def test_intervals_cluster_distinct_distributions_and_skip_malformed(spark, tmp_
         assert run(config, spark=spark) == 0
         knowledge = repo.knowledge()
         assert (knowledge.tuple_count, knowledge.new_records) == (1200, 300)
-        assert capsys.readouterr().out == ("hio kd: 300 new feature records (1,201 stored in all); published "
-                                           "knowledge of 2 groups, 3 clusters (see it: hio knowledge)\n")
+        assert capsys.readouterr().out == (
+            "hio kd: 300 new feature records (1,201 stored in all); published "
+            "knowledge of 2 groups, 3 clusters (see it: hio knowledge)\n"
+        )
         truth_by_id.update({r.tuple_id: int(t) for r, t in zip(more, more_truth, strict=True)})
         assert purity(knowledge, truth_by_id) == 1.0
 
@@ -104,8 +116,10 @@ def simulation_records(first_id: int, count: int) -> tuple[list, list[int]]:  # 
     centres = np.array([[100.0, 0.0], [0.0, 50.0], [-100.0, -50.0]])
     truth = [i % 3 for i in range(count)]
     points = centres[truth] + rng.normal(scale=2.0, size=(count, 2))
-    return [record(first_id + i, {"energy": p[0], "pressure": p[1]}, image="hio/simulation",
-                   kd=("energy", "pressure")) for i, p in enumerate(points.tolist())], truth
+    return [
+        record(first_id + i, {"energy": p[0], "pressure": p[1]}, image="hio/simulation", kd=("energy", "pressure"))
+        for i, p in enumerate(points.tolist())
+    ], truth
 
 
 def test_every_image_group_is_published_and_separated(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -113,7 +127,7 @@ def test_every_image_group_is_published_and_separated(spark, tmp_path: Path) -> 
     sim, sim_truth = simulation_records(5000, 300)
     truth = {r.tuple_id: int(t) for r, t in zip(micro + sim, list(micro_truth) + sim_truth, strict=True)}
     with repository(tmp_path / "repo") as repo:
-        repo.put(micro[:300] + sim[:150] + micro[300:] + sim[150:])     # interleaved pipelines
+        repo.put(micro[:300] + sim[:150] + micro[300:] + sim[150:])  # interleaved pipelines
         config = kd_config(tmp_path, repo, max_assignments=750)
         assert run(config, spark=spark) == 0
         knowledge = repo.knowledge()
@@ -140,14 +154,17 @@ def test_every_image_group_is_published_and_separated(spark, tmp_path: Path) -> 
         assert "image hio/microscopy, 600 tuples (main" in text and "image hio/simulation, 300 tuples" in text
         assert "energy=" in text and "tuples:        900" in text
 
-        repo.put(simulation_records(9000, 600)[0])                     # simulation becomes the larger group
+        repo.put(simulation_records(9000, 600)[0])  # simulation becomes the larger group
         assert run(config, spark=spark) == 0
         knowledge = repo.knowledge()
-        assert [(g.image, g.tuple_count) for g in knowledge.groups] == [("hio/simulation", 900),
-                                                                         ("hio/microscopy", 600)]
+        assert [(g.image, g.tuple_count) for g in knowledge.groups] == [
+            ("hio/simulation", 900),
+            ("hio/microscopy", 600),
+        ]
         assert (knowledge.tuple_count, knowledge.new_records, knowledge.up_to_offset) == (900, 600, 1500)
-        preferred = kd_config(tmp_path, repo, image="hio/microscopy", max_groups=1, consumer="kd2",
-                              data_dir=str(tmp_path / "var2"))
+        preferred = kd_config(
+            tmp_path, repo, image="hio/microscopy", max_groups=1, consumer="kd2", data_dir=str(tmp_path / "var2")
+        )
         assert run(preferred, spark=spark) == 0
         knowledge = repo.knowledge()
         assert list(knowledge.feature_names) == ["a", "b", "c"] and len(knowledge.clusters) == 3
@@ -171,12 +188,12 @@ def test_restarts_never_count_a_tuple_twice(spark, tmp_path: Path) -> None:  # t
         (commits / f".{last}.crc").unlink(missing_ok=True)
         assert run(config, spark=spark) == 0
         assert repo.knowledge().tuple_count == 600
-    with repository(tmp_path / "repo") as repo:        # the repository restarted
+    with repository(tmp_path / "repo") as repo:  # the repository restarted
         repo.put(second)
         config = kd_config(tmp_path, repo, max_records_per_interval=300)
         assert run(config, spark=spark) == 0
         assert repo.knowledge().tuple_count == 900
-        shutil.rmtree(config.checkpoint_dir)          # the checkpoint is lost
+        shutil.rmtree(config.checkpoint_dir)  # the checkpoint is lost
         repo.put(third)
         assert run(config, spark=spark) == 0
         knowledge = repo.knowledge()
@@ -202,15 +219,16 @@ def test_continuous_intervals_until_stopped(spark, tmp_path: Path) -> None:  # t
             runner.join(60)
         assert outcome == [0]
         knowledge = repo.knowledge()
-        assert len(knowledge.assignments) == 50       # bounded: the most recent tuples
+        assert len(knowledge.assignments) == 50  # bounded: the most recent tuples
         assert knowledge.assignments[-1].tuple_id == 1099
 
 
 def _driver_jvm(kd: HioProcess) -> int:
     """The pid of the Spark driver JVM that ``hio kd`` launched."""
     assert kd.proc is not None
-    out = subprocess.run(["pgrep", "-P", str(kd.proc.pid), "java"], capture_output=True, text=True,
-                         check=False).stdout.split()
+    out = subprocess.run(
+        ["pgrep", "-P", str(kd.proc.pid), "java"], capture_output=True, text=True, check=False
+    ).stdout.split()
     assert len(out) == 1, f"expected one driver JVM under hio kd, found {out}"
     return int(out[0])
 
@@ -219,24 +237,44 @@ def _after_kill(repo: Repo, kd: HioProcess) -> str:
     """What a failed wait shows first: the count reached and KD's own log lines
     (short enough to survive a truncated CI report), then every thread's stack."""
     own = [line for line in kd.output().splitlines() if " hio.kd: " in line]
-    return (f"knowledge after the driver died (tuple_count {repo.knowledge().tuple_count}); "
-            f"KD's log:\n" + "\n".join(own[-20:]) + f"\n{kd.stacks()}")
+    return (
+        f"knowledge after the driver died (tuple_count {repo.knowledge().tuple_count}); "
+        f"KD's log:\n" + "\n".join(own[-20:]) + f"\n{kd.stacks()}"
+    )
 
 
 @pytest.mark.slow
 def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     with repository(tmp_path / "repo") as repo:
         repo.put(blobs_records(1, 150)[0])
-        args = ["--repository-address", repo.address, "--data-dir", str(tmp_path / "var"),
-                "--interval", "1", "--k", "3", "--log-level", "info", "--restart-delay", "1"]
+        args = [
+            "--repository-address",
+            repo.address,
+            "--data-dir",
+            str(tmp_path / "var"),
+            "--interval",
+            "1",
+            "--k",
+            "3",
+            "--log-level",
+            "info",
+            "--restart-delay",
+            "1",
+        ]
         with HioProcess("kd", args, tmp_path) as kd:
-            wait_for(lambda: (k := repo.knowledge()) and k.tuple_count == 150, timeout=180,
-                     what=lambda: f"knowledge from hio kd:\n{kd.stacks()}")
+            wait_for(
+                lambda: (k := repo.knowledge()) and k.tuple_count == 150,
+                timeout=180,
+                what=lambda: f"knowledge from hio kd:\n{kd.stacks()}",
+            )
             first_jvm = _driver_jvm(kd)
             os.kill(first_jvm, signal.SIGKILL)  # the driver dies (OOM killer, operator): KD must carry on
             repo.put(blobs_records(151, 150)[0])
-            wait_for(lambda: (k := repo.knowledge()) and k.tuple_count == 300, timeout=240,
-                     what=lambda: _after_kill(repo, kd))
+            wait_for(
+                lambda: (k := repo.knowledge()) and k.tuple_count == 300,
+                timeout=240,
+                what=lambda: _after_kill(repo, kd),
+            )
             assert kd.alive() and _driver_jvm(kd) != first_jvm
             assert "the Spark session is dead; starting a new one" in kd.output()
             code = kd.stop(timeout=60)

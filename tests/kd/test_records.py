@@ -22,14 +22,17 @@ def test_kd_features_in_pipeline_order() -> None:
     assert row.names == ("c", "a") and row.values == (3.0, 1.0)
 
 
-@pytest.mark.parametrize(("rec", "why"), [
-    (record(7, {"a": 1.0}, kd=("a", "missing")), "kd feature 'missing' is missing"),
-    (record(7, {"a": 1.0}, kd=("t",), text={"t": "x"}), "kd feature 't' is not a number"),
-    (record(7, {}, text={"t": "x"}), "no numeric features"),
-    (record(7, {"a": float("nan")}), "not finite"),
-    (record(7, {"a": float("inf")}, kd=("a",)), "not finite"),
-    (record(8, {"a": 1.0}), "record says tuple 8, stored as 7"),
-])
+@pytest.mark.parametrize(
+    ("rec", "why"),
+    [
+        (record(7, {"a": 1.0}, kd=("a", "missing")), "kd feature 'missing' is missing"),
+        (record(7, {"a": 1.0}, kd=("t",), text={"t": "x"}), "kd feature 't' is not a number"),
+        (record(7, {}, text={"t": "x"}), "no numeric features"),
+        (record(7, {"a": float("nan")}), "not finite"),
+        (record(7, {"a": float("inf")}, kd=("a",)), "not finite"),
+        (record(8, {"a": 1.0}), "record says tuple 8, stored as 7"),
+    ],
+)
 def test_unusable_records_become_error_rows(rec, why: str) -> None:  # type: ignore[no-untyped-def]
     row = decode(1, 7, blob(rec), LIMIT)
     assert row.error is not None and why in row.error

@@ -13,9 +13,18 @@ from hio.proto import features_pb2
 
 
 def test_knowledge_reads_as_text() -> None:
-    k = features_pb2.Knowledge(computed_unix=1.0e9, tuple_count=30, up_to_offset=31, malformed_records=1,
-                               new_records=10, interval_seconds=2.5, algorithm="BisectingKMeans(k=2)",
-                               feature_names=["a", "b"], feature_mean=[10.0, 0.0], feature_std=[2.0, 1.0])
+    k = features_pb2.Knowledge(
+        computed_unix=1.0e9,
+        tuple_count=30,
+        up_to_offset=31,
+        malformed_records=1,
+        new_records=10,
+        interval_seconds=2.5,
+        algorithm="BisectingKMeans(k=2)",
+        feature_names=["a", "b"],
+        feature_mean=[10.0, 0.0],
+        feature_std=[2.0, 1.0],
+    )
     k.clusters.add(id=0, centre=[-1.0, 0.0], count=10)
     k.clusters.add(id=1, centre=[1.0, 0.5], count=20)
     k.dendrogram.add(left=0, right=1, distance=2.06, size=2)
@@ -23,7 +32,7 @@ def test_knowledge_reads_as_text() -> None:
     text = format_knowledge(k)
     assert "tuples:        30 (up to repository offset 31)" in text
     assert "malformed:     1 records skipped" in text
-    assert "#1          20 tuples ( 66.7%)  a=12, b=0.5" in text     # centre back in original units
+    assert "#1          20 tuples ( 66.7%)  a=12, b=0.5" in text  # centre back in original units
     assert "m0   = #0 + #1   distance 2.06" in text
     assert "99->#1" in text
 
@@ -39,10 +48,19 @@ def test_paths_default_under_data_dir(tmp_path: Path) -> None:
     assert KDConfig(preview_path=str(tmp_path / "p.png")).preview_file == tmp_path / "p.png"
 
 
-@pytest.mark.parametrize(("field", "value", "named"), [
-    ("k", 0, "k"), ("interval", 0.0, "interval"), ("max_records_per_interval", 0, "max_records_per_interval"),
-    ("spark_conf", ("novalue",), "spark_conf"), ("consumer", " ", "consumer"), ("max_groups", 0, "max_groups"),
-    ("fit_parallelism", 0, "fit_parallelism"), ("preview_groups", 0, "preview_groups")])
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("k", 0, "k"),
+        ("interval", 0.0, "interval"),
+        ("max_records_per_interval", 0, "max_records_per_interval"),
+        ("spark_conf", ("novalue",), "spark_conf"),
+        ("consumer", " ", "consumer"),
+        ("max_groups", 0, "max_groups"),
+        ("fit_parallelism", 0, "fit_parallelism"),
+        ("preview_groups", 0, "preview_groups"),
+    ],
+)
 def test_bad_settings_are_named(field: str, value: object, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         KDConfig(**{field: value}).validate()

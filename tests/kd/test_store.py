@@ -10,16 +10,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hio.transport.errors import FailedPrecondition
 from hio.kd import store as store_mod
 from hio.kd.records import Row, to_table
 from hio.kd.store import AccumulatedStore
+from hio.transport.errors import FailedPrecondition
 from tests.harness import FsyncDisk
 
 
 def rows(first_offset: int, first_id: int, count: int, image: str = "img", names=("a", "b")) -> list[Row]:
-    return [Row(offset=first_offset + i, tuple_id=first_id + i, image=image, names=names,
-                values=tuple(float(first_id + i + j) for j in range(len(names)))) for i in range(count)]
+    return [
+        Row(
+            offset=first_offset + i,
+            tuple_id=first_id + i,
+            image=image,
+            names=names,
+            values=tuple(float(first_id + i + j) for j in range(len(names))),
+        )
+        for i in range(count)
+    ]
 
 
 def test_append_persists_and_reopens_identically(tmp_path: Path) -> None:
@@ -40,7 +48,7 @@ def test_replayed_batch_and_known_ids_count_once(tmp_path: Path) -> None:
     store = AccumulatedStore(tmp_path).open()
     batch = to_table(rows(1, 1, 5))
     store.append(batch, 1.0)
-    replay = store.append(batch, 2.0)                    # Spark replays a batch after a crash
+    replay = store.append(batch, 2.0)  # Spark replays a batch after a crash
     assert (replay.accepted, replay.duplicates) == (0, 5)
     moved = store.append(to_table(rows(6, 3, 4)), 3.0)  # ids 3..6 under new offsets: 3..5 known
     assert (moved.accepted, moved.duplicates) == (1, 3)
@@ -51,11 +59,13 @@ def test_replayed_batch_and_known_ids_count_once(tmp_path: Path) -> None:
 
 def test_groups_by_image_and_feature_set(tmp_path: Path) -> None:
     store = AccumulatedStore(tmp_path).open()
-    store.append(to_table(rows(1, 1, 3, image="small") + rows(4, 4, 5, image="big")
-                          + rows(9, 9, 2, image="big", names=("z",))), 1.0)
-    assert store.select("").image == "big"              # type: ignore[union-attr] - the group exists
-    assert store.select("").count == 5                  # type: ignore[union-attr] - the group exists
-    assert store.select("small").names == ("a", "b")    # type: ignore[union-attr] - the group exists
+    store.append(
+        to_table(rows(1, 1, 3, image="small") + rows(4, 4, 5, image="big") + rows(9, 9, 2, image="big", names=("z",))),
+        1.0,
+    )
+    assert store.select("").image == "big"  # type: ignore[union-attr] - the group exists
+    assert store.select("").count == 5  # type: ignore[union-attr] - the group exists
+    assert store.select("small").names == ("a", "b")  # type: ignore[union-attr] - the group exists
     assert store.select("absent") is None
 
 
@@ -79,14 +89,16 @@ def test_interrupted_compaction_overlap_counts_once(tmp_path: Path) -> None:
     # a compaction that wrote the merged file and died before deleting the parts
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     parts = sorted(tmp_path.glob("part-*.parquet"))
     merged = pa.concat_tables([pq.read_table(p) for p in parts])
     pq.write_table(merged, tmp_path / f"part-{1:020d}-{20:020d}.parquet")
     assert AccumulatedStore(tmp_path).open().total == 20
 
 
-def test_a_failed_fsync_refuses_every_later_interval_until_restart(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_fsync_refuses_every_later_interval_until_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After a failed fsync a later one may report success for bytes the disk dropped: the
     interval whose fsync failed and every later one are refused until KD restarts; the
     intervals stored before stay."""
@@ -100,7 +112,7 @@ def test_a_failed_fsync_refuses_every_later_interval_until_restart(tmp_path: Pat
     with pytest.raises(FailedPrecondition, match="restart the kd"):
         store.append(to_table(rows(7, 7, 3)), 3.0)
     assert store.total == 3
-    again = AccumulatedStore(tmp_path).open()               # the restart takes intervals again
+    again = AccumulatedStore(tmp_path).open()  # the restart takes intervals again
     assert again.total == 3
     assert again.append(to_table(rows(4, 4, 3)), 4.0).accepted == 3
 

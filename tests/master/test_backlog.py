@@ -11,6 +11,9 @@ from typing import Self
 
 import pytest
 
+from hio.master.backlog import BacklogQueue, Lease, Placement, Stored
+from hio.master.deadletters import DeadLetterStore
+from hio.master.storage import Durability
 from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hio.transport.frames import (
     ChunkFrame,
@@ -22,9 +25,6 @@ from hio.transport.frames import (
     serialize_frame,
     tuple_frames,
 )
-from hio.master.backlog import BacklogQueue, Lease, Placement, Stored
-from hio.master.deadletters import DeadLetterStore
-from hio.master.storage import Durability
 from tests.harness import FsyncDisk, wait_for
 from tests.master.helpers import big_frames, frames
 
@@ -43,11 +43,14 @@ def open_queue(root: Path, clock: Clock | None = None, **kw: object) -> BacklogQ
     durability = kw.pop("durability", None) or Durability(str(kw.pop("fsync", "always")))
     assert isinstance(durability, Durability)
     dead = DeadLetterStore(root / "dead", durability)
-    params: dict[str, object] = {"queue_bytes": 100 * MiB, "memory_bytes": 1 * MiB, "segment_bytes": 4 * MiB,
-                                 "max_attempts": 3}
+    params: dict[str, object] = {
+        "queue_bytes": 100 * MiB,
+        "memory_bytes": 1 * MiB,
+        "segment_bytes": 4 * MiB,
+        "max_attempts": 3,
+    }
     params.update(kw)
-    return BacklogQueue(root / "queue", dead=dead, durability=durability, clock=clock or Clock(),
-                        **params)  # type: ignore[arg-type] - the keywords are BacklogQueue's, their values objects
+    return BacklogQueue(root / "queue", dead=dead, durability=durability, clock=clock or Clock(), **params)  # type: ignore[arg-type] - the keywords are BacklogQueue's, their values objects
 
 
 def received(frames: Iterable[TupleFrame | bytes]) -> list[TupleFrame | ChunkFrame]:
@@ -133,7 +136,7 @@ def test_corrupt_tuple_is_never_stored(tmp_path: Path) -> None:
     assert q.length() == 1 and not q.contains(2) and not q.contains(3)
     put(q, frames(4, payload(4)))
     q.close()
-    q = open_queue(tmp_path)           # nothing of the refused tuples survives a restart either
+    q = open_queue(tmp_path)  # nothing of the refused tuples survives a restart either
     assert [take(q)[0], take(q)[0]] == [1, 4]
     assert lease_one(q, "hio/synthetic", "w/0", 60) is None
     q.close()
@@ -152,8 +155,8 @@ def test_restart_recovers_unacked_in_order_and_voids_leases(tmp_path: Path) -> N
     for tid in range(1, 6):
         put(q, frames(tid, payload(tid)))
     first, _, _ = take(q)
-    q.ack(first, "w/0")                      # 1 done for good
-    take(q)                           # 2 leased, never acknowledged
+    q.ack(first, "w/0")  # 1 done for good
+    take(q)  # 2 leased, never acknowledged
     q.close()
     q = open_queue(tmp_path)
     assert q.length() == 4
@@ -168,10 +171,10 @@ def test_torn_tail_is_truncated(tmp_path: Path) -> None:
     q.close()
     (segment,) = sorted((tmp_path / "queue").glob("seg-*.q"))
     whole = segment.stat().st_size
-    with open(segment, "r+b") as fh:      # crash in the middle of record 2
+    with open(segment, "r+b") as fh:  # crash in the middle of record 2
         fh.truncate(whole - 100)
     journal = tmp_path / "queue" / "journal.q"
-    with open(journal, "ab") as fh:       # and a torn journal entry
+    with open(journal, "ab") as fh:  # and a torn journal entry
         fh.write(b"\x01\x00\x00")
     q = open_queue(tmp_path)
     assert q.length() == 1 and take(q)[1] == payload(1)
@@ -191,14 +194,14 @@ def test_damaged_payload_is_dropped_not_served(tmp_path: Path) -> None:
     (segment,) = sorted((tmp_path / "queue").glob("seg-*.q"))
     with open(segment, "r+b") as fh:
         fh.seek(200)
-        fh.write(b"\xff\xfe")             # bit rot inside payload 1
+        fh.write(b"\xff\xfe")  # bit rot inside payload 1
     q = open_queue(tmp_path)
     assert q.length() == 1 and take(q) == (2, payload(2), 1)
     q.close()
 
 
 def test_acked_never_reappears_and_segments_are_deleted(tmp_path: Path) -> None:
-    q = open_queue(tmp_path, segment_bytes=2048)    # about one record per segment
+    q = open_queue(tmp_path, segment_bytes=2048)  # about one record per segment
     for tid in range(1, 7):
         put(q, frames(tid, payload(tid)))
     assert len(list((tmp_path / "queue").glob("seg-*.q"))) >= 3
@@ -219,12 +222,12 @@ def test_lease_expiry_requeues_at_head_with_next_attempt(tmp_path: Path) -> None
     lease = lease_one(q, "hio/synthetic", "w/0", 5.0)
     assert lease is not None and lease.tuple_id == 1
     clock.now += 3
-    q.refresh("w/0", 5.0)                 # a report keeps the lease
+    q.refresh("w/0", 5.0)  # a report keeps the lease
     clock.now += 3
     assert q.expire_leases() == []
     clock.now += 3
     assert q.expire_leases() == ["w/0"]
-    assert take(q, channel="w/1")[::2] == (1, 2)   # back at the head, attempt 2
+    assert take(q, channel="w/1")[::2] == (1, 2)  # back at the head, attempt 2
     assert not q.ack(99, "w/0")
     assert not q.ack(1, "stranger/0"), "only a channel that held the tuple may acknowledge it"
     assert q.ack(1, "w/0"), "a late success from the earlier holder still counts"
@@ -237,7 +240,7 @@ def test_void_leases_of_a_channel_and_stale_lease(tmp_path: Path) -> None:
     lease = lease_one(q, "hio/synthetic", "w/0", 60)
     assert lease is not None
     assert q.void_leases("w/0", "channel down") == [1]
-    assert not q.void_lease(lease, "cancelled")      # no longer the current lease
+    assert not q.void_lease(lease, "cancelled")  # no longer the current lease
     with pytest.raises(NotFound):
         list(leased_frames(q, [lease], 1024))
     again = lease_one(q, "hio/synthetic", "w/1", 60)
@@ -251,8 +254,8 @@ def test_failures_requeue_at_tail_then_dead_letter(tmp_path: Path) -> None:
     put(q, frames(2, payload(2)))
     assert take(q)[0] == 1
     assert q.fail(1, "w/0", "bad pixels")
-    assert not q.fail(2, "w/0", "not leased")       # only the holder's word counts
-    assert take(q)[0] == 2                           # 1 went to the tail
+    assert not q.fail(2, "w/0", "not leased")  # only the holder's word counts
+    assert take(q)[0] == 2  # 1 went to the tail
     tid, _, attempt = take(q)
     assert (tid, attempt) == (1, 2)
     assert q.fail(1, "w/0", "bad pixels again")
@@ -262,7 +265,7 @@ def test_failures_requeue_at_tail_then_dead_letter(tmp_path: Path) -> None:
     with q.dead.open_payload(1) as fh:
         assert fh.read() == payload(1)
     q.close()
-    q = open_queue(tmp_path, max_attempts=2)         # dead letters and the queue survive a restart
+    q = open_queue(tmp_path, max_attempts=2)  # dead letters and the queue survive a restart
     assert [d.tuple_id for d in q.dead.list(10)] == [1] and q.length() == 1
     q.retry_dead(1)
     assert len(q.dead) == 0
@@ -290,9 +293,9 @@ def test_moves_survive_restart(tmp_path: Path) -> None:
     for tid in (1, 2, 3):
         put(q, frames(tid, payload(tid)))
     assert take(q)[0] == 1
-    q.fail(1, "w/0", "flaky")             # 1 -> tail, attempt 2
+    q.fail(1, "w/0", "flaky")  # 1 -> tail, attempt 2
     assert take(q)[0] == 2
-    q.void_leases("w/0", "down")          # 2 -> head, attempt 2
+    q.void_leases("w/0", "down")  # 2 -> head, attempt 2
     q.close()
     q = open_queue(tmp_path)
     assert [take(q)[::2] for _ in range(3)] == [(2, 2), (3, 1), (1, 2)]
@@ -302,7 +305,7 @@ def test_moves_survive_restart(tmp_path: Path) -> None:
 def test_small_tuples_are_cached_big_ones_are_not(tmp_path: Path) -> None:
     q = open_queue(tmp_path, memory_bytes=5000)
     put(q, frames(1, payload(1, 4000)))
-    put(q, frames(2, payload(2, 4000)))   # over the remaining memory budget: disk only
+    put(q, frames(2, payload(2, 4000)))  # over the remaining memory budget: disk only
     assert q.cached_bytes == 4000
     assert take(q)[1] == payload(1, 4000)
     assert take(q)[1] == payload(2, 4000)
@@ -341,9 +344,9 @@ def test_new_records_never_take_a_dead_letters_sequence(tmp_path: Path) -> None:
     q = open_queue(tmp_path, max_attempts=1, segment_bytes=1024)
     put(q, frames(1, payload(1)))
     take(q)
-    q.fail(1, "w/0", "boom")          # dead letter remembers the record's sequence number
+    q.fail(1, "w/0", "boom")  # dead letter remembers the record's sequence number
     q.close()
-    q = open_queue(tmp_path, max_attempts=1, segment_bytes=1024)   # segment gone, journal compacted
+    q = open_queue(tmp_path, max_attempts=1, segment_bytes=1024)  # segment gone, journal compacted
     put(q, frames(2, payload(2)))
     q.close()
     q = open_queue(tmp_path, max_attempts=1)
@@ -376,7 +379,7 @@ def test_concurrent_streams_never_interleave_records(tmp_path: Path) -> None:
     while (lease := lease_one(q, "hio/synthetic", "w/0", 60)) is not None:
         seen[lease.tuple_id] = b"".join(f.data for f in received(leased_frames(q, [lease], 8192)))
     assert sorted(seen) == [b + i for b in (1, 101, 201) for i in range(20)]
-    for base in (1, 101, 201):                    # each stream's tuples keep their order
+    for base in (1, 101, 201):  # each stream's tuples keep their order
         mine = [tid for tid in seen if base <= tid < base + 20]
         assert mine == sorted(mine)
     assert all(data == payload(tid, 30_000) for tid, data in seen.items())
@@ -384,6 +387,7 @@ def test_concurrent_streams_never_interleave_records(tmp_path: Path) -> None:
 
 
 # ---- 'batch' durability: what reaches the disk, and how far it may lag ---------------
+
 
 class _Rounds:
     """Runs flush rounds every 20 ms, as the master's maintenance thread does every 100 ms."""
@@ -411,21 +415,22 @@ def _segments(root: Path) -> list[str]:
 
 
 def test_batch_never_syncs_a_sealed_segment_whose_tuples_were_done_before_its_round(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A sealed segment deleted before the flush round came never goes to the disk (its
     tuples need none); a sealed segment with a tuple still queued is synced, and so is the
     open one; what they hold survives a restart. Before, sealing fsynced every segment
     on the receiving thread, done or not."""
     disk = FsyncDisk(monkeypatch)
-    durability = Durability("batch", interval=3600.0)        # this test runs the rounds by hand
+    durability = Durability("batch", interval=3600.0)  # this test runs the rounds by hand
     q = open_queue(tmp_path, durability=durability, segment_bytes=4096)
     for tid in range(1, 6):
         put(q, frames(tid, payload(tid, 3000)))
     segments = _segments(tmp_path)
-    assert len(segments) == 3                    # 1 2 | 3 4 | 5: a segment is sealed past 4096 bytes
-    assert 15000 < durability.unsynced_bytes < 16000   # the five records, payloads and framing
+    assert len(segments) == 3  # 1 2 | 3 4 | 5: a segment is sealed past 4096 bytes
+    assert 15000 < durability.unsynced_bytes < 16000  # the five records, payloads and framing
     assert not [p for p in disk.synced if "/seg-" in p], "sealing does not sync on the receiving thread"
-    for _ in range(2):                           # tuples 1 and 2 are done: their segment is deleted
+    for _ in range(2):  # tuples 1 and 2 are done: their segment is deleted
         tid, _, _ = take(q)
         assert q.ack(tid, "w/0")
     assert not Path(segments[0]).exists()
@@ -440,7 +445,8 @@ def test_batch_never_syncs_a_sealed_segment_whose_tuples_were_done_before_its_ro
 
 
 def test_batch_holds_senders_while_the_disk_lags_and_lets_them_go_once_synced(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A tuple is admitted only while what waits for an fsync stays within ``unsynced_bytes``,
     concurrent senders included (a tuple counts when admitted, not once written), so a power
     loss never costs more than that."""
@@ -448,15 +454,15 @@ def test_batch_holds_senders_while_the_disk_lags_and_lets_them_go_once_synced(
     durability = Durability("batch", unsynced_bytes=7000)
     q = open_queue(tmp_path, durability=durability)
     put(q, frames(1, payload(1, 3000)))
-    put(q, frames(2, payload(2, 3000)))                    # 6000 <= 7000
-    disk.open.clear()                                      # the disk stalls
+    put(q, frames(2, payload(2, 3000)))  # 6000 <= 7000
+    disk.open.clear()  # the disk stalls
     with _Rounds(durability):
         senders = [threading.Thread(target=put, args=(q, frames(tid, payload(tid, 3000)))) for tid in (3, 4, 5, 6)]
         for sender in senders:
             sender.start()
         senders[0].join(0.5)
         assert all(s.is_alive() for s in senders) and q.length() == 2, "the senders wait for the disk"
-        assert 6000 < durability.unsynced_bytes <= 7000         # the two records, payloads and framing
+        assert 6000 < durability.unsynced_bytes <= 7000  # the two records, payloads and framing
         disk.open.set()
         for sender in senders:
             sender.join(10)
@@ -465,7 +471,8 @@ def test_batch_holds_senders_while_the_disk_lags_and_lets_them_go_once_synced(
 
 
 def test_batch_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A sender held for the disk is told why when the flush round fails (FAILED_PRECONDITION with
     a retry hint, nothing of its tuple written). The failure is final: a later fsync can
     report success for bytes the failed one lost, so no new tuple is taken until the
@@ -485,13 +492,13 @@ def test_batch_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
         disk.error = None
         wait_for(lambda: durability.unsynced_bytes == 0, timeout=10, what="a round that syncs")
         with pytest.raises(FailedPrecondition, match=refusal):
-            put(q, frames(4, payload(4, 30)))                 # well within the bound: refused all the same
+            put(q, frames(4, payload(4, 30)))  # well within the bound: refused all the same
     assert q.length() == 2
-    assert take(q)[0] == 1                                    # what was queued is still handed out
+    assert take(q)[0] == 1  # what was queued is still handed out
     q.close()
     q = open_queue(tmp_path)
-    put(q, frames(4, payload(4, 3000)))                       # a restarted master takes new tuples
-    assert [take(q)[0] for _ in range(3)] == [1, 2, 4]        # tuple 1's lease ended with the old master
+    put(q, frames(4, payload(4, 3000)))  # a restarted master takes new tuples
+    assert [take(q)[0] for _ in range(3)] == [1, 2, 4]  # tuple 1's lease ended with the old master
     q.close()
 
 
@@ -525,7 +532,7 @@ def test_a_dead_letter_retried_while_it_is_written_is_queued_not_lost(tmp_path: 
     assert lease_one(q, "hio/synthetic", "w/0", 10.0) is not None
     _pause_dead_letter_copy(q, lambda: q.retry_dead(1))
     clock.now += 100
-    q.expire_leases()                                    # exhausted: on its way to the dead letters
+    q.expire_leases()  # exhausted: on its way to the dead letters
     for racer in q._racers:  # type: ignore[attr-defined] - the test's own attribute on the queue
         racer.join(10)
     assert (q.length(), q.contains(1), q.dead.get(1)) == (1, True, None)
@@ -543,7 +550,7 @@ def test_a_late_success_report_while_the_dead_letter_is_written_changes_nothing(
     acked: list[bool] = []
     _pause_dead_letter_copy(q, lambda: acked.append(q.ack(1, "w/0")))
     clock.now += 100
-    q.expire_leases()                                    # does not raise
+    q.expire_leases()  # does not raise
     for racer in q._racers:  # type: ignore[attr-defined] - the test's own attribute on the queue
         racer.join(10)
     assert acked == [False]
@@ -559,7 +566,7 @@ def test_a_damaged_record_mid_segment_costs_only_itself(tmp_path: Path) -> None:
     [segment] = list((tmp_path / "queue").glob("seg-*.q"))
     raw = bytearray(segment.read_bytes())
     second = raw.find(b"HIOR", 1)
-    raw[second + 20] ^= 0x01                         # in record 2's head or metadata
+    raw[second + 20] ^= 0x01  # in record 2's head or metadata
     segment.write_bytes(bytes(raw))
     again = open_queue(tmp_path)
     assert sorted(again._entries) == [1, 3, 4, 5]
@@ -567,7 +574,8 @@ def test_a_damaged_record_mid_segment_costs_only_itself(tmp_path: Path) -> None:
 
 
 def test_a_journal_entry_cut_short_by_a_full_disk_does_not_hide_the_later_ones(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import errno
     import os
 
@@ -587,13 +595,13 @@ def test_a_journal_entry_cut_short_by_a_full_disk_does_not_hide_the_later_ones(
     monkeypatch.setattr(os, "write", short_then_full)
     first = take(q)[0]
     with pytest.raises(OSError):
-        q.ack(first, "w/0")                          # its ACK hits the full disk
+        q.ack(first, "w/0")  # its ACK hits the full disk
     monkeypatch.setattr(os, "write", real_write)
-    for _ in range(2):                               # room again: the next ones are acked
+    for _ in range(2):  # room again: the next ones are acked
         assert q.ack(take(q)[0], "w/0")
     q.close()
     again = open_queue(tmp_path)
-    assert sorted(again._entries) == [first]         # only the ACK that failed is missing
+    assert sorted(again._entries) == [first]  # only the ACK that failed is missing
 
 
 def test_a_segment_that_cannot_be_created_reserves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -617,7 +625,8 @@ def test_a_segment_that_cannot_be_created_reserves_nothing(tmp_path: Path, monke
 
 
 def test_always_takes_no_new_tuple_after_a_failed_fsync_nor_a_dead_letter(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With 'always' a failed fsync refuses its own tuple (the sender is told) and is as
     final as in 'batch': the next tuple is refused before it is written, and so is one
     that would go straight to the dead letters (those are receipted ENQUEUED too)."""
@@ -627,7 +636,7 @@ def test_always_takes_no_new_tuple_after_a_failed_fsync_nor_a_dead_letter(
     put(q, frames(1, payload(1)))
     disk.error = OSError(errno.EIO, "Input/output error")
     refusal = r"backlog's disk failed to sync at .*\(Input/output error\).*restart the master"
-    with pytest.raises(FailedPrecondition, match=refusal):          # the tuple whose fsync failed
+    with pytest.raises(FailedPrecondition, match=refusal):  # the tuple whose fsync failed
         put(q, frames(2, payload(2)))
     disk.error = None
     with pytest.raises(FailedPrecondition, match=refusal):
@@ -645,7 +654,7 @@ def test_batch_syncs_a_requeue_s_journal_entry_like_an_ack(tmp_path: Path, monke
     """A failed or expired tuple's MOVE (its new place and attempt) goes to the next flush
     round, as an ACK does; before, it waited unsynced for the next ACK or the close."""
     disk = FsyncDisk(monkeypatch)
-    durability = Durability("batch", interval=3600.0)        # this test runs the rounds by hand
+    durability = Durability("batch", interval=3600.0)  # this test runs the rounds by hand
     q = open_queue(tmp_path, durability=durability)
     put(q, frames(1, payload(1)))
     durability.flush_due(force=True)
@@ -658,7 +667,8 @@ def test_batch_syncs_a_requeue_s_journal_entry_like_an_ack(tmp_path: Path, monke
 
 
 def test_a_tuple_that_can_never_fit_is_refused_without_waiting_for_the_disk(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The cheap refusals come before the wait for the disk: a tuple larger than the queue
     bound is refused at once even while the disk is behind, holding nothing meanwhile."""
     disk = FsyncDisk(monkeypatch)
@@ -666,7 +676,7 @@ def test_a_tuple_that_can_never_fit_is_refused_without_waiting_for_the_disk(
     q = open_queue(tmp_path, durability=durability, queue_bytes=10_000)
     put(q, frames(1, payload(1, 6000)))
     behind = durability.unsynced_bytes
-    disk.open.clear()                                        # the disk stalls: nothing more fits the budget
+    disk.open.clear()  # the disk stalls: nothing more fits the budget
     refused: list[BaseException] = []
 
     def send() -> None:
@@ -674,6 +684,7 @@ def test_a_tuple_that_can_never_fit_is_refused_without_waiting_for_the_disk(
             put(q, frames(2, payload(2, 20_000)))
         except BaseException as exc:  # noqa: BLE001 - the refusal is the result
             refused.append(exc)
+
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
     sender.join(5)
@@ -689,8 +700,9 @@ def _hior(seq: int, meta: TupleMeta, data: bytes) -> bytes:
     sequence); big-endian."""
     meta_bytes = meta.SerializeToString()
     head = b"HIOR" + len(meta_bytes).to_bytes(4, "big") + len(data).to_bytes(8, "big") + meta_bytes
-    return head + data + b"HIOE" + seq.to_bytes(8, "big") \
-        + crc32(seq.to_bytes(8, "big"), crc32(head)).to_bytes(4, "big")
+    return (
+        head + data + b"HIOE" + seq.to_bytes(8, "big") + crc32(seq.to_bytes(8, "big"), crc32(head)).to_bytes(4, "big")
+    )
 
 
 def test_a_backlog_folder_in_the_hior_format_requeues_its_tuples(tmp_path: Path) -> None:
@@ -698,10 +710,12 @@ def test_a_backlog_folder_in_the_hior_format_requeues_its_tuples(tmp_path: Path)
     ACK entry (kind, sequence, order, attempt, CRC-32) removes one are queued again."""
     folder = tmp_path / "queue"
     folder.mkdir()
-    metas = {tid: TupleMeta(tuple_id=tid, image="hio/synthetic", size=1000, crc32=crc32(payload(tid)), attempt=1)
-             for tid in (1, 2, 3)}
+    metas = {
+        tid: TupleMeta(tuple_id=tid, image="hio/synthetic", size=1000, crc32=crc32(payload(tid)), attempt=1)
+        for tid in (1, 2, 3)
+    }
     (folder / "seg-0000000001.q").write_bytes(_hior(1, metas[1], payload(1)) + _hior(2, metas[2], payload(2)))
-    (folder / "seg-0000000002.q").write_bytes(_hior(3, metas[3], payload(3)) + b"HIOR\x00")   # torn tail
+    (folder / "seg-0000000002.q").write_bytes(_hior(3, metas[3], payload(3)) + b"HIOR\x00")  # torn tail
     ack = bytes([1]) + (1).to_bytes(8, "big") + (0).to_bytes(8, "big") + (0).to_bytes(4, "big")
     (folder / "journal.q").write_bytes(ack + crc32(ack).to_bytes(4, "big"))
     q = open_queue(tmp_path)

@@ -15,17 +15,17 @@ import grpc
 import pytest
 
 from hio.config import ConfigError, build
-from hio.transport.errors import Unavailable
-from hio.transport.frames import TupleReceipt, unpacked_receipts
-from hio.transport.lane import END_OF_INPUT, MAGIC, LaneCall, LaneDownload, lane_frames, open_lane
 from hio.master import MasterConfig
 from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
+from hio.transport.errors import Unavailable
+from hio.transport.frames import TupleReceipt, unpacked_receipts
+from hio.transport.lane import END_OF_INPUT, MAGIC, LaneCall, LaneDownload, lane_frames, open_lane
 from tests.harness import wait_for
 from tests.worker import conftest as worker_conftest
 from tests.worker.conftest import TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple, register_channel
 
-repo = worker_conftest.repo   # the worker tests' repository fixture, for the tests here
+repo = worker_conftest.repo  # the worker tests' repository fixture, for the tests here
 
 TOKENS = "gw-secret gateway gw1\nwk-secret worker w1\nview-secret viewer v1\n"
 
@@ -49,20 +49,34 @@ def lane_of(master: Master) -> str:
 
 def routed(master: Master, count: int) -> list[tuple[int, bytes]]:
     """Ids and tickets for ``count`` tuples, routed to the queue (as a gateway would be)."""
-    reply = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
-        source="test", image=TEST_IMAGE, force_queue=True,
-        items=[master_pb2.RouteItem(size=1) for _ in range(count)]), timeout=5)
+    reply = master.stub.RouteTuples(
+        master_pb2.RouteTuplesRequest(
+            source="test",
+            image=TEST_IMAGE,
+            force_queue=True,
+            items=[master_pb2.RouteItem(size=1) for _ in range(count)],
+        ),
+        timeout=5,
+    )
     assert reply.HasField("queue") and reply.queue.lane_port == master.domain.lane.port
     return list(zip(reply.tuple_ids, reply.tickets, strict=True))
 
 
 def test_gateway_queues_over_the_lane_and_an_engine_stores_every_payload(
-        master: Master, repo: Repo, tmp_path: Path) -> None:
+    master: Master, repo: Repo, tmp_path: Path
+) -> None:
     """Forced through the queue, payloads of every size cross the master's lane intact."""
     from hio.gateway import Gateway, GatewayConfig
 
-    config = GatewayConfig(master_address=master.address, repository_address=repo.address, force_queue=True,
-                           data_dir=str(tmp_path / "gw"), source="queue-lane", ingest_listen="", grace_seconds=2.0)
+    config = GatewayConfig(
+        master_address=master.address,
+        repository_address=repo.address,
+        force_queue=True,
+        data_dir=str(tmp_path / "gw"),
+        source="queue-lane",
+        ingest_listen="",
+        grace_seconds=2.0,
+    )
     payloads = [b"", b"small", os.urandom(200_000), os.urandom(3_000_000)]
     with Gateway(config) as gw:
         ids = gw.send_many(payloads, image=TEST_IMAGE, timeout=60)
@@ -73,15 +87,17 @@ def test_gateway_queues_over_the_lane_and_an_engine_stores_every_payload(
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
     try:
         register_channel(master, engine)
-        records = wait_for(lambda: (lambda found: found if set(ids) <= set(found) else None)(repo.records()),
-                           timeout=60, what="the queued tuples stored")
+        records = wait_for(
+            lambda: (lambda found: found if set(ids) <= set(found) else None)(repo.records()),
+            timeout=60,
+            what="the queued tuples stored",
+        )
         # The engine learns the lane from its reports' answers; its pulls use it from then on.
         wait_for(lambda: master.domain.lane.methods["PullTuple"] >= 1, timeout=30, what="a pull over the lane")
     finally:
         engine.close()
     assert [records[i].meta.size for i in ids] == [len(p) for p in payloads]
     assert [records[i].meta.crc32 for i in ids] == [zlib.crc32(p) for p in payloads]
-
 
 
 def test_the_lane_answers_with_enqueues_receipts_and_checks(master: Master) -> None:
@@ -95,13 +111,13 @@ def test_the_lane_answers_with_enqueues_receipts_and_checks(master: Master) -> N
     assert master.domain.lane.methods["Enqueue"] == 1
 
     meta, data = make_tuple(bad_id, b"y" * 5000)
-    meta.crc32 ^= 1   # damaged on the way
+    meta.crc32 ^= 1  # damaged on the way
     sock = open_lane(lane_of(master), "", connect_seconds=5, method="Enqueue")
     call = LaneCall(sock, lane_frames(iter([(meta, data)]), chunk_bytes=1024, pack_bytes=0), timeout=30)
     with pytest.raises(grpc.RpcError) as failed:
         list(call)
     assert failed.value.code().name == "DATA_LOSS"
-    assert queued(master) == 1   # the damaged tuple left nothing behind
+    assert queued(master) == 1  # the damaged tuple left nothing behind
 
 
 def _status_for(address: str, hello: LaneHello, *, end: bool = False) -> LaneStatus:
@@ -118,9 +134,12 @@ def _status_for(address: str, hello: LaneHello, *, end: bool = False) -> LaneSta
 
 def _pull_status(address: str, token: str, request: master_pb2.PullTupleRequest) -> str:
     """The outcome of a PullTuple on the lane: 'OK: n frames' or the error's code name."""
-    call = LaneDownload(open_lane(address, token, connect_seconds=5, method="PullTuple",
-                                  request=request.SerializeToString()),
-                        timeout=20, max_head_bytes=1 << 20, max_data_bytes=1 << 26)
+    call = LaneDownload(
+        open_lane(address, token, connect_seconds=5, method="PullTuple", request=request.SerializeToString()),
+        timeout=20,
+        max_head_bytes=1 << 20,
+        max_data_bytes=1 << 26,
+    )
     try:
         return f"OK: {len(list(call.frames()))} frames"
     except grpc.RpcError as exc:
@@ -133,15 +152,15 @@ def test_the_lane_serves_its_methods_only_and_to_the_roles_grpc_allows(tmp_path:
     m = Master(tmp_path / "master", tokens_file=str(tokens), images=(TEST_IMAGE,))
     try:
         address = lane_of(m)
-        for method in ("Deliver", "Calls", "RouteTuples"):   # every call but the payloads' is gRPC's
+        for method in ("Deliver", "Calls", "RouteTuples"):  # every call but the payloads' is gRPC's
             wrong = _status_for(address, LaneHello(method=method, token="gw-secret"))
             assert wrong.code == 3 and "serves Enqueue and PullTuple only" in wrong.message
-        assert _status_for(address, LaneHello(method="Enqueue", token="nope")).code == 16      # UNAUTHENTICATED
+        assert _status_for(address, LaneHello(method="Enqueue", token="nope")).code == 16  # UNAUTHENTICATED
         assert _status_for(address, LaneHello(method="Enqueue", token="view-secret")).code == 7  # PERMISSION_DENIED
         assert _status_for(address, LaneHello(method="Enqueue", token="gw-secret"), end=True).code == 0
         pull = master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=0.1, max_tuples=1)
-        assert _pull_status(address, "gw-secret", pull) == "PERMISSION_DENIED"   # pulling is the workers'
-        assert _pull_status(address, "wk-secret", pull) == "NOT_FOUND"           # no such channel
+        assert _pull_status(address, "gw-secret", pull) == "PERMISSION_DENIED"  # pulling is the workers'
+        assert _pull_status(address, "wk-secret", pull) == "NOT_FOUND"  # no such channel
     finally:
         m.close()
 
@@ -152,11 +171,22 @@ def test_a_master_without_lane_routes_without_one_and_the_gateway_uses_grpc(repo
     m = Master(tmp_path / "master", lanes=False, images=(TEST_IMAGE,))
     try:
         assert m.domain.lane is None
-        route = m.stub.RouteTuples(master_pb2.RouteTuplesRequest(
-            source="t", image=TEST_IMAGE, force_queue=True, items=[master_pb2.RouteItem(size=1)]), timeout=5)
+        route = m.stub.RouteTuples(
+            master_pb2.RouteTuplesRequest(
+                source="t", image=TEST_IMAGE, force_queue=True, items=[master_pb2.RouteItem(size=1)]
+            ),
+            timeout=5,
+        )
         assert route.HasField("queue") and route.queue.lane_port == 0
-        config = GatewayConfig(master_address=m.address, repository_address=repo.address, force_queue=True,
-                               data_dir=str(tmp_path / "gw"), source="no-lane", ingest_listen="", grace_seconds=2.0)
+        config = GatewayConfig(
+            master_address=m.address,
+            repository_address=repo.address,
+            force_queue=True,
+            data_dir=str(tmp_path / "gw"),
+            source="no-lane",
+            ingest_listen="",
+            grace_seconds=2.0,
+        )
         with Gateway(config) as gw:
             gw.send_many([os.urandom(100_000)], image=TEST_IMAGE, timeout=60)
             assert gw.status().enqueued == 1
@@ -188,7 +218,7 @@ def test_a_taken_lane_port_gives_way_only_when_derived(tmp_path: Path) -> None:
     set by the operator and taken is a clear error."""
     blocker = socket.socket()
     try:
-        for _ in range(50):   # a taken port whose port - 1 is free, for the master's listen
+        for _ in range(50):  # a taken port whose port - 1 is free, for the master's listen
             blocker.close()
             blocker = socket.socket()
             blocker.bind(("127.0.0.1", 0))
@@ -242,21 +272,26 @@ def test_a_pull_over_the_lane_brings_each_queued_tuple_intact_from_memory_or_dis
     m = Master(tmp_path / "master", images=(TEST_IMAGE,), queue_memory_bytes=1_000_000)
     try:
         register_channel(m, "127.0.0.1:1")
-        payloads = [b"tiny", os.urandom(500_000), os.urandom(3_000_000)]   # the last one is not cached
+        payloads = [b"tiny", os.urandom(500_000), os.urandom(3_000_000)]  # the last one is not cached
         routes = routed(m, len(payloads))
         tuples = []
         for (tuple_id, ticket), payload in zip(routes, payloads, strict=True):
             meta, data = make_tuple(tuple_id, payload)
             meta.ticket = ticket
             tuples.append((meta, data))
-        call = LaneCall(open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue"),
-                        lane_frames(iter(tuples), chunk_bytes=1024, pack_bytes=64 * 1024), timeout=30)
+        call = LaneCall(
+            open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue"),
+            lane_frames(iter(tuples), chunk_bytes=1024, pack_bytes=64 * 1024),
+            timeout=30,
+        )
         assert len([r for message in call for r in unpacked_receipts(message)]) == 3
-        request = master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=1.0, max_tuples=3,
-                                              max_bytes=10_000_000)
-        download = LaneDownload(open_lane(lane_of(m), "", connect_seconds=5, method="PullTuple",
-                                          request=request.SerializeToString()),
-                                timeout=20, max_head_bytes=1 << 20, max_data_bytes=1 << 26)
+        request = master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=1.0, max_tuples=3, max_bytes=10_000_000)
+        download = LaneDownload(
+            open_lane(lane_of(m), "", connect_seconds=5, method="PullTuple", request=request.SerializeToString()),
+            timeout=20,
+            max_head_bytes=1 << 20,
+            max_data_bytes=1 << 26,
+        )
         reader = FrameReader(download.frames(), max_tuple_bytes=1 << 26, max_chunk_bytes=1 << 26, need_id=True)
         got = []
         while (item := reader.next_tuple_bytes()) is not None:
@@ -269,18 +304,21 @@ def test_a_pull_over_the_lane_brings_each_queued_tuple_intact_from_memory_or_dis
 
 
 def test_a_pull_whose_engine_went_away_while_waiting_takes_nothing(tmp_path: Path) -> None:
-    m = Master(tmp_path / "master", images=(TEST_IMAGE,), max_attempts=1)   # a charge would dead-letter it
+    m = Master(tmp_path / "master", images=(TEST_IMAGE,), max_attempts=1)  # a charge would dead-letter it
     try:
         register_channel(m, "127.0.0.1:1")
         request = master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=5.0, max_tuples=1)
         sock = open_lane(lane_of(m), "", connect_seconds=5, method="PullTuple", request=request.SerializeToString())
         wait_for(lambda: m.domain.lane.methods["PullTuple"] == 1, timeout=5, what="the pull waiting")
-        sock.close()   # the engine is gone while its pull waits
+        sock.close()  # the engine is gone while its pull waits
         [(tuple_id, ticket)] = routed(m, 1)
         meta, data = make_tuple(tuple_id, b"z" * 1000)
         meta.ticket = ticket
-        call = LaneCall(open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue"),
-                        lane_frames(iter([(meta, data)]), chunk_bytes=1024, pack_bytes=0), timeout=30)
+        call = LaneCall(
+            open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue"),
+            lane_frames(iter([(meta, data)]), chunk_bytes=1024, pack_bytes=0),
+            timeout=30,
+        )
         list(call)
         # The enqueue woke the pull; it leased the tuple, found its engine gone and gave it back.
         wait_for(lambda: m.domain.lane.open_calls == 0, timeout=10, what="the pull's handler done")
@@ -303,13 +341,23 @@ def test_a_handlers_own_error_is_internal_with_a_log_reference_not_a_lost_client
         raise OSError(error, os.strerror(error))
         yield  # a generator, like the real handlers
 
-    server = LaneServer("127.0.0.1:0", service="Master", uploads={"Enqueue": failing}, table=None, policy={},
-                        idle_seconds=10, max_head_bytes=1 << 20, max_data_bytes=1 << 24, piece_bytes=1024)
+    server = LaneServer(
+        "127.0.0.1:0",
+        service="Master",
+        uploads={"Enqueue": failing},
+        table=None,
+        policy={},
+        idle_seconds=10,
+        max_head_bytes=1 << 20,
+        max_data_bytes=1 << 24,
+        piece_bytes=1024,
+    )
     server.start()
     try:
         sock = open_lane(f"127.0.0.1:{server.port}", "", connect_seconds=5, method="Enqueue")
-        call = LaneCall(sock, lane_frames(iter([make_tuple(7, os.urandom(5000))]), chunk_bytes=1024,
-                                          pack_bytes=0), timeout=30)
+        call = LaneCall(
+            sock, lane_frames(iter([make_tuple(7, os.urandom(5000))]), chunk_bytes=1024, pack_bytes=0), timeout=30
+        )
         with pytest.raises(grpc.RpcError) as failed:
             list(call)
         if error == 28:
@@ -332,11 +380,11 @@ def test_an_engine_pulls_over_grpc_when_the_masters_lane_breaks(master: Master, 
     closing = _ClosingListener()
     link = ClusterLink(engine_config(master=master.address, repository="127.0.0.1:1"), rpc_deadline=5)
     try:
-        link._master_lane_port = int(closing.address.rsplit(":", 1)[1])   # as a report's answer would set it
+        link._master_lane_port = int(closing.address.rsplit(":", 1)[1])  # as a report's answer would set it
         with pytest.raises(Unavailable) as broken:
             list(link.pull("w1/0", 0.2).frames())
         assert "payload lane broke" in str(broken.value)
-        assert list(link.pull("w1/0", 0.2).frames()) == []   # over gRPC: nothing queued, no error
+        assert list(link.pull("w1/0", 0.2).frames()) == []  # over gRPC: nothing queued, no error
         assert closing.accepted == 2, "the connect that chose the lane, and the pull it broke"
     finally:
         link.close()
@@ -344,19 +392,30 @@ def test_an_engine_pulls_over_grpc_when_the_masters_lane_breaks(master: Master, 
 
 
 def test_an_engine_told_not_to_use_lanes_pulls_over_grpc_though_the_master_offers_one(
-        master: Master, repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    master: Master, repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A worker's ``lanes = false`` (a firewall that opens only the gRPC ports) reaches its engines'
     pulls too: they never connect to the master's lane, and the queued tuples are still stored."""
     from hio.gateway import Gateway, GatewayConfig
     from hio.worker.config import WorkerConfig
     from hio.worker.controller import engine_env
 
-    worker = build(WorkerConfig, "worker", overrides={"lanes": False, "master_address": master.address,
-                                                      "repository_address": repo.address})
+    worker = build(
+        WorkerConfig,
+        "worker",
+        overrides={"lanes": False, "master_address": master.address, "repository_address": repo.address},
+    )
     env = engine_env(worker, channel_id="w1/0", image=TEST_IMAGE, pipeline="", port=1)
-    monkeypatch.setenv("HIO_ENGINE_LANES", env["HIO_ENGINE_LANES"])   # as the worker starts its engines
-    config = GatewayConfig(master_address=master.address, repository_address=repo.address, force_queue=True,
-                           data_dir=str(tmp_path / "gw"), source="no-lanes", ingest_listen="", grace_seconds=2.0)
+    monkeypatch.setenv("HIO_ENGINE_LANES", env["HIO_ENGINE_LANES"])  # as the worker starts its engines
+    config = GatewayConfig(
+        master_address=master.address,
+        repository_address=repo.address,
+        force_queue=True,
+        data_dir=str(tmp_path / "gw"),
+        source="no-lanes",
+        ingest_listen="",
+        grace_seconds=2.0,
+    )
     with Gateway(config) as gw:
         ids = gw.send_many([b"one", os.urandom(100_000)], image=TEST_IMAGE, timeout=60)
     engine_settings = engine_config(master=master.address, repository=repo.address)
@@ -371,21 +430,31 @@ def test_an_engine_told_not_to_use_lanes_pulls_over_grpc_though_the_master_offer
 
 
 def test_routes_and_reports_of_tuples_sent_one_at_a_time_are_grpc_calls_and_lose_nothing(
-        master: Master, repo: Repo, tmp_path: Path) -> None:
+    master: Master, repo: Repo, tmp_path: Path
+) -> None:
     """RouteTuples (gateway), ReportTuples and PutFeatures (engine) are gRPC calls on each peer's
     kept channel; the lanes carry payloads only."""
     from hio.gateway import Gateway, GatewayConfig
 
     engine = RunningEngine(engine_config(master=master.address, repository=repo.address))
-    config = GatewayConfig(master_address=master.address, repository_address=repo.address,
-                           data_dir=str(tmp_path / "gw"), source="one-at-a-time", ingest_listen="", grace_seconds=2.0)
+    config = GatewayConfig(
+        master_address=master.address,
+        repository_address=repo.address,
+        data_dir=str(tmp_path / "gw"),
+        source="one-at-a-time",
+        ingest_listen="",
+        grace_seconds=2.0,
+    )
     try:
         register_channel(master, engine)
         with Gateway(config) as gw:
             ids = [gw.send(f"tuple {n}".encode(), image=TEST_IMAGE, timeout=30) for n in range(8)]
             status = gw.status()
-        records = wait_for(lambda: (lambda found: found if set(ids) <= set(found) else None)(repo.records()),
-                           timeout=30, what="the tuples stored")
+        records = wait_for(
+            lambda: (lambda found: found if set(ids) <= set(found) else None)(repo.records()),
+            timeout=30,
+            what="the tuples stored",
+        )
     finally:
         engine.close()
     assert status.stored == 8 and status.retries == 0

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hio.transport.net import create_channel
-from hio.settings import ClusterSettings
 from hio.proto import master_pb2, master_pb2_grpc
+from hio.settings import ClusterSettings
+from hio.transport.net import create_channel
 from tests.harness import HioProcess, free_port
 from tests.master.helpers import frames, pull, register, route
 
@@ -17,7 +17,7 @@ from tests.master.helpers import frames, pull, register, route
 def test_master_process_survives_kill_and_stops_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
     address = f"127.0.0.1:{port}"
-    args = ["--listen", address, "--data-dir", str(tmp_path / "data")]   # default fsync: batch
+    args = ["--listen", address, "--data-dir", str(tmp_path / "data")]  # default fsync: batch
     first = HioProcess("master", args, tmp_path, name="master-1").start()
     try:
         first.wait_healthy(address)
@@ -27,7 +27,7 @@ def test_master_process_survives_kill_and_stops_on_sigterm(tmp_path: Path) -> No
             stream = frames(ids[0], b"first") + frames(ids[1], b"again")
             assert len(list(stub.Enqueue(iter(stream), timeout=10))) == 2
     finally:
-        first.kill()                                  # kill -9: no chance to flush anything
+        first.kill()  # kill -9: no chance to flush anything
     assert first.proc is not None and first.proc.returncode == -signal.SIGKILL
 
     with HioProcess("master", args, tmp_path, name="master-2") as second:
@@ -37,7 +37,7 @@ def test_master_process_survives_kill_and_stops_on_sigterm(tmp_path: Path) -> No
             status = stub.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
             assert [(q.length, q.bytes) for q in status.queues] == [(2, 10)]
             assert status.last_tuple_id >= max(ids)
-            assert min(route(stub, [1], force_queue=True).tuple_ids) > max(ids)   # ids never reused
+            assert min(route(stub, [1], force_queue=True).tuple_ids) > max(ids)  # ids never reused
             ch = register(stub, "w1")[0]
             assert [pull(stub, ch)[1] for _ in range(2)] == [b"first", b"again"]
     assert second.proc is not None and second.proc.returncode == 0
@@ -55,9 +55,14 @@ def test_a_port_in_use_is_named_not_a_traceback(tmp_path: Path) -> None:
     with HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path / "first")], tmp_path) as first:
         first.wait_healthy(address)
         for listen in (address, f"127.0.0.1:{port + 1}"):
-            second = subprocess.run([sys.executable, "-m", "hio.cli", "master", "--listen", listen,
-                                     "--data-dir", str(tmp_path / "second")],
-                                    capture_output=True, text=True, env=hio_env(), timeout=60, cwd=tmp_path)
+            second = subprocess.run(
+                [sys.executable, "-m", "hio.cli", "master", "--listen", listen, "--data-dir", str(tmp_path / "second")],
+                capture_output=True,
+                text=True,
+                env=hio_env(),
+                timeout=60,
+                cwd=tmp_path,
+            )
             assert second.returncode == 2, second.stderr
             assert f"cannot listen on {listen}" in second.stderr and "Traceback" not in second.stderr, second.stderr
 
@@ -72,9 +77,23 @@ def test_a_data_dir_that_cannot_be_used_is_named_not_a_traceback(tmp_path: Path,
 
     not_a_folder = tmp_path / "var"
     not_a_folder.write_text("a file, not a folder")
-    proc = subprocess.run([sys.executable, "-m", "hio.cli", role, "--listen", f"127.0.0.1:{free_port()}",
-                           "--data-dir", str(not_a_folder)], capture_output=True, text=True, env=hio_env(),
-                          timeout=60, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hio.cli",
+            role,
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            "--data-dir",
+            str(not_a_folder),
+        ],
+        capture_output=True,
+        text=True,
+        env=hio_env(),
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip() == f"hio {role}: {not_a_folder / role}: Not a directory", proc.stderr
 
@@ -83,14 +102,14 @@ def test_a_master_told_a_port_another_role_holds_is_not_taken_for_healthy(tmp_pa
     """The repository answers health on the port too; the wait names the master's own
     service, so it reports the master's refusal instead of passing."""
     address = f"127.0.0.1:{free_port()}"
-    with HioProcess("repository", ["--listen", address, "--http-listen", "",
-                                   "--data-dir", str(tmp_path / "repo")], tmp_path) as repository:
+    with HioProcess(
+        "repository", ["--listen", address, "--http-listen", "", "--data-dir", str(tmp_path / "repo")], tmp_path
+    ) as repository:
         repository.wait_healthy(address)
-        master = HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path / "data")],
-                            tmp_path).start()
+        master = HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path / "data")], tmp_path).start()
         try:
             with pytest.raises(AssertionError, match="cannot listen on"):
                 master.wait_healthy(address, timeout=30)
         finally:
             master.kill()
-        assert master.proc is not None and master.proc.returncode == 2   # a configuration error
+        assert master.proc is not None and master.proc.returncode == 2  # a configuration error

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from hio.config import ConfigError
-from hio.transport.errors import InvalidArgument, NotFound
 from hio.master.config import MasterConfig
 from hio.master.core import Master, Outcome, RouteItem
 from hio.master.registry import ChannelSpec, ChannelState
 from hio.master.routing import DirectRoute, QueueRoute
+from hio.transport.errors import InvalidArgument, NotFound
 from tests.harness import wait_for
 from tests.master.helpers import config, frames
 
@@ -35,15 +35,18 @@ def make_master(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
 
 
 def add_worker(master: Master, worker_id: str, n: int = 1, image: str = IMAGE) -> list[str]:
-    specs = [ChannelSpec(channel_id=f"{worker_id}/{i}", image=image, address=f"127.0.0.1:{6000 + i}")
-             for i in range(n)]
+    specs = [ChannelSpec(channel_id=f"{worker_id}/{i}", image=image, address=f"127.0.0.1:{6000 + i}") for i in range(n)]
     master.register_worker(worker_id, "host", n, specs)
     return [s.channel_id for s in specs]
 
 
 def route(master: Master, n: int = 1, **kw: object):  # type: ignore[no-untyped-def]
-    return master.route(source="t", image=kw.pop("image", IMAGE), items=[RouteItem(size=10)] * n,  # type: ignore[arg-type]
-                        **kw)  # type: ignore[arg-type]
+    return master.route(
+        source="t",
+        image=kw.pop("image", IMAGE),
+        items=[RouteItem(size=10)] * n,  # type: ignore[arg-type]
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def enqueue(master: Master, tuple_id: int, image: str = IMAGE) -> None:
@@ -63,7 +66,7 @@ def test_free_channel_gets_direct_route_and_is_reserved(make_master) -> None:  #
     assert routed.tuple_ids == [1, 2, 3] and routed.tickets == [b"", b"", b""]
     assert isinstance(routed.route, DirectRoute) and routed.route.channel_id == ch
     assert state(master, ch) == ChannelState.DIRECT
-    second = route(master)                          # no FREE channel left
+    second = route(master)  # no FREE channel left
     assert isinstance(second.route, QueueRoute) and second.tuple_ids == [4]
     assert master.stats.routed_direct == 3 and master.stats.routed_queue == 1
 
@@ -89,7 +92,7 @@ def test_channel_still_processing_its_last_tuple_is_chosen_last(make_master) -> 
     master = make_master()
     a, b = two_workers_both_routed(master)
     master.report(a, [], release=True, processing=True)  # handed over, last tuple still in progress
-    master.report(b, [], release=True)                   # idle
+    master.report(b, [], release=True)  # idle
     assert route(master).route.channel_id == b  # type: ignore[union-attr]  # though a is least recently used
     assert route(master).route.channel_id == a  # type: ignore[union-attr]  # still taken when it is all there is
     master.report(a, [], release=True, processing=True)
@@ -100,7 +103,7 @@ def test_channel_still_processing_its_last_tuple_is_chosen_last(make_master) -> 
 
 def test_nonempty_queue_routes_to_queue(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master()
-    routed = route(master)                          # no channel at all: queue
+    routed = route(master)  # no channel at all: queue
     assert isinstance(routed.route, QueueRoute) and routed.route.queue_length == 0
     enqueue(master, routed.tuple_ids[0])
     add_worker(master, "w1")
@@ -113,7 +116,7 @@ def test_pending_enqueue_routes_to_queue_until_it_arrives(make_master) -> None: 
     ch = add_worker(master, "w1")[0]
     forced = route(master, force_queue=True)
     assert isinstance(forced.route, QueueRoute)
-    behind = route(master)                          # the forced tuple is still on its way
+    behind = route(master)  # the forced tuple is still on its way
     assert isinstance(behind.route, QueueRoute) and behind.route.queue_length == 1
     for tuple_id in forced.tuple_ids + behind.tuple_ids:
         enqueue(master, tuple_id)
@@ -127,7 +130,7 @@ def test_pending_enqueue_routes_to_queue_until_it_arrives(make_master) -> None: 
 def test_pending_enqueue_expires(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master(reservation_seconds=0.5)
     add_worker(master, "w1")
-    route(master, force_queue=True)                 # its sender never enqueues it
+    route(master, force_queue=True)  # its sender never enqueues it
     assert isinstance(route(master).route, QueueRoute)
     time.sleep(0.55)
     assert isinstance(route(master).route, DirectRoute)
@@ -155,7 +158,7 @@ def test_unknown_image_and_bad_requests(make_master) -> None:  # type: ignore[no
     with pytest.raises(NotFound, match="no/such"):
         route(master, image="no/such")
     add_worker(master, "w1", image="lab/custom")
-    assert route(master, image="lab/custom").tuple_ids == [1]   # offered by a worker: accepted
+    assert route(master, image="lab/custom").tuple_ids == [1]  # offered by a worker: accepted
     with pytest.raises(InvalidArgument, match="never issued"):
         master.route(source="t", image=IMAGE, items=[RouteItem(size=1, tuple_id=99)])
     with pytest.raises(InvalidArgument, match="1 to 10000"):
@@ -171,7 +174,7 @@ def test_unknown_image_and_bad_requests(make_master) -> None:  # type: ignore[no
 def test_reports_with_impossible_figures_are_refused_and_counters_stay_sane(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master()
     ch = add_worker(master, "w1")[0]
-    for _ in range(3):      # found by hypothesis: sizes near 2**64 summed past what status can encode
+    for _ in range(3):  # found by hypothesis: sizes near 2**64 summed past what status can encode
         with pytest.raises(InvalidArgument, match="max_tuple_bytes"):
             master.report(ch, [Outcome(tuple_id=1, ok=True, size=2**64 - 1)], release=False)
     for bad in (float("nan"), float("inf"), -1.0):
@@ -187,13 +190,15 @@ def test_latency_ends_when_the_features_were_stored_not_when_the_report_arrives(
     ch = add_worker(master, "w1")[0]
     now = time.time()
     # A direct tuple's outcome may ride on the channel's next report, seconds later.
-    master.report(ch, [Outcome(tuple_id=1, ok=True, size=1, accepted_unix=now - 3.0, stored_unix=now - 2.5)],
-                  release=False)
+    master.report(
+        ch, [Outcome(tuple_id=1, ok=True, size=1, accepted_unix=now - 3.0, stored_unix=now - 2.5)], release=False
+    )
     assert master.stats.rates().mean_latency_seconds == pytest.approx(0.5, abs=0.05)
     # A stored time after the report (another host's clock) counts as the report's time.
     before = time.time()
-    master.report(ch, [Outcome(tuple_id=2, ok=True, size=1, accepted_unix=before - 0.5, stored_unix=before + 3600)],
-                  release=False)
+    master.report(
+        ch, [Outcome(tuple_id=2, ok=True, size=1, accepted_unix=before - 0.5, stored_unix=before + 3600)], release=False
+    )
     after = time.time()
     # tuple 2's latency is the report's time minus accepted: between 0.5 and 0.5 + (after - before)
     assert 0.5 - 0.01 <= master.stats.rates().mean_latency_seconds <= 0.5 + (after - before) / 2 + 0.01
@@ -230,7 +235,7 @@ def test_worker_expiry_requeues_leases_and_warns(make_master) -> None:  # type: 
     assert any("worker w1 expired" in w for w in status.warnings)
     assert any("no channel offers image hio/synthetic; 1 tuples wait" in w for w in status.warnings)
     assert status.channels_down == 1 and status.queues[0].leased == 0
-    assert not master.heartbeat("w1", {})           # it must register again
+    assert not master.heartbeat("w1", {})  # it must register again
     add_worker(master, "w1")
     again = master.pull(ch, 0)
     assert again is not None and again.meta.attempt == 2
@@ -252,7 +257,7 @@ def test_reservation_lapses_without_reports(make_master) -> None:  # type: ignor
     ch = add_worker(master, "w1")[0]
     assert isinstance(route(master).route, DirectRoute)
     time.sleep(1.8)
-    master.report(ch, [], release=False)            # a keep-alive report
+    master.report(ch, [], release=False)  # a keep-alive report
     time.sleep(1.5)
     assert state(master, ch) == ChannelState.DIRECT
     wait_for(lambda: state(master, ch) == ChannelState.FREE, timeout=6, what="reservation lapse")
@@ -275,7 +280,7 @@ def test_busy_channels_make_route_requests_wait_first_come_first_served(make_mas
 
     master = make_master()
     (channel,) = add_worker(master, "w1")
-    assert isinstance(route(master).route, DirectRoute)          # the only channel is now busy
+    assert isinstance(route(master).route, DirectRoute)  # the only channel is now busy
     answers: list[tuple[str, object]] = []
 
     def ask(name: str) -> None:
@@ -309,7 +314,7 @@ def test_waiting_never_overtakes_queued_tuples(make_master) -> None:  # type: ig
     master = make_master()
     add_worker(master, "w1")
     assert isinstance(route(master).route, DirectRoute)
-    queued = route(master).route                                   # busy: to the queue
+    queued = route(master).route  # busy: to the queue
     assert isinstance(queued, QueueRoute)
     started = time.monotonic()
     assert isinstance(route(master, wait_seconds=5.0).route, QueueRoute), "tuples ahead in the queue: no waiting"
@@ -328,15 +333,18 @@ def test_a_broken_batch_pull_charges_only_the_tuples_it_had_started_to_send(make
     pulled = master.pull(channel, 0.0, max_tuples=3, max_bytes=10_000_000)
     assert pulled is not None and [lease.tuple_id for lease in pulled.leases] == ids
     stream = pulled.frames()
-    next(stream)                             # the first tuple's first chunk is on its way
+    next(stream)  # the first tuple's first chunk is on its way
     assert pulled.started == 1
     pulled.abandon("pull stream cancelled")  # then the stream broke
     attempts = []
     again = master.pull(channel, 0.0, max_tuples=3, max_bytes=10_000_000)
     while again is not None:
         attempts += [(lease.tuple_id, lease.meta.attempt) for lease in again.leases]
-        master.report(channel, [Outcome(tuple_id=lease.tuple_id, ok=True, from_queue=True, size=300_000)
-                                for lease in again.leases], release=True)
+        master.report(
+            channel,
+            [Outcome(tuple_id=lease.tuple_id, ok=True, from_queue=True, size=300_000) for lease in again.leases],
+            release=True,
+        )
         again = master.pull(channel, 0.0, max_tuples=3, max_bytes=10_000_000)
     assert attempts == [(ids[0], 2), (ids[1], 1), (ids[2], 1)]
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from hio.gateway import Gateway
+from hio.proto import master_pb2, master_pb2_grpc
+from hio.settings import ClusterSettings
 from hio.storage import files
 from hio.transport.errors import retry_after
 from hio.transport.frames import TupleFrame, TupleReceipt
 from hio.transport.net import create_channel
-from hio.settings import ClusterSettings
-from hio.gateway import Gateway
-from hio.proto import master_pb2, master_pb2_grpc
 from tests.harness import FsyncDisk, free_port, wait_for
 from tests.master.helpers import frames, pull, register, report, route, running_master
 
@@ -43,8 +43,10 @@ def test_route_direct_then_queue_and_enqueue_receipts(tmp_path: Path) -> None:
         stream = frames(third.tuple_ids[0], b"a" * 10) + frames(third.tuple_ids[1], b"b" * 20)
         receipts = enqueue(m.stub, stream)
         assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
-            (0, third.tuple_ids[0], TupleReceipt.ENQUEUED), (1, third.tuple_ids[1], TupleReceipt.ENQUEUED)]
-        again = enqueue(m.stub, frames(third.tuple_ids[0], b"a" * 10))   # duplicate: idempotent
+            (0, third.tuple_ids[0], TupleReceipt.ENQUEUED),
+            (1, third.tuple_ids[1], TupleReceipt.ENQUEUED),
+        ]
+        again = enqueue(m.stub, frames(third.tuple_ids[0], b"a" * 10))  # duplicate: idempotent
         assert again[0].state == TupleReceipt.ENQUEUED and "already" in again[0].message
         st = status(m.stub)
         assert st.routed_direct == 2 and st.routed_queue == 2 and st.last_tuple_id == 4
@@ -163,7 +165,7 @@ def test_lease_expiry_redelivers_to_another_channel(tmp_path: Path) -> None:
         enqueue(m.stub, frames(tuple_id, b"data"))
         meta, _ = pull(m.stub, a)
         assert meta is not None and meta.attempt == 1
-        meta2, data = pull(m.stub, b, wait=5)      # wakes when a's lease expires
+        meta2, data = pull(m.stub, b, wait=5)  # wakes when a's lease expires
         assert meta2 is not None and (meta2.tuple_id, meta2.attempt, data) == (tuple_id, 2, b"data")
 
 
@@ -183,6 +185,7 @@ def test_cancelled_pull_voids_the_lease(tmp_path: Path) -> None:
 def test_a_pull_whose_caller_has_gone_takes_nothing_and_charges_nothing(tmp_path: Path) -> None:
     """A waiting pull whose engine died (or gave up) is still blocked in the master; the next
     tuple queued must not be leased to it and charged (found killing a container mid-tuple)."""
+
     def waiting_pulls() -> int:
         with m.master._cond:  # type: ignore[attr-defined]
             return m.master._waiters  # type: ignore[attr-defined]
@@ -194,8 +197,12 @@ def test_a_pull_whose_caller_has_gone_takes_nothing_and_charges_nothing(tmp_path
         ghost.cancel()  # its handler stays blocked in the master until something wakes it
         tuple_id = route(m.stub, [3], force_queue=True).tuple_ids[0]
         enqueue(m.stub, frames(tuple_id, b"abc"))
-        wait_for(lambda: waiting_pulls() == 0, timeout=10, interval=0.01,
-                 what="the ghost's handler to wake for the tuple and leave")
+        wait_for(
+            lambda: waiting_pulls() == 0,
+            timeout=10,
+            interval=0.01,
+            what="the ghost's handler to wake for the tuple and leave",
+        )
         st = status(m.stub)
         assert (st.queues[0].length, st.queues[0].leased) == (1, 0), "still queued, leased to no one"
         meta, data = pull(m.stub, ch)
@@ -237,11 +244,20 @@ def test_direct_failure_handed_to_master_goes_dead_when_exhausted(tmp_path: Path
 
 def test_heartbeat_and_register_over_grpc(tmp_path: Path) -> None:
     with running_master(tmp_path) as m:
-        reply = m.stub.RegisterWorker(master_pb2.RegisterWorkerRequest(
-            worker_id="w1", host="h", cpus=2, channels=[
-                master_pb2.ChannelInfo(channel_id="w1/0", image=IMAGE, address="127.0.0.1:1"),
-                master_pb2.ChannelInfo(channel_id="w1/1", image=IMAGE, address="127.0.0.1:2",
-                                       state=master_pb2.DOWN, detail="starting")]), timeout=5)
+        reply = m.stub.RegisterWorker(
+            master_pb2.RegisterWorkerRequest(
+                worker_id="w1",
+                host="h",
+                cpus=2,
+                channels=[
+                    master_pb2.ChannelInfo(channel_id="w1/0", image=IMAGE, address="127.0.0.1:1"),
+                    master_pb2.ChannelInfo(
+                        channel_id="w1/1", image=IMAGE, address="127.0.0.1:2", state=master_pb2.DOWN, detail="starting"
+                    ),
+                ],
+            ),
+            timeout=5,
+        )
         assert reply.heartbeat_interval_seconds == 1.0 and reply.expiry_seconds == 6.0
         st = status(m.stub)
         assert (st.channels_free, st.channels_down) == (1, 1) and st.workers[0].host == "h"
@@ -287,19 +303,22 @@ def test_packed_tuples_are_queued_each_and_pulled_alone(tmp_path: Path) -> None:
             assert packing.add(frame) is None
         receipts = enqueue(m.stub, [packing.flush()])
         assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
-            (n, tuple_id, TupleReceipt.ENQUEUED) for n, tuple_id in enumerate(ids)]
+            (n, tuple_id, TupleReceipt.ENQUEUED) for n, tuple_id in enumerate(ids)
+        ]
         assert status(m.stub).queues[0].length == 3
         meta, data = pull(m.stub, ch)
         assert meta is not None and meta.tuple_id == ids[0] and data == b"tup0-"
 
 
-def _pull_many(stub: master_pb2_grpc.MasterStub, channel_id: str, max_tuples: int,
-               max_bytes: int) -> tuple[list[TupleFrame], list[tuple[int, bytes]], list[int]]:
+def _pull_many(
+    stub: master_pb2_grpc.MasterStub, channel_id: str, max_tuples: int, max_bytes: int
+) -> tuple[list[TupleFrame], list[tuple[int, bytes]], list[int]]:
     """One PullTuple asking for several tuples: the raw messages, (id, payload) of each, their attempts."""
     from hio.transport.frames import FrameReader
 
-    request = master_pb2.PullTupleRequest(channel_id=channel_id, wait_seconds=0, max_tuples=max_tuples,
-                                          max_bytes=max_bytes)
+    request = master_pb2.PullTupleRequest(
+        channel_id=channel_id, wait_seconds=0, max_tuples=max_tuples, max_bytes=max_bytes
+    )
     messages = list(stub.PullTuple(request, timeout=10))
     reader = FrameReader(iter(messages), max_tuple_bytes=1 << 30, max_chunk_bytes=1 << 30)
     tuples, attempts = [], []
@@ -342,8 +361,9 @@ def test_pull_done_sends_unreported_pulled_tuples_back_to_the_head_in_order_unch
         report(m.stub, ch, ids[1], size=3)
         assert status(m.stub).queues[0].leased == 2, "a release without pull_done returns nothing"
         # The channel stops after the second tuple: it ends the pull, the rest goes back.
-        reply = m.stub.ReportTuples(master_pb2.ReportTuplesRequest(channel_id=ch, release=True, pull_done=True),
-                                    timeout=5)
+        reply = m.stub.ReportTuples(
+            master_pb2.ReportTuplesRequest(channel_id=ch, release=True, pull_done=True), timeout=5
+        )
         assert reply.pull_queue, "work is waiting: pull next"
         queue = status(m.stub).queues[0]
         assert (queue.length, queue.leased) == (4, 0), "nothing stays leased to a channel done with its pull"
@@ -364,8 +384,13 @@ def test_tuples_delivered_before_are_pulled_alone(tmp_path: Path) -> None:
         enqueue(m.stub, [f for t in ids for f in frames(t, b"abc")])
         _, tuples, _ = _pull_many(m.stub, ch, max_tuples=10, max_bytes=1 << 20)
         assert [t for t, _ in tuples] == ids
-        m.stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="w1", channels=[
-            master_pb2.ChannelInfo(channel_id=ch, state=master_pb2.DOWN, detail="engine exited")]), timeout=5)
+        m.stub.Heartbeat(
+            master_pb2.HeartbeatRequest(
+                worker_id="w1",
+                channels=[master_pb2.ChannelInfo(channel_id=ch, state=master_pb2.DOWN, detail="engine exited")],
+            ),
+            timeout=5,
+        )
         m.stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="w1"), timeout=5)
         for expected in ids:
             _, tuples, attempts = _pull_many(m.stub, ch, max_tuples=10, max_bytes=1 << 20)
@@ -396,7 +421,8 @@ def test_cancelled_batch_pull_voids_every_lease_in_order(tmp_path: Path) -> None
 
 
 def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_master_restarts(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After a failed fsync the master's queue takes no new tuple (a later fsync can report
     success for bytes the failed one lost): Enqueue is FAILED_PRECONDITION with a retry hint and
     the reason, and the status says so. A gateway told so keeps its tuples, counts no
@@ -406,25 +432,37 @@ def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_maste
     disk = FsyncDisk(monkeypatch)
     listen = f"127.0.0.1:{free_port()}"
     with running_master(tmp_path, fsync="batch", listen=listen) as m:
-        ids = list(route(m.stub, [100] * 3, force_queue=True).tuple_ids)   # the id block is reserved now
+        ids = list(route(m.stub, [100] * 3, force_queue=True).tuple_ids)  # the id block is reserved now
         assert enqueue(m.stub, frames(ids[0], b"x" * 100))[0].state == TupleReceipt.ENQUEUED  # a segment now
         disk.error = OSError(errno.EIO, "Input/output error")
         assert enqueue(m.stub, frames(ids[1], b"w" * 100))[0].state == TupleReceipt.ENQUEUED  # before its round
-        failure = wait_for(lambda: [w for w in status(m.stub).warnings if "failed to sync" in w],
-                           timeout=10, what="the failed fsync in the master's status")
+        failure = wait_for(
+            lambda: [w for w in status(m.stub).warnings if "failed to sync" in w],
+            timeout=10,
+            what="the failed fsync in the master's status",
+        )
         assert "Input/output error" in failure[0] and "restart the master" in failure[0]
-        disk.error = None                                  # the disk "syncs" again: refused all the same
+        disk.error = None  # the disk "syncs" again: refused all the same
         with pytest.raises(grpc.RpcError) as err:
             enqueue(m.stub, frames(ids[2], b"y" * 100))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and retry_after(err.value) == pytest.approx(0.5)
         assert "the backlog's disk failed to sync" in err.value.details()
-        gw = Gateway(master_address=listen, data_dir=str(tmp_path / "gw"), source="lab", image=IMAGE,
-                     force_queue=True, spool_fsync="never")
+        gw = Gateway(
+            master_address=listen,
+            data_dir=str(tmp_path / "gw"),
+            source="lab",
+            image=IMAGE,
+            force_queue=True,
+            spool_fsync="never",
+        )
         try:
             future = gw.submit(b"z" * 100, name="z.bin")
             routed = status(m.stub).routed_queue
-            wait_for(lambda: status(m.stub).routed_queue >= routed + 3, timeout=20,
-                     what="the gateway routing its tuple again after each refusal")
+            wait_for(
+                lambda: status(m.stub).routed_queue >= routed + 3,
+                timeout=20,
+                what="the gateway routing its tuple again after each refusal",
+            )
             assert not future.done()
             st = gw.status()
             assert st.retries == 0 and st.master_unreachable_seconds == 0 and st.spooled_tuples == 1
@@ -432,7 +470,7 @@ def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_maste
             assert [e.meta.attempt for e in gw.spool.entries()] == [1]
             channel = register(m.stub, "wa")[0]
             for tuple_id, payload in ((ids[0], b"x" * 100), (ids[1], b"w" * 100)):
-                meta, data = pull(m.stub, channel)         # what was queued before is still handed out
+                meta, data = pull(m.stub, channel)  # what was queued before is still handed out
                 assert meta is not None and meta.tuple_id == tuple_id and data == payload
                 report(m.stub, channel, tuple_id)
         except BaseException:
@@ -440,7 +478,7 @@ def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_maste
             raise
     with running_master(tmp_path, fsync="batch", listen=listen) as m:
         try:
-            assert gw.result(future, timeout=30) > 0       # the restarted master queued it
+            assert gw.result(future, timeout=30) > 0  # the restarted master queued it
             assert [q.length for q in status(m.stub).queues] == [1]
         finally:
             gw.close()

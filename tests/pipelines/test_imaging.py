@@ -15,7 +15,13 @@ def _masks() -> list[np.ndarray]:
     ring[5:15, 5:15] = False
     diagonal = np.eye(12, dtype=bool)
     return [rng.random((120, 90)) > p for p in (0.3, 0.5, 0.7)] + [
-        ring, diagonal, diagonal[::-1], np.ones((4, 7), bool), np.zeros((4, 7), bool), np.ones((1, 1), bool)]
+        ring,
+        diagonal,
+        diagonal[::-1],
+        np.ones((4, 7), bool),
+        np.zeros((4, 7), bool),
+        np.ones((1, 1), bool),
+    ]
 
 
 @pytest.mark.parametrize("connectivity", [4, 8])

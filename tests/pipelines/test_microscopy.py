@@ -34,8 +34,15 @@ def sample_images(tmp_path_factory: pytest.TempPathFactory) -> list:
 def test_sample_images_give_all_features_finite(sample_images: list, info: Info) -> None:
     for path in sample_images:
         features = microscopy.process(path.read_bytes(), info)
-        for name in [*microscopy.KD_FEATURES, "p01_intensity", "p99_intensity", "object_area_std",
-                     "object_area_median", "width", "height"]:
+        for name in [
+            *microscopy.KD_FEATURES,
+            "p01_intensity",
+            "p99_intensity",
+            "object_area_std",
+            "object_area_median",
+            "width",
+            "height",
+        ]:
             assert isinstance(features[name], float), name
         assert all(math.isfinite(v) for v in _numbers(features).values()), path.name
         hist = features["object_area_hist"]
@@ -126,10 +133,13 @@ def test_deterministic(sample_images: list, info: Info) -> None:
     assert microscopy.process(data, info) == microscopy.process(data, info)
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"", "not a decodable TIFF or PNG"),
-    (b"\x00garbage" * 100, "not a decodable TIFF or PNG"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "not a decodable TIFF or PNG"),
+        (b"\x00garbage" * 100, "not a decodable TIFF or PNG"),
+    ],
+)
 def test_garbage_is_refused_clearly(data: bytes, message: str, info: Info) -> None:
     with pytest.raises(ValueError, match=message):
         microscopy.process(data, info)
@@ -154,13 +164,16 @@ def test_tiny_image_is_refused(info: Info) -> None:
         microscopy.process(_tiff(np.zeros((2, 2), np.uint16)), info)
 
 
-@pytest.mark.parametrize("attributes, name", [
-    ({"min_object_area": "ten"}, "min_object_area"),
-    ({"min_object_area": "0"}, "min_object_area"),
-    ({"focus_sigma": "nan"}, "focus_sigma"),
-    ({"segment_sigma": "-1"}, "segment_sigma"),
-    ({"pages": "all"}, "pages"),
-])
+@pytest.mark.parametrize(
+    "attributes, name",
+    [
+        ({"min_object_area": "ten"}, "min_object_area"),
+        ({"min_object_area": "0"}, "min_object_area"),
+        ({"focus_sigma": "nan"}, "focus_sigma"),
+        ({"segment_sigma": "-1"}, "segment_sigma"),
+        ({"pages": "all"}, "pages"),
+    ],
+)
 def test_bad_parameters_are_named(attributes: dict, name: str) -> None:
     pixels, _ = _clean_image(cells=3, size=64)
     with pytest.raises(ValueError, match=f"attribute {name}="):

@@ -46,12 +46,12 @@ def test_cache_hit_and_repair(tmp_path: Path) -> None:
     assert samples.generate_microscopy(tmp_path, count=3, seed=1, size=96) == paths
     assert [p.stat().st_mtime_ns for p in paths] == stamps
     good = paths[1].read_bytes()
-    paths[1].write_bytes(good[:100])                       # a damaged file is regenerated
+    paths[1].write_bytes(good[:100])  # a damaged file is regenerated
     assert samples.generate_microscopy(tmp_path, count=3, seed=1, size=96) == paths
     assert paths[1].read_bytes() == good
-    changed = samples.generate_microscopy(tmp_path, count=3, seed=2, size=96)   # other request
+    changed = samples.generate_microscopy(tmp_path, count=3, seed=2, size=96)  # other request
     assert _digests(changed) != digests
-    fewer = samples.generate_microscopy(tmp_path, count=2, seed=2, size=96)     # stale files go
+    fewer = samples.generate_microscopy(tmp_path, count=2, seed=2, size=96)  # stale files go
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([p.name for p in fewer] + [samples.MANIFEST])
 
 
@@ -98,7 +98,7 @@ def test_demo_dataset_layout(demo: tuple[list[tuple[Path, str]], float]) -> None
 
 def test_demo_images_form_distinct_populations(demo: tuple[list[tuple[Path, str]], float]) -> None:
     by_population: dict[str, list[dict]] = {}
-    for path, image in demo[0][:12]:                    # four of each population
+    for path, image in demo[0][:12]:  # four of each population
         if image == samples.MICROSCOPY_IMAGE:
             features = microscopy.process(path.read_bytes(), Info())
             by_population.setdefault(path.stem.split("_")[-1], []).append(features)

@@ -24,8 +24,9 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _sine(period: float, *, dt: float = 0.05, span: float = 200.0, trend: float = 0.0,
-          noise: float = 0.0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def _sine(
+    period: float, *, dt: float = 0.05, span: float = 200.0, trend: float = 0.0, noise: float = 0.0, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     t = np.arange(0.0, span, dt)
     x = 100.0 + 20.0 * np.sin(2 * math.pi * t / period + 0.3) + trend * t + rng.normal(0, noise, t.size)
@@ -50,7 +51,7 @@ def test_no_clear_peak_gives_zero_period(info: Info) -> None:
     rng = np.random.default_rng(2)
     white = rng.normal(0, 1, 4000)
     walk = np.cumsum(rng.normal(0, 1, 4000))
-    slow = 10 * np.sin(2 * math.pi * np.arange(4000) / 3000.0)   # 1.3 cycles: a trend, not a period
+    slow = 10 * np.sin(2 * math.pi * np.arange(4000) / 3000.0)  # 1.3 cycles: a trend, not a period
     features = simulation.process(_npz(x=np.stack([white, walk, slow])), info)
     assert features["A_period"] == 0.0
     assert features["B_period"] == 0.0
@@ -127,21 +128,24 @@ def test_pickled_object_arrays_are_refused(info: Info) -> None:
         simulation.process(_npy(objects), info)
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"", "neither .npz nor .npy"),
-    (b"hello world, not numpy", "neither .npz nor .npy"),
-    (b"PK\x03\x04" + b"\x00" * 60, "damaged"),
-    (_npy(np.ones((2, 50)))[:90], "damaged"),
-    (_npz(y=np.ones(10)), "no array 'x'"),
-    (_npz(x=np.ones((2, 3, 4, 5))), "expected \\(T,\\)"),
-    (_npz(x=np.ones((2, 5))), "at least 8 needed"),
-    (_npz(x=np.ones((2, 20)) * 1j), "real numeric"),
-    (_npz(x=np.array([[np.nan] * 20])), "NaN"),
-    (_npz(x=np.ones((1, 20)), t=np.arange(19)), "'t' must be"),
-    (_npz(x=np.ones((1, 20)), t=np.r_[np.arange(10), np.arange(10)]), "strictly increasing"),
-    (_npz(x=np.ones((2, 20)), species=np.array(["A", "A"])), "not unique"),
-    (_npz(x=np.ones((1, 20)), species=np.array(["bad name!"])), "invalid species name"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "neither .npz nor .npy"),
+        (b"hello world, not numpy", "neither .npz nor .npy"),
+        (b"PK\x03\x04" + b"\x00" * 60, "damaged"),
+        (_npy(np.ones((2, 50)))[:90], "damaged"),
+        (_npz(y=np.ones(10)), "no array 'x'"),
+        (_npz(x=np.ones((2, 3, 4, 5))), "expected \\(T,\\)"),
+        (_npz(x=np.ones((2, 5))), "at least 8 needed"),
+        (_npz(x=np.ones((2, 20)) * 1j), "real numeric"),
+        (_npz(x=np.array([[np.nan] * 20])), "NaN"),
+        (_npz(x=np.ones((1, 20)), t=np.arange(19)), "'t' must be"),
+        (_npz(x=np.ones((1, 20)), t=np.r_[np.arange(10), np.arange(10)]), "strictly increasing"),
+        (_npz(x=np.ones((2, 20)), species=np.array(["A", "A"])), "not unique"),
+        (_npz(x=np.ones((1, 20)), species=np.array(["bad name!"])), "invalid species name"),
+    ],
+)
 def test_bad_input_is_refused_clearly(data: bytes, message: str, info: Info) -> None:
     with pytest.raises(ValueError, match=message):
         simulation.process(data, info)

@@ -27,7 +27,7 @@ def test_process_burns_cost_ms() -> None:
 
 
 def test_output_is_verifiable_and_sized(info: Info) -> None:
-    payload = bytes(range(256)) * 64          # 16 KiB: the CRC covers only the first 4 KiB
+    payload = bytes(range(256)) * 64  # 16 KiB: the CRC covers only the first 4 KiB
     features = synthetic.process(payload, info)
     assert features["size_bytes"] == float(len(payload))
     assert features["crc32_head"] == float(zlib.crc32(payload[:4096]))
@@ -48,13 +48,16 @@ def test_deterministic_and_payload_dependent(info: Info) -> None:
     assert synthetic.process(a, info)["f0"] != synthetic.process(a + b"a", info)["f0"]
 
 
-@pytest.mark.parametrize("attributes, name", [
-    ({"cost_ms": "-1"}, "cost_ms"),
-    ({"cost_ms": "soon"}, "cost_ms"),
-    ({"cost_ms": "inf"}, "cost_ms"),
-    ({"features": "1.5"}, "features"),
-    ({"features": str(synthetic.MAX_FEATURES + 1)}, "features"),
-])
+@pytest.mark.parametrize(
+    "attributes, name",
+    [
+        ({"cost_ms": "-1"}, "cost_ms"),
+        ({"cost_ms": "soon"}, "cost_ms"),
+        ({"cost_ms": "inf"}, "cost_ms"),
+        ({"features": "1.5"}, "features"),
+        ({"features": str(synthetic.MAX_FEATURES + 1)}, "features"),
+    ],
+)
 def test_bad_attributes_are_named(attributes: dict, name: str) -> None:
     with pytest.raises(ValueError, match=f"attribute {name}="):
         synthetic.process(b"data", Info(attributes=attributes))

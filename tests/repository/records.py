@@ -8,8 +8,8 @@ import zlib
 
 import zstandard
 
-from hio.transport.frames import crc32
 from hio.proto import features_pb2
+from hio.transport.frames import crc32
 
 
 def feature_record(tuple_id: int, value: float = 1.0, *, image: str = "hio/synthetic") -> features_pb2.FeatureRecord:
@@ -44,9 +44,15 @@ def decode(record_zstd: bytes) -> features_pb2.FeatureRecord:
 
 
 def knowledge(tuple_count: int = 10, clusters: int = 3, assignments: int = 4) -> features_pb2.Knowledge:
-    k = features_pb2.Knowledge(computed_unix=1_700_000_000.0, tuple_count=tuple_count, up_to_offset=tuple_count,
-                               feature_names=["mean_intensity"], feature_mean=[0.5], feature_std=[0.1],
-                               algorithm="bisecting-kmeans")
+    k = features_pb2.Knowledge(
+        computed_unix=1_700_000_000.0,
+        tuple_count=tuple_count,
+        up_to_offset=tuple_count,
+        feature_names=["mean_intensity"],
+        feature_mean=[0.5],
+        feature_std=[0.1],
+        algorithm="bisecting-kmeans",
+    )
     for i in range(clusters):
         k.clusters.add(id=i, centre=[float(i)], count=tuple_count // clusters)
     for i in range(assignments):
@@ -56,8 +62,11 @@ def knowledge(tuple_count: int = 10, clusters: int = 3, assignments: int = 4) ->
 
 def png_bytes() -> bytes:
     """A real 1x1 PNG built with zlib, no image library needed."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
     header = struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\x00\x80"))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\x00\x80")) + chunk(b"IEND", b"")
+    )

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hio.transport.errors import DataLoss, PermissionDenied, Unauthenticated
-from hio.settings import ClusterSettings
 from hio.proto import repository_pb2 as pb
 from hio.repository import RepositoryConfig
+from hio.settings import ClusterSettings
+from hio.transport.errors import DataLoss, PermissionDenied, Unauthenticated
 from hio.worker.cluster import ClusterLink
 from tests.harness import HioProcess, free_port
 from tests.repository.records import decode, upload
@@ -56,8 +56,12 @@ def test_an_engines_stores_are_kept_and_a_record_stored_again_is_a_duplicate(rep
 
 def test_a_refused_record_refuses_its_batch_with_the_domain_error(repo: Running) -> None:
     tuple_id, data, crc = upload(2)
-    bad = pb.PutFeaturesRequest(records=[pb.FeaturesUpload(tuple_id=1, record_zstd=records(1)[0][1]),
-                                         pb.FeaturesUpload(tuple_id=tuple_id, record_zstd=data, crc32=crc ^ 1)])
+    bad = pb.PutFeaturesRequest(
+        records=[
+            pb.FeaturesUpload(tuple_id=1, record_zstd=records(1)[0][1]),
+            pb.FeaturesUpload(tuple_id=tuple_id, record_zstd=data, crc32=crc ^ 1),
+        ]
+    )
     link = engine_link(repo)
     try:
         link.store_many(records(3))

@@ -14,19 +14,23 @@ from pathlib import Path
 import grpc
 import pytest
 
-from hio.transport.frames import crc32
-from hio.transport.net import create_channel
 from hio.proto import features_pb2, repository_pb2_grpc
 from hio.proto import repository_pb2 as pb
 from hio.repository import RepositoryConfig, create_repository_server
 from hio.repository.http import PreviewHttpServer
 from hio.repository.store import FeatureStore
+from hio.transport.frames import crc32
+from hio.transport.net import create_channel
 from tests.repository.records import compress, decode, knowledge, png_bytes, upload
 
 
 def config_for(tmp_path: Path, **overrides: object) -> RepositoryConfig:
-    values: dict[str, object] = {"listen": "127.0.0.1:0", "http_listen": "", "data_dir": str(tmp_path / "data"),
-                                 "segment_bytes": 64 * 1024}
+    values: dict[str, object] = {
+        "listen": "127.0.0.1:0",
+        "http_listen": "",
+        "data_dir": str(tmp_path / "data"),
+        "segment_bytes": 64 * 1024,
+    }
     values.update(overrides)
     config = RepositoryConfig(**values)  # type: ignore[arg-type] - the config's keywords, as objects
     config.validate()
@@ -61,8 +65,9 @@ def repo(tmp_path: Path) -> Iterator[Running]:
 
 
 def put_request(*ids: int) -> pb.PutFeaturesRequest:
-    return pb.PutFeaturesRequest(records=[pb.FeaturesUpload(tuple_id=t, record_zstd=d, crc32=c)
-                                          for t, d, c in (upload(i) for i in ids)])
+    return pb.PutFeaturesRequest(
+        records=[pb.FeaturesUpload(tuple_id=t, record_zstd=d, crc32=c) for t, d, c in (upload(i) for i in ids)]
+    )
 
 
 def test_put_read_commit(repo: Running) -> None:
@@ -77,8 +82,9 @@ def test_put_read_commit(repo: Running) -> None:
     records = [r for b in batches for r in b.records]
     assert [r.offset for r in records] == list(range(1, 22))
     assert all(decode(r.record_zstd).tuple_id == r.tuple_id for r in records)
-    window = [r.offset for b in stub.ReadFeatures(pb.ReadFeaturesRequest(after=5, until=9, max_records=3))
-              for r in b.records]
+    window = [
+        r.offset for b in stub.ReadFeatures(pb.ReadFeaturesRequest(after=5, until=9, max_records=3)) for r in b.records
+    ]
     assert window == [6, 7, 8]
 
     stub.CommitOffset(pb.CommitOffsetRequest(consumer="kd", offset=9), timeout=10)
@@ -112,20 +118,28 @@ def test_largest_record_round_trips(repo: Running) -> None:
     data = compress(record.SerializeToString())
     assert repo.config.max_record_bytes - 256 * 1024 < len(data) <= repo.config.max_record_bytes
     stub = repo.stub()
-    stub.PutFeatures(pb.PutFeaturesRequest(records=[pb.FeaturesUpload(tuple_id=1, record_zstd=data,
-                                                                       crc32=crc32(data))]), timeout=30)
+    stub.PutFeatures(
+        pb.PutFeaturesRequest(records=[pb.FeaturesUpload(tuple_id=1, record_zstd=data, crc32=crc32(data))]), timeout=30
+    )
     [batch] = list(stub.ReadFeatures(pb.ReadFeaturesRequest(), timeout=30))
     assert batch.records[0].record_zstd == data
 
 
-@pytest.mark.parametrize("mutate, code, text", [
-    (lambda u: u.__setattr__("crc32", u.crc32 ^ 0xFF), grpc.StatusCode.DATA_LOSS, "checksum"),
-    (lambda u: (u.__setattr__("record_zstd", b"garbage!"), u.__setattr__("crc32", crc32(b"garbage!"))),
-     grpc.StatusCode.INVALID_ARGUMENT, "not zstd"),
-    (lambda u: u.__setattr__("tuple_id", 99), grpc.StatusCode.INVALID_ARGUMENT, "names tuple 2"),
-])
-def test_bad_uploads_map_to_statuses(repo: Running, mutate: Callable[[pb.FeaturesUpload], object],
-                                     code: grpc.StatusCode, text: str) -> None:
+@pytest.mark.parametrize(
+    "mutate, code, text",
+    [
+        (lambda u: u.__setattr__("crc32", u.crc32 ^ 0xFF), grpc.StatusCode.DATA_LOSS, "checksum"),
+        (
+            lambda u: (u.__setattr__("record_zstd", b"garbage!"), u.__setattr__("crc32", crc32(b"garbage!"))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "not zstd",
+        ),
+        (lambda u: u.__setattr__("tuple_id", 99), grpc.StatusCode.INVALID_ARGUMENT, "names tuple 2"),
+    ],
+)
+def test_bad_uploads_map_to_statuses(
+    repo: Running, mutate: Callable[[pb.FeaturesUpload], object], code: grpc.StatusCode, text: str
+) -> None:
     request = put_request(1, 2)
     mutate(request.records[1])
     with pytest.raises(grpc.RpcError) as info:
@@ -178,11 +192,15 @@ def test_roles_limit_methods(tmp_path: Path) -> None:
         assert kd.GetOffsets(pb.GetOffsetsRequest(), timeout=10).latest == 1
         viewer.GetKnowledge(pb.GetKnowledgeRequest(), timeout=10)
         refusals = [
-            (lambda: list(worker.ReadFeatures(pb.ReadFeaturesRequest(), timeout=10)),
-             grpc.StatusCode.PERMISSION_DENIED),
+            (
+                lambda: list(worker.ReadFeatures(pb.ReadFeaturesRequest(), timeout=10)),
+                grpc.StatusCode.PERMISSION_DENIED,
+            ),
             (lambda: kd.PutFeatures(put_request(2), timeout=10), grpc.StatusCode.PERMISSION_DENIED),
-            (lambda: viewer.CommitOffset(pb.CommitOffsetRequest(consumer="x"), timeout=10),
-             grpc.StatusCode.PERMISSION_DENIED),
+            (
+                lambda: viewer.CommitOffset(pb.CommitOffsetRequest(consumer="x"), timeout=10),
+                grpc.StatusCode.PERMISSION_DENIED,
+            ),
             (lambda: running.stub("").GetOffsets(pb.GetOffsetsRequest(), timeout=10), grpc.StatusCode.UNAUTHENTICATED),
         ]
         for call, code in refusals:
@@ -195,6 +213,7 @@ def test_roles_limit_methods(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------- HTTP
+
 
 def fetch(url: str) -> tuple[int, str, bytes]:
     try:

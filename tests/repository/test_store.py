@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
-from hio.transport.frames import crc32
 from hio.proto import features_pb2
 from hio.repository.featurelog import CorruptSegment
 from hio.repository.segments import HEADER_SIZE, MAGIC
 from hio.repository.store import FeatureStore, StoreOptions
+from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
+from hio.transport.frames import crc32
 from tests.harness import FsyncDisk
 from tests.repository.records import compress, decode, feature_record, knowledge, png_bytes, upload
 
@@ -37,6 +37,7 @@ def reopen(store: FeatureStore, options: StoreOptions = SMALL) -> FeatureStore:
 
 
 # ------------------------------------------------------------------ features
+
 
 def test_offsets_are_dense_and_put_is_idempotent(store: FeatureStore) -> None:
     first = store.put([upload(10), upload(11), upload(12)])
@@ -116,11 +117,11 @@ def test_fsync_modes_store_and_reopen(tmp_path: Path, mode: str) -> None:
 def test_readers_see_a_record_only_once_it_is_durable(tmp_path: Path) -> None:
     """A record KD has read must survive a power loss: with fsync 'batch' a reader sees a
     record once its group fsync is done, not while it waits for it."""
-    options = StoreOptions(fsync="batch", fsync_interval_ms=4000)   # a wide window, for slow machines
+    options = StoreOptions(fsync="batch", fsync_interval_ms=4000)  # a wide window, for slow machines
     with FeatureStore(tmp_path / "s", options) as s:
-        s.put([upload(1)])                                  # the first fsync runs at once
+        s.put([upload(1)])  # the first fsync runs at once
         second = threading.Thread(target=s.put, args=([upload(2)],))
-        second.start()                                      # waits up to 4 s for the next fsync
+        second.start()  # waits up to 4 s for the next fsync
         deadline = time.monotonic() + 10
         while s.stats()["records"] < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -139,7 +140,7 @@ def test_concurrent_puts_store_each_id_once(store: FeatureStore) -> None:
         try:
             order = ids[seed::3] + ids  # overlapping ids from every thread
             for start in range(0, len(order), 7):
-                store.put([upload(t) for t in order[start:start + 7]])
+                store.put([upload(t) for t in order[start : start + 7]])
         except BaseException as exc:  # noqa: BLE001 - handed to the test's thread, which fails on it
             errors.append(exc)
 
@@ -169,6 +170,7 @@ def test_closed_store_refuses_writes(store: FeatureStore) -> None:
 
 
 # ------------------------------------------------------------- bad uploads
+
 
 def bad_uploads() -> dict[str, tuple[type[Exception], str, tuple[int, bytes, int]]]:
     tid, data, crc = upload(7)
@@ -212,6 +214,7 @@ def test_oversized_compressed_record_refused(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- recovery
 
+
 def test_lowering_the_record_limit_keeps_stored_records(tmp_path: Path) -> None:
     with FeatureStore(tmp_path) as s:
         s.put([upload(1), upload(2)])
@@ -219,8 +222,9 @@ def test_lowering_the_record_limit_keeps_stored_records(tmp_path: Path) -> None:
         assert [t for _, t, _ in s.read()] == [1, 2]
 
 
-def test_torn_tail_is_truncated_with_a_warning(store: FeatureStore, store_dir: Path,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_torn_tail_is_truncated_with_a_warning(
+    store: FeatureStore, store_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store.put([upload(i) for i in range(1, 11)])
     store.close()
     last = segments(store_dir)[-1]
@@ -267,14 +271,15 @@ def test_flipped_bit_in_tail_record_is_dropped(store: FeatureStore, store_dir: P
 
 
 def test_a_flipped_bit_with_stored_records_after_it_stops_the_start_and_cuts_nothing(
-        store: FeatureStore, store_dir: Path) -> None:
+    store: FeatureStore, store_dir: Path
+) -> None:
     """Damage in the last segment with good records after it is not a torn tail: the records
     after it were answered STORED, so they must not be cut off."""
     store.put([upload(i) for i in range(1, 6)])
     store.close()
     last = segments(store_dir)[-1]
     raw = bytearray(last.read_bytes())
-    raw[len(MAGIC) + HEADER_SIZE + 2] ^= 0xFF            # inside record 1
+    raw[len(MAGIC) + HEADER_SIZE + 2] ^= 0xFF  # inside record 1
     last.write_bytes(bytes(raw))
     with pytest.raises(CorruptSegment, match="records follow the damage"):
         FeatureStore(store_dir, SMALL)
@@ -282,7 +287,8 @@ def test_a_flipped_bit_with_stored_records_after_it_stops_the_start_and_cuts_not
 
 
 def test_a_consumer_past_the_latest_record_is_moved_back_so_new_records_are_read(
-        store: FeatureStore, store_dir: Path) -> None:
+    store: FeatureStore, store_dir: Path
+) -> None:
     """Records a consumer had read can be lost later (fsync never, a power loss); new records
     then take their offsets again, and a consumer left past them would skip them for good."""
     store.put([upload(i) for i in range(1, 6)])
@@ -291,9 +297,9 @@ def test_a_consumer_past_the_latest_record_is_moved_back_so_new_records_are_read
     last = segments(store_dir)[-1]
     raw = last.read_bytes()
     ends = []
-    with FeatureStore(store_dir, SMALL) as s:             # where records 4 and 5 start: cut them off
+    with FeatureStore(store_dir, SMALL) as s:  # where records 4 and 5 start: cut them off
         ends = [s._features._index.location(4).position]
-    last.write_bytes(raw[:ends[0]])
+    last.write_bytes(raw[: ends[0]])
     with FeatureStore(store_dir, SMALL) as s:
         assert s.latest() == 3 and s.committed("kd") == 3
         s.put([upload(6), upload(7)])
@@ -367,6 +373,7 @@ def test_rebuild_of_200k_records(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------- consumers
 
+
 def test_consumer_commits_survive_restart(store: FeatureStore) -> None:
     store.put([upload(i) for i in range(1, 11)])
     assert store.committed("kd") == 0 and store.committed("") == 0
@@ -405,6 +412,7 @@ def test_consumer_count_is_bounded(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------- knowledge
 
+
 def test_knowledge_round_trip_and_restart(store: FeatureStore) -> None:
     assert store.get_knowledge() is None and store.get_preview() is None
     k = knowledge().SerializeToString()
@@ -424,13 +432,17 @@ def test_knowledge_round_trip_and_restart(store: FeatureStore) -> None:
         assert not list((s.root / "knowledge").glob(".*.tmp"))
 
 
-@pytest.mark.parametrize("payload, png, message", [
-    (b"", None, "empty"),
-    (b"\xff\xff\xff", None, "not a serialized"),
-    (None, b"GIF89a....", "not a PNG"),
-])
-def test_bad_knowledge_refused_and_old_kept(store: FeatureStore, payload: bytes | None,
-                                            png: bytes | None, message: str) -> None:
+@pytest.mark.parametrize(
+    "payload, png, message",
+    [
+        (b"", None, "empty"),
+        (b"\xff\xff\xff", None, "not a serialized"),
+        (None, b"GIF89a....", "not a PNG"),
+    ],
+)
+def test_bad_knowledge_refused_and_old_kept(
+    store: FeatureStore, payload: bytes | None, png: bytes | None, message: str
+) -> None:
     good = knowledge().SerializeToString()
     store.put_knowledge(good, png_bytes())
     with pytest.raises(InvalidArgument, match=message):
@@ -440,9 +452,11 @@ def test_bad_knowledge_refused_and_old_kept(store: FeatureStore, payload: bytes 
 
 # ------------------------------------------------------------- failed fsync
 
+
 @pytest.mark.parametrize("mode", ["batch", "always"])
-def test_a_failed_fsync_refuses_every_later_put_until_restart(tmp_path: Path, mode: str,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_fsync_refuses_every_later_put_until_restart(
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After a failed fsync the kernel may report a later one as a success for bytes it
     dropped: the put whose fsync failed and every later one are refused, naming the disk,
     the error and the restart; what was stored before stays readable."""
@@ -453,12 +467,12 @@ def test_a_failed_fsync_refuses_every_later_put_until_restart(tmp_path: Path, mo
     disk.error = OSError(errno.EIO, "Input/output error")
     with pytest.raises(FailedPrecondition, match="the repository's disk failed to sync"):
         s.put([upload(2)])
-    disk.error = None                                   # a later fsync would "succeed": not trusted
+    disk.error = None  # a later fsync would "succeed": not trusted
     with pytest.raises(FailedPrecondition, match=r"Input/output error.*restart the repository"):
         s.put([upload(3)])
     assert [t for _, t, _ in s.read()] == [1]
     s.close()
-    with FeatureStore(tmp_path / "s", options) as again:   # the restart takes puts again
+    with FeatureStore(tmp_path / "s", options) as again:  # the restart takes puts again
         assert again.put([upload(3)])[0].offset == again.latest()
 
 
@@ -476,7 +490,7 @@ def test_a_failed_folder_fsync_is_final_too(tmp_path: Path, monkeypatch: pytest.
     s.put([upload(1)])
     monkeypatch.setattr(os, "fsync", fsync)
     with pytest.raises(FailedPrecondition, match="failed to sync"):
-        for i in range(2, 300):                          # until a segment rolls
+        for i in range(2, 300):  # until a segment rolls
             s.put([upload(i)])
     monkeypatch.setattr(os, "fsync", real_fsync)
     with pytest.raises(FailedPrecondition, match="restart the repository"):
@@ -485,6 +499,7 @@ def test_a_failed_folder_fsync_is_final_too(tmp_path: Path, monkeypatch: pytest.
 
 
 # ------------------------------------------------------- existing data on disk
+
 
 def _old_record(offset: int, tuple_id: int, payload: bytes) -> bytes:
     """A record as the format's first writer framed it (u32 length, u32 CRC-32 of the rest,
@@ -499,10 +514,8 @@ def test_segments_written_in_the_hiofeat1_format_read_back_the_same(tmp_path: Pa
     features = tmp_path / "s" / "features"
     features.mkdir(parents=True)
     payloads = {n: compress(feature_record(n).SerializeToString()) for n in range(1, 6)}
-    (features / f"{1:020d}.seg").write_bytes(
-        b"HIOFEAT1" + b"".join(_old_record(n, n, payloads[n]) for n in (1, 2, 3)))
-    (features / f"{4:020d}.seg").write_bytes(
-        b"HIOFEAT1" + b"".join(_old_record(n, n, payloads[n]) for n in (4, 5)))
+    (features / f"{1:020d}.seg").write_bytes(b"HIOFEAT1" + b"".join(_old_record(n, n, payloads[n]) for n in (1, 2, 3)))
+    (features / f"{4:020d}.seg").write_bytes(b"HIOFEAT1" + b"".join(_old_record(n, n, payloads[n]) for n in (4, 5)))
     with FeatureStore(tmp_path / "s", SMALL) as s:
         assert [(o, t, p) for o, t, p in s.read()] == [(n, n, payloads[n]) for n in range(1, 6)]
         assert s.put([upload(6)])[0].offset == 6

@@ -14,10 +14,10 @@ import pytest
 import zstandard
 
 from hio.config import build
+from hio.proto import engine_pb2_grpc, features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
+from hio.settings import ClusterSettings
 from hio.transport.frames import TupleMeta, crc32, frames_for_bytes
 from hio.transport.net import create_channel
-from hio.settings import ClusterSettings
-from hio.proto import engine_pb2_grpc, features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 from hio.worker.config import EngineConfig
 from hio.worker.engine import create_engine_server
 
@@ -33,12 +33,15 @@ class Repo:
     def __init__(self, data_dir: Path, settings: ClusterSettings = SETTINGS, **overrides: Any) -> None:
         from hio.repository import RepositoryConfig, create_repository_server
 
-        config = build(RepositoryConfig, "repository", overrides={
-            "listen": "127.0.0.1:0", "http_listen": "", "data_dir": str(data_dir), **overrides})
+        config = build(
+            RepositoryConfig,
+            "repository",
+            overrides={"listen": "127.0.0.1:0", "http_listen": "", "data_dir": str(data_dir), **overrides},
+        )
         self.server, port, self.store = create_repository_server(config)
         self.server.start()
         self.address = f"127.0.0.1:{port}"
-        self._channel = create_channel(self.address, settings)   # settings: this test's, as a client
+        self._channel = create_channel(self.address, settings)  # settings: this test's, as a client
         self.stub = repository_pb2_grpc.RepositoryStub(self._channel)
 
     def records(self) -> dict[int, features_pb2.FeatureRecord]:
@@ -60,8 +63,9 @@ class Master:
 
     def __init__(self, data_dir: Path, settings: ClusterSettings = SETTINGS, **overrides: Any) -> None:
         module = importlib.import_module("hio.master")
-        config = build(module.MasterConfig, "master", overrides={
-            "listen": "127.0.0.1:0", "data_dir": str(data_dir), **overrides})
+        config = build(
+            module.MasterConfig, "master", overrides={"listen": "127.0.0.1:0", "data_dir": str(data_dir), **overrides}
+        )
         self.server, port, self.domain = module.create_master_server(config)
         self.server.start()
         self.address = f"127.0.0.1:{port}"
@@ -136,30 +140,62 @@ class RunningEngine:
 
 
 def engine_config(*, master: str, repository: str, channel_id: str = "w1/0", **overrides: Any) -> EngineConfig:
-    values = {"channel_id": channel_id, "image": TEST_IMAGE, "pipeline": TEST_PIPELINE, "listen": "127.0.0.1:0",
-              "master_address": master, "repository_address": repository, "chunk_bytes": 1024,
-              "pull_wait": 1.0, "rpc_deadline": 5.0, "grace_seconds": 1.0, **overrides}
+    values = {
+        "channel_id": channel_id,
+        "image": TEST_IMAGE,
+        "pipeline": TEST_PIPELINE,
+        "listen": "127.0.0.1:0",
+        "master_address": master,
+        "repository_address": repository,
+        "chunk_bytes": 1024,
+        "pull_wait": 1.0,
+        "rpc_deadline": 5.0,
+        "grace_seconds": 1.0,
+        **overrides,
+    }
     return build(EngineConfig, "engine", overrides=values)
 
 
 def make_tuple(tuple_id: int, data: bytes, image: str = TEST_IMAGE, **attributes: str) -> tuple[TupleMeta, bytes]:
-    meta = TupleMeta(tuple_id=tuple_id, source="test", image=image, size=len(data), crc32=crc32(data),
-                     name=f"t{tuple_id}", attempt=1, attributes=attributes, accepted_unix=1.0)
+    meta = TupleMeta(
+        tuple_id=tuple_id,
+        source="test",
+        image=image,
+        size=len(data),
+        crc32=crc32(data),
+        name=f"t{tuple_id}",
+        attempt=1,
+        attributes=attributes,
+        accepted_unix=1.0,
+    )
     return meta, data
 
 
-def register_channel(master: Master, engine: RunningEngine | str, channel_id: str = "w1/0", *,
-                     lane_address: str = "") -> None:
+def register_channel(
+    master: Master, engine: RunningEngine | str, channel_id: str = "w1/0", *, lane_address: str = ""
+) -> None:
     """Register the engine's channel (and its payload lane, if given) as a worker would, and keep
     that worker alive with heartbeats (a loaded machine can take longer than ``expiry_seconds``
     over one test) until the master goes. ``engine`` may be just an address (an engine not
     running there yet)."""
     worker_id = channel_id.split("/")[0]
-    master.stub.RegisterWorker(master_pb2.RegisterWorkerRequest(
-        worker_id=worker_id, host="test", cpus=1, channels=[master_pb2.ChannelInfo(
-            channel_id=channel_id, image=TEST_IMAGE, lane_address=lane_address,
-            address=engine if isinstance(engine, str) else engine.address,
-            state=master_pb2.FREE)]), timeout=5)
+    master.stub.RegisterWorker(
+        master_pb2.RegisterWorkerRequest(
+            worker_id=worker_id,
+            host="test",
+            cpus=1,
+            channels=[
+                master_pb2.ChannelInfo(
+                    channel_id=channel_id,
+                    image=TEST_IMAGE,
+                    lane_address=lane_address,
+                    address=engine if isinstance(engine, str) else engine.address,
+                    state=master_pb2.FREE,
+                )
+            ],
+        ),
+        timeout=5,
+    )
 
     def heartbeat() -> None:
         try:

@@ -24,7 +24,7 @@ def process(data: bytes, info) -> dict:  # type: ignore[no-untyped-def]
         raise ValueError(f"cannot analyse {info.name}")
     if mode == "cancel":
         raise asyncio.CancelledError(f"task cancelled while analysing {info.name}")
-    if mode == "huge":   # compresses to almost nothing; 72 MB before compression
+    if mode == "huge":  # compresses to almost nothing; 72 MB before compression
         return {"size": len(data), **{f"t{i}": "a" * 60_000 for i in range(1200)}}
     if mode == "sleep":
         time.sleep(float(info.attributes.get("seconds", "1")))
@@ -32,5 +32,10 @@ def process(data: bytes, info) -> dict:  # type: ignore[no-untyped-def]
         os._exit(9)
     if mode == "badtype":
         return {"size": len(data), "blob": object()}
-    return {"size": len(data), "first": data[0] if data else -1, "name": info.name,
-            "histogram": [float(data.count(b)) for b in (b"a", b"b")], "setup_calls": SETUP_CALLS}
+    return {
+        "size": len(data),
+        "first": data[0] if data else -1,
+        "name": info.name,
+        "histogram": [float(data.count(b)) for b in (b"a", b"b")],
+        "setup_calls": SETUP_CALLS,
+    }

@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import pytest
 
-from hio.transport.frames import TupleMeta, TupleReceipt, frames_for_bytes
 from hio.proto import master_pb2
+from hio.transport.frames import TupleMeta, TupleReceipt, frames_for_bytes
 from tests.harness import FsyncDisk, free_port, wait_for
 from tests.worker.conftest import (
     SETTINGS,
@@ -40,7 +40,10 @@ def test_deliver_stores_each_tuple_and_answers_in_order(engine: RunningEngine, r
     big = bytes(range(256)) * 20  # 5120 bytes: five chunks of 1 KiB
     receipts = engine.deliver([make_tuple(11, b"aab"), make_tuple(12, big), make_tuple(13, b"")])
     assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
-        (0, 11, TupleReceipt.STORED), (1, 12, TupleReceipt.STORED), (2, 13, TupleReceipt.STORED)]
+        (0, 11, TupleReceipt.STORED),
+        (1, 12, TupleReceipt.STORED),
+        (2, 13, TupleReceipt.STORED),
+    ]
     records = repo.records()
     assert set(records) == {11, 12, 13}
     first = records[11]
@@ -92,6 +95,7 @@ def _deliver_in_thread(engine: RunningEngine, tuples: list, results: list) -> th
             results.append(engine.deliver(tuples))
         except grpc.RpcError as exc:
             results.append(exc)
+
     thread = threading.Thread(target=run)
     thread.start()
     return thread
@@ -99,10 +103,17 @@ def _deliver_in_thread(engine: RunningEngine, tuples: list, results: list) -> th
 
 def test_stream_with_tuples_left_keeps_the_channel_busy(engine: RunningEngine, repo: Repo) -> None:
     results: list[object] = []
-    slow = _deliver_in_thread(engine, [make_tuple(51, b"slow", mode="sleep", seconds="2.0"),
-                                       make_tuple(53, b"slow", mode="sleep", seconds="0.2")], results)
-    wait_for(lambda: engine.engine._active is not None and engine.engine.processing, timeout=10, interval=0.01,
-             what="the slow stream processing its first tuple")
+    slow = _deliver_in_thread(
+        engine,
+        [make_tuple(51, b"slow", mode="sleep", seconds="2.0"), make_tuple(53, b"slow", mode="sleep", seconds="0.2")],
+        results,
+    )
+    wait_for(
+        lambda: engine.engine._active is not None and engine.engine.processing,
+        timeout=10,
+        interval=0.01,
+        what="the slow stream processing its first tuple",
+    )
     with pytest.raises(grpc.RpcError) as err:
         engine.deliver([make_tuple(52, b"fast")])
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in err.value.details()
@@ -117,8 +128,9 @@ def test_next_stream_is_received_while_the_last_tuple_is_processed(engine: Runni
     second: list[object] = []
     a = _deliver_in_thread(engine, [make_tuple(61, b"slow", mode="sleep", seconds="3.0")], first)
     wait_for(lambda: engine.engine._tails == 1, timeout=10, interval=0.01, what="the first stream handing over")
-    b = _deliver_in_thread(engine, [make_tuple(62, b"next", mode="sleep", seconds="0.2"),
-                                    make_tuple(63, b"next")], second)
+    b = _deliver_in_thread(
+        engine, [make_tuple(62, b"next", mode="sleep", seconds="0.2"), make_tuple(63, b"next")], second
+    )
     wait_for(lambda: engine.engine._active is not None, timeout=10, interval=0.01, what="the second stream's claim")
     with pytest.raises(grpc.RpcError) as err:  # the second stream waits for the slot and holds the claim
         engine.deliver([make_tuple(64, b"third")])
@@ -133,13 +145,15 @@ def test_next_stream_is_received_while_the_last_tuple_is_processed(engine: Runni
 
 
 def test_repository_down_breaks_the_stream_unavailable(repo: Repo) -> None:
-    engine = RunningEngine(engine_config(master=f"127.0.0.1:{free_port()}",
-                                         repository=f"127.0.0.1:{free_port()}", rpc_deadline=0.5))
+    engine = RunningEngine(
+        engine_config(master=f"127.0.0.1:{free_port()}", repository=f"127.0.0.1:{free_port()}", rpc_deadline=0.5)
+    )
     try:
         with pytest.raises(grpc.RpcError) as err:
             engine.deliver([make_tuple(61, b"x")])
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "repository" in err.value.details()
         from hio.transport.errors import retry_after  # the engine's state: a gateway retries uncharged
+
         assert retry_after(err.value) is not None and "repository unreachable" in err.value.details()
     finally:
         engine.close()
@@ -149,8 +163,12 @@ def test_repository_down_breaks_the_stream_unavailable(repo: Repo) -> None:
 
 
 def _route(master: Master, size: int, force_queue: bool = False) -> master_pb2.RouteTuplesResponse:
-    return master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
-        source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=size)], force_queue=force_queue), timeout=5)
+    return master.stub.RouteTuples(
+        master_pb2.RouteTuplesRequest(
+            source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=size)], force_queue=force_queue
+        ),
+        timeout=5,
+    )
 
 
 @contextlib.contextmanager
@@ -181,8 +199,11 @@ def test_failing_pipeline_hands_the_tuple_to_the_master(master: Master, repo: Re
         receipt = engine.deliver([(meta, data)])[0]
         assert receipt.state == TupleReceipt.ENQUEUED and "ValueError: cannot analyse" in receipt.message
         # the idle engine pulls it again, fails again, until the master gives up on it
-        letters = wait_for(lambda: master.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5)
-                           .dead_letters, timeout=30, what="a dead letter")
+        letters = wait_for(
+            lambda: master.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5).dead_letters,
+            timeout=30,
+            what="a dead letter",
+        )
         assert letters[0].meta.tuple_id == meta.tuple_id
         assert "ValueError" in letters[0].meta.attributes["hio.last_error"] or "ValueError" in letters[0].reason
         assert repo.records() == {}
@@ -208,19 +229,21 @@ def test_a_tuple_the_master_keeps_as_a_dead_letter_on_hand_back_is_receipted_so(
         master.close()
 
 
-def test_a_pipeline_raising_a_base_exception_fails_its_tuple_and_the_engine_goes_on(
-        master: Master, repo: Repo) -> None:
+def test_a_pipeline_raising_a_base_exception_fails_its_tuple_and_the_engine_goes_on(master: Master, repo: Repo) -> None:
     """asyncio.CancelledError (a BaseException, not an Exception) from user code: the tuple fails
     with that error, directly and from the queue, and the engine keeps serving and pulling."""
     with _serving(master, repo, max_attempts=2) as engine:
         meta, data = _routed(master, b"oops", mode="cancel")
         receipt = engine.deliver([(meta, data)])[0]
         assert receipt.state == TupleReceipt.ENQUEUED and "CancelledError: task cancelled" in receipt.message
-        letters = wait_for(lambda: master.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5)
-                           .dead_letters, timeout=30, what="the tuple dead-lettered after its pulled attempt")
+        letters = wait_for(
+            lambda: master.stub.ListDeadLetters(master_pb2.ListDeadLettersRequest(), timeout=5).dead_letters,
+            timeout=30,
+            what="the tuple dead-lettered after its pulled attempt",
+        )
         assert "CancelledError" in letters[0].meta.attributes["hio.last_error"] + letters[0].reason
         assert engine.engine._puller.is_alive()
-        ok, ok_data = _routed(master, b"ok", force_queue=True)   # an ordinary tuple after it is still pulled
+        ok, ok_data = _routed(master, b"ok", force_queue=True)  # an ordinary tuple after it is still pulled
         list(master.stub.Enqueue(frames_for_bytes(ok, ok_data, SETTINGS.chunk_bytes), timeout=10))
         wait_for(lambda: ok.tuple_id in repo.records(), timeout=20, what="the next queued tuple stored")
 
@@ -229,10 +252,13 @@ def test_features_over_the_repository_limit_fail_their_tuple_alone(master: Maste
     """Features that compress small but are over the repository's decompressed limit: the tuple
     is handed back with the reason, and the stream goes on with the next ones."""
     with _serving(master, repo) as engine:
-        route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
-            source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * 3), timeout=5)
-        tuples = [make_tuple(tid, b"data", **({"mode": "huge"} if n == 1 else {}))
-                  for n, tid in enumerate(route.tuple_ids)]
+        route = master.stub.RouteTuples(
+            master_pb2.RouteTuplesRequest(source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * 3),
+            timeout=5,
+        )
+        tuples = [
+            make_tuple(tid, b"data", **({"mode": "huge"} if n == 1 else {})) for n, tid in enumerate(route.tuple_ids)
+        ]
         for (meta, _), ticket in zip(tuples, route.tickets, strict=True):
             meta.ticket = ticket
         receipts = engine.deliver(tuples)
@@ -259,9 +285,14 @@ def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Re
         receipts = list(master.stub.Enqueue(frames_for_bytes(meta, data, SETTINGS.chunk_bytes), timeout=10))
         assert receipts[0].state == TupleReceipt.ENQUEUED
         wait_for(lambda: meta.tuple_id in repo.records(), timeout=20, what="the queued tuple's features")
-        wait_for(lambda: master.status().tuples_done >= 1 and all(q.length == 0 and q.leased == 0
-                                                                    for q in master.status().queues),
-                 timeout=10, what="the lease acknowledged")
+        wait_for(
+            lambda: (
+                master.status().tuples_done >= 1
+                and all(q.length == 0 and q.leased == 0 for q in master.status().queues)
+            ),
+            timeout=10,
+            what="the lease acknowledged",
+        )
         assert repo.records()[meta.tuple_id].features["size"].number == 6
 
 
@@ -276,18 +307,18 @@ def test_packed_stream_is_answered_with_packed_receipts(engine: RunningEngine, r
     assert message is not None and len(message.packed) == 19
     answers = list(engine.stub.Deliver(iter([message]), timeout=30))
     receipts = [r for a in answers for r in unpacked_receipts(a)]
-    assert len(answers) < len(receipts)                   # several receipts per message
-    assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
-        (i, 71 + i, TupleReceipt.STORED) for i in range(20)]
+    assert len(answers) < len(receipts)  # several receipts per message
+    assert [(r.index, r.tuple_id, r.state) for r in receipts] == [(i, 71 + i, TupleReceipt.STORED) for i in range(20)]
     assert sorted(repo.records()) == list(range(71, 91))
     plain = engine.deliver([make_tuple(95, b"plain"), make_tuple(96, b"plain")])
-    assert [len(r.packed) for r in plain] == [0, 0]       # a sender that does not pack gets plain receipts
+    assert [len(r.packed) for r in plain] == [0, 0]  # a sender that does not pack gets plain receipts
 
 
 def test_storage_failure_with_the_input_still_open_frees_the_channel_once(repo: Repo) -> None:
     """The stream fails while the sender keeps its side open: no late hand-over, no second release."""
-    engine = RunningEngine(engine_config(master=f"127.0.0.1:{free_port()}",
-                                         repository=f"127.0.0.1:{free_port()}", rpc_deadline=0.5))
+    engine = RunningEngine(
+        engine_config(master=f"127.0.0.1:{free_port()}", repository=f"127.0.0.1:{free_port()}", rpc_deadline=0.5)
+    )
     hold = threading.Event()
 
     def frames() -> Iterator:  # type: ignore[type-arg]
@@ -309,8 +340,9 @@ def test_storage_failure_with_the_input_still_open_frees_the_channel_once(repo: 
 
 
 def test_cheap_queued_tuples_are_pulled_several_at_a_time(master: Master, repo: Repo) -> None:
-    engine = RunningEngine(engine_config(master=master.address, repository=repo.address,
-                                         pull_batch_seconds=0.5))  # big batches even on a loaded machine
+    engine = RunningEngine(
+        engine_config(master=master.address, repository=repo.address, pull_batch_seconds=0.5)
+    )  # big batches even on a loaded machine
     asked: list[int] = []
     link = engine.engine._cluster
     real_pull = link.pull
@@ -323,8 +355,12 @@ def test_cheap_queued_tuples_are_pulled_several_at_a_time(master: Master, repo: 
     try:
         register_channel(master, engine)
         n = 300
-        route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
-            source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=8)] * n, force_queue=True), timeout=5)
+        route = master.stub.RouteTuples(
+            master_pb2.RouteTuplesRequest(
+                source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=8)] * n, force_queue=True
+            ),
+            timeout=5,
+        )
         tuples = []
         for k, (tuple_id, ticket) in enumerate(zip(route.tuple_ids, route.tickets, strict=True)):
             meta, data = make_tuple(tuple_id, f"tuple{k:03d}".encode(), **({"mode": "fail"} if k == 150 else {}))
@@ -334,11 +370,15 @@ def test_cheap_queued_tuples_are_pulled_several_at_a_time(master: Master, repo: 
         receipts = list(master.stub.Enqueue(frames, timeout=30))
         assert [r.state for r in receipts] == [TupleReceipt.ENQUEUED] * n
         wait_for(lambda: len(repo.records()) == n - 1, timeout=60, what="every good tuple's features")
-        wait_for(lambda: master.status().dead_letters == 1 and not master.status().queues, timeout=30,
-                 what="the failing tuple dead-lettered after its attempts, the queue empty")
+        wait_for(
+            lambda: master.status().dead_letters == 1 and not master.status().queues,
+            timeout=30,
+            what="the failing tuple dead-lettered after its attempts, the queue empty",
+        )
         records = repo.records()
-        assert all(records[meta.tuple_id].features["name"].text == meta.name
-                   for k, (meta, _) in enumerate(tuples) if k != 150)
+        assert all(
+            records[meta.tuple_id].features["name"].text == meta.name for k, (meta, _) in enumerate(tuples) if k != 150
+        )
         assert max(asked) > 1 and len(asked) < n // 4, f"{len(asked)} pulls for {n} tuples"
     finally:
         engine.close()
@@ -347,15 +387,17 @@ def test_cheap_queued_tuples_are_pulled_several_at_a_time(master: Master, repo: 
 def test_a_pull_that_turns_out_costly_returns_the_rest_to_the_queue_uncharged(master: Master, repo: Repo) -> None:
     """Batch size comes from the last tuples' cost: when the next ones cost more, the engine
     stops after about three times pull_batch_seconds and gives the rest back, not charged."""
-    engine = RunningEngine(engine_config(master=master.address, repository=repo.address,
-                                         pull_batch_seconds=0.5))
+    engine = RunningEngine(engine_config(master=master.address, repository=repo.address, pull_batch_seconds=0.5))
     try:
         register_channel(master, engine)
 
         def enqueue(count: int, **attributes: str) -> list[int]:
-            route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
-                source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * count,
-                force_queue=True), timeout=5)
+            route = master.stub.RouteTuples(
+                master_pb2.RouteTuplesRequest(
+                    source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * count, force_queue=True
+                ),
+                timeout=5,
+            )
             tuples = []
             for tuple_id, ticket in zip(route.tuple_ids, route.tickets, strict=True):
                 meta, data = make_tuple(tuple_id, b"data", **attributes)
@@ -404,19 +446,25 @@ def test_a_pull_that_turns_out_costly_returns_the_rest_to_the_queue_uncharged(ma
         status = master.status()
         assert status.dead_letters == 0 and status.tuples_failed == 0 and not status.queues
         gave_back = [n for n, charge in returned if n]
-        assert gave_back and all(charge is False for _, charge in returned), \
+        assert gave_back and all(charge is False for _, charge in returned), (
             f"the slow pull stopped early and gave tuples back uncharged: {returned}"
+        )
     finally:
         engine.close()
 
 
 def test_pulled_tuples_go_back_uncharged_while_the_repository_is_unreachable(master: Master) -> None:
-    engine = RunningEngine(engine_config(master=master.address, repository=f"127.0.0.1:{free_port()}",
-                                         rpc_deadline=0.5))
+    engine = RunningEngine(
+        engine_config(master=master.address, repository=f"127.0.0.1:{free_port()}", rpc_deadline=0.5)
+    )
     try:
         register_channel(master, engine)
-        route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(
-            source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * 3, force_queue=True), timeout=5)
+        route = master.stub.RouteTuples(
+            master_pb2.RouteTuplesRequest(
+                source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=4)] * 3, force_queue=True
+            ),
+            timeout=5,
+        )
         tuples = []
         for tuple_id, ticket in zip(route.tuple_ids, route.tickets, strict=True):
             meta, data = make_tuple(tuple_id, b"data")
@@ -430,8 +478,11 @@ def test_pulled_tuples_go_back_uncharged_while_the_repository_is_unreachable(mas
         assert sum(q.length for q in status.queues) == 3, "all three still queued"
     finally:
         engine.close()
-    wait_for(lambda: all(q.leased == 0 for q in master.status().queues), timeout=10,
-             what="the stopped engine's pull given back")
+    wait_for(
+        lambda: all(q.leased == 0 for q in master.status().queues),
+        timeout=10,
+        what="the stopped engine's pull given back",
+    )
     pulled = master.stub.PullTuple(master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=1), timeout=10)
     assert [f.meta.attempt for f in pulled if f.HasField("meta")] == [1]
 
@@ -459,8 +510,9 @@ def _most_leased_until_stored(master: Master, repo: Repo, count: int) -> int:
 
 
 @pytest.mark.parametrize("pull_ahead", [True, False])
-def test_a_busy_queue_channel_fetches_its_next_pull_while_it_processes(master: Master, repo: Repo,
-                                                                       pull_ahead: bool) -> None:
+def test_a_busy_queue_channel_fetches_its_next_pull_while_it_processes(
+    master: Master, repo: Repo, pull_ahead: bool
+) -> None:
     """With ``pull_ahead`` the next queued tuple is in the engine before the current one is done;
     without, one at a time. Either way each is stored once, uncharged."""
     with _serving(master, repo, pull_ahead=pull_ahead):
@@ -475,11 +527,13 @@ def test_a_busy_queue_channel_fetches_its_next_pull_while_it_processes(master: M
         assert master.status().tuples_failed == 0
 
 
-def test_tuples_longer_than_the_ahead_bound_are_not_pulled_ahead(master: Master, repo: Repo,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tuples_longer_than_the_ahead_bound_are_not_pulled_ahead(
+    master: Master, repo: Repo, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A tuple held ahead waits for the one processed: behind a long one it would be kept from
     a channel that frees up meanwhile, so tuples known to take long are pulled one at a time."""
     import hio.worker.engine as engine_module
+
     monkeypatch.setattr(engine_module, "AHEAD_MAX_SECONDS", 0.2)
     with _serving(master, repo):
         ids = _enqueue_slow(master, 3, "0.5")
@@ -493,10 +547,14 @@ def test_a_pull_ahead_held_when_the_engine_stops_goes_back_uncharged(master: Mas
         register_channel(master, engine)
         # the first tuple's cost is not known yet: it comes alone; the third is pulled ahead beside the second
         first, second, held = _enqueue_slow(master, 3, "0.5")
-        wait_for(lambda: _leased(master) == 2 and first in repo.records(), timeout=20, interval=0.02,
-                 what="the third tuple pulled ahead while the second is processed")
+        wait_for(
+            lambda: _leased(master) == 2 and first in repo.records(),
+            timeout=20,
+            interval=0.02,
+            what="the third tuple pulled ahead while the second is processed",
+        )
     finally:
-        engine.close()   # the second tuple finishes within the grace; the held one goes back
+        engine.close()  # the second tuple finishes within the grace; the held one goes back
     wait_for(lambda: _leased(master) == 0, timeout=10, what="the held pull given back")
     assert second in repo.records() and held not in repo.records()
     pulled = master.stub.PullTuple(master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=1), timeout=10)
@@ -505,7 +563,8 @@ def test_a_pull_ahead_held_when_the_engine_stops_goes_back_uncharged(master: Mas
 
 
 def test_a_failed_tuple_the_master_cannot_take_back_fails_alone_and_the_stream_goes_on(
-        repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A tuple whose processing failed goes back to the master's queue; when that queue takes
     no tuples (its disk failed to sync), the tuple fails to its sender with both reasons (the
     sender counts the attempt and sends it again) and the tuples after it in the stream are
@@ -513,19 +572,25 @@ def test_a_failed_tuple_the_master_cannot_take_back_fails_alone_and_the_stream_g
     disk = FsyncDisk(monkeypatch)
     master = Master(tmp_path / "master", fsync="batch")
     try:
-        route = master.stub.RouteTuples(master_pb2.RouteTuplesRequest(   # an image no engine here pulls
-            source="test", image="hio/synthetic", items=[master_pb2.RouteItem(size=1)] * 2, force_queue=True),
-            timeout=5)
+        route = master.stub.RouteTuples(
+            master_pb2.RouteTuplesRequest(  # an image no engine here pulls
+                source="test", image="hio/synthetic", items=[master_pb2.RouteItem(size=1)] * 2, force_queue=True
+            ),
+            timeout=5,
+        )
         for n, tuple_id in enumerate(route.tuple_ids):
-            if n == 1:                                                 # the first opened a segment
+            if n == 1:  # the first opened a segment
                 disk.error = OSError(errno.EIO, "Input/output error")
             queued, queued_data = make_tuple(tuple_id, b"q", image="hio/synthetic")
             [receipt] = master.stub.Enqueue(frames_for_bytes(queued, queued_data, SETTINGS.chunk_bytes), timeout=10)
-            assert receipt.state == TupleReceipt.ENQUEUED              # 'batch': before its round
-        wait_for(lambda: [w for w in master.status().warnings if "failed to sync" in w], timeout=10,
-                 what="the master's failed fsync")
+            assert receipt.state == TupleReceipt.ENQUEUED  # 'batch': before its round
+        wait_for(
+            lambda: [w for w in master.status().warnings if "failed to sync" in w],
+            timeout=10,
+            what="the master's failed fsync",
+        )
         disk.error = None
-        with _serving(master, repo) as engine:                      # default rpc_deadline: no wait
+        with _serving(master, repo) as engine:  # default rpc_deadline: no wait
             failing, failing_data = _routed(master, b"oops", mode="fail")
             ok, ok_data = _routed(master, b"fine")
             first, second = engine.deliver([(failing, failing_data), (ok, ok_data)])

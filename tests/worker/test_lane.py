@@ -17,10 +17,10 @@ from typing import Any
 import grpc
 import pytest
 
-from hio.transport.frames import TupleReceipt, unpacked_receipts
-from hio.transport.lane import MAGIC, LaneCall, LaneError, lane_frames, open_lane
 from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
+from hio.transport.frames import TupleReceipt, unpacked_receipts
+from hio.transport.lane import MAGIC, LaneCall, LaneError, lane_frames, open_lane
 from tests.harness import free_port, wait_for
 from tests.worker.conftest import (
     TEST_IMAGE,
@@ -37,8 +37,11 @@ TOKEN = "lane-s3cret"
 
 
 def lane_engine(repo: Repo, master: str | None = None, **overrides: Any) -> RunningEngine:
-    return RunningEngine(engine_config(master=master or f"127.0.0.1:{free_port()}", repository=repo.address,
-                                       lane_listen="127.0.0.1:0", **overrides))
+    return RunningEngine(
+        engine_config(
+            master=master or f"127.0.0.1:{free_port()}", repository=repo.address, lane_listen="127.0.0.1:0", **overrides
+        )
+    )
 
 
 @pytest.fixture
@@ -53,8 +56,9 @@ def lane_address(engine: RunningEngine) -> str:
     return f"127.0.0.1:{engine.engine.lane.port}"
 
 
-def deliver(engine: RunningEngine, tuples: list[tuple[Any, Any]], *, token: str = "",
-            timeout: float = 30) -> list[TupleReceipt]:
+def deliver(
+    engine: RunningEngine, tuples: list[tuple[Any, Any]], *, token: str = "", timeout: float = 30
+) -> list[TupleReceipt]:
     """Send tuples (payload: bytes or an open file at its offset) over the lane; the receipts."""
     sock = open_lane(lane_address(engine), token, connect_seconds=5, method="Deliver")
     call = LaneCall(sock, lane_frames(iter(tuples), chunk_bytes=1024, pack_bytes=64 * 1024), timeout=timeout)
@@ -82,7 +86,7 @@ def hello(token: str = "", method: str = "Deliver") -> bytes:
 
 def test_lane_stores_tuples_of_every_size_in_order(engine: RunningEngine, repo: Repo, tmp_path: Path) -> None:
     small, empty = b"aab", b""
-    big = os.urandom(3 * 1000 * 1000)          # one frame: far over the gRPC chunk size of 1 KiB
+    big = os.urandom(3 * 1000 * 1000)  # one frame: far over the gRPC chunk size of 1 KiB
     spooled = os.urandom(200_000)
     path = tmp_path / "spooled.bin"
     path.write_bytes(b"x" * 100 + spooled + b"y" * 50)  # the payload sits inside a larger file, as in the spool
@@ -91,9 +95,8 @@ def test_lane_stores_tuples_of_every_size_in_order(engine: RunningEngine, repo: 
         tuples = [make_tuple(1, small), make_tuple(2, big), make_tuple(3, empty)]
         meta4, _ = make_tuple(4, spooled)
         receipts = deliver(engine, [*tuples, (meta4, fh)])
-        assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
-            (i, i + 1, TupleReceipt.STORED) for i in range(4)]
-        assert fh.closed   # the lane closed it
+        assert [(r.index, r.tuple_id, r.state) for r in receipts] == [(i, i + 1, TupleReceipt.STORED) for i in range(4)]
+        assert fh.closed  # the lane closed it
     records = repo.records()
     assert {t: records[t].meta.size for t in records} == {1: 3, 2: len(big), 3: 0, 4: len(spooled)}
     assert records[2].features["size"].number == len(big)
@@ -130,17 +133,18 @@ def test_a_client_that_is_not_a_lane_client_gets_a_clear_status(engine: RunningE
 
 
 def test_random_bytes_and_a_silent_or_trickling_client_are_refused_and_the_lane_keeps_serving(
-        engine: RunningEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine: RunningEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import hio.transport.lane as lane_module
 
     monkeypatch.setattr(lane_module, "HELLO_SECONDS", 0.5)
     status = raw_status(engine, os.urandom(64))
     assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    status = raw_status(engine, b"", shut=False)                 # connects, says nothing
+    status = raw_status(engine, b"", shut=False)  # connects, says nothing
     assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "within 0.5 s" in status.message
     with socket.create_connection(("127.0.0.1", engine.engine.lane.port), timeout=10) as sock:
         started = time.monotonic()
-        for byte in hello()[:6]:                                  # a byte at a time, slower than the deadline
+        for byte in hello()[:6]:  # a byte at a time, slower than the deadline
             sock.sendall(bytes([byte]))
             time.sleep(0.15)
         reader = sock.makefile("rb")
@@ -180,6 +184,7 @@ def test_a_sender_that_goes_without_ending_its_input_is_a_cancelled_call(engine:
 
 def make_head(meta: Any) -> bytes:
     from hio.transport.frames import TupleFrame
+
     return TupleFrame(meta=meta, last=True).SerializeToString()
 
 
@@ -187,7 +192,7 @@ def test_a_stalled_sender_is_cut_off_and_frees_the_channel(repo: Repo) -> None:
     e = lane_engine(repo, stream_idle_seconds=0.5)
     try:
         with socket.create_connection(("127.0.0.1", e.engine.lane.port), timeout=10) as sock:
-            sock.sendall(hello())        # then nothing, without ending the input
+            sock.sendall(hello())  # then nothing, without ending the input
             reader = sock.makefile("rb")
             kind, size = struct.unpack(">BI", reader.read(5))
             status = LaneStatus.FromString(reader.read(size))
@@ -237,13 +242,17 @@ def test_a_tls_cluster_keeps_its_lanes(tmp_path: Path, caplog: pytest.LogCapture
     """With mutual TLS and a token on every role, payloads still take the lanes (over TLS, with
     the certificates gRPC uses): the gateway's Deliver to the engine and Enqueue to the master,
     the engine's pulls from the master; every tuple stored intact, no lane skipped."""
-    from hio.transport.certs import generate
-    from hio.settings import ClusterSettings
     from hio.gateway import Gateway, GatewayConfig
+    from hio.settings import ClusterSettings
+    from hio.transport.certs import generate
 
     certs = generate(tmp_path / "certs", ("node",), ("127.0.0.1",))
-    tls: dict[str, Any] = {"tls_cert": str(certs["node"]), "tls_key": str(certs["node-key"]),
-                           "tls_ca": str(certs["ca"]), "token": TOKEN}
+    tls: dict[str, Any] = {
+        "tls_cert": str(certs["node"]),
+        "tls_key": str(certs["node-key"]),
+        "tls_ca": str(certs["ca"]),
+        "token": TOKEN,
+    }
     client = ClusterSettings(chunk_bytes=1024, **tls)
     repo = Repo(tmp_path / "repo", settings=client, tls_client_auth=True, **tls)
     master = Master(tmp_path / "master", settings=client, tls_client_auth=True, images=(TEST_IMAGE,), **tls)
@@ -254,13 +263,17 @@ def test_a_tls_cluster_keeps_its_lanes(tmp_path: Path, caplog: pytest.LogCapture
         direct = [os.urandom(2_000_000), b"small", os.urandom(300_000)]
         queued = [os.urandom(1_500_000), b"tiny"]
         with caplog.at_level(logging.WARNING):
-            base = {"master_address": master.address, "repository_address": repo.address, "ingest_listen": "",
-                    "grace_seconds": 2.0, **tls}
+            base = {
+                "master_address": master.address,
+                "repository_address": repo.address,
+                "ingest_listen": "",
+                "grace_seconds": 2.0,
+                **tls,
+            }
             with Gateway(GatewayConfig(data_dir=str(tmp_path / "gw"), source="tls", **base)) as gw:
                 ids = gw.send_many(direct, image=TEST_IMAGE, timeout=60)
                 assert gw.status().sent_direct == 3
-            with Gateway(GatewayConfig(data_dir=str(tmp_path / "gwq"), source="tlsq", force_queue=True,
-                                       **base)) as gw:
+            with Gateway(GatewayConfig(data_dir=str(tmp_path / "gwq"), source="tlsq", force_queue=True, **base)) as gw:
                 ids += gw.send_many(queued, image=TEST_IMAGE, timeout=60)
                 assert gw.status().enqueued == 2
 
@@ -271,8 +284,8 @@ def test_a_tls_cluster_keeps_its_lanes(tmp_path: Path, caplog: pytest.LogCapture
             records = wait_for(stored, timeout=60, what="every tuple stored")
         assert [records[i].meta.crc32 for i in ids] == [zlib.crc32(p) for p in direct + queued]
         assert [records[i].meta.size for i in ids] == [len(p) for p in direct + queued]
-        assert e.engine.lane.calls >= 1                      # Deliver over the engine's TLS lane
-        assert master.domain.lane.methods["Enqueue"] >= 1    # Enqueue over the master's
+        assert e.engine.lane.calls >= 1  # Deliver over the engine's TLS lane
+        assert master.domain.lane.methods["Enqueue"] >= 1  # Enqueue over the master's
         assert master.domain.lane.methods["PullTuple"] >= 1  # the engine's pulls, too
         skipped = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
         assert skipped == []
@@ -297,6 +310,7 @@ def test_a_plaintext_client_of_a_tls_engine_lane_is_told_to_use_tls(repo: Repo, 
 
 
 # -- the gateway's side, with a real master routing to the engine ------------------------
+
 
 class _ClosingListener:
     """A port that accepts connections and closes them at once: a broken lane, as a
@@ -324,7 +338,8 @@ class _ClosingListener:
 @needs_master
 @pytest.mark.parametrize("lane", ["engine", "unreachable", "broken"])
 def test_gateway_sends_over_the_lane_or_grpc_as_chosen_for_the_peer(
-        lane: str, master: Master, repo: Repo, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    lane: str, master: Master, repo: Repo, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The engine's lane when it answers at connect; gRPC Deliver when it refuses connections;
     when it closes them without a word (chosen, then broken), the peer moves to gRPC and the
     batch is sent there again, no attempt charged."""
@@ -335,8 +350,14 @@ def test_gateway_sends_over_the_lane_or_grpc_as_chosen_for_the_peer(
     try:
         address = {"engine": lane_address(e), "unreachable": f"127.0.0.1:{free_port()}"}.get(lane)
         register_channel(master, e, lane_address=address or broken.address)  # type: ignore[union-attr] - broken is set when no address is
-        config = GatewayConfig(master_address=master.address, repository_address=repo.address,
-                               data_dir=str(tmp_path / "gw"), source="lane", ingest_listen="", grace_seconds=2.0)
+        config = GatewayConfig(
+            master_address=master.address,
+            repository_address=repo.address,
+            data_dir=str(tmp_path / "gw"),
+            source="lane",
+            ingest_listen="",
+            grace_seconds=2.0,
+        )
         payloads = [os.urandom(300_000), b"small"]
         with caplog.at_level(logging.WARNING, logger="hio.gateway"), Gateway(config) as gw:
             ids = gw.send_many(payloads, image=TEST_IMAGE, timeout=60)
@@ -349,16 +370,22 @@ def test_gateway_sends_over_the_lane_or_grpc_as_chosen_for_the_peer(
 
         records = wait_for(stored, timeout=30, what="both tuples stored")
         assert [records[i].meta.size for i in ids] == [300_000, 5]
-        assert all(records[i].meta.attempt == 1 for i in ids)   # the lane's failure was not the tuples'
+        assert all(records[i].meta.attempt == 1 for i in ids)  # the lane's failure was not the tuples'
         if lane == "engine":
-            assert e.engine.lane.calls >= 1     # one call per batch; the two may share one
+            assert e.engine.lane.calls >= 1  # one call per batch; the two may share one
         else:
             assert e.engine.lane.calls == 0
         if broken is not None:
             assert broken.accepted >= 1
         moved = [r.getMessage() for r in caplog.records if "this peer uses gRPC" in r.getMessage()]
-        assert moved == {"engine": [], "unreachable": ["payload lane unreachable; this peer uses gRPC"],
-                         "broken": ["payload lane broke; this peer uses gRPC"]}[lane]
+        assert (
+            moved
+            == {
+                "engine": [],
+                "unreachable": ["payload lane unreachable; this peer uses gRPC"],
+                "broken": ["payload lane broke; this peer uses gRPC"],
+            }[lane]
+        )
     finally:
         if broken is not None:
             broken.close()
@@ -366,8 +393,9 @@ def test_gateway_sends_over_the_lane_or_grpc_as_chosen_for_the_peer(
 
 
 @needs_master
-def test_an_engine_that_refuses_connections_costs_the_tuples_no_attempt(master: Master, repo: Repo, tmp_path: Path,
-                                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_an_engine_that_refuses_connections_costs_the_tuples_no_attempt(
+    master: Master, repo: Repo, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A killed worker's channels stay in routing until the master expires them: tuples routed
     to them meanwhile are routed again uncharged, not dead-lettered (here with one attempt
     allowed), and are stored once an engine answers on that address."""
@@ -375,24 +403,39 @@ def test_an_engine_that_refuses_connections_costs_the_tuples_no_attempt(master: 
 
     port = free_port()
     register_channel(master, f"127.0.0.1:{port}")
-    config = GatewayConfig(master_address=master.address, repository_address=repo.address, max_attempts=1,
-                           data_dir=str(tmp_path / "gw"), source="refused", ingest_listen="", grace_seconds=2.0)
+    config = GatewayConfig(
+        master_address=master.address,
+        repository_address=repo.address,
+        max_attempts=1,
+        data_dir=str(tmp_path / "gw"),
+        source="refused",
+        ingest_listen="",
+        grace_seconds=2.0,
+    )
     result: dict[str, Any] = {}
     with caplog.at_level(logging.WARNING, logger="hio.gateway"), Gateway(config) as gw:
-        sender = threading.Thread(target=lambda: result.update(
-            ids=gw.send_many([os.urandom(5000) for _ in range(3)], image=TEST_IMAGE, timeout=90)))
+        sender = threading.Thread(
+            target=lambda: result.update(
+                ids=gw.send_many([os.urandom(5000) for _ in range(3)], image=TEST_IMAGE, timeout=90)
+            )
+        )
         sender.start()
-        wait_for(lambda: any("engine unreachable" in r.getMessage() for r in caplog.records), timeout=30,
-                 what="the gateway finding the engine unreachable")
-        e = RunningEngine(engine_config(master=master.address, repository=repo.address,
-                                        listen=f"127.0.0.1:{port}"))
+        wait_for(
+            lambda: any("engine unreachable" in r.getMessage() for r in caplog.records),
+            timeout=30,
+            what="the gateway finding the engine unreachable",
+        )
+        e = RunningEngine(engine_config(master=master.address, repository=repo.address, listen=f"127.0.0.1:{port}"))
         try:
             sender.join(90)
             status = gw.status()
             assert not sender.is_alive() and len(result.get("ids", [])) == 3, result
             # stored directly, or through the queue if the retry found the channel still reserved
-            records = wait_for(lambda: (lambda found: found if set(result["ids"]) <= set(found) else None)(
-                repo.records()), timeout=30, what="the tuples stored")
+            records = wait_for(
+                lambda: (lambda found: found if set(result["ids"]) <= set(found) else None)(repo.records()),
+                timeout=30,
+                what="the tuples stored",
+            )
         finally:
             e.close()
     assert status.retries == 0 and status.failed == 0

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hio.config import ConfigError, build
-from hio.transport.net import wait_healthy
 from hio.settings import ClusterSettings
+from hio.transport.net import wait_healthy
 from hio.worker.api import PIPELINE_EXIT_CODE
 from hio.worker.config import WorkerConfig
 from hio.worker.controller import engine_env
@@ -21,9 +21,16 @@ from tests.worker.conftest import REPO_ROOT, TEST_IMAGE, TEST_PIPELINE
 
 
 def _worker(tmp_path: Path, **overrides: object) -> WorkerConfig:
-    values = {"data_dir": str(tmp_path), "worker_id": "wl", "master_address": f"127.0.0.1:{free_port()}",
-              "repository_address": f"127.0.0.1:{free_port()}", "engines": (TEST_IMAGE,),
-              "pipelines": (f"{TEST_IMAGE}={TEST_PIPELINE}",), "runtime": "process", **overrides}
+    values = {
+        "data_dir": str(tmp_path),
+        "worker_id": "wl",
+        "master_address": f"127.0.0.1:{free_port()}",
+        "repository_address": f"127.0.0.1:{free_port()}",
+        "engines": (TEST_IMAGE,),
+        "pipelines": (f"{TEST_IMAGE}={TEST_PIPELINE}",),
+        "runtime": "process",
+        **overrides,
+    }
     return build(WorkerConfig, "worker", overrides=values)
 
 
@@ -74,8 +81,9 @@ def test_a_pipeline_whose_setup_raises_is_named_with_the_pipeline_exit_code(tmp_
         assert launcher.poll(broken) == PIPELINE_EXIT_CODE, "not a crash its worker would blame on the port"
         log = launcher.logs(broken, lines=40)
         assert "pipe_setup_fails.py" in log, "the traceback says where the user's code failed"
-        assert log.strip().splitlines()[-1] == ("hio engine: cannot load the pipeline: RuntimeError: "
-                                                "no calibration file at /data/calibration.npz")
+        assert log.strip().splitlines()[-1] == (
+            "hio engine: cannot load the pipeline: RuntimeError: no calibration file at /data/calibration.npz"
+        )
     finally:
         launcher.cleanup()
 
@@ -94,6 +102,7 @@ def test_select_launcher(tmp_path: Path) -> None:
     assert isinstance(select_launcher(_worker(tmp_path, runtime="auto")), ProcessLauncher)
     try:
         from hio.worker.docker_launcher import docker_available
+
         usable = docker_available()
     except ImportError:
         usable = False
@@ -104,7 +113,8 @@ def test_select_launcher(tmp_path: Path) -> None:
 
 
 def test_a_runtime_that_cannot_answer_for_a_moment_does_not_stop_the_worker(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The Docker daemon restarting, an API timeout: the supervision pass logs it and tries again
     next pass; the engines keep running and the worker does not exit."""
     import time
@@ -115,7 +125,7 @@ def test_a_runtime_that_cannot_answer_for_a_moment_does_not_stop_the_worker(
     launcher = ProcessLauncher(config)
     controller = Controller(config, "wl", launcher)
     try:
-        controller.tick(time.monotonic())                    # starts the engines
+        controller.tick(time.monotonic())  # starts the engines
         slots = controller.slots
         assert slots and all(slot.handle is not None for slot in slots)
         poll = launcher.poll
@@ -124,7 +134,7 @@ def test_a_runtime_that_cannot_answer_for_a_moment_does_not_stop_the_worker(
             raise ConnectionError("Connection aborted: the runtime is restarting")
 
         monkeypatch.setattr(launcher, "poll", unreachable)
-        controller.tick(time.monotonic())                    # logs the error, does not raise
+        controller.tick(time.monotonic())  # logs the error, does not raise
         monkeypatch.setattr(launcher, "poll", poll)
         assert all(slot.handle is not None and launcher.poll(slot.handle) is None for slot in slots)
     finally:

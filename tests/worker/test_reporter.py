@@ -12,8 +12,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from hio.transport.errors import InvalidArgument, Unavailable
 from hio.proto import master_pb2
+from hio.transport.errors import InvalidArgument, Unavailable
 from hio.worker.reporter import MAX_BATCH, Reporter
 from tests.harness import wait_for
 

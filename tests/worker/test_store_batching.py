@@ -8,8 +8,8 @@ import time
 import pytest
 import zstandard
 
-from hio.transport.frames import TupleMeta, TupleReceipt
 from hio.proto import features_pb2
+from hio.transport.frames import TupleMeta, TupleReceipt
 from hio.worker import engine as engine_module
 from hio.worker.cluster import ClusterLink
 from hio.worker.engine import _BatchStorer, _Slot
@@ -24,8 +24,7 @@ def test_long_stream_answers_every_tuple_in_order_once_stored(repo: Repo) -> Non
         receipts = engine.deliver(tuples)
     finally:
         engine.close()
-    assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
-        (n, 100 + n, TupleReceipt.STORED) for n in range(60)]
+    assert [(r.index, r.tuple_id, r.state) for r in receipts] == [(n, 100 + n, TupleReceipt.STORED) for n in range(60)]
     records = repo.records()
     assert set(records) == {100 + n for n in range(60)}
     assert all(records[100 + n].features["size"].number == n for n in range(60))
@@ -49,8 +48,15 @@ def test_a_refused_record_fails_alone_and_the_others_are_stored(repo: Repo) -> N
     def on_stored(slots: list[_Slot], duplicates: list[bool]) -> None:
         stored.extend((s.meta.tuple_id, d) for s, d in zip(slots, duplicates, strict=True))
 
-    storer = _BatchStorer(link.store_many, on_stored, woke.set, max_records=64, max_bytes=1 << 20,
-                          max_pending=64, on_refused=lambda slot, why: refused.append((slot.meta.tuple_id, why)))
+    storer = _BatchStorer(
+        link.store_many,
+        on_stored,
+        woke.set,
+        max_records=64,
+        max_bytes=1 << 20,
+        max_pending=64,
+        on_refused=lambda slot, why: refused.append((slot.meta.tuple_id, why)),
+    )
     storer._cond.acquire()  # hold the storer so all four records go in one batch
     try:
         for slot in (_slot(0, 1), _slot(1, 2), _slot(2, 3, blob=b"not zstd"), _slot(3, 4)):
@@ -83,8 +89,15 @@ def _batches_of_three(repo: Repo, pause: float) -> list[list[int]]:
         if slots[-1].meta.tuple_id == 3:
             done.set()
 
-    storer = _BatchStorer(store_many, on_stored, lambda: None, max_records=64, max_bytes=1 << 20, max_pending=64,
-                          on_refused=lambda slot, why: None)
+    storer = _BatchStorer(
+        store_many,
+        on_stored,
+        lambda: None,
+        max_records=64,
+        max_bytes=1 << 20,
+        max_pending=64,
+        on_refused=lambda slot, why: None,
+    )
     try:
         for n in (1, 2, 3):
             storer.submit(_slot(n - 1, n))
@@ -97,10 +110,11 @@ def _batches_of_three(repo: Repo, pause: float) -> list[list[int]]:
 
 
 def test_records_that_arrive_fast_wait_for_each_other_and_slow_ones_go_at_once(
-        repo: Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo: Repo, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Small tuples: one PutFeatures for records that come close together (the gRPC work of a call
     costs more than storing a few records); records that come apart are not held back."""
-    monkeypatch.setattr(engine_module, "STORE_GAP", 0.5)     # "close together": within 0.5 s
+    monkeypatch.setattr(engine_module, "STORE_GAP", 0.5)  # "close together": within 0.5 s
     monkeypatch.setattr(engine_module, "STORE_LINGER", 3.0)
     assert _batches_of_three(repo, pause=0.1) == [[1, 2, 3]]
     monkeypatch.setattr(engine_module, "STORE_GAP", 0.02)

@@ -6,8 +6,8 @@ import signal
 import time
 from pathlib import Path
 
-from hio.transport.net import wait_healthy
 from hio.settings import ClusterSettings
+from hio.transport.net import wait_healthy
 from tests.harness import HioProcess, free_port, wait_for
 from tests.worker.conftest import REPO_ROOT, TEST_IMAGE, TEST_PIPELINE
 from tests.worker.test_worker_process import _engine_pids
@@ -15,16 +15,37 @@ from tests.worker.test_worker_process import _engine_pids
 
 def test_worker_without_master_runs_engines_and_exits_cleanly(tmp_path: Path) -> None:
     grace = 2.0
-    worker = HioProcess("worker", [
-        "--master-address", f"127.0.0.1:{free_port()}", "--repository-address", f"127.0.0.1:{free_port()}",
-        "--data-dir", str(tmp_path / "data"), "--worker-id", "alone", "--runtime", "process",
-        "--engines", f"{TEST_IMAGE}=2", "--pipelines", f"{TEST_IMAGE}={TEST_PIPELINE}",
-        "--grace-seconds", str(grace)], tmp_path, env={"PYTHONPATH": REPO_ROOT})
+    worker = HioProcess(
+        "worker",
+        [
+            "--master-address",
+            f"127.0.0.1:{free_port()}",
+            "--repository-address",
+            f"127.0.0.1:{free_port()}",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--worker-id",
+            "alone",
+            "--runtime",
+            "process",
+            "--engines",
+            f"{TEST_IMAGE}=2",
+            "--pipelines",
+            f"{TEST_IMAGE}={TEST_PIPELINE}",
+            "--grace-seconds",
+            str(grace),
+        ],
+        tmp_path,
+        env={"PYTHONPATH": REPO_ROOT},
+    )
     worker.start()
     try:
         assert worker.proc is not None
-        pids = wait_for(lambda: len(p := _engine_pids(worker.proc.pid)) == 2 and p, timeout=30,  # type: ignore[union-attr]
-                        what="two engine processes")
+        pids = wait_for(
+            lambda: len(p := _engine_pids(worker.proc.pid)) == 2 and p,
+            timeout=30,  # type: ignore[union-attr]
+            what="two engine processes",
+        )
         assert set(pids) == {"alone/0", "alone/1"}
         for n in (0, 1):
             log = tmp_path / "data" / "worker" / "alone" / "engines" / f"{n}.log"
@@ -42,11 +63,27 @@ def test_worker_without_master_runs_engines_and_exits_cleanly(tmp_path: Path) ->
 
 
 def test_engines_stop_when_their_worker_is_killed(tmp_path: Path) -> None:
-    worker = HioProcess("worker", [
-        "--master-address", f"127.0.0.1:{free_port()}", "--repository-address", f"127.0.0.1:{free_port()}",
-        "--data-dir", str(tmp_path / "data"), "--worker-id", "orphan", "--runtime", "process",
-        "--engines", f"{TEST_IMAGE}=1", "--pipelines", f"{TEST_IMAGE}={TEST_PIPELINE}"],
-        tmp_path, env={"PYTHONPATH": REPO_ROOT})
+    worker = HioProcess(
+        "worker",
+        [
+            "--master-address",
+            f"127.0.0.1:{free_port()}",
+            "--repository-address",
+            f"127.0.0.1:{free_port()}",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--worker-id",
+            "orphan",
+            "--runtime",
+            "process",
+            "--engines",
+            f"{TEST_IMAGE}=1",
+            "--pipelines",
+            f"{TEST_IMAGE}={TEST_PIPELINE}",
+        ],
+        tmp_path,
+        env={"PYTHONPATH": REPO_ROOT},
+    )
     worker.start()
     try:
         assert worker.proc is not None
@@ -55,8 +92,13 @@ def test_engines_stop_when_their_worker_is_killed(tmp_path: Path) -> None:
         time.sleep(1.0)  # let the engine reach its serving loop
         worker.proc.send_signal(signal.SIGKILL)  # the controller alone, not its process group
         worker.proc.wait(10)
-        wait_for(lambda: not Path(f"/proc/{engine_pid}").exists()
-                 or Path(f"/proc/{engine_pid}/stat").read_text().split()[2] == "Z",
-                 timeout=15, what="the orphaned engine to exit")
+        wait_for(
+            lambda: (
+                not Path(f"/proc/{engine_pid}").exists()
+                or Path(f"/proc/{engine_pid}/stat").read_text().split()[2] == "Z"
+            ),
+            timeout=15,
+            what="the orphaned engine to exit",
+        )
     finally:
         worker.kill()

@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from hio.cluster import LocalCluster
+from hio.proto import engine_pb2_grpc, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 from hio.transport.frames import TupleReceipt, frames_for_bytes
 from hio.transport.net import create_channel
-from hio.proto import engine_pb2_grpc, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 from tests.harness import HioProcess, wait_for
 from tests.worker.conftest import REPO_ROOT, SETTINGS, TEST_IMAGE, TEST_PIPELINE, make_tuple, master_available
 
@@ -30,14 +30,34 @@ GRACE = 2.0
 
 class Cluster(LocalCluster):
     def __init__(self, root: Path) -> None:
-        super().__init__(root, process=HioProcess, env={"PYTHONPATH": REPO_ROOT},
-                         master_args=["--expiry-seconds", "4", "--max-attempts", "2", "--images", TEST_IMAGE])
+        super().__init__(
+            root,
+            process=HioProcess,
+            env={"PYTHONPATH": REPO_ROOT},
+            master_args=["--expiry-seconds", "4", "--max-attempts", "2", "--images", TEST_IMAGE],
+        )
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         super().start()
-        self.worker = self.add_worker(WORKER_ID, [f"{TEST_IMAGE}=2"], wait=False, args=[
-            "--pipelines", f"{TEST_IMAGE}={TEST_PIPELINE}", "--tuple-timeout", "1.5", "--pull-wait", "1",
-            "--max-attempts", "2", "--grace-seconds", str(GRACE), "--restart-backoff-max", "2"])
+        self.worker = self.add_worker(
+            WORKER_ID,
+            [f"{TEST_IMAGE}=2"],
+            wait=False,
+            args=[
+                "--pipelines",
+                f"{TEST_IMAGE}={TEST_PIPELINE}",
+                "--tuple-timeout",
+                "1.5",
+                "--pull-wait",
+                "1",
+                "--max-attempts",
+                "2",
+                "--grace-seconds",
+                str(GRACE),
+                "--restart-backoff-max",
+                "2",
+            ],
+        )
         self._channels = [create_channel(address, SETTINGS) for address in (self.master, self.repository)]
         self.stub = master_pb2_grpc.MasterStub(self._channels[0])
         self.repo_stub = repository_pb2_grpc.RepositoryStub(self._channels[1])
@@ -48,8 +68,11 @@ class Cluster(LocalCluster):
         return {c.channel_id: c for w in status.workers if w.worker_id == WORKER_ID for c in w.channels}
 
     def stored_ids(self) -> set[int]:
-        return {r.tuple_id for batch in self.repo_stub.ReadFeatures(repository_pb2.ReadFeaturesRequest(), timeout=5)
-                for r in batch.records}
+        return {
+            r.tuple_id
+            for batch in self.repo_stub.ReadFeatures(repository_pb2.ReadFeaturesRequest(), timeout=5)
+            for r in batch.records
+        }
 
     def stop(self) -> list[str]:
         for channel in getattr(self, "_channels", []):
@@ -94,8 +117,10 @@ def _all_free(cluster: Cluster) -> dict[str, master_pb2.ChannelInfo] | None:
 
 
 def _route_and_deliver(cluster: Cluster, data: bytes, **attributes: str) -> tuple[int, list[TupleReceipt]]:
-    route = cluster.stub.RouteTuples(master_pb2.RouteTuplesRequest(
-        source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=len(data))]), timeout=5)
+    route = cluster.stub.RouteTuples(
+        master_pb2.RouteTuplesRequest(source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=len(data))]),
+        timeout=5,
+    )
     assert route.WhichOneof("route") == "channel", route
     meta, payload = make_tuple(route.tuple_ids[0], data, **attributes)
     meta.ticket = route.tickets[0]
@@ -124,8 +149,12 @@ def test_killed_engine_is_reported_down_and_restarted(cluster: Cluster) -> None:
     pids = _engine_pids(cluster.worker.proc.pid)  # type: ignore[union-attr]
     victim = f"{WORKER_ID}/1"
     os.kill(pids[victim], signal.SIGKILL)
-    down = wait_for(lambda: (c := cluster.channels().get(victim)) and c.state == master_pb2.DOWN and c,
-                    timeout=10, interval=0.05, what="the killed channel DOWN")
+    down = wait_for(
+        lambda: (c := cluster.channels().get(victim)) and c.state == master_pb2.DOWN and c,
+        timeout=10,
+        interval=0.05,
+        what="the killed channel DOWN",
+    )
     # The next heartbeat (about a second later) already says it is restarting.
     assert "exited with code -9" in down.detail or "restart" in down.detail, down.detail
     wait_for(lambda: _all_free(cluster), timeout=30, what="the channel FREE again")

@@ -40,7 +40,7 @@ def _convolve_axis(image: np.ndarray, taps: np.ndarray, axis: int) -> np.ndarray
     length = image.shape[axis]
     out = np.zeros(image.shape, dtype=np.float64)
     for k, weight in enumerate(taps):
-        out += weight * (padded[k:k + length] if axis == 0 else padded[:, k:k + length])
+        out += weight * (padded[k : k + length] if axis == 0 else padded[:, k : k + length])
     return out
 
 
@@ -117,8 +117,9 @@ def _runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return rows, starts, ends
 
 
-def _touching_pairs(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                    width: int, connectivity: int) -> tuple[np.ndarray, np.ndarray]:
+def _touching_pairs(
+    rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, width: int, connectivity: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Pairs (a, b) of runs on consecutive rows that touch (a above b).
 
     Runs are sorted by (row, column), so the runs of the row above that touch

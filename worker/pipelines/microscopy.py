@@ -72,16 +72,23 @@ KD_FEATURES = [
 ]
 
 FORMATS = ("TIFF", "PNG")
-MAX_PIXELS = 1 << 26          # 64 Mpx per page: bounds memory (~0.5 GB of float64)
-MIN_SIDE = 3                  # the derivatives need a neighbourhood
+MAX_PIXELS = 1 << 26  # 64 Mpx per page: bounds memory (~0.5 GB of float64)
+MIN_SIDE = 3  # the derivatives need a neighbourhood
 MAX_PAGES = 1024
 HIST_BINS = 256
 AREA_BIN_EDGES: tuple[float, ...] = (0.0, *(float(2**k) for k in range(5, 17)), math.inf)
 """Object-area histogram edges in pixels: [0,32), [32,64), ..., [32768,65536), [65536,inf)."""
 
 _LUMA = np.array([0.299, 0.587, 0.114])
-_GRAY_FULL_SCALE = {"1": 1.0, "L": 255.0, "I;16": 65535.0, "I;16L": 65535.0,
-                    "I;16B": 65535.0, "I;16N": 65535.0, "F": 1.0}
+_GRAY_FULL_SCALE = {
+    "1": 1.0,
+    "L": 255.0,
+    "I;16": 65535.0,
+    "I;16L": 65535.0,
+    "I;16B": 65535.0,
+    "I;16N": 65535.0,
+    "F": 1.0,
+}
 _GRAY_BITS = {"1": 1, "L": 8, "I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16, "F": 32}
 _COLOUR_MODES = ("RGB", "RGBA", "RGBX", "P", "PA", "LA", "CMYK", "YCbCr", "LAB", "HSV")
 
@@ -110,7 +117,7 @@ class Params:
 class DecodedImage:
     """Grayscale pixels as a fraction of full scale, plus what the file held."""
 
-    pixels: np.ndarray      # float64, 2-D
+    pixels: np.ndarray  # float64, 2-D
     bit_depth: int
     pages: int
     format: str
@@ -132,8 +139,10 @@ def _page_pixels(page: Image.Image) -> tuple[np.ndarray, float, int]:
     if mode in _COLOUR_MODES:
         rgb = np.asarray(page.convert("RGB"), dtype=np.float64)
         return rgb @ _LUMA, 255.0, 8
-    raise ValueError(f"microscopy: unsupported pixel mode {mode!r} "
-                     f"(supported: 8/16-bit grayscale, 32-bit int/float grayscale, RGB(A), palette)")
+    raise ValueError(
+        f"microscopy: unsupported pixel mode {mode!r} "
+        f"(supported: 8/16-bit grayscale, 32-bit int/float grayscale, RGB(A), palette)"
+    )
 
 
 def _check_page_size(page: Image.Image) -> None:
@@ -154,8 +163,10 @@ def _read_pages(image: Image.Image, mode: str) -> tuple[np.ndarray, float, int, 
         if total is None:
             total, scale, bits = pixels, page_scale, page_bits
         elif pixels.shape != total.shape or page_scale != scale:
-            raise ValueError(f"microscopy: page {count} is {pixels.shape[1]}x{pixels.shape[0]} "
-                             f"({page_bits}-bit), unlike page 0; pages=mean needs identical pages")
+            raise ValueError(
+                f"microscopy: page {count} is {pixels.shape[1]}x{pixels.shape[0]} "
+                f"({page_bits}-bit), unlike page 0; pages=mean needs identical pages"
+            )
         else:
             total = total + pixels
         count += 1
@@ -177,8 +188,9 @@ def decode_image(data: bytes, pages: str = "first") -> DecodedImage:
     except ValueError:
         raise
     except (UnidentifiedImageError, Image.DecompressionBombError) as exc:
-        raise ValueError(f"microscopy: tuple of {len(data)} bytes is not a decodable TIFF or PNG image "
-                         f"({type(exc).__name__}: {exc})") from None
+        raise ValueError(
+            f"microscopy: tuple of {len(data)} bytes is not a decodable TIFF or PNG image ({type(exc).__name__}: {exc})"
+        ) from None
     except (OSError, SyntaxError, EOFError, struct.error) as exc:
         raise ValueError(f"microscopy: damaged {len(data)}-byte image ({type(exc).__name__}: {exc})") from None
     if not np.all(np.isfinite(pixels)):
@@ -276,6 +288,7 @@ def process(data: bytes, info: Any) -> dict[str, float | str | list[float]]:
     """Pipeline entry point: features of one TIFF/PNG image tuple."""
     params = Params.from_info(info)
     features = analyse(decode_image(data, params.pages), params)
-    log.debug("analysed image", extra={"tuple_id": getattr(info, "tuple_id", None),
-                                        "objects": features["object_count"]})
+    log.debug(
+        "analysed image", extra={"tuple_id": getattr(info, "tuple_id", None), "objects": features["object_count"]}
+    )
     return features

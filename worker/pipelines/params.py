@@ -19,8 +19,7 @@ def attributes_of(info: Any) -> Mapping[str, str]:
     return attributes if attributes is not None else {}
 
 
-def attr_float(attributes: Mapping[str, str], name: str, default: float,
-               low: float, high: float) -> float:
+def attr_float(attributes: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
     """A finite float attribute in ``[low, high]``; ``default`` when absent."""
     raw = attributes.get(name)
     if raw is None or raw == "":
@@ -48,8 +47,7 @@ def attr_int(attributes: Mapping[str, str], name: str, default: int, low: int, h
     return value
 
 
-def attr_choice(attributes: Mapping[str, str], name: str, default: str,
-                choices: tuple[str, ...]) -> str:
+def attr_choice(attributes: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
     """One of ``choices``; ``default`` when absent."""
     raw = attributes.get(name)
     if raw is None or raw == "":

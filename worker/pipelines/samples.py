@@ -57,7 +57,7 @@ from hio.worker.pipelines import imaging
 log = logging.getLogger("hio.worker.pipelines.samples")
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1               # bump when generation changes, to invalidate caches
+FORMAT_VERSION = 1  # bump when generation changes, to invalidate caches
 MICROSCOPY_IMAGE = "hio/microscopy"
 SIMULATION_IMAGE = "hio/simulation"
 DEMO_IMAGES = 24
@@ -69,7 +69,7 @@ BACKGROUND_PHOTONS = 40.0
 GAIN = 55.0
 OFFSET = 400.0
 READ_NOISE = 8.0
-REFERENCE_SIZE = 512.0           # population radii and blurs are given at this size
+REFERENCE_SIZE = 512.0  # population radii and blurs are given at this size
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class Regime:
     name: str
     a: tuple[float, float]
     b: tuple[float, float]
-    d: tuple[float, float]       # jump rate per molecule and direction
+    d: tuple[float, float]  # jump rate per molecule and direction
 
 
 REGIMES = (
@@ -170,8 +170,9 @@ def _generate(out_dir: Path, request: dict[str, Any], files: list[tuple[str, byt
 # --------------------------------------------------------------------------- microscopy
 
 
-def _place_cells(rng: np.random.Generator, size: int, count: int,
-                 radius: tuple[float, float], gap: float = 3.0) -> list[tuple[float, float, float]]:
+def _place_cells(
+    rng: np.random.Generator, size: int, count: int, radius: tuple[float, float], gap: float = 3.0
+) -> list[tuple[float, float, float]]:
     """Up to ``count`` non-overlapping (y, x, r) discs, fully inside the image."""
     placed: list[tuple[float, float, float]] = []
     for _ in range(count * 200):
@@ -187,8 +188,7 @@ def _place_cells(rng: np.random.Generator, size: int, count: int,
     return placed
 
 
-def _add_cell(canvas: np.ndarray, y: float, x: float, r: float, photons: float,
-              aspect: float, angle: float) -> None:
+def _add_cell(canvas: np.ndarray, y: float, x: float, r: float, photons: float, aspect: float, angle: float) -> None:
     """Add one soft-edged elliptic cell (major radius r) with a brighter interior."""
     half = math.ceil(r) + 3
     y0, y1 = max(0, int(y) - half), min(canvas.shape[0], int(y) + half + 1)
@@ -198,13 +198,19 @@ def _add_cell(canvas: np.ndarray, y: float, x: float, r: float, photons: float,
     u = dx * math.cos(angle) + dy * math.sin(angle)
     v = -dx * math.sin(angle) + dy * math.cos(angle)
     rho = np.sqrt((u / r) ** 2 + (v / (r * aspect)) ** 2)
-    edge = 1.0 / (1.0 + np.exp((rho - 1.0) * r * aspect / 0.8))   # ~1 px soft edge
+    edge = 1.0 / (1.0 + np.exp((rho - 1.0) * r * aspect / 0.8))  # ~1 px soft edge
     interior = 0.75 + 0.25 * np.clip(1.0 - rho**2, 0.0, 1.0)
     canvas[y0:y1, x0:x1] += photons * edge * interior
 
 
-def make_cell_image(rng: np.random.Generator, size: int, cells: int, radius: tuple[float, float],
-                    photons: tuple[float, float], blur: float = 0.0) -> tuple[np.ndarray, int]:
+def make_cell_image(
+    rng: np.random.Generator,
+    size: int,
+    cells: int,
+    radius: tuple[float, float],
+    photons: tuple[float, float],
+    blur: float = 0.0,
+) -> tuple[np.ndarray, int]:
     """A uint16 fluorescence-like image and how many cells it really holds.
 
     Radii and blur are in pixels of this image. Cells never overlap and never
@@ -237,15 +243,20 @@ def _microscopy_file(seed: int, index: int, size: int) -> tuple[str, bytes]:
     population = POPULATIONS[index % len(POPULATIONS)]
     scale = size / REFERENCE_SIZE
     pixels, _ = make_cell_image(
-        rng, size, int(rng.integers(population.cells[0], population.cells[1] + 1)),
-        (population.radius[0] * scale, population.radius[1] * scale), population.photons,
-        rng.uniform(*population.blur) * scale)
+        rng,
+        size,
+        int(rng.integers(population.cells[0], population.cells[1] + 1)),
+        (population.radius[0] * scale, population.radius[1] * scale),
+        population.photons,
+        rng.uniform(*population.blur) * scale,
+    )
     fmt = "png" if index % 4 == 3 else "tif"
     return f"cells_{index:04d}_{population.name}.{fmt}", encode_image(pixels, fmt)
 
 
-def generate_microscopy(out_dir: str | os.PathLike[str], count: int = DEMO_IMAGES, seed: int = 7,
-                        size: int = 512) -> list[Path]:
+def generate_microscopy(
+    out_dir: str | os.PathLike[str], count: int = DEMO_IMAGES, seed: int = 7, size: int = 512
+) -> list[Path]:
     """Write ``count`` sample images (size x size) into ``out_dir``; return their paths."""
     if count < 0 or size < 64:
         raise ValueError(f"generate_microscopy: need count >= 0 and size >= 64 (got {count}, {size})")
@@ -266,13 +277,14 @@ def _shift(values: np.ndarray, step: int) -> np.ndarray:
     n = values.shape[-1]
     step %= n
     out = np.empty_like(values)
-    out[..., step:] = values[..., :n - step]
-    out[..., :step] = values[..., n - step:]
+    out[..., step:] = values[..., : n - step]
+    out[..., :step] = values[..., n - step :]
     return out
 
 
-def _leap(rng: np.random.Generator, z: np.ndarray, born: np.ndarray, b: np.ndarray,
-          jump: np.ndarray, omega: float, dt: float) -> np.ndarray:
+def _leap(
+    rng: np.random.Generator, z: np.ndarray, born: np.ndarray, b: np.ndarray, jump: np.ndarray, omega: float, dt: float
+) -> np.ndarray:
     """One tau-leap of all eight channels of state ``z`` = (X, Y), shape (2, R, V).
 
     Channels: 0 -> X, X -> 0, X -> Y, 2X + Y -> 3X, and a jump left and right
@@ -293,9 +305,18 @@ def _leap(rng: np.random.Generator, z: np.ndarray, born: np.ndarray, b: np.ndarr
     return z - left - right + _shift(left, -1) + _shift(right, 1)
 
 
-def simulate_brusselator(rng: np.random.Generator, a: np.ndarray, b: np.ndarray, d: np.ndarray, *,
-                         omega: float, voxels: int, timepoints: int, dt: float,
-                         substeps: int) -> tuple[np.ndarray, np.ndarray]:
+def simulate_brusselator(
+    rng: np.random.Generator,
+    a: np.ndarray,
+    b: np.ndarray,
+    d: np.ndarray,
+    *,
+    omega: float,
+    voxels: int,
+    timepoints: int,
+    dt: float,
+    substeps: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """Tau-leaping of R realizations at once: (t (T,), counts (R, 2, V, T) int32).
 
     ``a``, ``b``, ``d`` have one entry per realization. Starts near the steady
@@ -306,8 +327,9 @@ def simulate_brusselator(rng: np.random.Generator, a: np.ndarray, b: np.ndarray,
     a, b, d = a[:, None], b[:, None], d[:, None]
     born = np.broadcast_to(a * omega * dt, (r, voxels))
     rate_b, jump = b * dt, d * dt
-    z = np.stack([rng.poisson(np.broadcast_to(a * omega, (r, voxels))),
-                  rng.poisson(np.broadcast_to(b / a * omega, (r, voxels)))]).astype(np.int64)
+    z = np.stack(
+        [rng.poisson(np.broadcast_to(a * omega, (r, voxels))), rng.poisson(np.broadcast_to(b / a * omega, (r, voxels)))]
+    ).astype(np.int64)
     out = np.empty((r, 2, voxels, timepoints), dtype=np.int32)
     for k in range(timepoints):
         out[:, :, :, k] = z.transpose(1, 0, 2)
@@ -334,28 +356,45 @@ def _simulation_group(seed: int, group: int, size: SimulationSize) -> list[tuple
     indices = range(group * SIM_GROUP, (group + 1) * SIM_GROUP)
     regimes = [REGIMES[i % len(REGIMES)] for i in indices]
     params = np.array([[rng.uniform(*g.a), rng.uniform(*g.b), rng.uniform(*g.d)] for g in regimes])
-    t, counts = simulate_brusselator(rng, params[:, 0], params[:, 1], params[:, 2], omega=size.omega,
-                                     voxels=size.voxels, timepoints=size.timepoints, dt=size.dt,
-                                     substeps=size.substeps)
+    t, counts = simulate_brusselator(
+        rng,
+        params[:, 0],
+        params[:, 1],
+        params[:, 2],
+        omega=size.omega,
+        voxels=size.voxels,
+        timepoints=size.timepoints,
+        dt=size.dt,
+        substeps=size.substeps,
+    )
     files = []
     for j, index in enumerate(indices):
         buffer = io.BytesIO()
-        np.savez(buffer, t=t, x=counts[j], species=np.array(["A", "B"]),
-                 params=np.array([*params[j], size.omega]), regime=np.array(regimes[j].name))
+        np.savez(
+            buffer,
+            t=t,
+            x=counts[j],
+            species=np.array(["A", "B"]),
+            params=np.array([*params[j], size.omega]),
+            regime=np.array(regimes[j].name),
+        )
         files.append((f"brusselator_{index:04d}_{regimes[j].name}.npz", buffer.getvalue()))
     return files
 
 
-def generate_simulation(out_dir: str | os.PathLike[str], count: int = DEMO_REALIZATIONS, seed: int = 7,
-                        size: SimulationSize = SimulationSize()) -> list[Path]:
+def generate_simulation(
+    out_dir: str | os.PathLike[str],
+    count: int = DEMO_REALIZATIONS,
+    seed: int = 7,
+    size: SimulationSize = SimulationSize(),
+) -> list[Path]:
     """Write ``count`` Brusselator realizations (.npz) into ``out_dir``; return their paths."""
     if count < 0 or size.voxels < 1 or size.timepoints < 8 or size.substeps < 1:
         raise ValueError(f"generate_simulation: invalid count {count} or size {size}")
     if not 0 < size.dt <= 0.1:
         raise ValueError(f"generate_simulation: dt={size.dt} must be in (0, 0.1] for tau-leaping")
     out = Path(out_dir)
-    request = {"kind": "simulation", "version": FORMAT_VERSION, "count": count, "seed": seed,
-               "size": asdict(size)}
+    request = {"kind": "simulation", "version": FORMAT_VERSION, "count": count, "seed": seed, "size": asdict(size)}
     if (paths := _cached(out, request)) is not None:
         return paths
     files: list[tuple[str, bytes]] = []

@@ -51,7 +51,7 @@ KD_FEATURES = [f"{s}_{f}" for s in DEFAULT_SPECIES for f in ("mean", "var", "aut
 
 MAX_SPECIES = 256
 MIN_TIMEPOINTS = 8
-MAX_UNPACKED_BYTES = 1 << 30     # a compressed .npz may not expand past this
+MAX_UNPACKED_BYTES = 1 << 30  # a compressed .npz may not expand past this
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _NPY_MAGIC = b"\x93NUMPY"
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -77,8 +77,8 @@ class Params:
 class Realization:
     """One decoded realization: whole-domain counts per species over time."""
 
-    t: np.ndarray            # (T,) float64, strictly increasing
-    x: np.ndarray            # (S, T) float64
+    t: np.ndarray  # (T,) float64, strictly increasing
+    x: np.ndarray  # (S, T) float64
     species: tuple[str, ...]
     voxels: int
 
@@ -132,8 +132,7 @@ def _load_arrays(data: bytes) -> dict[str, np.ndarray]:
         raise ValueError(f"simulation: damaged numpy data ({exc})") from None
     except (zipfile.BadZipFile, OSError, EOFError, KeyError) as exc:
         raise ValueError(f"simulation: damaged .npz/.npy tuple ({type(exc).__name__}: {exc})") from None
-    raise ValueError(f"simulation: tuple of {len(data)} bytes is neither .npz nor .npy "
-                     f"(starts with {head[:8]!r})")
+    raise ValueError(f"simulation: tuple of {len(data)} bytes is neither .npz nor .npy (starts with {head[:8]!r})")
 
 
 def _counts(x: np.ndarray) -> tuple[np.ndarray, int]:
@@ -230,7 +229,7 @@ def _refine_peak(power: np.ndarray, k: int) -> float:
     """Sub-bin peak position from a parabola through the log power of bins k-1, k, k+1."""
     if k <= 0 or k >= len(power) - 1:
         return float(k)
-    a, b, c = np.log(power[k - 1:k + 2] + 1e-300)
+    a, b, c = np.log(power[k - 1 : k + 2] + 1e-300)
     curvature = a - 2.0 * b + c
     if curvature >= 0:
         return float(k)
@@ -249,7 +248,7 @@ def dominant_period(t: np.ndarray, series: np.ndarray, params: Params = Params()
     k = int(np.argmax(power[1:])) + 1
     if k < params.min_cycles:
         return 0.0
-    share = float(power[max(1, k - 1):k + 2].sum()) / total
+    share = float(power[max(1, k - 1) : k + 2].sum()) / total
     if share < params.min_peak_power:
         return 0.0
     return n * step / _refine_peak(power, k)
@@ -286,6 +285,8 @@ def process(data: bytes, info: Any) -> dict[str, float | str | list[float]]:
     """Pipeline entry point: features of one .npz/.npy realization tuple."""
     params = Params.from_info(info)
     features = analyse(decode_realization(data), params)
-    log.debug("analysed realization", extra={"tuple_id": getattr(info, "tuple_id", None),
-                                              "species": features["species_count"]})
+    log.debug(
+        "analysed realization",
+        extra={"tuple_id": getattr(info, "tuple_id", None), "species": features["species_count"]},
+    )
     return features

@@ -28,7 +28,7 @@ KD_FEATURES = ["f0", "f1", "f2", "f3"]
 
 DEFAULT_FEATURES = 4
 MAX_FEATURES = 4096
-MAX_COST_MS = 3_600_000.0        # one hour: a typo must not wedge an engine forever
+MAX_COST_MS = 3_600_000.0  # one hour: a typo must not wedge an engine forever
 HEAD_BYTES = 4096
 _MASK64 = (1 << 64) - 1
 

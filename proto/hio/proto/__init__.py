@@ -33,8 +33,15 @@ def generate(out_root: Path | None = None) -> None:
     out = str(out_root or include_root)
     well_known = str(importlib.resources.files("grpc_tools") / "_proto")
     protos = sorted(str(p.relative_to(include_root)) for p in _HERE.glob("*.proto"))
-    args = ["protoc", f"-I{include_root}", f"-I{well_known}",
-            f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}", *protos]
+    args = [
+        "protoc",
+        f"-I{include_root}",
+        f"-I{well_known}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed on " + ", ".join(protos))
 
