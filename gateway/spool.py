@@ -365,9 +365,6 @@ class Spool:
         if entry.data_path.exists() and not entry.inline:
             entry.data_path.rename(entry.data_path.with_name(entry.data_path.name + ".bad"))
 
-    def _segment_path(self, seg_id: int) -> Path:
-        return self.root / f"{seg_id:020d}.seg"
-
     def _data_path(self, seq: int) -> Path:
         return self.root / f"{seq:020d}.data"
 

@@ -44,15 +44,6 @@ def fsync_dir(path: Path, *, strict: bool = False) -> None:
 _NO_FOLDER_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES)
 
 
-def fsync_file(path: Path) -> None:
-    """Flush ``path``'s bytes to the disk (for files written without fsync earlier)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically; fsync both file and folder when ``durable``."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")

@@ -148,9 +148,6 @@ class TLSSocket:
             with self._lock:
                 self._in.write(memoryview(self._buffer)[:received])
 
-    def peer_certificate(self) -> dict[str, Any] | None:
-        return self._tls.getpeercert()
-
     def version(self) -> str | None:
         return self._tls.version()
 
