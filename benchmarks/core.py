@@ -39,6 +39,9 @@ class CoreBenchConfig(ClusterSettings):
         "a secure cluster: mutual TLS on every connection, lanes included (a CA and "
         "certificates made in the data dir), and a token checked on every call",
     )
+    lanes: bool = setting(
+        True, "payloads over the payload lanes; off: gRPC chunks only (the gateway, master and worker)"
+    )
 
     def validate(self) -> None:
         self.validate_cluster()
@@ -81,6 +84,7 @@ def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> di
         tls_ca=config.tls_ca,
         tls_cert=config.tls_cert,
         tls_key=config.tls_key,
+        lanes=config.lanes,
     ) as gateway:
         futures = []
         for i in range(count):
@@ -197,14 +201,15 @@ def run_core_bench(config: CoreBenchConfig) -> int:
     servers: list[str] = []  # extra flags of the roles that serve
     if config.secure:
         config, servers = secured(config, data_dir)
+    lanes = [] if config.lanes else ["--no-lanes"]
     cluster = LocalCluster(
         data_dir,
         config,
         workers={"": [f"hio/synthetic={config.engines}"]},
         worker_timeout=60,
-        master_args=servers,
+        master_args=[*servers, *lanes],
         repository_args=servers,
-        worker_args=servers,
+        worker_args=[*servers, *lanes],
     )
     bench = dataclasses.replace(config, master_address=cluster.master, repository_address=cluster.repository)
     bound = loopback_bandwidth()
@@ -214,6 +219,7 @@ def run_core_bench(config: CoreBenchConfig) -> int:
         f"{os.cpu_count()} cores; {config.engines} synthetic engines; chunk {config.chunk_bytes} B; "
         f"tuples {pace}, {config.cost_ms:g} ms of CPU each"
         f"{'; secure: mutual TLS and tokens' if config.secure else ''}"
+        f"{'' if config.lanes else '; payloads over gRPC only'}"
     )
     with cluster:
         pids = cluster.pids()
