@@ -409,8 +409,11 @@ class _BatchStorer:
             try:
                 self._store(batch)
             except BaseException as exc:  # noqa: BLE001 - handed to the stream, which ends with it
-                if isinstance(exc, (Unavailable, DeadlineExceeded)):  # the repository's state, not the tuples'
-                    exc = Unavailable(f"repository unreachable: {exc.message}", retry_after=ENGINE_STATE_RETRY)
+                if isinstance(exc, (Unavailable, DeadlineExceeded, FailedPrecondition)):
+                    # the repository's state (unreachable, or its disk failed to sync until it
+                    # restarts), not the tuples': their senders hold them uncharged and retry
+                    why = "refuses records" if isinstance(exc, FailedPrecondition) else "unreachable"
+                    exc = Unavailable(f"repository {why}: {exc.message}", retry_after=ENGINE_STATE_RETRY)
                 with self._cond:
                     self.error = exc
                     self._in_flight = 0

@@ -562,6 +562,31 @@ def test_a_pull_ahead_held_when_the_engine_stops_goes_back_uncharged(master: Mas
     assert [(m.tuple_id, m.attempt) for m in metas] == [(held, 1)], "given back at the head, not charged"
 
 
+def test_a_repository_whose_disk_failed_is_the_engine_s_state_so_its_sender_retries_uncharged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repository refuses records after a failed fsync (FAILED_PRECONDITION, until it
+    restarts). That is the repository's state, not the tuple's: the stream ends UNAVAILABLE
+    with a retry hint, as when the repository is unreachable, so a gateway holds the tuple
+    and routes it again later without charging an attempt (it would become a dead letter)."""
+    from hio.transport.errors import retry_after
+
+    disk = FsyncDisk(monkeypatch)
+    repo = Repo(tmp_path / "repo", fsync="always")
+    engine = RunningEngine(engine_config(master=f"127.0.0.1:{free_port()}", repository=repo.address))
+    try:
+        disk.error = OSError(errno.EIO, "Input/output error")
+        with pytest.raises(grpc.RpcError) as err:
+            engine.deliver([make_tuple(71, b"x")])
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert retry_after(err.value) is not None
+        assert "repository refuses records" in err.value.details()
+        assert "disk failed to sync" in err.value.details()
+    finally:
+        engine.close()
+        repo.close()
+
+
 def test_a_failed_tuple_the_master_cannot_take_back_fails_alone_and_the_stream_goes_on(
     repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
