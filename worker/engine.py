@@ -915,18 +915,21 @@ class Engine:
         run on the engine's two background threads (:class:`_Background`).
         Whatever is held and not reported when this ends (stopping, a pull cut
         short, the repository unreachable) goes back to the queue with the
-        release, not charged. False when the long-poll brought nothing.
+        release, not charged; when the repository could not store, Unavailable
+        with a hint then holds the puller back a while. False when the
+        long-poll brought nothing.
         """
         got = self._pull_and_claim()
         if got is None:
             return False
         pulled, full = got
         storing: concurrent.futures.Future[bool] | None = None
+        stored = True
         try:
             while pulled:
                 done, complete, ahead = self._process_pulled(pulled, ahead=full and self._worth_pulling_ahead())
                 if storing is not None and not storing.result():
-                    complete = False  # the repository is unreachable: these go back unreported
+                    complete = False  # the repository cannot store: these go back unreported
                 else:
                     storing = self._background.submit(functools.partial(self._store_pulled, done), False)
                 pulled, full = ahead.result() if ahead is not None else ([], False)
@@ -934,8 +937,10 @@ class Engine:
                     break
         finally:
             if storing is not None:
-                storing.result()
+                stored = storing.result()
             self._unclaim(pull_done=True)
+        if not stored:  # the puller waits before it pulls (and processes) them again
+            raise Unavailable("the repository cannot store features", retry_after=ENGINE_STATE_RETRY)
         return True
 
     def _pull_and_claim(self) -> tuple[list[tuple[TupleMeta, bytes]], bool] | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -485,6 +487,39 @@ def test_pulled_tuples_go_back_uncharged_while_the_repository_is_unreachable(mas
     )
     pulled = master.stub.PullTuple(master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=1), timeout=10)
     assert [f.meta.attempt for f in pulled if f.HasField("meta")] == [1]
+
+
+def test_pulled_tuples_the_repository_cannot_store_are_not_pulled_again_at_once(
+    master: Master, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A repository whose disk failed refuses at once (FAILED_PRECONDITION, until it
+    restarts): the pulled tuple goes back uncharged, and the engine waits by the hint before
+    it pulls and processes it again, instead of doing so in a loop."""
+    repo_dir = tmp_path / "repo"
+    real_fsync = os.fsync
+    failing = threading.Event()
+
+    def fsync(fd: int) -> None:  # the repository's disk fails once it is open; the master's does not
+        if failing.is_set() and str(repo_dir) in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    repo = Repo(repo_dir, fsync="always")
+    failing.set()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hio.worker.engine"), _serving(master, repo):
+            meta, data = _routed(master, b"data", force_queue=True)
+            frames = frames_for_bytes(meta, data, SETTINGS.chunk_bytes)
+            assert [r.state for r in master.stub.Enqueue(frames, timeout=30)] == [TupleReceipt.ENQUEUED]
+            time.sleep(3.0)
+            refused = [r for r in caplog.records if "cannot store features" in r.getMessage()]
+            status = master.status()
+        assert 1 <= len(refused) <= 4, f"pulled and refused {len(refused)} times in 3 s"
+        assert (status.tuples_failed, status.dead_letters) == (0, 0), "not the tuple's fault"
+        assert sum(q.length for q in status.queues) == 1
+    finally:
+        repo.close()
 
 
 def _enqueue_slow(master: Master, count: int, seconds: str) -> list[int]:
