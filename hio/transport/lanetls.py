@@ -284,10 +284,11 @@ class _Reader(io.RawIOBase):
 
 
 class _Sessions:
-    """The last TLS session of each server a context connected to, resumed by the next
+    """The last TLS session of each server a context connected to, offered by the next
     connection there (a lane connection carries one call: an engine's pull of a large tuple
     each, a gateway's batch each). Resuming skips the certificates' signatures and checks:
-    about half a full handshake's CPU at each end."""
+    about half a full handshake's CPU at each end. Best effort: a session is kept only when
+    its ticket arrived before the connection closed, and the server may decline it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
