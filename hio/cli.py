@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     cls_path, section, run_path, _help = commands.COMMANDS[name]
     try:
         cls = commands.load(cls_path)
-    except cfg.ConfigError as exc:
+    except (cfg.ConfigError, commands.CommandUnavailable) as exc:
         print(f"hio {name}: {exc}", file=sys.stderr)
         return 2
     args = command_parser(name, cls).parse_args(rest)

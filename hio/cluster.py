@@ -140,7 +140,7 @@ class LocalCluster:
                 self.add("master", ["--listen", self.master, *self.master_args], health=self.master)
             started = [
                 (
-                    self.add_worker(worker_id, engines, runtime=self.runtime, args=self.worker_args, wait=False),
+                    self.add_worker(worker_id, engines, args=self.worker_args, wait=False),
                     worker_id,
                     engines,
                 )
@@ -185,21 +185,24 @@ class LocalCluster:
         worker_id: str = "",
         engines: Sequence[str] = ("hio/synthetic=2",),
         *,
-        runtime: str = "process",
+        runtime: str | None = None,
         args: Iterable[str] = (),
         env: dict[str, str] | None = None,
         name: str | None = None,
         wait: bool = True,
-        timeout: float = 90.0,
+        timeout: float | None = None,
     ) -> RoleProcess:
         """Start a worker (``worker_id`` '' = the worker's own default) with ``engines``
-        (IMAGE or IMAGE=COUNT each); with ``wait``, return once its engines are FREE."""
-        flags = ["--runtime", runtime, *(["--worker-id", worker_id] if worker_id else [])]
+        (IMAGE or IMAGE=COUNT each); with ``wait``, return once its engines are FREE.
+        ``runtime`` and ``timeout`` default to the cluster's."""
+        flags = ["--runtime", runtime or self.runtime, *(["--worker-id", worker_id] if worker_id else [])]
         for entry in engines:
             flags += ["--engines", entry]
         proc = self.add("worker", [*flags, *args], name=name or worker_id or "worker", env=env)
         if wait:
-            self.wait_channels(expected_engines(engines), worker_id or self.worker_id(proc), timeout)
+            self.wait_channels(
+                expected_engines(engines), worker_id or self.worker_id(proc), timeout or self.worker_timeout
+            )
         return proc
 
     def restart(self, name: str) -> RoleProcess:

@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hio.transport.errors import ConfigError
+
+class CommandUnavailable(Exception):
+    """A command this installation cannot run; the message says where it runs."""
+
 
 # name: (config class, config section, run function, help)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -147,7 +150,7 @@ def load(path: str) -> Any:
 def _checkout_on_path() -> None:
     root = Path(__file__).resolve().parent.parent
     if not (root / "benchmarks" / "__init__.py").is_file():
-        raise ConfigError(
+        raise CommandUnavailable(
             "the benchmarks run from a source checkout (benchmarks/ is not installed "
             "with the package): clone the repository and run `make bench` there"
         )

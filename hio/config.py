@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from hio import commands
-from hio.transport.errors import ConfigError
 
 
 class _Dataclass(Protocol):
@@ -43,6 +42,10 @@ class _Dataclass(Protocol):
 C = TypeVar("C", bound=_Dataclass)
 
 CONFIG_ENV = "HIO_CONFIG"
+
+
+class ConfigError(ValueError):
+    """A setting has a value that cannot be used; the message names it."""
 
 
 def setting(default: Any, help_text: str, *, factory: Any = None) -> Any:

@@ -59,7 +59,7 @@ def translate(exc: grpc.RpcError, peer: str, settings: ClusterSettings) -> error
     cls = _BY_CODE.get(code, errors.HioError)
     if code == grpc.StatusCode.CANCELLED:
         cls = errors.Unavailable
-    return cls(f"{peer}: {rpc_error_text(exc, settings)}")
+    return cls(f"{peer}: {rpc_error_text(exc, settings)}", retry_after=errors.retry_after(exc))
 
 
 class PullCall:

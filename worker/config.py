@@ -90,9 +90,9 @@ class WorkerConfig(EngineSettings):
     restart_backoff_max: float = setting(30.0, "longest wait, in seconds, before restarting a crashed engine")
     lanes: bool = setting(
         True,
-        "engines serve a payload lane (Deliver over plain TCP, on a second port "
+        "engines serve a payload lane (Deliver over TCP, TLS as gRPC's, on a second port "
         "from engine_ports) that gateways use for payloads, and pull from the "
-        "master's lane; off = gRPC only; off with TLS",
+        "master's lane; off = gRPC only",
     )
     engine_settings: tuple[str, ...] = setting(
         (),
@@ -229,8 +229,8 @@ class EngineConfig(EngineSettings):
     listen: str = setting("127.0.0.1:0", "host:port the Engine service listens on")
     lane_listen: str = setting(
         "",
-        "host:port of the payload lane (Deliver over plain TCP, for large "
-        "payloads without gRPC's copies); empty = none; off with TLS",
+        "host:port of the payload lane (Deliver over TCP, TLS as gRPC's, for large "
+        "payloads without gRPC's copies); empty = none",
     )
     lanes: bool = setting(True, "pull over the master's payload lane when it offers one; off = over gRPC only")
     store_batch_records: int = setting(256, "most feature records stored in one repository call")

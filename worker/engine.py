@@ -409,11 +409,12 @@ class _BatchStorer:
             try:
                 self._store(batch)
             except BaseException as exc:  # noqa: BLE001 - handed to the stream, which ends with it
-                if isinstance(exc, (Unavailable, DeadlineExceeded, FailedPrecondition)):
-                    # the repository's state (unreachable, or its disk failed to sync until it
-                    # restarts), not the tuples': their senders hold them uncharged and retry
-                    why = "refuses records" if isinstance(exc, FailedPrecondition) else "unreachable"
-                    exc = Unavailable(f"repository {why}: {exc.message}", retry_after=ENGINE_STATE_RETRY)
+                if isinstance(exc, (Unavailable, DeadlineExceeded)):  # the repository's state, not the tuples'
+                    exc = Unavailable(f"repository unreachable: {exc.message}", retry_after=ENGINE_STATE_RETRY)
+                elif isinstance(exc, FailedPrecondition) and exc.retry_after is not None:
+                    # a refusal with a hint is the repository's state too (its disk failed to
+                    # sync, until it restarts): the senders hold the tuples uncharged that long
+                    exc = Unavailable(f"repository refuses records: {exc.message}", retry_after=exc.retry_after)
                 with self._cond:
                     self.error = exc
                     self._in_flight = 0

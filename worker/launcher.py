@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from hio.process.procs import child_env
 from hio.worker.config import WorkerConfig
 
 log = logging.getLogger("hio.worker")
@@ -82,14 +83,6 @@ def engine_log_dir(config: WorkerConfig, worker_id: str) -> Path:
     return path
 
 
-def _child_env(spec_env: dict[str, str]) -> dict[str, str]:
-    """Our environment without any HIO_* (the spec is complete), plus the spec's."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HIO_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(spec_env)
-    return env
-
-
 def tail(path: str | os.PathLike[str], lines: int) -> str:
     """The last ``lines`` lines of a text file (reads at most its last 64 KiB)."""
     try:
@@ -130,7 +123,7 @@ class ProcessLauncher(EngineLauncher):
 
     @staticmethod
     def _spawn(spec: EngineSpec, out: IO[bytes]) -> subprocess.Popen[bytes]:
-        env = _child_env(spec.env)
+        env = child_env(spec.env)
         env["HIO_ENGINE_PARENT_PID"] = str(os.getpid())  # a worker killed with -9 takes its engines along
         return subprocess.Popen(
             [sys.executable, "-m", "hio.cli", "engine"],

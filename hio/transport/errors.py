@@ -21,10 +21,6 @@ import grpc
 log = logging.getLogger("hio.errors")
 
 
-class ConfigError(ValueError):
-    """A setting has a value that cannot be used; the message names it."""
-
-
 class HioError(Exception):
     """A refusal with a gRPC status code and a message safe to show callers."""
 

@@ -9,7 +9,7 @@ Every other call (routes, reports, heartbeats, feature stores, status) is a
 gRPC call on the peer's kept channel.
 
 :class:`PayloadPeers` picks a peer's adapter when it first connects to it: the
-lane when the peer offers one, lanes are on (not TLS) and a connection to it
+lane when the peer offers one, lanes are on and a connection to it
 opens within ``LANE_CONNECT_SECONDS``; else gRPC. A lane that breaks under a
 call before the peer answered (it cannot be opened, it closes, it sends
 garbage) is that peer's connection lost: :meth:`PayloadPeers.broken` moves
@@ -163,7 +163,7 @@ class LanePayload:
 class PayloadPeers:
     """The :class:`PayloadChannel` of each peer, chosen when first connected (see the module's
     words). ``lane(address)`` and ``grpc(address)`` make the adapters; ``lanes`` false (turned
-    off, or TLS, which the lane lacks) chooses gRPC for every peer. Thread-safe."""
+    off) chooses gRPC for every peer. Thread-safe."""
 
     def __init__(
         self,

@@ -270,7 +270,9 @@ def test_lane_tls_follows_the_grpc_settings(certs: dict[str, Path]) -> None:
     assert client_context(ClusterSettings(tls_ca=str(certs["ca"]))) is not None  # a client without a certificate
 
 
-def test_a_client_offers_its_last_session_to_a_server_and_never_another_context_s(certs: dict[str, Path]) -> None:
+def test_calls_one_after_another_over_tls_work_and_never_resume_another_context_s_session(
+    certs: dict[str, Path],
+) -> None:
     """A lane connection carries one call; the next one to the same server offers the last
     session (resuming it skips the certificates' checks, when OpenSSL takes it: whether a
     ticket has arrived by the close is a matter of timing), and only from the same client

@@ -104,7 +104,6 @@ def all_gone(pids: dict[str, list[int]], timeout: float) -> None:
 
 def test_roles_and_engines_die_when_their_starter_is_killed(tmp_path: Path) -> None:
     parent, pids = start_parent(tmp_path)
-    started = time.monotonic()
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait(10)
     try:
@@ -112,7 +111,6 @@ def test_roles_and_engines_die_when_their_starter_is_killed(tmp_path: Path) -> N
     finally:  # never leave them behind, even when the lifeline failed
         for pid in still_running(pids):
             os.kill(pid, signal.SIGKILL)
-    assert time.monotonic() - started < 10
 
 
 def test_ctrl_c_stops_the_cluster_cleanly(tmp_path: Path) -> None:

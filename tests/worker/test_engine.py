@@ -495,6 +495,8 @@ def test_pulled_tuples_the_repository_cannot_store_are_not_pulled_again_at_once(
     """A repository whose disk failed refuses at once (FAILED_PRECONDITION, until it
     restarts): the pulled tuple goes back uncharged, and the engine waits by the hint before
     it pulls and processes it again, instead of doing so in a loop."""
+    import hio.worker.engine as engine_module
+
     repo_dir = tmp_path / "repo"
     real_fsync = os.fsync
     failing = threading.Event()
@@ -512,10 +514,18 @@ def test_pulled_tuples_the_repository_cannot_store_are_not_pulled_again_at_once(
             meta, data = _routed(master, b"data", force_queue=True)
             frames = frames_for_bytes(meta, data, SETTINGS.chunk_bytes)
             assert [r.state for r in master.stub.Enqueue(frames, timeout=30)] == [TupleReceipt.ENQUEUED]
-            time.sleep(3.0)
-            refused = [r for r in caplog.records if "cannot store features" in r.getMessage()]
+
+            def refusals() -> int:
+                return sum("cannot store features" in r.getMessage() for r in list(caplog.records))
+
+            wait_for(lambda: refusals() >= 1, timeout=30, what="the first refused store")
+            before = refusals()
+            window = 3 * engine_module.ENGINE_STATE_RETRY
+            time.sleep(window)
+            again = refusals() - before
             status = master.status()
-        assert 1 <= len(refused) <= 4, f"pulled and refused {len(refused)} times in 3 s"
+        # at most one pull per hint in the window (a loop refused over a thousand in it)
+        assert again <= window / engine_module.ENGINE_STATE_RETRY + 1, f"pulled and refused {again} times"
         assert (status.tuples_failed, status.dead_letters) == (0, 0), "not the tuple's fault"
         assert sum(q.length for q in status.queues) == 1
     finally:
