@@ -72,7 +72,7 @@ from google.protobuf.message import DecodeError
 from hio.config import ConfigError
 from hio.proto.tuple_pb2 import TupleMeta
 from hio.storage.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, lock_folder
-from hio.storage.segmentlog import Naming, Segment, SegmentLog, crc32_at
+from hio.storage.segmentlog import Naming, Segment, SegmentLog
 from hio.transport.errors import InvalidArgument, ResourceExhausted, Unavailable
 from hio.transport.frames import crc32, crc32_of_file
 
@@ -332,7 +332,8 @@ class Spool:
             move = None
         self._forget(seq)  # a copied-forward ADD supersedes the older one
         if kind == ADD:
-            if crc32_at(fh, payload_at, meta.size) != meta.crc32:
+            fh.seek(payload_at)
+            if crc32_of_file(fh, meta.size)[0] != meta.crc32:
                 log.error(
                     "spooled payload fails its CRC; set aside, not sent",
                     extra={"seq": seq, "tuple_name": meta.name, "segment": segment.path.name},
@@ -640,7 +641,7 @@ class Spool:
             return ""
         try:
             with self.open_payload(entry) as fh:
-                crc = crc32_at(fh, fh.tell(), entry.size)
+                crc, _ = crc32_of_file(fh, entry.size)
         except FileNotFoundError:
             return f"spooled payload {entry.data_path} is missing"
         except OSError:

@@ -41,9 +41,9 @@ from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import ACK, MOVE, NAMING, READ_BLOCK, Journal, RecordWriter, scan_segment
 from hio.master.storage import Durability
 from hio.storage.files import copy_exact
-from hio.storage.segmentlog import Segment, SegmentLog, crc32_at
+from hio.storage.segmentlog import Segment, SegmentLog
 from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from hio.transport.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta
+from hio.transport.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta, crc32_of_file
 
 log = logging.getLogger("hio.master")
 
@@ -706,10 +706,12 @@ class BacklogQueue:
         def recover(segment: Segment, last: bool) -> int:
             nonlocal max_seq
             found, end = scan_segment(segment.path)
-            for seq, meta, offset in found:
-                max_seq = max(max_seq, seq)
-                if self._recovered(segment, seq, meta, offset, acked, dead):
-                    records.append((seq, meta, segment.id, offset))
+            with open(segment.path, "rb") as fh:
+                for seq, meta, offset in found:
+                    max_seq = max(max_seq, seq)
+                    fh.seek(offset)
+                    if self._recovered(segment, seq, meta, fh, acked, dead):
+                        records.append((seq, meta, segment.id, offset))
             return end
 
         self._log.open(recover)
@@ -722,14 +724,14 @@ class BacklogQueue:
             log.info("backlog recovered", extra={"tuples": len(self._entries), "bytes": self._used})
 
     def _recovered(
-        self, segment: Segment, seq: int, meta: TupleMeta, offset: int, acked: set[int], dead: set[tuple[int, int]]
+        self, segment: Segment, seq: int, meta: TupleMeta, fh: BinaryIO, acked: set[int], dead: set[tuple[int, int]]
     ) -> bool:
         """True if a record found at start is queued again; else it is done (acknowledged,
-        a dead letter, or damaged: acknowledged now)."""
+        a dead letter, or damaged: acknowledged now). ``fh``: its segment, at its payload."""
         if seq in acked:
             self._acked.setdefault(segment.id, []).append(seq)
             return False
-        if (seq, meta.tuple_id) in dead or not self._payload_intact(segment, offset, meta):
+        if (seq, meta.tuple_id) in dead or crc32_of_file(fh, meta.size)[0] != meta.crc32:
             if (seq, meta.tuple_id) not in dead:
                 log.error(
                     "queued tuple damaged on disk, dropped",
@@ -739,11 +741,6 @@ class BacklogQueue:
             self._journal.append(ACK, seq, 0, 0)
             return False
         return True
-
-    @staticmethod
-    def _payload_intact(segment: Segment, offset: int, meta: TupleMeta) -> bool:
-        with open(segment.path, "rb") as fh:
-            return crc32_at(fh, offset, meta.size) == meta.crc32
 
     def _rebuild(self, records: list[tuple[int, TupleMeta, int, int]], moves: dict[int, tuple[int, int]]) -> None:
         entries = []

@@ -38,27 +38,14 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import BinaryIO
 
 from hio.storage.files import SyncBudget, write_all
 from hio.transport.errors import Unavailable
-from hio.transport.frames import crc32
 
 log = logging.getLogger("hio.segmentlog")
 
 POLICIES = ("always", "batch", "never")
 JOIN_BYTES = 64 * 1024  # parts of a record up to this size are written with one call
-
-
-def crc32_at(fh: BinaryIO, offset: int, size: int, block: int = 1024 * 1024) -> int:
-    """CRC-32 of the ``size`` bytes at ``offset`` of an open segment (of fewer if it ends
-    first): a record's payload, checked against the CRC its metadata carries."""
-    fh.seek(offset)
-    value, left = 0, size
-    while left and (chunk := fh.read(min(block, left))):
-        value = crc32(chunk, value)
-        left -= len(chunk)
-    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,14 +54,17 @@ def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     return _crc32(data, value) & 0xFFFFFFFF
 
 
-def crc32_of_file(path: str | os.PathLike[str], block: int = 4 * 1024 * 1024) -> tuple[int, int]:
-    """(CRC-32, size) of a file, read in blocks."""
-    value, size = 0, 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(block):
-            value = _crc32(chunk, value)
-            size += len(chunk)
-    return value & 0xFFFFFFFF, size
+def crc32_of_file(source: str | os.PathLike[str] | BinaryIO, size: int = -1) -> tuple[int, int]:
+    """(CRC-32, bytes read) of a file by name, or of the next ``size`` bytes of an open one
+    (up to its end if ``size`` is negative, or where it ends first)."""
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as fh:
+            return crc32_of_file(fh, size)
+    value, read, block = 0, 0, 4 * 1024 * 1024
+    while read != size and (chunk := source.read(block if size < 0 else min(block, size - read))):
+        value = _crc32(chunk, value)
+        read += len(chunk)
+    return value & 0xFFFFFFFF, read
 
 
 def frames_for_bytes(meta: TupleMeta, data: bytes, chunk_bytes: int, *, encode: bool = False) -> Iterator[WireFrame]:
