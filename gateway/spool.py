@@ -512,6 +512,8 @@ class Spool:
                 data_path = self._data_path(seq)
                 os.replace(tmp, data_path)
                 try:
+                    if self.fsync == "always":  # its name too is on disk before a record names it
+                        self._budget.sync_folder(self.root, refuse=True)
                     segment, _ = self._append([_record(ADD_FILE, seq, meta_bytes, move_bytes)])
                 except BaseException:
                     data_path.unlink(missing_ok=True)
@@ -580,19 +582,26 @@ class Spool:
             path.unlink(missing_ok=True)
 
     def _reclaim(self) -> list[Path]:
-        """Retire finished segments oldest first; copy long-staying tuples forward when
-        segments take more than twice the bound (:meth:`SegmentLog.reclaim`). Returns the
-        retired segments' files for the caller to delete. Caller holds ``_append_lock``."""
-        return self._log.reclaim(self._carry_all, self._crowded)
-
-    def _carry_all(self, segment: Segment) -> None:
-        with self._cond:
-            carry = [self._entries[s] for s in sorted(segment.live)]
-        for entry in carry:
-            self._carry_forward(entry)
-
-    def _crowded(self) -> bool:
-        return self._log.bytes_on_disk() > 2 * max(self.limit, self.segment_bytes)
+        """Delete finished segments oldest first (a later record never outlives one it refers
+        to); while segments take more than twice the bound, the oldest one's tuples are first
+        copied forward into the active segment. Returns the files to delete. Caller holds
+        ``_append_lock``."""
+        deleted: list[Path] = []
+        segments = self._log.segments
+        while (oldest := segments.get(min(segments, default=0))) not in (None, self._log.active):
+            if oldest.live:
+                if self._log.bytes_on_disk() <= 2 * max(self.limit, self.segment_bytes):
+                    break
+                with self._cond:
+                    carry = [self._entries[s] for s in sorted(oldest.live)]
+                for entry in carry:
+                    self._carry_forward(entry)
+                if oldest.live:  # a record could not be carried (a read error): keep the segment
+                    break
+                if self.fsync == "batch":  # the copies are on disk before the originals go
+                    self._log.flush()
+            deleted.append(self._log.delete(oldest))
+        return deleted
 
     def _carry_forward(self, entry: SpoolEntry) -> None:
         """Append the entry again (current metadata, same sequence) to the active segment."""

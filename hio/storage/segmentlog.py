@@ -7,9 +7,8 @@ store's ``header`` (a file magic; may be empty). Records are appended to the act
 segment in one piece (or streamed and then committed); a record the disk did not take
 whole is cut off, so a segment always ends on a whole record. At open, each segment is
 scanned by the store and cut after its last whole record (a torn tail: a crash
-mid-append). Segments roll at ``segment_bytes``; :meth:`SegmentLog.reclaim` deletes
-finished segments oldest first, copying the few records still needed forward when the
-old ones take too much room.
+mid-append). Segments roll at ``segment_bytes``; a store deletes one none of whose
+records it needs (:meth:`SegmentLog.delete`).
 
 When bytes reach the disk is the fsync policy's choice:
 
@@ -319,26 +318,6 @@ class SegmentLog:
             os.close(fd)
         self.budget.settle(unsynced)
         return segment.path
-
-    def reclaim(self, carry: Callable[[Segment], None], crowded: Callable[[], bool]) -> list[Path]:
-        """Delete finished segments oldest first (so a later record never outlives one it
-        refers to); while ``crowded()``, ``carry`` first copies the oldest one's live
-        records forward into the active segment. Returns the files to delete."""
-        deleted: list[Path] = []
-        while True:
-            oldest = self.segments.get(min(self.segments, default=-1))
-            if oldest is None or oldest is self.active or (oldest.live and not crowded()):
-                return deleted
-            if oldest.live:
-                carry(oldest)
-                if oldest.live:  # a record could not be carried (a read error): keep the segment
-                    return deleted
-                if self.fsync == "batch":  # the copies are on disk before the originals go
-                    with self.lock:
-                        fds = [s.fd for s in self.segments.values() if s.fd is not None]
-                    for fd in fds:
-                        self.budget.sync(fd)
-            deleted.append(self.delete(oldest))
 
     def bytes_on_disk(self) -> int:
         with self.lock:

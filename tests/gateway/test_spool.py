@@ -187,6 +187,40 @@ def test_file_on_same_filesystem_is_hard_linked(tmp_path: Path) -> None:
     assert Spool(tmp_path / "s", 1 << 20).entries()[0].move.target.endswith("done/plate.tif")
 
 
+def test_always_mode_syncs_a_payload_file_and_its_name_before_the_record_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A power loss after the record must not find the record naming a payload file whose
+    rename into ``<seq>.data`` the folder never took."""
+    original = tmp_path / "plate.tif"
+    original.write_bytes(b"I" * 5000)
+    spool = Spool(tmp_path / "s", 1 << 20, fsync="always")
+    disk = FsyncDisk(monkeypatch)
+    entry = spool.put_file(original, meta())
+    segment = str(spool.root / f"{entry.segment:020d}.seg")
+    assert [Path(p).name.endswith(".data") for p in disk.synced[:1]] == [True]  # the payload file
+    assert disk.synced[1:] == [str(spool.root), segment]  # then the folder, then the record
+    spool.close()
+
+
+def test_batch_mode_syncs_carried_tuples_once_before_the_originals_go(tmp_path: Path) -> None:
+    """Copies carried forward are on disk before the segment holding the originals is
+    deleted, by a round that settles them: the next round does not sync them again."""
+    root = tmp_path / "s"
+    spool = Spool(root, 4000, fsync="batch", segment_bytes=1024)
+    stuck = spool.put_bytes(b"S" * 500, meta("stuck"))
+    first = stuck.segment
+    for i in range(40):
+        spool.remove(spool.put_bytes(bytes([i]) * 900, meta(f"n{i}")))
+        if stuck.segment != first:
+            break
+    assert stuck.segment != first and not (root / f"{first:020d}.seg").exists()
+    assert spool.unsynced_bytes == 0
+    spool.close()
+    [resumed] = Spool(root, 4000, segment_bytes=1024).entries()
+    assert resumed.meta.name == "stuck"
+
+
 def test_file_on_another_filesystem_is_copied(tmp_path: Path) -> None:
     shm = Path("/dev/shm")
     if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
