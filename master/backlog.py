@@ -152,6 +152,7 @@ class BacklogQueue:
         )
         self._segments = self._log.segments  # segment id -> segment (live: seqs)
         self._acked: dict[int, list[int]] = {}  # segment id -> seqs the journal ACKs
+        self._held: set[int] = set()  # ids of the segments a writer appends to right now
         durability.attach(self._log)
         self._entries: dict[int, Entry] = {}  # tuple id -> live entry
         self._ready: dict[str, collections.OrderedDict[int, Entry]] = {}
@@ -222,7 +223,7 @@ class BacklogQueue:
     def _open_record(self, meta: TupleMeta) -> RecordWriter:
         with self._cond:
             self._check_room(meta)  # again: others may have taken the room meanwhile
-            segment = self._log.take()  # first: a segment that cannot be made reserves nothing
+            segment = self._take_segment()  # first: a segment that cannot be made reserves nothing
             self._reserved += meta.size
             cache = meta.size <= self._memory_bytes - self._cached - self._cache_reserved
             if cache:
@@ -305,15 +306,28 @@ class BacklogQueue:
                 self._cond.notify_all()
             self._give_back(segment)
 
+    def _take_segment(self) -> Segment:
+        """A segment for one writer alone (concurrent streams never interleave records): the
+        oldest open one no writer holds, or a new one. Caller holds the lock."""
+        idle = [s for s in self._segments.values() if not s.sealed and s.id not in self._held]
+        segment = min(idle, key=lambda s: s.id) if idle else self._log.create()
+        self._held.add(segment.id)
+        return segment
+
     def _give_back(self, segment: Segment) -> None:
-        self._log.give_back(segment, MAX_IDLE_SEGMENTS)
+        """The writer is done with ``segment``: sealed when full, when more than
+        MAX_IDLE_SEGMENTS wait for writers, or when the queue is closed."""
+        self._held.discard(segment.id)
+        idle = sum(1 for s in self._segments.values() if not s.sealed and s.id not in self._held)
+        if segment.size >= self._segment_bytes or idle > MAX_IDLE_SEGMENTS or self._closed:
+            self._log.seal(segment)
         self._maybe_delete(segment)
 
     def _maybe_delete(self, segment: Segment) -> None:
         """Delete a segment none of whose records is still needed (its bytes need no disk)."""
         if (
             segment.live
-            or segment.held
+            or segment.id in self._held
             or (not segment.sealed and segment.size < self._segment_bytes and not self._closed)
         ):
             return
@@ -684,7 +698,7 @@ class BacklogQueue:
                 return
             self._closed = True
             for segment in list(self._segments.values()):
-                if not segment.held:
+                if segment.id not in self._held:
                     self._log.seal(segment)
                     self._maybe_delete(segment)
             self._journal.close()

@@ -74,7 +74,6 @@ class Segment:
     fd: int | None = None  # open while appended to, and while sealed until its round syncs it
     sealed: bool = True  # takes no more appends
     unsynced: int = 0  # 'batch': bytes appended and not yet fsynced
-    held: bool = False  # a writer appends to it right now (:meth:`SegmentLog.take`)
     live: set[int] = dataclasses.field(default_factory=set)
 
 
@@ -163,19 +162,20 @@ class SegmentLog:
         """Seal the active segment and start a new one, ``seg_id`` or the next number."""
         if self.active is not None:
             self.seal(self.active)
-        segment = self._create(seg_id)
+        segment = self.create(seg_id)
         with self.lock:
             self.active = segment
         return segment
 
-    def _create(self, seg_id: int | None, *, held: bool = False) -> Segment:
-        """A new segment file (its header written) open for appending."""
+    def create(self, seg_id: int | None = None) -> Segment:
+        """A new segment file (its header written) open for appending: the active one
+        (:meth:`roll`), or one a store's writer appends to alone (the backlog's)."""
         with self.lock:
             seg_id = self._top + 1 if seg_id is None else seg_id
             self._top = max(self._top, seg_id)
             path = self.folder / self.naming.name(seg_id)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-            segment = Segment(seg_id, path, fd=fd, sealed=False, held=held)
+            segment = Segment(seg_id, path, fd=fd, sealed=False)
             self.segments[seg_id] = segment
             self._folder_dirty = True
         try:
@@ -189,29 +189,6 @@ class SegmentLog:
             self.delete(segment).unlink(missing_ok=True)
             raise
         return segment
-
-    def take(self) -> Segment:
-        """A segment for one writer alone (the oldest open one no writer holds, or a new one),
-        for stores that receive several records at once, each streamed whole into its own
-        segment; hand it back with :meth:`give_back`."""
-        with self.lock:
-            idle = [s for s in self.segments.values() if not s.sealed and not s.held]
-            segment = min(idle, key=lambda s: s.id) if idle else None
-            if segment is not None:
-                segment.held = True
-                return segment
-        if self._closed:
-            raise Unavailable("the store is closed; nothing was written")
-        return self._create(None, held=True)
-
-    def give_back(self, segment: Segment, idle_segments: int) -> None:
-        """The writer is done with ``segment``: sealed when full, when more than
-        ``idle_segments`` wait for writers, or when the log is closed."""
-        with self.lock:
-            segment.held = False
-            idle = sum(1 for s in self.segments.values() if not s.sealed and not s.held)
-        if segment.size >= self.segment_bytes or idle > idle_segments or self._closed:
-            self.seal(segment)
 
     def admit(self, nbytes: int) -> int:
         """Before a record of ``nbytes`` is written: 'batch' waits until it fits what may wait
@@ -450,8 +427,8 @@ class SegmentLog:
     # -- closing -----------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the rounds, sync what waits (unless 'never') and close every segment but those
-        a writer holds (closed when it gives them back)."""
+        """Stop the rounds, sync what waits (unless 'never') and close the segments but those
+        a store's writer still appends to outside the active one (closed when it seals them)."""
         self._closed = True
         self._stop.set()
         self.budget.close()  # an append waiting for the disk goes on; the flush below syncs it
@@ -463,7 +440,11 @@ class SegmentLog:
                 self.flush()
         finally:
             with self.lock:
-                done = [s for s in [*self.segments.values(), *self._side] if s.fd is not None and not s.held]
+                done = [
+                    s
+                    for s in [*self.segments.values(), *self._side]
+                    if s.fd is not None and (s.sealed or s is self.active)
+                ]
                 fds = [s.fd for s in done if s.fd is not None]
                 for segment in done:
                     segment.fd, segment.sealed = None, True
