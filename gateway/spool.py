@@ -71,8 +71,8 @@ from google.protobuf.message import DecodeError
 
 from hio.config import ConfigError
 from hio.proto.tuple_pb2 import TupleMeta
-from hio.storage.files import UNSYNCED_BYTES, SyncBudget, clean_temporaries, lock_folder
-from hio.storage.segmentlog import Naming, Segment, SegmentLog
+from hio.storage.files import DiskFailure, clean_temporaries, lock_folder
+from hio.storage.segmentlog import UNSYNCED_BYTES, Naming, Segment, SegmentLog
 from hio.transport.errors import InvalidArgument, ResourceExhausted, Unavailable
 from hio.transport.frames import crc32, crc32_of_file
 
@@ -223,11 +223,11 @@ class Spool:
             raise ValueError(f"memory_bytes must not be negative, got {memory_bytes}")
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
-        # 'batch': what waits for the flush loop (the segments' unsynced bytes, the
-        # payload files not yet synced), within unsynced_bytes
-        self._budget = SyncBudget(unsynced_bytes, disk="the spool's disk", owner="gateway")
+        self._disk = DiskFailure(disk="the spool's disk", owner="gateway")
         self.root = Path(root)
-        self._log = SegmentLog(self.root, _NAMING, fsync=fsync, budget=self._budget, segment_bytes=int(segment_bytes))
+        self._log = SegmentLog(
+            self.root, _NAMING, fsync=fsync, disk=self._disk, unsynced_bytes=unsynced_bytes, segment_bytes=segment_bytes
+        )
         self.memory_limit = int(memory_bytes)
         self._memory_used = 0
         self.fsync = fsync
@@ -385,7 +385,7 @@ class Spool:
         """Take ``size`` bytes of the bound, waiting up to ``timeout`` s (None = forever)."""
         if size > self.limit:
             raise InvalidArgument(f"a tuple of {size} bytes can never fit in the spool (spool_bytes={self.limit})")
-        self._budget.check()  # refused before any I/O once an fsync has failed
+        self._disk.check()  # refused before any I/O once an fsync has failed
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._used + self._reserved + size > self.limit:
@@ -437,7 +437,7 @@ class Spool:
                 entry = SpoolEntry(seq, meta, segment.path, None, offset=start + len(head), segment=segment.id)
                 self._admit(entry, segment, size)
         except BaseException:
-            self._budget.settle(admitted)
+            self._log.settle(admitted)
             self._release(size)
             raise
         self._keep_in_memory(entry, data)
@@ -513,7 +513,7 @@ class Spool:
                 os.replace(tmp, data_path)
                 try:
                     if self.fsync == "always":  # its name too is on disk before a record names it
-                        self._budget.sync_folder(self.root, refuse=True)
+                        self._disk.sync_folder(self.root, refuse=True)
                     segment, _ = self._append([_record(ADD_FILE, seq, meta_bytes, move_bytes)])
                 except BaseException:
                     data_path.unlink(missing_ok=True)
@@ -524,7 +524,7 @@ class Spool:
                 entry = SpoolEntry(seq, meta, data_path, move, offset=0, segment=segment.id)
                 self._admit(entry, segment, reserved)
         except BaseException:
-            self._budget.settle(admitted)
+            self._log.settle(admitted)
             self._release(reserved)
             raise
         return entry
@@ -689,13 +689,13 @@ class Spool:
     @property
     def unsynced_bytes(self) -> int:
         """'batch': bytes appended that tuples not yet finished still need fsynced."""
-        return self._budget.unsynced
+        return self._log.unsynced
 
     @property
     def disk_failure(self) -> str:
         """'' while no fsync failed; else the failed fsync that stopped new tuples until
-        the gateway is restarted (see :class:`SyncBudget`)."""
-        return self._budget.failure
+        the gateway is restarted (see :class:`DiskFailure`)."""
+        return self._disk.failure
 
     @property
     def reserved_bytes(self) -> int:

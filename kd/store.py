@@ -12,7 +12,7 @@ after a crash (its commit log entry missing), a query whose checkpoint was
 lost, or a compaction interrupted half-way therefore never counts a tuple
 twice, whatever the order of failures.
 
-A failed fsync (a folder's included) is final (:class:`~hio.storage.files.SyncBudget`):
+A failed fsync (a folder's included) is final (:class:`~hio.storage.files.DiskFailure`):
 every later interval is refused until KD restarts; Spark replays them then.
 
 Cost: an append touches only the new rows (plus one sorted-array merge of the
@@ -21,9 +21,7 @@ known ids, a memory copy). The whole store is read once, at start.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from hio.kd.records import to_unsigned
-from hio.storage.files import SyncBudget
+from hio.storage.files import DiskFailure, atomic_write, clean_temporaries, fsync_dir
 
 log = logging.getLogger("hio.kd")
 
@@ -127,15 +125,14 @@ class AccumulatedStore:
         self.groups: dict[tuple[str, tuple[str, ...]], Group] = {}
         self._known = np.empty(0, dtype=np.uint64)
         self._history: dict[float, int] = {}
-        self._disk = SyncBudget(disk="KD's disk", owner="kd")  # only its final-failure rule is used
+        self._disk = DiskFailure(disk="KD's disk", owner="kd")
 
     # --- start -----------------------------------------------------------------
 
     def open(self) -> AccumulatedStore:
         """Read every part file once; drop leftovers of interrupted writes."""
         self.path.mkdir(parents=True, exist_ok=True)
-        for leftover in self.path.glob("*.tmp"):
-            leftover.unlink()
+        clean_temporaries(self.path)
         for part in self._parts():
             self._ingest(pq.read_table(part))
         self._compact_if_needed()
@@ -166,7 +163,7 @@ class AccumulatedStore:
         self._write(table, int(offsets.min()), int(offsets.max()))
         for part in parts:
             part.unlink()
-        self._sync_folder()
+        fsync_dir(self.path, self._disk)
 
     # --- append ----------------------------------------------------------------
 
@@ -208,19 +205,11 @@ class AccumulatedStore:
         return self._known[pos] == ids
 
     def _write(self, table: pa.Table, first: int, last: int) -> None:
-        final = self.path / f"part-{first:020d}-{last:020d}.parquet"
-        tmp = final.with_name(final.name + ".tmp")
-        pq.write_table(table, tmp, compression="zstd")
-        with open(tmp, "rb") as fh:
-            self._disk.sync(fh.fileno(), refuse=True)  # failed: the next open() drops the .tmp
-        os.replace(tmp, final)
-        self._sync_folder()
-
-    def _sync_folder(self) -> None:
-        """fsync the folder after a rename or deletion; a failure is final but not raised:
-        the rename happened, so the rows are indexed as the file holds them."""
-        with contextlib.suppress(OSError):
-            self._disk.sync_folder(self.path)
+        atomic_write(
+            self.path / f"part-{first:020d}-{last:020d}.parquet",
+            lambda fh: pq.write_table(table, fh, compression="zstd"),
+            disk=self._disk,
+        )
 
     # --- index -----------------------------------------------------------------
 

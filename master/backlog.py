@@ -40,7 +40,7 @@ from typing import BinaryIO
 from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import ACK, MOVE, NAMING, READ_BLOCK, Journal, RecordWriter, scan_segment
 from hio.master.storage import Durability
-from hio.storage.files import copy_exact
+from hio.storage.files import clean_temporaries, copy_exact
 from hio.storage.segmentlog import Segment, SegmentLog
 from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from hio.transport.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta, crc32_of_file
@@ -139,6 +139,7 @@ class BacklogQueue:
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        clean_temporaries(self.root)  # a journal rewrite a crash interrupted
         self.dead = dead
         self.queue_bytes = queue_bytes
         self._memory_bytes = memory_bytes
@@ -148,7 +149,12 @@ class BacklogQueue:
         self._cond = cond or threading.Condition(threading.RLock())
         self._clock = clock
         self._log = SegmentLog(
-            self.root, NAMING, fsync=durability.policy, budget=durability.budget, segment_bytes=segment_bytes
+            self.root,
+            NAMING,
+            fsync=durability.policy,
+            disk=durability.disk,
+            unsynced_bytes=durability.unsynced_limit,
+            segment_bytes=segment_bytes,
         )
         self._segments = self._log.segments  # segment id -> segment (live: seqs)
         self._acked: dict[int, list[int]] = {}  # segment id -> seqs the journal ACKs
@@ -215,7 +221,7 @@ class BacklogQueue:
         try:
             writer = self._open_record(meta)
         except BaseException:
-            self._durable.budget.settle(admitted)
+            self._log.settle(admitted)
             raise
         writer.admitted = admitted
         return writer
@@ -293,7 +299,7 @@ class BacklogQueue:
                 return
             writer.ended = True
             if writer.admitted:  # never written for good: what the disk was to sync is not coming
-                self._durable.budget.settle(writer.admitted)
+                self._log.settle(writer.admitted)
                 writer.admitted = 0
             self._reserved -= writer.meta.size
             if writer.cache:
@@ -828,7 +834,7 @@ class _Receiving:
         if self._queue.contains(meta.tuple_id):
             self._duplicate = True
         elif meta.attempt > self._queue.max_attempts:
-            self._queue._durable.budget.check()  # a dead letter is receipted too: not onto a failed disk
+            self._queue._durable.disk.check()  # a dead letter is receipted too: not onto a failed disk
             self._dead = self._queue.dead.writer(meta)
         else:
             self._record = self._queue._begin_record(meta)

@@ -643,10 +643,9 @@ class Master:
             )
         if dead:
             warnings.append(f"{dead} dead letters (see `hio dead-letters`)")
-        if self._durability.budget.failure:
+        if self._durability.disk.failure:
             warnings.append(
-                f"{self._durability.budget.failure}; tuples with no free channel wait "
-                "in their gateways' spools meanwhile"
+                f"{self._durability.disk.failure}; tuples with no free channel wait in their gateways' spools meanwhile"
             )
         return warnings
 

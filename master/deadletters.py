@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from hio.master.storage import Durability, write_all
-from hio.storage.files import copy_exact
+from hio.master.storage import Durability
+from hio.storage.files import atomic_write, copy_exact, fsync_dir, write_all
 from hio.transport.frames import TupleMeta
 
 log = logging.getLogger("hio.master")
@@ -63,7 +63,7 @@ class DeadWriter:
         fd, self._fd = self._fd, None
         try:
             if self._store.durability.syncs:
-                self._store.durability.budget.sync(fd, refuse=True)
+                self._store.durability.disk.sync(fd, refuse=True)
         finally:
             os.close(fd)
         return self._store._publish(self.meta, self._tmp, reason, seq)
@@ -137,7 +137,8 @@ class DeadLetterStore:
             self._letters.pop(tuple_id, None)
             self._meta(tuple_id).unlink(missing_ok=True)
             self._payload(tuple_id).unlink(missing_ok=True)
-        self.durability.sync_folder(self.root, refuse=False)  # it is back in the queue already
+        if self.durability.syncs:  # a failure is not raised: it is back in the queue already
+            fsync_dir(self.root, self.durability.disk)
 
     def _payload(self, tuple_id: int) -> Path:
         return self.root / f"{tuple_id}.payload"
@@ -155,8 +156,11 @@ class DeadLetterStore:
         }
         with self._lock:
             os.replace(tmp, self._payload(meta.tuple_id))
-            self.durability.replace(
-                self.root / f"{meta.tuple_id}.json.tmp", self._meta(meta.tuple_id), json.dumps(doc).encode()
+            atomic_write(
+                self._meta(meta.tuple_id),
+                json.dumps(doc).encode(),
+                disk=self.durability.disk,
+                durable=self.durability.syncs,
             )
             self._letters[meta.tuple_id] = letter
         log.warning(

@@ -12,7 +12,7 @@ import os
 import struct
 from pathlib import Path
 
-from hio.master.storage import fsync_dir
+from hio.storage.files import atomic_write, clean_temporaries
 from hio.transport.frames import crc32
 
 _RECORD = struct.Struct(">QI")  # high-water mark, CRC-32 of the mark
@@ -60,17 +60,11 @@ class TupleIdAllocator:
 
     def _reserve(self, needed: int) -> None:
         mark = min(MAX_ID, max(needed, self._mark + self._block))
-        tmp = self._path.with_suffix(".tmp")
-        with open(tmp, "wb") as fh:
-            payload = struct.pack(">Q", mark)
-            fh.write(_RECORD.pack(mark, crc32(payload)))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self._path)
-        fsync_dir(self._path.parent)
+        atomic_write(self._path, _RECORD.pack(mark, crc32(struct.pack(">Q", mark))))
         self._mark = mark
 
     def _load(self) -> int:
+        clean_temporaries(self._path.parent)
         try:
             raw = self._path.read_bytes()
         except FileNotFoundError:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from hio.master.storage import Durability
+from hio.storage.files import atomic_write
 from hio.storage.segmentlog import Naming, Segment, SegmentLog
 from hio.transport.errors import InvalidArgument, Unavailable
 from hio.transport.frames import TupleMeta, crc32
@@ -150,7 +151,7 @@ class Journal:
         data = b"".join(_entry(*line) for line in lines)
         replaced = False
         try:  # the old file stays the journal until the new one has replaced it
-            self._durable.replace(self.path.with_suffix(".tmp"), self.path, data)
+            atomic_write(self.path, data, disk=self._durable.disk, durable=self._durable.syncs)
             replaced = True
         finally:  # append to whichever file is the journal now (the new one, or still the old)
             self.close(replaced=replaced)

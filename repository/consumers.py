@@ -14,7 +14,7 @@ import re
 import threading
 from pathlib import Path
 
-from hio.storage.files import atomic_write, clean_temporaries
+from hio.storage.files import DiskFailure, atomic_write, clean_temporaries
 from hio.transport.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("hio.repository")
@@ -34,8 +34,9 @@ def check_consumer_name(name: str) -> None:
 class ConsumerOffsets:
     """name -> committed offset, persisted. Thread safe."""
 
-    def __init__(self, folder: Path, *, max_consumers: int) -> None:
+    def __init__(self, folder: Path, disk: DiskFailure, *, max_consumers: int) -> None:
         self._folder = folder
+        self._disk = disk
         self._max = max_consumers
         self._lock = threading.Lock()
         folder.mkdir(parents=True, exist_ok=True)
@@ -65,7 +66,7 @@ class ConsumerOffsets:
         with self._lock:
             ahead = {name: offset for name, offset in self._offsets.items() if offset > latest}
             for name, offset in ahead.items():
-                atomic_write(self._folder / f"{name}{_SUFFIX}", f"{latest}\n".encode())
+                atomic_write(self._folder / f"{name}{_SUFFIX}", f"{latest}\n".encode(), disk=self._disk)
                 self._offsets[name] = latest
                 log.warning(
                     "consumer offset past the latest stored record; moved back to it "
@@ -95,7 +96,7 @@ class ConsumerOffsets:
                 )
             if self._offsets.get(name) == offset and (self._folder / f"{name}{_SUFFIX}").exists():
                 return
-            atomic_write(self._folder / f"{name}{_SUFFIX}", f"{offset}\n".encode())
+            atomic_write(self._folder / f"{name}{_SUFFIX}", f"{offset}\n".encode(), disk=self._disk)
             previous = self._offsets.get(name, 0)
             self._offsets[name] = offset
         if offset < previous:

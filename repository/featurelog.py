@@ -33,7 +33,7 @@ from pathlib import Path
 from hio.repository.config import FSYNC_MODES
 from hio.repository.index import Location, OffsetIndex
 from hio.repository.segments import MAGIC, NAMING, decode_record, encode_record, record_follows, scan_segment
-from hio.storage.files import SyncBudget, lock_folder
+from hio.storage.files import DiskFailure, lock_folder
 from hio.storage.segmentlog import Segment, SegmentLog
 from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 
@@ -107,7 +107,9 @@ class _GroupCommit:
 class FeatureLog:
     """Append-only, idempotent-by-tuple-id record log on a :class:`SegmentLog`. Thread safe."""
 
-    def __init__(self, folder: Path, *, segment_bytes: int, fsync: str = "batch", fsync_interval: float = 0.0) -> None:
+    def __init__(
+        self, folder: Path, disk: DiskFailure, *, segment_bytes: int, fsync: str = "batch", fsync_interval: float = 0.0
+    ) -> None:
         if fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
         self._folder = folder
@@ -117,8 +119,8 @@ class FeatureLog:
         self._index = OffsetIndex()
         self._paths: list[Path] = []  # by the index's segment number
         self._closed = False
-        self._budget = SyncBudget(disk="the repository's disk", owner="repository")
-        self._log = SegmentLog(folder, NAMING, fsync=fsync, budget=self._budget, header=MAGIC)
+        self._disk = disk
+        self._log = SegmentLog(folder, NAMING, fsync=fsync, disk=disk, header=MAGIC)
         self._commit = _GroupCommit(fsync_interval)
         folder.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_folder(folder)
@@ -241,7 +243,7 @@ class FeatureLog:
     def _check_writable(self) -> None:
         if self._closed:
             raise Unavailable("the repository is shutting down")
-        self._budget.check()  # after a failed fsync: no new record until restart (SyncBudget)
+        self._disk.check()  # after a failed fsync: no new record until restart (DiskFailure)
 
     def _plan(self, items: Sequence[tuple[int, bytes]]) -> tuple[list[Appended], list[tuple[int, int, bytes]]]:
         """Offsets for each item; the (offset, tuple_id, payload) list of those to write."""
@@ -304,7 +306,7 @@ class FeatureLog:
         try:
             self._log.flush()
         except OSError as exc:
-            self._budget.check()  # the fsync failed: the refusal that names it
+            self._disk.check()  # the fsync failed: the refusal that names it
             raise Unavailable(f"the repository cannot persist features: {exc.strerror}") from None
         return target
 
@@ -382,7 +384,7 @@ class FeatureLog:
                 log.error("fsync at close failed", extra={"error": exc.strerror})
             finally:
                 os.close(self._lock_fd)  # releases the folder lock
-        if self._mode != "never" and not self._budget.failure:
+        if self._mode != "never" and not self._disk.failure:
             self._commit.mark_durable(self._index.latest)
 
 

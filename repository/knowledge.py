@@ -14,7 +14,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from hio.proto import features_pb2
-from hio.storage.files import atomic_write, clean_temporaries, remove_durably
+from hio.storage.files import DiskFailure, atomic_write, clean_temporaries, remove_durably
 from hio.transport.errors import InvalidArgument
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -37,8 +37,9 @@ def parse_knowledge(data: bytes) -> features_pb2.Knowledge:
 class KnowledgeFiles:
     """The latest knowledge bytes and preview PNG, on disk and cached. Thread safe."""
 
-    def __init__(self, folder: Path, *, max_bytes: int) -> None:
+    def __init__(self, folder: Path, disk: DiskFailure, *, max_bytes: int) -> None:
         self._folder = folder
+        self._disk = disk
         self._max = max_bytes
         self._lock = threading.Lock()
         folder.mkdir(parents=True, exist_ok=True)
@@ -55,11 +56,12 @@ class KnowledgeFiles:
             if len(data) > self._max:
                 raise InvalidArgument(f"{what} of {len(data)} bytes is over the limit of {self._max}")
         with self._lock:
+            self._disk.check()  # before either file changes: the two stay a pair
             if preview_png is None:
-                remove_durably(self._folder / _PREVIEW)
+                remove_durably(self._folder / _PREVIEW, self._disk)
             else:
-                atomic_write(self._folder / _PREVIEW, preview_png)
-            atomic_write(self._folder / _KNOWLEDGE, knowledge)
+                atomic_write(self._folder / _PREVIEW, preview_png, disk=self._disk)
+            atomic_write(self._folder / _KNOWLEDGE, knowledge, disk=self._disk)
             self._knowledge, self._preview = knowledge, preview_png
         return parsed
 

@@ -21,6 +21,7 @@ from hio.repository.featurelog import Appended, FeatureLog
 from hio.repository.knowledge import KnowledgeFiles
 from hio.repository.records import RecordLimits, verify_upload
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB
+from hio.storage.files import DiskFailure
 
 if TYPE_CHECKING:
     from hio.proto import features_pb2
@@ -50,16 +51,18 @@ class FeatureStore:
         self.root = Path(root)
         self.options = options or StoreOptions()
         self._limits = RecordLimits(self.options.max_record_bytes, self.options.max_decompressed_bytes)
+        disk = DiskFailure(disk="the repository's disk", owner="repository")  # every file's fsync is final
         self._features = FeatureLog(
             self.root / "features",
+            disk,
             segment_bytes=self.options.segment_bytes,
             fsync=self.options.fsync,
             fsync_interval=self.options.fsync_interval_ms / 1000.0,
         )
         try:
-            self._consumers = ConsumerOffsets(self.root / "consumers", max_consumers=self.options.max_consumers)
+            self._consumers = ConsumerOffsets(self.root / "consumers", disk, max_consumers=self.options.max_consumers)
             self._consumers.clamp(self._features.latest)
-            self._knowledge = KnowledgeFiles(self.root / "knowledge", max_bytes=self.options.max_knowledge_bytes)
+            self._knowledge = KnowledgeFiles(self.root / "knowledge", disk, max_bytes=self.options.max_knowledge_bytes)
         except BaseException:
             self._features.close()  # release the folder lock
             raise

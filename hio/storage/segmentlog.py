@@ -16,12 +16,14 @@ When bytes reach the disk is the fsync policy's choice:
   fsync failed is refused and cut off its segment.
 * ``batch``: :meth:`SegmentLog.flush` (a background round, or a caller waiting for it)
   fsyncs what was appended since the last round, sealed segments and tracked files
-  included; what waits for it is counted in the store's :class:`SyncBudget` (which bounds
-  it). A sealed segment deleted before its round is closed unsynced: what it held
-  finished and needs no disk.
+  included. A sealed segment deleted before its round is closed unsynced: what it held
+  finished and needs no disk. What waits for a round is kept within ``unsynced_bytes``
+  (:meth:`SegmentLog.admit`): a store that fsyncs in background rounds answers before the
+  disk has the bytes, and a disk slower than the tuples would let the rounds fall behind
+  without bound, so that a power loss took seconds of receipts, not one round's.
 * ``never``: the OS writes when it will.
 
-A failed fsync is final with every policy, a folder's included (:class:`SyncBudget`
+A failed fsync is final with every policy, a folder's included (:class:`DiskFailure`
 says why): every new record is refused until the role restarts.
 
 Thread safety: the caller serialises the appends to a segment (it numbers its records
@@ -38,12 +40,13 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from hio.storage.files import SyncBudget, write_all
+from hio.storage.files import DiskFailure, write_all
 from hio.transport.errors import Unavailable
 
 log = logging.getLogger("hio.segmentlog")
 
 POLICIES = ("always", "batch", "never")
+UNSYNCED_BYTES = 256 * 1024 * 1024  # 'batch': what may wait for the disk (about a second of it)
 JOIN_BYTES = 64 * 1024  # parts of a record up to this size are written with one call
 
 
@@ -86,7 +89,8 @@ class SegmentLog:
         naming: Naming,
         *,
         fsync: str,
-        budget: SyncBudget,
+        disk: DiskFailure,
+        unsynced_bytes: int = UNSYNCED_BYTES,
         segment_bytes: int = 0,
         header: bytes = b"",
     ) -> None:
@@ -95,12 +99,17 @@ class SegmentLog:
         self.folder = Path(folder)
         self.naming = naming
         self.fsync = fsync
-        self.budget = budget
+        self.disk = disk
+        self.unsynced_limit = unsynced_bytes
+        self.unsynced = 0  # 'batch': bytes admitted or appended and not yet synced
         self.segment_bytes = segment_bytes  # 0: the store rolls (its names say where records start)
         self.header = header
         self.segments: dict[int, Segment] = {}
         self.active: Segment | None = None
-        self.lock = threading.Lock()  # the segments and their counts (short holds only)
+        # the segments and the counts (short holds only); 'batch' writers wait on it for room
+        self.lock = threading.Condition()
+        self._rounds = 0  # flush rounds finished
+        self._round_error = ""  # why the latest round failed ('' after a success)
         self._flush_lock = threading.Lock()  # one round at a time
         self._folder_dirty = False  # 'batch': a file was made since the last round
         self._files: list[tuple[Path, int]] = []  # 'batch': other files to sync, with the bytes they settle
@@ -143,7 +152,7 @@ class SegmentLog:
                 end = len(self.header)
             os.ftruncate(fd, end)
             if self.fsync != "never":
-                self.budget.sync(fd)
+                self.disk.sync(fd)
         finally:
             os.close(fd)
         segment.size = end
@@ -184,26 +193,47 @@ class SegmentLog:
             if self.header:
                 self.written(segment, len(self.header))
             if self.fsync == "always":
-                self.budget.sync_folder(self.folder, refuse=True)
+                self.disk.sync_folder(self.folder, refuse=True)
         except BaseException:
             self.delete(segment).unlink(missing_ok=True)
             raise
         return segment
 
     def admit(self, nbytes: int) -> int:
-        """Before a record of ``nbytes`` is written: 'batch' waits until it fits what may wait
-        for the disk (:meth:`SyncBudget.admit`); every policy refuses it after a failed fsync.
-        Returns the bytes counted, for :meth:`append` (or ``budget.settle`` if not written)."""
+        """Before a record of ``nbytes`` is written: every policy refuses it after a failed
+        fsync; 'batch' waits until it keeps what waits for the disk within ``unsynced_bytes``
+        (one larger waits until nothing does) and counts it, so the bound holds for concurrent
+        writers too. Raises Unavailable, nothing counted, when a round fails while it waits.
+        Returns the bytes counted, for :meth:`append` (or :meth:`settle` if not written).
+        Call it holding none of the store's locks."""
+        self.disk.check()
         if self.fsync != "batch":
-            self.budget.check()
             return 0
-        self.budget.admit(nbytes)
+        with self.lock:
+            start = self._rounds
+            while self.unsynced and self.unsynced + nbytes > self.unsynced_limit and not self._closed:
+                if self._round_error and self._rounds > start:
+                    raise Unavailable(
+                        f"{self.disk.name} does not sync ({self._round_error}); "
+                        f"{self.unsynced} bytes wait for it; nothing was written",
+                        retry_after=1.0,
+                    )
+                self.lock.wait()  # every change it waits for notifies (settle, a round, close)
+                self.disk.check()
+            self.unsynced += nbytes
         return nbytes
+
+    def settle(self, nbytes: int) -> None:
+        """``nbytes`` no longer wait: synced, deleted before their sync, or not written after all."""
+        if nbytes:
+            with self.lock:
+                self.unsynced -= nbytes
+                self.lock.notify_all()
 
     def append(self, parts: Sequence[bytes | memoryview], admitted: int = 0) -> tuple[Segment, int]:
         """Append one record (its parts in order) to the active segment, rolling it first
         when full; returns the segment and where the record starts. ``admitted``: bytes of
-        it the budget counts already. On an error nothing stays appended (the caller gives
+        it counted already (:meth:`admit`). On an error nothing stays appended (the caller gives
         ``admitted`` back); with 'always', a failed fsync is that error (the refusal)."""
         segment = self.active
         if segment is None or segment.fd is None:
@@ -243,14 +273,14 @@ class SegmentLog:
     def written(self, segment: Segment, nbytes: int, admitted: int = 0) -> None:
         """``nbytes`` were appended to ``segment`` (or a side file): fsynced now ('always',
         a failure raised as the refusal that names it) or counted for the next round
-        ('batch'; ``admitted`` of them the budget counts already)."""
+        ('batch'; ``admitted`` of them counted already)."""
         if self.fsync == "always":
             assert segment.fd is not None
-            self.budget.sync(segment.fd, refuse=True)
+            self.disk.sync(segment.fd, refuse=True)
         elif self.fsync == "batch":
             with self.lock:
                 segment.unsynced += nbytes
-            self.budget.add(nbytes - admitted)
+                self.unsynced += nbytes - admitted
 
     def cut(self, segment: Segment, start: int) -> None:
         """Cut a record that is not to stay off ``segment``. If even that fails, the part
@@ -262,7 +292,7 @@ class SegmentLog:
             segment.size = start
         except OSError as exc:
             segment.size = os.fstat(segment.fd).st_size
-            self.budget.fail(f"a partial record could not be cut off: {exc.strerror or exc}")
+            self.disk.fail(f"a partial record could not be cut off: {exc.strerror or exc}")
 
     def seal(self, segment: Segment) -> None:
         """No more appends to ``segment``; 'batch' keeps it open for its round to sync."""
@@ -293,7 +323,7 @@ class SegmentLog:
             unsynced, segment.unsynced = segment.unsynced, 0
         if fd is not None:
             os.close(fd)
-        self.budget.settle(unsynced)
+        self.settle(unsynced)
         return segment.path
 
     def bytes_on_disk(self) -> int:
@@ -319,7 +349,7 @@ class SegmentLog:
         sync is (final)."""
         fd = os.open(path, os.O_RDONLY)
         try:
-            self.budget.sync(fd, refuse=refuse)
+            self.disk.sync(fd, refuse=refuse)
         finally:
             os.close(fd)
 
@@ -348,7 +378,7 @@ class SegmentLog:
             failed = self._sync_files(files, errors)
             if folder or files:  # a file was made or renamed in: its name needs the disk too
                 try:
-                    self.budget.sync_folder(self.folder)
+                    self.disk.sync_folder(self.folder)
                 except OSError as exc:
                     errors.append(exc)
             if errors:
@@ -364,7 +394,7 @@ class SegmentLog:
         error: OSError | None = None
         try:
             if self._kept(segment):
-                self.budget.sync(fd)
+                self.disk.sync(fd)
         except OSError as exc:
             error = exc
         finally:
@@ -375,7 +405,7 @@ class SegmentLog:
             if kept and (error is None or sealed):
                 covered = segment.unsynced if sealed else covered
                 segment.unsynced -= covered
-                self.budget.settle(covered)
+                self.settle(covered)
             if sealed and segment.fd is not None:
                 close, segment.fd = segment.fd, None
             if sealed and segment in self._side:
@@ -401,7 +431,7 @@ class SegmentLog:
                 errors.append(exc)
                 failed.append((path, nbytes))
                 continue
-            self.budget.settle(nbytes)
+            self.settle(nbytes)
         return failed
 
     def start_flusher(self, interval: float, name: str) -> None:
@@ -415,14 +445,18 @@ class SegmentLog:
 
     def flush_round(self) -> None:
         """:meth:`flush` for a background round: its error is logged and named to the writers
-        waiting for the disk (:meth:`SyncBudget.round_done`); the next round retries."""
+        waiting for the disk (:meth:`admit`; a failed fsync is final, but a round can fail for
+        another reason, such as no descriptor left to open a file with); the next round retries."""
         error = ""
         try:
             self.flush()
         except OSError as exc:
             error = str(exc)
             log.error("fsync round failed", extra={"folder": str(self.folder), "error": error})
-        self.budget.round_done(error)
+        with self.lock:
+            self._rounds += 1
+            self._round_error = error
+            self.lock.notify_all()
 
     # -- closing -----------------------------------------------------------------
 
@@ -431,7 +465,8 @@ class SegmentLog:
         a store's writer still appends to outside the active one (closed when it seals them)."""
         self._closed = True
         self._stop.set()
-        self.budget.close()  # an append waiting for the disk goes on; the flush below syncs it
+        with self.lock:  # an append waiting for the disk goes on; the flush below syncs it
+            self.lock.notify_all()
         flusher, self._flusher = self._flusher, None
         if flusher is not None:
             flusher.join(10.0)

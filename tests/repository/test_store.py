@@ -498,6 +498,34 @@ def test_a_failed_folder_fsync_is_final_too(tmp_path: Path, monkeypatch: pytest.
     s.close()
 
 
+def test_a_failed_fsync_of_a_consumer_offset_is_final_for_the_whole_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumer offsets and the knowledge are the repository's files as much as its
+    segments: a failed fsync of one refuses the commit, and after it every put, commit and
+    knowledge until the repository restarts."""
+    disk = FsyncDisk(monkeypatch)
+    s = FeatureStore(tmp_path / "s", StoreOptions(segment_bytes=4096, fsync="always"))
+    s.put([upload(1), upload(2)])
+    disk.error = OSError(errno.EIO, "Input/output error")
+    with pytest.raises(FailedPrecondition, match="the repository's disk failed to sync"):
+        s.commit("kd", 1)
+    disk.error = None
+    refusal = r"Input/output error.*restart the repository"
+    for refused in (
+        lambda: s.commit("kd", 2),
+        lambda: s.put([upload(3)]),
+        lambda: s.put_knowledge(knowledge().SerializeToString()),
+    ):
+        with pytest.raises(FailedPrecondition, match=refusal):
+            refused()
+    assert s.committed("kd") == 0 and s.latest() == 2 and s.get_knowledge() is None
+    s.close()
+    with FeatureStore(tmp_path / "s") as again:  # the restart takes them again
+        again.commit("kd", 2)
+        assert again.committed("kd") == 2
+
+
 # ------------------------------------------------------- existing data on disk
 
 
