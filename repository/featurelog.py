@@ -32,7 +32,7 @@ from pathlib import Path
 
 from hio.repository.config import FSYNC_MODES
 from hio.repository.index import Location, OffsetIndex
-from hio.repository.segments import MAGIC, NAMING, decode_record, encode_record, record_follows, scan_segment
+from hio.repository.segments import HEADER, MAGIC, NAMING, decode_record, encode_record, record_follows, scan_segment
 from hio.storage.files import DiskFailure, lock_folder
 from hio.storage.segmentlog import Segment, SegmentLog
 from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
@@ -115,9 +115,8 @@ class FeatureLog:
         self._folder = folder
         self._segment_bytes = segment_bytes
         self._mode = fsync
-        self._lock = threading.Lock()  # the index, the paths and every append
+        self._lock = threading.Lock()  # the index and every append
         self._index = OffsetIndex()
-        self._paths: list[Path] = []  # by the index's segment number
         self._closed = False
         self._disk = disk
         self._log = SegmentLog(folder, NAMING, fsync=fsync, disk=disk, header=MAGIC)
@@ -145,7 +144,7 @@ class FeatureLog:
             "feature log opened",
             extra={
                 "records": self._index.latest,
-                "segments": len(self._paths),
+                "segments": self._index.segments,
                 "rebuild_s": round(time.monotonic() - started, 3),
             },
         )
@@ -165,7 +164,6 @@ class FeatureLog:
             self._handle_damage(path, scan.problem, scan.valid_end, scan.torn_bytes, last=last, records_follow=follows)
         self._index.begin_segment(first)
         self._index.extend(scan.tuple_ids, scan.positions, scan.lengths)
-        self._paths.append(path)
         return scan.valid_end
 
     def _handle_damage(
@@ -213,11 +211,10 @@ class FeatureLog:
     def _new_segment(self, first: int) -> None:
         """Seal the current segment and start the one whose first record is ``first``."""
         try:
-            segment = self._log.roll(first)
+            self._log.roll(first)
         except OSError as exc:
             raise Unavailable(f"the repository cannot start a new segment: {exc.strerror}") from None
         self._index.begin_segment(first)
-        self._paths.append(segment.path)
 
     # ------------------------------------------------------------------ writes
 
@@ -263,38 +260,37 @@ class FeatureLog:
         return results, fresh
 
     def _write(self, fresh: list[tuple[int, int, bytes]]) -> None:
-        """Write records in order, sealing segments that would outgrow ``segment_bytes``."""
-        chunk: list[tuple[int, bytes]] = []
-        chunk_bytes = 0
+        """Write records in order, sealing segments that would outgrow ``segment_bytes``; the
+        records for one segment are framed into one buffer, appended in one piece."""
+        chunk = bytearray()
+        records: list[tuple[int, int]] = []  # (tuple id, record length) of what chunk holds
         for offset, tuple_id, payload in fresh:
-            record = encode_record(offset, tuple_id, payload)
-            used = self._size + chunk_bytes
-            if used + len(record) > self._segment_bytes and used > len(MAGIC):
-                self._write_chunk(chunk)
-                chunk, chunk_bytes = [], 0
+            used = self._size + len(chunk)
+            if used + HEADER.size + len(payload) > self._segment_bytes and used > len(MAGIC):
+                self._write_chunk(chunk, records)
+                chunk, records = bytearray(), []
                 self._new_segment(offset)
-            chunk.append((tuple_id, record))
-            chunk_bytes += len(record)
-        self._write_chunk(chunk)
+            records.append((tuple_id, encode_record(chunk, offset, tuple_id, payload)))
+        self._write_chunk(chunk, records)
 
     @property
     def _size(self) -> int:
         active = self._log.active
         return active.size if active is not None else 0
 
-    def _write_chunk(self, chunk: list[tuple[int, bytes]]) -> None:
-        """One append of records to the current segment, indexed only once written whole
-        (and, with 'always', synced)."""
+    def _write_chunk(self, chunk: bytearray, records: list[tuple[int, int]]) -> None:
+        """One append of framed records ((tuple id, length) each) to the current segment,
+        indexed only once written whole (and, with 'always', synced)."""
         if not chunk:
             return
         try:
-            _, position = self._log.append([b"".join(record for _, record in chunk)])
+            _, position = self._log.append([chunk])
         except OSError as exc:
             log.error("feature write failed; cut off", extra={"error": exc.strerror})
             raise Unavailable(f"the repository cannot write features: {exc.strerror}") from None
-        for tuple_id, record in chunk:
-            self._index.add(tuple_id, position, len(record))
-            position += len(record)
+        for tuple_id, length in records:
+            self._index.add(tuple_id, position, length)
+            position += length
 
     def _sync_current(self) -> int:
         """One fsync round of the log, outside the lock; returns the offset now durable."""
@@ -336,7 +332,7 @@ class FeatureLog:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"records": self._index.latest, "segments": len(self._paths), "bytes": self._log.bytes_on_disk()}
+            return {"records": self._index.latest, "segments": self._index.segments, "bytes": self._log.bytes_on_disk()}
 
     def read(self, after: int, until: int = 0, max_records: int = 0) -> Iterator[tuple[int, int, bytes]]:
         """(offset, tuple_id, payload) for ``after < offset <= until`` (0 = latest), in
@@ -362,12 +358,12 @@ class FeatureLog:
                 stop = min(start + _LOOKUP_CHUNK - 1, last)
                 with self._lock:
                     locations = self._index.locations(start, stop)
-                    paths = self._paths[:]
                 for run_first, run in _runs(start, locations):
+                    path = self._folder / NAMING.name(run[0].segment)
                     fd = fds.get(run[0].segment)
                     if fd is None:
-                        fd = fds[run[0].segment] = os.open(paths[run[0].segment], os.O_RDONLY)
-                    yield from _read_run(fd, paths[run[0].segment], run_first, run)
+                        fd = fds[run[0].segment] = os.open(path, os.O_RDONLY)
+                    yield from _read_run(fd, path, run_first, run)
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 
 class Location(NamedTuple):
-    """Where one record lives: segment number (0-based), byte position, record length."""
+    """Where one record lives: its segment (by the offset of the segment's first record, which
+    names the file), byte position, record length."""
 
     segment: int
     position: int
@@ -74,7 +75,7 @@ class OffsetIndex:
         """Where the record at ``offset`` (1..latest) lives."""
         i = offset - 1
         segment = bisect.bisect_right(self._segment_firsts, offset) - 1
-        return Location(segment, self._positions[i], self._lengths[i])
+        return Location(self._segment_firsts[segment], self._positions[i], self._lengths[i])
 
     def locations(self, first: int, last: int) -> list[Location]:
         """Locations of offsets ``first..last`` inclusive, all within 1..latest."""
@@ -84,5 +85,5 @@ class OffsetIndex:
         for offset in range(first, last + 1):
             while segment + 1 < len(firsts) and firsts[segment + 1] <= offset:
                 segment += 1
-            out.append(Location(segment, self._positions[offset - 1], self._lengths[offset - 1]))
+            out.append(Location(firsts[segment], self._positions[offset - 1], self._lengths[offset - 1]))
         return out

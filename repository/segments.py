@@ -33,11 +33,13 @@ _IDS = struct.Struct("<QQ")
 NAMING = Naming("", 20, ".seg")  # named after the offset of the segment's first record
 
 
-def encode_record(offset: int, tuple_id: int, payload: bytes) -> bytes:
-    """One framed record, ready to append."""
+def encode_record(out: bytearray, offset: int, tuple_id: int, payload: bytes) -> int:
+    """Frame one record onto the end of ``out`` (records are appended in runs); its length."""
     ids = _IDS.pack(offset, tuple_id)
-    crc = crc32(payload, crc32(ids))
-    return struct.pack("<II", len(payload), crc) + ids + payload
+    out += struct.pack("<II", len(payload), crc32(payload, crc32(ids)))
+    out += ids
+    out += payload
+    return HEADER_SIZE + len(payload)
 
 
 def decode_record(buf: bytes | memoryview, offset: int) -> tuple[int, bytes] | None:

@@ -230,7 +230,7 @@ class SegmentLog:
                 self.unsynced -= nbytes
                 self.lock.notify_all()
 
-    def append(self, parts: Sequence[bytes | memoryview], admitted: int = 0) -> tuple[Segment, int]:
+    def append(self, parts: Sequence[bytes | bytearray | memoryview], admitted: int = 0) -> tuple[Segment, int]:
         """Append one record (its parts in order) to the active segment, rolling it first
         when full; returns the segment and where the record starts. ``admitted``: bytes of
         it counted already (:meth:`admit`). On an error nothing stays appended (the caller gives
