@@ -266,13 +266,9 @@ class LocalCluster:
             if self.free_channels(worker_id) >= count:
                 return
             time.sleep(0.2)
-        logs = "\n".join(
-            f"--- {name} ({proc.log_path}) ---\n{proc.output(3000)}"
-            for name, proc in self.procs.items()
-            if proc.command == "worker"
-        )
         raise RuntimeError(
-            f"{count} engines{f' of {worker_id}' if worker_id else ''} did not come up within {timeout:.0f} s\n{logs}"
+            f"{count} engines{f' of {worker_id}' if worker_id else ''} did not come up within {timeout:.0f} s\n"
+            f"{self.output(command='worker')}"
         )
 
     def pids(self) -> dict[str, int]:
@@ -288,9 +284,14 @@ class LocalCluster:
             for pid in children(proc.pid)
         ]
 
-    def output(self, limit: int = 3000) -> str:
-        """The end of every role's log: what to show when something went wrong."""
-        return "\n".join(f"--- {name} ({proc.log_path}) ---\n{proc.output(limit)}" for name, proc in self.procs.items())
+    def output(self, limit: int = 3000, command: str = "") -> str:
+        """The end of every role's log (of each ``command`` role, if given): what to show when
+        something went wrong."""
+        return "\n".join(
+            f"--- {name} ({proc.log_path}) ---\n{proc.output(limit)}"
+            for name, proc in self.procs.items()
+            if not command or proc.command == command
+        )
 
     # ---- stopping
 
