@@ -17,7 +17,6 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -170,7 +169,7 @@ class DeadLetterStore:
         return letter
 
     def _load(self) -> None:
-        for leftover in _matching(self.root, ("*.part", "*.tmp")):
+        for leftover in [*self.root.glob("*.part"), *self.root.glob("*.tmp")]:
             leftover.unlink(missing_ok=True)
         for path in self.root.glob("*.json"):
             try:
@@ -192,10 +191,6 @@ class DeadLetterStore:
         for payload in self.root.glob("*.payload"):
             if not self._meta(int(payload.stem) if payload.stem.isdigit() else -1).exists():
                 payload.unlink(missing_ok=True)
-
-
-def _matching(root: Path, patterns: Iterable[str]) -> list[Path]:
-    return [p for pattern in patterns for p in root.glob(pattern)]
 
 
 def _copy(meta: TupleMeta) -> TupleMeta:
