@@ -68,10 +68,11 @@ def proc_usage(pid: int) -> Usage | None:
     )
 
 
-def proc_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) ``pid`` has used; 0 when it is gone."""
+def proc_cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) ``pid`` (or its thread ``tid``) has used; 0 when it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -12,7 +12,6 @@ process's total line. Linux only; py-spy must be on PATH or in .venv/bin.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -20,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-HZ = os.sysconf("SC_CLK_TCK")
+from benchmarks.measure import proc_cpu_seconds
+
 ROLE = re.compile(r"hio(?:\.cli)? (bench-core|bench|up|gateway|master|repository|engine|worker|kd)\b")
 
 
@@ -40,21 +40,9 @@ def hio_processes() -> dict[int, str]:
     return found
 
 
-def thread_ticks(pid: int) -> dict[int, int]:
-    """tid -> CPU clock ticks (user + system) so far."""
-    ticks = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks[int(task.name)] = int(fields[11]) + int(fields[12])
-    return ticks
-
-
-def process_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
+def thread_seconds(pid: int) -> dict[int, float]:
+    """tid -> CPU seconds (user + system) so far."""
+    return {int(task.name): proc_cpu_seconds(pid, int(task.name)) for task in Path(f"/proc/{pid}/task").iterdir()}
 
 
 def thread_names(pid: int) -> dict[int, str]:
@@ -81,18 +69,18 @@ def main(window: float) -> None:
     if not processes:
         sys.exit("no hio processes running")
     names = {pid: thread_names(pid) for pid in processes}
-    before = {pid: (process_ticks(pid), thread_ticks(pid)) for pid in processes}
+    before = {pid: (proc_cpu_seconds(pid), thread_seconds(pid)) for pid in processes}
     time.sleep(window)
     for pid, role in processes.items():
         try:
-            total, threads = process_ticks(pid), thread_ticks(pid)
+            total, threads = proc_cpu_seconds(pid), thread_seconds(pid)
         except OSError:
             continue
-        print(f"== {role} {pid}: {(total - before[pid][0]) / HZ / window * 1000:.1f} ms of CPU per s")
-        rows = sorted(((ticks - before[pid][1].get(tid, 0), tid) for tid, ticks in threads.items()), reverse=True)
-        for ticks, tid in rows[:8]:
-            if ticks:
-                print(f"   {ticks / HZ / window * 1000:7.1f} ms/s  tid {tid}  {names[pid].get(tid, '?')[:140]}")
+        print(f"== {role} {pid}: {(total - before[pid][0]) / window * 1000:.1f} ms of CPU per s")
+        rows = sorted(((spent - before[pid][1].get(tid, 0), tid) for tid, spent in threads.items()), reverse=True)
+        for spent, tid in rows[:8]:
+            if spent:
+                print(f"   {spent / window * 1000:7.1f} ms/s  tid {tid}  {names[pid].get(tid, '?')[:140]}")
 
 
 if __name__ == "__main__":
