@@ -11,21 +11,9 @@ Public surface (imported lazily, so ``import hio.gateway`` stays light):
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "DeliveryError",
-    "DeliveryTimeout",
-    "Gateway",
-    "GatewayConfig",
-    "GatewayStatus",
-    "SendConfig",
-    "SpoolFull",
-    "TupleFuture",
-    "run_gateway",
-    "run_send",
-]
+from hio import lazy_exports
 
 _WHERE = {
     "Gateway": "client",
@@ -39,6 +27,19 @@ _WHERE = {
     "run_gateway": "daemon",
     "run_send": "send",
 }
+__all__ = [
+    "DeliveryError",
+    "DeliveryTimeout",
+    "Gateway",
+    "GatewayConfig",
+    "GatewayStatus",
+    "SendConfig",
+    "SpoolFull",
+    "TupleFuture",
+    "run_gateway",
+    "run_send",
+]
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
 
 if TYPE_CHECKING:
     from hio.gateway.client import DeliveryError, DeliveryTimeout, Gateway, GatewayStatus, TupleFuture
@@ -46,16 +47,3 @@ if TYPE_CHECKING:
     from hio.gateway.daemon import run_gateway
     from hio.gateway.send import run_send
     from hio.gateway.spool import SpoolFull
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hio.gateway' has no attribute '{name}'")
-    value = getattr(importlib.import_module(f"hio.gateway.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))

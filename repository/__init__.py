@@ -8,27 +8,15 @@ importing the config (the CLI does, to build flags) does not import gRPC.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from hio import lazy_exports
 from hio.repository.config import RepositoryConfig
 
 if TYPE_CHECKING:
     from hio.repository.server import create_repository_server, run_repository
     from hio.repository.store import FeatureStore
 
+_WHERE = {"run_repository": "server", "create_repository_server": "server", "FeatureStore": "store"}
 __all__ = ["FeatureStore", "RepositoryConfig", "create_repository_server", "run_repository"]
-
-_LAZY = {
-    "run_repository": "hio.repository.server",
-    "create_repository_server": "hio.repository.server",
-    "FeatureStore": "hio.repository.store",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hio.repository' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
