@@ -432,14 +432,9 @@ class _BatchStorer:
         except (InvalidArgument, DataLoss) as exc:
             if len(batch) == 1:
                 self._on_refused(batch[0], exc.message)
-                return
-            for slot in batch:  # find the refused record; the others are stored
-                try:
-                    one = self._store_many([(slot.meta.tuple_id, slot.blob)])
-                except (InvalidArgument, DataLoss) as refused:
-                    self._on_refused(slot, refused.message)
-                    continue
-                self._on_stored([slot], one)
+            else:  # find the refused record; the others are stored
+                for slot in batch:
+                    self._store([slot])
             return
         self._on_stored(batch, duplicates)
 
