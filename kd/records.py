@@ -11,7 +11,6 @@ complement (``to_signed``/``to_unsigned``), so no id is ever rejected.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,6 @@ SPARK_SCHEMA = (
     "offset long, tuple_id long, image string, processed_unix double, "
     "names array<string>, `values` array<double>, error string"
 )
-COLUMNS = ("offset", "tuple_id", "image", "processed_unix", "names", "values", "error")
 MAX_ERROR_CHARS = 200
 
 
@@ -50,7 +48,7 @@ class Row:
     error: str | None = None
 
     def as_tuple(self) -> tuple[Any, ...]:
-        """In ``COLUMNS`` order, ids signed, as Spark's Python data source expects."""
+        """In ``SPARK_SCHEMA``'s order, ids signed, as Spark's Python data source expects."""
         return (
             self.offset,
             to_signed(self.tuple_id),
@@ -127,25 +125,3 @@ def decode(offset: int, tuple_id: int, blob: bytes, max_bytes: int) -> Row:
         names=names,
         values=values,
     )
-
-
-def to_table(rows: Iterable[Row]) -> Any:  # a pyarrow.Table (pyarrow ships no types)
-    """Rows as an Arrow table shaped like what Spark hands to ``foreachBatch``."""
-    import pyarrow as pa
-
-    schema = pa.schema(
-        [
-            ("offset", pa.int64()),
-            ("tuple_id", pa.int64()),
-            ("image", pa.string()),
-            ("processed_unix", pa.float64()),
-            ("names", pa.list_(pa.string())),
-            ("values", pa.list_(pa.float64())),
-            ("error", pa.string()),
-        ]
-    )
-    out: dict[str, list[Any]] = {name: [] for name in COLUMNS}
-    for row in rows:
-        for name, value in zip(COLUMNS, row.as_tuple(), strict=True):
-            out[name].append(value)
-    return pa.table(out, schema=schema)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import zstandard
 
+from hio.kd.records import Row
 from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
 from hio.settings import ClusterSettings
 from hio.transport.frames import crc32
@@ -101,3 +104,23 @@ def repository(data_dir: Path) -> Iterator[Repo]:
         repo.close()
         server.stop(0).wait(5)
         store.close()
+
+
+def to_table(rows: Iterable[Row]) -> Any:  # a pyarrow.Table (pyarrow ships no types)
+    """Rows as an Arrow table shaped like what Spark hands to ``foreachBatch``."""
+    schema = pa.schema(
+        [
+            ("offset", pa.int64()),
+            ("tuple_id", pa.int64()),
+            ("image", pa.string()),
+            ("processed_unix", pa.float64()),
+            ("names", pa.list_(pa.string())),
+            ("values", pa.list_(pa.float64())),
+            ("error", pa.string()),
+        ]
+    )
+    out: dict[str, list[Any]] = {name: [] for name in schema.names}
+    for row in rows:
+        for name, value in zip(schema.names, row.as_tuple(), strict=True):
+            out[name].append(value)
+    return pa.table(out, schema=schema)

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from hio.kd import store as store_mod
-from hio.kd.records import Row, to_table
+from hio.kd.records import Row
 from hio.kd.store import AccumulatedStore
 from hio.transport.errors import FailedPrecondition
 from tests.harness import FsyncDisk
+from tests.kd.helpers import to_table
 
 
 def rows(first_offset: int, first_id: int, count: int, image: str = "img", names=("a", "b")) -> list[Row]:
