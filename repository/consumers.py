@@ -101,7 +101,3 @@ class ConsumerOffsets:
             self._offsets[name] = offset
         if offset < previous:
             log.info("consumer rewound", extra={"consumer": name, "from": previous, "to": offset})
-
-    def all(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._offsets)

@@ -91,7 +91,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, "text/plain; charset=utf-8", b"ok\n")
 
     def _preview(self, _query: dict[str, list[str]]) -> None:
-        png = self.server.store.get_preview()
+        png = self.server.store.get_knowledge_and_preview()[1]
         if png is None:
             self._send(404, "text/plain; charset=utf-8", b"no preview yet\n")
             return
@@ -132,7 +132,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _knowledge(store: FeatureStore) -> features_pb2.Knowledge | None:
-    data = store.get_knowledge()
+    data = store.get_knowledge_and_preview()[0]
     if data is None:
         return None
     knowledge = features_pb2.Knowledge()
@@ -146,7 +146,7 @@ def render_page(store: FeatureStore) -> str:
     parsed = features_pb2.Knowledge()
     if knowledge:
         parsed.ParseFromString(knowledge)
-    rows = [("records stored", str(store.count()))]
+    rows = [("records stored", str(store.latest()))]
     if knowledge is None:
         rows.append(("knowledge", "none yet"))
     else:

@@ -49,9 +49,7 @@ class RepositoryService(repository_pb2_grpc.RepositoryServicer):
     @grpc_errors
     def GetOffsets(self, request: pb.GetOffsetsRequest, context: grpc.ServicerContext) -> pb.GetOffsetsResponse:
         latest = self._store.latest()
-        return pb.GetOffsetsResponse(
-            latest=latest, committed=self._store.committed(request.consumer), records=self._store.count()
-        )
+        return pb.GetOffsetsResponse(latest=latest, committed=self._store.committed(request.consumer), records=latest)
 
     @grpc_errors
     def ReadFeatures(
@@ -94,7 +92,7 @@ class RepositoryService(repository_pb2_grpc.RepositoryServicer):
 
     @grpc_errors
     def GetPreview(self, request: pb.GetPreviewRequest, context: grpc.ServicerContext) -> pb.GetPreviewResponse:
-        png = self._store.get_preview()
+        png = self._store.get_knowledge_and_preview()[1]
         if png is None:
             raise NotFound("no preview yet: knowledge discovery has not written one")
         return pb.GetPreviewResponse(png=png)

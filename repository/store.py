@@ -100,11 +100,7 @@ class FeatureStore:
         return self._features.append([(tuple_id, data) for tuple_id, data, _ in batch])
 
     def latest(self) -> int:
-        """Highest offset stored (0 = nothing yet)."""
-        return self._features.latest
-
-    def count(self) -> int:
-        """Records stored; offsets are dense, so this equals ``latest()``."""
+        """Highest offset stored (0 = nothing yet); offsets are dense, so also how many records."""
         return self._features.latest
 
     def offset_of(self, tuple_id: int) -> int:
@@ -130,25 +126,15 @@ class FeatureStore:
         """Persist consumer ``name``'s offset (0..latest); moving backwards re-reads."""
         self._consumers.commit(name, offset, self.latest())
 
-    def consumers(self) -> dict[str, int]:
-        return self._consumers.all()
-
     # --------------------------------------------------------------- knowledge
 
     def put_knowledge(self, knowledge: bytes, preview_png: bytes | None = None) -> features_pb2.Knowledge:
         """Replace the knowledge (must parse as Knowledge) and the preview (PNG or None)."""
         return self._knowledge.put(knowledge, preview_png)
 
-    def get_knowledge(self) -> bytes | None:
-        """Serialized Knowledge last put, None when none yet."""
-        return self._knowledge.get()[0]
-
-    def get_preview(self) -> bytes | None:
-        """Preview PNG last put, None when none."""
-        return self._knowledge.get()[1]
-
     def get_knowledge_and_preview(self) -> tuple[bytes | None, bytes | None]:
-        """Both at once, guaranteed to belong together."""
+        """The serialized Knowledge and the preview PNG last put (each None when there is none),
+        guaranteed to belong together."""
         return self._knowledge.get()
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ def test_offsets_are_dense_and_put_is_idempotent(store: FeatureStore) -> None:
     assert [(r.offset, r.duplicate) for r in first] == [(1, False), (2, False), (3, False)]
     again = store.put([upload(11), upload(13), upload(13)])
     assert [(r.offset, r.duplicate) for r in again] == [(2, True), (4, False), (4, True)]
-    assert store.latest() == store.count() == 4
+    assert store.latest() == 4
     assert store.offset_of(13) == 4 and store.offset_of(99) == 0
 
 
@@ -150,7 +150,7 @@ def test_concurrent_puts_store_each_id_once(store: FeatureStore) -> None:
     for t in threads:
         t.join(60)
     assert not errors
-    assert store.count() == len(ids)
+    assert store.latest() == len(ids)
     assert sorted(t for _, t, _ in store.read()) == ids
     assert [o for o, _, _ in store.read()] == list(range(1, len(ids) + 1))
 
@@ -414,21 +414,21 @@ def test_consumer_count_is_bounded(tmp_path: Path) -> None:
 
 
 def test_knowledge_round_trip_and_restart(store: FeatureStore) -> None:
-    assert store.get_knowledge() is None and store.get_preview() is None
+    assert store.get_knowledge_and_preview() == (None, None)
     k = knowledge().SerializeToString()
     png = png_bytes()
     parsed = store.put_knowledge(k, png)
     assert len(parsed.clusters) == 3
     store = reopen(store)
     try:
-        assert store.get_knowledge() == k and store.get_preview() == png
+        assert store.get_knowledge_and_preview() == (k, png)
         newer = knowledge(tuple_count=20).SerializeToString()
         store.put_knowledge(newer, None)  # no preview: the stale one goes
         assert store.get_knowledge_and_preview() == (newer, None)
     finally:
         store.close()
     with FeatureStore(store.root, SMALL) as s:
-        assert s.get_knowledge() == newer and s.get_preview() is None
+        assert s.get_knowledge_and_preview() == (newer, None)
         assert not list((s.root / "knowledge").glob(".*.tmp"))
 
 
@@ -447,7 +447,7 @@ def test_bad_knowledge_refused_and_old_kept(
     store.put_knowledge(good, png_bytes())
     with pytest.raises(InvalidArgument, match=message):
         store.put_knowledge(good if payload is None else payload, png)
-    assert store.get_knowledge() == good and store.get_preview() == png_bytes()
+    assert store.get_knowledge_and_preview() == (good, png_bytes())
 
 
 # ------------------------------------------------------------- failed fsync
@@ -519,7 +519,7 @@ def test_a_failed_fsync_of_a_consumer_offset_is_final_for_the_whole_repository(
     ):
         with pytest.raises(FailedPrecondition, match=refusal):
             refused()
-    assert s.committed("kd") == 0 and s.latest() == 2 and s.get_knowledge() is None
+    assert s.committed("kd") == 0 and s.latest() == 2 and s.get_knowledge_and_preview()[0] is None
     s.close()
     with FeatureStore(tmp_path / "s") as again:  # the restart takes them again
         again.commit("kd", 2)
