@@ -11,7 +11,7 @@ from typing import ClassVar
 import grpc
 from google.protobuf import json_format
 
-from hio.config import ConfigError, setting
+from hio.config import setting
 from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 from hio.settings import SERVER_SETTINGS, ClusterSettings
 from hio.transport.net import create_channel, rpc_error_text
@@ -161,16 +161,3 @@ def run_dead_letters(config: DeadLettersConfig) -> int:
         )
     print(f"{len(reply.dead_letters)} dead letters; send one again with: hio dead-letters --retry TUPLE_ID")
     return 0
-
-
-__all__ = [
-    "ConfigError",
-    "DeadLettersConfig",
-    "KnowledgeConfig",
-    "StatusConfig",
-    "fetch_knowledge",
-    "format_status",
-    "run_dead_letters",
-    "run_knowledge",
-    "run_status",
-]

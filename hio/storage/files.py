@@ -54,16 +54,22 @@ _NO_FOLDER_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, 
 
 
 def atomic_write(
-    path: Path, data: bytes | Callable[[BinaryIO], object], *, disk: DiskFailure | None = None, durable: bool = True
+    path: Path,
+    data: bytes | Callable[[BinaryIO], object],
+    *,
+    disk: DiskFailure | None = None,
+    durable: bool = True,
+    mode: int = 0o666,
 ) -> None:
     """Replace ``path`` with ``data`` (or what ``data(file)`` writes) atomically; fsync both
     file and folder when ``durable``. With ``disk``, the role's final-on-failure rule holds:
-    refused once an fsync failed; a failed fsync of the file refuses this write too."""
+    refused once an fsync failed; a failed fsync of the file refuses this write too.
+    ``mode``: the new file's permissions (less the umask)."""
     if disk is not None:
         disk.check()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(tmp, "wb") as fh:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "wb") as fh:
             if callable(data):
                 data(fh)
             else:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
-import os
 from pathlib import Path
 
 from hio.config import ConfigError, setting
+from hio.storage.files import atomic_write
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +39,7 @@ class CertsConfig:
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    atomic_write(path, data, mode=0o600 if private else 0o644)
 
 
 def generate(out: Path, names: tuple[str, ...], hosts: tuple[str, ...], days: int = 825) -> dict[str, Path]:

@@ -44,7 +44,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from hio.storage.files import atomic_write
 from hio.worker.pipelines import imaging
 
 log = logging.getLogger("hio.worker.pipelines.samples")
@@ -110,18 +110,6 @@ REGIMES = (
 # --------------------------------------------------------------------------- files
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write a file so that a reader (or a crash) never sees half of it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _cached(out_dir: Path, request: dict[str, Any]) -> list[Path] | None:
     """The files of a previous identical generation, if all are intact."""
     try:
@@ -160,10 +148,10 @@ def _generate(out_dir: Path, request: dict[str, Any], files: list[tuple[str, byt
     paths = []
     for name, data in files:
         path = out_dir / name
-        _write_atomic(path, data)
+        atomic_write(path, data, durable=False)  # a reader never sees half a file
         paths.append(path)
     manifest = {"request": request, "files": [[name, len(data)] for name, data in files]}
-    _write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    atomic_write(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode(), durable=False)
     return paths
 
 
