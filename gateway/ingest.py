@@ -21,7 +21,7 @@ from hio.gateway.spool import SpoolWriter
 from hio.proto import ingest_pb2, ingest_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
 from hio.transport.errors import InvalidArgument, Unavailable, grpc_errors
-from hio.transport.frames import FrameReader, UnpackedFrames, idle_bounded
+from hio.transport.frames import FrameReader, idle_bounded
 
 WAIT_ATTRIBUTE = "hio.wait"
 _POLL = 0.5
@@ -49,15 +49,14 @@ class IngestReceiver:
         Tuples accepted before an error stay accepted.
         """
         config = self._gateway.config
-        stream = _MetaTracker(UnpackedFrames(frames))  # packed tuples tracked like any other
         reader = FrameReader(
-            stream, max_tuple_bytes=config.max_tuple_bytes, max_chunk_bytes=config.chunk_bytes, need_id=False
+            frames, max_tuple_bytes=config.max_tuple_bytes, max_chunk_bytes=config.chunk_bytes, need_id=False
         )
         waiting: dict[TupleFuture, int] = {}
         while True:
             self._check_accepting()
             index = reader.index
-            future, wait = self._receive_one(reader, stream)
+            future, wait = self._receive_one(reader)
             if future is None:
                 break
             yield TupleReceipt(index=index, state=TupleReceipt.ACCEPTED)
@@ -71,20 +70,15 @@ class IngestReceiver:
         if not self._accepting.is_set():
             raise Unavailable("the gateway is stopping; submit again to its next start")
 
-    def _receive_one(self, reader: FrameReader, stream: _MetaTracker) -> tuple[TupleFuture | None, bool]:
+    def _receive_one(self, reader: FrameReader) -> tuple[TupleFuture | None, bool]:
         holder: list[SpoolWriter] = []
-
-        def sink(chunk: bytes | memoryview) -> None:
-            if not holder:
-                holder.append(self._gateway.spool.writer(stream.current.size, timeout=0))
-            holder[0].write(chunk)
-
         try:
-            meta = reader.next_tuple(sink)
+            meta = reader.next_tuple(
+                lambda chunk: holder[0].write(chunk),  # noqa: PLW0108 - holder[0] exists once begin (below) ran
+                lambda meta: holder.append(self._gateway.spool.writer(meta.size, timeout=0)),
+            )
             if meta is None:
                 return None, False
-            if not holder:  # an empty tuple: nothing went through the sink
-                holder.append(self._gateway.spool.writer(0, timeout=0))
             wait = self._prepare(meta)
             entry = holder[0].commit(meta)
         except BaseException:
@@ -127,23 +121,6 @@ def _final_receipt(index: int, future: TupleFuture) -> TupleReceipt:
         return TupleReceipt(index=index, tuple_id=future.tuple_id, state=state, message=future.detail[:2000])
     tuple_id = error.tuple_id if isinstance(error, DeliveryError) else 0
     return TupleReceipt(index=index, tuple_id=tuple_id, state=TupleReceipt.FAILED, message=str(error)[:2000])
-
-
-class _MetaTracker:
-    """Passes frames through, remembering the metadata of the tuple being read."""
-
-    def __init__(self, frames: Iterable[TupleFrame]) -> None:
-        self._frames = iter(frames)
-        self.current = TupleMeta()
-
-    def __iter__(self) -> _MetaTracker:
-        return self
-
-    def __next__(self) -> TupleFrame:
-        frame = next(self._frames)
-        if frame.HasField("meta"):
-            self.current = frame.meta
-        return frame
 
 
 # Who may call what on the ingest API (an `admin` token may call anything).

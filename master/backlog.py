@@ -43,7 +43,7 @@ from hio.master.storage import Durability
 from hio.storage.files import clean_temporaries, copy_exact
 from hio.storage.segmentlog import Segment, SegmentLog
 from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from hio.transport.frames import FrameReader, TupleFrame, TupleMeta, UnpackedFrames, check_meta, crc32_of_file
+from hio.transport.frames import FrameReader, TupleFrame, TupleMeta, crc32_of_file
 
 log = logging.getLogger("hio.master")
 
@@ -197,14 +197,12 @@ class BacklogQueue:
         its bytes are on disk and verified; on any error the partial record is
         discarded and the error propagates (the stream ends).
         """
-        tap = _MetaTap(UnpackedFrames(frames))  # packed tuples show their metadata like any other
-        reader = FrameReader(tap, max_tuple_bytes=max_tuple_bytes, max_chunk_bytes=max_chunk_bytes, need_id=True)
+        reader = FrameReader(frames, max_tuple_bytes=max_tuple_bytes, max_chunk_bytes=max_chunk_bytes, need_id=True)
         while True:
             index = reader.index
-            job = _Receiving(self, max_tuple_bytes, admit)
-            tap.on_meta = job.begin
+            job = _Receiving(self, admit)
             try:
-                meta = reader.next_tuple(job.write)
+                meta = reader.next_tuple(job.write, job.begin)
                 if meta is None:
                     return
                 placement = job.commit()
@@ -794,46 +792,22 @@ class BacklogQueue:
         self._journal.rewrite(lines)
 
 
-class _MetaTap:
-    """Passes frames through, showing each tuple's metadata to ``on_meta`` first."""
-
-    def __init__(self, frames: Iterable[TupleFrame]) -> None:
-        self._frames = iter(frames)
-        self.on_meta: Callable[[TupleMeta], None] | None = None
-
-    def __iter__(self) -> _MetaTap:
-        return self
-
-    def __next__(self) -> TupleFrame:
-        frame = next(self._frames)
-        if frame.HasField("meta") and self.on_meta is not None:
-            self.on_meta(frame.meta)
-        return frame
-
-
 class _Receiving:
     """One tuple on its way in: into a segment, into the dead letters, or discarded."""
 
-    def __init__(self, queue: BacklogQueue, max_tuple_bytes: int, admit: Callable[[TupleMeta], None]) -> None:
+    def __init__(self, queue: BacklogQueue, admit: Callable[[TupleMeta], None]) -> None:
         self._queue = queue
-        self._max_tuple = max_tuple_bytes
         self._admit = admit
         self._record: RecordWriter | None = None
         self._dead: DeadWriter | None = None
-        self._began = False
-        self._duplicate = False
 
-    def begin(self, wire_meta: TupleMeta) -> None:
-        if self._began:  # a new tuple before this one's last frame: FrameReader refuses it
-            return
-        self._began = True
-        meta = TupleMeta()
-        meta.CopyFrom(wire_meta)
-        check_meta(meta, self._max_tuple, need_id=True)
+    def begin(self, meta: TupleMeta) -> None:
+        """The tuple's checked metadata, before its payload: where the payload goes (nowhere
+        for a duplicate)."""
         self._admit(meta)
         if self._queue.contains(meta.tuple_id):
-            self._duplicate = True
-        elif meta.attempt > self._queue.max_attempts:
+            return
+        if meta.attempt > self._queue.max_attempts:
             self._queue._durable.disk.check()  # a dead letter is receipted too: not onto a failed disk
             self._dead = self._queue.dead.writer(meta)
         else:

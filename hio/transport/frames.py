@@ -411,8 +411,11 @@ class FrameReader:
         """The next tuple's first frame is already in memory (packed with an earlier one)."""
         return self._frames.buffered
 
-    def next_tuple(self, sink: Callable[[bytes | memoryview], None]) -> TupleMeta | None:
+    def next_tuple(
+        self, sink: Callable[[bytes | memoryview], None], begin: Callable[[TupleMeta], None] | None = None
+    ) -> TupleMeta | None:
         """Read the next tuple, passing its chunks to ``sink``; None at the stream's end.
+        ``begin`` sees its checked metadata before any chunk (it may refuse the tuple by raising).
 
         A chunk is bytes, or a memoryview of the received message for large
         ones (:func:`parse_frame`); a sink that keeps it must copy or join it.
@@ -432,6 +435,8 @@ class FrameReader:
         meta.CopyFrom(frame.meta)
         check_meta(meta, self._max_tuple, need_id=self._need_id)
         self.reading = meta
+        if begin is not None:
+            begin(meta)
         received, value = 0, 0
         while True:
             data = frame.data
