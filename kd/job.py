@@ -30,10 +30,11 @@ import pyarrow.compute as pc
 from hio.kd.client import RepositoryClient, connection_options
 from hio.kd.config import KDConfig
 from hio.kd.model import cluster_groups, plan, to_knowledge
-from hio.kd.preview import render, write_atomic
+from hio.kd.preview import render
 from hio.kd.store import AccumulatedStore, Appended
 from hio.process.log import NOTICE
 from hio.proto import features_pb2
+from hio.storage.files import atomic_write
 from hio.transport.net import stop_on_signals
 
 log = logging.getLogger("hio.kd")
@@ -205,7 +206,8 @@ class KnowledgeJob:
             max_rows=config.preview_groups,
             title=f"[{len(groups)} groups]" if groups else "",
         )
-        write_atomic(config.preview_file, png)
+        config.preview_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(config.preview_file, png, durable=False)  # a viewer never sees half a PNG
         timings["preview"] = time.monotonic() - mark
         mark = time.monotonic()
         knowledge = to_knowledge(

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import io
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hio.kd.model import Clustering, GroupResult
 from hio.kd.store import Group
-from hio.storage.files import atomic_write
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -118,9 +116,3 @@ def render(
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` so a viewer never sees half a PNG."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, data, durable=False)

@@ -1,6 +1,5 @@
-"""Retrying calls that may succeed later: only UNAVAILABLE and RESOURCE_EXHAUSTED
-(plus DATA_LOSS for resends of damaged tuples when the caller asks), with full
-jitter exponential backoff, honouring the server's retry hint."""
+"""Retrying calls that may succeed later: only UNAVAILABLE and RESOURCE_EXHAUSTED, with
+full jitter exponential backoff, honouring the server's retry hint."""
 
 from __future__ import annotations
 
@@ -37,13 +36,7 @@ class Backoff:
         self.attempt = 0
 
 
-def call_with_retry(
-    fn: Callable[[], T],
-    *,
-    deadline: float = 60.0,
-    retryable: frozenset[grpc.StatusCode] = RETRYABLE,
-    on_retry: Callable[[grpc.RpcError], None] | None = None,
-) -> T:
+def call_with_retry(fn: Callable[[], T], *, deadline: float = 60.0) -> T:
     """Call ``fn`` until it succeeds, a non-retryable status arrives, or ``deadline`` s pass
     (the last wait ends at the deadline, so callers can count on it)."""
     end = time.monotonic() + deadline
@@ -54,8 +47,6 @@ def call_with_retry(
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             left = end - time.monotonic()
-            if code not in retryable or left <= 0:
+            if code not in RETRYABLE or left <= 0:
                 raise
-            if on_retry:
-                on_retry(exc)
             time.sleep(min(backoff.delay(retry_after(exc)), left))  # never sleep past the deadline
