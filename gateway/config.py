@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import ClassVar
 
-from hio.config import ConfigError, positive, setting
+from hio.config import FSYNC_POLICIES, ConfigError, one_of, positive, setting
 from hio.settings import SERVER_SETTINGS, ClusterSettings, MiB
 
 GiB = 1024 * MiB
@@ -155,8 +155,7 @@ class GatewayConfig(ClusterSettings):
             raise ConfigError(f"streams must be at most 256, got {self.streams}")
         if not 0 <= self.route_wait_seconds <= 30:
             raise ConfigError(f"route_wait_seconds must be between 0 and 30, got {self.route_wait_seconds}")
-        if self.spool_fsync not in ("always", "batch", "never"):
-            raise ConfigError(f"spool_fsync must be always, batch or never, got {self.spool_fsync!r}")
+        one_of("spool_fsync", self.spool_fsync, FSYNC_POLICIES)
         if not 0 <= self.pack_bytes <= 8 * MiB:
             raise ConfigError(f"pack_bytes must be between 0 and 8 MiB, got {self.pack_bytes}")
         if self.spool_bytes < self.chunk_bytes:

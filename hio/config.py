@@ -42,6 +42,7 @@ class _Dataclass(Protocol):
 C = TypeVar("C", bound=_Dataclass)
 
 CONFIG_ENV = "HIO_CONFIG"
+FSYNC_POLICIES = ("always", "batch", "never")  # when a durable store's bytes reach the disk
 
 
 class ConfigError(ValueError):
@@ -380,6 +381,12 @@ def positive(name: str, value: float) -> None:
     """Refuse a bound that must be positive."""
     if value <= 0:
         raise ConfigError(f"{name} must be positive, got {value}")
+
+
+def one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Refuse a value that is none of ``choices``."""
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def state_dir(base: str, role: str) -> Path:

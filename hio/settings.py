@@ -13,6 +13,8 @@ MiB = 1024 * 1024
 # The repository's default bound on one feature record decompressed; an engine refuses
 # features over it before compressing them (the repository would refuse the record).
 FEATURE_RECORD_DECOMPRESSED_BYTES = 64 * MiB
+#: The images hio's own pipelines process (``hio.worker.pipelines``): a master always accepts them.
+BUILTIN_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
 
 
 #: Settings only a server uses: a command that only calls roles (hio status, hio send)

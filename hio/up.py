@@ -23,11 +23,12 @@ from pathlib import Path
 import zstandard
 
 from hio.cluster import LocalCluster
-from hio.config import ConfigError, setting
+from hio.config import one_of, setting
 from hio.process.procs import RoleProcess
 from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
 from hio.settings import ClusterSettings
 from hio.transport.net import create_channel
+from hio.worker.config import RUNTIMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +46,7 @@ class UpConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
-        if self.runtime not in ("auto", "process", "docker"):
-            raise ConfigError(f"runtime must be auto, process or docker, got {self.runtime!r}")
+        one_of("runtime", self.runtime, RUNTIMES)
 
 
 def _say(message: str) -> None:

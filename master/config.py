@@ -6,15 +6,22 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hio.config import ConfigError, check_address, lane_listen_address, positive, same_port, setting
-from hio.settings import ClusterSettings
+from hio.config import (
+    FSYNC_POLICIES,
+    ConfigError,
+    check_address,
+    lane_listen_address,
+    one_of,
+    positive,
+    same_port,
+    setting,
+)
+from hio.settings import BUILTIN_IMAGES, ClusterSettings
 
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-BUILTIN_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
-FSYNC_POLICIES = ("batch", "always", "never")
 MAX_EXPIRY_SECONDS = 10.0
 
 
@@ -90,8 +97,7 @@ class MasterConfig(ClusterSettings):
             raise ConfigError(f"queue_memory_bytes must not be negative, got {self.queue_memory_bytes}")
         if not MiB <= self.segment_bytes <= GiB:
             raise ConfigError(f"segment_bytes must be between 1 MiB and 1 GiB, got {self.segment_bytes}")
-        if self.fsync not in FSYNC_POLICIES:
-            raise ConfigError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got {self.fsync!r}")
+        one_of("fsync", self.fsync, FSYNC_POLICIES)
         if self.expiry_seconds > MAX_EXPIRY_SECONDS:
             raise ConfigError(f"expiry_seconds must be at most {MAX_EXPIRY_SECONDS:g}, got {self.expiry_seconds}")
         if self.expiry_seconds <= self.heartbeat_interval:

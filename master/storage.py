@@ -6,8 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
+from hio.config import FSYNC_POLICIES
 from hio.storage.files import DiskFailure
-from hio.storage.segmentlog import POLICIES, UNSYNCED_BYTES, SegmentLog
+from hio.storage.segmentlog import UNSYNCED_BYTES, SegmentLog
 
 BATCH_INTERVAL = 0.1  # seconds: 'batch' fsyncs what waits at most this often
 
@@ -20,7 +21,7 @@ class Durability:
     segment logs that :meth:`attach` named, at most every ``interval`` seconds."""
 
     def __init__(self, policy: str, interval: float = BATCH_INTERVAL, unsynced_bytes: int = UNSYNCED_BYTES) -> None:
-        if policy not in POLICIES:
+        if policy not in FSYNC_POLICIES:
             raise ValueError(f"unknown fsync policy {policy!r}")
         self.policy = policy
         self.disk = DiskFailure(disk="the backlog's disk", owner="master")

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from hio.config import ConfigError, check_address, positive, setting
+from hio.config import FSYNC_POLICIES, ConfigError, check_address, one_of, positive, setting
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, ClusterSettings, MiB
-
-FSYNC_MODES = ("batch", "always", "never")
 
 # Bytes of a PutFeatures/ReadFeatures message beyond the record itself (the engine keeps the same).
 RECORD_HEADROOM = 64 * 1024
@@ -51,8 +49,7 @@ class RepositoryConfig(ClusterSettings):
         self.validate_serving()
         check_address("listen", self.listen)
         check_address("http_listen", self.http_listen, allow_empty=True)
-        if self.fsync not in FSYNC_MODES:
-            raise ConfigError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {self.fsync!r}")
+        one_of("fsync", self.fsync, FSYNC_POLICIES)
         if self.fsync_interval_ms < 0 or self.fsync_interval_ms > 10_000:
             raise ConfigError(f"fsync_interval_ms must be between 0 and 10000, got {self.fsync_interval_ms}")
         for name in (

@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from hio.repository.config import FSYNC_MODES
 from hio.repository.index import Location, OffsetIndex
 from hio.repository.segments import HEADER, MAGIC, NAMING, decode_record, encode_record, record_follows, scan_segment
 from hio.storage.files import DiskFailure, lock_folder
@@ -110,8 +109,6 @@ class FeatureLog:
     def __init__(
         self, folder: Path, disk: DiskFailure, *, segment_bytes: int, fsync: str = "batch", fsync_interval: float = 0.0
     ) -> None:
-        if fsync not in FSYNC_MODES:
-            raise ValueError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
         self._folder = folder
         self._segment_bytes = segment_bytes
         self._mode = fsync

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hio.config import ConfigError
+from hio.settings import BUILTIN_IMAGES
 
-BUILTIN_PIPELINES = ("microscopy", "simulation", "synthetic")
 # An engine whose pipeline cannot be loaded exits with this (EX_CONFIG) after one line saying why:
 # its worker shows that line as the channel's state, and does not take it for a port in use.
 PIPELINE_EXIT_CODE = 78
@@ -108,10 +108,9 @@ def pipeline_for_image(image: str, extra_mappings: tuple[str, ...] | list[str] =
             raise ConfigError(f"pipeline mapping {mapping!r} must look like IMAGE=module:function")
         if name.strip() == image:
             return spec.strip()
-    prefix, _, name = image.partition("/")
-    if prefix == "hio" and name in BUILTIN_PIPELINES:
-        return f"hio.worker.pipelines.{name}:process"
-    known = [f"hio/{n}" for n in BUILTIN_PIPELINES] + [m.partition("=")[0].strip() for m in extra_mappings]
+    if image in BUILTIN_IMAGES:
+        return f"hio.worker.pipelines.{image.removeprefix('hio/')}:process"
+    known = [*BUILTIN_IMAGES, *(m.partition("=")[0].strip() for m in extra_mappings)]
     raise ConfigError(
         f"no pipeline for image {image!r}; known images: {', '.join(known)} "
         '(add one with pipelines = ["IMAGE=module:function"])'

@@ -21,10 +21,9 @@ import os
 import socket
 from typing import ClassVar
 
-from hio.config import ConfigError, PassedOn, as_text, check_address, parse_assignments, positive, setting
-from hio.settings import ClusterSettings
+from hio.config import ConfigError, PassedOn, as_text, check_address, one_of, parse_assignments, positive, setting
+from hio.settings import BUILTIN_IMAGES, ClusterSettings
 
-DEFAULT_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
 RUNTIMES = ("auto", "process", "docker")
 # Engine settings the worker decides for each engine it starts (not passed on from [engine]).
 ENGINE_SLOT_SETTINGS = ("channel_id", "image", "pipeline", "listen", "lane_listen", "parent_pid")
@@ -59,7 +58,13 @@ class EngineSettings(ClusterSettings):
         "once idle",
     )
 
-    def validate_pull_batch(self) -> None:
+    def validate_shared(self) -> None:
+        """The checks of these settings, the worker's and each engine's."""
+        positive("pull_wait", self.pull_wait)
+        positive("max_attempts", self.max_attempts)
+        positive("grace_seconds", self.grace_seconds)
+        if self.tuple_timeout < 0:
+            raise ConfigError(f"tuple_timeout must be 0 (no limit) or positive, got {self.tuple_timeout}")
         if not (math.isfinite(self.pull_batch_seconds) and 0 <= self.pull_batch_seconds <= 3600):
             raise ConfigError(
                 f"pull_batch_seconds must be 0 (one at a time) or up to 3600, got {self.pull_batch_seconds}"
@@ -79,7 +84,7 @@ class WorkerConfig(EngineSettings):
         "", "port range engines listen in, e.g. 20000-21000 (for firewalls); empty = any free port"
     )
     engines: tuple[str, ...] = setting(
-        DEFAULT_IMAGES,
+        BUILTIN_IMAGES,
         "engines to run: IMAGE or IMAGE=COUNT; without a count an image gets cpus / len(engines), at least 1",
     )
     cpus: int = setting(0, "CPUs this worker offers; 0 = all of this machine's")
@@ -134,8 +139,7 @@ class WorkerConfig(EngineSettings):
         self.validate_cluster()
         self.validate_serving()
         self.engine_overrides()
-        if self.runtime not in RUNTIMES:
-            raise ConfigError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+        one_of("runtime", self.runtime, RUNTIMES)
         if not self.engines:
             raise ConfigError("engines is empty: name at least one IMAGE or IMAGE=COUNT")
         engine_counts(self.engines, self.effective_cpus())
@@ -149,12 +153,7 @@ class WorkerConfig(EngineSettings):
             raise ConfigError(f"engine_memory_bytes must be 0 (no limit) or positive, got {self.engine_memory_bytes}")
         positive("engine_cpus", self.engine_cpus)
         positive("restart_backoff_max", self.restart_backoff_max)
-        positive("pull_wait", self.pull_wait)
-        positive("max_attempts", self.max_attempts)
-        positive("grace_seconds", self.grace_seconds)
-        if self.tuple_timeout < 0:
-            raise ConfigError(f"tuple_timeout must be 0 (no limit) or positive, got {self.tuple_timeout}")
-        self.validate_pull_batch()
+        self.validate_shared()
         self.engine_port_range()
         if "/" in self.worker_id or any(c.isspace() for c in self.worker_id):
             raise ConfigError(f"worker_id {self.worker_id!r} must not contain '/' or spaces")
@@ -251,13 +250,8 @@ class EngineConfig(EngineSettings):
         check_address("lane_listen", self.lane_listen, allow_empty=True)
         if self.pipeline and ":" not in self.pipeline:
             raise ConfigError(f"pipeline must look like module:function, got {self.pipeline!r}")
-        if self.tuple_timeout < 0:
-            raise ConfigError(f"tuple_timeout must be 0 (no limit) or positive, got {self.tuple_timeout}")
+        self.validate_shared()
         positive("store_batch_records", self.store_batch_records)
         positive("store_pending_records", self.store_pending_records)
-        self.validate_pull_batch()
-        positive("pull_wait", self.pull_wait)
-        positive("max_attempts", self.max_attempts)
         positive("reservation_seconds", self.reservation_seconds)
-        positive("grace_seconds", self.grace_seconds)
         positive("rpc_deadline", self.rpc_deadline)

@@ -40,12 +40,12 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from hio.config import FSYNC_POLICIES
 from hio.storage.files import DiskFailure, write_all
 from hio.transport.errors import Unavailable
 
 log = logging.getLogger("hio.segmentlog")
 
-POLICIES = ("always", "batch", "never")
 UNSYNCED_BYTES = 256 * 1024 * 1024  # 'batch': what may wait for the disk (about a second of it)
 JOIN_BYTES = 64 * 1024  # parts of a record up to this size are written with one call
 
@@ -94,7 +94,7 @@ class SegmentLog:
         segment_bytes: int = 0,
         header: bytes = b"",
     ) -> None:
-        if fsync not in POLICIES:
+        if fsync not in FSYNC_POLICIES:
             raise ValueError(f"unknown fsync policy {fsync!r}")
         self.folder = Path(folder)
         self.naming = naming

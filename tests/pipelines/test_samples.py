@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hio.worker import pipelines
+from hio.settings import BUILTIN_IMAGES
+from hio.worker.api import pipeline_for_image
 from hio.worker.pipelines import microscopy, samples, simulation
 from tests.pipelines.conftest import Info
 
@@ -86,7 +87,7 @@ def test_demo_dataset_layout(demo: tuple[list[tuple[Path, str]], float]) -> None
     images = [p for p, image in files if image == samples.MICROSCOPY_IMAGE]
     realizations = [p for p, image in files if image == samples.SIMULATION_IMAGE]
     assert len(images) == samples.DEMO_IMAGES and len(realizations) == samples.DEMO_REALIZATIONS
-    assert {image for _, image in files} <= set(pipelines.BUILTIN)
+    assert {image for _, image in files} <= set(BUILTIN_IMAGES)
     assert all(p.parent.name == "microscopy" for p in images)
     assert any(p.suffix == ".png" for p in images) and any(p.suffix == ".tif" for p in images)
     assert all(1_000_000 <= p.stat().st_size <= 6_000_000 for p in realizations)
@@ -121,8 +122,8 @@ def test_demo_realizations_have_features(demo: tuple[list[tuple[Path, str]], flo
 def test_builtin_pipelines_resolve() -> None:
     import importlib
 
-    for image, target in pipelines.BUILTIN.items():
-        module_name, _, function = target.partition(":")
+    for image in BUILTIN_IMAGES:
+        module_name, _, function = pipeline_for_image(image).partition(":")
         module = importlib.import_module(module_name)
         assert callable(getattr(module, function)), image
         assert all(isinstance(name, str) for name in getattr(module, "KD_FEATURES", []))

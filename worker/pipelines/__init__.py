@@ -18,7 +18,8 @@ engine reports that tuple as failed, and the message is what an operator
 sees. Built-ins use only numpy, Pillow and the standard library (scipy, when
 installed, only speeds up connected-component labelling).
 
-Built-in pipelines (image name -> ``module:function``), in :data:`BUILTIN`:
+Built-in pipelines (image name -> module, whose ``process`` it calls:
+:func:`hio.worker.api.pipeline_for_image`):
 
 * ``hio/microscopy``: :mod:`hio.worker.pipelines.microscopy`, TIFF/PNG
   fluorescence images: intensity statistics, focus measures, segmented objects.
@@ -34,9 +35,3 @@ dataset (``generate_demo_dataset``) that the demo and the benchmarks stream.
 :mod:`hio.worker.pipelines.params` (bounded per-tuple attributes) are what the
 built-ins share; they are not pipelines.
 """
-
-BUILTIN: dict[str, str] = {
-    "hio/microscopy": "hio.worker.pipelines.microscopy:process",
-    "hio/simulation": "hio.worker.pipelines.simulation:process",
-    "hio/synthetic": "hio.worker.pipelines.synthetic:process",
-}
