@@ -159,7 +159,6 @@ class BacklogQueue:
         self._segments = self._log.segments  # segment id -> segment (live: seqs)
         self._acked: dict[int, list[int]] = {}  # segment id -> seqs the journal ACKs
         self._held: set[int] = set()  # ids of the segments a writer appends to right now
-        durability.attach(self._log)
         self._entries: dict[int, Entry] = {}  # tuple id -> live entry
         self._ready: dict[str, collections.OrderedDict[int, Entry]] = {}
         self._leased: dict[int, Entry] = {}
@@ -179,6 +178,8 @@ class BacklogQueue:
         self._closed = False
         self._journal = Journal(self.root / "journal.q", self._log, durability)
         self._recover()
+        if durability.policy == "batch":  # the segments and the journal
+            self._log.start_flusher(durability.interval, "backlog-fsync")
 
     # ---- receiving ---------------------------------------------------------------
 
@@ -685,9 +686,14 @@ class BacklogQueue:
 
     # ---- durability and lifecycle ------------------------------------------------
 
-    def flush_due(self) -> None:
-        """Fsync what the 'batch' policy has pending (the maintenance thread calls this)."""
-        self._durable.flush_due()
+    def flush(self) -> None:
+        """One fsync round now (what 'batch' runs every ``interval``)."""
+        self._log.flush_round()
+
+    @property
+    def unsynced_bytes(self) -> int:
+        """'batch': bytes admitted or appended that wait for an fsync round."""
+        return self._log.unsynced
 
     def _durable_journal(self) -> None:
         # Under the lock so a compaction cannot swap the descriptor meanwhile; the

@@ -45,7 +45,6 @@ MAX_PULL_WAIT = 30.0
 MAX_PULL_TUPLES = 1024  # tuples one PullTuple may lease
 MAX_PULL_BYTES = 64 * 1024 * 1024
 PULL_PACK_BYTES = 1024 * 1024  # small pulled tuples travel packed, this much per message
-TICK_SECONDS = 0.1  # maintenance: fsync batches
 EXPIRY_EVERY = 0.25  # maintenance: worker expiry, reservations, leases
 QUEUE_FULL_WARNING = 0.9
 
@@ -174,7 +173,7 @@ class Master:
     # ---- lifecycle ---------------------------------------------------------------
 
     def start(self) -> Master:
-        """Start the maintenance thread (expiry, lease expiry, fsync batches)."""
+        """Start the maintenance thread (expiry of workers, reservations and leases)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._maintain, name="hio-master-maintenance", daemon=True)
             self._thread.start()
@@ -205,14 +204,9 @@ class Master:
             self._lock_fd = None
 
     def _maintain(self) -> None:
-        last_expiry = 0.0
-        while not self._stop.wait(TICK_SECONDS):
+        while not self._stop.wait(EXPIRY_EVERY):
             try:
-                self.queue.flush_due()
-                now = time.monotonic()
-                if now - last_expiry >= EXPIRY_EVERY:
-                    last_expiry = now
-                    self.expire()
+                self.expire()
             except Exception:  # the maintenance thread must survive anything
                 log.exception("maintenance pass failed")
 

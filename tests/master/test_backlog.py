@@ -390,16 +390,16 @@ def test_concurrent_streams_never_interleave_records(tmp_path: Path) -> None:
 
 
 class _Rounds:
-    """Runs flush rounds every 20 ms, as the master's maintenance thread does every 100 ms."""
+    """Runs flush rounds every 20 ms, more often than the queue's own every 100 ms."""
 
-    def __init__(self, durability: Durability) -> None:
-        self._durability = durability
+    def __init__(self, queue: BacklogQueue) -> None:
+        self._queue = queue
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self._durability.flush_due(force=True)
+            self._queue.flush()
 
     def __enter__(self) -> Self:
         self._thread.start()
@@ -428,16 +428,16 @@ def test_batch_never_syncs_a_sealed_segment_whose_tuples_were_done_before_its_ro
         put(q, frames(tid, payload(tid, 3000)))
     segments = _segments(tmp_path)
     assert len(segments) == 3  # 1 2 | 3 4 | 5: a segment is sealed past 4096 bytes
-    assert 15000 < durability.unsynced_bytes < 16000  # the five records, payloads and framing
+    assert 15000 < q.unsynced_bytes < 16000  # the five records, payloads and framing
     assert not [p for p in disk.synced if "/seg-" in p], "sealing does not sync on the receiving thread"
     for _ in range(2):  # tuples 1 and 2 are done: their segment is deleted
         tid, _, _ = take(q)
         assert q.ack(tid, "w/0")
     assert not Path(segments[0]).exists()
-    durability.flush_due(force=True)
+    q.flush()
     assert segments[0] not in disk.synced
     assert segments[1] in disk.synced and segments[2] in disk.synced
-    assert durability.unsynced_bytes == 0
+    assert q.unsynced_bytes == 0
     q.close()
     q = open_queue(tmp_path)
     assert [take(q)[0] for _ in range(3)] == [3, 4, 5]
@@ -451,18 +451,18 @@ def test_batch_holds_senders_while_the_disk_lags_and_lets_them_go_once_synced(
     concurrent senders included (a tuple counts when admitted, not once written), so a power
     loss never costs more than that."""
     disk = FsyncDisk(monkeypatch)
-    durability = Durability("batch", unsynced_bytes=7000)
+    durability = Durability("batch", unsynced_limit=7000)
     q = open_queue(tmp_path, durability=durability)
     put(q, frames(1, payload(1, 3000)))
     put(q, frames(2, payload(2, 3000)))  # 6000 <= 7000
     disk.open.clear()  # the disk stalls
-    with _Rounds(durability):
+    with _Rounds(q):
         senders = [threading.Thread(target=put, args=(q, frames(tid, payload(tid, 3000)))) for tid in (3, 4, 5, 6)]
         for sender in senders:
             sender.start()
         senders[0].join(0.5)
         assert all(s.is_alive() for s in senders) and q.length() == 2, "the senders wait for the disk"
-        assert 6000 < durability.unsynced_bytes <= 7000  # the two records, payloads and framing
+        assert 6000 < q.unsynced_bytes <= 7000  # the two records, payloads and framing
         disk.open.set()
         for sender in senders:
             sender.join(10)
@@ -479,18 +479,18 @@ def test_batch_takes_no_new_tuple_after_a_failed_fsync_until_restarted(
     master restarts, also once the disk syncs again; the tuples queued before are still
     handed out, and survive the restart, which takes new ones."""
     disk = FsyncDisk(monkeypatch)
-    durability = Durability("batch", unsynced_bytes=7000)
+    durability = Durability("batch", unsynced_limit=7000)
     q = open_queue(tmp_path, durability=durability)
     put(q, frames(1, payload(1, 3000)))
     put(q, frames(2, payload(2, 3000)))
     disk.error = OSError(errno.EIO, "Input/output error")
     refusal = r"backlog's disk failed to sync at .*\(Input/output error\).*restart the master"
-    with _Rounds(durability):
+    with _Rounds(q):
         with pytest.raises(FailedPrecondition, match=refusal) as held:
             put(q, frames(3, payload(3, 3000)))
         assert held.value.retry_after
         disk.error = None
-        wait_for(lambda: durability.unsynced_bytes == 0, timeout=10, what="a round that syncs")
+        wait_for(lambda: q.unsynced_bytes == 0, timeout=10, what="a round that syncs")
         with pytest.raises(FailedPrecondition, match=refusal):
             put(q, frames(4, payload(4, 30)))  # well within the bound: refused all the same
     assert q.length() == 2
@@ -657,11 +657,11 @@ def test_batch_syncs_a_requeue_s_journal_entry_like_an_ack(tmp_path: Path, monke
     durability = Durability("batch", interval=3600.0)  # this test runs the rounds by hand
     q = open_queue(tmp_path, durability=durability)
     put(q, frames(1, payload(1)))
-    durability.flush_due(force=True)
+    q.flush()
     disk.synced.clear()
     assert take(q)[0] == 1
     assert q.fail(1, "w/0", "bad pixels")
-    durability.flush_due(force=True)
+    q.flush()
     assert str(tmp_path / "queue" / "journal.q") in disk.synced
     q.close()
 
@@ -672,10 +672,10 @@ def test_a_tuple_that_can_never_fit_is_refused_without_waiting_for_the_disk(
     """The cheap refusals come before the wait for the disk: a tuple larger than the queue
     bound is refused at once even while the disk is behind, holding nothing meanwhile."""
     disk = FsyncDisk(monkeypatch)
-    durability = Durability("batch", unsynced_bytes=7000)
+    durability = Durability("batch", unsynced_limit=7000)
     q = open_queue(tmp_path, durability=durability, queue_bytes=10_000)
     put(q, frames(1, payload(1, 6000)))
-    behind = durability.unsynced_bytes
+    behind = q.unsynced_bytes
     disk.open.clear()  # the disk stalls: nothing more fits the budget
     refused: list[BaseException] = []
 
@@ -690,7 +690,7 @@ def test_a_tuple_that_can_never_fit_is_refused_without_waiting_for_the_disk(
     sender.join(5)
     disk.open.set()
     assert not sender.is_alive() and isinstance(refused[0], InvalidArgument)
-    assert "can never fit" in str(refused[0]) and durability.unsynced_bytes == behind
+    assert "can never fit" in str(refused[0]) and q.unsynced_bytes == behind
     q.close()
 
 
