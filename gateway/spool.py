@@ -543,21 +543,13 @@ class Spool:
 
     # -- updating and removing ----------------------------------------------------
 
-    def update(self, entry: SpoolEntry) -> None:
-        """Persist the entry's metadata (id, ticket, attempt)."""
-        self.update_many([entry])
-
     def update_many(self, entries: list[SpoolEntry]) -> None:
-        """Persist several entries' metadata with one append."""
+        """Persist entries' metadata (id, ticket, attempt) with one append."""
         with self._append_lock:
             with self._cond:
                 live = [e for e in entries if self._entries.get(e.seq) is e]
             if live:
                 self._append([b"".join(_record(META, e.seq, _meta_bytes(e.meta)) for e in live)])
-
-    def remove(self, entry: SpoolEntry) -> None:
-        """Forget a delivered tuple (see :meth:`remove_many`)."""
-        self.remove_many([entry])
 
     def remove_many(self, entries: list[SpoolEntry]) -> None:
         """Forget delivered tuples: their DONE records in one append, then their payload

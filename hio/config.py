@@ -335,6 +335,11 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def local_host(listen_host: str) -> str:
+    """The address this machine reaches a server on, given the host it listens on."""
+    return "127.0.0.1" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
+
+
 def lane_beside(address: str, port: int) -> str:
     """The lane at ``port`` on the host of ``address`` (how a sender reaches a server's lane
     when the server names only its port: the host is the one the sender reached it at)."""

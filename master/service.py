@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hio.master.backlog import Placement
-from hio.master.core import PULL_PACK_BYTES, Master, Outcome, RouteItem, Status
+from hio.master.core import PULL_PACK_BYTES, Master, Outcome, Pulled, RouteItem, Status
 from hio.master.deadletters import DeadLetter
 from hio.master.registry import ChannelSpec
 from hio.master.routing import DirectRoute
@@ -131,13 +131,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
             request = master_pb2.PullTupleRequest.FromString(request_bytes)
         except DecodeError as exc:
             raise InvalidArgument(f"unreadable PullTupleRequest: {exc}") from None
-        pulled = self._master.pull(
-            request.channel_id,
-            request.wait_seconds,
-            max_tuples=request.max_tuples,
-            max_bytes=request.max_bytes,
-            alive=alive,
-        )
+        pulled = self._pull(request, alive)
         if pulled is None:
             return
         if not alive():
@@ -151,15 +145,18 @@ class MasterService(master_pb2_grpc.MasterServicer):
             if not finished:
                 pulled.abandon("pull stream cancelled")
 
-    @grpc_errors
-    def PullTuple(self, request: master_pb2.PullTupleRequest, context: grpc.ServicerContext) -> Iterator[WireFrame]:
-        pulled = self._master.pull(
+    def _pull(self, request: master_pb2.PullTupleRequest, alive: Callable[[], bool]) -> Pulled | None:
+        return self._master.pull(
             request.channel_id,
             request.wait_seconds,
             max_tuples=request.max_tuples,
             max_bytes=request.max_bytes,
-            alive=context.is_active,
+            alive=alive,
         )
+
+    @grpc_errors
+    def PullTuple(self, request: master_pb2.PullTupleRequest, context: grpc.ServicerContext) -> Iterator[WireFrame]:
+        pulled = self._pull(request, context.is_active)
         if pulled is None:
             return
         finished = threading.Event()

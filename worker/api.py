@@ -96,11 +96,12 @@ def load_pipeline(spec: str) -> Pipeline:
     return Pipeline(spec=spec, process=func, kd_features=tuple(kd))
 
 
-def pipeline_for_image(image: str, extra_mappings: tuple[str, ...] | list[str] = ()) -> str:
+def pipeline_for_image(image: str, extra_mappings: tuple[str, ...] | list[str] = (), *, builtin: bool = True) -> str:
     """The ``module:function`` that processes ``image``.
 
     Extra ``IMAGE=module:function`` mappings win over the built-ins
-    ``hio/<name>`` → ``hio.worker.pipelines.<name>:process``.
+    ``hio/<name>`` → ``hio.worker.pipelines.<name>:process``. Without ``builtin`` (engines in
+    containers: an image names its own pipeline), '' when no mapping names the image.
     """
     for mapping in extra_mappings:
         name, sep, spec = mapping.partition("=")
@@ -108,6 +109,8 @@ def pipeline_for_image(image: str, extra_mappings: tuple[str, ...] | list[str] =
             raise ConfigError(f"pipeline mapping {mapping!r} must look like IMAGE=module:function")
         if name.strip() == image:
             return spec.strip()
+    if not builtin:
+        return ""
     if image in BUILTIN_IMAGES:
         return f"hio.worker.pipelines.{image.removeprefix('hio/')}:process"
     known = [*BUILTIN_IMAGES, *(m.partition("=")[0].strip() for m in extra_mappings)]

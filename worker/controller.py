@@ -24,6 +24,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hio.config import local_host
 from hio.process.log import NOTICE
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.transport.net import ROLE_SERVICES, connect_hint, create_channel, stop_on_signals
@@ -87,11 +88,6 @@ def _engine_health(stub: health_pb2_grpc.HealthStub, channel_id: str) -> health_
             extra={"channel": channel_id},
         )
     return reply
-
-
-def local_host(listen_host: str) -> str:
-    """The address this machine reaches an engine on, given the host it listens on."""
-    return "127.0.0.1" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
 
 
 def engine_env(
@@ -295,7 +291,7 @@ class Controller:
         local = isinstance(self._launcher, ProcessLauncher)
         slots: list[EngineSlot] = []
         for image, count in counts:
-            pipeline = pipeline_for_image(image, self._config.pipelines) if local else self._extra_pipeline(image)
+            pipeline = pipeline_for_image(image, self._config.pipelines, builtin=local)
             for _ in range(count):
                 port = self._free_port(slots)
                 slots.append(
@@ -331,13 +327,6 @@ class Controller:
             )
             return False
         return True
-
-    def _extra_pipeline(self, image: str) -> str:
-        for mapping in self._config.pipelines:
-            name, _, spec = mapping.partition("=")
-            if name.strip() == image:
-                return spec.strip()
-        return ""
 
     @property
     def slots(self) -> list[EngineSlot]:

@@ -36,6 +36,7 @@ from typing import Any
 import docker
 import docker.errors
 
+from hio import images
 from hio.worker.config import WorkerConfig
 from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec
 
@@ -118,18 +119,10 @@ class DockerLauncher(EngineLauncher):
         self._client = client or _shared_client()
         self._seen_healthy: set[str] = set()  # container ids Docker has reported healthy
 
-    @property
-    def worker_id(self) -> str:
-        return self._worker_id
-
     @classmethod
     def has_image(cls, image: str) -> bool:
         """Is ``image`` in the local image store? Never asks a registry."""
-        try:
-            _shared_client().images.get(image)
-            return True
-        except docker.errors.ImageNotFound:
-            return False
+        return images.has_image(_shared_client(), image)
 
     # ------------------------------------------------------------ start
 

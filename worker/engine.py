@@ -93,12 +93,6 @@ def truncate(text: str, limit: int = LAST_ERROR_BYTES) -> str:
     return text if len(data) <= limit else data[:limit].decode("utf-8", errors="ignore")
 
 
-def _as_tuple_frames(frames: Iterable[TupleFrame | ChunkFrame]) -> Iterable[TupleFrame]:
-    """The frames as :class:`FrameReader` is typed to take them: a ChunkFrame reads like a
-    TupleFrame there (``meta``, ``data``, ``last``, ``packed``, ``HasField``)."""
-    return cast("Iterable[TupleFrame]", frames)
-
-
 @dataclasses.dataclass
 class _Job:
     """The tuple being processed, as the watchdog sees it."""
@@ -550,6 +544,16 @@ class Engine:
         if pull_queue:
             log.debug("master has queued work", extra={"channel": self._channel})
 
+    def _reader(self, frames: Iterable[TupleFrame | ChunkFrame], max_chunk_bytes: int | None) -> FrameReader:
+        """A reader of a stream of tuples for this engine (a ChunkFrame reads like a TupleFrame
+        there); ``max_chunk_bytes``: the largest frame payload, by default a gRPC message's."""
+        return FrameReader(
+            cast("Iterable[TupleFrame]", frames),
+            max_tuple_bytes=self._config.max_tuple_bytes,
+            max_chunk_bytes=max_chunk_bytes or message_limit(self._config),
+            need_id=True,
+        )
+
     # ---- direct delivery
 
     def deliver(
@@ -568,12 +572,7 @@ class Engine:
         """
         self._claim("deliver")
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        reader = FrameReader(
-            _as_tuple_frames(frames),
-            max_tuple_bytes=self._config.max_tuple_bytes,
-            max_chunk_bytes=max_chunk_bytes or message_limit(self._config),
-            need_id=True,
-        )
+        reader = self._reader(frames, max_chunk_bytes)
         handover = _Handover(self._hand_over)
         prefetch = _Prefetcher(reader, events.put, handover)
         storer = _BatchStorer(
@@ -1074,12 +1073,7 @@ class Engine:
     def _read_pulled(
         self, frames: Iterable[TupleFrame | ChunkFrame], first_meta: TupleMeta, *, max_chunk_bytes: int | None = None
     ) -> list[tuple[TupleMeta, bytes]]:
-        reader = FrameReader(
-            _as_tuple_frames(frames),
-            max_tuple_bytes=self._config.max_tuple_bytes,
-            max_chunk_bytes=max_chunk_bytes or message_limit(self._config),
-            need_id=True,
-        )
+        reader = self._reader(frames, max_chunk_bytes)
         pulled: list[tuple[TupleMeta, bytes]] = []
         try:
             while (item := reader.next_tuple_bytes()) is not None:

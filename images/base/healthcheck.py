@@ -15,14 +15,6 @@ import sys
 PROBE_SECONDS = float(os.environ.get("HIO_HEALTH_PROBE_SECONDS", "3"))
 
 
-def probe_address(listen: str) -> str:
-    """The address to probe for a listen address like 0.0.0.0:7400 or [::]:7400."""
-    host, _, port = listen.rpartition(":")
-    if host in ("", "0.0.0.0", "[::]", "::"):
-        host = "127.0.0.1"
-    return f"{host}:{port}"
-
-
 def main() -> int:
     listen = os.environ.get("HIO_ENGINE_LISTEN", "")
     if not listen.rpartition(":")[2].isdigit():
@@ -34,7 +26,9 @@ def main() -> int:
 
     settings = config.build(ClusterSettings, "engine")
     try:
-        wait_healthy(probe_address(listen), settings, timeout=PROBE_SECONDS, service=ROLE_SERVICES["engine"])
+        host, _, port = listen.rpartition(":")
+        address = f"{config.local_host(host)}:{port}"  # a wildcard listen address is reachable on loopback
+        wait_healthy(address, settings, timeout=PROBE_SECONDS, service=ROLE_SERVICES["engine"])
     except TimeoutError as exc:
         print(f"healthcheck: {exc}", file=sys.stderr)
         return 1

@@ -632,7 +632,7 @@ def test_a_spooled_tuple_whose_id_the_master_never_issued_is_sent_as_a_new_tuple
         gw.submit(b"kept through a master reset", image=IMAGE, name="orphan")
         entry = gw.spool.entries()[0]
         entry.meta.tuple_id, entry.meta.ticket = 10**15, b"not-a-ticket"  # an id from another master
-        gw.spool.update(entry)
+        gw.spool.update_many([entry])
         gw.close(timeout=0.2, drain=False)
     with Gateway(config) as gw:
         assert gw.resumed == 1

@@ -50,7 +50,7 @@ def test_removal_frees_room_for_a_waiting_writer(tmp_path: Path) -> None:
 
     spool = Spool(tmp_path / "s", 100)
     first = spool.put_bytes(b"x" * 80, meta())
-    timer = threading.Timer(0.2, spool.remove, args=(first,))
+    timer = threading.Timer(0.2, spool.remove_many, args=([first],))
     timer.start()
     second = spool.put_bytes(b"y" * 80, meta(), timeout=5.0)  # blocks until the removal
     timer.join()
@@ -62,8 +62,8 @@ def test_restart_resumes_in_order_with_updates(tmp_path: Path) -> None:
     spool = Spool(tmp_path / "s", 1 << 20)
     entries = [spool.put_bytes(f"tuple {i}".encode(), meta(f"n{i}")) for i in range(5)]
     entries[1].meta.tuple_id, entries[1].meta.attempt = 77, 2
-    spool.update(entries[1])
-    spool.remove(entries[3])
+    spool.update_many([entries[1]])
+    spool.remove_many([entries[3]])
     spool.close()
 
     again = Spool(tmp_path / "s", 1 << 20)
@@ -148,9 +148,9 @@ def test_finished_segments_are_deleted_oldest_first(tmp_path: Path) -> None:
     entries = [spool.put_bytes(bytes([i]) * 1000, meta(f"n{i}")) for i in range(20)]
     assert spool.segment_files >= 4
     for entry in entries[1:]:
-        spool.remove(entry)
+        spool.remove_many([entry])
     assert spool.segment_files >= 4  # the first tuple pins its segment and the later ones
-    spool.remove(entries[0])
+    spool.remove_many([entries[0]])
     assert spool.segment_files == 1  # only the active one is left
     spool.close()
     assert Spool(root, 1 << 20).entries() == []
@@ -161,9 +161,9 @@ def test_a_tuple_that_stays_is_carried_forward_so_disk_use_stays_bounded(tmp_pat
     spool = Spool(root, 10_000, segment_bytes=2048)
     stuck = spool.put_bytes(b"S" * 500, meta("stuck"))
     stuck.meta.tuple_id = 7
-    spool.update(stuck)
+    spool.update_many([stuck])
     for i in range(200):  # far more than the bound passes through
-        spool.remove(spool.put_bytes(bytes([i % 256]) * 900, meta(f"n{i}")))
+        spool.remove_many([spool.put_bytes(bytes([i % 256]) * 900, meta(f"n{i}"))])
     on_disk = sum(p.stat().st_size for p in root.glob("*.seg"))
     assert on_disk <= 2 * 10_000 + 3 * 2048
     [entry] = spool.entries()
@@ -211,7 +211,7 @@ def test_batch_mode_syncs_carried_tuples_once_before_the_originals_go(tmp_path: 
     stuck = spool.put_bytes(b"S" * 500, meta("stuck"))
     first = stuck.segment
     for i in range(40):
-        spool.remove(spool.put_bytes(bytes([i]) * 900, meta(f"n{i}")))
+        spool.remove_many([spool.put_bytes(bytes([i]) * 900, meta(f"n{i}"))])
         if stuck.segment != first:
             break
     assert stuck.segment != first and not (root / f"{first:020d}.seg").exists()
