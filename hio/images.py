@@ -30,7 +30,7 @@ import sys
 import tempfile
 import tomllib
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -308,25 +308,7 @@ def build_image(
     """Build ``context`` (up to stage ``target``) as ``name`` with networking off; the image id."""
     output: list[str] = []
     image_id = ""
-    for chunk in _build_stream(client, context, name, buildargs, nocache, target):
-        if "error" in chunk:
-            tail = "".join(output[-30:])
-            raise ImageBuildError(f"building {name} failed: {chunk['error'].strip()}\n{tail}")
-        text = chunk.get("stream", "")
-        if text:
-            output.append(text)
-            log.debug("build", extra={"image": name, "line": text.rstrip()})
-        aux = chunk.get("aux") or {}
-        image_id = aux.get("ID", image_id)
-    if not image_id:
-        raise ImageBuildError(f"building {name} produced no image:\n{''.join(output[-30:])}")
-    return image_id
-
-
-def _build_stream(
-    client: Any, context: Path, name: str, buildargs: dict[str, str], nocache: bool, target: str | None
-) -> Iterator[dict[str, Any]]:
-    return client.api.build(
+    stream = client.api.build(
         path=str(context),
         tag=name,
         buildargs=buildargs,
@@ -339,6 +321,19 @@ def _build_stream(
         labels={IMAGE_LABEL: "true"},
         target=target,
     )
+    for chunk in stream:
+        if "error" in chunk:
+            tail = "".join(output[-30:])
+            raise ImageBuildError(f"building {name} failed: {chunk['error'].strip()}\n{tail}")
+        text = chunk.get("stream", "")
+        if text:
+            output.append(text)
+            log.debug("build", extra={"image": name, "line": text.rstrip()})
+        aux = chunk.get("aux") or {}
+        image_id = aux.get("ID", image_id)
+    if not image_id:
+        raise ImageBuildError(f"building {name} produced no image:\n{''.join(output[-30:])}")
+    return image_id
 
 
 def keep_build_stage(client: Any, context: Path, name: str, buildargs: dict[str, str]) -> None:

@@ -61,19 +61,8 @@ def _stream_samples(config: UpConfig, data_dir: Path, files: list[tuple[Path, st
 
     total = sum(path.stat().st_size for path, _ in files)
     ids: list[int] = []
-    with Gateway(
-        master_address=config.master_address,
-        repository_address=config.repository_address,
-        data_dir=str(data_dir),
-        source="hio-up-demo",
-        chunk_bytes=config.chunk_bytes,
-        token=config.token,
-        token_file=config.token_file,
-        tls_ca=config.tls_ca,
-        tls_cert=config.tls_cert,
-        tls_key=config.tls_key,
-        progress=False,
-    ) as gateway:
+    shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(ClusterSettings)}
+    with Gateway(**{**shared, "data_dir": str(data_dir)}, source="hio-up-demo", progress=False) as gateway:
         futures = [(path, gateway.submit_file(str(path), image=image)) for path, image in files]
         with tqdm(
             total=total, unit="B", unit_scale=True, desc="streaming samples", disable=None, file=sys.stdout

@@ -142,10 +142,8 @@ def _knowledge(store: FeatureStore) -> features_pb2.Knowledge | None:
 
 def render_page(store: FeatureStore) -> str:
     """The HTML summary page."""
+    parsed = _knowledge(store) or features_pb2.Knowledge()
     knowledge, preview = store.get_knowledge_and_preview()
-    parsed = features_pb2.Knowledge()
-    if knowledge:
-        parsed.ParseFromString(knowledge)
     rows = [("records stored", str(store.latest()))]
     if knowledge is None:
         rows.append(("knowledge", "none yet"))

@@ -167,8 +167,8 @@ class Reporter:
             extra={"channel": self._channel_id, "pending": len(self._items)},
         )
 
-    def _next_batch(self) -> tuple[list[master_pb2.TupleOutcome], list[_Release], bool] | None:
-        """Wait for something to send; (outcomes, releases, keepalive) or None to stop."""
+    def _next_batch(self) -> tuple[list[master_pb2.TupleOutcome], list[_Release]] | None:
+        """Wait for something to send (nothing: a keep-alive); (outcomes, releases) or None to stop."""
         with self._cond:
             while True:
                 now = time.monotonic()
@@ -188,7 +188,7 @@ class Reporter:
                     waits.append(interval - (now - self._last_sent))
                 self._cond.wait(max(0.005, min(waits)))
 
-    def _take(self) -> tuple[list[master_pb2.TupleOutcome], list[_Release], bool]:
+    def _take(self) -> tuple[list[master_pb2.TupleOutcome], list[_Release]]:
         self._state_due = False
         outcomes: list[master_pb2.TupleOutcome] = []
         releases: list[_Release] = []
@@ -200,15 +200,11 @@ class Reporter:
                 break  # a release ends a request: later outcomes belong to the next use
             outcomes.append(item)
             self._queue_outcomes -= item.from_queue
-        return outcomes, releases, not outcomes and not releases
+        return outcomes, releases
 
     def _run(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
-            outcomes, releases, _keepalive = batch
-            self._send_batch(outcomes, releases)
+        while (batch := self._next_batch()) is not None:
+            self._send_batch(*batch)
 
     def _send_batch(self, outcomes: list[master_pb2.TupleOutcome], releases: list[_Release]) -> None:
         """One report of these outcomes and releases; each release's callback gets the answer."""
