@@ -7,6 +7,7 @@ hold any role's setting); the modules it names are imported only when a command 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import sys
 from pathlib import Path
@@ -128,8 +129,11 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 TOOLS = frozenset({"certs", "bench", "bench-core", "bench-floor", "bench-kd", "images"})
 
 
+@functools.cache
 def cluster_setting_names() -> frozenset[str]:
-    """Every setting a role (or a command calling roles) has: what a [cluster] table may hold."""
+    """Every setting a role (or a command calling roles) has: what a [cluster] table may hold
+    (a role ignores those it lacks, so ``max_attempts`` there reaches master, worker and
+    gateway; only a name no role knows is a typo)."""
     return frozenset(
         f.name
         for name, (cls_path, *_rest) in COMMANDS.items()

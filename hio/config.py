@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import re
 import tomllib
@@ -242,7 +241,7 @@ def build(
                 values[key] = _convert(value, types[key], f"[{section}] {key}")
             elif section == role:
                 raise ConfigError(f"unknown setting '{key}' in [{section}]; known: {', '.join(sorted(names))}")
-            elif key not in _cluster_names():
+            elif key not in commands.cluster_setting_names():
                 raise ConfigError(
                     f"unknown setting '{key}' in [cluster]: no role has it "
                     "(hio <role> --help lists each role's settings)"
@@ -276,14 +275,6 @@ def build(
     if callable(validate):
         validate()
     return config
-
-
-@functools.lru_cache(maxsize=1)
-def _cluster_names() -> frozenset[str]:
-    """Settings a [cluster] table may hold: any role's (a role ignores those it lacks, so
-    ``max_attempts`` there reaches master, worker and gateway; only a name no role knows
-    is a typo)."""
-    return commands.cluster_setting_names()
 
 
 def as_text(value: Any) -> str:

@@ -257,10 +257,6 @@ class AccumulatedStore:
         groups = [g for g in self.groups.values() if g.count]
         return sorted(groups, key=lambda g: (-g.count, g.image, g.names))
 
-    def select(self, image: str) -> Group | None:
-        """The main group: the group with most tuples, of ``image`` when given."""
-        return next((g for g in self.ordered() if not image or g.image == image), None)
-
     def history(self) -> list[tuple[float, int]]:
         """(interval time, cumulative accepted records), oldest first."""
         out, running = [], 0

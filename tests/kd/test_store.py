@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hio.kd import store as store_mod
+from hio.kd.model import plan
 from hio.kd.records import Row
 from hio.kd.store import AccumulatedStore
 from hio.transport.errors import FailedPrecondition
@@ -39,9 +40,9 @@ def test_append_persists_and_reopens_identically(tmp_path: Path) -> None:
     assert "offset 11 tuple 11" in result.examples[0]
     again = AccumulatedStore(tmp_path).open()
     assert (again.total, again.malformed, again.max_offset) == (10, 1, 11)
-    group = again.select("")
+    group = plan(again.ordered(), "", 1)[0]
     assert group is not None and group.names == ("a", "b")
-    np.testing.assert_array_equal(group.values, store.select("").values)  # type: ignore[union-attr] - the group exists
+    np.testing.assert_array_equal(group.values, plan(store.ordered(), "", 1)[0].values)  # type: ignore[union-attr] - the group exists
     assert again.history() == [(100.0, 10)]
 
 
@@ -64,10 +65,10 @@ def test_groups_by_image_and_feature_set(tmp_path: Path) -> None:
         to_table(rows(1, 1, 3, image="small") + rows(4, 4, 5, image="big") + rows(9, 9, 2, image="big", names=("z",))),
         1.0,
     )
-    assert store.select("").image == "big"  # type: ignore[union-attr] - the group exists
-    assert store.select("").count == 5  # type: ignore[union-attr] - the group exists
-    assert store.select("small").names == ("a", "b")  # type: ignore[union-attr] - the group exists
-    assert store.select("absent") is None
+    assert plan(store.ordered(), "", 1)[0].image == "big"  # type: ignore[union-attr] - the group exists
+    assert plan(store.ordered(), "", 1)[0].count == 5  # type: ignore[union-attr] - the group exists
+    assert plan(store.ordered(), "small", 1)[0].names == ("a", "b")  # type: ignore[union-attr] - the group exists
+    assert plan(store.ordered(), "absent", 1)[0] is None
 
 
 def test_leftover_tmp_removed_and_many_files_compacted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
