@@ -240,13 +240,10 @@ class Spool:
         self._reserved = 0
         self._entries: dict[int, SpoolEntry] = {}
         self._next_seq = 1
-        lock = lock_folder(self.root, ".lock")
-        if lock is None:
-            raise SpoolInUse(
-                f"spool {self.root} is in use by another gateway process; "
-                "give each gateway its own --source or --data-dir"
-            )
-        self._lock_fd: int | None = lock
+        in_use = SpoolInUse(
+            f"spool {self.root} is in use by another gateway process; give each gateway its own --source or --data-dir"
+        )
+        self._lock_fd: int | None = lock_folder(self.root, in_use, ".lock")
         self._load()
         self._log.roll()
         with self._append_lock:

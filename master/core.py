@@ -17,7 +17,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from hio.config import ConfigError, state_dir
@@ -136,7 +135,9 @@ class Master:
         self.lane: LaneServer | None = None  # the payload lane the server module starts; stopped by close()
         self.root = state_dir(config.data_dir, "master")
         self._ticket_key = load_ticket_key(config.ticket_key_file)
-        self._lock_fd: int | None = _lock_dir(self.root)
+        self._lock_fd: int | None = lock_folder(
+            self.root, ConfigError(f"another master uses {self.root} (data_dir); stop it or choose another data_dir")
+        )  # two masters must never share a backlog
         self._cond = threading.Condition(threading.RLock())
         try:
             durability = Durability(config.fsync)
@@ -642,11 +643,3 @@ class Master:
                 f"{self._durability.disk.failure}; tuples with no free channel wait in their gateways' spools meanwhile"
             )
         return warnings
-
-
-def _lock_dir(root: Path) -> int:
-    """Hold an exclusive lock on the state folder: two masters must never share a backlog."""
-    fd = lock_folder(root)
-    if fd is None:
-        raise ConfigError(f"another master uses {root} (data_dir); stop it or choose another data_dir")
-    return fd

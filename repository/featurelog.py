@@ -119,7 +119,8 @@ class FeatureLog:
         self._log = SegmentLog(folder, NAMING, fsync=fsync, disk=disk, header=MAGIC)
         self._commit = _GroupCommit(fsync_interval)
         folder.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = _lock_folder(folder)
+        # two writers would interleave records
+        self._lock_fd = lock_folder(folder, FailedPrecondition(f"{folder} is in use by another repository process"))
         try:
             self._recover()
         except BaseException:
@@ -379,14 +380,6 @@ class FeatureLog:
                 os.close(self._lock_fd)  # releases the folder lock
         if self._mode != "never" and not self._disk.failure:
             self._commit.mark_durable(self._index.latest)
-
-
-def _lock_folder(folder: Path) -> int:
-    """Hold an exclusive lock on ``folder``: two writers would interleave records."""
-    fd = lock_folder(folder)
-    if fd is None:
-        raise FailedPrecondition(f"{folder} is in use by another repository process")
-    return fd
 
 
 def _runs(first: int, locations: list[Location]) -> Iterator[tuple[int, list[Location]]]:

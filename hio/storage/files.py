@@ -123,19 +123,16 @@ def copy_exact(
         remaining -= len(chunk)
 
 
-def lock_folder(folder: Path, name: str = "LOCK") -> int | None:
-    """Take an exclusive lock on ``folder`` (its file ``name``, holding our pid).
-
-    Returns the descriptor that holds the lock (close it to release), or None
-    when another process holds it: two writers must never share durable
-    state. The caller words the refusal for its role.
-    """
+def lock_folder(folder: Path, in_use: Exception, name: str = "LOCK") -> int:
+    """Take an exclusive lock on ``folder`` (its file ``name``, holding our pid): two writers
+    must never share durable state. Returns the descriptor that holds the lock (close it to
+    release); raises ``in_use`` (the refusal worded for the role) when another process holds it."""
     fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        return None
+        raise in_use from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
