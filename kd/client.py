@@ -98,6 +98,3 @@ class RepositoryClient:
     def put_knowledge(self, knowledge: bytes, preview_png: bytes) -> None:
         request = repository_pb2.PutKnowledgeRequest(knowledge=knowledge, preview_png=preview_png)
         self._call(lambda: self._stub.PutKnowledge(request, timeout=30.0))
-
-    def get_knowledge(self) -> repository_pb2.GetKnowledgeResponse:
-        return self._call(lambda: self._stub.GetKnowledge(repository_pb2.GetKnowledgeRequest(), timeout=10.0))

@@ -107,10 +107,6 @@ class Pulled:
         """The head's lease."""
         return self.leases[0]
 
-    @property
-    def meta(self) -> TupleMeta:
-        return self.lease.meta
-
     def frames(self) -> Iterator[WireFrame]:
         return tuple_frames(self.payloads(), self._master.config.chunk_bytes, PULL_PACK_BYTES, encode=True)
 
