@@ -215,26 +215,14 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
             for raw in raws:
                 yield decode(raw, context)
 
-        if handler.unary_unary:
-            inner = handler.unary_unary
-            return grpc.unary_unary_rpc_method_handler(
-                lambda raw, ctx: inner(decode(raw, ctx), ctx), response_serializer=serialize
-            )
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
-            return grpc.unary_stream_rpc_method_handler(
-                lambda raw, ctx: inner_us(decode(raw, ctx), ctx), response_serializer=serialize
-            )
-        if handler.stream_unary:
-            inner_su = handler.stream_unary
-            return grpc.stream_unary_rpc_method_handler(
-                lambda raws, ctx: inner_su(decode_all(raws, ctx), ctx), response_serializer=serialize
-            )
-        inner_ss = handler.stream_stream
-        assert inner_ss is not None  # a handler is of one of the four kinds
-        return grpc.stream_stream_rpc_method_handler(
-            lambda raws, ctx: inner_ss(decode_all(raws, ctx), ctx), response_serializer=serialize
-        )
+        kinds: list[tuple[Any, Any, Callable[[Any, grpc.ServicerContext], Any]]] = [
+            (handler.unary_unary, grpc.unary_unary_rpc_method_handler, decode),
+            (handler.unary_stream, grpc.unary_stream_rpc_method_handler, decode),
+            (handler.stream_unary, grpc.stream_unary_rpc_method_handler, decode_all),
+            (handler.stream_stream, grpc.stream_stream_rpc_method_handler, decode_all),
+        ]
+        inner, make, read = next(kind for kind in kinds if kind[0] is not None)  # a handler is of one kind
+        return make(lambda raw, ctx: inner(read(raw, ctx), ctx), response_serializer=serialize)
 
 
 def _refusal(code: grpc.StatusCode, message: str) -> _Handler:
