@@ -71,12 +71,6 @@ class OffsetIndex:
         """Offset of ``tuple_id``, or 0 if it is not stored."""
         return self._ids.get(tuple_id, 0)
 
-    def location(self, offset: int) -> Location:
-        """Where the record at ``offset`` (1..latest) lives."""
-        i = offset - 1
-        segment = bisect.bisect_right(self._segment_firsts, offset) - 1
-        return Location(self._segment_firsts[segment], self._positions[i], self._lengths[i])
-
     def locations(self, first: int, last: int) -> list[Location]:
         """Locations of offsets ``first..last`` inclusive, all within 1..latest."""
         firsts = self._segment_firsts
