@@ -24,13 +24,14 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hio.config import local_host
+from hio.config import as_text, local_host
 from hio.process.log import NOTICE
 from hio.proto import master_pb2, master_pb2_grpc
+from hio.settings import ClusterSettings
 from hio.transport.net import ROLE_SERVICES, connect_hint, create_channel, stop_on_signals
 from hio.transport.retry import Backoff
 from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
-from hio.worker.config import WorkerConfig, engine_counts
+from hio.worker.config import EngineSettings, WorkerConfig, engine_counts
 from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec, ProcessLauncher
 from hio.worker.runtimes import select_launcher
 
@@ -98,28 +99,20 @@ def engine_env(
     Complete on purpose: the same variables configure a local process and a
     container with host networking, which inherits nothing else from us.
     """
-    env = {
-        "HIO_ENGINE_CHANNEL_ID": channel_id,
-        "HIO_ENGINE_IMAGE": image,
-        "HIO_ENGINE_LISTEN": f"{config.engine_listen_host}:{port}",
-        "HIO_ENGINE_TUPLE_TIMEOUT": repr(config.tuple_timeout),
-        "HIO_ENGINE_PULL_WAIT": repr(config.pull_wait),
-        "HIO_ENGINE_MAX_ATTEMPTS": str(config.max_attempts),
-        "HIO_ENGINE_GRACE_SECONDS": repr(config.grace_seconds),
-        "HIO_ENGINE_PULL_BATCH_SECONDS": repr(config.pull_batch_seconds),
-        "HIO_ENGINE_PULL_BATCH_TUPLES": str(config.pull_batch_tuples),
-        "HIO_ENGINE_PULL_BATCH_BYTES": str(config.pull_batch_bytes),
-        "HIO_ENGINE_PULL_AHEAD": "true" if config.pull_ahead else "false",
-        "HIO_MASTER_ADDRESS": config.master_address,
-        "HIO_REPOSITORY_ADDRESS": config.repository_address,
-        "HIO_CHUNK_BYTES": str(config.chunk_bytes),
-        "HIO_MAX_TUPLE_BYTES": str(config.max_tuple_bytes),
-        "HIO_STREAM_IDLE_SECONDS": repr(config.stream_idle_seconds),
-        "HIO_LOG_LEVEL": config.log_level,
-        "HIO_LOG_JSON": "true" if config.log_json else "false",
-        "HIO_TLS_CLIENT_AUTH": "true" if config.tls_client_auth else "false",
-        "HIO_ENGINE_LANES": "true" if config.lanes else "false",
-    }
+    cluster = {f.name for f in dataclasses.fields(ClusterSettings)}
+    passed = cluster - {"data_dir", "token", "token_file"}  # its own scratch folder; the token as read
+    env = {f"HIO_{name.upper()}": as_text(getattr(config, name)) for name in passed if getattr(config, name) != ""}
+    env.update(
+        (f"HIO_ENGINE_{f.name.upper()}", as_text(getattr(config, f.name)))
+        for f in dataclasses.fields(EngineSettings)
+        if f.name not in cluster
+    )
+    env.update(
+        HIO_ENGINE_CHANNEL_ID=channel_id,
+        HIO_ENGINE_IMAGE=image,
+        HIO_ENGINE_LISTEN=f"{config.engine_listen_host}:{port}",
+        HIO_ENGINE_LANES=as_text(config.lanes),
+    )
     env.update((f"HIO_ENGINE_{name.upper()}", value) for name, value in config.engine_overrides().items())
     if lane_port:
         env["HIO_ENGINE_LANE_LISTEN"] = f"{config.engine_listen_host}:{lane_port}"
@@ -128,10 +121,6 @@ def engine_env(
     token = config.presented_token()
     if token:
         env["HIO_TOKEN"] = token
-    for name in ("tokens_file", "tls_cert", "tls_key", "tls_ca", "ticket_key_file"):
-        value = getattr(config, name)
-        if value:
-            env[f"HIO_{name.upper()}"] = value
     return env
 
 
