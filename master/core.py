@@ -16,7 +16,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
 from hio.config import ConfigError, state_dir
@@ -28,6 +28,7 @@ from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelSpec, Ch
 from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
 from hio.master.stats import Stats
 from hio.master.storage import Durability
+from hio.proto.master_pb2 import RouteItem, TupleOutcome
 from hio.storage.files import lock_folder
 from hio.transport.errors import InvalidArgument, NotFound, ResourceExhausted
 from hio.transport.frames import TupleFrame, TupleMeta, WireFrame, tuple_frames
@@ -49,28 +50,10 @@ QUEUE_FULL_WARNING = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
-class RouteItem:
-    size: int
-    tuple_id: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class Routed:
     tuple_ids: list[int]
     tickets: list[bytes]
     route: Route
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    tuple_id: int
-    ok: bool
-    message: str = ""
-    from_queue: bool = False
-    size: int = 0
-    processing_seconds: float = 0.0
-    accepted_unix: float = 0.0
-    stored_unix: float = 0.0  # 0: latency ends when the report arrives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +234,13 @@ class Master:
     # ---- routing -----------------------------------------------------------------
 
     def route(
-        self, *, source: str, image: str, items: list[RouteItem], force_queue: bool = False, wait_seconds: float = 0.0
+        self,
+        *,
+        source: str,
+        image: str,
+        items: Sequence[RouteItem],
+        force_queue: bool = False,
+        wait_seconds: float = 0.0,
     ) -> Routed:
         """Assign ids (keeping those already routed) and decide where the batch goes.
 
@@ -321,7 +310,7 @@ class Master:
             else:
                 del self._route_waiters[image]
 
-    def _check_route(self, image: str, items: list[RouteItem]) -> None:
+    def _check_route(self, image: str, items: Sequence[RouteItem]) -> None:
         if not image:
             raise InvalidArgument("image must not be empty")
         if len(image) > 256:
@@ -491,7 +480,7 @@ class Master:
     def report(
         self,
         channel_id: str,
-        outcomes: list[Outcome],
+        outcomes: Sequence[TupleOutcome],
         release: bool,
         *,
         processing: bool = False,
@@ -552,7 +541,7 @@ class Master:
             self._cond.notify_all()
             return pull
 
-    def _check_outcome(self, n: int, outcome: Outcome) -> None:
+    def _check_outcome(self, n: int, outcome: TupleOutcome) -> None:
         """Refuse figures no real tuple can have, so a bad report cannot poison the counters."""
         if outcome.size > self.config.max_tuple_bytes:
             raise InvalidArgument(

@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hio.master.backlog import Placement
-from hio.master.core import PULL_PACK_BYTES, Master, Outcome, Pulled, RouteItem, Status
+from hio.master.core import PULL_PACK_BYTES, Master, Pulled, Status
 from hio.master.deadletters import DeadLetter
 from hio.master.registry import ChannelSpec
 from hio.master.routing import DirectRoute
@@ -81,11 +81,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def RouteTuples(
         self, request: master_pb2.RouteTuplesRequest, context: grpc.ServicerContext
     ) -> master_pb2.RouteTuplesResponse:
-        items = [RouteItem(size=i.size, tuple_id=i.tuple_id) for i in request.items]
         routed = self._master.route(
             source=request.source,
             image=request.image,
-            items=items,
+            items=request.items,
             force_queue=request.force_queue,
             wait_seconds=request.wait_seconds,
         )
@@ -176,21 +175,12 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def ReportTuples(
         self, request: master_pb2.ReportTuplesRequest, context: grpc.ServicerContext
     ) -> master_pb2.ReportTuplesResponse:
-        outcomes = [
-            Outcome(
-                tuple_id=o.tuple_id,
-                ok=o.ok,
-                message=o.message,
-                from_queue=o.from_queue,
-                size=o.size,
-                processing_seconds=o.processing_seconds,
-                accepted_unix=o.accepted_unix,
-                stored_unix=o.stored_unix,
-            )
-            for o in request.outcomes
-        ]
         pull = self._master.report(
-            request.channel_id, outcomes, request.release, processing=request.processing, pull_done=request.pull_done
+            request.channel_id,
+            request.outcomes,
+            request.release,
+            processing=request.processing,
+            pull_done=request.pull_done,
         )
         config = self._master.config
         return master_pb2.ReportTuplesResponse(

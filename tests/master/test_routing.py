@@ -10,9 +10,11 @@ import pytest
 
 from hio.config import ConfigError
 from hio.master.config import MasterConfig
-from hio.master.core import Master, Outcome, RouteItem
+from hio.master.core import Master
 from hio.master.registry import ChannelSpec, ChannelState
 from hio.master.routing import DirectRoute, QueueRoute
+from hio.proto.master_pb2 import RouteItem
+from hio.proto.master_pb2 import TupleOutcome as Outcome
 from hio.transport.errors import InvalidArgument, NotFound
 from tests.harness import wait_for
 from tests.master.helpers import config, frames
@@ -238,7 +240,7 @@ def test_worker_expiry_requeues_leases_and_warns(make_master) -> None:  # type: 
     assert not master.heartbeat("w1", {})  # it must register again
     add_worker(master, "w1")
     again = master.pull(ch, 0)
-    assert again is not None and again.meta.attempt == 2
+    assert again is not None and again.lease.meta.attempt == 2
 
 
 def test_heartbeat_down_and_up(make_master) -> None:  # type: ignore[no-untyped-def]
