@@ -40,6 +40,7 @@ from typing import BinaryIO
 from hio.master.deadletters import DeadLetterStore, DeadWriter
 from hio.master.records import ACK, MOVE, NAMING, READ_BLOCK, Journal, RecordWriter, scan_segment
 from hio.master.storage import Durability
+from hio.proto.master_pb2 import QueueStatus
 from hio.storage.files import clean_temporaries, copy_exact
 from hio.storage.segmentlog import Segment, SegmentLog
 from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -68,16 +69,6 @@ class Stored:
     index: int
     meta: TupleMeta
     placement: Placement
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageQueue:
-    """One image's queue as reported in the status."""
-
-    image: str
-    length: int  # waiting plus leased
-    bytes: int
-    leased: int
 
 
 @dataclasses.dataclass(eq=False)
@@ -676,11 +667,12 @@ class BacklogQueue:
         with self._cond:
             return sorted(self._image_len)
 
-    def status(self) -> list[ImageQueue]:
+    def status(self) -> list[QueueStatus]:
+        """Each image's queue: its tuples waiting or leased, their bytes, those leased."""
         with self._cond:
             leased = collections.Counter(e.image for e in self._leased.values())
             return [
-                ImageQueue(image=i, length=n, bytes=self._image_bytes[i], leased=leased.get(i, 0))
+                QueueStatus(image=i, length=n, bytes=self._image_bytes[i], leased=leased.get(i, 0))
                 for i, n in sorted(self._image_len.items())
             ]
 

@@ -1,7 +1,8 @@
 """The master's domain object: registry, routing, ids, backlog, stats, under one lock.
 
 No gRPC here: :mod:`hio.master.service` decodes requests, calls these
-methods, and encodes the answers. One condition variable guards all state
+methods, and encodes the answers (the wire's plain messages, such as the
+route items, outcomes and the status, are used as they are). One condition variable guards all state
 (the backlog shares it) and wakes long-polling pulls. Payload disk I/O never
 happens under it: calls into the backlog that may copy payloads are made
 after the lock is released.
@@ -17,10 +18,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, cast
 
 from hio.config import ConfigError, state_dir
-from hio.master.backlog import BacklogQueue, ImageQueue, Lease, Stored
+from hio.master.backlog import BacklogQueue, Lease, Stored
 from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
 from hio.master.ids import TupleIdAllocator
@@ -28,6 +29,7 @@ from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelSpec, Ch
 from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
 from hio.master.stats import Stats
 from hio.master.storage import Durability
+from hio.proto import master_pb2
 from hio.proto.master_pb2 import RouteItem, TupleOutcome
 from hio.storage.files import lock_folder
 from hio.transport.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -54,27 +56,6 @@ class Routed:
     tuple_ids: list[int]
     tickets: list[bytes]
     route: Route
-
-
-@dataclasses.dataclass(frozen=True)
-class Status:
-    uptime_seconds: float
-    workers: list[tuple[Worker, float, list[Channel]]]  # worker, heartbeat age, channels (copies)
-    queues: list[ImageQueue]
-    channels_free: int
-    channels_busy: int
-    channels_down: int
-    routed_direct: int
-    routed_queue: int
-    tuples_done: int
-    tuples_failed: int
-    bytes_done: int
-    tuples_per_second: float
-    bytes_per_second: float
-    queue_bytes_limit: int
-    dead_letters: int
-    warnings: list[str]
-    last_tuple_id: int
 
 
 class Pulled:
@@ -573,22 +554,16 @@ class Master:
     def retry_dead_letter(self, tuple_id: int) -> None:
         self.queue.retry_dead(tuple_id)
 
-    def status(self) -> Status:
+    def status(self) -> master_pb2.GetStatusResponse:
         """A consistent snapshot of everything an operator looks at."""
         with self._cond:
-            workers = [
-                (w, self.registry.age(w), [dataclasses.replace(c) for c in w.channels.values()])
-                for w in self.registry.workers()
-            ]
             free, busy, down = self.registry.counts()
             queues = self.queue.status()
             rates = self.stats.rates()
-            used = self.queue.used_bytes
             dead = len(self.dead)
-            warnings = self._warnings(queues, used, dead)
-            return Status(
+            return master_pb2.GetStatusResponse(
                 uptime_seconds=self.stats.uptime(),
-                workers=workers,
+                workers=[_worker_status(w, self.registry.age(w)) for w in self.registry.workers()],
                 queues=queues,
                 channels_free=free,
                 channels_busy=busy,
@@ -602,11 +577,11 @@ class Master:
                 bytes_per_second=rates.bytes_per_second,
                 queue_bytes_limit=self.config.queue_bytes,
                 dead_letters=dead,
-                warnings=warnings,
+                warnings=self._warnings(queues, self.queue.used_bytes, dead),
                 last_tuple_id=self.ids.last_issued,
             )
 
-    def _warnings(self, queues: list[ImageQueue], used: int, dead: int) -> list[str]:
+    def _warnings(self, queues: list[master_pb2.QueueStatus], used: int, dead: int) -> list[str]:
         warnings = []
         for q in queues:
             if q.length and not self.registry.serves(q.image):
@@ -628,3 +603,25 @@ class Master:
                 f"{self._durability.disk.failure}; tuples with no free channel wait in their gateways' spools meanwhile"
             )
         return warnings
+
+
+def _worker_status(worker: Worker, age: float) -> master_pb2.WorkerStatus:
+    return master_pb2.WorkerStatus(
+        worker_id=worker.worker_id,
+        host=worker.host,
+        last_heartbeat_age_seconds=age,
+        channels=[
+            master_pb2.ChannelInfo(
+                channel_id=c.channel_id,
+                image=c.image,
+                address=c.address,
+                lane_address=c.lane_address,
+                # the registry's ChannelState has the proto enum's numbers
+                state=cast("master_pb2.ChannelState", int(c.state)),
+                detail=c.detail,
+                tuples_done=c.tuples_done,
+                processing=c.processing,
+            )
+            for c in worker.channels.values()
+        ],
+    )

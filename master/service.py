@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hio.master.backlog import Placement
-from hio.master.core import PULL_PACK_BYTES, Master, Pulled, Status
+from hio.master.core import PULL_PACK_BYTES, Master, Pulled
 from hio.master.deadletters import DeadLetter
 from hio.master.registry import ChannelSpec
 from hio.master.routing import DirectRoute
@@ -194,7 +194,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def GetStatus(
         self, request: master_pb2.GetStatusRequest, context: grpc.ServicerContext
     ) -> master_pb2.GetStatusResponse:
-        return _encode_status(self._master.status())
+        return self._master.status()
 
     @grpc_errors
     def ListDeadLetters(
@@ -212,50 +212,3 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
 def _encode_dead(letter: DeadLetter) -> master_pb2.DeadLetter:
     return master_pb2.DeadLetter(meta=letter.meta, reason=letter.reason, failed_unix=letter.failed_unix)
-
-
-def _encode_status(status: Status) -> master_pb2.GetStatusResponse:
-    workers = [
-        master_pb2.WorkerStatus(
-            worker_id=worker.worker_id,
-            host=worker.host,
-            last_heartbeat_age_seconds=age,
-            channels=[
-                master_pb2.ChannelInfo(
-                    channel_id=c.channel_id,
-                    image=c.image,
-                    address=c.address,
-                    lane_address=c.lane_address,
-                    # the registry's ChannelState has the proto enum's numbers
-                    state=cast("master_pb2.ChannelState", int(c.state)),
-                    detail=c.detail,
-                    tuples_done=c.tuples_done,
-                    processing=c.processing,
-                )
-                for c in channels
-            ],
-        )
-        for worker, age, channels in status.workers
-    ]
-    queues = [
-        master_pb2.QueueStatus(image=q.image, length=q.length, bytes=q.bytes, leased=q.leased) for q in status.queues
-    ]
-    return master_pb2.GetStatusResponse(
-        uptime_seconds=status.uptime_seconds,
-        workers=workers,
-        queues=queues,
-        channels_free=status.channels_free,
-        channels_busy=status.channels_busy,
-        channels_down=status.channels_down,
-        routed_direct=status.routed_direct,
-        routed_queue=status.routed_queue,
-        tuples_done=status.tuples_done,
-        tuples_failed=status.tuples_failed,
-        bytes_done=status.bytes_done,
-        tuples_per_second=status.tuples_per_second,
-        bytes_per_second=status.bytes_per_second,
-        queue_bytes_limit=status.queue_bytes_limit,
-        dead_letters=status.dead_letters,
-        warnings=status.warnings,
-        last_tuple_id=status.last_tuple_id,
-    )
