@@ -25,7 +25,7 @@ from hio.master.backlog import BacklogQueue, Lease, Stored
 from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
 from hio.master.ids import TupleIdAllocator
-from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelSpec, ChannelState, Worker
+from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelState, Worker
 from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
 from hio.master.stats import Stats
 from hio.master.storage import Durability
@@ -193,7 +193,7 @@ class Master:
 
     # ---- workers -----------------------------------------------------------------
 
-    def register_worker(self, worker_id: str, host: str, cpus: int, channels: Iterable[ChannelSpec]) -> None:
+    def register_worker(self, worker_id: str, host: str, cpus: int, channels: Iterable[master_pb2.ChannelInfo]) -> None:
         """Add or replace a worker; leases of its previous channels go back to the queue."""
         with self._cond:
             replaced = self.registry.register(worker_id, host, cpus, channels)

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from hio.proto import master_pb2
 from hio.transport.errors import AlreadyExists, InvalidArgument
 
 MAX_CHANNELS_PER_WORKER = 1024
@@ -26,18 +27,6 @@ class ChannelState(enum.IntEnum):
     DIRECT = 2
     QUEUE = 3
     DOWN = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class ChannelSpec:
-    """A channel as a worker announces it."""
-
-    channel_id: str
-    image: str
-    address: str
-    down: bool = False
-    detail: str = ""
-    lane_address: str = ""  # the engine's payload lane; empty = none
 
 
 @dataclasses.dataclass
@@ -99,8 +88,9 @@ class ChannelRegistry:
 
     # ---- registration and liveness ----------------------------------------------
 
-    def register(self, worker_id: str, host: str, cpus: int, specs: Iterable[ChannelSpec]) -> list[str]:
-        """Add or replace a worker and its channels; the ids of replaced channels (void their leases)."""
+    def register(self, worker_id: str, host: str, cpus: int, specs: Iterable[master_pb2.ChannelInfo]) -> list[str]:
+        """Add or replace a worker and its channels (as the worker announces them: DOWN with why,
+        or up); the ids of replaced channels (void their leases)."""
         specs = list(specs)
         _check_name("worker_id", worker_id)
         if len(specs) > MAX_CHANNELS_PER_WORKER:
@@ -137,8 +127,8 @@ class ChannelRegistry:
                 address=spec.address,
                 lane_address=spec.lane_address,
                 tuples_done=done,
-                state=ChannelState.DOWN if spec.down else ChannelState.FREE,
-                detail=spec.detail if spec.down else "",
+                state=ChannelState.DOWN if spec.state == master_pb2.DOWN else ChannelState.FREE,
+                detail=spec.detail if spec.state == master_pb2.DOWN else "",
             )
             channels[spec.channel_id] = channel
             self._channels[spec.channel_id] = channel

@@ -16,7 +16,6 @@ from google.protobuf.message import DecodeError
 from hio.master.backlog import Placement
 from hio.master.core import PULL_PACK_BYTES, Master, Pulled
 from hio.master.deadletters import DeadLetter
-from hio.master.registry import ChannelSpec
 from hio.master.routing import DirectRoute
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.transport.errors import InvalidArgument, grpc_errors
@@ -53,18 +52,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def RegisterWorker(
         self, request: master_pb2.RegisterWorkerRequest, context: grpc.ServicerContext
     ) -> master_pb2.RegisterWorkerResponse:
-        specs = [
-            ChannelSpec(
-                channel_id=c.channel_id,
-                image=c.image,
-                address=c.address,
-                lane_address=c.lane_address,
-                down=c.state == master_pb2.DOWN,
-                detail=c.detail,
-            )
-            for c in request.channels
-        ]
-        self._master.register_worker(request.worker_id, request.host, request.cpus, specs)
+        self._master.register_worker(request.worker_id, request.host, request.cpus, request.channels)
         config = self._master.config
         return master_pb2.RegisterWorkerResponse(
             heartbeat_interval_seconds=config.heartbeat_interval, expiry_seconds=config.expiry_seconds

@@ -11,9 +11,9 @@ import pytest
 from hio.config import ConfigError
 from hio.master.config import MasterConfig
 from hio.master.core import Master
-from hio.master.registry import ChannelSpec, ChannelState
+from hio.master.registry import ChannelState
 from hio.master.routing import DirectRoute, QueueRoute
-from hio.proto.master_pb2 import RouteItem
+from hio.proto.master_pb2 import ChannelInfo, RouteItem
 from hio.proto.master_pb2 import TupleOutcome as Outcome
 from hio.transport.errors import InvalidArgument, NotFound
 from tests.harness import wait_for
@@ -37,7 +37,7 @@ def make_master(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
 
 
 def add_worker(master: Master, worker_id: str, n: int = 1, image: str = IMAGE) -> list[str]:
-    specs = [ChannelSpec(channel_id=f"{worker_id}/{i}", image=image, address=f"127.0.0.1:{6000 + i}") for i in range(n)]
+    specs = [ChannelInfo(channel_id=f"{worker_id}/{i}", image=image, address=f"127.0.0.1:{6000 + i}") for i in range(n)]
     master.register_worker(worker_id, "host", n, specs)
     return [s.channel_id for s in specs]
 
