@@ -9,6 +9,7 @@ final outcome. :class:`IngestServicer` only translates to and from gRPC.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -144,16 +145,6 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         self, request: ingest_pb2.GetGatewayStatusRequest, context: grpc.ServicerContext
     ) -> ingest_pb2.GetGatewayStatusResponse:
         s = self._gateway.status()
-        return ingest_pb2.GetGatewayStatusResponse(
-            spooled_tuples=s.spooled_tuples,
-            spooled_bytes=s.spooled_bytes,
-            spool_bytes_limit=s.spool_bytes_limit,
-            sent_direct=s.sent_direct,
-            sent_queue=s.sent_queue,
-            stored=s.stored,
-            failed=s.failed,
-            retries=s.retries,
-            enqueued=s.enqueued,
-            warnings=s.warnings(),
-            master_unreachable_seconds=s.master_unreachable_seconds,
-        )
+        wire = ingest_pb2.GetGatewayStatusResponse.DESCRIPTOR.fields_by_name  # the counters it carries
+        figures = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name in wire}
+        return ingest_pb2.GetGatewayStatusResponse(**figures, warnings=s.warnings())
