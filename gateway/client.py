@@ -379,17 +379,11 @@ class Gateway:
 
     def status(self) -> GatewayStatus:
         """Counters and spool usage. Non-blocking, thread-safe."""
-        s = self._dispatcher.stats
         return GatewayStatus(
             spooled_tuples=len(self.spool),
             spooled_bytes=self.spool.used_bytes,
             spool_bytes_limit=self.spool.limit,
-            sent_direct=s.sent_direct,
-            sent_queue=s.sent_queue,
-            stored=s.stored,
-            enqueued=s.enqueued,
-            failed=s.failed,
-            retries=s.retries,
+            **dataclasses.asdict(self._dispatcher.stats),  # sent_direct, sent_queue, stored, ...
             master_unreachable_seconds=self._dispatcher.master_unreachable_for(),
             unserved_images=self._dispatcher.unserved_images(),
             master_refusal=self._dispatcher.master_refusal(),
