@@ -73,15 +73,8 @@ class FeatureStore:
         from hio.config import state_dir
         from hio.transport.net import message_limit
 
-        options = StoreOptions(
-            segment_bytes=config.segment_bytes,
-            fsync=config.fsync,
-            fsync_interval_ms=config.fsync_interval_ms,
-            max_record_bytes=config.max_record_bytes,
-            max_decompressed_bytes=config.max_decompressed_bytes,
-            max_consumers=config.max_consumers,
-            max_knowledge_bytes=message_limit(config),
-        )
+        bounds = {f.name: getattr(config, f.name) for f in dataclasses.fields(StoreOptions) if hasattr(config, f.name)}
+        options = StoreOptions(**{**bounds, "max_knowledge_bytes": message_limit(config)})  # a knowledge: one message
         return cls(state_dir(config.data_dir, "repository"), options)
 
     # ---------------------------------------------------------------- features
