@@ -8,27 +8,15 @@ channels the least recently used wins, so load spreads across workers.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
 from hio.master.registry import ChannelRegistry
+from hio.proto.master_pb2 import ChannelRoute, QueueRoute
 
-
-@dataclasses.dataclass(frozen=True)
-class DirectRoute:
-    channel_id: str
-    address: str
-    reservation_seconds: float
-    lane_address: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class QueueRoute:
-    queue_length: int  # tuples of the image ahead of these (queued or on their way)
-
-
-Route = DirectRoute | QueueRoute
+# A route as the wire says it: a channel (direct), or the queue with the tuples of the image
+# ahead of these (queued or on their way); the master's server adds its lane port.
+Route = ChannelRoute | QueueRoute
 
 
 class PendingEnqueues:
@@ -93,7 +81,7 @@ def route_tuples(
     if not force_queue and queue_waiting == 0 and on_the_way == 0:
         channel = registry.reserve_free(image)
         if channel is not None:
-            return DirectRoute(
+            return ChannelRoute(
                 channel_id=channel.channel_id,
                 address=channel.address,
                 reservation_seconds=registry.reservation_seconds,

@@ -16,7 +16,6 @@ from google.protobuf.message import DecodeError
 from hio.master.backlog import Placement
 from hio.master.core import PULL_PACK_BYTES, Master, Pulled
 from hio.master.deadletters import DeadLetter
-from hio.master.routing import DirectRoute
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.transport.errors import InvalidArgument, grpc_errors
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleReceipt, WireFrame, idle_bounded
@@ -77,19 +76,11 @@ class MasterService(master_pb2_grpc.MasterServicer):
             wait_seconds=request.wait_seconds,
         )
         reply = master_pb2.RouteTuplesResponse(tuple_ids=routed.tuple_ids, tickets=routed.tickets)
-        if isinstance(routed.route, DirectRoute):
-            reply.channel.CopyFrom(
-                master_pb2.ChannelRoute(
-                    channel_id=routed.route.channel_id,
-                    address=routed.route.address,
-                    reservation_seconds=routed.route.reservation_seconds,
-                    lane_address=routed.route.lane_address,
-                )
-            )
+        if isinstance(routed.route, master_pb2.ChannelRoute):
+            reply.channel.CopyFrom(routed.route)
         else:
-            reply.queue.CopyFrom(
-                master_pb2.QueueRoute(queue_length=routed.route.queue_length, lane_port=self._master.lane_port)
-            )
+            reply.queue.CopyFrom(routed.route)
+            reply.queue.lane_port = self._master.lane_port
         return reply
 
     @grpc_errors

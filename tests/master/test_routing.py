@@ -12,8 +12,8 @@ from hio.config import ConfigError
 from hio.master.config import MasterConfig
 from hio.master.core import Master
 from hio.master.registry import ChannelState
-from hio.master.routing import DirectRoute, QueueRoute
-from hio.proto.master_pb2 import ChannelInfo, RouteItem
+from hio.proto.master_pb2 import ChannelInfo, QueueRoute, RouteItem
+from hio.proto.master_pb2 import ChannelRoute as DirectRoute
 from hio.proto.master_pb2 import TupleOutcome as Outcome
 from hio.transport.errors import InvalidArgument, NotFound
 from tests.harness import wait_for
