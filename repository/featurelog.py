@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hio.repository.index import Location, OffsetIndex
@@ -55,54 +55,6 @@ class Appended:
     duplicate: bool
 
 
-class _GroupCommit:
-    """Tracks the highest durable offset; one caller at a time fsyncs for all waiting."""
-
-    def __init__(self, interval_s: float) -> None:
-        self._cond = threading.Condition()
-        self._interval = interval_s
-        self._durable = 0
-        self._syncing = False
-        self._last_sync = 0.0
-
-    @property
-    def durable(self) -> int:
-        with self._cond:
-            return self._durable
-
-    def mark_durable(self, offset: int) -> None:
-        with self._cond:
-            if offset > self._durable:
-                self._durable = offset
-                self._cond.notify_all()
-
-    def wait_durable(self, offset: int, sync: Callable[[], int]) -> None:
-        """Return once ``offset`` is durable, running ``sync`` (which returns the
-        offset it made durable) if no other caller is already doing so."""
-        while True:
-            with self._cond:
-                while self._durable < offset and self._syncing:
-                    self._cond.wait()
-                if self._durable >= offset:
-                    return
-                self._syncing = True
-            self._sync_once(sync)
-
-    def _sync_once(self, sync: Callable[[], int]) -> None:
-        covered = 0
-        try:
-            delay = self._last_sync + self._interval - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)  # puts arriving meanwhile ride on this fsync
-            covered = sync()
-        finally:
-            with self._cond:
-                self._syncing = False
-                self._last_sync = time.monotonic()
-                self._durable = max(self._durable, covered)
-                self._cond.notify_all()
-
-
 class FeatureLog:
     """Append-only, idempotent-by-tuple-id record log on a :class:`SegmentLog`. Thread safe."""
 
@@ -117,7 +69,10 @@ class FeatureLog:
         self._closed = False
         self._disk = disk
         self._log = SegmentLog(folder, NAMING, fsync=fsync, disk=disk, header=MAGIC)
-        self._commit = _GroupCommit(fsync_interval)
+        self._durable = 0  # the highest offset an fsync covers (under the lock)
+        self._sync_lock = threading.Lock()  # one fsync round at a time: puts waiting here ride on the next
+        self._fsync_interval = fsync_interval
+        self._last_sync = 0.0
         folder.mkdir(parents=True, exist_ok=True)
         # two writers would interleave records
         self._lock_fd = lock_folder(folder, FailedPrecondition(f"{folder} is in use by another repository process"))
@@ -137,7 +92,7 @@ class FeatureLog:
             self._new_segment(1)
         else:
             self._log.resume()
-        self._commit.mark_durable(self._index.latest)
+        self._durable = self._index.latest
         log.info(
             "feature log opened",
             extra={
@@ -229,11 +184,33 @@ class FeatureLog:
             if fresh:
                 self._write(fresh)
                 if self._mode == "always":
-                    self._commit.mark_durable(self._index.latest)
+                    self._durable = self._index.latest
         highest = max((r.offset for r in results), default=0)
         if self._mode != "never":
-            self._commit.wait_durable(highest, self._sync_current)
+            self._wait_durable(highest)
         return results
+
+    def _wait_durable(self, offset: int) -> None:
+        """Return once an fsync covers ``offset`` (group commit): one caller at a time runs a
+        round, at least ``fsync_interval`` after the last, and the puts that arrive meanwhile
+        ride on the next."""
+        while True:
+            with self._lock:
+                if self._durable >= offset:
+                    return
+            with self._sync_lock:
+                with self._lock:
+                    if self._durable >= offset:
+                        return
+                delay = self._last_sync + self._fsync_interval - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                try:
+                    covered = self._sync_current()
+                finally:
+                    self._last_sync = time.monotonic()
+                with self._lock:
+                    self._durable = max(self._durable, covered)
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -321,7 +298,7 @@ class FeatureLog:
     def _readable_locked(self) -> int:
         if self._mode == "never":
             return self._index.latest
-        return min(self._index.latest, self._commit.durable)
+        return min(self._index.latest, self._durable)
 
     def offset_of(self, tuple_id: int) -> int:
         """Offset of ``tuple_id``, 0 if not stored."""
@@ -378,8 +355,8 @@ class FeatureLog:
                 log.error("fsync at close failed", extra={"error": exc.strerror})
             finally:
                 os.close(self._lock_fd)  # releases the folder lock
-        if self._mode != "never" and not self._disk.failure:
-            self._commit.mark_durable(self._index.latest)
+            if self._mode != "never" and not self._disk.failure:
+                self._durable = self._index.latest
 
 
 def _runs(first: int, locations: list[Location]) -> Iterator[tuple[int, list[Location]]]:

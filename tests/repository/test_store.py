@@ -132,6 +132,21 @@ def test_readers_see_a_record_only_once_it_is_durable(tmp_path: Path) -> None:
         assert s.latest() == 2 and [t for _, t, _ in s.read()] == [1, 2]
 
 
+def test_puts_that_arrive_while_an_fsync_waits_share_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group commit: a put waits for an fsync round, one runs at a time (at most one every
+    fsync_interval), and the puts that arrive meanwhile ride on the next: ten puts, few fsyncs."""
+    with FeatureStore(tmp_path / "s", StoreOptions(fsync="batch", fsync_interval_ms=1000)) as s:
+        s.put([upload(1)])  # a round now; the next waits for the interval
+        disk = FsyncDisk(monkeypatch)
+        puts = [threading.Thread(target=s.put, args=([upload(i)],)) for i in range(2, 12)]
+        for put in puts:
+            put.start()
+        for put in puts:
+            put.join(20)
+        assert s.latest() == 11
+        assert 1 <= len([p for p in disk.synced if p.endswith(".seg")]) <= 3
+
+
 def test_concurrent_puts_store_each_id_once(store: FeatureStore) -> None:
     ids = list(range(1, 121))
     errors: list[BaseException] = []
