@@ -173,8 +173,6 @@ class Gateway:
         """How many tuples an earlier run left spooled (see ``resumed_futures``)."""
         return len(self.resumed_futures)
 
-    # -- submitting (non-blocking) -------------------------------------------------
-
     def submit(
         self,
         data: bytes,
@@ -236,8 +234,6 @@ class Gateway:
         move = MoveOnDone(str(path.resolve()), str(Path(move_to).resolve())) if move_to else None
         entry = self.spool.put_file(path, meta, move=move, timeout=timeout)
         return self._track(entry)
-
-    # -- sending (blocking) -------------------------------------------------------
 
     def send(
         self,
@@ -331,8 +327,6 @@ class Gateway:
             reason=why,
         )
 
-    # -- waiting and closing ------------------------------------------------------
-
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every spooled tuple is delivered (or failed); False on timeout."""
         with self._lock:
@@ -390,8 +384,6 @@ class Gateway:
             spool_failure=self.spool.disk_failure,
             master_queue_refusal=self._dispatcher.queue_refusal(),
         )
-
-    # -- internals ------------------------------------------------------------------
 
     def _meta(
         self, image: str, name: str, size: int, attributes: Mapping[str, str] | None, created_unix: float | None

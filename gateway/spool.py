@@ -253,8 +253,6 @@ class Spool:
         if fsync == "batch":
             self._log.start_flusher(BATCH_FSYNC_SECONDS, "spool-fsync")
 
-    # -- lifecycle ---------------------------------------------------------
-
     def flush(self) -> None:
         """Make every record appended so far durable (segments, payload files, the folder);
         see :meth:`SegmentLog.flush`."""
@@ -270,8 +268,6 @@ class Spool:
         finally:
             os.close(self._lock_fd)  # releases the folder lock
             self._lock_fd = None
-
-    # -- loading ------------------------------------------------------------------
 
     def _load(self) -> None:
         """Replay the segments; remove leftovers of interrupted writes."""
@@ -366,8 +362,6 @@ class Spool:
     def _data_path(self, seq: int) -> Path:
         return self.root / f"{seq:020d}.data"
 
-    # -- appending ----------------------------------------------------------------
-
     def _append(self, parts: list[bytes | memoryview], admitted: int = 0) -> tuple[Segment, int]:
         """:meth:`SegmentLog.append`, named for the spool when it is closed. Caller holds
         ``_append_lock``."""
@@ -375,8 +369,6 @@ class Spool:
             return self._log.append(parts, admitted)
         except Unavailable:
             raise Unavailable("the spool is closed (its gateway was closed); nothing was written") from None
-
-    # -- the bound -----------------------------------------------------------
 
     def _reserve(self, size: int, timeout: float | None) -> None:
         """Take ``size`` bytes of the bound, waiting up to ``timeout`` s (None = forever)."""
@@ -400,8 +392,6 @@ class Spool:
         with self._cond:
             self._reserved -= size
             self._cond.notify_all()
-
-    # -- adding --------------------------------------------------------------
 
     def writer(self, size: int, timeout: float | None = 0.0) -> SpoolWriter:
         """A writer for a tuple of ``size`` bytes; waits up to ``timeout`` s for room.
@@ -538,8 +528,6 @@ class Spool:
             self._reserved -= reserved
             self._used += entry.size
 
-    # -- updating and removing ----------------------------------------------------
-
     def update_many(self, entries: list[SpoolEntry]) -> None:
         """Persist entries' metadata (id, ticket, attempt) with one append."""
         with self._append_lock:
@@ -616,8 +604,6 @@ class Spool:
                 old.live.discard(entry.seq)
             entry.data_path, entry.offset, entry.segment = new_path, new_offset, segment.id
             segment.live.add(entry.seq)
-
-    # -- reading ---------------------------------------------------------------
 
     def open_payload(self, entry: SpoolEntry) -> BinaryIO:
         """An open file positioned at the entry's payload (``meta.size`` bytes follow).

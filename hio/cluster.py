@@ -123,8 +123,6 @@ class LocalCluster:
         self.health: dict[str, str] = {}  # name -> address to wait for SERVING at (re)start
         self.problems: list[str] = []  # what stop() found: roles that did not exit cleanly
 
-    # ---- starting
-
     def start(self) -> Self:
         """Start the repository and the master, then the workers; return once the servers serve
         and the workers' engines are FREE. Everything started is stopped again if this fails
@@ -227,8 +225,6 @@ class LocalCluster:
             *settings_args(self.settings),
         ]
 
-    # ---- looking at it
-
     @staticmethod
     def worker_id(proc: RoleProcess) -> str:
         """The id of a worker started without one (the worker's default)."""
@@ -292,8 +288,6 @@ class LocalCluster:
             for name, proc in self.procs.items()
             if not command or proc.command == command
         )
-
-    # ---- stopping
 
     def remove(self, name: str, timeout: float | None = None) -> int | None:
         """Stop one role and forget it; its exit code (None if it had to be killed)."""

@@ -101,9 +101,6 @@ class ImagesConfig:
             raise ConfigError(f"tag is not a valid Docker tag: {self.tag!r}")
 
 
-# ---------------------------------------------------------------- locations
-
-
 def project_root(config: ImagesConfig) -> Path:
     """The checkout: --project-dir, else the folder above the hio package, else cwd."""
     candidates = (
@@ -133,9 +130,6 @@ def selected_folders(config: ImagesConfig, images_dir: Path) -> list[str]:
     if missing:
         raise ConfigError(f"images: no Dockerfile in {', '.join(str(images_dir / m) for m in missing)}")
     return sorted(dict.fromkeys(folders), key=lambda f: (f != "base", folders.index(f)))
-
-
-# ---------------------------------------------------------------- wheelhouse
 
 
 def runtime_requirements(root: Path, image_dir: Path | None = None) -> list[str]:
@@ -223,9 +217,6 @@ def ensure_wheelhouse(config: ImagesConfig, root: Path) -> Path:
     wheel = build_project_wheel(root, wheelhouse, config.step_timeout)
     log.info("wheelhouse ready", extra={"wheelhouse": str(wheelhouse), "project_wheel": wheel.name})
     return wheelhouse.resolve()
-
-
-# ---------------------------------------------------------------- docker
 
 
 def docker_client(timeout: float) -> Any:

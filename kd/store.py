@@ -127,8 +127,6 @@ class AccumulatedStore:
         self._history: dict[float, int] = {}
         self._disk = DiskFailure(disk="KD's disk", owner="kd")
 
-    # --- start -----------------------------------------------------------------
-
     def open(self) -> AccumulatedStore:
         """Read every part file once; drop leftovers of interrupted writes."""
         self.path.mkdir(parents=True, exist_ok=True)
@@ -164,8 +162,6 @@ class AccumulatedStore:
         for part in parts:
             part.unlink()
         fsync_dir(self.path, self._disk)
-
-    # --- append ----------------------------------------------------------------
 
     def append(self, table: pa.Table, interval_unix: float) -> Appended:
         """Keep the rows not stored yet; persist them (atomic), then index them."""
@@ -211,8 +207,6 @@ class AccumulatedStore:
             disk=self._disk,
         )
 
-    # --- index -----------------------------------------------------------------
-
     def _ingest(self, table: pa.Table) -> None:
         """Index rows (already persisted) into groups, counters and history."""
         table, _ = self._fresh(table)
@@ -249,8 +243,6 @@ class AccumulatedStore:
             matrix = pc.list_flatten(values.take(pa.array(rows))).to_numpy().reshape(len(rows), len(names))
             group = self.groups.setdefault((image, names), Group(image, names))
             group.add(ids[rows], offsets[rows], matrix)
-
-    # --- queries ---------------------------------------------------------------
 
     def ordered(self) -> list[Group]:
         """Every non-empty group, most tuples first (ties: by image, then feature names)."""

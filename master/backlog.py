@@ -172,8 +172,6 @@ class BacklogQueue:
         if durability.policy == "batch":  # the segments and the journal
             self._log.start_flusher(durability.interval, "backlog-fsync")
 
-    # ---- receiving ---------------------------------------------------------------
-
     def receive(
         self,
         frames: Iterable[TupleFrame],
@@ -333,8 +331,6 @@ class BacklogQueue:
         if self._journal.size > JOURNAL_COMPACT_BYTES and not self._closed:  # closed: the journal is too
             self._compact_journal()
 
-    # ---- entries -----------------------------------------------------------------
-
     def _add(self, entry: Entry) -> None:
         self._entries[entry.tuple_id] = entry
         self._used += entry.size
@@ -408,8 +404,6 @@ class BacklogQueue:
                 "have its earlier place and attempt count",
                 extra={"tuple_id": entry.tuple_id, "error": str(exc)},
             )
-
-    # ---- leasing -----------------------------------------------------------------
 
     def lease_many(
         self, image: str, channel_id: str, lease_seconds: float, *, max_tuples: int = 1, max_bytes: int = 0
@@ -522,8 +516,6 @@ class BacklogQueue:
         self.settle()
         return channels
 
-    # ---- outcomes ----------------------------------------------------------------
-
     def ack(self, tuple_id: int, channel_id: str) -> bool:
         """``channel_id`` processed the tuple: remove it for good.
 
@@ -565,8 +557,6 @@ class BacklogQueue:
             ready.pop(entry.tuple_id, None)
             if not ready:
                 del self._ready[entry.image]
-
-    # ---- dead letters ------------------------------------------------------------
 
     def settle(self) -> None:
         """Copy entries marked for the dead letters out of the queue (disk I/O: call without the lock)."""
@@ -636,8 +626,6 @@ class BacklogQueue:
         finally:
             self._end_record(writer, None)
 
-    # ---- queries -----------------------------------------------------------------
-
     def ready_count(self, image: str) -> int:
         """Tuples of ``image`` waiting (not leased)."""
         with self._cond:
@@ -676,8 +664,6 @@ class BacklogQueue:
                 for i, n in sorted(self._image_len.items())
             ]
 
-    # ---- durability and lifecycle ------------------------------------------------
-
     def flush(self) -> None:
         """One fsync round now (what 'batch' runs every ``interval``)."""
         self._log.flush_round()
@@ -710,8 +696,6 @@ class BacklogQueue:
     def _check_open(self) -> None:
         if self._closed:
             raise Unavailable("the master is shutting down")
-
-    # ---- recovery ----------------------------------------------------------------
 
     def _recover(self) -> None:
         acked, moves = self._journal.load()

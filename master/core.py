@@ -131,8 +131,6 @@ class Master:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # ---- lifecycle ---------------------------------------------------------------
-
     def start(self) -> Master:
         """Start the maintenance thread (expiry of workers, reservations and leases)."""
         if self._thread is None:
@@ -191,8 +189,6 @@ class Master:
                     self.registry.set_free(channel)
                 self._cond.notify_all()
 
-    # ---- workers -----------------------------------------------------------------
-
     def register_worker(self, worker_id: str, host: str, cpus: int, channels: Iterable[master_pb2.ChannelInfo]) -> None:
         """Add or replace a worker; leases of its previous channels go back to the queue."""
         with self._cond:
@@ -211,8 +207,6 @@ class Master:
             log.info("channel down", extra={"channel": channel_id, "detail": down.get(channel_id, "")})
             self.queue.void_leases(channel_id, "channel down")
         return known
-
-    # ---- routing -----------------------------------------------------------------
 
     def route(
         self,
@@ -314,8 +308,6 @@ class Master:
             return "no worker has registered an image yet"
         more = f" and {len(known) - 10} more" if len(known) > 10 else ""
         return f"known: {', '.join(known[:10])}{more}"
-
-    # ---- the backlog -------------------------------------------------------------
 
     def enqueue(self, frames: Iterable[TupleFrame]) -> Iterator[Stored]:
         """Store a stream of tuples in the backlog; one receipt each (see BacklogQueue.receive)."""
@@ -545,8 +537,6 @@ class Master:
                 and not self.queue.has_lease(channel_id)
             ):
                 self.registry.set_queue(channel, leased=False)
-
-    # ---- dead letters and status -------------------------------------------------
 
     def dead_letters(self) -> list[DeadLetter]:
         return self.dead.list(self.config.dead_list_limit)

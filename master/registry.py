@@ -86,8 +86,6 @@ class ChannelRegistry:
         self._channels: dict[str, Channel] = {}
         self.offered_images: set[str] = set()
 
-    # ---- registration and liveness ----------------------------------------------
-
     def register(self, worker_id: str, host: str, cpus: int, specs: Iterable[master_pb2.ChannelInfo]) -> list[str]:
         """Add or replace a worker and its channels (as the worker announces them: DOWN with why,
         or up); the ids of replaced channels (void their leases)."""
@@ -188,8 +186,6 @@ class ChannelRegistry:
         for channel_id in worker.channels:
             if self._channels.get(channel_id) is worker.channels[channel_id]:
                 del self._channels[channel_id]
-
-    # ---- channels ----------------------------------------------------------------
 
     def channel(self, channel_id: str) -> Channel | None:
         """The channel, also of an expired (not yet forgotten) worker; None if unknown."""

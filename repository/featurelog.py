@@ -83,8 +83,6 @@ class FeatureLog:
             os.close(self._lock_fd)
             raise
 
-    # ----------------------------------------------------------------- startup
-
     def _recover(self) -> None:
         """Rebuild the index from the segments (the log cuts a torn tail of the last one)."""
         started = time.monotonic()
@@ -168,8 +166,6 @@ class FeatureLog:
         except OSError as exc:
             raise Unavailable(f"the repository cannot start a new segment: {exc.strerror}") from None
         self._index.begin_segment(first)
-
-    # ------------------------------------------------------------------ writes
 
     def append(self, items: Sequence[tuple[int, bytes]]) -> list[Appended]:
         """Append (tuple_id, payload) records whose ids are not stored yet.
@@ -280,8 +276,6 @@ class FeatureLog:
             self._disk.check()  # the fsync failed: the refusal that names it
             raise Unavailable(f"the repository cannot persist features: {exc.strerror}") from None
         return target
-
-    # ------------------------------------------------------------------- reads
 
     @property
     def latest(self) -> int:

@@ -77,8 +77,6 @@ class FeatureStore:
         options = StoreOptions(**{**bounds, "max_knowledge_bytes": message_limit(config)})  # a knowledge: one message
         return cls(state_dir(config.data_dir, "repository"), options)
 
-    # ---------------------------------------------------------------- features
-
     def put(self, records: Iterable[tuple[int, bytes, int]]) -> list[Appended]:
         """Store (tuple_id, record_zstd, crc32) records; all are checked before any is stored.
 
@@ -109,8 +107,6 @@ class FeatureStore:
         """records, segments, bytes on disk."""
         return self._features.stats()
 
-    # --------------------------------------------------------------- consumers
-
     def committed(self, name: str) -> int:
         """Committed offset of consumer ``name`` (0 when unknown or the name is empty)."""
         return self._consumers.committed(name)
@@ -118,8 +114,6 @@ class FeatureStore:
     def commit(self, name: str, offset: int) -> None:
         """Persist consumer ``name``'s offset (0..latest); moving backwards re-reads."""
         self._consumers.commit(name, offset, self.latest())
-
-    # --------------------------------------------------------------- knowledge
 
     def put_knowledge(self, knowledge: bytes, preview_png: bytes | None = None) -> features_pb2.Knowledge:
         """Replace the knowledge (must parse as Knowledge) and the preview (PNG or None)."""

@@ -342,8 +342,6 @@ class Controller:
                 )
         return infos
 
-    # ---- running
-
     def run(self, stop: threading.Event) -> int:
         """Supervise until ``stop`` is set; then stop every engine. Exit code 0."""
         self._session.start()

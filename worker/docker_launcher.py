@@ -124,8 +124,6 @@ class DockerLauncher(EngineLauncher):
         """Is ``image`` in the local image store? Never asks a registry."""
         return images.has_image(_shared_client(), image)
 
-    # ------------------------------------------------------------ start
-
     def start(self, spec: EngineSpec) -> EngineHandle:
         """Create and start the channel's container; ImageMissing if the image is not local."""
         image = self._local_image(spec.image)
@@ -214,8 +212,6 @@ class DockerLauncher(EngineLauncher):
             else:
                 env[key] = value
         return env, files
-
-    # ------------------------------------------------------------ supervise
 
     def poll(self, handle: EngineHandle) -> int | None:
         """Exit code once the container has exited; None while it runs.

@@ -482,8 +482,6 @@ class Engine:
     def pipeline_spec(self) -> str:
         return self._pipeline.spec
 
-    # ---- lifecycle
-
     def start(self) -> Engine:
         self._puller.start()
         return self
@@ -502,8 +500,6 @@ class Engine:
         self._reporter.stop(timeout=min(2.0, grace))
         self._puller.join(1.0)
         self._background.close()
-
-    # ---- claiming the channel
 
     def _claim(self, kind: str) -> None:
         with self._cond:
@@ -553,8 +549,6 @@ class Engine:
             max_chunk_bytes=max_chunk_bytes or message_limit(self._config),
             need_id=True,
         )
-
-    # ---- direct delivery
 
     def deliver(
         self, frames: Iterable[TupleFrame | ChunkFrame], *, max_chunk_bytes: int | None = None
@@ -751,8 +745,6 @@ class Engine:
         )
         return receipt.dead_lettered
 
-    # ---- processing one tuple
-
     def _compute(
         self, meta: TupleMeta, data: bytes, *, from_queue: bool, started: Callable[[], None] | None = None
     ) -> tuple[bytes, float] | str:
@@ -840,8 +832,6 @@ class Engine:
             stored_unix=time.time(),
         )
 
-    # ---- the per-tuple timeout
-
     def _on_timeout(self, job: _Job) -> None:
         """Hand the hung tuple back (synchronously, bounded), then end the process."""
         message = f"timeout after {self._config.tuple_timeout:g} s"
@@ -865,8 +855,6 @@ class Engine:
             self._reporter.stop(timeout=1.0)  # outcomes of earlier tuples still on their way
             logging.shutdown()
             self._exit(TIMEOUT_EXIT_CODE)
-
-    # ---- pulling from the backlog queue
 
     def _wait_idle(self) -> bool:
         """Block until the channel is idle and its last release was sent; False when stopping."""

@@ -119,8 +119,6 @@ class SegmentLog:
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
 
-    # -- opening -----------------------------------------------------------------
-
     def open(self, scan: Callable[[Segment, bool], int]) -> list[Segment]:
         """Scan the segments oldest first; ``scan(segment, last)`` applies a segment's records
         and returns where its last whole one ends (or raises: damage it will not cut). What
@@ -164,8 +162,6 @@ class SegmentLog:
         segment.sealed = False
         self.active = segment
         return segment
-
-    # -- appending ---------------------------------------------------------------
 
     def roll(self, seg_id: int | None = None) -> Segment:
         """Seal the active segment and start a new one, ``seg_id`` or the next number."""
@@ -308,8 +304,6 @@ class SegmentLog:
         if fd is not None and not keep:
             os.close(fd)
 
-    # -- removing ----------------------------------------------------------------
-
     def delete(self, segment: Segment) -> Path:
         """Forget a sealed segment none of whose records is needed; its bytes need no disk
         (closed unsynced). Returns its file for the caller to delete (it may be large:
@@ -330,8 +324,6 @@ class SegmentLog:
         with self.lock:
             return sum(s.size for s in self.segments.values())
 
-    # -- side files ----------------------------------------------------------------
-
     def attach(self, path: Path) -> Segment:
         """Open ``path`` (a file beside the segments, such as a journal) for appending, to be
         synced with the segments: report its appends with :meth:`written`; :meth:`seal` it
@@ -341,8 +333,6 @@ class SegmentLog:
         with self.lock:
             self._side.append(side)
         return side
-
-    # -- syncing -----------------------------------------------------------------
 
     def sync_path(self, path: Path, *, refuse: bool = False) -> None:
         """fsync a file by name: failing to open it is not the disk's failure, failing to
@@ -457,8 +447,6 @@ class SegmentLog:
             self._rounds += 1
             self._round_error = error
             self.lock.notify_all()
-
-    # -- closing -----------------------------------------------------------------
 
     def close(self) -> None:
         """Stop the rounds, sync what waits (unless 'never') and close the segments but those

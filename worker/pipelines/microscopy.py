@@ -123,9 +123,6 @@ class DecodedImage:
     format: str
 
 
-# --------------------------------------------------------------------------- decode
-
-
 def _page_pixels(page: Image.Image) -> tuple[np.ndarray, float, int]:
     """(float pixels, full scale, bits) of one page, colour reduced to luminance."""
     mode = page.mode
@@ -196,9 +193,6 @@ def decode_image(data: bytes, pages: str = "first") -> DecodedImage:
     if not np.all(np.isfinite(pixels)):
         raise ValueError("microscopy: image contains NaN or infinite pixel values")
     return DecodedImage(pixels=pixels / scale, bit_depth=bits, pages=count, format=fmt)
-
-
-# --------------------------------------------------------------------------- features
 
 
 def histogram_entropy(pixels: np.ndarray, bins: int = HIST_BINS) -> float:

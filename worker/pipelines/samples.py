@@ -107,9 +107,6 @@ REGIMES = (
 )
 
 
-# --------------------------------------------------------------------------- files
-
-
 def _cached(out_dir: Path, request: dict[str, Any]) -> list[Path] | None:
     """The files of a previous identical generation, if all are intact."""
     try:
@@ -153,9 +150,6 @@ def _generate(out_dir: Path, request: dict[str, Any], files: list[tuple[str, byt
     manifest = {"request": request, "files": [[name, len(data)] for name, data in files]}
     atomic_write(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode(), durable=False)
     return paths
-
-
-# --------------------------------------------------------------------------- microscopy
 
 
 def _place_cells(
@@ -255,9 +249,6 @@ def generate_microscopy(
     files = [_microscopy_file(seed, i, size) for i in range(count)]
     log.info("generated microscopy samples", extra={"dir": str(out), "count": count})
     return _generate(out, request, files)
-
-
-# --------------------------------------------------------------------------- simulation
 
 
 def _shift(values: np.ndarray, step: int) -> np.ndarray:
@@ -390,9 +381,6 @@ def generate_simulation(
         files.extend(_simulation_group(seed, group, size))
     log.info("generated simulation samples", extra={"dir": str(out), "count": count})
     return _generate(out, request, files[:count])
-
-
-# --------------------------------------------------------------------------- demo
 
 
 def generate_demo_dataset(out_dir: str | os.PathLike[str], seed: int = 7) -> list[tuple[Path, str]]:

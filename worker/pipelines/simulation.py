@@ -83,9 +83,6 @@ class Realization:
     voxels: int
 
 
-# --------------------------------------------------------------------------- decode
-
-
 def default_species_names(count: int) -> tuple[str, ...]:
     """A, B, ..., Z, then S26, S27, ..."""
     return tuple(chr(ord("A") + i) if i < 26 else f"S{i}" for i in range(count))
@@ -192,9 +189,6 @@ def decode_realization(data: bytes) -> Realization:
     t = _times(arrays.get("t"), x.shape[1])
     species = _species(arrays.get("species"), x.shape[0])
     return Realization(t=t, x=x, species=species, voxels=voxels)
-
-
-# --------------------------------------------------------------------------- features
 
 
 def autocorrelation(series: np.ndarray, lag: int = 1) -> float:
