@@ -21,23 +21,17 @@ from typing import Any
 # import of grpc; GRPC_VERBOSITY set by the user still wins (and reaches child processes).
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from hio import commands
+from hio import __version__, commands
 from hio import config as cfg
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hio", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=f"hio {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_cls, _section, _run, help_text) in commands.COMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text, add_help=False)
     return parser
-
-
-def _version() -> str:
-    from hio import __version__
-
-    return f"hio {__version__}"
 
 
 def command_parser(name: str, cls: type) -> argparse.ArgumentParser:

@@ -78,10 +78,6 @@ def _refuse_shared_listen(role: str, names: set[str]) -> None:
             )
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _convert(value: Any, typ: Any, where: str) -> Any:
     """Turn a string (env/flag) or TOML value into the field's type."""
     origin = typing.get_origin(typ)
@@ -131,7 +127,7 @@ def scaled(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser, cls: type, role: str) -> None:
     """Add one flag per field of ``cls``; the help shows the environment fallback."""
     parser.add_argument("--config", default=None, help=f"TOML configuration file (env {CONFIG_ENV})")
-    types = _field_types(cls)
+    types = typing.get_type_hints(cls)
     # accepted, not in --help (a client's server-only settings)
     unlisted: frozenset[str] = getattr(cls, "UNLISTED", frozenset())
     for f in dataclasses.fields(cls):
@@ -221,7 +217,7 @@ def build(
     file_data: dict[str, Any] | None = None,
 ) -> C:
     """Build the frozen config of ``role`` from defaults, file, env, flags, overrides."""
-    types = _field_types(cls)
+    types = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     if file_data is None:
         file_data = load_file(getattr(args, "config", None) if args else None)
@@ -289,7 +285,7 @@ def as_text(value: Any) -> str:
 def parse_assignments(items: tuple[str, ...], cls: type, where: str, *, refused: dict[str, str]) -> dict[str, Any]:
     """``NAME=VALUE`` items checked against the settings of ``cls``, each converted to its
     field's type; a name in ``refused`` is refused with its reason. Later items win."""
-    types = _field_types(cls)
+    types = typing.get_type_hints(cls)
     out: dict[str, Any] = {}
     for item in items:
         name, sep, value = item.partition("=")

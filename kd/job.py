@@ -110,7 +110,6 @@ class KnowledgeJob:
         self.spark = spark
         self.store = store
         self.client = RepositoryClient(config, config.rpc_deadline)
-        self.intervals = 0
         self.last_seconds = 0.0
         self.last_timings: dict[str, float] = {}
         self._published_at = time.monotonic()
@@ -140,7 +139,6 @@ class KnowledgeJob:
         self._unpublished = (self._unpublished or 0) + appended.accepted
         self.accepted += appended.accepted
         knowledge = self.publish(started, timings) if self._should_publish(end_offset) else None
-        self.intervals += 1
         self.last_seconds = time.monotonic() - started
         self.last_timings = {k: round(v, 3) for k, v in timings.items()}
         log.info(

@@ -8,13 +8,14 @@ the previous one: a stale picture of other clusters would mislead.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
 from hio.proto import features_pb2
-from hio.storage.files import DiskFailure, atomic_write, clean_temporaries, remove_durably
+from hio.storage.files import DiskFailure, atomic_write, clean_temporaries, fsync_dir
 from hio.transport.errors import InvalidArgument
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -58,7 +59,9 @@ class KnowledgeFiles:
         with self._lock:
             self._disk.check()  # before either file changes: the two stay a pair
             if preview_png is None:
-                remove_durably(self._folder / _PREVIEW, self._disk)
+                with contextlib.suppress(FileNotFoundError):  # the deletion too must survive a crash
+                    (self._folder / _PREVIEW).unlink()
+                    fsync_dir(self._folder, self._disk)
             else:
                 atomic_write(self._folder / _PREVIEW, preview_png, disk=self._disk)
             atomic_write(self._folder / _KNOWLEDGE, knowledge, disk=self._disk)

@@ -76,13 +76,6 @@ class EngineLauncher(abc.ABC):
         """Remove our own leftovers (never anything this worker did not start)."""
 
 
-def engine_log_dir(config: WorkerConfig, worker_id: str) -> Path:
-    """``data_dir/worker/<worker_id>/engines``: one log file per channel."""
-    path = Path(config.data_dir).expanduser() / "worker" / worker_id / "engines"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def tail(path: str | os.PathLike[str], lines: int) -> str:
     """The last ``lines`` lines of a text file (reads at most its last 64 KiB)."""
     try:
@@ -105,7 +98,9 @@ class ProcessLauncher(EngineLauncher):
     """
 
     def __init__(self, config: WorkerConfig, worker_id: str | None = None) -> None:
-        self._log_dir = engine_log_dir(config, worker_id or config.effective_worker_id())
+        worker = worker_id or config.effective_worker_id()
+        self._log_dir = Path(config.data_dir).expanduser() / "worker" / worker / "engines"  # a log per channel
+        self._log_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._running: dict[int, subprocess.Popen[bytes]] = {}
 

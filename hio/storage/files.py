@@ -87,15 +87,6 @@ def atomic_write(
         fsync_dir(path.parent, disk)
 
 
-def remove_durably(path: Path, disk: DiskFailure | None = None) -> None:
-    """Delete ``path`` if present and make the deletion durable (see :func:`fsync_dir`)."""
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return
-    fsync_dir(path.parent, disk)
-
-
 def clean_temporaries(folder: Path) -> None:
     """Remove temporaries a crash left behind in ``folder``."""
     for leftover in folder.glob("*.tmp"):
