@@ -11,7 +11,6 @@ after the lock is released.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import math
 import os
@@ -26,7 +25,7 @@ from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
 from hio.master.ids import TupleIdAllocator
 from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelState, Worker
-from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
+from hio.master.routing import PendingEnqueues, Route, route_tuples
 from hio.master.stats import Stats
 from hio.master.storage import Durability
 from hio.proto import master_pb2
@@ -49,13 +48,6 @@ MAX_PULL_BYTES = 64 * 1024 * 1024
 PULL_PACK_BYTES = 1024 * 1024  # small pulled tuples travel packed, this much per message
 EXPIRY_EVERY = 0.25  # maintenance: worker expiry, reservations, leases
 QUEUE_FULL_WARNING = 0.9
-
-
-@dataclasses.dataclass(frozen=True)
-class Routed:
-    tuple_ids: list[int]
-    tickets: list[bytes]
-    route: Route
 
 
 class Pulled:
@@ -216,7 +208,7 @@ class Master:
         items: Sequence[RouteItem],
         force_queue: bool = False,
         wait_seconds: float = 0.0,
-    ) -> Routed:
+    ) -> master_pb2.RouteTuplesResponse:
         """Assign ids (keeping those already routed) and decide where the batch goes.
 
         With ``wait_seconds``, a batch that finds every channel busy (and
@@ -240,11 +232,16 @@ class Master:
             fresh = iter(self.ids.allocate(sum(1 for i in items if not i.tuple_id)))
             tuple_ids = [item.tuple_id or next(fresh) for item in items]
             route = self._route_waiting(image, tuple_ids, force_queue, wait_seconds)
-            direct = not isinstance(route, QueueRoute)
-            self.stats.routed(direct=direct, count=len(items))
+            self.stats.routed(direct=isinstance(route, master_pb2.ChannelRoute), count=len(items))
         tickets = [make_ticket(self._ticket_key, t, image) if self._ticket_key else b"" for t in tuple_ids]
         log.debug("routed", extra={"source": source, "image": image, "tuples": len(items), "route": route})
-        return Routed(tuple_ids=tuple_ids, tickets=tickets, route=route)
+        reply = master_pb2.RouteTuplesResponse(tuple_ids=tuple_ids, tickets=tickets)
+        if isinstance(route, master_pb2.ChannelRoute):
+            reply.channel.CopyFrom(route)
+        else:
+            reply.queue.CopyFrom(route)
+            reply.queue.lane_port = self.lane_port
+        return reply
 
     def _route_waiting(self, image: str, tuple_ids: list[int], force_queue: bool, wait_seconds: float) -> Route:
         """The route, after waiting (lock held; the wait releases it) for a channel if allowed."""

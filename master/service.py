@@ -68,20 +68,13 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def RouteTuples(
         self, request: master_pb2.RouteTuplesRequest, context: grpc.ServicerContext
     ) -> master_pb2.RouteTuplesResponse:
-        routed = self._master.route(
+        return self._master.route(
             source=request.source,
             image=request.image,
             items=request.items,
             force_queue=request.force_queue,
             wait_seconds=request.wait_seconds,
         )
-        reply = master_pb2.RouteTuplesResponse(tuple_ids=routed.tuple_ids, tickets=routed.tickets)
-        if isinstance(routed.route, master_pb2.ChannelRoute):
-            reply.channel.CopyFrom(routed.route)
-        else:
-            reply.queue.CopyFrom(routed.route)
-            reply.queue.lane_port = self._master.lane_port
-        return reply
 
     @grpc_errors
     def Enqueue(self, request_iterator: Iterable[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:

@@ -12,7 +12,7 @@ from hio.config import ConfigError
 from hio.master.config import MasterConfig
 from hio.master.core import Master
 from hio.master.registry import ChannelState
-from hio.proto.master_pb2 import ChannelInfo, QueueRoute, RouteItem
+from hio.proto.master_pb2 import ChannelInfo, QueueRoute, RouteItem, RouteTuplesResponse
 from hio.proto.master_pb2 import ChannelRoute as DirectRoute
 from hio.proto.master_pb2 import TupleOutcome as Outcome
 from hio.transport.errors import InvalidArgument, NotFound
@@ -51,6 +51,11 @@ def route(master: Master, n: int = 1, **kw: object):  # type: ignore[no-untyped-
     )  # type: ignore[arg-type]
 
 
+def route_of(reply: RouteTuplesResponse) -> DirectRoute | QueueRoute:
+    """The route a RouteTuples answer holds: a channel, or the queue."""
+    return getattr(reply, reply.WhichOneof("route"))  # type: ignore[no-any-return] - one of the two
+
+
 def enqueue(master: Master, tuple_id: int, image: str = IMAGE) -> None:
     list(master.enqueue(frames(tuple_id, b"x" * 10, image)))
 
@@ -66,10 +71,10 @@ def test_free_channel_gets_direct_route_and_is_reserved(make_master) -> None:  #
     (ch,) = add_worker(master, "w1")
     routed = route(master, 3)
     assert routed.tuple_ids == [1, 2, 3] and routed.tickets == [b"", b"", b""]
-    assert isinstance(routed.route, DirectRoute) and routed.route.channel_id == ch
+    assert isinstance(route_of(routed), DirectRoute) and route_of(routed).channel_id == ch
     assert state(master, ch) == ChannelState.DIRECT
     second = route(master)  # no FREE channel left
-    assert isinstance(second.route, QueueRoute) and second.tuple_ids == [4]
+    assert isinstance(route_of(second), QueueRoute) and second.tuple_ids == [4]
     assert master.stats.routed_direct == 3 and master.stats.routed_queue == 1
 
 
@@ -77,7 +82,7 @@ def two_workers_both_routed(master: Master) -> tuple[str, str]:
     """Two one-channel workers, each given one route, in the order they were chosen."""
     a = add_worker(master, "wa")[0]
     b = add_worker(master, "wb")[0]
-    first, second = route(master).route, route(master).route
+    first, second = route_of(route(master)), route_of(route(master))
     assert {first.channel_id, second.channel_id} == {a, b}  # type: ignore[union-attr]
     return first.channel_id, second.channel_id  # type: ignore[union-attr]
 
@@ -87,7 +92,7 @@ def test_least_recently_used_channel_spreads_load(make_master) -> None:  # type:
     first, second = two_workers_both_routed(master)
     master.report(first, [], release=True)
     master.report(second, [], release=True)
-    assert route(master).route.channel_id == first  # type: ignore[union-attr]
+    assert route_of(route(master)).channel_id == first  # type: ignore[union-attr]
 
 
 def test_channel_still_processing_its_last_tuple_is_chosen_last(make_master) -> None:  # type: ignore[no-untyped-def]
@@ -95,54 +100,54 @@ def test_channel_still_processing_its_last_tuple_is_chosen_last(make_master) -> 
     a, b = two_workers_both_routed(master)
     master.report(a, [], release=True, processing=True)  # handed over, last tuple still in progress
     master.report(b, [], release=True)  # idle
-    assert route(master).route.channel_id == b  # type: ignore[union-attr]  # though a is least recently used
-    assert route(master).route.channel_id == a  # type: ignore[union-attr]  # still taken when it is all there is
+    assert route_of(route(master)).channel_id == b  # type: ignore[union-attr]  # though a is least recently used
+    assert route_of(route(master)).channel_id == a  # type: ignore[union-attr]  # still taken when it is all there is
     master.report(a, [], release=True, processing=True)
     master.report(b, [], release=True, processing=True)
     master.report(a, [], release=False, processing=False)  # a's last tuple ended
-    assert route(master).route.channel_id == a  # type: ignore[union-attr]
+    assert route_of(route(master)).channel_id == a  # type: ignore[union-attr]
 
 
 def test_nonempty_queue_routes_to_queue(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master()
     routed = route(master)  # no channel at all: queue
-    assert isinstance(routed.route, QueueRoute) and routed.route.queue_length == 0
+    assert isinstance(route_of(routed), QueueRoute) and route_of(routed).queue_length == 0
     enqueue(master, routed.tuple_ids[0])
     add_worker(master, "w1")
     later = route(master)
-    assert isinstance(later.route, QueueRoute) and later.route.queue_length == 1
+    assert isinstance(route_of(later), QueueRoute) and route_of(later).queue_length == 1
 
 
 def test_pending_enqueue_routes_to_queue_until_it_arrives(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master()
     ch = add_worker(master, "w1")[0]
     forced = route(master, force_queue=True)
-    assert isinstance(forced.route, QueueRoute)
+    assert isinstance(route_of(forced), QueueRoute)
     behind = route(master)  # the forced tuple is still on its way
-    assert isinstance(behind.route, QueueRoute) and behind.route.queue_length == 1
-    for tuple_id in forced.tuple_ids + behind.tuple_ids:
+    assert isinstance(route_of(behind), QueueRoute) and route_of(behind).queue_length == 1
+    for tuple_id in [*forced.tuple_ids, *behind.tuple_ids]:
         enqueue(master, tuple_id)
-    for tuple_id in forced.tuple_ids + behind.tuple_ids:
+    for tuple_id in [*forced.tuple_ids, *behind.tuple_ids]:
         pulled = master.pull(ch, 0)
         assert pulled is not None and pulled.lease.tuple_id == tuple_id
         master.report(ch, [Outcome(tuple_id=tuple_id, ok=True, from_queue=True)], release=True)
-    assert isinstance(route(master).route, DirectRoute)
+    assert isinstance(route_of(route(master)), DirectRoute)
 
 
 def test_pending_enqueue_expires(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master(reservation_seconds=0.5)
     add_worker(master, "w1")
     route(master, force_queue=True)  # its sender never enqueues it
-    assert isinstance(route(master).route, QueueRoute)
+    assert isinstance(route_of(route(master)), QueueRoute)
     time.sleep(0.55)
-    assert isinstance(route(master).route, DirectRoute)
+    assert isinstance(route_of(route(master)), DirectRoute)
 
 
 def test_release_with_waiting_queue_answers_pull(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master()
     ch = add_worker(master, "w1")[0]
     direct = route(master)
-    assert isinstance(direct.route, DirectRoute)
+    assert isinstance(route_of(direct), DirectRoute)
     queued = route(master)
     enqueue(master, queued.tuple_ids[0])
     assert master.report(ch, [Outcome(tuple_id=direct.tuple_ids[0], ok=True, size=10)], release=True)
@@ -248,7 +253,7 @@ def test_heartbeat_down_and_up(make_master) -> None:  # type: ignore[no-untyped-
     ch = add_worker(master, "w1")[0]
     assert master.heartbeat("w1", {ch: "engine crashed"})
     assert state(master, ch) == ChannelState.DOWN
-    assert isinstance(route(master).route, QueueRoute)
+    assert isinstance(route_of(route(master)), QueueRoute)
     assert master.heartbeat("w1", {})
     assert state(master, ch) == ChannelState.FREE
     assert not master.heartbeat("nobody", {})
@@ -257,7 +262,7 @@ def test_heartbeat_down_and_up(make_master) -> None:  # type: ignore[no-untyped-
 def test_reservation_lapses_without_reports(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master(reservation_seconds=3.0)
     ch = add_worker(master, "w1")[0]
-    assert isinstance(route(master).route, DirectRoute)
+    assert isinstance(route_of(route(master)), DirectRoute)
     time.sleep(1.8)
     master.report(ch, [], release=False)  # a keep-alive report
     time.sleep(1.5)
@@ -282,11 +287,11 @@ def test_busy_channels_make_route_requests_wait_first_come_first_served(make_mas
 
     master = make_master()
     (channel,) = add_worker(master, "w1")
-    assert isinstance(route(master).route, DirectRoute)  # the only channel is now busy
+    assert isinstance(route_of(route(master)), DirectRoute)  # the only channel is now busy
     answers: list[tuple[str, object]] = []
 
     def ask(name: str) -> None:
-        answers.append((name, route(master, wait_seconds=5.0).route))
+        answers.append((name, route_of(route(master, wait_seconds=5.0))))
 
     def waiting() -> int:
         with master._cond:
@@ -308,18 +313,18 @@ def test_busy_channels_make_route_requests_wait_first_come_first_served(make_mas
     first.join()
     second.join()
     started = time.monotonic()
-    assert isinstance(route(master, wait_seconds=0.5).route, QueueRoute), "the wait is bounded"
+    assert isinstance(route_of(route(master, wait_seconds=0.5)), QueueRoute), "the wait is bounded"
     assert time.monotonic() - started >= 0.45
 
 
 def test_waiting_never_overtakes_queued_tuples(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master()
     add_worker(master, "w1")
-    assert isinstance(route(master).route, DirectRoute)
-    queued = route(master).route  # busy: to the queue
+    assert isinstance(route_of(route(master)), DirectRoute)
+    queued = route_of(route(master))  # busy: to the queue
     assert isinstance(queued, QueueRoute)
     started = time.monotonic()
-    assert isinstance(route(master, wait_seconds=5.0).route, QueueRoute), "tuples ahead in the queue: no waiting"
+    assert isinstance(route_of(route(master, wait_seconds=5.0)), QueueRoute), "tuples ahead in the queue: no waiting"
     assert time.monotonic() - started < 3.0
     with pytest.raises(InvalidArgument, match="wait_seconds"):
         route(master, wait_seconds=31.0)
