@@ -239,8 +239,12 @@ def _refusal(code: grpc.StatusCode, message: str) -> _Handler:
 KEEPALIVE_MS = 20_000
 
 
-def _keepalive() -> list[tuple[str, int]]:
+def _channel_options(settings: ClusterSettings) -> list[tuple[str, int]]:
+    """Message bounds and keepalive, the same for every client and server."""
+    limit = message_limit(settings)
     return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -249,11 +253,8 @@ def _keepalive() -> list[tuple[str, int]]:
 
 
 def _server_options(settings: ClusterSettings) -> list[tuple[str, int]]:
-    limit = message_limit(settings)
     return [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
-        *_keepalive(),
+        *_channel_options(settings),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ("grpc.so_reuseport", 0),
     ]
@@ -399,11 +400,8 @@ def _method_path(service: str, method: str) -> str:
 
 def create_channel(address: str, settings: ClusterSettings, token: str | None = None) -> grpc.Channel:
     """A channel to another role with our bounds, TLS if configured, and the token."""
-    limit = message_limit(settings)
     options = [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
-        *_keepalive(),
+        *_channel_options(settings),
         ("grpc.enable_retries", 0),
         # Each channel its own connections: with gRPC's process-wide pool, a channel to an
         # address another channel failed to reach (a role that was down, a port reused by a
