@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from hio.master.deadletters import DeadLetterStore, DeadWriter
-from hio.master.records import ACK, MOVE, NAMING, READ_BLOCK, Journal, RecordWriter, scan_segment
+from hio.master.records import ACK, MOVE, NAMING, Journal, RecordWriter, scan_segment
 from hio.master.storage import Durability
 from hio.proto.master_pb2 import QueueStatus
 from hio.storage.files import clean_temporaries, copy_exact
@@ -609,7 +609,7 @@ class BacklogQueue:
             writer = self._begin_record(meta)
             try:
                 with self.dead.open_payload(tuple_id) as fh:
-                    copy_exact(fh, writer.write, meta.size, f"dead letter {tuple_id}", READ_BLOCK)
+                    copy_exact(fh, writer.write, meta.size, f"dead letter {tuple_id}")
                 self._finish_record(writer)
             except BaseException:
                 self._abort_record(writer)

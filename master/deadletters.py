@@ -26,8 +26,6 @@ from hio.transport.frames import TupleMeta
 
 log = logging.getLogger("hio.master")
 
-COPY_BLOCK = 1024 * 1024
-
 
 @dataclasses.dataclass(frozen=True)
 class DeadLetter:
@@ -101,7 +99,7 @@ class DeadLetterStore:
             if isinstance(source, (bytes, bytearray, memoryview)):
                 out.write(source)
             else:
-                copy_exact(source, out.write, meta.size, f"tuple {meta.tuple_id}", COPY_BLOCK)
+                copy_exact(source, out.write, meta.size, f"tuple {meta.tuple_id}")
             return out.commit(reason, seq)
         except BaseException:
             out.abort()

@@ -40,7 +40,6 @@ ACK, MOVE = 1, 2
 
 NAMING = Naming("seg-", 10, ".q")
 MAX_META_BYTES = 1024 * 1024
-READ_BLOCK = 1024 * 1024
 
 
 class RecordWriter:
