@@ -176,9 +176,7 @@ class Master:
             log.warning("worker expired", extra={"worker": worker_id, "after_s": self.config.expiry_seconds})
         for channel_id in self.queue.expire_leases():
             with self._cond:
-                channel = self.registry.channel(channel_id)
-                if channel is not None and channel.state == ChannelState.QUEUE and not self.queue.has_lease(channel_id):
-                    self.registry.set_free(channel)
+                self._free_if_unleased(self.registry.channel(channel_id))
                 self._cond.notify_all()
 
     def register_worker(self, worker_id: str, host: str, cpus: int, channels: Iterable[master_pb2.ChannelInfo]) -> None:
@@ -393,8 +391,7 @@ class Master:
                             return Pulled(self, leases)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        if channel.state == ChannelState.QUEUE and not self.queue.has_lease(channel_id):
-                            self.registry.set_free(channel)
+                        self._free_if_unleased(channel)
                         return None
                     if not waiting:
                         if self._waiters >= self.config.pull_waiters:
@@ -438,14 +435,14 @@ class Master:
             },
         )
         with self._cond:
-            channel = self.registry.channel(pulled.lease.channel_id)
-            if (
-                channel is not None
-                and channel.state == ChannelState.QUEUE
-                and not self.queue.has_lease(channel.channel_id)
-            ):
-                self.registry.set_free(channel)
+            self._free_if_unleased(self.registry.channel(pulled.lease.channel_id))
             self._cond.notify_all()
+
+    def _free_if_unleased(self, channel: Channel | None) -> None:
+        """A QUEUE channel that holds no lease (its pull ended, or its leases did) is FREE
+        again. Lock held."""
+        if channel is not None and channel.state == ChannelState.QUEUE and not self.queue.has_lease(channel.channel_id):
+            self.registry.set_free(channel)
 
     def report(
         self,
