@@ -688,14 +688,7 @@ class Engine:
         """The repository refused this tuple's record: the tuple fails (the gateway counts an
         attempt and, if it keeps failing, it ends in the dead letters with this reason)."""
         error = truncate(f"cannot store features: {message}")
-        log.warning(
-            "features refused by the repository",
-            extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": error},
-        )
-        self._report(slot.meta, ok=False, from_queue=False, message=error)
-        slot.receipt = TupleReceipt(
-            index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED, message=error
-        )
+        self._fail(slot, error, "features refused by the repository", error)
 
     def _check_image(self, meta: TupleMeta) -> None:
         """Refuse a tuple of another image, or one the master did not route (ticket)."""
@@ -715,10 +708,13 @@ class Engine:
         to sync): the tuple fails to its sender, which counts the attempt and sends it again,
         and the stream goes on, so the tuples after it are not charged an attempt."""
         message = truncate(f"{error}; the master's queue did not take it back: {refusal.message}")
-        log.warning(
-            "failed tuple not taken back by the master; its sender retries it",
-            extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": refusal.message},
+        return self._fail(
+            slot, message, "failed tuple not taken back by the master; its sender retries it", refusal.message
         )
+
+    def _fail(self, slot: _Slot, message: str, what: str, reason: str) -> _Slot:
+        """The tuple fails to its sender with ``message`` (``what`` and ``reason`` for the log)."""
+        log.warning(what, extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": reason})
         self._report(slot.meta, ok=False, from_queue=False, message=message)
         slot.receipt = TupleReceipt(
             index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED, message=message
