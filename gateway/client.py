@@ -356,13 +356,7 @@ class Gateway:
             self._futures.clear()
         for future in pending:
             if not future.done():
-                future.set_exception(
-                    DeliveryError(
-                        f"tuple '{future.name}': gateway closed before delivery; it stays spooled and "
-                        "is sent at the next start",
-                        name=future.name,
-                    )
-                )
+                _closed_first(future)
         self.spool.close()
 
     def __enter__(self) -> Self:
@@ -419,12 +413,7 @@ class Gateway:
             if not closed:
                 self._futures[entry.seq] = future
         if closed:
-            future.set_exception(
-                DeliveryError(
-                    f"tuple '{future.name}': gateway is closed; it stays spooled and is sent at the next start",
-                    name=future.name,
-                )
-            )
+            _closed_first(future)
         else:
             self._dispatcher.add(entry)
         return future
@@ -537,6 +526,11 @@ def _load_unmoved(path: Path) -> dict[str, tuple[MoveOnDone, Outcome]]:
         if record.get("identity") is not None and _identity(move.source) == record["identity"]:
             kept[move.source] = (move, outcome)
     return kept
+
+
+def _closed_first(future: TupleFuture) -> None:
+    message = f"tuple '{future.name}': gateway closed before delivery; it stays spooled and is sent at the next start"
+    future.set_exception(DeliveryError(message, name=future.name))
 
 
 def _resolve(future: TupleFuture, entry: SpoolEntry, outcome: Outcome, detail: str) -> None:
