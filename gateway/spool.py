@@ -638,11 +638,6 @@ class Spool:
             f"under a new name (or as .part, then rename)"
         )
 
-    def read_payload(self, entry: SpoolEntry) -> bytes:
-        """The entry's whole payload (for tools and tests; delivery streams it)."""
-        with self.open_payload(entry) as fh:
-            return fh.read(entry.size)
-
     def entries(self) -> list[SpoolEntry]:
         """Committed entries in their original order."""
         with self._cond:
@@ -676,11 +671,6 @@ class Spool:
     def reserved_bytes(self) -> int:
         with self._cond:
             return self._reserved
-
-    @property
-    def segment_files(self) -> int:
-        with self._log.lock:
-            return len(self._log.segments)
 
     def __len__(self) -> int:
         with self._cond:

@@ -56,8 +56,7 @@ def _scatter(ax: Axes, group: Group, result: Clustering, max_points: int, seed: 
 
 def _dendrogram(ax: Axes, result: Clustering) -> None:
     if len(result.linkage) == 0:
-        ax.text(0.5, 0.5, "one cluster", ha="center", va="center")
-        ax.set_axis_off()
+        _empty(ax, "one cluster")
         return
     from scipy.cluster.hierarchy import dendrogram
 

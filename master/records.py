@@ -100,10 +100,6 @@ class Journal:
         self._unreported = 0  # bytes appended and not yet reported to the log
 
     @property
-    def fd(self) -> int | None:
-        return self._file.fd if self._file is not None else None
-
-    @property
     def size(self) -> int:
         return self._file.size if self._file is not None else 0
 

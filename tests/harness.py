@@ -193,3 +193,9 @@ class FsyncDisk:
             raise self.error
         self.synced.append(os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)"))
         self._fsync(fd)
+
+
+def spooled_payload(spool: Any, entry: Any) -> bytes:
+    """A spooled tuple's whole payload, as delivery streams it."""
+    with spool.open_payload(entry) as fh:
+        return bytes(fh.read(entry.size))

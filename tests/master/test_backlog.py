@@ -582,7 +582,7 @@ def test_a_journal_entry_cut_short_by_a_full_disk_does_not_hide_the_later_ones(
     q = open_queue(tmp_path)
     for tid in range(1, 4):
         put(q, frames(tid, payload(tid)))
-    journal_fd, real_write = q._journal.fd, os.write
+    journal_fd, real_write = q._journal._file.fd, os.write  # type: ignore[union-attr] - the journal is open
     calls = []
 
     def short_then_full(fd: int, data: bytes) -> int:
