@@ -33,7 +33,7 @@ offers) would pin every later segment: when segments take more than twice the
 spool's bound, the oldest one's remaining tuples are copied forward into the
 active segment (same sequence number, current metadata) and it is deleted.
 
-The segments, their roll, reclaim and fsync rounds are a
+The segments, their roll and fsync rounds are a
 :class:`~hio.storage.segmentlog.SegmentLog`. 'batch' (the gateway's default)
 fsyncs about every 100 ms, so a crash of the gateway process loses nothing and
 a power loss at most the last 100 ms of submissions, and an append waits while
