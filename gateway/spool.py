@@ -643,9 +643,6 @@ class Spool:
         with self._cond:
             return [self._entries[s] for s in sorted(self._entries)]
 
-    def __iter__(self) -> Iterator[SpoolEntry]:
-        return iter(self.entries())
-
     def move_sources(self) -> set[str]:
         """Original paths of spooled files that move on delivery (what the watcher took)."""
         with self._cond:

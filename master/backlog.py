@@ -645,11 +645,6 @@ class BacklogQueue:
         with self._cond:
             return self._used
 
-    @property
-    def cached_bytes(self) -> int:
-        with self._cond:
-            return self._cached
-
     def images(self) -> list[str]:
         """Images with tuples in the queue."""
         with self._cond:

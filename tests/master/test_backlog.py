@@ -306,11 +306,11 @@ def test_small_tuples_are_cached_big_ones_are_not(tmp_path: Path) -> None:
     q = open_queue(tmp_path, memory_bytes=5000)
     put(q, frames(1, payload(1, 4000)))
     put(q, frames(2, payload(2, 4000)))  # over the remaining memory budget: disk only
-    assert q.cached_bytes == 4000
+    assert q._cached == 4000
     assert take(q)[1] == payload(1, 4000)
     assert take(q)[1] == payload(2, 4000)
     q.ack(1, "w/0")
-    assert q.cached_bytes == 0
+    assert q._cached == 0
     q.close()
 
 
@@ -333,7 +333,7 @@ def test_big_tuple_streams_without_holding_it_in_memory(tmp_path: Path) -> None:
         _, peak_out = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert stored.placement is Placement.ENQUEUED and q.cached_bytes == 0
+    assert stored.placement is Placement.ENQUEUED and q._cached == 0
     assert (received, value) == (size, meta.crc32)
     assert peak_in < 6 * MiB, f"enqueue held {peak_in} bytes"
     assert peak_out < 6 * MiB, f"pull held {peak_out} bytes"
