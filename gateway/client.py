@@ -168,11 +168,6 @@ class Gateway:
         self.resumed_futures: list[TupleFuture] = [self._track(entry) for entry in self.spool.entries()]
         self._dispatcher.start()
 
-    @property
-    def resumed(self) -> int:
-        """How many tuples an earlier run left spooled (see ``resumed_futures``)."""
-        return len(self.resumed_futures)
-
     def submit(
         self,
         data: bytes,

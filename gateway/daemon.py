@@ -60,7 +60,7 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
             extra={
                 "ingest": config.ingest_listen or "off",
                 "watch": config.watch or "off",
-                "resumed": gateway.resumed,
+                "resumed": len(gateway.resumed_futures),
                 "master": config.master_address,
             },
         )

@@ -635,7 +635,7 @@ def test_a_spooled_tuple_whose_id_the_master_never_issued_is_sent_as_a_new_tuple
         gw.spool.update_many([entry])
         gw.close(timeout=0.2, drain=False)
     with Gateway(config) as gw:
-        assert gw.resumed == 1
+        assert len(gw.resumed_futures) == 1
         assert gw.flush(timeout=60)
         status = gw.status()
         assert (status.stored, status.failed, status.spooled_tuples) == (1, 0, 0)
@@ -658,7 +658,7 @@ def test_a_file_rewritten_in_place_after_it_was_spooled_is_rejected_by_name_not_
     with open(original, "r+b") as fh:  # same size, other bytes, same inode
         fh.write(b"b" * 50_000)
     with Gateway(config) as gw:
-        assert gw.resumed == 1
+        assert len(gw.resumed_futures) == 1
         assert gw.flush(timeout=60), "the damaged tuple was retried instead of settled"
         status = gw.status()
         assert (status.stored, status.failed, status.spooled_tuples) == (0, 1, 0)
