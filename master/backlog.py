@@ -748,17 +748,13 @@ class BacklogQueue:
         entries.sort(key=lambda e: e.order)
         self._head_order = min([0, *(e.order for e in entries)]) - 1
         for entry in entries:
-            self._segments[entry.segment].live.add(entry.seq)
-            if entry.tuple_id in self._entries:
-                self._entries_duplicate(entry)
+            if entry.tuple_id in self._entries:  # a tuple stored twice: the later record is done
+                self._acked.setdefault(entry.segment, []).append(entry.seq)
+                self._journal.append(ACK, entry.seq, 0, 0)
                 continue
+            self._segments[entry.segment].live.add(entry.seq)
             self._add(entry)
             self._ready.setdefault(entry.image, collections.OrderedDict())[entry.tuple_id] = entry
-
-    def _entries_duplicate(self, entry: Entry) -> None:
-        self._segments[entry.segment].live.discard(entry.seq)
-        self._acked.setdefault(entry.segment, []).append(entry.seq)
-        self._journal.append(ACK, entry.seq, 0, 0)
 
     def _compact_journal(self) -> None:
         """Rewrite the journal with only what the remaining segments still need."""
@@ -786,7 +782,7 @@ class _Receiving:
             return
         if meta.attempt > self._queue.max_attempts:
             self._queue._durable.disk.check()  # a dead letter is receipted too: not onto a failed disk
-            self._dead = self._queue.dead.writer(meta)
+            self._dead = DeadWriter(self._queue.dead, meta)
         else:
             self._record = self._queue._begin_record(meta)
 

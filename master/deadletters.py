@@ -10,6 +10,7 @@ is a leftover of a crash and is removed at start.
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import json
 import logging
@@ -88,13 +89,9 @@ class DeadLetterStore:
         with self._lock:
             return len(self._letters)
 
-    def writer(self, meta: TupleMeta) -> DeadWriter:
-        """A writer for a tuple whose payload arrives in chunks."""
-        return DeadWriter(self, meta)
-
     def add(self, meta: TupleMeta, reason: str, source: BinaryIO | bytes, *, seq: int = 0) -> DeadLetter:
         """Store a tuple whose payload is in memory or in an open file (read ``meta.size`` bytes)."""
-        out = self.writer(meta)
+        out = DeadWriter(self, meta)
         try:
             if isinstance(source, (bytes, bytearray, memoryview)):
                 out.write(source)
@@ -144,7 +141,7 @@ class DeadLetterStore:
         return self.root / f"{tuple_id}.json"
 
     def _publish(self, meta: TupleMeta, tmp: Path, reason: str, seq: int) -> DeadLetter:
-        letter = DeadLetter(meta=_copy(meta), reason=reason[:4096], failed_unix=time.time(), seq=seq)
+        letter = DeadLetter(meta=copy.deepcopy(meta), reason=reason[:4096], failed_unix=time.time(), seq=seq)
         doc = {
             "meta": base64.b64encode(letter.meta.SerializeToString()).decode(),
             "reason": letter.reason,
@@ -189,9 +186,3 @@ class DeadLetterStore:
         for payload in self.root.glob("*.payload"):
             if not self._meta(int(payload.stem) if payload.stem.isdigit() else -1).exists():
                 payload.unlink(missing_ok=True)
-
-
-def _copy(meta: TupleMeta) -> TupleMeta:
-    out = TupleMeta()
-    out.CopyFrom(meta)
-    return out

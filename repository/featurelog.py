@@ -236,18 +236,14 @@ class FeatureLog:
         chunk = bytearray()
         records: list[tuple[int, int]] = []  # (tuple id, record length) of what chunk holds
         for offset, tuple_id, payload in fresh:
-            used = self._size + len(chunk)
+            active = self._log.active
+            used = (active.size if active is not None else 0) + len(chunk)
             if used + HEADER.size + len(payload) > self._segment_bytes and used > len(MAGIC):
                 self._write_chunk(chunk, records)
                 chunk, records = bytearray(), []
                 self._new_segment(offset)
             records.append((tuple_id, encode_record(chunk, offset, tuple_id, payload)))
         self._write_chunk(chunk, records)
-
-    @property
-    def _size(self) -> int:
-        active = self._log.active
-        return active.size if active is not None else 0
 
     def _write_chunk(self, chunk: bytearray, records: list[tuple[int, int]]) -> None:
         """One append of framed records ((tuple id, length) each) to the current segment,
