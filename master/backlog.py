@@ -27,6 +27,7 @@ by a thread that does not hold it.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import enum
 import logging
@@ -371,10 +372,8 @@ class BacklogQueue:
         entry.lease_deadline = 0.0
 
     def _set_attempt(self, entry: Entry, attempt: int) -> None:
-        meta = TupleMeta()
-        meta.CopyFrom(entry.meta)
-        meta.attempt = attempt
-        entry.meta = meta
+        entry.meta = copy.deepcopy(entry.meta)  # a new message: the leases handed out keep theirs
+        entry.meta.attempt = attempt
 
     def _requeue(self, entry: Entry, *, head: bool, reason: str, charge: bool = True) -> None:
         """Put an entry back (attempt + 1 if ``charge``), or on its way to the dead letters when exhausted."""
@@ -598,8 +597,7 @@ class BacklogQueue:
         letter = self.dead.get(tuple_id)
         if letter is None:
             raise NotFound(f"no dead letter with tuple id {tuple_id}")
-        meta = TupleMeta()
-        meta.CopyFrom(letter.meta)
+        meta = copy.deepcopy(letter.meta)
         meta.attempt = 1
         meta.attributes.pop(LAST_ERROR_ATTRIBUTE, None)
         with self._cond:  # a letter still being written is not yet out of the queue: wait for it
