@@ -1087,11 +1087,12 @@ class LaneDownload:
             if self._cancelled:
                 raise LaneError(grpc.StatusCode.CANCELLED, "cancelled by the caller") from None
             message = exc.message if isinstance(exc, HioError) else str(exc)
-            if not answered and self._try_again():
+            silent = isinstance(exc, (DeadlineExceeded, TimeoutError))  # a server alive but mute: no retry
+            if not answered and not silent and self._try_again():
                 return None
             if not answered and self._broke is not None:
                 self._broke(message)
-            if isinstance(exc, (DeadlineExceeded, TimeoutError)):
+            if silent:
                 raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"payload lane broke: {message}", transport=True) from None
         finally:

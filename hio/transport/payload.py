@@ -183,6 +183,7 @@ class LanePayload:
         )
 
     def close(self) -> None:
+        """Close the kept connections."""
         with self._lock:
             idle, self._idle = self._idle, []
         for sock, _since in idle:
