@@ -98,8 +98,8 @@ class GatewayConfig(ClusterSettings):
     lanes: bool = setting(
         True,
         "send payloads to a peer (engine, master) over its payload lane when it offers "
-        "one that answers at connect (TCP, TLS as gRPC's; sendfile from the spool without TLS), "
-        "else over gRPC; chosen once per peer",
+        "one (TCP, TLS as gRPC's; sendfile from the spool without TLS; connections kept from "
+        "call to call), else over gRPC; a lane that fails is left for gRPC a minute",
     )
     ingest_listen: str = setting("127.0.0.1:7300", "host:port of the local ingest gRPC API; empty = off")
     watch: str = setting("", "folder to watch for new files; empty = no watch")

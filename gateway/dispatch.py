@@ -6,9 +6,10 @@ alone), ask ``Master.RouteTuples`` for one route, persist the ids, and stream
 the batch over one ``Engine.Deliver`` (or ``Master.Enqueue``) call, reading
 receipts as they arrive. Routes are gRPC calls on one kept channel to the master;
 payloads travel on each peer's :class:`~hio.transport.payload.PayloadChannel` (its
-payload lane, or gRPC chunks), chosen once per peer. Payloads the spool keeps in memory (bytes submitted
-through the library, within its ``memory_bytes`` bound) are streamed from
-there; the others are read from the spool chunk by chunk, so memory stays bounded.
+payload lane on kept connections, or gRPC chunks while its lane fails). Payloads
+the spool keeps in memory (bytes submitted through the library, within its
+``memory_bytes`` bound) are streamed from there; the others are read from the
+spool chunk by chunk, so memory stays bounded.
 
 Retry policy (the master owns the rest):
 
@@ -145,7 +146,7 @@ class Dispatcher:
         self._payload = PayloadPeers(
             lanes=config.lanes,
             logger=log,
-            lane=lambda lane: LanePayload(
+            lane=lambda lane, on_broken: LanePayload(
                 lane,
                 token,
                 chunk_bytes=config.chunk_bytes,
@@ -153,6 +154,7 @@ class Dispatcher:
                 max_head_bytes=message_limit(config),
                 max_data_bytes=config.max_tuple_bytes,
                 tls=tls,
+                on_broken=on_broken,
             ),
             grpc=lambda address: GrpcPayload(
                 self._channel(address),
@@ -229,6 +231,7 @@ class Dispatcher:
             call.cancel()
         for thread in self._threads:
             thread.join(5.0)
+        self._payload.close()
         for channel in list(self._channels.values()):
             channel.close()
         self._channels.clear()
@@ -348,20 +351,17 @@ class Dispatcher:
 
     def _stream(self, batch: list[_Pending], address: str, *, direct: bool, lane: str = "") -> None:
         """One Deliver/Enqueue stream for the batch on the peer's payload channel (its lane
-        ``lane`` or gRPC, chosen once per peer); settle each tuple by its receipt."""
+        ``lane`` or gRPC, as :class:`PayloadPeers` chooses); settle each tuple by its receipt."""
         sent: list[_Pending] = []
         skipped: set[int] = set()
-        channel = self._payload.get(address, lane)
         abandoned = threading.Event()  # set once this stream is settled: a late lane sender stops
-        try:
-            call, reading = channel.upload(
-                "Deliver" if direct else "Enqueue",
-                self._payloads(batch, sent, skipped, abandoned),
-                timeout=self._config.stream_timeout_seconds,
-            )
-        except grpc.RpcError as exc:  # the lane cannot be opened: the peer's connection is lost
-            self._lane_broken(batch, skipped, exc, address, lane, direct=direct)
-            return
+        call, reading = self._payload.upload(
+            address,
+            lane,
+            "Deliver" if direct else "Enqueue",
+            self._payloads(batch, sent, skipped, abandoned),
+            timeout=self._config.stream_timeout_seconds,
+        )
         with self._cond:
             self._calls.add(call)
         settled: set[int] = set()
@@ -377,11 +377,9 @@ class Dispatcher:
             if reading.failure:
                 self._read_failed(_unsettled(batch, sent, settled, skipped), sent[-1], reading.failure)
                 return
-            if channel.kind == "lane" and getattr(exc, "transport", False) and not settled:
-                self._lane_broken(batch, skipped, exc, address, lane, direct=direct)
+            if getattr(exc, "transport", False) and not settled:
+                self._lane_broken(batch, skipped, address, lane, direct=direct)
                 return
-            if channel.kind == "lane" and getattr(exc, "transport", False):
-                self._payload.broken(address, lane, rpc_status(exc)[1])
             self._stream_failed(_unsettled(batch, sent, settled, skipped), exc, address, direct=direct)
             return
         finally:
@@ -395,13 +393,11 @@ class Dispatcher:
         if left:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
 
-    def _lane_broken(
-        self, batch: list[_Pending], skipped: set[int], exc: grpc.RpcError, address: str, lane: str, *, direct: bool
-    ) -> None:
-        """The peer's lane broke before it answered anything (unreachable, closed, garbage): not
-        the tuples' fault. The peer moves to gRPC and the same route (its reservation is ours)
-        is streamed again there, uncharged."""
-        self._payload.broken(address, lane, rpc_status(exc)[1])
+    def _lane_broken(self, batch: list[_Pending], skipped: set[int], address: str, lane: str, *, direct: bool) -> None:
+        """The peer's lane broke before it answered anything (closed, garbage, or a kept
+        connection the server had closed): not the tuples' fault. The same route (its
+        reservation is ours) is streamed again at once, uncharged, on the peer's channel now
+        (gRPC when the lane was found broken, else a new lane connection)."""
         unsent = [p for p in batch if p.seq not in skipped]
         if unsent:
             self._stream(unsent, address, direct=direct, lane=lane)

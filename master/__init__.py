@@ -30,8 +30,9 @@ __all__ = ["POLICY", "Master", "MasterConfig", "create_master_server", "make_tic
 
 log = logging.getLogger("hio.master")
 
-# Connections at once on the lane: Enqueue (gateways' delivery threads) and PullTuple (each idle
-# engine holds one). One beyond it is closed at once, and its caller uses gRPC for a while.
+# Connections at once on the lane, kept ones included: Enqueue (gateways' delivery threads) and
+# PullTuple (each idle engine holds one). One beyond it closes the connection kept idle the
+# longest; with none idle it is closed at once, and its caller uses gRPC for a while.
 LANE_CONNECTIONS = 512
 
 

@@ -22,7 +22,6 @@ from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb
 from hio.settings import ClusterSettings
 from hio.transport import errors
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32
-from hio.transport.lane import LaneError
 from hio.transport.lanetls import client_context
 from hio.transport.net import create_channel, message_limit, rpc_error_text, rpc_status
 from hio.transport.payload import Download, GrpcPayload, LanePayload, PayloadPeers
@@ -102,7 +101,7 @@ class ClusterLink:
         self._payload = PayloadPeers(
             lanes=lanes,
             logger=log,
-            lane=lambda lane: LanePayload(
+            lane=lambda lane, on_broken: LanePayload(
                 lane,
                 token,
                 chunk_bytes=settings.chunk_bytes,
@@ -110,6 +109,7 @@ class ClusterLink:
                 max_head_bytes=limit,
                 max_data_bytes=settings.max_tuple_bytes,
                 tls=tls,
+                on_broken=on_broken,
             ),
             grpc=lambda _address: GrpcPayload(
                 self._master_channel, chunk_bytes=settings.chunk_bytes, pack_bytes=0, max_chunk_bytes=limit
@@ -117,6 +117,7 @@ class ClusterLink:
         )
 
     def close(self) -> None:
+        self._payload.close()
         self._master_channel.close()
         self._repo_channel.close()
 
@@ -155,15 +156,8 @@ class ClusterLink:
         address, lane = self._master_peer()
 
         def send() -> list[TupleReceipt]:
-            try:
-                call, _reading = self._payload.get(address, lane).upload(
-                    "Enqueue", iter([(meta, data)]), timeout=CALL_TIMEOUT
-                )
-                return list(call)
-            except LaneError as exc:
-                if exc.transport:
-                    self._payload.broken(address, lane, exc.details())
-                raise
+            call, _reading = self._payload.upload(address, lane, "Enqueue", iter([(meta, data)]), timeout=CALL_TIMEOUT)
+            return list(call)
 
         receipts = self._retry(send, "master", deadline)
         if len(receipts) != 1:
@@ -194,16 +188,8 @@ class ClusterLink:
             channel_id=channel_id, wait_seconds=wait_seconds, max_tuples=max_tuples, max_bytes=max_bytes
         )
         address, lane = self._master_peer()
-        channel = self._payload.get(address, lane)
-        try:
-            call = channel.download(
-                request, timeout=wait_seconds + 10.0, on_broken=lambda why: self._payload.broken(address, lane, why)
-            )
-        except grpc.RpcError as exc:
-            self._payload.broken(address, lane, rpc_status(exc)[1])
-            channel = self._payload.get(address, lane)
-            call = channel.download(request, timeout=wait_seconds + 10.0, on_broken=lambda why: None)
-        return PullCall(call, max_chunk_bytes=channel.max_chunk_bytes, settings=self._settings)
+        call, max_chunk_bytes = self._payload.download(address, lane, request, timeout=wait_seconds + 10.0)
+        return PullCall(call, max_chunk_bytes=max_chunk_bytes, settings=self._settings)
 
     def _master_peer(self) -> tuple[str, str]:
         """The master's gRPC address and its payload lane ('' until a report's answer names it)."""

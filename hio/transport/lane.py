@@ -1,4 +1,4 @@
-"""The payload lane: ``Engine.Deliver`` (or ``Master.Enqueue``) over one plain TCP connection.
+"""The payload lane: ``Engine.Deliver`` (or ``Master.Enqueue``) over a kept TCP connection.
 
 Why: Python gRPC copies a payload four times on its way (into the message,
 into gRPC's buffer, out of it, into the joined tuple); at 10 MB a tuple spent
@@ -11,6 +11,11 @@ The master serves ``Enqueue`` the same way (its receipts, checks and statuses
 are Enqueue's), and ``PullTuple`` the other way round. Every other call is gRPC's.
 The protocol is specified in ``docs/lane.md``; its wire format is declared in
 :mod:`hio.transport.lanewire`.
+
+A connection carries calls one after another (each opened by its own hello, its
+token checked each time): a client keeps the connections whose calls ended
+cleanly (:class:`hio.transport.payload.LanePayload`), so a call pays no connect,
+accept, server thread or TLS handshake of its own.
 
 With TLS configured (``tls_cert``), a server's lane speaks TLS with the certificates and
 CA its gRPC server uses (:mod:`hio.transport.lanetls`); a payload is then read from its
@@ -27,7 +32,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, BinaryIO, TypeVar, cast
 
 import grpc
@@ -55,6 +60,7 @@ from hio.transport.lanewire import (
     END_OF_INPUT,
     HELLO,
     HELLO_SECONDS,
+    KEEP_SECONDS,
     MAGIC,
     MAGIC_PREFIX,
     MAX_HELLO_BYTES,
@@ -64,6 +70,7 @@ from hio.transport.lanewire import (
     STATUS,
     TLS_RECORD_TYPES,
     VERSIONS,
+    magic,
 )
 from hio.transport.lanewire import FRAME_PREFIX as _FRAME_PREFIX
 from hio.transport.lanewire import REPLY_PREFIX as _REPLY_PREFIX
@@ -72,11 +79,12 @@ from hio.transport.net import RoleHealth, TokenTable, create_server, refuse_call
 M = TypeVar("M", bound=Message)
 log = logging.getLogger("hio.lane")
 
-MAX_CONNECTIONS = 16  # an engine serves one call at a time; more connections are closed at once
+MAX_CONNECTIONS = 16  # an engine serves one call at a time; more connections make room or are closed at once
 READ_BUFFER = 256 * 1024  # larger reads go straight into their destination
 SMALL_SEND = 64 * 1024  # a frame up to this is sent with its prefix in one send
-LANE_CONNECT_SECONDS = 3.0  # a lane that does not answer within this is not chosen
+LANE_CONNECT_SECONDS = 3.0  # a lane connection not made within this (nor then its TLS handshake) is a lane failure
 SENDER_JOIN_SECONDS = 30.0  # how long a finished call waits for its sender before leaving it the socket
+SENDER_SETTLE_SECONDS = 1.0  # how long a call the server ended OK waits for its sender to return, to keep the socket
 STOP_WAIT_SECONDS = 2.0  # how long stop() waits for the calls it ended
 Payload = bytes | memoryview | BinaryIO
 LaneFrame = tuple[bytes, Payload, int]  # (head, payload, payload size)
@@ -117,13 +125,16 @@ class LaneError(grpc.RpcError):
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def _status_error(status: LaneStatus) -> LaneError | None:
-    """The call's failure a server's status says, as gRPC would raise it; None for OK."""
+def _status_error(status: LaneStatus, *, answered: bool) -> LaneError | None:
+    """The call's failure a server's status says, as gRPC would raise it; None for OK. A
+    version refused before any other reply (a server of another lane version) is the lane's
+    failure, not the call's: the client uses gRPC (docs/lane.md, "Version negotiation")."""
     if not status.code:
         return None
-    return LaneError(
-        _CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message, retry_after=status.retry_after_seconds
-    )
+    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    if code == grpc.StatusCode.UNIMPLEMENTED and not answered:
+        return LaneError(grpc.StatusCode.UNAVAILABLE, status.message, transport=True)
+    return LaneError(code, status.message, retry_after=status.retry_after_seconds)
 
 
 def tune(sock: socket.socket) -> None:
@@ -276,11 +287,19 @@ class LaneServer:
     take frames and answer receipts (the engine's Deliver, the master's Enqueue);
     ``downloads`` take the hello's request and send frames (the master's PullTuple).
 
-    Callers are authenticated like gRPC callers (the hello carries the
+    A connection carries calls one after another: after an OK status the server
+    waits up to :data:`KEEP_SECONDS` for the client's next hello, so a client pays
+    its connect, this thread and its TLS handshake once, not per call. A version-1
+    client is served one call and closed, as version 1 says. Kept connections count
+    against ``max_connections``; when a new one finds the server full, the
+    connection idle the longest is closed to make room (its client opens another
+    when it next calls), so kept connections never lock a client out.
+
+    Callers are authenticated like gRPC callers (each hello carries the
     token; the same table and policy); statuses are the errors' gRPC codes.
     With ``tls`` (:func:`lanetls.server_context`) every connection speaks TLS,
-    its handshake made within the hello's time on the connection's own thread.
-    The idle bound is the socket's timeout: it runs only while the engine
+    its handshake made within the first hello's time on the connection's own
+    thread. The idle bound is the socket's timeout: it runs only while the engine
     waits for bytes, and any byte restarts it (a large frame may take long
     on a slow link without counting as a stall).
     """
@@ -315,9 +334,11 @@ class LaneServer:
         self._max_data = max_data_bytes
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._kept: dict[socket.socket, float] = {}  # connections waiting for their next call -> since (monotonic)
         self._sock: socket.socket | None = None
         self._stopping = False
         self.port = 0
+        self.accepted = 0  # connections served (for status and tests: calls per connection)
         self.methods: collections.Counter[str] = collections.Counter()  # calls that passed the hello, by method
 
     @property
@@ -328,9 +349,15 @@ class LaneServer:
 
     @property
     def open_calls(self) -> int:
-        """Connections being served now (for status and tests)."""
+        """Connections in a call now, not waiting for their next (for status and tests)."""
         with self._lock:
-            return len(self._conns)
+            return len(self._conns) - len(self._kept)
+
+    @property
+    def kept(self) -> int:
+        """Connections waiting for their client's next call (for status and tests)."""
+        with self._lock:
+            return len(self._kept)
 
     def start(self) -> int:
         """Bind and accept in the background; returns the bound port."""
@@ -350,8 +377,8 @@ class LaneServer:
         return self.port
 
     def stop(self, wait: float = STOP_WAIT_SECONDS) -> None:
-        """Accept no more; end the connections in progress (their senders deliver again),
-        and wait up to ``wait`` seconds for their handlers to finish."""
+        """Accept no more; end the connections in progress (their senders deliver again) and
+        the kept ones, and wait up to ``wait`` seconds for their handlers to finish."""
         sock, self._sock = self._sock, None
         if sock is not None:
             _shutdown(sock)
@@ -385,13 +412,16 @@ class LaneServer:
                 conn = accept_tls(conn, self._tls)  # type: ignore[assignment]  # a TLSSocket is used as a socket
             with self._lock:
                 stopping = self._stopping
+                if len(self._conns) >= self._max_connections and not stopping:
+                    self._make_room()
                 crowded = len(self._conns) >= self._max_connections
                 if not crowded and not stopping:
                     self._conns.add(conn)
+                    self.accepted += 1
             if stopping:  # accepted as stop() began: it would not be ended
                 conn.close()
                 return
-            if crowded:  # closed without a word: the gateway sends over gRPC and leaves the lane a while
+            if crowded:  # closed without a word: the client sends over gRPC and leaves the lane a while
                 conn.close()
                 continue
             try:
@@ -401,60 +431,117 @@ class LaneServer:
                     self._conns.discard(conn)
                 conn.close()
 
+    def _make_room(self) -> None:
+        """Close the connection idle the longest between calls, if any (called holding the
+        lock): its thread sees it shut, and its client opens a new one when it next calls."""
+        if not self._kept:
+            return
+        oldest = min(self._kept, key=self._kept.__getitem__)
+        del self._kept[oldest]
+        self._conns.discard(oldest)
+        _shutdown(oldest)
+
     def _serve(self, conn: socket.socket) -> None:
         readers: list[BinaryIO] = []
         try:
             tune(conn)
-            status, download = self._run(conn, readers)
-            if status is not None:
-                conn.settimeout(DRAIN_SECONDS)
-                if download:  # a download's status always follows its frames and the end-of-input mark
-                    _send(conn, END_OF_INPUT)
-                _reply(conn, STATUS, status.SerializeToString())
-                if status.code:
-                    _drain(conn)
+            deadline = time.monotonic() + HELLO_SECONDS  # the TLS handshake and the first hello
+            if isinstance(conn, TLSSocket):
+                try:
+                    conn.handshake(HELLO_SECONDS)
+                except OSError as exc:  # refused (no or a wrong certificate), not TLS, or silent
+                    log.info("payload lane: TLS handshake failed", extra={"service": self._service, "error": str(exc)})
+                    return
+            while self._serve_call(conn, readers, deadline) and self._next_call(conn):
+                deadline = time.monotonic() + HELLO_SECONDS
         except (_Lost, OSError) as exc:  # the client went away: nothing to tell it
             log.debug("payload lane connection lost", extra={"error": str(exc)})
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._kept.pop(conn, None)
             _shutdown(conn)  # ends a read still blocked on another thread before closing
             for reader in readers:
                 reader.close()
             conn.close()
 
-    def _run(self, conn: socket.socket, readers: list[BinaryIO]) -> tuple[LaneStatus | None, bool]:
-        """Serve one call: its final status (None when the connection is lost or cut), and
-        whether the call was a download."""
+    def _serve_call(self, conn: socket.socket, readers: list[BinaryIO], deadline: float) -> bool:
+        """Serve one call, its status included (its hello due by ``deadline``); whether the
+        connection may carry another."""
+        status, download, again = self._run(conn, readers, deadline)
+        if status is None:
+            return False
+        conn.settimeout(DRAIN_SECONDS)
+        if download:  # a download's status always follows its frames and the end-of-input mark
+            _send(conn, END_OF_INPUT)
+        _reply(conn, STATUS, status.SerializeToString())
+        if status.code:
+            _drain(conn)
+            return False
+        while readers:  # the call read its input to its end: nothing is left buffered
+            readers.pop().close()
+        return again
+
+    def _next_call(self, conn: socket.socket) -> bool:
+        """Wait for the client's next hello to begin, at most :data:`KEEP_SECONDS`; False when
+        the connection is to close instead: the client closed it or let it idle that long,
+        the server stops, or it was closed to make room (:meth:`_make_room`)."""
+        with self._lock:
+            if self._stopping:
+                return False
+            self._kept[conn] = time.monotonic()
+        try:
+            poller = select.poll()  # not select(): it fails for descriptors above 1023
+            poller.register(conn, select.POLLIN)
+            ready = bool(poller.poll(KEEP_SECONDS * 1000))
+        except OSError:
+            ready = False
+        with self._lock:
+            kept = self._kept.pop(conn, None) is not None
+            return ready and kept and not self._stopping
+
+    def _run(
+        self, conn: socket.socket, readers: list[BinaryIO], deadline: float
+    ) -> tuple[LaneStatus | None, bool, bool]:
+        """Serve one call: its final status (None when the connection is lost or cut), whether
+        the call was a download, and whether the connection may carry another call (the
+        client speaks version 2 and the call read its input to the end-of-input mark)."""
         download: Download | None = None
         try:
-            hello = self._hello(conn)
+            hello, version = self._hello(conn, deadline)
             download = self._downloads.get(hello.method)
             self._check_caller(hello.method, hello.token)
             with self._lock:
                 self.methods[hello.method] += 1
             if download is not None:
-                return (LaneStatus(code=0) if self._download(conn, download, hello.request) else None), True
+                done = self._download(conn, download, hello.request)
+                return (LaneStatus(code=0) if done else None), True, version > 1
             reader = _reader(conn)
             readers.append(reader)
-            frames = read_frames(
-                reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data, piece_bytes=self._piece
-            )
-            receipts = self._uploads[hello.method](frames)
+            ended = False
+
+            def frames() -> Iterator[TupleFrame | ChunkFrame]:
+                nonlocal ended
+                yield from read_frames(
+                    reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data, piece_bytes=self._piece
+                )
+                ended = True
+
+            receipts = self._uploads[hello.method](frames())
             try:
                 for message in receipts:
                     _reply(conn, RECEIPT, message.SerializeToString())
             finally:
                 receipts.close()  # type: ignore[attr-defined]  # a generator, typed as an iterator
         except _Lost:
-            return None, download is not None
+            return None, download is not None, False
         except Exception as exc:  # noqa: BLE001 - mapped as gRPC's servicers map theirs (a disk error: INTERNAL)
-            return _error_status(exc), download is not None
-        return LaneStatus(code=0), False
+            return _error_status(exc), download is not None, False
+        return LaneStatus(code=0), False, version > 1 and ended
 
     def _download(self, conn: socket.socket, download: Download, request: bytes) -> bool:
-        """Send the frames of a download (:meth:`_serve` then sends the end-of-input mark and
-        the status, an error's too: an error raised by ``download`` falls between frames).
+        """Send the frames of a download (:meth:`_serve_call` then sends the end-of-input mark
+        and the status, an error's too: an error raised by ``download`` falls between frames).
         False when a payload could not be read mid-frame: the connection is then cut, which
         the caller reads as a broken call."""
         frames = download(request, lambda: _peer_open(conn))
@@ -471,17 +558,13 @@ class LaneServer:
             frames.close()  # type: ignore[attr-defined]  # a generator, typed as an iterator
         return True
 
-    def _hello(self, conn: socket.socket) -> LaneHello:
-        """Read and check the hello, all of it within :data:`HELLO_SECONDS` (a client
-        trickling bytes cannot hold a connection longer)."""
-        deadline = time.monotonic() + HELLO_SECONDS
-        if isinstance(conn, TLSSocket):
-            try:
-                conn.handshake(HELLO_SECONDS)
-            except OSError as exc:  # refused (no or a wrong certificate), not TLS, or silent
-                log.info("payload lane: TLS handshake failed", extra={"service": self._service, "error": str(exc)})
-                raise _Lost(str(exc)) from None
+    def _hello(self, conn: socket.socket, deadline: float) -> tuple[LaneHello, int]:
+        """Read and check a hello, all of it before ``deadline`` (a client trickling bytes
+        cannot hold a connection longer); the hello and the version it proposed. A connection
+        the client closed where a hello would begin is :class:`_Lost` (its normal end)."""
         head = _recv_before(conn, HELLO.size, deadline)
+        if not head and time.monotonic() < deadline:
+            raise _Lost("the client closed the connection")
         if head[: len(MAGIC_PREFIX)] != MAGIC_PREFIX[: len(head)]:
             tls = (
                 " (this client speaks TLS; this lane is plain TCP: its server has no tls_cert)"
@@ -492,12 +575,13 @@ class LaneServer:
                 f"payload lane: not a lane client (expected the {MAGIC.decode()} hello; "
                 f"gRPC clients use the {self._service.lower()}'s gRPC address){tls}"
             )
-        if len(head) > len(MAGIC_PREFIX) and head[: len(MAGIC)] != MAGIC:  # a version not spoken here
+        version = _SPOKEN.get(head[: len(MAGIC)])
+        if len(head) > len(MAGIC_PREFIX) and version is None:
             raise Unimplemented(
-                f"payload lane: speaks version {', '.join(map(str, VERSIONS))}, not "
+                f"payload lane: speaks version {' or '.join(map(str, VERSIONS))}, not "
                 f"{head[len(MAGIC_PREFIX) : len(MAGIC)].decode('ascii', 'replace')!r}"
             )
-        if len(head) != HELLO.size:
+        if len(head) != HELLO.size or version is None:
             raise InvalidArgument(f"payload lane: no whole hello within {HELLO_SECONDS:g} s")
         size = HELLO.unpack(head).size
         if size > MAX_HELLO_BYTES:
@@ -513,7 +597,7 @@ class LaneServer:
         if hello.method not in self._uploads and hello.method not in self._downloads:
             served = " and ".join(sorted([*self._uploads, *self._downloads]))
             raise InvalidArgument(f"payload lane: serves {served} only, not {hello.method!r}")
-        return hello
+        return hello, version
 
     def _check_caller(self, method: str, token: str) -> None:
         """Refuse a caller as gRPC would: the same tokens and role policy."""
@@ -522,6 +606,9 @@ class LaneServer:
             if refusal is not None:
                 code, message = refusal
                 raise (Unauthenticated if code == grpc.StatusCode.UNAUTHENTICATED else PermissionDenied)(message)
+
+
+_SPOKEN = {magic(version): version for version in VERSIONS}  # a hello's first 8 bytes -> its version
 
 
 def _error_status(exc: BaseException) -> LaneStatus:
@@ -661,6 +748,30 @@ def start_lane_server(
         return started(lane_beside(address, 0))
 
 
+def connect_lane(address: str, *, connect_seconds: float, tls: ssl.SSLContext | None = None) -> socket.socket:
+    """A connected lane socket, no call begun. With ``tls`` (:func:`lanetls.client_context`),
+    a :class:`lanetls.TLSSocket` whose handshake (the server verified for the address's
+    host) took at most ``connect_seconds``. Raises OSError when unreachable, and
+    ssl.SSLError (an OSError) when refused."""
+    host, port = split_address(address)
+    sock = socket.create_connection((host, port), timeout=connect_seconds)
+    try:
+        tune(sock)
+        if tls is not None:
+            sock = connect_tls(sock, tls, host, connect_seconds)  # type: ignore[assignment]  # a TLSSocket is used as a socket
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def lane_hello(token: str, method: str, request: bytes = b"") -> bytes:
+    """The bytes that begin a call of ``method`` (with its ``request``: PullTuple's)."""
+    hello = LaneHello(method=method, token=token, request=request).SerializeToString()
+    return HELLO.pack(MAGIC, len(hello)) + hello
+
+
 def open_lane(
     address: str,
     token: str,
@@ -670,40 +781,64 @@ def open_lane(
     request: bytes = b"",
     tls: ssl.SSLContext | None = None,
 ) -> socket.socket:
-    """A connected lane socket, introduced (hello sent) for ``method`` (Deliver to an
-    engine; Enqueue or PullTuple, with its ``request``, to the master). With ``tls``
-    (:func:`lanetls.client_context`), a :class:`lanetls.TLSSocket` whose handshake
-    (the server verified for the address's host) took at most ``connect_seconds``.
-    Raises OSError when unreachable, and ssl.SSLError (an OSError) when refused."""
-    host, port = split_address(address)
-    sock = socket.create_connection((host, port), timeout=connect_seconds)
+    """A new lane connection (:func:`connect_lane`), its first call begun: the hello sent
+    for ``method`` (Deliver to an engine; Enqueue or PullTuple, with its ``request``, to
+    the master)."""
+    sock = connect_lane(address, connect_seconds=connect_seconds, tls=tls)
     try:
-        tune(sock)
-        if tls is not None:
-            sock = connect_tls(sock, tls, host, connect_seconds)  # type: ignore[assignment]  # a TLSSocket is used as a socket
-        sock.settimeout(None)
-        hello = LaneHello(method=method, token=token, request=request).SerializeToString()
-        sock.sendall(HELLO.pack(MAGIC, len(hello)) + hello)
+        sock.sendall(lane_hello(token, method, request))
     except BaseException:
         sock.close()
         raise
     return sock
 
 
+def quiet(sock: socket.socket) -> bool:
+    """Whether a connection kept between calls is still open and silent: a server sends
+    nothing between calls, so anything to read (its close above all) means it is done."""
+    try:
+        poller = select.poll()  # not select(): it fails for descriptors above 1023
+        poller.register(sock, select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):  # closed already
+        return False
+
+
+Keep = Callable[[socket.socket], None]  # takes a connection whose call ended cleanly, for the next call
+
+
 class LaneCall:
     """One Deliver (or Enqueue) over a lane socket, used like a gRPC streaming call: iterate
     the receipt messages; :meth:`cancel` ends it; a failure raises :class:`LaneError`
     with the server's status, or UNAVAILABLE (``transport``) when the lane broke,
-    DEADLINE_EXCEEDED, CANCELLED, or the reason the gateway could not send."""
+    DEADLINE_EXCEEDED, CANCELLED, or the reason the gateway could not send.
 
-    def __init__(self, sock: socket.socket, frames: Iterable[LaneFrame], *, timeout: float | None) -> None:
+    When the call ends cleanly (the server's OK read, every frame and the end-of-input
+    mark sent, not cancelled, no deadline passed) the socket goes to ``keep`` for the
+    next call; otherwise it is closed. ``broke`` hears why the lane broke under the call
+    and whether the server had answered anything before."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        frames: Iterable[LaneFrame],
+        *,
+        timeout: float | None,
+        keep: Keep | None = None,
+        broke: Callable[[str, bool], None] | None = None,
+    ) -> None:
         self._sock = sock
         self._frames = frames
+        self._keep = keep
+        self._broke = broke
         self._lock = threading.Lock()
         self._ended: LaneError | None = None  # why the call ended early (cancel, deadline, sender)
+        self._ok = False  # the server's OK status was read
         self._finished = False
         self._close_by_sender = False  # the sender outlived the call: it closes the socket
+        self._input_ended = False  # every frame and the end-of-input mark were sent
         self._sender_done = False
+        sock.settimeout(None)  # a kept socket may come from a download's timeout
         self._timer = threading.Timer(timeout, self._expire) if timeout else None
         if self._timer is not None:
             self._timer.daemon = True
@@ -715,24 +850,31 @@ class LaneCall:
         self._end(LaneError(grpc.StatusCode.CANCELLED, "cancelled by the sender"))
 
     def __iter__(self) -> Iterator[TupleReceipt]:
-        reader = _reader(self._sock, 64 * 1024)
+        answered = False
         try:
             while True:
-                kind, body = self._reply(reader)
+                kind, body = self._reply()
                 if kind == RECEIPT:
+                    answered = True
                     yield _decoded(TupleReceipt, body)
                     continue
-                error = _status_error(_decoded(LaneStatus, body))
+                error = _status_error(_decoded(LaneStatus, body), answered=answered)
                 if error is not None:
                     raise error
+                self._ok = True
                 return
+        except LaneError as exc:
+            if exc.transport and self._broke is not None:
+                self._broke(exc.details(), answered)
+            raise
         finally:
-            reader.close()
             self._finish()
 
-    def _reply(self, reader: BinaryIO) -> tuple[int, bytes]:
+    def _reply(self) -> tuple[int, bytes]:
+        """The next reply, read exactly (nothing past the status is taken from the socket,
+        which may carry the next call)."""
         try:
-            prefix = reader.read(_REPLY_PREFIX.size)
+            prefix = _recv_exact(self._sock, _REPLY_PREFIX.size)
             if len(prefix) != _REPLY_PREFIX.size:
                 raise self._failure("lane connection closed without a status")
             kind, size = _REPLY_PREFIX.unpack(prefix)
@@ -744,8 +886,11 @@ class LaneCall:
                     f"payload lane sent an unreadable reply (kind {kind}, {size} bytes)",
                     transport=True,
                 )
-            return kind, _read_exact(reader, size, "a reply")
-        except (HioError, OSError) as exc:  # cut off, reset, timed out (keepalive)
+            body = _recv_exact(self._sock, size)
+            if len(body) != size:
+                raise self._failure(f"lane connection ended inside a reply ({len(body)} of {size} bytes)")
+            return kind, body
+        except OSError as exc:  # reset, timed out (keepalive)
             raise self._failure(f"lane connection failed: {exc}") from None
 
     def _failure(self, message: str) -> LaneError:
@@ -756,9 +901,10 @@ class LaneCall:
     def _send(self) -> None:
         """Send every frame, then end the input. A payload that cannot be read ends the
         call with the reason; a socket that fails leaves the verdict to the reader (the
-        engine's status, or a broken lane)."""
+        server's status, or a broken lane)."""
         sock = self._sock
         frames = iter(self._frames)
+        ended = False
         try:
             while True:
                 try:
@@ -771,12 +917,12 @@ class LaneCall:
                 if not self._send_frame(sock, head, payload, size):
                     return
             sock.sendall(END_OF_INPUT)
-            _shutdown(sock, socket.SHUT_WR)
+            ended = True
         except OSError as exc:
             log.debug("lane send stopped", extra={"error": str(exc)})
-            _shutdown(sock, socket.SHUT_WR)
         finally:
             with self._lock:
+                self._input_ended = ended
                 self._sender_done = True
                 close = self._close_by_sender
             if close:
@@ -808,13 +954,23 @@ class LaneCall:
             _shutdown(self._sock)
 
     def _finish(self) -> None:
-        """The call is over: stop the sender (the socket is shut), close the socket once
-        the sender no longer uses it."""
+        """The call is over: keep the socket for the next call when it ended cleanly (its
+        sender is done at once then: the server answered OK after the end-of-input mark);
+        else stop the sender (the socket is shut) and close the socket once the sender no
+        longer uses it."""
         with self._lock:
-            self._finished = True
-            _shutdown(self._sock)
+            self._finished = True  # from here no cancel or deadline touches the socket
+            clean = self._ok and self._ended is None
         if self._timer is not None:
             self._timer.cancel()
+        if clean:
+            self._sender.join(SENDER_SETTLE_SECONDS)
+        with self._lock:
+            clean = clean and self._sender_done and self._input_ended
+        if clean and self._keep is not None:
+            self._keep(self._sock)
+            return
+        _shutdown(self._sock)
         self._sender.join(SENDER_JOIN_SECONDS)
         with self._lock:
             if not self._sender_done:  # stuck reading a payload: it closes the socket when done
@@ -822,6 +978,18 @@ class LaneCall:
                 log.warning("lane sender still busy after its call ended")
                 return
         self._sock.close()
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    """``size`` bytes from the socket itself, fewer when the peer closes first."""
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if not n:
+            break
+        got += n
+    return bytes(buf) if got == size else bytes(buf[:got])
 
 
 def _send_file(sock: socket.socket, fh: BinaryIO, size: int) -> None:
@@ -839,7 +1007,14 @@ class LaneDownload:
     server-streaming call: :meth:`frames` yields the frames, then raises
     :class:`LaneError` if the server's status is an error or the lane broke;
     :meth:`cancel` ends it from another thread. ``timeout``: the longest wait for
-    any byte (the server's long-poll included)."""
+    any byte (the server's long-poll included).
+
+    When the server's OK status is read and the call was not cancelled, the socket goes
+    to ``keep`` for the next call; otherwise it is closed. ``reconnect`` (given for a
+    socket kept from an earlier call) opens a new connection, its hello sent, for one
+    more try when this one breaks before any answer: the server had closed it
+    between calls, and the request can be sent again as it is. ``broke`` hears of a
+    lane that broke or stayed silent before its first frame or status otherwise."""
 
     def __init__(
         self,
@@ -848,58 +1023,119 @@ class LaneDownload:
         timeout: float,
         max_head_bytes: int,
         max_data_bytes: int,
-        on_broken: Callable[[str], None] = lambda why: None,
+        keep: Keep | None = None,
+        broke: Callable[[str], None] | None = None,
+        reconnect: Callable[[], socket.socket] | None = None,
     ) -> None:
         self._sock = sock
         self._timeout = timeout
         self._max_head = max_head_bytes
         self._max_data = max_data_bytes
-        self._on_broken = on_broken
+        self._keep = keep
+        self._broke = broke
+        self._reconnect = reconnect
+        self._lock = threading.Lock()
         self._cancelled = False
         self._started = False
+        self._ok = False  # the server's OK status was read
+        self._done = False  # the socket is kept or closed: cancel() no longer touches it
 
     def __iter__(self) -> Iterator[TupleFrame | ChunkFrame]:
         return self.frames()
 
     def frames(self) -> Iterator[TupleFrame | ChunkFrame]:
-        """The frames; ``on_broken`` hears of a lane that broke or stayed silent before its
-        first frame or status (not a server's answer: the caller may use gRPC for a while)."""
-        self._started = True
-        sock = self._sock
-        sock.settimeout(self._timeout)
-        reader = _reader(sock)
-        answered = False
+        """The frames, then the server's verdict (an error status raised)."""
+        with self._lock:
+            self._started = True
+            cancelled = self._cancelled
         try:
-            try:
-                for frame in read_frames(reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data):
-                    answered = True
-                    yield frame
-                answered = True
-                prefix = _read(reader, _REPLY_PREFIX.size)
-                if len(prefix) != _REPLY_PREFIX.size:
-                    raise Cancelled("closed without a status")
-                kind, size = _REPLY_PREFIX.unpack(prefix)
-                if kind != STATUS or size > MAX_STATUS_BYTES:
-                    raise DataLoss(f"an unreadable reply (kind {kind}, {size} bytes)")
-                status = LaneStatus.FromString(_read_exact(reader, size, "a status"))
-            except (HioError, OSError, DecodeError) as exc:
-                if self._cancelled:
-                    raise LaneError(grpc.StatusCode.CANCELLED, "cancelled by the caller") from None
-                message = exc.message if isinstance(exc, HioError) else str(exc)
-                if not answered:
-                    self._on_broken(message)
-                if isinstance(exc, (DeadlineExceeded, TimeoutError)):
-                    raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
-                raise LaneError(grpc.StatusCode.UNAVAILABLE, f"payload lane broke: {message}", transport=True) from None
-            error = _status_error(status)
+            if cancelled:
+                raise LaneError(grpc.StatusCode.CANCELLED, "cancelled by the caller")
+            outcome = yield from self._read()
+            while outcome is None:
+                outcome = yield from self._read()
+            status, framed = outcome
+            error = _status_error(status, answered=framed)
             if error is not None:
+                if error.transport and self._broke is not None:
+                    self._broke(error.details())
                 raise error
+            self._ok = True
+        finally:
+            self._release()
+
+    def _read(self) -> Generator[TupleFrame | ChunkFrame, None, tuple[LaneStatus, bool] | None]:
+        """The frames of one try, then its status and whether any frame came before it;
+        None when a kept connection broke before any answer and a new one now carries
+        the request (try again)."""
+        reader = _reader(self._sock)
+        self._sock.settimeout(self._timeout)
+        answered = frames = False
+        try:
+            for frame in read_frames(reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data):
+                answered = frames = True
+                yield frame
+            answered = True
+            prefix = _read(reader, _REPLY_PREFIX.size)
+            if len(prefix) != _REPLY_PREFIX.size:
+                raise Cancelled("closed without a status")
+            kind, size = _REPLY_PREFIX.unpack(prefix)
+            if kind != STATUS or size > MAX_STATUS_BYTES:
+                raise DataLoss(f"an unreadable reply (kind {kind}, {size} bytes)")
+            status = LaneStatus.FromString(_read_exact(reader, size, "a status"))
+        except (HioError, OSError, DecodeError) as exc:
+            if self._cancelled:
+                raise LaneError(grpc.StatusCode.CANCELLED, "cancelled by the caller") from None
+            message = exc.message if isinstance(exc, HioError) else str(exc)
+            silent = isinstance(exc, (DeadlineExceeded, TimeoutError))  # a server alive but mute: no retry
+            if not answered and not silent and self._try_again():
+                return None
+            if not answered and self._broke is not None:
+                self._broke(message)
+            if silent:
+                raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+            raise LaneError(grpc.StatusCode.UNAVAILABLE, f"payload lane broke: {message}", transport=True) from None
         finally:
             reader.close()
-            sock.close()
+        return status, frames
+
+    def _try_again(self) -> bool:
+        """Move the request to a new connection, once, when this one was kept from an
+        earlier call; False when there is none to try."""
+        reconnect, self._reconnect = self._reconnect, None
+        if reconnect is None:
+            return False
+        try:
+            sock = reconnect()
+        except LaneError as exc:  # the lane cannot be opened now
+            if self._broke is not None:
+                self._broke(exc.details())
+            raise
+        with self._lock:
+            old, self._sock = self._sock, sock
+            cancelled = self._cancelled
+        old.close()
+        if cancelled:
+            raise LaneError(grpc.StatusCode.CANCELLED, "cancelled by the caller")
+        return True
+
+    def _release(self) -> None:
+        with self._lock:
+            self._done = True
+            keep = self._ok and not self._cancelled and self._keep is not None
+        if keep:
+            assert self._keep is not None
+            self._keep(self._sock)
+        else:
+            self._sock.close()
 
     def cancel(self) -> None:
-        self._cancelled = True
-        _shutdown(self._sock)
-        if not self._started:  # frames() never ran: nothing else will close the socket
-            self._sock.close()
+        with self._lock:
+            if self._done:
+                return
+            self._cancelled = True
+            _shutdown(self._sock)
+            if self._started:
+                return
+            self._done = True  # frames() never ran: nothing else will close the socket
+        self._sock.close()

@@ -19,7 +19,6 @@ import socket
 import ssl
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
@@ -91,14 +90,10 @@ class TLSSocket:
         *,
         server_side: bool,
         server_hostname: str | None = None,
-        session: ssl.SSLSession | None = None,
     ) -> None:
         self.raw = sock
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self._tls = context.wrap_bio(
-            self._in, self._out, server_side=server_side, server_hostname=server_hostname, session=session
-        )
-        self._resume: _Sessions | None = None  # a client's: where to keep its session for the next connection
+        self._tls = context.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)
         self._lock = threading.Lock()  # the SSLObject: one thread in it at a time
         self._send_lock = threading.Lock()  # the order of the encrypted bytes on the wire
         self._buffer = bytearray(PIECE_BYTES)  # the reading thread's (one at a time)
@@ -266,9 +261,6 @@ class TLSSocket:
         self.raw.shutdown(how)
 
     def close(self) -> None:
-        if self._resume is not None:
-            self._resume.keep(self)
-            self._resume = None
         self.raw.close()
 
 
@@ -283,49 +275,12 @@ class _Reader(io.RawIOBase):
         return self._sock.recv_into(buffer)
 
 
-class _Sessions:
-    """The last TLS session of each server a context connected to, offered by the next
-    connection there (a lane connection carries one call: an engine's pull of a large tuple
-    each, a gateway's batch each). Resuming skips the certificates' signatures and checks:
-    about half a full handshake's CPU at each end. Best effort: a session is kept only when
-    its ticket arrived before the connection closed, and the server may decline it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last: dict[tuple[str, str, int], ssl.SSLSession] = {}  # (name checked, address, port)
-
-    def get(self, host: str, peer: tuple[str, int]) -> ssl.SSLSession | None:
-        with self._lock:
-            return self._last.get((host, *peer))
-
-    def keep(self, tls: TLSSocket) -> None:
-        try:
-            peer = tls.raw.getpeername()[:2]
-            with tls._lock:
-                session = tls._tls.session
-        except (OSError, ValueError):
-            return
-        if session is not None and session.has_ticket:
-            with self._lock:
-                self._last[(tls._tls.server_hostname or "", *peer)] = session
-
-
-# Each client context's sessions (never another's: a session resumed skips the checks its
-# context would make of the server's certificate)
-_SESSIONS: weakref.WeakKeyDictionary[ssl.SSLContext, _Sessions] = weakref.WeakKeyDictionary()
-_SESSIONS_LOCK = threading.Lock()
-
-
 def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str, seconds: float = HELLO_SECONDS) -> TLSSocket:
     """A connected socket's client end of TLS, the server verified for ``host`` (the host
-    of the lane's address: as gRPC checks the host of its target); the server's last
-    session from this context resumed when it still takes it."""
-    with _SESSIONS_LOCK:
-        sessions = _SESSIONS.setdefault(context, _Sessions())
-    peer = sock.getpeername()[:2]
-    tls = TLSSocket(sock, context, server_side=False, server_hostname=host, session=sessions.get(host, peer))
+    of the lane's address: as gRPC checks the host of its target). A lane client keeps
+    its connections from call to call, so it makes this handshake once per connection."""
+    tls = TLSSocket(sock, context, server_side=False, server_hostname=host)
     tls.handshake(seconds)
-    tls._resume = sessions
     return tls
 
 

@@ -13,8 +13,8 @@ import collections
 import struct
 from typing import Any
 
-VERSION = 1  # the lane version this code speaks (the one there is)
-VERSIONS = (VERSION,)  # every version a server here accepts in a hello
+VERSION = 2  # the lane version this code's clients propose: calls one after another on a connection
+VERSIONS = (1, VERSION)  # every version a server here accepts in a hello (1: one call, then it closes)
 MAGIC_PREFIX = b"HIOLANE"  # a hello's first 7 bytes; the 8th is the version as an ASCII digit
 
 
@@ -23,7 +23,7 @@ def magic(version: int = VERSION) -> bytes:
     return MAGIC_PREFIX + str(version).encode("ascii")
 
 
-MAGIC = magic()  # b"HIOLANE1"
+MAGIC = magic()  # b"HIOLANE2"
 
 
 class Header:
@@ -47,7 +47,7 @@ class Header:
         return f"Header({self.name}: {', '.join(self.fields)}; {self.size} bytes)"
 
 
-# client -> server, once: MAGIC, then the LaneHello's size, then the LaneHello
+# client -> server, opening each call: MAGIC, then the LaneHello's size, then the LaneHello
 HELLO = Header("Hello", ("magic", "8s"), ("size", "I"))
 # a frame, either way (uploads: client -> server; downloads: server -> client)
 FRAME_PREFIX = Header("Frame", ("head_size", "I"), ("data_size", "Q"))  # then head, then data
@@ -62,6 +62,8 @@ MAX_STATUS_BYTES = 64 * 1024  # a LaneStatus that ends a download
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # any other reply body
 HELLO_SECONDS = 10.0  # the TLS handshake and the whole hello arrive within this
 DRAIN_SECONDS = 1.0  # after an error status the server reads on this long, then closes
+KEEP_SECONDS = 60.0  # a server keeps a connection idle between calls this long (less only when crowded)
+REUSE_SECONDS = 20.0  # a client starts a call only on a connection idle for less than this
 
 # A TLS record's first byte (handshake 22, alert 21): what a plaintext peer of a TLS lane reads
 TLS_RECORD_TYPES = (0x15, 0x16)

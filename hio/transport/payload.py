@@ -1,26 +1,37 @@
-"""Payload bytes to and from one peer: one interface, two adapters, chosen once per peer.
+"""Payload bytes to and from one peer: one interface, two adapters, chosen per peer.
 
 A :class:`PayloadChannel` carries the calls that move payloads: the uploads
 ``Engine.Deliver`` and ``Master.Enqueue`` (frames in, receipts out) and the
 download ``Master.PullTuple``. Its adapters are :class:`LanePayload` (the
 peer's payload lane, ``hio.transport.lane``: a payload goes from the spool file
-with ``sendfile``, one frame a tuple) and :class:`GrpcPayload` (gRPC chunks).
-Every other call (routes, reports, heartbeats, feature stores, status) is a
-gRPC call on the peer's kept channel.
+with ``sendfile``, one frame a tuple, on connections kept from call to call)
+and :class:`GrpcPayload` (gRPC chunks). Every other call (routes, reports,
+heartbeats, feature stores, status) is a gRPC call on the peer's kept channel.
 
-:class:`PayloadPeers` picks a peer's adapter when it first connects to it: the
-lane when the peer offers one, lanes are on and a connection to it
-opens within ``LANE_CONNECT_SECONDS``; else gRPC. A lane that breaks under a
-call before the peer answered (it cannot be opened, it closes, it sends
-garbage) is that peer's connection lost: :meth:`PayloadPeers.broken` moves
-the peer to gRPC, and the next connection after ``LANE_RETRY_SECONDS`` chooses
-again. No tuple is lost on the way: the gateway sends what the broken call
-left unanswered again at once, uncharged, on the peer's gRPC channel; a pull
-that breaks voids its lease at the master, which hands the tuples out again.
+:class:`PayloadPeers` makes the calls: on the peer's lane when it offers one
+and lanes are on, else on gRPC. A lane that cannot be opened (no connection
+within ``LANE_CONNECT_SECONDS``, a TLS handshake refused) moves the peer to
+gRPC, where the same call goes at once (nothing of it was sent). A lane that
+breaks under a call before the peer answered (it closes, it sends garbage, it
+speaks another lane version) moves the peer to gRPC too, and so does a break
+after some answers; the call fails with a ``transport`` error and its caller
+sends what was left unanswered again, uncharged, on the peer's channel then
+chosen. The next call after ``LANE_RETRY_SECONDS`` tries the lane again. No
+tuple is lost on the way: the gateway keeps what a broken call left
+unanswered in its spool; a pull that breaks voids its lease at the master,
+which hands the tuples out again.
+
+A kept connection that the server closed between calls (it restarted, or made
+room for another client) is no broken lane: it is found closed before use and
+another is opened; one that breaks as it is used, before any answer, is retried
+once on a new connection where the call can be sent again as it is (a
+download), and otherwise fails the call as ``transport`` without moving the
+peer, whose caller then sends it again on the lane.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import ssl
@@ -31,7 +42,6 @@ from typing import BinaryIO, Generic, Protocol, TypeVar
 
 import grpc
 
-from hio.config import split_address
 from hio.proto.master_pb2 import PullTupleRequest
 from hio.transport.frames import TupleMeta, TupleReceipt, WireFrame, tuple_frames
 from hio.transport.lane import (
@@ -40,12 +50,16 @@ from hio.transport.lane import (
     LaneDownload,
     LaneError,
     LaneFrame,
+    connect_lane,
     lane_frames,
-    open_lane,
+    lane_hello,
+    quiet,
 )
+from hio.transport.lanewire import REUSE_SECONDS
 from hio.transport.net import pull_frames, send_frames
 
-LANE_RETRY_SECONDS = 60.0  # a peer moved to gRPC (its lane unreachable or broken) chooses again after this
+LANE_RETRY_SECONDS = 60.0  # a peer moved to gRPC (its lane unreachable or broken) tries its lane again after this
+KEPT_CONNECTIONS = 4  # idle connections a lane client keeps per lane (a gateway's streams, by default)
 Payloads = Iterator[tuple[TupleMeta, "bytes | BinaryIO"]]
 _SERVICES = {"Deliver": "Engine", "Enqueue": "Master"}
 
@@ -76,8 +90,11 @@ class PayloadChannel(Protocol):
         """Stream ``payloads`` to ``method`` ("Deliver" or "Enqueue"); the call and its frames
         (whose ``failure`` says why a payload could not be read)."""
 
-    def download(self, request: PullTupleRequest, *, timeout: float, on_broken: Callable[[str], None]) -> Download:
-        """Open a PullTuple; ``on_broken`` hears of a lane that broke before it answered."""
+    def download(self, request: PullTupleRequest, *, timeout: float) -> Download:
+        """Open a PullTuple."""
+
+    def close(self) -> None:
+        """Let go of what the channel keeps for later calls."""
 
 
 class GrpcPayload:
@@ -97,12 +114,18 @@ class GrpcPayload:
         reading.attach(call.cancel)
         return call, reading
 
-    def download(self, request: PullTupleRequest, *, timeout: float, on_broken: Callable[[str], None]) -> Download:
+    def download(self, request: PullTupleRequest, *, timeout: float) -> Download:
         return pull_frames(self._channel)(request, timeout=timeout)
+
+    def close(self) -> None:
+        """Nothing: the gRPC channel is its owner's."""
 
 
 class LanePayload:
-    """Payloads on the peer's payload lane, a connection a call (introduced with ``token``)."""
+    """Payloads on the peer's payload lane, calls one after another on kept connections
+    (each call introduced with ``token``; at most :data:`KEPT_CONNECTIONS` idle at once,
+    none reused after :data:`lanewire.REUSE_SECONDS` idle). ``on_broken`` hears why the
+    lane broke under a call (:meth:`PayloadPeers.broken`). Thread-safe."""
 
     kind = "lane"
 
@@ -116,6 +139,7 @@ class LanePayload:
         max_head_bytes: int,
         max_data_bytes: int,
         tls: ssl.SSLContext | None = None,
+        on_broken: Callable[[str], None] = lambda why: None,
     ) -> None:
         self.lane = lane
         self._token = token
@@ -124,52 +148,124 @@ class LanePayload:
         self._pack = pack_bytes
         self._max_head = max_head_bytes
         self.max_chunk_bytes = max_data_bytes  # the lane sends a tuple as one frame
-
-    def _open(self, method: str, request: bytes = b"") -> socket.socket:
-        try:
-            return open_lane(
-                self.lane,
-                self._token,
-                connect_seconds=LANE_CONNECT_SECONDS,
-                method=method,
-                request=request,
-                tls=self._tls,
-            )
-        except (OSError, ValueError) as exc:
-            raise LaneError(
-                grpc.StatusCode.UNAVAILABLE, f"payload lane {self.lane} unreachable: {exc}", transport=True
-            ) from None
+        self._on_broken = on_broken
+        self._lock = threading.Lock()
+        self._idle: list[tuple[socket.socket, float]] = []  # kept connections, oldest first, with when each went idle
+        self.opened = 0  # connections opened (for status and tests: calls per connection)
 
     def upload(self, method: str, payloads: Payloads, *, timeout: float) -> tuple[Upload, GuardedFrames[LaneFrame]]:
-        sock = self._open(method)
+        sock, kept = self._connection(lane_hello(self._token, method))
         reading = GuardedFrames(lane_frames(payloads, self._chunk, self._pack), cancels=False)
         try:
-            return LaneCall(sock, iter(reading), timeout=timeout), reading
+            call = LaneCall(
+                sock,
+                iter(reading),
+                timeout=timeout,
+                keep=self._keep,
+                broke=functools.partial(self._broke, kept=kept),
+            )
         except BaseException:
             sock.close()
             raise
+        return call, reading
 
-    def download(self, request: PullTupleRequest, *, timeout: float, on_broken: Callable[[str], None]) -> Download:
-        sock = self._open("PullTuple", request.SerializeToString())
+    def download(self, request: PullTupleRequest, *, timeout: float) -> Download:
+        hello = lane_hello(self._token, "PullTuple", request.SerializeToString())
+        sock, kept = self._connection(hello)
         return LaneDownload(
             sock,
             timeout=timeout,
             max_head_bytes=self._max_head,
             max_data_bytes=self.max_chunk_bytes,
-            on_broken=on_broken,
+            keep=self._keep,
+            broke=self._on_broken,
+            reconnect=functools.partial(self._open, hello) if kept else None,
         )
+
+    def close(self) -> None:
+        """Close the kept connections."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock, _since in idle:
+            sock.close()
+
+    def _connection(self, hello: bytes) -> tuple[socket.socket, bool]:
+        """A connection with ``hello`` sent, and whether it was kept from an earlier call: a
+        kept one still open when there is one, else a new one."""
+        while (sock := self._take()) is not None:
+            try:
+                sock.sendall(hello)
+            except OSError:  # closed by the server as it was taken
+                sock.close()
+                continue
+            return sock, True
+        return self._open(hello), False
+
+    def _open(self, hello: bytes) -> socket.socket:
+        """A new connection, ``hello`` sent; the lane's failure as a ``transport`` LaneError."""
+        try:
+            sock = connect_lane(self.lane, connect_seconds=LANE_CONNECT_SECONDS, tls=self._tls)
+        except (OSError, ValueError) as exc:
+            raise LaneError(
+                grpc.StatusCode.UNAVAILABLE, f"payload lane {self.lane} unreachable: {exc}", transport=True
+            ) from None
+        with self._lock:
+            self.opened += 1
+        try:
+            sock.sendall(hello)
+        except OSError as exc:
+            sock.close()
+            raise LaneError(
+                grpc.StatusCode.UNAVAILABLE, f"payload lane {self.lane} closed at once: {exc}", transport=True
+            ) from None
+        return sock
+
+    def _take(self) -> socket.socket | None:
+        """The connection kept last, if one is still open and idle for less than
+        :data:`REUSE_SECONDS` (the server keeps it longer); the rest of that age are closed."""
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                aged = 0
+                while aged < len(self._idle) and now - self._idle[aged][1] >= REUSE_SECONDS:
+                    aged += 1
+                closing = [sock for sock, _since in self._idle[:aged]]
+                del self._idle[:aged]
+                sock = self._idle.pop()[0] if self._idle else None
+            for old in closing:
+                old.close()
+            if sock is None or quiet(sock):
+                return sock
+            sock.close()  # the server closed it (restarted, idle, made room) or broke the protocol
+
+    def _keep(self, sock: socket.socket) -> None:
+        """Keep a connection whose call ended cleanly, for the next call (closed when enough are kept)."""
+        with self._lock:
+            if len(self._idle) < KEPT_CONNECTIONS:
+                self._idle.append((sock, time.monotonic()))
+                return
+        sock.close()
+
+    def _broke(self, why: str, answered: bool, *, kept: bool) -> None:
+        """An upload's lane broke. A kept connection that breaks before any answer had been
+        closed by the server between calls: the lane is not at fault, the connections kept
+        with it are let go, and the caller sends again (on a new connection)."""
+        if kept and not answered:
+            self.close()
+            return
+        self._on_broken(why)
 
 
 class PayloadPeers:
-    """The :class:`PayloadChannel` of each peer, chosen when first connected (see the module's
-    words). ``lane(address)`` and ``grpc(address)`` make the adapters; ``lanes`` false (turned
-    off) chooses gRPC for every peer. Thread-safe."""
+    """The payload calls to each peer, on its :class:`PayloadChannel` (see the module's words).
+    ``lane(address, on_broken)`` and ``grpc(address)`` make the adapters; ``lanes`` false
+    (turned off) chooses gRPC for every peer. Thread-safe."""
 
     def __init__(
         self,
         *,
         lanes: bool,
-        lane: Callable[[str], LanePayload],
+        lane: Callable[[str, Callable[[str], None]], LanePayload],
         grpc: Callable[[str], GrpcPayload],
         logger: logging.Logger,
     ) -> None:
@@ -178,43 +274,74 @@ class PayloadPeers:
         self._make_grpc = grpc
         self._log = logger
         self._lock = threading.Lock()
-        self._chosen: dict[tuple[str, str], tuple[PayloadChannel, float]] = {}  # (peer, lane) -> (adapter, until)
+        self._lane_channels: dict[tuple[str, str], LanePayload] = {}  # (peer, lane) -> its lane's adapter
+        self._grpc_channels: dict[str, GrpcPayload] = {}  # peer -> its gRPC adapter
+        self._on_grpc: dict[tuple[str, str], float] = {}  # (peer, lane) -> until when it uses gRPC
+
+    def upload(
+        self, address: str, lane: str, method: str, payloads: Payloads, *, timeout: float
+    ) -> tuple[Upload, GuardedFrames[object]]:
+        """Stream ``payloads`` to ``method`` of the peer at ``address`` (its gRPC address) whose
+        lane is ``lane`` ('' = none): the call and its frames (:meth:`PayloadChannel.upload`)."""
+        try:
+            return self.get(address, lane).upload(method, payloads, timeout=timeout)
+        except LaneError as exc:  # the lane cannot be opened: nothing was sent
+            self._move(address, lane, "payload lane unreachable; this peer uses gRPC", exc.details())
+        return self.get(address, lane).upload(method, payloads, timeout=timeout)
+
+    def download(self, address: str, lane: str, request: PullTupleRequest, *, timeout: float) -> tuple[Download, int]:
+        """Open a PullTuple from the peer: the call, and the largest frame payload it may bring."""
+        channel = self.get(address, lane)
+        try:
+            return channel.download(request, timeout=timeout), channel.max_chunk_bytes
+        except LaneError as exc:  # the lane cannot be opened: nothing was sent
+            self._move(address, lane, "payload lane unreachable; this peer uses gRPC", exc.details())
+        channel = self.get(address, lane)
+        return channel.download(request, timeout=timeout), channel.max_chunk_bytes
 
     def get(self, address: str, lane: str) -> PayloadChannel:
-        """The channel of the peer at ``address`` (its gRPC address) whose lane is ``lane`` ('' = none)."""
+        """The channel of the peer at ``address`` whose lane is ``lane`` ('' = none): its lane
+        unless lanes are off or the lane failed less than ``LANE_RETRY_SECONDS`` ago."""
         key = (address, lane if self._lanes else "")
         with self._lock:
-            chosen = self._chosen.get(key)
-        if chosen is not None and time.monotonic() < chosen[1]:
-            return chosen[0]
-        if not key[1]:
-            channel: PayloadChannel = self._make_grpc(address)
-            until = float("inf")
-        else:
-            try:
-                socket.create_connection(split_address(lane), timeout=LANE_CONNECT_SECONDS).close()
-                channel, until = self._make_lane(lane), float("inf")
-            except (OSError, ValueError) as exc:
-                self._log.warning(
-                    "payload lane unreachable; this peer uses gRPC",
-                    extra={"peer": address, "lane": lane, "error": str(exc)},
-                )
-                channel, until = self._make_grpc(address), time.monotonic() + LANE_RETRY_SECONDS
+            until = self._on_grpc.get(key)
+            on_lane = bool(key[1]) and (until is None or time.monotonic() >= until)
+            channel: PayloadChannel | None = (
+                self._lane_channels.get(key) if on_lane else self._grpc_channels.get(address)
+            )
+        if channel is not None:
+            return channel
+        if on_lane:  # made outside the lock: the makers may take their owners' locks
+            made_lane = self._make_lane(lane, functools.partial(self.broken, address, lane))
+            with self._lock:
+                return self._lane_channels.setdefault(key, made_lane)
+        made_grpc = self._make_grpc(address)
         with self._lock:
-            self._chosen[key] = (channel, until)
-        return channel
+            return self._grpc_channels.setdefault(address, made_grpc)
 
     def broken(self, address: str, lane: str, why: str) -> None:
-        """The peer's lane broke under a call: the peer uses gRPC, and chooses again later
-        (said once, though calls at once on the lane all break)."""
-        grpc_channel = self._make_grpc(address)
+        """The peer's lane broke under a call: the peer uses gRPC, and tries its lane again later."""
+        self._move(address, lane, "payload lane broke; this peer uses gRPC", why)
+
+    def close(self) -> None:
+        """Close the connections the lanes keep."""
         with self._lock:
-            was = self._chosen.get((address, lane))
-            self._chosen[(address, lane)] = (grpc_channel, time.monotonic() + LANE_RETRY_SECONDS)
-        if was is None or was[0].kind == "lane":
-            self._log.warning(
-                "payload lane broke; this peer uses gRPC", extra={"peer": address, "lane": lane, "error": why}
-            )
+            channels = list(self._lane_channels.values())
+        for channel in channels:
+            channel.close()
+
+    def _move(self, address: str, lane: str, message: str, why: str) -> None:
+        """The peer uses gRPC for ``LANE_RETRY_SECONDS`` (said once, though calls at once on
+        the lane all fail); its lane's kept connections are let go."""
+        key = (address, lane)
+        with self._lock:
+            was = self._on_grpc.get(key)
+            self._on_grpc[key] = time.monotonic() + LANE_RETRY_SECONDS
+            channel = self._lane_channels.get(key)
+        if channel is not None:
+            channel.close()
+        if was is None or time.monotonic() >= was:
+            self._log.warning(message, extra={"peer": address, "lane": lane, "error": why})
 
 
 F = TypeVar("F", covariant=True)  # read only: a channel's frames are objects to its callers

@@ -127,7 +127,7 @@ def test_tuple_of_another_image_is_failed_precondition(engine: RunningEngine, re
 
 def test_a_client_that_is_not_a_lane_client_gets_a_clear_status(engine: RunningEngine) -> None:
     status = raw_status(engine, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "HIOLANE1" in status.message
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "HIOLANE2" in status.message
     status = raw_status(engine, hello(method="PullTuple"))
     assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "Deliver" in status.message
 
@@ -289,6 +289,51 @@ def test_a_tls_cluster_keeps_its_lanes(tmp_path: Path, caplog: pytest.LogCapture
         assert master.domain.lane.methods["PullTuple"] >= 1  # the engine's pulls, too
         skipped = [r.getMessage() for r in caplog.records if "this peer uses gRPC" in r.getMessage()]
         assert skipped == []
+    finally:
+        e.close()
+        master.close()
+        repo.close()
+
+
+@needs_master
+def test_a_tls_cluster_s_payload_calls_share_kept_connections(tmp_path: Path) -> None:
+    """Tuples sent one at a time, each its own call, over mutual TLS: the gateway's Deliver calls
+    to the engine take one connection (one TLS handshake at each end); at the master, its
+    Enqueue calls and the engine's pulls (stored tuples, then idle long-polls) take a
+    connection or two each, not one per call."""
+    from hio.gateway import Gateway, GatewayConfig
+    from hio.settings import ClusterSettings
+    from hio.transport.certs import generate
+
+    certs = generate(tmp_path / "certs", ("node",), ("127.0.0.1",))
+    tls: dict[str, Any] = {
+        "tls_cert": str(certs["node"]),
+        "tls_key": str(certs["node-key"]),
+        "tls_ca": str(certs["ca"]),
+    }
+    client = ClusterSettings(chunk_bytes=1024, **tls)
+    repo = Repo(tmp_path / "repo", settings=client, tls_client_auth=True, **tls)
+    master = Master(tmp_path / "master", settings=client, tls_client_auth=True, images=(TEST_IMAGE,), **tls)
+    e = lane_engine(repo, master=master.address, tls_client_auth=True, pull_wait=0.3, **tls)
+    try:
+        register_channel(master, e, lane_address=lane_address(e))
+        base = {
+            "master_address": master.address,
+            "repository_address": repo.address,
+            "ingest_listen": "",
+            "grace_seconds": 2.0,
+            **tls,
+        }
+        with Gateway(GatewayConfig(data_dir=str(tmp_path / "gw"), source="kept", **base)) as gw:
+            ids = [gw.send(os.urandom(50_000 + n), image=TEST_IMAGE, timeout=60) for n in range(5)]
+        assert e.engine.lane.calls == 5 and e.engine.lane.accepted == 1
+        with Gateway(GatewayConfig(data_dir=str(tmp_path / "gwq"), source="keptq", force_queue=True, **base)) as gw:
+            ids += [gw.send(os.urandom(50_000 + n), image=TEST_IMAGE, timeout=60) for n in range(5)]
+        wait_for(lambda: set(ids) <= set(repo.records()), timeout=60, what="every tuple stored")
+        lane = master.domain.lane
+        wait_for(lambda: lane.methods["PullTuple"] >= 5, timeout=30, what="the engine's idle pulls on the lane")
+        assert lane.methods["Enqueue"] == 5
+        assert lane.accepted <= 3, f"{lane.accepted} connections for {lane.calls} calls"
     finally:
         e.close()
         master.close()
