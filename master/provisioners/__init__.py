@@ -1,0 +1,67 @@
+"""Machines that run ``hio worker``, asked for and given back by the master's scaler.
+
+A :class:`Provisioner` is the one door between the elastic control loop and
+whatever hosts workers: ``local`` starts ``hio worker`` processes on the
+master's machine (tests, the demo, the experiment); ``openstack`` creates
+servers whose cloud-init installs and starts the worker. The scaler decides
+*when* (bins in use + headroom, within min and max, drained before deleted);
+a driver only does *what* it is told and reports what exists, so that a
+master that restarts can adopt the workers it asked for instead of leaking
+them.
+
+Every call returns promptly: ``create`` asks for a worker and answers
+``BUILDING``; the scaler sees it become a registered worker through the
+master's own registry (a worker registers itself under ``worker_id``), and
+polls :meth:`Provisioner.state` for failures (a server that failed to boot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Protocol
+
+
+class WorkerState(enum.Enum):
+    BUILDING = "building"  # asked for; not yet known to run (it registers itself with the master)
+    RUNNING = "running"  # the machine or process runs (registration is the master's business)
+    FAILED = "failed"  # will not come up (boot error, process exited): delete it, maybe ask again
+    GONE = "gone"  # does not exist (deleted, or never created)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRequest:
+    """What a new worker needs to join: the id it registers under, how it reaches the
+    master, and the token it presents ('' when the cluster has no tokens)."""
+
+    worker_id: str
+    master_address: str
+    token: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProvisionedWorker:
+    worker_id: str
+    state: WorkerState
+    detail: str = ""  # the driver's words: a server id and status, a pid, why it failed
+
+
+class Provisioner(Protocol):
+    """A driver of worker machines (see the module's words). Implementations are
+    thread-safe and idempotent: deleting what is gone, or creating an id that exists,
+    is not an error."""
+
+    name: str
+
+    def create(self, request: WorkerRequest) -> ProvisionedWorker:
+        """Ask for a worker; returns at once (``BUILDING``), never waits for it to boot."""
+
+    def state(self, worker_id: str) -> ProvisionedWorker:
+        """What the driver knows of one worker it was asked for."""
+
+    def delete(self, worker_id: str) -> None:
+        """Give a worker back (the scaler drained it first)."""
+
+    def adopt(self) -> list[ProvisionedWorker]:
+        """Every worker of this cluster the driver finds still existing, e.g. after the
+        master restarted (the scaler keeps those it wants and deletes the rest)."""
