@@ -67,6 +67,9 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
             lines.append(
                 f"    {c.channel_id:<24} {c.image:<18} {state:<7} {c.address:<22} done {c.tuples_done:,}{lane}{detail}"
             )
+    if s.engines:
+        lines.append("engines")
+        lines += [f"  {format_engines(e)}" for e in s.engines]
     if s.queues:
         lines.append(f"queues (limit {_mb(s.queue_bytes_limit)})")
         for q in s.queues:
@@ -74,6 +77,14 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
     for warning in s.warnings:
         lines.append(f"WARNING: {warning}")
     return "\n".join(lines)
+
+
+def format_engines(e: master_pb2.ImageEngines) -> str:
+    """One image's engines: running against wanted, and what one of them costs."""
+    wanted = f" of {e.wanted} wanted" + (" (pinned)" if e.pinned else "")
+    share = f"{e.cpu_share:.2f} cores each" if e.cpu_share else "cpu not measured yet"
+    rate = f"{e.seconds_per_tuple:.3f} s/tuple, {e.tuples_per_second:,.1f} tuples/s" if e.seconds_per_tuple else ""
+    return f"{e.image:<20} {e.running} running{wanted}   {share}" + (f"   {rate}" if rate else "")
 
 
 def _fail(what: str, address: str, exc: grpc.RpcError, settings: ClusterSettings) -> int:
@@ -169,6 +180,7 @@ __all__ = [
     "KnowledgeConfig",
     "StatusConfig",
     "fetch_knowledge",
+    "format_engines",
     "format_status",
     "run_dead_letters",
     "run_knowledge",

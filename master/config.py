@@ -55,6 +55,12 @@ class MasterConfig(ClusterSettings):
     lane_listen: str = setting(
         "", "host:port of the payload lane; empty = listen's host and port + 1 (any free port when listen's port is 0)"
     )
+    profile_seconds: float = setting(
+        20.0, "profiling interval: each image's CPU share and processing rate are averaged over this many seconds"
+    )
+    default_share: float = setting(
+        0.125, "cores one engine of an image not yet measured is taken to use (the packer's size for it)"
+    )
 
     def lane_address(self) -> str:
         """Where the payload lane listens; '' when there is none (turned off)."""
@@ -81,6 +87,8 @@ class MasterConfig(ClusterSettings):
             "pull_waiters",
             "dead_list_limit",
             "forget_seconds",
+            "profile_seconds",
+            "default_share",
         ):
             value = getattr(self, name)
             if isinstance(value, float) and not math.isfinite(value):

@@ -25,6 +25,7 @@ from hio.master.backlog import BacklogQueue, ImageQueue, Lease, Stored
 from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
 from hio.master.ids import TupleIdAllocator
+from hio.master.profile import Profile
 from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelSpec, ChannelState, Worker
 from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
 from hio.master.stats import Stats
@@ -76,6 +77,19 @@ class Outcome:
 
 
 @dataclasses.dataclass(frozen=True)
+class ImageStatus:
+    """The engines of one image: running, wanted, and their profile."""
+
+    image: str
+    running: int
+    wanted: int
+    pinned: bool
+    cpu_share: float | None
+    seconds_per_tuple: float | None
+    tuples_per_second: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Status:
     uptime_seconds: float
     workers: list[tuple[Worker, float, list[Channel]]]  # worker, heartbeat age, channels (copies)
@@ -94,6 +108,7 @@ class Status:
     dead_letters: int
     warnings: list[str]
     last_tuple_id: int
+    engines: list[ImageStatus] = dataclasses.field(default_factory=list)
 
 
 class Pulled:
@@ -165,6 +180,7 @@ class Master:
         self.registry.offered_images.update(self.queue.images())
         self.pending = PendingEnqueues(config.reservation_seconds)
         self.stats = Stats()
+        self.profile = Profile(config.profile_seconds, config.default_share)
         self._waiters = 0
         self._route_waiters: dict[str, collections.deque[object]] = {}
         self._stopping = False
@@ -247,10 +263,15 @@ class Master:
             self.queue.void_leases(channel_id, "worker registered again")
         log.info("worker registered", extra={"worker": worker_id, "host": host})
 
-    def heartbeat(self, worker_id: str, down: dict[str, str]) -> bool:
-        """Refresh a worker; False if it must register again."""
+    def heartbeat(self, worker_id: str, down: dict[str, str], cpu: dict[str, float] | None = None) -> bool:
+        """Refresh a worker; False if it must register again. ``cpu``: each engine's CPU
+        seconds so far, for the profile of its image."""
         with self._cond:
             known, went_down = self.registry.heartbeat(worker_id, down)
+            for channel_id, seconds in (cpu or {}).items() if known else ():
+                channel = self.registry.channel(channel_id)
+                if channel is not None and channel.worker_id == worker_id:
+                    self.profile.cpu(channel_id, channel.image, seconds)
             self._cond.notify_all()
         for channel_id in went_down:
             log.info("channel down", extra={"channel": channel_id, "detail": down.get(channel_id, "")})
@@ -530,6 +551,7 @@ class Master:
                 self.stats.outcome(ok=outcome.ok, size=outcome.size, latency=latency)
                 if outcome.ok and channel is not None:
                     channel.tuples_done += 1
+                    self.profile.outcome(channel.image, outcome.processing_seconds)
         for outcome in outcomes:
             if not outcome.from_queue:
                 continue
@@ -624,7 +646,37 @@ class Master:
                 dead_letters=dead,
                 warnings=warnings,
                 last_tuple_id=self.ids.last_issued,
+                engines=self._engines(queues),
             )
+
+    def _engines(self, queues: list[ImageQueue]) -> list[ImageStatus]:
+        """Per image with engines, a profile or a queue: running and wanted engines (wanted:
+        what the workers run). Lock held."""
+        running: collections.Counter[str] = collections.Counter()
+        wanted: collections.Counter[str] = collections.Counter()
+        for worker in self.registry.workers():
+            if not worker.live:
+                continue
+            for channel in worker.channels.values():
+                wanted[channel.image] += 1
+                if self.registry.routable(channel):
+                    running[channel.image] += 1
+        images = set(wanted) | self.profile.images() | {q.image for q in queues if q.length}
+        result = []
+        for image in sorted(images):
+            profile = self.profile.image(image)
+            result.append(
+                ImageStatus(
+                    image=image,
+                    running=running[image],
+                    wanted=wanted[image],
+                    pinned=False,
+                    cpu_share=profile.cpu_share,
+                    seconds_per_tuple=profile.seconds_per_tuple,
+                    tuples_per_second=profile.tuples_per_second,
+                )
+            )
+        return result
 
     def _warnings(self, queues: list[ImageQueue], used: int, dead: int) -> list[str]:
         warnings = []

@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hio.master.backlog import Placement
-from hio.master.core import PULL_PACK_BYTES, Master, Outcome, RouteItem, Status
+from hio.master.core import PULL_PACK_BYTES, ImageStatus, Master, Outcome, RouteItem, Status
 from hio.master.deadletters import DeadLetter
 from hio.master.registry import ChannelSpec
 from hio.master.routing import DirectRoute
@@ -75,7 +75,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> master_pb2.HeartbeatResponse:
         down = {c.channel_id: c.detail for c in request.channels if c.state == master_pb2.DOWN}
-        return master_pb2.HeartbeatResponse(known=self._master.heartbeat(request.worker_id, down))
+        cpu = {c.channel_id: c.cpu_seconds for c in request.channels if c.HasField("cpu_seconds")}
+        return master_pb2.HeartbeatResponse(known=self._master.heartbeat(request.worker_id, down, cpu))
 
     @grpc_errors
     def RouteTuples(
@@ -271,4 +272,17 @@ def _encode_status(status: Status) -> master_pb2.GetStatusResponse:
         dead_letters=status.dead_letters,
         warnings=status.warnings,
         last_tuple_id=status.last_tuple_id,
+        engines=[encode_image(e) for e in status.engines],
+    )
+
+
+def encode_image(engines: ImageStatus) -> master_pb2.ImageEngines:
+    return master_pb2.ImageEngines(
+        image=engines.image,
+        running=engines.running,
+        wanted=engines.wanted,
+        pinned=engines.pinned,
+        cpu_share=engines.cpu_share or 0.0,
+        seconds_per_tuple=engines.seconds_per_tuple or 0.0,
+        tuples_per_second=engines.tuples_per_second,
     )

@@ -269,7 +269,7 @@ class MasterSession:
         )
 
     def _heartbeat(self) -> None:
-        request = master_pb2.HeartbeatRequest(worker_id=self._worker_id, channels=self._channels(False))
+        request = master_pb2.HeartbeatRequest(worker_id=self._worker_id, channels=self._channels(False), complete=True)
         reply = self._stub.Heartbeat(request, timeout=MASTER_CALL_TIMEOUT)
         if not reply.known:
             log.warning("the master does not know this worker; registering again", extra={"worker": self._worker_id})
@@ -343,26 +343,44 @@ class Controller:
     def slots(self) -> list[EngineSlot]:
         return list(self._slots)
 
-    def channel_infos(self, everything: bool) -> list[master_pb2.ChannelInfo]:
-        """Channels for the master: all of them (register), or only those down (heartbeat)."""
+    def channel_infos(self, registering: bool) -> list[master_pb2.ChannelInfo]:
+        """Every channel, FREE (serving) or DOWN with the reason; in heartbeats (not
+        ``registering``) with the CPU seconds its engine has used, for the master's profile."""
         host = self._config.advertise_host
+        with self._lock:
+            slots = [(slot, slot.handle) for slot in self._slots]
+        cpu = {} if registering else self._cpu_seconds(slots)
         infos = []
         with self._lock:
-            for slot in self._slots:
-                if slot.up and not everything:
-                    continue
-                state = master_pb2.FREE if slot.up else master_pb2.DOWN
-                infos.append(
-                    master_pb2.ChannelInfo(
-                        channel_id=slot.channel_id,
-                        image=slot.image,
-                        address=f"{host}:{slot.port}",
-                        lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
-                        state=state,
-                        detail=slot.detail,
-                    )
+            for slot, _handle in slots:
+                info = master_pb2.ChannelInfo(
+                    channel_id=slot.channel_id,
+                    image=slot.image,
+                    address=f"{host}:{slot.port}",
+                    lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
+                    state=master_pb2.FREE if slot.up else master_pb2.DOWN,
+                    detail=slot.detail,
                 )
+                if slot.channel_id in cpu:
+                    info.cpu_seconds = cpu[slot.channel_id]
+                infos.append(info)
         return infos
+
+    def _cpu_seconds(self, slots: list[tuple[EngineSlot, EngineHandle | None]]) -> dict[str, float]:
+        """CPU seconds of each running engine (read outside the lock: a container's may take
+        a call to the Docker daemon)."""
+        cpu = {}
+        for slot, handle in slots:
+            if handle is None:
+                continue
+            try:
+                seconds = self._launcher.cpu_seconds(handle)
+            except Exception as exc:  # noqa: BLE001 - a measurement must never stop the heartbeat
+                log.debug("cannot measure an engine's CPU", extra={"channel": slot.channel_id, "error": str(exc)})
+                continue
+            if seconds is not None:
+                cpu[slot.channel_id] = seconds
+        return cpu
 
     # ---- running
 

@@ -37,6 +37,7 @@ import docker
 import docker.errors
 
 from hio.worker.config import WorkerConfig
+from hio.worker.cpu import cgroup_cpu_seconds, container_cgroup
 from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec
 
 log = logging.getLogger("hio.worker")
@@ -277,6 +278,21 @@ class DockerLauncher(EngineLauncher):
         except docker.errors.NotFound:
             return ""
         return data.decode("utf-8", errors="replace").rstrip("\n")
+
+    def cpu_seconds(self, handle: EngineHandle) -> float | None:
+        """The container's cgroup CPU counter (found once from its main process); the Docker
+        stats API only where the cgroup file cannot be read (a worker in a container of its own)."""
+        container = handle.native
+        if handle.cpu_source is None:
+            pid = int((container.attrs.get("State") or {}).get("Pid") or 0)
+            handle.cpu_source = container_cgroup(container.id, pid) or "api"
+        if handle.cpu_source != "api":
+            return cgroup_cpu_seconds(handle.cpu_source)
+        try:
+            stats = container.stats(stream=False, one_shot=True)
+            return float(stats["cpu_stats"]["cpu_usage"]["total_usage"]) / 1e9
+        except Exception:  # noqa: BLE001 - requests' and docker's errors, or a reply without the figure
+            return None
 
     def cleanup(self) -> None:
         """Remove exited containers carrying our labels and this worker's id.

@@ -23,6 +23,7 @@ from typing import IO, Any
 
 from hio.process.procs import child_env
 from hio.worker.config import WorkerConfig
+from hio.worker.cpu import tree_cpu_seconds
 
 log = logging.getLogger("hio.worker")
 
@@ -50,6 +51,7 @@ class EngineHandle:
     native: Any = None
     log_path: str = ""
     started_monotonic: float = dataclasses.field(default_factory=time.monotonic)
+    cpu_source: Any = None  # where the launcher reads the engine's CPU time (found once, then kept)
 
 
 class EngineLauncher(abc.ABC):
@@ -74,6 +76,11 @@ class EngineLauncher(abc.ABC):
     @abc.abstractmethod
     def cleanup(self) -> None:
         """Remove our own leftovers (never anything this worker did not start)."""
+
+    def cpu_seconds(self, handle: EngineHandle) -> float | None:
+        """CPU seconds the engine has used since it started (all its processes and threads),
+        for the master's profile of its image; None when it cannot be measured."""
+        return None
 
 
 def engine_log_dir(config: WorkerConfig, worker_id: str) -> Path:
@@ -159,6 +166,10 @@ class ProcessLauncher(EngineLauncher):
 
     def logs(self, handle: EngineHandle, lines: int = 50) -> str:
         return tail(handle.log_path, lines)
+
+    def cpu_seconds(self, handle: EngineHandle) -> float | None:
+        """The engine's process tree: the engine, its threads, and whatever its pipeline started."""
+        return tree_cpu_seconds(handle.native.pid)
 
     def cleanup(self) -> None:
         """Kill engines we started that are still running (normally none)."""
