@@ -13,9 +13,16 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
+SCALING_MODES = ("fixed", "elastic")
 BUILTIN_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
 FSYNC_POLICIES = ("batch", "always", "never")
 MAX_EXPIRY_SECONDS = 10.0
+
+
+def finite_positive(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value}")
+    positive(name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +68,27 @@ class MasterConfig(ClusterSettings):
     default_share: float = setting(
         0.125, "cores one engine of an image not yet measured is taken to use (the packer's size for it)"
     )
+    scaling: str = setting(
+        "fixed",
+        "'fixed': workers run the engines they were started with; 'elastic': the master decides "
+        "how many engines of each image run, packs them onto workers and asks for workers "
+        "(docs/elasticity.md)",
+    )
+    predict_interval: float = setting(1.0, "elastic: seconds between looks at each image's backlog")
+    upper_rate: float = setting(5.0, "elastic: a backlog growing faster than this (tuples/s) adds large_step engines")
+    lower_rate: float = setting(2.0, "elastic: a backlog growing faster than this (tuples/s) adds small_step engines")
+    slowdown_rate: float = setting(
+        -2.0,
+        "elastic: a backlog above queue_limit adds large_step engines unless it shrinks faster "
+        "than this (tuples/s, zero or negative), else small_step",
+    )
+    queue_limit: int = setting(10, "elastic: a backlog (tuples) above this adds engines")
+    large_step: int = setting(2, "elastic: engines added on a strong signal")
+    small_step: int = setting(1, "elastic: engines added on a weak signal")
+    cooldown_seconds: float = setting(
+        10.0, "elastic: an image's engine count changes at most once per this many seconds, up or down"
+    )
+    engine_idle_seconds: float = setting(30.0, "elastic: an engine without work for this long is given back")
 
     def lane_address(self) -> str:
         """Where the payload lane listens; '' when there is none (turned off)."""
@@ -91,9 +119,7 @@ class MasterConfig(ClusterSettings):
             "default_share",
         ):
             value = getattr(self, name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{name} must be a finite number, got {value}")
-            positive(name, value)
+            finite_positive(name, value)
         if self.queue_memory_bytes < 0:
             raise ConfigError(f"queue_memory_bytes must not be negative, got {self.queue_memory_bytes}")
         if not MiB <= self.segment_bytes <= GiB:
@@ -117,3 +143,24 @@ class MasterConfig(ClusterSettings):
         for image in self.images:
             if not image or len(image) > 256:
                 raise ConfigError(f"images: invalid image name {image!r}")
+        self.validate_scaling()
+
+    def validate_scaling(self) -> None:
+        """The elastic settings (checked in fixed mode too: a file switched to elastic later
+        must not fail then)."""
+        if self.scaling not in SCALING_MODES:
+            raise ConfigError(f"scaling must be one of {', '.join(SCALING_MODES)}, got {self.scaling!r}")
+        for name in ("predict_interval", "engine_idle_seconds", "large_step", "small_step"):
+            finite_positive(name, getattr(self, name))
+        for name in ("upper_rate", "lower_rate", "queue_limit", "cooldown_seconds"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number, zero or more, got {value}")
+        if self.lower_rate > self.upper_rate:
+            raise ConfigError(f"lower_rate ({self.lower_rate}) must not exceed upper_rate ({self.upper_rate})")
+        if not math.isfinite(self.slowdown_rate) or self.slowdown_rate > 0:
+            raise ConfigError(f"slowdown_rate must be zero or negative (a shrinking backlog), got {self.slowdown_rate}")
+        if self.small_step > self.large_step:
+            raise ConfigError(f"small_step ({self.small_step}) must not exceed large_step ({self.large_step})")
+        if self.default_share > 64:
+            raise ConfigError(f"default_share is in cores per engine, at most 64, got {self.default_share}")

@@ -24,10 +24,12 @@ from hio.config import ConfigError, state_dir
 from hio.master.backlog import BacklogQueue, ImageQueue, Lease, Stored
 from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
+from hio.master.demand import ImageLoad
 from hio.master.ids import TupleIdAllocator
 from hio.master.profile import Profile
 from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelSpec, ChannelState, Worker
 from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
+from hio.master.scaler import Scaler
 from hio.master.stats import Stats
 from hio.master.storage import Durability
 from hio.storage.files import lock_folder
@@ -182,10 +184,11 @@ class Master:
         self.stats = Stats()
         self.profile = Profile(config.profile_seconds, config.default_share)
         self._waiters = 0
-        self._route_waiters: dict[str, collections.deque[object]] = {}
+        self._route_waiters: dict[str, collections.deque[_RouteWait]] = {}
         self._stopping = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.scaler = Scaler(self) if config.scaling == "elastic" else None
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -194,7 +197,14 @@ class Master:
         if self._thread is None:
             self._thread = threading.Thread(target=self._maintain, name="hio-master-maintenance", daemon=True)
             self._thread.start()
+            if self.scaler is not None:
+                self.scaler.start()
         return self
+
+    @property
+    def lock(self) -> threading.Condition:
+        """The one lock over the master's state (the scaler's included)."""
+        return self._cond
 
     @property
     def lane_port(self) -> int:
@@ -212,6 +222,8 @@ class Master:
         self.begin_shutdown()  # first: waiting pulls return, so the lane's stop() need not wait for them
         if self.lane is not None:
             self.lane.stop()
+        if self.scaler is not None:
+            self.scaler.close()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
@@ -316,7 +328,7 @@ class Master:
         """The route, after waiting (lock held; the wait releases it) for a channel if allowed."""
         deadline = time.monotonic() + wait_seconds
         waiters = self._route_waiters.setdefault(image, collections.deque())
-        token = object()
+        token = _RouteWait(len(tuple_ids))
         waiters.append(token)
         try:
             while True:
@@ -607,6 +619,29 @@ class Master:
             ):
                 self.registry.set_queue(channel, leased=False)
 
+    # ---- what the scaler looks at --------------------------------------------------
+
+    def image_loads(self, idle_after: float) -> dict[str, ImageLoad]:
+        """Each image's backlog (queued and not leased, routed to the queue and not there yet,
+        waiting for a route) and its engines idle for ``idle_after`` seconds; every image
+        with either, or with channels. Lock held."""
+        idle: collections.Counter[str] = collections.Counter()
+        images: set[str] = set(self.queue.images()) | set(self._route_waiters)
+        for worker in self.registry.workers():
+            for channel in worker.channels.values():
+                images.add(channel.image)
+                if self.registry.idle_seconds(channel, self.queue.has_lease) >= idle_after:
+                    idle[channel.image] += 1
+        return {
+            image: ImageLoad(
+                backlog=self.queue.ready_count(image)
+                + self.pending.count(image)
+                + sum(w.tuples for w in self._route_waiters.get(image, ())),
+                idle=idle[image],
+            )
+            for image in images
+        }
+
     # ---- dead letters and status -------------------------------------------------
 
     def dead_letters(self) -> list[DeadLetter]:
@@ -650,8 +685,8 @@ class Master:
             )
 
     def _engines(self, queues: list[ImageQueue]) -> list[ImageStatus]:
-        """Per image with engines, a profile or a queue: running and wanted engines (wanted:
-        what the workers run). Lock held."""
+        """Per image with engines, a profile, a queue or a wanted count: running and wanted
+        engines (fixed sizing: wanted is what the workers run). Lock held."""
         running: collections.Counter[str] = collections.Counter()
         wanted: collections.Counter[str] = collections.Counter()
         for worker in self.registry.workers():
@@ -662,6 +697,9 @@ class Master:
                 if self.registry.routable(channel):
                     running[channel.image] += 1
         images = set(wanted) | self.profile.images() | {q.image for q in queues if q.length}
+        if self.scaler is not None:
+            images |= self.scaler.images()
+            wanted = collections.Counter({image: self.scaler.wanted_count(image) for image in images})
         result = []
         for image in sorted(images):
             profile = self.profile.image(image)
@@ -670,7 +708,7 @@ class Master:
                     image=image,
                     running=running[image],
                     wanted=wanted[image],
-                    pinned=False,
+                    pinned=self.scaler is not None and image in self.scaler.pinned,
                     cpu_share=profile.cpu_share,
                     seconds_per_tuple=profile.seconds_per_tuple,
                     tuples_per_second=profile.tuples_per_second,
@@ -701,6 +739,15 @@ class Master:
                 "in their gateways' spools meanwhile"
             )
         return warnings
+
+
+class _RouteWait:
+    """A route request waiting for a channel (the predictor counts its tuples as backlog)."""
+
+    __slots__ = ("tuples",)
+
+    def __init__(self, tuples: int) -> None:
+        self.tuples = tuples
 
 
 def _lock_dir(root: Path) -> int:

@@ -53,6 +53,7 @@ class Channel:
     last_used: float = 0.0  # when it was last given work: free channels are chosen least recently used
     processing: bool = False  # its last report said a tuple is in progress (a FREE one finishes its last)
     deadline: float = NEVER  # DIRECT, or QUEUE before its pull: becomes FREE after this without reports
+    busy_at: float = 0.0  # when it was last seen with work (given some, or reporting): its idle time starts here
 
 
 @dataclasses.dataclass
@@ -139,6 +140,7 @@ class ChannelRegistry:
                 tuples_done=done,
                 state=ChannelState.DOWN if spec.down else ChannelState.FREE,
                 detail=spec.detail if spec.down else "",
+                busy_at=now,
             )
             channels[spec.channel_id] = channel
             self._channels[spec.channel_id] = channel
@@ -166,6 +168,7 @@ class ChannelRegistry:
             elif channel.state == ChannelState.DOWN:
                 channel.state = ChannelState.FREE
                 channel.detail = ""
+                channel.busy_at = worker.last_seen  # an engine just up has not had its chance yet
         return True, went_down
 
     def expire(self) -> Expiry:
@@ -225,7 +228,7 @@ class ChannelRegistry:
         channel = min(free, key=lambda c: (c.processing, c.last_used, c.channel_id))
         now = self._clock()
         channel.state = ChannelState.DIRECT
-        channel.last_used = now
+        channel.last_used = channel.busy_at = now
         channel.deadline = now + self.reservation_seconds
         return channel
 
@@ -245,15 +248,30 @@ class ChannelRegistry:
         )
 
     def touch(self, channel: Channel) -> None:
-        """A report from the channel: a reservation (not a lease-held QUEUE) lives on."""
+        """A report from the channel: a reservation (not a lease-held QUEUE) lives on, and the
+        channel had work until now."""
+        now = self._clock()
+        channel.busy_at = now
         if channel.state in (ChannelState.DIRECT, ChannelState.QUEUE) and channel.deadline != NEVER:
-            channel.deadline = self._clock() + self.reservation_seconds
+            channel.deadline = now + self.reservation_seconds
+
+    def idle_seconds(self, channel: Channel, holds_lease: Callable[[str], bool]) -> float:
+        """How long the channel has been idle: FREE, processing nothing, holding no lease, of a
+        live worker; 0 when it is not idle (busy, DOWN, expired)."""
+        if (
+            channel.state != ChannelState.FREE
+            or channel.processing
+            or not self._workers[channel.worker_id].live
+            or holds_lease(channel.channel_id)
+        ):
+            return 0.0
+        return max(0.0, self._clock() - channel.busy_at)
 
     def set_queue(self, channel: Channel, *, leased: bool) -> None:
         """QUEUE state: held by a lease, or reserved until the channel pulls."""
         now = self._clock()
         channel.state = ChannelState.QUEUE
-        channel.last_used = now
+        channel.last_used = channel.busy_at = now
         channel.deadline = NEVER if leased else now + self.reservation_seconds
 
     def set_free(self, channel: Channel) -> None:
