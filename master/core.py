@@ -277,7 +277,7 @@ class Master:
 
     def heartbeat(self, worker_id: str, down: dict[str, str], cpu: dict[str, float] | None = None) -> bool:
         """Refresh a worker; False if it must register again. ``cpu``: each engine's CPU
-        seconds so far, for the profile of its image."""
+        seconds so far (used and waited for), for the profile of its image."""
         with self._cond:
             known, went_down = self.registry.heartbeat(worker_id, down)
             for channel_id, seconds in (cpu or {}).items() if known else ():

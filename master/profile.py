@@ -1,8 +1,10 @@
 """What one engine of each image costs: its CPU share, and its processing rate.
 
-Workers report each engine's cumulative CPU seconds in every heartbeat; the
-difference between two heartbeats over the time between them is the share of a
-core the engine used. An image's share is the mean over its engines within the
+Workers report each engine's cumulative CPU seconds in every heartbeat, with
+the seconds its threads waited for a CPU (on a crowded worker an engine gets
+less than it would use: the sum is what it would have used with the cores to
+itself, :mod:`hio.worker.cpu`); the difference between two heartbeats over the
+time between them is the share of a core the engine used. An image's share is the mean over its engines within the
 profiling window (CPU seconds of all its engines over the engine-seconds they
 were watched), so one busy and one idle engine count as half a core each: the
 size the packer gives each engine of the image. An image not measured yet has

@@ -75,7 +75,11 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> master_pb2.HeartbeatResponse:
         down = {c.channel_id: c.detail for c in request.channels if c.state == master_pb2.DOWN}
-        cpu = {c.channel_id: c.cpu_seconds for c in request.channels if c.HasField("cpu_seconds")}
+        cpu = {
+            c.channel_id: c.cpu_seconds + (c.cpu_wait_seconds if c.HasField("cpu_wait_seconds") else 0.0)
+            for c in request.channels
+            if c.HasField("cpu_seconds")
+        }
         return master_pb2.HeartbeatResponse(known=self._master.heartbeat(request.worker_id, down, cpu))
 
     @grpc_errors

@@ -30,6 +30,7 @@ from hio.transport.net import ROLE_SERVICES, connect_hint, create_channel, stop_
 from hio.transport.retry import Backoff
 from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
 from hio.worker.config import WorkerConfig, engine_counts
+from hio.worker.cpu import CpuUsage
 from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec, ProcessLauncher
 from hio.worker.runtimes import select_launcher
 
@@ -345,11 +346,12 @@ class Controller:
 
     def channel_infos(self, registering: bool) -> list[master_pb2.ChannelInfo]:
         """Every channel, FREE (serving) or DOWN with the reason; in heartbeats (not
-        ``registering``) with the CPU seconds its engine has used, for the master's profile."""
+        ``registering``) with the CPU its engine has used and waited for, for the master's
+        profile."""
         host = self._config.advertise_host
         with self._lock:
             slots = [(slot, slot.handle) for slot in self._slots]
-        cpu = {} if registering else self._cpu_seconds(slots)
+        cpu = {} if registering else self._cpu_usage(slots)
         infos = []
         with self._lock:
             for slot, _handle in slots:
@@ -361,25 +363,28 @@ class Controller:
                     state=master_pb2.FREE if slot.up else master_pb2.DOWN,
                     detail=slot.detail,
                 )
-                if slot.channel_id in cpu:
-                    info.cpu_seconds = cpu[slot.channel_id]
+                usage = cpu.get(slot.channel_id)
+                if usage is not None:
+                    info.cpu_seconds = usage.cpu_seconds
+                    if usage.wait_seconds is not None:
+                        info.cpu_wait_seconds = usage.wait_seconds
                 infos.append(info)
         return infos
 
-    def _cpu_seconds(self, slots: list[tuple[EngineSlot, EngineHandle | None]]) -> dict[str, float]:
-        """CPU seconds of each running engine (read outside the lock: a container's may take
-        a call to the Docker daemon)."""
+    def _cpu_usage(self, slots: list[tuple[EngineSlot, EngineHandle | None]]) -> dict[str, CpuUsage]:
+        """CPU use of each running engine (read outside the lock: a container's may take a call
+        to the Docker daemon)."""
         cpu = {}
         for slot, handle in slots:
             if handle is None:
                 continue
             try:
-                seconds = self._launcher.cpu_seconds(handle)
+                usage = self._launcher.cpu_usage(handle)
             except Exception as exc:  # noqa: BLE001 - a measurement must never stop the heartbeat
                 log.debug("cannot measure an engine's CPU", extra={"channel": slot.channel_id, "error": str(exc)})
                 continue
-            if seconds is not None:
-                cpu[slot.channel_id] = seconds
+            if usage is not None:
+                cpu[slot.channel_id] = usage
         return cpu
 
     # ---- running

@@ -1,4 +1,5 @@
-"""How much CPU an engine has used: what the master's profile of each image is built from.
+"""How much CPU an engine has used, and wanted: what the master's profile of each image is
+built from.
 
 A process engine is a process tree: the engine, its threads, and whatever its
 pipeline starts (a pool of processes, an external tool). Its CPU time is the
@@ -8,7 +9,15 @@ kernel has already charged to each of them for children they waited for
 its cgroup's usage counter (cgroup v2 ``cpu.stat``, or v1 ``cpuacct.usage``),
 which counts every process in the container.
 
-Both are cumulative seconds since the engine started; the master turns the
+CPU time alone underestimates an engine on a crowded worker: six busy engines
+on two cores each get a third of a core, and packing them by that would put
+still more beside them. So the worker also reports how long the engine's
+threads were ready to run and waited for a CPU (the scheduler's run delay,
+``/proc/<pid>/task/<tid>/schedstat``; for a container, of the processes under
+its main process, which the host sees). CPU time plus that wait is what the
+engine would have used with the cores to itself.
+
+All are cumulative seconds since the engine started; the master turns the
 differences between heartbeats into a share of a core. A value can drop when a
 process of the tree ends without being waited for: the master takes a drop as a
 new start and only uses the next difference.
@@ -16,6 +25,7 @@ new start and only uses the next difference.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -38,22 +48,72 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (utime + stime + cutime + cstime) / _TICKS
 
 
-def tree_cpu_seconds(pid: int) -> float | None:
-    """CPU seconds of ``pid`` and every live process under it; None when ``pid`` is gone."""
-    own = process_cpu_seconds(pid)
-    if own is None:
+@dataclasses.dataclass(frozen=True)
+class CpuUsage:
+    """An engine's cumulative CPU seconds, and seconds its threads waited for a CPU."""
+
+    cpu_seconds: float
+    wait_seconds: float | None = None  # None: the scheduler's figures cannot be read here
+
+
+def process_wait_seconds(pid: int) -> float | None:
+    """Seconds the threads of one process spent runnable but waiting for a CPU; None when
+    the kernel does not say (no schedstat) or the process is gone."""
+    total = 0.0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return None
-    total, pending, seen = own, children(pid), {pid}
+    for task in tasks:
+        try:
+            fields = Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()
+        except OSError:  # the thread ended meanwhile, or no schedstat in this kernel
+            continue
+        if len(fields) >= 2:
+            total += int(fields[1]) / 1e9
+    return total
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every live process under it (at most :data:`MAX_TREE`)."""
+    found, pending, seen = [pid], children(pid), {pid}
     while pending and len(seen) < MAX_TREE:
         child = pending.pop()
         if child in seen:
             continue
         seen.add(child)
-        used = process_cpu_seconds(child)
-        if used is not None:
-            total += used
-            pending += children(child)
-    return total
+        found.append(child)
+        pending += children(child)
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds of ``pid`` and every live process under it; None when ``pid`` is gone."""
+    usage = tree_usage(pid)
+    return None if usage is None else usage.cpu_seconds
+
+
+def tree_usage(pid: int) -> CpuUsage | None:
+    """CPU and wait seconds of ``pid``'s process tree; None when ``pid`` is gone."""
+    if process_cpu_seconds(pid) is None:
+        return None
+    cpu, wait, known = 0.0, 0.0, False
+    for member in process_tree(pid):
+        cpu += process_cpu_seconds(member) or 0.0
+        waited = process_wait_seconds(member)
+        if waited is not None:
+            wait, known = wait + waited, True
+    return CpuUsage(cpu_seconds=cpu, wait_seconds=wait if known else None)
+
+
+def tree_wait_seconds(pid: int) -> float | None:
+    """Seconds the threads of ``pid``'s process tree waited for a CPU; None when unknown."""
+    total, known = 0.0, False
+    for member in process_tree(pid):
+        waited = process_wait_seconds(member)
+        if waited is not None:
+            total, known = total + waited, True
+    return total if known else None
 
 
 def cgroup_of(pid: int) -> Path | None:

@@ -37,7 +37,7 @@ import docker
 import docker.errors
 
 from hio.worker.config import WorkerConfig
-from hio.worker.cpu import cgroup_cpu_seconds, container_cgroup
+from hio.worker.cpu import CpuUsage, cgroup_cpu_seconds, container_cgroup, tree_wait_seconds
 from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec
 
 log = logging.getLogger("hio.worker")
@@ -279,20 +279,18 @@ class DockerLauncher(EngineLauncher):
             return ""
         return data.decode("utf-8", errors="replace").rstrip("\n")
 
-    def cpu_seconds(self, handle: EngineHandle) -> float | None:
-        """The container's cgroup CPU counter (found once from its main process); the Docker
-        stats API only where the cgroup file cannot be read (a worker in a container of its own)."""
+    def cpu_usage(self, handle: EngineHandle) -> CpuUsage | None:
+        """CPU seconds from the container's cgroup counter (found once from its main process;
+        the Docker stats API only where the cgroup file cannot be read, as for a worker in a
+        container of its own), and the wait of the processes under its main process."""
         container = handle.native
+        pid = int((container.attrs.get("State") or {}).get("Pid") or 0)
         if handle.cpu_source is None:
-            pid = int((container.attrs.get("State") or {}).get("Pid") or 0)
             handle.cpu_source = container_cgroup(container.id, pid) or "api"
-        if handle.cpu_source != "api":
-            return cgroup_cpu_seconds(handle.cpu_source)
-        try:
-            stats = container.stats(stream=False, one_shot=True)
-            return float(stats["cpu_stats"]["cpu_usage"]["total_usage"]) / 1e9
-        except Exception:  # noqa: BLE001 - requests' and docker's errors, or a reply without the figure
+        cpu = cgroup_cpu_seconds(handle.cpu_source) if handle.cpu_source != "api" else _stats_cpu_seconds(container)
+        if cpu is None:
             return None
+        return CpuUsage(cpu_seconds=cpu, wait_seconds=tree_wait_seconds(pid) if pid > 0 else None)
 
     def cleanup(self) -> None:
         """Remove exited containers carrying our labels and this worker's id.
@@ -305,6 +303,15 @@ class DockerLauncher(EngineLauncher):
             if self._is_ours(container) and container.status in (*EXITED_STATES, "created"):
                 log.info("removing exited engine container", extra={"container": container.name})
                 _remove_quietly(container)
+
+
+def _stats_cpu_seconds(container: Any) -> float | None:
+    """The container's CPU seconds from the Docker stats API (one sample, not a stream)."""
+    try:
+        stats = container.stats(stream=False, one_shot=True)
+        return float(stats["cpu_stats"]["cpu_usage"]["total_usage"]) / 1e9
+    except Exception:  # noqa: BLE001 - requests' and docker's errors, or a reply without the figure
+        return None
 
 
 def image_pipeline(image: Any) -> str | None:

@@ -23,7 +23,7 @@ from typing import IO, Any
 
 from hio.process.procs import child_env
 from hio.worker.config import WorkerConfig
-from hio.worker.cpu import tree_cpu_seconds
+from hio.worker.cpu import CpuUsage, tree_usage
 
 log = logging.getLogger("hio.worker")
 
@@ -77,9 +77,10 @@ class EngineLauncher(abc.ABC):
     def cleanup(self) -> None:
         """Remove our own leftovers (never anything this worker did not start)."""
 
-    def cpu_seconds(self, handle: EngineHandle) -> float | None:
+    def cpu_usage(self, handle: EngineHandle) -> CpuUsage | None:
         """CPU seconds the engine has used since it started (all its processes and threads),
-        for the master's profile of its image; None when it cannot be measured."""
+        and seconds it waited for a CPU, for the master's profile of its image
+        (:mod:`hio.worker.cpu`); None when they cannot be measured."""
         return None
 
 
@@ -167,9 +168,9 @@ class ProcessLauncher(EngineLauncher):
     def logs(self, handle: EngineHandle, lines: int = 50) -> str:
         return tail(handle.log_path, lines)
 
-    def cpu_seconds(self, handle: EngineHandle) -> float | None:
+    def cpu_usage(self, handle: EngineHandle) -> CpuUsage | None:
         """The engine's process tree: the engine, its threads, and whatever its pipeline started."""
-        return tree_cpu_seconds(handle.native.pid)
+        return tree_usage(handle.native.pid)
 
     def cleanup(self) -> None:
         """Kill engines we started that are still running (normally none)."""
