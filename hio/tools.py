@@ -63,6 +63,8 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
         for c in w.channels:
             detail = f"  {c.detail}" if c.detail else ""
             state = "busy" if c.state == master_pb2.FREE and c.processing else _STATE.get(c.state, "?")
+            if c.retiring:
+                state = f"{state}, retiring"
             lane = f"  lane {c.lane_address}" if c.lane_address else ""
             lines.append(
                 f"    {c.channel_id:<24} {c.image:<18} {state:<7} {c.address:<22} done {c.tuples_done:,}{lane}{detail}"

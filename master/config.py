@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from hio.config import ConfigError, check_address, lane_listen_address, positive, same_port, setting
 from hio.settings import ClusterSettings
@@ -89,6 +90,19 @@ class MasterConfig(ClusterSettings):
         10.0, "elastic: an image's engine count changes at most once per this many seconds, up or down"
     )
     engine_idle_seconds: float = setting(30.0, "elastic: an engine without work for this long is given back")
+    packing_interval: float = setting(1.0, "elastic: seconds between packings of the wanted engines onto workers")
+    pack_margin: float = setting(
+        0.1, "elastic: share of each worker's vCPUs kept free when packing engines onto it (0 to 0.9)"
+    )
+    worker_cpus: int = setting(
+        0,
+        "elastic: vCPUs of a worker the provisioner adds (local: its --cpus; openstack: the "
+        "flavor's); 0 = this machine's",
+    )
+
+    def new_worker_cpus(self) -> int:
+        """vCPUs of a worker the provisioner adds."""
+        return self.worker_cpus or os.cpu_count() or 1
 
     def lane_address(self) -> str:
         """Where the payload lane listens; '' when there is none (turned off)."""
@@ -150,7 +164,7 @@ class MasterConfig(ClusterSettings):
         must not fail then)."""
         if self.scaling not in SCALING_MODES:
             raise ConfigError(f"scaling must be one of {', '.join(SCALING_MODES)}, got {self.scaling!r}")
-        for name in ("predict_interval", "engine_idle_seconds", "large_step", "small_step"):
+        for name in ("predict_interval", "packing_interval", "engine_idle_seconds", "large_step", "small_step"):
             finite_positive(name, getattr(self, name))
         for name in ("upper_rate", "lower_rate", "queue_limit", "cooldown_seconds"):
             value = getattr(self, name)
@@ -162,5 +176,11 @@ class MasterConfig(ClusterSettings):
             raise ConfigError(f"slowdown_rate must be zero or negative (a shrinking backlog), got {self.slowdown_rate}")
         if self.small_step > self.large_step:
             raise ConfigError(f"small_step ({self.small_step}) must not exceed large_step ({self.large_step})")
+        if not (math.isfinite(self.pack_margin) and 0 <= self.pack_margin <= 0.9):
+            raise ConfigError(
+                f"pack_margin must be between 0 and 0.9 (a share of a worker's vCPUs), got {self.pack_margin}"
+            )
+        if self.worker_cpus < 0:
+            raise ConfigError(f"worker_cpus must be 0 (this machine's) or positive, got {self.worker_cpus}")
         if self.default_share > 64:
             raise ConfigError(f"default_share is in cores per engine, at most 64, got {self.default_share}")

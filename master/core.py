@@ -29,7 +29,7 @@ from hio.master.ids import TupleIdAllocator
 from hio.master.profile import Profile
 from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelSpec, ChannelState, Worker
 from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
-from hio.master.scaler import Scaler
+from hio.master.scaler import HeartbeatAnswer, Scaler
 from hio.master.stats import Stats
 from hio.master.storage import Durability
 from hio.storage.files import lock_folder
@@ -178,6 +178,7 @@ class Master:
             expiry_seconds=config.expiry_seconds,
             reservation_seconds=config.reservation_seconds,
             forget_seconds=config.forget_seconds,
+            concentrate=config.scaling == "elastic",
         )
         self.registry.offered_images.update(self.queue.images())
         self.pending = PendingEnqueues(config.reservation_seconds)
@@ -266,29 +267,55 @@ class Master:
 
     # ---- workers -----------------------------------------------------------------
 
-    def register_worker(self, worker_id: str, host: str, cpus: int, channels: Iterable[ChannelSpec]) -> None:
-        """Add or replace a worker; leases of its previous channels go back to the queue."""
+    def register_worker(
+        self, worker_id: str, host: str, cpus: int, channels: Iterable[ChannelSpec], *, elastic: bool = False
+    ) -> None:
+        """Add or replace a worker; leases of its previous channels go back to the queue.
+        ``elastic``: it runs the engines the plan gives it."""
         with self._cond:
-            replaced = self.registry.register(worker_id, host, cpus, channels)
+            replaced = self.registry.register(worker_id, host, cpus, channels, elastic=elastic)
+            if self.scaler is not None:
+                self.scaler.registered(worker_id)
             self._cond.notify_all()
         for channel_id in replaced:
             self.queue.void_leases(channel_id, "worker registered again")
-        log.info("worker registered", extra={"worker": worker_id, "host": host})
+        log.info("worker registered", extra={"worker": worker_id, "host": host, "elastic": elastic})
 
-    def heartbeat(self, worker_id: str, down: dict[str, str], cpu: dict[str, float] | None = None) -> bool:
-        """Refresh a worker; False if it must register again. ``cpu``: each engine's CPU
-        seconds so far (used and waited for), for the profile of its image."""
+    def heartbeat(
+        self,
+        worker_id: str,
+        down: dict[str, str],
+        cpu: dict[str, float] | None = None,
+        channels: list[ChannelSpec] | None = None,
+    ) -> HeartbeatAnswer:
+        """Refresh a worker; unknown (it must register again) or what it is to do.
+
+        ``cpu``: each engine's CPU seconds so far (used and waited for), for the
+        profile of its image. ``channels``: every channel the worker has, when it
+        says so (channels it started or stopped come or go)."""
         with self._cond:
+            removed: list[str] = []
+            if channels is not None:
+                added, removed = self.registry.sync(worker_id, channels)
+                for channel_id in removed:
+                    self.profile.forget(channel_id)
+                if added or removed:
+                    log.info("channels changed", extra={"worker": worker_id, "added": added, "removed": removed})
             known, went_down = self.registry.heartbeat(worker_id, down)
             for channel_id, seconds in (cpu or {}).items() if known else ():
                 channel = self.registry.channel(channel_id)
                 if channel is not None and channel.worker_id == worker_id:
                     self.profile.cpu(channel_id, channel.image, seconds)
+            answer = HeartbeatAnswer(known=known)
+            if known and self.scaler is not None:
+                answer = self.scaler.answer(worker_id)
             self._cond.notify_all()
         for channel_id in went_down:
             log.info("channel down", extra={"channel": channel_id, "detail": down.get(channel_id, "")})
             self.queue.void_leases(channel_id, "channel down")
-        return known
+        for channel_id in removed:
+            self.queue.void_leases(channel_id, "channel stopped by its worker")
+        return answer
 
     # ---- routing -----------------------------------------------------------------
 
@@ -457,7 +484,7 @@ class Master:
                     # once the stream releases it, and the engine need not open a new pull per stream.
                     if (
                         channel.state != ChannelState.DIRECT
-                        and self.registry.routable(channel)
+                        and self.registry.takes_work(channel)
                         and not self._yields(channel)
                     ):
                         leases = self.queue.lease_many(
@@ -586,6 +613,11 @@ class Master:
         with self._cond:
             channel = self.registry.channel(channel_id)
             if channel is None or not self.registry.routable(channel):
+                return False
+            if channel.retiring:  # released for good: it takes no more work, and its engine may stop
+                if not self.queue.has_lease(channel_id):
+                    self.registry.set_free(channel)
+                self._cond.notify_all()
                 return False
             pull = self.queue.ready_count(channel.image) > 0
             if pull:

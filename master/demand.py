@@ -115,7 +115,9 @@ class DemandPredictor:
             return Change(image, p.small_step, f"backlog {q} above {p.queue_limit}")
         if load.idle > 0 and q == 0 and wanted > 0:
             surplus = min(load.idle, wanted)
-            return Change(image, -surplus, f"{surplus} engines idle for {p.idle_seconds:g} s")
+            return Change(
+                image, -surplus, f"{surplus} {'engine' if surplus == 1 else 'engines'} idle for {p.idle_seconds:g} s"
+            )
         return None
 
     def forget(self, image: str) -> None:

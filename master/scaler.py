@@ -1,13 +1,25 @@
-"""The elastic control loop (``scaling = "elastic"``): how many engines of each image run.
+"""The elastic control loop (``scaling = "elastic"``): how many engines of each image run,
+and where.
 
 Every ``predict_interval`` the scaler looks at each image's backlog and idle
 engines under the master's lock, and the :class:`DemandPredictor` changes the
 image's wanted engine count (an operator's pinned count overrides it). Every
-decision is logged on one line with its reason and kept, the latest
-:data:`MAX_DECISIONS`, for ``hio scale``.
+``packing_interval`` the :class:`Packer` places the wanted engines onto the live
+workers, each engine sized by its image's profiled CPU share, each worker by
+its vCPUs less ``pack_margin``: the plan.
 
-Its state is the master's: it is read and changed under the master's lock, so
-a heartbeat answer and a status snapshot see one consistent plan.
+An elastic worker learns its part of the plan in each heartbeat answer and
+starts engines until it runs that many. Engines the plan no longer has are
+*retired*: routing and pulls pass them by, and once one holds nothing (no
+reservation or direct stream, no lease, no tuple in progress) the heartbeat
+answer tells its worker to stop it, which the engine does gracefully. A
+worker that runs engines of its own (fixed ``--engines``) is packed around,
+never changed.
+
+Every decision is logged on one line with its reason and kept, the latest
+:data:`MAX_DECISIONS`, for ``hio scale``. The scaler's state is the master's:
+it is read and changed under the master's lock, so a heartbeat answer and a
+status snapshot see one consistent plan.
 """
 
 from __future__ import annotations
@@ -21,6 +33,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from hio.master.demand import DemandPredictor, ImageLoad, PredictorPolicy
+from hio.master.packer import Bin, Packer, Plan
+from hio.master.registry import Channel, ChannelState, Worker
 
 if TYPE_CHECKING:
     from hio.master.config import MasterConfig
@@ -29,6 +43,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("hio.master.scaler")
 
 MAX_DECISIONS = 200
+MIN_SHARE = 0.02  # the smallest size an engine is packed with: an idle one still costs something
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatAnswer:
+    """What a heartbeat tells a worker."""
+
+    known: bool  # False: register again
+    plan: dict[str, int] | None = None  # an elastic worker's engines per image; None: no plan for it
+    stop: list[str] = dataclasses.field(default_factory=list)  # drained channels whose engines are to stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +88,11 @@ class Scaler:
         self.wanted: dict[str, int] = {}  # the predictor's counts
         self.pinned: dict[str, int] = {}  # an operator's counts, which win
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=MAX_DECISIONS)
+        self.packer = Packer()
+        self.plan: dict[str, dict[str, int]] = {}  # elastic worker -> image -> engines it is to run
+        self.last_plan: Plan | None = None
+        self._clock = clock
+        self._packed_at = -float("inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -89,10 +118,20 @@ class Scaler:
     # ---- one look
 
     def tick(self) -> None:
-        """Look at the load once and change what it calls for."""
+        """Look at the load once and change what it calls for; pack when packing is due."""
         with self._master.lock:
             loads = self._master.image_loads(self.predictor.policy.idle_seconds)
             self._predict(loads)
+            if self._clock() - self._packed_at >= self.config.packing_interval:
+                self.replan()
+
+    def replan(self) -> Plan:
+        """Pack now, and retire or take back channels to match the new plan."""
+        with self._master.lock:
+            self._packed_at = self._clock()
+            plan = self.pack()
+            self._retire()
+            return plan
 
     def _predict(self, loads: dict[str, ImageLoad]) -> None:
         """Lock held."""
@@ -104,7 +143,94 @@ class Scaler:
             if change is None:
                 continue
             self.wanted[image] = max(0, wanted + change.delta)
-            self.decide(image, f"{change.delta:+d} engines (to {self.wanted[image]})", change.reason)
+            self.decide(image, f"{change.delta:+d} {_engines(change.delta)} (to {self.wanted[image]})", change.reason)
+
+    # ---- packing
+
+    def pack(self) -> Plan:
+        """Place the wanted engines onto the live workers (lock held); the new plan."""
+        bins = self._bins()
+        registry = self._master.registry
+        current = {}
+        for b in bins:
+            worker = registry.worker(b.worker_id)
+            if b.worker_id in self.plan or worker is None:
+                current[b.worker_id] = self.plan.get(b.worker_id, {})
+            else:  # a worker new to the plan: what it runs is where the plan starts
+                current[b.worker_id] = dict(collections.Counter(c.image for c in _active(worker)))
+        images = self.images() | {image for engines in current.values() for image in engines}
+        wanted = {image: self.wanted_count(image) for image in images}
+        sizes = {image: self.size(image) for image in images}
+        capacity = self.config.new_worker_cpus() * (1 - self.config.pack_margin)
+        plan = self.packer.pack(current, wanted, sizes, bins, capacity)
+        for b in bins:
+            if b.fixed is None and plan.engines[b.worker_id] != self.plan.get(b.worker_id):
+                log.info(
+                    "plan",
+                    extra={"worker": b.worker_id, "engines": plan.engines[b.worker_id], "load": plan.load[b.worker_id]},
+                )
+        self.plan = {b.worker_id: plan.engines[b.worker_id] for b in bins if b.fixed is None}
+        self.last_plan = plan
+        return plan
+
+    def size(self, image: str) -> float:
+        """Cores one engine of ``image`` is packed as: its profiled share."""
+        return max(MIN_SHARE, self._master.profile.share(image))
+
+    def _bins(self) -> list[Bin]:
+        """Live workers in rank order, each with the cores it offers engines."""
+        workers = sorted((w for w in self._master.registry.workers() if w.live), key=lambda w: w.rank)
+        return [
+            Bin(
+                worker_id=w.worker_id,
+                capacity=max(1, w.cpus) * (1 - self.config.pack_margin),
+                fixed=None if w.elastic else dict(collections.Counter(c.image for c in w.channels.values())),
+            )
+            for w in workers
+        ]
+
+    def _retire(self) -> None:
+        """Make each elastic worker's channels match its plan: retire what the plan no longer
+        has (a DOWN one first, then the longest idle, then the newest), and take back retired
+        ones the plan wants again before more are started. Lock held."""
+        registry = self._master.registry
+        for worker_id, planned in self.plan.items():
+            worker = registry.worker(worker_id)
+            if worker is None or not worker.live:
+                continue
+            by_image: dict[str, list[Channel]] = collections.defaultdict(list)
+            for channel in worker.channels.values():
+                by_image[channel.image].append(channel)
+            for image, channels in by_image.items():
+                active = [c for c in channels if not c.retiring]
+                surplus = len(active) - planned.get(image, 0)
+                if surplus > 0:
+                    idle = {c.channel_id: registry.idle_seconds(c, self._master.queue.has_lease) for c in active}
+                    active.sort(key=lambda c: (c.state != ChannelState.DOWN, -idle[c.channel_id], -c.seq))
+                    for channel in active[:surplus]:
+                        channel.retiring = True
+                        log.info("retiring channel", extra={"channel": channel.channel_id, "image": image})
+                elif surplus < 0:
+                    for channel in sorted((c for c in channels if c.retiring), key=lambda c: -c.seq)[:-surplus]:
+                        channel.retiring = False
+                        log.info("channel taken back from retiring", extra={"channel": channel.channel_id})
+        self._master.lock.notify_all()
+
+    def answer(self, worker_id: str) -> HeartbeatAnswer:
+        """A known worker's heartbeat answer: its part of the plan and the drained channels
+        to stop (an elastic worker's; nothing for one with engines of its own). Lock held."""
+        worker = self._master.registry.worker(worker_id)
+        if worker is None or not worker.elastic:
+            return HeartbeatAnswer(known=True)
+        has_lease = self._master.queue.has_lease
+        stop = sorted(
+            c.channel_id for c in worker.channels.values() if c.retiring and self._master.registry.drained(c, has_lease)
+        )
+        planned = self.plan.get(worker_id)
+        return HeartbeatAnswer(known=True, plan=None if planned is None else dict(planned), stop=stop)
+
+    def registered(self, worker_id: str) -> None:
+        """A worker registered (again). Lock held."""
 
     # ---- what it wants
 
@@ -120,3 +246,11 @@ class Scaler:
         """Record and log one decision."""
         self.decisions.append(Decision(unix=time.time(), subject=subject, action=action, reason=reason))
         log.info("scaling", extra={"subject": subject, "action": action, "reason": reason})
+
+
+def _active(worker: Worker) -> list[Channel]:
+    return [c for c in worker.channels.values() if not c.retiring]
+
+
+def _engines(n: int) -> str:
+    return "engine" if abs(n) == 1 else "engines"

@@ -53,18 +53,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def RegisterWorker(
         self, request: master_pb2.RegisterWorkerRequest, context: grpc.ServicerContext
     ) -> master_pb2.RegisterWorkerResponse:
-        specs = [
-            ChannelSpec(
-                channel_id=c.channel_id,
-                image=c.image,
-                address=c.address,
-                lane_address=c.lane_address,
-                down=c.state == master_pb2.DOWN,
-                detail=c.detail,
-            )
-            for c in request.channels
-        ]
-        self._master.register_worker(request.worker_id, request.host, request.cpus, specs)
+        specs = [_channel_spec(c) for c in request.channels]
+        self._master.register_worker(request.worker_id, request.host, request.cpus, specs, elastic=request.elastic)
         config = self._master.config
         return master_pb2.RegisterWorkerResponse(
             heartbeat_interval_seconds=config.heartbeat_interval, expiry_seconds=config.expiry_seconds
@@ -80,7 +70,16 @@ class MasterService(master_pb2_grpc.MasterServicer):
             for c in request.channels
             if c.HasField("cpu_seconds")
         }
-        return master_pb2.HeartbeatResponse(known=self._master.heartbeat(request.worker_id, down, cpu))
+        channels = [_channel_spec(c) for c in request.channels] if request.complete else None
+        answer = self._master.heartbeat(request.worker_id, down, cpu, channels)
+        reply = master_pb2.HeartbeatResponse(known=answer.known, stop_channels=answer.stop)
+        if answer.plan is not None:
+            reply.plan.CopyFrom(
+                master_pb2.EnginePlan(
+                    engines=[master_pb2.ImageCount(image=i, count=n) for i, n in sorted(answer.plan.items())]
+                )
+            )
+        return reply
 
     @grpc_errors
     def RouteTuples(
@@ -228,6 +227,17 @@ class MasterService(master_pb2_grpc.MasterServicer):
         return master_pb2.RetryDeadLetterResponse()
 
 
+def _channel_spec(c: master_pb2.ChannelInfo) -> ChannelSpec:
+    return ChannelSpec(
+        channel_id=c.channel_id,
+        image=c.image,
+        address=c.address,
+        lane_address=c.lane_address,
+        down=c.state == master_pb2.DOWN,
+        detail=c.detail,
+    )
+
+
 def _encode_dead(letter: DeadLetter) -> master_pb2.DeadLetter:
     return master_pb2.DeadLetter(meta=letter.meta, reason=letter.reason, failed_unix=letter.failed_unix)
 
@@ -249,6 +259,7 @@ def _encode_status(status: Status) -> master_pb2.GetStatusResponse:
                     detail=c.detail,
                     tuples_done=c.tuples_done,
                     processing=c.processing,
+                    retiring=c.retiring,
                 )
                 for c in channels
             ],

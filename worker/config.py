@@ -94,6 +94,11 @@ class WorkerConfig(EngineSettings):
         "from engine_ports) that gateways use for payloads, and pull from the "
         "master's lane; off = gRPC only",
     )
+    elastic: bool = setting(
+        False,
+        "run the engines the master's plan gives this worker (a master with scaling = elastic) "
+        "instead of a fixed set: engines is then not used",
+    )
     engine_settings: tuple[str, ...] = setting(
         (),
         "engine settings passed to every engine this worker starts, "
@@ -136,6 +141,11 @@ class WorkerConfig(EngineSettings):
         self.engine_overrides()
         if self.runtime not in RUNTIMES:
             raise ConfigError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+        if self.elastic and self.engines != DEFAULT_IMAGES:
+            raise ConfigError(
+                "engines and elastic exclude each other: an elastic worker runs the engines the master's plan "
+                "gives it (pin counts with `hio scale --pin IMAGE=N`)"
+            )
         if not self.engines:
             raise ConfigError("engines is empty: name at least one IMAGE or IMAGE=COUNT")
         engine_counts(self.engines, self.effective_cpus())

@@ -44,7 +44,8 @@ def select_launcher(config: WorkerConfig, worker_id: str | None = None) -> Engin
     if config.runtime == "process":
         return ProcessLauncher(config, worker_id)
     module = _docker_module()
-    images = [image for image, _ in engine_counts(config.engines, config.effective_cpus())]
+    # an elastic worker's images come later, from the master's plan: a missing one is its engine's error
+    images = [] if config.elastic else [image for image, _ in engine_counts(config.engines, config.effective_cpus())]
     if config.runtime == "docker":
         if module is None:
             raise ConfigError(

@@ -3,12 +3,15 @@ backlog, pinned counts win, and every decision is kept with its reason."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hio.master.core import Master, RouteItem
+from hio.master.registry import ChannelSpec, ChannelState
+from hio.master.routing import DirectRoute, QueueRoute
 from hio.master.scaler import Scaler
 from tests.master.helpers import config, frames
 
@@ -79,3 +82,69 @@ def test_fixed_sizing_has_no_scaler(tmp_path: Path) -> None:
         assert master.scaler is None
     finally:
         master.close()
+
+
+def elastic_worker(master: Master, worker_id: str, n: int = 0, cpus: int = 2) -> list[str]:
+    specs = [ChannelSpec(channel_id=f"{worker_id}/{i}", image=IMAGE, address=f"127.0.0.1:{6000 + i}") for i in range(n)]
+    master.register_worker(worker_id, "host", cpus, specs, elastic=True)
+    return [s.channel_id for s in specs]
+
+
+def test_routing_concentrates_on_the_lowest_ranked_worker(elastic: tuple[Master, Clock]) -> None:
+    master, _clock = elastic
+    elastic_worker(master, "w1", 2)
+    elastic_worker(master, "w2", 2)
+
+    def routed() -> str:
+        route = master.route(source="t", image=IMAGE, items=[RouteItem(size=10)]).route
+        assert isinstance(route, DirectRoute)
+        return route.channel_id
+
+    assert [routed(), routed(), routed()] == ["w1/0", "w1/1", "w2/0"]
+    master.report("w1/0", [], release=True)
+    master.report("w2/0", [], release=True)
+    assert routed() == "w1/0"  # not the least recently used: the lowest ranked
+
+
+def test_the_plan_places_wanted_engines_and_heartbeats_carry_it(elastic: tuple[Master, Clock]) -> None:
+    master, _clock = elastic
+    assert master.scaler is not None
+    elastic_worker(master, "w1", cpus=1)  # 0.9 cores for engines: 7 of the default 0.125
+    elastic_worker(master, "w2", cpus=1)
+    master.scaler.pinned[IMAGE] = 9
+    master.scaler.replan()
+    assert master.heartbeat("w1", {}).plan == {IMAGE: 7}
+    assert master.heartbeat("w2", {}).plan == {IMAGE: 2}
+
+
+def test_a_retired_channel_takes_no_work_and_stops_only_once_drained(elastic: tuple[Master, Clock]) -> None:
+    master, _clock = elastic
+    assert master.scaler is not None
+    a, b = elastic_worker(master, "w1", 2)
+    master.scaler.pinned[IMAGE] = 2
+    master.scaler.tick()
+    route = master.route(source="t", image=IMAGE, items=[RouteItem(size=10)]).route
+    assert isinstance(route, DirectRoute) and route.channel_id == a  # a is busy with a direct stream
+    master.scaler.pinned[IMAGE] = 0
+    master.scaler.replan()
+    assert master.registry.channel(a).retiring and master.registry.channel(b).retiring  # type: ignore[union-attr]
+    assert master.heartbeat("w1", {}).stop == [b]  # a still holds its stream
+    routed = master.route(source="t", image=IMAGE, items=[RouteItem(size=10)])
+    assert isinstance(routed.route, QueueRoute)  # nothing routable: the queue
+    list(master.enqueue(frames(routed.tuple_ids[0], b"x" * 10)))
+    assert master.pull(b, 0) is None  # a retiring channel leases nothing
+    assert master.report(a, [], release=True) is False  # released, and told not to pull
+    assert master.heartbeat("w1", {}).stop == [a, b]
+    # the worker stopped both engines: its complete list no longer has them
+    master.heartbeat("w1", {}, channels=[])
+    assert master.registry.worker("w1").channels == {}  # type: ignore[union-attr]
+
+
+def test_channels_a_worker_starts_join_with_a_complete_heartbeat(elastic: tuple[Master, Clock]) -> None:
+    master, _clock = elastic
+    elastic_worker(master, "w1")
+    spec = ChannelSpec(channel_id="w1/0", image=IMAGE, address="127.0.0.1:6000", down=True, detail="starting")
+    master.heartbeat("w1", {"w1/0": "starting"}, channels=[spec])
+    assert master.registry.channel("w1/0").state == ChannelState.DOWN  # type: ignore[union-attr]
+    master.heartbeat("w1", {}, channels=[dataclasses.replace(spec, down=False, detail="")])
+    assert master.registry.channel("w1/0").state == ChannelState.FREE  # type: ignore[union-attr]
