@@ -289,8 +289,12 @@ class LocalCluster:
         ]
 
     def output(self, limit: int = 3000) -> str:
-        """The end of every role's log: what to show when something went wrong."""
-        return "\n".join(f"--- {name} ({proc.log_path}) ---\n{proc.output(limit)}" for name, proc in self.procs.items())
+        """The end of every role's log (and of the workers the master's local provisioner
+        started): what to show when something went wrong."""
+        logs = [f"--- {name} ({proc.log_path}) ---\n{proc.output(limit)}" for name, proc in self.procs.items()]
+        for path in sorted((self.root / "master" / "local-workers").glob("*.log")):
+            logs.append(f"--- {path.stem} ({path}) ---\n{path.read_text(errors='replace')[-limit:]}")
+        return "\n".join(logs)
 
     # ---- stopping
 
@@ -313,10 +317,18 @@ class LocalCluster:
                 continue
             if code not in CLEAN_EXITS:
                 problems.append(f"{name} exited with {code}; its log {proc.log_path}:\n{proc.output(3000)}")
+        self._stop_provisioned()
         self.procs.clear()
         self.health.clear()
         self.problems += problems
         return problems
+
+    def _stop_provisioned(self) -> None:
+        """Workers the master's local provisioner started outlive the master (a restarted master
+        adopts them), not the cluster: stop them once the master is stopped."""
+        from hio.master.provisioners.local import stop_recorded_workers
+
+        stop_recorded_workers(self.root / "master", self.stop_timeout)
 
     def __enter__(self) -> Self:
         return self.start()

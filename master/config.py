@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 
 from hio.config import ConfigError, check_address, lane_listen_address, positive, same_port, setting
 from hio.settings import ClusterSettings
@@ -15,6 +16,7 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 SCALING_MODES = ("fixed", "elastic")
+PROVISIONERS = ("local", "openstack")
 BUILTIN_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
 FSYNC_POLICIES = ("batch", "always", "never")
 MAX_EXPIRY_SECONDS = 10.0
@@ -94,6 +96,31 @@ class MasterConfig(ClusterSettings):
     pack_margin: float = setting(
         0.1, "elastic: share of each worker's vCPUs kept free when packing engines onto it (0 to 0.9)"
     )
+    provisioner: str = setting(
+        "",
+        "elastic: what adds and removes workers: 'local' (hio worker processes on this machine), "
+        "'openstack' (servers), or empty: the workers started by hand are all there are",
+    )
+    provisioner_options: tuple[str, ...] = setting(
+        (), "elastic: the provisioner's own settings, NAME=VALUE (docs/elasticity.md lists each driver's)"
+    )
+    worker_prefix: str = setting("elastic", "elastic: workers the provisioner starts are named <prefix>-<n>")
+    min_workers: int = setting(0, "elastic: fewest workers the provisioner keeps")
+    max_workers: int = setting(8, "elastic: most workers the provisioner asks for")
+    worker_grace_seconds: float = setting(
+        30.0, "elastic: a provisioned worker without engines for this long may be given back"
+    )
+    provision_timeout: float = setting(
+        300.0, "elastic: a worker asked for that has not registered after this long is given back"
+    )
+    advertise_address: str = setting(
+        "", "elastic: host:port workers the provisioner starts reach this master at; empty = listen's"
+    )
+    worker_token_file: str = setting(
+        "",
+        "elastic: the token workers the provisioner starts present (a worker token of tokens_file); "
+        "empty = the token this master presents",
+    )
     worker_cpus: int = setting(
         0,
         "elastic: vCPUs of a worker the provisioner adds (local: its --cpus; openstack: the "
@@ -103,6 +130,22 @@ class MasterConfig(ClusterSettings):
     def new_worker_cpus(self) -> int:
         """vCPUs of a worker the provisioner adds."""
         return self.worker_cpus or os.cpu_count() or 1
+
+    def worker_master_address(self) -> str:
+        """Where workers the provisioner starts reach this master."""
+        if self.advertise_address:
+            return self.advertise_address
+        host, _, port = self.listen.rpartition(":")
+        return f"{'127.0.0.1' if host in ('', '0.0.0.0', '[::]', '::') else host}:{port}"
+
+    def worker_token(self) -> str:
+        """The token workers the provisioner starts present ('' for none)."""
+        if self.worker_token_file:
+            try:
+                return Path(self.worker_token_file).expanduser().read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read worker_token_file {self.worker_token_file}: {exc.strerror}") from None
+        return self.presented_token()
 
     def lane_address(self) -> str:
         """Where the payload lane listens; '' when there is none (turned off)."""
@@ -179,6 +222,30 @@ class MasterConfig(ClusterSettings):
         if not (math.isfinite(self.pack_margin) and 0 <= self.pack_margin <= 0.9):
             raise ConfigError(
                 f"pack_margin must be between 0 and 0.9 (a share of a worker's vCPUs), got {self.pack_margin}"
+            )
+        if self.provisioner and self.provisioner not in PROVISIONERS:
+            raise ConfigError(
+                f"provisioner must be one of {', '.join(PROVISIONERS)} (or empty), got {self.provisioner!r}"
+            )
+        if self.provisioner and self.scaling != "elastic":
+            raise ConfigError(f"provisioner {self.provisioner!r} needs scaling = elastic (it is {self.scaling!r})")
+        if self.min_workers < 0:
+            raise ConfigError(f"min_workers must be zero or more, got {self.min_workers}")
+        if self.max_workers < 1:
+            raise ConfigError(f"max_workers must be at least 1, got {self.max_workers}")
+        if self.min_workers > self.max_workers:
+            raise ConfigError(f"min_workers ({self.min_workers}) must not exceed max_workers ({self.max_workers})")
+        for name in ("worker_grace_seconds", "provision_timeout"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number, zero or more, got {value}")
+        check_address("advertise_address", self.advertise_address, allow_empty=True)
+        if not self.worker_prefix or "/" in self.worker_prefix or any(c.isspace() for c in self.worker_prefix):
+            raise ConfigError(f"worker_prefix {self.worker_prefix!r} must be a name without '/' or spaces")
+        if self.provisioner and self.tokens_file and not self.worker_token_file:
+            raise ConfigError(
+                "worker_token_file is needed with a provisioner and a tokens_file: the workers it starts "
+                "must present a worker token"
             )
         if self.worker_cpus < 0:
             raise ConfigError(f"worker_cpus must be 0 (this machine's) or positive, got {self.worker_cpus}")

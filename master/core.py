@@ -27,13 +27,14 @@ from hio.master.deadletters import DeadLetter, DeadLetterStore
 from hio.master.demand import ImageLoad
 from hio.master.ids import TupleIdAllocator
 from hio.master.profile import Profile
+from hio.master.provisioners import open_provisioner
 from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelSpec, ChannelState, Worker
 from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
 from hio.master.scaler import HeartbeatAnswer, Scaler
 from hio.master.stats import Stats
 from hio.master.storage import Durability
 from hio.storage.files import lock_folder
-from hio.transport.errors import InvalidArgument, NotFound, ResourceExhausted
+from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hio.transport.frames import TupleFrame, TupleMeta, WireFrame, tuple_frames
 from hio.transport.tickets import load_ticket_key, make_ticket
 
@@ -189,7 +190,8 @@ class Master:
         self._stopping = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.scaler = Scaler(self) if config.scaling == "elastic" else None
+        self.listen_port = 0  # the port the server bound (set by the server module)
+        self.scaler = Scaler(self, open_provisioner(config, self.root)) if config.scaling == "elastic" else None
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -201,6 +203,13 @@ class Master:
             if self.scaler is not None:
                 self.scaler.start()
         return self
+
+    def worker_master_address(self) -> str:
+        """Where workers the provisioner starts reach this master (the bound port when
+        ``listen`` asked for any)."""
+        address = self.config.worker_master_address()
+        host, _, port = address.rpartition(":")
+        return f"{host}:{self.listen_port}" if port == "0" and self.listen_port else address
 
     @property
     def lock(self) -> threading.Condition:
@@ -273,6 +282,8 @@ class Master:
         """Add or replace a worker; leases of its previous channels go back to the queue.
         ``elastic``: it runs the engines the plan gives it."""
         with self._cond:
+            if self.scaler is not None and not self.scaler.admits(worker_id):
+                raise FailedPrecondition(f"worker {worker_id} was given back by the elastic scaler and is stopping")
             replaced = self.registry.register(worker_id, host, cpus, channels, elastic=elastic)
             if self.scaler is not None:
                 self.scaler.registered(worker_id)

@@ -16,25 +16,38 @@ answer tells its worker to stop it, which the engine does gracefully. A
 worker that runs engines of its own (fixed ``--engines``) is packed around,
 never changed.
 
+After each packing the :class:`~hio.master.workers.WorkerPool` sizes the
+cluster: workers the plan uses plus headroom, within min and max, through the
+provisioner (``provisioner``).
+
 Every decision is logged on one line with its reason and kept, the latest
 :data:`MAX_DECISIONS`, for ``hio scale``. The scaler's state is the master's:
 it is read and changed under the master's lock, so a heartbeat answer and a
-status snapshot see one consistent plan.
+status snapshot see one consistent plan. What must survive a restart (wanted
+and pinned counts, the plan, worker ranks, the workers asked for, the bounds
+an operator set, the images' last measured shares) is saved in
+``<data_dir>/master/scaling.json`` with an atomic write whenever it changes; a
+restarted master reads it, adopts the provisioner's workers, and waits
+``expiry_seconds`` for live workers to register again before it packs.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hio.master.demand import DemandPredictor, ImageLoad, PredictorPolicy
 from hio.master.packer import Bin, Packer, Plan
+from hio.master.provisioners import Provisioner
 from hio.master.registry import Channel, ChannelState, Worker
+from hio.master.workers import Action, WorkerPool
+from hio.storage.files import atomic_write
 
 if TYPE_CHECKING:
     from hio.master.config import MasterConfig
@@ -44,6 +57,8 @@ log = logging.getLogger("hio.master.scaler")
 
 MAX_DECISIONS = 200
 MIN_SHARE = 0.02  # the smallest size an engine is packed with: an idle one still costs something
+STATE_FILE = "scaling.json"
+STATE_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +96,12 @@ def predictor_policy(config: MasterConfig) -> PredictorPolicy:
 class Scaler:
     """Wanted engines per image, decided from the load (see the module's words)."""
 
-    def __init__(self, master: Master, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        master: Master,
+        driver: Provisioner | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._master = master
         self.config = master.config
         self.predictor = DemandPredictor(predictor_policy(self.config), clock)
@@ -91,15 +111,22 @@ class Scaler:
         self.packer = Packer()
         self.plan: dict[str, dict[str, int]] = {}  # elastic worker -> image -> engines it is to run
         self.last_plan: Plan | None = None
+        self.pool = WorkerPool(self.config, master.registry, driver, self.decide, master.lock, clock)
         self._clock = clock
         self._packed_at = -float("inf")
+        self._path = master.root / STATE_FILE
+        self._saved = ""
+        self._settle_until = -float("inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._load()
 
     # ---- lifecycle
 
     def start(self) -> None:
+        """Adopt the provisioner's workers, then run the loop."""
         if self._thread is None:
+            self.pool.adopt()
             self._thread = threading.Thread(target=self._run, name="hio-master-scaler", daemon=True)
             self._thread.start()
 
@@ -118,20 +145,40 @@ class Scaler:
     # ---- one look
 
     def tick(self) -> None:
-        """Look at the load once and change what it calls for; pack when packing is due."""
+        """Look at the load once and change what it calls for; pack and size the workers when
+        packing is due (not while workers may still be registering after a restart)."""
+        actions: list[Action] = []
         with self._master.lock:
             loads = self._master.image_loads(self.predictor.policy.idle_seconds)
             self._predict(loads)
-            if self._clock() - self._packed_at >= self.config.packing_interval:
-                self.replan()
+            now = self._clock()
+            if now >= self._settle_until and now - self._packed_at >= self.config.packing_interval:
+                actions = self._replan()
+        self._carry_out(actions)
+        self._carry_out(self.pool.poll())  # after: a worker is asked about once it was asked for
 
     def replan(self) -> Plan:
-        """Pack now, and retire or take back channels to match the new plan."""
+        """Pack now, retire or take back channels to match the new plan, and size the workers."""
         with self._master.lock:
-            self._packed_at = self._clock()
-            plan = self.pack()
-            self._retire()
-            return plan
+            actions = self._replan()
+            plan = self.last_plan
+        self._carry_out(actions)
+        assert plan is not None
+        return plan
+
+    def _replan(self) -> list[Action]:
+        """Lock held."""
+        self._packed_at = self._clock()
+        plan = self.pack()
+        self._retire()
+        return self.pool.size(plan, self.plan)
+
+    def _carry_out(self, actions: list[Action]) -> None:
+        """Save the state (workers asked for are recorded before they are asked for), then
+        call the provisioner, outside the master's lock."""
+        self.save()
+        if actions:
+            self.pool.act(actions, self._master.worker_master_address(), self.config.worker_token())
 
     def _predict(self, loads: dict[str, ImageLoad]) -> None:
         """Lock held."""
@@ -141,6 +188,9 @@ class Scaler:
             wanted = self.wanted.get(image, 0)
             change = self.predictor.step(image, load, wanted)
             if change is None:
+                continue
+            if change.delta > 0 and self._full(image):
+                log.debug("no room for more engines", extra={"image": image, "reason": change.reason})
                 continue
             self.wanted[image] = max(0, wanted + change.delta)
             self.decide(image, f"{change.delta:+d} {_engines(change.delta)} (to {self.wanted[image]})", change.reason)
@@ -229,8 +279,68 @@ class Scaler:
         planned = self.plan.get(worker_id)
         return HeartbeatAnswer(known=True, plan=None if planned is None else dict(planned), stop=stop)
 
+    def _full(self, image: str) -> bool:
+        """Engines of ``image`` already wait for room and no more workers can come. Lock held."""
+        return bool(self.last_plan and self.last_plan.unplaced.get(image)) and not self.pool.room()
+
+    def admits(self, worker_id: str) -> bool:
+        """False for a worker given back a moment ago (it is being stopped). Lock held."""
+        return self.pool.admits(worker_id)
+
     def registered(self, worker_id: str) -> None:
         """A worker registered (again). Lock held."""
+        self.pool.registered(worker_id)
+
+    # ---- saved state
+
+    def state(self) -> dict[str, Any]:
+        """What a restarted master needs (lock held)."""
+        return {
+            "version": STATE_VERSION,
+            "wanted": dict(sorted(self.wanted.items())),
+            "pinned": dict(sorted(self.pinned.items())),
+            "plan": {w: dict(sorted(e.items())) for w, e in sorted(self.plan.items())},
+            "ranks": {w.worker_id: w.rank for w in self._master.registry.workers()},
+            "shares": {i: round(v, 4) for i, v in sorted(self._master.profile.known_shares().items())},
+            **self.pool.to_state(),
+        }
+
+    def save(self) -> None:
+        """Write the state if it changed (atomically, durably)."""
+        with self._master.lock:
+            text = json.dumps(self.state(), sort_keys=True)
+        if text != self._saved:
+            atomic_write(self._path, text.encode())
+            self._saved = text
+
+    def _load(self) -> None:
+        try:
+            text = self._path.read_text()
+        except FileNotFoundError:
+            return
+        try:
+            state = json.loads(text)
+            if state.get("version") != STATE_VERSION:
+                raise ValueError(f"version {state.get('version')!r}, not {STATE_VERSION}")
+            registry = self._master.registry
+            for worker_id, rank in state.get("ranks", {}).items():
+                registry.assign_rank(worker_id, int(rank))
+            self.wanted = {str(i): int(n) for i, n in state.get("wanted", {}).items()}
+            self.pinned = {str(i): int(n) for i, n in state.get("pinned", {}).items()}
+            self.plan = {str(w): {str(i): int(n) for i, n in e.items()} for w, e in state.get("plan", {}).items()}
+            self._master.profile.remember({str(i): float(v) for i, v in state.get("shares", {}).items()})
+            self.pool.from_state(state)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.error(
+                "saved scaling state unreadable; starting afresh", extra={"path": str(self._path), "error": str(exc)}
+            )
+            return
+        self._saved = text
+        self._settle_until = self._clock() + self.config.expiry_seconds
+        log.info(
+            "scaling state restored",
+            extra={"path": str(self._path), "wanted": self.wanted, "workers": sorted(self.pool.provisioned)},
+        )
 
     # ---- what it wants
 

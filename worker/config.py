@@ -99,6 +99,11 @@ class WorkerConfig(EngineSettings):
         "run the engines the master's plan gives this worker (a master with scaling = elastic) "
         "instead of a fixed set: engines is then not used",
     )
+    owner_pid: int = setting(
+        0,
+        "stop (engines drained as on SIGTERM) once this process is gone; 0 = never. A master's "
+        "local provisioner sets it to the process its cluster ends with",
+    )
     engine_settings: tuple[str, ...] = setting(
         (),
         "engine settings passed to every engine this worker starts, "
@@ -155,6 +160,8 @@ class WorkerConfig(EngineSettings):
                 raise ConfigError(f"pipelines entry {mapping!r} must look like IMAGE=module:function")
         if self.cpus < 0:
             raise ConfigError(f"cpus must be 0 (all) or positive, got {self.cpus}")
+        if self.owner_pid < 0:
+            raise ConfigError(f"owner_pid must be 0 (none) or a process id, got {self.owner_pid}")
         if self.engine_memory_bytes < 0:
             raise ConfigError(f"engine_memory_bytes must be 0 (no limit) or positive, got {self.engine_memory_bytes}")
         positive("engine_cpus", self.engine_cpus)

@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hio.config import ConfigError
 from hio.process.log import NOTICE
+from hio.process.procs import watch_process
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.transport.net import ROLE_SERVICES, connect_hint, create_channel, stop_on_signals
 from hio.transport.retry import Backoff
@@ -614,6 +615,13 @@ def run_worker(config: WorkerConfig) -> int:
     controller = Controller(config, worker_id, launcher)
     stop = threading.Event()
     stop_on_signals(stop)
+    if config.owner_pid:
+
+        def owner_gone() -> None:
+            log.warning("the process this worker ends with is gone; stopping", extra={"owner_pid": config.owner_pid})
+            stop.set()
+
+        watch_process(config.owner_pid, owner_gone)
     log.info(
         "worker starting",
         extra={"worker": worker_id, "engines": len(controller.slots), "launcher": type(launcher).__name__},

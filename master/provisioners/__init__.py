@@ -13,13 +13,36 @@ Every call returns promptly: ``create`` asks for a worker and answers
 ``BUILDING``; the scaler sees it become a registered worker through the
 master's own registry (a worker registers itself under ``worker_id``), and
 polls :meth:`Provisioner.state` for failures (a server that failed to boot).
+The scaler calls a driver from one thread, never under the master's lock.
+
+A driver is a module named in :data:`DRIVERS` with a function
+``create_provisioner(config, state_dir, options) -> Provisioner``: ``config``
+is the master's :class:`~hio.master.config.MasterConfig` (addresses, TLS,
+``worker_cpus``, ``worker_prefix``), ``state_dir`` the master's folder (a
+driver keeps its own files in a subfolder of it), ``options`` the
+``provisioner_options`` setting as a dict (``NAME=VALUE`` items), whose
+unknown names the driver refuses with a :class:`~hio.config.ConfigError`
+naming ``provisioner_options``: the master then refuses to start.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Protocol
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from hio.config import ConfigError
+
+if TYPE_CHECKING:
+    from hio.master.config import MasterConfig
+
+#: driver name -> its module; each module has ``create_provisioner(config, state_dir, options)``
+DRIVERS = {
+    "local": "hio.master.provisioners.local",
+    "openstack": "hio.master.provisioners.openstack",
+}
 
 
 class WorkerState(enum.Enum):
@@ -65,3 +88,32 @@ class Provisioner(Protocol):
     def adopt(self) -> list[ProvisionedWorker]:
         """Every worker of this cluster the driver finds still existing, e.g. after the
         master restarted (the scaler keeps those it wants and deletes the rest)."""
+
+
+def parse_options(items: tuple[str, ...]) -> dict[str, str]:
+    """``provisioner_options`` (``NAME=VALUE`` each) as a dict; later items win."""
+    options: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"provisioner_options: {item!r} must look like NAME=VALUE")
+        options[name.strip().replace("-", "_")] = value.strip()
+    return options
+
+
+def open_provisioner(config: MasterConfig, state_dir: Path) -> Provisioner | None:
+    """The driver ``config.provisioner`` names, made from ``provisioner_options``; None for
+    none. ``state_dir`` is the master's folder: a driver keeps what it must remember under
+    it (a folder of its own name). A driver refuses options it does not know with a
+    ConfigError naming ``provisioner_options``, so a typo stops the master at start."""
+    if not config.provisioner:
+        return None
+    module_name = DRIVERS.get(config.provisioner)
+    if module_name is None:
+        raise ConfigError(f"provisioner must be one of {', '.join(DRIVERS)} (or empty), got {config.provisioner!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"provisioner {config.provisioner!r} cannot be loaded: {exc}") from None
+    driver: Provisioner = module.create_provisioner(config, state_dir, parse_options(config.provisioner_options))
+    return driver

@@ -58,3 +58,37 @@ def stored(cluster: LocalCluster) -> Counter[int]:
 def engines(cluster: LocalCluster, worker_id: str = "") -> int:
     """Channels the master knows (of ``worker_id``, if given), whatever their state."""
     return sum(len(w.channels) for w in cluster.status().workers if not worker_id or w.worker_id == worker_id)
+
+
+LOCAL = [
+    "--provisioner", "local",
+    "--provisioner-options", "runtime=process",
+    "--provisioner-options", "worker_args=--grace-seconds 2",
+    "--worker-cpus", "1",
+    "--worker-grace-seconds", "2",
+]  # fmt: skip
+
+
+def worker_processes(root: Path) -> list[int]:
+    """Pids of every `hio worker` process running with ``root`` as its data folder."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and b"hio.cli" in argv and b"worker" in argv and str(root).encode() in argv:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def live_workers(cluster: LocalCluster) -> list[str]:
+    """Ids of the workers the master sees live (heartbeating)."""
+    try:
+        status = cluster.status(timeout=5)
+    except Exception:  # noqa: BLE001 - a master restarting answers nothing: no workers seen
+        return []
+    return sorted(w.worker_id for w in status.workers if w.last_heartbeat_age_seconds < 3)

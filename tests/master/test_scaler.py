@@ -46,6 +46,7 @@ def enqueue(master: Master, n: int) -> None:
 def test_a_backlog_with_no_engine_wants_one_then_more_as_it_grows(elastic: tuple[Master, Clock]) -> None:
     master, clock = elastic
     assert master.scaler is not None
+    elastic_worker(master, "w1", cpus=4)  # room for the engines wanted
     enqueue(master, 1)
     master.scaler.tick()
     assert master.scaler.wanted_count(IMAGE) == 1
@@ -61,6 +62,22 @@ def test_a_backlog_with_no_engine_wants_one_then_more_as_it_grows(elastic: tuple
     assert (engines.wanted, engines.running, engines.pinned) == (3, 0, False)
     reasons = [d.reason for d in master.scaler.decisions]
     assert "tuples wait and no engine is wanted" in reasons[0] and "above 10" in reasons[1]
+
+
+def test_no_more_engines_are_wanted_than_can_ever_have_room(elastic: tuple[Master, Clock]) -> None:
+    master, clock = elastic
+    assert master.scaler is not None
+    elastic_worker(master, "w1", cpus=1)  # 0.9 cores: 7 engines of the default share, and no provisioner
+    enqueue(master, 100)
+    for _ in range(10):
+        master.scaler.tick()
+        clock.now += 6
+    wanted = master.scaler.wanted_count(IMAGE)
+    assert wanted <= 7 + 2  # the step that found no room, then no more
+    for _ in range(10):
+        master.scaler.tick()
+        clock.now += 6
+    assert master.scaler.wanted_count(IMAGE) == wanted
 
 
 def test_a_pinned_count_wins_over_the_predictor(elastic: tuple[Master, Clock]) -> None:

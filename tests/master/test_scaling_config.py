@@ -28,6 +28,16 @@ from tests.harness import hio_env
         ({"small_step": 3}, "small_step"),  # above large_step
         ({"default_share": -0.1}, "default_share"),
         ({"profile_seconds": float("nan")}, "profile_seconds"),
+        ({"scaling": "elastic", "min_workers": 3, "max_workers": 2}, "min_workers"),
+        ({"scaling": "elastic", "min_workers": -1}, "min_workers"),
+        ({"scaling": "elastic", "max_workers": 0}, "max_workers"),
+        ({"scaling": "elastic", "provisioner": "kubernetes"}, "provisioner"),
+        ({"provisioner": "local"}, "provisioner"),  # fixed sizing has nothing to provision for
+        ({"scaling": "elastic", "pack_margin": 0.95}, "pack_margin"),
+        ({"scaling": "elastic", "worker_cpus": -2}, "worker_cpus"),
+        ({"scaling": "elastic", "worker_grace_seconds": -1.0}, "worker_grace_seconds"),
+        ({"scaling": "elastic", "worker_prefix": "a/b"}, "worker_prefix"),
+        ({"scaling": "elastic", "advertise_address": "nohost"}, "advertise_address"),
     ],
 )
 def test_bad_scaling_settings_are_refused_naming_the_setting(
@@ -60,3 +70,65 @@ def test_hio_master_refuses_a_bad_setting_before_it_starts(tmp_path: Path) -> No
     )
     assert done.returncode == 2
     assert "lower_rate" in done.stderr
+
+
+def test_a_provisioner_in_a_cluster_with_tokens_needs_a_worker_token(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret admin operator\n")
+    config = MasterConfig(data_dir=str(tmp_path), scaling="elastic", provisioner="local", tokens_file=str(tokens))
+    with pytest.raises(ConfigError, match="worker_token_file"):
+        config.validate()
+
+
+def test_hio_master_refuses_min_workers_above_max_workers(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hio.cli",
+            "master",
+            "--data-dir",
+            str(tmp_path),
+            "--scaling",
+            "elastic",
+            "--provisioner",
+            "local",
+            "--min-workers",
+            "5",
+            "--max-workers",
+            "2",
+        ],
+        env=hio_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "min_workers (5) must not exceed max_workers (2)" in done.stderr
+
+
+def test_hio_master_refuses_an_option_its_provisioner_does_not_have(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hio.cli",
+            "master",
+            "--data-dir",
+            str(tmp_path),
+            "--listen",
+            "127.0.0.1:0",
+            "--scaling",
+            "elastic",
+            "--provisioner",
+            "local",
+            "--provisioner-options",
+            "flavor=large",
+        ],
+        env=hio_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "provisioner_options" in done.stderr and "flavor" in done.stderr
