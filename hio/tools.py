@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterable
 from typing import ClassVar
 
 import grpc
@@ -25,6 +26,42 @@ class StatusConfig(ClusterSettings):
     UNLISTED: ClassVar[frozenset[str]] = _TOOL_UNLISTED
     json: bool = setting(False, "print the status as JSON")
     watch: float = setting(0.0, "refresh every N seconds (0 = once)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleConfig(ClusterSettings):
+    UNLISTED: ClassVar[frozenset[str]] = _TOOL_UNLISTED
+    # set_*: not min_workers / max_workers, which a [cluster] table or HIO_MAX_WORKERS gives the
+    # master: a tool reading them would change the bounds on every call
+    set_min_workers: int = setting(-1, "set the fewest workers the provisioner keeps (-1 = unchanged)")
+    set_max_workers: int = setting(-1, "set the most workers the provisioner asks for (-1 = unchanged)")
+    reset_bounds: bool = setting(False, "go back to the master's min_workers and max_workers settings")
+    pin: tuple[str, ...] = setting((), "fix an image's engine count, IMAGE=COUNT (0: none of it)")
+    unpin: tuple[str, ...] = setting((), "let the predictor decide an image's engine count again")
+    decisions: int = setting(15, "how many of the latest decisions to show")
+    json: bool = setting(False, "print the scaling as JSON")
+
+    def validate(self) -> None:
+        self.validate_cluster()
+        for name in ("set_min_workers", "set_max_workers"):
+            if getattr(self, name) < -1:
+                raise ConfigError(f"{name} must be -1 (unchanged) or zero or more, got {getattr(self, name)}")
+        self.pins()
+
+    def pins(self) -> dict[str, int]:
+        """``pin`` as image -> count."""
+        pins = {}
+        for item in self.pin:
+            image, sep, count = item.rpartition("=")
+            if not sep or not image.strip() or not count.strip().isdigit():
+                raise ConfigError(f"pin {item!r} must look like IMAGE=COUNT")
+            pins[image.strip()] = int(count)
+        return pins
+
+    def changes(self) -> bool:
+        return (
+            self.set_min_workers >= 0 or self.set_max_workers >= 0 or self.reset_bounds or bool(self.pin or self.unpin)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +124,74 @@ def format_engines(e: master_pb2.ImageEngines) -> str:
     share = f"{e.cpu_share:.2f} cores each" if e.cpu_share else "cpu not measured yet"
     rate = f"{e.seconds_per_tuple:.3f} s/tuple, {e.tuples_per_second:,.1f} tuples/s" if e.seconds_per_tuple else ""
     return f"{e.image:<20} {e.running} running{wanted}   {share}" + (f"   {rate}" if rate else "")
+
+
+def _counts(items: Iterable[master_pb2.ImageCount]) -> str:
+    return ", ".join(f"{c.image}={c.count}" for c in items) or "-"
+
+
+def format_scaling(s: master_pb2.Scaling, decisions: int = 15) -> str:
+    """The plan for people: workers wanted and present, engines per image and per worker, and
+    the latest decisions with their reasons."""
+    if s.mode != "elastic":
+        lines = ["scaling fixed: each worker runs the engines it was started with (scaling = elastic changes that)"]
+        lines += [f"  {format_engines(e)}" for e in s.images]
+        return "\n".join(lines)
+    bounds = f"min {s.min_workers}, max {s.max_workers}" + (" (set with hio scale)" if s.bounds_set else "")
+    lines = [
+        f"scaling elastic, provisioner {s.provisioner or 'none (workers started by hand)'}",
+        f"workers     {s.workers_wanted} wanted, {s.workers_present} present ({bounds})",
+        "engines",
+    ]
+    lines += [f"  {format_engines(e)}" for e in s.images]
+    if s.unplaced:
+        lines.append(f"  waiting for room on a worker: {_counts(s.unplaced)}")
+    lines.append("workers (rank order: the lowest are filled first)")
+    for w in s.workers:
+        kind = "provisioned" if w.provisioned else ("elastic" if w.elastic else "fixed engines")
+        retiring = f"  retiring {w.retiring}" if w.retiring else ""
+        lines.append(
+            f"  {w.rank:>3} {w.worker_id:<20} {w.state:<9} {kind:<13} {w.cpus} vCPUs  load {w.load:.2f}"
+            f"  planned {_counts(w.planned)}  running {_counts(w.running)}{retiring}"
+        )
+    shown = list(s.decisions)[-decisions:] if decisions > 0 else []
+    if shown:
+        lines.append(f"decisions (latest {len(shown)} of {len(s.decisions)})")
+    for d in shown:
+        when = time.strftime("%H:%M:%S", time.localtime(d.unix))
+        lines.append(f"  {when}  {d.subject:<20} {d.action:<24} {d.reason}")
+    return "\n".join(lines)
+
+
+def run_scale(config: ScaleConfig) -> int:
+    with create_channel(config.master_address, config) as channel:
+        stub = master_pb2_grpc.MasterStub(channel)
+        try:
+            if config.changes():
+                request = master_pb2.SetScalingRequest(
+                    pin=[master_pb2.ImageCount(image=i, count=n) for i, n in config.pins().items()],
+                    unpin=list(config.unpin),
+                    reset_bounds=config.reset_bounds,
+                )
+                if config.set_min_workers >= 0:
+                    request.min_workers = config.set_min_workers
+                if config.set_max_workers >= 0:
+                    request.max_workers = config.set_max_workers
+                scaling = stub.SetScaling(request, timeout=30).scaling
+            else:
+                scaling = stub.GetScaling(master_pb2.GetScalingRequest(), timeout=10).scaling
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                print(f"hio scale: {exc.details()}", file=sys.stderr)
+                return 2
+            return _fail(
+                "change the scaling" if config.changes() else "get the scaling", config.master_address, exc, config
+            )
+    if config.json:
+        print(json_format.MessageToJson(scaling, always_print_fields_with_no_presence=True))
+    else:
+        print(format_scaling(scaling, config.decisions))
+    return 0
 
 
 def _fail(what: str, address: str, exc: grpc.RpcError, settings: ClusterSettings) -> int:
@@ -180,11 +285,14 @@ __all__ = [
     "ConfigError",
     "DeadLettersConfig",
     "KnowledgeConfig",
+    "ScaleConfig",
     "StatusConfig",
     "fetch_knowledge",
     "format_engines",
+    "format_scaling",
     "format_status",
     "run_dead_letters",
     "run_knowledge",
+    "run_scale",
     "run_status",
 ]

@@ -30,7 +30,7 @@ from hio.master.profile import Profile
 from hio.master.provisioners import open_provisioner
 from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelSpec, ChannelState, Worker
 from hio.master.routing import PendingEnqueues, QueueRoute, Route, route_tuples
-from hio.master.scaler import HeartbeatAnswer, Scaler
+from hio.master.scaler import HeartbeatAnswer, Scaler, ScalingReport, worker_reports
 from hio.master.stats import Stats
 from hio.master.storage import Durability
 from hio.storage.files import lock_folder
@@ -661,6 +661,45 @@ class Master:
                 and not self.queue.has_lease(channel_id)
             ):
                 self.registry.set_queue(channel, leased=False)
+
+    # ---- elastic capacity ------------------------------------------------------------
+
+    def scaling(self) -> ScalingReport:
+        """The plan, the workers, each image's engines and profile, the latest decisions."""
+        with self._cond:
+            images = self._engines(self.queue.status())
+            if self.scaler is not None:
+                return self.scaler.report(images)
+            return ScalingReport(
+                mode="fixed",
+                provisioner="",
+                min_workers=0,
+                max_workers=0,
+                bounds_set=False,
+                workers_wanted=0,
+                workers_present=sum(1 for w in self.registry.workers() if w.live),
+                workers=worker_reports(self.registry),
+                images=images,
+                unplaced={},
+                decisions=[],
+            )
+
+    def set_scaling(
+        self,
+        *,
+        min_workers: int | None = None,
+        max_workers: int | None = None,
+        pin: dict[str, int] | None = None,
+        unpin: list[str] | None = None,
+        reset_bounds: bool = False,
+    ) -> ScalingReport:
+        """An operator's change to elastic scaling; the scaling after it."""
+        if self.scaler is None:
+            raise FailedPrecondition("scaling is fixed: start the master with scaling = elastic to change it")
+        self.scaler.change(
+            min_workers=min_workers, max_workers=max_workers, pin=pin, unpin=unpin or (), reset_bounds=reset_bounds
+        )
+        return self.scaling()
 
     # ---- what the scaler looks at --------------------------------------------------
 

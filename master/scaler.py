@@ -39,15 +39,16 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hio.master.demand import DemandPredictor, ImageLoad, PredictorPolicy
 from hio.master.packer import Bin, Packer, Plan
 from hio.master.provisioners import Provisioner
-from hio.master.registry import Channel, ChannelState, Worker
+from hio.master.registry import Channel, ChannelRegistry, ChannelState, Worker
 from hio.master.workers import Action, WorkerPool
 from hio.storage.files import atomic_write
+from hio.transport.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from hio.master.config import MasterConfig
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hio.master.scaler")
 
 MAX_DECISIONS = 200
+MAX_PINNED = 1024  # engines of one image an operator may pin
 MIN_SHARE = 0.02  # the smallest size an engine is packed with: an idle one still costs something
 STATE_FILE = "scaling.json"
 STATE_VERSION = 1
@@ -78,6 +80,85 @@ class Decision:
     subject: str  # an image, or a worker
     action: str  # "+2 engines", "-1 engines", "create worker", "delete worker", ...
     reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerReport:
+    """One worker as ``hio scale`` shows it."""
+
+    worker_id: str
+    rank: int
+    state: str  # serving, expired, starting
+    cpus: int
+    load: float
+    planned: dict[str, int]
+    running: dict[str, int]  # channels up and not retiring, per image
+    retiring: int
+    provisioned: bool
+    elastic: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingReport:
+    """Everything ``hio scale`` shows; ``images`` is the master's status of each image."""
+
+    mode: str
+    provisioner: str
+    min_workers: int
+    max_workers: int
+    bounds_set: bool
+    workers_wanted: int
+    workers_present: int
+    workers: list[WorkerReport]
+    images: list[Any]  # hio.master.core.ImageStatus
+    unplaced: dict[str, int]
+    decisions: list[Decision]
+
+
+def worker_reports(
+    registry: ChannelRegistry,
+    planned: dict[str, dict[str, int]] | None = None,
+    load: dict[str, float] | None = None,
+    provisioned: Iterable[str] = (),
+) -> list[WorkerReport]:
+    """The registry's workers (and workers asked for that have not registered), rank order,
+    with their part of the plan and its expected load."""
+    planned, load = planned or {}, load or {}
+    reports = []
+    for worker in registry.workers():
+        up = [c for c in worker.channels.values() if registry.routable(c) and not c.retiring]
+        reports.append(
+            WorkerReport(
+                worker_id=worker.worker_id,
+                rank=worker.rank,
+                state="serving" if worker.live else "expired",
+                cpus=worker.cpus,
+                load=load.get(worker.worker_id, 0.0),
+                planned=dict(planned.get(worker.worker_id, {})),
+                running=dict(collections.Counter(c.image for c in up)),
+                retiring=sum(1 for c in worker.channels.values() if c.retiring),
+                provisioned=worker.worker_id in provisioned,
+                elastic=worker.elastic,
+            )
+        )
+    known = {r.worker_id for r in reports}
+    for worker_id in provisioned:
+        if worker_id not in known:
+            reports.append(
+                WorkerReport(
+                    worker_id=worker_id,
+                    rank=registry.rank(worker_id),
+                    state="starting",
+                    cpus=0,
+                    load=0.0,
+                    planned={},
+                    running={},
+                    retiring=0,
+                    provisioned=True,
+                    elastic=True,
+                )
+            )
+    return sorted(reports, key=lambda r: r.rank)
 
 
 def predictor_policy(config: MasterConfig) -> PredictorPolicy:
@@ -278,6 +359,69 @@ class Scaler:
         )
         planned = self.plan.get(worker_id)
         return HeartbeatAnswer(known=True, plan=None if planned is None else dict(planned), stop=stop)
+
+    # ---- operator controls
+
+    def report(self, images: list[Any]) -> ScalingReport:
+        """What ``hio scale`` shows (lock held); ``images``: the master's status per image."""
+        low, high = self.pool.bounds()
+        plan = self.last_plan
+        return ScalingReport(
+            mode="elastic",
+            provisioner=self.config.provisioner,
+            min_workers=low,
+            max_workers=high,
+            bounds_set=self.pool.min_workers is not None or self.pool.max_workers is not None,
+            workers_wanted=self.pool.wanted,
+            workers_present=self.pool.present,
+            workers=worker_reports(
+                self._master.registry, self.plan, plan.load if plan else None, self.pool.provisioned
+            ),
+            images=images,
+            unplaced=dict(plan.unplaced) if plan else {},
+            decisions=list(self.decisions),
+        )
+
+    def change(
+        self,
+        *,
+        min_workers: int | None = None,
+        max_workers: int | None = None,
+        pin: dict[str, int] | None = None,
+        unpin: Iterable[str] = (),
+        reset_bounds: bool = False,
+    ) -> None:
+        """An operator's change (``hio scale``), checked whole before any of it applies; the
+        plan is made again at once."""
+        pin, unpin = dict(pin or {}), list(unpin)
+        for image, count in pin.items():
+            if not image or len(image) > 256:
+                raise InvalidArgument(f"pin: invalid image name {image!r}")
+            if not 0 <= count <= MAX_PINNED:
+                raise InvalidArgument(f"pin {image}: count must be between 0 and {MAX_PINNED}, got {count}")
+        with self._master.lock:
+            low = self.pool.min_workers if not reset_bounds else None
+            high = self.pool.max_workers if not reset_bounds else None
+            low = min_workers if min_workers is not None else low
+            high = max_workers if max_workers is not None else high
+            eff_low = self.config.min_workers if low is None else low
+            eff_high = self.config.max_workers if high is None else high
+            if eff_high < 1:
+                raise InvalidArgument(f"max_workers must be at least 1, got {eff_high}")
+            if eff_low > eff_high:
+                raise InvalidArgument(f"min_workers ({eff_low}) must not exceed max_workers ({eff_high})")
+            if (low, high) != (self.pool.min_workers, self.pool.max_workers):
+                self.pool.min_workers, self.pool.max_workers = low, high
+                self.decide("workers", f"min {eff_low}, max {eff_high}", "set by an operator")
+            for image in unpin:
+                if image in self.pinned:
+                    self.wanted[image] = self.pinned.pop(image)  # the predictor goes on from there
+                    self.predictor.forget(image)
+                    self.decide(image, f"unpinned at {self.wanted[image]}", "an operator: the predictor decides again")
+            for image, count in sorted(pin.items()):
+                self.pinned[image] = count
+                self.decide(image, f"pinned to {count}", "set by an operator")
+        self.replan()
 
     def _full(self, image: str) -> bool:
         """Engines of ``image`` already wait for room and no more workers can come. Lock held."""

@@ -55,11 +55,6 @@ def stored(cluster: LocalCluster) -> Counter[int]:
     return Counter(record.tuple_id for record in read_features(cluster.settings))
 
 
-def engines(cluster: LocalCluster, worker_id: str = "") -> int:
-    """Channels the master knows (of ``worker_id``, if given), whatever their state."""
-    return sum(len(w.channels) for w in cluster.status().workers if not worker_id or w.worker_id == worker_id)
-
-
 LOCAL = [
     "--provisioner", "local",
     "--provisioner-options", "runtime=process",
@@ -92,3 +87,29 @@ def live_workers(cluster: LocalCluster) -> list[str]:
     except Exception:  # noqa: BLE001 - a master restarting answers nothing: no workers seen
         return []
     return sorted(w.worker_id for w in status.workers if w.last_heartbeat_age_seconds < 3)
+
+
+def hio_scale(cluster: LocalCluster, *args: str) -> str:
+    """Run `hio scale ARGS` against the cluster's master; its output (AssertionError on failure)."""
+    import subprocess
+    import sys
+
+    from tests.harness import hio_env
+
+    done = subprocess.run(
+        [sys.executable, "-m", "hio.cli", "scale", "--master-address", cluster.master, *args],
+        env=hio_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def record_pid(root: Path, worker_id: str) -> int:
+    """The pid the local provisioner recorded for a worker."""
+    import json
+
+    return int(json.loads((root / "master" / "local-workers" / f"{worker_id}.json").read_text())["pid"])

@@ -10,7 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic.helpers import IMAGE, LOCAL, elastic_cluster, gateway, live_workers, stored, worker_processes
+from hio.process.procs import children
+from tests.elastic.helpers import (
+    IMAGE,
+    LOCAL,
+    elastic_cluster,
+    gateway,
+    hio_scale,
+    live_workers,
+    scaling,
+    stored,
+    worker_processes,
+)
 from tests.harness import stop_cleanly, wait_for
 
 pytestmark = pytest.mark.slow
@@ -34,6 +45,8 @@ def test_workers_are_added_for_a_backlog_and_given_back_when_idle(tmp_path: Path
         assert set(stored(cluster).values()) == {1}
         wait_for(lambda: len(live_workers(cluster)) == 1, timeout=90, what="idle workers given back", interval=0.3)
         wait_for(lambda: len(worker_processes(tmp_path)) == 1, timeout=60, what="their processes gone")
+        (headroom,) = worker_processes(tmp_path)
+        wait_for(lambda: not children(headroom), timeout=60, what="the idle engines stopped")
     finally:
         stop_cleanly(cluster)
     assert worker_processes(tmp_path) == []  # the cluster stopped its provisioned workers
@@ -56,6 +69,21 @@ def test_a_restarted_master_adopts_the_workers_it_asked_for_registered_or_not(tm
         assert sorted(state["provisioned"]) == asked
         assert worker_processes(tmp_path) == pids  # adopted: none started again, none leaked
 
+        # The same plan after a restart: the engines it placed keep running, none is moved.
+        hio_scale(cluster, "--pin", f"{IMAGE}=3")
+        wait_for(lambda: len(channels(cluster)) == 3, timeout=90, what="three engines serving")
+        before, plan = channels(cluster), scaling(cluster)
+        cluster.procs["master"].kill()
+        cluster.restart("master")
+        wait_for(lambda: len(channels(cluster)) == 3, timeout=60, what="the engines registered again")
+        after = scaling(cluster)
+        assert channels(cluster) == before
+        assert [(w.worker_id, list(w.planned)) for w in after.workers] == [
+            (w.worker_id, list(w.planned)) for w in plan.workers
+        ]
+        (image,) = [i for i in after.images if i.image == IMAGE]
+        assert image.pinned and image.wanted == 3
+
         # A worker that dies while the master is down is forgotten and replaced.
         cluster.procs["master"].kill()
         os.kill(pids[0], signal.SIGKILL)
@@ -66,3 +94,14 @@ def test_a_restarted_master_adopts_the_workers_it_asked_for_registered_or_not(tm
     finally:
         stop_cleanly(cluster)
     assert worker_processes(tmp_path) == []
+
+
+def channels(cluster) -> list[str]:  # type: ignore[no-untyped-def]
+    """Ids of the channels serving (FREE at the master)."""
+    from hio.proto import master_pb2
+
+    try:
+        status = cluster.status(timeout=5)
+    except Exception:  # noqa: BLE001 - a master restarting: nothing serves yet
+        return []
+    return sorted(c.channel_id for w in status.workers for c in w.channels if c.state == master_pb2.FREE)

@@ -4,6 +4,7 @@ backlog, pinned counts win, and every decision is kept with its reason."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from hio.master.core import Master, RouteItem
 from hio.master.registry import ChannelSpec, ChannelState
 from hio.master.routing import DirectRoute, QueueRoute
 from hio.master.scaler import Scaler
+from hio.transport.errors import FailedPrecondition, InvalidArgument
 from tests.master.helpers import config, frames
 
 IMAGE = "hio/synthetic"
@@ -165,3 +167,56 @@ def test_channels_a_worker_starts_join_with_a_complete_heartbeat(elastic: tuple[
     assert master.registry.channel("w1/0").state == ChannelState.DOWN  # type: ignore[union-attr]
     master.heartbeat("w1", {}, channels=[dataclasses.replace(spec, down=False, detail="")])
     assert master.registry.channel("w1/0").state == ChannelState.FREE  # type: ignore[union-attr]
+
+
+def test_operator_controls_pin_unpin_and_bounds_with_their_decisions(elastic: tuple[Master, Clock]) -> None:
+    master, _clock = elastic
+    elastic_worker(master, "w1", cpus=2)
+    report = master.set_scaling(pin={IMAGE: 3}, min_workers=1, max_workers=4)
+    (image,) = [i for i in report.images if i.image == IMAGE]
+    assert (image.wanted, image.pinned) == (3, True)
+    assert (report.min_workers, report.max_workers, report.bounds_set) == (1, 4, True)
+    assert report.workers[0].planned == {IMAGE: 3}
+    report = master.set_scaling(unpin=[IMAGE], reset_bounds=True)
+    (image,) = [i for i in report.images if i.image == IMAGE]
+    assert (image.wanted, image.pinned) == (3, False)  # the predictor goes on from the pinned count
+    assert (report.min_workers, report.max_workers, report.bounds_set) == (0, 8, False)
+    actions = [(d.subject, d.action) for d in report.decisions]
+    assert (IMAGE, "pinned to 3") in actions and (IMAGE, "unpinned at 3") in actions
+    assert ("workers", "min 1, max 4") in actions and ("workers", "min 0, max 8") in actions
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"min_workers": 5, "max_workers": 2}, "min_workers (5) must not exceed max_workers (2)"),
+        ({"max_workers": 0}, "max_workers must be at least 1"),
+        ({"pin": {IMAGE: 5000}}, "count must be between 0 and 1024"),
+        ({"pin": {"": 1}}, "invalid image name"),
+    ],
+)
+def test_bad_operator_changes_are_refused_whole(
+    elastic: tuple[Master, Clock], change: dict[str, object], named: str
+) -> None:
+    master, _clock = elastic
+    before = master.scaling()
+    with pytest.raises(InvalidArgument, match=re.escape(named)):
+        master.set_scaling(**change)  # type: ignore[arg-type]
+    after = master.scaling()
+    assert (after.min_workers, after.max_workers, after.images) == (
+        before.min_workers,
+        before.max_workers,
+        before.images,
+    )
+
+
+def test_fixed_sizing_shows_its_engines_and_refuses_changes(tmp_path: Path) -> None:
+    master = Master(config(tmp_path))
+    try:
+        master.register_worker("w1", "host", 2, [ChannelSpec("w1/0", IMAGE, "127.0.0.1:6000")])
+        report = master.scaling()
+        assert report.mode == "fixed" and report.workers[0].running == {IMAGE: 1}
+        with pytest.raises(FailedPrecondition, match="scaling is fixed"):
+            master.set_scaling(pin={IMAGE: 2})
+    finally:
+        master.close()
