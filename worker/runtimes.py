@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from hio.config import ConfigError
-from hio.worker.config import WorkerConfig, engine_counts
+from hio.worker.config import DEFAULT_IMAGES, WorkerConfig, engine_counts
 from hio.worker.launcher import EngineLauncher, ProcessLauncher
 
 log = logging.getLogger("hio.worker")
@@ -38,14 +38,16 @@ def select_launcher(config: WorkerConfig, worker_id: str | None = None) -> Engin
 
     ``process``: local processes. ``docker``: containers, or ConfigError when
     Docker is not usable. ``auto``: containers when the docker launcher
-    imports, the daemon answers and every configured image exists locally;
-    else local processes.
+    imports, the daemon answers and every configured image exists locally (an
+    elastic worker, whose images come from the master's plan later: the
+    built-in ones); else local processes.
     """
     if config.runtime == "process":
         return ProcessLauncher(config, worker_id)
     module = _docker_module()
-    # an elastic worker's images come later, from the master's plan: a missing one is its engine's error
-    images = [] if config.elastic else [image for image, _ in engine_counts(config.engines, config.effective_cpus())]
+    # an elastic worker's images come later, from the master's plan: "auto" asks for the built-in ones
+    counts = engine_counts(DEFAULT_IMAGES if config.elastic else config.engines, config.effective_cpus())
+    images = [image for image, _ in counts]
     if config.runtime == "docker":
         if module is None:
             raise ConfigError(
