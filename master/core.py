@@ -191,7 +191,12 @@ class Master:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.listen_port = 0  # the port the server bound (set by the server module)
-        self.scaler = Scaler(self, open_provisioner(config, self.root)) if config.scaling == "elastic" else None
+        try:
+            self.scaler = Scaler(self, open_provisioner(config, self.root)) if config.scaling == "elastic" else None
+        except BaseException:  # a driver that refuses its options: nothing may stay open
+            self.queue.close()
+            os.close(self._lock_fd)
+            raise
 
     # ---- lifecycle ---------------------------------------------------------------
 

@@ -197,6 +197,7 @@ class Scaler:
         self._packed_at = -float("inf")
         self._path = master.root / STATE_FILE
         self._saved = ""
+        self._save_lock = threading.Lock()
         self._settle_until = -float("inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -450,12 +451,14 @@ class Scaler:
         }
 
     def save(self) -> None:
-        """Write the state if it changed (atomically, durably)."""
-        with self._master.lock:
-            text = json.dumps(self.state(), sort_keys=True)
-        if text != self._saved:
-            atomic_write(self._path, text.encode())
-            self._saved = text
+        """Write the state if it changed (atomically, durably). One writer at a time, each
+        writing the state as it is when its turn comes, so an older one never lands last."""
+        with self._save_lock:
+            with self._master.lock:
+                text = json.dumps(self.state(), sort_keys=True)
+            if text != self._saved:
+                atomic_write(self._path, text.encode())
+                self._saved = text
 
     def _load(self) -> None:
         try:
