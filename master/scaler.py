@@ -239,14 +239,12 @@ class Scaler:
         self._carry_out(actions)
         self._carry_out(self.pool.poll())  # after: a worker is asked about once it was asked for
 
-    def replan(self) -> Plan:
-        """Pack now, retire or take back channels to match the new plan, and size the workers."""
+    def replan(self) -> None:
+        """Pack now, retire or take back channels to match the new plan, and size the workers
+        (after a restart, once workers had the time to register again)."""
         with self._master.lock:
-            actions = self._replan()
-            plan = self.last_plan
+            actions = self._replan() if self._clock() >= self._settle_until else []
         self._carry_out(actions)
-        assert plan is not None
-        return plan
 
     def _replan(self) -> list[Action]:
         """Lock held."""
