@@ -79,7 +79,9 @@ def _refuse_shared_listen(role: str, names: set[str]) -> None:
 
 
 def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """The type of each setting: the dataclass's fields, not its class variables (PASSED_ON)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def _convert(value: Any, typ: Any, where: str) -> Any:

@@ -123,12 +123,13 @@ class MasterConfig(ClusterSettings):
     )
     worker_cpus: int = setting(
         0,
-        "elastic: vCPUs of a worker the provisioner adds (local: its --cpus; openstack: the "
-        "flavor's); 0 = this machine's",
+        "elastic: vCPUs of a worker the provisioner adds (its --cpus; the packer counts new workers "
+        "by it); 0 = local: this machine's, openstack: the flavor's",
     )
 
     def new_worker_cpus(self) -> int:
-        """vCPUs of a worker the provisioner adds."""
+        """vCPUs of a worker the provisioner adds, as far as the settings say (a driver may know
+        better: the openstack driver's flavor)."""
         return self.worker_cpus or os.cpu_count() or 1
 
     def worker_master_address(self) -> str:

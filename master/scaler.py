@@ -213,9 +213,11 @@ class Scaler:
             self._thread.start()
 
     def close(self) -> None:
+        """Stop the loop, then let the provisioner go (its workers stay, for the next master)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
+        self.pool.close()
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.predict_interval):
@@ -291,7 +293,7 @@ class Scaler:
         images = self.images() | {image for engines in current.values() for image in engines}
         wanted = {image: self.wanted_count(image) for image in images}
         sizes = {image: self.size(image) for image in images}
-        capacity = self.config.new_worker_cpus() * (1 - self.config.pack_margin)
+        capacity = self.pool.new_worker_cpus() * (1 - self.config.pack_margin)
         plan = self.packer.pack(current, wanted, sizes, bins, capacity)
         for b in bins:
             if b.fixed is None and plan.engines[b.worker_id] != self.plan.get(b.worker_id):

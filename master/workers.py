@@ -16,6 +16,12 @@ saved state), so a master that restarts knows it; the provisioner's
 lacks is adopted too: a worker is adopted or given back, never leaked. One
 that fails to boot, does not register within ``provision_timeout``, or
 vanishes is given back and, if still needed, asked for again.
+
+A driver call its cloud refuses or fails (:class:`ProvisionError`: a quota,
+an image deleted since start-up, a cloud that does not answer) is logged and
+the loop goes on; after a creation that failed no worker is asked for during a
+back-off that doubles with each failure in a row (:data:`RETRY_SECONDS` up to
+:data:`MAX_RETRY_SECONDS`), so a full quota is not asked again every poll.
 """
 
 from __future__ import annotations
@@ -29,13 +35,15 @@ from typing import Any
 
 from hio.master.config import MasterConfig
 from hio.master.packer import Plan, headroom
-from hio.master.provisioners import ProvisionedWorker, Provisioner, WorkerRequest, WorkerState
+from hio.master.provisioners import ProvisionedWorker, Provisioner, ProvisionError, WorkerRequest, WorkerState
 from hio.master.registry import ChannelRegistry
 
 log = logging.getLogger("hio.master.scaler")
 
 GONE_SECONDS = 600.0  # a worker given back may not register again for this long (it is being stopped)
 POLL_SECONDS = 2.0  # how often the provisioner is asked about workers that have not registered
+RETRY_SECONDS = 5.0  # no worker is asked for this long after a creation that failed, doubled each time in a row
+MAX_RETRY_SECONDS = 300.0
 
 
 @dataclasses.dataclass
@@ -83,6 +91,8 @@ class WorkerPool:
         self.present = 0
         self._gone: dict[str, float] = {}
         self._polled = -float("inf")
+        self._retry_seconds = 0.0  # the back-off after the latest creation that failed; 0 = none
+        self._create_after = -float("inf")  # monotonic: no creation before this
 
     # ---- bounds
 
@@ -94,6 +104,10 @@ class WorkerPool:
     def room(self) -> bool:
         """More workers may still come (a provisioner, and fewer than the most allowed)."""
         return self.driver is not None and self.present < self.bounds()[1]
+
+    def new_worker_cpus(self) -> int:
+        """vCPUs of a worker still to be asked for: the driver's, else ``worker_cpus``."""
+        return self.driver.worker_cpus() if self.driver is not None else self.config.new_worker_cpus()
 
     # ---- sizing (lock held)
 
@@ -127,6 +141,8 @@ class WorkerPool:
             return []
         why = f"{used} in use + {extra} headroom, within {low}..{high}; {self.present} present"
         if self.present < self.wanted:
+            if now < self._create_after:
+                return []  # the last creation failed: wait out the back-off
             return [self._create(why) for _ in range(self.wanted - self.present)]
         if self.present > self.wanted:
             return self._give_back(live, self.present - self.wanted, why, now)
@@ -169,7 +185,8 @@ class WorkerPool:
     # ---- talking to the provisioner (no lock)
 
     def act(self, actions: list[Action], master_address: str, token: str) -> None:
-        """Carry out the actions; a creation that fails is given back at the next poll."""
+        """Carry out the actions; a creation that fails is given back at the next poll, and
+        no worker is asked for during the back-off it starts."""
         if self.driver is None:
             return
         for action in actions:
@@ -178,11 +195,21 @@ class WorkerPool:
                     self.driver.create(WorkerRequest(action.worker_id, master_address, token))
                 else:
                     self.driver.delete(action.worker_id)
-            except Exception as exc:  # noqa: BLE001 - a driver's errors are its cloud's; the next poll sees the state
-                log.warning(
-                    "provisioner call failed",
-                    extra={"worker": action.worker_id, "action": action.kind, "error": f"{type(exc).__name__}: {exc}"},
-                )
+            except Exception as exc:  # noqa: BLE001 - the loop outlives a driver's failure; the next poll sees the state
+                failed(exc, action.kind, action.worker_id)
+                if action.kind == "create":
+                    with self._lock:
+                        self._retry_seconds = min(MAX_RETRY_SECONDS, max(RETRY_SECONDS, 2 * self._retry_seconds))
+                        self._create_after = self._clock() + self._retry_seconds
+                        self._decide(
+                            action.worker_id,
+                            "creation failed",
+                            f"{exc}; no worker is asked for in the next {self._retry_seconds:g} s",
+                        )
+            else:
+                if action.kind == "create":
+                    with self._lock:
+                        self._retry_seconds = 0.0
 
     def poll(self) -> list[Action]:
         """Every few seconds, ask the provisioner about the workers that have not registered
@@ -197,7 +224,7 @@ class WorkerPool:
             try:
                 states[worker_id] = self.driver.state(worker_id)
             except Exception as exc:  # noqa: BLE001 - as above: asked again at the next poll
-                log.warning("provisioner state failed", extra={"worker": worker_id, "error": str(exc)})
+                failed(exc, "state", worker_id)
         actions = []
         timeout = self.config.provision_timeout
         with self._lock:
@@ -221,7 +248,7 @@ class WorkerPool:
         try:
             found: list[ProvisionedWorker] = self.driver.adopt()
         except Exception as exc:  # noqa: BLE001 - the cluster is unreachable: the records stay, polls decide
-            log.warning("provisioner could not list its workers", extra={"error": str(exc)})
+            failed(exc, "adopt", "")
             return
         with self._lock:
             there = {w.worker_id for w in found if w.state in (WorkerState.BUILDING, WorkerState.RUNNING)}
@@ -239,6 +266,15 @@ class WorkerPool:
                 self._decide(worker_id, "adopt worker", "the provisioner runs it, the saved state did not have it")
             for worker_id in sorted(there & set(self.provisioned)):
                 log.info("worker adopted", extra={"worker": worker_id})
+
+    def close(self) -> None:
+        """Let the driver go (the master stops); its workers stay, for the next master."""
+        if self.driver is None:
+            return
+        try:
+            self.driver.close()
+        except Exception as exc:  # noqa: BLE001 - stopping goes on whatever the driver says
+            failed(exc, "close", "")
 
     # ---- registration (lock held)
 
@@ -282,3 +318,17 @@ class WorkerPool:
         self.next_worker = int(state.get("next_worker", 1))
         self.min_workers = state.get("min_workers")
         self.max_workers = state.get("max_workers")
+
+
+def failed(exc: Exception, call: str, worker_id: str) -> None:
+    """Log a driver call that raised: a :class:`ProvisionError` as the cloud's words (and the
+    setting at fault, if one is), anything else with its traceback (a defect of the driver)."""
+    extra = {"call": call, "worker": worker_id, "error": str(exc)}
+    if isinstance(exc, ProvisionError):
+        log.warning("provisioner call failed", extra={**extra, "setting": exc.setting} if exc.setting else extra)
+    else:
+        log.error(
+            "provisioner call failed unexpectedly",
+            extra={**extra, "error": f"{type(exc).__name__}: {exc}"},
+            exc_info=exc,
+        )

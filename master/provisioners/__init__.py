@@ -13,7 +13,11 @@ Every call returns promptly: ``create`` asks for a worker and answers
 ``BUILDING``; the scaler sees it become a registered worker through the
 master's own registry (a worker registers itself under ``worker_id``), and
 polls :meth:`Provisioner.state` for failures (a server that failed to boot).
-The scaler calls a driver from one thread, never under the master's lock.
+The scaler calls a driver from one thread, never under the master's lock,
+except :meth:`Provisioner.worker_cpus`, which answers from what the driver
+already knows. A call the driver's cloud refuses or fails raises
+:class:`ProvisionError`: the scaler logs it and goes on (what exists is asked
+again at the next poll), so one error type covers every driver.
 
 A driver is a module named in :data:`DRIVERS` with a function
 ``create_provisioner(config, state_dir, options) -> Provisioner``: ``config``
@@ -22,7 +26,9 @@ is the master's :class:`~hio.master.config.MasterConfig` (addresses, TLS,
 driver keeps its own files in a subfolder of it), ``options`` the
 ``provisioner_options`` setting as a dict (``NAME=VALUE`` items), whose
 unknown names the driver refuses with a :class:`~hio.config.ConfigError`
-naming ``provisioner_options``: the master then refuses to start.
+naming ``provisioner_options``: the master then refuses to start. A driver
+that can tell at once that its options will not work (a cloud that does not
+know the flavor) refuses them there too.
 """
 
 from __future__ import annotations
@@ -50,6 +56,16 @@ class WorkerState(enum.Enum):
     RUNNING = "running"  # the machine or process runs (registration is the master's business)
     FAILED = "failed"  # will not come up (boot error, process exited): delete it, maybe ask again
     GONE = "gone"  # does not exist (deleted, or never created)
+
+
+class ProvisionError(RuntimeError):
+    """A driver's cloud refused or failed a request; the message says what was asked and
+    the cloud's words. ``setting`` names the setting or driver option to change when one
+    is at fault (``provisioner_options flavor``: an unknown flavor), else it is ''."""
+
+    def __init__(self, message: str, *, setting: str = "") -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +104,14 @@ class Provisioner(Protocol):
     def adopt(self) -> list[ProvisionedWorker]:
         """Every worker of this cluster the driver finds still existing, e.g. after the
         master restarted (the scaler keeps those it wants and deletes the rest)."""
+
+    def worker_cpus(self) -> int:
+        """vCPUs of a worker this driver adds: the packer counts the workers to ask for
+        by it. Called under the master's lock, so it answers without calling a cloud."""
+
+    def close(self) -> None:
+        """Let go of what the driver holds open (a connection to its cloud) when the master
+        stops; the workers stay as they are, for a restarted master to adopt."""
 
 
 def parse_options(items: tuple[str, ...]) -> dict[str, str]:

@@ -190,6 +190,14 @@ class LocalProvisioner:
                     path.unlink(missing_ok=True)
         return found
 
+    def worker_cpus(self) -> int:
+        """Each worker is started with ``--cpus`` this many (``worker_cpus``, else this machine's)."""
+        return self._config.new_worker_cpus()
+
+    def close(self) -> None:
+        """Nothing is held open: the workers are processes of their own, for a restarted
+        master to adopt."""
+
     def _read(self, worker_id: str) -> _Record | None:
         return read_record(self._folder / f"{worker_id}.json")
 

@@ -1,17 +1,29 @@
 """The ``openstack`` driver: workers are servers on an OpenStack cloud (SNIC Science Cloud
 and alike), asked for and given back through the compute API with openstacksdk.
 
+Chosen with ``provisioner = "openstack"`` and configured, as every driver is, by
+``provisioner_options`` (``NAME=VALUE`` items, :class:`OpenStackSettings` lists each):
+at least ``image``, and the cloud (``cloud``, ``clouds_file``) unless the ``OS_*``
+variables of an OpenStack RC file name it. The master's own elastic settings apply as
+for any driver: workers are named ``<worker_prefix>-<n>``, reach the master at
+``advertise_address``, present the token of ``worker_token_file``, offer
+``worker_cpus`` vCPUs (0: the flavor's), and one that has not registered within
+``provision_timeout`` is deleted, whatever its server's status (BUILD included).
+
 A server is named ``hio-worker-<worker id>`` and carries two metadata keys,
 ``hio_cluster`` and ``hio_worker_id``; the metadata, not the name, says which servers
 are this cluster's, so a master that restarts finds (:meth:`OpenStackProvisioner.adopt`)
 exactly the workers it asked for, and two clusters in one project leave each other's
 servers alone. The server's user data is a cloud-init document that installs
 HarmonicIO (or finds it in the image), writes the worker's token to a root-only file
-and runs ``hio worker`` under systemd; the token is in that file only, never in
-metadata, the server's name or the worker's command line.
+and runs ``hio worker --elastic`` under systemd; the token is in that file only, never
+in metadata, the server's name or the worker's command line.
 
-openstacksdk is imported when a driver connects, so a master with another driver never
-imports it (``pip install 'harmonicio[openstack]'``).
+At start-up (:func:`create_provisioner`) the driver logs in and looks up the flavor,
+image, network, security groups and key pair, so a name the cloud does not know stops
+the master with the option to change; a cloud that does not answer then is logged and
+asked again by the scaler. openstacksdk is imported when a driver connects, so a master
+with another driver never imports it (``pip install 'harmonicio[openstack]'``).
 """
 
 from __future__ import annotations
@@ -19,27 +31,35 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import datetime
+import ipaddress
 import json
+import logging
 import math
+import os
 import re
+import shlex
 import threading
-import time
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hio.config import ConfigError, as_text, parse_assignments, setting
-from hio.master.provisioners import ProvisionedWorker, WorkerRequest, WorkerState
+from hio.master.provisioners import ProvisionedWorker, ProvisionError, WorkerRequest, WorkerState
 from hio.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from openstack.compute.v2.server import Server
     from openstack.connection import Connection
 
+    from hio.master.config import MasterConfig
+
+log = logging.getLogger("hio.master.provisioners")
+
 CLUSTER_KEY = "hio_cluster"  # server metadata: the cluster that asked for the server
 WORKER_KEY = "hio_worker_id"  # server metadata: the worker id it registers under
 SERVER_PREFIX = "hio-worker-"
+OPTIONS = "provisioner_options"  # the master setting the driver's options come in
 
 #: Where a worker server keeps HarmonicIO, as site.yml lays a host out (docs/deploy.md).
 PREFIX = "/opt/hio"
@@ -51,18 +71,22 @@ ENV_FILE = f"{ETC}/worker.env"
 UNIT_FILE = "/etc/systemd/system/hio-worker.service"
 ADVERTISE_SCRIPT = "/usr/local/lib/hio/advertise-host.py"
 
-#: Worker settings the driver decides itself, refused in ``openstack_worker_settings``.
+#: Worker settings the driver or the master decides, refused in the ``worker_settings`` option.
 DRIVER_WORKER_SETTINGS = {
     "worker_id": "the driver sets it to the id the master asked for",
-    "master_address": "the driver sets it to the address the master gave",
-    "token": "the driver writes the master's token for the worker to a root-only file",
-    "token_file": "the driver writes the master's token for the worker to a root-only file",
+    "master_address": "the driver sets it to the master's advertise_address",
+    "token": "the driver writes the master's token for the worker (worker_token_file) to a root-only file",
+    "token_file": "the driver writes the master's token for the worker (worker_token_file) to a root-only file",
     "advertise_host": "each server advertises its own address on the master's network",
+    "elastic": "the driver starts every worker with --elastic",
+    "engines": "an elastic worker runs the engines the master's plan gives it",
+    "cpus": "the master's worker_cpus sets it (0: the flavor's vCPUs), as the packer counts them",
 }
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 # What a master address may hold on the worker's command line (host:port, [v6]:port, dns:///...)
 _ADDRESS_CHARACTERS = re.compile(r"^[A-Za-z0-9.:/\[\]_-]+$")
+_WORKER_NUMBER_DIGITS = 6  # room left in a worker id for the scaler's <prefix>-<n>
 
 # Nova's server status -> what it means for a worker. Statuses not listed (REBOOT,
 # RESIZE, MIGRATING, UNKNOWN, ...) are a server that exists and is meant to run.
@@ -81,113 +105,178 @@ _STATES = {
 }
 
 
-class ProvisionError(RuntimeError):
-    """The cloud refused or failed a request; the message says what was asked and the
-    cloud's words. ``setting`` names the setting to change when one is at fault (an
-    unknown flavor, credentials the cloud refuses), else it is ''."""
+def option(name: str) -> str:
+    """One of the driver's options as messages name it: the master setting and the item."""
+    return f"{OPTIONS} {name}"
 
-    def __init__(self, message: str, *, setting: str = "") -> None:
-        super().__init__(message)
-        self.setting = setting
+
+def create_provisioner(config: MasterConfig, state_dir: Path, options: dict[str, str]) -> OpenStackProvisioner:
+    """The driver the master's ``provisioner_options`` describe, checked against the master's
+    settings and then against the cloud (a name the cloud does not know, or credentials it
+    refuses, is a ConfigError naming the option). A cloud that cannot be reached or fails
+    now is logged, and the master starts: the scaler asks it again with each call.
+    ``state_dir`` is not used: the servers' metadata is the driver's record."""
+    settings = OpenStackSettings.from_options(options)
+    check_master_settings(config, settings)
+    driver = OpenStackProvisioner(
+        settings, repository_address=config.repository_address, worker_cpus=config.worker_cpus
+    )
+    try:
+        driver.check()
+    except ProvisionError as exc:
+        log.warning("the cloud could not be checked at start-up; the scaler asks it again", extra={"error": str(exc)})
+    except BaseException:
+        driver.close()
+        raise
+    return driver
+
+
+def check_master_settings(config: MasterConfig, settings: OpenStackSettings) -> None:
+    """Refuse master settings a worker server could not work with: worker ids that are no
+    server name, a master or repository address that on a server means the server itself."""
+    longest = f"{config.worker_prefix}-{'9' * _WORKER_NUMBER_DIGITS}"
+    if not _NAME.match(longest):
+        raise ConfigError(
+            f"worker_prefix {config.worker_prefix!r}: the openstack driver names servers after workers, "
+            f"<prefix>-<n>: at most {63 - 1 - _WORKER_NUMBER_DIGITS} letters, digits, '.', '_' or '-'"
+        )
+    master = config.worker_master_address()
+    if not _ADDRESS_CHARACTERS.match(master) or only_this_host(master):
+        raise ConfigError(
+            f"advertise_address: worker servers would reach the master at {master}, which on a server is "
+            "that server: set advertise_address to the master's host:port on the workers' network"
+        )
+    repository = settings.worker_file_settings().get("repository_address", config.repository_address)
+    if only_this_host(repository):
+        raise ConfigError(
+            f"repository_address: worker servers would reach the repository at {repository}, which on a "
+            "server is that server: set the master's repository_address, or repository_address=HOST:PORT "
+            f"in {option('worker_settings')}, to its address on the workers' network"
+        )
+
+
+def only_this_host(address: str) -> bool:
+    """Whether a peer address means whatever host uses it: loopback, any address, a local socket."""
+    if address.startswith(("unix:", "unix-abstract:", "vsock:")):
+        return True
+    if address.startswith(("ipv4:", "ipv6:")):
+        address = address.partition(":")[2]
+    host = address.rsplit("/", 1)[-1].rpartition(":")[0].strip("[]").lower()
+    if host in ("", "localhost") or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
 
 
 @dataclasses.dataclass(frozen=True)
 class OpenStackSettings:
-    """The driver's settings. The names carry the ``openstack_`` prefix so that a role's
-    configuration can inherit them as they are (``--openstack-flavor``,
-    ``HIO_MASTER_OPENSTACK_FLAVOR``, ``openstack_flavor`` in ``[master]``), and every
-    message names the setting as the operator writes it."""
+    """The driver's options, one field each under the name it has in ``provisioner_options``
+    (``flavor=ssc.xlarge``). A list (``security_groups``, ``pip_install``,
+    ``worker_settings``) is one item whose value is split as a shell would split it."""
 
-    openstack_cloud: str = setting(
-        "", "clouds.yaml entry the workers are created in; empty = $OS_CLOUD, else the OS_* variables"
-    )
-    openstack_clouds_file: str = setting(
+    cloud: str = setting("", "clouds.yaml entry the workers are created in; empty = $OS_CLOUD, else the OS_* variables")
+    clouds_file: str = setting(
         "",
         "clouds.yaml to read (a secure.yaml beside it is read too); empty = openstacksdk's "
         "places ($OS_CLIENT_CONFIG_FILE, ./clouds.yaml, ~/.config/openstack/, /etc/openstack/)",
     )
-    openstack_cluster: str = setting(
+    cluster: str = setting(
         "hio",
         "name in the hio_cluster metadata of this cluster's worker servers; unique per "
         "cluster in a project, or masters adopt each other's workers",
     )
-    openstack_flavor: str = setting("ssc.large", "flavor (name or id) of worker servers")
-    openstack_image: str = setting(
+    flavor: str = setting("ssc.large", "flavor (name or id) of worker servers")
+    image: str = setting(
         "",
-        "image (name or id) worker servers boot; with openstack_pip_install empty it must "
-        "hold HarmonicIO in /opt/hio (required)",
+        "image (name or id) worker servers boot; with pip_install empty it must hold HarmonicIO in /opt/hio (required)",
     )
-    openstack_network: str = setting(
+    network: str = setting(
         "hio-net", "network (name or id) worker servers join, the one the master and gateways reach them on"
     )
-    openstack_security_groups: tuple[str, ...] = setting(
+    security_groups: tuple[str, ...] = setting(
         ("hio-internal", "hio-workers"),
         "security groups of worker servers (provision.yml's: the cluster's ports and the engines' ports)",
     )
-    openstack_key_name: str = setting("", "SSH key pair put on worker servers; empty = none")
-    openstack_availability_zone: str = setting("", "availability zone of worker servers; empty = the cloud's choice")
-    openstack_pip_install: tuple[str, ...] = setting(
+    key_name: str = setting("", "SSH key pair put on worker servers; empty = none")
+    availability_zone: str = setting("", "availability zone of worker servers; empty = the cloud's choice")
+    pip_install: tuple[str, ...] = setting(
         (),
         "pip install arguments that install HarmonicIO into /opt/hio at first boot, e.g. "
         "'harmonicio[docker] @ https://host/harmonicio-0.1.0-py3-none-any.whl'; "
         "empty = the image has it there (boots faster)",
     )
-    openstack_python: str = setting(
+    python: str = setting(
         "python3.11", "interpreter (an apt package, with its -venv package) /opt/hio is made from for pip installs"
     )
-    openstack_worker_settings: tuple[str, ...] = setting(
+    worker_settings: tuple[str, ...] = setting(
         (),
         "worker settings NAME=VALUE written to each worker's hio.toml (e.g. runtime=process, "
-        "engines=hio/microscopy, tokens_file=...); the driver sets worker_id, "
-        "master_address, the token and advertise_host",
+        "tls_ca=/etc/hio/ca.pem); the driver and the master set worker_id, master_address, "
+        "the token, advertise_host, elastic, engines and cpus",
     )
-    openstack_boot_timeout: float = setting(
-        900.0, "seconds a worker server may stay in BUILD before it counts as failed"
-    )
-    openstack_api_timeout: float = setting(30.0, "seconds one call to the cloud may take")
+    api_timeout: float = setting(30.0, "seconds one call to the cloud may take")
 
     @classmethod
-    def taken_from(cls, config: object) -> OpenStackSettings:
-        """The driver's settings out of a configuration that declares them (the master's)."""
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+    def from_options(cls, options: dict[str, str]) -> OpenStackSettings:
+        """The settings ``provisioner_options`` give (parsed into a dict), checked; an option
+        the driver does not have is refused naming ``provisioner_options``."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise ConfigError(
+                f"{OPTIONS}: the openstack driver has no option {', '.join(unknown)}; it has {', '.join(fields)}"
+            )
+        types = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for name, text in options.items():
+            if types[name] is float:
+                try:
+                    values[name] = float(text)
+                except ValueError:
+                    raise ConfigError(f"{option(name)}: {text!r} is not a number") from None
+            elif typing.get_origin(types[name]) is tuple:
+                try:
+                    values[name] = tuple(shlex.split(text))
+                except ValueError as exc:
+                    raise ConfigError(f"{option(name)} cannot be split as a shell would: {exc}") from None
+            else:
+                values[name] = text
+        settings = cls(**values)
+        settings.validate()
+        return settings
 
     def validate(self) -> None:
-        """Refuse settings the driver cannot work with; each message names the setting."""
-        if not self.openstack_image:
-            raise ConfigError("openstack_image is empty: name the image worker servers boot")
-        if not self.openstack_flavor:
-            raise ConfigError("openstack_flavor is empty: name the flavor of worker servers")
-        if not _NAME.match(self.openstack_cluster):
+        """Refuse settings the driver cannot work with; each message names the option."""
+        if not self.image:
+            raise ConfigError(f"{option('image')} is missing: name the image worker servers boot (image=NAME)")
+        if not self.flavor:
+            raise ConfigError(f"{option('flavor')} is empty: name the flavor of worker servers")
+        if not _NAME.match(self.cluster):
             raise ConfigError(
-                f"openstack_cluster must be 1-63 letters, digits, '.', '_' or '-', got {self.openstack_cluster!r}"
+                f"{option('cluster')} must be 1-63 letters, digits, '.', '_' or '-', got {self.cluster!r}"
             )
-        for group in self.openstack_security_groups:
+        for group in self.security_groups:
             if not group.strip():
-                raise ConfigError("openstack_security_groups names an empty group")
-        if self.openstack_clouds_file and not Path(self.openstack_clouds_file).expanduser().is_file():
-            raise ConfigError(f"openstack_clouds_file {self.openstack_clouds_file} is not a file")
-        if self.openstack_pip_install and not re.match(r"^python3(\.\d+)?$", self.openstack_python):
-            raise ConfigError(f"openstack_python must look like python3.11, got {self.openstack_python!r}")
-        for name in ("openstack_boot_timeout", "openstack_api_timeout"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+                raise ConfigError(f"{option('security_groups')} names an empty group")
+        if self.clouds_file and not Path(self.clouds_file).expanduser().is_file():
+            raise ConfigError(f"{option('clouds_file')} {self.clouds_file} is not a file")
+        if self.pip_install and not re.match(r"^python3(\.\d+)?$", self.python):
+            raise ConfigError(f"{option('python')} must look like python3.11, got {self.python!r}")
+        if not (math.isfinite(self.api_timeout) and self.api_timeout > 0):
+            raise ConfigError(f"{option('api_timeout')} must be a positive number of seconds, got {self.api_timeout}")
         self.worker_file_settings()
 
     def worker_file_settings(self) -> dict[str, Any]:
-        """``openstack_worker_settings`` checked as the worker would read them, by name and type."""
-        where = "openstack_worker_settings"
-        values = parse_assignments(self.openstack_worker_settings, WorkerConfig, where, refused=DRIVER_WORKER_SETTINGS)
+        """``worker_settings`` checked as the worker would read them, by name and type."""
+        where = option("worker_settings")
+        values = parse_assignments(self.worker_settings, WorkerConfig, where, refused=DRIVER_WORKER_SETTINGS)
         for name, value in values.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{where} {name}: must be a finite number, got {value}")
         return values
-
-
-@dataclasses.dataclass
-class _KnownServer:
-    server_id: str
-    asked_at: float = 0.0  # time.monotonic() of the create call; 0 = found (adopted), not created
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,21 +292,25 @@ class OpenStackProvisioner:
     """Worker servers on one OpenStack project (see the module's words).
 
     ``repository_address`` is where workers reach the repository (the master's own
-    ``repository_address`` when both are on the cluster's private network). Nothing is
-    sent to the cloud until the first call; :meth:`check` makes that call at once so a
-    master can refuse to start with a cloud that will not work.
+    ``repository_address`` when both are on the cluster's private network; a
+    ``repository_address`` in the ``worker_settings`` option wins). ``worker_cpus`` is
+    what each worker offers (``--cpus``); 0 = its flavor's vCPUs. Nothing is sent to the
+    cloud until the first call; :meth:`check` makes that call at once so a master can
+    refuse to start with a cloud that will not work.
     """
 
     name = "openstack"
 
-    def __init__(self, settings: OpenStackSettings, *, repository_address: str) -> None:
+    def __init__(self, settings: OpenStackSettings, *, repository_address: str, worker_cpus: int = 0) -> None:
         settings.validate()
         self.settings = settings
         self.repository_address = repository_address
+        self._worker_cpus = worker_cpus
+        self._flavor_cpus = 0  # the flavor's vCPUs, once looked up
         self._lock = threading.Lock()
         self._conn: Connection | None = None
         self._placement: _Placement | None = None
-        self._known: dict[str, _KnownServer] = {}
+        self._known: dict[str, str] = {}  # worker id -> its server's id
 
     # -- the Provisioner interface -------------------------------------------
 
@@ -225,7 +318,7 @@ class OpenStackProvisioner:
         """Ask Nova for the server and return while it builds; a worker id that already
         has a server of this cluster gets that server's state, not a second server."""
         check_request(request)
-        user_data = worker_user_data(request, self.settings, self.repository_address)
+        user_data = worker_user_data(request, self.settings, self.repository_address, self._worker_cpus)
         with self._lock:
             existing = self._find(request.worker_id)
             if existing is not None:
@@ -238,7 +331,7 @@ class OpenStackProvisioner:
             except ProvisionError:
                 self._placement = None  # a flavor, image or network may have changed under its name
                 raise
-            self._known[request.worker_id] = _KnownServer(server.id, asked_at=time.monotonic())
+            self._known[request.worker_id] = server.id
         return ProvisionedWorker(request.worker_id, WorkerState.BUILDING, f"server {server.id} BUILD")
 
     def state(self, worker_id: str) -> ProvisionedWorker:
@@ -265,7 +358,7 @@ class OpenStackProvisioner:
             found: list[ProvisionedWorker] = []
             for server in self._cluster_servers():
                 worker_id = server.metadata[WORKER_KEY]
-                self._known.setdefault(worker_id, _KnownServer(server.id))
+                self._known.setdefault(worker_id, server.id)
                 described = self._describe(worker_id, server)
                 if described.state is not WorkerState.GONE:
                     found.append(described)
@@ -275,8 +368,10 @@ class OpenStackProvisioner:
 
     def check(self) -> None:
         """Authenticate and resolve every name in the settings now, so that a master with a
-        cloud that will not work stops at start-up with the setting to change (a
-        ConfigError); a cloud that cannot be reached raises ProvisionError."""
+        cloud that will not work stops at start-up with the option to change (a
+        ConfigError); a cloud that cannot be reached raises ProvisionError. A
+        ``worker_cpus`` above the flavor's vCPUs is refused too: the packer would put
+        more engines on a worker than it has cores for."""
         with self._lock:
             try:
                 self._resolve()
@@ -286,6 +381,17 @@ class OpenStackProvisioner:
                 if exc.setting:
                     raise ConfigError(str(exc)) from None
                 raise
+            if self._worker_cpus > self._flavor_cpus > 0:
+                raise ConfigError(
+                    f"worker_cpus ({self._worker_cpus}) is more than the {self._flavor_cpus} vCPUs of "
+                    f"{option('flavor')} {self.settings.flavor!r}"
+                )
+
+    def worker_cpus(self) -> int:
+        """What each worker offers: ``worker_cpus``, else its flavor's vCPUs. Before the
+        flavor was ever looked up (the cloud did not answer at start-up) the master's
+        rule for ``worker_cpus`` 0 holds: this machine's."""
+        return self._worker_cpus or self._flavor_cpus or os.cpu_count() or 1
 
     def close(self) -> None:
         """Close the connection to the cloud (the servers stay as they are)."""
@@ -304,17 +410,15 @@ class OpenStackProvisioner:
             import openstack.connection
 
             settings = self.settings
-            with self._cloud_errors("load the credentials", setting="openstack_cloud"):
+            with self._cloud_errors("load the credentials", setting=option("cloud")):
                 config_files = secure_files = None  # None: openstacksdk's own places
-                if settings.openstack_clouds_file:
-                    clouds = Path(settings.openstack_clouds_file).expanduser()
+                if settings.clouds_file:
+                    clouds = Path(settings.clouds_file).expanduser()
                     config_files, secure_files = [str(clouds)], [str(clouds.with_name("secure.yaml"))]
                 loader = openstack.config.OpenStackConfig(
                     config_files=config_files, secure_files=secure_files, app_name="harmonicio"
                 )
-                region = loader.get_one(
-                    cloud=settings.openstack_cloud or None, api_timeout=settings.openstack_api_timeout
-                )
+                region = loader.get_one(cloud=settings.cloud or None, api_timeout=settings.api_timeout)
                 self._conn = openstack.connection.Connection(config=region)
         return self._conn
 
@@ -330,16 +434,16 @@ class OpenStackProvisioner:
         except auth_errors.Unauthorized as exc:
             raise ProvisionError(
                 f"{what}: the cloud refused the credentials of {self._cloud_named()}: {cloud_message(exc)}",
-                setting="openstack_cloud",
+                setting=option("cloud"),
             ) from None
         except (auth_errors.MissingRequiredOptions, auth_errors.NoMatchingPlugin, sdk_errors.ConfigException) as exc:
             raise ProvisionError(
-                f"{what}: {self._cloud_named()} cannot be used: {cloud_message(exc)}", setting="openstack_cloud"
+                f"{what}: {self._cloud_named()} cannot be used: {cloud_message(exc)}", setting=option("cloud")
             ) from None
         except auth_errors.ConnectTimeout as exc:
             raise ProvisionError(
-                f"{what}: the cloud did not answer within openstack_api_timeout "
-                f"({self.settings.openstack_api_timeout:g} s): {cloud_message(exc)}"
+                f"{what}: the cloud did not answer within {option('api_timeout')} "
+                f"({self.settings.api_timeout:g} s): {cloud_message(exc)}"
             ) from None
         except (auth_errors.ConnectionError, auth_errors.DiscoveryFailure) as exc:
             # a failed discovery carries the connection failure behind it (keystoneauth
@@ -347,7 +451,7 @@ class OpenStackProvisioner:
             if caused_by(exc, auth_errors.ConnectionError):
                 raise ProvisionError(f"{what}: the cloud cannot be reached: {cloud_message(exc)}") from None
             raise ProvisionError(
-                f"{what}: {self._cloud_named()} cannot be used: {cloud_message(exc)}", setting="openstack_cloud"
+                f"{what}: {self._cloud_named()} cannot be used: {cloud_message(exc)}", setting=option("cloud")
             ) from None
         except (auth_errors.ClientException, sdk_errors.SDKException) as exc:
             # a refusal (4xx) is about what was asked; the cloud's own failures (5xx) are not
@@ -355,50 +459,49 @@ class OpenStackProvisioner:
             raise ProvisionError(f"{what}: {cloud_message(exc)}", setting=setting if refused else "") from None
 
     def _cloud_named(self) -> str:
-        """The cloud as the settings name it, for messages."""
+        """The cloud as the options name it, for messages."""
         settings = self.settings
-        where = f" (in {settings.openstack_clouds_file})" if settings.openstack_clouds_file else ""
-        if settings.openstack_cloud:
-            return f"openstack_cloud {settings.openstack_cloud!r}{where}"
-        return f"the default cloud{where} (openstack_cloud is empty: $OS_CLOUD, else the OS_* variables)"
+        where = f" (in {settings.clouds_file})" if settings.clouds_file else ""
+        if settings.cloud:
+            return f"{option('cloud')} {settings.cloud!r}{where}"
+        return f"the default cloud{where} ({option('cloud')} is not set: $OS_CLOUD, else the OS_* variables)"
 
     def _resolve(self) -> _Placement:
         """Flavor, image and network names as ids, looked up once."""
         if self._placement is None:
-            flavor = self._lookup("openstack_flavor", "flavor", "compute", "find_flavor")
-            image = self._lookup("openstack_image", "image", "image", "find_image")
+            flavor = self._lookup("flavor", "flavor", "compute", "find_flavor")
+            image = self._lookup("image", "image", "image", "find_image")
             network_id = ""
-            if self.settings.openstack_network:
-                network_id = self._lookup("openstack_network", "network", "network", "find_network").id
+            if self.settings.network:
+                network_id = self._lookup("network", "network", "network", "find_network").id
             self._placement = _Placement(flavor.id, image.id, network_id)
+            self._flavor_cpus = int(flavor.vcpus or 0)
         return self._placement
 
-    def _lookup(self, setting_name: str, kind: str, service: str, find: str, wanted: str = "") -> Any:
-        """One resource by the name or id a setting holds (``wanted``: one item of it), with
-        ``find`` of the ``service`` proxy; missing or ambiguous names the setting."""
+    def _lookup(self, name: str, kind: str, service: str, find: str, wanted: str = "") -> Any:
+        """One resource by the name or id the option ``name`` holds (``wanted``: one item of
+        it), with ``find`` of the ``service`` proxy; missing or ambiguous names the option."""
         from openstack import exceptions as sdk_errors
 
-        wanted = wanted or getattr(self.settings, setting_name)
-        with self._cloud_errors(f"look up the {kind} {wanted!r} ({setting_name})", setting=setting_name):
+        wanted = wanted or getattr(self.settings, name)
+        named = option(name)
+        with self._cloud_errors(f"look up the {kind} {wanted!r} ({named})", setting=named):
             try:
                 return getattr(getattr(self._connection(), service), find)(wanted, ignore_missing=False)
             except sdk_errors.NotFoundException:
-                raise ProvisionError(
-                    f"{setting_name}: the cloud has no {kind} {wanted!r}", setting=setting_name
-                ) from None
+                raise ProvisionError(f"{named}: the cloud has no {kind} {wanted!r}", setting=named) from None
             except sdk_errors.DuplicateResource:
                 raise ProvisionError(
-                    f"{setting_name}: the cloud has more than one {kind} named {wanted!r}: give its id",
-                    setting=setting_name,
+                    f"{named}: the cloud has more than one {kind} named {wanted!r}: give its id", setting=named
                 ) from None
 
     def _check_security_groups(self) -> None:
-        for group in self.settings.openstack_security_groups:
-            self._lookup("openstack_security_groups", "security group", "network", "find_security_group", group)
+        for group in self.settings.security_groups:
+            self._lookup("security_groups", "security group", "network", "find_security_group", group)
 
     def _check_key_pair(self) -> None:
-        if self.settings.openstack_key_name:
-            self._lookup("openstack_key_name", "key pair", "compute", "find_keypair")
+        if self.settings.key_name:
+            self._lookup("key_name", "key pair", "compute", "find_keypair")
 
     def _server_attributes(self, worker_id: str, placement: _Placement, user_data: str) -> dict[str, Any]:
         """The body of Nova's create-server call."""
@@ -409,15 +512,15 @@ class OpenStackProvisioner:
             "image_id": placement.image_id,
             # microversion 2.37 on: a server names its networks, or asks for "auto"
             "networks": [{"uuid": placement.network_id}] if placement.network_id else "auto",
-            "metadata": {CLUSTER_KEY: settings.openstack_cluster, WORKER_KEY: worker_id},
+            "metadata": {CLUSTER_KEY: settings.cluster, WORKER_KEY: worker_id},
             "user_data": encode_user_data(user_data),
         }
-        if settings.openstack_security_groups:
-            attributes["security_groups"] = [{"name": group} for group in settings.openstack_security_groups]
-        if settings.openstack_key_name:
-            attributes["key_name"] = settings.openstack_key_name
-        if settings.openstack_availability_zone:
-            attributes["availability_zone"] = settings.openstack_availability_zone
+        if settings.security_groups:
+            attributes["security_groups"] = [{"name": group} for group in settings.security_groups]
+        if settings.key_name:
+            attributes["key_name"] = settings.key_name
+        if settings.availability_zone:
+            attributes["availability_zone"] = settings.availability_zone
         return attributes
 
     def _find(self, worker_id: str) -> Server | None:
@@ -428,15 +531,15 @@ class OpenStackProvisioner:
 
         known = self._known.get(worker_id)
         if known is not None:
-            with self._cloud_errors(f"get server {known.server_id} of worker {worker_id}"):
+            with self._cloud_errors(f"get server {known} of worker {worker_id}"):
                 try:
-                    return self._connection().compute.get_server(known.server_id)
+                    return self._connection().compute.get_server(known)
                 except sdk_errors.NotFoundException:
                     del self._known[worker_id]
                     return None
         for server in self._cluster_servers(worker_id):
             if server.metadata.get(WORKER_KEY) == worker_id:
-                self._known[worker_id] = _KnownServer(server.id)
+                self._known[worker_id] = server.id
                 return server
         return None
 
@@ -450,12 +553,14 @@ class OpenStackProvisioner:
         return [
             server
             for server in servers
-            if (server.metadata or {}).get(CLUSTER_KEY) == self.settings.openstack_cluster
+            if (server.metadata or {}).get(CLUSTER_KEY) == self.settings.cluster
             and (server.metadata or {}).get(WORKER_KEY)
         ]
 
     def _describe(self, worker_id: str, server: Server) -> ProvisionedWorker:
-        """A server as the worker state the scaler acts on."""
+        """A server as the worker state the scaler acts on. A server that builds for too
+        long is the scaler's to give back (``provision_timeout``), as is an ACTIVE one
+        whose worker never registers."""
         status = (server.status or "UNKNOWN").upper()
         detail = f"server {server.id} {status}"
         if server.task_state == "deleting":
@@ -463,26 +568,7 @@ class OpenStackProvisioner:
         state = _STATES.get(status, WorkerState.RUNNING)
         if state is WorkerState.FAILED and status == "ERROR":
             detail = f"{detail}: {fault_message(server)}"
-        elif state is WorkerState.BUILDING:
-            building = self._building_seconds(worker_id, server)
-            if building > self.settings.openstack_boot_timeout:
-                state = WorkerState.FAILED
-                detail = (
-                    f"{detail} for {building:.0f} s, longer than openstack_boot_timeout "
-                    f"({self.settings.openstack_boot_timeout:g} s)"
-                )
         return ProvisionedWorker(worker_id, state, detail)
-
-    def _building_seconds(self, worker_id: str, server: Server) -> float:
-        """How long the server has been building: by this master's clock when it asked for
-        it, else by the cloud's creation time."""
-        known = self._known.get(worker_id)
-        if known is not None and known.asked_at:
-            return time.monotonic() - known.asked_at
-        created = parse_time(server.created_at)
-        if created is None:
-            return 0.0
-        return (datetime.datetime.now(datetime.UTC) - created).total_seconds()
 
 
 # -- what a server is asked to run ----------------------------------------------
@@ -501,10 +587,13 @@ def check_request(request: WorkerRequest) -> None:
         raise ProvisionError("the worker's token holds white space")
 
 
-def worker_user_data(request: WorkerRequest, settings: OpenStackSettings, repository_address: str) -> str:
+def worker_user_data(
+    request: WorkerRequest, settings: OpenStackSettings, repository_address: str, cpus: int = 0
+) -> str:
     """The cloud-init document of one worker server (JSON, which cloud-init reads as the
     YAML it is): install HarmonicIO if asked to, write the token, the configuration and
-    the unit, find the server's own address, start ``hio worker``."""
+    the unit, find the server's own address, start ``hio worker --elastic`` (offering
+    ``cpus`` vCPUs; 0 = the server's)."""
     files = [
         {
             "path": CONFIG_FILE,
@@ -513,7 +602,12 @@ def worker_user_data(request: WorkerRequest, settings: OpenStackSettings, reposi
             "content": worker_toml(settings, repository_address),
         },
         {"path": ADVERTISE_SCRIPT, "owner": "root:root", "permissions": "0755", "content": ADVERTISE_HOST_SCRIPT},
-        {"path": UNIT_FILE, "owner": "root:root", "permissions": "0644", "content": worker_unit(request, settings)},
+        {
+            "path": UNIT_FILE,
+            "owner": "root:root",
+            "permissions": "0644",
+            "content": worker_unit(request, settings, cpus),
+        },
     ]
     if request.token:
         files.insert(
@@ -521,12 +615,12 @@ def worker_user_data(request: WorkerRequest, settings: OpenStackSettings, reposi
         )
     commands: list[list[str]] = []
     document: dict[str, Any] = {}
-    if settings.openstack_pip_install:
-        python = settings.openstack_python
+    if settings.pip_install:
+        python = settings.python
         document.update(package_update=True, packages=[python, f"{python}-venv"])
         commands += [
             [python, "-m", "venv", PREFIX],
-            [f"{PREFIX}/bin/pip", "install", "--disable-pip-version-check", *settings.openstack_pip_install],
+            [f"{PREFIX}/bin/pip", "install", "--disable-pip-version-check", *settings.pip_install],
         ]
     commands += [
         [
@@ -547,14 +641,14 @@ def worker_user_data(request: WorkerRequest, settings: OpenStackSettings, reposi
 
 def worker_toml(settings: OpenStackSettings, repository_address: str) -> str:
     """The worker's hio.toml: where things are on the server, then the operator's
-    ``openstack_worker_settings`` (which win)."""
+    ``worker_settings`` option (which win)."""
     values: dict[str, Any] = {"data_dir": DATA_DIR, "engine_listen_host": "0.0.0.0"}
     if repository_address:
         values["repository_address"] = repository_address
     values.update(settings.worker_file_settings())
     lines = [
-        f"# HarmonicIO worker of cluster {settings.openstack_cluster}, written by the master's openstack driver.",
-        "# worker_id and master_address are on the command line (hio-worker.service), the token",
+        f"# HarmonicIO worker of cluster {settings.cluster}, written by the master's openstack driver.",
+        "# --elastic, worker_id, master_address and cpus are on the command line (hio-worker.service), the token",
         f"# in {TOKEN_FILE}, advertise_host in {ENV_FILE}.",
         "[worker]",
     ]
@@ -573,17 +667,21 @@ def toml_value(value: Any) -> str:
     return json.dumps(str(value))
 
 
-def worker_unit(request: WorkerRequest, settings: OpenStackSettings) -> str:
-    """``hio-worker.service``: the worker as an unprivileged user, as site.yml's unit runs
-    it; systemd hands it the root-only token file as a credential (``%d``)."""
-    command = f"{PREFIX}/bin/hio worker --worker-id {request.worker_id} --master-address {request.master_address}"
+def worker_unit(request: WorkerRequest, settings: OpenStackSettings, cpus: int = 0) -> str:
+    """``hio-worker.service``: the elastic worker as an unprivileged user, as site.yml's
+    unit runs a worker; systemd hands it the root-only token file as a credential (``%d``)."""
+    command = (
+        f"{PREFIX}/bin/hio worker --elastic --worker-id {request.worker_id} --master-address {request.master_address}"
+    )
+    if cpus:
+        command += f" --cpus {cpus}"
     credential = ""
     if request.token:
         command += " --token-file %d/token"
         credential = f"LoadCredential=token:{TOKEN_FILE}\n"
     return (
         "[Unit]\n"
-        f"Description=HarmonicIO worker {request.worker_id} (cluster {settings.openstack_cluster})\n"
+        f"Description=HarmonicIO worker {request.worker_id} (cluster {settings.cluster})\n"
         "Wants=network-online.target\n"
         "After=network-online.target docker.service\n"
         "\n"
@@ -684,14 +782,3 @@ def caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-def parse_time(text: str | None) -> datetime.datetime | None:
-    """A Nova timestamp (``2026-01-02T03:04:05Z``) as an aware datetime; None if unreadable."""
-    if not text:
-        return None
-    try:
-        moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)

@@ -1,11 +1,12 @@
 """The openstack driver against a double of Keystone, Nova, Glance and Neutron over real
 HTTP on loopback (tests/master/openstack_double.py): openstacksdk makes every call it
-makes against a cloud, nothing of it is mocked."""
+makes against a cloud, nothing of it is mocked. Its options are given as an operator
+gives them, ``provisioner_options`` items, and refused with messages naming them."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -22,16 +23,17 @@ pytest.importorskip("openstack")
 import yaml
 
 from hio.config import ConfigError, build
-from hio.master.provisioners import WorkerRequest, WorkerState
+from hio.master.config import MasterConfig
+from hio.master.provisioners import ProvisionError, WorkerRequest, WorkerState, open_provisioner, parse_options
 from hio.master.provisioners.openstack import (
     CLUSTER_KEY,
     TOKEN_FILE,
     WORKER_KEY,
     OpenStackProvisioner,
     OpenStackSettings,
-    ProvisionError,
 )
 from hio.worker.config import WorkerConfig
+from tests.harness import hio_env
 from tests.master.openstack_double import CLOUD, OpenStackDouble
 
 TOKEN = "tok-3f9a1c-never-in-metadata"
@@ -49,17 +51,12 @@ def cloud() -> Iterator[OpenStackDouble]:
         assert double.unknown == [], "openstacksdk asked the double for something it does not serve"
 
 
-def settings_for(cloud: OpenStackDouble, folder: Path, **changes: Any) -> OpenStackSettings:
-    """Settings of a driver that creates workers in the double."""
-    password = changes.pop("password", None)
+def settings_for(cloud: OpenStackDouble, folder: Path, *items: str, password: str = "") -> OpenStackSettings:
+    """Settings of a driver that creates workers in the double, with more
+    ``provisioner_options`` items (which win)."""
     clouds = cloud.clouds_yaml(folder, **({"password": password} if password else {}))
-    settings = OpenStackSettings(
-        openstack_cloud=CLOUD,
-        openstack_clouds_file=str(clouds),
-        openstack_image="hio-worker-image",
-        openstack_cluster="physics",
-    )
-    return dataclasses.replace(settings, **changes)
+    base = (f"cloud={CLOUD}", f"clouds_file={clouds}", "image=hio-worker-image", "cluster=physics")
+    return OpenStackSettings.from_options(parse_options((*base, *items)))
 
 
 @pytest.fixture
@@ -98,7 +95,7 @@ def test_create_answers_building_and_an_active_server_is_running(
 
 
 def test_the_server_is_asked_for_as_the_settings_say(cloud: OpenStackDouble, tmp_path: Path) -> None:
-    settings = settings_for(cloud, tmp_path, openstack_key_name="hio", openstack_availability_zone="zone-b")
+    settings = settings_for(cloud, tmp_path, "key_name=hio", "availability_zone=zone-b")
     OpenStackProvisioner(settings, repository_address=REPOSITORY).create(WorkerRequest("w1", MASTER, TOKEN))
     [post] = cloud.called("POST", r"/compute/v2\.1/servers$")
     asked = post.body["server"]
@@ -122,7 +119,10 @@ def test_user_data_starts_the_worker_with_the_token_only_in_a_root_only_file(
     assert (token_file["owner"], token_file["permissions"]) == ("root:root", "0600")
     unit = written_file(document, "/etc/systemd/system/hio-worker.service")["content"]
     [exec_start] = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
-    assert "hio worker --worker-id w1 --master-address 192.168.100.5:7000 --token-file %d/token" in exec_start
+    assert exec_start == (
+        "ExecStart=/opt/hio/bin/hio worker --elastic --worker-id w1 --master-address 192.168.100.5:7000"
+        " --token-file %d/token"
+    )
     assert f"LoadCredential=token:{TOKEN_FILE}" in unit
     assert ["systemctl", "restart", "hio-worker.service"] in document["runcmd"]
 
@@ -148,19 +148,44 @@ def test_the_unit_is_one_systemd_accepts(cloud: OpenStackDouble, driver: OpenSta
 
 
 def test_the_workers_configuration_is_one_the_worker_accepts(cloud: OpenStackDouble, tmp_path: Path) -> None:
-    settings = settings_for(
-        cloud, tmp_path, openstack_worker_settings=("runtime=process", "engines=hio/synthetic", "cpus=4")
-    )
+    settings = settings_for(cloud, tmp_path, "worker_settings=runtime=process grace_seconds=7 log_level=info")
     OpenStackProvisioner(settings, repository_address=REPOSITORY).create(WorkerRequest("w1", MASTER, TOKEN))
     document = user_data_of(cloud, "w1")
     toml = tomllib.loads(written_file(document, "/etc/hio/hio.toml")["content"])
     assert toml["worker"]["repository_address"] == REPOSITORY
-    assert toml["worker"]["engines"] == ["hio/synthetic"] and toml["worker"]["cpus"] == 4
+    assert toml["worker"]["grace_seconds"] == 7
 
-    # the worker reads it as its file, with the command line's id and address
-    config = build(WorkerConfig, "worker", file_data=toml, overrides={"worker_id": "w1", "master_address": MASTER})
-    assert (config.runtime, config.engines, config.cpus) == ("process", ("hio/synthetic",), 4)
+    # the worker reads it as its file, with the command line's flags (the unit's ExecStart)
+    config = build(
+        WorkerConfig,
+        "worker",
+        file_data=toml,
+        overrides={"worker_id": "w1", "master_address": MASTER, "elastic": True},
+    )
+    assert (config.runtime, config.grace_seconds, config.elastic) == ("process", 7.0, True)
     assert (config.engine_listen_host, config.data_dir) == ("0.0.0.0", "/var/lib/hio")
+
+
+def test_worker_cpus_is_the_workers_cpus_and_else_the_flavors(cloud: OpenStackDouble, tmp_path: Path) -> None:
+    """The packer counts new workers by what the driver says each offers."""
+    flavors = OpenStackProvisioner(settings_for(cloud, tmp_path, "flavor=ssc.xlarge"), repository_address=REPOSITORY)
+    flavors.check()
+    assert flavors.worker_cpus() == 8  # ssc.xlarge's vCPUs
+    flavors.create(WorkerRequest("w1", MASTER, TOKEN))
+    unit = written_file(user_data_of(cloud, "w1"), "/etc/systemd/system/hio-worker.service")["content"]
+    assert "--cpus" not in unit  # the worker counts the server's own
+
+    fewer = OpenStackProvisioner(settings_for(cloud, tmp_path), repository_address=REPOSITORY, worker_cpus=3)
+    fewer.check()
+    assert fewer.worker_cpus() == 3
+    fewer.create(WorkerRequest("w2", MASTER, TOKEN))
+    unit = written_file(user_data_of(cloud, "w2"), "/etc/systemd/system/hio-worker.service")["content"]
+    assert "--master-address 192.168.100.5:7000 --cpus 3 --token-file" in unit
+
+    more = OpenStackProvisioner(settings_for(cloud, tmp_path), repository_address=REPOSITORY, worker_cpus=6)
+    with pytest.raises(ConfigError) as refused:
+        more.check()
+    assert str(refused.value) == "worker_cpus (6) is more than the 4 vCPUs of provisioner_options flavor 'ssc.large'"
 
 
 def test_the_server_advertises_its_address_on_the_route_to_the_master(
@@ -180,7 +205,7 @@ def test_the_server_advertises_its_address_on_the_route_to_the_master(
 
 def test_pip_install_makes_the_virtualenv_at_first_boot(cloud: OpenStackDouble, tmp_path: Path) -> None:
     wheel = "harmonicio[docker] @ https://files.example.org/harmonicio-0.1.0-py3-none-any.whl"
-    settings = settings_for(cloud, tmp_path, openstack_pip_install=(wheel, "-c", "https://files.example.org/c.txt"))
+    settings = settings_for(cloud, tmp_path, f"pip_install='{wheel}' -c https://files.example.org/c.txt")
     OpenStackProvisioner(settings, repository_address=REPOSITORY).create(WorkerRequest("w1", MASTER, TOKEN))
     document = user_data_of(cloud, "w1")
     assert document["packages"] == ["python3.11", "python3.11-venv"]
@@ -206,17 +231,6 @@ def test_a_server_that_fails_to_boot_is_failed_with_the_clouds_fault(
     failed = driver.state("w1")
     assert failed.state is WorkerState.FAILED
     assert "No valid host was found. There are not enough hosts." in failed.detail and "ERROR" in failed.detail
-
-
-def test_a_server_building_longer_than_the_boot_timeout_is_failed(cloud: OpenStackDouble, tmp_path: Path) -> None:
-    driver = OpenStackProvisioner(
-        settings_for(cloud, tmp_path, openstack_boot_timeout=0.2), repository_address=REPOSITORY
-    )
-    driver.create(WorkerRequest("w1", MASTER, TOKEN))
-    assert driver.state("w1").state is WorkerState.BUILDING
-    time.sleep(0.3)
-    late = driver.state("w1")
-    assert late.state is WorkerState.FAILED and "openstack_boot_timeout" in late.detail
 
 
 def test_a_stopped_server_is_failed(cloud: OpenStackDouble, driver: OpenStackProvisioner) -> None:
@@ -250,11 +264,11 @@ def test_a_worker_id_with_a_server_gets_no_second_one(cloud: OpenStackDouble, tm
 
 def test_a_create_whose_answer_came_too_late_makes_no_second_server(cloud: OpenStackDouble, tmp_path: Path) -> None:
     """Nova created the server, the driver gave up waiting: asking again finds that server."""
-    driver = OpenStackProvisioner(settings_for(cloud, tmp_path, openstack_api_timeout=0.5), repository_address="")
+    driver = OpenStackProvisioner(settings_for(cloud, tmp_path, "api_timeout=0.5"), repository_address="")
     driver.check()
     cloud.delays[r"^POST /compute/v2\.1/servers$"] = 2.0
     started = time.monotonic()
-    with pytest.raises(ProvisionError, match=r"did not answer within openstack_api_timeout \(0\.5 s\)"):
+    with pytest.raises(ProvisionError, match=r"did not answer within provisioner_options api_timeout \(0\.5 s\)"):
         driver.create(WorkerRequest("w1", MASTER, TOKEN))
     assert time.monotonic() - started < 1.9
     assert driver.create(WorkerRequest("w1", MASTER, TOKEN)).state is WorkerState.BUILDING
@@ -290,48 +304,50 @@ def test_adopt_finds_this_clusters_workers_and_nothing_else(cloud: OpenStackDoub
 def test_credentials_the_cloud_refuses_are_named(cloud: OpenStackDouble, tmp_path: Path) -> None:
     settings = settings_for(cloud, tmp_path, password="wrong")
     driver = OpenStackProvisioner(settings, repository_address=REPOSITORY)
-    with pytest.raises(ConfigError, match=r"refused the credentials of openstack_cloud 'double'") as refused:
+    with pytest.raises(ConfigError, match=r"refused the credentials of provisioner_options cloud 'double'") as refused:
         driver.check()
     assert "requires authentication" in str(refused.value)
     with pytest.raises(ProvisionError, match="refused the credentials") as raised:
         driver.create(WorkerRequest("w1", MASTER, TOKEN))
-    assert raised.value.setting == "openstack_cloud"
+    assert raised.value.setting == "provisioner_options cloud"
     assert cloud.servers == {}
 
 
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        ({"openstack_flavor": "ssc.huge"}, "openstack_flavor: the cloud has no flavor 'ssc.huge'"),
-        ({"openstack_image": "Ubuntu 99.04"}, "openstack_image: the cloud has no image 'Ubuntu 99.04'"),
-        ({"openstack_network": "nowhere-net"}, "openstack_network: the cloud has no network 'nowhere-net'"),
+        ("flavor=ssc.huge", "provisioner_options flavor: the cloud has no flavor 'ssc.huge'"),
+        ("image=Ubuntu 99.04", "provisioner_options image: the cloud has no image 'Ubuntu 99.04'"),
+        ("network=nowhere-net", "provisioner_options network: the cloud has no network 'nowhere-net'"),
         (
-            {"openstack_security_groups": ("hio-internal", "open-to-all")},
-            "openstack_security_groups: the cloud has no security group 'open-to-all'",
+            "security_groups=hio-internal open-to-all",
+            "provisioner_options security_groups: the cloud has no security group 'open-to-all'",
         ),
-        ({"openstack_key_name": "lost-key"}, "openstack_key_name: the cloud has no key pair 'lost-key'"),
+        ("key_name=lost-key", "provisioner_options key_name: the cloud has no key pair 'lost-key'"),
     ],
 )
 def test_names_the_cloud_does_not_know_are_refused_at_start_up(
-    cloud: OpenStackDouble, tmp_path: Path, change: dict[str, Any], words: str
+    cloud: OpenStackDouble, tmp_path: Path, change: str, words: str
 ) -> None:
-    driver = OpenStackProvisioner(settings_for(cloud, tmp_path, **change), repository_address=REPOSITORY)
+    driver = OpenStackProvisioner(settings_for(cloud, tmp_path, change), repository_address=REPOSITORY)
     with pytest.raises(ConfigError) as refused:
         driver.check()
     assert str(refused.value) == words
 
 
 def test_an_unknown_flavor_at_create_is_a_provision_error_naming_it(cloud: OpenStackDouble, tmp_path: Path) -> None:
-    driver = OpenStackProvisioner(settings_for(cloud, tmp_path, openstack_flavor="ssc.huge"), repository_address="")
-    with pytest.raises(ProvisionError, match=r"openstack_flavor: the cloud has no flavor 'ssc\.huge'") as raised:
+    driver = OpenStackProvisioner(settings_for(cloud, tmp_path, "flavor=ssc.huge"), repository_address="")
+    with pytest.raises(
+        ProvisionError, match=r"provisioner_options flavor: the cloud has no flavor 'ssc\.huge'"
+    ) as raised:
         driver.create(WorkerRequest("w1", MASTER, TOKEN))
-    assert raised.value.setting == "openstack_flavor"
+    assert raised.value.setting == "provisioner_options flavor"
 
 
 def test_a_security_group_nova_refuses_at_create_is_the_clouds_message(cloud: OpenStackDouble, tmp_path: Path) -> None:
     """Nova, not the driver, checks security groups at create (check() looks them up first)."""
     driver = OpenStackProvisioner(
-        settings_for(cloud, tmp_path, openstack_security_groups=("gone-group",)), repository_address=REPOSITORY
+        settings_for(cloud, tmp_path, "security_groups=gone-group"), repository_address=REPOSITORY
     )
     with pytest.raises(ProvisionError) as raised:
         driver.create(WorkerRequest("w1", MASTER, TOKEN))
@@ -353,17 +369,17 @@ def test_the_quota_is_the_clouds_message(cloud: OpenStackDouble, driver: OpenSta
 
 
 def test_a_cloud_not_in_clouds_yaml_is_named(cloud: OpenStackDouble, tmp_path: Path) -> None:
-    driver = OpenStackProvisioner(settings_for(cloud, tmp_path, openstack_cloud="snic"), repository_address="")
+    driver = OpenStackProvisioner(settings_for(cloud, tmp_path, "cloud=snic"), repository_address="")
     with pytest.raises(ConfigError) as refused:
         driver.check()
     assert str(refused.value) == (
-        f"load the credentials: openstack_cloud 'snic' (in {tmp_path / 'clouds.yaml'}) cannot be used: "
+        f"load the credentials: provisioner_options cloud 'snic' (in {tmp_path / 'clouds.yaml'}) cannot be used: "
         "Cloud snic was not found."
     )
 
 
 def test_a_cloud_that_cannot_be_reached_is_a_provision_error(cloud: OpenStackDouble, tmp_path: Path) -> None:
-    settings = settings_for(cloud, tmp_path, openstack_api_timeout=5.0)
+    settings = settings_for(cloud, tmp_path, "api_timeout=5")
     cloud.stop()  # its port now refuses connections
     driver = OpenStackProvisioner(settings, repository_address=REPOSITORY)
     with pytest.raises(ProvisionError, match="cannot be reached") as raised:
@@ -372,28 +388,30 @@ def test_a_cloud_that_cannot_be_reached_is_a_provision_error(cloud: OpenStackDou
 
 
 @pytest.mark.parametrize(
-    ("change", "words"),
+    ("items", "words"),
     [
-        ({"openstack_image": ""}, "openstack_image is empty"),
-        ({"openstack_flavor": ""}, "openstack_flavor is empty"),
-        ({"openstack_cluster": "my cluster"}, "openstack_cluster must be"),
-        ({"openstack_cluster": ""}, "openstack_cluster must be"),
-        ({"openstack_security_groups": ("hio-internal", " ")}, "openstack_security_groups names an empty group"),
-        ({"openstack_clouds_file": "/nonexistent/clouds.yaml"}, "openstack_clouds_file /nonexistent/clouds.yaml"),
-        ({"openstack_boot_timeout": 0.0}, "openstack_boot_timeout must be a positive"),
-        ({"openstack_api_timeout": float("inf")}, "openstack_api_timeout must be a positive"),
-        ({"openstack_pip_install": ("x",), "openstack_python": "python; rm"}, "openstack_python must look like"),
-        ({"openstack_worker_settings": ("runtime",)}, "openstack_worker_settings: 'runtime' must look like"),
-        ({"openstack_worker_settings": ("colour=blue",)}, "openstack_worker_settings: unknown setting 'colour'"),
-        ({"openstack_worker_settings": ("cpus=many",)}, "openstack_worker_settings cpus: 'many' is not an integer"),
-        ({"openstack_worker_settings": ("token=abc",)}, "openstack_worker_settings: token: the driver writes"),
-        ({"openstack_worker_settings": ("advertise_host=10.0.0.9",)}, "advertise_host: each server advertises"),
+        ((), "provisioner_options image is missing"),
+        (("image=i", "flavor="), "provisioner_options flavor is empty"),
+        (("image=i", "cluster=my cluster"), "provisioner_options cluster must be"),
+        (("image=i", "cluster="), "provisioner_options cluster must be"),
+        (("image=i", "colour=blue"), "the openstack driver has no option colour; it has cloud, clouds_file,"),
+        (("image=i", "clouds_file=/nonexistent/clouds.yaml"), "provisioner_options clouds_file /nonexistent/clouds"),
+        (("image=i", "api_timeout=soon"), "provisioner_options api_timeout: 'soon' is not a number"),
+        (("image=i", "api_timeout=inf"), "provisioner_options api_timeout must be a positive"),
+        (("image=i", "pip_install=x", "python=python; rm"), "provisioner_options python must look like"),
+        (("image=i", "pip_install='unclosed"), "provisioner_options pip_install cannot be split"),
+        (("image=i", "worker_settings=runtime"), "provisioner_options worker_settings: 'runtime' must look like"),
+        (("image=i", "worker_settings=colour=blue"), "provisioner_options worker_settings: unknown setting 'colour'"),
+        (("image=i", "worker_settings=grace_seconds=x"), "worker_settings grace_seconds: 'x' is not a number"),
+        (("image=i", "worker_settings=token=abc"), "provisioner_options worker_settings: token: the driver writes"),
+        (("image=i", "worker_settings=advertise_host=10.0.0.9"), "advertise_host: each server advertises"),
+        (("image=i", "worker_settings=engines=hio/synthetic"), "engines: an elastic worker runs the engines"),
+        (("image=i", "worker_settings=cpus=4"), "cpus: the master's worker_cpus sets it"),
     ],
 )
-def test_bad_settings_are_refused_naming_the_setting(change: dict[str, Any], words: str) -> None:
-    settings = dataclasses.replace(OpenStackSettings(openstack_image="hio-worker-image"), **change)
+def test_bad_options_are_refused_naming_the_option(items: tuple[str, ...], words: str) -> None:
     with pytest.raises(ConfigError) as refused:
-        OpenStackProvisioner(settings, repository_address=REPOSITORY)
+        OpenStackSettings.from_options(parse_options(items))
     assert words in str(refused.value)
 
 
@@ -420,7 +438,7 @@ def test_the_driver_does_not_import_openstacksdk_until_it_connects() -> None:
     program = (
         "import sys\n"
         "from hio.master.provisioners.openstack import OpenStackProvisioner, OpenStackSettings\n"
-        "OpenStackProvisioner(OpenStackSettings(openstack_image='i'), repository_address='')\n"
+        "OpenStackProvisioner(OpenStackSettings(image='i'), repository_address='')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('openstack', 'keystoneauth1')))\n"
     )
     result = subprocess.run(
@@ -428,3 +446,117 @@ def test_the_driver_does_not_import_openstacksdk_until_it_connects() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# -- chosen by the master: provisioner = "openstack" and provisioner_options ------------------
+
+
+def master_config(cloud: OpenStackDouble, folder: Path, *items: str, **settings: Any) -> MasterConfig:
+    """An elastic master whose openstack driver creates workers in the double."""
+    clouds = cloud.clouds_yaml(folder)
+    options = (f"cloud={CLOUD}", f"clouds_file={clouds}", "image=hio-worker-image", *items)
+    values: dict[str, Any] = {
+        "data_dir": str(folder),
+        "scaling": "elastic",
+        "provisioner": "openstack",
+        "provisioner_options": options,
+        "advertise_address": MASTER,
+        "repository_address": REPOSITORY,
+        **settings,
+    }
+    config = MasterConfig(**values)
+    config.validate()
+    return config
+
+
+def test_the_master_opens_the_driver_its_options_describe_checked(cloud: OpenStackDouble, tmp_path: Path) -> None:
+    driver = open_provisioner(master_config(cloud, tmp_path, "flavor=ssc.xlarge", "cluster=physics"), tmp_path)
+    assert isinstance(driver, OpenStackProvisioner)
+    try:
+        assert (driver.settings.flavor, driver.settings.cluster) == ("ssc.xlarge", "physics")
+        assert driver.worker_cpus() == 8  # looked up at start-up
+        assert cloud.called("POST", r"/identity/v3/auth/tokens$")  # logged in at start-up
+    finally:
+        driver.close()
+
+
+def test_an_unknown_flavor_refuses_the_masters_start_naming_the_option(cloud: OpenStackDouble, tmp_path: Path) -> None:
+    config = master_config(cloud, tmp_path, "flavor=ssc.huge")
+    with pytest.raises(ConfigError) as refused:
+        open_provisioner(config, tmp_path)
+    assert str(refused.value) == "provisioner_options flavor: the cloud has no flavor 'ssc.huge'"
+
+
+def test_hio_master_refuses_to_start_with_an_unknown_flavor(cloud: OpenStackDouble, tmp_path: Path) -> None:
+    clouds = cloud.clouds_yaml(tmp_path)
+    argv = [
+        sys.executable, "-m", "hio.cli", "master",
+        "--data-dir", str(tmp_path),
+        "--listen", "127.0.0.1:0",
+        "--scaling", "elastic",
+        "--provisioner", "openstack",
+        "--provisioner-options", f"cloud={CLOUD}",
+        "--provisioner-options", f"clouds_file={clouds}",
+        "--provisioner-options", "image=hio-worker-image",
+        "--provisioner-options", "flavor=ssc.huge",
+        "--advertise-address", MASTER,
+        "--repository-address", REPOSITORY,
+    ]  # fmt: skip
+    done = subprocess.run(
+        argv,
+        env=hio_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "hio master: provisioner_options flavor: the cloud has no flavor 'ssc.huge'" in done.stderr
+
+
+def test_a_cloud_that_cannot_be_reached_at_start_up_is_logged_and_the_master_starts(
+    cloud: OpenStackDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = master_config(cloud, tmp_path, "api_timeout=5")
+    cloud.stop()
+    with caplog.at_level(logging.WARNING, logger="hio.master.provisioners"):
+        driver = open_provisioner(config, tmp_path)
+    assert isinstance(driver, OpenStackProvisioner)
+    driver.close()
+    [warning] = [r for r in caplog.records if "could not be checked" in r.getMessage()]
+    assert "cannot be reached" in warning.error  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"advertise_address": ""}, "advertise_address: worker servers would reach the master at 127.0.0.1:7000"),
+        ({"advertise_address": "localhost:7000"}, "advertise_address: worker servers would reach the master at"),
+        ({"advertise_address": "", "listen": "0.0.0.0:7000"}, "advertise_address: worker servers would reach"),
+        ({"repository_address": "127.0.0.1:7100"}, "repository_address: worker servers would reach the repository"),
+        ({"repository_address": "[::1]:7100"}, "repository_address: worker servers would reach the repository"),
+        ({"worker_prefix": "elastic:workers"}, "worker_prefix 'elastic:workers': the openstack driver names servers"),
+        ({"worker_prefix": "w" * 57}, "worker_prefix"),
+    ],
+)
+def test_master_settings_a_worker_server_cannot_use_are_refused(
+    cloud: OpenStackDouble, tmp_path: Path, settings: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        open_provisioner(master_config(cloud, tmp_path, **settings), tmp_path)
+    assert words in str(refused.value)
+    assert cloud.requests == []  # refused before the cloud is asked anything
+
+
+def test_a_repository_address_in_worker_settings_is_the_one_servers_use(cloud: OpenStackDouble, tmp_path: Path) -> None:
+    config = master_config(
+        cloud, tmp_path, "worker_settings=repository_address=10.1.0.6:7100", repository_address="127.0.0.1:7100"
+    )
+    driver = open_provisioner(config, tmp_path)
+    assert driver is not None
+    try:
+        driver.create(WorkerRequest("elastic-1", MASTER, TOKEN))
+    finally:
+        driver.close()
+    toml = tomllib.loads(written_file(user_data_of(cloud, "elastic-1"), "/etc/hio/hio.toml")["content"])
+    assert toml["worker"]["repository_address"] == "10.1.0.6:7100"
