@@ -16,7 +16,7 @@ setup: $(VENV)/.installed proto
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[kd,docker,ansible,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[kd,docker,ansible,dev,openstack]'
 	touch $@
 
 proto: $(GEN)

@@ -281,13 +281,18 @@ class LocalCluster:
         ]
 
     def output(self, limit: int = 3000, command: str = "") -> str:
-        """The end of every role's log (of each ``command`` role, if given): what to show when
-        something went wrong."""
-        return "\n".join(
+        """The end of every role's log (of each ``command`` role, if given), the workers the
+        master's local provisioner started counted as workers: what to show when something
+        went wrong."""
+        logs = [
             f"--- {name} ({proc.log_path}) ---\n{proc.output(limit)}"
             for name, proc in self.procs.items()
             if not command or proc.command == command
-        )
+        ]
+        if command in ("", "worker"):
+            for path in sorted((self.root / "master" / "local-workers").glob("*.log")):
+                logs.append(f"--- {path.stem} ({path}) ---\n{path.read_text(errors='replace')[-limit:]}")
+        return "\n".join(logs)
 
     def remove(self, name: str, timeout: float | None = None) -> int | None:
         """Stop one role and forget it; its exit code (None if it had to be killed)."""
@@ -308,10 +313,18 @@ class LocalCluster:
                 continue
             if code not in CLEAN_EXITS:
                 problems.append(f"{name} exited with {code}; its log {proc.log_path}:\n{proc.output(3000)}")
+        self._stop_provisioned()
         self.procs.clear()
         self.health.clear()
         self.problems += problems
         return problems
+
+    def _stop_provisioned(self) -> None:
+        """Workers the master's local provisioner started outlive the master (a restarted master
+        adopts them), not the cluster: stop them once the master is stopped."""
+        from hio.master.provisioners.local import stop_recorded_workers
+
+        stop_recorded_workers(self.root / "master", self.stop_timeout)
 
     def __enter__(self) -> Self:
         return self.start()

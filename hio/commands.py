@@ -74,6 +74,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "hio.tools:run_status",
         "show the master's status: workers, channels, queues, throughput",
     ),
+    "scale": (
+        "hio.tools:ScaleConfig",
+        "scale",
+        "hio.tools:run_scale",
+        "show the elastic plan and its decisions; set worker bounds and pinned engine counts",
+    ),
     "knowledge": (
         "hio.tools:KnowledgeConfig",
         "knowledge",

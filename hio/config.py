@@ -285,7 +285,8 @@ def as_text(value: Any) -> str:
 def parse_assignments(items: tuple[str, ...], cls: type, where: str, *, refused: dict[str, str]) -> dict[str, Any]:
     """``NAME=VALUE`` items checked against the settings of ``cls``, each converted to its
     field's type; a name in ``refused`` is refused with its reason. Later items win."""
-    types = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls)
+    types = {f.name: hints[f.name] for f in dataclasses.fields(cls)}  # not class variables (PASSED_ON)
     out: dict[str, Any] = {}
     for item in items:
         name, sep, value = item.partition("=")

@@ -6,12 +6,13 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterable
 from typing import ClassVar
 
 import grpc
 from google.protobuf import json_format
 
-from hio.config import setting
+from hio.config import ConfigError, setting
 from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 from hio.settings import SERVER_SETTINGS, ClusterSettings
 from hio.transport.net import create_channel, rpc_error_text
@@ -25,6 +26,42 @@ class StatusConfig(ClusterSettings):
     UNLISTED: ClassVar[frozenset[str]] = _TOOL_UNLISTED
     json: bool = setting(False, "print the status as JSON")
     watch: float = setting(0.0, "refresh every N seconds (0 = once)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleConfig(ClusterSettings):
+    UNLISTED: ClassVar[frozenset[str]] = _TOOL_UNLISTED
+    # set_*: not min_workers / max_workers, which a [cluster] table or HIO_MAX_WORKERS gives the
+    # master: a tool reading them would change the bounds on every call
+    set_min_workers: int = setting(-1, "set the fewest workers the provisioner keeps (-1 = unchanged)")
+    set_max_workers: int = setting(-1, "set the most workers the provisioner asks for (-1 = unchanged)")
+    reset_bounds: bool = setting(False, "go back to the master's min_workers and max_workers settings")
+    pin: tuple[str, ...] = setting((), "fix an image's engine count, IMAGE=COUNT (0: none of it)")
+    unpin: tuple[str, ...] = setting((), "let the predictor decide an image's engine count again")
+    decisions: int = setting(15, "how many of the latest decisions to show")
+    json: bool = setting(False, "print the scaling as JSON")
+
+    def validate(self) -> None:
+        self.validate_cluster()
+        for name in ("set_min_workers", "set_max_workers"):
+            if getattr(self, name) < -1:
+                raise ConfigError(f"{name} must be -1 (unchanged) or zero or more, got {getattr(self, name)}")
+        self.pins()
+
+    def pins(self) -> dict[str, int]:
+        """``pin`` as image -> count."""
+        pins = {}
+        for item in self.pin:
+            image, sep, count = item.rpartition("=")
+            if not sep or not image.strip() or not count.strip().isdigit():
+                raise ConfigError(f"pin {item!r} must look like IMAGE=COUNT")
+            pins[image.strip()] = int(count)
+        return pins
+
+    def changes(self) -> bool:
+        return (
+            self.set_min_workers >= 0 or self.set_max_workers >= 0 or self.reset_bounds or bool(self.pin or self.unpin)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +100,15 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
         for c in w.channels:
             detail = f"  {c.detail}" if c.detail else ""
             state = "busy" if c.state == master_pb2.FREE and c.processing else _STATE.get(c.state, "?")
+            if c.retiring:
+                state = f"{state}, retiring"
             lane = f"  lane {c.lane_address}" if c.lane_address else ""
             lines.append(
                 f"    {c.channel_id:<24} {c.image:<18} {state:<7} {c.address:<22} done {c.tuples_done:,}{lane}{detail}"
             )
+    if s.engines:
+        lines.append("engines")
+        lines += [f"  {format_engines(e)}" for e in s.engines]
     if s.queues:
         lines.append(f"queues (limit {_mb(s.queue_bytes_limit)})")
         for q in s.queues:
@@ -74,6 +116,82 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
     for warning in s.warnings:
         lines.append(f"WARNING: {warning}")
     return "\n".join(lines)
+
+
+def format_engines(e: master_pb2.ImageEngines) -> str:
+    """One image's engines: running against wanted, and what one of them costs."""
+    wanted = f" of {e.wanted} wanted" + (" (pinned)" if e.pinned else "")
+    share = f"{e.cpu_share:.2f} cores each" if e.cpu_share else "cpu not measured yet"
+    rate = f"{e.seconds_per_tuple:.3f} s/tuple, {e.tuples_per_second:,.1f} tuples/s" if e.seconds_per_tuple else ""
+    return f"{e.image:<20} {e.running} running{wanted}   {share}" + (f"   {rate}" if rate else "")
+
+
+def _counts(items: Iterable[master_pb2.ImageCount]) -> str:
+    return ", ".join(f"{c.image}={c.count}" for c in items) or "-"
+
+
+def format_scaling(s: master_pb2.Scaling, decisions: int = 15) -> str:
+    """The plan for people: workers wanted and present, engines per image and per worker, and
+    the latest decisions with their reasons."""
+    if s.mode != "elastic":
+        lines = ["scaling fixed: each worker runs the engines it was started with (scaling = elastic changes that)"]
+        lines += [f"  {format_engines(e)}" for e in s.images]
+        return "\n".join(lines)
+    bounds = f"min {s.min_workers}, max {s.max_workers}" + (" (set with hio scale)" if s.bounds_set else "")
+    lines = [
+        f"scaling elastic, provisioner {s.provisioner or 'none (workers started by hand)'}",
+        f"workers     {s.workers_wanted} wanted, {s.workers_present} present ({bounds})",
+        "engines",
+    ]
+    lines += [f"  {format_engines(e)}" for e in s.images]
+    if s.unplaced:
+        lines.append(f"  waiting for room on a worker: {_counts(s.unplaced)}")
+    lines.append("workers (rank order: the lowest are filled first)")
+    for w in s.workers:
+        kind = "provisioned" if w.provisioned else ("elastic" if w.elastic else "fixed engines")
+        retiring = f"  retiring {w.retiring}" if w.retiring else ""
+        lines.append(
+            f"  {w.rank:>3} {w.worker_id:<20} {w.state:<9} {kind:<13} {w.cpus} vCPUs  load {w.load:.2f}"
+            f"  planned {_counts(w.planned)}  running {_counts(w.running)}{retiring}"
+        )
+    shown = list(s.decisions)[-decisions:] if decisions > 0 else []
+    if shown:
+        lines.append(f"decisions (latest {len(shown)} of {len(s.decisions)})")
+    for d in shown:
+        when = time.strftime("%H:%M:%S", time.localtime(d.unix))
+        lines.append(f"  {when}  {d.subject:<20} {d.action:<24} {d.reason}")
+    return "\n".join(lines)
+
+
+def run_scale(config: ScaleConfig) -> int:
+    with create_channel(config.master_address, config) as channel:
+        stub = master_pb2_grpc.MasterStub(channel)
+        try:
+            if config.changes():
+                request = master_pb2.SetScalingRequest(
+                    pin=[master_pb2.ImageCount(image=i, count=n) for i, n in config.pins().items()],
+                    unpin=list(config.unpin),
+                    reset_bounds=config.reset_bounds,
+                )
+                if config.set_min_workers >= 0:
+                    request.min_workers = config.set_min_workers
+                if config.set_max_workers >= 0:
+                    request.max_workers = config.set_max_workers
+                scaling = stub.SetScaling(request, timeout=30).scaling
+            else:
+                scaling = stub.GetScaling(master_pb2.GetScalingRequest(), timeout=10).scaling
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                print(f"hio scale: {exc.details()}", file=sys.stderr)
+                return 2
+            return _fail(
+                "change the scaling" if config.changes() else "get the scaling", config.master_address, exc, config
+            )
+    if config.json:
+        print(json_format.MessageToJson(scaling, always_print_fields_with_no_presence=True))
+    else:
+        print(format_scaling(scaling, config.decisions))
+    return 0
 
 
 def _fail(what: str, address: str, exc: grpc.RpcError, settings: ClusterSettings) -> int:

@@ -23,7 +23,8 @@ from pathlib import Path
 import zstandard
 
 from hio.cluster import LocalCluster
-from hio.config import one_of, setting
+from hio.config import ConfigError, one_of, setting
+from hio.master.config import SCALING_MODES
 from hio.process.procs import RoleProcess
 from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
 from hio.settings import ClusterSettings
@@ -38,6 +39,12 @@ class UpConfig(ClusterSettings):
         None, "engines of the worker (IMAGE or IMAGE=COUNT)", factory=lambda: ("hio/microscopy", "hio/simulation")
     )
     runtime: str = setting("auto", "engine runtime: auto, process or docker")
+    scaling: str = setting(
+        "fixed",
+        "'fixed': one worker with --engines; 'elastic': the master starts workers on this machine "
+        "(local provisioner) and engines on them as the load asks (docs/elasticity.md)",
+    )
+    max_workers: int = setting(4, "with --scaling elastic: most workers the master starts")
     samples_dir: str = setting("", "where the sample dataset is generated (default DATA_DIR/samples)")
     kd: bool = setting(True, "run knowledge discovery on Spark over the demo's features")
     keep: bool = setting(False, "keep every role running after the demo, until Ctrl-C")
@@ -47,6 +54,9 @@ class UpConfig(ClusterSettings):
     def validate(self) -> None:
         self.validate_cluster()
         one_of("runtime", self.runtime, RUNTIMES)
+        one_of("scaling", self.scaling, SCALING_MODES)
+        if self.max_workers < 1:
+            raise ConfigError(f"max_workers must be at least 1, got {self.max_workers}")
 
 
 def _say(message: str) -> None:
@@ -152,6 +162,20 @@ def _ports_in_use(config: UpConfig) -> list[str]:
     return taken
 
 
+def _elastic_args(config: UpConfig) -> list[str]:
+    """The master's flags for elastic scaling with workers on this machine."""
+    return [
+        "--scaling",
+        "elastic",
+        "--provisioner",
+        "local",
+        "--provisioner-options",
+        f"runtime={config.runtime}",
+        "--max-workers",
+        str(config.max_workers),
+    ]
+
+
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
@@ -174,21 +198,24 @@ def run_up(config: UpConfig) -> int:
     _say(f"generating the sample dataset in {samples_dir} (cached after the first run)")
     files = generate_demo_dataset(samples_dir)
     shared = dataclasses.replace(config, log_level=config.log_level if config.log_level != "warning" else "info")
+    elastic = config.scaling == "elastic"
     cluster = LocalCluster(
         data_dir,
         shared,
         master_address=config.master_address,
         repository_address=config.repository_address,
         http_listen=config.http_listen,
-        workers={"": config.engines},
+        workers={} if elastic else {"": config.engines},
+        master_args=_elastic_args(config) if elastic else (),
         runtime=config.runtime,
         worker_timeout=config.timeout,
     )
     signal.signal(signal.SIGTERM, _interrupt)  # stops the demo too, as Ctrl-C does
     try:
+        workers = "workers as the load asks (hio scale shows them)" if elastic else "a worker"
         _say(
             f"starting repository ({config.repository_address}), master ({config.master_address}) "
-            f"and a worker; logs in {cluster.logs}"
+            f"and {workers}; logs in {cluster.logs}"
         )
         cluster.start()
         _say(f"streaming {len(files)} sample tuples ({sum(p.stat().st_size for p, _ in files) / 1e6:.1f} MB)")

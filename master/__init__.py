@@ -52,6 +52,7 @@ def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, RoleHealth]:
     except BaseException:
         master.close()
         raise
+    master.listen_port = port
     master.start()
     return server, port, master, health_servicer
 

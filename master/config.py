@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from pathlib import Path
 
 from hio.config import (
     FSYNC_POLICIES,
@@ -22,7 +24,15 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
+SCALING_MODES = ("fixed", "elastic")
+PROVISIONERS = ("local", "openstack")
 MAX_EXPIRY_SECONDS = 10.0
+
+
+def finite_positive(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value}")
+    positive(name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +72,88 @@ class MasterConfig(ClusterSettings):
     lane_listen: str = setting(
         "", "host:port of the payload lane; empty = listen's host and port + 1 (any free port when listen's port is 0)"
     )
+    profile_seconds: float = setting(
+        20.0, "profiling interval: each image's CPU share and processing rate are averaged over this many seconds"
+    )
+    default_share: float = setting(
+        0.125, "cores one engine of an image not yet measured is taken to use (the packer's size for it)"
+    )
+    scaling: str = setting(
+        "fixed",
+        "'fixed': workers run the engines they were started with; 'elastic': the master decides "
+        "how many engines of each image run, packs them onto workers and asks for workers "
+        "(docs/elasticity.md)",
+    )
+    predict_interval: float = setting(1.0, "elastic: seconds between looks at each image's backlog")
+    upper_rate: float = setting(5.0, "elastic: a backlog growing faster than this (tuples/s) adds large_step engines")
+    lower_rate: float = setting(2.0, "elastic: a backlog growing faster than this (tuples/s) adds small_step engines")
+    slowdown_rate: float = setting(
+        -2.0,
+        "elastic: a backlog above queue_limit adds large_step engines unless it shrinks faster "
+        "than this (tuples/s, zero or negative), else small_step",
+    )
+    queue_limit: int = setting(10, "elastic: a backlog (tuples) above this adds engines")
+    large_step: int = setting(2, "elastic: engines added on a strong signal")
+    small_step: int = setting(1, "elastic: engines added on a weak signal")
+    cooldown_seconds: float = setting(
+        10.0, "elastic: an image's engine count changes at most once per this many seconds, up or down"
+    )
+    engine_idle_seconds: float = setting(30.0, "elastic: an engine without work for this long is given back")
+    packing_interval: float = setting(1.0, "elastic: seconds between packings of the wanted engines onto workers")
+    pack_margin: float = setting(
+        0.1, "elastic: share of each worker's vCPUs kept free when packing engines onto it (0 to 0.9)"
+    )
+    provisioner: str = setting(
+        "",
+        "elastic: what adds and removes workers: 'local' (hio worker processes on this machine), "
+        "'openstack' (servers), or empty: the workers started by hand are all there are",
+    )
+    provisioner_options: tuple[str, ...] = setting(
+        (), "elastic: the provisioner's own settings, NAME=VALUE (docs/elasticity.md lists each driver's)"
+    )
+    worker_prefix: str = setting("elastic", "elastic: workers the provisioner starts are named <prefix>-<n>")
+    min_workers: int = setting(0, "elastic: fewest workers the provisioner keeps")
+    max_workers: int = setting(8, "elastic: most workers the provisioner asks for")
+    worker_grace_seconds: float = setting(
+        30.0, "elastic: a provisioned worker without engines for this long may be given back"
+    )
+    provision_timeout: float = setting(
+        300.0, "elastic: a worker asked for that has not registered after this long is given back"
+    )
+    advertise_address: str = setting(
+        "", "elastic: host:port workers the provisioner starts reach this master at; empty = listen's"
+    )
+    worker_token_file: str = setting(
+        "",
+        "elastic: the token workers the provisioner starts present (a worker token of tokens_file); "
+        "empty = the token this master presents",
+    )
+    worker_cpus: int = setting(
+        0,
+        "elastic: vCPUs of a worker the provisioner adds (its --cpus; the packer counts new workers "
+        "by it); 0 = local: this machine's, openstack: the flavor's",
+    )
+
+    def new_worker_cpus(self) -> int:
+        """vCPUs of a worker the provisioner adds, as far as the settings say (a driver may know
+        better: the openstack driver's flavor)."""
+        return self.worker_cpus or os.cpu_count() or 1
+
+    def worker_master_address(self) -> str:
+        """Where workers the provisioner starts reach this master."""
+        if self.advertise_address:
+            return self.advertise_address
+        host, _, port = self.listen.rpartition(":")
+        return f"{'127.0.0.1' if host in ('', '0.0.0.0', '[::]', '::') else host}:{port}"
+
+    def worker_token(self) -> str:
+        """The token workers the provisioner starts present ('' for none)."""
+        if self.worker_token_file:
+            try:
+                return Path(self.worker_token_file).expanduser().read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read worker_token_file {self.worker_token_file}: {exc.strerror}") from None
+        return self.presented_token()
 
     def lane_address(self) -> str:
         """Where the payload lane listens; '' when there is none (turned off)."""
@@ -88,11 +180,11 @@ class MasterConfig(ClusterSettings):
             "pull_waiters",
             "dead_list_limit",
             "forget_seconds",
+            "profile_seconds",
+            "default_share",
         ):
             value = getattr(self, name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{name} must be a finite number, got {value}")
-            positive(name, value)
+            finite_positive(name, value)
         if self.queue_memory_bytes < 0:
             raise ConfigError(f"queue_memory_bytes must not be negative, got {self.queue_memory_bytes}")
         if not MiB <= self.segment_bytes <= GiB:
@@ -115,3 +207,51 @@ class MasterConfig(ClusterSettings):
         for image in self.images:
             if not image or len(image) > 256:
                 raise ConfigError(f"images: invalid image name {image!r}")
+        self.validate_scaling()
+
+    def validate_scaling(self) -> None:
+        """The elastic settings (checked in fixed mode too: a file switched to elastic later
+        must not fail then)."""
+        one_of("scaling", self.scaling, SCALING_MODES)
+        for name in ("predict_interval", "packing_interval", "engine_idle_seconds", "large_step", "small_step"):
+            finite_positive(name, getattr(self, name))
+        for name in ("upper_rate", "lower_rate", "queue_limit", "cooldown_seconds"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number, zero or more, got {value}")
+        if self.lower_rate > self.upper_rate:
+            raise ConfigError(f"lower_rate ({self.lower_rate}) must not exceed upper_rate ({self.upper_rate})")
+        if not math.isfinite(self.slowdown_rate) or self.slowdown_rate > 0:
+            raise ConfigError(f"slowdown_rate must be zero or negative (a shrinking backlog), got {self.slowdown_rate}")
+        if self.small_step > self.large_step:
+            raise ConfigError(f"small_step ({self.small_step}) must not exceed large_step ({self.large_step})")
+        if not (math.isfinite(self.pack_margin) and 0 <= self.pack_margin <= 0.9):
+            raise ConfigError(
+                f"pack_margin must be between 0 and 0.9 (a share of a worker's vCPUs), got {self.pack_margin}"
+            )
+        if self.provisioner:
+            one_of("provisioner", self.provisioner, PROVISIONERS)
+        if self.provisioner and self.scaling != "elastic":
+            raise ConfigError(f"provisioner {self.provisioner!r} needs scaling = elastic (it is {self.scaling!r})")
+        if self.min_workers < 0:
+            raise ConfigError(f"min_workers must be zero or more, got {self.min_workers}")
+        if self.max_workers < 1:
+            raise ConfigError(f"max_workers must be at least 1, got {self.max_workers}")
+        if self.min_workers > self.max_workers:
+            raise ConfigError(f"min_workers ({self.min_workers}) must not exceed max_workers ({self.max_workers})")
+        for name in ("worker_grace_seconds", "provision_timeout"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number, zero or more, got {value}")
+        check_address("advertise_address", self.advertise_address, allow_empty=True)
+        if not self.worker_prefix or "/" in self.worker_prefix or any(c.isspace() for c in self.worker_prefix):
+            raise ConfigError(f"worker_prefix {self.worker_prefix!r} must be a name without '/' or spaces")
+        if self.provisioner and self.tokens_file and not self.worker_token_file:
+            raise ConfigError(
+                "worker_token_file is needed with a provisioner and a tokens_file: the workers it starts "
+                "must present a worker token"
+            )
+        if self.worker_cpus < 0:
+            raise ConfigError(f"worker_cpus must be 0 (this machine's) or positive, got {self.worker_cpus}")
+        if self.default_share > 64:
+            raise ConfigError(f"default_share is in cores per engine, at most 64, got {self.default_share}")

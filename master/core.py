@@ -23,15 +23,19 @@ from hio.config import ConfigError, state_dir
 from hio.master.backlog import BacklogQueue, Lease, Stored
 from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
+from hio.master.demand import ImageLoad
 from hio.master.ids import TupleIdAllocator
+from hio.master.profile import Profile
+from hio.master.provisioners import open_provisioner
 from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelState, Worker
 from hio.master.routing import PendingEnqueues, Route, route_tuples
+from hio.master.scaler import HeartbeatAnswer, Scaler, ScalingReport, worker_reports
 from hio.master.stats import Stats
 from hio.master.storage import Durability
 from hio.proto import master_pb2
 from hio.proto.master_pb2 import RouteItem, TupleOutcome
 from hio.storage.files import lock_folder
-from hio.transport.errors import InvalidArgument, NotFound, ResourceExhausted
+from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hio.transport.frames import TupleFrame, TupleMeta, WireFrame, tuple_frames
 from hio.transport.tickets import load_ticket_key, make_ticket
 
@@ -113,22 +117,45 @@ class Master:
             expiry_seconds=config.expiry_seconds,
             reservation_seconds=config.reservation_seconds,
             forget_seconds=config.forget_seconds,
+            concentrate=config.scaling == "elastic",
         )
         self.registry.offered_images.update(self.queue.images())
         self.pending = PendingEnqueues(config.reservation_seconds)
         self.stats = Stats()
+        self.profile = Profile(config.profile_seconds, config.default_share)
         self._waiters = 0
-        self._route_waiters: dict[str, collections.deque[object]] = {}
+        self._route_waiters: dict[str, collections.deque[_RouteWait]] = {}
         self._stopping = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.listen_port = 0  # the port the server bound (set by the server module)
+        try:
+            self.scaler = Scaler(self, open_provisioner(config, self.root)) if config.scaling == "elastic" else None
+        except BaseException:  # a driver that refuses its options: nothing may stay open
+            self.queue.close()
+            os.close(self._lock_fd)
+            raise
 
     def start(self) -> Master:
         """Start the maintenance thread (expiry of workers, reservations and leases)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._maintain, name="hio-master-maintenance", daemon=True)
             self._thread.start()
+            if self.scaler is not None:
+                self.scaler.start()
         return self
+
+    def worker_master_address(self) -> str:
+        """Where workers the provisioner starts reach this master (the bound port when
+        ``listen`` asked for any)."""
+        address = self.config.worker_master_address()
+        host, _, port = address.rpartition(":")
+        return f"{host}:{self.listen_port}" if port == "0" and self.listen_port else address
+
+    @property
+    def lock(self) -> threading.Condition:
+        """The one lock over the master's state (the scaler's included)."""
+        return self._cond
 
     @property
     def lane_port(self) -> int:
@@ -146,6 +173,8 @@ class Master:
         self.begin_shutdown()  # first: waiting pulls return, so the lane's stop() need not wait for them
         if self.lane is not None:
             self.lane.stop()
+        if self.scaler is not None:
+            self.scaler.close()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
@@ -179,24 +208,63 @@ class Master:
                 self._free_if_unleased(self.registry.channel(channel_id))
                 self._cond.notify_all()
 
-    def register_worker(self, worker_id: str, host: str, cpus: int, channels: Iterable[master_pb2.ChannelInfo]) -> None:
-        """Add or replace a worker; leases of its previous channels go back to the queue."""
+    def register_worker(
+        self,
+        worker_id: str,
+        host: str,
+        cpus: int,
+        channels: Iterable[master_pb2.ChannelInfo],
+        *,
+        elastic: bool = False,
+    ) -> None:
+        """Add or replace a worker; leases of its previous channels go back to the queue.
+        ``elastic``: it runs the engines the plan gives it."""
         with self._cond:
-            replaced = self.registry.register(worker_id, host, cpus, channels)
+            if self.scaler is not None and not self.scaler.admits(worker_id):
+                raise FailedPrecondition(f"worker {worker_id} was given back by the elastic scaler and is stopping")
+            replaced = self.registry.register(worker_id, host, cpus, channels, elastic=elastic)
+            if self.scaler is not None:
+                self.scaler.registered(worker_id)
             self._cond.notify_all()
         for channel_id in replaced:
             self.queue.void_leases(channel_id, "worker registered again")
-        log.info("worker registered", extra={"worker": worker_id, "host": host})
+        log.info("worker registered", extra={"worker": worker_id, "host": host, "elastic": elastic})
 
-    def heartbeat(self, worker_id: str, down: dict[str, str]) -> bool:
-        """Refresh a worker; False if it must register again."""
+    def heartbeat(
+        self,
+        worker_id: str,
+        down: dict[str, str],
+        cpu: dict[str, float] | None = None,
+        channels: list[master_pb2.ChannelInfo] | None = None,
+    ) -> HeartbeatAnswer:
+        """Refresh a worker; unknown (it must register again) or what it is to do.
+
+        ``cpu``: each engine's CPU seconds so far (used and waited for), for the
+        profile of its image. ``channels``: every channel the worker has, when it
+        says so (channels it started or stopped come or go)."""
         with self._cond:
+            removed: list[str] = []
+            if channels is not None:
+                added, removed = self.registry.sync(worker_id, channels)
+                for channel_id in removed:
+                    self.profile.forget(channel_id)
+                if added or removed:
+                    log.info("channels changed", extra={"worker": worker_id, "added": added, "removed": removed})
             known, went_down = self.registry.heartbeat(worker_id, down)
+            for channel_id, seconds in (cpu or {}).items() if known else ():
+                channel = self.registry.channel(channel_id)
+                if channel is not None and channel.worker_id == worker_id:
+                    self.profile.cpu(channel_id, channel.image, seconds)
+            answer = HeartbeatAnswer(known=known)
+            if known and self.scaler is not None:
+                answer = self.scaler.answer(worker_id)
             self._cond.notify_all()
         for channel_id in went_down:
             log.info("channel down", extra={"channel": channel_id, "detail": down.get(channel_id, "")})
             self.queue.void_leases(channel_id, "channel down")
-        return known
+        for channel_id in removed:
+            self.queue.void_leases(channel_id, "channel stopped by its worker")
+        return answer
 
     def route(
         self,
@@ -245,7 +313,7 @@ class Master:
         """The route, after waiting (lock held; the wait releases it) for a channel if allowed."""
         deadline = time.monotonic() + wait_seconds
         waiters = self._route_waiters.setdefault(image, collections.deque())
-        token = object()
+        token = _RouteWait(len(tuple_ids))
         waiters.append(token)
         try:
             while True:
@@ -372,7 +440,7 @@ class Master:
                     # once the stream releases it, and the engine need not open a new pull per stream.
                     if (
                         channel.state != ChannelState.DIRECT
-                        and self.registry.routable(channel)
+                        and self.registry.takes_work(channel)
                         and not self._yields(channel)
                     ):
                         leases = self.queue.lease_many(
@@ -477,6 +545,7 @@ class Master:
                 self.stats.outcome(ok=outcome.ok, size=outcome.size, latency=latency)
                 if outcome.ok and channel is not None:
                     channel.tuples_done += 1
+                    self.profile.outcome(channel.image, outcome.processing_seconds)
         for outcome in outcomes:
             if not outcome.from_queue:
                 continue
@@ -499,6 +568,11 @@ class Master:
         with self._cond:
             channel = self.registry.channel(channel_id)
             if channel is None or not self.registry.routable(channel):
+                return False
+            if channel.retiring:  # released for good: it takes no more work, and its engine may stop
+                if not self.queue.has_lease(channel_id):
+                    self.registry.set_free(channel)
+                self._cond.notify_all()
                 return False
             pull = self.queue.ready_count(channel.image) > 0
             if pull:
@@ -532,6 +606,64 @@ class Master:
             ):
                 self.registry.set_queue(channel, leased=False)
 
+    def scaling(self) -> ScalingReport:
+        """The plan, the workers, each image's engines and profile, the latest decisions."""
+        with self._cond:
+            images = self._engines(self.queue.status())
+            if self.scaler is not None:
+                return self.scaler.report(images)
+            return ScalingReport(
+                mode="fixed",
+                provisioner="",
+                min_workers=0,
+                max_workers=0,
+                bounds_set=False,
+                workers_wanted=0,
+                workers_present=sum(1 for w in self.registry.workers() if w.live),
+                workers=worker_reports(self.registry),
+                images=images,
+                unplaced={},
+                decisions=[],
+            )
+
+    def set_scaling(
+        self,
+        *,
+        min_workers: int | None = None,
+        max_workers: int | None = None,
+        pin: dict[str, int] | None = None,
+        unpin: list[str] | None = None,
+        reset_bounds: bool = False,
+    ) -> ScalingReport:
+        """An operator's change to elastic scaling; the scaling after it."""
+        if self.scaler is None:
+            raise FailedPrecondition("scaling is fixed: start the master with scaling = elastic to change it")
+        self.scaler.change(
+            min_workers=min_workers, max_workers=max_workers, pin=pin, unpin=unpin or (), reset_bounds=reset_bounds
+        )
+        return self.scaling()
+
+    def image_loads(self, idle_after: float) -> dict[str, ImageLoad]:
+        """Each image's backlog (queued and not leased, routed to the queue and not there yet,
+        waiting for a route) and its engines idle for ``idle_after`` seconds; every image
+        with either, or with channels. Lock held."""
+        idle: collections.Counter[str] = collections.Counter()
+        images: set[str] = set(self.queue.images()) | set(self._route_waiters)
+        for worker in self.registry.workers():
+            for channel in worker.channels.values():
+                images.add(channel.image)
+                if self.registry.idle_seconds(channel, self.queue.has_lease) >= idle_after:
+                    idle[channel.image] += 1
+        return {
+            image: ImageLoad(
+                backlog=self.queue.ready_count(image)
+                + self.pending.count(image)
+                + sum(w.tuples for w in self._route_waiters.get(image, ())),
+                idle=idle[image],
+            )
+            for image in images
+        }
+
     def dead_letters(self) -> list[DeadLetter]:
         return self.dead.list(self.config.dead_list_limit)
 
@@ -563,7 +695,40 @@ class Master:
                 dead_letters=dead,
                 warnings=self._warnings(queues, self.queue.used_bytes, dead),
                 last_tuple_id=self.ids.last_issued,
+                engines=self._engines(queues),
             )
+
+    def _engines(self, queues: list[master_pb2.QueueStatus]) -> list[master_pb2.ImageEngines]:
+        """Per image with engines, a profile, a queue or a wanted count: running and wanted
+        engines (fixed sizing: wanted is what the workers run). Lock held."""
+        running: collections.Counter[str] = collections.Counter()
+        wanted: collections.Counter[str] = collections.Counter()
+        for worker in self.registry.workers():
+            if not worker.live:
+                continue
+            for channel in worker.channels.values():
+                wanted[channel.image] += 1
+                if self.registry.routable(channel):
+                    running[channel.image] += 1
+        images = set(wanted) | self.profile.images() | {q.image for q in queues if q.length}
+        if self.scaler is not None:
+            images |= self.scaler.images()
+            wanted = collections.Counter({image: self.scaler.wanted_count(image) for image in images})
+        result = []
+        for image in sorted(images):
+            profile = self.profile.image(image)
+            result.append(
+                master_pb2.ImageEngines(
+                    image=image,
+                    running=running[image],
+                    wanted=wanted[image],
+                    pinned=self.scaler is not None and image in self.scaler.pinned,
+                    cpu_share=profile.cpu_share or 0.0,  # 0: not measured yet
+                    seconds_per_tuple=profile.seconds_per_tuple or 0.0,
+                    tuples_per_second=profile.tuples_per_second,
+                )
+            )
+        return result
 
     def _warnings(self, queues: list[master_pb2.QueueStatus], used: int, dead: int) -> list[str]:
         warnings = []
@@ -605,7 +770,17 @@ def _worker_status(worker: Worker, age: float) -> master_pb2.WorkerStatus:
                 detail=c.detail,
                 tuples_done=c.tuples_done,
                 processing=c.processing,
+                retiring=c.retiring,
             )
             for c in worker.channels.values()
         ],
     )
+
+
+class _RouteWait:
+    """A route request waiting for a channel (the predictor counts its tuples as backlog)."""
+
+    __slots__ = ("tuples",)
+
+    def __init__(self, tuples: int) -> None:
+        self.tuples = tuples

@@ -42,6 +42,9 @@ class Channel:
     last_used: float = 0.0  # when it was last given work: free channels are chosen least recently used
     processing: bool = False  # its last report said a tuple is in progress (a FREE one finishes its last)
     deadline: float = NEVER  # DIRECT, or QUEUE before its pull: becomes FREE after this without reports
+    busy_at: float = 0.0  # when it was last seen with work (given some, or reporting): its idle time starts here
+    retiring: bool = False  # the elastic plan drains it: no new work; its engine stops once it holds nothing
+    seq: int = 0  # order of creation: a concentrating registry fills lower ones first
 
 
 @dataclasses.dataclass
@@ -52,6 +55,8 @@ class Worker:
     last_seen: float
     channels: dict[str, Channel]
     expired_at: float | None = None
+    rank: int = 0  # order of joining: the packer fills lower ranks first, and routing does when concentrating
+    elastic: bool = False  # runs the engines the master's plan gives it
 
     @property
     def live(self) -> bool:
@@ -76,21 +81,82 @@ class ChannelRegistry:
         expiry_seconds: float,
         reservation_seconds: float,
         forget_seconds: float,
+        concentrate: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``concentrate``: routing prefers the lowest-ranked worker and its first channels
+        (elastic scaling: load gathers there, so idle engines and workers show); otherwise
+        the least recently used channel (load spreads)."""
         self.expiry_seconds = expiry_seconds
         self.reservation_seconds = reservation_seconds
         self.forget_seconds = forget_seconds
+        self.concentrate = concentrate
         self._clock = clock
         self._workers: dict[str, Worker] = {}
         self._channels: dict[str, Channel] = {}
+        self._ranks: dict[str, int] = {}  # worker id -> rank, kept while the master runs
+        self._next_seq = 0
         self.offered_images: set[str] = set()
 
-    def register(self, worker_id: str, host: str, cpus: int, specs: Iterable[master_pb2.ChannelInfo]) -> list[str]:
+    def rank(self, worker_id: str) -> int:
+        """The worker's rank: given when it is first seen (or assigned), never changed."""
+        if worker_id not in self._ranks:
+            self._ranks[worker_id] = max(self._ranks.values(), default=-1) + 1
+        return self._ranks[worker_id]
+
+    def assign_rank(self, worker_id: str, rank: int) -> None:
+        """Give a worker its rank before it registers (one the scaler asked for, or one it
+        knew before the master restarted)."""
+        self._ranks[worker_id] = rank
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.rank = rank
+
+    def drop_rank(self, worker_id: str) -> None:
+        """The worker is gone for good (given back): its rank is free."""
+        self._ranks.pop(worker_id, None)
+
+    def register(
+        self,
+        worker_id: str,
+        host: str,
+        cpus: int,
+        specs: Iterable[master_pb2.ChannelInfo],
+        *,
+        elastic: bool = False,
+    ) -> list[str]:
         """Add or replace a worker and its channels (as the worker announces them: DOWN with why,
         or up); the ids of replaced channels (void their leases)."""
         specs = list(specs)
         _check_name("worker_id", worker_id)
+        self._check_specs(worker_id, specs)
+        now = self._clock()
+        old = self._workers.pop(worker_id, None)
+        replaced = list(old.channels) if old else []
+        for channel_id in replaced:
+            self._channels.pop(channel_id, None)
+        channels: dict[str, Channel] = {}
+        for spec in specs:
+            previous = self._channels.pop(spec.channel_id, None)  # taken over from an expired worker
+            if previous is not None:
+                self._workers[previous.worker_id].channels.pop(spec.channel_id, None)
+                replaced.append(spec.channel_id)
+            done = old.channels[spec.channel_id].tuples_done if old and spec.channel_id in old.channels else 0
+            channel = self._new_channel(worker_id, spec, now)
+            channel.tuples_done = done
+            channels[spec.channel_id] = channel
+        self._workers[worker_id] = Worker(
+            worker_id=worker_id,
+            host=host[:MAX_NAME],
+            cpus=cpus,
+            last_seen=now,
+            channels=channels,
+            rank=self.rank(worker_id),
+            elastic=elastic,
+        )
+        return replaced
+
+    def _check_specs(self, worker_id: str, specs: list[master_pb2.ChannelInfo]) -> None:
         if len(specs) > MAX_CHANNELS_PER_WORKER:
             raise InvalidArgument(f"worker {worker_id}: {len(specs)} channels, at most {MAX_CHANNELS_PER_WORKER}")
         seen: set[str] = set()
@@ -106,35 +172,52 @@ class ChannelRegistry:
             other = self._channels.get(spec.channel_id)
             if other is not None and other.worker_id != worker_id and self._workers[other.worker_id].live:
                 raise AlreadyExists(f"channel {spec.channel_id} belongs to live worker {other.worker_id}")
-        now = self._clock()
-        old = self._workers.pop(worker_id, None)
-        replaced = list(old.channels) if old else []
-        for channel_id in replaced:
-            self._channels.pop(channel_id, None)
-        channels: dict[str, Channel] = {}
-        for spec in specs:
-            previous = self._channels.pop(spec.channel_id, None)  # taken over from an expired worker
-            if previous is not None:
-                self._workers[previous.worker_id].channels.pop(spec.channel_id, None)
-                replaced.append(spec.channel_id)
-            done = old.channels[spec.channel_id].tuples_done if old and spec.channel_id in old.channels else 0
-            channel = Channel(
-                channel_id=spec.channel_id,
-                worker_id=worker_id,
-                image=spec.image,
-                address=spec.address,
-                lane_address=spec.lane_address,
-                tuples_done=done,
-                state=ChannelState.DOWN if spec.state == master_pb2.DOWN else ChannelState.FREE,
-                detail=spec.detail if spec.state == master_pb2.DOWN else "",
-            )
-            channels[spec.channel_id] = channel
-            self._channels[spec.channel_id] = channel
-            self.offered_images.add(spec.image)
-        self._workers[worker_id] = Worker(
-            worker_id=worker_id, host=host[:MAX_NAME], cpus=cpus, last_seen=now, channels=channels
+
+    def _new_channel(self, worker_id: str, spec: master_pb2.ChannelInfo, now: float) -> Channel:
+        """A channel as announced, entered in the index (not yet in its worker's table)."""
+        self._next_seq += 1
+        channel = Channel(
+            channel_id=spec.channel_id,
+            worker_id=worker_id,
+            image=spec.image,
+            address=spec.address,
+            lane_address=spec.lane_address,
+            state=ChannelState.DOWN if spec.state == master_pb2.DOWN else ChannelState.FREE,
+            detail=spec.detail if spec.state == master_pb2.DOWN else "",
+            busy_at=now,
+            seq=self._next_seq,
         )
-        return replaced
+        self._channels[spec.channel_id] = channel
+        self.offered_images.add(spec.image)
+        return channel
+
+    def sync(self, worker_id: str, specs: list[master_pb2.ChannelInfo]) -> tuple[list[str], list[str]]:
+        """A live worker's complete channel list (an elastic worker started or stopped engines):
+        channels it no longer lists go, new ones come (each as its spec says, FREE or DOWN),
+        known ones keep their state. (added, removed) channel ids; void the removed ones' leases."""
+        worker = self._workers.get(worker_id)
+        if worker is None or not worker.live:
+            return [], []
+        self._check_specs(worker_id, specs)
+        listed = {spec.channel_id for spec in specs}
+        removed = [channel_id for channel_id in worker.channels if channel_id not in listed]
+        for channel_id in removed:
+            del worker.channels[channel_id]
+            self._channels.pop(channel_id, None)
+        added = []
+        now = self._clock()
+        for spec in specs:
+            known = worker.channels.get(spec.channel_id)
+            if known is None:
+                previous = self._channels.get(spec.channel_id)  # of an expired worker: taken over
+                if previous is not None:
+                    self._workers[previous.worker_id].channels.pop(spec.channel_id, None)
+                    removed.append(spec.channel_id)
+                worker.channels[spec.channel_id] = self._new_channel(worker_id, spec, now)
+                added.append(spec.channel_id)
+            elif known.address != spec.address or known.lane_address != spec.lane_address:
+                known.address, known.lane_address = spec.address, spec.lane_address
+        return added, removed
 
     def heartbeat(self, worker_id: str, down: dict[str, str]) -> tuple[bool, list[str]]:
         """(known, channels that just went DOWN); unknown or expired workers must register again."""
@@ -154,6 +237,7 @@ class ChannelRegistry:
             elif channel.state == ChannelState.DOWN:
                 channel.state = ChannelState.FREE
                 channel.detail = ""
+                channel.busy_at = worker.last_seen  # an engine just up has not had its chance yet
         return True, went_down
 
     def expire(self) -> Expiry:
@@ -195,23 +279,41 @@ class ChannelRegistry:
         """True if the channel belongs to a live worker and is not DOWN."""
         return channel.state != ChannelState.DOWN and self._workers[channel.worker_id].live
 
+    def takes_work(self, channel: Channel) -> bool:
+        """Routable and not retiring: it may be routed to and lease queued tuples."""
+        return not channel.retiring and self.routable(channel)
+
+    def drained(self, channel: Channel, holds_lease: Callable[[str], bool]) -> bool:
+        """Holds nothing: no reservation or direct stream, no lease, no tuple in progress. A
+        retiring channel in this state may have its engine stopped."""
+        return (
+            channel.state in (ChannelState.FREE, ChannelState.DOWN)
+            and not channel.processing
+            and channel.deadline == NEVER
+            and not holds_lease(channel.channel_id)
+        )
+
     def reserve_free(self, image: str) -> Channel | None:
         """Reserve a FREE channel of ``image`` (now DIRECT), if any.
 
         One with nothing in progress before one still processing its last
-        tuple (that one would make the new tuple wait), then least recently used.
+        tuple (that one would make the new tuple wait); then, concentrating, the
+        lowest-ranked worker's first channel, else the least recently used.
         """
         free = [
             c
             for c in self._channels.values()
-            if c.image == image and c.state == ChannelState.FREE and self._workers[c.worker_id].live
+            if c.image == image and c.state == ChannelState.FREE and not c.retiring and self._workers[c.worker_id].live
         ]
         if not free:
             return None
-        channel = min(free, key=lambda c: (c.processing, c.last_used, c.channel_id))
+        if self.concentrate:
+            channel = min(free, key=lambda c: (c.processing, self._workers[c.worker_id].rank, c.seq))
+        else:
+            channel = min(free, key=lambda c: (c.processing, c.last_used, c.channel_id))
         now = self._clock()
         channel.state = ChannelState.DIRECT
-        channel.last_used = now
+        channel.last_used = channel.busy_at = now
         channel.deadline = now + self.reservation_seconds
         return channel
 
@@ -222,6 +324,7 @@ class ChannelRegistry:
         return any(
             c.image == channel.image
             and c is not channel
+            and not c.retiring
             and self._workers[c.worker_id].live
             and (
                 (c.state == ChannelState.FREE and not c.processing)
@@ -231,15 +334,30 @@ class ChannelRegistry:
         )
 
     def touch(self, channel: Channel) -> None:
-        """A report from the channel: a reservation (not a lease-held QUEUE) lives on."""
+        """A report from the channel: a reservation (not a lease-held QUEUE) lives on, and the
+        channel had work until now."""
+        now = self._clock()
+        channel.busy_at = now
         if channel.state in (ChannelState.DIRECT, ChannelState.QUEUE) and channel.deadline != NEVER:
-            channel.deadline = self._clock() + self.reservation_seconds
+            channel.deadline = now + self.reservation_seconds
+
+    def idle_seconds(self, channel: Channel, holds_lease: Callable[[str], bool]) -> float:
+        """How long the channel has been idle: FREE, processing nothing, holding no lease, of a
+        live worker; 0 when it is not idle (busy, DOWN, expired)."""
+        if (
+            channel.state != ChannelState.FREE
+            or channel.processing
+            or not self._workers[channel.worker_id].live
+            or holds_lease(channel.channel_id)
+        ):
+            return 0.0
+        return max(0.0, self._clock() - channel.busy_at)
 
     def set_queue(self, channel: Channel, *, leased: bool) -> None:
         """QUEUE state: held by a lease, or reserved until the channel pulls."""
         now = self._clock()
         channel.state = ChannelState.QUEUE
-        channel.last_used = now
+        channel.last_used = channel.busy_at = now
         channel.deadline = NEVER if leased else now + self.reservation_seconds
 
     def set_free(self, channel: Channel) -> None:
@@ -248,11 +366,22 @@ class ChannelRegistry:
             channel.deadline = NEVER
 
     def serves(self, image: str) -> bool:
-        """True if a live, non-DOWN channel runs ``image``."""
-        return any(c.image == image and self.routable(c) for c in self._channels.values())
+        """True if a live, non-DOWN channel that is not retiring runs ``image``."""
+        return any(c.image == image and self.takes_work(c) for c in self._channels.values())
 
     def workers(self) -> Iterator[Worker]:
         return iter(sorted(self._workers.values(), key=lambda w: w.worker_id))
+
+    def worker(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def forget_worker(self, worker_id: str) -> list[str]:
+        """Remove a worker given back (its channels go with it); their ids."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return []
+        self._forget(worker)
+        return list(worker.channels)
 
     def counts(self) -> tuple[int, int, int]:
         """(free, busy, down) channels of live workers; an expired worker's channels count as down."""

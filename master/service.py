@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from hio.master.backlog import Placement
 from hio.master.core import PULL_PACK_BYTES, Master, Pulled
 from hio.master.deadletters import DeadLetter
+from hio.master.scaler import ScalingReport
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.transport.errors import InvalidArgument, grpc_errors
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleReceipt, WireFrame, idle_bounded
@@ -32,6 +33,8 @@ POLICY: dict[str, set[str]] = {
     "GetStatus": {"gateway", "worker", "kd", "admin", "viewer"},
     "ListDeadLetters": {"gateway", "worker", "kd", "admin", "viewer"},
     "RetryDeadLetter": {"admin"},
+    "GetScaling": {"admin", "viewer"},
+    "SetScaling": {"admin"},
 }
 
 _RECEIPT_MESSAGES = {
@@ -51,7 +54,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def RegisterWorker(
         self, request: master_pb2.RegisterWorkerRequest, context: grpc.ServicerContext
     ) -> master_pb2.RegisterWorkerResponse:
-        self._master.register_worker(request.worker_id, request.host, request.cpus, request.channels)
+        self._master.register_worker(
+            request.worker_id, request.host, request.cpus, request.channels, elastic=request.elastic
+        )
         config = self._master.config
         return master_pb2.RegisterWorkerResponse(
             heartbeat_interval_seconds=config.heartbeat_interval, expiry_seconds=config.expiry_seconds
@@ -62,7 +67,21 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> master_pb2.HeartbeatResponse:
         down = {c.channel_id: c.detail for c in request.channels if c.state == master_pb2.DOWN}
-        return master_pb2.HeartbeatResponse(known=self._master.heartbeat(request.worker_id, down))
+        cpu = {
+            c.channel_id: c.cpu_seconds + (c.cpu_wait_seconds if c.HasField("cpu_wait_seconds") else 0.0)
+            for c in request.channels
+            if c.HasField("cpu_seconds")
+        }
+        channels = list(request.channels) if request.complete else None
+        answer = self._master.heartbeat(request.worker_id, down, cpu, channels)
+        reply = master_pb2.HeartbeatResponse(known=answer.known, stop_channels=answer.stop)
+        if answer.plan is not None:
+            reply.plan.CopyFrom(
+                master_pb2.EnginePlan(
+                    engines=[master_pb2.ImageCount(image=i, count=n) for i, n in sorted(answer.plan.items())]
+                )
+            )
+        return reply
 
     @grpc_errors
     def RouteTuples(
@@ -175,11 +194,66 @@ class MasterService(master_pb2_grpc.MasterServicer):
         return master_pb2.ListDeadLettersResponse(dead_letters=[_encode_dead(d) for d in self._master.dead_letters()])
 
     @grpc_errors
+    def GetScaling(
+        self, request: master_pb2.GetScalingRequest, context: grpc.ServicerContext
+    ) -> master_pb2.GetScalingResponse:
+        return master_pb2.GetScalingResponse(scaling=_encode_scaling(self._master.scaling()))
+
+    @grpc_errors
+    def SetScaling(
+        self, request: master_pb2.SetScalingRequest, context: grpc.ServicerContext
+    ) -> master_pb2.SetScalingResponse:
+        report = self._master.set_scaling(
+            min_workers=request.min_workers if request.HasField("min_workers") else None,
+            max_workers=request.max_workers if request.HasField("max_workers") else None,
+            pin={p.image: p.count for p in request.pin},
+            unpin=list(request.unpin),
+            reset_bounds=request.reset_bounds,
+        )
+        return master_pb2.SetScalingResponse(scaling=_encode_scaling(report))
+
+    @grpc_errors
     def RetryDeadLetter(
         self, request: master_pb2.RetryDeadLetterRequest, context: grpc.ServicerContext
     ) -> master_pb2.RetryDeadLetterResponse:
         self._master.retry_dead_letter(request.tuple_id)
         return master_pb2.RetryDeadLetterResponse()
+
+
+def _encode_scaling(report: ScalingReport) -> master_pb2.Scaling:
+    def counts(table: dict[str, int]) -> list[master_pb2.ImageCount]:
+        return [master_pb2.ImageCount(image=image, count=n) for image, n in sorted(table.items()) if n]
+
+    return master_pb2.Scaling(
+        mode=report.mode,
+        provisioner=report.provisioner,
+        min_workers=report.min_workers,
+        max_workers=report.max_workers,
+        bounds_set=report.bounds_set,
+        workers_wanted=report.workers_wanted,
+        workers_present=report.workers_present,
+        workers=[
+            master_pb2.WorkerPlan(
+                worker_id=w.worker_id,
+                rank=w.rank,
+                state=w.state,
+                cpus=w.cpus,
+                load=w.load,
+                planned=counts(w.planned),
+                running=counts(w.running),
+                retiring=w.retiring,
+                provisioned=w.provisioned,
+                elastic=w.elastic,
+            )
+            for w in report.workers
+        ],
+        images=report.images,
+        unplaced=counts(report.unplaced),
+        decisions=[
+            master_pb2.ScalingDecision(unix=d.unix, subject=d.subject, action=d.action, reason=d.reason)
+            for d in report.decisions
+        ],
+    )
 
 
 def _encode_dead(letter: DeadLetter) -> master_pb2.DeadLetter:

@@ -99,6 +99,16 @@ class WorkerConfig(EngineSettings):
         "from engine_ports) that gateways use for payloads, and pull from the "
         "master's lane; off = gRPC only",
     )
+    elastic: bool = setting(
+        False,
+        "run the engines the master's plan gives this worker (a master with scaling = elastic) "
+        "instead of a fixed set: engines is then not used",
+    )
+    owner_pid: int = setting(
+        0,
+        "stop (engines drained as on SIGTERM) once this process is gone; 0 = never. A master's "
+        "local provisioner sets it to the process its cluster ends with",
+    )
     engine_settings: tuple[str, ...] = setting(
         (),
         "engine settings passed to every engine this worker starts, "
@@ -140,6 +150,11 @@ class WorkerConfig(EngineSettings):
         self.validate_serving()
         self.engine_overrides()
         one_of("runtime", self.runtime, RUNTIMES)
+        if self.elastic and self.engines != BUILTIN_IMAGES:
+            raise ConfigError(
+                "engines and elastic exclude each other: an elastic worker runs the engines the master's plan "
+                "gives it (pin counts with `hio scale --pin IMAGE=N`)"
+            )
         if not self.engines:
             raise ConfigError("engines is empty: name at least one IMAGE or IMAGE=COUNT")
         engine_counts(self.engines, self.effective_cpus())
@@ -149,6 +164,8 @@ class WorkerConfig(EngineSettings):
                 raise ConfigError(f"pipelines entry {mapping!r} must look like IMAGE=module:function")
         if self.cpus < 0:
             raise ConfigError(f"cpus must be 0 (all) or positive, got {self.cpus}")
+        if self.owner_pid < 0:
+            raise ConfigError(f"owner_pid must be 0 (none) or a process id, got {self.owner_pid}")
         if self.engine_memory_bytes < 0:
             raise ConfigError(f"engine_memory_bytes must be 0 (no limit) or positive, got {self.engine_memory_bytes}")
         positive("engine_cpus", self.engine_cpus)

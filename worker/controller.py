@@ -5,9 +5,15 @@ Two loops run side by side. The supervisor (main thread, every 0.2 s) polls
 engines through the :class:`EngineLauncher`, marks an engine up once its
 health check answers SERVING, and restarts crashed ones with exponential
 backoff. The master session (a thread) registers the worker (retrying while
-the master is unavailable), heartbeats every interval the master asked for,
-reports channels that are down with the reason, and registers again when
+the master is unavailable), heartbeats every interval the master asked for
+with every channel's state and its engine's CPU use, and registers again when
 the master no longer knows the worker.
+
+An elastic worker (``elastic``) has no engines of its own: it runs what the
+master's plan gives it. Each heartbeat answer says how many engines of each
+image; the supervisor starts engines until it runs that many, and stops an
+engine only when the master names its channel as drained (it holds no tuple),
+with the engine's own graceful stop.
 """
 
 from __future__ import annotations
@@ -24,14 +30,16 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hio.config import as_text, local_host
+from hio.config import ConfigError, as_text, local_host
 from hio.process.log import NOTICE
+from hio.process.procs import watch_process
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.settings import ClusterSettings
 from hio.transport.net import ROLE_SERVICES, connect_hint, create_channel, stop_on_signals
 from hio.transport.retry import Backoff
 from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
 from hio.worker.config import EngineSettings, WorkerConfig, engine_counts
+from hio.worker.cpu import CpuUsage
 from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec, ProcessLauncher
 from hio.worker.runtimes import select_launcher
 
@@ -141,6 +149,8 @@ class EngineSlot:
     backoff: float = RESTART_BACKOFF_MIN
     next_start: float = 0.0  # monotonic time the engine may (re)start
     up_since: float = 0.0
+    unavailable: str = ""  # why this engine cannot start at all (no pipeline for its image): never started
+    stopping: bool = False  # drained for the master's plan: being stopped, then dropped
 
     def on_exit(self, code: int, now: float, backoff_max: float, last_line: str = "") -> str:
         """Record a crash; schedule the restart; the operator-facing reason.
@@ -172,11 +182,16 @@ class MasterSession:
     """Registration and heartbeats, on a thread of their own (never blocks supervision)."""
 
     def __init__(
-        self, config: WorkerConfig, worker_id: str, channels: Callable[[bool], list[master_pb2.ChannelInfo]]
+        self,
+        config: WorkerConfig,
+        worker_id: str,
+        channels: Callable[[bool], list[master_pb2.ChannelInfo]],
+        on_answer: Callable[[master_pb2.HeartbeatResponse], None] = lambda _reply: None,
     ) -> None:
         self._config = config
         self._worker_id = worker_id
         self._channels = channels
+        self._on_answer = on_answer
         self._stop = threading.Event()
         self._poke = threading.Event()
         self._registered = False
@@ -243,6 +258,7 @@ class MasterSession:
             host=socket.gethostname(),
             cpus=self._config.effective_cpus(),
             channels=self._channels(True),
+            elastic=self._config.elastic,
         )
         reply = self._stub.RegisterWorker(request, timeout=MASTER_CALL_TIMEOUT)
         self._interval = reply.heartbeat_interval_seconds if reply.heartbeat_interval_seconds > 0 else 1.0
@@ -254,12 +270,14 @@ class MasterSession:
         )
 
     def _heartbeat(self) -> None:
-        request = master_pb2.HeartbeatRequest(worker_id=self._worker_id, channels=self._channels(False))
+        request = master_pb2.HeartbeatRequest(worker_id=self._worker_id, channels=self._channels(False), complete=True)
         reply = self._stub.Heartbeat(request, timeout=MASTER_CALL_TIMEOUT)
         if not reply.known:
             log.warning("the master does not know this worker; registering again", extra={"worker": self._worker_id})
             self._registered = False
             self._poke.set()
+            return
+        self._on_answer(reply)
 
 
 class Controller:
@@ -270,10 +288,14 @@ class Controller:
         self._worker_id = worker_id
         self._launcher = launcher
         self._lock = threading.Lock()
-        counts = engine_counts(self._config.engines, self._config.effective_cpus())
+        counts = [] if config.elastic else engine_counts(self._config.engines, self._config.effective_cpus())
         self._lanes = self._lanes_fit(sum(count for _, count in counts))
         self._slots = self._plan(counts)
-        self._session = MasterSession(config, worker_id, self.channel_infos)
+        self._next_index = len(self._slots)
+        self._wanted: dict[str, int] | None = None  # the master's plan for this worker (elastic)
+        self._to_stop: set[str] = set()  # channels the master drained for its plan
+        self._stoppers: list[threading.Thread] = []
+        self._session = MasterSession(config, worker_id, self.channel_infos, self._on_answer)
 
     def _plan(self, counts: list[tuple[str, int]]) -> list[EngineSlot]:
         """One slot per engine, pipelines resolved now so a bad image fails at start."""
@@ -293,6 +315,74 @@ class Controller:
                     )
                 )
         return slots
+
+    def _on_answer(self, reply: master_pb2.HeartbeatResponse) -> None:
+        """A heartbeat answer (the master session's thread): the plan and the channels to stop,
+        carried out by the supervisor."""
+        if not self._config.elastic:
+            return
+        with self._lock:
+            if reply.HasField("plan"):
+                self._wanted = {item.image: item.count for item in reply.plan.engines}
+            self._to_stop.update(reply.stop_channels)
+
+    def _follow_plan(self) -> None:
+        """Start engines the plan wants and this worker lacks; stop the drained ones named."""
+        with self._lock:
+            wanted = dict(self._wanted) if self._wanted is not None else None
+            to_stop, self._to_stop = self._to_stop, set()
+            slots = list(self._slots)
+        for slot in slots:
+            if slot.channel_id in to_stop and not slot.stopping:
+                self._stop_drained(slot)
+        for image, count in sorted((wanted or {}).items()):
+            running = sum(1 for slot in slots if slot.image == image and not slot.stopping)
+            for _ in range(count - running):
+                self._add_slot(image)
+
+    def _add_slot(self, image: str) -> None:
+        """A new channel for ``image``, its engine started by the next supervision pass; one
+        that cannot run (no pipeline, no free port) stays DOWN with the reason."""
+        with self._lock:
+            channel_id = f"{self._worker_id}/{self._next_index}"
+            self._next_index += 1
+            slots = list(self._slots)
+        slot = EngineSlot(channel_id=channel_id, image=image, pipeline="", port=0)
+        try:
+            local = isinstance(self._launcher, ProcessLauncher)
+            slot.pipeline = pipeline_for_image(image, self._config.pipelines, builtin=local)
+            slot.port = self._free_port(slots)
+            slot.lane_port = self._lane_port(slots, slot.port)
+        except (ConfigError, RuntimeError) as exc:
+            slot.unavailable = slot.detail = f"cannot run: {exc}"
+        with self._lock:
+            self._slots.append(slot)
+        log.info("engine added for the master's plan", extra={"channel": channel_id, "image": image})
+        self._session.poke()
+
+    def _stop_drained(self, slot: EngineSlot) -> None:
+        """Stop a drained engine gracefully (on a thread of its own: it may take the engine's
+        grace), then drop its slot."""
+        with self._lock:
+            slot.stopping, slot.up, slot.detail = True, False, "stopping: drained for the master's plan"
+            handle = slot.handle
+
+        def stop() -> None:
+            if handle is not None:
+                try:
+                    self._launcher.stop(handle, self._config.grace_seconds + 2.0)
+                except Exception as exc:  # noqa: BLE001 - docker's errors are requests' and its own
+                    log.warning(
+                        "stopping a drained engine failed", extra={"channel": slot.channel_id, "error": str(exc)}
+                    )
+            with self._lock:
+                self._slots = [other for other in self._slots if other is not slot]
+            log.info("engine stopped for the master's plan", extra={"channel": slot.channel_id})
+            self._session.poke()
+
+        thread = threading.Thread(target=stop, name=f"stop-{slot.channel_id}", daemon=True)
+        self._stoppers.append(thread)
+        thread.start()
 
     def _free_port(self, slots: list[EngineSlot], *also: int) -> int:
         """A free port no other engine of ours was given (they bind later)."""
@@ -321,26 +411,48 @@ class Controller:
     def slots(self) -> list[EngineSlot]:
         return list(self._slots)
 
-    def channel_infos(self, everything: bool) -> list[master_pb2.ChannelInfo]:
-        """Channels for the master: all of them (register), or only those down (heartbeat)."""
+    def channel_infos(self, registering: bool) -> list[master_pb2.ChannelInfo]:
+        """Every channel, FREE (serving) or DOWN with the reason; in heartbeats (not
+        ``registering``) with the CPU its engine has used and waited for, for the master's
+        profile."""
         host = self._config.advertise_host
+        with self._lock:
+            slots = [(slot, slot.handle) for slot in self._slots]
+        cpu = {} if registering else self._cpu_usage(slots)
         infos = []
         with self._lock:
-            for slot in self._slots:
-                if slot.up and not everything:
-                    continue
-                state = master_pb2.FREE if slot.up else master_pb2.DOWN
-                infos.append(
-                    master_pb2.ChannelInfo(
-                        channel_id=slot.channel_id,
-                        image=slot.image,
-                        address=f"{host}:{slot.port}",
-                        lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
-                        state=state,
-                        detail=slot.detail,
-                    )
+            for slot, _handle in slots:
+                info = master_pb2.ChannelInfo(
+                    channel_id=slot.channel_id,
+                    image=slot.image,
+                    address=f"{host}:{slot.port}",
+                    lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
+                    state=master_pb2.FREE if slot.up else master_pb2.DOWN,
+                    detail=slot.detail,
                 )
+                usage = cpu.get(slot.channel_id)
+                if usage is not None:
+                    info.cpu_seconds = usage.cpu_seconds
+                    if usage.wait_seconds is not None:
+                        info.cpu_wait_seconds = usage.wait_seconds
+                infos.append(info)
         return infos
+
+    def _cpu_usage(self, slots: list[tuple[EngineSlot, EngineHandle | None]]) -> dict[str, CpuUsage]:
+        """CPU use of each running engine (read outside the lock: a container's may take a call
+        to the Docker daemon)."""
+        cpu = {}
+        for slot, handle in slots:
+            if handle is None:
+                continue
+            try:
+                usage = self._launcher.cpu_usage(handle)
+            except Exception as exc:  # noqa: BLE001 - a measurement must never stop the heartbeat
+                log.debug("cannot measure an engine's CPU", extra={"channel": slot.channel_id, "error": str(exc)})
+                continue
+            if usage is not None:
+                cpu[slot.channel_id] = usage
+        return cpu
 
     def run(self, stop: threading.Event) -> int:
         """Supervise until ``stop`` is set; then stop every engine. Exit code 0."""
@@ -358,7 +470,11 @@ class Controller:
         """One supervision pass over every slot. A slot the runtime cannot answer for just
         now (the Docker daemon restarting, an API timeout) is looked at again next pass; the
         engines keep running meanwhile; the worker does not stop them."""
-        for slot in self._slots:
+        if self._config.elastic:
+            self._follow_plan()
+        with self._lock:
+            slots = list(self._slots)
+        for slot in slots:
             try:
                 self._supervise(slot, now)
             except Exception as exc:  # noqa: BLE001 - docker's errors are requests' and its own
@@ -368,6 +484,8 @@ class Controller:
                 )
 
     def _supervise(self, slot: EngineSlot, now: float) -> None:
+        if slot.stopping or slot.unavailable:
+            return
         if slot.handle is None:
             if now >= slot.next_start:
                 self._start(slot)
@@ -453,10 +571,13 @@ class Controller:
 
     def stop_engines(self, grace: float) -> None:
         """SIGTERM every engine at once; kill those still running after ``grace`` + 2 s."""
-        running = [slot.handle for slot in self._slots if slot.handle is not None]
+        with self._lock:
+            running = [slot.handle for slot in self._slots if slot.handle is not None and not slot.stopping]
         if running:
             with futures.ThreadPoolExecutor(max_workers=len(running)) as pool:
                 list(pool.map(lambda h: self._launcher.stop(h, grace + 2.0), running))
+        for thread in self._stoppers:  # drained engines being stopped
+            thread.join(grace + 5.0)
         for slot in self._slots:
             slot.handle, slot.up = None, False
         self._launcher.cleanup()
@@ -469,6 +590,13 @@ def run_worker(config: WorkerConfig) -> int:
     controller = Controller(config, worker_id, launcher)
     stop = threading.Event()
     stop_on_signals(stop)
+    if config.owner_pid:
+
+        def owner_gone() -> None:
+            log.warning("the process this worker ends with is gone; stopping", extra={"owner_pid": config.owner_pid})
+            stop.set()
+
+        watch_process(config.owner_pid, owner_gone)
     log.info(
         "worker starting",
         extra={"worker": worker_id, "engines": len(controller.slots), "launcher": type(launcher).__name__},

@@ -38,6 +38,7 @@ import docker.errors
 
 from hio import images
 from hio.worker.config import WorkerConfig
+from hio.worker.cpu import CpuUsage, cgroup_cpu_seconds, container_cgroup, tree_wait_seconds
 from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec
 
 log = logging.getLogger("hio.worker")
@@ -267,6 +268,19 @@ class DockerLauncher(EngineLauncher):
             return ""
         return data.decode("utf-8", errors="replace").rstrip("\n")
 
+    def cpu_usage(self, handle: EngineHandle) -> CpuUsage | None:
+        """CPU seconds from the container's cgroup counter (found once from its main process;
+        the Docker stats API only where the cgroup file cannot be read, as for a worker in a
+        container of its own), and the wait of the processes under its main process."""
+        container = handle.native
+        pid = int((container.attrs.get("State") or {}).get("Pid") or 0)
+        if handle.cpu_source is None:
+            handle.cpu_source = container_cgroup(container.id, pid) or "api"
+        cpu = cgroup_cpu_seconds(handle.cpu_source) if handle.cpu_source != "api" else _stats_cpu_seconds(container)
+        if cpu is None:
+            return None
+        return CpuUsage(cpu_seconds=cpu, wait_seconds=tree_wait_seconds(pid) if pid > 0 else None)
+
     def cleanup(self) -> None:
         """Remove exited containers carrying our labels and this worker's id.
         Running containers and anyone else's are left alone."""
@@ -278,6 +292,15 @@ class DockerLauncher(EngineLauncher):
             if self._is_ours(container) and container.status in (*EXITED_STATES, "created"):
                 log.info("removing exited engine container", extra={"container": container.name})
                 _remove_quietly(container)
+
+
+def _stats_cpu_seconds(container: Any) -> float | None:
+    """The container's CPU seconds from the Docker stats API (one sample, not a stream)."""
+    try:
+        stats = container.stats(stream=False, one_shot=True)
+        return float(stats["cpu_stats"]["cpu_usage"]["total_usage"]) / 1e9
+    except Exception:  # noqa: BLE001 - requests' and docker's errors, or a reply without the figure
+        return None
 
 
 def image_pipeline(image: Any) -> str | None:

@@ -23,6 +23,7 @@ from typing import IO, Any
 
 from hio.process.procs import child_env
 from hio.worker.config import WorkerConfig
+from hio.worker.cpu import CpuUsage, tree_usage
 
 log = logging.getLogger("hio.worker")
 
@@ -50,6 +51,7 @@ class EngineHandle:
     native: Any = None
     log_path: str = ""
     started_monotonic: float = dataclasses.field(default_factory=time.monotonic)
+    cpu_source: Any = None  # where the launcher reads the engine's CPU time (found once, then kept)
 
 
 class EngineLauncher(abc.ABC):
@@ -74,6 +76,12 @@ class EngineLauncher(abc.ABC):
     @abc.abstractmethod
     def cleanup(self) -> None:
         """Remove our own leftovers (never anything this worker did not start)."""
+
+    def cpu_usage(self, handle: EngineHandle) -> CpuUsage | None:
+        """CPU seconds the engine has used since it started (all its processes and threads),
+        and seconds it waited for a CPU, for the master's profile of its image
+        (:mod:`hio.worker.cpu`); None when they cannot be measured."""
+        return None
 
 
 def tail(path: str | os.PathLike[str], lines: int) -> str:
@@ -154,6 +162,10 @@ class ProcessLauncher(EngineLauncher):
 
     def logs(self, handle: EngineHandle, lines: int = 50) -> str:
         return tail(handle.log_path, lines)
+
+    def cpu_usage(self, handle: EngineHandle) -> CpuUsage | None:
+        """The engine's process tree: the engine, its threads, and whatever its pipeline started."""
+        return tree_usage(handle.native.pid)
 
     def cleanup(self) -> None:
         """Kill engines we started that are still running (normally none)."""

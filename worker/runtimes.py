@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from hio.config import ConfigError
+from hio.settings import BUILTIN_IMAGES
 from hio.worker.config import WorkerConfig, engine_counts
 from hio.worker.launcher import EngineLauncher, ProcessLauncher
 
@@ -38,13 +39,16 @@ def select_launcher(config: WorkerConfig, worker_id: str | None = None) -> Engin
 
     ``process``: local processes. ``docker``: containers, or ConfigError when
     Docker is not usable. ``auto``: containers when the docker launcher
-    imports, the daemon answers and every configured image exists locally;
-    else local processes.
+    imports, the daemon answers and every configured image exists locally (an
+    elastic worker, whose images come from the master's plan later: the
+    built-in ones); else local processes.
     """
     if config.runtime == "process":
         return ProcessLauncher(config, worker_id)
     module = _docker_module()
-    images = [image for image, _ in engine_counts(config.engines, config.effective_cpus())]
+    # an elastic worker's images come later, from the master's plan: "auto" asks for the built-in ones
+    counts = engine_counts(BUILTIN_IMAGES if config.elastic else config.engines, config.effective_cpus())
+    images = [image for image, _ in counts]
     if config.runtime == "docker":
         if module is None:
             raise ConfigError(

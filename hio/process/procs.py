@@ -37,15 +37,20 @@ _PR_SET_PDEATHSIG = 1
 T = TypeVar("T")
 
 
+_OWNER: list[int] = []  # the pid this process dies with (die_with_parent), once known
+
+
 def die_with_parent() -> None:
     """In a child started with :data:`LIFELINE_ENV`: get SIGTERM when the parent dies.
 
     Called first thing by ``hio.cli``. If the parent is already gone (it died
     before the request took effect), exit now. The variable is removed, so
-    processes this one starts do not inherit it."""
+    processes this one starts do not inherit it (:func:`lifeline_owner` still
+    names the parent)."""
     expected = os.environ.pop(LIFELINE_ENV, "")
     if not expected or not sys.platform.startswith("linux"):
         return
+    _OWNER[:] = [int(expected)]
     import ctypes
 
     try:
@@ -55,6 +60,36 @@ def die_with_parent() -> None:
         return
     if os.getppid() != int(expected):
         raise SystemExit(f"hio: the process that started this one (pid {expected}) is gone")
+
+
+def lifeline_owner() -> int:
+    """The pid whose death ends this process (the test run or `hio up` that started this
+    role); 0 when none. Processes this one starts to outlive it (a master's local workers,
+    which a restarted master adopts) watch that pid instead, so they still end with it."""
+    return _OWNER[0] if _OWNER else 0
+
+
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``): with the pid,
+    it names one process for good, since pids are reused. None when it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def watch_process(pid: int, on_gone: Callable[[], None], interval: float = 1.0) -> None:
+    """Call ``on_gone`` (once, from a daemon thread) when process ``pid``, as it is now, has
+    ended; a new process given the same pid does not count as it."""
+    started = start_ticks(pid)
+
+    def run() -> None:
+        while started is not None and start_ticks(pid) == started:
+            threading.Event().wait(interval)
+        on_gone()
+
+    threading.Thread(target=run, name=f"watch-{pid}", daemon=True).start()
 
 
 _spawn_jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()

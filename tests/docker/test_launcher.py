@@ -114,6 +114,29 @@ def test_engine_container_runs_with_labels_limits_and_host_network(cluster: Clus
         docker.from_env().containers.get(handle.ident)
 
 
+def test_an_engine_container_s_cpu_is_read_from_its_cgroup(cluster: Cluster, worker_id: str) -> None:
+    launcher = launcher_for(worker_id)
+    spec = make_spec(cluster, worker_id)
+    handle = launcher.start(spec)
+    try:
+        from hio.transport.net import wait_healthy
+
+        wait_healthy(f"127.0.0.1:{spec.port}", cluster.settings, timeout=60)
+        assert launcher.poll(handle) is None  # the container's state, its main process's pid among it
+        first = launcher.cpu_usage(handle)
+        assert first is not None and first.cpu_seconds > 0  # starting Python and the engine took some
+        assert isinstance(handle.cpu_source, Path), "the cgroup counter, not the stats API"
+        assert first.wait_seconds is not None  # the host sees the container's processes
+        later = wait_for(
+            lambda: (u := launcher.cpu_usage(handle)) is not None and u.cpu_seconds > first.cpu_seconds and u,
+            timeout=30,
+            what="the counter to grow",
+        )
+        assert later.cpu_seconds > first.cpu_seconds
+    finally:
+        launcher.stop(handle, timeout=10)
+
+
 def test_exit_code_and_logs_of_an_engine_that_cannot_start(cluster: Cluster, worker_id: str) -> None:
     launcher = launcher_for(worker_id)
     spec = make_spec(cluster, worker_id)

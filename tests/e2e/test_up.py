@@ -42,6 +42,35 @@ def test_hio_up_streams_the_samples_and_summarises_the_repository(tmp_path: Path
     assert {p.name for p in logs.glob("*.log")} >= {"master.log", "repository.log", "worker.log"}
 
 
+def test_hio_up_elastic_starts_workers_and_engines_as_the_load_asks(tmp_path: Path) -> None:
+    args = [
+        sys.executable,
+        "-m",
+        "hio.cli",
+        "up",
+        "--data-dir",
+        str(tmp_path / "var"),
+        "--master-address",
+        f"127.0.0.1:{free_port()}",
+        "--repository-address",
+        f"127.0.0.1:{free_port()}",
+        "--http-listen",
+        "",
+        "--runtime",
+        "process",
+        "--no-kd",
+        "--scaling",
+        "elastic",
+    ]
+    done = subprocess.run(args, cwd=tmp_path, env=hio_env(), capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "all 36 tuples processed and stored" in out
+    assert "processed by: elastic-1/" in out  # engines the master started on a worker it started
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "var")], capture_output=True, text=True, check=False)
+    assert leftovers.stdout == "", "every role and worker stops with hio up"
+
+
 def test_hio_up_refuses_to_start_beside_a_running_system(tmp_path: Path) -> None:
     """Its health checks would find the other system's roles and run the demo against them."""
     from tests.harness import HioProcess

@@ -445,6 +445,8 @@ METHODS = [
     ("master", "/hio.proto.Master/PullTuple", "server_stream"),
     ("master", "/hio.proto.Master/Enqueue", "bidi"),
     ("master", "/hio.proto.Master/RetryDeadLetter", "unary"),
+    ("master", "/hio.proto.Master/GetScaling", "unary"),
+    ("master", "/hio.proto.Master/SetScaling", "unary"),
     ("engine", "/hio.proto.Engine/Deliver", "bidi"),
     ("gateway", "/hio.proto.Ingest/Submit", "bidi"),
     ("gateway", "/hio.proto.Ingest/GetGatewayStatus", "unary"),

@@ -418,6 +418,13 @@ def _calls(cluster: HostileCluster) -> dict[str, tuple[str, Callable[[grpc.Chann
             ),
             "worker",
         ),
+        "Master.SetScaling": (
+            cluster.master_address,
+            lambda ch: master_pb2_grpc.MasterStub(ch).SetScaling(
+                master_pb2.SetScalingRequest(max_workers=1000), timeout=5
+            ),
+            "viewer",
+        ),
         "Master.RegisterWorker": (
             cluster.master_address,
             lambda ch: master_pb2_grpc.MasterStub(ch).RegisterWorker(
@@ -458,6 +465,7 @@ def _calls(cluster: HostileCluster) -> dict[str, tuple[str, Callable[[grpc.Chann
 CALLS = [
     "Master.Enqueue",
     "Master.RetryDeadLetter",
+    "Master.SetScaling",
     "Master.RegisterWorker",
     "Engine.Deliver",
     "Repository.PutFeatures",

@@ -242,7 +242,7 @@ def test_worker_expiry_requeues_leases_and_warns(make_master) -> None:  # type: 
     assert any("worker w1 expired" in w for w in status.warnings)
     assert any("no channel offers image hio/synthetic; 1 tuples wait" in w for w in status.warnings)
     assert status.channels_down == 1 and status.queues[0].leased == 0
-    assert not master.heartbeat("w1", {})  # it must register again
+    assert not master.heartbeat("w1", {}).known  # it must register again
     add_worker(master, "w1")
     again = master.pull(ch, 0)
     assert again is not None and again.lease.meta.attempt == 2
@@ -251,12 +251,12 @@ def test_worker_expiry_requeues_leases_and_warns(make_master) -> None:  # type: 
 def test_heartbeat_down_and_up(make_master) -> None:  # type: ignore[no-untyped-def]
     master = make_master()
     ch = add_worker(master, "w1")[0]
-    assert master.heartbeat("w1", {ch: "engine crashed"})
+    assert master.heartbeat("w1", {ch: "engine crashed"}).known
     assert state(master, ch) == ChannelState.DOWN
     assert isinstance(route_of(route(master)), QueueRoute)
-    assert master.heartbeat("w1", {})
+    assert master.heartbeat("w1", {}).known
     assert state(master, ch) == ChannelState.FREE
-    assert not master.heartbeat("nobody", {})
+    assert not master.heartbeat("nobody", {}).known
 
 
 def test_reservation_lapses_without_reports(make_master) -> None:  # type: ignore[no-untyped-def]
