@@ -204,8 +204,6 @@ class Scaler:
         self._thread: threading.Thread | None = None
         self._load()
 
-    # ---- lifecycle
-
     def start(self) -> None:
         """Adopt the provisioner's workers, then run the loop."""
         if self._thread is None:
@@ -226,8 +224,6 @@ class Scaler:
                 self.tick()
             except Exception:  # the loop must survive anything; the next look tries again
                 log.exception("scaling pass failed")
-
-    # ---- one look
 
     def tick(self) -> None:
         """Look at the load once and change what it calls for; pack and size the workers when
@@ -277,8 +273,6 @@ class Scaler:
                 continue
             self.wanted[image] = max(0, wanted + change.delta)
             self.decide(image, f"{change.delta:+d} {_engines(change.delta)} (to {self.wanted[image]})", change.reason)
-
-    # ---- packing
 
     def pack(self) -> Plan:
         """Place the wanted engines onto the live workers (lock held); the new plan."""
@@ -362,8 +356,6 @@ class Scaler:
         planned = self.plan.get(worker_id)
         return HeartbeatAnswer(known=True, plan=None if planned is None else dict(planned), stop=stop)
 
-    # ---- operator controls
-
     def report(self, images: list[master_pb2.ImageEngines]) -> ScalingReport:
         """What ``hio scale`` shows (lock held); ``images``: the master's status per image."""
         low, high = self.pool.bounds()
@@ -437,8 +429,6 @@ class Scaler:
         """A worker registered (again). Lock held."""
         self.pool.registered(worker_id)
 
-    # ---- saved state
-
     def state(self) -> dict[str, Any]:
         """What a restarted master needs (lock held)."""
         return {
@@ -489,8 +479,6 @@ class Scaler:
             "scaling state restored",
             extra={"path": str(self._path), "wanted": self.wanted, "workers": sorted(self.pool.provisioned)},
         )
-
-    # ---- what it wants
 
     def wanted_count(self, image: str) -> int:
         """Engines of ``image`` wanted now: pinned, else the predictor's. Lock held."""

@@ -94,8 +94,6 @@ class WorkerPool:
         self._retry_seconds = 0.0  # the back-off after the latest creation that failed; 0 = none
         self._create_after = -float("inf")  # monotonic: no creation before this
 
-    # ---- bounds
-
     def bounds(self) -> tuple[int, int]:
         low = self.config.min_workers if self.min_workers is None else self.min_workers
         high = self.config.max_workers if self.max_workers is None else self.max_workers
@@ -109,10 +107,8 @@ class WorkerPool:
         """vCPUs of a worker still to be asked for: the driver's, else ``worker_cpus``."""
         return self.driver.worker_cpus() if self.driver is not None else self.config.new_worker_cpus()
 
-    # ---- sizing (lock held)
-
     def size(self, plan: Plan, planned: dict[str, dict[str, int]]) -> list[Action]:
-        """The target from ``plan``; the workers to ask for or give back to reach it."""
+        """The target from ``plan``; the workers to ask for or give back to reach it. Lock held."""
         used = len(plan.used()) + plan.new_bins
         extra = headroom(used)
         low, high = self.bounds()
@@ -182,11 +178,10 @@ class WorkerPool:
         self._decide(worker_id, action, why)
         return Action("delete", worker_id)
 
-    # ---- talking to the provisioner (no lock)
-
     def act(self, actions: list[Action], master_address: str, token: str) -> None:
         """Carry out the actions; a creation that fails is given back at the next poll, and
-        no worker is asked for during the back-off it starts."""
+        no worker is asked for during the back-off it starts. Called without the lock: the
+        provisioner's calls take their time."""
         if self.driver is None:
             return
         for action in actions:
@@ -213,7 +208,8 @@ class WorkerPool:
 
     def poll(self) -> list[Action]:
         """Every few seconds, ask the provisioner about the workers that have not registered
-        (or stopped heartbeating); give back those that failed, vanished or took too long."""
+        (or stopped heartbeating); give back those that failed, vanished or took too long.
+        Called without the lock."""
         if self.driver is None or self._clock() - self._polled < POLL_SECONDS:
             return []
         self._polled = self._clock()
@@ -242,7 +238,8 @@ class WorkerPool:
 
     def adopt(self) -> None:
         """After a (re)start: keep the recorded workers the provisioner still has, adopt the
-        ones it has that the record lacks, forget the records it has no worker for."""
+        ones it has that the record lacks, forget the records it has no worker for. Called
+        without the lock."""
         if self.driver is None:
             return
         try:
@@ -276,10 +273,8 @@ class WorkerPool:
         except Exception as exc:  # noqa: BLE001 - stopping goes on whatever the driver says
             failed(exc, "close", "")
 
-    # ---- registration (lock held)
-
     def admits(self, worker_id: str) -> bool:
-        """False for a worker given back a moment ago: it is being stopped, not joining."""
+        """False for a worker given back a moment ago: it is being stopped, not joining. Lock held."""
         gone = self._gone.get(worker_id)
         if gone is not None and self._clock() - gone > GONE_SECONDS:
             del self._gone[worker_id]
@@ -287,12 +282,11 @@ class WorkerPool:
         return gone is None
 
     def registered(self, worker_id: str) -> None:
+        """A worker registered: one asked for is no longer waited for. Lock held."""
         record = self.provisioned.get(worker_id)
         if record is not None and not record.registered:
             record.registered = True
             log.info("provisioned worker registered", extra={"worker": worker_id})
-
-    # ---- saved state
 
     def to_state(self) -> dict[str, Any]:
         return {
