@@ -35,11 +35,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hio.config import ConfigError
+from hio.config import ConfigError, one_of
 from hio.master.provisioners import ProvisionedWorker, WorkerRequest, WorkerState
 from hio.process.procs import child_env, lifeline_owner, start_ticks
 from hio.settings import ClusterSettings
 from hio.storage.files import atomic_write
+from hio.worker.config import RUNTIMES
 
 if TYPE_CHECKING:
     from hio.master.config import MasterConfig
@@ -48,7 +49,6 @@ log = logging.getLogger("hio.master.provisioners")
 
 FOLDER = "local-workers"
 OPTIONS = ("runtime", "worker_args")
-RUNTIMES = ("process", "docker", "auto")
 STOP_SECONDS = 20.0  # a worker given back gets this long to stop its engines before it is killed
 _NOT_PASSED = ("master_address", "repository_address", "data_dir", "token", "token_file")
 
@@ -60,8 +60,7 @@ def create_provisioner(config: MasterConfig, state_dir: Path, options: dict[str,
             f"provisioner_options: the local driver has no option {', '.join(unknown)}; it has {', '.join(OPTIONS)}"
         )
     runtime = options.get("runtime", "process")
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"provisioner_options: runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    one_of("provisioner_options: runtime", runtime, RUNTIMES)
     try:
         args = shlex.split(options.get("worker_args", ""))
     except ValueError as exc:
