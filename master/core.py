@@ -29,7 +29,7 @@ from hio.master.profile import Profile
 from hio.master.provisioners import open_provisioner
 from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelState, Worker
 from hio.master.routing import PendingEnqueues, Route, route_tuples
-from hio.master.scaler import HeartbeatAnswer, Scaler, ScalingReport, worker_reports
+from hio.master.scaler import Scaler, worker_plans
 from hio.master.stats import Stats
 from hio.master.storage import Durability
 from hio.proto import master_pb2
@@ -236,7 +236,7 @@ class Master:
         down: dict[str, str],
         cpu: dict[str, float] | None = None,
         channels: list[master_pb2.ChannelInfo] | None = None,
-    ) -> HeartbeatAnswer:
+    ) -> master_pb2.HeartbeatResponse:
         """Refresh a worker; unknown (it must register again) or what it is to do.
 
         ``cpu``: each engine's CPU seconds so far (used and waited for), for the
@@ -255,7 +255,7 @@ class Master:
                 channel = self.registry.channel(channel_id)
                 if channel is not None and channel.worker_id == worker_id:
                     self.profile.cpu(channel_id, channel.image, seconds)
-            answer = HeartbeatAnswer(known=known)
+            answer = master_pb2.HeartbeatResponse(known=known)
             if known and self.scaler is not None:
                 answer = self.scaler.answer(worker_id)
             self._cond.notify_all()
@@ -606,24 +606,17 @@ class Master:
             ):
                 self.registry.set_queue(channel, leased=False)
 
-    def scaling(self) -> ScalingReport:
+    def scaling(self) -> master_pb2.Scaling:
         """The plan, the workers, each image's engines and profile, the latest decisions."""
         with self._cond:
             images = self._engines(self.queue.status())
             if self.scaler is not None:
                 return self.scaler.report(images)
-            return ScalingReport(
+            return master_pb2.Scaling(
                 mode="fixed",
-                provisioner="",
-                min_workers=0,
-                max_workers=0,
-                bounds_set=False,
-                workers_wanted=0,
                 workers_present=sum(1 for w in self.registry.workers() if w.live),
-                workers=worker_reports(self.registry),
+                workers=worker_plans(self.registry),
                 images=images,
-                unplaced={},
-                decisions=[],
             )
 
     def set_scaling(
@@ -634,7 +627,7 @@ class Master:
         pin: dict[str, int] | None = None,
         unpin: list[str] | None = None,
         reset_bounds: bool = False,
-    ) -> ScalingReport:
+    ) -> master_pb2.Scaling:
         """An operator's change to elastic scaling; the scaling after it."""
         if self.scaler is None:
             raise FailedPrecondition("scaling is fixed: start the master with scaling = elastic to change it")

@@ -34,7 +34,6 @@ restarted master reads it, adopts the provisioner's workers, and waits
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import logging
 import threading
@@ -64,102 +63,46 @@ STATE_FILE = "scaling.json"
 STATE_VERSION = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class HeartbeatAnswer:
-    """What a heartbeat tells a worker."""
-
-    known: bool  # False: register again
-    plan: dict[str, int] | None = None  # an elastic worker's engines per image; None: no plan for it
-    stop: list[str] = dataclasses.field(default_factory=list)  # drained channels whose engines are to stop
+def image_counts(table: dict[str, int]) -> list[master_pb2.ImageCount]:
+    """Engines per image as the wire lists them: by image, none of zero."""
+    return [master_pb2.ImageCount(image=image, count=n) for image, n in sorted(table.items()) if n]
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """One thing the scaler decided, and why."""
-
-    unix: float
-    subject: str  # an image, or a worker
-    action: str  # "+2 engines", "-1 engines", "create worker", "delete worker", ...
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerReport:
-    """One worker as ``hio scale`` shows it."""
-
-    worker_id: str
-    rank: int
-    state: str  # serving, expired, starting
-    cpus: int
-    load: float
-    planned: dict[str, int]
-    running: dict[str, int]  # channels up and not retiring, per image
-    retiring: int
-    provisioned: bool
-    elastic: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class ScalingReport:
-    """Everything ``hio scale`` shows; ``images`` is the master's status of each image."""
-
-    mode: str
-    provisioner: str
-    min_workers: int
-    max_workers: int
-    bounds_set: bool
-    workers_wanted: int
-    workers_present: int
-    workers: list[WorkerReport]
-    images: list[master_pb2.ImageEngines]
-    unplaced: dict[str, int]
-    decisions: list[Decision]
-
-
-def worker_reports(
+def worker_plans(
     registry: ChannelRegistry,
     planned: dict[str, dict[str, int]] | None = None,
     load: dict[str, float] | None = None,
     provisioned: Iterable[str] = (),
-) -> list[WorkerReport]:
+) -> list[master_pb2.WorkerPlan]:
     """The registry's workers (and workers asked for that have not registered), rank order,
     with their part of the plan and its expected load."""
     planned, load = planned or {}, load or {}
-    reports = []
+    plans = []
     for worker in registry.workers():
         up = [c for c in worker.channels.values() if registry.routable(c) and not c.retiring]
-        reports.append(
-            WorkerReport(
+        plans.append(
+            master_pb2.WorkerPlan(
                 worker_id=worker.worker_id,
                 rank=worker.rank,
                 state="serving" if worker.live else "expired",
                 cpus=worker.cpus,
                 load=load.get(worker.worker_id, 0.0),
-                planned=dict(planned.get(worker.worker_id, {})),
-                running=dict(collections.Counter(c.image for c in up)),
+                planned=image_counts(planned.get(worker.worker_id, {})),
+                running=image_counts(collections.Counter(c.image for c in up)),
                 retiring=sum(1 for c in worker.channels.values() if c.retiring),
                 provisioned=worker.worker_id in provisioned,
                 elastic=worker.elastic,
             )
         )
-    known = {r.worker_id for r in reports}
+    known = {p.worker_id for p in plans}
     for worker_id in provisioned:
         if worker_id not in known:
-            reports.append(
-                WorkerReport(
-                    worker_id=worker_id,
-                    rank=registry.rank(worker_id),
-                    state="starting",
-                    cpus=0,
-                    load=0.0,
-                    planned={},
-                    running={},
-                    retiring=0,
-                    provisioned=True,
-                    elastic=True,
+            plans.append(
+                master_pb2.WorkerPlan(
+                    worker_id=worker_id, rank=registry.rank(worker_id), state="starting", provisioned=True, elastic=True
                 )
             )
-    return sorted(reports, key=lambda r: r.rank)
+    return sorted(plans, key=lambda p: p.rank)
 
 
 def predictor_policy(config: MasterConfig) -> PredictorPolicy:
@@ -189,7 +132,7 @@ class Scaler:
         self.predictor = DemandPredictor(predictor_policy(self.config), clock)
         self.wanted: dict[str, int] = {}  # the predictor's counts
         self.pinned: dict[str, int] = {}  # an operator's counts, which win
-        self.decisions: collections.deque[Decision] = collections.deque(maxlen=MAX_DECISIONS)
+        self.decisions: collections.deque[master_pb2.ScalingDecision] = collections.deque(maxlen=MAX_DECISIONS)
         self.packer = Packer()
         self.plan: dict[str, dict[str, int]] = {}  # elastic worker -> image -> engines it is to run
         self.last_plan: Plan | None = None
@@ -343,24 +286,25 @@ class Scaler:
                         log.info("channel taken back from retiring", extra={"channel": channel.channel_id})
         self._master.lock.notify_all()
 
-    def answer(self, worker_id: str) -> HeartbeatAnswer:
+    def answer(self, worker_id: str) -> master_pb2.HeartbeatResponse:
         """A known worker's heartbeat answer: its part of the plan and the drained channels
         to stop (an elastic worker's; nothing for one with engines of its own). Lock held."""
         worker = self._master.registry.worker(worker_id)
         if worker is None or not worker.elastic:
-            return HeartbeatAnswer(known=True)
+            return master_pb2.HeartbeatResponse(known=True)
         has_lease = self._master.queue.has_lease
         stop = sorted(
             c.channel_id for c in worker.channels.values() if c.retiring and self._master.registry.drained(c, has_lease)
         )
         planned = self.plan.get(worker_id)
-        return HeartbeatAnswer(known=True, plan=None if planned is None else dict(planned), stop=stop)
+        plan = None if planned is None else master_pb2.EnginePlan(engines=image_counts(planned))
+        return master_pb2.HeartbeatResponse(known=True, plan=plan, stop_channels=stop)
 
-    def report(self, images: list[master_pb2.ImageEngines]) -> ScalingReport:
+    def report(self, images: list[master_pb2.ImageEngines]) -> master_pb2.Scaling:
         """What ``hio scale`` shows (lock held); ``images``: the master's status per image."""
         low, high = self.pool.bounds()
         plan = self.last_plan
-        return ScalingReport(
+        return master_pb2.Scaling(
             mode="elastic",
             provisioner=self.config.provisioner,
             min_workers=low,
@@ -368,12 +312,10 @@ class Scaler:
             bounds_set=self.pool.min_workers is not None or self.pool.max_workers is not None,
             workers_wanted=self.pool.wanted,
             workers_present=self.pool.present,
-            workers=worker_reports(
-                self._master.registry, self.plan, plan.load if plan else None, self.pool.provisioned
-            ),
+            workers=worker_plans(self._master.registry, self.plan, plan.load if plan else None, self.pool.provisioned),
             images=images,
-            unplaced=dict(plan.unplaced) if plan else {},
-            decisions=list(self.decisions),
+            unplaced=image_counts(plan.unplaced) if plan else [],
+            decisions=self.decisions,
         )
 
     def change(
@@ -490,7 +432,9 @@ class Scaler:
 
     def decide(self, subject: str, action: str, reason: str) -> None:
         """Record and log one decision."""
-        self.decisions.append(Decision(unix=time.time(), subject=subject, action=action, reason=reason))
+        self.decisions.append(
+            master_pb2.ScalingDecision(unix=time.time(), subject=subject, action=action, reason=reason)
+        )
         log.info("scaling", extra={"subject": subject, "action": action, "reason": reason})
 
 

@@ -16,7 +16,6 @@ from google.protobuf.message import DecodeError
 from hio.master.backlog import Placement
 from hio.master.core import PULL_PACK_BYTES, Master, Pulled
 from hio.master.deadletters import DeadLetter
-from hio.master.scaler import ScalingReport
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.transport.errors import InvalidArgument, grpc_errors
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleReceipt, WireFrame, idle_bounded
@@ -73,15 +72,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
             if c.HasField("cpu_seconds")
         }
         channels = list(request.channels) if request.complete else None
-        answer = self._master.heartbeat(request.worker_id, down, cpu, channels)
-        reply = master_pb2.HeartbeatResponse(known=answer.known, stop_channels=answer.stop)
-        if answer.plan is not None:
-            reply.plan.CopyFrom(
-                master_pb2.EnginePlan(
-                    engines=[master_pb2.ImageCount(image=i, count=n) for i, n in sorted(answer.plan.items())]
-                )
-            )
-        return reply
+        return self._master.heartbeat(request.worker_id, down, cpu, channels)
 
     @grpc_errors
     def RouteTuples(
@@ -197,20 +188,20 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def GetScaling(
         self, request: master_pb2.GetScalingRequest, context: grpc.ServicerContext
     ) -> master_pb2.GetScalingResponse:
-        return master_pb2.GetScalingResponse(scaling=_encode_scaling(self._master.scaling()))
+        return master_pb2.GetScalingResponse(scaling=self._master.scaling())
 
     @grpc_errors
     def SetScaling(
         self, request: master_pb2.SetScalingRequest, context: grpc.ServicerContext
     ) -> master_pb2.SetScalingResponse:
-        report = self._master.set_scaling(
+        scaling = self._master.set_scaling(
             min_workers=request.min_workers if request.HasField("min_workers") else None,
             max_workers=request.max_workers if request.HasField("max_workers") else None,
             pin={p.image: p.count for p in request.pin},
             unpin=list(request.unpin),
             reset_bounds=request.reset_bounds,
         )
-        return master_pb2.SetScalingResponse(scaling=_encode_scaling(report))
+        return master_pb2.SetScalingResponse(scaling=scaling)
 
     @grpc_errors
     def RetryDeadLetter(
@@ -218,42 +209,6 @@ class MasterService(master_pb2_grpc.MasterServicer):
     ) -> master_pb2.RetryDeadLetterResponse:
         self._master.retry_dead_letter(request.tuple_id)
         return master_pb2.RetryDeadLetterResponse()
-
-
-def _encode_scaling(report: ScalingReport) -> master_pb2.Scaling:
-    def counts(table: dict[str, int]) -> list[master_pb2.ImageCount]:
-        return [master_pb2.ImageCount(image=image, count=n) for image, n in sorted(table.items()) if n]
-
-    return master_pb2.Scaling(
-        mode=report.mode,
-        provisioner=report.provisioner,
-        min_workers=report.min_workers,
-        max_workers=report.max_workers,
-        bounds_set=report.bounds_set,
-        workers_wanted=report.workers_wanted,
-        workers_present=report.workers_present,
-        workers=[
-            master_pb2.WorkerPlan(
-                worker_id=w.worker_id,
-                rank=w.rank,
-                state=w.state,
-                cpus=w.cpus,
-                load=w.load,
-                planned=counts(w.planned),
-                running=counts(w.running),
-                retiring=w.retiring,
-                provisioned=w.provisioned,
-                elastic=w.elastic,
-            )
-            for w in report.workers
-        ],
-        images=report.images,
-        unplaced=counts(report.unplaced),
-        decisions=[
-            master_pb2.ScalingDecision(unix=d.unix, subject=d.subject, action=d.action, reason=d.reason)
-            for d in report.decisions
-        ],
-    )
 
 
 def _encode_dead(letter: DeadLetter) -> master_pb2.DeadLetter:

@@ -4,7 +4,7 @@ backlog, pinned counts win, and every decision is kept with its reason."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,7 @@ import pytest
 from hio.master.core import Master
 from hio.master.registry import ChannelState
 from hio.master.scaler import Scaler
-from hio.proto.master_pb2 import DOWN, ChannelInfo, RouteItem
+from hio.proto.master_pb2 import DOWN, ChannelInfo, ImageCount, RouteItem
 from hio.transport.errors import FailedPrecondition, InvalidArgument
 from tests.master.helpers import config, frames
 
@@ -102,6 +102,10 @@ def test_fixed_sizing_has_no_scaler(tmp_path: Path) -> None:
         master.close()
 
 
+def counts(items: Iterable[ImageCount]) -> dict[str, int]:
+    return {c.image: c.count for c in items}
+
+
 def elastic_worker(master: Master, worker_id: str, n: int = 0, cpus: int = 2) -> list[str]:
     specs = [ChannelInfo(channel_id=f"{worker_id}/{i}", image=IMAGE, address=f"127.0.0.1:{6000 + i}") for i in range(n)]
     master.register_worker(worker_id, "host", cpus, specs, elastic=True)
@@ -131,8 +135,8 @@ def test_the_plan_places_wanted_engines_and_heartbeats_carry_it(elastic: tuple[M
     elastic_worker(master, "w2", cpus=1)
     master.scaler.pinned[IMAGE] = 9
     master.scaler.replan()
-    assert master.heartbeat("w1", {}).plan == {IMAGE: 7}
-    assert master.heartbeat("w2", {}).plan == {IMAGE: 2}
+    assert counts(master.heartbeat("w1", {}).plan.engines) == {IMAGE: 7}
+    assert counts(master.heartbeat("w2", {}).plan.engines) == {IMAGE: 2}
 
 
 def test_a_retired_channel_takes_no_work_and_stops_only_once_drained(elastic: tuple[Master, Clock]) -> None:
@@ -146,13 +150,13 @@ def test_a_retired_channel_takes_no_work_and_stops_only_once_drained(elastic: tu
     master.scaler.pinned[IMAGE] = 0
     master.scaler.replan()
     assert master.registry.channel(a).retiring and master.registry.channel(b).retiring  # type: ignore[union-attr]
-    assert master.heartbeat("w1", {}).stop == [b]  # a still holds its stream
+    assert master.heartbeat("w1", {}).stop_channels == [b]  # a still holds its stream
     routed = master.route(source="t", image=IMAGE, items=[RouteItem(size=10)])
     assert routed.WhichOneof("route") == "queue"  # nothing routable: the queue
     list(master.enqueue(frames(routed.tuple_ids[0], b"x" * 10)))
     assert master.pull(b, 0) is None  # a retiring channel leases nothing
     assert master.report(a, [], release=True) is False  # released, and told not to pull
-    assert master.heartbeat("w1", {}).stop == [a, b]
+    assert master.heartbeat("w1", {}).stop_channels == [a, b]
     # the worker stopped both engines: its complete list no longer has them
     master.heartbeat("w1", {}, channels=[])
     assert master.registry.worker("w1").channels == {}  # type: ignore[union-attr]
@@ -175,7 +179,7 @@ def test_operator_controls_pin_unpin_and_bounds_with_their_decisions(elastic: tu
     (image,) = [i for i in report.images if i.image == IMAGE]
     assert (image.wanted, image.pinned) == (3, True)
     assert (report.min_workers, report.max_workers, report.bounds_set) == (1, 4, True)
-    assert report.workers[0].planned == {IMAGE: 3}
+    assert counts(report.workers[0].planned) == {IMAGE: 3}
     report = master.set_scaling(unpin=[IMAGE], reset_bounds=True)
     (image,) = [i for i in report.images if i.image == IMAGE]
     assert (image.wanted, image.pinned) == (3, False)  # the predictor goes on from the pinned count
@@ -214,7 +218,7 @@ def test_fixed_sizing_shows_its_engines_and_refuses_changes(tmp_path: Path) -> N
     try:
         master.register_worker("w1", "host", 2, [ChannelInfo(channel_id="w1/0", image=IMAGE, address="127.0.0.1:6000")])
         report = master.scaling()
-        assert report.mode == "fixed" and report.workers[0].running == {IMAGE: 1}
+        assert report.mode == "fixed" and counts(report.workers[0].running) == {IMAGE: 1}
         with pytest.raises(FailedPrecondition, match="scaling is fixed"):
             master.set_scaling(pin={IMAGE: 2})
     finally:
