@@ -81,6 +81,7 @@ log = logging.getLogger("hio.lane")
 
 MAX_CONNECTIONS = 16  # an engine serves one call at a time; more connections make room or are closed at once
 READ_BUFFER = 256 * 1024  # larger reads go straight into their destination
+REPLY_READ = 64 * 1024  # what an upload's client reads at a time of the replies
 SMALL_SEND = 64 * 1024  # a frame up to this is sent with its prefix in one send
 LANE_CONNECT_SECONDS = 3.0  # a lane connection not made within this (nor then its TLS handshake) is a lane failure
 SENDER_JOIN_SECONDS = 30.0  # how long a finished call waits for its sender before leaving it the socket
@@ -829,6 +830,7 @@ class LaneCall:
     ) -> None:
         self._sock = sock
         self._frames = frames
+        self._replies = _Replies(sock)
         self._keep = keep
         self._broke = broke
         self._lock = threading.Lock()
@@ -861,7 +863,7 @@ class LaneCall:
                 error = _status_error(_decoded(LaneStatus, body), answered=answered)
                 if error is not None:
                     raise error
-                self._ok = True
+                self._ok = not self._replies.unread  # bytes past the status: not a connection to keep
                 return
         except LaneError as exc:
             if exc.transport and self._broke is not None:
@@ -871,10 +873,9 @@ class LaneCall:
             self._finish()
 
     def _reply(self) -> tuple[int, bytes]:
-        """The next reply, read exactly (nothing past the status is taken from the socket,
-        which may carry the next call)."""
+        """The next reply (what arrived past it waits in ``self._replies`` for the next)."""
         try:
-            prefix = _recv_exact(self._sock, _REPLY_PREFIX.size)
+            prefix = self._replies.take(_REPLY_PREFIX.size)
             if len(prefix) != _REPLY_PREFIX.size:
                 raise self._failure("lane connection closed without a status")
             kind, size = _REPLY_PREFIX.unpack(prefix)
@@ -886,7 +887,7 @@ class LaneCall:
                     f"payload lane sent an unreadable reply (kind {kind}, {size} bytes)",
                     transport=True,
                 )
-            body = _recv_exact(self._sock, size)
+            body = self._replies.take(size)
             if len(body) != size:
                 raise self._failure(f"lane connection ended inside a reply ({len(body)} of {size} bytes)")
             return kind, body
@@ -980,16 +981,29 @@ class LaneCall:
         self._sock.close()
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    """``size`` bytes from the socket itself, fewer when the peer closes first."""
-    buf = bytearray(size)
-    view, got = memoryview(buf), 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if not n:
-            break
-        got += n
-    return bytes(buf) if got == size else bytes(buf[:got])
+class _Replies:
+    """A call's replies as they arrive, read from the socket in as few reads as they come (a
+    buffered reader cannot tell without blocking whether it read past the status; this one
+    can: :attr:`unread`, which must be 0 for the socket to carry the next call)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buffer = bytearray()
+
+    def take(self, size: int) -> bytes:
+        """The next ``size`` bytes, fewer when the peer closes first."""
+        while len(self._buffer) < size:
+            data = self._sock.recv(max(REPLY_READ, size - len(self._buffer)))
+            if not data:
+                break
+            self._buffer += data
+        taken = bytes(self._buffer[:size])
+        del self._buffer[:size]
+        return taken
+
+    @property
+    def unread(self) -> int:
+        return len(self._buffer)
 
 
 def _send_file(sock: socket.socket, fh: BinaryIO, size: int) -> None:

@@ -336,6 +336,58 @@ def test_a_failed_or_cancelled_call_s_connection_is_not_kept() -> None:
         server.stop()
 
 
+class _ChattyServer:
+    """A hostile lane server: answers each connection's first call (a receipt per tuple, OK),
+    then sends three bytes more where nothing may follow a status, and keeps the connection."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self._conns.append(conn)
+            reader = conn.makefile("rb")
+            size = HELLO.unpack(reader.read(HELLO.size)).size
+            reader.read(size)
+            replies = b""
+            while (prefix := reader.read(FRAME_PREFIX.size)) != END_OF_INPUT:
+                head_size, data_size = FRAME_PREFIX.unpack(prefix)
+                frame = TupleFrame.FromString(reader.read(head_size))
+                reader.read(data_size)
+                receipt = TupleReceipt(tuple_id=frame.meta.tuple_id, state=TupleReceipt.STORED).SerializeToString()
+                replies += REPLY_PREFIX.pack(1, len(receipt)) + receipt
+            status = LaneStatus(code=0).SerializeToString()
+            conn.sendall(replies + REPLY_PREFIX.pack(STATUS, len(status)) + status + b"???")
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self._conns:
+            conn.close()
+
+
+def test_a_connection_with_bytes_past_the_status_is_not_kept() -> None:
+    """The server sends nothing between calls; a client that read bytes past a status keeps
+    its call's receipts and OK but does not start another call on that connection."""
+    chatty = _ChattyServer()
+    chooser = peers()
+    try:
+        assert enqueue(chooser, chatty.address, 1) == [1]
+        assert enqueue(chooser, chatty.address, 2) == [2]
+        assert opened(chooser, chatty.address) == 2 and chatty.accepted == 2
+    finally:
+        chooser.close()
+        chatty.close()
+
+
 def test_connections_idle_past_the_client_s_reuse_time_are_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(payload, "REUSE_SECONDS", 0.2)
     server = lane_server(Stored())
