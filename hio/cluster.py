@@ -32,28 +32,12 @@ from pathlib import Path
 from typing import Any, Self
 
 from hio.process.procs import RoleProcess, children, free_port
-from hio.settings import ClusterSettings
+from hio.settings import ClusterSettings, settings_flags
 
 #: Exit codes of a role that stopped as asked (None: killed after the timeout; -SIGKILL: killed
 #: by its user on purpose, as the fault tests do).
 CLEAN_EXITS = (0, None, -signal.SIGTERM, -signal.SIGKILL)
 _OWN = ("master_address", "repository_address", "data_dir", "token")
-
-
-def settings_args(settings: ClusterSettings) -> list[str]:
-    """Flags for every shared setting that differs from its default (not the addresses,
-    the data folder or the token)."""
-    args: list[str] = []
-    for field in dataclasses.fields(ClusterSettings):
-        value = getattr(settings, field.name)
-        if field.name in _OWN or value == field.default:
-            continue
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(value, bool):
-            args.append(flag if value else "--no-" + flag[2:])
-        else:
-            args += [flag, str(value)]
-    return args
 
 
 def expected_engines(engines: Sequence[str], cpus: int | None = None) -> int:
@@ -222,7 +206,7 @@ class LocalCluster:
             self.repository,
             "--data-dir",
             str(self.root),
-            *settings_args(self.settings),
+            *settings_flags(self.settings, omit=_OWN),
         ]
 
     @staticmethod

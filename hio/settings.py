@@ -91,3 +91,20 @@ class ClusterSettings:
 
     def validate(self) -> None:
         self.validate_cluster()
+
+
+def settings_flags(settings: ClusterSettings, *, omit: tuple[str, ...]) -> list[str]:
+    """Flags for every shared setting that differs from its default, but those in ``omit``
+    (each caller gives its own addresses, data folder, token): a child process started
+    with them speaks as its parent does."""
+    args: list[str] = []
+    for field in dataclasses.fields(ClusterSettings):
+        value = getattr(settings, field.name)
+        if field.name in omit or value == field.default:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        else:
+            args += [flag, str(value)]
+    return args

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from hio.config import ConfigError, one_of
 from hio.master.provisioners import ProvisionedWorker, WorkerRequest, WorkerState
 from hio.process.procs import child_env, lifeline_owner, start_ticks
-from hio.settings import ClusterSettings
+from hio.settings import settings_flags
 from hio.storage.files import atomic_write
 from hio.worker.config import RUNTIMES
 
@@ -132,7 +132,7 @@ class LocalProvisioner:
             str(config.new_worker_cpus()),
             "--runtime",
             self._runtime,
-            *_settings_flags(config),
+            *settings_flags(config, omit=_NOT_PASSED),
         ]
         owner = lifeline_owner()
         if owner:
@@ -252,19 +252,3 @@ def stop_recorded_workers(master_dir: Path, timeout: float = STOP_SECONDS) -> li
     for record in records:
         (folder / f"{record.worker_id}.json").unlink(missing_ok=True)
     return [r.worker_id for r in running]
-
-
-def _settings_flags(config: ClusterSettings) -> list[str]:
-    """Flags for every shared setting the master has that differs from its default (TLS
-    files, tokens file, ticket key, bounds, logging), so its workers speak as it does."""
-    args: list[str] = []
-    for field in dataclasses.fields(ClusterSettings):
-        value = getattr(config, field.name)
-        if field.name in _NOT_PASSED or value == field.default:
-            continue
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(value, bool):
-            args.append(flag if value else "--no-" + flag[2:])
-        else:
-            args += [flag, str(value)]
-    return args
