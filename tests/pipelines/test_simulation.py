@@ -163,3 +163,39 @@ def test_parameters_are_checked_and_used() -> None:
     assert simulation.process(data, with_attributes(min_peak_power="0.99"))["A_period"] == 0.0
     with pytest.raises(ValueError, match="attribute min_cycles="):
         simulation.process(data, with_attributes(min_cycles="0"))
+
+
+def test_a_periodic_signal_in_noise_is_significant_against_red_noise_and_red_noise_is_not() -> None:
+    t, x = _sine(7.3, noise=30.0)
+    rng = np.random.default_rng(3)
+    red = np.zeros(4000)
+    for i in range(1, red.size):  # AR(1): the null the surrogates are drawn from
+        red[i] = 0.95 * red[i - 1] + rng.normal()
+    info = with_attributes(period_surrogates="200", min_peak_power="0")
+    periodic = simulation.process(_npz(t=t, x=x), info)
+    noise = simulation.process(_npz(x=red), info)
+    assert periodic["A_period"] == pytest.approx(7.3, rel=0.01)
+    assert periodic["A_period_p"] == pytest.approx(1 / 201)  # no surrogate reaches its peak
+    assert noise["A_period_p"] > 0.05
+    assert simulation.process(_npz(x=red), info) == noise  # surrogates seeded by the series: reproducible
+
+
+def test_red_noise_surrogates_have_the_fitted_autocorrelation_and_variance() -> None:
+    rng = np.random.default_rng(4)
+    series = np.zeros(4000)
+    for i in range(1, series.size):
+        series[i] = 0.8 * series[i - 1] + rng.normal()
+    surrogates = simulation.red_noise(series - series.mean(), 300, np.random.default_rng(5))
+    assert surrogates.shape == (300, 4000)
+    lag1 = np.mean([simulation.autocorrelation(row, 1) for row in surrogates])
+    assert lag1 == pytest.approx(simulation.autocorrelation(series, 1), abs=0.02)
+    assert surrogates.var(axis=1).mean() == pytest.approx(series.var(), rel=0.1)
+
+
+def test_the_period_p_value_is_computed_only_when_asked_and_its_count_is_bounded(info: Info) -> None:
+    t, x = _sine(7.3)
+    data = _npz(t=t, x=x)
+    assert "A_period_p" not in simulation.process(data, info)
+    for bad in ("-1", "10001", "1.5"):
+        with pytest.raises(ValueError, match="attribute period_surrogates="):
+            simulation.process(data, with_attributes(period_surrogates=bad))

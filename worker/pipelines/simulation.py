@@ -25,7 +25,18 @@ clear peak: the peak must lie at ``min_cycles`` or more cycles per series
 ``min_peak_power`` (default 0.15) of the detrended series' spectral power in
 its three bins. Plus ``species_count``, ``timepoints``, ``voxels``, ``t_span``.
 
-Tuple attributes (optional): ``min_cycles`` (1..1000), ``min_peak_power`` (0..1).
+With ``period_surrogates`` = N > 0, each species also gets ``N_period_p``: how
+likely red noise is to make a peak as strong. The detrended series is fitted
+with an AR(1) process (its lag-1 autocorrelation and variance), N realizations
+of that process are drawn, and ``N_period_p`` = (1 + the number whose strongest
+peak, at ``min_cycles`` or more cycles, holds at least the series' peak share)
+/ (N + 1): the Monte Carlo p-value of the peak against red noise, the usual
+test of a spectral peak in a noisy time series. Its cost grows with N (about a
+tenth of a second of CPU per 100 surrogates of an 8000-sample series), and it
+is reproducible: the surrogates are drawn from a generator seeded by the series.
+
+Tuple attributes (optional): ``min_cycles`` (1..1000), ``min_peak_power`` (0..1),
+``period_surrogates`` (0..10000, default 0).
 """
 
 from __future__ import annotations
@@ -35,12 +46,13 @@ import logging
 import math
 import re
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from hio.worker.pipelines.params import attr_float, attributes_of
+from hio.worker.pipelines.params import attr_float, attr_int, attributes_of
 
 log = logging.getLogger("hio.worker.pipelines.simulation")
 
@@ -50,6 +62,7 @@ KD_FEATURES = [f"{s}_{f}" for s in DEFAULT_SPECIES for f in ("mean", "var", "aut
 (the shipped sample data names its two Brusselator species so)."""
 
 MAX_SPECIES = 256
+MAX_SURROGATES = 10_000
 MIN_TIMEPOINTS = 8
 MAX_UNPACKED_BYTES = 1 << 30  # a compressed .npz may not expand past this
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -63,6 +76,7 @@ class Params:
 
     min_cycles: float = 3.0
     min_peak_power: float = 0.15
+    period_surrogates: int = 0
 
     @classmethod
     def from_info(cls, info: Any) -> Params:
@@ -70,6 +84,7 @@ class Params:
         return cls(
             min_cycles=attr_float(attrs, "min_cycles", cls.min_cycles, 1.0, 1000.0),
             min_peak_power=attr_float(attrs, "min_peak_power", cls.min_peak_power, 0.0, 1.0),
+            period_surrogates=attr_int(attrs, "period_surrogates", cls.period_surrogates, 0, MAX_SURROGATES),
         )
 
 
@@ -230,35 +245,87 @@ def _refine_peak(power: np.ndarray, k: int) -> float:
     return k + 0.5 * float(a - c) / float(curvature)
 
 
+def _power(detrended: np.ndarray) -> np.ndarray:
+    """Hann-windowed periodogram of each row (the last axis is time)."""
+    n = detrended.shape[-1]
+    return np.abs(np.fft.rfft(detrended * np.hanning(n), axis=-1)) ** 2
+
+
+def _peak_shares(power: np.ndarray, min_cycles: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of periodograms: the strongest bin at ``min_cycles`` or more cycles, and the
+    share of the row's power (bin 0 left out) its three bins hold."""
+    first = max(1, math.ceil(min_cycles))
+    if power.shape[-1] <= first:
+        return np.zeros(power.shape[:-1], dtype=np.int64), np.zeros(power.shape[:-1])
+    k = np.argmax(power[..., first:], axis=-1) + first
+    padded = np.pad(power, [(0, 0)] * (power.ndim - 1) + [(1, 1)])
+    padded[..., 1] = 0.0  # bin 0 (the mean) is no one's neighbour
+    around = np.take_along_axis(padded, k[..., None] + np.arange(3), axis=-1).sum(axis=-1)
+    total = power[..., 1:].sum(axis=-1)
+    return k, np.where(total > 0, around / np.where(total > 0, total, 1.0), 0.0)
+
+
 def dominant_period(t: np.ndarray, series: np.ndarray, params: Params = Params()) -> float:
     """The dominant period in units of ``t``, or 0 when the spectrum has no clear peak."""
     values, step = _uniform(t, series)
     detrended = _detrend(values)
     n = len(detrended)
-    power = np.abs(np.fft.rfft(detrended * np.hanning(n))) ** 2
-    total = float(power[1:].sum())
-    if total <= 0 or len(power) < 3:
+    power = _power(detrended)
+    if float(power[1:].sum()) <= 0 or len(power) < 3:
         return 0.0
     k = int(np.argmax(power[1:])) + 1
     if k < params.min_cycles:
         return 0.0
-    share = float(power[max(1, k - 1) : k + 2].sum()) / total
+    share = float(power[max(1, k - 1) : k + 2].sum() / power[1:].sum())
     if share < params.min_peak_power:
         return 0.0
     return n * step / _refine_peak(power, k)
 
 
+def red_noise(detrended: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    """``count`` realizations (rows) of the AR(1) process fitted to a detrended series:
+    y[0] drawn from its stationary law, y[i] = phi y[i-1] + e[i], by one FFT convolution of
+    the innovations with phi**k (exact over the series' length: no burn-in to cut)."""
+    n = len(detrended)
+    phi = min(max(autocorrelation(detrended, 1), 0.0), 0.9999)
+    variance = float(detrended.var())
+    innovations = rng.standard_normal((count, n)) * math.sqrt(variance * (1.0 - phi * phi))
+    innovations[:, 0] = rng.standard_normal(count) * math.sqrt(variance)
+    size = 1 << (2 * n - 1).bit_length()
+    impulse = phi ** np.arange(n, dtype=np.float64)
+    spectrum = np.fft.rfft(innovations, size, axis=-1) * np.fft.rfft(impulse, size)
+    return np.fft.irfft(spectrum, size, axis=-1)[:, :n]
+
+
+def period_p_value(t: np.ndarray, series: np.ndarray, params: Params) -> float:
+    """The red-noise p-value of the series' strongest peak (see the module docstring)."""
+    values, _step = _uniform(t, series)
+    detrended = _detrend(values)
+    _k, observed = _peak_shares(_power(detrended), params.min_cycles)
+    if float(observed) <= 0.0:
+        return 1.0
+    rng = np.random.default_rng(zlib.crc32(detrended.tobytes()))
+    surrogates = red_noise(detrended, params.period_surrogates, rng)
+    surrogates -= surrogates.mean(axis=-1, keepdims=True)
+    _k, shares = _peak_shares(_power(surrogates), params.min_cycles)
+    return float((1 + np.count_nonzero(shares >= observed)) / (params.period_surrogates + 1))
+
+
 def series_features(name: str, t: np.ndarray, series: np.ndarray, params: Params) -> dict[str, float]:
-    """Mean, variance, CV, lag-1 autocorrelation and dominant period of one species."""
+    """Mean, variance, CV, lag-1 autocorrelation and dominant period of one species (and the
+    period's red-noise p-value, with ``period_surrogates``)."""
     mean = float(series.mean())
     variance = float(series.var())
-    return {
+    features = {
         f"{name}_mean": mean,
         f"{name}_var": variance,
         f"{name}_cv": math.sqrt(variance) / abs(mean) if mean != 0 else 0.0,
         f"{name}_autocorr1": autocorrelation(series, 1),
         f"{name}_period": dominant_period(t, series, params),
     }
+    if params.period_surrogates:
+        features[f"{name}_period_p"] = period_p_value(t, series, params)
+    return features
 
 
 def analyse(realization: Realization, params: Params) -> dict[str, float | str | list[float]]:
