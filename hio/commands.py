@@ -122,6 +122,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "benchmarks.kd:run_kd_bench",
         "time a KD interval over an empty and a large store",
     ),
+    "experiment": (
+        "benchmarks.phases:PhasesConfig",
+        "experiment",
+        "benchmarks.phases:run_experiment",
+        "the thesis' load phases with elasticity off and on: queue, workers, CPU per worker, plots",
+    ),
     "images": (
         "hio.images:ImagesConfig",
         "images",
@@ -132,7 +138,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 
 
 # Commands with settings of their own, not the cluster's: a [cluster] table is not for them.
-TOOLS = frozenset({"certs", "bench", "bench-core", "bench-floor", "bench-kd", "images"})
+TOOLS = frozenset({"certs", "bench", "bench-core", "bench-floor", "bench-kd", "experiment", "images"})
 
 
 @functools.cache
