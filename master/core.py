@@ -638,13 +638,16 @@ class Master:
 
     def image_loads(self, idle_after: float) -> dict[str, ImageLoad]:
         """Each image's backlog (queued and not leased, routed to the queue and not there yet,
-        waiting for a route) and its engines idle for ``idle_after`` seconds; every image
-        with either, or with channels. Lock held."""
+        waiting for a route), its engines that take work, and those idle for ``idle_after``
+        seconds; every image with a backlog or channels. Lock held."""
         idle: collections.Counter[str] = collections.Counter()
+        running: collections.Counter[str] = collections.Counter()
         images: set[str] = set(self.queue.images()) | set(self._route_waiters)
         for worker in self.registry.workers():
             for channel in worker.channels.values():
                 images.add(channel.image)
+                if self.registry.takes_work(channel):
+                    running[channel.image] += 1
                 if self.registry.idle_seconds(channel, self.queue.has_lease) >= idle_after:
                     idle[channel.image] += 1
         return {
@@ -653,6 +656,7 @@ class Master:
                 + self.pending.count(image)
                 + sum(w.tuples for w in self._route_waiters.get(image, ())),
                 idle=idle[image],
+                running=running[image],
             )
             for image in images
         }

@@ -16,7 +16,10 @@ engines as the seeds' resource manager did, the first rule that holds:
 
 Engines it adds are given back once idle: every engine of the image that has
 had no work for ``idle_seconds`` is one too many (routing fills the
-lowest-ranked channels first, so the idle ones are the surplus).
+lowest-ranked channels first, so the idle ones are the surplus). Once the
+backlog is gone, engines wanted for it that never started (no worker had room,
+or they are still starting) are given up too, so that a worker freed by the
+drain does not start them for no load.
 
 An image changes at most once per ``cooldown_seconds``, in either direction: no
 scale-down right after a scale-up (the new engines have not had their chance)
@@ -52,6 +55,7 @@ class ImageLoad:
 
     backlog: int  # tuples waiting for an engine: queued, on their way to the queue, or waiting for a route
     idle: int  # engines of the image that have had no work for the policy's idle_seconds
+    running: int  # engines of the image that are up and take work
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,13 +117,21 @@ class DemandPredictor:
             )
         if q > p.queue_limit:
             return Change(image, p.small_step, f"backlog {q} above {p.queue_limit}")
-        if load.idle > 0 and q == 0 and wanted > 0:
+        if q > 0 or wanted == 0:
+            return None
+        unstarted = max(0, wanted - load.running)
+        if unstarted:
+            why = f"the backlog is gone; {unstarted} {engines_word(unstarted)} wanted for it never started"
+            return Change(image, -unstarted, why)
+        if load.idle > 0:
             surplus = min(load.idle, wanted)
-            return Change(
-                image, -surplus, f"{surplus} {'engine' if surplus == 1 else 'engines'} idle for {p.idle_seconds:g} s"
-            )
+            return Change(image, -surplus, f"{surplus} {engines_word(surplus)} idle for {p.idle_seconds:g} s")
         return None
 
     def forget(self, image: str) -> None:
         """Start afresh (an operator pinned or unpinned the image)."""
         self._seen.pop(image, None)
+
+
+def engines_word(count: int) -> str:
+    return "engine" if abs(count) == 1 else "engines"

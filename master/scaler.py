@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from hio.master.demand import DemandPredictor, ImageLoad, PredictorPolicy
+from hio.master.demand import DemandPredictor, ImageLoad, PredictorPolicy, engines_word
 from hio.master.packer import Bin, Packer, Plan
 from hio.master.provisioners import Provisioner
 from hio.master.registry import Channel, ChannelRegistry, ChannelState, Worker
@@ -215,7 +215,8 @@ class Scaler:
                 log.debug("no room for more engines", extra={"image": image, "reason": change.reason})
                 continue
             self.wanted[image] = max(0, wanted + change.delta)
-            self.decide(image, f"{change.delta:+d} {_engines(change.delta)} (to {self.wanted[image]})", change.reason)
+            action = f"{change.delta:+d} {engines_word(change.delta)} (to {self.wanted[image]})"
+            self.decide(image, action, change.reason)
 
     def pack(self) -> Plan:
         """Place the wanted engines onto the live workers (lock held); the new plan."""
@@ -440,7 +441,3 @@ class Scaler:
 
 def _active(worker: Worker) -> list[Channel]:
     return [c for c in worker.channels.values() if not c.retiring]
-
-
-def _engines(n: int) -> str:
-    return "engine" if abs(n) == 1 else "engines"
