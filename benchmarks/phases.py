@@ -637,10 +637,12 @@ def plot_run(path: Path, result: RunResult, schedule: list[Phase]) -> None:
     axes[1].plot(t, [r.backlog for r in rows], label="backlog (offered, not stored)", color="tab:red")
     axes[1].plot(t, [r.queue for r in rows], label="in the master's queue", color="tab:brown", lw=0.8)
     axes[1].plot(t, [r.channels_free for r in rows], label="free channels", color="tab:blue")
-    axes[2].step(t, [r.worker_processes for r in rows], where="post", label="workers", color="tab:purple")
+    axes[2].step(t, [r.worker_processes for r in rows], where="post", label="workers", color="tab:purple", lw=2.5)
     axes[2].step(t, [r.engines_running for r in rows], where="post", label="engines running", color="tab:orange")
     if result.summary["run"] == "elastic":
         axes[2].step(t, [r.engines_wanted for r in rows], where="post", label="engines wanted", ls=":", color="k")
+    top = max([r.worker_processes for r in rows] + [r.engines_running for r in rows] + [r.engines_wanted for r in rows])
+    axes[2].set_ylim(0, top + 1)
     for ax in axes:
         for i, (name, begin, end) in enumerate(_phase_spans(schedule)):
             ax.axvspan(begin, end, color="0.93" if i % 2 else "1.0", zorder=0)
