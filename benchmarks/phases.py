@@ -264,24 +264,6 @@ class Source:
             self._thread.join(10)
 
 
-def worker_processes(root: Path) -> dict[str, int]:
-    """``hio worker`` processes of the cluster kept in ``root``: worker id -> pid."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state == "Z" or b"hio.cli" not in argv or b"worker" not in argv or str(root).encode() not in argv:
-            continue
-        if b"--worker-id" in argv:
-            found[argv[argv.index(b"--worker-id") + 1].decode()] = int(entry.name)
-    return found
-
-
 @dataclasses.dataclass
 class Row:
     run: str
@@ -380,6 +362,7 @@ class Sampler:
     def _worker_cpu(self) -> dict[str, float]:
         """Cores each worker's process tree (the worker and its engines) used since the last
         sample; a worker seen for the first time counts 0."""
+        from hio.cluster import worker_processes
         from hio.worker.cpu import tree_cpu_seconds
 
         now = time.monotonic()

@@ -47,6 +47,25 @@ def expected_engines(engines: Sequence[str], cpus: int | None = None) -> int:
     return sum(count for _, count in engine_counts(tuple(engines), cpus or os.cpu_count() or 1))
 
 
+def worker_processes(root: Path) -> dict[str, int]:
+    """Every live ``hio worker`` process whose data folder is ``root`` (a cluster's own and those
+    its master's local provisioner started): worker id -> pid."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "Z" or b"hio.cli" not in argv or b"worker" not in argv or str(root).encode() not in argv:
+            continue
+        named = argv.index(b"--worker-id") + 1 if b"--worker-id" in argv else 0
+        found[argv[named].decode() if named else f"{socket.gethostname()}-{entry.name}"] = int(entry.name)
+    return found
+
+
 class LocalCluster:
     """A repository, a master and ``workers`` (:meth:`start`); more roles added to them.
 

@@ -64,22 +64,6 @@ LOCAL = [
 ]  # fmt: skip
 
 
-def worker_processes(root: Path) -> list[int]:
-    """Pids of every `hio worker` process running with ``root`` as its data folder."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and b"hio.cli" in argv and b"worker" in argv and str(root).encode() in argv:
-            found.append(int(entry.name))
-    return sorted(found)
-
-
 def live_workers(cluster: LocalCluster) -> list[str]:
     """Ids of the workers the master sees live (heartbeating)."""
     try:

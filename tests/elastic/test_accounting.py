@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hio.cluster import worker_processes
 from hio.proto import master_pb2
 from tests.elastic.helpers import (
     IMAGE,
@@ -23,7 +24,6 @@ from tests.elastic.helpers import (
     live_workers,
     record_pid,
     stored,
-    worker_processes,
 )
 from tests.harness import stop_cleanly, wait_for
 
@@ -101,7 +101,7 @@ def test_scaling_out_and_in_under_load_with_a_draining_worker_killed_loses_and_d
         streaming.clear()
         sender.join(60)
         stop_cleanly(cluster)
-    assert worker_processes(tmp_path) == []
+    assert worker_processes(tmp_path) == {}
 
 
 def hio_scaling_decisions(cluster):  # type: ignore[no-untyped-def]

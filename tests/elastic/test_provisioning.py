@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hio.cluster import worker_processes
 from hio.process.procs import children
 from tests.elastic.helpers import (
     IMAGE,
@@ -20,7 +21,6 @@ from tests.elastic.helpers import (
     live_workers,
     scaling,
     stored,
-    worker_processes,
 )
 from tests.harness import stop_cleanly, wait_for
 
@@ -45,11 +45,11 @@ def test_workers_are_added_for_a_backlog_and_given_back_when_idle(tmp_path: Path
         assert set(stored(cluster).values()) == {1}
         wait_for(lambda: len(live_workers(cluster)) == 1, timeout=90, what="idle workers given back", interval=0.3)
         wait_for(lambda: len(worker_processes(tmp_path)) == 1, timeout=60, what="their processes gone")
-        (headroom,) = worker_processes(tmp_path)
+        (headroom,) = worker_processes(tmp_path).values()
         wait_for(lambda: not children(headroom), timeout=60, what="the idle engines stopped")
     finally:
         stop_cleanly(cluster)
-    assert worker_processes(tmp_path) == []  # the cluster stopped its provisioned workers
+    assert worker_processes(tmp_path) == {}  # the cluster stopped its provisioned workers
 
 
 def test_a_restarted_master_adopts_the_workers_it_asked_for_registered_or_not(tmp_path: Path) -> None:
@@ -86,14 +86,14 @@ def test_a_restarted_master_adopts_the_workers_it_asked_for_registered_or_not(tm
 
         # A worker that dies while the master is down is forgotten and replaced.
         cluster.procs["master"].kill()
-        os.kill(pids[0], signal.SIGKILL)
+        os.kill(pids[asked[0]], signal.SIGKILL)
         cluster.restart("master")
         wait_for(lambda: len(live_workers(cluster)) == 2, timeout=60, what="two workers again")
         assert asked[0] not in live_workers(cluster)
         wait_for(lambda: len(worker_processes(tmp_path)) == 2, timeout=30, what="no leftover process")
     finally:
         stop_cleanly(cluster)
-    assert worker_processes(tmp_path) == []
+    assert worker_processes(tmp_path) == {}
 
 
 def channels(cluster) -> list[str]:  # type: ignore[no-untyped-def]
