@@ -24,17 +24,25 @@ import zstandard
 
 from hio.cluster import LocalCluster
 from hio.config import ConfigError, one_of, setting
+from hio.kd.config import HTTP_LISTEN as KD_HTTP
+from hio.master.config import HTTP_LISTEN as MASTER_HTTP
 from hio.master.config import SCALING_MODES
 from hio.process.procs import RoleProcess
 from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
+from hio.repository.config import HTTP_LISTEN as REPOSITORY_HTTP
 from hio.settings import ClusterSettings
 from hio.transport.net import create_channel
+from hio.worker.config import HTTP_LISTEN as WORKER_HTTP
 from hio.worker.config import RUNTIMES
 
 
 @dataclasses.dataclass(frozen=True)
 class UpConfig(ClusterSettings):
-    http_listen: str = setting("127.0.0.1:7180", "repository's HTTP preview page")
+    http_listen: str = setting(
+        REPOSITORY_HTTP,
+        "the repository's HTTP endpoint: the preview page and its /metrics (the master, the worker "
+        "and KD serve theirs on 127.0.0.1:7080, 7280 and 7480; docs/monitoring.md); empty = none",
+    )
     engines: tuple[str, ...] = setting(
         None, "engines of the worker (IMAGE or IMAGE=COUNT)", factory=lambda: ("hio/microscopy", "hio/simulation")
     )
@@ -143,14 +151,18 @@ def _run_kd(cluster: LocalCluster, config: UpConfig, once: bool) -> RoleProcess:
     return cluster.add("kd", ["--once"] if once else ["--interval", str(config.kd_interval)])
 
 
+def _http(config: UpConfig) -> dict[str, str]:
+    """Where each role's HTTP endpoint listens (the elastic workers' are on free ports)."""
+    return {"repository": config.http_listen, "master": MASTER_HTTP, "worker": WORKER_HTTP, "kd": KD_HTTP}
+
+
 def _ports_in_use(config: UpConfig) -> list[str]:
     """The addresses hio up would listen on that something already holds (another hio up?):
     its roles would fail to start, while the health checks found the other system's."""
     from hio.config import split_address
 
     wanted = [("repository", config.repository_address), ("master", config.master_address)]
-    if config.http_listen:
-        wanted.append(("repository's preview page", config.http_listen))
+    wanted += [(f"{role}'s HTTP endpoint", address) for role, address in _http(config).items() if address]
     taken = []
     for what, address in wanted:
         host, port = split_address(address)
@@ -204,7 +216,7 @@ def run_up(config: UpConfig) -> int:
         shared,
         master_address=config.master_address,
         repository_address=config.repository_address,
-        http_listen=config.http_listen,
+        http=_http(config),
         workers={} if elastic else {"": config.engines},
         master_args=_elastic_args(config) if elastic else (),
         runtime=config.runtime,
@@ -252,6 +264,8 @@ def run_up(config: UpConfig) -> int:
         if config.keep:
             if config.kd:
                 _run_kd(cluster, config, once=False)
+            metrics = ", ".join(f"{role} http://{address}/metrics" for role, address in cluster.http.items() if address)
+            _say(f"Prometheus metrics (docs/monitoring.md): {metrics}")
             _say(
                 "everything keeps running; `hio status` shows it, `hio send FILE --image IMG` adds tuples; Ctrl-C stops"
             )
