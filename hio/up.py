@@ -23,7 +23,7 @@ from pathlib import Path
 import zstandard
 
 from hio.cluster import LocalCluster
-from hio.config import ConfigError, one_of, setting
+from hio.config import ConfigError, check_address, one_of, setting
 from hio.kd.config import HTTP_LISTEN as KD_HTTP
 from hio.master.config import HTTP_LISTEN as MASTER_HTTP
 from hio.master.config import SCALING_MODES
@@ -39,10 +39,13 @@ from hio.worker.config import RUNTIMES
 @dataclasses.dataclass(frozen=True)
 class UpConfig(ClusterSettings):
     http_listen: str = setting(
-        REPOSITORY_HTTP,
-        "the repository's HTTP endpoint: the preview page and its /metrics (the master, the worker "
-        "and KD serve theirs on 127.0.0.1:7080, 7280 and 7480; docs/monitoring.md); empty = none",
+        REPOSITORY_HTTP, "the repository's HTTP endpoint: the preview page, /metrics (docs/monitoring.md); empty = none"
     )
+    master_http_listen: str = setting(MASTER_HTTP, "the master's HTTP endpoint (/metrics); empty = none")
+    worker_http_listen: str = setting(
+        WORKER_HTTP, "the worker's HTTP endpoint (/metrics; elastic workers: free ports); empty = none"
+    )
+    kd_http_listen: str = setting(KD_HTTP, "KD's HTTP endpoint (/metrics); empty = none")
     engines: tuple[str, ...] = setting(
         None, "engines of the worker (IMAGE or IMAGE=COUNT)", factory=lambda: ("hio/microscopy", "hio/simulation")
     )
@@ -61,6 +64,8 @@ class UpConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
+        for name in ("http_listen", "master_http_listen", "worker_http_listen", "kd_http_listen"):
+            check_address(name, getattr(self, name), allow_empty=True)
         one_of("runtime", self.runtime, RUNTIMES)
         one_of("scaling", self.scaling, SCALING_MODES)
         if self.max_workers < 1:
@@ -152,8 +157,14 @@ def _run_kd(cluster: LocalCluster, config: UpConfig, once: bool) -> RoleProcess:
 
 
 def _http(config: UpConfig) -> dict[str, str]:
-    """Where each role's HTTP endpoint listens (the elastic workers' are on free ports)."""
-    return {"repository": config.http_listen, "master": MASTER_HTTP, "worker": WORKER_HTTP, "kd": KD_HTTP}
+    """Where the HTTP endpoint of each role hio up starts listens (elastic workers, which the
+    master starts, serve theirs on free ports)."""
+    http = {"repository": config.http_listen, "master": config.master_http_listen}
+    if config.scaling != "elastic":
+        http["worker"] = config.worker_http_listen
+    if config.kd:
+        http["kd"] = config.kd_http_listen
+    return http
 
 
 def _ports_in_use(config: UpConfig) -> list[str]:
@@ -198,7 +209,7 @@ def run_up(config: UpConfig) -> int:
         _say(
             f"cannot start: {', '.join(taken)} already in use (another hio up or hio role running?). "
             "Stop it (hio up --keep stops with Ctrl-C), or choose other addresses "
-            "(--master-address, --repository-address, --http-listen)"
+            "(--master-address, --repository-address, --http-listen, --master-http-listen, ...)"
         )
         return 2
     data_dir = Path(config.data_dir).expanduser().resolve()

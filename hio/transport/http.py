@@ -84,12 +84,12 @@ def healthz(_query: Mapping[str, list[str]]) -> Reply:
 
 def metrics_page(registry: CollectorRegistry | None) -> Page:
     """``/metrics``: the registry in Prometheus' text format; 404 when metrics are off."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
     def page(_query: Mapping[str, list[str]]) -> Reply:
         if registry is None:
             return text(404, "metrics are off in this role (metrics = false)")
-        return Reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+        return Reply(200, generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4)  # what every Prometheus reads
 
     return page
 
@@ -173,6 +173,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     block_on_close = False
+    request_queue_size = 2 * MAX_CONNECTIONS  # the listen backlog: connections that arrive together wait, not retry
 
     def __init__(self, address: tuple[str, int], endpoint: HttpEndpoint) -> None:
         if ":" in address[0]:
