@@ -23,6 +23,7 @@ from prometheus_client.samples import Sample
 
 from hio.cluster import LocalCluster
 from hio.gateway import Gateway
+from hio.settings import ClusterSettings
 from hio.transport.certs import generate
 from hio.worker.metrics import ENGINE_STATS_TIMEOUT
 from tests.harness import HioProcess, free_port, local_cluster, stop_cleanly, wait_for
@@ -229,6 +230,20 @@ def test_no_label_carries_a_tuple_worker_or_engine_name(cluster: MetricsCluster)
                 assert not any(name in text for name in names), f"{role}: {sample.name} names {text!r}"
 
 
+def test_every_metric_a_role_shows_is_listed_in_docs_monitoring(cluster: MetricsCluster) -> None:
+    for role in ("master", "repository", "w1", "gateway"):
+        assert_documented(cluster.http[role])
+
+
+def assert_documented(address: str) -> None:
+    """Every metric family at ``address`` is named in docs/monitoring.md."""
+    doc = (Path(REPO_ROOT) / "docs" / "monitoring.md").read_text()
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        families = list(text_string_to_metric_families(reply.read().decode()))
+    for family in families:  # a counter's family is named without its _total
+        assert f"`{family.name}`" in doc or f"`{family.name}_total`" in doc, f"{address}: {family.name}"
+
+
 def test_metrics_answer_while_the_roles_are_busy(cluster: MetricsCluster) -> None:
     """Engines burning CPU in process(), a stream of tuples: every scrape answers, in time."""
     payload = os.urandom(1_000_000)
@@ -291,15 +306,20 @@ def test_local_cluster_names_every_roles_endpoint(cluster: MetricsCluster) -> No
             assert reply.read() == b"ok\n"
 
 
-def test_local_clusters_side_by_side_have_no_port_in_common(tmp_path: Path) -> None:
-    first, second = local_cluster(tmp_path / "a"), local_cluster(tmp_path / "b")
+def test_local_clusters_side_by_side_have_no_port_in_common_and_metrics_turn_off(tmp_path: Path) -> None:
+    first = local_cluster(tmp_path / "a")
+    second = local_cluster(tmp_path / "b", ClusterSettings(metrics=False))
     try:
         first.start()
         second.start()
         ports = [*first.http.values(), *second.http.values(), first.master, second.master]
         assert len(set(ports)) == len(ports) == 6
-        for c in (first, second):
-            assert value(scrape(c.http["master"]), "hio_master_workers", state="live") == 0
+        assert value(scrape(first.http["master"]), "hio_master_workers", state="live") == 0
+        for address in second.http.values():
+            with pytest.raises(urllib.error.HTTPError) as off:
+                scrape(address)
+            assert off.value.code == 404 and b"metrics = false" in off.value.read()
+            assert _answers(f"http://{address}/healthz", ssl.create_default_context())
     finally:
         stop_cleanly(second)
         stop_cleanly(first)
@@ -344,6 +364,7 @@ def test_kd_shows_its_intervals_the_records_they_took_in_and_its_lag(tmp_path: P
         k = scrape(cluster.http["kd"])
         assert value(k, "hio_kd_interval_records_count") == value(k, "hio_kd_interval_seconds_count") >= 2
         assert value(k, "hio_kd_query_failures_total") == 0
+        assert_documented(cluster.http["kd"])
         assert value(scrape(cluster.http["repository"]), "hio_repository_consumer_lag_records", consumer="kd") == 0
     finally:
         stop_cleanly(cluster)
