@@ -41,11 +41,12 @@ class UpConfig(ClusterSettings):
     http_listen: str = setting(
         REPOSITORY_HTTP, "the repository's HTTP endpoint: the preview page, /metrics (docs/monitoring.md); empty = none"
     )
-    master_http_listen: str = setting(MASTER_HTTP, "the master's HTTP endpoint (/metrics); empty = none")
-    worker_http_listen: str = setting(
+    # named so that no HIO_<ROLE>_HTTP_LISTEN (a role's own variable) reads as one of these, shared
+    http_listen_master: str = setting(MASTER_HTTP, "the master's HTTP endpoint (/metrics); empty = none")
+    http_listen_worker: str = setting(
         WORKER_HTTP, "the worker's HTTP endpoint (/metrics; elastic workers: free ports); empty = none"
     )
-    kd_http_listen: str = setting(KD_HTTP, "KD's HTTP endpoint (/metrics); empty = none")
+    http_listen_kd: str = setting(KD_HTTP, "KD's HTTP endpoint (/metrics); empty = none")
     engines: tuple[str, ...] = setting(
         None, "engines of the worker (IMAGE or IMAGE=COUNT)", factory=lambda: ("hio/microscopy", "hio/simulation")
     )
@@ -64,7 +65,7 @@ class UpConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
-        for name in ("http_listen", "master_http_listen", "worker_http_listen", "kd_http_listen"):
+        for name in ("http_listen", "http_listen_master", "http_listen_worker", "http_listen_kd"):
             check_address(name, getattr(self, name), allow_empty=True)
         one_of("runtime", self.runtime, RUNTIMES)
         one_of("scaling", self.scaling, SCALING_MODES)
@@ -159,11 +160,11 @@ def _run_kd(cluster: LocalCluster, config: UpConfig, once: bool) -> RoleProcess:
 def _http(config: UpConfig) -> dict[str, str]:
     """Where the HTTP endpoint of each role hio up starts listens (elastic workers, which the
     master starts, serve theirs on free ports)."""
-    http = {"repository": config.http_listen, "master": config.master_http_listen}
+    http = {"repository": config.http_listen, "master": config.http_listen_master}
     if config.scaling != "elastic":
-        http["worker"] = config.worker_http_listen
+        http["worker"] = config.http_listen_worker
     if config.kd:
-        http["kd"] = config.kd_http_listen
+        http["kd"] = config.http_listen_kd
     return http
 
 
@@ -209,7 +210,7 @@ def run_up(config: UpConfig) -> int:
         _say(
             f"cannot start: {', '.join(taken)} already in use (another hio up or hio role running?). "
             "Stop it (hio up --keep stops with Ctrl-C), or choose other addresses "
-            "(--master-address, --repository-address, --http-listen, --master-http-listen, ...)"
+            "(--master-address, --repository-address, --http-listen, --http-listen-master, ...)"
         )
         return 2
     data_dir = Path(config.data_dir).expanduser().resolve()

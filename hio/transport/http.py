@@ -152,7 +152,7 @@ class HttpEndpoint:
         if route.roles is not None and self.table is not None:
             header = request.headers.get(AUTH_HEADER, "")
             token = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
-            refusal = refuse_caller(self.table, self.policy, _key(url.path), token)
+            refusal = refuse_caller(self.table, self.policy, url.path, token)  # keyed by its last segment
             if refusal is not None:
                 code, words = refusal
                 request.reply(text(_STATUS[code], words), bearer=code == grpc.StatusCode.UNAUTHENTICATED)

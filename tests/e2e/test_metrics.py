@@ -308,7 +308,7 @@ def test_local_cluster_names_every_roles_endpoint(cluster: MetricsCluster) -> No
 
 def test_local_clusters_side_by_side_have_no_port_in_common_and_metrics_turn_off(tmp_path: Path) -> None:
     first = local_cluster(tmp_path / "a")
-    second = local_cluster(tmp_path / "b", ClusterSettings(metrics=False))
+    second = local_cluster(tmp_path / "b", settings=ClusterSettings(metrics=False))
     try:
         first.start()
         second.start()
