@@ -14,10 +14,11 @@ bound of this machine for reference.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from benchmarks.measure import loopback_bandwidth
 from hio.config import ConfigError, setting
@@ -42,6 +43,11 @@ class CoreBenchConfig(ClusterSettings):
     lanes: bool = setting(
         True, "payloads over the payload lanes; off: gRPC chunks only (the gateway, master and worker)"
     )
+    scrape_seconds: float = setting(
+        1.0,
+        "with metrics on: read every role's /metrics this often while measuring, as a Prometheus "
+        "server would (its default is every 15 to 60 s); 0 = never",
+    )
 
     def validate(self) -> None:
         self.validate_cluster()
@@ -49,6 +55,8 @@ class CoreBenchConfig(ClusterSettings):
             raise ConfigError(f"rate must be 0 (all at once) or positive, got {self.rate}")
         if not 0 <= self.cost_ms <= 60_000:
             raise ConfigError(f"cost_ms must be between 0 and 60000, got {self.cost_ms}")
+        if not self.scrape_seconds >= 0:
+            raise ConfigError(f"scrape_seconds must be 0 (never) or positive, got {self.scrape_seconds}")
         unknown = sorted(set(self.modes) - {"direct", "queue"})
         if unknown:
             raise ConfigError(f"modes must be direct or queue, got {', '.join(unknown)}")
@@ -175,6 +183,65 @@ def _wait_done(config: CoreBenchConfig, mode: str, count: int) -> None:
             time.sleep(0.01)
 
 
+class Scraper:
+    """Reads every role's ``/metrics`` every ``interval`` seconds while a measurement runs,
+    as a Prometheus server would: from a process of its own (on this machine, as a
+    Prometheus beside the cluster would be), so that reading the answers costs the roles'
+    cores but not the benchmark's gateway its interpreter. Counts the scrapes and the slowest."""
+
+    def __init__(self, config: CoreBenchConfig, addresses: list[str], interval: float) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._scrapes = context.Value("i", 0)
+        self._slowest = context.Value("d", 0.0)
+        self._count = len(addresses)
+        self._process = context.Process(
+            target=scrape_loop,
+            args=(config, addresses, interval, self._stop, self._scrapes, self._slowest),
+            name="bench-scraper",
+            daemon=True,
+        )
+        self._interval = interval
+
+    def __enter__(self) -> Self:
+        if self._interval > 0 and self._count:
+            self._process.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._process.is_alive():
+            self._process.join(15.0)
+
+    def summary(self) -> str:
+        return (
+            f"metrics on: {self._scrapes.value} scrapes of {self._count} roles "
+            f"(every {self._interval:g} s, from another process), slowest {self._slowest.value * 1000:.0f} ms"
+        )
+
+
+def scrape_loop(
+    config: CoreBenchConfig, addresses: list[str], interval: float, stop: Any, scrapes: Any, slowest: Any
+) -> None:
+    """:class:`Scraper`'s process: GET each ``/metrics`` every ``interval`` s until ``stop``."""
+    import urllib.request
+
+    from hio.transport.lanetls import client_context
+
+    tls = client_context(config)
+    token = config.presented_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    scheme = "https" if tls is not None else "http"
+    while not stop.wait(interval):
+        for address in addresses:
+            started = time.perf_counter()
+            request = urllib.request.Request(f"{scheme}://{address}/metrics", headers=headers)
+            with urllib.request.urlopen(request, timeout=10, context=tls) as reply:
+                reply.read()
+            scrapes.value += 1
+            slowest.value = max(slowest.value, time.perf_counter() - started)
+
+
 def secured(config: CoreBenchConfig, data_dir: Path) -> tuple[CoreBenchConfig, list[str]]:
     """``--secure``: the config with a certificate and a token for every role (one pair, as
     `hio certs` writes them), and the servers' extra flag for mutual TLS."""
@@ -220,6 +287,7 @@ def run_core_bench(config: CoreBenchConfig) -> int:
         f"tuples {pace}, {config.cost_ms:g} ms of CPU each"
         f"{'; secure: mutual TLS and tokens' if config.secure else ''}"
         f"{'' if config.lanes else '; payloads over gRPC only'}"
+        f"; metrics {'on' if config.metrics else 'off'}"
     )
     with cluster:
         pids = cluster.pids()
@@ -228,13 +296,17 @@ def run_core_bench(config: CoreBenchConfig) -> int:
             size = _parse_size(text)
             for mode in config.modes:
                 before, disk_before = role_cpu(pids), role_disk_bytes(pids)
-                r = measure(bench, data_dir, size, mode)
+                interval = config.scrape_seconds if config.metrics else 0.0
+                with Scraper(config, [a for a in cluster.http.values() if a], interval) as scraper:
+                    r = measure(bench, data_dir, size, mode)
                 print(
                     f"{text:>8} {mode:>7} {r['tuples']:>7.0f} {r['seconds']:>8.2f} {r['tuples_per_s']:>9.1f}"
                     f" {r['mb_per_s']:>8.1f} {r['mb_per_s'] * 1e6 / bound:>8.1%}",
                     flush=True,
                 )
                 print(f"{'':>17}{cpu_per_tuple(before, role_cpu(pids), int(r['tuples']))}", flush=True)
+                if interval:
+                    print(f"{'':>17}{scraper.summary()}", flush=True)
                 time.sleep(0.3)  # the roles' last flush rounds: their syncs and deletions count
                 print(
                     f"{'':>17}{disk_per_tuple(disk_before, role_disk_bytes(pids), int(r['tuples']), size)}", flush=True

@@ -107,6 +107,12 @@ class GatewayStatus:
     spool_failure: str = ""
     #: the master's words while its queue takes no tuples (its disk failed to sync), else ''
     master_queue_refusal: str = ""
+    #: seconds since the oldest spooled tuple was accepted (0 when none is spooled)
+    oldest_spooled_seconds: float = 0.0
+    #: tuples streamed by route ("direct", "queue"); each try of a tuple counts
+    attempts: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: failed calls by peer ("master", "engine") and gRPC status code name
+    refusals: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
 
     def warnings(self) -> list[str]:
         """What keeps spooled tuples from delivery, in words (empty when nothing does)."""
@@ -362,6 +368,8 @@ class Gateway:
 
     def status(self) -> GatewayStatus:
         """Counters and spool usage. Non-blocking, thread-safe."""
+        oldest = self.spool.oldest()
+        attempts, refusals = self._dispatcher.delivery_counts()
         return GatewayStatus(
             spooled_tuples=len(self.spool),
             spooled_bytes=self.spool.used_bytes,
@@ -372,6 +380,9 @@ class Gateway:
             master_refusal=self._dispatcher.master_refusal(),
             spool_failure=self.spool.disk_failure,
             master_queue_refusal=self._dispatcher.queue_refusal(),
+            oldest_spooled_seconds=max(0.0, time.time() - oldest.meta.accepted_unix) if oldest else 0.0,
+            attempts=attempts,
+            refusals=refusals,
         )
 
     def _meta(

@@ -11,8 +11,10 @@ import socket
 from pathlib import Path
 from typing import ClassVar
 
-from hio.config import FSYNC_POLICIES, ConfigError, one_of, positive, setting
+from hio.config import FSYNC_POLICIES, ConfigError, check_address, one_of, positive, same_port, setting
 from hio.settings import SERVER_SETTINGS, ClusterSettings, MiB
+
+HTTP_LISTEN = "127.0.0.1:7380"  # where the role's HTTP endpoint listens by default
 
 GiB = 1024 * MiB
 
@@ -102,6 +104,10 @@ class GatewayConfig(ClusterSettings):
         "call to call), else over gRPC; a lane that fails is left for gRPC a minute",
     )
     ingest_listen: str = setting("127.0.0.1:7300", "host:port of the local ingest gRPC API; empty = off")
+    http_listen: str = setting(
+        HTTP_LISTEN,
+        "hio gateway: host:port of the HTTP endpoint (/metrics, /healthz; docs/monitoring.md); empty = none",
+    )
     watch: str = setting("", "folder to watch for new files; empty = no watch")
     done_dir: str = setting("", "where watched files go once stored; empty = <watch>/.hio-done")
     settle_seconds: float = setting(1.0, "a watched file is complete once its size and mtime are unchanged this long")
@@ -164,6 +170,9 @@ class GatewayConfig(ClusterSettings):
             raise ConfigError(f"watch: {self.watch} is not a folder")
         if len(self.resolved_source()) > 256:
             raise ConfigError("source must be at most 256 characters")
+        check_address("http_listen", self.http_listen, allow_empty=True)
+        if self.http_listen and self.ingest_listen and same_port(self.http_listen, self.ingest_listen):
+            raise ConfigError(f"http_listen {self.http_listen} takes ingest_listen's port: choose another")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +180,13 @@ class SendConfig(GatewayConfig):
     """``hio send FILE...``: send files as tuples and report what became of them."""
 
     # accepted (one file configures the gateway daemon and hio send), not in --help
-    UNLISTED: ClassVar[frozenset[str]] = SERVER_SETTINGS | {"watch", "done_dir", "settle_seconds", "poll_seconds"}
+    UNLISTED: ClassVar[frozenset[str]] = SERVER_SETTINGS | {
+        "watch",
+        "done_dir",
+        "settle_seconds",
+        "poll_seconds",
+        "http_listen",
+    }
     POSITIONAL: ClassVar[tuple[str, str, str]] = (
         "files",
         "FILE",

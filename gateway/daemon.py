@@ -16,9 +16,11 @@ import grpc
 from hio.gateway.client import Gateway
 from hio.gateway.config import GatewayConfig
 from hio.gateway.ingest import POLICY, IngestReceiver, IngestServicer
+from hio.gateway.metrics import gateway_registry
 from hio.gateway.watch import DirectoryWatcher
 from hio.process.log import NOTICE
 from hio.proto import ingest_pb2_grpc
+from hio.transport.http import serve_http
 from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, set_serving, stop_on_signals, wait_for_stop
 
 log = logging.getLogger("hio.gateway")
@@ -32,7 +34,11 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
     receiver = IngestReceiver(gateway)
     server = health = None
     watcher = None
+    http = None
     try:
+        http = serve_http(
+            config, config.http_listen, gateway_registry(gateway) if config.metrics else None, name="gateway"
+        )
         if config.ingest_listen:
             servicer = IngestServicer(gateway, receiver)
             server, _port, health = create_server(
@@ -59,6 +65,7 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
             "gateway ready",
             extra={
                 "ingest": config.ingest_listen or "off",
+                "http": http.address if http else "off",
                 "watch": config.watch or "off",
                 "resumed": len(gateway.resumed_futures),
                 "master": config.master_address,
@@ -67,6 +74,8 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
         wait_for_stop(stop)
     finally:
         _shutdown(config, gateway, receiver, server, health, watcher)
+        if http is not None:
+            http.close()
     return 0
 
 

@@ -37,6 +37,7 @@ Retry policy (the master owns the rest):
 
 from __future__ import annotations
 
+import collections
 import enum
 import heapq
 import itertools
@@ -171,6 +172,8 @@ class Dispatcher:
         self._refusal = ""  # the master's words while it refuses us (auth)
         self._counter = itertools.count()
         self.stats = DispatchStats()
+        self._attempts: collections.Counter[str] = collections.Counter()  # route -> tuples streamed (each try)
+        self._refusals: collections.Counter[tuple[str, str]] = collections.Counter()  # (peer, code) -> failed calls
 
     # -- public ----------------------------------------------------------------
 
@@ -212,6 +215,16 @@ class Dispatcher:
         (also once a minute passed without such a refusal: tuples may all go direct now)."""
         when, words = self._queue_refusal
         return words if time.monotonic() - when < QUEUE_REFUSAL_SHOWN_SECONDS else ""
+
+    def delivery_counts(self) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+        """Tuples streamed by route (direct, queue; every try counts), and calls that failed
+        by peer (master, engine) and gRPC status code."""
+        with self._cond:
+            return dict(self._attempts), dict(self._refusals)
+
+    def _refused(self, peer: str, code: grpc.StatusCode | None) -> None:
+        with self._cond:
+            self._refusals[peer, code.name if code is not None else "UNKNOWN"] += 1
 
     def waiting(self) -> int:
         with self._cond:
@@ -364,6 +377,7 @@ class Dispatcher:
         )
         with self._cond:
             self._calls.add(call)
+            self._attempts["direct" if direct else "queue"] += len(batch)
         settled: set[int] = set()
         try:
             for message in call:
@@ -542,6 +556,7 @@ class Dispatcher:
 
     def _route_failed(self, batch: list[_Pending], exc: grpc.RpcError) -> None:
         code, details = rpc_status(exc)
+        self._refused("master", code)
         error = f"master {self._config.master_address}: {rpc_error_text(exc, self._config)}"
         if code in _MASTER_DOWN:
             self._master_unreachable(error)
@@ -584,6 +599,7 @@ class Dispatcher:
 
     def _stream_failed(self, left: list[_Pending], exc: grpc.RpcError, address: str, *, direct: bool) -> None:
         code, details = rpc_status(exc)
+        self._refused("engine" if direct else "master", code)
         error = f"{'engine' if direct else 'master'} {address}: {rpc_error_text(exc, self._config)}"
         if not left:
             return

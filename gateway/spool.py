@@ -285,6 +285,7 @@ class Spool:
         for seq, path in data_files.items():
             if seq not in self._entries:  # written, but its ADD_FILE record never was
                 path.unlink(missing_ok=True)
+        self._entries = dict(sorted(self._entries.items()))  # in the order taken (oldest() reads the first)
         self._used = sum(e.size for e in self._entries.values())
         self._next_seq = max(self._next_seq, max(data_files, default=0) + 1)
         if self._entries:
@@ -642,6 +643,12 @@ class Spool:
         """Committed entries in their original order."""
         with self._cond:
             return [self._entries[s] for s in sorted(self._entries)]
+
+    def oldest(self) -> SpoolEntry | None:
+        """The entry taken first, or None: entries are kept in the order they were taken
+        (sorted at load, then each new one has the next sequence number)."""
+        with self._cond:
+            return next(iter(self._entries.values()), None)
 
     def move_sources(self) -> set[str]:
         """Original paths of spooled files that move on delivery (what the watcher took)."""

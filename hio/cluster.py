@@ -13,8 +13,11 @@ Every role runs ``python -m hio.cli <role>`` with ``--data-dir root`` (each
 role keeps its state in a folder of its own under it), the cluster's addresses,
 and the shared settings given (tokens, TLS, chunk size, log level: every
 :class:`ClusterSettings` field that differs from its default; the token goes
-in the environment, not on the command line). Arguments given for one role
-come after those, so they override them (``--master-address PROXY``).
+in the environment, not on the command line). A role that serves HTTP (its
+``/metrics``: master, repository, worker, gateway, kd) gets a free loopback port for
+it too, unless ``http`` names its address; :attr:`LocalCluster.http` says where each
+is. Arguments given for one role come after those, so they override them
+(``--master-address PROXY``).
 Logs are ``root/logs/<name>.log``; a role that fails to come up raises with
 its log. Every role dies with this process, even one killed with -9
 (:mod:`hio.process.procs`).
@@ -38,6 +41,7 @@ from hio.settings import ClusterSettings, settings_flags
 #: by its user on purpose, as the fault tests do).
 CLEAN_EXITS = (0, None, -signal.SIGTERM, -signal.SIGKILL)
 _OWN = ("master_address", "repository_address", "data_dir", "token")
+HTTP_ROLES = ("master", "repository", "worker", "gateway", "kd")  # the commands with an http_listen
 
 
 def expected_engines(engines: Sequence[str], cpus: int | None = None) -> int:
@@ -71,8 +75,9 @@ class LocalCluster:
 
     ``settings``: what every role shares (tokens, TLS, chunk size, log level); its
     addresses and data folder are not used. ``master_address`` / ``repository_address``:
-    where those listen, by default free loopback ports. ``http_listen``: the repository's
-    preview page ('' = off). ``master_args`` / ``repository_args``: their own flags.
+    where those listen, by default free loopback ports. ``http``: role name -> where its
+    HTTP endpoint listens ('' = none); a role not named gets a free loopback port (all are
+    in :attr:`http` once started). ``master_args`` / ``repository_args``: their own flags.
     ``workers``: worker id ('' = the worker's default) -> its ``--engines`` entries, started
     with ``runtime`` and ``worker_args``; :meth:`start` returns once their engines are FREE.
     ``env``: variables for every role. ``process``: the class of each role's process
@@ -86,7 +91,7 @@ class LocalCluster:
         *,
         master_address: str = "",
         repository_address: str = "",
-        http_listen: str = "",
+        http: Mapping[str, str] | None = None,
         master_args: Sequence[str] = (),
         repository_args: Sequence[str] = (),
         workers: Mapping[str, Sequence[str]] | None = None,
@@ -102,7 +107,8 @@ class LocalCluster:
         self.logs = Path(logs) if logs else self.root / "logs"
         self.master = master_address or f"127.0.0.1:{free_port()}"
         self.repository = repository_address or f"127.0.0.1:{free_port()}"
-        self.http_listen = http_listen
+        self._http_wanted = dict(http or {})
+        self.http: dict[str, str] = {}  # role name -> where its HTTP endpoint listens ('' = none)
         self.settings = dataclasses.replace(
             ClusterSettings(
                 **{f.name: getattr(settings or ClusterSettings(), f.name) for f in dataclasses.fields(ClusterSettings)}
@@ -132,11 +138,7 @@ class LocalCluster:
         (or is interrupted)."""
         try:
             if "repository" not in self.procs:
-                self.add(
-                    "repository",
-                    ["--listen", self.repository, "--http-listen", self.http_listen, *self.repository_args],
-                    health=self.repository,
-                )
+                self.add("repository", ["--listen", self.repository, *self.repository_args], health=self.repository)
             if "master" not in self.procs:
                 self.add("master", ["--listen", self.master, *self.master_args], health=self.master)
             started = [
@@ -172,8 +174,12 @@ class LocalCluster:
         name = name or command
         if name in self.procs and self.procs[name].alive():
             raise RuntimeError(f"{name} is already running in this cluster")
+        http: list[str] = []
+        if command in HTTP_ROLES:
+            self.http[name] = self._http_wanted.get(name, f"127.0.0.1:{free_port()}")
+            http = ["--http-listen", self.http[name]]
         proc = self.process(
-            command, [*self.common_args(), *args], self.logs, env={**self.env, **(env or {})}, name=name
+            command, [*self.common_args(), *http, *args], self.logs, env={**self.env, **(env or {})}, name=name
         )
         self.procs[name] = proc
         if health:
@@ -300,6 +306,7 @@ class LocalCluster:
     def remove(self, name: str, timeout: float | None = None) -> int | None:
         """Stop one role and forget it; its exit code (None if it had to be killed)."""
         self.health.pop(name, None)
+        self.http.pop(name, None)
         return self.procs.pop(name).stop(self.stop_timeout if timeout is None else timeout)
 
     def stop(self) -> list[str]:
@@ -319,6 +326,7 @@ class LocalCluster:
         self._stop_provisioned()
         self.procs.clear()
         self.health.clear()
+        self.http.clear()
         self.problems += problems
         return problems
 

@@ -19,7 +19,7 @@ BUILTIN_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
 
 #: Settings only a server uses: a command that only calls roles (hio status, hio send)
 #: accepts them (one configuration file serves every role) but does not list them in --help.
-SERVER_SETTINGS = frozenset({"tokens_file", "tls_client_auth", "ticket_key_file", "stream_idle_seconds"})
+SERVER_SETTINGS = frozenset({"tokens_file", "tls_client_auth", "ticket_key_file", "stream_idle_seconds", "metrics"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,11 @@ class ClusterSettings:
     max_tuple_bytes: int = setting(256 * MiB, "largest tuple accepted anywhere")
     log_level: str = setting("warning", "debug, info, warning (also one line when a role is ready) or error")
     log_json: bool = setting(False, "log one JSON object per line")
+    metrics: bool = setting(
+        True,
+        "measure and serve Prometheus metrics at /metrics of the role's http_listen "
+        "(docs/monitoring.md); off = nothing measured on the data path, /metrics answers 404",
+    )
 
     @property
     def speaks_tls(self) -> bool:

@@ -23,18 +23,30 @@ from pathlib import Path
 import zstandard
 
 from hio.cluster import LocalCluster
-from hio.config import ConfigError, one_of, setting
+from hio.config import ConfigError, check_address, one_of, setting
+from hio.kd.config import HTTP_LISTEN as KD_HTTP
+from hio.master.config import HTTP_LISTEN as MASTER_HTTP
 from hio.master.config import SCALING_MODES
 from hio.process.procs import RoleProcess
 from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
+from hio.repository.config import HTTP_LISTEN as REPOSITORY_HTTP
 from hio.settings import ClusterSettings
 from hio.transport.net import create_channel
+from hio.worker.config import HTTP_LISTEN as WORKER_HTTP
 from hio.worker.config import RUNTIMES
 
 
 @dataclasses.dataclass(frozen=True)
 class UpConfig(ClusterSettings):
-    http_listen: str = setting("127.0.0.1:7180", "repository's HTTP preview page")
+    http_listen: str = setting(
+        REPOSITORY_HTTP, "the repository's HTTP endpoint: the preview page, /metrics (docs/monitoring.md); empty = none"
+    )
+    # named so that no HIO_<ROLE>_HTTP_LISTEN (a role's own variable) reads as one of these, shared
+    http_listen_master: str = setting(MASTER_HTTP, "the master's HTTP endpoint (/metrics); empty = none")
+    http_listen_worker: str = setting(
+        WORKER_HTTP, "the worker's HTTP endpoint (/metrics; elastic workers: free ports); empty = none"
+    )
+    http_listen_kd: str = setting(KD_HTTP, "KD's HTTP endpoint (/metrics); empty = none")
     engines: tuple[str, ...] = setting(
         None, "engines of the worker (IMAGE or IMAGE=COUNT)", factory=lambda: ("hio/microscopy", "hio/simulation")
     )
@@ -53,6 +65,8 @@ class UpConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
+        for name in ("http_listen", "http_listen_master", "http_listen_worker", "http_listen_kd"):
+            check_address(name, getattr(self, name), allow_empty=True)
         one_of("runtime", self.runtime, RUNTIMES)
         one_of("scaling", self.scaling, SCALING_MODES)
         if self.max_workers < 1:
@@ -143,14 +157,24 @@ def _run_kd(cluster: LocalCluster, config: UpConfig, once: bool) -> RoleProcess:
     return cluster.add("kd", ["--once"] if once else ["--interval", str(config.kd_interval)])
 
 
+def _http(config: UpConfig) -> dict[str, str]:
+    """Where the HTTP endpoint of each role hio up starts listens (elastic workers, which the
+    master starts, serve theirs on free ports)."""
+    http = {"repository": config.http_listen, "master": config.http_listen_master}
+    if config.scaling != "elastic":
+        http["worker"] = config.http_listen_worker
+    if config.kd:
+        http["kd"] = config.http_listen_kd
+    return http
+
+
 def _ports_in_use(config: UpConfig) -> list[str]:
     """The addresses hio up would listen on that something already holds (another hio up?):
     its roles would fail to start, while the health checks found the other system's."""
     from hio.config import split_address
 
     wanted = [("repository", config.repository_address), ("master", config.master_address)]
-    if config.http_listen:
-        wanted.append(("repository's preview page", config.http_listen))
+    wanted += [(f"{role}'s HTTP endpoint", address) for role, address in _http(config).items() if address]
     taken = []
     for what, address in wanted:
         host, port = split_address(address)
@@ -186,7 +210,7 @@ def run_up(config: UpConfig) -> int:
         _say(
             f"cannot start: {', '.join(taken)} already in use (another hio up or hio role running?). "
             "Stop it (hio up --keep stops with Ctrl-C), or choose other addresses "
-            "(--master-address, --repository-address, --http-listen)"
+            "(--master-address, --repository-address, --http-listen, --http-listen-master, ...)"
         )
         return 2
     data_dir = Path(config.data_dir).expanduser().resolve()
@@ -204,7 +228,7 @@ def run_up(config: UpConfig) -> int:
         shared,
         master_address=config.master_address,
         repository_address=config.repository_address,
-        http_listen=config.http_listen,
+        http=_http(config),
         workers={} if elastic else {"": config.engines},
         master_args=_elastic_args(config) if elastic else (),
         runtime=config.runtime,
@@ -252,6 +276,8 @@ def run_up(config: UpConfig) -> int:
         if config.keep:
             if config.kd:
                 _run_kd(cluster, config, once=False)
+            metrics = ", ".join(f"{role} http://{address}/metrics" for role, address in cluster.http.items() if address)
+            _say(f"Prometheus metrics (docs/monitoring.md): {metrics}")
             _say(
                 "everything keeps running; `hio status` shows it, `hio send FILE --image IMG` adds tuples; Ctrl-C stops"
             )

@@ -69,6 +69,10 @@ class RepositoryClient:
         request = repository_pb2.GetOffsetsRequest(consumer=consumer)
         return self._call(lambda: self._stub.GetOffsets(request, timeout=10.0))
 
+    def offsets_now(self, consumer: str, timeout: float) -> repository_pb2.GetOffsetsResponse:
+        """One GetOffsets within ``timeout`` seconds, not retried (a metrics scrape's look)."""
+        return self._stub.GetOffsets(repository_pb2.GetOffsetsRequest(consumer=consumer), timeout=timeout)
+
     def read(self, after: int, until: int) -> Iterator[repository_pb2.StoredRecord]:
         """Records with after < offset <= until, in order. A stream broken by an
         unavailable repository resumes after the last record received, until

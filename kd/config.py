@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from hio.config import ConfigError, positive, setting
+from hio.config import ConfigError, check_address, positive, setting
 from hio.settings import ClusterSettings
+
+HTTP_LISTEN = "127.0.0.1:7480"  # where the role's HTTP endpoint listens by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +17,9 @@ class KDConfig(ClusterSettings):
     interval: float = setting(60.0, "seconds between knowledge-discovery intervals (micro-batches)")
     once: bool = setting(False, "process what the repository holds now (in rate-limited batches), then exit")
     consumer: str = setting("kd", "consumer name whose offset KD commits in the repository")
+    http_listen: str = setting(
+        HTTP_LISTEN, "host:port of the HTTP endpoint (/metrics, /healthz; docs/monitoring.md); empty = none"
+    )
     spark_master: str = setting("local[2]", "Spark master URL: local[N] or spark://host:port")
     spark_conf: tuple[str, ...] = setting((), "extra Spark settings as key=value (repeatable)", factory=tuple)
     parquet_path: str = setting("", "folder of accumulated features (Parquet); empty = data_dir/kd/features.parquet")
@@ -63,6 +68,7 @@ class KDConfig(ClusterSettings):
             raise ConfigError(f"restart_delay must not be negative, got {self.restart_delay}")
         if not self.consumer.strip():
             raise ConfigError("consumer must not be empty")
+        check_address("http_listen", self.http_listen, allow_empty=True)
         for item in self.spark_conf:
             if "=" not in item:
                 raise ConfigError(f"spark_conf entry '{item}' is not key=value")

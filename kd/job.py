@@ -29,12 +29,14 @@ import pyarrow.compute as pc
 
 from hio.kd.client import RepositoryClient, connection_options
 from hio.kd.config import KDConfig
+from hio.kd.metrics import KDMetrics
 from hio.kd.model import cluster_groups, plan, to_knowledge
 from hio.kd.preview import render
 from hio.kd.store import AccumulatedStore, Appended
 from hio.process.log import NOTICE
 from hio.proto import features_pb2
 from hio.storage.files import atomic_write
+from hio.transport.http import serve_http
 from hio.transport.net import stop_on_signals
 
 log = logging.getLogger("hio.kd")
@@ -110,6 +112,8 @@ class KnowledgeJob:
         self.spark = spark
         self.store = store
         self.client = RepositoryClient(config, config.rpc_deadline)
+        self.metrics = KDMetrics(config, lambda: store.total, lambda: self.failures) if config.metrics else None
+        self.failures = 0  # times the streaming query failed (supervise)
         self.last_seconds = 0.0
         self.last_timings: dict[str, float] = {}
         self._published_at = time.monotonic()
@@ -119,6 +123,8 @@ class KnowledgeJob:
 
     def close(self) -> None:
         self.client.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def process_batch(self, frame: Any, batch_id: int) -> None:
         """foreachBatch callback: read, accumulate, learn, publish."""
@@ -141,6 +147,9 @@ class KnowledgeJob:
         knowledge = self.publish(started, timings) if self._should_publish(end_offset) else None
         self.last_seconds = time.monotonic() - started
         self.last_timings = {k: round(v, 3) for k, v in timings.items()}
+        if self.metrics is not None:
+            self.metrics.interval.observe(self.last_seconds)
+            self.metrics.records.observe(appended.accepted)
         log.info(
             "interval",
             extra={
@@ -370,6 +379,7 @@ def supervise(session: SparkSessionKeeper, config: KDConfig, job: KnowledgeJob, 
             job.finish()
             return 0
         failures += 1
+        job.failures += 1
         reason = "the query ended by itself" if error is None else str(error).strip().splitlines()[0][:300]
         log.error("KD query failed; restarting it", extra={"failures": failures, "error": reason})
         if config.once and failures >= config.max_failures:
@@ -393,21 +403,26 @@ def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None
     if session.owned:
         stop_on_signals(stop)
     job = KnowledgeJob(config, session.spark, store)
-    log.log(
-        NOTICE,
-        "KD started",
-        extra={
-            "spark": config.spark_master,
-            "repository": config.repository_address,
-            "stored": store.total,
-            "once": config.once,
-        },
-    )
+    http = None
     try:
+        http = serve_http(config, config.http_listen, job.metrics.registry if job.metrics else None, name="kd")
+        log.log(
+            NOTICE,
+            "KD started",
+            extra={
+                "spark": config.spark_master,
+                "repository": config.repository_address,
+                "stored": store.total,
+                "once": config.once,
+                "http": http.address if http else "off",
+            },
+        )
         code = supervise(session, config, job, stop)
         if config.once and code == 0:
             print(job.summary(), flush=True)
         return code
     finally:
+        if http is not None:
+            http.close()
         job.close()
         session.stop()

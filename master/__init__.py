@@ -21,6 +21,7 @@ from hio.master.core import Master
 from hio.master.service import POLICY, MasterService
 from hio.process.log import NOTICE
 from hio.proto import master_pb2_grpc
+from hio.transport.http import serve_http
 from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
 from hio.transport.lanetls import server_context
 from hio.transport.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
@@ -93,6 +94,13 @@ def create_master_server(config: MasterConfig) -> tuple[grpc.Server, int, Master
 def run_master(config: MasterConfig) -> int:
     """Serve until SIGTERM/SIGINT, then drain for ``grace_seconds`` and seal the backlog; exit 0."""
     server, port, master, health_servicer = _build(config)
+    try:
+        http = serve_http(
+            config, config.http_listen, master.metrics.registry if master.metrics else None, name="master"
+        )
+    except BaseException:
+        master.close()
+        raise
     server.start()
     set_serving(health_servicer, True)
     host = config.listen.rsplit(":", 1)[0]
@@ -103,6 +111,7 @@ def run_master(config: MasterConfig) -> int:
             "address": f"{host}:{port}",
             "data_dir": config.data_dir,
             "lane_port": master.lane_port,
+            "http": http.address if http else "off",
             "queued": master.queue.length(),
         },
     )
@@ -116,4 +125,6 @@ def run_master(config: MasterConfig) -> int:
     try:
         return run_until_signal(server, grace=config.grace_seconds, on_stop=[draining])
     finally:
+        if http is not None:
+            http.close()
         master.close()

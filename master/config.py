@@ -20,6 +20,8 @@ from hio.config import (
 )
 from hio.settings import BUILTIN_IMAGES, ClusterSettings
 
+HTTP_LISTEN = "127.0.0.1:7080"  # where the role's HTTP endpoint listens by default
+
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
@@ -71,6 +73,9 @@ class MasterConfig(ClusterSettings):
     )
     lane_listen: str = setting(
         "", "host:port of the payload lane; empty = listen's host and port + 1 (any free port when listen's port is 0)"
+    )
+    http_listen: str = setting(
+        HTTP_LISTEN, "host:port of the HTTP endpoint (/metrics, /healthz; docs/monitoring.md); empty = none"
     )
     profile_seconds: float = setting(
         20.0, "profiling interval: each image's CPU share and processing rate are averaged over this many seconds"
@@ -168,6 +173,11 @@ class MasterConfig(ClusterSettings):
         self.lane_address()  # refuses a listen port without a port + 1 for the lane
         if self.lane_listen and same_port(self.lane_listen, self.listen):
             raise ConfigError(f"lane_listen {self.lane_listen} takes listen's port: choose another")
+        check_address("http_listen", self.http_listen, allow_empty=True)
+        lane = self.lane_address()
+        for other, address in (("listen", self.listen), ("the lane", lane)):
+            if self.http_listen and address and same_port(self.http_listen, address):
+                raise ConfigError(f"http_listen {self.http_listen} takes {other}'s port ({address}): choose another")
         for name in (
             "queue_bytes",
             "segment_bytes",

@@ -25,6 +25,7 @@ from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
 from hio.master.demand import ImageLoad
 from hio.master.ids import TupleIdAllocator
+from hio.master.metrics import MasterFigures, MasterMetrics
 from hio.master.profile import Profile
 from hio.master.provisioners import open_provisioner
 from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelState, Worker
@@ -123,6 +124,7 @@ class Master:
         self.pending = PendingEnqueues(config.reservation_seconds)
         self.stats = Stats()
         self.profile = Profile(config.profile_seconds, config.default_share)
+        self.metrics = MasterMetrics(self.figures) if config.metrics else None
         self._waiters = 0
         self._route_waiters: dict[str, collections.deque[_RouteWait]] = {}
         self._stopping = False
@@ -284,6 +286,7 @@ class Master:
         self._check_route(image, items)
         if not math.isfinite(wait_seconds) or not 0 <= wait_seconds <= MAX_PULL_WAIT:
             raise InvalidArgument(f"wait_seconds must be between 0 and {MAX_PULL_WAIT:g}, got {wait_seconds}")
+        arrived = time.monotonic()
         with self._cond:
             for item in items:
                 if item.tuple_id and not self.ids.issued(item.tuple_id):
@@ -298,7 +301,10 @@ class Master:
             fresh = iter(self.ids.allocate(sum(1 for i in items if not i.tuple_id)))
             tuple_ids = [item.tuple_id or next(fresh) for item in items]
             route = self._route_waiting(image, tuple_ids, force_queue, wait_seconds)
-            self.stats.routed(direct=isinstance(route, master_pb2.ChannelRoute), count=len(items))
+            direct = isinstance(route, master_pb2.ChannelRoute)
+            self.stats.routed(direct=direct, count=len(items), image=image)
+        if self.metrics is not None:
+            self.metrics.route_wait.labels("direct" if direct else "queue").observe(time.monotonic() - arrived)
         tickets = [make_ticket(self._ticket_key, t, image) if self._ticket_key else b"" for t in tuple_ids]
         log.debug("routed", extra={"source": source, "image": image, "tuples": len(items), "route": route})
         reply = master_pb2.RouteTuplesResponse(tuple_ids=tuple_ids, tickets=tickets)
@@ -539,10 +545,13 @@ class Master:
                 self.registry.touch(channel)
                 channel.processing = processing
             self.queue.refresh(channel_id, self.config.lease_seconds)
+            image = channel.image if channel is not None else "unknown"
             for outcome in outcomes:
                 ended = min(outcome.stored_unix, now) if outcome.stored_unix > 0 else now  # not after its report
                 latency = max(0.0, ended - outcome.accepted_unix) if outcome.accepted_unix > 0 else None
-                self.stats.outcome(ok=outcome.ok, size=outcome.size, latency=latency)
+                self.stats.outcome(ok=outcome.ok, size=outcome.size, latency=latency, image=image)
+                if self.metrics is not None and outcome.ok and latency is not None:
+                    self.metrics.latency.observe(latency)
                 if outcome.ok and channel is not None:
                     channel.tuples_done += 1
                     self.profile.outcome(channel.image, outcome.processing_seconds)
@@ -693,6 +702,37 @@ class Master:
                 warnings=self._warnings(queues, self.queue.used_bytes, dead),
                 last_tuple_id=self.ids.last_issued,
                 engines=self._engines(queues),
+            )
+
+    def figures(self) -> MasterFigures:
+        """What the metrics show, in one short look under the lock (no disk, no network)."""
+        with self._cond:
+            queues = self.queue.status()
+            channels: collections.Counter[tuple[str, str]] = collections.Counter()
+            workers: collections.Counter[str] = collections.Counter()
+            for worker in self.registry.workers():
+                workers["live" if worker.live else "expired"] += 1
+                for channel in worker.channels.values():
+                    state = channel.state.name.lower() if worker.live else "down"
+                    channels[channel.image, state] += 1
+            engines = self._engines(queues)
+            return MasterFigures(
+                images=tuple(sorted({*self.config.images, *self.registry.offered_images, *self.queue.images()})),
+                routed=dict(self.stats.routed_by),
+                done=dict(self.stats.done_by),
+                failed=dict(self.stats.failed_by),
+                done_bytes=dict(self.stats.bytes_by),
+                queued={q.image: q.length for q in queues},
+                queued_bytes={q.image: q.bytes for q in queues},
+                leased={q.image: q.leased for q in queues},
+                queue_limit_bytes=self.config.queue_bytes,
+                dead_letters=len(self.dead),
+                channels=dict(channels),
+                workers=dict(workers),
+                engines_running={e.image: e.running for e in engines},
+                engines_wanted={e.image: e.wanted for e in engines},
+                workers_wanted=self.scaler.pool.wanted if self.scaler is not None else None,
+                workers_present=self.scaler.pool.present if self.scaler is not None else None,
             )
 
     def _engines(self, queues: list[master_pb2.QueueStatus]) -> list[master_pb2.ImageEngines]:

@@ -18,7 +18,8 @@ class Rates:
 
 
 class Stats:
-    """What the master counts: routes, outcomes, bytes, and one-second buckets for rates."""
+    """What the master counts: routes, outcomes, bytes (in all, and by image for its
+    metrics), and one-second buckets for rates."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -28,22 +29,30 @@ class Stats:
         self.tuples_done = 0
         self.tuples_failed = 0
         self.bytes_done = 0
+        self.routed_by: collections.Counter[tuple[str, str]] = collections.Counter()  # (route, image) -> tuples
+        self.done_by: collections.Counter[str] = collections.Counter()  # image -> tuples stored
+        self.failed_by: collections.Counter[str] = collections.Counter()  # image -> tuples failed
+        self.bytes_by: collections.Counter[str] = collections.Counter()  # image -> bytes of tuples stored
         # second -> [tuples, bytes, latency sum, latency count]
         self._buckets: collections.OrderedDict[int, list[float]] = collections.OrderedDict()
 
-    def routed(self, *, direct: bool, count: int) -> None:
+    def routed(self, *, direct: bool, count: int, image: str = "") -> None:
         if direct:
             self.routed_direct += count
         else:
             self.routed_queue += count
+        self.routed_by["direct" if direct else "queue", image] += count
 
-    def outcome(self, *, ok: bool, size: int, latency: float | None = None) -> None:
+    def outcome(self, *, ok: bool, size: int, latency: float | None = None, image: str = "") -> None:
         """One finished tuple; ``latency`` in seconds when the tuple carried its acceptance time."""
         if not ok:
             self.tuples_failed += 1
+            self.failed_by[image] += 1
             return
         self.tuples_done += 1
         self.bytes_done += size
+        self.done_by[image] += 1
+        self.bytes_by[image] += size
         bucket = self._bucket()
         bucket[0] += 1
         bucket[1] += size

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from hio.config import FSYNC_POLICIES, ConfigError, check_address, one_of, positive, setting
+from hio.config import FSYNC_POLICIES, ConfigError, check_address, one_of, positive, same_port, setting
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, ClusterSettings, MiB
 
+HTTP_LISTEN = "127.0.0.1:7180"  # where the role's HTTP endpoint listens by default
 # Bytes of a PutFeatures/ReadFeatures message beyond the record itself (the engine keeps the same).
 RECORD_HEADROOM = 64 * 1024
 
@@ -17,7 +18,10 @@ RECORD_HEADROOM = 64 * 1024
 @dataclasses.dataclass(frozen=True)
 class RepositoryConfig(ClusterSettings):
     listen: str = setting("127.0.0.1:7100", "host:port the repository's gRPC service listens on")
-    http_listen: str = setting("127.0.0.1:7180", "host:port of the HTTP preview page; empty disables it")
+    http_listen: str = setting(
+        HTTP_LISTEN,
+        "host:port of the HTTP endpoint: the preview page, /metrics, /healthz (docs/monitoring.md); empty = none",
+    )
     segment_bytes: int = setting(64 * MiB, "size at which a feature segment file is sealed and a new one begun")
     fsync: str = setting(
         "batch",
@@ -49,6 +53,8 @@ class RepositoryConfig(ClusterSettings):
         self.validate_serving()
         check_address("listen", self.listen)
         check_address("http_listen", self.http_listen, allow_empty=True)
+        if self.http_listen and same_port(self.http_listen, self.listen):
+            raise ConfigError(f"http_listen {self.http_listen} takes listen's port: choose another")
         one_of("fsync", self.fsync, FSYNC_POLICIES)
         if self.fsync_interval_ms < 0 or self.fsync_interval_ms > 10_000:
             raise ConfigError(f"fsync_interval_ms must be between 0 and 10000, got {self.fsync_interval_ms}")

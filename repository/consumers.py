@@ -82,6 +82,11 @@ class ConsumerOffsets:
         with self._lock:
             return self._offsets.get(name, 0)
 
+    def all(self) -> dict[str, int]:
+        """name -> committed offset, of every consumer."""
+        with self._lock:
+            return dict(self._offsets)
+
     def commit(self, name: str, offset: int, latest: int) -> None:
         """Persist ``offset`` for ``name``; refuse offsets past ``latest``."""
         check_consumer_name(name)

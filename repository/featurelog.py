@@ -70,6 +70,8 @@ class FeatureLog:
         self._disk = disk
         self._log = SegmentLog(folder, NAMING, fsync=fsync, disk=disk, header=MAGIC)
         self._durable = 0  # the highest offset an fsync covers (under the lock)
+        self.appended = 0  # records this process appended (under the lock)
+        self.duplicates = 0  # records put whose id was stored already: nothing written (under the lock)
         self._sync_lock = threading.Lock()  # one fsync round at a time: puts waiting here ride on the next
         self._fsync_interval = fsync_interval
         self._last_sync = 0.0
@@ -177,6 +179,8 @@ class FeatureLog:
         with self._lock:
             self._check_writable()
             results, fresh = self._plan(items)
+            self.appended += len(fresh)
+            self.duplicates += len(results) - len(fresh)
             if fresh:
                 self._write(fresh)
                 if self._mode == "always":
@@ -296,8 +300,16 @@ class FeatureLog:
             return self._index.offset_of(tuple_id)
 
     def stats(self) -> dict[str, int]:
+        """records, segments, bytes on disk; records readable, appended and put as duplicates."""
         with self._lock:
-            return {"records": self._index.latest, "segments": self._index.segments, "bytes": self._log.bytes_on_disk()}
+            return {
+                "records": self._index.latest,
+                "segments": self._index.segments,
+                "bytes": self._log.bytes_on_disk(),
+                "readable": self._readable_locked(),
+                "appended": self.appended,
+                "duplicates": self.duplicates,
+            }
 
     def read(self, after: int, until: int = 0, max_records: int = 0) -> Iterator[tuple[int, int, bytes]]:
         """(offset, tuple_id, payload) for ``after < offset <= until`` (0 = latest), in

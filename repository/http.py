@@ -1,134 +1,62 @@
-"""A small HTTP view of the repository for people: the preview and a summary.
-
-Read-only, stdlib only, served from a daemon thread; loopback by default.
+"""The repository's pages for people, served by its HTTP endpoint
+(:mod:`hio.transport.http`, beside ``/metrics`` and ``/healthz``): the preview and a summary.
 
     /                 HTML page (refreshes every 10 s): preview + summary
     /preview.png      the preview image (404 when none)
     /knowledge.json   knowledge as JSON; assignments only with ?assignments=1
-    /healthz          "ok"
+
+Read-only. With tokens, a reader presents one of a role that may read the knowledge
+(``GetKnowledge``'s in :data:`hio.repository.service.POLICY`).
 """
 
 from __future__ import annotations
 
 import html
-import logging
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from collections.abc import Mapping
 
 from google.protobuf import json_format
 
-from hio.config import ConfigError
 from hio.proto import features_pb2
+from hio.repository.service import POLICY
 from hio.repository.store import FeatureStore
-
-log = logging.getLogger("hio.repository.http")
+from hio.transport.http import Reply, Route, text
 
 REFRESH_SECONDS = 10
+PAGE_ROLES = frozenset(POLICY["GetKnowledge"])
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    store: FeatureStore
+def pages(store: FeatureStore) -> dict[str, Route]:
+    """The repository's pages, for :func:`hio.transport.http.serve_http`."""
 
+    def index(_query: Mapping[str, list[str]]) -> Reply:
+        return Reply(200, render_page(store).encode(), "text/html; charset=utf-8")
 
-class PreviewHttpServer:
-    """The HTTP view on its own thread. ``port`` is the bound port."""
+    def preview(_query: Mapping[str, list[str]]) -> Reply:
+        png = store.get_knowledge_and_preview()[1]
+        return text(404, "no preview yet") if png is None else Reply(200, png, "image/png")
 
-    def __init__(self, store: FeatureStore, listen: str) -> None:
-        host, _, port = listen.rpartition(":")
-        try:
-            self._server = _Server((host.strip("[]") or "127.0.0.1", int(port)), _Handler)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"http_listen: cannot listen on {listen} ({exc})") from None
-        self._server.store = store
-        self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, name="repository-http", daemon=True
-        )
-
-    def start(self) -> PreviewHttpServer:
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        """Stop serving and release the port."""
-        if self._thread.is_alive():
-            self._server.shutdown()
-        self._server.server_close()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    server_version = "hio-repository"
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:
-        url = urlsplit(self.path)
-        routes = {
-            "/": self._index,
-            "/preview.png": self._preview,
-            "/knowledge.json": self._knowledge_json,
-            "/healthz": self._healthz,
-        }
-        route = routes.get(url.path)
-        if route is None:
-            self._send(404, "text/plain; charset=utf-8", f"not found: {url.path}\n".encode())
-            return
-        try:
-            route(parse_qs(url.query))
-        except Exception:  # a page must never take the thread down silently
-            log.exception("http request failed", extra={"path": url.path})
-            self._send(500, "text/plain; charset=utf-8", b"internal error; see the repository log\n")
-
-    def do_HEAD(self) -> None:
-        self.do_GET()
-
-    def _healthz(self, _query: dict[str, list[str]]) -> None:
-        self._send(200, "text/plain; charset=utf-8", b"ok\n")
-
-    def _preview(self, _query: dict[str, list[str]]) -> None:
-        png = self.server.store.get_knowledge_and_preview()[1]
-        if png is None:
-            self._send(404, "text/plain; charset=utf-8", b"no preview yet\n")
-            return
-        self._send(200, "image/png", png)
-
-    def _knowledge_json(self, query: dict[str, list[str]]) -> None:
-        knowledge = _knowledge(self.server.store)
+    def knowledge_json(query: Mapping[str, list[str]]) -> Reply:
+        knowledge = _knowledge(store)
         if knowledge is None:
-            self._send(404, "text/plain; charset=utf-8", b"no knowledge yet\n")
-            return
+            return text(404, "no knowledge yet")
         if query.get("assignments", ["0"])[-1] not in ("1", "true", "yes"):
             knowledge.ClearField("assignments")
             for group in knowledge.groups:
                 group.ClearField("assignments")
-        text = json_format.MessageToJson(
+        body = json_format.MessageToJson(
             knowledge,
             preserving_proto_field_name=True,
             always_print_fields_with_no_presence=True,
             unquote_int64_if_possible=True,
         )
-        self._send(200, "application/json", text.encode())
+        return Reply(200, body.encode(), "application/json")
 
-    def _index(self, _query: dict[str, list[str]]) -> None:
-        page = render_page(self.server.store)
-        self._send(200, "text/html; charset=utf-8", page.encode())
-
-    def _send(self, status: int, content_type: str, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
-        log.debug("http " + format, *args)  # noqa: G003 - the stdlib's %-format and its args, kept lazy
+    return {
+        "/": Route(index, PAGE_ROLES),
+        "/preview.png": Route(preview, PAGE_ROLES),
+        "/knowledge.json": Route(knowledge_json, PAGE_ROLES),
+    }
 
 
 def _knowledge(store: FeatureStore) -> features_pb2.Knowledge | None:

@@ -1,4 +1,4 @@
-"""Running the repository: gRPC service, HTTP view, lifecycle."""
+"""Running the repository: gRPC service, HTTP endpoint (metrics and pages), lifecycle."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import grpc
 from hio.process.log import NOTICE
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig
-from hio.repository.http import PreviewHttpServer
+from hio.repository.http import pages
+from hio.repository.metrics import RepositoryMetrics
 from hio.repository.service import POLICY, RepositoryService
 from hio.repository.store import FeatureStore
 from hio.transport.errors import HioError
+from hio.transport.http import serve_http
 from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, run_until_signal, set_serving
 
 log = logging.getLogger("hio.repository")
@@ -56,20 +58,26 @@ def run_repository(config: RepositoryConfig) -> int:
     except HioError as exc:
         log.error("repository cannot start", extra={"reason": exc.message})
         return 1
-    http_server = None
+    http = None
     try:
-        if config.http_listen:
-            http_server = PreviewHttpServer(store, config.http_listen).start()
+        metrics = RepositoryMetrics(store) if config.metrics else None
+        http = serve_http(
+            config,
+            config.http_listen,
+            metrics.registry if metrics else None,
+            name="repository",
+            pages=pages(store),
+        )
         server.start()
         set_serving(health_servicer, True)
         log.log(
             NOTICE,
             "repository serving",
-            extra={"port": port, "records": store.latest(), "http_port": http_server.port if http_server else None},
+            extra={"port": port, "records": store.latest(), "http": http.address if http else "off"},
         )
         return run_until_signal(server, on_stop=[lambda: set_serving(health_servicer, False)])
     finally:
-        if http_server is not None:
-            http_server.close()
+        if http is not None:
+            http.close()
         server.stop(0)
         store.close()

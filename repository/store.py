@@ -52,6 +52,7 @@ class FeatureStore:
         self.options = options or StoreOptions()
         self._limits = RecordLimits(self.options.max_record_bytes, self.options.max_decompressed_bytes)
         disk = DiskFailure(disk="the repository's disk", owner="repository")  # every file's fsync is final
+        self.disk = disk
         self._features = FeatureLog(
             self.root / "features",
             disk,
@@ -104,8 +105,13 @@ class FeatureStore:
         return self._features.read(after, until, max_records)
 
     def stats(self) -> dict[str, int]:
-        """records, segments, bytes on disk."""
+        """records, segments, bytes on disk; records readable, appended by this process and
+        put as duplicates (:meth:`FeatureLog.stats`)."""
         return self._features.stats()
+
+    def consumers(self) -> dict[str, int]:
+        """Every named consumer's committed offset."""
+        return self._consumers.all()
 
     def committed(self, name: str) -> int:
         """Committed offset of consumer ``name`` (0 when unknown or the name is empty)."""

@@ -15,26 +15,42 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
 import pytest
 
-from hio.cluster import LocalCluster
+from hio.cluster import HTTP_ROLES, LocalCluster
 from hio.process.procs import LIFELINE_ENV, RoleProcess, child_env, free_port
 
 __all__ = ["FsyncDisk", "HioProcess", "free_port", "hio_env", "local_cluster", "stop_cleanly", "wait_for"]
 
 
+#: Each role a test starts serves its HTTP endpoint on a free port unless the test says
+#: where (a flag wins over these): on its default port it would clash with another test's.
+FREE_HTTP = {f"HIO_{role.upper()}_HTTP_LISTEN": "127.0.0.1:0" for role in HTTP_ROLES}
+
+
 def hio_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a `hio` command a test runs: no stray HIO_* settings, and it dies
-    with the test process (as the roles a test starts do)."""
-    return child_env({LIFELINE_ENV: str(os.getpid()), **(extra or {})})
+    """Environment for a `hio` command a test runs: no stray HIO_* settings, HTTP endpoints
+    on free ports, and it dies with the test process (as the roles a test starts do)."""
+    return child_env({LIFELINE_ENV: str(os.getpid()), **FREE_HTTP, **(extra or {})})
 
 
 class HioProcess(RoleProcess):
-    """A RoleProcess whose failures are test failures."""
+    """A RoleProcess whose failures are test failures; its HTTP endpoint on a free port
+    unless a flag says where."""
+
+    def __init__(
+        self,
+        command: str,
+        args: Sequence[str],
+        workdir: Path,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(command, args, workdir, env={**FREE_HTTP, **(env or {})}, name=name)
 
     def wait_healthy(self, address: str, timeout: float = 60.0, settings: Any = None) -> None:
         try:

@@ -24,6 +24,8 @@ from typing import ClassVar
 from hio.config import ConfigError, PassedOn, as_text, check_address, one_of, parse_assignments, positive, setting
 from hio.settings import BUILTIN_IMAGES, ClusterSettings
 
+HTTP_LISTEN = "127.0.0.1:7280"  # where the role's HTTP endpoint listens by default
+
 RUNTIMES = ("auto", "process", "docker")
 # Engine settings the worker decides for each engine it starts (not passed on from [engine]).
 ENGINE_SLOT_SETTINGS = ("channel_id", "image", "pipeline", "listen", "lane_listen", "parent_pid")
@@ -79,6 +81,9 @@ class EngineSettings(ClusterSettings):
 class WorkerConfig(EngineSettings):
     worker_id: str = setting("", "this worker's id, unique in the cluster; empty = <hostname>-<pid>")
     advertise_host: str = setting("127.0.0.1", "host gateways use to reach this worker's engines")
+    http_listen: str = setting(
+        HTTP_LISTEN, "host:port of the HTTP endpoint (/metrics, /healthz; docs/monitoring.md); empty = none"
+    )
     engine_listen_host: str = setting("127.0.0.1", "interface engines listen on")
     engine_ports: str = setting(
         "", "port range engines listen in, e.g. 20000-21000 (for firewalls); empty = any free port"
@@ -148,6 +153,7 @@ class WorkerConfig(EngineSettings):
     def validate(self) -> None:
         self.validate_cluster()
         self.validate_serving()
+        check_address("http_listen", self.http_listen, allow_empty=True)
         self.engine_overrides()
         one_of("runtime", self.runtime, RUNTIMES)
         if self.elastic and self.engines != BUILTIN_IMAGES:

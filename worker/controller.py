@@ -18,8 +18,10 @@ with the engine's own graceful stop.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import operator
 import random
 import socket
 import threading
@@ -31,16 +33,19 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hio.config import ConfigError, as_text, local_host
+from hio.metrics import Tally
 from hio.process.log import NOTICE
 from hio.process.procs import watch_process
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.settings import ClusterSettings
+from hio.transport.http import serve_http
 from hio.transport.net import ROLE_SERVICES, connect_hint, create_channel, stop_on_signals
 from hio.transport.retry import Backoff
 from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
 from hio.worker.config import EngineSettings, WorkerConfig, engine_counts
 from hio.worker.cpu import CpuUsage
 from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec, ProcessLauncher
+from hio.worker.metrics import WorkerMetrics
 from hio.worker.runtimes import select_launcher
 
 log = logging.getLogger("hio.worker")
@@ -130,6 +135,18 @@ def engine_env(
     if token:
         env["HIO_TOKEN"] = token
     return env
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineView:
+    """One engine, as the worker's metrics see it; ``ident`` '' while it does not run."""
+
+    channel_id: str
+    image: str
+    up: bool
+    restarts: int
+    ident: str
+    address: str
 
 
 @dataclasses.dataclass
@@ -295,6 +312,10 @@ class Controller:
         self._wanted: dict[str, int] | None = None  # the master's plan for this worker (elastic)
         self._to_stop: set[str] = set()  # channels the master drained for its plan
         self._stoppers: list[threading.Thread] = []
+        self._restarts_gone: collections.Counter[str] = collections.Counter()  # image -> restarts of dropped slots
+        self.cpu: Tally[tuple[str, str], float] = Tally(float, operator.add)  # image -> its engines' CPU seconds
+        self.cpu_shares: dict[str, float] = {}  # image -> cores its engines used between the last two heartbeats
+        self._cpu_last: dict[tuple[str, str], tuple[float, float]] = {}  # engine -> (CPU seconds, when read)
         self._session = MasterSession(config, worker_id, self.channel_infos, self._on_answer)
 
     def _plan(self, counts: list[tuple[str, int]]) -> list[EngineSlot]:
@@ -377,6 +398,7 @@ class Controller:
                     )
             with self._lock:
                 self._slots = [other for other in self._slots if other is not slot]
+                self._restarts_gone[slot.image] += slot.restarts
             log.info("engine stopped for the master's plan", extra={"channel": slot.channel_id})
             self._session.poke()
 
@@ -452,7 +474,44 @@ class Controller:
                 continue
             if usage is not None:
                 cpu[slot.channel_id] = usage
+        self._tally_cpu(slots, cpu)
         return cpu
+
+    def _tally_cpu(self, slots: list[tuple[EngineSlot, EngineHandle | None]], cpu: dict[str, CpuUsage]) -> None:
+        """Each image's CPU seconds (a counter, across engine restarts) and the cores its
+        engines used since the last reading, for the worker's metrics."""
+        now = time.monotonic()
+        live = {(slot.channel_id, handle.ident): slot.image for slot, handle in slots if handle is not None}
+        seconds = {
+            (slot.channel_id, handle.ident): cpu[slot.channel_id].cpu_seconds
+            for slot, handle in slots
+            if handle is not None and slot.channel_id in cpu
+        }
+        self.cpu.update(live, seconds)
+        shares: dict[str, float] = {}
+        for engine, used in seconds.items():
+            before, when = self._cpu_last.get(engine, (used, now))
+            if now > when:
+                shares[live[engine]] = shares.get(live[engine], 0.0) + max(0.0, used - before) / (now - when)
+        self._cpu_last = {engine: (used, now) for engine, used in seconds.items()}
+        self.cpu_shares = shares
+
+    def engine_views(self) -> tuple[list[EngineView], dict[str, int]]:
+        """Every engine as the metrics see it, and the restarts of engines no longer kept."""
+        host = local_host(self._config.engine_listen_host)
+        with self._lock:
+            views = [
+                EngineView(
+                    channel_id=slot.channel_id,
+                    image=slot.image,
+                    up=slot.up,
+                    restarts=slot.restarts,
+                    ident=slot.handle.ident if slot.handle is not None else "",
+                    address=f"{host}:{slot.port}",
+                )
+                for slot in self._slots
+            ]
+            return views, dict(self._restarts_gone)
 
     def run(self, stop: threading.Event) -> int:
         """Supervise until ``stop`` is set; then stop every engine. Exit code 0."""
@@ -597,10 +656,24 @@ def run_worker(config: WorkerConfig) -> int:
             stop.set()
 
         watch_process(config.owner_pid, owner_gone)
-    log.info(
+    metrics = WorkerMetrics(controller, config) if config.metrics else None
+    http = serve_http(config, config.http_listen, metrics.registry if metrics else None, name="worker")
+    log.log(
+        NOTICE,
         "worker starting",
-        extra={"worker": worker_id, "engines": len(controller.slots), "launcher": type(launcher).__name__},
+        extra={
+            "worker": worker_id,
+            "engines": len(controller.slots),
+            "launcher": type(launcher).__name__,
+            "http": http.address if http else "off",
+        },
     )
-    code = controller.run(stop)
+    try:
+        code = controller.run(stop)
+    finally:
+        if http is not None:
+            http.close()
+        if metrics is not None:
+            metrics.close()
     log.info("worker stopped", extra={"worker": worker_id})
     return code

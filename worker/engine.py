@@ -34,7 +34,8 @@ from typing import Any, cast
 import zstandard
 
 from hio.config import ConfigError
-from hio.proto import engine_pb2_grpc, master_pb2
+from hio.metrics import PROCESS_BUCKETS, bucket_counts, histogram
+from hio.proto import engine_pb2, engine_pb2_grpc, master_pb2
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
 from hio.transport.errors import (
     DataLoss,
@@ -474,6 +475,9 @@ class Engine:
         self._store_batch_records = config.store_batch_records
         self._store_pending_records = config.store_pending_records
         self._watchdog = Watchdog(config.tuple_timeout, self._on_timeout)
+        self._process_seconds = (  # what its worker's metrics show (GetEngineStats)
+            histogram("hio_engine_process_seconds", "process() seconds", PROCESS_BUCKETS) if config.metrics else None
+        )
         self._queue_tuple_seconds: float | None = None  # moving average of a queue tuple's processing time
         self._puller = threading.Thread(target=self._pull_loop, name="puller", daemon=True)
         self._background = _Background("beside-pull")
@@ -481,6 +485,17 @@ class Engine:
     @property
     def pipeline_spec(self) -> str:
         return self._pipeline.spec
+
+    def stats(self) -> engine_pb2.GetEngineStatsResponse:
+        """What this engine measured since it started (empty with ``metrics`` off)."""
+        if self._process_seconds is None:
+            return engine_pb2.GetEngineStatsResponse()
+        counts = bucket_counts(self._process_seconds)
+        return engine_pb2.GetEngineStatsResponse(
+            process_bucket_bounds=counts.bounds,
+            process_bucket_counts=[int(c) for c in counts.counts],
+            process_seconds_sum=counts.total,
+        )
 
     def start(self) -> Engine:
         self._puller.start()
@@ -765,6 +780,7 @@ class Engine:
     def _run_pipeline(self, meta: TupleMeta, data: bytes, *, from_queue: bool) -> tuple[bytes, float] | str:
         job = self._watchdog.begin(meta, data, from_queue)
         cpu_start = time.thread_time()
+        started = time.perf_counter()
         try:
             result = self._pipeline.process(data, TupleInfo.from_meta(meta))
             cpu = time.thread_time() - cpu_start
@@ -783,6 +799,8 @@ class Engine:
             return error_text(exc)
         finally:
             self._watchdog.end(job)
+            if self._process_seconds is not None:
+                self._process_seconds.observe(time.perf_counter() - started)
         serialized = record.SerializeToString()
         if len(serialized) > FEATURE_RECORD_DECOMPRESSED_BYTES:
             return truncate(
@@ -1133,8 +1151,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def Deliver(self, request_iterator: Iterable[TupleFrame], context: Any) -> Iterator[TupleReceipt]:
         yield from self._engine.deliver(idle_bounded(request_iterator, self._engine.idle_seconds, context.cancel))
 
+    @grpc_errors
+    def GetEngineStats(
+        self, request: engine_pb2.GetEngineStatsRequest, context: Any
+    ) -> engine_pb2.GetEngineStatsResponse:
+        return self._engine.stats()
 
-POLICY = {"Deliver": {"gateway", "worker"}}
+
+POLICY = {"Deliver": {"gateway", "worker"}, "GetEngineStats": {"worker", "viewer"}}
 
 
 def resolve_pipeline(config: EngineConfig) -> str:

@@ -148,6 +148,7 @@ class DiskFailure:
         self._owner = owner  # "gateway": the role to restart after a failed fsync
         self._lock = threading.Lock()
         self._failure = ""  # the first failed fsync, for good ('' if none failed)
+        self.observe: Callable[[float], None] | None = None  # given each fsync's seconds (metrics)
 
     @property
     def failure(self) -> str:
@@ -168,17 +169,23 @@ class DiskFailure:
         """``os.fsync(fd)`` for the role. A failure is final (:meth:`fail`) and raised: as
         the OSError, or with ``refuse`` (the caller's tuple waits on it) as the refusal
         that names it, FailedPrecondition."""
+        started = time.perf_counter()
         try:
             os.fsync(fd)
         except OSError as exc:
             self._failed(exc, refuse)
+        if self.observe is not None:
+            self.observe(time.perf_counter() - started)
 
     def sync_folder(self, path: Path, *, refuse: bool = False) -> None:
         """fsync a folder for the role, its failure handled as in :meth:`sync`."""
+        started = time.perf_counter()
         try:
             _fsync_folder(path)
         except OSError as exc:
             self._failed(exc, refuse)
+        if self.observe is not None:
+            self.observe(time.perf_counter() - started)
 
     def _failed(self, exc: OSError, refuse: bool) -> NoReturn:
         self.fail(exc.strerror or str(exc))

@@ -37,13 +37,14 @@ def _load(what: str, load: Callable[..., None], *paths: str) -> None:
     try:
         load(*paths)
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"payload lane TLS: cannot load the {what} ({', '.join(paths)}): {exc}") from None
+        raise ConfigError(f"TLS: cannot load the {what} ({', '.join(paths)}): {exc}") from None
 
 
 def server_context(settings: ClusterSettings) -> ssl.SSLContext | None:
-    """The lane server's TLS, as its gRPC server's (``hio.transport.net.create_server``): its
-    certificate and key; with ``tls_client_auth``, client certificates signed by ``tls_ca``
-    required. None without ``tls_cert`` (the lane is plain TCP, as gRPC then is)."""
+    """A lane's (and a role's HTTP endpoint's) TLS, as its gRPC server's
+    (``hio.transport.net.create_server``): its certificate and key; with ``tls_client_auth``,
+    client certificates signed by ``tls_ca`` required. None without ``tls_cert`` (plain TCP,
+    as gRPC then is)."""
     if not settings.tls_cert:
         return None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

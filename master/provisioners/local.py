@@ -14,6 +14,9 @@ they end with the process the master's cluster ends with (the test run or
 ``hio up`` that started the master: ``--owner-pid``), and
 :func:`stop_recorded_workers` stops them when that cluster is stopped.
 
+Each serves its HTTP endpoint (``/metrics``) on a free loopback port, which its log's
+"worker starting" line names.
+
 Options (``provisioner_options``): ``runtime`` (``process``, ``docker`` or
 ``auto``, default ``process``), ``worker_args`` (more ``hio worker`` flags, as
 a shell would split them, e.g. ``--grace-seconds 1``).
@@ -132,6 +135,8 @@ class LocalProvisioner:
             str(config.new_worker_cpus()),
             "--runtime",
             self._runtime,
+            "--http-listen",  # workers side by side on one machine: each on a free port (in its log)
+            "127.0.0.1:0",
             *settings_flags(config, omit=_NOT_PASSED),
         ]
         owner = lifeline_owner()

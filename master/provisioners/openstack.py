@@ -642,7 +642,9 @@ def worker_user_data(
 def worker_toml(settings: OpenStackSettings, repository_address: str) -> str:
     """The worker's hio.toml: where things are on the server, then the operator's
     ``worker_settings`` option (which win)."""
-    values: dict[str, Any] = {"data_dir": DATA_DIR, "engine_listen_host": "0.0.0.0"}
+    # engines and the worker's /metrics on the server's network (the security groups open them
+    # to the private network: hio-workers, hio-internal)
+    values: dict[str, Any] = {"data_dir": DATA_DIR, "engine_listen_host": "0.0.0.0", "http_listen": "0.0.0.0:7280"}
     if repository_address:
         values["repository_address"] = repository_address
     values.update(settings.worker_file_settings())

@@ -180,8 +180,12 @@ def test_a_mistyped_address_is_refused_with_its_setting_named(value: str) -> Non
     [
         ("master", "--listen"),
         ("master", "--lane-listen"),
+        ("master", "--http-listen"),
         ("repository", "--listen"),
         ("repository", "--http-listen"),
+        ("worker", "--http-listen"),
+        ("gateway", "--http-listen"),
+        ("kd", "--http-listen"),
         ("engine", "--listen"),
         ("engine", "--lane-listen"),
     ],
@@ -201,6 +205,7 @@ def test_every_serving_role_checks_its_addresses_the_same_way(command, flag, tmp
         ("status", "--tokens-file", "--master-address"),
         ("send", "--ticket-key-file", "--image"),
         ("send", "--watch", "--master-address"),
+        ("send", "--http-listen", "--image"),
         ("master", None, "--tokens-file"),
     ],
 )
@@ -219,6 +224,38 @@ def test_a_client_command_does_not_list_server_settings_but_accepts_them(command
 
         args = command_parser(command, load(COMMANDS[command][0])).parse_args([unlisted, "x"])
         assert getattr(args, unlisted[2:].replace("-", "_")) == "x"
+
+
+@pytest.mark.parametrize(
+    "command, flags",
+    [
+        ("master", ["--listen", "127.0.0.1:7000", "--http-listen", "127.0.0.1:7000"]),
+        ("master", ["--listen", "127.0.0.1:7000", "--http-listen", "0.0.0.0:7001"]),  # the lane's
+        ("repository", ["--listen", "127.0.0.1:7100", "--http-listen", ":7100"]),
+        ("gateway", ["--ingest-listen", "127.0.0.1:7300", "--http-listen", "127.0.0.1:7300"]),
+    ],
+)
+def test_an_http_endpoint_on_a_port_the_role_serves_grpc_on_is_refused(command, flags, tmp_path, capsys) -> None:
+    from hio.cli import main
+
+    assert main([command, *flags, "--data-dir", str(tmp_path)]) == 2
+    assert "http_listen" in capsys.readouterr().err
+
+
+def test_each_role_has_an_http_port_of_its_own_beside_the_defaults() -> None:
+    from hio.gateway.config import GatewayConfig
+    from hio.kd.config import KDConfig
+    from hio.master.config import MasterConfig
+    from hio.repository.config import RepositoryConfig
+    from hio.worker.config import WorkerConfig
+
+    listens = {"master": MasterConfig().listen, "lane": "127.0.0.1:7001", "repository": RepositoryConfig().listen}
+    listens["ingest"] = GatewayConfig().ingest_listen
+    for cls in (MasterConfig, RepositoryConfig, WorkerConfig, GatewayConfig, KDConfig):
+        listens[cls.__name__] = cls().http_listen
+    ports = [cfg.split_address(address)[1] for address in listens.values()]
+    assert len(set(ports)) == len(ports), listens
+    assert ports[-5:] == [7080, 7180, 7280, 7380, 7480]
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ acceptance, spool-full back-pressure, the watcher's settle rule, config, and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import subprocess
@@ -41,7 +42,9 @@ def frames(data: bytes, chunk: int = 1 << 20, **fields: object) -> Iterator[Tupl
 
 @contextlib.contextmanager
 def running_gateway(config: GatewayConfig) -> Iterator[ingest_pb2_grpc.IngestStub]:
-    """`run_gateway` in a thread, and a stub to its ingest API; stopped cleanly on exit."""
+    """`run_gateway` in a thread (its HTTP endpoint on a free port), and a stub to its ingest
+    API; stopped cleanly on exit."""
+    config = dataclasses.replace(config, http_listen="127.0.0.1:0")
     stop = threading.Event()
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(run_gateway(config, stop)), daemon=True)

@@ -448,6 +448,7 @@ METHODS = [
     ("master", "/hio.proto.Master/GetScaling", "unary"),
     ("master", "/hio.proto.Master/SetScaling", "unary"),
     ("engine", "/hio.proto.Engine/Deliver", "bidi"),
+    ("engine", "/hio.proto.Engine/GetEngineStats", "unary"),
     ("gateway", "/hio.proto.Ingest/Submit", "bidi"),
     ("gateway", "/hio.proto.Ingest/GetGatewayStatus", "unary"),
     ("repository", "/hio.proto.Repository/PutFeatures", "unary"),

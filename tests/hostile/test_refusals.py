@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from hio.proto import (
+    engine_pb2,
     engine_pb2_grpc,
     ingest_pb2,
     ingest_pb2_grpc,
@@ -433,6 +434,11 @@ def _calls(cluster: HostileCluster) -> dict[str, tuple[str, Callable[[grpc.Chann
             "gateway",
         ),
         "Engine.Deliver": (cluster.engine_address, deliver, "kd"),
+        "Engine.GetEngineStats": (
+            cluster.engine_address,
+            lambda ch: engine_pb2_grpc.EngineStub(ch).GetEngineStats(engine_pb2.GetEngineStatsRequest(), timeout=5),
+            "gateway",
+        ),
         "Repository.PutFeatures": (
             cluster.repository_address,
             lambda ch: repository_pb2_grpc.RepositoryStub(ch).PutFeatures(
@@ -468,6 +474,7 @@ CALLS = [
     "Master.SetScaling",
     "Master.RegisterWorker",
     "Engine.Deliver",
+    "Engine.GetEngineStats",
     "Repository.PutFeatures",
     "Repository.CommitOffset",
     "Ingest.Submit",

@@ -43,6 +43,7 @@ def kd_config(tmp_path: Path, repo: Repo, **overrides) -> KDConfig:  # type: ign
         "restart_delay": 0.2,
         "max_records_per_interval": 400,
         "max_iterations": 5,
+        "http_listen": "",
     }
     settings.update(overrides)
     return KDConfig(**settings)  # type: ignore[arg-type]

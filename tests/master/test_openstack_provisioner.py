@@ -164,6 +164,7 @@ def test_the_workers_configuration_is_one_the_worker_accepts(cloud: OpenStackDou
     )
     assert (config.runtime, config.grace_seconds, config.elastic) == ("process", 7.0, True)
     assert (config.engine_listen_host, config.data_dir) == ("0.0.0.0", "/var/lib/hio")
+    assert config.http_listen == "0.0.0.0:7280", "its /metrics reachable from the private network"
 
 
 def test_worker_cpus_is_the_workers_cpus_and_else_the_flavors(cloud: OpenStackDouble, tmp_path: Path) -> None:

@@ -17,9 +17,11 @@ import pytest
 from hio.proto import features_pb2, repository_pb2_grpc
 from hio.proto import repository_pb2 as pb
 from hio.repository import RepositoryConfig, create_repository_server
-from hio.repository.http import PreviewHttpServer
+from hio.repository.http import pages
 from hio.repository.store import FeatureStore
+from hio.settings import ClusterSettings
 from hio.transport.frames import crc32
+from hio.transport.http import serve_http
 from hio.transport.net import create_channel
 from tests.repository.records import compress, decode, knowledge, png_bytes, upload
 
@@ -226,8 +228,9 @@ def fetch(url: str) -> tuple[int, str, bytes]:
 @pytest.fixture
 def http(tmp_path: Path) -> Iterator[tuple[FeatureStore, str]]:
     store = FeatureStore(tmp_path / "repo")
-    server = PreviewHttpServer(store, "127.0.0.1:0").start()
-    yield store, f"http://127.0.0.1:{server.port}"
+    server = serve_http(ClusterSettings(), "127.0.0.1:0", None, name="repository", pages=pages(store))
+    assert server is not None
+    yield store, f"http://{server.address}"
     server.close()
     store.close()
 

@@ -1,0 +1,127 @@
+"""The worker's metrics (docs/monitoring.md): its engines by image and state, their
+restarts, the CPU they use (read at each heartbeat), and how long their ``process()``
+calls take, which each engine measures and the worker asks for at each scrape
+(``Engine.GetEngineStats``, all at once, within :data:`ENGINE_STATS_TIMEOUT`).
+
+Counters add up the figures of every engine of an image, restarted and removed ones
+included (:class:`hio.metrics.Tally`), so they only grow. Label ``image`` only: a
+channel's id names one engine of one worker, and the images an operator runs are few.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import operator
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+from prometheus_client.core import Metric
+
+from hio.metrics import PROCESS_BUCKETS, BucketCounts, Scraped, Tally, counters, gauges, histograms, role_registry
+from hio.proto import engine_pb2, engine_pb2_grpc
+from hio.settings import ClusterSettings
+from hio.transport.net import create_channel
+
+if TYPE_CHECKING:
+    from hio.worker.controller import Controller, EngineView
+
+log = logging.getLogger("hio.worker")
+
+ENGINE_STATS_TIMEOUT = 1.0  # seconds a scrape waits for its engines' answers (asked at once)
+BOUNDS = (*PROCESS_BUCKETS, float("inf"))  # an engine of another hio version may have others: not added up
+
+
+class WorkerMetrics:
+    """The worker's registry, reading its controller (and engines) at each scrape."""
+
+    def __init__(self, controller: Controller, settings: ClusterSettings) -> None:
+        self._controller = controller
+        self._settings = settings
+        self._lock = threading.Lock()  # one scrape at a time: the tally and the channels are shared
+        self._process: Tally[tuple[str, str], BucketCounts] = Tally(BucketCounts.empty, operator.add)
+        self._stubs: dict[str, tuple[grpc.Channel, engine_pb2_grpc.EngineStub]] = {}
+        self.registry = role_registry(Scraped(self._families))
+
+    def close(self) -> None:
+        with self._lock:
+            for channel, _stub in self._stubs.values():
+                channel.close()
+            self._stubs.clear()
+
+    def _families(self) -> Iterator[Metric]:
+        engines, restarts_gone = self._controller.engine_views()
+        with self._lock:
+            self._read_engines(engines)
+            process = self._process.totals()
+        images = {engine.image for engine in engines} | set(restarts_gone) | set(process)
+        states: collections.Counter[tuple[str, str]] = collections.Counter(
+            {(image, state): 0 for image in images for state in ("up", "down")}
+        )
+        restarts = collections.Counter({(image,): count for image, count in restarts_gone.items()})
+        for engine in engines:
+            states[engine.image, "up" if engine.up else "down"] += 1
+            restarts[(engine.image,)] += engine.restarts
+        yield gauges(
+            "hio_worker_engines",
+            "Engines by image and state: up (serving), down (starting, restarting, or unable to start)",
+            ["image", "state"],
+            states,
+        )
+        yield counters(
+            "hio_worker_engine_restarts",
+            "Times an engine of the image exited and was (or will be) started again",
+            ["image"],
+            {(image,): restarts.get((image,), 0) for image in images},
+        )
+        yield counters(
+            "hio_worker_engine_cpu_seconds",
+            "CPU seconds the image's engines used (their processes and what those started), read at each heartbeat",
+            ["image"],
+            {(image,): seconds for image, seconds in self._controller.cpu.totals().items()},
+        )
+        yield gauges(
+            "hio_worker_engine_cpu_share",
+            "Cores the image's engines used between the last two heartbeats (1.0 = one core)",
+            ["image"],
+            {(image,): share for image, share in self._controller.cpu_shares.items()},
+        )
+        yield histograms(
+            "hio_worker_process_seconds",
+            "Wall seconds of one process() call (failed calls included) in the image's engines",
+            ["image"],
+            {(image,): counts for image, counts in process.items() if counts.bounds},
+        )
+
+    def _read_engines(self, engines: list[EngineView]) -> None:
+        """Ask every running engine for its figures at once; one that does not answer in
+        time keeps its last figures."""
+        running = [engine for engine in engines if engine.ident]
+        calls = {}
+        for engine in running:
+            stub = self._stub(engine.address)
+            calls[engine.channel_id, engine.ident] = stub.GetEngineStats.future(
+                engine_pb2.GetEngineStatsRequest(), timeout=ENGINE_STATS_TIMEOUT
+            )
+        figures: dict[tuple[str, str], BucketCounts] = {}
+        for key, call in calls.items():
+            try:
+                reply = call.result()
+            except grpc.RpcError as exc:  # starting, stopping, busy past the timeout, an older image
+                log.debug("an engine did not give its figures", extra={"channel": key[0], "code": str(exc.code())})
+                continue
+            if tuple(reply.process_bucket_bounds) == BOUNDS and len(reply.process_bucket_counts) == len(BOUNDS):
+                counts = tuple(map(float, reply.process_bucket_counts))
+                figures[key] = BucketCounts(BOUNDS, counts, reply.process_seconds_sum)
+        self._process.update({(e.channel_id, e.ident): e.image for e in running}, figures)
+        for address in set(self._stubs) - {engine.address for engine in engines}:
+            self._stubs.pop(address)[0].close()
+
+    def _stub(self, address: str) -> engine_pb2_grpc.EngineStub:
+        kept = self._stubs.get(address)
+        if kept is None:
+            channel = create_channel(address, self._settings)
+            kept = self._stubs[address] = (channel, engine_pb2_grpc.EngineStub(channel))
+        return kept[1]
