@@ -137,7 +137,7 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
 
     @grpc_errors
     def Submit(self, request_iterator: Iterator[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
-        frames = idle_bounded(request_iterator, self._gateway.config.stream_idle_seconds, context.cancel)
+        frames = idle_bounded(request_iterator, self._gateway.config.stream_idle_seconds)
         yield from self._receiver.receive(frames, still_wanted=context.is_active)
 
     @grpc_errors

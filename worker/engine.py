@@ -1131,7 +1131,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     @grpc_errors
     def Deliver(self, request_iterator: Iterable[TupleFrame], context: Any) -> Iterator[TupleReceipt]:
-        yield from self._engine.deliver(idle_bounded(request_iterator, self._engine.idle_seconds, context.cancel))
+        yield from self._engine.deliver(idle_bounded(request_iterator, self._engine.idle_seconds))
 
 
 POLICY = {"Deliver": {"gateway", "worker"}}
