@@ -35,6 +35,10 @@ from hio.worker.config import RUNTIMES
 @dataclasses.dataclass(frozen=True)
 class UpConfig(ClusterSettings):
     http_listen: str = setting("127.0.0.1:7180", "repository's HTTP preview page")
+    ingest_listen: str = setting(
+        "127.0.0.1:7300",
+        "with --keep: host:port of the gateway's ingest API (hio.proto.Ingest, docs/ingest.md); empty = no gateway",
+    )
     engines: tuple[str, ...] = setting(
         None, "engines of the worker (IMAGE or IMAGE=COUNT)", factory=lambda: ("hio/microscopy", "hio/simulation")
     )
@@ -143,6 +147,13 @@ def _run_kd(cluster: LocalCluster, config: UpConfig, once: bool) -> RoleProcess:
     return cluster.add("kd", ["--once"] if once else ["--interval", str(config.kd_interval)])
 
 
+def _start_gateway(cluster: LocalCluster, ingest_listen: str) -> None:
+    """A gateway daemon whose ingest API instrument software in any language streams to. Its
+    source names its spool, which hio send (the host's name) then does not share."""
+    cluster.add("gateway", ["--ingest-listen", ingest_listen, "--source", "hio-up"], health=ingest_listen)
+    _say(f"gateway ingest API at {ingest_listen} (gRPC service hio.proto.Ingest; docs/ingest.md)")
+
+
 def _ports_in_use(config: UpConfig) -> list[str]:
     """The addresses hio up would listen on that something already holds (another hio up?):
     its roles would fail to start, while the health checks found the other system's."""
@@ -151,6 +162,8 @@ def _ports_in_use(config: UpConfig) -> list[str]:
     wanted = [("repository", config.repository_address), ("master", config.master_address)]
     if config.http_listen:
         wanted.append(("repository's preview page", config.http_listen))
+    if config.keep and config.ingest_listen:
+        wanted.append(("gateway's ingest API", config.ingest_listen))
     taken = []
     for what, address in wanted:
         host, port = split_address(address)
@@ -186,7 +199,7 @@ def run_up(config: UpConfig) -> int:
         _say(
             f"cannot start: {', '.join(taken)} already in use (another hio up or hio role running?). "
             "Stop it (hio up --keep stops with Ctrl-C), or choose other addresses "
-            "(--master-address, --repository-address, --http-listen)"
+            "(--master-address, --repository-address, --http-listen, --ingest-listen)"
         )
         return 2
     data_dir = Path(config.data_dir).expanduser().resolve()
@@ -252,6 +265,8 @@ def run_up(config: UpConfig) -> int:
         if config.keep:
             if config.kd:
                 _run_kd(cluster, config, once=False)
+            if config.ingest_listen:
+                _start_gateway(cluster, config.ingest_listen)
             _say(
                 "everything keeps running; `hio status` shows it, `hio send FILE --image IMG` adds tuples; Ctrl-C stops"
             )

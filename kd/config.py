@@ -6,12 +6,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from hio.config import ConfigError, positive, setting
+from hio.config import ConfigError, check_address, positive, setting
 from hio.settings import ClusterSettings
 
 
 @dataclasses.dataclass(frozen=True)
 class KDConfig(ClusterSettings):
+    listen: str = setting(
+        "127.0.0.1:0",
+        "host:port of KD's gRPC health and reflection (ready: its streaming query runs); "
+        "port 0 = any free port (logged at start)",
+    )
     interval: float = setting(60.0, "seconds between knowledge-discovery intervals (micro-batches)")
     once: bool = setting(False, "process what the repository holds now (in rate-limited batches), then exit")
     consumer: str = setting("kd", "consumer name whose offset KD commits in the repository")
@@ -43,6 +48,7 @@ class KDConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
+        check_address("listen", self.listen)
         positive("interval", self.interval)
         positive("max_records_per_interval", self.max_records_per_interval)
         positive("read_partitions", self.read_partitions)

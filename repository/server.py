@@ -13,7 +13,7 @@ from hio.repository.http import PreviewHttpServer
 from hio.repository.service import POLICY, RepositoryService
 from hio.repository.store import FeatureStore
 from hio.transport.errors import HioError
-from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, run_until_signal, set_serving
+from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, run_until_signal
 
 log = logging.getLogger("hio.repository")
 
@@ -35,7 +35,6 @@ def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, RoleHealth, Feat
     except BaseException:
         store.close()
         raise
-    set_serving(health_servicer, False)
     return server, port, health_servicer, store
 
 
@@ -45,7 +44,7 @@ def create_repository_server(config: RepositoryConfig) -> tuple[grpc.Server, int
     The caller starts the server, and stops it and closes the store when done.
     """
     server, port, health_servicer, store = _build(config)
-    set_serving(health_servicer, True)
+    health_servicer.start(lambda: store.disk_failure)
     return server, port, store
 
 
@@ -61,13 +60,13 @@ def run_repository(config: RepositoryConfig) -> int:
         if config.http_listen:
             http_server = PreviewHttpServer(store, config.http_listen).start()
         server.start()
-        set_serving(health_servicer, True)
+        health_servicer.start(lambda: store.disk_failure)
         log.log(
             NOTICE,
             "repository serving",
             extra={"port": port, "records": store.latest(), "http_port": http_server.port if http_server else None},
         )
-        return run_until_signal(server, on_stop=[lambda: set_serving(health_servicer, False)])
+        return run_until_signal(server, on_stop=[health_servicer.stop])
     finally:
         if http_server is not None:
             http_server.close()
