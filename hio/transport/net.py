@@ -392,10 +392,10 @@ class RoleHealth(health.HealthServicer):
             was, self.not_ready = self.not_ready, reason
             for name in self._readiness_names():
                 self.set(name, _NOT_SERVING if reason else _SERVING)
-        if reason:
-            log.warning("not ready", extra={"service": self.service or "-", "reason": reason})
+        if reason:  # a warning when it was ready (a master waiting for its first worker is no news)
+            log.log(logging.WARNING if not was else logging.INFO, "not ready", extra={"reason": reason})
         elif was != "not started":
-            log.info("ready again", extra={"service": self.service or "-", "was": was})
+            log.info("ready again", extra={"was": was})
 
     def stop(self) -> None:
         """The role stops: neither ready nor live from now on."""
