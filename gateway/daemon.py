@@ -21,7 +21,7 @@ from hio.gateway.watch import DirectoryWatcher
 from hio.process.log import NOTICE
 from hio.proto import ingest_pb2_grpc
 from hio.transport.http import serve_http
-from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, set_serving, stop_on_signals, wait_for_stop
+from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, stop_on_signals, wait_for_stop
 
 log = logging.getLogger("hio.gateway")
 
@@ -49,7 +49,7 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
                 service=ROLE_SERVICES["gateway"],
             )
             server.start()
-            set_serving(health)
+            health.start(lambda: gateway.spool.disk_failure)  # ready until its spool's fsync fails
         if config.watch:
             watcher = DirectoryWatcher(
                 gateway,
@@ -95,6 +95,6 @@ def _shutdown(
         watcher.stop()
     receiver.stop_accepting()
     if server is not None and health is not None:
-        set_serving(health, False)
+        health.stop()
         server.stop(grace / 2).wait(grace / 2 + 1.0)
     gateway.close(max(0.0, grace - (time.monotonic() - start)), drain=False)

@@ -18,6 +18,7 @@ from typing import cast
 import grpc
 
 from hio.gateway.client import DeliveryError, Gateway, TupleFuture
+from hio.gateway.dispatch import Outcome
 from hio.gateway.spool import SpoolWriter
 from hio.proto import ingest_pb2, ingest_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
@@ -116,12 +117,21 @@ class IngestReceiver:
 
 
 def _final_receipt(index: int, future: TupleFuture) -> TupleReceipt:
-    error = future.exception()
-    if error is None:
-        state = TupleReceipt.STORED if future.outcome == "stored" else TupleReceipt.ENQUEUED
-        return TupleReceipt(index=index, tuple_id=future.tuple_id, state=state, message=future.detail[:2000])
-    tuple_id = error.tuple_id if isinstance(error, DeliveryError) else 0
-    return TupleReceipt(index=index, tuple_id=tuple_id, state=TupleReceipt.FAILED, message=str(error)[:2000])
+    """STORED; ENQUEUED with why (waiting, retrying after its processing failed, or kept as a
+    dead letter); or FAILED: the tuple was refused for good (docs/ingest.md, "Receipts")."""
+    receipt = TupleReceipt(index=index, tuple_id=future.tuple_id, message=future.detail[:2000])
+    if future.outcome == Outcome.STORED.value:
+        receipt.state = TupleReceipt.STORED
+    elif future.outcome == Outcome.ENQUEUED.value:
+        receipt.state = TupleReceipt.ENQUEUED
+        receipt.queued = TupleReceipt.RETRYING if future.detail else TupleReceipt.WAITING
+    elif future.outcome == Outcome.DEAD_LETTERED.value:
+        receipt.state, receipt.queued, receipt.dead_lettered = TupleReceipt.ENQUEUED, TupleReceipt.DEAD_LETTER, True
+    else:
+        error = future.exception()
+        receipt.state, receipt.message = TupleReceipt.FAILED, str(error)[:2000]
+        receipt.tuple_id = error.tuple_id if isinstance(error, DeliveryError) else 0
+    return receipt
 
 
 # Who may call what on the ingest API (an `admin` token may call anything).
@@ -137,7 +147,7 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
 
     @grpc_errors
     def Submit(self, request_iterator: Iterator[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
-        frames = idle_bounded(request_iterator, self._gateway.config.stream_idle_seconds, context.cancel)
+        frames = idle_bounded(request_iterator, self._gateway.config.stream_idle_seconds)
         yield from self._receiver.receive(frames, still_wanted=context.is_active)
 
     @grpc_errors
@@ -147,4 +157,11 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         s = self._gateway.status()
         wire = ingest_pb2.GetGatewayStatusResponse.DESCRIPTOR.fields_by_name  # the counters it carries
         figures = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name in wire}
-        return ingest_pb2.GetGatewayStatusResponse(**figures, warnings=s.warnings())
+        config = self._gateway.config
+        return ingest_pb2.GetGatewayStatusResponse(
+            **figures,
+            warnings=s.warnings(),
+            chunk_bytes=config.chunk_bytes,
+            max_tuple_bytes=config.max_tuple_bytes,
+            stream_idle_seconds=config.stream_idle_seconds,
+        )

@@ -201,11 +201,14 @@ class LocalCluster:
     ) -> RoleProcess:
         """Start a worker (``worker_id`` '' = the worker's own default) with ``engines``
         (IMAGE or IMAGE=COUNT each); with ``wait``, return once its engines are FREE.
-        ``runtime`` and ``timeout`` default to the cluster's."""
-        flags = ["--runtime", runtime or self.runtime, *(["--worker-id", worker_id] if worker_id else [])]
+        ``runtime`` and ``timeout`` default to the cluster's. Its health listens on a free
+        port, ``health[name]``."""
+        listen = f"127.0.0.1:{free_port()}"
+        flags = ["--runtime", runtime or self.runtime, "--listen", listen]
+        flags += ["--worker-id", worker_id] if worker_id else []
         for entry in engines:
             flags += ["--engines", entry]
-        proc = self.add("worker", [*flags, *args], name=name or worker_id or "worker", env=env)
+        proc = self.add("worker", [*flags, *args], name=name or worker_id or "worker", env=env, health=listen)
         if wait:
             self.wait_channels(
                 expected_engines(engines), worker_id or self.worker_id(proc), timeout or self.worker_timeout
@@ -221,7 +224,7 @@ class LocalCluster:
         proc = self.procs[name]
         proc.start()
         if name in self.health:
-            proc.wait_healthy(self.health[name], timeout=health_timeout, settings=self.settings)
+            proc.wait_started(self.health[name], timeout=health_timeout, settings=self.settings)
 
     def common_args(self) -> list[str]:
         return [

@@ -24,6 +24,7 @@ import zstandard
 
 from hio.cluster import LocalCluster
 from hio.config import ConfigError, check_address, one_of, setting
+from hio.gateway.config import HTTP_LISTEN as GATEWAY_HTTP
 from hio.kd.config import HTTP_LISTEN as KD_HTTP
 from hio.master.config import HTTP_LISTEN as MASTER_HTTP
 from hio.master.config import SCALING_MODES
@@ -47,6 +48,13 @@ class UpConfig(ClusterSettings):
         WORKER_HTTP, "the worker's HTTP endpoint (/metrics; elastic workers: free ports); empty = none"
     )
     http_listen_kd: str = setting(KD_HTTP, "KD's HTTP endpoint (/metrics); empty = none")
+    http_listen_gateway: str = setting(
+        GATEWAY_HTTP, "with --keep: the gateway's HTTP endpoint (/metrics); empty = none"
+    )
+    ingest_listen: str = setting(
+        "127.0.0.1:7300",
+        "with --keep: host:port of the gateway's ingest API (hio.proto.Ingest, docs/ingest.md); empty = no gateway",
+    )
     engines: tuple[str, ...] = setting(
         None, "engines of the worker (IMAGE or IMAGE=COUNT)", factory=lambda: ("hio/microscopy", "hio/simulation")
     )
@@ -165,7 +173,16 @@ def _http(config: UpConfig) -> dict[str, str]:
         http["worker"] = config.http_listen_worker
     if config.kd:
         http["kd"] = config.http_listen_kd
+    if config.keep and config.ingest_listen:
+        http["gateway"] = config.http_listen_gateway
     return http
+
+
+def _start_gateway(cluster: LocalCluster, ingest_listen: str) -> None:
+    """A gateway daemon whose ingest API instrument software in any language streams to. Its
+    source names its spool, which hio send (the host's name) then does not share."""
+    cluster.add("gateway", ["--ingest-listen", ingest_listen, "--source", "hio-up"], health=ingest_listen)
+    _say(f"gateway ingest API at {ingest_listen} (gRPC service hio.proto.Ingest; docs/ingest.md)")
 
 
 def _ports_in_use(config: UpConfig) -> list[str]:
@@ -175,6 +192,8 @@ def _ports_in_use(config: UpConfig) -> list[str]:
 
     wanted = [("repository", config.repository_address), ("master", config.master_address)]
     wanted += [(f"{role}'s HTTP endpoint", address) for role, address in _http(config).items() if address]
+    if config.keep and config.ingest_listen:
+        wanted.append(("gateway's ingest API", config.ingest_listen))
     taken = []
     for what, address in wanted:
         host, port = split_address(address)
@@ -210,7 +229,7 @@ def run_up(config: UpConfig) -> int:
         _say(
             f"cannot start: {', '.join(taken)} already in use (another hio up or hio role running?). "
             "Stop it (hio up --keep stops with Ctrl-C), or choose other addresses "
-            "(--master-address, --repository-address, --http-listen, --http-listen-master, ...)"
+            "(--master-address, --repository-address, --ingest-listen, --http-listen, --http-listen-master, ...)"
         )
         return 2
     data_dir = Path(config.data_dir).expanduser().resolve()
@@ -276,6 +295,8 @@ def run_up(config: UpConfig) -> int:
         if config.keep:
             if config.kd:
                 _run_kd(cluster, config, once=False)
+            if config.ingest_listen:
+                _start_gateway(cluster, config.ingest_listen)
             metrics = ", ".join(f"{role} http://{address}/metrics" for role, address in cluster.http.items() if address)
             _say(f"Prometheus metrics (docs/monitoring.md): {metrics}")
             _say(

@@ -14,6 +14,11 @@ HTTP_LISTEN = "127.0.0.1:7480"  # where the role's HTTP endpoint listens by defa
 
 @dataclasses.dataclass(frozen=True)
 class KDConfig(ClusterSettings):
+    listen: str = setting(
+        "127.0.0.1:0",
+        "host:port of KD's gRPC health and reflection (ready: its streaming query runs); "
+        "port 0 = any free port (logged at start)",
+    )
     interval: float = setting(60.0, "seconds between knowledge-discovery intervals (micro-batches)")
     once: bool = setting(False, "process what the repository holds now (in rate-limited batches), then exit")
     consumer: str = setting("kd", "consumer name whose offset KD commits in the repository")
@@ -48,6 +53,7 @@ class KDConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
+        check_address("listen", self.listen)
         positive("interval", self.interval)
         positive("max_records_per_interval", self.max_records_per_interval)
         positive("read_partitions", self.read_partitions)

@@ -37,7 +37,7 @@ from hio.process.log import NOTICE
 from hio.proto import features_pb2
 from hio.storage.files import atomic_write
 from hio.transport.http import serve_http
-from hio.transport.net import stop_on_signals
+from hio.transport.net import create_server, stop_on_signals
 
 log = logging.getLogger("hio.kd")
 
@@ -349,13 +349,24 @@ def _forget_dead_session(jvm_gone: bool) -> None:
     SparkSession._activeSession = None
 
 
-def _run_query_once(spark: Any, config: KDConfig, job: KnowledgeJob, stop: threading.Event) -> Exception | None:
+class Readiness:
+    """What KD's health reports as its readiness: why it cannot do its job just now, ''
+    while its query runs."""
+
+    def __init__(self) -> None:
+        self.not_ready = "starting Spark"
+
+
+def _run_query_once(
+    spark: Any, config: KDConfig, job: KnowledgeJob, stop: threading.Event, readiness: Readiness
+) -> Exception | None:
     """Start the query and wait for it: None when it ended or ``stop`` was set, else
     why it failed (a query error, or the driver JVM unreachable)."""
     try:
         query = start_query(spark, config, job)
     except Exception as exc:  # noqa: BLE001 - a JVM that died, a checkpoint it cannot read
         return exc
+    readiness.not_ready = ""
     try:
         return _await(query, stop)
     except Exception as exc:  # noqa: BLE001 - Py4J errors: the driver JVM died under the query
@@ -364,7 +375,13 @@ def _run_query_once(spark: Any, config: KDConfig, job: KnowledgeJob, stop: threa
         _stop_query(query)
 
 
-def supervise(session: SparkSessionKeeper, config: KDConfig, job: KnowledgeJob, stop: threading.Event) -> int:
+def supervise(
+    session: SparkSessionKeeper,
+    config: KDConfig,
+    job: KnowledgeJob,
+    stop: threading.Event,
+    readiness: Readiness | None = None,
+) -> int:
     """Run the query until stopped (or, with ``once``, until caught up). A failed
     query (the repository down for longer than ``rpc_deadline``, a Python
     worker that did not start, a driver JVM that died) is restarted from its
@@ -372,9 +389,10 @@ def supervise(session: SparkSessionKeeper, config: KDConfig, job: KnowledgeJob, 
     is dead; a ``--once`` run gives up after ``max_failures`` in a row. Without
     ``once`` a query that ends by itself is a failure too: KD runs until told
     to stop."""
+    readiness = readiness or Readiness()
     failures = 0
     while not stop.is_set():
-        error = _run_query_once(session.spark, config, job, stop)
+        error = _run_query_once(session.spark, config, job, stop, readiness)
         if error is None and (config.once or stop.is_set()):
             job.finish()
             return 0
@@ -382,6 +400,7 @@ def supervise(session: SparkSessionKeeper, config: KDConfig, job: KnowledgeJob, 
         job.failures += 1
         reason = "the query ended by itself" if error is None else str(error).strip().splitlines()[0][:300]
         log.error("KD query failed; restarting it", extra={"failures": failures, "error": reason})
+        readiness.not_ready = f"its query failed ({reason}); restarting it in {config.restart_delay:g} s"
         if config.once and failures >= config.max_failures:
             return 1
         stop.wait(config.restart_delay)
@@ -397,9 +416,17 @@ def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None
     running, and no signal handlers are installed.
     """
     stop = stop or threading.Event()
-    store = AccumulatedStore(config.parquet_dir).open()
-    config.checkpoint_dir.parent.mkdir(parents=True, exist_ok=True)
-    session = SparkSessionKeeper(config, spark)
+    readiness = Readiness()
+    server, port, health = create_server(config, config.listen, max_workers=2)
+    server.start()
+    health.start(lambda: readiness.not_ready)
+    try:
+        store = AccumulatedStore(config.parquet_dir).open()
+        config.checkpoint_dir.parent.mkdir(parents=True, exist_ok=True)
+        session = SparkSessionKeeper(config, spark)
+    except BaseException:
+        server.stop(0)
+        raise
     if session.owned:
         stop_on_signals(stop)
     job = KnowledgeJob(config, session.spark, store)
@@ -414,15 +441,18 @@ def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None
                 "repository": config.repository_address,
                 "stored": store.total,
                 "once": config.once,
+                "listen": f"{config.listen.rpartition(':')[0]}:{port}",
                 "http": http.address if http else "off",
             },
         )
-        code = supervise(session, config, job, stop)
+        code = supervise(session, config, job, stop, readiness)
         if config.once and code == 0:
             print(job.summary(), flush=True)
         return code
     finally:
         if http is not None:
             http.close()
+        health.stop()
+        server.stop(0)
         job.close()
         session.stop()

@@ -24,7 +24,7 @@ from hio.proto import master_pb2_grpc
 from hio.transport.http import serve_http
 from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
 from hio.transport.lanetls import server_context
-from hio.transport.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal, set_serving
+from hio.transport.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal
 from hio.transport.tickets import make_ticket
 
 __all__ = ["POLICY", "Master", "MasterConfig", "create_master_server", "make_ticket", "run_master"]
@@ -87,7 +87,8 @@ def create_master_server(config: MasterConfig) -> tuple[grpc.Server, int, Master
 
     The caller starts the server, and stops it before ``master.close()``.
     """
-    server, port, master, _health = _build(config)
+    server, port, master, health = _build(config)
+    health.start(master.not_ready)
     return server, port, master
 
 
@@ -102,7 +103,7 @@ def run_master(config: MasterConfig) -> int:
         master.close()
         raise
     server.start()
-    set_serving(health_servicer, True)
+    health_servicer.start(master.not_ready)
     host = config.listen.rsplit(":", 1)[0]
     log.log(
         NOTICE,
@@ -117,7 +118,7 @@ def run_master(config: MasterConfig) -> int:
     )
 
     def draining() -> None:
-        set_serving(health_servicer, False)
+        health_servicer.stop()
         master.begin_shutdown()  # first: a pull waiting on the lane returns now, so stop() need not wait for it
         if master.lane is not None:  # its calls end now (senders send again); pulls void their leases
             master.lane.stop()

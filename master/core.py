@@ -767,6 +767,18 @@ class Master:
             )
         return result
 
+    def not_ready(self) -> str:
+        """Why the master cannot do its job just now, '' when it can (its health's readiness):
+        its backlog's disk failed to sync, or no worker runs an engine for any image while
+        nothing will start one (with elastic scaling the master starts workers as tuples
+        come, so it is ready without any)."""
+        if self._durability.disk.failure:
+            return self._durability.disk.failure
+        with self._cond:
+            if self.scaler is None and not self.registry.serves():
+                return "no worker runs an engine for any image (start a worker: hio worker)"
+        return ""
+
     def _warnings(self, queues: list[master_pb2.QueueStatus], used: int, dead: int) -> list[str]:
         warnings = []
         for q in queues:

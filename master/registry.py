@@ -365,9 +365,9 @@ class ChannelRegistry:
             channel.state = ChannelState.FREE
             channel.deadline = NEVER
 
-    def serves(self, image: str) -> bool:
-        """True if a live, non-DOWN channel that is not retiring runs ``image``."""
-        return any(c.image == image and self.takes_work(c) for c in self._channels.values())
+    def serves(self, image: str | None = None) -> bool:
+        """True if a live, non-DOWN channel that is not retiring runs ``image`` (None: any image)."""
+        return any((image is None or c.image == image) and self.takes_work(c) for c in self._channels.values())
 
     def workers(self) -> Iterator[Worker]:
         return iter(sorted(self._workers.values(), key=lambda w: w.worker_id))

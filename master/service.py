@@ -13,7 +13,7 @@ from typing import cast
 import grpc
 from google.protobuf.message import DecodeError
 
-from hio.master.backlog import Placement
+from hio.master.backlog import LAST_ERROR_ATTRIBUTE, Placement, Stored
 from hio.master.core import PULL_PACK_BYTES, Master, Pulled
 from hio.master.deadletters import DeadLetter
 from hio.proto import master_pb2, master_pb2_grpc
@@ -41,6 +41,14 @@ _RECEIPT_MESSAGES = {
     Placement.DUPLICATE: "already in the queue",
     Placement.DEAD_LETTER: "attempts exhausted: stored as a dead letter",
 }
+
+
+def _queued(stored: Stored) -> TupleReceipt.Queued:
+    """A receipt's word on why the tuple is queued: a tuple that failed before carries the
+    error (``hio.last_error``, from the engine or gateway that handed it back)."""
+    if stored.placement is Placement.DEAD_LETTER:
+        return TupleReceipt.DEAD_LETTER
+    return TupleReceipt.RETRYING if LAST_ERROR_ATTRIBUTE in stored.meta.attributes else TupleReceipt.WAITING
 
 
 class MasterService(master_pb2_grpc.MasterServicer):
@@ -88,7 +96,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     @grpc_errors
     def Enqueue(self, request_iterator: Iterable[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
-        frames = idle_bounded(request_iterator, self._master.config.stream_idle_seconds, context.cancel)
+        frames = idle_bounded(request_iterator, self._master.config.stream_idle_seconds)
         yield from self.enqueue(frames)
 
     def enqueue(self, frames: Iterable[TupleFrame | ChunkFrame]) -> Iterator[TupleReceipt]:
@@ -102,6 +110,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 state=TupleReceipt.ENQUEUED,
                 message=_RECEIPT_MESSAGES[stored.placement],
                 dead_lettered=stored.placement is Placement.DEAD_LETTER,
+                queued=_queued(stored),
             )
 
     def pull_for_lane(self, request_bytes: bytes, alive: Callable[[], bool]) -> Iterator[LaneFrame]:

@@ -15,7 +15,7 @@ from hio.repository.service import POLICY, RepositoryService
 from hio.repository.store import FeatureStore
 from hio.transport.errors import HioError
 from hio.transport.http import serve_http
-from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, run_until_signal, set_serving
+from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, run_until_signal
 
 log = logging.getLogger("hio.repository")
 
@@ -37,7 +37,6 @@ def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, RoleHealth, Feat
     except BaseException:
         store.close()
         raise
-    set_serving(health_servicer, False)
     return server, port, health_servicer, store
 
 
@@ -47,7 +46,7 @@ def create_repository_server(config: RepositoryConfig) -> tuple[grpc.Server, int
     The caller starts the server, and stops it and closes the store when done.
     """
     server, port, health_servicer, store = _build(config)
-    set_serving(health_servicer, True)
+    health_servicer.start(lambda: store.disk_failure)
     return server, port, store
 
 
@@ -69,13 +68,13 @@ def run_repository(config: RepositoryConfig) -> int:
             pages=pages(store),
         )
         server.start()
-        set_serving(health_servicer, True)
+        health_servicer.start(lambda: store.disk_failure)
         log.log(
             NOTICE,
             "repository serving",
             extra={"port": port, "records": store.latest(), "http": http.address if http else "off"},
         )
-        return run_until_signal(server, on_stop=[lambda: set_serving(health_servicer, False)])
+        return run_until_signal(server, on_stop=[health_servicer.stop])
     finally:
         if http is not None:
             http.close()

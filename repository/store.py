@@ -51,8 +51,7 @@ class FeatureStore:
         self.root = Path(root)
         self.options = options or StoreOptions()
         self._limits = RecordLimits(self.options.max_record_bytes, self.options.max_decompressed_bytes)
-        disk = DiskFailure(disk="the repository's disk", owner="repository")  # every file's fsync is final
-        self.disk = disk
+        disk = self.disk = DiskFailure(disk="the repository's disk", owner="repository")  # every fsync is final
         self._features = FeatureLog(
             self.root / "features",
             disk,
@@ -67,6 +66,12 @@ class FeatureStore:
         except BaseException:
             self._features.close()  # release the folder lock
             raise
+
+    @property
+    def disk_failure(self) -> str:
+        """'' while no fsync failed; else the failed fsync that stopped new records until the
+        repository is restarted (:class:`DiskFailure`)."""
+        return self.disk.failure
 
     @classmethod
     def from_config(cls, config: RepositoryConfig) -> FeatureStore:

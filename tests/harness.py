@@ -1,7 +1,7 @@
 """Real `hio` processes for tests, on top of :mod:`hio.process.procs`.
 
     with HioProcess("master", ["--listen", f"127.0.0.1:{port}"], tmp_path) as master:
-        master.wait_healthy(f"127.0.0.1:{port}")
+        master.wait_started(f"127.0.0.1:{port}")
     # leaving the block sends SIGTERM, waits, and fails the test on a bad exit
 
 Failures carry the process's log, so a broken test shows why.
@@ -19,12 +19,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
+import grpc
 import pytest
 
 from hio.cluster import HTTP_ROLES, LocalCluster
 from hio.process.procs import LIFELINE_ENV, RoleProcess, child_env, free_port
 
-__all__ = ["FsyncDisk", "HioProcess", "free_port", "hio_env", "local_cluster", "stop_cleanly", "wait_for"]
+__all__ = ["FsyncDisk", "HioProcess", "free_port", "health_of", "hio_env", "local_cluster", "stop_cleanly", "wait_for"]
 
 
 #: Each role a test starts serves its HTTP endpoint on a free port unless the test says
@@ -52,9 +53,9 @@ class HioProcess(RoleProcess):
     ) -> None:
         super().__init__(command, args, workdir, env={**FREE_HTTP, **(env or {})}, name=name)
 
-    def wait_healthy(self, address: str, timeout: float = 60.0, settings: Any = None) -> None:
+    def wait_started(self, address: str, timeout: float = 60.0, settings: Any = None) -> None:
         try:
-            super().wait_healthy(address, timeout, settings)
+            super().wait_started(address, timeout, settings)
         except RuntimeError as exc:
             raise AssertionError(str(exc)) from None
 
@@ -187,6 +188,27 @@ class CuttingProxy:
         self._closed = True
         self._listener.close()
         self.cut()
+
+
+def health_of(address: str, service: str = "", settings: Any = None) -> str:
+    """What the standard health service at ``address`` answers for ``service`` ("" = the server
+    as a whole, readiness; "liveness"): 'SERVING', 'NOT_SERVING', or the error's code name."""
+    from grpc_health.v1 import health_pb2
+
+    from hio.settings import ClusterSettings
+    from hio.transport.net import create_channel
+
+    with create_channel(address, settings or ClusterSettings()) as channel:
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        try:
+            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 class FsyncDisk:

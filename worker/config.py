@@ -80,6 +80,11 @@ class EngineSettings(ClusterSettings):
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig(EngineSettings):
     worker_id: str = setting("", "this worker's id, unique in the cluster; empty = <hostname>-<pid>")
+    listen: str = setting(
+        "127.0.0.1:0",
+        "host:port of this worker's gRPC health and reflection (ready: in touch with the master and "
+        "an engine serving); port 0 = any free port (logged at start)",
+    )
     advertise_host: str = setting("127.0.0.1", "host gateways use to reach this worker's engines")
     http_listen: str = setting(
         HTTP_LISTEN, "host:port of the HTTP endpoint (/metrics, /healthz; docs/monitoring.md); empty = none"
@@ -141,7 +146,7 @@ class WorkerConfig(EngineSettings):
                 ),
             )
             for f in dataclasses.fields(WorkerConfig)
-            if f.name in engine_fields
+            if f.name in engine_fields and f.name not in ENGINE_SLOT_SETTINGS
         )
         values = parse_assignments(self.engine_settings, EngineConfig, where, refused=refused)
         try:  # an engine refusing its settings would only restart, again and again
@@ -153,6 +158,7 @@ class WorkerConfig(EngineSettings):
     def validate(self) -> None:
         self.validate_cluster()
         self.validate_serving()
+        check_address("listen", self.listen)
         check_address("http_listen", self.http_listen, allow_empty=True)
         self.engine_overrides()
         one_of("runtime", self.runtime, RUNTIMES)

@@ -39,7 +39,7 @@ from hio.process.procs import watch_process
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.settings import ClusterSettings
 from hio.transport.http import serve_http
-from hio.transport.net import ROLE_SERVICES, connect_hint, create_channel, stop_on_signals
+from hio.transport.net import ROLE_SERVICES, connect_hint, create_channel, create_server, stop_on_signals
 from hio.transport.retry import Backoff
 from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
 from hio.worker.config import EngineSettings, WorkerConfig, engine_counts
@@ -212,6 +212,7 @@ class MasterSession:
         self._stop = threading.Event()
         self._poke = threading.Event()
         self._registered = False
+        self.problem = "not registered with the master yet"  # '' while the master answers
         self._interval = 1.0
         self._channel = create_channel(config.master_address, config)
         self._stub = master_pb2_grpc.MasterStub(self._channel)
@@ -247,9 +248,12 @@ class MasterSession:
                     self._heartbeat()
                 wait = self._interval
                 failures = 0
+                if self._registered:  # else the master forgot this worker; it registers again
+                    self.problem = ""
             except grpc.RpcError as exc:
                 wait = backoff.delay()
                 failures += 1
+                self.problem = f"the master does not answer ({getattr(exc.code(), 'name', '?')}: {exc.details()})"
                 # the first failure of a streak is a warning; the rest would only repeat it
                 extra = {
                     "worker": self._worker_id,
@@ -291,6 +295,7 @@ class MasterSession:
         reply = self._stub.Heartbeat(request, timeout=MASTER_CALL_TIMEOUT)
         if not reply.known:
             log.warning("the master does not know this worker; registering again", extra={"worker": self._worker_id})
+            self.problem = "the master does not know this worker; registering again"
             self._registered = False
             self._poke.set()
             return
@@ -432,6 +437,17 @@ class Controller:
     @property
     def slots(self) -> list[EngineSlot]:
         return list(self._slots)
+
+    def not_ready(self) -> str:
+        """Why this worker cannot do its job just now, '' when it can (its health's
+        readiness): the master does not answer it, or it runs engines and none serves."""
+        if self._session.problem:
+            return self._session.problem
+        with self._lock:
+            running = [slot for slot in self._slots if not slot.stopping]
+        if running and not any(slot.up for slot in running):
+            return f"none of its {len(running)} engines serves ({running[0].detail or 'starting'})"
+        return ""
 
     def channel_infos(self, registering: bool) -> list[master_pb2.ChannelInfo]:
         """Every channel, FREE (serving) or DOWN with the reason; in heartbeats (not
@@ -656,24 +672,31 @@ def run_worker(config: WorkerConfig) -> int:
             stop.set()
 
         watch_process(config.owner_pid, owner_gone)
+    server, port, health = create_server(config, config.listen, max_workers=4)
+    server.start()
+    health.start(controller.not_ready)
     metrics = WorkerMetrics(controller, config) if config.metrics else None
-    http = serve_http(config, config.http_listen, metrics.registry if metrics else None, name="worker")
-    log.log(
-        NOTICE,
-        "worker starting",
-        extra={
-            "worker": worker_id,
-            "engines": len(controller.slots),
-            "launcher": type(launcher).__name__,
-            "http": http.address if http else "off",
-        },
-    )
+    http = None
     try:
+        http = serve_http(config, config.http_listen, metrics.registry if metrics else None, name="worker")
+        log.log(
+            NOTICE,
+            "worker starting",
+            extra={
+                "worker": worker_id,
+                "engines": len(controller.slots),
+                "launcher": type(launcher).__name__,
+                "listen": f"{config.listen.rpartition(':')[0]}:{port}",
+                "http": http.address if http else "off",
+            },
+        )
         code = controller.run(stop)
     finally:
         if http is not None:
             http.close()
         if metrics is not None:
             metrics.close()
+        health.stop()
+        server.stop(0)
     log.info("worker stopped", extra={"worker": worker_id})
     return code

@@ -51,7 +51,7 @@ from hio.transport.errors import (
 from hio.transport.frames import ChunkFrame, FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
 from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
 from hio.transport.lanetls import server_context
-from hio.transport.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal, set_serving
+from hio.transport.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal
 from hio.transport.retry import Backoff
 from hio.transport.tickets import load_ticket_key, verify_ticket
 from hio.worker.api import PIPELINE_EXIT_CODE, Pipeline, TupleInfo, load_pipeline, pipeline_for_image
@@ -683,7 +683,12 @@ class Engine:
                 return self._not_taken_back(slot, result, exc)
             self._report(meta, ok=False, from_queue=False, message=result)
             slot.receipt = TupleReceipt(
-                index=index, tuple_id=meta.tuple_id, state=TupleReceipt.ENQUEUED, message=result, dead_lettered=dead
+                index=index,
+                tuple_id=meta.tuple_id,
+                state=TupleReceipt.ENQUEUED,
+                message=result,
+                dead_lettered=dead,
+                queued=TupleReceipt.DEAD_LETTER if dead else TupleReceipt.RETRYING,
             )
         else:
             slot.blob, slot.cpu = result
@@ -1149,7 +1154,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     @grpc_errors
     def Deliver(self, request_iterator: Iterable[TupleFrame], context: Any) -> Iterator[TupleReceipt]:
-        yield from self._engine.deliver(idle_bounded(request_iterator, self._engine.idle_seconds, context.cancel))
+        yield from self._engine.deliver(idle_bounded(request_iterator, self._engine.idle_seconds))
 
     @grpc_errors
     def GetEngineStats(
@@ -1194,7 +1199,7 @@ def create_engine_server(
         service=ROLE_SERVICES["engine"],
         register=[lambda s: engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), s)],
     )
-    set_serving(health, True)
+    health.start()
     return server, port, health, engine
 
 
@@ -1267,7 +1272,7 @@ def run_engine(config: EngineConfig) -> int:
     )
 
     def stop() -> None:
-        set_serving(health, False)
+        health.stop()
         engine.stop(config.grace_seconds)  # new lane calls are refused (UNAVAILABLE) meanwhile
         if engine.lane is not None:
             engine.lane.stop()

@@ -228,9 +228,11 @@ class RoleProcess:
         assert self.proc is not None, f"{self.name} was never started"
         return self.proc.pid
 
-    def wait_healthy(self, address: str, timeout: float = 60.0, settings: ClusterSettings | None = None) -> None:
-        """Wait for SERVING of this role's service (not of whatever else answers at
-        ``address``); if the process dies or time runs out, raise with its log."""
+    def wait_started(self, address: str, timeout: float = 60.0, settings: ClusterSettings | None = None) -> None:
+        """Wait until this role has started at ``address``: its health's liveness SERVING and
+        its service known there (not whatever else answers at ``address``); it need not be
+        ready (a master without workers is not). If the process dies or time runs out, raise
+        with its log."""
         from hio.settings import ClusterSettings
         from hio.transport.net import ROLE_SERVICES, wait_healthy
 
@@ -241,11 +243,11 @@ class RoleProcess:
                 timeout=timeout,
                 alive=self.alive,
                 service=ROLE_SERVICES.get(self.command, ""),
+                ready=False,
             )
         except TimeoutError as exc:
             raise RuntimeError(
-                f"{self.name} did not become healthy at {address} ({exc}); "
-                f"its log {self.log_path}:\n{self.output(4000)}"
+                f"{self.name} did not start at {address} ({exc}); its log {self.log_path}:\n{self.output(4000)}"
             ) from None
 
     def alive(self) -> bool:

@@ -14,13 +14,12 @@ without the copies Python protobuf makes of every payload.
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
+import queue
 import threading
-import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar, cast
 
 from hio.proto import tuple_pb2
 from hio.transport.errors import DataLoss, DeadlineExceeded, InvalidArgument
@@ -482,85 +481,58 @@ class FrameReader:
         return meta, b"".join(chunks)  # one copy, also out of the received messages
 
 
-class _Watch:
-    __slots__ = ("fired", "on_idle", "seconds", "waiting_since")
-
-    def __init__(self, seconds: float, on_idle: Callable[[], object]) -> None:
-        self.seconds = seconds
-        self.on_idle = on_idle
-        self.waiting_since: float | None = None
-        self.fired = False
+_ENDED = object()  # what the reader of an idle-bounded stream hands over when its input ends
 
 
-class _IdleWatchdog:
-    """One thread per process that ends streams whose sender stalled."""
+def idle_bounded(frames: Iterable[TupleFrame], seconds: float) -> Iterator[TupleFrame]:
+    """The frames of a stream, ended with DeadlineExceeded (naming ``seconds``) when its
+    sender sends nothing for ``seconds``; ``seconds`` <= 0: no bound.
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._watches: set[_Watch] = set()
-        self._thread: threading.Thread | None = None
-
-    def add(self, watch: _Watch) -> None:
-        with self._lock:
-            self._watches.add(watch)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="stream-idle-watchdog", daemon=True)
-                self._thread.start()
-
-    def remove(self, watch: _Watch) -> None:
-        with self._lock:
-            self._watches.discard(watch)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(0.2)
-            now = time.monotonic()
-            with self._lock:
-                stalled = [
-                    w
-                    for w in self._watches
-                    if not w.fired and w.waiting_since is not None and now - w.waiting_since > w.seconds
-                ]
-                for watch in stalled:
-                    watch.fired = True
-            for watch in stalled:
-                with contextlib.suppress(Exception):  # ending a stream must not kill the watchdog
-                    watch.on_idle()
-
-
-_WATCHDOG = _IdleWatchdog()
-
-
-def idle_bounded(frames: Iterable[TupleFrame], seconds: float, on_idle: Callable[[], object]) -> Iterator[TupleFrame]:
-    """The frames of a stream, ended when the sender sends nothing for ``seconds``.
-
-    Only time spent waiting for the sender counts (not time the receiver
-    spends processing). When the bound passes, ``on_idle`` runs (a servicer
-    passes ``context.cancel``, which ends the request iterator) and the
-    iteration raises DeadlineExceeded, so the receiver's cleanup frees the
-    channel, queue room or spool room the stream held. ``seconds`` <= 0: no bound.
+    A thread of the stream's own reads ``frames``, one frame ahead of the caller, and
+    the caller's thread waits for it with the bound, so the error is raised where the
+    servicer can answer with it: a gRPC handler's thread blocked in its request
+    iterator could only cancel the call (the client would read CANCELLED). Only time
+    spent waiting for the sender counts, not time the caller spends on a frame. Once
+    the caller's status is sent, gRPC ends the request iterator and the reader with it.
     """
     if seconds <= 0:
         yield from frames
         return
-    watch = _Watch(seconds, on_idle)
-    _WATCHDOG.add(watch)
-    iterator = iter(frames)
+    handoff: queue.SimpleQueue[object] = queue.SimpleQueue()
+    room = threading.Semaphore(1)  # the reader reads a frame only once the caller took the one before
+    done = threading.Event()
+
+    def read() -> None:
+        iterator = iter(frames)
+        while True:
+            room.acquire()
+            if done.is_set():
+                return
+            try:
+                item: object = next(iterator)
+            except StopIteration:
+                item = _ENDED
+            except BaseException as exc:  # noqa: BLE001 - the caller raises it, in order
+                item = exc
+            handoff.put(item)
+            if item is _ENDED or isinstance(item, BaseException):
+                return
+
+    threading.Thread(target=read, name="stream-reader", daemon=True).start()
     try:
         while True:
-            watch.waiting_since = time.monotonic()
             try:
-                frame = next(iterator)
-            except StopIteration:
-                if watch.fired:
-                    raise DeadlineExceeded(f"no frame for {seconds:g} s: the sender stalled") from None
+                item = handoff.get(timeout=seconds)
+            except queue.Empty:
+                raise DeadlineExceeded(
+                    f"no frame for {seconds:g} s (stream_idle_seconds): the sender stalled; the stream is ended"
+                ) from None
+            if item is _ENDED:
                 return
-            except Exception:
-                if watch.fired:
-                    raise DeadlineExceeded(f"no frame for {seconds:g} s: the sender stalled") from None
-                raise
-            finally:
-                watch.waiting_since = None
-            yield frame
+            if isinstance(item, BaseException):
+                raise item
+            room.release()
+            yield cast(TupleFrame, item)
     finally:
-        _WATCHDOG.remove(watch)
+        done.set()
+        room.release()  # a reader waiting for room sees it is done

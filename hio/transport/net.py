@@ -1,9 +1,10 @@
 """gRPC servers and channels, built one way for every role.
 
-``create_server`` applies message bounds, keepalive, authentication, TLS and
-the standard health service; ``run_until_signal`` drains on SIGTERM/SIGINT
-within a deadline. ``create_channel`` is the client side: the same bounds,
-TLS, and the caller's token on every call.
+``create_server`` applies message bounds, keepalive, authentication, TLS, the
+standard health service (:class:`RoleHealth`: readiness and liveness) and server
+reflection; ``run_until_signal`` drains on SIGTERM/SIGINT within a deadline.
+``create_channel`` is the client side: the same bounds, TLS, and the caller's
+token on every call.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import hmac
 import logging
 import signal
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from hio.config import ConfigError
 from hio.settings import ClusterSettings
@@ -297,6 +301,9 @@ def create_server(
         add(server)
     health_servicer = RoleHealth(service)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # grpcurl and other tools list the services and read their messages from the server itself.
+    served = [name for name in (service, health.SERVICE_NAME, reflection.SERVICE_NAME) if name]
+    reflection.enable_server_reflection(served, server)
     if settings.tls_cert:
         creds = grpc.ssl_server_credentials(
             [(_read(settings.tls_key, "TLS key"), _read(settings.tls_cert, "TLS certificate"))],
@@ -322,26 +329,110 @@ ROLE_SERVICES = {  # the gRPC service each role's server is for (proto/hio/proto
     "engine": "hio.proto.Engine",
 }
 
+#: The health service name of liveness: SERVING from a role's start to its stop, whatever
+#: its readiness ("" and the role's service name) says.
+LIVENESS = "liveness"
+READINESS_SECONDS = 0.5  # how often a role's readiness is looked at
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
 
 class RoleHealth(health.HealthServicer):
-    """The standard health service, answering for the server as a whole ("") and for
-    the role's own gRPC service by name.
+    """The standard health service of one role's server: readiness and liveness.
+
+    Readiness: the server as a whole ("") and the role's gRPC service by name
+    (``hio.proto.Master``) are SERVING while the role can do its job, and NOT_SERVING
+    before it started, while it cannot (a failed fsync, a master with no worker; the
+    role's ``readiness`` says why, and the change is logged) and once it stops. A
+    load balancer or a readiness probe sends it work only while it is ready.
+
+    Liveness: :data:`LIVENESS` is SERVING from :meth:`start` to :meth:`stop`, whatever
+    readiness says: a role that is up but not ready (a master waiting for its first
+    worker) has started, and restarting it would not help. Start-up waits
+    (``wait_healthy(ready=False)``, ``hio up``, :class:`hio.cluster.LocalCluster`) wait for it.
 
     A probe that names the service it expects (``wait_healthy(service=...)``) is not
-    fooled by another server on the port: a repository answers "" as SERVING too, but
+    fooled by another server on the port: a repository answers "" too, but
     ``hio.proto.Master`` as NOT_FOUND.
     """
 
     def __init__(self, service: str = "") -> None:
         super().__init__(experimental_non_blocking=True)
         self.service = service
+        self.not_ready = "not started"  # why the role is not ready; '' when it is
+        self._readiness: Callable[[], str] = lambda: ""
+        self._changing = threading.Lock()  # not _lock: the servicer has one
+        self._stopped = threading.Event()
+        for name in (*self._readiness_names(), LIVENESS):
+            self.set(name, _NOT_SERVING)  # gRPC's servicer starts with "" SERVING
+
+    def _readiness_names(self) -> tuple[str, ...]:
+        return ("", self.service) if self.service else ("",)
+
+    def start(self, readiness: Callable[[], str] | None = None) -> None:
+        """The role serves: live until :meth:`stop`; ready while ``readiness()`` returns ''
+        (else it says why not), looked at every :data:`READINESS_SECONDS`."""
+        self.set(LIVENESS, _SERVING)
+        if readiness is not None:
+            self._readiness = readiness
+            _READINESS_WATCH.add(self)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Look at readiness now; publish and log a change."""
+        with self._changing:
+            if self._stopped.is_set():
+                return
+            try:
+                reason = self._readiness()
+            except Exception as exc:  # noqa: BLE001 - a check that fails says so instead of stopping probes
+                reason = f"readiness cannot be told: {type(exc).__name__}: {exc}"
+            if reason == self.not_ready:
+                return
+            was, self.not_ready = self.not_ready, reason
+            for name in self._readiness_names():
+                self.set(name, _NOT_SERVING if reason else _SERVING)
+        if reason:  # a warning when it was ready (a master waiting for its first worker is no news)
+            log.log(logging.WARNING if not was else logging.INFO, "not ready", extra={"reason": reason})
+        elif was != "not started":
+            log.info("ready again", extra={"was": was})
+
+    def stop(self) -> None:
+        """The role stops: neither ready nor live from now on."""
+        with self._changing:
+            self._stopped.set()
+            self.not_ready = "stopping"
+            for name in (*self._readiness_names(), LIVENESS):
+                self.set(name, _NOT_SERVING)
 
 
-def set_serving(health_servicer: RoleHealth, serving: bool = True) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    health_servicer.set("", status)
-    if health_servicer.service:
-        health_servicer.set(health_servicer.service, status)
+class _ReadinessWatch:
+    """One thread per process that refreshes every started role's readiness. It holds
+    them weakly: a server dropped without :meth:`RoleHealth.stop` (tests, in-process
+    roles) is not kept, nor watched, for ever."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._healths: weakref.WeakSet[RoleHealth] = weakref.WeakSet()
+        self._thread: threading.Thread | None = None
+
+    def add(self, role_health: RoleHealth) -> None:
+        with self._lock:
+            self._healths.add(role_health)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="readiness", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(READINESS_SECONDS)
+            with self._lock:
+                healths = list(self._healths)
+            for role_health in healths:
+                role_health.refresh()
+
+
+_READINESS_WATCH = _ReadinessWatch()
 
 
 class _TokenClientInterceptor(
@@ -432,15 +523,18 @@ def wait_healthy(
     timeout: float = 30.0,
     alive: Callable[[], bool] | None = None,
     service: str = "",
+    *,
+    ready: bool = True,
 ) -> None:
-    """Block until the server at ``address`` reports SERVING, or raise TimeoutError.
+    """Block until the server at ``address`` is ready, or (``ready`` false) has started;
+    else raise TimeoutError.
 
-    ``alive`` (optional) is polled too: when it turns false, give up at once.
-    ``service`` (optional): the gRPC service expected there; a server that does not
-    serve it (another role that holds the port) is not taken for the one awaited.
+    Ready: it reports SERVING for ``service`` ("" = the server as a whole). Started: it
+    reports SERVING for :data:`LIVENESS` (a master with no worker yet has started, and
+    is not ready). ``service`` (optional): the gRPC service expected there; a server
+    that does not serve it (another role that holds the port) is not taken for the one
+    awaited. ``alive`` (optional) is polled too: when it turns false, give up at once.
     """
-    import time
-
     deadline = time.monotonic() + timeout
     last: Exception | str | None = None
     with create_channel(address, settings) as channel:
@@ -450,20 +544,32 @@ def wait_healthy(
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString,
         )
+
+        def status(name: str) -> int:
+            return int(check(health_pb2.HealthCheckRequest(service=name), timeout=2.0).status)
+
         while time.monotonic() < deadline:
             if alive is not None and not alive():
                 last = "the process exited"
                 break
             try:
-                reply = check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                if ready:
+                    if status(service) == _SERVING:
+                        return
+                    last = "it reports NOT_SERVING"
+                else:
+                    if service:
+                        status(service)  # NOT_FOUND: the server there is another role's
+                    if status(LIVENESS) == _SERVING:
+                        return
+                    last = "not started yet"
             except grpc.RpcError as exc:
                 last = exc
                 if service and exc.code() == grpc.StatusCode.NOT_FOUND:
                     last = f"the server there does not serve {service}: another process holds the port?"
             time.sleep(0.1)
-    raise TimeoutError(f"{address} did not become healthy within {timeout:.0f}s ({last})")
+    what = "ready" if ready else "started"
+    raise TimeoutError(f"{address} did not become {what} within {timeout:.0f}s ({last})")
 
 
 def wait_for_stop(stop: threading.Event, tick: float = 1.0) -> None:

@@ -110,7 +110,7 @@ def test_site_deploys_a_master_that_serves(tmp_path: Path) -> None:
     log = tmp_path / "master.log"
     proc = start_from_unit(unit_path, log)
     try:
-        wait_healthy(f"127.0.0.1:{port}", ClusterSettings(), timeout=60)
+        wait_healthy(f"127.0.0.1:{port}", ClusterSettings(), timeout=60, ready=False)  # no worker: not ready
         # The operators' command finds hio.toml by itself and presents the admin token.
         status = subprocess.run(
             [str(root / "usr/local/bin/hio"), "status"],

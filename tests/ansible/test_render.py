@@ -18,7 +18,7 @@ import pytest
 
 from hio import config as cfg
 from hio.settings import ClusterSettings
-from hio.transport.net import TokenTable, create_server, set_serving, wait_healthy
+from hio.transport.net import TokenTable, create_server, wait_healthy
 from tests.ansible.helpers import local_vars, read_unit, require_collections, run_playbook, write_inventory
 
 ROLE_CONFIGS = {
@@ -196,7 +196,7 @@ def test_host_certificates_serve_mutual_tls(rendered: Rendered) -> None:
     server, port, health = create_server(server_settings, "127.0.0.1:0")
     server.start()
     try:
-        set_serving(health)
+        health.start()
         wait_healthy(f"127.0.0.1:{port}", client_settings, timeout=20)
     finally:
         server.stop(0)

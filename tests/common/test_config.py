@@ -112,15 +112,20 @@ def test_a_shared_listen_variable_is_refused_and_the_role_s_own_is_named(role, v
     assert getattr(cfg.build(config_class, role), name) == "127.0.0.1:7999"
 
 
-def test_a_shared_listen_variable_is_not_passed_on_to_engines(monkeypatch) -> None:
+def test_a_listen_address_is_not_passed_on_to_engines(monkeypatch) -> None:
     """The worker passes HIO_<NAME> of its engines' settings on; never a listen address,
-    which the worker sets for each engine; the worker starts with a shared one set."""
+    which the worker sets for each engine. The worker's own (its health server) is its
+    alone: HIO_WORKER_LISTEN, never a shared HIO_LISTEN, which would put every role on it."""
     from hio.worker.config import WorkerConfig
 
-    monkeypatch.setenv("HIO_LISTEN", "127.0.0.1:7999")
+    monkeypatch.setenv("HIO_WORKER_LISTEN", "127.0.0.1:7999")
     monkeypatch.setenv("HIO_RPC_DEADLINE", "12")
     worker = cfg.build(WorkerConfig, "worker")
+    assert worker.listen == "127.0.0.1:7999"
     assert worker.engine_overrides() == {"rpc_deadline": "12.0"}
+    monkeypatch.setenv("HIO_LISTEN", "127.0.0.1:7998")
+    with pytest.raises(cfg.ConfigError, match="HIO_WORKER_LISTEN for worker"):
+        cfg.build(WorkerConfig, "worker")
 
 
 def test_missing_or_broken_file_is_a_clear_error(tmp_path) -> None:

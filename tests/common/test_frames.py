@@ -1,4 +1,8 @@
+import itertools
 import os
+import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -170,3 +174,28 @@ def test_tuple_frames_pack_small_tuples_and_chunk_large_ones_from_bytes_or_files
     while (item := reader.next_tuple_bytes()) is not None:
         got.append(item)
     assert got == list(zip(metas, payloads, strict=True))
+
+
+def test_an_idle_bound_counts_only_the_time_spent_waiting_for_the_sender() -> None:
+    from hio.transport.errors import DeadlineExceeded
+    from hio.transport.frames import idle_bounded
+
+    sent: list[int] = []
+    release = threading.Event()
+
+    def sender() -> Iterator[TupleFrame]:
+        for n in range(3):
+            sent.append(n)
+            yield TupleFrame(data=bytes([n]))
+        release.wait(10)  # then stalls
+
+    frames = idle_bounded(sender(), 0.5)
+    first = next(frames)
+    time.sleep(1.0)  # the receiver is busy for twice the bound: not the sender's idle time
+    assert sent == [0, 1]  # read one frame ahead of the receiver, no more
+    assert [first.data, *(f.data for f in itertools.islice(frames, 2))] == [b"\0", b"\1", b"\2"]
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match=r"no frame for 0\.5 s \(stream_idle_seconds\): the sender stalled"):
+        next(frames)
+    assert 0.4 < time.monotonic() - started < 3
+    release.set()

@@ -10,7 +10,7 @@ import pytest
 from hio.process.procs import free_port
 from hio.settings import ClusterSettings
 from hio.transport.certs import generate
-from hio.transport.net import connect_hint, create_channel, create_server, rpc_error_text, set_serving, wait_healthy
+from hio.transport.net import connect_hint, create_channel, create_server, rpc_error_text, wait_healthy
 
 
 def echo_server(settings: ClusterSettings, policy=None):
@@ -25,7 +25,7 @@ def echo_server(settings: ClusterSettings, policy=None):
         settings, "127.0.0.1:0", policy=policy, register=[lambda s: s.add_generic_rpc_handlers((handler,))]
     )
     server.start()
-    set_serving(health)
+    health.start()
     return server, f"127.0.0.1:{port}"
 
 
@@ -248,14 +248,14 @@ def test_a_probe_naming_its_service_is_not_fooled_by_another_server_on_the_port(
     settings = ClusterSettings()
     server, port, health = create_server(settings, "127.0.0.1:0", service=ROLE_SERVICES["repository"])
     server.start()
-    set_serving(health)
+    health.start()
     address = f"127.0.0.1:{port}"
     try:
         wait_healthy(address, settings, timeout=5)  # any server
         wait_healthy(address, settings, timeout=5, service=ROLE_SERVICES["repository"])  # the right one
         with pytest.raises(TimeoutError, match=r"does not serve hio\.proto\.Master: another process holds the port"):
             wait_healthy(address, settings, timeout=1, service=ROLE_SERVICES["master"])
-        set_serving(health, False)
+        health.stop()
         with pytest.raises(TimeoutError):
             wait_healthy(address, settings, timeout=1, service=ROLE_SERVICES["repository"])
     finally:

@@ -194,7 +194,7 @@ def test_a_role_started_from_a_thread_outlives_the_thread(tmp_path: Path) -> Non
 
     def start() -> None:  # and live on until the role asked for its death signal (it serves by then)
         started.append(HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path)], tmp_path).start())
-        started[0].wait_healthy(address)
+        started[0].wait_started(address)
 
     thread = threading.Thread(target=start)
     thread.start()
@@ -202,7 +202,7 @@ def test_a_role_started_from_a_thread_outlives_the_thread(tmp_path: Path) -> Non
     [master] = started
     try:
         time.sleep(0.5)
-        master.wait_healthy(address)
+        master.wait_started(address)
         assert master.alive()
     finally:
         assert master.stop() == 0, master.output()

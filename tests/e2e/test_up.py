@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -83,7 +85,7 @@ def test_hio_up_refuses_to_start_beside_a_running_system(tmp_path: Path) -> None
 
     master = f"127.0.0.1:{free_port()}"
     with HioProcess("master", ["--listen", master, "--data-dir", str(tmp_path / "other")], tmp_path) as other:
-        other.wait_healthy(master)
+        other.wait_started(master)
         proc = subprocess.run(
             [
                 sys.executable,
@@ -114,3 +116,60 @@ def test_hio_up_refuses_to_start_beside_a_running_system(tmp_path: Path) -> None
         )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{master} (master)" in proc.stdout and "already in use" in proc.stdout
+
+
+def test_hio_up_keep_serves_a_gateway_s_ingest_api_and_says_where(tmp_path: Path) -> None:
+    """What an integrator needs from the one-machine setup (docs/ingest.md): a gateway whose
+    ingest API is up, at the address hio up prints; Ctrl-C stops it with the rest."""
+    import grpc
+
+    from hio.proto import ingest_pb2, ingest_pb2_grpc
+    from tests.harness import health_of, wait_for
+
+    ingest = f"127.0.0.1:{free_port()}"
+    args = [
+        sys.executable,
+        "-m",
+        "hio.cli",
+        "up",
+        "--keep",
+        "--no-kd",
+        "--runtime",
+        "process",
+        "--data-dir",
+        str(tmp_path / "var"),
+        "--master-address",
+        f"127.0.0.1:{free_port()}",
+        "--repository-address",
+        f"127.0.0.1:{free_port()}",
+        "--http-listen",
+        "",
+        "--ingest-listen",
+        ingest,
+    ]
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, env=hio_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        wait_for(
+            lambda: any(f"gateway ingest API at {ingest}" in line for line in lines) or proc.poll() is not None,
+            timeout=240,
+            interval=0.5,
+            what="hio up --keep to say where its ingest API is",
+        )
+        assert proc.poll() is None, "".join(lines)
+        assert health_of(ingest, "hio.proto.Ingest") == "SERVING"
+        with grpc.insecure_channel(ingest) as channel:
+            status = ingest_pb2_grpc.IngestStub(channel).GetGatewayStatus(
+                ingest_pb2.GetGatewayStatusRequest(), timeout=5
+            )
+        assert status.chunk_bytes == 1 << 20
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+        reader.join(5)
+    assert code == 0, "".join(lines)
+    assert (tmp_path / "var" / "logs" / "gateway.log").exists()

@@ -142,9 +142,8 @@ def test_forced_queue_path(cluster: Cluster) -> None:
     assert cluster.wait_records([tuple_id])[tuple_id].meta.size == 5000  # an idle engine pulled it
 
 
-def test_ingest_submit_from_a_raw_stub(cluster: Cluster, tmp_path: Path) -> None:
-    port = free_port()
-    args = [
+def _gateway_args(cluster: Cluster, tmp_path: Path, port: int, *extra: str) -> list[str]:
+    return [
         "--master-address",
         cluster.master,
         "--ingest-listen",
@@ -153,33 +152,66 @@ def test_ingest_submit_from_a_raw_stub(cluster: Cluster, tmp_path: Path) -> None
         str(tmp_path / "var"),
         "--source",
         "ingest",
+        *extra,
     ]
-    with HioProcess("gateway", args, tmp_path) as gateway:
-        gateway.wait_healthy(f"127.0.0.1:{port}")
+
+
+def _ingest_frames(data: bytes, name: str, **attributes: str) -> list[TupleFrame]:
+    """One tuple as an integrator frames it (docs/ingest.md): metadata first, chunks, last."""
+    meta = TupleMeta(
+        image=IMAGE,
+        name=name,
+        size=len(data),
+        crc32=zlib.crc32(data) & 0xFFFFFFFF,
+        attributes={"hio.wait": "stored", **attributes},
+    )
+    chunks = [data[start : start + (1 << 20)] for start in range(0, len(data), 1 << 20)]
+    frames = [TupleFrame(data=chunk) for chunk in chunks]
+    frames[0].meta.CopyFrom(meta)
+    frames[-1].last = True
+    return frames
+
+
+def test_ingest_submit_from_a_raw_stub(cluster: Cluster, tmp_path: Path) -> None:
+    """A client of the proto alone: the limits from GetGatewayStatus, a tuple STORED, and one
+    whose processing failed ENQUEUED as RETRYING (no message to parse)."""
+    port = free_port()
+    with HioProcess("gateway", _gateway_args(cluster, tmp_path, port), tmp_path) as gateway:
+        gateway.wait_started(f"127.0.0.1:{port}")
         data = os.urandom(2 * 1024 * 1024 + 500_017)
-        meta = TupleMeta(
-            image=IMAGE,
-            name="from-c++",
-            size=len(data),
-            crc32=zlib.crc32(data) & 0xFFFFFFFF,
-            attributes={"hio.wait": "stored"},
-        )
-        frames = [
-            TupleFrame(meta=meta, data=data[: 1 << 20]),
-            TupleFrame(data=data[1 << 20 : 2 << 20]),
-            TupleFrame(data=data[2 << 20 :], last=True),
-        ]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            receipts = list(ingest_pb2_grpc.IngestStub(channel).Submit(iter(frames), timeout=60))
-            status = ingest_pb2_grpc.IngestStub(channel).GetGatewayStatus(
-                ingest_pb2.GetGatewayStatusRequest(), timeout=5
-            )
-    assert [r.state for r in receipts] == [TupleReceipt.ACCEPTED, TupleReceipt.STORED]
-    tuple_id = receipts[1].tuple_id
+            stub = ingest_pb2_grpc.IngestStub(channel)
+            limits = stub.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5)
+            frames = _ingest_frames(data, "from-c++") + _ingest_frames(b"x" * 5000, "bad.bin", cost_ms="abc")
+            receipts = list(stub.Submit(iter(frames), timeout=60))
+            status = stub.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5)
+    assert (limits.chunk_bytes, limits.max_tuple_bytes, limits.stream_idle_seconds) == (1 << 20, 256 << 20, 30.0)
+    accepted = [r.index for r in receipts if r.state == TupleReceipt.ACCEPTED]
+    final = {r.index: r for r in receipts if r.state != TupleReceipt.ACCEPTED}
+    assert sorted(accepted) == [0, 1] and sorted(final) == [0, 1]
+    assert final[0].state == TupleReceipt.STORED and final[0].queued == TupleReceipt.QUEUED_UNSPECIFIED
+    assert final[1].state == TupleReceipt.ENQUEUED and final[1].queued == TupleReceipt.RETRYING
+    assert "cost_ms='abc' is not a number" in final[1].message
+    tuple_id = final[0].tuple_id
     assert tuple_id > 0 and status.stored == 1 and status.spooled_tuples == 0
     record = cluster.wait_records([tuple_id])[tuple_id]
     assert (record.meta.name, record.meta.size, record.meta.source) == ("from-c++", len(data), "ingest")
     assert "hio.wait" not in record.meta.attributes
+
+
+def test_ingest_receipts_say_a_tuple_waits_in_the_queue(cluster: Cluster, tmp_path: Path) -> None:
+    port = free_port()
+    with HioProcess("gateway", _gateway_args(cluster, tmp_path, port, "--force-queue"), tmp_path) as gateway:
+        gateway.wait_started(f"127.0.0.1:{port}")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            receipts = list(
+                ingest_pb2_grpc.IngestStub(channel).Submit(iter(_ingest_frames(b"q" * 5000, "q")), timeout=60)
+            )
+    assert [(r.state, r.queued) for r in receipts] == [
+        (TupleReceipt.ACCEPTED, TupleReceipt.QUEUED_UNSPECIFIED),
+        (TupleReceipt.ENQUEUED, TupleReceipt.WAITING),
+    ]
+    assert cluster.wait_records([receipts[1].tuple_id])  # an idle engine pulled it
 
 
 def test_watch_takes_a_slowly_written_file_once_settled(cluster: Cluster, tmp_path: Path) -> None:
@@ -223,7 +255,7 @@ def test_spooled_tuples_survive_kill_9(cluster: Cluster, tmp_path: Path) -> None
     dead_master = f"127.0.0.1:{free_port()}"  # nothing listens: tuples stay spooled
     first = HioProcess("gateway", ["--master-address", dead_master, *base], tmp_path, name="gateway-1").start()
     try:
-        first.wait_healthy(f"127.0.0.1:{port}")
+        first.wait_started(f"127.0.0.1:{port}")
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = ingest_pb2_grpc.IngestStub(channel)
             for n, data in enumerate(payloads):
@@ -233,7 +265,7 @@ def test_spooled_tuples_survive_kill_9(cluster: Cluster, tmp_path: Path) -> None
     finally:
         first.kill()
     with HioProcess("gateway", ["--master-address", cluster.master, *base], tmp_path, name="gateway-2") as second:
-        second.wait_healthy(f"127.0.0.1:{port}")
+        second.wait_started(f"127.0.0.1:{port}")
 
         def drained() -> bool:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -290,7 +322,7 @@ def test_a_spooled_payload_that_cannot_be_read_is_named_and_sent_once_it_can_be(
             tmp_path,
             name="master-unreadable",
         ) as second:
-            second.wait_healthy(master)
+            second.wait_started(master)
 
             def named() -> bool:
                 return any(
@@ -515,7 +547,7 @@ def test_hio_send_no_wait_hands_files_to_the_daemon(cluster: Cluster, tmp_path: 
         "handover",
     ]
     with HioProcess("gateway", args, tmp_path) as gateway:
-        gateway.wait_healthy(f"127.0.0.1:{port}")
+        gateway.wait_started(f"127.0.0.1:{port}")
         proc = subprocess.run(
             [
                 sys.executable,

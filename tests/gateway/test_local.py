@@ -28,7 +28,7 @@ from hio.gateway.watch import DirectoryWatcher
 from hio.proto import ingest_pb2, ingest_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
 from hio.transport.errors import retry_after
-from tests.harness import FsyncDisk, free_port, hio_env, wait_for
+from tests.harness import FsyncDisk, free_port, health_of, hio_env, wait_for
 
 DEAD_MASTER = "127.0.0.1:1"  # nothing listens on port 1: every call is UNAVAILABLE
 
@@ -177,6 +177,9 @@ def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted
             what="the failed fsync in the gateway's status",
         )
         assert "Input/output error" in warned[0] and "restart the gateway" in warned[0]
+        address = config.ingest_listen
+        wait_for(lambda: health_of(address) == "NOT_SERVING", timeout=5, what="the gateway no longer ready")
+        assert health_of(address, "hio.proto.Ingest") == "NOT_SERVING" and health_of(address, "liveness") == "SERVING"
         disk.error = None
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.Submit(frames(b"b" * 100, image="hio/synthetic", name="b.bin"), timeout=10))
@@ -196,6 +199,7 @@ def test_a_gateway_whose_spool_failed_to_sync_takes_no_new_tuple_until_restarted
         assert receipt.state == TupleReceipt.ACCEPTED
         st = status(stub)
         assert st.spooled_tuples == 3 and not [w for w in st.warnings if "failed to sync" in w]
+        assert health_of(config.ingest_listen) == "SERVING"  # restarted: ready again
 
 
 def test_library_blocks_then_raises_spool_full(tmp_path: Path) -> None:
@@ -348,7 +352,7 @@ def test_send_stops_at_once_when_the_master_refuses_its_token(tmp_path: Path) ->
     with HioProcess(
         "master", ["--listen", address, "--data-dir", str(tmp_path / "m"), "--tokens-file", str(tokens)], tmp_path
     ) as master:
-        master.wait_healthy(address)
+        master.wait_started(address)
         started = time.monotonic()
         proc = subprocess.run(
             [

@@ -42,7 +42,7 @@ from hio.transport.frames import (
     crc32,
     frames_for_bytes,
 )
-from hio.transport.net import AUTH_HEADER, create_channel, create_server, set_serving
+from hio.transport.net import AUTH_HEADER, LIVENESS, create_channel, create_server
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -112,9 +112,10 @@ def wide_channel(address: str) -> grpc.Channel:
 
 
 def serving(address: str) -> bool:
-    """True when the standard health service answers SERVING (it needs no token)."""
+    """True when the standard health service (it needs no token) answers SERVING for liveness:
+    the server survived (a master without workers is alive, though not ready)."""
     with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=5)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -283,7 +284,7 @@ class HostileCluster:
             register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)],
         )
         server.start()
-        set_serving(health)
+        health.start()
         address = f"127.0.0.1:{port}"
 
         def stop() -> None:

@@ -601,6 +601,16 @@ def _idle_fields(config_cls: type) -> dict[str, float]:
     return {"stream_idle_seconds": IDLE_BOUND} if "stream_idle_seconds" in names else {}
 
 
+def assert_ended_as_stalled(call: Iterator[TupleReceipt]) -> None:
+    """The stalled call ends with DEADLINE_EXCEEDED, its message naming the idle bound
+    (docs/architecture.md, "Idle streams"), not with CANCELLED."""
+    with pytest.raises(grpc.RpcError) as ended:
+        for _receipt in call:  # receipts of what arrived before the stall
+            pass
+    assert ended.value.code() == Code.DEADLINE_EXCEEDED, ended.value
+    assert f"no frame for {IDLE_BOUND:g} s" in ended.value.details()
+
+
 def test_stalled_deliver_does_not_hold_the_channel(cluster: HostileCluster) -> None:
     from hio.worker.config import EngineConfig
 
@@ -622,6 +632,7 @@ def test_stalled_deliver_does_not_hold_the_channel(cluster: HostileCluster) -> N
                 return False
 
         wait_for(free, timeout=STALL_PATIENCE, interval=0.25, what="the stalled stream to release the channel")
+        assert_ended_as_stalled(stalled)
     finally:
         release.set()
         stalled.cancel()
@@ -651,6 +662,7 @@ def test_stalled_enqueue_does_not_hold_queue_room(tmp_path: Path) -> None:
                     return False
 
             wait_for(room, timeout=STALL_PATIENCE, interval=0.25, what="the stalled Enqueue to give its room back")
+            assert_ended_as_stalled(stalled)
         finally:
             release.set()
             stalled.cancel()
@@ -682,6 +694,7 @@ def test_stalled_submit_does_not_hold_spool_room(cluster: HostileCluster) -> Non
             interval=0.25,
             what="the stalled Submit to give its spool room back",
         )
+        assert_ended_as_stalled(stalled)
     finally:
         release.set()
         stalled.cancel()

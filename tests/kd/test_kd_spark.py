@@ -19,7 +19,7 @@ import pytest
 from hio.kd.config import KDConfig
 from hio.kd.job import build_session, run
 from hio.kd.report import format_knowledge
-from tests.harness import HioProcess, wait_for
+from tests.harness import HioProcess, free_port, health_of, wait_for
 from tests.kd.helpers import Repo, blobs_records, record, repository
 
 pytestmark = pytest.mark.spark
@@ -204,13 +204,17 @@ def test_restarts_never_count_a_tuple_twice(spark, tmp_path: Path) -> None:  # t
 
 
 def test_continuous_intervals_until_stopped(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """... and KD's own gRPC server (listen) says it is alive, and ready while its query runs."""
+    listen = f"127.0.0.1:{free_port()}"
     with repository(tmp_path / "repo") as repo:
-        config = kd_config(tmp_path, repo, once=False, interval=0.5, max_assignments=50)
+        config = kd_config(tmp_path, repo, once=False, interval=0.5, max_assignments=50, listen=listen)
         stop = threading.Event()
         outcome: list[int] = []
         runner = threading.Thread(target=lambda: outcome.append(run(config, stop=stop, spark=spark)))
         runner.start()
         try:
+            wait_for(lambda: health_of(listen) == "SERVING", timeout=60, what="KD ready: its query runs")
+            assert health_of(listen, "liveness") == "SERVING"
             repo.put(blobs_records(1, 200)[0])
             wait_for(lambda: (k := repo.knowledge()) and k.tuple_count == 200, timeout=120, what="first interval")
             repo.put(blobs_records(1000, 100)[0])

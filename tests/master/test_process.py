@@ -20,7 +20,7 @@ def test_master_process_survives_kill_and_stops_on_sigterm(tmp_path: Path) -> No
     args = ["--listen", address, "--data-dir", str(tmp_path / "data")]  # default fsync: batch
     first = HioProcess("master", args, tmp_path, name="master-1").start()
     try:
-        first.wait_healthy(address)
+        first.wait_started(address)
         with create_channel(address, ClusterSettings()) as channel:
             stub = master_pb2_grpc.MasterStub(channel)
             ids = list(route(stub, [5, 5], force_queue=True).tuple_ids)
@@ -31,7 +31,7 @@ def test_master_process_survives_kill_and_stops_on_sigterm(tmp_path: Path) -> No
     assert first.proc is not None and first.proc.returncode == -signal.SIGKILL
 
     with HioProcess("master", args, tmp_path, name="master-2") as second:
-        second.wait_healthy(address)
+        second.wait_started(address)
         with create_channel(address, ClusterSettings()) as channel:
             stub = master_pb2_grpc.MasterStub(channel)
             status = stub.GetStatus(master_pb2.GetStatusRequest(), timeout=5)
@@ -53,7 +53,7 @@ def test_a_port_in_use_is_named_not_a_traceback(tmp_path: Path) -> None:
     port = free_port()
     address = f"127.0.0.1:{port}"
     with HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path / "first")], tmp_path) as first:
-        first.wait_healthy(address)
+        first.wait_started(address)
         for listen in (address, f"127.0.0.1:{port + 1}"):
             second = subprocess.run(
                 [sys.executable, "-m", "hio.cli", "master", "--listen", listen, "--data-dir", str(tmp_path / "second")],
@@ -105,11 +105,11 @@ def test_a_master_told_a_port_another_role_holds_is_not_taken_for_healthy(tmp_pa
     with HioProcess(
         "repository", ["--listen", address, "--http-listen", "", "--data-dir", str(tmp_path / "repo")], tmp_path
     ) as repository:
-        repository.wait_healthy(address)
+        repository.wait_started(address)
         master = HioProcess("master", ["--listen", address, "--data-dir", str(tmp_path / "data")], tmp_path).start()
         try:
             with pytest.raises(AssertionError, match="cannot listen on"):
-                master.wait_healthy(address, timeout=30)
+                master.wait_started(address, timeout=30)
         finally:
             master.kill()
         assert master.proc is not None and master.proc.returncode == 2  # a configuration error

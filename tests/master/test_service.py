@@ -17,7 +17,7 @@ from hio.storage import files
 from hio.transport.errors import retry_after
 from hio.transport.frames import TupleFrame, TupleReceipt
 from hio.transport.net import create_channel
-from tests.harness import FsyncDisk, free_port, wait_for
+from tests.harness import FsyncDisk, free_port, health_of, wait_for
 from tests.master.helpers import frames, pull, register, report, route, running_master
 
 IMAGE = "hio/synthetic"
@@ -442,6 +442,9 @@ def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_maste
             what="the failed fsync in the master's status",
         )
         assert "Input/output error" in failure[0] and "restart the master" in failure[0]
+        address = f"127.0.0.1:{m.port}"
+        wait_for(lambda: health_of(address) == "NOT_SERVING", timeout=5, what="the master no longer ready")
+        assert health_of(address, "hio.proto.Master") == "NOT_SERVING" and health_of(address, "liveness") == "SERVING"
         disk.error = None  # the disk "syncs" again: refused all the same
         with pytest.raises(grpc.RpcError) as err:
             enqueue(m.stub, frames(ids[2], b"y" * 100))

@@ -102,11 +102,11 @@ def test_stores_go_on_after_the_repository_restarts(tmp_path: Path) -> None:
     link = ClusterLink(ClusterSettings(repository_address=address, master_address="127.0.0.1:1"), rpc_deadline=30.0)
     try:
         with HioProcess("repository", args, tmp_path, name="repository-1") as first:
-            first.wait_healthy(address)
+            first.wait_started(address)
             link.store_many(records(1))
             link.store_many(records(2))
         with HioProcess("repository", args, tmp_path, name="repository-2") as second:
-            second.wait_healthy(address)
+            second.wait_started(address)
             for n in range(3, 6):
                 assert link.store_many(records(n)) == [False]
             assert link.store_many(records(2)) == [True]

@@ -30,7 +30,7 @@ def test_repository_process_serves_and_keeps_data(tmp_path: Path) -> None:
         "info",
     ]  # a stop that hangs then shows how far it got
     with HioProcess("repository", args, tmp_path) as proc:
-        proc.wait_healthy(address)
+        proc.wait_started(address)
         with create_channel(address, ClusterSettings()) as channel:
             stub = repository_pb2_grpc.RepositoryStub(channel)
             tid, data, crc = upload(42)
@@ -44,7 +44,7 @@ def test_repository_process_serves_and_keeps_data(tmp_path: Path) -> None:
     assert proc.proc is not None and proc.proc.returncode == 0
 
     with HioProcess("repository", args, tmp_path, name="repository-again") as again:
-        again.wait_healthy(address)
+        again.wait_started(address)
         with create_channel(address, ClusterSettings()) as channel:
             offsets = repository_pb2_grpc.RepositoryStub(channel).GetOffsets(pb.GetOffsetsRequest(), timeout=10)
             assert offsets.latest == 1

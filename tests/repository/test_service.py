@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -23,6 +24,7 @@ from hio.settings import ClusterSettings
 from hio.transport.frames import crc32
 from hio.transport.http import serve_http
 from hio.transport.net import create_channel
+from tests.harness import FsyncDisk, health_of, wait_for
 from tests.repository.records import compress, decode, knowledge, png_bytes, upload
 
 
@@ -261,3 +263,23 @@ def test_http_shows_knowledge(http: tuple[FeatureStore, str]) -> None:
     assert doc["tuple_count"] == 30 and len(doc["clusters"]) == 3 and doc["assignments"] == []
     full = json.loads(fetch(base + "/knowledge.json?assignments=1")[2])
     assert len(full["assignments"]) == 5
+
+
+def test_a_repository_whose_fsync_failed_is_alive_but_not_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Readiness ("" and hio.proto.Repository) turns NOT_SERVING once the repository cannot
+    write (a failed fsync is final until restart); liveness stays SERVING."""
+    disk = FsyncDisk(monkeypatch)
+    repo = Running(config_for(tmp_path, fsync="always"))
+    try:
+        assert [health_of(repo.address, name) for name in ("", "hio.proto.Repository", "liveness")] == ["SERVING"] * 3
+        disk.error = OSError(errno.EIO, "Input/output error")
+        with pytest.raises(grpc.RpcError) as refused:
+            repo.stub().PutFeatures(put_request(1), timeout=10)
+        assert refused.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL)
+        wait_for(lambda: health_of(repo.address) == "NOT_SERVING", timeout=5, what="the repository not ready")
+        assert health_of(repo.address, "hio.proto.Repository") == "NOT_SERVING"
+        assert health_of(repo.address, "liveness") == "SERVING"
+    finally:
+        repo.close()

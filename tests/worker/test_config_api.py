@@ -446,12 +446,12 @@ def test_the_engine_health_probe_asks_by_name_and_still_knows_an_older_image(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from hio.settings import ClusterSettings
-    from hio.transport.net import create_channel, create_server, set_serving
+    from hio.transport.net import create_channel, create_server
     from hio.worker.controller import _engine_health
 
     server, port, health = create_server(ClusterSettings(), "127.0.0.1:0", service=service)
     server.start()
-    set_serving(health)
+    health.start()
     try:
         with create_channel(f"127.0.0.1:{port}", ClusterSettings()) as channel:
             reply = _engine_health(health_pb2_grpc.HealthStub(channel), "w1/0")

@@ -8,13 +8,14 @@ from pathlib import Path
 
 from hio.settings import ClusterSettings
 from hio.transport.net import wait_healthy
-from tests.harness import HioProcess, free_port, wait_for
+from tests.harness import HioProcess, free_port, health_of, wait_for
 from tests.worker.conftest import REPO_ROOT, TEST_IMAGE, TEST_PIPELINE
 from tests.worker.test_worker_process import _engine_pids
 
 
 def test_worker_without_master_runs_engines_and_exits_cleanly(tmp_path: Path) -> None:
     grace = 2.0
+    listen = f"127.0.0.1:{free_port()}"
     worker = HioProcess(
         "worker",
         [
@@ -26,6 +27,8 @@ def test_worker_without_master_runs_engines_and_exits_cleanly(tmp_path: Path) ->
             str(tmp_path / "data"),
             "--worker-id",
             "alone",
+            "--listen",
+            listen,
             "--runtime",
             "process",
             "--engines",
@@ -47,6 +50,8 @@ def test_worker_without_master_runs_engines_and_exits_cleanly(tmp_path: Path) ->
             what="two engine processes",
         )
         assert set(pids) == {"alone/0", "alone/1"}
+        # alive (its server answers), not ready: the master does not answer it
+        assert health_of(listen, "liveness") == "SERVING" and health_of(listen) == "NOT_SERVING"
         for n in (0, 1):
             log = tmp_path / "data" / "worker" / "alone" / "engines" / f"{n}.log"
             port = int(log.read_text().split("on port ")[1].split()[0])

@@ -19,7 +19,7 @@ from hio.cluster import LocalCluster
 from hio.proto import engine_pb2_grpc, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 from hio.transport.frames import TupleReceipt, frames_for_bytes
 from hio.transport.net import create_channel
-from tests.harness import HioProcess, wait_for
+from tests.harness import HioProcess, health_of, wait_for
 from tests.worker.conftest import REPO_ROOT, SETTINGS, TEST_IMAGE, TEST_PIPELINE, make_tuple, master_available
 
 pytestmark = pytest.mark.skipif(not master_available(), reason="hio.master.create_master_server not built yet")
@@ -136,6 +136,13 @@ def test_worker_registers_its_channels(cluster: Cluster) -> None:
     assert all(c.image == TEST_IMAGE and c.address.startswith("127.0.0.1:") for c in channels.values())
     # each engine also serves a payload lane, on a port of its own
     assert all(c.lane_address.startswith("127.0.0.1:") and c.lane_address != c.address for c in channels.values())
+
+
+def test_a_registered_worker_with_engines_serving_is_ready(cluster: Cluster) -> None:
+    wait_for(lambda: _all_free(cluster), timeout=60, what="two FREE channels")
+    address = cluster.health[WORKER_ID]  # the worker's own gRPC server (--listen)
+    wait_for(lambda: health_of(address) == "SERVING", timeout=10, what="the worker ready")
+    assert health_of(address, "liveness") == "SERVING"
 
 
 def test_gateway_like_client_gets_stored(cluster: Cluster) -> None:
