@@ -103,15 +103,19 @@ class CuttingProxy:
 
     Put it between two roles (give the client ``proxy.address``) and call
     ``cut()`` to sever every open connection mid-stream, as a flaky network
-    would. New connections are accepted again right away.
+    would. New connections are accepted again right away. ``connect`` opens the
+    connection to ``target`` (by default from here; tests/topology opens it from
+    inside a network namespace).
     """
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, connect: Callable[[str], Any] | None = None) -> None:
         import socket
         import threading
 
         host, port = target.rsplit(":", 1)
         self._target = (host, int(port))
+        self._address = target
+        self._connect = connect
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
@@ -130,8 +134,11 @@ class CuttingProxy:
             except OSError:
                 return
             try:
-                upstream = socket.create_connection(self._target, timeout=5)
-                upstream.settimeout(None)
+                if self._connect is not None:
+                    upstream = self._connect(self._address)
+                else:
+                    upstream = socket.create_connection(self._target, timeout=5)
+                    upstream.settimeout(None)
             except OSError:
                 client.close()
                 continue
