@@ -94,6 +94,8 @@ class GatewayStatus:
     spool_bytes_limit: int
     sent_direct: int
     sent_queue: int
+    bytes_sent_direct: int
+    bytes_sent_queue: int
     stored: int
     enqueued: int
     failed: int
@@ -107,6 +109,9 @@ class GatewayStatus:
     spool_failure: str = ""
     #: the master's words while its queue takes no tuples (its disk failed to sync), else ''
     master_queue_refusal: str = ""
+    #: where this gateway reaches the master, and while it is unreachable how its last call failed
+    master_address: str = ""
+    master_error: str = ""
 
     def warnings(self) -> list[str]:
         """What keeps spooled tuples from delivery, in words (empty when nothing does)."""
@@ -121,8 +126,11 @@ class GatewayStatus:
         if self.master_refusal:
             out.append(f"the master refuses this gateway (tuples wait in the spool): {self.master_refusal}")
         if self.master_unreachable_seconds:
+            where = f" at {self.master_address}" if self.master_address else ""
+            why = f" ({self.master_error})" if self.master_error else ""
             out.append(
-                f"the master has been unreachable for {self.master_unreachable_seconds:.0f}s; tuples wait in the spool"
+                f"the master{where} has been unreachable for {self.master_unreachable_seconds:.0f}s{why}; "
+                "tuples wait in the spool"
             )
         for image, (seconds, words) in sorted(self.unserved_images.items()):
             out.append(f"no engine serves image '{image}' (for {seconds:.0f}s; tuples wait in the spool): {words}")
@@ -372,6 +380,8 @@ class Gateway:
             master_refusal=self._dispatcher.master_refusal(),
             spool_failure=self.spool.disk_failure,
             master_queue_refusal=self._dispatcher.queue_refusal(),
+            master_address=self.config.master_address,
+            master_error=self._dispatcher.master_error(),
         )
 
     def _meta(

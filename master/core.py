@@ -298,7 +298,11 @@ class Master:
             fresh = iter(self.ids.allocate(sum(1 for i in items if not i.tuple_id)))
             tuple_ids = [item.tuple_id or next(fresh) for item in items]
             route = self._route_waiting(image, tuple_ids, force_queue, wait_seconds)
-            self.stats.routed(direct=isinstance(route, master_pb2.ChannelRoute), count=len(items))
+            self.stats.routed(
+                direct=isinstance(route, master_pb2.ChannelRoute),
+                count=len(items),
+                size=sum(item.size for item in items),
+            )
         tickets = [make_ticket(self._ticket_key, t, image) if self._ticket_key else b"" for t in tuple_ids]
         log.debug("routed", extra={"source": source, "image": image, "tuples": len(items), "route": route})
         reply = master_pb2.RouteTuplesResponse(tuple_ids=tuple_ids, tickets=tickets)
@@ -383,6 +387,7 @@ class Master:
         for stored in stored_any:
             with self._cond:
                 self.pending.arrived(stored.meta.image, stored.meta.tuple_id)
+                self.stats.enqueued(stored.meta.size)
             log.debug(
                 "enqueued",
                 extra={
@@ -545,6 +550,10 @@ class Master:
                 self.stats.outcome(ok=outcome.ok, size=outcome.size, latency=latency)
                 if outcome.ok and channel is not None:
                     channel.tuples_done += 1
+                    if outcome.from_queue:
+                        channel.bytes_pulled += outcome.size
+                    else:
+                        channel.bytes_direct += outcome.size
                     self.profile.outcome(channel.image, outcome.processing_seconds)
         for outcome in outcomes:
             if not outcome.from_queue:
@@ -693,6 +702,8 @@ class Master:
                 warnings=self._warnings(queues, self.queue.used_bytes, dead),
                 last_tuple_id=self.ids.last_issued,
                 engines=self._engines(queues),
+                bytes_routed_direct=self.stats.bytes_routed_direct,
+                bytes_enqueued=self.stats.bytes_enqueued,
             )
 
     def _engines(self, queues: list[master_pb2.QueueStatus]) -> list[master_pb2.ImageEngines]:
@@ -766,6 +777,8 @@ def _worker_status(worker: Worker, age: float) -> master_pb2.WorkerStatus:
                 state=cast("master_pb2.ChannelState", int(c.state)),
                 detail=c.detail,
                 tuples_done=c.tuples_done,
+                bytes_direct=c.bytes_direct,
+                bytes_pulled=c.bytes_pulled,
                 processing=c.processing,
                 retiring=c.retiring,
             )
