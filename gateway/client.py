@@ -94,6 +94,8 @@ class GatewayStatus:
     spool_bytes_limit: int
     sent_direct: int
     sent_queue: int
+    bytes_sent_direct: int
+    bytes_sent_queue: int
     stored: int
     enqueued: int
     failed: int
@@ -113,6 +115,9 @@ class GatewayStatus:
     attempts: dict[str, int] = dataclasses.field(default_factory=dict)
     #: failed calls by peer ("master", "engine") and gRPC status code name
     refusals: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    #: where this gateway reaches the master, and while it is unreachable how its last call failed
+    master_address: str = ""
+    master_error: str = ""
 
     def warnings(self) -> list[str]:
         """What keeps spooled tuples from delivery, in words (empty when nothing does)."""
@@ -127,8 +132,11 @@ class GatewayStatus:
         if self.master_refusal:
             out.append(f"the master refuses this gateway (tuples wait in the spool): {self.master_refusal}")
         if self.master_unreachable_seconds:
+            where = f" at {self.master_address}" if self.master_address else ""
+            why = f" ({self.master_error})" if self.master_error else ""
             out.append(
-                f"the master has been unreachable for {self.master_unreachable_seconds:.0f}s; tuples wait in the spool"
+                f"the master{where} has been unreachable for {self.master_unreachable_seconds:.0f}s{why}; "
+                "tuples wait in the spool"
             )
         for image, (seconds, words) in sorted(self.unserved_images.items()):
             out.append(f"no engine serves image '{image}' (for {seconds:.0f}s; tuples wait in the spool): {words}")
@@ -383,6 +391,8 @@ class Gateway:
             oldest_spooled_seconds=max(0.0, time.time() - oldest.meta.accepted_unix) if oldest else 0.0,
             attempts=attempts,
             refusals=refusals,
+            master_address=self.config.master_address,
+            master_error=self._dispatcher.master_error(),
         )
 
     def _meta(

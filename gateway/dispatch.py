@@ -103,6 +103,8 @@ class DispatchStats:
 
     sent_direct: int = 0
     sent_queue: int = 0
+    bytes_sent_direct: int = 0  # payload of the sent_direct tuples: to engines, never through the master
+    bytes_sent_queue: int = 0  # payload of the sent_queue tuples: into the master's queue
     stored: int = 0
     enqueued: int = 0
     failed: int = 0
@@ -166,6 +168,7 @@ class Dispatcher:
         )
         self._unreachable_logged: dict[str, float] = {}  # engine address -> when last logged
         self._master_down_since: float | None = None
+        self._master_error = ""  # why the master's last call failed while it is unreachable
         self._queue_full_logged = False
         self._queue_refusal = (0.0, "")  # (when, the master's words): its queue refused
         self._unserved: dict[str, tuple[float, str]] = {}  # image -> (since, the master's words)
@@ -199,6 +202,11 @@ class Dispatcher:
         with self._cond:
             since = self._master_down_since
         return 0.0 if since is None else time.monotonic() - since
+
+    def master_error(self) -> str:
+        """While the master is unreachable: how its last call failed ('CODE: details'), else ''."""
+        with self._cond:
+            return self._master_error if self._master_down_since is not None else ""
 
     def unserved_images(self) -> dict[str, tuple[float, str]]:
         """Images the master knows no engine for: image -> (seconds since first refused, its words)."""
@@ -502,8 +510,10 @@ class Dispatcher:
                 if outcome in (Outcome.STORED, Outcome.ENQUEUED):
                     if direct:
                         stats.sent_direct += 1
+                        stats.bytes_sent_direct += pending.entry.size
                     else:
                         stats.sent_queue += 1
+                        stats.bytes_sent_queue += pending.entry.size
                     if outcome is Outcome.STORED:
                         stats.stored += 1
                     else:
@@ -557,9 +567,10 @@ class Dispatcher:
     def _route_failed(self, batch: list[_Pending], exc: grpc.RpcError) -> None:
         code, details = rpc_status(exc)
         self._refused("master", code)
-        error = f"master {self._config.master_address}: {rpc_error_text(exc, self._config)}"
+        why = rpc_error_text(exc, self._config)
+        error = f"master {self._config.master_address}: {why}"
         if code in _MASTER_DOWN:
-            self._master_unreachable(error)
+            self._master_unreachable(why)
             self._retry(batch, error, count_attempt=False, delay=self._master_delay())
         elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._retry(batch, error, count_attempt=False, delay=_hinted(exc))
@@ -600,7 +611,8 @@ class Dispatcher:
     def _stream_failed(self, left: list[_Pending], exc: grpc.RpcError, address: str, *, direct: bool) -> None:
         code, details = rpc_status(exc)
         self._refused("engine" if direct else "master", code)
-        error = f"{'engine' if direct else 'master'} {address}: {rpc_error_text(exc, self._config)}"
+        why = rpc_error_text(exc, self._config)
+        error = f"{'engine' if direct else 'master'} {address}: {why}"
         if not left:
             return
         if code == grpc.StatusCode.CANCELLED and self._stopping:
@@ -638,7 +650,7 @@ class Dispatcher:
                 )
             self._retry(left, error, count_attempt=False, delay=_hinted(exc))
         elif not direct and code in _MASTER_DOWN:
-            self._master_unreachable(error)
+            self._master_unreachable(why)
             self._retry(left, error, count_attempt=False, delay=self._master_delay())
         elif code == grpc.StatusCode.DATA_LOSS:
             self._check_spooled(left, error)
@@ -692,13 +704,15 @@ class Dispatcher:
 
     # -- master health -------------------------------------------------------------
 
-    def _master_unreachable(self, error: str) -> None:
+    def _master_unreachable(self, why: str) -> None:
+        """The master's call failed as an unreachable master's do; ``why``: 'CODE: details'."""
         with self._cond:
             first = self._master_down_since is None
             if first:
                 self._master_down_since = time.monotonic()
+            self._master_error = why
         if first:
-            log.warning("master unreachable; retrying", extra={"error": error})
+            log.warning("master unreachable; retrying", extra={"master": self._config.master_address, "error": why})
 
     def _master_reachable(self) -> None:
         with self._cond:

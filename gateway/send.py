@@ -140,8 +140,8 @@ def _master_problem(config: SendConfig) -> str:
         return ""
     except grpc.FutureTimeoutError:
         return (
-            f"cannot reach the master at {config.master_address} within {config.connect_seconds:.0f}s; "
-            "is it running? (--master-address)"
+            f"cannot reach the master at {config.master_address} within {config.connect_seconds:.0f}s: "
+            "is it running there, and does a firewall let this host reach that port? (--master-address)"
         )
     finally:
         channel.close()

@@ -21,6 +21,11 @@ is. Arguments given for one role come after those, so they override them
 Logs are ``root/logs/<name>.log``; a role that fails to come up raises with
 its log. Every role dies with this process, even one killed with -9
 (:mod:`hio.process.procs`).
+
+Roles may run on hosts of their own that share this machine's files, such as
+network namespaces (``tests/topology``): ``prefixes`` gives a role the command
+it is started through (``ip netns exec NS``), and ``reach`` maps a role's
+address to the one this process dials for its own look at it (health, status).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -81,7 +86,10 @@ class LocalCluster:
     ``workers``: worker id ('' = the worker's default) -> its ``--engines`` entries, started
     with ``runtime`` and ``worker_args``; :meth:`start` returns once their engines are FREE.
     ``env``: variables for every role. ``process``: the class of each role's process
-    (tests use one whose failures are test failures).
+    (tests use one whose failures are test failures). ``prefixes``: role name -> the
+    command that role is started through (:class:`RoleProcess`'s ``prefix``). ``reach``:
+    the address this process dials to reach a role's address (by default that address),
+    for roles listening where this process cannot connect (another network namespace).
     """
 
     def __init__(
@@ -102,6 +110,8 @@ class LocalCluster:
         logs: Path | None = None,
         process: type[RoleProcess] = RoleProcess,
         stop_timeout: float = 20.0,
+        prefixes: Mapping[str, Sequence[str]] | None = None,
+        reach: Callable[[str], str] | None = None,
     ) -> None:
         self.root = Path(root)
         self.logs = Path(logs) if logs else self.root / "logs"
@@ -128,6 +138,8 @@ class LocalCluster:
             self.env.setdefault("HIO_TOKEN", self.settings.token)
         self.process = process
         self.stop_timeout = stop_timeout
+        self.prefixes = {name: list(prefix) for name, prefix in (prefixes or {}).items()}
+        self.reach = reach or (lambda address: address)
         self.procs: dict[str, RoleProcess] = {}
         self.health: dict[str, str] = {}  # name -> address to wait for SERVING at (re)start
         self.problems: list[str] = []  # what stop() found: roles that did not exit cleanly
@@ -179,7 +191,12 @@ class LocalCluster:
             self.http[name] = self._http_wanted.get(name, f"127.0.0.1:{free_port()}")
             http = ["--http-listen", self.http[name]]
         proc = self.process(
-            command, [*self.common_args(), *http, *args], self.logs, env={**self.env, **(env or {})}, name=name
+            command,
+            [*self.common_args(), *http, *args],
+            self.logs,
+            env={**self.env, **(env or {})},
+            name=name,
+            prefix=self.prefixes.get(name, ()),
         )
         self.procs[name] = proc
         if health:
@@ -198,12 +215,13 @@ class LocalCluster:
         name: str | None = None,
         wait: bool = True,
         timeout: float | None = None,
+        listen: str = "",
     ) -> RoleProcess:
         """Start a worker (``worker_id`` '' = the worker's own default) with ``engines``
         (IMAGE or IMAGE=COUNT each); with ``wait``, return once its engines are FREE.
-        ``runtime`` and ``timeout`` default to the cluster's. Its health listens on a free
-        port, ``health[name]``."""
-        listen = f"127.0.0.1:{free_port()}"
+        ``runtime`` and ``timeout`` default to the cluster's. Its health listens on
+        ``listen``, by default a free loopback port (``health[name]``)."""
+        listen = listen or f"127.0.0.1:{free_port()}"
         flags = ["--runtime", runtime or self.runtime, "--listen", listen]
         flags += ["--worker-id", worker_id] if worker_id else []
         for entry in engines:
@@ -224,7 +242,7 @@ class LocalCluster:
         proc = self.procs[name]
         proc.start()
         if name in self.health:
-            proc.wait_started(self.health[name], timeout=health_timeout, settings=self.settings)
+            proc.wait_started(self.reach(self.health[name]), timeout=health_timeout, settings=self.settings)
 
     def common_args(self) -> list[str]:
         return [
@@ -247,7 +265,7 @@ class LocalCluster:
         from hio.proto import master_pb2, master_pb2_grpc
         from hio.transport.net import create_channel
 
-        with create_channel(self.master, self.settings) as channel:
+        with create_channel(self.reach(self.master), self.settings) as channel:
             return master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=timeout)
 
     def free_channels(self, worker_id: str = "") -> int:

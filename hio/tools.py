@@ -93,6 +93,10 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
             f"tuples      done {s.tuples_done:,}   failed {s.tuples_failed:,}   dead letters {s.dead_letters:,}"
             f"   routed direct {s.routed_direct:,} / queue {s.routed_queue:,}"
         ),
+        (
+            f"payload     routed direct {_mb(s.bytes_routed_direct)} (sender to engine)"
+            f"   received into the queue {_mb(s.bytes_enqueued)}"
+        ),
         f"channels    free {s.channels_free}   busy {s.channels_busy}   down {s.channels_down}",
     ]
     for w in s.workers:
@@ -103,8 +107,10 @@ def format_status(s: master_pb2.GetStatusResponse) -> str:
             if c.retiring:
                 state = f"{state}, retiring"
             lane = f"  lane {c.lane_address}" if c.lane_address else ""
+            payload = f" ({_mb(c.bytes_direct)} direct, {_mb(c.bytes_pulled)} pulled)" if c.tuples_done else ""
             lines.append(
-                f"    {c.channel_id:<24} {c.image:<18} {state:<7} {c.address:<22} done {c.tuples_done:,}{lane}{detail}"
+                f"    {c.channel_id:<24} {c.image:<18} {state:<7} {c.address:<22} "
+                f"done {c.tuples_done:,}{payload}{lane}{detail}"
             )
     if s.engines:
         lines.append("engines")

@@ -302,7 +302,7 @@ class Master:
             tuple_ids = [item.tuple_id or next(fresh) for item in items]
             route = self._route_waiting(image, tuple_ids, force_queue, wait_seconds)
             direct = isinstance(route, master_pb2.ChannelRoute)
-            self.stats.routed(direct=direct, count=len(items), image=image)
+            self.stats.routed(direct=direct, count=len(items), size=sum(item.size for item in items), image=image)
         if self.metrics is not None:
             self.metrics.route_wait.labels("direct" if direct else "queue").observe(time.monotonic() - arrived)
         tickets = [make_ticket(self._ticket_key, t, image) if self._ticket_key else b"" for t in tuple_ids]
@@ -389,6 +389,7 @@ class Master:
         for stored in stored_any:
             with self._cond:
                 self.pending.arrived(stored.meta.image, stored.meta.tuple_id)
+                self.stats.enqueued(stored.meta.size)
             log.debug(
                 "enqueued",
                 extra={
@@ -554,6 +555,10 @@ class Master:
                     self.metrics.latency.observe(latency)
                 if outcome.ok and channel is not None:
                     channel.tuples_done += 1
+                    if outcome.from_queue:
+                        channel.bytes_pulled += outcome.size
+                    else:
+                        channel.bytes_direct += outcome.size
                     self.profile.outcome(channel.image, outcome.processing_seconds)
         for outcome in outcomes:
             if not outcome.from_queue:
@@ -702,6 +707,8 @@ class Master:
                 warnings=self._warnings(queues, self.queue.used_bytes, dead),
                 last_tuple_id=self.ids.last_issued,
                 engines=self._engines(queues),
+                bytes_routed_direct=self.stats.bytes_routed_direct,
+                bytes_enqueued=self.stats.bytes_enqueued,
             )
 
     def figures(self) -> MasterFigures:
@@ -818,6 +825,8 @@ def _worker_status(worker: Worker, age: float) -> master_pb2.WorkerStatus:
                 state=cast("master_pb2.ChannelState", int(c.state)),
                 detail=c.detail,
                 tuples_done=c.tuples_done,
+                bytes_direct=c.bytes_direct,
+                bytes_pulled=c.bytes_pulled,
                 processing=c.processing,
                 retiring=c.retiring,
             )

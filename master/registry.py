@@ -39,6 +39,8 @@ class Channel:
     state: ChannelState = ChannelState.FREE
     detail: str = ""
     tuples_done: int = 0
+    bytes_direct: int = 0  # payload of its stored tuples that came straight from a gateway
+    bytes_pulled: int = 0  # ... and that it pulled from the queue
     last_used: float = 0.0  # when it was last given work: free channels are chosen least recently used
     processing: bool = False  # its last report said a tuple is in progress (a FREE one finishes its last)
     deadline: float = NEVER  # DIRECT, or QUEUE before its pull: becomes FREE after this without reports
@@ -141,9 +143,14 @@ class ChannelRegistry:
             if previous is not None:
                 self._workers[previous.worker_id].channels.pop(spec.channel_id, None)
                 replaced.append(spec.channel_id)
-            done = old.channels[spec.channel_id].tuples_done if old and spec.channel_id in old.channels else 0
+            kept = old.channels.get(spec.channel_id) if old else None  # its counters live on
             channel = self._new_channel(worker_id, spec, now)
-            channel.tuples_done = done
+            if kept is not None:
+                channel.tuples_done, channel.bytes_direct, channel.bytes_pulled = (
+                    kept.tuples_done,
+                    kept.bytes_direct,
+                    kept.bytes_pulled,
+                )
             channels[spec.channel_id] = channel
         self._workers[worker_id] = Worker(
             worker_id=worker_id,

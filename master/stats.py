@@ -26,6 +26,8 @@ class Stats:
         self.started = clock()
         self.routed_direct = 0
         self.routed_queue = 0
+        self.bytes_routed_direct = 0  # payload that goes sender -> engine, never through the master
+        self.bytes_enqueued = 0  # payload the master received into its queue
         self.tuples_done = 0
         self.tuples_failed = 0
         self.bytes_done = 0
@@ -36,12 +38,18 @@ class Stats:
         # second -> [tuples, bytes, latency sum, latency count]
         self._buckets: collections.OrderedDict[int, list[float]] = collections.OrderedDict()
 
-    def routed(self, *, direct: bool, count: int, image: str = "") -> None:
+    def routed(self, *, direct: bool, count: int, size: int, image: str = "") -> None:
+        """A route for ``count`` tuples of ``image`` and ``size`` payload bytes in all."""
         if direct:
             self.routed_direct += count
+            self.bytes_routed_direct += size
         else:
             self.routed_queue += count
         self.routed_by["direct" if direct else "queue", image] += count
+
+    def enqueued(self, size: int) -> None:
+        """A tuple's payload received into the queue."""
+        self.bytes_enqueued += size
 
     def outcome(self, *, ok: bool, size: int, latency: float | None = None, image: str = "") -> None:
         """One finished tuple; ``latency`` in seconds when the tuple carried its acceptance time."""

@@ -50,8 +50,9 @@ class HioProcess(RoleProcess):
         workdir: Path,
         env: dict[str, str] | None = None,
         name: str | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
-        super().__init__(command, args, workdir, env={**FREE_HTTP, **(env or {})}, name=name)
+        super().__init__(command, args, workdir, env={**FREE_HTTP, **(env or {})}, name=name, prefix=prefix)
 
     def wait_started(self, address: str, timeout: float = 60.0, settings: Any = None) -> None:
         try:
@@ -120,15 +121,19 @@ class CuttingProxy:
 
     Put it between two roles (give the client ``proxy.address``) and call
     ``cut()`` to sever every open connection mid-stream, as a flaky network
-    would. New connections are accepted again right away.
+    would. New connections are accepted again right away. ``connect`` opens the
+    connection to ``target`` (by default from here; tests/topology opens it from
+    inside a network namespace).
     """
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, connect: Callable[[str], Any] | None = None) -> None:
         import socket
         import threading
 
         host, port = target.rsplit(":", 1)
         self._target = (host, int(port))
+        self._address = target
+        self._connect = connect
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
@@ -147,8 +152,11 @@ class CuttingProxy:
             except OSError:
                 return
             try:
-                upstream = socket.create_connection(self._target, timeout=5)
-                upstream.settimeout(None)
+                if self._connect is not None:
+                    upstream = self._connect(self._address)
+                else:
+                    upstream = socket.create_connection(self._target, timeout=5)
+                    upstream.settimeout(None)
             except OSError:
                 client.close()
                 continue

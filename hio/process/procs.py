@@ -181,6 +181,10 @@ class RoleProcess:
 
     The child leads its own process group, so ``kill`` also takes the engines
     a worker started, and it dies with this process (see the module's doc).
+    ``prefix`` is a command that runs the rest in another context and then
+    becomes it (``exec``, not a child of its own: the lifeline needs this
+    process as the role's parent), e.g. ``ip netns exec NS`` for a role in a
+    network namespace.
     """
 
     def __init__(
@@ -190,10 +194,12 @@ class RoleProcess:
         workdir: Path,
         env: dict[str, str] | None = None,
         name: str | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.command = command
         self.args = list(args)
         self.name = name or command
+        self.prefix = list(prefix)
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / f"{self.name}.log"
@@ -207,7 +213,7 @@ class RoleProcess:
         env = {**self.env, LIFELINE_ENV: str(os.getpid())}
         self.proc = spawn(
             lambda: subprocess.Popen(
-                [sys.executable, "-m", "hio.cli", self.command, *self.args],
+                [*self.prefix, sys.executable, "-m", "hio.cli", self.command, *self.args],
                 cwd=self.workdir,
                 env=env,
                 stdout=self._log,
@@ -229,9 +235,10 @@ class RoleProcess:
         return self.proc.pid
 
     def wait_started(self, address: str, timeout: float = 60.0, settings: ClusterSettings | None = None) -> None:
-        """Wait until this role has started at ``address``: its health's liveness SERVING and
-        its service known there (not whatever else answers at ``address``); it need not be
-        ready (a master without workers is not). If the process dies or time runs out, raise
+        """Wait until this role has started at ``address`` (dialled from this process): its
+        health's liveness SERVING and its service known there (not whatever else answers at
+        ``address``); it need not be ready (a master without workers is not). If the process
+        dies or time runs out, raise
         with its log."""
         from hio.settings import ClusterSettings
         from hio.transport.net import ROLE_SERVICES, wait_healthy

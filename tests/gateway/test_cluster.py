@@ -138,7 +138,9 @@ def test_send_many_concurrently(cluster: Cluster) -> None:
 def test_forced_queue_path(cluster: Cluster) -> None:
     with Gateway(cluster.config("queued", force_queue=True)) as gw:
         tuple_id = gw.send(b"q" * 5000, image=IMAGE, timeout=60)
-        assert gw.status().sent_queue == 1 and gw.status().sent_direct == 0
+        status = gw.status()
+        assert (status.sent_queue, status.sent_direct) == (1, 0)
+        assert (status.bytes_sent_queue, status.bytes_sent_direct) == (5000, 0)
     assert cluster.wait_records([tuple_id])[tuple_id].meta.size == 5000  # an idle engine pulled it
 
 

@@ -101,7 +101,9 @@ def test_gateway_status_says_why_tuples_wait(daemon: tuple[ingest_pb2_grpc.Inges
 
     status = wait_for(warned, timeout=20, what="a warning in the gateway's status")
     assert status.master_unreachable_seconds > 0 and status.spooled_tuples == 1
-    assert "master has been unreachable" in status.warnings[0] and "wait in the spool" in status.warnings[0]
+    warning = status.warnings[0]
+    assert f"the master at {DEAD_MASTER} has been unreachable" in warning and "wait in the spool" in warning
+    assert "UNAVAILABLE" in warning, f"how the last call failed: {warning}"
 
 
 def test_ingest_refuses_missing_image(daemon: tuple[ingest_pb2_grpc.IngestStub, Path]) -> None:

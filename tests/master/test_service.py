@@ -50,6 +50,8 @@ def test_route_direct_then_queue_and_enqueue_receipts(tmp_path: Path) -> None:
         assert again[0].state == TupleReceipt.ENQUEUED and "already" in again[0].message
         st = status(m.stub)
         assert st.routed_direct == 2 and st.routed_queue == 2 and st.last_tuple_id == 4
+        assert st.bytes_routed_direct == 20, "the payload of the direct routes, which never reaches the master"
+        assert st.bytes_enqueued == 40, "every payload the master received, the duplicate's too"
         assert [(q.image, q.length, q.bytes, q.leased) for q in st.queues] == [(IMAGE, 2, 30, 0)]
         assert st.channels_busy == 2 and st.channels_free == 0 and st.queue_bytes_limit == m.config.queue_bytes
 
@@ -156,6 +158,7 @@ def test_fifo_drain_with_reports(tmp_path: Path) -> None:
         st = status(m.stub)
         assert st.tuples_done == 5 and st.bytes_done == 15 and st.queues == [] and st.tuples_per_second > 0
         assert st.workers[0].channels[0].tuples_done == 5 and st.channels_free == 1
+        assert (st.workers[0].channels[0].bytes_pulled, st.workers[0].channels[0].bytes_direct) == (15, 0)
 
 
 def test_lease_expiry_redelivers_to_another_channel(tmp_path: Path) -> None:

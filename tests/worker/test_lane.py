@@ -273,6 +273,7 @@ def test_a_tls_cluster_keeps_its_lanes(tmp_path: Path, caplog: pytest.LogCapture
             with Gateway(GatewayConfig(data_dir=str(tmp_path / "gw"), source="tls", **base)) as gw:
                 ids = gw.send_many(direct, image=TEST_IMAGE, timeout=60)
                 assert gw.status().sent_direct == 3
+                assert gw.status().bytes_sent_direct == sum(map(len, direct))
             with Gateway(GatewayConfig(data_dir=str(tmp_path / "gwq"), source="tlsq", force_queue=True, **base)) as gw:
                 ids += gw.send_many(queued, image=TEST_IMAGE, timeout=60)
                 assert gw.status().enqueued == 2
