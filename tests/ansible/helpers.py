@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import getpass
 import grp
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -57,9 +58,47 @@ def require_collections() -> None:
         )
 
 
+def collection_version(name: str) -> tuple[int, ...]:
+    """Version of the collection ansible-playbook uses: ansible/collections first, then the venv's."""
+    namespace, collection = name.split(".")
+    local = ANSIBLE_DIR / "collections" / "ansible_collections" / namespace / collection
+    if not local.is_dir():
+        spec = importlib.util.find_spec(f"ansible_collections.{namespace}.{collection}")
+        assert spec is not None and spec.submodule_search_locations, f"{name} is not installed"
+        local = Path(next(iter(spec.submodule_search_locations)))
+    manifest = json.loads((local / "MANIFEST.json").read_text())
+    return tuple(int(part) for part in manifest["collection_info"]["version"].split("."))
+
+
+def openstack_modules_env(tmp: Path) -> dict[str, str]:
+    """Environment for openstack.cloud modules run on this machine.
+
+    openstack.cloud before 2.6.0 (2.5.0 is the one the ``ansible`` package for
+    Python 3.11 bundles) reads ``openstack.version`` without importing it, and
+    openstacksdk 4.15 and later no longer imports it itself: every module fails
+    with "module 'openstack' has no attribute 'version'". Operators install the
+    collection from ansible/requirements.yml (2.6.0 or later). Where only the
+    bundled one is at hand, the modules' Python imports that one module of
+    openstacksdk first (a ``sitecustomize`` on PYTHONPATH); the collection and
+    openstacksdk themselves run as they are."""
+    sdk = tuple(int(part) for part in importlib.metadata.version("openstacksdk").split(".")[:2])
+    if collection_version("openstack.cloud") >= (2, 6, 0) or sdk < (4, 15):
+        return {}
+    preload = tmp / "openstack-preload"
+    preload.mkdir(exist_ok=True)
+    (preload / "sitecustomize.py").write_text(
+        "import warnings\n\n"
+        "with warnings.catch_warnings():\n"
+        "    warnings.simplefilter('ignore', DeprecationWarning)\n"
+        "    import openstack.version  # noqa: F401 - what openstack.cloud < 2.6.0 reads\n"
+    )
+    return {"PYTHONPATH": str(preload)}
+
+
 def ansible_env(tmp: Path) -> dict[str, str]:
-    """Environment for ansible-playbook: our ansible.cfg, a private local temp, no HIO_*."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HIO_", "ANSIBLE_"))}
+    """Environment for ansible-playbook: our ansible.cfg, a private local temp, no HIO_*,
+    and no OS_* (an OpenStack RC sourced in the caller's shell names a real cloud)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HIO_", "ANSIBLE_", "OS_"))}
     env.update(
         {
             "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
@@ -75,20 +114,27 @@ def ansible_env(tmp: Path) -> dict[str, str]:
 
 
 def run_playbook(
-    playbook: Path, inventory: Path, tmp: Path, *args: str, timeout: float = 900
+    playbook: Path,
+    inventory: Path,
+    tmp: Path,
+    *args: str,
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
+    check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """Run a playbook; fail the test with its output when it fails."""
+    """Run a playbook (``env``: more environment, which wins); fail the test with its
+    output when it fails, unless ``check`` is false."""
     cmd = [ansible_tool("ansible-playbook"), "-i", str(inventory), str(playbook), *args]
     proc = subprocess.run(
         cmd,
         cwd=ANSIBLE_DIR,
-        env=ansible_env(tmp),
+        env=ansible_env(tmp) | (env or {}),
         capture_output=True,
         text=True,
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
         )

@@ -1,5 +1,5 @@
 """The elastic loop with the openstack driver, end to end: a real ``hio master`` asks the
-HTTP double of Keystone, Nova, Glance and Neutron (tests/master/openstack_double.py) for
+HTTP double of Keystone, Nova, Glance and Neutron (tests/openstack_double.py) for
 worker servers under a backlog, and gives back the ones that will not serve: a server
 that is ACTIVE but whose worker never registers (after ``provision_timeout``), and one
 Nova puts in ERROR (at the next poll, with Nova's fault in the log). No worker boots:
@@ -16,7 +16,7 @@ pytest.importorskip("openstack")
 
 from tests.elastic.helpers import IMAGE, elastic_cluster, gateway, scaling
 from tests.harness import stop_cleanly, wait_for
-from tests.master.openstack_double import CLOUD, OpenStackDouble
+from tests.openstack_double import CLOUD, OpenStackDouble
 
 PROVISION_TIMEOUT = 4.0
 FAULT = "No valid host was found. There are not enough hosts available."

@@ -1,5 +1,5 @@
 """The openstack driver against a double of Keystone, Nova, Glance and Neutron over real
-HTTP on loopback (tests/master/openstack_double.py): openstacksdk makes every call it
+HTTP on loopback (tests/openstack_double.py): openstacksdk makes every call it
 makes against a cloud, nothing of it is mocked. Its options are given as an operator
 gives them, ``provisioner_options`` items, and refused with messages naming them."""
 
@@ -34,7 +34,7 @@ from hio.master.provisioners.openstack import (
 )
 from hio.worker.config import WorkerConfig
 from tests.harness import hio_env
-from tests.master.openstack_double import CLOUD, OpenStackDouble
+from tests.openstack_double import CLOUD, OpenStackDouble
 
 TOKEN = "tok-3f9a1c-never-in-metadata"
 MASTER = "192.168.100.5:7000"

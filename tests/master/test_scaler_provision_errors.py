@@ -1,5 +1,5 @@
 """The scaler outlives what a driver's cloud refuses or fails: the openstack driver against
-the HTTP double (tests/master/openstack_double.py), on the master's domain object with a
+the HTTP double (tests/openstack_double.py), on the master's domain object with a
 fake clock. A refused creation is logged with the cloud's words, recorded as a decision
 and not asked again during its back-off; a cloud that stops answering fails every call,
 and each is logged while the loop goes on."""
@@ -19,7 +19,7 @@ from hio.master.provisioners.openstack import OpenStackProvisioner
 from hio.master.scaler import Scaler
 from hio.master.workers import RETRY_SECONDS, Action
 from tests.master.helpers import config
-from tests.master.openstack_double import CLOUD, OpenStackDouble
+from tests.openstack_double import CLOUD, OpenStackDouble
 
 pytestmark = pytest.mark.filterwarnings("ignore::PendingDeprecationWarning:openstack")
 
