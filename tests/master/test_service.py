@@ -442,6 +442,8 @@ def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_maste
             what="the failed fsync in the master's status",
         )
         assert "Input/output error" in failure[0] and "restart the master" in failure[0]
+        assert m.master.metrics is not None
+        assert m.master.metrics.registry.get_sample_value("hio_master_queue_sync_failed") == 1  # what alerts watch
         disk.error = None  # the disk "syncs" again: refused all the same
         with pytest.raises(grpc.RpcError) as err:
             enqueue(m.stub, frames(ids[2], b"y" * 100))
@@ -480,5 +482,7 @@ def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_maste
         try:
             assert gw.result(future, timeout=30) > 0  # the restarted master queued it
             assert [q.length for q in status(m.stub).queues] == [1]
+            assert m.master.metrics is not None
+            assert m.master.metrics.registry.get_sample_value("hio_master_queue_sync_failed") == 0
         finally:
             gw.close()
