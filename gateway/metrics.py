@@ -24,6 +24,11 @@ def families(status: GatewayStatus) -> Iterator[Metric]:
     yield gauge("hio_gateway_spooled_bytes", "Payload bytes in the spool", status.spooled_bytes)
     yield gauge("hio_gateway_spool_limit_bytes", "Bound of the spool (spool_bytes)", status.spool_bytes_limit)
     yield gauge(
+        "hio_gateway_spool_sync_failed",
+        "1 after an fsync of the spool failed: the gateway takes no new tuple until it is restarted; else 0",
+        int(bool(status.spool_failure)),
+    )
+    yield gauge(
         "hio_gateway_oldest_spooled_seconds",
         "Seconds since the oldest spooled tuple was accepted (0 when the spool is empty)",
         status.oldest_spooled_seconds,

@@ -740,6 +740,7 @@ class Master:
                 engines_wanted={e.image: e.wanted for e in engines},
                 workers_wanted=self.scaler.pool.wanted if self.scaler is not None else None,
                 workers_present=self.scaler.pool.present if self.scaler is not None else None,
+                sync_failed=bool(self._durability.disk.failure),
             )
 
     def _engines(self, queues: list[master_pb2.QueueStatus]) -> list[master_pb2.ImageEngines]:

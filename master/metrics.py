@@ -47,6 +47,7 @@ class MasterFigures:
     engines_wanted: dict[str, int]  # image -> engines the plan wants (fixed: what the workers run)
     workers_wanted: int | None  # elastic scaling only
     workers_present: int | None
+    sync_failed: bool = False  # an fsync of the master's files failed: the queue takes no new tuple until restart
 
 
 CHANNEL_STATES = ("free", "direct", "queue", "down")
@@ -118,6 +119,12 @@ def families(f: MasterFigures) -> Iterator[Metric]:
     )
     yield gauge("hio_master_queue_limit_bytes", "Bound of the backlog queue (queue_bytes)", f.queue_limit_bytes)
     yield gauge("hio_master_dead_letters", "Tuples kept as dead letters (hio dead-letters)", f.dead_letters)
+    yield gauge(
+        "hio_master_queue_sync_failed",
+        "1 after an fsync of the master's files failed: the backlog queue takes no new tuple until the master "
+        "is restarted; else 0",
+        int(f.sync_failed),
+    )
     yield gauges(
         "hio_master_channels",
         "Processing channels by image and state (free, direct, queue; down includes those of expired workers)",

@@ -30,6 +30,11 @@ def families(store: FeatureStore) -> Iterator[Metric]:
     yield gauge("hio_repository_records", "Feature records stored and readable (the latest offset)", readable)
     yield gauge("hio_repository_stored_bytes", "Bytes of the feature segments on disk", stats["bytes"])
     yield gauge("hio_repository_segments", "Feature segment files", stats["segments"])
+    yield gauge(
+        "hio_repository_sync_failed",
+        "1 after an fsync of the repository's files failed: every later put is refused until it is restarted; else 0",
+        int(bool(store.disk.failure)),
+    )
     yield counters(
         "hio_repository_records_put",
         "Records put since start: new (written), or duplicate (its tuple id was stored already; nothing written)",

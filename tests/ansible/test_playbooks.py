@@ -63,6 +63,7 @@ def test_example_inventory_has_every_group(tmp_path: Path) -> None:
     assert len(data["master"]["hosts"]) == 1
     assert len(data["workers"]["hosts"]) == 4
     assert len(data["gateways"]["hosts"]) == 2
+    assert data["monitoring"]["hosts"] == ["hio-master"], "the optional group site.yml puts Prometheus on"
     master = data["_meta"]["hostvars"]["hio-master"]
     assert master["hio_private_ip"] == "192.168.10.10"
 

@@ -40,6 +40,7 @@ INGRESS = {
         ("tcp", 7100, 7100, PRIVATE_CIDR),
         ("tcp", 7180, 7180, PRIVATE_CIDR),
         ("tcp", 7300, 7300, PRIVATE_CIDR),
+        *(("tcp", port, port, PRIVATE_CIDR) for port in (7080, 7280, 7380, 7480)),  # HTTP endpoints: /metrics
         ("icmp", None, None, PRIVATE_CIDR),
     },
     "hio-master": {("tcp", 7000, 7001, ANY), ("tcp", 22, 22, ANY)},

@@ -2,24 +2,35 @@
 by Ansible for a four-host cluster on this machine, and checked with the
 project's own code: every role config builds from its host's hio.toml, the
 tokens files accept exactly the right clients, and the TLS certificates
-carry a real gRPC health check."""
+carry a real gRPC health check. A fifth host runs the monitoring role: its
+Prometheus configuration scrapes every role of every host, promtool accepts it,
+and every role's endpoint serves /metrics to the token and client certificate it
+presents."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
+import shutil
+import ssl
 import stat
+import subprocess
 import tomllib
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from hio import config as cfg
+from hio.metrics import role_registry
 from hio.settings import ClusterSettings
+from hio.transport.http import HttpEndpoint, role_routes
 from hio.transport.net import TokenTable, create_server, wait_healthy
-from tests.ansible.helpers import local_vars, read_unit, require_collections, run_playbook, write_inventory
+from tests.ansible.helpers import REPO, local_vars, read_unit, require_collections, run_playbook, write_inventory
 
 ROLE_CONFIGS = {
     "master": "hio.master.config:MasterConfig",
@@ -35,6 +46,7 @@ GROUPS = {
     "kd": ["hio-m"],
     "workers": ["hio-w1", "hio-w2"],
     "gateways": ["hio-g1"],
+    "monitoring": ["hio-p"],  # Prometheus on a host of its own
 }
 HOST_ROLES = {
     "hio-m": ["master", "repository", "kd"],
@@ -49,14 +61,21 @@ PRIVATE_IP = {"hio-m": "10.9.0.10", "hio-w1": "10.9.0.21", "hio-w2": "10.9.0.22"
 
 RENDER_PLAYBOOK = """
 - name: Render what the common role writes, without installing anything
-  hosts: all
+  hosts: all:!monitoring
   gather_facts: false
   tasks:
     - ansible.builtin.include_role: {name: common, tasks_from: system}
     - ansible.builtin.include_role: {name: common, tasks_from: tokens}
     - ansible.builtin.include_role: {name: common, tasks_from: tls}
     - ansible.builtin.include_role: {name: common, tasks_from: config}
+
+- name: Render what the monitoring role writes
+  hosts: monitoring
+  gather_facts: false
+  roles:
+    - role: monitoring
 """
+PROMETHEUS = "hio-p"
 
 
 @dataclasses.dataclass
@@ -80,13 +99,26 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
     root = tmp_path_factory.mktemp("render")
     playbook = root / "render.yml"
     playbook.write_text(RENDER_PLAYBOOK)
+    identity = local_vars(root)
+    per_host = str(root) + "/{{ inventory_hostname }}"
     common = {
-        **local_vars(root),
+        **identity,
         "hio_tls": True,
         "hio_tls_client_auth": True,
         "hio_gateway_watch": str(root) + "/{{ inventory_hostname }}/incoming",
+        "hio_monitoring_config_dir": per_host + "/etc/prometheus",
+        "hio_monitoring_defaults_file": per_host + "/etc/default/prometheus",
+        "hio_monitoring_owner": identity["hio_config_owner"],
+        "hio_monitoring_service_group": identity["hio_group"],
+        "hio_monitoring_service": False,
+        "hio_monitoring_validate": shutil.which("promtool") is not None,  # promtool checks what it writes
+        "hio_monitoring_grafana": True,
+        "hio_monitoring_grafana_provisioning_dir": per_host + "/etc/grafana/provisioning",
+        "hio_monitoring_grafana_dashboards_dir": per_host + "/var/lib/grafana/dashboards/hio",
+        "hio_monitoring_grafana_group": identity["hio_group"],
     }
-    hosts = {h: {"hio_private_ip": ip} for h, ip in PRIVATE_IP.items()}
+    hosts: dict[str, dict[str, Any]] = {h: {"hio_private_ip": ip} for h, ip in PRIVATE_IP.items()}
+    hosts["hio-w2"]["hio_worker_extra"] = {"http_listen": "0.0.0.0:7281"}  # Prometheus follows it
     inventory = write_inventory(root / "inventory.yml", GROUPS, hosts, common)
     for host in HOST_ROLES:  # GatewayConfig checks that the watched folder exists
         (root / host / "incoming").mkdir(parents=True)
@@ -149,8 +181,12 @@ def test_each_host_gets_only_its_own_token(rendered: Rendered) -> None:
         return {p.name for p in (rendered.host(host) / "etc/hio/tokens").iterdir()}
 
     assert tokens("hio-w1") == {"worker.token", "worker.tokens"}
-    assert tokens("hio-g1") == {"gateway.token"}
-    assert tokens("hio-m") == {"kd.token", "admin.token", "master.tokens", "repository.tokens"}
+    assert tokens("hio-g1") == {"gateway.token", "gateway.tokens"}
+    assert tokens("hio-m") == {"kd.token", "admin.token", "master.tokens", "repository.tokens", "kd.tokens"}
+    secrets = rendered.host(PROMETHEUS) / "etc/prometheus/hio"
+    assert {p.name for p in secrets.iterdir()} == {"viewer.token", "ca.crt", "client.crt", "client.key"}
+    assert (secrets / "viewer.token").read_text().strip() == rendered.token(f"monitoring-{PROMETHEUS}")
+    assert stat.S_IMODE((secrets / "client.key").stat().st_mode) == 0o640
     assert (rendered.host("hio-w1") / "etc/hio/tokens/worker.token").read_text().strip() == rendered.token(
         "worker-hio-w1"
     )
@@ -179,6 +215,10 @@ def test_servers_accept_exactly_their_clients(rendered: Rendered) -> None:
     assert engines.lookup(gateway) == ("gateway", "gateway-hio-g1")
     assert engines.lookup(kd) is None
     assert master.lookup("not-a-token") is None
+    # the gateway's ingest API takes its own token (instrument software presents it), not another's
+    ingest = _table(rendered, "hio-g1", "gateway")
+    assert ingest.lookup(gateway) == ("gateway", "gateway-hio-g1")
+    assert ingest.lookup(rendered.token("worker-hio-w1")) is None and ingest.lookup(kd) is None
 
 
 def test_clients_present_the_token_the_servers_know(rendered: Rendered) -> None:
@@ -213,3 +253,85 @@ def test_certificates_name_the_private_address(rendered: Rendered) -> None:
     assert PRIVATE_IP["hio-w1"] in {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
     key_mode = stat.S_IMODE((rendered.host("hio-w1") / "etc/hio/tls/host.key").stat().st_mode)
     assert key_mode == 0o640
+
+
+# ------------------------------------------------------------------ the monitoring role
+
+
+def prometheus_config(rendered: Rendered) -> dict[str, Any]:
+    config = yaml.safe_load((rendered.host(PROMETHEUS) / "etc/prometheus/prometheus.yml").read_text())
+    assert isinstance(config, dict)
+    return config
+
+
+def test_prometheus_scrapes_every_role_on_every_host_of_the_inventory(rendered: Rendered) -> None:
+    jobs = {job["job_name"]: job for job in prometheus_config(rendered)["scrape_configs"]}
+    targets = {
+        name: {(t["labels"]["instance"], address) for t in job["static_configs"] for address in t["targets"]}
+        for name, job in jobs.items()
+        if name.startswith("hio-")
+    }
+    assert targets == {
+        "hio-master": {("hio-m", "10.9.0.10:7080")},
+        "hio-repository": {("hio-m", "10.9.0.10:7180")},
+        "hio-worker": {("hio-w1", "10.9.0.21:7280"), ("hio-w2", "10.9.0.22:7281")},  # hio-w2's http_listen
+        "hio-gateway": {("hio-g1", "10.9.0.31:7380")},
+        "hio-kd": {("hio-m", "10.9.0.10:7480")},
+    }
+    secrets = f"{rendered.host(PROMETHEUS)}/etc/prometheus/hio"
+    for name in targets:
+        assert jobs[name]["scheme"] == "https"
+        assert jobs[name]["authorization"] == {"type": "Bearer", "credentials_file": f"{secrets}/viewer.token"}
+        assert jobs[name]["tls_config"] == {
+            "ca_file": f"{secrets}/ca.crt",
+            "cert_file": f"{secrets}/client.crt",
+            "key_file": f"{secrets}/client.key",
+        }
+    rules = rendered.host(PROMETHEUS) / "etc/prometheus/rules/hio.rules.yml"
+    assert prometheus_config(rendered)["rule_files"] == [str(rules)]
+    assert rules.read_text() == (REPO / "ansible/roles/monitoring/files/hio.rules.yml").read_text()
+    defaults = (rendered.host(PROMETHEUS) / "etc/default/prometheus").read_text()
+    assert 'ARGS="--web.listen-address=127.0.0.1:9090 --storage.tsdb.retention.time=15d"' in defaults
+
+
+def test_promtool_accepts_the_rendered_configuration_and_its_files(rendered: Rendered) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed: apt-get install prometheus (Debian's package provides it)")
+    config = rendered.host(PROMETHEUS) / "etc/prometheus/prometheus.yml"
+    proc = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout and "rules found" in proc.stdout
+
+
+@pytest.mark.parametrize("host,role", [(h, r) for h, roles in HOST_ROLES.items() for r in roles])
+def test_every_role_serves_its_metrics_to_prometheus_token_and_certificate(
+    rendered: Rendered, host: str, role: str
+) -> None:
+    """The role's endpoint as its rendered settings make it (tokens file, certificate, mutual
+    TLS), asked as the rendered Prometheus configuration asks: with its viewer token and client
+    certificate, verifying the role's certificate against the cluster's CA."""
+    settings = cfg.build(_config_class(role), role, file_data=rendered.toml(host))
+    endpoint = HttpEndpoint(settings, "127.0.0.1:0", role_routes(role_registry()), name=role).start()
+    secrets = rendered.host(PROMETHEUS) / "etc/prometheus/hio"
+    context = ssl.create_default_context(cafile=str(secrets / "ca.crt"))
+    context.load_cert_chain(str(secrets / "client.crt"), str(secrets / "client.key"))
+    token = (secrets / "viewer.token").read_text().strip()
+    request = urllib.request.Request(
+        f"https://127.0.0.1:{endpoint.port}/metrics", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as reply:
+            assert reply.status == 200 and b"process_cpu_seconds_total" in reply.read()
+    finally:
+        endpoint.close()
+
+
+def test_grafana_gets_the_dashboard_and_a_data_source_for_this_prometheus(rendered: Rendered) -> None:
+    grafana = rendered.host(PROMETHEUS) / "etc/grafana/provisioning"
+    [source] = yaml.safe_load((grafana / "datasources/hio.yml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://127.0.0.1:9090"
+    [provider] = yaml.safe_load((grafana / "dashboards/hio.yml").read_text())["providers"]
+    dashboards = Path(provider["options"]["path"])
+    assert dashboards == rendered.host(PROMETHEUS) / "var/lib/grafana/dashboards/hio"
+    assert json.loads((dashboards / "hio-dashboard.json").read_text())["uid"] == "hio-cluster"

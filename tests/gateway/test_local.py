@@ -23,11 +23,12 @@ from hio.config import ConfigError, build
 from hio.gateway import Gateway, GatewayConfig, SendConfig
 from hio.gateway.config import infer_image
 from hio.gateway.daemon import run_gateway
+from hio.gateway.metrics import gateway_registry
 from hio.gateway.spool import spooled_metas
 from hio.gateway.watch import DirectoryWatcher
 from hio.proto import ingest_pb2, ingest_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
-from hio.transport.errors import retry_after
+from hio.transport.errors import FailedPrecondition, retry_after
 from tests.harness import FsyncDisk, free_port, health_of, hio_env, wait_for
 
 DEAD_MASTER = "127.0.0.1:1"  # nothing listens on port 1: every call is UNAVAILABLE
@@ -131,6 +132,25 @@ def test_ingest_refuses_corrupt_tuple_and_keeps_nothing(daemon: tuple[ingest_pb2
         list(stub.Submit(iter([bad]), timeout=10))
     assert info.value.code() == grpc.StatusCode.DATA_LOSS
     assert not list(spool_dir.glob("*.data")) and not list(spool_dir.glob(".tmp-*"))
+
+
+def test_a_spool_that_failed_to_sync_shows_in_the_gateways_metrics_until_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hio_gateway_spool_sync_failed`` is what an alert watches: 1 from the failed fsync
+    (the gateway takes no new tuple) until the gateway is restarted."""
+    disk = FsyncDisk(monkeypatch)
+    settings = {"master_address": DEAD_MASTER, "data_dir": str(tmp_path / "var"), "source": "lab"}
+    with Gateway(spool_fsync="always", **settings) as gateway:  # type: ignore[arg-type]  # Gateway settings
+        registry = gateway_registry(gateway)
+        assert registry.get_sample_value("hio_gateway_spool_sync_failed") == 0
+        disk.error = OSError(errno.EIO, "Input/output error")
+        with pytest.raises(FailedPrecondition, match="the spool's disk failed to sync"):
+            gateway.submit(b"a" * 100, image="hio/synthetic", name="a.bin")
+        disk.error = None
+        assert registry.get_sample_value("hio_gateway_spool_sync_failed") == 1
+    with Gateway(spool_fsync="always", **settings) as gateway:  # type: ignore[arg-type]  # Gateway settings
+        assert gateway_registry(gateway).get_sample_value("hio_gateway_spool_sync_failed") == 0
 
 
 def test_ingest_spool_full_is_resource_exhausted(daemon: tuple[ingest_pb2_grpc.IngestStub, Path]) -> None:

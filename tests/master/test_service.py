@@ -448,6 +448,8 @@ def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_maste
         address = f"127.0.0.1:{m.port}"
         wait_for(lambda: health_of(address) == "NOT_SERVING", timeout=5, what="the master no longer ready")
         assert health_of(address, "hio.proto.Master") == "NOT_SERVING" and health_of(address, "liveness") == "SERVING"
+        assert m.master.metrics is not None
+        assert m.master.metrics.registry.get_sample_value("hio_master_queue_sync_failed") == 1  # what alerts watch
         disk.error = None  # the disk "syncs" again: refused all the same
         with pytest.raises(grpc.RpcError) as err:
             enqueue(m.stub, frames(ids[2], b"y" * 100))
@@ -486,5 +488,7 @@ def test_a_backlog_whose_fsync_failed_refuses_tuples_with_a_hint_until_the_maste
         try:
             assert gw.result(future, timeout=30) > 0  # the restarted master queued it
             assert [q.length for q in status(m.stub).queues] == [1]
+            assert m.master.metrics is not None
+            assert m.master.metrics.registry.get_sample_value("hio_master_queue_sync_failed") == 0
         finally:
             gw.close()
