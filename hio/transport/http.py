@@ -146,7 +146,7 @@ def login_form(status: int, why: str, target: str, name: str, *, secure: bool) -
 <body><main><h1>HarmonicIO {html.escape(name)}</h1>
 <p class="why" id="refusal">{html.escape(why)}</p>
 <form method="post" action="{LOGIN_PATH}">
-<label for="token">Token (role viewer or admin)</label>
+<label for="token">Token</label>
 <input type="password" id="token" name="token" autocomplete="current-password" required autofocus>
 <input type="hidden" name="next" value="{html.escape(target)}">
 <button type="submit">Sign in</button></form>
