@@ -86,8 +86,10 @@ def build_session(config: KDConfig, app_name: str = "hio-kd") -> Any:
         # Python workers start slowly on a busy machine; the default 15 s fails queries.
         .config("spark.python.authenticate.socketTimeout", "120s")
     )
-    if config.spark_master.startswith("local"):
-        builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+    if config.driver_host:
+        # Executors (a standalone cluster's) dial the driver back at this address.
+        builder = builder.config("spark.driver.host", config.driver_host)
+        builder = builder.config("spark.driver.bindAddress", config.driver_host)
     for item in config.spark_conf:
         key, _, value = item.partition("=")
         builder = builder.config(key.strip(), value.strip())
