@@ -24,7 +24,25 @@ import pytest
 from hio.cluster import LocalCluster
 from hio.process.procs import LIFELINE_ENV, RoleProcess, child_env, free_port
 
-__all__ = ["FsyncDisk", "HioProcess", "free_port", "hio_env", "local_cluster", "stop_cleanly", "wait_for"]
+__all__ = [
+    "FsyncDisk",
+    "HioProcess",
+    "die_with_starter",
+    "free_port",
+    "hio_env",
+    "local_cluster",
+    "stop_cleanly",
+    "wait_for",
+]
+
+
+def die_with_starter() -> None:
+    """A ``preexec_fn`` for a child that is no ``hio`` command (a JVM): the kernel sends it
+    SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``, kept across exec),
+    so a test run killed with -9 leaves none behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
 
 
 def hio_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -10,16 +10,13 @@ JVM started from the virtualenv's pyspark (``$SPARK_HOME/bin/spark-class``, with
 Every daemon binds to 127.0.0.1 (``SPARK_LOCAL_IP`` and ``--host``) on ports
 chosen free, keeps its work and scratch folders under ``root`` and logs to
 ``root/logs/``. The JVMs die with the thread of this process that started them
-(``PR_SET_PDEATHSIG``), so a test run killed with -9 leaves none behind.
+(:func:`tests.harness.die_with_starter`), so a test run killed with -9 leaves none behind.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -27,10 +24,10 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from hio.process.procs import free_port, spawn
+from tests.harness import die_with_starter
 
 MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
-_PR_SET_PDEATHSIG = 1
 
 
 def spark_home() -> Path:
@@ -38,11 +35,6 @@ def spark_home() -> Path:
     import pyspark
 
     return Path(pyspark.__file__).resolve().parent
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the starting thread ends (kept across exec)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 class SparkStandalone:
@@ -83,7 +75,7 @@ class SparkStandalone:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks taken
+                preexec_fn=die_with_starter,  # noqa: PLW1509 - only prctl, no locks taken
             )
         )
 
@@ -168,5 +160,4 @@ class SparkStandalone:
             raise
 
     def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(Exception):
-            self.stop()
+        self.stop()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from google.protobuf.message import Message
 
 from hio.proto import features_pb2
 from tests.harness import HioProcess, hio_env, wait_for
@@ -68,9 +69,9 @@ def run_kd_once(repo: Repo, data_dir: Path, spark_master: str, consumer: str) ->
     return proc.stdout
 
 
-def _round_doubles(message: object, digits: int = 9) -> None:
+def _round_doubles(message: Message, digits: int = 9) -> None:
     """Round every double of a message (nested ones too): equal knowledge up to float noise."""
-    for field, value in message.ListFields():  # type: ignore[attr-defined]  # any protobuf message
+    for field, value in message.ListFields():
         repeated = field.is_repeated
         if field.type == field.TYPE_DOUBLE:
             if repeated:
