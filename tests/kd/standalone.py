@@ -4,7 +4,8 @@ JVM started from the virtualenv's pyspark (``$SPARK_HOME/bin/spark-class``, with
 
     with SparkStandalone(tmp_path, workers=2) as cluster:
         run KD with spark_master=cluster.url
-        cluster.kill_worker(0)      # SIGKILL: its executor goes with it
+        cluster.running_tasks(0)    # what worker 0's executor is doing
+        cluster.kill_worker(0)      # SIGKILL, its executor too
         cluster.start_worker(0)     # the same worker, back (a new JVM)
 
 Every daemon binds to 127.0.0.1 (``SPARK_LOCAL_IP`` and ``--host``) on ports
@@ -15,19 +16,23 @@ chosen free, keeps its work and scratch folders under ``root`` and logs to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 from typing import IO, Any, Self
 
-from hio.process.procs import free_port, spawn
+from hio.process.procs import children, free_port, spawn
 from tests.harness import die_with_starter
 
 MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
+TASK_LINE = re.compile(r"Executor: (Running|Finished) task \S+ in stage \S+ \(TID (\d+)\)")
 
 
 def spark_home() -> Path:
@@ -99,13 +104,33 @@ class SparkStandalone:
         if wait:
             self.wait_workers(sum(1 for w in self.workers if w is not None and w.poll() is None), timeout)
 
-    def kill_worker(self, index: int) -> int:
-        """SIGKILL worker ``index`` (its executor exits when it loses its worker); its pid."""
+    def kill_worker(self, index: int) -> None:
+        """SIGKILL worker ``index`` with the executors it started and their Python workers, at
+        once, as when its host goes down: whatever task ran there is cut off."""
         worker = self.workers[index]
         assert worker is not None, f"worker {index} was never started"
-        worker.kill()
+        tree, todo = [], [worker.pid]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo += children(pid)
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         worker.wait(30)
-        return worker.pid
+
+    def running_tasks(self, index: int) -> set[int]:
+        """Tasks (ids) the newest executor of worker ``index`` started and has not finished, from its
+        log: what a kill of that worker cuts off (and, once it is dead, what it did cut off)."""
+        folders = list((self.root / f"worker-{index}" / "work").glob("app-*/*/"))
+        if not folders:
+            return set()
+        log = max(folders, key=lambda p: p.stat().st_mtime_ns) / "stderr"
+        started: set[int] = set()
+        finished: set[int] = set()
+        for match in TASK_LINE.finditer(log.read_text(errors="replace") if log.exists() else ""):
+            (started if match.group(1) == "Running" else finished).add(int(match.group(2)))
+        return started - finished
 
     def state(self) -> dict[str, Any]:
         """The master's own view (its web UI's JSON): workers, applications, cores."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -136,45 +136,60 @@ def assert_stored_once(parquet_dir: Path, expected_ids: set[int]) -> None:
     assert len(ids) == len(set(ids)) and set(ids) == expected_ids
 
 
+def wait_busy(cluster: SparkStandalone, workers: Sequence[int]) -> None:
+    """Wait until an executor on one of ``workers`` runs a task (a kill then cuts an interval)."""
+    wait_for(
+        lambda: any(cluster.running_tasks(w) for w in workers),
+        timeout=240,
+        interval=0.05,
+        what=f"a task running on worker(s) {list(workers)}",
+    )
+
+
 def test_each_record_counts_once_across_a_spark_worker_restart_and_a_kd_restart(
     spark_cluster: SparkStandalone, tmp_path: Path
 ) -> None:
-    first, _ = blobs_records(1, 3000)
-    second, _ = blobs_records(10_000, 3000)
+    first, _ = blobs_records(1, 4000)
+    second, _ = blobs_records(10_000, 4000)
     with repository(tmp_path / "repo") as repo:
         repo.put(first)
+        # Batches of 1,000 records, read as two partitions: both executors read during an interval.
         args = kd_args(
-            repo, tmp_path / "var", spark_cluster.url, "--interval", "2", "--max-records-per-interval", "300"
+            repo, tmp_path / "var", spark_cluster.url, "--interval", "2", "--max-records-per-interval", "1000"
         )
         kd = HioProcess("kd", args, tmp_path, name="kd-first").start()
         try:
-            wait_for(lambda: committed(repo) >= 300, timeout=240, what=lambda: f"a first interval:\n{kd.output()}")
+            wait_for(lambda: committed(repo) >= 1000, timeout=240, what=lambda: f"a first interval:\n{kd.output()}")
             wait_for(lambda: app_cores(spark_cluster) == 2, timeout=60, what="executors on both workers")
-            spark_cluster.kill_worker(0)  # its executor goes too, with whatever task it ran
+            wait_busy(spark_cluster, [0])
+            spark_cluster.kill_worker(0)  # with its executor, mid-task
+            assert spark_cluster.running_tasks(0), "the task ended before the kill: nothing was cut off"
             at_kill = committed(repo)
             wait_for(
-                lambda: committed(repo) >= min(at_kill + 600, 3000),
+                lambda: committed(repo) >= min(at_kill + 1000, 4000),
                 timeout=240,
                 what=lambda: f"intervals on the one worker left:\n{kd.output()}",
             )
-            assert app_cores(spark_cluster) == 1
+            assert app_cores(spark_cluster) == 1 and "Lost executor" in kd.output()
             spark_cluster.start_worker(0)
             wait_for(lambda: app_cores(spark_cluster) == 2, timeout=120, what="an executor on the returned worker")
             repo.put(second)
-            wait_for(lambda: committed(repo) >= 3300, timeout=240, what=lambda: f"catching up:\n{kd.output()}")
-            assert kd.alive() and "Lost executor" in kd.output()
+            wait_for(lambda: committed(repo) > 4000, timeout=240, what=lambda: f"catching up:\n{kd.output()}")
+            assert kd.alive()
+            wait_busy(spark_cluster, [0, 1])
+            kd.kill()  # SIGKILL: hio kd and its Spark driver, mid interval
         finally:
-            kd.kill()  # SIGKILL: hio kd and its Spark driver, mid catch-up
-        assert committed(repo) < 6000, "KD caught up before it was killed: no restart mid catch-up"
+            kd.stop()
+        assert committed(repo) < 8000, "KD caught up before it was killed: no restart mid catch-up"
         with HioProcess("kd", args, tmp_path, name="kd-second") as kd:
             wait_for(
-                lambda: (k := repo.knowledge()) and k.tuple_count == 6000 and committed(repo) == 6000,
+                lambda: (k := repo.knowledge()) and k.tuple_count == 8000 and committed(repo) == 8000,
                 timeout=300,
                 what=lambda: f"KD to catch up after its restart:\n{kd.output()}",
             )
         knowledge = repo.knowledge()
-        assert (knowledge.tuple_count, knowledge.up_to_offset, knowledge.malformed_records) == (6000, 6000, 0)
+        assert (knowledge.tuple_count, knowledge.up_to_offset, knowledge.malformed_records) == (8000, 8000, 0)
         ids = [a.tuple_id for a in knowledge.assignments]
-        assert len(ids) == len(set(ids)) == 6000
-        assert sum(c.count for c in knowledge.clusters) == 6000
+        assert len(ids) == len(set(ids)) == 8000
+        assert sum(c.count for c in knowledge.clusters) == 8000
     assert_stored_once(tmp_path / "var" / "kd" / "features.parquet", {r.tuple_id for r in first + second})
