@@ -69,8 +69,9 @@ def build_session(config: KDConfig, app_name: str = "hio-kd") -> Any:
     warnings.filterwarnings("ignore", message="PySpark does not yet fully support pandas")
     from pyspark.sql import SparkSession
 
-    # Python workers (data source planning and reading) must run this
-    # interpreter, which has hio installed; Spark's default is `python3`.
+    # Python workers (data source planning and reading; on a cluster, every
+    # executor's) must run this interpreter, which has hio installed; Spark's
+    # default is `python3`. A cluster's hosts need it at the same path.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = (
