@@ -242,14 +242,7 @@ class FeatureFile:
 
 def features_line(body: bytes | str, cost_s: float) -> bytes:
     """What a Spark or broker row stores per message: its header, then the pipeline's features (JSON)."""
-    import json
-    import types
-
-    from hio.worker.pipelines.synthetic import process
-
-    data = body.encode("ascii") if isinstance(body, str) else body
-    info = types.SimpleNamespace(attributes={"cost_ms": f"{cost_s * 1000:g}"})
-    return bytes(data[:HEADER_BYTES]) + b" " + json.dumps(process(data, info)).encode() + b"\n"
+    return process_and_store_line(cost_s)(body).encode()
 
 
 # -- HarmonicIO ---------------------------------------------------------------------
@@ -349,15 +342,15 @@ class HioSystem(System):
             from hio.gateway.config import GatewayConfig
             from hio.gateway.watch import DirectoryWatcher
 
-            fields = GatewayConfig.__dataclass_fields__
+            defaults = GatewayConfig()
             folder = self.root / f"{self.name}-{self._generation}" / "watch"
             folder.mkdir(parents=True, exist_ok=True)
             self._watcher = DirectoryWatcher(
                 self._gateway,
                 folder,
                 folder.with_name("watch-done"),
-                settle_seconds=fields["settle_seconds"].default,
-                poll_seconds=fields["poll_seconds"].default,
+                settle_seconds=defaults.settle_seconds,
+                poll_seconds=defaults.poll_seconds,
                 image=HIO_IMAGE,
             )
             self._watcher.start()
@@ -491,14 +484,22 @@ def build_spark_session(app_name: str, slots: int = SLOTS, conf: tuple[str, ...]
 
 
 def process_and_store_line(cost_s: float) -> Callable[[Any], str]:
-    """The Spark UDF body: the engines' pipeline on the message (the same burn, the same
-    features); returns the line the micro-batch stores (its header first, so the driver
-    knows what finished)."""
+    """The engines' pipeline on a message (the same burn, the same features) and the line a
+    Spark or broker row stores for it, its header first so the receiver knows what finished.
+    A closure that imports only ``hio``: Spark's Python workers run it and cannot import
+    ``benchmarks`` (not installed)."""
 
     def process(content: Any) -> str:
+        import json
+        import types
+
+        from hio.worker.pipelines.synthetic import process
+
         if content is None:
             return ""
-        return features_line(content, cost_s).decode()
+        data = content.encode("ascii") if isinstance(content, str) else bytes(content)
+        info = types.SimpleNamespace(attributes={"cost_ms": f"{cost_s * 1000:g}"})
+        return data[:48].decode("ascii", "replace") + " " + json.dumps(process(data, info)) + "\n"
 
     return process
 
@@ -707,6 +708,7 @@ class SparkSocketSystem(SparkSystem):
         except TimeoutError:
             raise RuntimeError("Spark's socket source did not connect within 60 s") from None
         self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._conn.settimeout(120)  # a source that stopped reading fails the send, not the run
 
     def _close_source(self) -> None:
         for sock in (self._conn, self._server):
