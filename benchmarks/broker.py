@@ -131,6 +131,15 @@ class RabbitBroker:
         import pika
 
         deadline = time.monotonic() + timeout
+        quiet = logging.getLogger("pika")  # each refused try is expected here, not an error to log
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
+        try:
+            self._poll_ready(pika, deadline, timeout)
+        finally:
+            quiet.setLevel(level)
+
+    def _poll_ready(self, pika: Any, deadline: float, timeout: float) -> None:
         while True:
             if self._server is not None and self._server.poll() is not None:
                 raise RuntimeError(f"RabbitMQ exited at start ({self._server.returncode}): {self._log_tail()}")

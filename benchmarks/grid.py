@@ -163,7 +163,9 @@ class BenchConfig(ClusterSettings):
     results_name: str = setting(
         "", "CSV file name under OUT_DIR/benchmarks/; empty = results-full.csv or results-quick.csv"
     )
-    readme: str = setting("README.md", "README whose performance section is regenerated from the results (empty: none)")
+    readme: str = setting(
+        "", "README whose performance section is regenerated from the results (`make bench`: README.md)"
+    )
     fresh: bool = setting(False, "start a new run (a new CSV) instead of resuming the run in the CSV")
     report: bool = setting(True, "regenerate OUT_DIR/benchmarks.md, the plots and the README's section at the end")
     min_step_seconds: float = setting(0.0, "shortest step (0 = 4 s, quick grid 3 s)")
@@ -604,6 +606,8 @@ def failure_of(reason: str, rate: float) -> str:
 
 
 # -- the run --------------------------------------------------------------------------
+
+WARM_UP_MESSAGES = 4  # sent at once to a freshly started system before its bursts (not recorded)
 
 
 def load_avg() -> float:
@@ -1056,6 +1060,7 @@ class BenchRun:
                 runner = StepRunner(
                     system, MessageGenerator(size, text=system.text_payload), 0.0, self.config, prefix=f"b{self.points}"
                 )
+                runner.burst(WARM_UP_MESSAGES, self.config.burst_seconds)  # a fresh system warms first, unrecorded
                 slots, loopback = self._machine()
                 for path in paths:
                     burst, failure = results[path] = self._one_burst(system, runner, path, count)

@@ -786,21 +786,26 @@ def performance_section(rows: list[Row], bursts: list[Row], agreement: float = A
         if any(c != "–" for c in cells):
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for size in sorted({b["size"] for b in bursts}):
-        group = {b["system"]: b for b in bursts if b["size"] == size and b["path"] == "library"}
-        if not group:
-            continue
-        first = next(iter(group.values()))
-        cells = [
-            "–"
-            if (b := group.get(system)) is None
-            else (f"{b['seconds']:,.1f} s" if not b.get("failure") else f"failed ({b['failure'].split(':')[0]})")
-            for system in systems
-        ]
-        lines.append(
-            f"| {first['messages']:,.0f} x {size_label(size)} at once, until all stored (disk "
-            f"{first['disk_mb_s']:,.0f} MB/s) | " + " | ".join(cells) + " |"
-        )
+        for path, how in (("library", "through the library"), ("folder", "into a watched folder")):
+            group = {b["system"]: b for b in bursts if b["size"] == size and b["path"] == path}
+            if group:
+                first = next(iter(group.values()))
+                cells = [_burst_cell(group.get(system)) for system in systems]
+                lines.append(
+                    f"| {first['messages']:,.0f} x {size_label(size)} at once {how}, until all stored (disk "
+                    f"{first['disk_mb_s']:,.0f} MB/s) | " + " | ".join(cells) + " |"
+                )
     return "\n".join(lines)
+
+
+def _burst_cell(burst: Row | None) -> str:
+    if burst is None:
+        return "–"
+    if burst.get("failure") == "no watched-folder source":
+        return "no folder source"
+    if burst.get("failure"):
+        return f"failed ({burst['failure'].split(':')[0]})"
+    return f"{burst['seconds']:,.1f} s"
 
 
 def readme_section(readme: Path) -> str:
