@@ -72,8 +72,10 @@ images: setup
 docker: setup
 	bash .ci/setup-docker.sh
 
+# The full grid and the bursts as one run (resumed where it stopped; --fresh starts a new run);
+# regenerates docs/benchmarks.md and the README's performance section from its CSV.
 bench: setup
-	$(BIN)/hio bench
+	$(BIN)/hio bench --readme README.md
 
 bench-kd: setup
 	$(BIN)/hio bench-kd
