@@ -17,6 +17,7 @@ import dataclasses
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ class KDBenchConfig(ClusterSettings):
             raise ConfigError(f"groups must be at most 16, got {self.groups}")
 
 
-def _uploads(first_id: int, count: int, features: int, groups: int, seed: int) -> list[Any]:
+def feature_uploads(first_id: int, count: int, features: int, groups: int, seed: int) -> list[Any]:
     """PutFeatures uploads of ``count`` records drawn from ``features``-d blobs,
     tuple id ``i`` in group ``i % groups`` (image ``hio/bench-<g>``, features ``g<g>_f<j>``)."""
     import zstandard
@@ -123,9 +124,14 @@ class _Bench:
 
         for start in range(0, count, 5000):
             n = min(5000, count - start)
-            uploads = _uploads(self.next_id, n, self.config.features, self.config.groups, self.config.seed)
+            uploads = feature_uploads(self.next_id, n, self.config.features, self.config.groups, self.config.seed)
             self.stub.PutFeatures(repository_pb2.PutFeaturesRequest(records=uploads), timeout=120)
             self.next_id += n
+
+    @property
+    def stored(self) -> int:
+        """Records put so far (tuple ids run from 1)."""
+        return self.next_id - 1
 
     def commit(self, consumer: str, offset: int) -> None:
         from hio.proto import repository_pb2
@@ -160,21 +166,24 @@ class _Bench:
         return job
 
 
-def _measure(config: KDBenchConfig, work: Path) -> list[tuple[str, int, Any]]:
-    """[(case, records stored before the timed interval, its job)]."""
+def measure_intervals(config: KDBenchConfig, work: Path, stored: Sequence[int]) -> list[tuple[str, int, Any]]:
+    """[(case, records stored before the timed interval, its job)]: the empty store first, then
+    each size of ``stored`` in ascending order. One repository and one KD consumer ("large")
+    serve every size: it catches up to each size in turn, so a larger size costs only what
+    it adds."""
     bench = _Bench(config, work)
     try:
         bench.put(WARMUP_RECORDS)
         bench.kd_pass("warmup")  # start Python workers, warm the JVM
         bench.commit("empty", WARMUP_RECORDS)  # the empty-store case starts after them
         bench.put(config.new)
-        empty = bench.kd_pass("empty")  # timed: `new` records over an empty store
-        bench.put(config.stored - WARMUP_RECORDS - config.new)
-        large = bench.kd_pass("large")  # catch up on `stored` records, in batches
-        stored = large.store.total
-        bench.put(config.new)
-        large = bench.kd_pass("large")  # timed: `new` records over `stored`
-        return [("empty store", 0, empty), ("large store", stored, large)]
+        results = [("empty store", 0, bench.kd_pass("empty"))]  # timed: `new` records over an empty store
+        for size in sorted(stored):
+            bench.put(max(0, size - bench.stored))
+            caught_up = bench.kd_pass("large")  # catch up on `size` records, in batches
+            bench.put(config.new)
+            results.append(("large store", caught_up.store.total, bench.kd_pass("large")))  # timed
+        return results
     finally:
         bench.close()
 
@@ -186,7 +195,7 @@ def run_kd_bench(config: KDBenchConfig) -> int:
     work = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="hio-bench-kd-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        results = _measure(config, work)
+        results = measure_intervals(config, work, [config.stored])
     finally:
         if not config.work_dir:
             shutil.rmtree(work, ignore_errors=True)
