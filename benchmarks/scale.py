@@ -395,7 +395,7 @@ _NO_USAGE = _Usage()
 def run_master_curve(config: ScaleBenchConfig, root: Path) -> list[dict[str, Any]]:
     rows = []
     for channels in config.channel_counts():
-        row = measure_master(config, root / f"master-{channels}", channels)
+        row = measure_master(config, root / "master" / str(channels), channels)
         rows.append(row)
         print(
             f"master  {channels:>6} channels: {row['routes_per_s']:>9,.1f} routes/s, "
@@ -405,7 +405,7 @@ def run_master_curve(config: ScaleBenchConfig, root: Path) -> list[dict[str, Any
             f"load {row['load_avg']}",
             flush=True,
         )
-    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(root / "master", ignore_errors=True)  # a master's state is of no use to a later run
     return rows
 
 
