@@ -26,6 +26,7 @@ empty store's.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import csv
 import dataclasses
@@ -35,6 +36,8 @@ import multiprocessing
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -103,6 +106,11 @@ class ScaleBenchConfig(ClusterSettings):
     kd_new: int = setting(1000, "kd: new records in each timed interval")
     kd_catch_up: int = setting(200_000, "kd: KD's micro-batch bound while it catches up on the stored records")
     spark_master: str = setting("local[2]", "kd: Spark master URL")
+    profile: bool = setting(
+        False,
+        "master: sample the master with py-spy during each window (pip install py-spy; needs ptrace) "
+        "and print where its time goes; the samples (collapsed stacks) stay under data_dir/bench-scale/profiles",
+    )
 
     def validate(self) -> None:
         self.validate_cluster()
@@ -298,6 +306,45 @@ def gateway_process(
     results.put({**counts, "latencies": latencies, "cpu": proc_cpu_seconds(os.getpid())})
 
 
+def _profile(pid: int, seconds: float, path: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` for ``seconds`` into ``path`` (collapsed stacks: one line per
+    stack, its frames from the root, and its sample count)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    command = [spy, "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "200", "--gil"]
+    return subprocess.Popen(
+        [*command, "--format", "raw", "--nonblocking", "-o", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def profile_summary(path: Path, top: int = 25) -> list[str]:
+    """The functions the samples of ``path`` spent most time in (inclusive, their callees
+    counted) and below them the leaves (where time is spent itself), as shares of all samples."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = [f for f in stack.split(";") if not f.startswith(("process ", "thread "))]
+        n = int(count)
+        total += n
+        for frame in set(frames):
+            inclusive[frame] += n
+        if frames:
+            leaves[frames[-1]] += n
+    if not total:
+        return [f"{path}: no samples"]
+    lines = [f"{total} samples; inclusive:"]
+    lines += [f"  {n / total:6.1%}  {frame}" for frame, n in inclusive.most_common(top)]
+    lines += ["leaves:"]
+    lines += [f"  {n / total:6.1%}  {frame}" for frame, n in leaves.most_common(top)]
+    return lines
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -305,8 +352,9 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure_master(config: ScaleBenchConfig, root: Path, channels: int) -> dict[str, Any]:
-    """One point of the master curve: a fresh master, ``channels`` channels, routes/s and CPU."""
+def measure_master(config: ScaleBenchConfig, root: Path, channels: int, profile: Path | None = None) -> dict[str, Any]:
+    """One point of the master curve: a fresh master, ``channels`` channels, routes/s and CPU;
+    with ``profile``, the master's samples over the window go there."""
     from hio.cluster import LocalCluster
     from hio.transport.net import wait_healthy
 
@@ -354,8 +402,11 @@ def measure_master(config: ScaleBenchConfig, root: Path, channels: int) -> dict[
             gateway.start()
         time.sleep(max(0.0, window.start - time.time()))
         cpu_before, load_before = proc_cpu_seconds(proc.pid), os.getloadavg()[0]
+        profiler = _profile(proc.pid, config.seconds, profile) if profile is not None else None
         time.sleep(max(0.0, window.end - time.time()))
         cpu = proc_cpu_seconds(proc.pid) - cpu_before
+        if profiler is not None:
+            profiler.wait(60)
         rss_kib = (proc_usage(proc.pid) or _NO_USAGE).rss_kib
         parts = [results.get(timeout=120) for _ in gateways]
         for gateway in gateways:
@@ -395,8 +446,12 @@ _NO_USAGE = _Usage()
 def run_master_curve(config: ScaleBenchConfig, root: Path) -> list[dict[str, Any]]:
     rows = []
     for channels in config.channel_counts():
-        row = measure_master(config, root / "master" / str(channels), channels)
+        profile = root / "profiles" / f"master-{channels}.txt" if config.profile else None
+        row = measure_master(config, root / "master" / str(channels), channels, profile)
         rows.append(row)
+        if profile is not None:
+            for line in profile_summary(profile):
+                print(f"  {line}", flush=True)
         print(
             f"master  {channels:>6} channels: {row['routes_per_s']:>9,.1f} routes/s, "
             f"{row['master_cpu_ms_per_route']:.3f} ms master CPU per route "
