@@ -410,6 +410,13 @@ def _runs_table(rows: list[Row]) -> list[str]:
     return lines
 
 
+# How cost grows with the cluster and the store is measured apart (`hio bench-scale`, its own page).
+SCALE_LINK = (
+    "How cost grows with scale (the master's routes/s by channels, the repository's restart and "
+    "index by records stored, KD's interval by records stored): [benchmarks/scale.md](benchmarks/scale.md)."
+)
+
+
 def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
     """Plots under ``out_dir/benchmarks/`` and ``out_dir/benchmarks.md``; returns the doc's path."""
 
@@ -427,6 +434,8 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
             f"Source data: [`{results.name}`](benchmarks/{results.name}), every step in "
             f"[`{stem}-steps.csv`](benchmarks/{stem}-steps.csv).*"
         ),
+        "",
+        SCALE_LINK,
         "",
     ]
     if not rows:

@@ -194,12 +194,16 @@ def _fake_channels(worker: int, per_worker: int, first_port: int) -> list[Any]:
 
 
 def workers_process(
-    address: str, settings: ClusterSettings, channels: int, per_worker: int, stop: Any, registered: Any
+    address: str, settings: ClusterSettings, channels: int, per_worker: int, stop: Any, registered: Any, expired: Any
 ) -> None:
     """Register ``channels`` channels in workers of ``per_worker``, then heartbeat each worker at
     the interval the master gives, every channel listed with its CPU time (as the real worker's
-    complete heartbeat), until ``stop``."""
+    complete heartbeat), until ``stop``. As the real worker, a worker the master no longer
+    knows (it expired: a heartbeat came late on a loaded machine) registers again, and a
+    heartbeat that fails is tried again at the next interval; ``expired`` counts both."""
     from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
 
     from hio.proto import master_pb2, master_pb2_grpc
     from hio.transport.net import create_channel
@@ -229,7 +233,14 @@ def workers_process(
             for info in infos:  # the engines' CPU so far, for the master's profile
                 info.cpu_seconds = (time.monotonic() - started) * 0.01
             request = master_pb2.HeartbeatRequest(worker_id=f"bench-w{worker:05d}", channels=infos, complete=True)
-            stub.Heartbeat(request, timeout=30)
+            try:
+                if not stub.Heartbeat(request, timeout=interval * 5).known:
+                    register(worker)
+                    with expired.get_lock():
+                        expired.value += 1
+            except grpc.RpcError:
+                with expired.get_lock():
+                    expired.value += 1
 
         while not stop.is_set():
             began = time.monotonic()
@@ -365,10 +376,10 @@ def measure_master(config: ScaleBenchConfig, root: Path, channels: int, profile:
         stack.callback(cluster.stop)
         proc = cluster.add("master", ["--listen", cluster.master], health=cluster.master)
         settings = cluster.settings
-        stop, registered = context.Event(), context.Event()
+        stop, registered, expired = context.Event(), context.Event(), context.Value("i", 0)
         workers = context.Process(
             target=workers_process,
-            args=(cluster.master, settings, channels, config.channels_per_worker, stop, registered),
+            args=(cluster.master, settings, channels, config.channels_per_worker, stop, registered, expired),
             daemon=True,
         )
         workers.start()
@@ -423,6 +434,7 @@ def measure_master(config: ScaleBenchConfig, root: Path, channels: int, profile:
         "routes_per_s": round(routes / config.seconds, 1),
         "queued": sum(p["queued"] for p in parts),
         "errors": sum(p["errors"] for p in parts),
+        "heartbeats_missed": expired.value,
         "master_cpu_ms_per_route": round(cpu * 1000 / max(routes, 1), 4),
         "master_cores": round(cpu / config.seconds, 3),
         "routes_per_master_cpu_s": round(routes / cpu, 1) if cpu > 0 else "",
@@ -457,6 +469,7 @@ def run_master_curve(config: ScaleBenchConfig, root: Path) -> list[dict[str, Any
             f"{row['master_cpu_ms_per_route']:.3f} ms master CPU per route "
             f"({row['routes_per_master_cpu_s'] or 0:,.0f} routes per CPU second), p50 {row['route_p50_ms']:.2f} ms, "
             f"p99 {row['route_p99_ms']:.2f} ms, queued {row['queued']}, errors {row['errors']}, "
+            f"heartbeats missed {row['heartbeats_missed']}, "
             f"load {row['load_avg']}",
             flush=True,
         )
@@ -855,6 +868,7 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("route_p99_ms", "p99 ms"),
         ("queued", "queued"),
         ("errors", "errors"),
+        ("heartbeats_missed", "heartbeats missed"),
         ("load_avg", "load"),
         ("commit", "commit"),
         ("finished_at", "finished"),
