@@ -70,14 +70,15 @@ class OffsetIndex:
         self._segment_firsts.append(first_offset)
 
     def add(self, tuple_id: int, position: int, length: int) -> int:
-        """Index the next record (in the last segment); returns its offset."""
+        """Index the next record (in the last segment); returns its offset. An id indexed
+        already keeps its offset: the log looks each id up before it writes (:meth:`offset_of`),
+        so only ids added since the last merge are checked again here."""
         self._positions.append(position)
         self._lengths.append(length)
         offset = len(self._positions)
-        if not self.offset_of(tuple_id):
-            self._recent[tuple_id] = offset
-            if len(self._recent) >= max(MERGE_MIN, len(self._sorted_ids) // 8):
-                self._merge_recent()
+        self._recent.setdefault(tuple_id, offset)
+        if len(self._recent) >= max(MERGE_MIN, len(self._sorted_ids) // 8):
+            self._merge_recent()
         return offset
 
     def extend(self, tuple_ids: Iterable[int], positions: array[int], lengths: array[int]) -> None:
