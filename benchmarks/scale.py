@@ -10,7 +10,9 @@ load average) and a plot under ``out``, and all three as ``out/scale.md``:
   every channel listed with its CPU time); gateway threads route one batch at a time as the
   real gateway does (``RouteTuples`` with its route wait), and the channel's "engine" reports
   the batch stored and releases the channel at once (``ReportTuples``), so no engine runs.
-  Routes/s over a window after a warm-up, and the master's CPU per route from ``/proc``.
+  Never more routes are in flight than there are channels, so every route finds one (a route
+  to the queue is counted, not enqueued; none is expected). Routes/s over a window after a
+  warm-up, the master's CPU per route from ``/proc``, and the route call's latency.
 * ``repository``: restart time (process start to SERVING: the index rebuilt from the segments)
   and index memory (RSS after start less an empty repository's) with stores of ``records``
   small records, filled with real ``PutFeatures`` batches. Each store is kept under
@@ -106,10 +108,12 @@ class ScaleBenchConfig(ClusterSettings):
     kd_new: int = setting(1000, "kd: new records in each timed interval")
     kd_catch_up: int = setting(200_000, "kd: KD's micro-batch bound while it catches up on the stored records")
     spark_master: str = setting("local[2]", "kd: Spark master URL")
+    measure: bool = setting(True, "off: measure nothing, only write scale.md again from the CSVs in out")
     profile: bool = setting(
         False,
-        "master: sample the master with py-spy during each window (pip install py-spy; needs ptrace) "
-        "and print where its time goes; the samples (collapsed stacks) stay under data_dir/bench-scale/profiles",
+        "master: sample the master's thread holding the interpreter with py-spy during each window "
+        "(pip install py-spy; needs ptrace) and print where its time goes; the samples (collapsed "
+        "stacks) stay under data_dir/bench-scale/profiles",
     )
 
     def validate(self) -> None:
@@ -835,8 +839,12 @@ def verdicts(out: Path) -> list[str]:
             f"master: {rate:,.0f} routes/s at {TARGET_CHANNELS:,} channels ({per_cpu:,.0f} per second of master "
             f"CPU); target {ROUTE_TARGET:,.0f}: {met}"
         )
-    repository = read_csv(csv_path(out, "repository"))
-    for row in (r for r in repository if _number(r["records"]) >= TARGET_RECORDS):
+    else:
+        lines.append(f"master: {TARGET_CHANNELS:,} channels not measured yet")
+    repository = [r for r in read_csv(csv_path(out, "repository")) if _number(r["records"]) >= TARGET_RECORDS]
+    if not repository:
+        lines.append(f"repository: {count_label(TARGET_RECORDS)} records not measured yet")
+    for row in repository:
         seconds, index = _number(row["restart_s"]), _number(row["index_mib"])
         restart_met = "met" if seconds < RESTART_TARGET else "NOT met"
         index_met = "met" if index < INDEX_TARGET_MIB else "NOT met"
@@ -845,8 +853,10 @@ def verdicts(out: Path) -> list[str]:
             f"(target < {RESTART_TARGET:g} s: {restart_met}), index {index:,.0f} MiB "
             f"(target < {INDEX_TARGET_MIB:,.0f} MiB: {index_met})"
         )
-    kd = read_csv(csv_path(out, "kd"))
-    for row in (r for r in kd if _number(r["stored"]) >= TARGET_RECORDS):
+    kd = [r for r in read_csv(csv_path(out, "kd")) if _number(r["stored"]) >= TARGET_RECORDS]
+    if not kd:
+        lines.append(f"kd: {count_label(TARGET_RECORDS)} stored not measured yet")
+    for row in kd:
         ratio = _number(row["ratio_to_empty"])
         lines.append(
             f"kd: interval over {count_label(int(row['stored']))} stored is {ratio:.2f}x the empty store's "
@@ -864,8 +874,8 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("master_cpu_ms_per_route", "master CPU ms/route"),
         ("routes_per_master_cpu_s", "routes per master CPU s"),
         ("master_cores", "master cores"),
-        ("route_p50_ms", "p50 ms"),
-        ("route_p99_ms", "p99 ms"),
+        ("route_p50_ms", "route p50 ms"),
+        ("route_p99_ms", "route p99 ms"),
         ("queued", "queued"),
         ("errors", "errors"),
         ("heartbeats_missed", "heartbeats missed"),
@@ -917,7 +927,7 @@ def _cell(field: str, value: str) -> str:
     number = _number(value)
     if number != number or field in ("load_avg",):  # NaN: text
         return value
-    return f"{number:,.0f}" if number >= 100 or number == int(number) else f"{number:g}"
+    return f"{number:,.0f}" if number >= 100 or number == int(number) else f"{number:.3g}"
 
 
 def write_document(out: Path) -> Path:
@@ -983,7 +993,7 @@ def run_scale_bench(config: ScaleBenchConfig) -> int:
         flush=True,
     )
     for curve in CURVES:
-        if curve not in config.curves:
+        if curve not in config.curves or not config.measure:
             continue
         rows = merge_rows(csv_path(out, curve), curve, RUNS[curve](config, root))
         PLOTS[curve](rows, out / f"scale-{curve}.png")
