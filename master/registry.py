@@ -4,10 +4,10 @@ Not thread-safe by itself: the master calls it under its one lock. Times are
 monotonic seconds from the injected clock.
 
 Routing picks the best FREE channel of an image from a heap per image, not by looking at
-every channel: with thousands of channels a scan on every route was most of the master's
-time. A channel gets an entry whenever it becomes routable or its rank among the free
-ones changes; entries that no longer hold (the channel was taken, went down, or has a newer
-entry) are dropped as they come to the top.
+every channel: a look at every channel on every route takes about half of the master's CPU
+at 1,000 channels (docs/benchmarks/scale.md). A channel gets an entry whenever it becomes
+routable or its rank among the free ones changes; entries that no longer hold (the channel
+was taken, went down, or has a later entry) are dropped as they come to the top.
 """
 
 from __future__ import annotations
