@@ -26,6 +26,7 @@ import resource
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,7 @@ class KDBenchConfig(ClusterSettings):
         return KDConfig(**{**fields, **settings})
 
 
-def _uploads(first_id: int, count: int, features: int, groups: int, seed: int) -> list[Any]:
+def feature_uploads(first_id: int, count: int, features: int, groups: int, seed: int) -> list[Any]:
     """PutFeatures uploads of ``count`` records drawn from ``features``-d blobs,
     tuple id ``i`` in group ``i % groups`` (image ``hio/bench-<g>``, features ``g<g>_f<j>``)."""
     import zstandard
@@ -147,9 +148,14 @@ class _Bench:
 
         for start in range(0, count, 5000):
             n = min(5000, count - start)
-            uploads = _uploads(self.next_id, n, self.config.features, self.config.groups, self.config.seed)
+            uploads = feature_uploads(self.next_id, n, self.config.features, self.config.groups, self.config.seed)
             self.stub.PutFeatures(repository_pb2.PutFeaturesRequest(records=uploads), timeout=120)
             self.next_id += n
+
+    @property
+    def stored(self) -> int:
+        """Records put so far (tuple ids run from 1)."""
+        return self.next_id - 1
 
     def commit(self, consumer: str, offset: int) -> None:
         from hio.proto import repository_pb2
@@ -175,10 +181,10 @@ class _Bench:
 
 @dataclasses.dataclass
 class Measured:
-    """What one run found: the two timed intervals, and what the large store cost."""
+    """What one run found: the timed intervals, and what the largest store cost."""
 
     cases: list[tuple[str, int, Any]]  # (case, records stored before the timed interval, its job)
-    catch_up_records: int = 0
+    catch_up_records: int = 0  # the last catch-up: to the largest store, from the one before
     catch_up_seconds: float = 0.0
     repository_bytes: int = 0  # the repository's data folder: every record, zstd
     parquet_bytes: int = 0  # KD's Parquet store of the large case
@@ -206,28 +212,34 @@ def _driver_jvm_peak_rss() -> int:
     return 0
 
 
-def _measure(config: KDBenchConfig, work: Path) -> Measured:
-    """Run the passes; measure before the session and the folders go."""
+def measure_intervals(config: KDBenchConfig, work: Path, stored: Sequence[int]) -> Measured:
+    """The empty store's interval first, then one over each size of ``stored`` in ascending
+    order; measured before the session and the folders go. One repository and one KD consumer
+    ("large") serve every size: it catches up to each size in turn, so a larger size costs only
+    what it adds."""
     bench = _Bench(config, work)
     try:
         bench.put(WARMUP_RECORDS)
         bench.kd_pass("warmup")  # start Python workers, warm the JVM
         bench.commit("empty", WARMUP_RECORDS)  # the empty-store case starts after them
         bench.put(config.new)
-        empty = bench.kd_pass("empty")  # timed: `new` records over an empty store
-        bench.put(config.stored - WARMUP_RECORDS - config.new)
-        started = time.monotonic()
-        large = bench.kd_pass("large")  # catch up on `stored` records, in batches
-        catch_up_seconds = time.monotonic() - started
-        stored = large.store.total
-        bench.put(config.new)
-        large = bench.kd_pass("large")  # timed: `new` records over `stored`
+        cases = [("empty store", 0, bench.kd_pass("empty"))]  # timed: `new` records over an empty store
+        catch_up_records, catch_up_seconds, large = 0, 0.0, None
+        for size in sorted(stored):
+            before = bench.stored
+            bench.put(max(0, size - before))
+            started = time.monotonic()
+            caught_up = bench.kd_pass("large")  # catch up on `size` records, in batches
+            catch_up_records, catch_up_seconds = caught_up.store.total - before, time.monotonic() - started
+            bench.put(config.new)
+            large = bench.kd_pass("large")  # timed: `new` records over `size`
+            cases.append(("large store", caught_up.store.total, large))
         return Measured(
-            cases=[("empty store", 0, empty), ("large store", stored, large)],
-            catch_up_records=stored,
+            cases=cases,
+            catch_up_records=catch_up_records,
             catch_up_seconds=catch_up_seconds,
             repository_bytes=_folder_bytes(work / "repo"),
-            parquet_bytes=_folder_bytes(large.config.parquet_dir),
+            parquet_bytes=_folder_bytes(large.config.parquet_dir) if large is not None else 0,
             driver_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             jvm_peak_rss=_driver_jvm_peak_rss(),
         )
@@ -247,7 +259,7 @@ def run_kd_bench(config: KDBenchConfig) -> int:
     work = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="hio-bench-kd-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        measured = _measure(config, work)
+        measured = measure_intervals(config, work, [config.stored])
     finally:
         if not config.work_dir:
             shutil.rmtree(work, ignore_errors=True)

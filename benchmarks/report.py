@@ -570,6 +570,13 @@ def _analysis(out_dir: Path, run: str) -> list[str]:
     return ["## Analysis", "", text.split("\n", 1)[1].strip() if "\n" in text else "", ""]
 
 
+# How cost grows with the cluster and the store is measured apart (`hio bench-scale`, its own page).
+SCALE_LINK = (
+    "How cost grows with scale (the master's routes/s by channels, the repository's restart and "
+    "index by records stored, KD's interval by records stored): [benchmarks/scale.md](benchmarks/scale.md)."
+)
+
+
 def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
     """Plots under ``out_dir/benchmarks/`` and ``out_dir/benchmarks.md``; returns the doc's path."""
 
@@ -592,6 +599,8 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
             f"[`{stem}-steps.csv`](benchmarks/{stem}-steps.csv), the bursts in "
             f"[`{stem}-burst.csv`](benchmarks/{stem}-burst.csv).*"
         ),
+        "",
+        SCALE_LINK,
         "",
     ]
     if not every and not bursts:

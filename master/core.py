@@ -553,7 +553,7 @@ class Master:
             channel = self.registry.channel(channel_id)
             if channel is not None:
                 self.registry.touch(channel)
-                channel.processing = processing
+                self.registry.set_processing(channel, processing)
             self.queue.refresh(channel_id, self.config.lease_seconds)
             image = channel.image if channel is not None else "unknown"
             for outcome in outcomes:
