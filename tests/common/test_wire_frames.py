@@ -4,6 +4,7 @@ same meaning for every frame a sender may produce (in this codebase or any other
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 from google.protobuf.message import DecodeError
@@ -73,7 +74,7 @@ def frame_with(*fields: bytes) -> bytes:
     return b"".join(fields)
 
 
-DATA = os.urandom(BIG)
+DATA = random.Random(9).randbytes(BIG)  # the same bytes in every test process
 DATA_FIELD = encode_frame(None, DATA, False)
 OTHER_DATA_FIELD = encode_frame(None, DATA[::-1], False)
 LAST = b"\x18\x01"
@@ -100,6 +101,17 @@ META = encode_frame(TupleMeta(tuple_id=9, image="x"), b"", False)
         LAST * 40_000,  # many small fields: protobuf's parser reads them
         frame_with(META, DATA_FIELD, LAST * 40_000),
     ],
+    ids=[
+        "fields in another order",
+        "data twice",
+        "meta twice",
+        "unknown varint field",
+        "unknown length-delimited field",
+        "nested frame as unknown field",
+        "last false",
+        "many small fields",
+        "meta, data, many small fields",
+    ],
 )
 def test_frames_that_protobuf_reads_are_read_with_the_same_meaning(wire: bytes) -> None:
     same_frame(parse_frame(wire), TupleFrame.FromString(wire))
@@ -113,6 +125,7 @@ def test_frames_that_protobuf_reads_are_read_with_the_same_meaning(wire: bytes) 
         b"\x0a\x05\xff\xff\xff\xff\xff" + DATA_FIELD,  # meta that is not a message
         b"\x0f" + DATA,  # a field with wire type 7
     ],
+    ids=["cut payload", "endless varint", "meta not a message", "wire type 7"],
 )
 def test_damaged_frames_are_refused_as_protobuf_refuses_them(wire: bytes) -> None:
     with pytest.raises(DecodeError):

@@ -327,7 +327,9 @@ def test_a_tls_cluster_s_payload_calls_share_kept_connections(tmp_path: Path) ->
         }
         with Gateway(GatewayConfig(data_dir=str(tmp_path / "gw"), source="kept", **base)) as gw:
             ids = [gw.send(os.urandom(50_000 + n), image=TEST_IMAGE, timeout=60) for n in range(5)]
-        assert e.engine.lane.calls == 5 and e.engine.lane.accepted == 1
+        # One connection for the five calls; on a loaded machine a second one at most (a send that
+        # began before the last call's connection was back, or a kept one found closed): never one a call.
+        assert e.engine.lane.calls == 5 and e.engine.lane.accepted <= 2
         with Gateway(GatewayConfig(data_dir=str(tmp_path / "gwq"), source="keptq", force_queue=True, **base)) as gw:
             ids += [gw.send(os.urandom(50_000 + n), image=TEST_IMAGE, timeout=60) for n in range(5)]
         wait_for(lambda: set(ids) <= set(repo.records()), timeout=60, what="every tuple stored")
