@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from hio.transport.net import wait_healthy
 from tests.ansible.helpers import (
     REPO,
     base_python,
+    build_wheel,
     local_vars,
     read_unit,
     recap,
@@ -31,31 +30,6 @@ from tests.ansible.helpers import (
 )
 
 pytestmark = pytest.mark.slow
-
-# What a clean copy of the checkout needs to build the wheel (a stale build/
-# in the working tree must not leak into it).
-WHEEL_SOURCES = ("pyproject.toml", "README.md", "hio", "proto", "master", "worker", "gateway", "repository", "kd")
-
-
-def build_wheel(dest: Path) -> Path:
-    """``pip wheel --no-deps`` of a clean copy of the checkout, as an operator would."""
-    src = dest / "src"
-    src.mkdir(parents=True)
-    for name in WHEEL_SOURCES:
-        path = REPO / name
-        if path.is_dir():
-            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        elif path.exists():
-            shutil.copy2(path, src / name)
-    dist = dest / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w", str(dist)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return next(dist.glob("harmonicio-*.whl"))
-
 
 def start_from_unit(unit_path: Path, log: Path) -> subprocess.Popen[bytes]:
     """Run the unit's ExecStart with its Environment= lines, as systemd would (and so that it
