@@ -10,7 +10,7 @@ PROTOS  := $(wildcard proto/hio/proto/*.proto)
 GEN     := $(PROTOS:.proto=_pb2.py)
 PYTEST_ARGS ?=
 
-.PHONY: setup proto run lint test test-quick topology images docker bench bench-kd soak clean
+.PHONY: setup proto run lint test test-quick topology images docker bench bench-kd bench-scale soak clean
 
 setup: $(VENV)/.installed proto
 
@@ -72,11 +72,19 @@ images: setup
 docker: setup
 	bash .ci/setup-docker.sh
 
+# The full grid and the bursts as one run (resumed where it stopped; --fresh starts a new run);
+# regenerates docs/benchmarks.md and the README's performance section from its CSV.
 bench: setup
-	$(BIN)/hio bench
+	$(BIN)/hio bench --readme README.md
 
 bench-kd: setup
 	$(BIN)/hio bench-kd
+
+# The master's routes/s by channels, the repository's restart and index by records, KD's interval
+# by records stored: CSVs, plots and docs/benchmarks/scale.md (benchmarks/scale.py). The 10 M
+# record stores take minutes to fill; they are kept under var/bench-scale for later runs.
+bench-scale: setup
+	$(BIN)/hio bench-scale
 
 # Hours of steady load in minutes, checking memory, files and threads stay flat (benchmarks/soak.py).
 soak: setup

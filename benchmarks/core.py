@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import time
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from benchmarks.measure import loopback_bandwidth
 from hio.config import ConfigError, setting
@@ -60,6 +60,9 @@ class CoreBenchConfig(ClusterSettings):
         unknown = sorted(set(self.modes) - {"direct", "queue"})
         if unknown:
             raise ConfigError(f"modes must be direct or queue, got {', '.join(unknown)}")
+
+
+Secured = TypeVar("Secured", bound=ClusterSettings)
 
 
 def _parse_size(text: str) -> int:
@@ -242,9 +245,10 @@ def scrape_loop(
             slowest.value = max(slowest.value, time.perf_counter() - started)
 
 
-def secured(config: CoreBenchConfig, data_dir: Path) -> tuple[CoreBenchConfig, list[str]]:
+def secured(config: Secured, data_dir: Path) -> tuple[Secured, list[str]]:
     """``--secure``: the config with a certificate and a token for every role (one pair, as
-    `hio certs` writes them), and the servers' extra flag for mutual TLS."""
+    `hio certs` writes them), and the servers' extra flag for mutual TLS (also `hio bench`'s
+    hio-secure system)."""
     from hio.transport.certs import generate
 
     paths = generate(data_dir / "certs", ("cluster",), ("127.0.0.1", "localhost"))

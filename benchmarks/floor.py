@@ -51,7 +51,7 @@ class FloorConfig:
         None, "'memory' (no spool) and/or 'spool' (durable, as the gateway's)", factory=lambda: PATHS
     )
     data_dir: str = setting("./var", "folder for the spool segments (a subfolder bench-floor is used)")
-    disk_probe: str = setting("512M", "bytes to write and fsync there first, to measure the disk (0: skip)")
+    disk_probe: str = setting("512M", "bytes to write and fdatasync there first, to measure the disk (0: skip)")
     log_level: str = setting("warning", "log level")
     log_json: bool = setting(False, "log as JSON")
 
@@ -162,8 +162,8 @@ def _fresh_spool(root: Path) -> Spool:
 
 
 def disk_write_bandwidth(root: Path, total: int, block: int = 4 * 1024 * 1024) -> float:
-    """Bytes/s written to ``root``'s file system and fsynced: a durable spool's
-    other ceiling, which the loopback bound leaves out."""
+    """Bytes/s written to ``root``'s file system and made durable with ``fdatasync``: a durable
+    spool's other ceiling, which the loopback bound leaves out (also `hio bench`'s bursts' bound)."""
     target = root / "disk-probe"
     data = os.urandom(block)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -171,7 +171,7 @@ def disk_write_bandwidth(root: Path, total: int, block: int = 4 * 1024 * 1024) -
         start = time.monotonic()
         for done in range(0, total, block):
             write_all(fd, memoryview(data)[: min(block, total - done)])
-        os.fsync(fd)
+        os.fdatasync(fd)
         return total / (time.monotonic() - start)
     finally:
         os.close(fd)
@@ -185,7 +185,7 @@ def run_floor(config: FloorConfig) -> int:
     probe = scaled(config.disk_probe)
     disk = f"{disk_write_bandwidth(root, probe) / 1e6:,.0f} MB/s" if probe else "not measured"
     print(
-        f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; disk, written and fsynced: {disk}; "
+        f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; disk, written and fdatasynced: {disk}; "
         f"{os.cpu_count()} cores; {config.streams} streams",
         flush=True,
     )

@@ -1,31 +1,59 @@
-"""`hio bench`: maximum sustained frequency against Spark Structured Streaming.
+"""`hio bench`: maximum sustained frequency against Spark Structured Streaming and a durable broker.
 
 Over a grid of message size x CPU cost per message (the paper's: 100 B .. 10 MB
-x 0 .. 1 s), for each system of :mod:`benchmarks.systems` (this system direct
-and forced through the queue; Spark with the file and the socket source), find
-the highest rate the system sustains: ramp up, then bisect until the bracket
-is within ``tolerance``. A step at rate r sends ``N`` messages paced at r
-(lasting at least three of the system's latencies) and passes only if
+x 0 .. 1 s), for each system of :mod:`benchmarks.systems` (this system direct,
+forced through the queue and with TLS and tokens on every hop; Spark with the
+file and the socket source; RabbitMQ), find the highest rate the system
+sustains. One run measures every system's row of a cell, interleaved per cell
+(all systems at cell A, then all at cell B, ...), so the rows of a cell share
+the machine's state; each system is started for its point and stopped after it.
 
-* the source kept the pace (finished sending within 5% of N/r),
-* at least 95% of the messages were finished within a grace after the last
-  send (``grace_seconds`` or twice the latency seen, plus 2 x the CPU cost),
-* the backlog (sent - finished) did not grow once the pipeline was full (the
-  last two thirds of the step, later if latency is long; least-squares slope;
-  a growth above 5% of N or 2 x slots fails), and
-* no errors were reported.
+A system's point:
 
-Each system, once started, first runs one short warm-up step that is not
-recorded (JIT, Python workers, connections), so its first point is not the
-only one that pays for start-up.
+1. **Probe.** A few messages sent at once (the first step of a freshly started
+   system also warms it: JIT, Python workers, connections); the rate they
+   finished at is where the search starts (at most ``start_fraction`` of the
+   bound), so every system starts from its own measure in every cell, never
+   from another cell's result.
+2. **Machine state.** Right before the search: the CPU slots the machine gives
+   (:class:`CpuProbe`) and the loopback bandwidth (one TCP stream).
+3. **Search.** Ramp up, then bisect until the bracket is within ``tolerance``.
+   A step at rate r sends ``N`` messages paced at r (lasting at least three of
+   the system's latencies) and passes only if
 
-Each result is printed beside the bound ``min(loopback bandwidth / size,
-slots / cost)`` (bandwidth measured at the start of the run). For the latency
-sizes (1 MB and 10 MB), p50/p99 from accepted to stored is measured at half
-the maximum. Results go to a CSV as each point finishes, each row with when it
-finished, the commit it measured and the machine it ran on; a later run resumes
-after the last finished point. At the end the command regenerates
-``docs/benchmarks.md`` with tables and plots (:mod:`benchmarks.report`).
+   * the source kept the pace (finished sending within 5% of N/r),
+   * at least 95% of the messages were finished within a grace after the last
+     send (``grace_seconds`` or twice the latency seen, plus 2 x the CPU cost),
+   * the backlog (sent - finished) did not grow once the pipeline was full (the
+     last two thirds of the step, later if latency is long; least-squares slope;
+     a growth above 5% of N or 2 x slots fails), and
+   * no errors were reported.
+
+   The point's rate is the **achieved** rate of its highest passing step
+   (finished messages per second at the sink, :func:`achieved_rate`), recorded
+   beside that step's target.
+4. **Latency.** For the latency sizes (1 MB and 10 MB), p50/p99 from accepted
+   (sent) to finished at half the achieved maximum. Finished means the
+   features are durably stored (:data:`benchmarks.systems.ABOUT`).
+
+After every system's point of a cell, the cell's machine state is compared: a
+cell whose CPU slots or loopback differ by more than ``agreement`` between its
+systems is run again, up to ``cell_attempts`` times; the report publishes only
+a cell that agreed and says which never did.
+
+Then the **burst** rows, the way an instrument dumps a plate: ``burst_bytes``
+of 1 MB and of 10 MB messages submitted at once, through the library and
+through a watched folder (where the system has one), timed until all are
+stored, beside the disk's write bandwidth measured with ``fdatasync`` first.
+
+Results go to one CSV per run (``run`` column: the run's id) as each point
+finishes, each row with when it finished, the commit it measured and the
+machine; a later invocation resumes the same run after its last finished
+point; ``--fresh`` starts a new run and a new CSV. At the end the command
+regenerates ``docs/benchmarks.md`` (:mod:`benchmarks.report`) and the
+README's performance section from that CSV alone. Everything the run started
+(roles, Spark, the broker) is stopped and what it wrote is removed, also when
+it fails.
 """
 
 from __future__ import annotations
@@ -35,10 +63,11 @@ import dataclasses
 import logging
 import math
 import os
+import shutil
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from benchmarks.report import cost_label, size_label
@@ -54,32 +83,41 @@ QUICK_SIZES = ("100", "1M")
 QUICK_COSTS = ("0", "100ms")
 
 RESULT_FIELDS = (
+    "run",
+    "attempt",
     "system",
     "size",
     "cost_ms",
     "max_rate",
+    "target_rate",
     "bound",
     "fraction",
+    "cpu_slots",
     "loopback_mb_s",
+    "probe_rate",
     "steps",
     "seconds",
+    "failure",
     "first_fail_rate",
     "first_fail_reason",
     "latency_rate",
     "p50_ms",
     "p99_ms",
     "load_avg",
-    "cpu_slots",
-    "finished_at",
     "steal",
+    "finished_at",
     "commit",
     "machine",
 )
 STEP_FIELDS = (
+    "run",
+    "attempt",
     "system",
     "size",
     "cost_ms",
+    "kind",
     "rate",
+    "achieved_rate",
     "messages",
     "seconds",
     "sent_rate",
@@ -93,6 +131,24 @@ STEP_FIELDS = (
     "load_avg",
     "steal",
 )
+BURST_FIELDS = (
+    "run",
+    "system",
+    "size",
+    "path",
+    "messages",
+    "stored",
+    "seconds",
+    "mb_s",
+    "disk_mb_s",
+    "cpu_slots",
+    "loopback_mb_s",
+    "failure",
+    "finished_at",
+    "commit",
+    "machine",
+)
+BURST_PATHS = ("library", "folder")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +158,16 @@ class BenchConfig(ClusterSettings):
         (), "message sizes (decimal units: 100, 10K, 1M); empty = the grid's", factory=tuple
     )
     costs: tuple[str, ...] = setting((), "CPU cost per message (0, 10ms, 1s); empty = the grid's", factory=tuple)
-    systems: tuple[str, ...] = setting(
-        None, "systems to measure", factory=lambda: ("hio-direct", "hio-queue", "spark-file", "spark-socket")
-    )
+    systems: tuple[str, ...] = setting(None, "systems to measure", factory=lambda: SYSTEMS)
     out_dir: str = setting("docs", "where benchmarks.md goes; plots and CSVs under OUT_DIR/benchmarks/")
     results_name: str = setting(
         "", "CSV file name under OUT_DIR/benchmarks/; empty = results-full.csv or results-quick.csv"
     )
-    fresh: bool = setting(False, "ignore earlier results in the CSV instead of resuming after them")
-    report: bool = setting(True, "regenerate OUT_DIR/benchmarks.md and the plots at the end")
+    readme: str = setting(
+        "", "README whose performance section is regenerated from the results (`make bench`: README.md)"
+    )
+    fresh: bool = setting(False, "start a new run (a new CSV) instead of resuming the run in the CSV")
+    report: bool = setting(True, "regenerate OUT_DIR/benchmarks.md, the plots and the README's section at the end")
     min_step_seconds: float = setting(0.0, "shortest step (0 = 4 s, quick grid 3 s)")
     max_step_seconds: float = setting(0.0, "longest step (0 = 10 s, quick grid 6 s)")
     min_step_messages: int = setting(20, "messages a step sends at least (unless that exceeds the longest step)")
@@ -122,8 +179,9 @@ class BenchConfig(ClusterSettings):
     )
     tolerance: float = setting(0.05, "bisect until (high - low) / high is at most this")
     max_steps: int = setting(12, "steps per grid point at most")
-    start_rate: float = setting(100.0, "first rate (/s) of a point without a better guess")
-    start_fraction: float = setting(0.9, "first rate as a fraction of the bound, where the bound is finite")
+    probe_messages: int = setting(20, "messages of a point's probe at most (sent at once; the search starts there)")
+    probe_bytes: str = setting("200M", "bytes of a point's probe at most")
+    start_fraction: float = setting(0.9, "first rate at most this fraction of the bound, where the bound is finite")
     min_rate: float = setting(0.1, "below this rate (/s) a point is recorded as 0")
     max_rate: float = setting(200_000.0, "never try a rate above this (/s): the generator's own limit")
     latency_sizes: tuple[str, ...] = setting(
@@ -134,23 +192,38 @@ class BenchConfig(ClusterSettings):
     batch_tuples: int = setting(256, "gateway batch size in tuples (this system)")
     spark_conf: tuple[str, ...] = setting((), "extra Spark settings KEY=VALUE", factory=tuple)
     point_seconds: float = setting(300.0, "give up bisecting a point after this long (keep the best so far)")
+    agreement: float = setting(
+        0.15, "a cell is published only if its systems' CPU slots and loopback differ by at most this fraction"
+    )
+    cell_attempts: int = setting(3, "runs of a cell at most, until its machine state agrees")
+    loopback_seconds: float = setting(2.0, "time of each loopback measurement")
+    burst_sizes: tuple[str, ...] = setting(
+        None, "message sizes of the burst rows (empty: no burst rows)", factory=lambda: ("1M", "10M")
+    )
+    burst_bytes: str = setting("2G", "bytes of each burst (per size and path), submitted at once")
+    burst_paths: tuple[str, ...] = setting(None, "how a burst is submitted", factory=lambda: BURST_PATHS)
+    burst_seconds: float = setting(900.0, "a burst not stored within this long fails (timeout)")
+    disk_probe: str = setting("1G", "bytes written and fdatasynced to measure the disk before the bursts")
 
     def validate(self) -> None:
         self.validate_cluster()
         for name in self.systems:
             if name not in SYSTEMS:
                 raise ConfigError(f"systems: unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
-        for text in self.grid_sizes() + tuple(self.latency_sizes):
+        for text in self.grid_sizes() + tuple(self.latency_sizes) + tuple(self.burst_sizes):
             if parse_size(text) < 64:
                 raise ConfigError(f"sizes: {text!r} is below 64 bytes (the message header needs 48)")
         for text in self.grid_costs():
             parse_cost(text)
+        for path in self.burst_paths:
+            if path not in BURST_PATHS:
+                raise ConfigError(f"burst_paths: unknown path {path!r}; choose from {', '.join(BURST_PATHS)}")
         for name in (
             "min_step_messages",
             "drain_seconds",
             "tolerance",
             "max_steps",
-            "start_rate",
+            "probe_messages",
             "min_rate",
             "max_rate",
             "latency_messages",
@@ -158,8 +231,15 @@ class BenchConfig(ClusterSettings):
             "batch_tuples",
             "point_seconds",
             "start_fraction",
+            "cell_attempts",
+            "loopback_seconds",
+            "burst_seconds",
+            "agreement",
         ):
             positive(name, getattr(self, name))
+        for name in ("probe_bytes", "burst_bytes", "disk_probe"):
+            if parse_size(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be a positive size (examples: 200M, 2G), got {getattr(self, name)!r}")
         if self.min_step_seconds < 0 or self.max_step_seconds < 0 or self.grace_seconds < 0:
             raise ConfigError("min_step_seconds, max_step_seconds and grace_seconds must not be negative")
         if not 0 < self.tolerance < 1:
@@ -223,7 +303,7 @@ def bound_rate(size: int, cost_s: float, bandwidth: float, slots: int) -> float:
 
 @dataclasses.dataclass
 class StepResult:
-    rate: float
+    rate: float  # the target
     messages: int
     seconds: float
     sent_rate: float
@@ -232,6 +312,7 @@ class StepResult:
     passed: bool
     reason: str
     latencies: list[float]
+    achieved_rate: float = 0.0  # finished messages per second at the sink (:func:`achieved_rate`)
 
     def percentile(self, q: float) -> float:
         return percentile(self.latencies, q)
@@ -248,6 +329,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+def achieved_rate(done: list[float], first_sent: float) -> float:
+    """Finished messages per second over the measured window: those finished after the first
+    finish, over the time from the first finish to the last. Counting from the first finish,
+    not the first send, leaves one latency out of the window; leaving out the messages of the
+    first finish (a micro-batch finishes many at once) keeps a batching system from being
+    credited with the batch it had to wait for. With a single finish time: all over the time
+    from the first send."""
+    if not done:
+        return 0.0
+    first, last = min(done), max(done)
+    if last - first <= 1e-6:
+        return len(done) / max(last - first_sent, 1e-6)
+    return sum(1 for t in done if t > first) / (last - first)
+
+
 def slope(points: list[tuple[float, float]]) -> float:
     """Least-squares slope of (t, y); 0 for fewer than two distinct times."""
     if len(points) < 2:
@@ -258,6 +354,24 @@ def slope(points: list[tuple[float, float]]) -> float:
     if var == 0:
         return 0.0
     return sum((t - mean_t) * (y - mean_y) for t, y in points) / var
+
+
+@dataclasses.dataclass
+class Burst:
+    """``count`` messages sent at once: how many finished, when sending ended, when the last did."""
+
+    count: int
+    finished: int
+    send_seconds: float
+    seconds: float  # from the first send until all finished (or until the timeout)
+    errors: list[str]
+    done_unix: list[float]
+    started_unix: float = 0.0
+
+    @property
+    def achieved_rate(self) -> float:
+        """Its messages finished per second (:func:`achieved_rate`, from the first send)."""
+        return achieved_rate(self.done_unix, self.started_unix)
 
 
 class StepRunner:
@@ -301,17 +415,35 @@ class StepRunner:
         sampler.join()
         grace = max(self.config.grace_seconds, 2 * self.latency_hint) + 2 * self.cost_s
         deadline_unix = time.time() + grace
-        self._wait_finished(base, count, time.monotonic() + grace)
+        self.wait_finished(base, count, time.monotonic() + grace)
         finished = self.system.finished(tag)
         in_time = [f for f in finished if f.done_unix <= deadline_unix]
         errors = self.system.errors()[errors_before:] + send_errors
         growth = self._growth(samples, t0, send_end)
         result = self._judge(rate, count, send_end - t0, len(in_time), growth, errors)
         result.latencies = [f.done_unix - f.sent_unix for f in finished]
+        first_sent = min((f.sent_unix for f in in_time), default=0.0)
+        result.achieved_rate = achieved_rate([f.done_unix for f in in_time], first_sent)
         if result.passed and result.latencies:  # an overloaded step's latency is queueing, not the system's
             self.latency_hint = result.percentile(0.5)
         self._drain(base, count)
         return result
+
+    def burst(self, count: int, timeout: float) -> Burst:
+        """Send ``count`` messages at once (as fast as the source takes them); wait until all
+        are finished or ``timeout`` passes."""
+        self.counter += 1
+        tag = f"{self.prefix}b{self.counter}"
+        errors_before = len(self.system.errors())
+        base = self.system.finished_count()
+        started, started_unix = time.monotonic(), time.time()
+        send_errors = self._pace(tag, math.inf, count, started, [0])
+        sent = time.monotonic() - started
+        finished = self.wait_finished(base, count, started + timeout)
+        seconds = time.monotonic() - started
+        errors = self.system.errors()[errors_before:] + send_errors
+        done = [f.done_unix for f in self.system.finished(tag)]
+        return Burst(count, finished, sent, seconds, errors[:5], done, started_unix)
 
     def _pace(self, tag: str, rate: float, count: int, t0: float, sent: list[int]) -> list[str]:
         """Send ``count`` messages, message i at t0 + i/rate, from the system's sender threads."""
@@ -326,7 +458,7 @@ class StepRunner:
                     if i >= count:
                         return
                     next_index[0] += 1
-                wait = t0 + i / rate - time.monotonic()
+                wait = t0 + i / rate - time.monotonic()  # rate inf: no wait
                 if wait > 0:
                     time.sleep(wait)
                 try:
@@ -374,18 +506,20 @@ class StepRunner:
             reason = f"only {in_time}/{count} finished in time ({in_time / count:.0%})"
         elif growth > allowed_growth:
             reason = f"backlog grew by {growth:.0f} messages"
-        return StepResult(rate, count, send_seconds, sent_rate, in_time, growth, not reason, reason, [])
+        return StepResult(rate, count, send_seconds, sent_rate, in_time, growth, not reason, reason, [], 0.0)
 
-    def _wait_finished(self, base: int, count: int, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.system.finished_count() - base >= count:
-                return
+    def wait_finished(self, base: int, count: int, deadline: float) -> int:
+        """Wait until ``count`` more messages are finished, or until ``deadline``; how many are."""
+        while True:
+            finished = self.system.finished_count() - base
+            if finished >= count or time.monotonic() >= deadline:
+                return finished
             time.sleep(0.05)
 
     def _drain(self, base: int, count: int) -> None:
         """Let the step's leftovers finish; reset the system if they do not in time."""
         deadline = time.monotonic() + max(self.config.drain_seconds, 0.0)
-        self._wait_finished(base, count, deadline)
+        self.wait_finished(base, count, deadline)
         if self.system.finished_count() - base < count:
             log.warning("backlog did not drain; resetting", extra={"system": self.system.name})
             self.system.reset()
@@ -396,9 +530,10 @@ class StepRunner:
 
 @dataclasses.dataclass
 class PointResult:
-    max_rate: float
+    max_rate: float  # the target rate of the highest passing step (0: none passed)
     steps: list[StepResult]
     first_fail: StepResult | None
+    best: StepResult | None = None  # the highest passing step
 
 
 def find_max(
@@ -417,13 +552,15 @@ def find_max(
     steps: list[StepResult] = []
     low, high = 0.0, math.inf
     first_fail: StepResult | None = None
+    best: StepResult | None = None
 
     def step(rate: float) -> bool:
-        nonlocal low, high, first_fail
+        nonlocal low, high, first_fail, best
         result = run_step(rate)
         steps.append(result)
         if result.passed:
-            low = max(low, rate)
+            if rate >= low:
+                low, best = rate, result
         else:
             high = min(high, rate)
             first_fail = first_fail or result
@@ -432,25 +569,45 @@ def find_max(
     def budget() -> bool:
         return not steps or (len(steps) < max_steps and time.monotonic() < deadline)
 
+    def done() -> PointResult:
+        return PointResult(low, steps, first_fail, best)
+
     rate = min(start, cap)
     while budget():
         if not step(rate):
             break
         if rate >= cap:
-            return PointResult(low, steps, first_fail)
+            return done()
         rate = min(cap, rate * (4 if rate * 16 < cap else 2))
     while low == 0 and budget() and high / 2 >= min_rate:
         step(high / 2)
     while low > 0 and high < math.inf and (high - low) > tolerance * high and budget():
         step((low + high) / 2)
-    return PointResult(low, steps, first_fail)
+    return done()
+
+
+def failure_of(reason: str, rate: float) -> str:
+    """Why a system failed a cell, in a word the report can group by, with the rate and the detail."""
+    lowered = reason.lower()
+    if "outofmemoryerror" in lowered or "java heap" in lowered:
+        kind = "Java heap exhausted"
+    elif "finished in time" in lowered or "timeout" in lowered or "timed out" in lowered:
+        kind = "timeout"
+    elif "error" in lowered or "exception" in lowered:
+        kind = "errors"
+    elif "backlog grew" in lowered:
+        kind = "backlog grew"
+    elif "source below" in lowered:
+        kind = "source below target rate"
+    else:
+        kind = "failed"
+    at = f" at {rate:.4g}/s" if rate > 0 and math.isfinite(rate) else ""
+    return f"{kind}{at}: {' '.join(reason.split())[:240]}"
 
 
 # -- the run --------------------------------------------------------------------------
 
-WARM_UP_RATE = 20.0  # messages/s of the warm-up step (at most)
-WARM_UP_BYTES_PER_SECOND = 50e6  # ...and at most this many bytes/s, for large messages
-WARM_UP_MESSAGES = 20
+WARM_UP_MESSAGES = 4  # sent at once to a freshly started system before its bursts (not recorded)
 
 
 def load_avg() -> float:
@@ -516,20 +673,18 @@ class CpuProbe:
         self._pool.join()
 
 
-def read_done(path: Path) -> dict[tuple[str, int, float], dict[str, str]]:
-    """Finished points of an earlier run, by (system, size, cost_ms)."""
+def read_csv(path: Path) -> list[dict[str, str]]:
+    """Every row of a results file, as written (no row: an empty list)."""
     if not path.exists():
-        return {}
+        return []
     with open(path, newline="") as fh:
-        return {(row["system"], int(row["size"]), float(row["cost_ms"])): row for row in csv.DictReader(fh)}
+        return list(csv.DictReader(fh))
 
 
-def append_row(path: Path, fields: Iterable[str], row: dict[str, object]) -> None:
+def append_row(path: Path, fields: Iterable[str], row: Mapping[str, object]) -> None:
     """Append one row (header first if the file is new), flushed to disk at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
-    if not new:
-        _upgrade_header(path, list(fields))
     with open(path, "a", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(fields))
         if new:
@@ -539,199 +694,333 @@ def append_row(path: Path, fields: Iterable[str], row: dict[str, object]) -> Non
         os.fsync(fh.fileno())
 
 
-def _upgrade_header(path: Path, fields: list[str]) -> None:
-    """A CSV from an older version with other columns: rewrite it with ``fields`` (atomically)."""
-    with open(path, newline="") as fh:
-        reader = csv.DictReader(fh)
-        if reader.fieldnames == fields:
-            return
-        rows = list(reader)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
-
-
 def _fmt(value: float | None) -> str:
     return "" if value is None or math.isnan(value) else f"{value:.6g}"
 
 
+def _cost_key(cost_s: float) -> str:
+    return _fmt(cost_s * 1000)
+
+
 class BenchRun:
-    """One `hio bench` invocation: the grid, the systems, the CSVs."""
+    """One run of `hio bench`: the cells, interleaved systems, the bursts, the CSVs."""
 
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
         self.results = config.results_path()
         self.steps_path = self.results.with_name(self.results.stem + "-steps.csv")
-        self.work = Path(config.data_dir).expanduser().resolve() / "bench"
+        self.burst_path = self.results.with_name(self.results.stem + "-burst.csv")
+        self.work = Path(config.data_dir).expanduser().resolve() / "bench" / f"run-{os.getpid()}"
         self.sizes = [parse_size(s) for s in config.grid_sizes()]
         self.costs = [parse_cost(c) for c in config.grid_costs()]
         self.latency_sizes = {parse_size(s) for s in config.latency_sizes}
-        self.bandwidth = 0.0
+        self.run_id = ""
         self.points = 0
         self.probe: CpuProbe | None = None
         self.commit = ""
         self.machine = ""
 
+    # -- the run as a whole
     def run(self) -> int:
-        from benchmarks.measure import loopback_bandwidth, machine_description, source_commit
-
         if self.config.fresh:
-            for path in (self.results, self.steps_path):
+            for path in (self.results, self.steps_path, self.burst_path):
                 path.unlink(missing_ok=True)
-        done = read_done(self.results)
-        pending = {
-            name: [(size, cost) for cost in self.costs for size in self.sizes if (name, size, cost * 1000) not in done]
+        rows = read_csv(self.results)
+        bursts = read_csv(self.burst_path)
+        self.run_id = self._run_id(rows + bursts)
+        cells = [(size, cost) for cost in self.costs for size in self.sizes]
+        pending = [cell for cell in cells if not self._cell_done(cell, rows)]
+        burst_sizes = [parse_size(s) for s in self.config.burst_sizes]
+        burst_todo = [
+            (size, name)
+            for size in burst_sizes
             for name in self.config.systems
-        }
-        if any(pending.values()):
-            self.commit, self.machine = source_commit(), machine_description()
-            self.bandwidth = loopback_bandwidth(seconds=2.0)
-            print(
-                f"hio bench: loopback {self.bandwidth / 1e6:,.0f} MB/s; {os.cpu_count()} cores; "
-                f"load {load_avg():.1f}; results {self.results}",
-                flush=True,
+            if not all(
+                (name, str(size), path) in {(b["system"], b["size"], b["path"]) for b in bursts}
+                for path in self.config.burst_paths
             )
-        self.probe = CpuProbe() if any(pending.values()) else None
+        ]
+        print(
+            f"hio bench: run {self.run_id}; {len(cells) - len(pending)} of {len(cells)} cells done earlier; "
+            f"systems {', '.join(self.config.systems)}; results {self.results}",
+            flush=True,
+        )
         try:
-            for name, todo in pending.items():
-                if not todo:
-                    print(f"hio bench: {name}: all {len(self.sizes) * len(self.costs)} points done earlier")
-                    continue
-                self._run_system(name, todo, done)
+            if pending or burst_todo:
+                from benchmarks.measure import machine_description, source_commit
+
+                self.commit, self.machine = source_commit(), machine_description()
+                self.probe = CpuProbe()
+                print(f"hio bench: {os.cpu_count()} cores; load {load_avg():.1f}; {self.machine}", flush=True)
+            for cell in pending:
+                self._run_cell(*cell, rows)
+            if burst_todo:
+                self._run_bursts(burst_todo, bursts)
         finally:
             if self.probe is not None:
                 self.probe.close()
+            shutil.rmtree(self.work, ignore_errors=True)
         if self.config.report:
-            from benchmarks.report import write_report
+            from benchmarks.report import write_readme, write_report
 
             doc = write_report(self.results, Path(self.config.out_dir), self.config)
             print(f"hio bench: wrote {doc}")
+            if self.config.readme:
+                write_readme(Path(self.config.readme), self.results)
+                print(f"hio bench: wrote the performance section of {self.config.readme}")
         return 0
 
-    def _run_system(
-        self, name: str, todo: list[tuple[int, float]], done: dict[tuple[str, int, float], dict[str, str]]
-    ) -> None:
+    def _run_id(self, rows: list[dict[str, str]]) -> str:
+        """The run the CSVs hold (resumed), or a new one; a CSV of no identified run is refused."""
+        ids = {row.get("run") or "" for row in rows}
+        if "" in ids:
+            raise ConfigError(
+                f"{self.results} holds results of no identified run (an older format); start a new run with --fresh"
+            )
+        if len(ids) > 1:
+            raise ConfigError(f"{self.results} mixes runs {', '.join(sorted(ids))}; start a new run with --fresh")
+        return ids.pop() if ids else time.strftime("%Y%m%dT%H%M%S")
+
+    def _attempts(self, size: int, cost: float, rows: list[dict[str, str]]) -> dict[int, set[str]]:
+        """The cell's attempts so far: attempt -> the systems measured in it."""
+        attempts: dict[int, set[str]] = {}
+        for row in rows:
+            if row["size"] == str(size) and row["cost_ms"] == _cost_key(cost):
+                attempts.setdefault(int(row["attempt"]), set()).add(row["system"])
+        return attempts
+
+    def _cell_done(self, cell: tuple[int, float], rows: list[dict[str, str]]) -> bool:
+        """Done: an attempt with every system agreed, or every attempt is used."""
+        from benchmarks.report import machine_spread
+
+        size, cost = cell
+        wanted = set(self.config.systems)
+        complete = [n for n, systems in self._attempts(size, cost, rows).items() if wanted <= systems]
+        for n in complete:
+            same = [
+                r for r in rows if r["size"] == str(size) and r["cost_ms"] == _cost_key(cost) and int(r["attempt"]) == n
+            ]
+            if max(machine_spread(same)) <= self.config.agreement:
+                return True
+        return len(complete) >= self.config.cell_attempts
+
+    # -- one cell, every system
+    def _run_cell(self, size: int, cost: float, rows: list[dict[str, str]]) -> None:
+        from benchmarks.report import machine_spread
+
+        label = f"{size_label(size)} x {cost_label(cost * 1000)}"
+        attempts = self._attempts(size, cost, rows)
+        wanted = list(self.config.systems)
+        attempt = max(attempts, default=1)
+        if attempt in attempts and set(wanted) <= attempts[attempt]:
+            attempt += 1
+        while True:
+            done = attempts.get(attempt, set())
+            for name in wanted:
+                if name not in done:
+                    rows.append(self._point(name, size, cost, attempt))
+            same = [
+                r
+                for r in rows
+                if r["size"] == str(size) and r["cost_ms"] == _cost_key(cost) and int(r["attempt"]) == attempt
+            ]
+            slots, loopback = machine_spread(same)
+            if max(slots, loopback) <= self.config.agreement:
+                print(
+                    f"hio bench: {label}: machine state agreed (CPU slots {slots:.0%}, loopback {loopback:.0%} apart)"
+                )
+                return
+            if attempt >= self.config.cell_attempts:
+                print(
+                    f"hio bench: {label}: machine state never agreed in {attempt} attempts (CPU slots {slots:.0%}, "
+                    f"loopback {loopback:.0%} apart); the report leaves the cell out",
+                    flush=True,
+                )
+                return
+            print(
+                f"hio bench: {label}: machine state differed (CPU slots {slots:.0%}, loopback {loopback:.0%} apart, "
+                f"more than {self.config.agreement:.0%}); measuring the cell again",
+                flush=True,
+            )
+            attempt += 1
+
+    def _start(self, name: str, size: int, cost: float, where: str) -> System:
         system = make_system(
             name,
-            self.work / f"{name}-{os.getpid()}-{int(time.time())}",
+            self.work / where,
             chunk_bytes=self.config.chunk_bytes,
             streams=self.config.streams,
             batch_tuples=self.config.batch_tuples,
             spark_conf=self.config.spark_conf,
         )
-        started = time.monotonic()
-        print(f"hio bench: starting {name}", flush=True)
-        system.start()
-        print(f"hio bench: {name} up in {time.monotonic() - started:.1f}s", flush=True)
         try:
-            self._warm_up(system, todo[0][0])
-            for size, cost in todo:
-                row = self._run_point(system, size, cost, done)
-                done[(name, size, cost * 1000)] = {k: str(v) for k, v in row.items()}
-        finally:
-            system.stop()
+            system.start()
+            system.begin_point(size, cost)
+        except BaseException:
+            self._stop(system, where)
+            raise
+        return system
 
-    def _warm_up(self, system: System, size: int) -> None:
-        """A short step that is not recorded, so the first point does not pay for start-up
-        (the JVM's JIT, Python workers, connections) that no later point pays for."""
-        rate = min(WARM_UP_RATE, WARM_UP_BYTES_PER_SECOND / size)
-        system.begin_point(size, 0.0)
+    def _stop(self, system: System, where: str) -> None:
+        """End the point and stop the system, whatever fails; remove what it wrote."""
         try:
-            result = StepRunner(
-                system, MessageGenerator(size, text=system.text_payload), 0.0, self.config, prefix="warm"
-            ).run(rate, min_messages=WARM_UP_MESSAGES)
-        finally:
             system.end_point()
-        print(
-            f"hio bench: {system.name} warmed up ({result.finished}/{result.messages} messages at "
-            f"{rate:.3g}/s; not recorded)",
-            flush=True,
+        except Exception as exc:  # noqa: BLE001 - stopping goes on; the point's result is already taken
+            log.warning("ending the point failed", extra={"system": system.name, "error": str(exc)})
+        try:
+            system.stop()
+        finally:
+            shutil.rmtree(self.work / where, ignore_errors=True)
+
+    def _machine(self) -> tuple[float, float]:
+        """CPU slots the machine gives and loopback bytes/s, right now."""
+        from benchmarks.measure import loopback_bandwidth
+
+        slots = self.probe.slots() if self.probe is not None else math.nan
+        return slots, loopback_bandwidth(seconds=self.config.loopback_seconds)
+
+    # -- one system's point
+    def _point(self, name: str, size: int, cost: float, attempt: int) -> dict[str, str]:
+        config = self.config
+        self.points += 1
+        where = f"{name}-p{self.points}"
+        started = time.monotonic()
+        failure, probe_rate, slots, loopback, steal = "", math.nan, math.nan, math.nan, math.nan
+        point: PointResult | None = None
+        latency: StepResult | None = None
+        print(f"hio bench: {name}: {size_label(size)} x {cost_label(cost * 1000)} (attempt {attempt})", flush=True)
+        try:
+            system = self._start(name, size, cost, where)
+        except Exception as exc:  # noqa: BLE001 - a system that cannot start is that cell's result, not the run's end
+            failure = f"could not start: {' '.join(str(exc).split())[:300]}"
+        else:
+            try:
+                runner = StepRunner(
+                    system, MessageGenerator(size, text=system.text_payload), cost, config, prefix=f"p{self.points}"
+                )
+                probe = self._probe(runner, name, size, cost, attempt)
+                slots, loopback = self._machine()
+                if probe.finished < probe.count or probe.errors:
+                    reason = (
+                        probe.errors[0] if probe.errors else f"only {probe.finished}/{probe.count} finished in time"
+                    )
+                    failure = "probe: " + failure_of(reason, math.inf)
+                else:
+                    probe_rate = probe.achieved_rate
+                    point, latency, steal = self._search(runner, name, size, cost, attempt, probe_rate, loopback)
+                    if point.best is None:
+                        ff = point.first_fail
+                        failure = failure_of(ff.reason, ff.rate) if ff else "no step ran within the point's time"
+            except Exception as exc:  # noqa: BLE001 - a system that breaks is that cell's result; the run goes on
+                failure = f"errors: {' '.join(str(exc).split())[:300]}"
+            finally:
+                self._stop(system, where)
+        return self._record(
+            name, size, cost, attempt, started, failure, probe_rate, slots, loopback, steal, point, latency
         )
 
-    def _guess(self, name: str, size: int, cost: float, done: dict[tuple[str, int, float], dict[str, str]]) -> float:
-        """The best earlier result of this system at the same cost and a smaller size."""
-        smaller = [
-            float(row["max_rate"])
-            for (s, sz, c), row in done.items()
-            if s == name and c == cost * 1000 and sz < size and float(row["max_rate"] or 0) > 0
-        ]
-        return min(smaller) if smaller else 0.0
+    def _probe(self, runner: StepRunner, name: str, size: int, cost: float, attempt: int) -> Burst:
+        """A few messages at once: warms the fresh system and gives the search its start."""
+        count = max(2, min(self.config.probe_messages, parse_size(self.config.probe_bytes) // size))
+        if cost > 0:
+            count = max(2, min(count, math.ceil(4 * SLOTS / cost)))
+        timeout = self.config.grace_seconds * 4 + 2 * count * cost + 30
+        burst = runner.burst(count, timeout)
+        self._log_burst_step(name, size, cost, attempt, burst)
+        return burst
 
-    def _run_point(
-        self, system: System, size: int, cost: float, done: dict[tuple[str, int, float], dict[str, str]]
-    ) -> dict[str, object]:
+    def _search(
+        self, runner: StepRunner, name: str, size: int, cost: float, attempt: int, estimate: float, loopback: float
+    ) -> tuple[PointResult, StepResult | None, float]:
         config = self.config
-        bound = bound_rate(size, cost, self.bandwidth, SLOTS)
+        bound = bound_rate(size, cost, loopback, SLOTS)
         cap = min(bound, config.max_rate)
-        guess = self._guess(system.name, size, cost, done)
-        if cap < config.max_rate:  # a finite bound: start just under it
-            start = cap * config.start_fraction if not guess else min(cap * config.start_fraction, guess)
-        else:
-            start = guess or config.start_rate
-        cpu_slots = self.probe.slots() if self.probe is not None else math.nan
-        started = time.monotonic()
-        system.begin_point(size, cost)
-        begun = time.monotonic()  # a Spark query may take long to start on a loaded machine
-        try:
-            self.points += 1
-            runner = StepRunner(
-                system, MessageGenerator(size, text=system.text_payload), cost, config, prefix=f"p{self.points}"
-            )
+        start = max(config.min_rate, min(cap * config.start_fraction, estimate))
+        begun = time.monotonic()
 
-            def step(rate: float, **options: int) -> StepResult:
-                """One step, logged with the steal during it."""
-                before = cpu_ticks()
-                result = runner.run(rate, **options)
-                self._log_step(system.name, size, cost, result, steal_between(before, cpu_ticks()))
-                return result
-
-            point_ticks = cpu_ticks()
-            point = find_max(
-                step,
-                start,
-                cap,
-                tolerance=config.tolerance,
-                min_rate=config.min_rate,
-                max_steps=config.max_steps,
-                deadline=begun + config.point_seconds,
+        def step(rate: float, **options: int) -> StepResult:
+            """One step, logged with the steal during it."""
+            before = cpu_ticks()
+            result = runner.run(rate, **options)
+            self._log_step(
+                name,
+                size,
+                cost,
+                attempt,
+                "latency" if options else "search",
+                result,
+                steal_between(before, cpu_ticks()),
             )
-            steal = steal_between(point_ticks, cpu_ticks())
-            latency = None
-            if size in self.latency_sizes and point.max_rate > 0:
-                latency = step(point.max_rate / 2, min_messages=config.latency_messages)
-        finally:
-            system.end_point()
+            return result
+
+        ticks = cpu_ticks()
+        point = find_max(
+            step,
+            start,
+            cap,
+            tolerance=config.tolerance,
+            min_rate=config.min_rate,
+            max_steps=config.max_steps,
+            deadline=begun + config.point_seconds,
+        )
+        steal = steal_between(ticks, cpu_ticks())
+        latency = None
+        if size in self.latency_sizes and point.best is not None:
+            latency = step(point.best.achieved_rate / 2, min_messages=config.latency_messages)
+        return point, latency, steal
+
+    def _record(
+        self,
+        name: str,
+        size: int,
+        cost: float,
+        attempt: int,
+        started: float,
+        failure: str,
+        probe_rate: float,
+        slots: float,
+        loopback: float,
+        steal: float,
+        point: PointResult | None,
+        latency: StepResult | None,
+    ) -> dict[str, str]:
+        best = point.best if point is not None else None
+        first_fail = point.first_fail if point is not None else None
+        bound = bound_rate(size, cost, loopback, SLOTS) if not math.isnan(loopback) else math.nan
+        achieved = best.achieved_rate if best is not None else 0.0
         row = {
-            "system": system.name,
-            "size": size,
-            "cost_ms": _fmt(cost * 1000),
-            "max_rate": _fmt(point.max_rate),
+            "run": self.run_id,
+            "attempt": str(attempt),
+            "system": name,
+            "size": str(size),
+            "cost_ms": _cost_key(cost),
+            "max_rate": _fmt(achieved),
+            "target_rate": _fmt(best.rate) if best is not None else "",
             "bound": _fmt(bound),
-            "fraction": _fmt(point.max_rate / bound),
-            "loopback_mb_s": _fmt(self.bandwidth / 1e6),
-            "steps": len(point.steps),
+            "fraction": _fmt(achieved / bound) if bound and not math.isnan(bound) else "",
+            "cpu_slots": _fmt(slots),
+            "loopback_mb_s": _fmt(loopback / 1e6),
+            "probe_rate": _fmt(probe_rate),
+            "steps": str(len(point.steps) if point is not None else 0),
             "seconds": _fmt(time.monotonic() - started),
-            "first_fail_rate": _fmt(point.first_fail.rate) if point.first_fail else "",
-            "first_fail_reason": point.first_fail.reason if point.first_fail else "",
+            "failure": failure,
+            "first_fail_rate": _fmt(first_fail.rate) if first_fail else "",
+            "first_fail_reason": first_fail.reason if first_fail else "",
             "latency_rate": _fmt(latency.rate) if latency else "",
             "p50_ms": _fmt(latency.percentile(0.5) * 1000) if latency else "",
             "p99_ms": _fmt(latency.percentile(0.99) * 1000) if latency else "",
             "load_avg": _fmt(load_avg()),
-            "cpu_slots": _fmt(cpu_slots),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "steal": _fmt(steal),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "commit": self.commit,
             "machine": self.machine,
         }
         append_row(self.results, RESULT_FIELDS, row)
-        fail_note = f"; first fail: {point.first_fail.reason}" if point.first_fail else ""
+        target = f" (target {best.rate:.4g}/s)" if best is not None else ""
         print(
-            f"{system.name:>13} {size_label(size):>7} {cost_label(cost * 1000):>7}: "
-            f"{point.max_rate:>10.4g}/s  bound {bound:>10.4g}/s  {point.max_rate / bound:>6.1%}  "
-            f"(CPU slots {cpu_slots:.2f}; steal {steal:.0%}; {len(point.steps)} steps{fail_note})"
+            f"{name:>13} {size_label(size):>7} {cost_label(cost * 1000):>7}: {achieved:>10.4g}/s{target}  "
+            f"bound {bound:.4g}/s; CPU slots {slots:.2f}; loopback {loopback / 1e6:,.0f} MB/s; steal {steal:.0%}"
+            + (f"; FAILED: {failure}" if failure else "")
             + (
                 f"  p50 {latency.percentile(0.5) * 1000:.0f} ms p99 {latency.percentile(0.99) * 1000:.0f} ms"
                 if latency
@@ -741,15 +1030,126 @@ class BenchRun:
         )
         return row
 
-    def _log_step(self, name: str, size: int, cost: float, result: StepResult, steal: float) -> None:
+    # -- the bursts
+    def _run_bursts(self, todo: list[tuple[int, str]], done: list[dict[str, str]]) -> None:
+        from benchmarks.floor import disk_write_bandwidth
+
+        self.work.mkdir(parents=True, exist_ok=True)
+        disk = disk_write_bandwidth(self.work, parse_size(self.config.disk_probe))
+        print(f"hio bench: disk, written and fdatasynced: {disk / 1e6:,.0f} MB/s", flush=True)
+        for size, name in todo:
+            paths = [
+                p
+                for p in self.config.burst_paths
+                if (name, str(size), p) not in {(b["system"], b["size"], b["path"]) for b in done}
+            ]
+            self._burst(name, size, paths, disk)
+
+    def _burst(self, name: str, size: int, paths: list[str], disk: float) -> None:
+        count = math.ceil(parse_size(self.config.burst_bytes) / size)
+        self.points += 1
+        where = f"{name}-burst{self.points}"
+        results: dict[str, tuple[Burst | None, str]] = {}
+        slots = loopback = math.nan
+        try:
+            system = self._start(name, size, 0.0, where)
+        except Exception as exc:  # noqa: BLE001 - a system that cannot start is its rows' result
+            results = {path: (None, f"could not start: {' '.join(str(exc).split())[:300]}") for path in paths}
+        else:
+            try:
+                runner = StepRunner(
+                    system, MessageGenerator(size, text=system.text_payload), 0.0, self.config, prefix=f"b{self.points}"
+                )
+                runner.burst(WARM_UP_MESSAGES, self.config.burst_seconds)  # a fresh system warms first, unrecorded
+                slots, loopback = self._machine()
+                for path in paths:
+                    burst, failure = results[path] = self._one_burst(system, runner, path, count)
+                    if burst is not None and burst.finished < count:
+                        system.reset()  # what is left of a burst that failed must not count for the next
+            except Exception as exc:  # noqa: BLE001 - a system that breaks is its rows' result; the run goes on
+                for path in paths:
+                    results.setdefault(path, (None, f"errors: {' '.join(str(exc).split())[:300]}"))
+            finally:
+                self._stop(system, where)
+        for path in paths:
+            burst, failure = results[path]
+            stored = burst.finished if burst is not None else 0
+            seconds = burst.seconds if burst is not None else math.nan
+            row = {
+                "run": self.run_id,
+                "system": name,
+                "size": str(size),
+                "path": path,
+                "messages": str(count),
+                "stored": str(min(stored, count)),
+                "seconds": _fmt(seconds) if not failure else "",
+                "mb_s": _fmt(count * size / seconds / 1e6) if not failure else "",
+                "disk_mb_s": _fmt(disk / 1e6),
+                "cpu_slots": _fmt(slots),
+                "loopback_mb_s": _fmt(loopback / 1e6),
+                "failure": failure,
+                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "commit": self.commit,
+                "machine": self.machine,
+            }
+            append_row(self.burst_path, BURST_FIELDS, row)
+            print(
+                f"{name:>13} burst {count} x {size_label(size)} via {path}: "
+                + (f"FAILED: {failure}" if failure else f"{seconds:.1f} s, {count * size / seconds / 1e6:,.0f} MB/s")
+                + f" (disk {disk / 1e6:,.0f} MB/s)",
+                flush=True,
+            )
+
+    def _one_burst(self, system: System, runner: StepRunner, path: str, count: int) -> tuple[Burst | None, str]:
+        """(the burst, why it failed or '')."""
+        timeout = self.config.burst_seconds
+        if path == "library":
+            burst = runner.burst(count, timeout)
+        else:
+            folder = system.watch_folder()
+            if folder is None:
+                return None, "no watched-folder source"
+            burst = self._dump(system, runner, folder, count, timeout)
+        if burst.errors:
+            return burst, failure_of(burst.errors[0], math.inf)
+        if burst.finished < count:
+            return burst, f"timeout: {burst.finished} of {count} stored after {timeout:g} s"
+        return burst, ""
+
+    def _dump(self, system: System, runner: StepRunner, folder: Path, count: int, timeout: float) -> Burst:
+        """``count`` files written into ``folder`` at once (each hidden while written, then renamed
+        into place, as an instrument's software does), timed until all are stored."""
+        runner.counter += 1
+        tag = f"{runner.prefix}f{runner.counter}"
+        errors_before = len(system.errors())
+        base = system.finished_count()
+        started = time.monotonic()
+        for seq in range(count):
+            name = f"{tag}-{seq:07d}.bin"
+            partial = folder / f".{name}.part"
+            with open(partial, "wb") as fh:
+                fh.write(runner.generator.message(tag, seq, time.time()))
+            os.rename(partial, folder / name)
+        sent = time.monotonic() - started
+        finished = runner.wait_finished(base, count, started + timeout)
+        return Burst(count, finished, sent, time.monotonic() - started, system.errors()[errors_before:][:5], [])
+
+    # -- the steps CSV
+    def _log_step(
+        self, name: str, size: int, cost: float, attempt: int, kind: str, result: StepResult, steal: float
+    ) -> None:
         append_row(
             self.steps_path,
             STEP_FIELDS,
             {
+                "run": self.run_id,
+                "attempt": attempt,
                 "system": name,
                 "size": size,
-                "cost_ms": _fmt(cost * 1000),
+                "cost_ms": _cost_key(cost),
+                "kind": kind,
                 "rate": _fmt(result.rate),
+                "achieved_rate": _fmt(result.achieved_rate),
                 "messages": result.messages,
                 "seconds": _fmt(result.seconds),
                 "sent_rate": _fmt(result.sent_rate),
@@ -776,6 +1176,22 @@ class BenchRun:
             },
         )
 
+    def _log_burst_step(self, name: str, size: int, cost: float, attempt: int, burst: Burst) -> None:
+        """The probe in the steps CSV: sent at once (no target rate)."""
+        result = StepResult(
+            math.inf,
+            burst.count,
+            burst.send_seconds,
+            burst.count / max(burst.send_seconds, 1e-9),
+            burst.finished,
+            0.0,
+            burst.finished >= burst.count and not burst.errors,
+            burst.errors[0] if burst.errors else "",
+            [],
+            burst.achieved_rate,
+        )
+        self._log_step(name, size, cost, attempt, "probe", result, math.nan)
+
 
 def _interrupt_on_sigterm() -> None:
     """SIGTERM ends the run like Ctrl-C, so the systems' child processes are stopped too."""
@@ -789,6 +1205,6 @@ def _interrupt_on_sigterm() -> None:
 
 
 def run_bench(config: BenchConfig) -> int:
-    """Entry of `hio bench`: measure the grid (resuming), then write the report."""
+    """Entry of `hio bench`: measure the run's cells and bursts (resuming), then write the report."""
     _interrupt_on_sigterm()
     return BenchRun(config).run()

@@ -9,14 +9,24 @@ JVM warming up. The interval time is measured inside the micro-batch (read
 from the repository by executors, accumulate, cluster, preview, publish) and
 broken down; the bound is ``ratio_bound`` x (default 2x). Exit code 1 when the
 bound is exceeded.
+
+It also prints what the large store cost to build: the catch-up's time and
+rate (every record read by the executors and accumulated by the driver),
+the bytes the repository and KD's Parquet store hold, and the driver's peak
+memory (this process, and the Spark driver JVM it started). ``spark_master``
+may be a standalone cluster (``spark://host:port``): the same intervals then
+run on its executors (``docs/deploy.md``, "KD on a Spark cluster").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import resource
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +47,8 @@ class KDBenchConfig(ClusterSettings):
     k: int = setting(4, "clusters")
     sample_size: int = setting(10_000, "KD's clustering sample bound")
     max_records_per_interval: int = setting(50_000, "KD's micro-batch bound (the catch-up uses it)")
-    spark_master: str = setting("local[2]", "Spark master URL")
+    spark_master: str = setting("local[2]", "Spark master URL: local[N], or spark://host:port (a standalone cluster)")
+    spark_conf: tuple[str, ...] = setting((), "extra Spark settings as key=value (repeatable)", factory=tuple)
     ratio_bound: float = setting(2.0, "largest accepted ratio large-store / empty-store interval time")
     work_dir: str = setting("", "folder for the repository and KD state; empty = a temporary folder, removed after")
     seed: int = setting(1, "random seed")
@@ -59,9 +70,26 @@ class KDBenchConfig(ClusterSettings):
             raise ConfigError(f"features must be at most 64, got {self.features}")
         if self.groups > 16:
             raise ConfigError(f"groups must be at most 16, got {self.groups}")
+        self.kd_config(".").validate()
+
+    def kd_config(self, data_dir: str, **settings: Any) -> Any:
+        """The KD settings of a pass (a ``hio.kd.KDConfig``; imported here, not at the CLI's start)."""
+        from hio.kd.config import KDConfig
+
+        fields: dict[str, Any] = {
+            "repository_address": self.repository_address,
+            "data_dir": data_dir,
+            "spark_master": self.spark_master,
+            "spark_conf": self.spark_conf,
+            "k": self.k,
+            "sample_size": self.sample_size,
+            "max_records_per_interval": self.max_records_per_interval,
+            "seed": self.seed,
+        }
+        return KDConfig(**{**fields, **settings})
 
 
-def _uploads(first_id: int, count: int, features: int, groups: int, seed: int) -> list[Any]:
+def feature_uploads(first_id: int, count: int, features: int, groups: int, seed: int) -> list[Any]:
     """PutFeatures uploads of ``count`` records drawn from ``features``-d blobs,
     tuple id ``i`` in group ``i % groups`` (image ``hio/bench-<g>``, features ``g<g>_f<j>``)."""
     import zstandard
@@ -92,7 +120,6 @@ class _Bench:
     """One repository + one Spark session; KD runs are `--once` passes."""
 
     def __init__(self, config: KDBenchConfig, work: Path) -> None:
-        from hio.kd.config import KDConfig
         from hio.kd.job import build_session
         from hio.proto import repository_pb2_grpc
         from hio.repository import RepositoryConfig, create_repository_server
@@ -101,9 +128,7 @@ class _Bench:
         self.config = config
         self.work = work
         # Spark first: launching the JVM forks, which gRPC threads started before it dislike.
-        self.spark = build_session(
-            KDConfig(spark_master=config.spark_master, data_dir=str(work)), app_name="hio-bench-kd"
-        )
+        self.spark = build_session(config.kd_config(str(work)), app_name="hio-bench-kd")
         repo_config = RepositoryConfig(listen="127.0.0.1:0", http_listen="", data_dir=str(work / "repo"), fsync="never")
         self.server, port, self.repo_store = create_repository_server(repo_config)
         self.server.start()
@@ -123,9 +148,14 @@ class _Bench:
 
         for start in range(0, count, 5000):
             n = min(5000, count - start)
-            uploads = _uploads(self.next_id, n, self.config.features, self.config.groups, self.config.seed)
+            uploads = feature_uploads(self.next_id, n, self.config.features, self.config.groups, self.config.seed)
             self.stub.PutFeatures(repository_pb2.PutFeaturesRequest(records=uploads), timeout=120)
             self.next_id += n
+
+    @property
+    def stored(self) -> int:
+        """Records put so far (tuple ids run from 1)."""
+        return self.next_id - 1
 
     def commit(self, consumer: str, offset: int) -> None:
         from hio.proto import repository_pb2
@@ -136,21 +166,10 @@ class _Bench:
         """One `hio kd --once` pass with state under ``work/name``; the job (with its timings)."""
         import threading
 
-        from hio.kd.config import KDConfig
         from hio.kd.job import KnowledgeJob, SparkSessionKeeper, supervise
         from hio.kd.store import AccumulatedStore
 
-        c = self.config
-        kd = KDConfig(
-            repository_address=self.address,
-            data_dir=str(self.work / name),
-            once=True,
-            k=c.k,
-            consumer=name,
-            sample_size=c.sample_size,
-            max_records_per_interval=c.max_records_per_interval,
-            seed=c.seed,
-        )
+        kd = self.config.kd_config(str(self.work / name), repository_address=self.address, once=True, consumer=name)
         job = KnowledgeJob(kd, self.spark, AccumulatedStore(kd.parquet_dir).open())
         try:
             if supervise(SparkSessionKeeper(kd, self.spark), kd, job, threading.Event()) != 0:
@@ -160,36 +179,91 @@ class _Bench:
         return job
 
 
-def _measure(config: KDBenchConfig, work: Path) -> list[tuple[str, int, Any]]:
-    """[(case, records stored before the timed interval, its job)]."""
+@dataclasses.dataclass
+class Measured:
+    """What one run found: the timed intervals, and what the largest store cost."""
+
+    cases: list[tuple[str, int, Any]]  # (case, records stored before the timed interval, its job)
+    catch_up_records: int = 0  # the last catch-up: to the largest store, from the one before
+    catch_up_seconds: float = 0.0
+    repository_bytes: int = 0  # the repository's data folder: every record, zstd
+    parquet_bytes: int = 0  # KD's Parquet store of the large case
+    driver_peak_rss: int = 0  # this process: the store's matrices, Arrow batches, clustering
+    jvm_peak_rss: int = 0  # the Spark driver JVM this process started
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _driver_jvm_peak_rss() -> int:
+    """Peak resident bytes of the Spark driver JVM under this process (0 if none is found)."""
+    from hio.process.procs import children
+
+    for pid in children(os.getpid()):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() != "java":
+                continue
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return 0
+
+
+def measure_intervals(config: KDBenchConfig, work: Path, stored: Sequence[int]) -> Measured:
+    """The empty store's interval first, then one over each size of ``stored`` in ascending
+    order; measured before the session and the folders go. One repository and one KD consumer
+    ("large") serve every size: it catches up to each size in turn, so a larger size costs only
+    what it adds."""
     bench = _Bench(config, work)
     try:
         bench.put(WARMUP_RECORDS)
         bench.kd_pass("warmup")  # start Python workers, warm the JVM
         bench.commit("empty", WARMUP_RECORDS)  # the empty-store case starts after them
         bench.put(config.new)
-        empty = bench.kd_pass("empty")  # timed: `new` records over an empty store
-        bench.put(config.stored - WARMUP_RECORDS - config.new)
-        large = bench.kd_pass("large")  # catch up on `stored` records, in batches
-        stored = large.store.total
-        bench.put(config.new)
-        large = bench.kd_pass("large")  # timed: `new` records over `stored`
-        return [("empty store", 0, empty), ("large store", stored, large)]
+        cases = [("empty store", 0, bench.kd_pass("empty"))]  # timed: `new` records over an empty store
+        catch_up_records, catch_up_seconds, large = 0, 0.0, None
+        for size in sorted(stored):
+            before = bench.stored
+            bench.put(max(0, size - before))
+            started = time.monotonic()
+            caught_up = bench.kd_pass("large")  # catch up on `size` records, in batches
+            catch_up_records, catch_up_seconds = caught_up.store.total - before, time.monotonic() - started
+            bench.put(config.new)
+            large = bench.kd_pass("large")  # timed: `new` records over `size`
+            cases.append(("large store", caught_up.store.total, large))
+        return Measured(
+            cases=cases,
+            catch_up_records=catch_up_records,
+            catch_up_seconds=catch_up_seconds,
+            repository_bytes=_folder_bytes(work / "repo"),
+            parquet_bytes=_folder_bytes(large.config.parquet_dir) if large is not None else 0,
+            driver_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            jvm_peak_rss=_driver_jvm_peak_rss(),
+        )
     finally:
         bench.close()
 
 
+def _mib(count: int) -> str:
+    return f"{count / (1 << 20):,.0f} MiB"
+
+
 def run_kd_bench(config: KDBenchConfig) -> int:
-    """Print both interval times, their breakdown and the ratio; 1 if over the bound."""
+    """Print both interval times, their breakdown and the ratio, and what the large store
+    cost (catch-up, sizes, driver memory); 1 if over the bound."""
     if config.stored < WARMUP_RECORDS + config.new:
         raise ConfigError(f"stored must be at least {WARMUP_RECORDS + config.new}")
     work = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="hio-bench-kd-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        results = _measure(config, work)
+        measured = measure_intervals(config, work, [config.stored])
     finally:
         if not config.work_dir:
             shutil.rmtree(work, ignore_errors=True)
+    results = measured.cases
     print(
         f"KD interval with new records, {config.groups} groups, k={config.k}, {config.features} features, "
         f"sample bound {config.sample_size}, Spark {config.spark_master}"
@@ -199,6 +273,15 @@ def run_kd_bench(config: KDBenchConfig) -> int:
         breakdown = ", ".join(f"{k} {v:.3f}" for k, v in job.last_timings.items())
         new = job.store.total - stored
         print(f"{name:<12} {stored:>13} {new:>6} {job.last_seconds:>10.3f}  {breakdown}")
+    rate = measured.catch_up_records / max(measured.catch_up_seconds, 1e-9)
+    print(
+        f"catch-up    {measured.catch_up_records:,} records in {measured.catch_up_seconds:.1f} s "
+        f"({rate:,.0f} records/s, batches of {config.max_records_per_interval:,})"
+    )
+    print(
+        f"stored      repository {_mib(measured.repository_bytes)}, KD's Parquet {_mib(measured.parquet_bytes)}; "
+        f"driver peak RSS: Python {_mib(measured.driver_peak_rss)}, JVM {_mib(measured.jvm_peak_rss)}"
+    )
     ratio = results[1][2].last_seconds / max(results[0][2].last_seconds, 1e-9)
     verdict = "within" if ratio <= config.ratio_bound else "EXCEEDS"
     print(f"ratio large/empty = {ratio:.2f} ({verdict} the {config.ratio_bound:.1f}x bound)")

@@ -1,25 +1,31 @@
 """The systems `hio bench` measures, behind one small interface.
 
-Every system gets the same messages from :class:`MessageGenerator`, burns the
-same CPU per message with :func:`hio.worker.pipelines.synthetic.burn_cpu`, and
-has two processing slots (our worker with two ``hio/synthetic`` engines; Spark
-``local[2]``). A system reports, per step tag, which messages it finished and
-when, so the step runner can judge every system by the same rules:
+Every system gets the same messages from :class:`MessageGenerator`, runs the
+same pipeline per message (:func:`hio.worker.pipelines.synthetic.process`: the
+same :func:`~hio.worker.pipelines.synthetic.burn_cpu`, the same features), stores
+the features durably, and has two processing slots (our worker with two
+``hio/synthetic`` engines; Spark ``local[2]``; two broker consumers). A system
+reports, per step tag, which messages it finished and when, so the step runner
+can judge every system by the same rules. Finished means the message's features
+are durably stored; :data:`ABOUT` says, per system, exactly what that is, when
+its latency ends and what survives a crash.
 
 * ``hio-direct`` / ``hio-queue``: a repository, a master and a worker as real
   child processes (:class:`hio.cluster.LocalCluster`), fed by an in-process
-  :class:`hio.gateway.Gateway` (``force_queue`` for the queue path). Finished
-  means the features are in the repository; latency is
-  ``FeatureRecord.processed_unix - meta.accepted_unix``.
+  :class:`hio.gateway.Gateway` (``force_queue`` for the queue path); latency is
+  ``StoredRecord.durable_unix - meta.accepted_unix``. ``hio-secure``: the direct
+  path with mutual TLS and a token on every connection
+  (:func:`benchmarks.core.secured`).
 * ``spark-file``: Structured Streaming over the ``binaryFile`` source; each
   message is written beside the watched folder and renamed into it
   (atomically); a fresh folder and checkpoint per grid point.
 * ``spark-socket``: Structured Streaming over the ``socket`` source (lines of
   text, so the payload is text-safe); we are the server Spark connects to.
+* ``rabbitmq``: :mod:`benchmarks.broker`.
 
-For Spark, finished means the micro-batch that processed the message has
-completed (``foreachBatch`` returned); latency is that moment minus the send
-time the message carries in its header.
+For Spark, ``foreachBatch`` appends the micro-batch's features to a feature log
+and fsyncs it; latency is that moment minus the send time the message carries
+in its header.
 """
 
 from __future__ import annotations
@@ -45,6 +51,69 @@ log = logging.getLogger("hio.bench")
 HEADER_BYTES = 48  # "<tag>|<seq>|<sent_unix>|" padded with '.'; ASCII
 SLOTS = 2  # processing slots every system gets
 HIO_IMAGE = "hio/synthetic"
+
+
+@dataclasses.dataclass(frozen=True)
+class About:
+    """What the report says of a system: what it is, where its latency ends, what survives."""
+
+    what: str
+    latency_end: str
+    durability: str
+
+
+_SPARK_DURABILITY = (
+    "a message is taken by the source and nothing is acknowledged to the sender; the features of "
+    "a micro-batch are fsynced before it commits (checkpoint). "
+)
+ABOUT = {
+    "hio-direct": About(
+        "this system as deployed: gateway (in-process library) -> master route -> worker with two "
+        "`hio/synthetic` engines (real processes) -> repository; the master picks direct or queue",
+        "the repository's fsync covering the features ended (`StoredRecord.durable_unix`); from the "
+        "gateway's acceptance",
+        "a submit returns once the tuple is in the gateway's spool (fsynced within 100 ms, `batch`); "
+        "STORED once the features are fsynced in the repository. Survives a crash of any process at "
+        "any point (spool, backlog and repository on disk; redelivery by tuple id, stored once); a "
+        "power loss may take the last 100 ms of the spool",
+    ),
+    "hio-queue": About(
+        "the same, every tuple forced through the master's backlog queue (on disk)",
+        "as hio-direct",
+        "as hio-direct, and each tuple is in the master's backlog (fsynced, `batch`) before the "
+        "gateway forgets it (ENQUEUED)",
+    ),
+    "hio-secure": About(
+        "hio-direct with mutual TLS on every connection (gRPC and payload lanes) and a token checked on "
+        "every call (`hio bench-core --secure`'s cluster)",
+        "as hio-direct",
+        "as hio-direct",
+    ),
+    "spark-file": About(
+        "Spark Structured Streaming (`local[2]`), `binaryFile` source; each message written beside the "
+        "watched folder and renamed into it; fresh folder and checkpoint per point",
+        "`foreachBatch` appended the micro-batch's features to a feature log and fsynced it; from the "
+        "send time in the message",
+        _SPARK_DURABILITY + "The message is a file the sender wrote (not fsynced here): it survives a crash of Spark, "
+        "which lists the folder again from its checkpoint",
+    ),
+    "spark-socket": About(
+        "Spark Structured Streaming (`local[2]`), `socket` source (lines; text-safe payloads); the "
+        "benchmark is the server Spark reads from",
+        "as spark-file",
+        _SPARK_DURABILITY + "Messages are only in the driver's memory until processed: a crash of "
+        "Spark loses them (Spark's documentation calls the source a test source)",
+    ),
+    "rabbitmq": About(
+        "RabbitMQ (Debian's rabbitmq-server), a durable queue, persistent messages with publisher "
+        "confirms, two consumer processes with manual acks running the same pipeline",
+        "the consumer appended the features to its feature log and fsynced it (before it acks); from "
+        "the send time in the message",
+        "a publish returns once the broker confirmed it, after writing it to disk; it survives a crash "
+        "of the broker or a consumer; a consumer acks only after its features are fsynced (at least "
+        "once: a crash between the two processes a message again)",
+    ),
+}
 
 
 # -- messages -------------------------------------------------------------------
@@ -147,6 +216,34 @@ class System(abc.ABC):
     def reset(self) -> None:
         """Throw away a backlog left by an overloaded step (restart what holds it)."""
 
+    def watch_folder(self) -> Path | None:
+        """A folder whose files become messages (an instrument's dump); None when the system has none."""
+        return None
+
+
+class FeatureFile:
+    """An append-only file of features, one line per message, fsynced per batch: the least a
+    durable store of features does (the Spark and broker rows store theirs so)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "ab")  # noqa: SIM115 - kept open across batches, closed by close()
+
+    def append(self, lines: list[bytes]) -> float:
+        """Append ``lines`` and fsync; the time (Unix seconds) they are durable."""
+        self._file.write(b"".join(lines))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        return time.time()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def features_line(body: bytes | str, cost_s: float) -> bytes:
+    """What a Spark or broker row stores per message: its header, then the pipeline's features (JSON)."""
+    return process_and_store_line(cost_s)(body).encode()
+
 
 # -- HarmonicIO ---------------------------------------------------------------------
 
@@ -156,9 +253,19 @@ class HioSystem(System):
 
     sender_threads = 4
 
-    def __init__(self, data_dir: Path, *, force_queue: bool, chunk_bytes: int, streams: int, batch_tuples: int) -> None:
-        self.name = "hio-queue" if force_queue else "hio-direct"
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        force_queue: bool,
+        chunk_bytes: int,
+        streams: int,
+        batch_tuples: int,
+        secure: bool = False,
+    ) -> None:
+        self.name = "hio-secure" if secure else "hio-queue" if force_queue else "hio-direct"
         self.force_queue = force_queue
+        self.secure = secure
         self.root = data_dir
         self.chunk_bytes = chunk_bytes
         self.streams = streams
@@ -166,9 +273,11 @@ class HioSystem(System):
         self._generation = 0
         self._cluster: Any = None
         self._gateway: Any = None
+        self._watcher: Any = None
         self._repo_channel: Any = None
         self._repo: Any = None
         self._master: Any = None
+        self._master_channel: Any = None
         self._errors: list[str] = []
         self._lock = threading.Lock()
         self._read_offset = 0  # repository offset read up to
@@ -187,8 +296,19 @@ class HioSystem(System):
 
         self._generation += 1
         data_dir = self.root / f"{self.name}-{self._generation}"
+        settings = ClusterSettings(chunk_bytes=self.chunk_bytes)
+        servers: list[str] = []
+        if self.secure:
+            from benchmarks.core import secured
+
+            settings, servers = secured(settings, data_dir)
         self._cluster = LocalCluster(
-            data_dir, ClusterSettings(chunk_bytes=self.chunk_bytes), workers={"": [f"{HIO_IMAGE}={SLOTS}"]}
+            data_dir,
+            settings,
+            workers={"": [f"{HIO_IMAGE}={SLOTS}"]},
+            master_args=servers,
+            repository_args=servers,
+            worker_args=servers,
         ).start()
         settings = self._cluster.settings
         self._repo_channel = create_channel(self._cluster.repository, settings)
@@ -206,22 +326,50 @@ class HioSystem(System):
             force_queue=self.force_queue,
             progress=False,
             grace_seconds=2.0,
+            token=settings.token,
+            token_file=settings.token_file,
+            tls_ca=settings.tls_ca,
+            tls_cert=settings.tls_cert,
+            tls_key=settings.tls_key,
         )
         self._read_offset = 0
         self._failed_seen = 0
         self._by_tag.clear()
 
+    def watch_folder(self) -> Path:
+        """The gateway's watched folder (``hio gateway --watch``, its default settle and poll times)."""
+        if self._watcher is None:
+            from hio.gateway.config import GatewayConfig
+            from hio.gateway.watch import DirectoryWatcher
+
+            defaults = GatewayConfig()
+            folder = self.root / f"{self.name}-{self._generation}" / "watch"
+            folder.mkdir(parents=True, exist_ok=True)
+            self._watcher = DirectoryWatcher(
+                self._gateway,
+                folder,
+                folder.with_name("watch-done"),
+                settle_seconds=defaults.settle_seconds,
+                poll_seconds=defaults.poll_seconds,
+                image=HIO_IMAGE,
+            )
+            self._watcher.start()
+        return Path(self._watcher.watch)
+
     def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
         if self._gateway is not None:
             try:
                 self._gateway.close(timeout=2.0, drain=False)
             except Exception as exc:  # noqa: BLE001 - closing must never hide the benchmark's result
                 log.warning("gateway close failed", extra={"error": str(exc)})
             self._gateway = None
-        for channel in (self._repo_channel, getattr(self, "_master_channel", None)):
+        for channel in (self._repo_channel, self._master_channel):
             if channel is not None:
                 channel.close()
-        self._repo_channel = None
+        self._repo_channel = self._master_channel = None
         if self._cluster is not None:
             self._cluster.stop()
             self._cluster = None
@@ -279,9 +427,8 @@ class HioSystem(System):
                 step, _, seq = record.meta.name.partition("|")
                 if not seq.isdigit():
                     continue
-                self._by_tag.setdefault(step, []).append(
-                    Finished(int(seq), record.meta.accepted_unix, record.processed_unix)
-                )
+                stored_unix = stored.durable_unix or time.time()  # 0: no longer known; now is later
+                self._by_tag.setdefault(step, []).append(Finished(int(seq), record.meta.accepted_unix, stored_unix))
         return list(self._by_tag.get(tag, []))
 
     def errors(self) -> list[str]:
@@ -336,18 +483,23 @@ def build_spark_session(app_name: str, slots: int = SLOTS, conf: tuple[str, ...]
     return spark
 
 
-def burn_and_header(cost_s: float) -> Callable[[Any], str]:
-    """The Spark UDF body: burn ``cost_s`` of CPU (the same function as our engines),
-    return the message header so the driver knows what finished."""
+def process_and_store_line(cost_s: float) -> Callable[[Any], str]:
+    """The engines' pipeline on a message (the same burn, the same features) and the line a
+    Spark or broker row stores for it, its header first so the receiver knows what finished.
+    A closure that imports only ``hio``: Spark's Python workers run it and cannot import
+    ``benchmarks`` (not installed)."""
 
     def process(content: Any) -> str:
-        from hio.worker.pipelines.synthetic import burn_cpu
+        import json
+        import types
 
-        burn_cpu(cost_s)
+        from hio.worker.pipelines.synthetic import process
+
         if content is None:
             return ""
-        head = content[:HEADER_BYTES]
-        return head if isinstance(head, str) else bytes(head).decode("ascii", "replace")
+        data = content.encode("ascii") if isinstance(content, str) else bytes(content)
+        info = types.SimpleNamespace(attributes={"cost_ms": f"{cost_s * 1000:g}"})
+        return data[:48].decode("ascii", "replace") + " " + json.dumps(process(data, info)) + "\n"
 
     return process
 
@@ -367,6 +519,7 @@ class SparkSystem(System):
         self._stopping = False
         self._point = 0
         self._point_dir: Path | None = None
+        self._features: FeatureFile | None = None
         self._size = 0
         self._cost = 0.0
 
@@ -389,13 +542,14 @@ class SparkSystem(System):
         point_dir = self.root / f"{self.name}-p{self._point}"
         point_dir.mkdir(parents=True, exist_ok=True)
         self._point_dir = point_dir
+        self._features = FeatureFile(point_dir / "features.log")
         frame = self._source(point_dir)
         from pyspark.sql import functions as F  # noqa: N812 - PySpark's own convention
         from pyspark.sql.types import StringType
 
-        udf = F.udf(burn_and_header(cost_s), StringType())
+        udf = F.udf(process_and_store_line(cost_s), StringType())
         self.query = (
-            frame.select(udf(self._column()).alias("head"))
+            frame.select(udf(self._column()).alias("line"))
             .writeStream.foreachBatch(self._on_batch)
             .option("checkpointLocation", str(point_dir / "checkpoint"))
             .queryName(f"bench_{self.name.replace('-', '_')}_{self._point}")
@@ -414,6 +568,9 @@ class SparkSystem(System):
                 self._stopping = False
             self.query = None
         self._close_source()
+        if self._features is not None:
+            self._features.close()
+            self._features = None
         if self._point_dir is not None:
             # The point's messages and checkpoint: a full grid writes tens of GB of them.
             shutil.rmtree(self._point_dir, ignore_errors=True)
@@ -425,18 +582,22 @@ class SparkSystem(System):
         self.begin_point(self._size, self._cost)
 
     def _on_batch(self, frame: Any, batch_id: int) -> None:
+        """Store the micro-batch's features (fsynced) before Spark commits it."""
         try:
-            heads = [row[0] for row in frame.collect()]
+            lines = [row[0] for row in frame.collect()]
         except Exception as exc:
             if self._stopping:  # the query is being stopped under a running batch: expected
                 return
             with self._lock:
                 self._errors.append(f"spark batch {batch_id}: {str(exc)[:300]}")
             raise
-        done = time.time()
-        parsed = [p for p in (parse_header(h) for h in heads) if p is not None]
+        features = self._features
+        if features is None:  # the point ended under a running batch
+            return
+        done = features.append([line.encode() for line in lines])
+        parsed = [p for p in (parse_header(line) for line in lines) if p is not None]
         with self._lock:
-            self._count += len(heads)
+            self._count += len(lines)
             for tag, seq, sent in parsed:
                 self._by_tag.setdefault(tag, []).append(Finished(seq, sent, done))
 
@@ -503,6 +664,10 @@ class SparkFileSystem(SparkSystem):
     def _column(self) -> str:
         return "content"
 
+    def watch_folder(self) -> Path | None:
+        """The point's source folder: files dropped there are the stream."""
+        return self._incoming
+
     def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
         assert self._staging is not None and self._incoming is not None
         name = f"{tag}-{seq:09d}.bin"
@@ -543,6 +708,7 @@ class SparkSocketSystem(SparkSystem):
         except TimeoutError:
             raise RuntimeError("Spark's socket source did not connect within 60 s") from None
         self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._conn.settimeout(120)  # a source that stopped reading fails the send, not the run
 
     def _close_source(self) -> None:
         for sock in (self._conn, self._server):
@@ -563,17 +729,18 @@ class SparkSocketSystem(SparkSystem):
                 raise
 
 
-SYSTEMS = ("hio-direct", "hio-queue", "spark-file", "spark-socket")
+SYSTEMS = tuple(ABOUT)
 
 
 def make_system(
     name: str, data_dir: Path, *, chunk_bytes: int, streams: int, batch_tuples: int, spark_conf: tuple[str, ...] = ()
 ) -> System:
     """The system called ``name`` (one of :data:`SYSTEMS`), its state under ``data_dir``."""
-    if name in ("hio-direct", "hio-queue"):
+    if name in ("hio-direct", "hio-queue", "hio-secure"):
         return HioSystem(
             data_dir,
             force_queue=name == "hio-queue",
+            secure=name == "hio-secure",
             chunk_bytes=chunk_bytes,
             streams=streams,
             batch_tuples=batch_tuples,
@@ -582,4 +749,8 @@ def make_system(
         return SparkFileSystem(data_dir, spark_conf)
     if name == "spark-socket":
         return SparkSocketSystem(data_dir, spark_conf)
+    if name == "rabbitmq":
+        from benchmarks.broker import RabbitSystem
+
+        return RabbitSystem(data_dir)
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")

@@ -122,6 +122,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "benchmarks.kd:run_kd_bench",
         "time a KD interval over an empty and a large store",
     ),
+    "bench-scale": (
+        "benchmarks.scale:ScaleBenchConfig",
+        "bench_scale",
+        "benchmarks.scale:run_scale_bench",
+        "how cost grows with scale: the master's routes/s, the repository's restart and index, KD's interval",
+    ),
     "experiment": (
         "benchmarks.phases:PhasesConfig",
         "experiment",
@@ -138,7 +144,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 
 
 # Commands with settings of their own, not the cluster's: a [cluster] table is not for them.
-TOOLS = frozenset({"certs", "bench", "bench-core", "bench-floor", "bench-kd", "experiment", "images"})
+TOOLS = frozenset({"certs", "bench", "bench-core", "bench-floor", "bench-kd", "bench-scale", "experiment", "images"})
 
 
 @functools.cache

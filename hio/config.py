@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import re
 import tomllib
@@ -368,6 +369,24 @@ def check_peer(name: str, value: str) -> None:
     check_address(name, value)
     if value.startswith(":"):
         raise ConfigError(f"{name} must name a host, got {value!r} (e.g. 127.0.0.1{value})")
+
+
+def only_this_host(address: str) -> bool:
+    """Whether a peer address means whatever host uses it: loopback, any address, a local
+    socket. Such an address handed to another host (a worker server, a Spark executor)
+    names that host, not this one."""
+    if address.startswith(("unix:", "unix-abstract:", "vsock:")):
+        return True
+    if address.startswith(("ipv4:", "ipv6:")):
+        address = address.partition(":")[2]
+    host = address.rsplit("/", 1)[-1].rpartition(":")[0].strip("[]").lower()
+    if host in ("", "localhost") or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
 
 
 def positive(name: str, value: float) -> None:

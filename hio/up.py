@@ -43,7 +43,9 @@ class UpConfig(ClusterSettings):
         REPOSITORY_HTTP, "the repository's HTTP endpoint: the preview page, /metrics (docs/monitoring.md); empty = none"
     )
     # named so that no HIO_<ROLE>_HTTP_LISTEN (a role's own variable) reads as one of these, shared
-    http_listen_master: str = setting(MASTER_HTTP, "the master's HTTP endpoint (/metrics); empty = none")
+    http_listen_master: str = setting(
+        MASTER_HTTP, "the master's HTTP endpoint (its status page, /metrics); empty = none"
+    )
     http_listen_worker: str = setting(
         WORKER_HTTP, "the worker's HTTP endpoint (/metrics; elastic workers: free ports); empty = none"
     )
@@ -299,6 +301,8 @@ def run_up(config: UpConfig) -> int:
                 _start_gateway(cluster, config.ingest_listen)
             metrics = ", ".join(f"{role} http://{address}/metrics" for role, address in cluster.http.items() if address)
             _say(f"Prometheus metrics (docs/monitoring.md): {metrics}")
+            if config.http_listen_master:
+                _say(f"the master's status page: http://{config.http_listen_master}/")
             _say(
                 "everything keeps running; `hio status` shows it, `hio send FILE --image IMG` adds tuples; Ctrl-C stops"
             )

@@ -4,12 +4,15 @@ builds this before deciding whether Spark is needed at all."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
-from hio.config import ConfigError, check_address, positive, setting
+from hio.config import ConfigError, check_address, only_this_host, positive, setting
 from hio.settings import ClusterSettings
 
 HTTP_LISTEN = "127.0.0.1:7480"  # where the role's HTTP endpoint listens by default
+LOCAL_MASTER = re.compile(r"local\[(\d+|\*)(,\s*\d+)?\]")
+STANDALONE_MASTER = re.compile(r"spark://[^,/\s:]+:\d{1,5}(,[^,/\s:]+:\d{1,5})*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +28,14 @@ class KDConfig(ClusterSettings):
     http_listen: str = setting(
         HTTP_LISTEN, "host:port of the HTTP endpoint (/metrics, /healthz; docs/monitoring.md); empty = none"
     )
-    spark_master: str = setting("local[2]", "Spark master URL: local[N] or spark://host:port")
+    spark_master: str = setting(
+        "local[2]", "Spark master URL: local[N], or spark://host:port for a Spark standalone cluster"
+    )
+    spark_driver_host: str = setting(
+        "",
+        "address Spark executors reach this driver (KD) at; empty = 127.0.0.1 for local[N] or a "
+        "spark:// master on loopback, else Spark's choice (the address of this host's name)",
+    )
     spark_conf: tuple[str, ...] = setting((), "extra Spark settings as key=value (repeatable)", factory=tuple)
     parquet_path: str = setting("", "folder of accumulated features (Parquet); empty = data_dir/kd/features.parquet")
     checkpoint_path: str = setting("", "Structured Streaming checkpoint folder; empty = data_dir/kd/checkpoint")
@@ -78,6 +88,39 @@ class KDConfig(ClusterSettings):
         for item in self.spark_conf:
             if "=" not in item:
                 raise ConfigError(f"spark_conf entry '{item}' is not key=value")
+        self._validate_spark_master()
+
+    def _validate_spark_master(self) -> None:
+        """A master KD can run on, and a repository its executors can reach."""
+        if self.spark_master == "local" or LOCAL_MASTER.fullmatch(self.spark_master):
+            return
+        if not STANDALONE_MASTER.fullmatch(self.spark_master):
+            raise ConfigError(
+                f"spark_master must be local[N] or spark://host:port[,host:port...] (a Spark standalone "
+                f"cluster), got {self.spark_master!r}"
+            )
+        if not self.master_on_loopback and only_this_host(self.repository_address):
+            raise ConfigError(
+                f"repository_address {self.repository_address} names whatever host dials it, but the "
+                f"executors of {self.spark_master} run on other hosts and read the repository "
+                "themselves: give the repository's address on the cluster's network"
+            )
+
+    @property
+    def master_on_loopback(self) -> bool:
+        """Whether the driver and every executor are on this host (local[N], or a standalone
+        master on loopback, whose workers must then be here too)."""
+        if not self.spark_master.startswith("spark://"):
+            return True
+        hosts = self.spark_master.removeprefix("spark://").split(",")
+        return all(only_this_host(host) for host in hosts)
+
+    @property
+    def driver_host(self) -> str:
+        """``spark_driver_host``, else loopback when everything is on this host, else "" (Spark's choice)."""
+        if self.spark_driver_host:
+            return self.spark_driver_host
+        return "127.0.0.1" if self.master_on_loopback else ""
 
     def _under_data_dir(self, value: str, name: str) -> Path:
         return Path(value).expanduser() if value else Path(self.data_dir).expanduser() / "kd" / name

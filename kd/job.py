@@ -71,8 +71,9 @@ def build_session(config: KDConfig, app_name: str = "hio-kd") -> Any:
     warnings.filterwarnings("ignore", message="PySpark does not yet fully support pandas")
     from pyspark.sql import SparkSession
 
-    # Python workers (data source planning and reading) must run this
-    # interpreter, which has hio installed; Spark's default is `python3`.
+    # Python workers (data source planning and reading; on a cluster, every
+    # executor's) must run this interpreter, which has hio installed; Spark's
+    # default is `python3`. A cluster's hosts need it at the same path.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = (
@@ -88,8 +89,10 @@ def build_session(config: KDConfig, app_name: str = "hio-kd") -> Any:
         # Python workers start slowly on a busy machine; the default 15 s fails queries.
         .config("spark.python.authenticate.socketTimeout", "120s")
     )
-    if config.spark_master.startswith("local"):
-        builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+    if config.driver_host:
+        # Executors (a standalone cluster's) dial the driver back at this address.
+        builder = builder.config("spark.driver.host", config.driver_host)
+        builder = builder.config("spark.driver.bindAddress", config.driver_host)
     for item in config.spark_conf:
         key, _, value = item.partition("=")
         builder = builder.config(key.strip(), value.strip())

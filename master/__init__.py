@@ -19,6 +19,7 @@ import grpc
 from hio.master.config import MasterConfig
 from hio.master.core import Master
 from hio.master.service import POLICY, MasterService
+from hio.master.statuspage import StatusPage
 from hio.process.log import NOTICE
 from hio.proto import master_pb2_grpc
 from hio.transport.http import serve_http
@@ -95,10 +96,10 @@ def create_master_server(config: MasterConfig) -> tuple[grpc.Server, int, Master
 def run_master(config: MasterConfig) -> int:
     """Serve until SIGTERM/SIGINT, then drain for ``grace_seconds`` and seal the backlog; exit 0."""
     server, port, master, health_servicer = _build(config)
+    page = StatusPage(master)
     try:
-        http = serve_http(
-            config, config.http_listen, master.metrics.registry if master.metrics else None, name="master"
-        )
+        registry = master.metrics.registry if master.metrics else None
+        http = serve_http(config, config.http_listen, registry, name="master", pages=page.routes())
     except BaseException:
         master.close()
         raise
@@ -128,4 +129,5 @@ def run_master(config: MasterConfig) -> int:
     finally:
         if http is not None:
             http.close()
+        page.close()
         master.close()

@@ -75,7 +75,8 @@ class MasterConfig(ClusterSettings):
         "", "host:port of the payload lane; empty = listen's host and port + 1 (any free port when listen's port is 0)"
     )
     http_listen: str = setting(
-        HTTP_LISTEN, "host:port of the HTTP endpoint (/metrics, /healthz; docs/monitoring.md); empty = none"
+        HTTP_LISTEN,
+        "host:port of the HTTP endpoint (the status page at /, /metrics, /healthz; docs/monitoring.md); empty = none",
     )
     profile_seconds: float = setting(
         20.0, "profiling interval: each image's CPU share and processing rate are averaged over this many seconds"

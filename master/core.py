@@ -24,6 +24,7 @@ from hio.master.backlog import BacklogQueue, Lease, Stored
 from hio.master.config import MasterConfig
 from hio.master.deadletters import DeadLetter, DeadLetterStore
 from hio.master.demand import ImageLoad
+from hio.master.history import History, Sample
 from hio.master.ids import TupleIdAllocator
 from hio.master.metrics import MasterFigures, MasterMetrics
 from hio.master.profile import Profile
@@ -123,6 +124,7 @@ class Master:
         self.registry.offered_images.update(self.queue.images())
         self.pending = PendingEnqueues(config.reservation_seconds)
         self.stats = Stats()
+        self.history = History()
         self.profile = Profile(config.profile_seconds, config.default_share)
         self.metrics = MasterMetrics(self.figures) if config.metrics else None
         self._waiters = 0
@@ -189,8 +191,15 @@ class Master:
         while not self._stop.wait(EXPIRY_EVERY):
             try:
                 self.expire()
+                with self._cond:
+                    self.history.observe(self.stats)
             except Exception:  # the maintenance thread must survive anything
                 log.exception("maintenance pass failed")
+
+    def history_samples(self) -> list[Sample]:
+        """Throughput and latency over the last hour (:mod:`hio.master.history`), oldest first."""
+        with self._cond:
+            return self.history.samples()
 
     def expire(self) -> None:
         """One maintenance pass: expire workers and reservations, void their leases, expire leases."""
@@ -544,7 +553,7 @@ class Master:
             channel = self.registry.channel(channel_id)
             if channel is not None:
                 self.registry.touch(channel)
-                channel.processing = processing
+                self.registry.set_processing(channel, processing)
             self.queue.refresh(channel_id, self.config.lease_seconds)
             image = channel.image if channel is not None else "unknown"
             for outcome in outcomes:

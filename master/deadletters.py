@@ -102,6 +102,12 @@ class DeadLetterStore:
             out.abort()
             raise
 
+    def latest(self, limit: int) -> list[DeadLetter]:
+        """At most ``limit`` dead letters, latest failure first."""
+        with self._lock:
+            letters = sorted(self._letters.values(), key=lambda d: (d.failed_unix, d.tuple_id), reverse=True)
+        return letters[:limit]
+
     def list(self, limit: int) -> list[DeadLetter]:
         """At most ``limit`` dead letters, oldest failure first."""
         with self._lock:

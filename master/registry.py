@@ -2,12 +2,20 @@
 
 Not thread-safe by itself: the master calls it under its one lock. Times are
 monotonic seconds from the injected clock.
+
+Routing picks the best FREE channel of an image from a heap per image, not by looking at
+every channel: a look at every channel on every route takes about half of the master's CPU
+at 1,000 channels (docs/benchmarks/scale.md). A channel gets an entry whenever it becomes
+routable or its rank among the free ones changes; entries that no longer hold (the channel
+was taken, went down, or has a later entry) are dropped as they come to the top.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -99,6 +107,8 @@ class ChannelRegistry:
         self._ranks: dict[str, int] = {}  # worker id -> rank, kept while the master runs
         self._next_seq = 0
         self.offered_images: set[str] = set()
+        self._free: dict[str, list[tuple[tuple[object, ...], int, Channel]]] = {}  # image -> heap of candidates
+        self._pushes = itertools.count()  # ties in the heap: first pushed first
 
     def rank(self, worker_id: str) -> int:
         """The worker's rank: given when it is first seen (or assigned), never changed."""
@@ -113,6 +123,8 @@ class ChannelRegistry:
         worker = self._workers.get(worker_id)
         if worker is not None:
             worker.rank = rank
+            for channel in worker.channels.values():
+                self._offer(channel)
 
     def drop_rank(self, worker_id: str) -> None:
         """The worker is gone for good (given back): its rank is free."""
@@ -161,6 +173,8 @@ class ChannelRegistry:
             rank=self.rank(worker_id),
             elastic=elastic,
         )
+        for channel in channels.values():
+            self._offer(channel)
         return replaced
 
     def _check_specs(self, worker_id: str, specs: list[master_pb2.ChannelInfo]) -> None:
@@ -220,7 +234,8 @@ class ChannelRegistry:
                 if previous is not None:
                     self._workers[previous.worker_id].channels.pop(spec.channel_id, None)
                     removed.append(spec.channel_id)
-                worker.channels[spec.channel_id] = self._new_channel(worker_id, spec, now)
+                channel = worker.channels[spec.channel_id] = self._new_channel(worker_id, spec, now)
+                self._offer(channel)
                 added.append(spec.channel_id)
             elif known.address != spec.address or known.lane_address != spec.lane_address:
                 known.address, known.lane_address = spec.address, spec.lane_address
@@ -245,6 +260,7 @@ class ChannelRegistry:
                 channel.state = ChannelState.FREE
                 channel.detail = ""
                 channel.busy_at = worker.last_seen  # an engine just up has not had its chance yet
+                self._offer(channel)
         return True, went_down
 
     def expire(self) -> Expiry:
@@ -269,6 +285,7 @@ class ChannelRegistry:
                 if channel.state in (ChannelState.DIRECT, ChannelState.QUEUE) and channel.deadline <= now:
                     channel.state = ChannelState.FREE
                     channel.deadline = NEVER
+                    self._offer(channel)
                     lapsed.append(channel.channel_id)
         return Expiry(expired_workers=expired, down_channels=down, lapsed_channels=lapsed)
 
@@ -307,22 +324,57 @@ class ChannelRegistry:
         tuple (that one would make the new tuple wait); then, concentrating, the
         lowest-ranked worker's first channel, else the least recently used.
         """
-        free = [
-            c
-            for c in self._channels.values()
-            if c.image == image and c.state == ChannelState.FREE and not c.retiring and self._workers[c.worker_id].live
-        ]
-        if not free:
-            return None
+        heap = self._free.get(image)
+        while heap:
+            key, _, channel = heapq.heappop(heap)
+            if self._routable_free(channel) and key == self._rank_key(channel):
+                now = self._clock()
+                channel.state = ChannelState.DIRECT
+                channel.last_used = channel.busy_at = now
+                channel.deadline = now + self.reservation_seconds
+                return channel
+        return None
+
+    def _rank_key(self, channel: Channel) -> tuple[object, ...]:
+        """Where a FREE channel stands among its image's: the lowest is routed to first."""
         if self.concentrate:
-            channel = min(free, key=lambda c: (c.processing, self._workers[c.worker_id].rank, c.seq))
-        else:
-            channel = min(free, key=lambda c: (c.processing, c.last_used, c.channel_id))
-        now = self._clock()
-        channel.state = ChannelState.DIRECT
-        channel.last_used = channel.busy_at = now
-        channel.deadline = now + self.reservation_seconds
-        return channel
+            return (channel.processing, self._workers[channel.worker_id].rank, channel.seq)
+        return (channel.processing, channel.last_used, channel.channel_id)
+
+    def _routable_free(self, channel: Channel) -> bool:
+        """The channel may be reserved: still registered, FREE, not retiring, its worker live."""
+        worker = self._workers.get(channel.worker_id)
+        return (
+            channel.state == ChannelState.FREE
+            and not channel.retiring
+            and worker is not None
+            and worker.live
+            and self._channels.get(channel.channel_id) is channel
+        )
+
+    def _offer(self, channel: Channel) -> None:
+        """Enter the channel in its image's heap if it may be reserved, under its key now. Every
+        change that makes a channel routable, or moves it among the free ones, calls this."""
+        if not self._routable_free(channel):
+            return
+        heap = self._free.setdefault(channel.image, [])
+        heapq.heappush(heap, (self._rank_key(channel), next(self._pushes), channel))
+        if len(heap) > 64 + 4 * len(self._channels):  # entries that no longer hold pile up: rebuild
+            fresh = [c for c in self._channels.values() if c.image == channel.image and self._routable_free(c)]
+            heap[:] = [(self._rank_key(c), next(self._pushes), c) for c in fresh]
+            heapq.heapify(heap)
+
+    def set_processing(self, channel: Channel, processing: bool) -> None:
+        """The channel's report says whether a tuple is in progress (routing prefers one idle)."""
+        if channel.processing != processing:
+            channel.processing = processing
+            self._offer(channel)
+
+    def set_retiring(self, channel: Channel, retiring: bool) -> None:
+        """The elastic plan drains the channel (it takes no new work), or takes it back."""
+        if channel.retiring != retiring:
+            channel.retiring = retiring
+            self._offer(channel)
 
     def idle_elsewhere(self, channel: Channel, holds_lease: Callable[[str], bool]) -> bool:
         """True if another live channel of ``channel``'s image is idle: FREE and processing
@@ -371,6 +423,7 @@ class ChannelRegistry:
         if channel.state != ChannelState.DOWN:
             channel.state = ChannelState.FREE
             channel.deadline = NEVER
+            self._offer(channel)
 
     def serves(self, image: str | None = None) -> bool:
         """True if a live, non-DOWN channel that is not retiring runs ``image`` (None: any image)."""

@@ -279,11 +279,11 @@ class Scaler:
                     idle = {c.channel_id: registry.idle_seconds(c, self._master.queue.has_lease) for c in active}
                     active.sort(key=lambda c: (c.state != ChannelState.DOWN, -idle[c.channel_id], -c.seq))
                     for channel in active[:surplus]:
-                        channel.retiring = True
+                        registry.set_retiring(channel, True)
                         log.info("retiring channel", extra={"channel": channel.channel_id, "image": image})
                 elif surplus < 0:
                     for channel in sorted((c for c in channels if c.retiring), key=lambda c: -c.seq)[:-surplus]:
-                        channel.retiring = False
+                        registry.set_retiring(channel, False)
                         log.info("channel taken back from retiring", extra={"channel": channel.channel_id})
         self._master.lock.notify_all()
 

@@ -191,7 +191,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def ListDeadLetters(
         self, request: master_pb2.ListDeadLettersRequest, context: grpc.ServicerContext
     ) -> master_pb2.ListDeadLettersResponse:
-        return master_pb2.ListDeadLettersResponse(dead_letters=[_encode_dead(d) for d in self._master.dead_letters()])
+        return master_pb2.ListDeadLettersResponse(
+            dead_letters=[dead_letter_message(d) for d in self._master.dead_letters()]
+        )
 
     @grpc_errors
     def GetScaling(
@@ -220,5 +222,5 @@ class MasterService(master_pb2_grpc.MasterServicer):
         return master_pb2.RetryDeadLetterResponse()
 
 
-def _encode_dead(letter: DeadLetter) -> master_pb2.DeadLetter:
+def dead_letter_message(letter: DeadLetter) -> master_pb2.DeadLetter:
     return master_pb2.DeadLetter(meta=letter.meta, reason=letter.reason, failed_unix=letter.failed_unix)

@@ -31,6 +31,8 @@ class Stats:
         self.tuples_done = 0
         self.tuples_failed = 0
         self.bytes_done = 0
+        self.latency_sum = 0.0  # seconds, over the stored tuples that carried their acceptance time
+        self.latency_count = 0
         self.routed_by: collections.Counter[tuple[str, str]] = collections.Counter()  # (route, image) -> tuples
         self.done_by: collections.Counter[str] = collections.Counter()  # image -> tuples stored
         self.failed_by: collections.Counter[str] = collections.Counter()  # image -> tuples failed
@@ -67,6 +69,8 @@ class Stats:
         if latency is not None and latency >= 0:
             bucket[2] += latency
             bucket[3] += 1
+            self.latency_sum += latency
+            self.latency_count += 1
 
     def rates(self) -> Rates:
         now = self._clock()

@@ -22,11 +22,13 @@ repository restarts.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import os
 import threading
 import time
+from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -53,6 +55,41 @@ class Appended:
 
     offset: int
     duplicate: bool
+
+
+class DurableTimes:
+    """When each of the latest ``capacity`` (or more) records became readable: the highest
+    offset and the wall-clock time of each fsync round (each append with 'never'), in memory.
+
+    Why: a record's own bytes cannot say when the fsync that covers it ended, and that is the
+    moment its features are stored for good (the end of a tuple's latency, and the moment
+    ``latest`` counts it). Rounds are kept, not records, so group commit keeps it small; the
+    oldest are forgotten in halves. Not under any lock of its own: :class:`FeatureLog` holds
+    its lock around every call."""
+
+    def __init__(self, floor: int, capacity: int = 1 << 17) -> None:
+        self._floor = floor  # offsets up to here became readable before what is remembered
+        self._offsets = array("Q")
+        self._times = array("d")
+        self._capacity = capacity
+
+    def add(self, offset: int, unix: float) -> None:
+        """Records up to ``offset`` are readable as of ``unix``."""
+        if offset <= (self._offsets[-1] if self._offsets else self._floor):
+            return
+        self._offsets.append(offset)
+        self._times.append(unix)
+        if len(self._offsets) > 2 * self._capacity:
+            self._floor = self._offsets[-self._capacity - 1]
+            del self._offsets[: -self._capacity]
+            del self._times[: -self._capacity]
+
+    def of(self, offset: int) -> float:
+        """When ``offset`` became readable (Unix seconds); 0.0 when not remembered."""
+        if offset <= self._floor:
+            return 0.0
+        n = bisect.bisect_left(self._offsets, offset)
+        return self._times[n] if n < len(self._offsets) else 0.0
 
 
 class FeatureLog:
@@ -93,6 +130,7 @@ class FeatureLog:
         else:
             self._log.resume()
         self._durable = self._index.latest
+        self._durable_times = DurableTimes(self._durable)
         log.info(
             "feature log opened",
             extra={
@@ -185,6 +223,8 @@ class FeatureLog:
                 self._write(fresh)
                 if self._mode == "always":
                     self._durable = self._index.latest
+                if self._mode != "batch":  # 'always': synced now; 'never': readable now
+                    self._durable_times.add(self._index.latest, time.time())
         highest = max((r.offset for r in results), default=0)
         if self._mode != "never":
             self._wait_durable(highest)
@@ -211,6 +251,7 @@ class FeatureLog:
                     self._last_sync = time.monotonic()
                 with self._lock:
                     self._durable = max(self._durable, covered)
+                    self._durable_times.add(covered, time.time())
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -299,6 +340,13 @@ class FeatureLog:
         with self._lock:
             return self._index.offset_of(tuple_id)
 
+    def durable_unix(self, offsets: Sequence[int]) -> list[float]:
+        """When each offset became readable (its fsync ended; with 'never', its write), Unix
+        seconds by this machine's clock; 0.0 for a record stored before this process opened the
+        log, or too long ago to be remembered (:class:`DurableTimes`)."""
+        with self._lock:
+            return [self._durable_times.of(offset) for offset in offsets]
+
     def stats(self) -> dict[str, int]:
         """records, segments, bytes on disk; records readable, appended and put as duplicates."""
         with self._lock:
@@ -359,6 +407,7 @@ class FeatureLog:
                 os.close(self._lock_fd)  # releases the folder lock
             if self._mode != "never" and not self._disk.failure:
                 self._durable = self._index.latest
+                self._durable_times.add(self._durable, time.time())
 
 
 def _runs(first: int, locations: list[Location]) -> Iterator[tuple[int, list[Location]]]:

@@ -59,12 +59,18 @@ class RepositoryService(repository_pb2_grpc.RepositoryServicer):
         batch_bytes = 0
         for offset, tuple_id, data in self._store.read(request.after, request.until, request.max_records):
             if batch and (len(batch) >= self._batch_records or batch_bytes + len(data) > self._batch_bytes):
-                yield pb.ReadFeaturesResponse(records=batch)
+                yield self._response(batch)
                 batch, batch_bytes = [], 0
             batch.append(pb.StoredRecord(offset=offset, tuple_id=tuple_id, record_zstd=data))
             batch_bytes += len(data)
         if batch:
-            yield pb.ReadFeaturesResponse(records=batch)
+            yield self._response(batch)
+
+    def _response(self, batch: list[pb.StoredRecord]) -> pb.ReadFeaturesResponse:
+        """One batch of records, each with when it became durable."""
+        for record, unix in zip(batch, self._store.durable_unix([r.offset for r in batch]), strict=True):
+            record.durable_unix = unix
+        return pb.ReadFeaturesResponse(records=batch)
 
     @grpc_errors
     def CommitOffset(self, request: pb.CommitOffsetRequest, context: grpc.ServicerContext) -> pb.CommitOffsetResponse:

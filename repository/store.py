@@ -109,6 +109,11 @@ class FeatureStore:
         at most ``max_records`` (0 = all), in offset order, read lazily from disk."""
         return self._features.read(after, until, max_records)
 
+    def durable_unix(self, offsets: list[int]) -> list[float]:
+        """When each stored offset became durable (Unix seconds); 0.0 where not known
+        (:meth:`FeatureLog.durable_unix`)."""
+        return self._features.durable_unix(offsets)
+
     def stats(self) -> dict[str, int]:
         """records, segments, bytes on disk; records readable, appended by this process and
         put as duplicates (:meth:`FeatureLog.stats`)."""

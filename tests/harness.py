@@ -25,12 +25,31 @@ import pytest
 from hio.cluster import HTTP_ROLES, LocalCluster
 from hio.process.procs import LIFELINE_ENV, RoleProcess, child_env, free_port
 
-__all__ = ["FsyncDisk", "HioProcess", "free_port", "health_of", "hio_env", "local_cluster", "stop_cleanly", "wait_for"]
+__all__ = [
+    "FsyncDisk",
+    "HioProcess",
+    "die_with_starter",
+    "free_port",
+    "health_of",
+    "hio_env",
+    "local_cluster",
+    "stop_cleanly",
+    "wait_for",
+]
 
 
 #: Each role a test starts serves its HTTP endpoint on a free port unless the test says
 #: where (a flag wins over these): on its default port it would clash with another test's.
 FREE_HTTP = {f"HIO_{role.upper()}_HTTP_LISTEN": "127.0.0.1:0" for role in HTTP_ROLES}
+
+
+def die_with_starter() -> None:
+    """A ``preexec_fn`` for a child that is no ``hio`` command (a JVM): the kernel sends it
+    SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``, kept across exec),
+    so a test run killed with -9 leaves none behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
 
 
 def hio_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -19,16 +19,32 @@ service is.
 
 A page is a function of the query string that returns a :class:`Reply`; it runs on the
 connection's thread, so a slow page delays only its own caller.
+
+Browsers cannot add an ``Authorization`` header to a page load. A page for people
+(``Route(..., login=True)``) answers a caller without an accepted token with a sign-in form
+instead of a plain 401; the form posts the token once to ``/login``, which checks it as a
+header would be checked and answers with a session cookie (a random id, never the token:
+``HttpOnly``, ``SameSite=Strict``, ``Secure`` when the endpoint speaks TLS; for
+:data:`SESSION_SECONDS`). The endpoint keeps at most :data:`MAX_SESSIONS` sessions in
+memory (a restarted role asks again); a request with that cookie is taken as one presenting
+the token, on every path, with the token's roles.
 """
 
 from __future__ import annotations
 
+import base64
+import collections
 import dataclasses
+import hashlib
+import html
 import logging
+import secrets
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Mapping
+from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
@@ -51,15 +67,21 @@ IDLE_SECONDS = 30.0  # a connection (its TLS handshake included) silent this lon
 METRICS_ROLES = frozenset({"viewer"})
 _STATUS = {grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403}
 _TEXT = "text/plain; charset=utf-8"
+HTML = "text/html; charset=utf-8"
+LOGIN_PATH = "/login"  # where a sign-in form posts its token
+SESSION_SECONDS = 12 * 3600.0  # a browser's sign-in lasts this long
+MAX_SESSIONS = 256  # sign-ins kept at once; one more ends the oldest
+MAX_FORM_BYTES = 4096  # the largest sign-in form accepted
 
 
 @dataclasses.dataclass(frozen=True)
 class Reply:
-    """What a page answers."""
+    """What a page answers; ``headers``: more of them (a page's Content-Security-Policy)."""
 
     status: int
     body: bytes
     content_type: str = _TEXT
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 Page = Callable[[Mapping[str, list[str]]], Reply]  # the query's parameters -> the reply
@@ -67,10 +89,100 @@ Page = Callable[[Mapping[str, list[str]]], Reply]  # the query's parameters -> t
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """A path's page, and the token roles that may read it (None: anyone, no token asked)."""
+    """A path's page, and the token roles that may read it (None: anyone, no token asked).
+    ``login``: a page for browsers, whose refusals are a sign-in form."""
 
     page: Page
     roles: frozenset[str] | None
+    login: bool = False
+
+
+def script_hash(source: str) -> str:
+    """A Content-Security-Policy source that allows exactly this inline script or style."""
+    return "'sha256-" + base64.b64encode(hashlib.sha256(source.encode()).digest()).decode() + "'"
+
+
+def html_page(status: int, document: str, *, scripts: tuple[str, ...] = (), styles: tuple[str, ...] = ()) -> Reply:
+    """An HTML reply whose policy lets the browser run only the inline ``scripts`` and
+    ``styles`` given (their text), fetch from this endpoint only and post forms only to it:
+    nothing from outside the cluster is loaded, even when a shown name holds markup."""
+    allowed_scripts = " ".join(map(script_hash, scripts)) or "'none'"
+    allowed_styles = " ".join(map(script_hash, styles)) or "'none'"
+    policy = "; ".join(
+        [
+            "default-src 'none'",
+            f"script-src {allowed_scripts}",
+            f"style-src {allowed_styles}",
+            "img-src 'self'",
+            "connect-src 'self'",
+            "form-action 'self'",
+            "base-uri 'none'",
+            "frame-ancestors 'none'",
+        ]
+    )
+    headers = (
+        ("Content-Security-Policy", policy),
+        ("X-Content-Type-Options", "nosniff"),
+        ("Referrer-Policy", "same-origin"),  # a form's post carries its origin, which sign_in checks
+    )
+    return Reply(status, document.encode(), HTML, headers)
+
+
+_LOGIN_STYLE = (
+    "body{font:15px/1.4 system-ui,sans-serif;margin:0;background:#f4f5f7;color:#1d2733}"
+    "main{max-width:26em;margin:12vh auto;background:#fff;padding:1.5em 2em;border-radius:8px;"
+    "box-shadow:0 1px 4px #0002}h1{font-size:1.3em;margin:0 0 .6em}.why{color:#a4262c}"
+    "input[type=password]{width:100%;box-sizing:border-box;padding:.45em;margin:.3em 0 .9em}"
+    "button{padding:.45em 1.2em}.note{color:#5b6773;font-size:.85em}"
+)
+
+
+def login_form(status: int, why: str, target: str, name: str, *, secure: bool) -> Reply:
+    """The sign-in form a page for browsers answers a refused caller with."""
+    kept = "over TLS only, " if secure else ""
+    document = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width">
+<title>HarmonicIO {html.escape(name)}: sign in</title><style>{_LOGIN_STYLE}</style></head>
+<body><main><h1>HarmonicIO {html.escape(name)}</h1>
+<p class="why" id="refusal">{html.escape(why)}</p>
+<form method="post" action="{LOGIN_PATH}">
+<label for="token">Token</label>
+<input type="password" id="token" name="token" autocomplete="current-password" required autofocus>
+<input type="hidden" name="next" value="{html.escape(target)}">
+<button type="submit">Sign in</button></form>
+<p class="note">The token is checked once; this browser then holds a session cookie
+({kept}HttpOnly, for {SESSION_SECONDS / 3600:.0f} hours), never the token.</p>
+</main></body></html>
+"""
+    return html_page(status, document, styles=(_LOGIN_STYLE,))
+
+
+class Sessions:
+    """Browsers signed in at one endpoint: a random id -> the token it stands for, until it
+    expires; at most :data:`MAX_SESSIONS` (one more ends the oldest). Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tokens: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+
+    def open(self, token: str) -> str:
+        """A new session for ``token``: its id."""
+        session = secrets.token_urlsafe(32)
+        with self._lock:
+            self._tokens[session] = (token, self._clock() + SESSION_SECONDS)
+            while len(self._tokens) > MAX_SESSIONS:
+                self._tokens.popitem(last=False)
+        return session
+
+    def token(self, session: str) -> str:
+        """The token a live session stands for; '' for an unknown or expired one."""
+        with self._lock:
+            token, until = self._tokens.get(session, ("", 0.0))
+            if token and until <= self._clock():
+                del self._tokens[session]
+                return ""
+        return token
 
 
 def text(status: int, words: str) -> Reply:
@@ -114,6 +226,7 @@ class HttpEndpoint:
         self.name = name
         self.table = TokenTable.from_settings(settings)
         self.tls = server_context(settings)
+        self.sessions = Sessions()
         # refuse_caller's policy is keyed by a call's last path segment: a path's own, here
         self.policy = {_key(path): set(route.roles) for path, route in self.routes.items() if route.roles is not None}
         try:
@@ -128,6 +241,8 @@ class HttpEndpoint:
         local = local_host(host)
         self.address = f"[{local}]:{self.port}" if ":" in local else f"{local}:{self.port}"
         self.scheme = "https" if self.tls is not None else "http"
+        # per port: a browser sends a host's cookies to each of its ports, and roles share hosts
+        self.cookie = f"hio_session_{self.port}"
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, name=f"{name}-http", daemon=True
         )
@@ -150,12 +265,14 @@ class HttpEndpoint:
             request.reply(text(404, f"not found: {url.path}; try /metrics or /healthz"))
             return
         if route.roles is not None and self.table is not None:
-            header = request.headers.get(AUTH_HEADER, "")
-            token = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
-            refusal = refuse_caller(self.table, self.policy, url.path, token)  # keyed by its last segment
+            refusal = refuse_caller(self.table, self.policy, url.path, self._token(request))  # keyed by last segment
             if refusal is not None:
                 code, words = refusal
-                request.reply(text(_STATUS[code], words), bearer=code == grpc.StatusCode.UNAUTHENTICATED)
+                status = _STATUS[code]
+                if route.login:
+                    request.reply(login_form(status, words, url.path, self.name, secure=self.tls is not None))
+                else:
+                    request.reply(text(status, words), bearer=code == grpc.StatusCode.UNAUTHENTICATED)
                 return
         try:
             reply = route.page(parse_qs(url.query))
@@ -163,6 +280,54 @@ class HttpEndpoint:
             log.exception("http page failed", extra={"path": url.path})
             reply = text(500, f"internal error; see the {self.name} log")
         request.reply(reply)
+
+    def _token(self, request: _Handler) -> str:
+        """The caller's token: its bearer header's, else the one its session cookie stands for."""
+        header = request.headers.get(AUTH_HEADER, "")
+        if header.startswith("Bearer "):
+            return header[len("Bearer ") :]
+        try:
+            cookie = SimpleCookie(request.headers.get("Cookie", "")).get(self.cookie)
+        except CookieError:
+            return ""
+        return self.sessions.token(cookie.value) if cookie is not None else ""
+
+    def sign_in(self, request: _Handler) -> None:
+        """``POST /login``: the form's token, checked for the page it asks for; a session
+        cookie and a redirect to that page, or the form again with the refusal."""
+        pages = [path for path, route in self.routes.items() if route.login]
+        if urlsplit(request.path).path != LOGIN_PATH or not pages:
+            request.close_connection = True  # its body is left unread
+            request.reply(text(405, f"POST is taken only at {LOGIN_PATH}, by a page's sign-in form"))
+            return
+        origin = request.headers.get("Origin", "")
+        if origin and urlsplit(origin).netloc != request.headers.get("Host", ""):  # another site's form
+            request.close_connection = True
+            request.reply(text(403, "a sign-in is taken only from this endpoint's own form"))
+            return
+        try:
+            length = int(request.headers.get("Content-Length", ""))
+        except ValueError:
+            length = -1
+        if not 0 <= length <= MAX_FORM_BYTES:
+            request.close_connection = True
+            request.reply(text(413, f"a sign-in form has a Content-Length of at most {MAX_FORM_BYTES} bytes"))
+            return
+        form = parse_qs(request.rfile.read(length).decode("utf-8", "replace"))
+        target = form.get("next", [""])[-1]
+        target = target if target in pages else pages[0]
+        token = form.get("token", [""])[-1].strip()
+        if self.table is None:  # an open endpoint: nothing to sign in to
+            request.reply(Reply(303, b"", headers=(("Location", target),)))
+            return
+        refusal = refuse_caller(self.table, self.policy, target, token)
+        if refusal is not None:
+            code, words = refusal
+            request.reply(login_form(_STATUS[code], words, target, self.name, secure=self.tls is not None))
+            return
+        cookie = f"{self.cookie}={self.sessions.open(token)}; Path=/; Max-Age={SESSION_SECONDS:.0f}; HttpOnly"
+        cookie += "; SameSite=Strict" + ("; Secure" if self.tls is not None else "")
+        request.reply(Reply(303, b"", headers=(("Location", target), ("Set-Cookie", cookie))))
 
 
 def _key(path: str) -> str:
@@ -232,11 +397,16 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self.server.endpoint.answer(self)
 
+    def do_POST(self) -> None:
+        self.server.endpoint.sign_in(self)
+
     def reply(self, reply: Reply, *, bearer: bool = False) -> None:
         self.send_response(reply.status)
         self.send_header("Content-Type", reply.content_type)
         self.send_header("Content-Length", str(len(reply.body)))
         self.send_header("Cache-Control", "no-store")
+        for name, value in reply.headers:
+            self.send_header(name, value)
         if bearer:
             self.send_header("WWW-Authenticate", 'Bearer realm="hio"')
         self.end_headers()

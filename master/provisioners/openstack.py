@@ -31,7 +31,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import ipaddress
 import json
 import logging
 import math
@@ -44,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hio.config import ConfigError, as_text, parse_assignments, setting
+from hio.config import ConfigError, as_text, only_this_host, parse_assignments, setting
 from hio.master.provisioners import ProvisionedWorker, ProvisionError, WorkerRequest, WorkerState
 from hio.worker.config import WorkerConfig
 
@@ -153,22 +152,6 @@ def check_master_settings(config: MasterConfig, settings: OpenStackSettings) -> 
             "server is that server: set the master's repository_address, or repository_address=HOST:PORT "
             f"in {option('worker_settings')}, to its address on the workers' network"
         )
-
-
-def only_this_host(address: str) -> bool:
-    """Whether a peer address means whatever host uses it: loopback, any address, a local socket."""
-    if address.startswith(("unix:", "unix-abstract:", "vsock:")):
-        return True
-    if address.startswith(("ipv4:", "ipv6:")):
-        address = address.partition(":")[2]
-    host = address.rsplit("/", 1)[-1].rpartition(":")[0].strip("[]").lower()
-    if host in ("", "localhost") or host.endswith(".localhost"):
-        return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return ip.is_loopback or ip.is_unspecified
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,9 @@ from typing import Any
 
 import pytest
 import yaml
+
+from hio.process.procs import LIFELINE_ENV, child_env
+from tests.harness import die_with_starter
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = REPO / "ansible"
@@ -204,6 +208,25 @@ def read_unit(path: Path) -> dict[str, list[str]]:
         key, _, value = line.partition("=")
         values.setdefault(key, []).append(value)
     return values
+
+
+def start_from_unit(unit_path: Path, log: Path) -> subprocess.Popen[bytes]:
+    """Run the unit's ExecStart with its Environment= lines, in its WorkingDirectory, as
+    systemd would (and so that it dies with this test process, as every role a test starts)."""
+    unit = read_unit(unit_path)
+    assignments = [shlex.split(item)[0] for item in unit["Environment"]]  # Environment="A=b c" is one variable
+    env = child_env({**dict(item.split("=", 1) for item in assignments), LIFELINE_ENV: str(os.getpid())})
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            shlex.split(unit["ExecStart"][0]),
+            cwd=unit["WorkingDirectory"][0],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_starter,  # noqa: PLW1509 - only prctl, no locks taken
+        )
 
 
 def inventory_json(inventory: Path, tmp: Path) -> dict[str, Any]:

@@ -57,10 +57,8 @@ class HostsUnavailable(RuntimeError):
 def role_packages() -> list[str]:
     """The Debian packages site.yml's roles install (hio_python_packages, hio_java_packages):
     in the image already, as on an offline site's prepared image (hio_manage_packages: false)."""
-    roles = REPO / "ansible" / "roles"
-    common = yaml.safe_load((roles / "common" / "defaults" / "main.yml").read_text())
-    kd = yaml.safe_load((roles / "kd" / "defaults" / "main.yml").read_text())
-    return [*common["hio_python_packages"], *kd["hio_java_packages"]]
+    common = yaml.safe_load((REPO / "ansible" / "roles" / "common" / "defaults" / "main.yml").read_text())
+    return [*common["hio_python_packages"], *common["hio_java_packages"]]
 
 
 def packages() -> list[str]:

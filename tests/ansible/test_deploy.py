@@ -6,15 +6,13 @@ answers health and an authenticated `hio status`, drains on SIGTERM with exit
 
 from __future__ import annotations
 
-import os
-import shlex
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from hio.process.procs import LIFELINE_ENV, child_env, free_port
+from hio.process.procs import child_env, free_port
 from hio.settings import ClusterSettings
 from hio.transport.net import wait_healthy
 from tests.ansible.helpers import (
@@ -22,31 +20,14 @@ from tests.ansible.helpers import (
     base_python,
     build_wheel,
     local_vars,
-    read_unit,
     recap,
     require_collections,
     run_playbook,
+    start_from_unit,
     write_inventory,
 )
 
 pytestmark = pytest.mark.slow
-
-def start_from_unit(unit_path: Path, log: Path) -> subprocess.Popen[bytes]:
-    """Run the unit's ExecStart with its Environment= lines, as systemd would (and so that it
-    dies with this test process, as every role a test starts)."""
-    unit = read_unit(unit_path)
-    env = child_env({**dict(item.split("=", 1) for item in unit["Environment"]), LIFELINE_ENV: str(os.getpid())})
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            shlex.split(unit["ExecStart"][0]),
-            cwd=unit["WorkingDirectory"][0],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
 
 def test_site_deploys_a_master_that_serves(tmp_path: Path) -> None:
     require_collections()

@@ -41,6 +41,8 @@ INGRESS = {
         ("tcp", 7180, 7180, PRIVATE_CIDR),
         ("tcp", 7300, 7300, PRIVATE_CIDR),
         *(("tcp", port, port, PRIVATE_CIDR) for port in (7080, 7280, 7380, 7480)),  # HTTP endpoints: /metrics
+        ("tcp", 7077, 7079, PRIVATE_CIDR),  # the spark group's cluster and KD's driver
+        ("tcp", 7090, 7099, PRIVATE_CIDR),  # Spark's block managers
         ("icmp", None, None, PRIVATE_CIDR),
     },
     "hio-master": {("tcp", 7000, 7001, ANY), ("tcp", 22, 22, ANY)},

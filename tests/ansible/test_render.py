@@ -17,6 +17,7 @@ import shutil
 import ssl
 import stat
 import subprocess
+import sys
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -39,7 +40,8 @@ ROLE_CONFIGS = {
     "gateway": "hio.gateway.config:GatewayConfig",
     "kd": "hio.kd.config:KDConfig",
 }
-# hio-m runs master, repository and kd (KD beside the repository, as provisioned).
+# hio-m runs master, repository and kd (KD beside the repository, as provisioned);
+# the workers' hosts are a Spark standalone cluster too, hio-w1 its master.
 GROUPS = {
     "master": ["hio-m"],
     "repository": ["hio-m"],
@@ -47,7 +49,9 @@ GROUPS = {
     "workers": ["hio-w1", "hio-w2"],
     "gateways": ["hio-g1"],
     "monitoring": ["hio-p"],  # Prometheus on a host of its own
+    "spark": ["hio-w1", "hio-w2"],
 }
+SPARK_UNITS = {"hio-w1": ["hio-spark-master", "hio-spark-worker"], "hio-w2": ["hio-spark-worker"]}
 HOST_ROLES = {
     "hio-m": ["master", "repository", "kd"],
     "hio-w1": ["worker"],
@@ -64,10 +68,12 @@ RENDER_PLAYBOOK = """
   hosts: all:!monitoring
   gather_facts: false
   tasks:
-    - ansible.builtin.include_role: {name: common, tasks_from: system}
+    - ansible.builtin.include_role: {name: common, tasks_from: system, public: true}
     - ansible.builtin.include_role: {name: common, tasks_from: tokens}
     - ansible.builtin.include_role: {name: common, tasks_from: tls}
     - ansible.builtin.include_role: {name: common, tasks_from: config}
+    - ansible.builtin.include_role: {name: spark, tasks_from: units}
+      when: "'spark' in group_names"
 
 - name: Render what the monitoring role writes
   hosts: monitoring
@@ -164,7 +170,8 @@ def test_worker_advertises_its_private_address(rendered: Rendered) -> None:
 @pytest.mark.parametrize("host", list(HOST_ROLES))
 def test_one_systemd_unit_per_role(rendered: Rendered, host: str) -> None:
     units = sorted(p.name for p in (rendered.host(host) / "etc/systemd/system").iterdir())
-    assert units == sorted(f"hio-{r}.service" for r in HOST_ROLES[host])
+    spark = [f"{name}.service" for name in SPARK_UNITS.get(host, [])]
+    assert units == sorted([f"hio-{r}.service" for r in HOST_ROLES[host]] + spark)
     for role in HOST_ROLES[host]:
         unit = read_unit(rendered.host(host) / f"etc/systemd/system/hio-{role}.service")
         assert unit["ExecStart"] == [f"{rendered.host(host)}/opt/hio/bin/hio {role}"]
@@ -253,6 +260,64 @@ def test_certificates_name_the_private_address(rendered: Rendered) -> None:
     assert PRIVATE_IP["hio-w1"] in {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
     key_mode = stat.S_IMODE((rendered.host("hio-w1") / "etc/hio/tls/host.key").stat().st_mode)
     assert key_mode == 0o640
+
+
+def test_kd_runs_on_the_spark_group_cluster(rendered: Rendered) -> None:
+    kd = cfg.build(_config_class("kd"), "kd", file_data=rendered.toml("hio-m"))
+    assert kd.spark_master == f"spark://{PRIVATE_IP['hio-w1']}:7077"
+    assert kd.driver_host == PRIVATE_IP["hio-m"]  # where the executors dial the driver back
+    assert kd.spark_conf == ("spark.driver.port=7079", "spark.blockManager.port=7090", "spark.executor.memory=1g")
+
+
+@pytest.mark.parametrize("host", list(SPARK_UNITS))
+def test_spark_daemons_run_from_the_virtualenv_on_the_private_address(rendered: Rendered, host: str) -> None:
+    root = rendered.host(host)
+    # pip puts spark-class beside python: this test's own virtualenv has it where the units look.
+    assert (Path(sys.prefix) / "bin" / "spark-class").exists()
+    for name in SPARK_UNITS[host]:
+        unit = read_unit(root / f"etc/systemd/system/{name}.service")
+        command = unit["ExecStart"][0].split()
+        assert command[0] == f"{root}/opt/hio/bin/spark-class"
+        assert command[2:4] == ["--host", PRIVATE_IP[host]]
+        assert f"PYSPARK_PYTHON={root}/opt/hio/bin/python" in unit["Environment"]
+        assert f"SPARK_LOCAL_IP={PRIVATE_IP[host]}" in unit["Environment"]
+        assert f"SPARK_LOCAL_DIRS={root}/var/lib/hio/spark/scratch" in unit["Environment"]
+        assert unit["User"] == [os.environ.get("USER") or unit["User"][0]]
+        assert unit["Restart"] == ["on-failure"] and unit["SuccessExitStatus"] == ["143"]
+        assert unit["ReadWritePaths"] == [f"{root}/var/lib/hio/spark"]
+        if name == "hio-spark-master":
+            assert command[1] == "org.apache.spark.deploy.master.Master"
+            assert command[4:] == ["--port", "7077", "--webui-port", "8080"]
+        else:
+            assert command[1] == "org.apache.spark.deploy.worker.Worker"
+            assert command[4:] == [
+                "--port",
+                "7078",
+                "--webui-port",
+                "8081",
+                "--cores",
+                "2",
+                "--memory",
+                "2g",
+                "--work-dir",
+                f"{root}/var/lib/hio/spark/work",
+                f"spark://{PRIVATE_IP['hio-w1']}:7077",
+            ]
+    assert (root / "var/lib/hio/spark/work").is_dir() and (root / "var/lib/hio/spark/scratch").is_dir()
+
+
+def test_kd_without_a_spark_group_runs_spark_in_local_mode(tmp_path: Path) -> None:
+    require_collections()
+    playbook = tmp_path / "render.yml"
+    playbook.write_text(RENDER_PLAYBOOK)
+    common = {**local_vars(tmp_path), "hio_auth": False}
+    groups = {"master": ["hio-a"], "repository": ["hio-a"], "kd": ["hio-a"]}
+    inventory = write_inventory(tmp_path / "inventory.yml", groups, {"hio-a": {"hio_private_ip": "10.9.0.40"}}, common)
+    run_playbook(playbook, inventory, tmp_path)
+    with open(tmp_path / "hio-a/etc/hio/hio.toml", "rb") as fh:
+        kd = cfg.build(_config_class("kd"), "kd", file_data=tomllib.load(fh))
+    assert (kd.spark_master, kd.driver_host, kd.spark_conf) == ("local[2]", "127.0.0.1", ())
+    assert not list((tmp_path / "hio-a/etc/systemd/system").glob("*spark*"))
 
 
 # ------------------------------------------------------------------ the monitoring role

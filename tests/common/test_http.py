@@ -1,6 +1,7 @@
 """The HTTP endpoint every role serves (hio.transport.http), over loopback: its paths,
 the gRPC server's token rules (401 without a known token, 403 for a role not allowed),
-TLS and mutual TLS with the role's certificates, and its bound on connections."""
+TLS and mutual TLS with the role's certificates, its bound on connections, and a page for
+browsers: a sign-in form, and the session cookie it gives."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 import ssl
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,19 @@ from hio.config import ConfigError
 from hio.metrics import Scraped, gauge, role_registry
 from hio.settings import ClusterSettings
 from hio.transport.certs import generate
-from hio.transport.http import MAX_CONNECTIONS, HttpEndpoint, Reply, Route, serve_http
+from hio.transport.http import (
+    LOGIN_PATH,
+    MAX_CONNECTIONS,
+    MAX_FORM_BYTES,
+    MAX_SESSIONS,
+    METRICS_ROLES,
+    SESSION_SECONDS,
+    HttpEndpoint,
+    Reply,
+    Route,
+    Sessions,
+    serve_http,
+)
 
 TOKENS = {"viewer": "v-token", "gateway": "g-token", "admin": "a-token"}
 
@@ -206,3 +220,139 @@ def test_connections_past_the_bound_are_closed_and_room_comes_back(open_endpoint
     while get(f"http://{open_endpoint.address}/healthz")[0] != 200 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert get(f"http://{open_endpoint.address}/healthz")[0] == 200
+
+
+# A page for browsers: a refused caller gets a sign-in form, the form's token a session cookie.
+
+
+def page(_query: object) -> Reply:
+    return Reply(200, b"<p>the page</p>", "text/html; charset=utf-8")
+
+
+def browser_endpoint(settings: ClusterSettings) -> HttpEndpoint:
+    routes = {"/": Route(page, METRICS_ROLES, login=True), "/data.json": Route(page, METRICS_ROLES)}
+    return serve_http(settings, "127.0.0.1:0", registry_with(3.0), name="master", pages=routes)  # type: ignore[return-value]
+
+
+@pytest.fixture
+def browser_page(tokens_file: Path) -> Iterator[HttpEndpoint]:
+    endpoint = browser_endpoint(ClusterSettings(tokens_file=str(tokens_file)))
+    yield endpoint
+    endpoint.close()
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+def sign_in(
+    endpoint: HttpEndpoint,
+    token: str,
+    *,
+    headers: dict[str, str] | None = None,
+    context: ssl.SSLContext | None = None,
+    body: bytes | None = None,
+    path: str = LOGIN_PATH,
+) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of the sign-in form's post, redirects not followed."""
+    form = body if body is not None else urllib.parse.urlencode({"token": token, "next": "/"}).encode()
+    request = urllib.request.Request(
+        f"{endpoint.scheme}://{endpoint.address}{path}", data=form, headers=headers or {}, method="POST"
+    )
+    opener = urllib.request.build_opener(NoRedirect, urllib.request.HTTPSHandler(context=context))
+    try:
+        with opener.open(request, timeout=10) as reply:
+            return reply.status, dict(reply.headers), reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def with_cookie(url: str, cookie: str) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Cookie": cookie})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_a_page_for_browsers_answers_a_caller_without_a_token_with_a_sign_in_form(browser_page: HttpEndpoint) -> None:
+    status, headers, body = get(f"http://{browser_page.address}/")
+    assert status == 401 and headers["Content-Type"].startswith("text/html")
+    assert b'<form method="post" action="/login">' in body and b"missing token" in body
+    assert "form-action 'self'" in headers["Content-Security-Policy"]
+    status, headers, body = get(f"http://{browser_page.address}/data.json")
+    assert status == 401 and headers["Content-Type"].startswith("text/plain"), "what a script reads is refused as text"
+
+
+def test_the_sign_in_form_refuses_an_unknown_token_and_a_role_that_may_not_read_the_page(
+    browser_page: HttpEndpoint,
+) -> None:
+    status, headers, body = sign_in(browser_page, "not-a-token")
+    assert status == 401 and b"invalid token" in body and "Set-Cookie" not in headers
+    status, headers, body = sign_in(browser_page, TOKENS["gateway"])
+    assert status == 403 and b"role &#x27;gateway&#x27; may not call /" in body and "Set-Cookie" not in headers
+
+
+def test_a_viewer_signs_in_once_and_its_cookie_stands_for_the_token_without_holding_it(
+    browser_page: HttpEndpoint,
+) -> None:
+    status, headers, _ = sign_in(browser_page, TOKENS["viewer"])
+    assert status == 303 and headers["Location"] == "/"
+    cookie = headers["Set-Cookie"]
+    name_value, *flags = [part.strip() for part in cookie.split(";")]
+    assert name_value.startswith(f"hio_session_{browser_page.port}=")
+    assert {"HttpOnly", "SameSite=Strict", "Path=/"} <= set(flags) and "Secure" not in flags, "no TLS: no Secure"
+    assert TOKENS["viewer"] not in cookie, "the cookie holds a session id, never the token"
+    base = f"http://{browser_page.address}"
+    assert with_cookie(f"{base}/", name_value) == (200, b"<p>the page</p>")
+    assert with_cookie(f"{base}/data.json", name_value)[0] == 200
+    assert with_cookie(f"{base}/metrics", name_value)[0] == 200, "the token's roles, on every path"
+    assert with_cookie(f"{base}/", name_value + "x")[0] == 401, "an id it did not give is no session"
+
+
+def test_a_sign_in_posted_by_another_sites_form_or_too_large_or_elsewhere_is_refused(
+    browser_page: HttpEndpoint,
+) -> None:
+    status, _, body = sign_in(browser_page, TOKENS["viewer"], headers={"Origin": "http://elsewhere.example"})
+    assert status == 403 and b"own form" in body
+    own = f"http://{browser_page.address}"
+    assert sign_in(browser_page, TOKENS["viewer"], headers={"Origin": own})[0] == 303
+    status, _, body = sign_in(browser_page, "", body=b"token=" + b"x" * MAX_FORM_BYTES)
+    assert status == 413 and b"at most" in body
+    assert sign_in(browser_page, TOKENS["viewer"], path="/metrics")[0] == 405
+    assert get(f"{own}/healthz")[0] == 200, "the endpoint serves on"
+
+
+def test_over_tls_the_session_cookie_is_secure(certs: dict[str, Path], tokens_file: Path) -> None:
+    settings = ClusterSettings(
+        tokens_file=str(tokens_file), tls_cert=str(certs["server"]), tls_key=str(certs["server-key"])
+    )
+    endpoint = browser_endpoint(settings)
+    try:
+        status, headers, _ = sign_in(endpoint, TOKENS["admin"], context=client(certs))
+        assert status == 303 and "; Secure" in headers["Set-Cookie"]
+    finally:
+        endpoint.close()
+
+
+def test_an_open_endpoint_shows_its_page_to_anyone() -> None:
+    endpoint = browser_endpoint(ClusterSettings())
+    try:
+        assert get(f"http://{endpoint.address}/")[0] == 200
+        status, headers, _ = sign_in(endpoint, "")
+        assert status == 303 and "Set-Cookie" not in headers
+    finally:
+        endpoint.close()
+
+
+def test_sessions_expire_and_the_oldest_ends_when_too_many_are_open() -> None:
+    now = [0.0]
+    sessions = Sessions(clock=lambda: now[0])
+    first = sessions.open("t-0")
+    assert sessions.token(first) == "t-0" and sessions.token("made-up") == ""
+    now[0] = SESSION_SECONDS
+    assert sessions.token(first) == "", "expired"
+    ids = [sessions.open(f"t-{n}") for n in range(MAX_SESSIONS + 1)]
+    assert sessions.token(ids[0]) == "" and sessions.token(ids[-1]) == f"t-{MAX_SESSIONS}"

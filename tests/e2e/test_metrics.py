@@ -163,6 +163,11 @@ def _flow(cluster: MetricsCluster) -> None:
             what=lambda: f"every tuple settled; the cluster's logs:\n{cluster.output()}",
         )
         wait_for(lambda: value(cluster.scrape("gateway"), "hio_gateway_spooled_tuples") == 0, timeout=30)
+    wait_for(  # a route's reservation the gateway never used lapses after reservation_seconds
+        lambda: value(cluster.scrape("master"), "hio_master_channels", image=SYNTHETIC, state="free") == 2,
+        timeout=60,
+        what=lambda: f"both synthetic channels free again; the cluster's logs:\n{cluster.output()}",
+    )
 
 
 def test_the_master_counts_routes_outcomes_dead_letters_and_latencies(cluster: MetricsCluster) -> None:

@@ -57,6 +57,18 @@ def blobs_records(
     return records, truth
 
 
+def simulation_records(first_id: int, count: int) -> tuple[list[features_pb2.FeatureRecord], list[int]]:
+    """``count`` records of another image with another feature set: three 2-D blobs."""
+    rng = np.random.default_rng(first_id)
+    centres = np.array([[100.0, 0.0], [0.0, 50.0], [-100.0, -50.0]])
+    truth = [i % 3 for i in range(count)]
+    points = centres[truth] + rng.normal(scale=2.0, size=(count, 2))
+    return [
+        record(first_id + i, {"energy": p[0], "pressure": p[1]}, image="hio/simulation", kd=("energy", "pressure"))
+        for i, p in enumerate(points.tolist())
+    ], truth
+
+
 class Repo:
     """A client of a real repository for test set-up."""
 

@@ -13,14 +13,13 @@ import threading
 from itertools import permutations
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from hio.kd.config import KDConfig
 from hio.kd.job import build_session, run
 from hio.kd.report import format_knowledge
 from tests.harness import HioProcess, free_port, health_of, wait_for
-from tests.kd.helpers import Repo, blobs_records, record, repository
+from tests.kd.helpers import Repo, blobs_records, record, repository, simulation_records
 
 pytestmark = pytest.mark.spark
 
@@ -109,18 +108,6 @@ def test_intervals_cluster_distinct_distributions_and_skip_malformed(
         )
         truth_by_id.update({r.tuple_id: int(t) for r, t in zip(more, more_truth, strict=True)})
         assert purity(knowledge, truth_by_id) == 1.0
-
-
-def simulation_records(first_id: int, count: int) -> tuple[list, list[int]]:  # type: ignore[type-arg]
-    """``count`` records of another image with another feature set: three 2-D blobs."""
-    rng = np.random.default_rng(first_id)
-    centres = np.array([[100.0, 0.0], [0.0, 50.0], [-100.0, -50.0]])
-    truth = [i % 3 for i in range(count)]
-    points = centres[truth] + rng.normal(scale=2.0, size=(count, 2))
-    return [
-        record(first_id + i, {"energy": p[0], "pressure": p[1]}, image="hio/simulation", kd=("energy", "pressure"))
-        for i, p in enumerate(points.tolist())
-    ], truth
 
 
 def test_every_image_group_is_published_and_separated(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,34 @@ def test_paths_default_under_data_dir(tmp_path: Path) -> None:
 def test_bad_settings_are_named(field: str, value: object, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         KDConfig(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("master", ["local", "local[2]", "local[*]", "local[4,2]", "spark://127.0.0.1:7077"])
+def test_local_and_loopback_masters_put_the_driver_on_loopback(master: str) -> None:
+    config = KDConfig(spark_master=master)
+    config.validate()
+    assert config.driver_host == "127.0.0.1"
+
+
+def test_a_remote_standalone_master_leaves_the_driver_address_to_spark_or_the_setting() -> None:
+    remote = {"spark_master": "spark://10.0.0.5:7077,10.0.0.6:7077", "repository_address": "10.0.0.7:7100"}
+    KDConfig(**remote).validate()
+    assert KDConfig(**remote).driver_host == ""
+    assert KDConfig(**remote, spark_driver_host="10.0.0.8").driver_host == "10.0.0.8"
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"spark_master": "yarn"}, "spark_master must be local[N] or spark://host:port"),
+        ({"spark_master": "spark://spark-master"}, "spark_master must be local[N] or spark://host:port"),
+        ({"spark_master": "local[two]"}, "spark_master must be local[N] or spark://host:port"),
+        (
+            {"spark_master": "spark://10.0.0.5:7077", "repository_address": "127.0.0.1:7100"},
+            "repository_address 127.0.0.1:7100 names whatever host dials it",
+        ),
+    ],
+)
+def test_a_master_kd_cannot_run_on_is_refused(settings: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        KDConfig(**settings).validate()  # type: ignore[arg-type]

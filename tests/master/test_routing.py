@@ -383,6 +383,6 @@ def test_a_pull_ahead_yields_to_an_idle_channel_of_the_image(make_master) -> Non
     channel_b = master.registry.channel(b)
     assert channel_b is not None
     master.registry.set_free(channel_b)
-    channel_b.processing = True
+    master.registry.set_processing(channel_b, True)
     again = master.pull(a, 0)
     assert again is not None and again.lease.tuple_id == queued[3]

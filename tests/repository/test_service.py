@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import random
+import time
 import urllib.error
 import urllib.request
 from array import array
@@ -76,7 +77,9 @@ def put_request(*ids: int) -> pb.PutFeaturesRequest:
 
 def test_put_read_commit(repo: Running) -> None:
     stub = repo.stub()
+    before = time.time()
     reply = stub.PutFeatures(put_request(*range(1, 21)), timeout=10)
+    answered = time.time()
     assert list(reply.offsets) == list(range(1, 21)) and not any(reply.duplicate)
     again = stub.PutFeatures(put_request(3, 21), timeout=10)
     assert list(again.offsets) == [3, 21] and list(again.duplicate) == [True, False]
@@ -86,6 +89,7 @@ def test_put_read_commit(repo: Running) -> None:
     records = [r for b in batches for r in b.records]
     assert [r.offset for r in records] == list(range(1, 22))
     assert all(decode(r.record_zstd).tuple_id == r.tuple_id for r in records)
+    assert all(before <= r.durable_unix <= answered for r in records[:20])  # durable before the put answered
     window = [
         r.offset for b in stub.ReadFeatures(pb.ReadFeaturesRequest(after=5, until=9, max_records=3)) for r in b.records
     ]

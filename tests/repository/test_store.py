@@ -56,6 +56,33 @@ def test_duplicate_keeps_the_first_bytes(store: FeatureStore) -> None:
     assert decode(data).features["mean_intensity"].number == 1.0
 
 
+def test_each_record_says_when_it_became_durable_and_older_ones_say_unknown(store: FeatureStore) -> None:
+    before = time.time()
+    store.put([upload(1), upload(2)])
+    between = time.time()
+    store.put([upload(3)])
+    after = time.time()
+    first, second, third = store.durable_unix([1, 2, 3])
+    assert before <= first == second <= between <= third <= after  # one fsync round covered 1 and 2
+    assert store.durable_unix([4]) == [0.0]  # not stored
+    reopened = reopen(store)
+    assert reopened.durable_unix([1, 3]) == [0.0, 0.0]  # stored before this process opened the log
+    reopened.close()
+
+
+def test_durable_times_keep_the_latest_rounds_and_forget_the_oldest() -> None:
+    from hio.repository.featurelog import DurableTimes
+
+    times = DurableTimes(floor=10, capacity=4)
+    for n in range(1, 12):
+        times.add(10 + 2 * n, float(n))  # round n covers offsets 11 + 2(n-1) .. 10 + 2n
+    times.add(20, 99.0)  # an older round reported late changes nothing
+    assert times.of(10) == 0.0  # readable before the log opened
+    assert times.of(31) == 11.0 and times.of(32) == 11.0 and times.of(33) == 0.0
+    assert times.of(21) == 6.0 and times.of(22) == 6.0  # still remembered
+    assert times.of(20) == 0.0 and times.of(12) == 0.0  # forgotten: older than the latest rounds kept
+
+
 def test_read_ranges(store: FeatureStore) -> None:
     store.put([upload(100 + i) for i in range(1, 51)])
 

@@ -1,0 +1,385 @@
+"""A durable message broker beside Spark in `hio bench`: RabbitMQ, as Debian packages it.
+
+:class:`RabbitBroker` runs a broker of its own for the benchmark: on loopback, on free
+ports (AMQP, Erlang distribution and the Erlang port mapper, all three its own), with its
+data, logs and Erlang cookie in one folder, and no plugins. It is stopped, and the folder
+removed, whatever happened (:meth:`RabbitBroker.stop`; every process it started is its
+child, killed by its own id).
+
+:class:`RabbitSystem` is the design the paper's Kafka row stands for, with acknowledged,
+persistent delivery: a durable queue; each message published persistent with publisher
+confirms (``send`` returns once the broker has written it to disk); two consumer processes
+(two processing slots) with manual acknowledgements, each running the same pipeline as
+this system's engines (:func:`hio.worker.pipelines.synthetic.process`), appending the
+features of what it has taken to a feature log of its own, fsyncing it, and only then
+acknowledging (at least once: a crash between the fsync and the ack processes a message
+again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.systems import SLOTS, FeatureFile, Finished, System, features_line, parse_header
+
+log = logging.getLogger("hio.bench")
+
+QUEUE = "hio-bench"
+SERVER_GLOB = "/usr/lib/rabbitmq/lib/rabbitmq_server-*/sbin/rabbitmq-server"
+EPMD = "/usr/bin/epmd"
+PREFETCH_BYTES = 32 * 10**6  # unacknowledged bytes a consumer may hold at most
+MAX_PREFETCH = 256  # ... and messages
+
+
+def server_script() -> Path:
+    """The broker's start script, installed with apt-get as root when it is missing."""
+    found = sorted(glob.glob(SERVER_GLOB))
+    if not found and os.geteuid() == 0 and shutil.which("apt-get"):
+        log.warning("installing Debian's rabbitmq-server for the benchmark")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "rabbitmq-server"],
+            env=env,
+            capture_output=True,
+            timeout=900,
+        )
+        found = sorted(glob.glob(SERVER_GLOB))
+    if not found or not Path(EPMD).exists():
+        raise RuntimeError(
+            "RabbitMQ is not installed (Debian's rabbitmq-server): as root, "
+            "apt-get install rabbitmq-server (.ci/run does)"
+        )
+    return Path(found[-1])
+
+
+def _free_port() -> int:
+    from hio.process.procs import free_port
+
+    return free_port()
+
+
+class RabbitBroker:
+    """One RabbitMQ node of the benchmark's own under ``root`` (see the module doc)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = 0
+        self._epmd: subprocess.Popen[bytes] | None = None
+        self._server: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 180.0) -> None:
+        """Start the node; return once it takes AMQP connections. Stops what it started on failure."""
+        script = server_script()
+        try:
+            self._start(script, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, script: Path, timeout: float) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        (self.root / "logs").mkdir(parents=True)
+        (self.root / "enabled_plugins").write_text("[].\n")
+        (self.root / "rabbitmq.conf").write_text("log.console = false\nlog.file.level = warning\n")
+        (self.root / "rabbitmq-env.conf").write_text("")
+        self.port = _free_port()
+        epmd_port = _free_port()
+        env = {
+            **os.environ,
+            "HOME": str(self.root),  # the Erlang cookie goes here
+            "ERL_EPMD_PORT": str(epmd_port),
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODENAME": f"hio-bench-{os.getpid()}-{self.port}@localhost",
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(_free_port()),
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+            "RABBITMQ_MNESIA_BASE": str(self.root / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.root / "logs"),
+            "RABBITMQ_CONFIG_FILE": str(self.root / "rabbitmq"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.root / "advanced.config"),
+            "RABBITMQ_CONF_ENV_FILE": str(self.root / "rabbitmq-env.conf"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.root / "enabled_plugins"),
+            "RABBITMQ_PLUGINS_EXPAND_DIR": str(self.root / "plugins-expand"),
+            "RABBITMQ_PID_FILE": str(self.root / "rabbitmq.pid"),
+        }
+        with open(self.root / "logs" / "epmd.log", "wb") as out:
+            self._epmd = subprocess.Popen(
+                [EPMD, "-port", str(epmd_port), "-address", "127.0.0.1"], stdout=out, stderr=out, env=env
+            )
+        with open(self.root / "logs" / "server.log", "wb") as out:
+            # A session of its own: the script's shell and the Erlang VM are stopped as one group.
+            self._server = subprocess.Popen(
+                [str(script)], stdout=out, stderr=out, env=env, cwd=self.root, start_new_session=True
+            )
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        import pika
+
+        deadline = time.monotonic() + timeout
+        quiet = logging.getLogger("pika")  # each refused try is expected here, not an error to log
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
+        try:
+            self._poll_ready(pika, deadline, timeout)
+        finally:
+            quiet.setLevel(level)
+
+    def _poll_ready(self, pika: Any, deadline: float, timeout: float) -> None:
+        while True:
+            if self._server is not None and self._server.poll() is not None:
+                raise RuntimeError(f"RabbitMQ exited at start ({self._server.returncode}): {self._log_tail()}")
+            try:
+                pika.BlockingConnection(self.parameters()).close()
+                return
+            except pika.exceptions.AMQPConnectionError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"RabbitMQ did not start within {timeout:.0f} s: {self._log_tail()}") from None
+                time.sleep(0.5)
+
+    def _log_tail(self) -> str:
+        try:
+            return (self.root / "logs" / "server.log").read_text(errors="replace")[-1500:]
+        except OSError:
+            return "(no log)"
+
+    def parameters(self) -> Any:
+        """Connection parameters of this node (guest may connect over loopback only)."""
+        import pika
+
+        return pika.ConnectionParameters(
+            host="127.0.0.1", port=self.port, heartbeat=0, blocked_connection_timeout=600, connection_attempts=1
+        )
+
+    def stop(self) -> None:
+        """Stop the node and its port mapper (SIGTERM, then SIGKILL), remove its folder. Idempotent."""
+        if self._server is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._server.pid, signal.SIGTERM)
+            try:
+                self._server.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._server.pid, signal.SIGKILL)
+                self._server.wait(10)
+            self._server = None
+        if self._epmd is not None:
+            self._epmd.terminate()
+            try:
+                self._epmd.wait(10)
+            except subprocess.TimeoutExpired:
+                self._epmd.kill()
+                self._epmd.wait(10)
+            self._epmd = None
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+# -- the consumer process ------------------------------------------------------------
+
+
+def consume(parameters: Any, features: str, prefetch: int, results: Any, stop: Any) -> None:
+    """One consumer process: take, process (the engines' pipeline), store, ack (see the module doc).
+
+    Messages already delivered to this consumer are processed before their features are
+    stored and acknowledged together (a batch); ``results`` gets ``(tag, seq, sent, done)``
+    per message once stored, or ``("error", text)``.
+    """
+    import pika
+
+    store = FeatureFile(Path(features))
+    connection = pika.BlockingConnection(parameters)
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=prefetch)
+    batch: list[tuple[int, bytes]] = []  # (delivery tag, features line)
+    try:
+        for method, properties, body in channel.consume(QUEUE, inactivity_timeout=0.05):
+            if stop.is_set():
+                break
+            if method is not None:
+                cost_ms = float((properties.headers or {}).get("cost_ms", "0"))
+                batch.append((method.delivery_tag, features_line(body, cost_ms / 1000)))
+                if len(batch) < prefetch and channel.get_waiting_message_count() > 0:
+                    continue
+            if batch:
+                done = store.append([line for _, line in batch])
+                channel.basic_ack(delivery_tag=batch[-1][0], multiple=True)
+                heads = [parse_header(line) for _, line in batch]
+                results.put([(*head, done) for head in heads if head is not None])
+                batch = []
+    except Exception as exc:  # noqa: BLE001 - reported to the benchmark, which records it as the step's error
+        results.put(("error", f"consumer: {exc}"))
+    finally:
+        with contextlib.suppress(Exception):
+            connection.close()
+        store.close()
+
+
+# -- the system ------------------------------------------------------------------------
+
+
+class RabbitSystem(System):
+    """RabbitMQ: durable queue, persistent messages, publisher confirms, two consumers with manual acks."""
+
+    name = "rabbitmq"
+    sender_threads = 4
+
+    def __init__(self, data_dir: Path) -> None:
+        self.root = data_dir
+        self.broker = RabbitBroker(data_dir / "broker")
+        self._context = multiprocessing.get_context("spawn")
+        self._results: Any = None
+        self._stop: Any = None
+        self._consumers: list[Any] = []
+        self._drainer: threading.Thread | None = None
+        self._publishers = threading.local()
+        self._connections: list[Any] = []
+        self._lock = threading.Lock()
+        self._by_tag: dict[str, list[Finished]] = {}
+        self._count = 0
+        self._errors: list[str] = []
+        self._size = 0
+
+    def start(self) -> None:
+        import pika
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.broker.start()
+        with contextlib.closing(pika.BlockingConnection(self.broker.parameters())) as connection:
+            connection.channel().queue_declare(QUEUE, durable=True)
+        self._results = self._context.Queue()
+        self._stop = self._context.Event()
+        self._drainer = threading.Thread(target=self._drain, name="rabbit-results", daemon=True)
+        self._drainer.start()
+
+    def begin_point(self, size: int, cost_s: float) -> None:
+        """Consumers whose prefetch suits this size (unacknowledged messages held at most)."""
+        self._stop_consumers()
+        self._size = size
+        prefetch = max(1, min(MAX_PREFETCH, PREFETCH_BYTES // max(size, 1)))
+        self._stop = self._context.Event()
+        self._consumers = [
+            self._context.Process(
+                target=consume,
+                args=(
+                    self.broker.parameters(),
+                    str(self.root / f"features-{n}.log"),
+                    prefetch,
+                    self._results,
+                    self._stop,
+                ),
+                name=f"rabbit-consumer-{n}",
+                daemon=True,
+            )
+            for n in range(SLOTS)
+        ]
+        for process in self._consumers:
+            process.start()
+        with self._lock:
+            self._by_tag.clear()
+            self._count = 0
+
+    def end_point(self) -> None:
+        self._stop_consumers()
+
+    def _stop_consumers(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        for process in self._consumers:
+            process.join(15)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        self._consumers = []
+
+    def stop(self) -> None:
+        self._stop_consumers()
+        for connection in self._connections:
+            with contextlib.suppress(Exception):
+                connection.close()
+        self._connections = []
+        self._publishers = threading.local()
+        if self._results is not None:
+            self._results.put(None)  # ends the drainer
+            if self._drainer is not None:
+                self._drainer.join(10)
+            self._results = None
+        self.broker.stop()
+
+    def reset(self) -> None:
+        """Drop the backlog: purge the queue (what consumers hold is still finished and acked)."""
+        import pika
+
+        with contextlib.closing(pika.BlockingConnection(self.broker.parameters())) as connection:
+            connection.channel().queue_purge(QUEUE)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._results.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            except (OSError, ValueError, EOFError):
+                return
+            if item is None:
+                return
+            with self._lock:
+                if isinstance(item, tuple) and item[0] == "error":
+                    self._errors.append(str(item[1]))
+                    continue
+                for tag, seq, sent, done in item:
+                    self._count += 1
+                    self._by_tag.setdefault(tag, []).append(Finished(seq, sent, done))
+
+    def _channel(self) -> Any:
+        """This sender thread's own publishing channel with confirms (pika is not thread-safe)."""
+        import pika
+
+        channel = getattr(self._publishers, "channel", None)
+        if channel is None:
+            connection = pika.BlockingConnection(self.broker.parameters())
+            with self._lock:
+                self._connections.append(connection)
+            channel = connection.channel()
+            channel.confirm_delivery()
+            self._publishers.channel = channel
+        return channel
+
+    def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
+        """Publish persistent; returns once the broker confirmed it (written to disk)."""
+        import pika
+
+        self._channel().basic_publish(
+            exchange="",
+            routing_key=QUEUE,
+            body=payload,
+            properties=pika.BasicProperties(delivery_mode=2, headers={"cost_ms": f"{cost_s * 1000:g}"}),
+            mandatory=True,
+        )
+
+    def finished_count(self) -> int:
+        with self._lock:
+            return self._count
+
+    def finished(self, tag: str) -> list[Finished]:
+        with self._lock:
+            return list(self._by_tag.get(tag, []))
+
+    def errors(self) -> list[str]:
+        with self._lock:
+            found = list(self._errors)
+        dead = [p.name for p in self._consumers if not p.is_alive()]
+        return found + [f"{name} exited" for name in dead]
