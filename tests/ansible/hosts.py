@@ -17,8 +17,8 @@ container's own), ``/run`` and ``/run/lock`` as tmpfs, and no AppArmor profile (
 mounts). ``--privileged`` is not needed, and does not start where dockerd lacks a capability.
 
 Containers and networks carry the label ``io.harmonicio.test-hosts=<pid>-<start ticks>`` of the
-run that made them: a run removes its own at the end, and those of runs that were killed
-(:func:`remove_stale`).
+run that made them, and its folder of keys is ``<tmp>/hio-hosts-<pid>-<start ticks>-*``: a run
+removes its own at the end, and those of runs that were killed (:func:`remove_stale`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ HOST_DIR = Path(__file__).resolve().parent / "host"
 MAKE_BASE = REPO / "images" / "make-base.sh"
 IMAGE = "hio/ansible-host"
 LABEL = "io.harmonicio.test-hosts"
+KEYS_PREFIX = "hio-hosts-"
 USER = "deploy"
 USER_UID = 1000  # useradd --uid in host/Dockerfile
 # Besides what make-base.sh always installs and what the roles apt-get (role_packages).
@@ -133,21 +134,27 @@ def ensure_image(client: Any) -> str:
     return name
 
 
+def _gone(owner: str) -> bool:
+    """Whether the run ``<pid>-<start ticks>`` has ended."""
+    pid = owner.split("-")[0]
+    return not pid.isdigit() or run_id(int(pid)) != owner
+
+
 def remove_stale(client: Any) -> list[str]:
-    """Remove the containers and networks of runs whose process is gone; their names."""
+    """Remove the containers, networks and key folders of runs whose process is gone; their names."""
     removed = []
     for container in client.containers.list(all=True, filters={"label": LABEL}):
-        owner = container.labels.get(LABEL, "")
-        pid = owner.split("-")[0]
-        if not pid.isdigit() or run_id(int(pid)) != owner:
+        if _gone(container.labels.get(LABEL, "")):
             container.remove(force=True)
             removed.append(container.name)
     for network in client.networks.list(filters={"label": LABEL}):
-        owner = network.attrs.get("Labels", {}).get(LABEL, "")
-        pid = owner.split("-")[0]
-        if not pid.isdigit() or run_id(int(pid)) != owner:
+        if _gone(network.attrs.get("Labels", {}).get(LABEL, "")):
             network.remove()
             removed.append(network.name)
+    for folder in Path(tempfile.gettempdir()).glob(f"{KEYS_PREFIX}*-*-*"):
+        if _gone("-".join(folder.name.removeprefix(KEYS_PREFIX).split("-")[:2])):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
     return removed
 
 
@@ -159,7 +166,8 @@ class Hosts:
         self.client = client
         self.image = image
         self.run = run_id()
-        self.dir = Path(tempfile.mkdtemp(prefix="hio-hosts-"))  # short: ssh's control sockets live here
+        # Short: ssh's control sockets live here.
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{KEYS_PREFIX}{self.run}-"))
         self.key = self.dir / "id_ed25519"
         subprocess.run(
             ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"hio-test-{self.run}", "-f", str(self.key)],

@@ -29,6 +29,7 @@ from tests.ansible.helpers import (
 
 pytestmark = pytest.mark.slow
 
+
 def test_site_deploys_a_master_that_serves(tmp_path: Path) -> None:
     require_collections()
     wheelhouse = REPO / "wheelhouse"
