@@ -13,6 +13,7 @@ worker hosts, which store into the repository on the first."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import re
 import shlex
@@ -292,9 +293,11 @@ def test_the_cluster_refuses_callers_without_a_token_or_a_certificate(cluster: C
     with create_channel(address, cluster.client_settings(address)) as channel:
         status = master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=30)
     assert {w.worker_id for w in status.workers} >= set(cluster.groups["workers"])
+    admin = cluster.client_settings(address)
     for settings, refused in (
         (cluster.client_settings(address, token=False), "UNAUTHENTICATED"),
-        (ClusterSettings(token_file=cluster.client_settings(address).token_file), "UNAVAILABLE"),  # no TLS
+        (dataclasses.replace(admin, tls_cert="", tls_key=""), "UNAVAILABLE"),  # TLS without a client certificate
+        (ClusterSettings(token_file=admin.token_file), "UNAVAILABLE"),  # no TLS
     ):
         with create_channel(address, settings) as channel, pytest.raises(Exception, match=refused):
             master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=30)
