@@ -189,7 +189,10 @@ def test_each_host_gets_only_its_own_token(rendered: Rendered) -> None:
 
     assert tokens("hio-w1") == {"worker.token", "worker.tokens"}
     assert tokens("hio-g1") == {"gateway.token", "gateway.tokens"}
-    assert tokens("hio-m") == {"kd.token", "admin.token", "master.tokens", "repository.tokens", "kd.tokens"}
+    assert tokens("hio-m") == {
+        *("kd.token", "viewer.token", "admin.token"),
+        *("master.tokens", "repository.tokens", "kd.tokens"),
+    }
     secrets = rendered.host(PROMETHEUS) / "etc/prometheus/hio"
     assert {p.name for p in secrets.iterdir()} == {"viewer.token", "ca.crt", "client.crt", "client.key"}
     assert (secrets / "viewer.token").read_text().strip() == rendered.token(f"monitoring-{PROMETHEUS}")
@@ -234,6 +237,10 @@ def test_clients_present_the_token_the_servers_know(rendered: Rendered) -> None:
     master = _table(rendered, "hio-m", "master")
     assert master.lookup(worker.presented_token()) == ("worker", "worker-hio-w1")
     assert master.lookup(gateway.presented_token()) == ("gateway", "gateway-hio-g1")
+    # The master's status page reads KD's preview from the repository as a viewer.
+    master_config = cfg.build(_config_class("master"), "master", file_data=rendered.toml("hio-m"))
+    repository = _table(rendered, "hio-m", "repository")
+    assert repository.lookup(master_config.presented_token()) == ("viewer", "master-hio-m")
 
 
 def test_host_certificates_serve_mutual_tls(rendered: Rendered) -> None:
