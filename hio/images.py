@@ -13,6 +13,8 @@ index's certificate, and no container registry may be reachable at all):
 * Python packages come from a wheelhouse on the host (``pip wheel`` of the
   runtime dependencies, pinned by ``constraints.txt``, plus a wheel of this
   project), copied into the build context; builds run with networking off.
+  The same wheelhouse serves hosts deployed offline by ansible/site.yml
+  (``hio_wheelhouse``): it also holds the wheels of the extras hosts install.
 
 Actions: ``build`` (default) the images, ``list`` what is present, ``base`` only
 make the base, ``wheelhouse`` only fill the wheelhouse.
@@ -41,6 +43,11 @@ log = logging.getLogger("hio.images")
 BUILTIN_IMAGES = ("base", "microscopy", "simulation", "synthetic")
 ACTIONS = ("build", "list", "base", "wheelhouse")
 PROJECT_WHEEL = "harmonicio"
+# Extras deployed hosts install besides the runtime dependencies (ansible/: [kd] on KD
+# hosts, [docker] on workers running engines as containers). Each has a folder of the
+# wheelhouse, wheelhouse/<extra>/, with the wheels it adds: a host copies the top level
+# and its extras' folders; engine images take the top level only.
+HOST_EXTRAS = ("kd", "docker")
 IMAGE_LABEL = "io.harmonicio.image"
 STAGE_LABEL = "io.harmonicio.stage"
 # Same sources, same wheel bytes: Docker's layer cache then skips reinstalling.
@@ -83,7 +90,9 @@ class ImagesConfig:
     )
     pull_base: bool = setting(True, "try to pull --base-image when it is not present locally")
     tag: str = setting("latest", "tag of the images built")
-    wheelhouse: str = setting("", "folder of wheels installed into hio/base (default: <project>/wheelhouse)")
+    wheelhouse: str = setting(
+        "", "folder of wheels for hio/base and for hosts deployed offline (default: <project>/wheelhouse)"
+    )
     project_dir: str = setting("", "checkout holding images/ and pyproject.toml (default: found from hio)")
     no_cache: bool = setting(False, "build every layer again")
     docker_timeout: float = setting(600.0, "seconds one Docker API call may take (a build step)")
@@ -135,11 +144,24 @@ def selected_folders(config: ImagesConfig, images_dir: Path) -> list[str]:
 def runtime_requirements(root: Path, image_dir: Path | None = None) -> list[str]:
     """The project's runtime dependencies (names only) plus an image's extras
     (its requirements.txt; by default the base image's)."""
-    with open(root / "pyproject.toml", "rb") as fh:
-        deps = tomllib.load(fh)["project"]["dependencies"]
-    names = [re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0] for d in deps]
+    names = _names(_project(root)["dependencies"])
     extra = _requirement_lines((image_dir or root / "images" / "base") / "requirements.txt")
     return list(dict.fromkeys(n for n in names + extra if n != PROJECT_WHEEL))
+
+
+def extra_requirements(root: Path, extra: str) -> list[str]:
+    """The requirements (names only) an extra of the project adds, e.g. ``kd``."""
+    return _names(_project(root)["optional-dependencies"][extra])
+
+
+def _project(root: Path) -> dict[str, Any]:
+    with open(root / "pyproject.toml", "rb") as fh:
+        project: dict[str, Any] = tomllib.load(fh)["project"]
+    return project
+
+
+def _names(specs: list[str]) -> list[str]:
+    return [re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0] for spec in specs]
 
 
 def _requirement_lines(path: Path) -> list[str]:
@@ -165,16 +187,28 @@ def _pip_wheel(args: list[str], wheelhouse: Path, timeout: float) -> subprocess.
 
 
 def fill_dependency_wheels(root: Path, wheelhouse: Path, timeout: float) -> None:
-    """Wheels of every runtime dependency: from the wheelhouse alone if it has
-    them all (works offline), else from the package index."""
-    reqs = runtime_requirements(root)
+    """Wheels of every runtime dependency, and in ``wheelhouse/<extra>/`` those each
+    of :data:`HOST_EXTRAS` adds (only the wheels the top level lacks): from the
+    wheelhouse alone if it has them all (works offline), else from the package index."""
+    _fill_wheels(root, runtime_requirements(root), wheelhouse, [wheelhouse], timeout)
+    for extra in HOST_EXTRAS:
+        folder = wheelhouse / extra
+        folder.mkdir(exist_ok=True)
+        _fill_wheels(root, extra_requirements(root, extra), folder, [wheelhouse, folder], timeout)
+        for wheel in folder.glob("*.whl"):
+            if (wheelhouse / wheel.name).is_file():
+                wheel.unlink()
+
+
+def _fill_wheels(root: Path, reqs: list[str], dest: Path, find_links: list[Path], timeout: float) -> None:
     pins = root / "constraints.txt"
     constraint = ["-c", str(pins)] if pins.is_file() else []
-    offline = _pip_wheel(["--no-index", "--find-links", str(wheelhouse), *constraint, *reqs], wheelhouse, timeout)
+    links = [arg for folder in find_links for arg in ("--find-links", str(folder))]
+    offline = _pip_wheel(["--no-index", *links, *constraint, *reqs], dest, timeout)
     if offline.returncode == 0:
         return
-    print(f"hio images: fetching wheels for {' '.join(reqs)} into {wheelhouse}", flush=True)
-    online = _pip_wheel([*constraint, *reqs], wheelhouse, timeout)
+    print(f"hio images: fetching wheels for {' '.join(reqs)} into {dest}", flush=True)
+    online = _pip_wheel([*links, *constraint, *reqs], dest, timeout)
     if online.returncode != 0:
         raise ImageBuildError(f"pip wheel failed for {' '.join(reqs)}:\n{online.stderr[-3000:]}")
 

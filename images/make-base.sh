@@ -6,7 +6,11 @@
 # is 3.11) and `docker import` it. Idempotent: does nothing when the image
 # already exists (pass --force to rebuild).
 #
-#   images/make-base.sh [--force] [IMAGE]      default IMAGE: hio/debian-python:bookworm
+#   images/make-base.sh [--force] [--packages P1,P2,...] [IMAGE]
+#
+# IMAGE defaults to hio/debian-python:bookworm. --packages adds Debian packages
+# (and what they depend on) to the root file system: tests/ansible/ makes its
+# SSH-and-systemd hosts from such a base.
 #
 # Environment: HIO_DEBIAN_MIRROR (default: the first Debian mirror in this
 # host's apt sources, else http://deb.debian.org/debian), HIO_DEBIAN_SUITE
@@ -14,10 +18,17 @@
 set -euo pipefail
 
 FORCE=0
-if [[ "${1:-}" == "--force" ]]; then FORCE=1; shift; fi
+PACKAGES="python3,python3-venv,ca-certificates,tzdata"
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --force) FORCE=1; shift ;;
+        --packages) PACKAGES="$PACKAGES,${2:?--packages needs a comma-separated list}"; shift 2 ;;
+        -*) printf 'make-base: unknown option %s\n' "$1" >&2; exit 2 ;;
+        *) break ;;
+    esac
+done
 IMAGE="${1:-hio/debian-python:bookworm}"
 SUITE="${HIO_DEBIAN_SUITE:-bookworm}"
-PACKAGES="python3,python3-venv,ca-certificates,tzdata"
 
 log() { printf 'make-base: %s\n' "$*" >&2; }
 

@@ -31,6 +31,9 @@ REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = REPO / "ansible"
 BIN = Path(sys.executable).parent
 COLLECTIONS = ("openstack.cloud", "community.crypto")
+# What a clean copy of the checkout needs to build the wheel (a stale build/
+# in the working tree must not leak into it).
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "hio", "proto", "master", "worker", "gateway", "repository", "kd")
 
 
 def ansible_tool(name: str) -> str:
@@ -243,3 +246,23 @@ def base_python() -> str:
     """The interpreter this venv was made from (a fresh venv is made from it)."""
     base = getattr(sys, "_base_executable", "") or sys.executable
     return shutil.which(base) or base
+
+
+def build_wheel(dest: Path) -> Path:
+    """``pip wheel --no-deps`` of a clean copy of the checkout, as an operator would."""
+    src = dest / "src"
+    src.mkdir(parents=True)
+    for name in WHEEL_SOURCES:
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif path.exists():
+            shutil.copy2(path, src / name)
+    dist = dest / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w", str(dist)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return next(dist.glob("harmonicio-*.whl"))

@@ -6,10 +6,8 @@ answers health and an authenticated `hio status`, drains on SIGTERM with exit
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from hio.transport.net import wait_healthy
 from tests.ansible.helpers import (
     REPO,
     base_python,
+    build_wheel,
     local_vars,
     recap,
     require_collections,
@@ -29,30 +28,6 @@ from tests.ansible.helpers import (
 )
 
 pytestmark = pytest.mark.slow
-
-# What a clean copy of the checkout needs to build the wheel (a stale build/
-# in the working tree must not leak into it).
-WHEEL_SOURCES = ("pyproject.toml", "README.md", "hio", "proto", "master", "worker", "gateway", "repository", "kd")
-
-
-def build_wheel(dest: Path) -> Path:
-    """``pip wheel --no-deps`` of a clean copy of the checkout, as an operator would."""
-    src = dest / "src"
-    src.mkdir(parents=True)
-    for name in WHEEL_SOURCES:
-        path = REPO / name
-        if path.is_dir():
-            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        elif path.exists():
-            shutil.copy2(path, src / name)
-    dist = dest / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w", str(dist)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return next(dist.glob("harmonicio-*.whl"))
 
 
 def test_site_deploys_a_master_that_serves(tmp_path: Path) -> None:

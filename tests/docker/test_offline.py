@@ -16,8 +16,10 @@ from hio.config import ConfigError
 docker_launcher = pytest.importorskip("hio.worker.docker_launcher")
 from hio.images import (
     BUILTIN_IMAGES,
+    HOST_EXTRAS,
     ImagesConfig,
     build_project_wheel,
+    extra_requirements,
     project_root,
     runtime_requirements,
     selected_folders,
@@ -99,6 +101,12 @@ def test_base_requirements_are_the_runtime_dependencies_plus_extras() -> None:
     reqs = runtime_requirements(ROOT)
     assert {"grpcio", "protobuf", "zstandard", "numpy", "scipy"} <= set(reqs)
     assert "harmonicio" not in reqs and "pyspark" not in reqs
+
+
+def test_the_extras_deployed_hosts_install_name_their_requirements() -> None:
+    assert set(HOST_EXTRAS) == {"kd", "docker"}
+    assert {"pyspark", "pyarrow", "pandas"} <= set(extra_requirements(ROOT, "kd"))
+    assert extra_requirements(ROOT, "docker") == ["docker"]
 
 
 def test_project_wheel_carries_generated_code_and_stages_apart(tmp_path: Path) -> None:
