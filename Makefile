@@ -52,19 +52,19 @@ lint: setup
 	if grep -rnE '$(SUPPRESSION_WITHOUT_REASON)' --include='*.py' --exclude='*_pb2*.py' $(PRODUCT); then status=1; fi; \
 	exit $$status
 
-# The quick tests run on two processes (pytest-xdist; each starts its own servers on free
-# ports), then the slow, Spark and Docker ones one at a time: they measure rates, scale with
-# load, hold Spark or Docker, or boot hosts, and must not share the machine with each other.
-QUICK = not slow and not spark and not docker
+# Two processes run the tests (pytest-xdist, a module's tests in one process; each starts its
+# own servers on free ports), then one process the Spark tests (a JVM each, sharing the two
+# cores with nothing) and those that measure what a test beside them would change.
+ALONE = spark or alone
 
 test: setup
 	@status=0; \
-	$(BIN)/python -m pytest -n 2 -m "$(QUICK)" $(PYTEST_ARGS) || status=1; \
-	$(BIN)/python -m pytest -m "not ($(QUICK))" $(PYTEST_ARGS) || status=1; \
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not ($(ALONE))" $(PYTEST_ARGS) || status=1; \
+	$(BIN)/python -m pytest -m "$(ALONE)" $(PYTEST_ARGS) || status=1; \
 	exit $$status
 
 test-quick: setup
-	$(BIN)/python -m pytest -n 2 -m "$(QUICK)" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 -m "not slow and not spark and not docker" $(PYTEST_ARGS)
 
 # As root: the edge, public and private networks of docs/deploy.md as network namespaces behind
 # a router whose firewall is deploy.md's table; real roles in them, tuples streamed through, a

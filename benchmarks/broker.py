@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.systems import SLOTS, FeatureFile, Finished, System, features_line, parse_header
+from benchmarks.systems import SLOTS, FeatureFile, Finished, FinishLog, System, features_line, parse_header
 
 log = logging.getLogger("hio.bench")
 
@@ -247,10 +247,8 @@ class RabbitSystem(System):
         self._drainer: threading.Thread | None = None
         self._publishers = threading.local()
         self._connections: list[Any] = []
-        self._lock = threading.Lock()
-        self._by_tag: dict[str, list[Finished]] = {}
-        self._count = 0
-        self._errors: list[str] = []
+        self._lock = threading.Lock()  # the publishers' connections
+        self._finishes = FinishLog()
         self._size = 0
 
     def start(self) -> None:
@@ -288,9 +286,7 @@ class RabbitSystem(System):
         ]
         for process in self._consumers:
             process.start()
-        with self._lock:
-            self._by_tag.clear()
-            self._count = 0
+        self._finishes.clear()
 
     def end_point(self) -> None:
         self._stop_consumers()
@@ -336,13 +332,10 @@ class RabbitSystem(System):
                 return
             if item is None:
                 return
-            with self._lock:
-                if isinstance(item, tuple) and item[0] == "error":
-                    self._errors.append(str(item[1]))
-                    continue
-                for tag, seq, sent, done in item:
-                    self._count += 1
-                    self._by_tag.setdefault(tag, []).append(Finished(seq, sent, done))
+            if isinstance(item, tuple) and item[0] == "error":
+                self._finishes.error(str(item[1]))
+            else:
+                self._finishes.add(item)
 
     def _channel(self) -> Any:
         """This sender thread's own publishing channel with confirms (pika is not thread-safe)."""
@@ -371,15 +364,12 @@ class RabbitSystem(System):
         )
 
     def finished_count(self) -> int:
-        with self._lock:
-            return self._count
+        return self._finishes.count()
 
     def finished(self, tag: str) -> list[Finished]:
-        with self._lock:
-            return list(self._by_tag.get(tag, []))
+        return self._finishes.of(tag)
 
     def errors(self) -> list[str]:
-        with self._lock:
-            found = list(self._errors)
+        found = self._finishes.errors()
         dead = [p.name for p in self._consumers if not p.is_alive()]
         return found + [f"{name} exited" for name in dead]

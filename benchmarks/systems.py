@@ -42,7 +42,7 @@ import string
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +126,50 @@ class Finished:
     seq: int
     sent_unix: float
     done_unix: float
+
+
+class FinishLog:
+    """What a system that learns of its finished messages as they happen keeps of them: each
+    step's finished messages, how many finished in all, and the errors seen. Its threads add
+    to it while the step runner reads it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_tag: dict[str, list[Finished]] = {}
+        self._count = 0
+        self._errors: list[str] = []
+
+    def clear(self) -> None:
+        """A point starts: forget its predecessor's messages (not the errors)."""
+        with self._lock:
+            self._by_tag.clear()
+            self._count = 0
+
+    def add(self, finished: Iterable[tuple[str, int, float, float]], count: int | None = None) -> None:
+        """Messages finished, as (tag, seq, sent, done); ``count`` (default: how many were
+        given) counts those whose header could not be read too."""
+        with self._lock:
+            added = 0
+            for tag, seq, sent, done in finished:
+                self._by_tag.setdefault(tag, []).append(Finished(seq, sent, done))
+                added += 1
+            self._count += added if count is None else count
+
+    def error(self, message: str) -> None:
+        with self._lock:
+            self._errors.append(message)
+
+    def count(self) -> int:
+        with self._lock:
+            return self._count
+
+    def of(self, tag: str) -> list[Finished]:
+        with self._lock:
+            return list(self._by_tag.get(tag, []))
+
+    def errors(self) -> list[str]:
+        with self._lock:
+            return list(self._errors)
 
 
 class MessageGenerator:
@@ -512,10 +556,7 @@ class SparkSystem(System):
         self.conf = conf
         self.spark: Any = None
         self.query: Any = None
-        self._lock = threading.Lock()
-        self._by_tag: dict[str, list[Finished]] = {}
-        self._count = 0
-        self._errors: list[str] = []
+        self._finishes = FinishLog()
         self._stopping = False
         self._point = 0
         self._point_dir: Path | None = None
@@ -536,9 +577,7 @@ class SparkSystem(System):
     def begin_point(self, size: int, cost_s: float) -> None:
         self._point += 1
         self._size, self._cost = size, cost_s
-        with self._lock:
-            self._by_tag.clear()
-            self._count = 0
+        self._finishes.clear()
         point_dir = self.root / f"{self.name}-p{self._point}"
         point_dir.mkdir(parents=True, exist_ok=True)
         self._point_dir = point_dir
@@ -588,30 +627,23 @@ class SparkSystem(System):
         except Exception as exc:
             if self._stopping:  # the query is being stopped under a running batch: expected
                 return
-            with self._lock:
-                self._errors.append(f"spark batch {batch_id}: {str(exc)[:300]}")
+            self._finishes.error(f"spark batch {batch_id}: {str(exc)[:300]}")
             raise
         features = self._features
         if features is None:  # the point ended under a running batch
             return
         done = features.append([line.encode() for line in lines])
         parsed = [p for p in (parse_header(line) for line in lines) if p is not None]
-        with self._lock:
-            self._count += len(lines)
-            for tag, seq, sent in parsed:
-                self._by_tag.setdefault(tag, []).append(Finished(seq, sent, done))
+        self._finishes.add(((tag, seq, sent, done) for tag, seq, sent in parsed), count=len(lines))
 
     def finished_count(self) -> int:
-        with self._lock:
-            return self._count
+        return self._finishes.count()
 
     def finished(self, tag: str) -> list[Finished]:
-        with self._lock:
-            return list(self._by_tag.get(tag, []))
+        return self._finishes.of(tag)
 
     def errors(self) -> list[str]:
-        with self._lock:
-            found = list(self._errors)
+        found = self._finishes.errors()
         if self.query is not None:
             exc = self.query.exception()
             if exc is not None:
@@ -724,8 +756,7 @@ class SparkSocketSystem(SparkSystem):
             try:
                 self._conn.sendall(payload + b"\n")
             except OSError as exc:
-                with self._lock:
-                    self._errors.append(f"socket send: {exc}")
+                self._finishes.error(f"socket send: {exc}")
                 raise
 
 

@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from hio.cluster import HTTP_ROLES, LocalCluster
+from hio.gateway import Gateway
 from hio.process.procs import LIFELINE_ENV, RoleProcess, child_env, free_port
 
 __all__ = [
@@ -264,3 +265,34 @@ def spooled_payload(spool: Any, entry: Any) -> bytes:
     """A spooled tuple's whole payload, as delivery streams it."""
     with spool.open_payload(entry) as fh:
         return bytes(fh.read(entry.size))
+
+
+def cluster_gateway(cluster: LocalCluster, name: str, **overrides: Any) -> Gateway:
+    """A gateway in this process sending to ``cluster``: source ``name``, its spool in the
+    cluster's folder (``gw-<name>``), no progress bar; ``overrides`` are its settings."""
+    return Gateway(
+        master_address=cluster.master,
+        repository_address=cluster.repository,
+        data_dir=str(cluster.root / f"gw-{name}"),
+        source=name,
+        progress=False,
+        **overrides,
+    )
+
+
+def wait_names_stored(
+    read: Callable[[], list[Any]], names: set[str], context: Callable[[], str], timeout: float, interval: float = 0.5
+) -> list[Any]:
+    """Wait until ``read()`` (the repository's feature records) holds a record of every name
+    in ``names``; those records. A timeout names the missing ones, then ``context()``."""
+
+    def stored() -> list[Any] | None:
+        records = read()
+        return records if names <= {r.meta.name for r in records} else None
+
+    def missing() -> str:
+        have = {r.meta.name for r in read()}
+        return f"{sorted(names - have)} to be stored\n{context()}"
+
+    found: list[Any] = wait_for(stored, timeout=timeout, interval=interval, what=missing)
+    return found

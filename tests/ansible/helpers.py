@@ -242,12 +242,6 @@ def inventory_json(inventory: Path, tmp: Path) -> dict[str, Any]:
     return json.loads(out.stdout)
 
 
-def base_python() -> str:
-    """The interpreter this venv was made from (a fresh venv is made from it)."""
-    base = getattr(sys, "_base_executable", "") or sys.executable
-    return shutil.which(base) or base
-
-
 def build_wheel(dest: Path) -> Path:
     """``pip wheel --no-deps`` of a clean copy of the checkout, as an operator would."""
     src = dest / "src"

@@ -41,7 +41,7 @@ from tests.ansible.helpers import (
     write_inventory,
 )
 from tests.ansible.hosts import Hosts, HostsUnavailable, docker_client, ensure_image, remove_stale, require_tools
-from tests.harness import wait_for
+from tests.harness import wait_for, wait_names_stored
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -171,19 +171,16 @@ class Cluster:
 
     def wait_stored(self, timeout: float = 120.0) -> list[features_pb2.FeatureRecord]:
         """Every file dropped so far is stored once, under a tuple id of its own; the records."""
-        wanted = set(self.dropped)
-
-        def stored() -> list[features_pb2.FeatureRecord] | None:
-            records = self.records()
-            return records if wanted <= {r.meta.name for r in records} else None
-
-        def missing() -> str:
-            have = {r.meta.name for r in self.records()}
-            return f"{sorted(wanted - have)} to be stored\n{self.hosts.journal(CORE, 'hio-gateway')}" + "".join(
-                self.hosts.journal(w, "hio-worker", 20) for w in self.groups["workers"]
-            )
-
-        records: list[features_pb2.FeatureRecord] = wait_for(stored, timeout=timeout, interval=1.0, what=missing)
+        records = wait_names_stored(
+            self.records,
+            set(self.dropped),
+            lambda: (
+                self.hosts.journal(CORE, "hio-gateway")
+                + "".join(self.hosts.journal(w, "hio-worker", 20) for w in self.groups["workers"])
+            ),
+            timeout=timeout,
+            interval=1.0,
+        )
         names = collections.Counter(r.meta.name for r in records)
         assert not {name: n for name, n in names.items() if n > 1}, f"stored more than once: {names}"
         assert len({r.tuple_id for r in records}) == len(records) == len(self.dropped)

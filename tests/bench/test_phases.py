@@ -78,6 +78,7 @@ def test_drain_is_the_time_until_what_was_offered_by_the_overload_s_end_is_store
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_short_schedule_runs_fixed_and_elastic_loses_nothing_and_elastic_uses_fewer_workers(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = [

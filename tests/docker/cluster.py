@@ -9,7 +9,6 @@ from typing import Any
 import docker
 
 from hio.cluster import LocalCluster
-from hio.gateway import Gateway
 from hio.process.procs import RoleProcess
 from hio.proto import features_pb2, master_pb2
 from hio.up import read_features
@@ -50,16 +49,6 @@ class Cluster(LocalCluster):
             timeout=timeout,
             interval=0.3,
             what=lambda: f"{count} free channels on {worker_id}:\n{self.procs[worker_id].output()}",
-        )
-
-    def gateway(self, name: str, **overrides: Any) -> Gateway:
-        return Gateway(
-            master_address=self.master,
-            repository_address=self.repository,
-            data_dir=str(self.root / f"gw-{name}"),
-            source=name,
-            progress=False,
-            **overrides,
         )
 
     def records(self) -> list[features_pb2.FeatureRecord]:

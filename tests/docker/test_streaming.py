@@ -26,7 +26,7 @@ docker = pytest.importorskip("docker")
 from hio.proto import master_pb2
 from hio.worker.pipelines.samples import generate_microscopy
 from tests.docker.cluster import Cluster, comparable, containers_of, remove_containers_of
-from tests.harness import wait_for
+from tests.harness import cluster_gateway, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def worker_id(cluster: Cluster) -> Iterator[str]:
 
 
 def send_all(cluster: Cluster, name: str, items: list[tuple[bytes, str, dict[str, str]]]) -> list[int]:
-    with cluster.gateway(name, streams=2) as gw:
+    with cluster_gateway(cluster, name, streams=2) as gw:
         futures = [
             gw.submit(data, image=image, name=f"{name}-{i}", attributes=attrs)
             for i, (data, image, attrs) in enumerate(items)
@@ -81,7 +81,7 @@ def test_a_container_killed_mid_tuple_is_restarted_and_the_tuple_stored_once(clu
     cluster.add_worker(worker_id, ["hio/synthetic=1"])
     cluster.wait_free(worker_id, 1)
     [first] = containers_of(worker_id, all_states=False)
-    with cluster.gateway("kill", streams=1) as gw:
+    with cluster_gateway(cluster, "kill", streams=1) as gw:
         future = gw.submit(os.urandom(1_000_000), image="hio/synthetic", name="victim", attributes={"cost_ms": "4000"})
         # The channel is BUSY while the tuple arrives, then FREE with `processing` set once the
         # engine has taken it into its processing slot and handed the channel over.
@@ -138,7 +138,7 @@ def test_a_missing_image_is_reported_and_its_tuple_waits_in_the_queue(cluster: C
         )
 
     wait_for(down_with_detail, timeout=30, what="the channel DOWN naming the missing image")
-    with cluster.gateway("missing", streams=1) as gw:
+    with cluster_gateway(cluster, "missing", streams=1) as gw:
         future = gw.submit(os.urandom(10_000), image=image, name="patient", attributes={"cost_ms": "0"})
         wait_for(
             lambda: any(q.image == image and q.length == 1 for q in cluster.status().queues),

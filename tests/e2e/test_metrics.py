@@ -26,7 +26,7 @@ from hio.gateway import Gateway
 from hio.settings import ClusterSettings
 from hio.transport.certs import generate
 from hio.worker.metrics import ENGINE_STATS_TIMEOUT
-from tests.harness import HioProcess, free_port, local_cluster, stop_cleanly, wait_for
+from tests.harness import HioProcess, cluster_gateway, free_port, local_cluster, stop_cleanly, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -114,16 +114,6 @@ class MetricsCluster(LocalCluster):
             raise
         return self
 
-    def gateway(self, name: str, **overrides: object) -> Gateway:
-        return Gateway(
-            master_address=self.master,
-            repository_address=self.repository,
-            data_dir=str(self.root / f"gw-{name}"),
-            source=name,
-            progress=False,
-            **overrides,  # type: ignore[arg-type]  # Gateway settings
-        )
-
     def scrape(self, role: str) -> list[Sample]:
         return scrape(self.http[role])
 
@@ -149,7 +139,7 @@ def _flow(cluster: MetricsCluster) -> None:
         timeout=60,
         what=lambda: f"the watched files stored; the cluster's logs:\n{cluster.output()}",
     )
-    with cluster.gateway("queued", force_queue=True) as queued, cluster.gateway("failing") as failing:
+    with cluster_gateway(cluster, "queued", force_queue=True) as queued, cluster_gateway(cluster, "failing") as failing:
         for n in range(QUEUED):
             queued.submit(os.urandom(20_000), image=SYNTHETIC, name=f"run-{n}.npz").result(timeout=60)
         for n in range(FAILING):
@@ -253,7 +243,7 @@ def test_metrics_answer_while_the_roles_are_busy(cluster: MetricsCluster) -> Non
     """Engines burning CPU in process(), a stream of tuples: every scrape answers, in time."""
     payload = os.urandom(1_000_000)
     slowest: dict[str, float] = {}
-    with cluster.gateway("busy") as gateway:
+    with cluster_gateway(cluster, "busy") as gateway:
         busy = [
             gateway.submit(payload, image=SYNTHETIC, name=f"busy-{n}", attributes={"cost_ms": "1500"}) for n in range(4)
         ]

@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from hio.cluster import LocalCluster
-from hio.gateway import Gateway
 from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
 from hio.settings import ClusterSettings
 from hio.transport.net import create_channel
-from tests.harness import hio_env, local_cluster, stop_cleanly, wait_for
+from tests.harness import cluster_gateway, hio_env, local_cluster, stop_cleanly, wait_for
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -119,21 +118,9 @@ def cluster(browser: WebDriver, tmp_path_factory: pytest.TempPathFactory) -> Ite
         stop_cleanly(c)
 
 
-def gateway(cluster: LocalCluster, name: str, **overrides: Any) -> Gateway:
-    return Gateway(
-        master_address=cluster.master,
-        repository_address=cluster.repository,
-        data_dir=str(cluster.root / f"gw-{name}"),
-        source=name,
-        progress=False,
-        token=CLUSTER,
-        **overrides,
-    )
-
-
 def _flow(cluster: LocalCluster) -> None:
     """Tuples stored, queued and failed; a knowledge with its preview in the repository."""
-    with gateway(cluster, "lab") as lab:
+    with cluster_gateway(cluster, "lab", token=CLUSTER) as lab:
         for n in range(DIRECT):
             lab.submit(os.urandom(30_000), image=SYNTHETIC, name=f"plate-{n}.bin").result(timeout=60)
         for n in range(QUEUED):
@@ -292,7 +279,7 @@ def test_the_page_updates_itself_as_tuples_flow(browser: WebDriver, cluster: Loc
     browser.execute_script("window.loadedOnce = true;")  # gone if the page were loaded again
     before = as_int(read_page(browser)["tuples_done"])
     more = 6
-    with gateway(cluster, "more") as lab:
+    with cluster_gateway(cluster, "more", token=CLUSTER) as lab:
         for n in range(more):
             lab.submit(os.urandom(20_000), image=SYNTHETIC, name=f"more-{n}.bin").result(timeout=60)
     wait_for(

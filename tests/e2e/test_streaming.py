@@ -19,10 +19,9 @@ from unittest import mock
 import pytest
 
 from hio.cluster import LocalCluster
-from hio.gateway import Gateway
 from hio.proto import master_pb2
 from hio.up import read_features
-from tests.harness import HioProcess, free_port, stop_cleanly, wait_for
+from tests.harness import HioProcess, cluster_gateway, free_port, stop_cleanly, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -36,16 +35,6 @@ class Cluster(LocalCluster):
             process=HioProcess,
             workers={w: [e] for w, e in workers.items()},
             master_args=["--expiry-seconds", f"{expiry_seconds:g}", "--heartbeat-interval", f"{expiry_seconds / 6:g}"],
-        )
-
-    def gateway(self, name: str, **overrides) -> Gateway:  # type: ignore[no-untyped-def]
-        return Gateway(
-            master_address=self.master,
-            repository_address=self.repository,
-            data_dir=str(self.root / f"gw-{name}"),
-            source=name,
-            progress=False,
-            **overrides,
         )
 
     def records(self) -> list:  # type: ignore[type-arg]
@@ -78,7 +67,7 @@ def test_two_gateways_route_direct_and_spill_to_queue(cluster: Cluster) -> None:
 
     def run(name: str) -> None:
         # No waiting for a channel: batches that find every channel busy spill to the queue.
-        with cluster.gateway(name, streams=4, route_wait_seconds=0) as gw:
+        with cluster_gateway(cluster, name, streams=4, route_wait_seconds=0) as gw:
             futures = [
                 gw.submit(payload, image="hio/synthetic", name=f"{name}-{i}", attributes={"cost_ms": "150"})
                 for i in range(24)
@@ -108,7 +97,7 @@ def test_two_gateways_route_direct_and_spill_to_queue(cluster: Cluster) -> None:
 def test_busy_channels_make_batches_wait_instead_of_crossing_the_master(cluster: Cluster) -> None:
     """Every channel busy, queue empty: the master holds route requests, then hands out channels."""
     before = cluster.status()
-    with cluster.gateway("patient", streams=8, batch_tuples=2, route_wait_seconds=10) as gw:
+    with cluster_gateway(cluster, "patient", streams=8, batch_tuples=2, route_wait_seconds=10) as gw:
         futures = [
             gw.submit(os.urandom(50_000), image="hio/synthetic", name=f"p-{i}", attributes={"cost_ms": "100"})
             for i in range(32)
@@ -123,7 +112,7 @@ def test_busy_channels_make_batches_wait_instead_of_crossing_the_master(cluster:
 def test_ten_megabyte_tuples_move_in_chunks(cluster: Cluster) -> None:
     sizes = [10 * 1024 * 1024, 12 * 1024 * 1024 + 17]
     payloads = [os.urandom(n) for n in sizes]
-    with cluster.gateway("big", chunk_bytes=1024 * 1024) as gw:
+    with cluster_gateway(cluster, "big", chunk_bytes=1024 * 1024) as gw:
         ids = [
             gw.send(p, image="hio/synthetic", name=f"big-{len(p)}", attributes={"cost_ms": "0"}, timeout=120)
             for p in payloads
@@ -138,7 +127,7 @@ def test_ten_megabyte_tuples_move_in_chunks(cluster: Cluster) -> None:
 def test_a_killed_worker_loses_nothing(tmp_path: Path) -> None:
     c = Cluster(tmp_path, {"k1": "hio/synthetic=2", "k2": "hio/synthetic=2"}, expiry_seconds=3.0).start()
     try:
-        with c.gateway("kill", streams=4) as gw:
+        with cluster_gateway(c, "kill", streams=4) as gw:
             futures = [
                 gw.submit(os.urandom(100_000), image="hio/synthetic", name=f"k-{i}", attributes={"cost_ms": "250"})
                 for i in range(40)
@@ -178,7 +167,7 @@ def _finishing(c: Cluster) -> bool:
 def test_queue_drains_first_come_first_served(tmp_path: Path) -> None:
     c = Cluster(tmp_path, {"solo": "hio/synthetic=1"}).start()
     try:
-        with c.gateway("fifo", streams=4, route_wait_seconds=0) as gw:
+        with cluster_gateway(c, "fifo", streams=4, route_wait_seconds=0) as gw:
             # The first tuple is processed; the second is received meanwhile and waits for the
             # processing slot (one ahead), holding the channel: everything after goes to the queue.
             first = gw.submit(os.urandom(10_000), image="hio/synthetic", name="f-first", attributes={"cost_ms": "5000"})

@@ -4,8 +4,6 @@ a route and elastic scaling show, and nothing at all with metrics off."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -14,23 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from hio.master.core import Master
 from hio.proto.master_pb2 import ChannelInfo, RouteItem
 from hio.proto.master_pb2 import TupleOutcome as Outcome
-from tests.master.helpers import config
 
 IMAGE = "hio/synthetic"
-
-
-@pytest.fixture
-def make_master(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
-    made: list[Master] = []
-
-    def make(**overrides: object) -> Master:
-        master = Master(config(tmp_path / str(len(made)), **overrides)).start()
-        made.append(master)
-        return master
-
-    yield make
-    for master in made:
-        master.close()
 
 
 def samples(master: Master) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,23 +16,9 @@ from hio.proto.master_pb2 import ChannelRoute as DirectRoute
 from hio.proto.master_pb2 import TupleOutcome as Outcome
 from hio.transport.errors import InvalidArgument, NotFound
 from tests.harness import wait_for
-from tests.master.helpers import config, frames
+from tests.master.helpers import frames
 
 IMAGE = "hio/synthetic"
-
-
-@pytest.fixture
-def make_master(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
-    made: list[Master] = []
-
-    def make(**overrides: object) -> Master:
-        master = Master(config(tmp_path / str(len(made)), **overrides)).start()
-        made.append(master)
-        return master
-
-    yield make
-    for master in made:
-        master.close()
 
 
 def add_worker(master: Master, worker_id: str, n: int = 1, image: str = IMAGE) -> list[str]:

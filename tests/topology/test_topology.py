@@ -45,7 +45,7 @@ from hio.tools import fetch_knowledge
 from hio.transport.net import create_channel
 from hio.up import read_features
 from hio.worker.pipelines.samples import SimulationSize, generate_microscopy, generate_simulation
-from tests.harness import hio_env, local_cluster, wait_for
+from tests.harness import hio_env, local_cluster, wait_for, wait_names_stored
 from tests.topology.network import ENGINE_PORTS, Topology, deploy_flows, remove_stale, unavailable
 
 pytestmark = pytest.mark.slow
@@ -90,17 +90,12 @@ class Deployment:
 
     def wait_stored(self, timeout: float = 90.0) -> list[features_pb2.FeatureRecord]:
         """Wait until every dropped file is stored; the records."""
-        wanted = set(self.dropped)
-
-        def stored() -> list[features_pb2.FeatureRecord] | None:
-            records = self.records()
-            return records if wanted <= {r.meta.name for r in records} else None
-
-        def missing() -> str:
-            have = {r.meta.name for r in self.records()}
-            return f"{sorted(wanted - have)} to be stored; gateway {self.gateway_status()}\n{self.cluster.output()}"
-
-        return wait_for(stored, timeout=timeout, interval=0.5, what=missing)
+        return wait_names_stored(
+            self.records,
+            set(self.dropped),
+            lambda: f"gateway {self.gateway_status()}\n{self.cluster.output()}",
+            timeout=timeout,
+        )
 
     def hio(self, host: str, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """A one-off ``hio`` command on ``host`` (it dies with this process)."""
@@ -264,6 +259,12 @@ def test_tuples_cross_the_networks_stored_once_and_direct_payloads_never_pass_th
     before = topology.counters()
     for path in deployment.samples["steady"]:
         deployment.drop(path)
+    # Before any tuple is queued: a route that finds tuples of its image queued joins them.
+    wait_for(
+        lambda: deployment.gateway_status().sent_direct == len(deployment.samples["steady"]),
+        timeout=60,
+        what=lambda: f"every steady sample sent direct; the gateway's status: {deployment.gateway_status()}",
+    )
     queued = deployment.samples["queue"]
     sent = deployment.hio(
         "gateway",
@@ -287,7 +288,7 @@ def test_tuples_cross_the_networks_stored_once_and_direct_payloads_never_pass_th
     gateway = wait_for(
         lambda: (s := deployment.gateway_status()).sent_direct == len(deployment.samples["steady"]) and s,
         timeout=30,
-        what="the gateway's counters",
+        what=lambda: f"every steady sample sent direct; the gateway's status: {deployment.gateway_status()}",
     )
     master = wait_for(
         lambda: (s := cluster.status()).tuples_done >= len(deployment.dropped) and s,
