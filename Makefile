@@ -53,14 +53,12 @@ lint: setup
 	exit $$status
 
 # Two processes run the tests (pytest-xdist, a module's tests in one process; each starts its
-# own servers on free ports), then one process the Spark tests (a JVM each, sharing the two
-# cores with nothing) and those that measure what a test beside them would change.
-ALONE = spark or alone
-
+# own servers on free ports), then one process those marked alone: they measure what a test
+# beside them would change (rates, worker-seconds, interval times) or run a Spark cluster.
 test: setup
 	@status=0; \
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not ($(ALONE))" $(PYTEST_ARGS) || status=1; \
-	$(BIN)/python -m pytest -m "$(ALONE)" $(PYTEST_ARGS) || status=1; \
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not alone" $(PYTEST_ARGS) || status=1; \
+	$(BIN)/python -m pytest -m alone $(PYTEST_ARGS) || status=1; \
 	exit $$status
 
 test-quick: setup
