@@ -276,7 +276,6 @@ def test_the_readme_section_is_written_between_its_markers(tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.spark
-@pytest.mark.alone
 def test_smoke_every_system_one_cell_and_bursts_in_one_run_then_resume(tmp_path: Path) -> None:
     """Every system for real on one cell (1 KB x 100 ms), one step each, and a small burst of
     1 MB messages through the library and a watched folder; then a resume adds nothing.

@@ -132,7 +132,6 @@ def test_a_repository_store_is_filled_once_and_restarts_are_timed_warm_and_cold(
 
 @pytest.mark.slow
 @pytest.mark.spark
-@pytest.mark.alone
 def test_kd_intervals_are_timed_over_an_empty_and_a_stored_store(tmp_path: Path) -> None:
     _run(tmp_path, "--curves", "kd", "--kd-stored", "2k", "--kd-new", "200", timeout=600)
     rows = _rows(tmp_path, "kd")
