@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.systems import SLOTS, FeatureFile, Finished, FinishLog, System, features_line, parse_header
+from benchmarks.systems import SLOTS, FeatureFile, FinishLog, LoggedSystem, features_line, parse_header
 
 log = logging.getLogger("hio.bench")
 
@@ -231,7 +231,7 @@ def consume(parameters: Any, features: str, prefetch: int, results: Any, stop: A
 # -- the system ------------------------------------------------------------------------
 
 
-class RabbitSystem(System):
+class RabbitSystem(LoggedSystem):
     """RabbitMQ: durable queue, persistent messages, publisher confirms, two consumers with manual acks."""
 
     name = "rabbitmq"
@@ -363,13 +363,7 @@ class RabbitSystem(System):
             mandatory=True,
         )
 
-    def finished_count(self) -> int:
-        return self._finishes.count()
-
-    def finished(self, tag: str) -> list[Finished]:
-        return self._finishes.of(tag)
-
     def errors(self) -> list[str]:
-        found = self._finishes.errors()
+        found = super().errors()
         dead = [p.name for p in self._consumers if not p.is_alive()]
         return found + [f"{name} exited" for name in dead]

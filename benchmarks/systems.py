@@ -265,6 +265,22 @@ class System(abc.ABC):
         return None
 
 
+class LoggedSystem(System):
+    """A system whose own threads record its finished messages in a :class:`FinishLog` as
+    they happen (Spark's batches, RabbitMQ's consumers), not read back from a store."""
+
+    _finishes: FinishLog
+
+    def finished_count(self) -> int:
+        return self._finishes.count()
+
+    def finished(self, tag: str) -> list[Finished]:
+        return self._finishes.of(tag)
+
+    def errors(self) -> list[str]:
+        return self._finishes.errors()
+
+
 class FeatureFile:
     """An append-only file of features, one line per message, fsynced per batch: the least a
     durable store of features does (the Spark and broker rows store theirs so)."""
@@ -548,7 +564,7 @@ def process_and_store_line(cost_s: float) -> Callable[[Any], str]:
     return process
 
 
-class SparkSystem(System):
+class SparkSystem(LoggedSystem):
     """Common part of both Spark sources: the session, the query, the finish log."""
 
     def __init__(self, data_dir: Path, conf: tuple[str, ...] = ()) -> None:
@@ -636,14 +652,8 @@ class SparkSystem(System):
         parsed = [p for p in (parse_header(line) for line in lines) if p is not None]
         self._finishes.add(((tag, seq, sent, done) for tag, seq, sent in parsed), count=len(lines))
 
-    def finished_count(self) -> int:
-        return self._finishes.count()
-
-    def finished(self, tag: str) -> list[Finished]:
-        return self._finishes.of(tag)
-
     def errors(self) -> list[str]:
-        found = self._finishes.errors()
+        found = super().errors()
         if self.query is not None:
             exc = self.query.exception()
             if exc is not None:
