@@ -1,7 +1,8 @@
 """Knowledge from one group of accumulated features.
 
 1. Normalise: per feature, mean and standard deviation over *all* the group's
-   tuples (a constant feature gets std 1, so it neither explodes nor matters).
+   tuples, kept up to date as tuples arrive (``Group.mean_std``; a constant
+   feature gets std 1, so it neither explodes nor matters).
 2. Divisive hierarchy: Spark ML ``BisectingKMeans`` fitted on a uniform sample
    of at most ``sample_size`` normalised points. The sample bounds an
    interval's cost: fitting is the expensive, iterative part, and a uniform
@@ -44,14 +45,6 @@ class Clustering:
     algorithm: str
 
 
-def normalise(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(scaled values, mean, std) with std 1 where a feature is constant."""
-    mean = values.mean(axis=0)
-    std = values.std(axis=0)
-    std = np.where(std > 1e-12, std, 1.0)
-    return (values - mean) / std, mean, std
-
-
 def _sample(n: int, size: int, seed: int) -> np.ndarray:
     if n <= size:
         return np.arange(n)
@@ -91,12 +84,22 @@ def _distinct_rows(points: np.ndarray) -> int:
     return len(np.unique(rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()))
 
 
-def assign(points: np.ndarray, centres: np.ndarray, block: int = 65_536) -> np.ndarray:
-    """Index of the nearest centre of each point, in blocks to bound memory."""
+def assign(
+    points: np.ndarray,
+    centres: np.ndarray,
+    mean: np.ndarray | None = None,
+    std: np.ndarray | None = None,
+    block: int = 65_536,
+) -> np.ndarray:
+    """Index of the nearest centre of each point, in blocks to bound memory. With
+    ``mean`` and ``std``, ``points`` are raw and each block is normalised on its way
+    (``centres`` are in the normalised space): no normalised copy of every point."""
     labels = np.empty(len(points), dtype=np.int32)
     sq = (centres**2).sum(axis=1)
     for start in range(0, len(points), block):
         chunk = points[start : start + block]
+        if mean is not None and std is not None:
+            chunk = (chunk - mean) / std
         dist = sq[None, :] - 2.0 * chunk @ centres.T
         labels[start : start + block] = dist.argmin(axis=1)
     return labels
@@ -112,15 +115,16 @@ def ward_linkage(centres: np.ndarray) -> np.ndarray:
 
 def cluster(spark: Any, group: Group, *, k: int, sample_size: int, seed: int, max_iter: int) -> Clustering:
     """Cluster every tuple of ``group`` (see the module docstring)."""
-    scaled, mean, std = normalise(group.values)
-    sample = _sample(len(scaled), sample_size, seed)
-    points = scaled[sample]
+    values = group.values
+    mean, std = group.mean_std()
+    sample = _sample(len(values), sample_size, seed)
+    points = (values[sample] - mean) / std
     k_eff = min(k, _distinct_rows(points))
     centres = _fit_centres(spark, points, k_eff, seed, max_iter)
-    labels = assign(scaled, centres)
+    labels = assign(values, centres, mean, std)
     counts = np.bincount(labels, minlength=len(centres))
     algorithm = (
-        f"BisectingKMeans(k={k}, fitted on {len(sample)} of {len(scaled)} tuples, seed={seed}); "
+        f"BisectingKMeans(k={k}, fitted on {len(sample)} of {len(values)} tuples, seed={seed}); "
         f"nearest-centre assignment; Ward linkage of centres; group image='{group.image}'"
     )
     return Clustering(mean, std, centres, labels, counts, ward_linkage(centres), sample, algorithm)
@@ -193,8 +197,10 @@ def listed_counts(results: list[GroupResult], max_assignments: int) -> list[int]
         return [r.group.count if r.clustering is not None else 0 for r in results]
     if max_assignments <= 0:
         return [0] * len(results)
-    everything = np.concatenate(offsets)
-    threshold = np.partition(everything, total - max_assignments)[total - max_assignments]
+    # A group's offsets increase: the most recent over all groups are among each one's last.
+    everything = np.concatenate([o[-max_assignments:] for o in offsets])
+    cut = len(everything) - max_assignments
+    threshold = np.partition(everything, cut)[cut]
     return [int((r.group.offsets >= threshold).sum()) if r.clustering is not None else 0 for r in results]
 
 

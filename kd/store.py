@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,43 +41,70 @@ KEY_SEP = "\x1f"
 COMPACT_AT_FILES = 64
 
 
-@dataclass
 class Group:
-    """Features of one image with one feature set: what one clustering runs over."""
+    """Features of one image with one feature set: what one clustering runs over.
 
-    image: str
-    names: tuple[str, ...]
-    _ids: list[np.ndarray] = field(default_factory=list)
-    _offsets: list[np.ndarray] = field(default_factory=list)
-    _values: list[np.ndarray] = field(default_factory=list)
-    count: int = 0
+    Rows live in arrays that grow by half their size when full, and the per-feature
+    mean and sum of squared deviations are kept as rows arrive (Chan et al.'s
+    pairwise update), so adding an interval's rows costs what they are, not what
+    was stored before: no copy of the whole group and no pass over it to normalise."""
+
+    def __init__(self, image: str, names: tuple[str, ...]) -> None:
+        self.image = image
+        self.names = names
+        self.count = 0
+        width = len(names)
+        self._ids = np.empty(0, dtype=np.uint64)
+        self._offsets = np.empty(0, dtype=np.int64)
+        self._values = np.empty((0, width), dtype=np.float64)
+        self._mean = np.zeros(width)
+        self._m2 = np.zeros(width)  # sum of squared deviations from the mean, per feature
 
     def add(self, ids: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> None:
-        self._ids.append(ids)
-        self._offsets.append(offsets)
-        self._values.append(values)
-        self.count += len(ids)
+        added = len(ids)
+        if not added:
+            return
+        self._reserve(self.count + added)
+        end = self.count + added
+        self._ids[self.count : end] = ids
+        self._offsets[self.count : end] = offsets
+        self._values[self.count : end] = values
+        batch_mean = values.mean(axis=0)
+        batch_m2 = ((values - batch_mean) ** 2).sum(axis=0)
+        delta = batch_mean - self._mean
+        self._mean = self._mean + delta * (added / end)
+        self._m2 = self._m2 + batch_m2 + delta**2 * (self.count * added / end)
+        self.count = end
 
-    def _joined(self, parts: list[np.ndarray], width: int | None) -> np.ndarray:
-        if not parts:
-            return np.empty((0, width) if width else 0)
-        if len(parts) > 1:
-            parts[:] = [np.concatenate(parts)]
-        return parts[0]
+    def _reserve(self, rows: int) -> None:
+        if rows <= len(self._ids):
+            return
+        capacity = max(rows, len(self._ids) * 3 // 2, 1024)  # amortised O(1) a row; at most half unused
+        for name in ("_ids", "_offsets", "_values"):
+            old = getattr(self, name)
+            grown = np.empty((capacity, *old.shape[1:]), dtype=old.dtype)
+            grown[: self.count] = old[: self.count]
+            setattr(self, name, grown)
 
     @property
     def ids(self) -> np.ndarray:
         """Tuple ids (uint64), in offset order."""
-        return self._joined(self._ids, None)
+        return self._ids[: self.count]
 
     @property
     def offsets(self) -> np.ndarray:
-        return self._joined(self._offsets, None)
+        return self._offsets[: self.count]
 
     @property
     def values(self) -> np.ndarray:
         """(count, len(names)) float64 matrix, in offset order."""
-        return self._joined(self._values, len(self.names))
+        return self._values[: self.count]
+
+    def mean_std(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per feature, the mean and the (population) standard deviation of every row so
+        far; std 1 where a feature is constant, so it neither explodes nor matters."""
+        std = np.sqrt(self._m2 / max(self.count, 1))
+        return self._mean.copy(), np.where(std > 1e-12, std, 1.0)
 
 
 @dataclass(frozen=True)

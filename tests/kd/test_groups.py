@@ -11,7 +11,6 @@ from hio.kd.model import (
     GroupResult,
     assign,
     listed_counts,
-    normalise,
     plan,
     to_knowledge,
     ward_linkage,
@@ -32,9 +31,11 @@ def group(image: str, names: tuple[str, ...], offsets: list[int], seed: int = 0)
 
 def clustered(g: Group) -> GroupResult:
     """A two-cluster result computed directly (the centres of the two blobs)."""
-    scaled, mean, std = normalise(g.values)
+    mean, std = g.mean_std()
+    scaled = (g.values - mean) / std
     centres = np.stack([scaled[::2].mean(axis=0), scaled[1::2].mean(axis=0)])
-    labels = assign(scaled, centres)
+    labels = assign(g.values, centres, mean, std)
+    assert (labels == assign(scaled, centres)).all()  # raw points normalised block by block
     return GroupResult(
         g,
         Clustering(
@@ -136,3 +137,25 @@ def test_knowledge_without_groups_still_reads() -> None:
     k.clusters.add(id=0, centre=[0.0], count=3)
     text = format_knowledge(k)
     assert "algorithm:     old" in text and "#0           3 tuples" in text and "group 1" not in text
+
+
+def test_a_group_keeps_its_rows_and_their_mean_and_std_as_batches_arrive() -> None:
+    """Rows appended over many intervals (the arrays grow past their first capacity) are
+    kept in order, and the running mean and std agree with numpy's over every row."""
+    rng = np.random.default_rng(3)
+    g = Group("a", ("x", "y", "flat"))
+    batches = [rng.normal(loc=1e6, scale=s, size=(n, 3)) for n, s in [(1, 1.0), (700, 5.0), (3, 0.1), (2500, 2.0)]]
+    offset = 0
+    for batch in batches:
+        batch[:, 2] = 7.0  # a constant feature
+        offsets = np.arange(offset, offset + len(batch), dtype=np.int64)
+        g.add(offsets.astype(np.uint64) + 10, offsets, batch)
+        offset += len(batch)
+    g.add(np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64), np.empty((0, 3)))
+    every = np.concatenate(batches)
+    assert g.count == len(every) == 3204
+    assert (g.values == every).all() and (g.offsets == np.arange(3204)).all() and (g.ids == g.offsets + 10).all()
+    mean, std = g.mean_std()
+    assert np.allclose(mean, every.mean(axis=0), rtol=0, atol=1e-6)
+    assert np.allclose(std[:2], every[:, :2].std(axis=0), rtol=1e-9)
+    assert std[2] == 1.0  # constant: neither explodes nor matters
