@@ -269,6 +269,7 @@ class HostileCluster:
             "progress": False,
             "spool_bytes": 32 * MiB,
             "grace_seconds": 1.0,
+            "route_wait_seconds": 0.5,  # no engine serves GATEWAY_IMAGE: its tuples queue after this
             **self.shared,
         }
         values.update({k: v for k, v in overrides.items() if k in {f.name for f in dataclasses.fields(GatewayConfig)}})
