@@ -54,7 +54,7 @@ lint: setup
 
 # Two processes run the tests (pytest-xdist, a module's tests in one process; each starts its
 # own servers on free ports), then one process those marked alone: they measure what a test
-# beside them would change (the phases experiment's worker-seconds).
+# beside them would change (the phases experiment's worker-seconds) or run a Spark cluster.
 test: setup
 	@status=0; \
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not alone" $(PYTEST_ARGS) || status=1; \
