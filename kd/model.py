@@ -85,21 +85,15 @@ def _distinct_rows(points: np.ndarray) -> int:
 
 
 def assign(
-    points: np.ndarray,
-    centres: np.ndarray,
-    mean: np.ndarray | None = None,
-    std: np.ndarray | None = None,
-    block: int = 65_536,
+    values: np.ndarray, centres: np.ndarray, mean: np.ndarray, std: np.ndarray, block: int = 65_536
 ) -> np.ndarray:
-    """Index of the nearest centre of each point, in blocks to bound memory. With
-    ``mean`` and ``std``, ``points`` are raw and each block is normalised on its way
-    (``centres`` are in the normalised space): no normalised copy of every point."""
-    labels = np.empty(len(points), dtype=np.int32)
+    """Index of the nearest centre (in the normalised space) of each raw row of ``values``,
+    in blocks: each block is normalised on its way, so memory stays bounded and no
+    normalised copy of every row is made."""
+    labels = np.empty(len(values), dtype=np.int32)
     sq = (centres**2).sum(axis=1)
-    for start in range(0, len(points), block):
-        chunk = points[start : start + block]
-        if mean is not None and std is not None:
-            chunk = (chunk - mean) / std
+    for start in range(0, len(values), block):
+        chunk = (values[start : start + block] - mean) / std
         dist = sq[None, :] - 2.0 * chunk @ centres.T
         labels[start : start + block] = dist.argmin(axis=1)
     return labels
@@ -201,7 +195,10 @@ def listed_counts(results: list[GroupResult], max_assignments: int) -> list[int]
     everything = np.concatenate([o[-max_assignments:] for o in offsets])
     cut = len(everything) - max_assignments
     threshold = np.partition(everything, cut)[cut]
-    return [int((r.group.offsets >= threshold).sum()) if r.clustering is not None else 0 for r in results]
+    return [
+        len(r.group.offsets) - int(np.searchsorted(r.group.offsets, threshold)) if r.clustering is not None else 0
+        for r in results
+    ]
 
 
 def group_message(result: GroupResult, listed: int) -> features_pb2.KnowledgeGroup:

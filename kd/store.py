@@ -79,7 +79,7 @@ class Group:
     def _reserve(self, rows: int) -> None:
         if rows <= len(self._ids):
             return
-        capacity = max(rows, len(self._ids) * 3 // 2, 1024)  # amortised O(1) a row; at most half unused
+        capacity = max(rows, len(self._ids) * 3 // 2, 1024)  # amortised O(1) a row; at most a third unused
         for name in ("_ids", "_offsets", "_values"):
             old = getattr(self, name)
             grown = np.empty((capacity, *old.shape[1:]), dtype=old.dtype)
