@@ -10,13 +10,16 @@ the machine's state; each system is started for its point and stopped after it.
 
 A system's point:
 
-1. **Probe.** A few messages sent at once (the first step of a freshly started
+1. **Machine state.** Right before the system starts: the CPU slots the
+   machine gives (:class:`CpuProbe`) and the loopback bandwidth (one TCP
+   stream). Measured while no system runs, so that a system's own idle work
+   (Spark's streaming query polls its source without pause) is not taken
+   for the machine's state, which is what the cell's systems must share.
+2. **Probe.** A few messages sent at once (the first step of a freshly started
    system also warms it: JIT, Python workers, connections); the rate they
    finished at is where the search starts (at most ``start_fraction`` of the
    bound), so every system starts from its own measure in every cell, never
    from another cell's result.
-2. **Machine state.** Right before the search: the CPU slots the machine gives
-   (:class:`CpuProbe`) and the loopback bandwidth (one TCP stream).
 3. **Search.** Ramp up, then bisect until the bracket is within ``tolerance``.
    A step at rate r sends ``N`` messages paced at r (lasting at least three of
    the system's latencies) and passes only if
@@ -885,10 +888,11 @@ class BenchRun:
         self.points += 1
         where = f"{name}-p{self.points}"
         started = time.monotonic()
-        failure, probe_rate, slots, loopback, steal = "", math.nan, math.nan, math.nan, math.nan
+        failure, probe_rate, steal = "", math.nan, math.nan
         point: PointResult | None = None
         latency: StepResult | None = None
         print(f"hio bench: {name}: {size_label(size)} x {cost_label(cost * 1000)} (attempt {attempt})", flush=True)
+        slots, loopback = self._machine()
         try:
             system = self._start(name, size, cost, where)
         except Exception as exc:  # noqa: BLE001 - a system that cannot start is that cell's result, not the run's end
@@ -899,7 +903,6 @@ class BenchRun:
                     system, MessageGenerator(size, text=system.text_payload), cost, config, prefix=f"p{self.points}"
                 )
                 probe = self._probe(runner, name, size, cost, attempt)
-                slots, loopback = self._machine()
                 if probe.finished < probe.count or probe.errors:
                     reason = (
                         probe.errors[0] if probe.errors else f"only {probe.finished}/{probe.count} finished in time"
@@ -1050,7 +1053,7 @@ class BenchRun:
         self.points += 1
         where = f"{name}-burst{self.points}"
         results: dict[str, tuple[Burst | None, str]] = {}
-        slots = loopback = math.nan
+        slots, loopback = self._machine()
         try:
             system = self._start(name, size, 0.0, where)
         except Exception as exc:  # noqa: BLE001 - a system that cannot start is its rows' result
@@ -1061,7 +1064,6 @@ class BenchRun:
                     system, MessageGenerator(size, text=system.text_payload), 0.0, self.config, prefix=f"b{self.points}"
                 )
                 runner.burst(WARM_UP_MESSAGES, self.config.burst_seconds)  # a fresh system warms first, unrecorded
-                slots, loopback = self._machine()
                 for path in paths:
                     burst, failure = results[path] = self._one_burst(system, runner, path, count)
                     if burst is not None and burst.finished < count:

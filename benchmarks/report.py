@@ -652,7 +652,7 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
         "",
         (
             "The bound is `min(loopback bandwidth / size, 2 / cost)`, with the loopback bandwidth (one "
-            "TCP stream) measured right before each system's point. Right before it too, two processes "
+            "TCP stream) measured right before each system's point, while no system runs. Then too, two processes "
             "burned 0.2 s of CPU each: the CPU slots the machine gave of the 2 the bound assumes. "
             f"A cell is published only if these differ by at most {agreement:.0%} between its systems; "
             "otherwise the cell was measured again (a bounded number of times), and a cell that never "
