@@ -652,8 +652,10 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
         "",
         (
             "The bound is `min(loopback bandwidth / size, 2 / cost)`, with the loopback bandwidth (one "
-            "TCP stream) measured right before each system's point, while no system runs. Then too, two processes "
-            "burned 0.2 s of CPU each: the CPU slots the machine gave of the 2 the bound assumes. "
+            "TCP stream, best of 5 samples) measured right before each system's point, while no system "
+            "runs. Then too, two processes burned 0.2 s of CPU each (best of 5): the CPU slots the machine "
+            "gave of the 2 the bound assumes. Where these were further than the agreement below from the "
+            "cell's earlier systems', they were measured again after 10 s, up to 3 times. "
             f"A cell is published only if these differ by at most {agreement:.0%} between its systems; "
             "otherwise the cell was measured again (a bounded number of times), and a cell that never "
             "agreed is shown as not published."
