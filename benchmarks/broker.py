@@ -245,11 +245,11 @@ class RabbitSystem(LoggedSystem):
         self._stop: Any = None
         self._consumers: list[Any] = []
         self._drainer: threading.Thread | None = None
-        self._publishers = threading.local()
+        self._idle_channels: queue.SimpleQueue[Any] = queue.SimpleQueue()  # publishing channels not in use
         self._connections: list[Any] = []
         self._lock = threading.Lock()  # the publishers' connections
         self._finishes = FinishLog()
-        self._size = 0
+        self._prefetch = 1
 
     def start(self) -> None:
         import pika
@@ -265,9 +265,13 @@ class RabbitSystem(LoggedSystem):
 
     def begin_point(self, size: int, cost_s: float) -> None:
         """Consumers whose prefetch suits this size (unacknowledged messages held at most)."""
+        self._prefetch = max(1, min(MAX_PREFETCH, PREFETCH_BYTES // max(size, 1)))
+        self._start_consumers()
+        self._finishes.clear()
+
+    def _start_consumers(self) -> None:
         self._stop_consumers()
-        self._size = size
-        prefetch = max(1, min(MAX_PREFETCH, PREFETCH_BYTES // max(size, 1)))
+        prefetch = self._prefetch
         self._stop = self._context.Event()
         self._consumers = [
             self._context.Process(
@@ -286,7 +290,6 @@ class RabbitSystem(LoggedSystem):
         ]
         for process in self._consumers:
             process.start()
-        self._finishes.clear()
 
     def end_point(self) -> None:
         self._stop_consumers()
@@ -307,7 +310,7 @@ class RabbitSystem(LoggedSystem):
             with contextlib.suppress(Exception):
                 connection.close()
         self._connections = []
-        self._publishers = threading.local()
+        self._idle_channels = queue.SimpleQueue()
         if self._results is not None:
             self._results.put(None)  # ends the drainer
             if self._drainer is not None:
@@ -316,11 +319,14 @@ class RabbitSystem(LoggedSystem):
         self.broker.stop()
 
     def reset(self) -> None:
-        """Drop the backlog: purge the queue (what consumers hold is still finished and acked)."""
+        """Drop the backlog: stop the consumers (what they hold unacknowledged goes back to the
+        queue), purge the queue, start new consumers; nothing of the old step finishes later."""
         import pika
 
+        self._stop_consumers()
         with contextlib.closing(pika.BlockingConnection(self.broker.parameters())) as connection:
             connection.channel().queue_purge(QUEUE)
+        self._start_consumers()
 
     def _drain(self) -> None:
         while True:
@@ -338,30 +344,34 @@ class RabbitSystem(LoggedSystem):
                 self._finishes.add(item)
 
     def _channel(self) -> Any:
-        """This sender thread's own publishing channel with confirms (pika is not thread-safe)."""
+        """A publishing channel with confirms that no other sender uses meanwhile (pika is not
+        thread-safe); kept for the next send, so that steps after the first pay no handshake."""
         import pika
 
-        channel = getattr(self._publishers, "channel", None)
-        if channel is None:
-            connection = pika.BlockingConnection(self.broker.parameters())
-            with self._lock:
-                self._connections.append(connection)
-            channel = connection.channel()
-            channel.confirm_delivery()
-            self._publishers.channel = channel
+        try:
+            return self._idle_channels.get_nowait()
+        except queue.Empty:
+            pass
+        connection = pika.BlockingConnection(self.broker.parameters())
+        with self._lock:
+            self._connections.append(connection)
+        channel = connection.channel()
+        channel.confirm_delivery()
         return channel
 
     def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
         """Publish persistent; returns once the broker confirmed it (written to disk)."""
         import pika
 
-        self._channel().basic_publish(
+        channel = self._channel()
+        channel.basic_publish(
             exchange="",
             routing_key=QUEUE,
             body=payload,
             properties=pika.BasicProperties(delivery_mode=2, headers={"cost_ms": f"{cost_s * 1000:g}"}),
             mandatory=True,
         )
+        self._idle_channels.put(channel)  # a channel whose publish failed is not used again
 
     def errors(self) -> list[str]:
         found = super().errors()

@@ -83,6 +83,7 @@ log = logging.getLogger("hio.bench")
 MACHINE_SAMPLES = 5  # samples of the CPU slots and of the loopback before a point; the best counts
 MACHINE_TRIES = 3  # measurements before a point at most, while it disagrees with the cell's
 MACHINE_PAUSE_SECONDS = 10.0  # between those measurements
+PACE_SLACK_SECONDS = 10.0  # a step's sending stops at twice its planned time plus this
 FULL_SIZES = ("100", "10K", "100K", "1M", "10M")
 FULL_COSTS = ("0", "10ms", "100ms", "1s")
 QUICK_SIZES = ("100", "1M")
@@ -415,7 +416,7 @@ class StepRunner:
         stop_sampling = threading.Event()
         sampler = threading.Thread(target=self._sample, args=(t0, base, sent, samples, stop_sampling), daemon=True)
         sampler.start()
-        send_errors = self._pace(tag, rate, count, t0, sent)
+        send_errors = self._pace(tag, rate, count, t0, sent, t0 + 2 * count / rate + PACE_SLACK_SECONDS)
         send_end = time.monotonic()
         stop_sampling.set()
         sampler.join()
@@ -429,7 +430,9 @@ class StepRunner:
         result = self._judge(rate, count, send_end - t0, len(in_time), growth, errors)
         result.latencies = [f.done_unix - f.sent_unix for f in finished]
         first_sent = min((f.sent_unix for f in in_time), default=0.0)
-        result.achieved_rate = achieved_rate([f.done_unix for f in in_time], first_sent)
+        # finishes bunched at the end of the window (a lagging sink catching up) must not
+        # count for more than the source sent
+        result.achieved_rate = min(achieved_rate([f.done_unix for f in in_time], first_sent), result.sent_rate)
         if result.passed and result.latencies:  # an overloaded step's latency is queueing, not the system's
             self.latency_hint = result.percentile(0.5)
         self._drain(base, count)
@@ -443,7 +446,7 @@ class StepRunner:
         errors_before = len(self.system.errors())
         base = self.system.finished_count()
         started, started_unix = time.monotonic(), time.time()
-        send_errors = self._pace(tag, math.inf, count, started, [0])
+        send_errors = self._pace(tag, math.inf, count, started, [0], started + timeout)
         sent = time.monotonic() - started
         finished = self.wait_finished(base, count, started + timeout)
         seconds = time.monotonic() - started
@@ -451,8 +454,12 @@ class StepRunner:
         done = [f.done_unix for f in self.system.finished(tag)]
         return Burst(count, finished, sent, seconds, errors[:5], done, started_unix)
 
-    def _pace(self, tag: str, rate: float, count: int, t0: float, sent: list[int]) -> list[str]:
-        """Send ``count`` messages, message i at t0 + i/rate, from the system's sender threads."""
+    def _pace(self, tag: str, rate: float, count: int, t0: float, sent: list[int], deadline: float) -> list[str]:
+        """Send ``count`` messages, message i at t0 + i/rate, from the system's sender threads.
+
+        Sending stops at the first failed send and at ``deadline``: a source that stopped
+        reading (a send that times out after minutes) fails its step once, instead of once
+        per message left, which for a big step is hours."""
         lock = threading.Lock()
         next_index = [0]
         errors: list[str] = []
@@ -461,7 +468,10 @@ class StepRunner:
             while True:
                 with lock:
                     i = next_index[0]
-                    if i >= count:
+                    if i >= count or errors:
+                        return
+                    if time.monotonic() > deadline:
+                        errors.append(f"send: stopped with {i} of {count} sent: the step's time ran out")
                         return
                     next_index[0] += 1
                 wait = t0 + i / rate - time.monotonic()  # rate inf: no wait
@@ -529,6 +539,7 @@ class StepRunner:
         if self.system.finished_count() - base < count:
             log.warning("backlog did not drain; resetting", extra={"system": self.system.name})
             self.system.reset()
+            self.burst(WARM_UP_MESSAGES, self.config.grace_seconds * 4 + 2 * WARM_UP_MESSAGES * self.cost_s + 30)
 
 
 # -- one point: ramp, then bisect -------------------------------------------------------
@@ -613,7 +624,7 @@ def failure_of(reason: str, rate: float) -> str:
 
 # -- the run --------------------------------------------------------------------------
 
-WARM_UP_MESSAGES = 4  # sent at once to a freshly started system before its bursts (not recorded)
+WARM_UP_MESSAGES = 4  # sent at once to a fresh or reset system before it is measured (not recorded)
 
 
 def load_avg() -> float:
@@ -816,7 +827,10 @@ class BenchRun:
 
         label = f"{size_label(size)} x {cost_label(cost * 1000)}"
         attempts = self._attempts(size, cost, rows)
-        wanted = list(self.config.systems)
+        # each cell starts with the next system, so that no system always follows the same one
+        # (what a system leaves behind, page cache and disk discards, weighs on the next)
+        first = (self.sizes.index(size) * len(self.costs) + self.costs.index(cost)) % len(self.config.systems)
+        wanted = [*self.config.systems[first:], *self.config.systems[:first]]
         attempt = max(attempts, default=1)
         if attempt in attempts and set(wanted) <= attempts[attempt]:
             attempt += 1
@@ -978,9 +992,14 @@ class BenchRun:
         begun = time.monotonic()
 
         def step(rate: float, **options: int) -> StepResult:
-            """One step, logged with the steal during it."""
+            """One step, logged with the steal during it. A step that raises is a failed step
+            (the system is reset for the next), so the point keeps what passed before it."""
             before = cpu_ticks()
-            result = runner.run(rate, **options)
+            try:
+                result = runner.run(rate, **options)
+            except Exception as exc:  # noqa: BLE001 - one step's breakage is that step's failure
+                result = StepResult(rate, 0, 0.0, 0.0, 0, 0.0, False, f"errors: {' '.join(str(exc).split())[:300]}", [])
+                runner.system.reset()
             self._log_step(
                 name,
                 size,

@@ -369,11 +369,12 @@ def check_targets(rows: list[Row]) -> list[tuple[str, str, str]]:
     small = hio(100, 0.0)
     out.append(
         (
-            "100-byte tuples: >= 10,000/s",
-            "not measured" if small is None else ("met" if small["max_rate"] >= 10_000 else "NOT met"),
+            "100-byte tuples: >= 20,000/s",
+            "not measured" if small is None else ("met" if small["max_rate"] >= 20_000 else "NOT met"),
             "" if small is None else f"{_rate(small['max_rate'])}/s",
         )
     )
+    out += [_ahead_target(rows), _over_target(rows, "rabbitmq", 3.0), _secure_target(rows)]
     losses = other_wins(rows)
     worse = [(row, ratio) for row, ratio in losses if ratio > 2]
     out.append(
@@ -390,11 +391,11 @@ def check_targets(rows: list[Row]) -> list[tuple[str, str, str]]:
     return out
 
 
-def other_wins(rows: list[Row]) -> list[tuple[Row, float]]:
-    """Cells where the best of the other designs (Spark, the broker) beats this system:
-    (its row, its factor)."""
+def ratios(rows: list[Row]) -> dict[tuple[int, float], tuple[float, Row]]:
+    """Per cell where both are measured: this system's rate over the best other design's,
+    and that design's row (a ratio above 1: this system is ahead)."""
     index = _index(rows)
-    wins = []
+    out: dict[tuple[int, float], tuple[float, Row]] = {}
     sizes, costs = _cells(rows)
     for size in sizes:
         for cost in costs:
@@ -403,10 +404,95 @@ def other_wins(rows: list[Row]) -> list[tuple[Row, float]]:
             if ours is None or not theirs:
                 continue
             best = max(theirs, key=lambda r: r["max_rate"])
-            if best["max_rate"] > ours["max_rate"]:
-                ratio = best["max_rate"] / ours["max_rate"] if ours["max_rate"] > 0 else math.inf
-                wins.append((best, ratio))
-    return wins
+            out[size, cost] = (_ratio(ours["max_rate"], best["max_rate"]), best)
+    return out
+
+
+def _ratio(ours: float, theirs: float) -> float:
+    if theirs > 0:
+        return ours / theirs
+    return math.inf if ours > 0 else math.nan
+
+
+def _times(ratio: float) -> str:
+    """A ratio as "2.50x"; "all x" where the other finished nothing."""
+    return "all x" if math.isinf(ratio) else f"{ratio:.2f}x"
+
+
+def _cell_name(size: int, cost: float) -> str:
+    return f"{size_label(size)} x {cost_label(cost)}"
+
+
+def _ahead_target(rows: list[Row]) -> tuple[str, str, str]:
+    """Ahead of every other design in every cell of 100 KB and more."""
+    name = "every cell >= 100 KB: ahead of every other system"
+    cells = {cell: v for cell, v in ratios(rows).items() if cell[0] >= 100_000}
+    if not cells:
+        return name, "not measured", ""
+    behind = [f"{_cell_name(*cell)}: {_times(r)} {best['system']}" for cell, (r, best) in cells.items() if not r > 1]
+    return (
+        name,
+        "NOT met" if behind else "met",
+        "; ".join(behind) or f"{len(cells)} cells, lowest ratio " + (_times(min(r for r, _ in cells.values()))),
+    )
+
+
+def _over_target(rows: list[Row], other: str, factor: float) -> tuple[str, str, str]:
+    """At 10 MB, at least ``factor`` times ``other``'s rate in every cost measured."""
+    index = _index(rows)
+    name = f"10 MB: >= {factor:g}x {other} (durable)"
+    pairs = [
+        (cost, index[(HIO, size, cost)], index[(other, size, cost)])
+        for size, cost in sorted({(r["size"], r["cost_ms"]) for r in rows})
+        if size == 10**7 and (HIO, size, cost) in index and (other, size, cost) in index
+    ]
+    if not pairs:
+        return name, "not measured", ""
+    found = [(cost, _ratio(ours["max_rate"], theirs["max_rate"])) for cost, ours, theirs in pairs]
+    met = all(r >= factor for _, r in found)
+    return name, "met" if met else "NOT met", "; ".join(f"{cost_label(c)}: {_times(r)}" for c, r in found)
+
+
+def _secure_target(rows: list[Row]) -> tuple[str, str, str]:
+    """TLS and tokens on every hop cost at most 30% of the plain rate at 1 MB and 10 MB."""
+    index = _index(rows)
+    name = "secure (TLS + tokens) within 30% of plain at 1 MB and 10 MB"
+    found = [
+        (size, cost, _ratio(index[("hio-secure", size, cost)]["max_rate"], index[(HIO, size, cost)]["max_rate"]))
+        for size, cost in sorted({(r["size"], r["cost_ms"]) for r in rows})
+        if size in (10**6, 10**7) and ("hio-secure", size, cost) in index and (HIO, size, cost) in index
+    ]
+    if not found:
+        return name, "not measured", ""
+    met = all(r >= 0.7 for _, _, r in found)
+    return name, "met" if met else "NOT met", "; ".join(f"{_cell_name(s, c)}: {r:.0%} of plain" for s, c, r in found)
+
+
+def _ratio_table(rows: list[Row]) -> list[str]:
+    """Per cell: this system's rate over the best other design's, and which design that is."""
+    found = ratios(rows)
+    if not found:
+        return ["No cell has this system and another design measured."]
+    sizes = sorted({size for size, _ in found})
+    costs = sorted({cost for _, cost in found})
+    lines = ["| cost | " + " | ".join(size_label(s) for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for cost in costs:
+        cells = []
+        for size in sizes:
+            if (size, cost) not in found:
+                cells.append("–")
+                continue
+            ratio, best = found[size, cost]
+            text = f"{_times(ratio)} {best['system']}"
+            cells.append(f"**{text}**" if ratio > 1 else text)
+        lines.append(f"| {cost_label(cost)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def other_wins(rows: list[Row]) -> list[tuple[Row, float]]:
+    """Cells where the best of the other designs (Spark, the broker) beats this system:
+    (its row, its factor)."""
+    return [(best, math.inf if r == 0 else 1 / r) for r, best in ratios(rows).values() if r < 1]
 
 
 # -- the document -----------------------------------------------------------------------------
@@ -714,6 +800,12 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
         ),
         "",
         *_burst_table(bursts),
+        "",
+        f"## This system against the best other design ({', '.join(OTHERS)})",
+        "",
+        f"Per cell, {HIO}'s achieved rate over the best of the others' and which that is (bold: ahead):",
+        "",
+        *_ratio_table(rows),
         "",
         "## Targets",
         "",

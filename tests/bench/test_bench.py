@@ -23,7 +23,15 @@ from benchmarks.grid import (
     percentile,
     slope,
 )
-from benchmarks.report import check_targets, machine_spread, other_wins, published, read_rows, write_report
+from benchmarks.report import (
+    check_targets,
+    machine_spread,
+    other_wins,
+    published,
+    ratios,
+    read_rows,
+    write_report,
+)
 from benchmarks.systems import ABOUT, HEADER_BYTES, SYSTEMS, MessageGenerator, parse_header
 from hio.config import ConfigError
 
@@ -163,7 +171,9 @@ def test_report_has_tables_plots_targets_durability_and_other_systems_wins(tmp_p
     wins = {(r["size"], r["cost_ms"], r["system"]): round(x, 2) for r, x in other_wins(rows)}
     assert wins == {(100, 0.0, "spark-socket"): 2.5, (10**6, 100.0, "spark-file"): 1.02}
     targets = {t: s for t, s, _ in check_targets(rows)}
-    assert targets["100-byte tuples: >= 10,000/s"] == "met"
+    assert targets["100-byte tuples: >= 20,000/s"] == "NOT met"  # 12,000/s
+    assert targets["10 MB: >= 3x rabbitmq (durable)"] == "not measured"
+    assert "| 0 | 0.40x spark-socket | **10.00x spark-file** |" in text  # the ratio to the best other design
     assert targets["no cell where another system beats this system by more than 2x"] == "NOT met"
     assert targets["1 MB, no cost: >= 5x Spark file source"] == "met"
     assert "100 B x 0: spark-socket 30,000/s, 2.50x this system." in text
@@ -172,6 +182,44 @@ def test_report_has_tables_plots_targets_durability_and_other_systems_wins(tmp_p
     for system in ("hio-direct", "spark-file", "spark-socket"):  # what its latency ends at, what survives
         assert f"| {system} | {ABOUT[system].latency_end} | {ABOUT[system].durability} |" in text
     assert "| 1 MB x 0 | 1 | 1.90 / 500 | 1.90 / 500 | 1.90 / 500 | 0%, 0% | yes |" in text
+
+
+def _row(system: str, size: int, cost_ms: float, rate: float) -> dict[str, object]:
+    """A result row as read_rows gives it, with what the targets read."""
+    return {"system": system, "size": size, "cost_ms": cost_ms, "max_rate": rate, "bound": 1e9, "fraction": 0.0}
+
+
+def test_the_targets_compare_this_system_with_the_best_other_design_the_broker_and_its_secure_row() -> None:
+    rows = [
+        _row("hio-direct", 10**5, 0.0, 900),
+        _row("spark-socket", 10**5, 0.0, 1000),  # behind at 100 KB
+        _row("rabbitmq", 10**5, 0.0, 100),
+        _row("hio-direct", 10**6, 0.0, 300),
+        _row("hio-secure", 10**6, 0.0, 200),  # 67% of plain
+        _row("rabbitmq", 10**6, 0.0, 60),
+        _row("hio-direct", 10**7, 0.0, 40),
+        _row("hio-secure", 10**7, 0.0, 36),
+        _row("rabbitmq", 10**7, 0.0, 10),  # 4x
+        _row("hio-direct", 10**7, 100.0, 19),
+        _row("rabbitmq", 10**7, 100.0, 0.0),  # failed the cell: this system is infinitely ahead
+    ]
+    targets = {t: (s, d) for t, s, d in check_targets(rows)}
+    assert targets["every cell >= 100 KB: ahead of every other system"] == ("NOT met", "100 KB x 0: 0.90x spark-socket")
+    assert targets["10 MB: >= 3x rabbitmq (durable)"] == ("met", "0: 4.00x; 100 ms: all x")
+    assert targets["secure (TLS + tokens) within 30% of plain at 1 MB and 10 MB"] == (
+        "NOT met",
+        "1 MB x 0: 67% of plain; 10 MB x 0: 90% of plain",
+    )
+    found = {cell: (round(r, 2), best["system"]) for cell, (r, best) in ratios(rows).items()}
+    assert found == {
+        (10**5, 0.0): (0.9, "spark-socket"),
+        (10**6, 0.0): (5.0, "rabbitmq"),
+        (10**7, 0.0): (4.0, "rabbitmq"),
+        (10**7, 100.0): (math.inf, "rabbitmq"),
+    }
+    assert [(r["system"], round(x, 2)) for r, x in other_wins(rows)] == [("spark-socket", 1.11)]
+    ahead = {t: (s, d) for t, s, d in check_targets([r for r in rows if r["size"] != 10**5])}
+    assert ahead["every cell >= 100 KB: ahead of every other system"] == ("met", "3 cells, lowest ratio 4.00x")
 
 
 def test_a_cell_whose_machine_state_differs_is_published_only_from_an_attempt_that_agreed(tmp_path: Path) -> None:
