@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from benchmarks.grid import (
     BenchConfig,
     StepResult,
+    StepRunner,
     bound_rate,
     find_max,
     parse_cost,
@@ -265,6 +267,40 @@ def test_achieved_rate_counts_finishes_at_the_sink_without_crediting_a_batch_it_
     assert achieved_rate(batches, 99.0) == pytest.approx(20.0)
     assert achieved_rate([101.0] * 10, 99.0) == pytest.approx(5.0)  # one batch: over the time from the first send
     assert achieved_rate([], 99.0) == 0.0
+
+
+class SourceThatStopsReading:
+    """The sending side of a benchmarked system whose source stops reading: after ``good``
+    messages every send blocks ``block`` seconds and then fails (or, with ``fails`` off,
+    succeeds late), as a socket source does whose reader died."""
+
+    sender_threads = 2
+
+    def __init__(self, good: int, block: float, fails: bool = True) -> None:
+        self.good, self.block, self.fails = good, block, fails
+        self.sends = 0
+
+    def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
+        self.sends += 1
+        if self.sends > self.good:
+            time.sleep(self.block)
+            if self.fails:
+                raise TimeoutError("timed out")
+
+
+def test_sending_stops_at_the_first_failed_send_and_when_the_steps_time_runs_out() -> None:
+    failing = SourceThatStopsReading(good=5, block=0.2)
+    runner = StepRunner(failing, MessageGenerator(100, text=False), 0.0, BenchConfig())  # type: ignore[arg-type]  # only its sending side
+    started = time.monotonic()
+    errors = runner._pace("s1", 1000.0, 10_000, started, [0], started + 60)
+    assert errors and errors[0] == "send: timed out"
+    assert failing.sends <= 5 + failing.sender_threads and time.monotonic() - started < 5
+    slow = SourceThatStopsReading(good=5, block=0.1, fails=False)
+    runner = StepRunner(slow, MessageGenerator(100, text=False), 0.0, BenchConfig())  # type: ignore[arg-type]  # only its sending side
+    started = time.monotonic()
+    errors = runner._pace("s1", 1000.0, 10_000, started, [0], started + 0.5)
+    assert errors and "of 10000 sent: the step's time ran out" in errors[0]
+    assert slow.sends < 40 and time.monotonic() - started < 5
 
 
 def test_a_failed_cell_says_why_in_words_the_report_groups_by() -> None:

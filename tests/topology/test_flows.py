@@ -42,7 +42,9 @@ def test_nobody_dials_a_gateway_kd_or_an_operator_and_only_gateways_dial_the_eng
     (workers come to it); the engines' ports are the gateways' alone."""
     flows = deploy_flows()
     assert not [f for f in flows if f.target in ("gateway", "kd", "operator")]
-    assert {f.target for f in flows if f.source == "master"} == {"repository"}, "the preview: over gRPC and the operator's SSH tunnel"
+    assert {f.target for f in flows if f.source == "master"} == {"repository"}, (
+        "the preview: over gRPC and the operator's SSH tunnel"
+    )
     assert {f.source for f in flows if f.port == ENGINE_PORTS} == {"gateway"}
 
 
