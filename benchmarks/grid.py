@@ -19,7 +19,9 @@ A system's point:
    system also warms it: JIT, Python workers, connections); the rate they
    finished at is where the search starts (at most ``start_fraction`` of the
    bound), so every system starts from its own measure in every cell, never
-   from another cell's result.
+   from another cell's result. A probe that fails (a burst the system cannot
+   take at once) does not end the point: the system is reset and the search
+   starts at ``PROBE_FAILED_START_RATE``.
 3. **Search.** Ramp up, then bisect until the bracket is within ``tolerance``.
    A step at rate r sends ``N`` messages paced at r (lasting at least three of
    the system's latencies) and passes only if
@@ -84,6 +86,7 @@ MACHINE_SAMPLES = 5  # samples of the CPU slots and of the loopback before a poi
 MACHINE_TRIES = 3  # measurements before a point at most, while it disagrees with the cell's
 MACHINE_PAUSE_SECONDS = 10.0  # between those measurements
 PACE_SLACK_SECONDS = 10.0  # a step's sending stops at twice its planned time plus this
+PROBE_FAILED_START_RATE = 1.0  # messages/s where the search starts when a point's probe failed
 FULL_SIZES = ("100", "10K", "100K", "1M", "10M")
 FULL_COSTS = ("0", "10ms", "100ms", "1s")
 QUICK_SIZES = ("100", "1M")
@@ -187,7 +190,7 @@ class BenchConfig(ClusterSettings):
     tolerance: float = setting(0.05, "bisect until (high - low) / high is at most this")
     max_steps: int = setting(12, "steps per grid point at most")
     probe_messages: int = setting(20, "messages of a point's probe at most (sent at once; the search starts there)")
-    probe_bytes: str = setting("200M", "bytes of a point's probe at most")
+    probe_bytes: str = setting("50M", "bytes of a point's probe at most (a cheap probe: five 10 MB messages)")
     start_fraction: float = setting(0.9, "first rate at most this fraction of the bound, where the bound is finite")
     min_rate: float = setting(0.1, "below this rate (/s) a point is recorded as 0")
     max_rate: float = setting(200_000.0, "never try a rate above this (/s): the generator's own limit")
@@ -953,17 +956,29 @@ class BenchRun:
                     system, MessageGenerator(size, text=system.text_payload), cost, config, prefix=f"p{self.points}"
                 )
                 probe = self._probe(runner, name, size, cost, attempt)
+                probe_failure, estimate = "", probe.achieved_rate
                 if probe.finished < probe.count or probe.errors:
+                    # A burst a system cannot take (Spark's socket source holds a batch of 10 MB
+                    # lines in its driver's heap) says nothing of the rates it can sustain: the
+                    # search starts low instead, on the system reset.
                     reason = (
                         probe.errors[0] if probe.errors else f"only {probe.finished}/{probe.count} finished in time"
                     )
-                    failure = "probe: " + failure_of(reason, math.inf)
+                    probe_failure = "probe: " + failure_of(reason, math.inf)
+                    print(
+                        f"hio bench: {name}: {probe_failure[:160]}; reset, the search starts at "
+                        f"{PROBE_FAILED_START_RATE:g}/s",
+                        flush=True,
+                    )
+                    runner.system.reset()
+                    estimate = PROBE_FAILED_START_RATE
                 else:
-                    probe_rate = probe.achieved_rate
-                    point, latency, steal = self._search(runner, name, size, cost, attempt, probe_rate, loopback)
-                    if point.best is None:
-                        ff = point.first_fail
-                        failure = failure_of(ff.reason, ff.rate) if ff else "no step ran within the point's time"
+                    probe_rate = estimate
+                point, latency, steal = self._search(runner, name, size, cost, attempt, estimate, loopback)
+                if point.best is None:
+                    ff = point.first_fail
+                    found = failure_of(ff.reason, ff.rate) if ff else "no step ran within the point's time"
+                    failure = f"{found}; {probe_failure}" if probe_failure else found
             except Exception as exc:  # noqa: BLE001 - a system that breaks is that cell's result; the run goes on
                 failure = f"errors: {' '.join(str(exc).split())[:300]}"
             finally:
