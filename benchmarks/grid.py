@@ -897,6 +897,8 @@ class BenchRun:
             log.warning("ending the point failed", extra={"system": system.name, "error": str(exc)})
         try:
             system.stop()
+        except Exception as exc:  # noqa: BLE001 - the run goes on to the next point (its JVM died, ...)
+            log.warning("stopping the system failed", extra={"system": system.name, "error": str(exc)[:300]})
         finally:
             shutil.rmtree(self.work / where, ignore_errors=True)
 
@@ -1014,7 +1016,10 @@ class BenchRun:
                 result = runner.run(rate, **options)
             except Exception as exc:  # noqa: BLE001 - one step's breakage is that step's failure
                 result = StepResult(rate, 0, 0.0, 0.0, 0, 0.0, False, f"errors: {' '.join(str(exc).split())[:300]}", [])
-                runner.system.reset()
+                try:
+                    runner.system.reset()
+                except Exception as again:  # noqa: BLE001 - the next steps fail fast and say so
+                    log.warning("resetting the system failed", extra={"system": name, "error": str(again)[:300]})
             self._log_step(
                 name,
                 size,

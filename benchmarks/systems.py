@@ -543,6 +543,37 @@ def build_spark_session(app_name: str, slots: int = SLOTS, conf: tuple[str, ...]
     return spark
 
 
+def spark_alive() -> bool:
+    """Whether the JVM pyspark launched for this process still runs."""
+    from pyspark import SparkContext
+
+    proc = getattr(SparkContext._gateway, "proc", None)
+    return proc is not None and proc.poll() is None
+
+
+def forget_spark() -> None:
+    """After the JVM behind pyspark died: kill what is left of it and drop pyspark's handles to
+    it, so that the next session launches a new JVM instead of calling the dead one."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+    context = SparkContext._active_spark_context
+    server = getattr(context, "_accumulatorServer", None)
+    if server is not None:
+        with contextlib.suppress(Exception):
+            server.shutdown()
+    if gateway is not None:
+        with contextlib.suppress(Exception):
+            gateway.close()
+    SparkContext._gateway = SparkContext._jvm = SparkContext._active_spark_context = None
+    SparkSession._instantiatedSession = SparkSession._activeSession = None
+
+
 def process_and_store_line(cost_s: float) -> Callable[[Any], str]:
     """The engines' pipeline on a message (the same burn, the same features) and the line a
     Spark or broker row stores for it, its header first so the receiver knows what finished.
@@ -585,10 +616,16 @@ class SparkSystem(LoggedSystem):
         self.spark = build_spark_session(f"hio-bench-{self.name}", SLOTS, self.conf)
 
     def stop(self) -> None:
-        self.end_point()
-        if self.spark is not None:
-            self.spark.stop()
-            self.spark = None
+        try:
+            self.end_point()
+        finally:
+            if self.spark is not None:
+                try:
+                    self.spark.stop()
+                except Exception as exc:  # noqa: BLE001 - its JVM died (out of heap): forget it, go on
+                    log.warning("stopping Spark failed", extra={"error": str(exc)[:300]})
+                    forget_spark()
+                self.spark = None
 
     def begin_point(self, size: int, cost_s: float) -> None:
         self._point += 1
@@ -632,8 +669,13 @@ class SparkSystem(LoggedSystem):
             self._point_dir = None
 
     def reset(self) -> None:
-        """A fresh query and source: the backlog of the old one is dropped."""
+        """A fresh query and source: the backlog of the old one is dropped. A JVM that died
+        (the socket source holds what it read in the driver's heap) is replaced by a new one."""
         self.end_point()
+        if not spark_alive():
+            log.warning("Spark's JVM is gone; starting a new one", extra={"system": self.name})
+            forget_spark()
+            self.start()
         self.begin_point(self._size, self._cost)
 
     def _on_batch(self, frame: Any, batch_id: int) -> None:
@@ -655,9 +697,13 @@ class SparkSystem(LoggedSystem):
     def errors(self) -> list[str]:
         found = super().errors()
         if self.query is not None:
-            exc = self.query.exception()
-            if exc is not None:
-                found.append(f"spark query: {str(exc)[:300]}")
+            try:
+                exc = self.query.exception()
+            except Exception as gone:  # noqa: BLE001 - the JVM is gone: that is the error
+                found.append(f"spark: {str(gone)[:300]}")
+            else:
+                if exc is not None:
+                    found.append(f"spark query: {str(exc)[:300]}")
         return found
 
     @abc.abstractmethod

@@ -360,6 +360,38 @@ def test_the_readme_section_is_written_between_its_markers(tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.spark
+def test_a_spark_system_whose_jvm_died_says_so_and_is_reset_onto_a_new_jvm(tmp_path: Path) -> None:
+    """The socket source can exhaust the driver's heap and take the JVM down: the system says
+    so among its errors instead of raising, its reset starts a new JVM that processes messages
+    again, and it stops without raising."""
+    from pyspark import SparkContext
+
+    from benchmarks.systems import SparkFileSystem, spark_alive
+
+    system = SparkFileSystem(tmp_path / "spark")
+    system.start()
+    try:
+        system.begin_point(1000, 0.0)
+        dead = SparkContext._gateway.proc  # type: ignore[union-attr]  # pyspark keeps its JVM there
+        dead.kill()
+        dead.wait(30)
+        assert not spark_alive()
+        assert any(error.startswith("spark: ") for error in system.errors())
+        system.reset()
+        assert spark_alive() and SparkContext._gateway.proc is not dead  # type: ignore[union-attr]  # as above
+        generator = MessageGenerator(1000, text=system.text_payload)
+        for seq in range(5):
+            system.send("after", seq, generator.message("after", seq, time.time()), 0.0)
+        deadline = time.monotonic() + 120
+        while len(system.finished("after")) < 5 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(system.finished("after")) == 5
+    finally:
+        system.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.spark
 def test_smoke_every_system_one_cell_and_bursts_in_one_run_then_resume(tmp_path: Path) -> None:
     """Every system for real on one cell (1 KB x 100 ms), one step each, and a small burst of
     1 MB messages through the library and a watched folder; then a resume adds nothing.
