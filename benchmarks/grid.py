@@ -31,7 +31,10 @@ A system's point:
      send (``grace_seconds`` or twice the latency seen, plus 2 x the CPU cost),
    * the backlog (sent - finished) did not grow once the pipeline was full (the
      last two thirds of the step, later if latency is long; least-squares slope;
-     a growth above 5% of N or 2 x slots fails), and
+     a growth above the largest of 5% of N, 2 x slots and the messages sent in
+     one latency fails: a micro-batch system's backlog rises and falls by about
+     a batch, rate x its latency, which a slope over a few batches reads as
+     growth), and
    * no errors were reported.
 
    The point's rate is the **achieved** rate of its highest passing step
@@ -515,7 +518,7 @@ class StepRunner:
     ) -> StepResult:
         planned = count / rate
         sent_rate = count / max(send_seconds, 1e-9)
-        allowed_growth = max(2 * SLOTS, 0.05 * count)
+        allowed_growth = max(2 * SLOTS, 0.05 * count, rate * self.latency_hint)
         reason = ""
         if errors:
             reason = f"errors: {errors[0][:200]}"

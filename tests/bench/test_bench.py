@@ -303,6 +303,16 @@ def test_sending_stops_at_the_first_failed_send_and_when_the_steps_time_runs_out
     assert slow.sends < 40 and time.monotonic() - started < 5
 
 
+def test_a_backlog_rising_and_falling_by_a_micro_batch_is_not_growth() -> None:
+    """Spark's backlog at 879/s with batches of about 0.3 s: a slope of 190 messages over the
+    step is one batch, not a system falling behind; without a latency seen, it fails."""
+    runner = StepRunner(SourceThatStopsReading(0, 0.0), MessageGenerator(100, text=False), 0.0, BenchConfig())  # type: ignore[arg-type]  # only its judging
+    assert not runner._judge(879.0, 3518, 4.0, 3518, 190.0, []).passed
+    runner.latency_hint = 0.3
+    assert runner._judge(879.0, 3518, 4.0, 3518, 190.0, []).passed
+    assert runner._judge(879.0, 3518, 4.0, 3518, 400.0, []).reason == "backlog grew by 400 messages"
+
+
 def test_a_failed_cell_says_why_in_words_the_report_groups_by() -> None:
     from benchmarks.grid import failure_of
 
