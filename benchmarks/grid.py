@@ -444,6 +444,10 @@ class StepRunner:
         self._drain(base, count)
         return result
 
+    def burst_timeout(self, count: int) -> float:
+        """How long ``count`` messages sent at once may take to finish on a healthy system."""
+        return self.config.grace_seconds * 4 + 2 * count * self.cost_s + 30
+
     def burst(self, count: int, timeout: float) -> Burst:
         """Send ``count`` messages at once (as fast as the source takes them); wait until all
         are finished or ``timeout`` passes."""
@@ -545,7 +549,7 @@ class StepRunner:
         if self.system.finished_count() - base < count:
             log.warning("backlog did not drain; resetting", extra={"system": self.system.name})
             self.system.reset()
-            self.burst(WARM_UP_MESSAGES, self.config.grace_seconds * 4 + 2 * WARM_UP_MESSAGES * self.cost_s + 30)
+            self.burst(WARM_UP_MESSAGES, self.burst_timeout(WARM_UP_MESSAGES))
 
 
 # -- one point: ramp, then bisect -------------------------------------------------------
@@ -725,6 +729,13 @@ def _cost_key(cost_s: float) -> str:
     return _fmt(cost_s * 1000)
 
 
+def cell_rows(rows: list[dict[str, str]], size: int, cost: float, attempt: int) -> list[dict[str, str]]:
+    """The rows (as read from the CSV) of one attempt at the cell (size, cost)."""
+    return [
+        r for r in rows if r["size"] == str(size) and r["cost_ms"] == _cost_key(cost) and int(r["attempt"]) == attempt
+    ]
+
+
 class BenchRun:
     """One run of `hio bench`: the cells, interleaved systems, the bursts, the CSVs."""
 
@@ -820,10 +831,7 @@ class BenchRun:
         wanted = set(self.config.systems)
         complete = [n for n, systems in self._attempts(size, cost, rows).items() if wanted <= systems]
         for n in complete:
-            same = [
-                r for r in rows if r["size"] == str(size) and r["cost_ms"] == _cost_key(cost) and int(r["attempt"]) == n
-            ]
-            if max(machine_spread(same)) <= self.config.agreement:
+            if max(machine_spread(cell_rows(rows, size, cost, n))) <= self.config.agreement:
                 return True
         return len(complete) >= self.config.cell_attempts
 
@@ -844,18 +852,8 @@ class BenchRun:
             done = attempts.get(attempt, set())
             for name in wanted:
                 if name not in done:
-                    cell_rows = [
-                        r
-                        for r in rows
-                        if r["size"] == str(size) and r["cost_ms"] == _cost_key(cost) and int(r["attempt"]) == attempt
-                    ]
-                    rows.append(self._point(name, size, cost, attempt, cell_rows))
-            same = [
-                r
-                for r in rows
-                if r["size"] == str(size) and r["cost_ms"] == _cost_key(cost) and int(r["attempt"]) == attempt
-            ]
-            slots, loopback = machine_spread(same)
+                    rows.append(self._point(name, size, cost, attempt, cell_rows(rows, size, cost, attempt)))
+            slots, loopback = machine_spread(cell_rows(rows, size, cost, attempt))
             if max(slots, loopback) <= self.config.agreement:
                 print(
                     f"hio bench: {label}: machine state agreed (CPU slots {slots:.0%}, loopback {loopback:.0%} apart)"
@@ -918,7 +916,7 @@ class BenchRun:
         return slots, max(loopback_bandwidth(seconds=each) for _ in range(MACHINE_SAMPLES))
 
     # -- one system's point
-    def _settled_machine(self, cell_rows: list[dict[str, str]]) -> tuple[float, float]:
+    def _settled_machine(self, earlier: list[dict[str, str]]) -> tuple[float, float]:
         """The machine state before a point, measured again (after a pause) up to
         ``MACHINE_TRIES`` times while it is further than ``agreement`` from what the cell's
         earlier systems had: a passing disturbance (the previous system's processes still
@@ -926,22 +924,21 @@ class BenchRun:
         another run; a lasting one still shows."""
         from benchmarks.report import machine_spread
 
-        for tries in range(1, MACHINE_TRIES + 1):
-            slots, loopback = self._machine()
-            spread = machine_spread([*cell_rows, {"cpu_slots": slots, "loopback_mb_s": loopback / 1e6}])
-            if max(spread) <= self.config.agreement or tries == MACHINE_TRIES:
-                return slots, loopback
+        slots, loopback = self._machine()
+        for _ in range(MACHINE_TRIES - 1):
+            spread = max(machine_spread([*earlier, {"cpu_slots": slots, "loopback_mb_s": loopback / 1e6}]))
+            if spread <= self.config.agreement:
+                break
             print(
                 f"hio bench: machine state {slots:.2f} slots, {loopback / 1e6:,.0f} MB/s loopback is "
-                f"{max(spread):.0%} from the cell's; measuring again in {MACHINE_PAUSE_SECONDS:.0f} s",
+                f"{spread:.0%} from the cell's; measuring again in {MACHINE_PAUSE_SECONDS:.0f} s",
                 flush=True,
             )
             time.sleep(MACHINE_PAUSE_SECONDS)
-        raise AssertionError("unreachable")
+            slots, loopback = self._machine()
+        return slots, loopback
 
-    def _point(
-        self, name: str, size: int, cost: float, attempt: int, cell_rows: list[dict[str, str]]
-    ) -> dict[str, str]:
+    def _point(self, name: str, size: int, cost: float, attempt: int, earlier: list[dict[str, str]]) -> dict[str, str]:
         config = self.config
         self.points += 1
         where = f"{name}-p{self.points}"
@@ -950,7 +947,7 @@ class BenchRun:
         point: PointResult | None = None
         latency: StepResult | None = None
         print(f"hio bench: {name}: {size_label(size)} x {cost_label(cost * 1000)} (attempt {attempt})", flush=True)
-        slots, loopback = self._settled_machine(cell_rows)
+        slots, loopback = self._settled_machine(earlier)
         try:
             system = self._start(name, size, cost, where)
         except Exception as exc:  # noqa: BLE001 - a system that cannot start is that cell's result, not the run's end
@@ -997,8 +994,7 @@ class BenchRun:
         count = max(2, min(self.config.probe_messages, parse_size(self.config.probe_bytes) // size))
         if cost > 0:
             count = max(2, min(count, math.ceil(4 * SLOTS / cost)))
-        timeout = self.config.grace_seconds * 4 + 2 * count * cost + 30
-        burst = runner.burst(count, timeout)
+        burst = runner.burst(count, runner.burst_timeout(count))
         self._log_burst_step(name, size, cost, attempt, burst)
         return burst
 

@@ -430,11 +430,9 @@ def _ahead_target(rows: list[Row]) -> tuple[str, str, str]:
     if not cells:
         return name, "not measured", ""
     behind = [f"{_cell_name(*cell)}: {_times(r)} {best['system']}" for cell, (r, best) in cells.items() if not r > 1]
-    return (
-        name,
-        "NOT met" if behind else "met",
-        "; ".join(behind) or f"{len(cells)} cells, lowest ratio " + (_times(min(r for r, _ in cells.values()))),
-    )
+    if behind:
+        return name, "NOT met", "; ".join(behind)
+    return name, "met", f"{len(cells)} cells, lowest ratio {_times(min(r for r, _ in cells.values()))}"
 
 
 def _over_target(rows: list[Row], other: str, factor: float) -> tuple[str, str, str]:

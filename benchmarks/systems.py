@@ -553,7 +553,7 @@ def spark_alive() -> bool:
 
 def forget_spark() -> None:
     """After the JVM behind pyspark died: kill what is left of it and drop pyspark's handles to
-    it, so that the next session launches a new JVM instead of calling the dead one."""
+    it, so that the next SparkSession launches a new JVM instead of calling the dead one."""
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
