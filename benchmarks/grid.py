@@ -1230,7 +1230,7 @@ class BenchRun:
                 "seconds": _fmt(result.seconds),
                 "sent_rate": _fmt(result.sent_rate),
                 "finished": result.finished,
-                "finished_fraction": _fmt(result.finished / result.messages),
+                "finished_fraction": _fmt(result.finished / result.messages) if result.messages else "",  # a step that raised sent none
                 "backlog_growth": _fmt(result.backlog_growth),
                 "passed": int(result.passed),
                 "reason": result.reason,

@@ -288,6 +288,46 @@ class SourceThatStopsReading:
                 raise TimeoutError("timed out")
 
 
+class SystemThatBreaks:
+    """A benchmarked system that passes every step up to ``limit`` messages/s and breaks above
+    it, as Spark's socket source does when a batch exhausts its driver's heap: the step raises,
+    and so does every reset after it (its JVM is gone)."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.resets = 0
+
+    def reset(self) -> None:
+        self.resets += 1
+        raise RuntimeError("No active or default Spark session found")
+
+
+class RunnerOfABreakingSystem:
+    def __init__(self, system: SystemThatBreaks) -> None:
+        self.system = system
+
+    def run(self, rate: float, **options: int) -> StepResult:
+        if rate > self.system.limit or self.system.resets:
+            raise RuntimeError("An error occurred while calling o1260.collectToPython")
+        return StepResult(rate, 40, 4.0, rate, 40, 0.0, True, "", [0.1] * 40, achieved_rate=rate * 0.95)
+
+
+def test_a_step_that_raises_is_a_failed_step_and_the_point_keeps_what_passed_before(tmp_path: Path) -> None:
+    from benchmarks.grid import BenchRun
+
+    run = BenchRun(BenchConfig(out_dir=str(tmp_path), results_name="r.csv"))
+    run.run_id = "20260101T000000"
+    run.steps_path.parent.mkdir(parents=True)
+    runner = RunnerOfABreakingSystem(SystemThatBreaks(limit=95.0))
+    point, latency, _steal = run._search(runner, "spark-socket", 10**6, 0.0, 1, 13.0, 5e9)  # type: ignore[arg-type]  # its steps only
+    assert point.best is not None and point.best.rate == pytest.approx(52.0), point  # 13, 52, then 208 broke it
+    assert latency is not None and not latency.passed and latency.reason.startswith("errors: An error occurred")
+    steps = list(csv.DictReader(run.steps_path.read_text().splitlines()))
+    raised = [s for s in steps if s["reason"].startswith("errors:")]
+    assert raised and all(s["messages"] == "0" and s["finished_fraction"] == "" for s in raised), raised
+    assert [s["kind"] for s in steps].count("latency") == 1
+
+
 def test_sending_stops_at_the_first_failed_send_and_when_the_steps_time_runs_out() -> None:
     failing = SourceThatStopsReading(good=5, block=0.2)
     runner = StepRunner(failing, MessageGenerator(100, text=False), 0.0, BenchConfig())  # type: ignore[arg-type]  # only its sending side
