@@ -1214,6 +1214,7 @@ class BenchRun:
     def _log_step(
         self, name: str, size: int, cost: float, attempt: int, kind: str, result: StepResult, steal: float
     ) -> None:
+        fraction = _fmt(result.finished / result.messages) if result.messages else ""  # a step that raised sent none
         append_row(
             self.steps_path,
             STEP_FIELDS,
@@ -1230,7 +1231,7 @@ class BenchRun:
                 "seconds": _fmt(result.seconds),
                 "sent_rate": _fmt(result.sent_rate),
                 "finished": result.finished,
-                "finished_fraction": _fmt(result.finished / result.messages) if result.messages else "",  # a step that raised sent none
+                "finished_fraction": fraction,
                 "backlog_growth": _fmt(result.backlog_growth),
                 "passed": int(result.passed),
                 "reason": result.reason,
