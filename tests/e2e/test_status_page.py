@@ -195,6 +195,26 @@ def read_page(driver: WebDriver) -> dict[str, Any]:
     return driver.execute_script(READ_PAGE)  # type: ignore[no-any-return]
 
 
+def page_updated(driver: WebDriver) -> bool:
+    """The page shows a cluster's answer (False while a form's submission is still loading it)."""
+    from selenium.common.exceptions import JavascriptException
+
+    try:
+        return str(read_page(driver)["updated"]).startswith("updated ")
+    except JavascriptException:  # the page being replaced: its elements are not there yet
+        return False
+
+
+def refusal(driver: WebDriver) -> str:
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        return str(driver.find_element(By.ID, "refusal").text)
+    except (NoSuchElementException, StaleElementReferenceException):  # the page being replaced
+        return ""
+
+
 def as_int(text: str) -> int:
     return int(text.replace(",", ""))
 
@@ -235,7 +255,7 @@ def signed_in(driver: WebDriver, cluster: LocalCluster) -> None:
     if driver.find_elements(By.ID, "token"):
         driver.find_element(By.ID, "token").send_keys(VIEWER)
         driver.find_element(By.CSS_SELECTOR, "form button").click()
-    wait_for(lambda: read_page(driver)["updated"].startswith("updated "), timeout=30, what="the page's first answer")
+    wait_for(lambda: page_updated(driver), timeout=30, what="the page's first answer")
 
 
 def test_the_page_asks_for_a_token_and_refuses_a_role_that_may_not_read_it(
@@ -248,11 +268,15 @@ def test_the_page_asks_for_a_token_and_refuses_a_role_that_may_not_read_it(
     assert "missing token" in browser.find_element(By.ID, "refusal").text
     assert not browser.find_elements(By.ID, "main"), "nothing of the cluster is shown without a token"
     browser.find_element(By.ID, "token").send_keys(GATEWAY)
-    browser.find_element(By.CSS_SELECTOR, "form button").click()
-    assert "role 'gateway' may not call /" in browser.find_element(By.ID, "refusal").text
+    browser.find_element(By.CSS_SELECTOR, "form button").click()  # the answer is a new page, loaded after the click
+    wait_for(
+        lambda: "role 'gateway' may not call /" in refusal(browser),
+        timeout=30,
+        what=lambda: f"the gateway's token refused; the page says {refusal(browser)!r}",
+    )
     browser.find_element(By.ID, "token").send_keys(VIEWER)
     browser.find_element(By.CSS_SELECTOR, "form button").click()
-    wait_for(lambda: read_page(browser)["updated"].startswith("updated "), timeout=30, what="the signed-in page")
+    wait_for(lambda: page_updated(browser), timeout=30, what="the signed-in page")
     assert browser.current_url == page_url(cluster)
     (cookie,) = browser.get_cookies()
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and VIEWER not in cookie["value"]
