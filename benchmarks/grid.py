@@ -330,6 +330,21 @@ class StepResult:
     def percentile(self, q: float) -> float:
         return percentile(self.latencies, q)
 
+    @property
+    def finished_fraction(self) -> float | None:
+        """Of the messages sent, the fraction finished; None for a step that sent none."""
+        return self.finished / self.messages if self.messages else None
+
+    @classmethod
+    def raised(cls, rate: float, exc: BaseException) -> StepResult:
+        """A step that raised before it could be judged: failed, nothing sent, the error its reason."""
+        return cls(rate, 0, 0.0, 0.0, 0, 0.0, False, f"errors: {in_one_line(exc)}", [])
+
+
+def in_one_line(exc: BaseException, limit: int = 300) -> str:
+    """An error's text on one line, at most ``limit`` characters (a CSV cell, a log field)."""
+    return " ".join(str(exc).split())[:limit]
+
 
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile (0..1) by linear interpolation; NaN for no values."""
@@ -899,7 +914,7 @@ class BenchRun:
         try:
             system.stop()
         except Exception as exc:  # noqa: BLE001 - the run goes on to the next point (its JVM died, ...)
-            log.warning("stopping the system failed", extra={"system": system.name, "error": str(exc)[:300]})
+            log.warning("stopping the system failed", extra={"system": system.name, "error": in_one_line(exc)})
         finally:
             shutil.rmtree(self.work / where, ignore_errors=True)
 
@@ -951,7 +966,7 @@ class BenchRun:
         try:
             system = self._start(name, size, cost, where)
         except Exception as exc:  # noqa: BLE001 - a system that cannot start is that cell's result, not the run's end
-            failure = f"could not start: {' '.join(str(exc).split())[:300]}"
+            failure = f"could not start: {in_one_line(exc)}"
         else:
             try:
                 runner = StepRunner(
@@ -982,7 +997,7 @@ class BenchRun:
                     found = failure_of(ff.reason, ff.rate) if ff else "no step ran within the point's time"
                     failure = f"{found}; {probe_failure}" if probe_failure else found
             except Exception as exc:  # noqa: BLE001 - a system that breaks is that cell's result; the run goes on
-                failure = f"errors: {' '.join(str(exc).split())[:300]}"
+                failure = f"errors: {in_one_line(exc)}"
             finally:
                 self._stop(system, where)
         return self._record(
@@ -1014,11 +1029,11 @@ class BenchRun:
             try:
                 result = runner.run(rate, **options)
             except Exception as exc:  # noqa: BLE001 - one step's breakage is that step's failure
-                result = StepResult(rate, 0, 0.0, 0.0, 0, 0.0, False, f"errors: {' '.join(str(exc).split())[:300]}", [])
+                result = StepResult.raised(rate, exc)
                 try:
                     runner.system.reset()
                 except Exception as again:  # noqa: BLE001 - the next steps fail fast and say so
-                    log.warning("resetting the system failed", extra={"system": name, "error": str(again)[:300]})
+                    log.warning("resetting the system failed", extra={"system": name, "error": in_one_line(again)})
             self._log_step(
                 name,
                 size,
@@ -1131,7 +1146,7 @@ class BenchRun:
         try:
             system = self._start(name, size, 0.0, where)
         except Exception as exc:  # noqa: BLE001 - a system that cannot start is its rows' result
-            results = {path: (None, f"could not start: {' '.join(str(exc).split())[:300]}") for path in paths}
+            results = {path: (None, f"could not start: {in_one_line(exc)}") for path in paths}
         else:
             try:
                 runner = StepRunner(
@@ -1144,7 +1159,7 @@ class BenchRun:
                         system.reset()  # what is left of a burst that failed must not count for the next
             except Exception as exc:  # noqa: BLE001 - a system that breaks is its rows' result; the run goes on
                 for path in paths:
-                    results.setdefault(path, (None, f"errors: {' '.join(str(exc).split())[:300]}"))
+                    results.setdefault(path, (None, f"errors: {in_one_line(exc)}"))
             finally:
                 self._stop(system, where)
         for path in paths:
@@ -1214,7 +1229,6 @@ class BenchRun:
     def _log_step(
         self, name: str, size: int, cost: float, attempt: int, kind: str, result: StepResult, steal: float
     ) -> None:
-        fraction = _fmt(result.finished / result.messages) if result.messages else ""  # a step that raised sent none
         append_row(
             self.steps_path,
             STEP_FIELDS,
@@ -1231,7 +1245,7 @@ class BenchRun:
                 "seconds": _fmt(result.seconds),
                 "sent_rate": _fmt(result.sent_rate),
                 "finished": result.finished,
-                "finished_fraction": fraction,
+                "finished_fraction": _fmt(result.finished_fraction),
                 "backlog_growth": _fmt(result.backlog_growth),
                 "passed": int(result.passed),
                 "reason": result.reason,
