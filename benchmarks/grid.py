@@ -52,7 +52,9 @@ a cell that agreed and says which never did.
 Then the **burst** rows, the way an instrument dumps a plate: ``burst_bytes``
 of 1 MB and of 10 MB messages submitted at once, through the library and
 through a watched folder (where the system has one), timed until all are
-stored, beside the disk's write bandwidth measured with ``fdatasync`` first.
+stored, beside the disk's write bandwidth measured with ``fdatasync`` first. A
+burst fails at the system's first error (a failed send, a driver out of heap):
+its row says why and how many were stored by then.
 
 Results go to one CSV per run (``run`` column: the run's id) as each point
 finishes, each row with when it finished, the commit it measured and the
@@ -89,6 +91,7 @@ MACHINE_SAMPLES = 5  # samples of the CPU slots and of the loopback before a poi
 MACHINE_TRIES = 3  # measurements before a point at most, while it disagrees with the cell's
 MACHINE_PAUSE_SECONDS = 10.0  # between those measurements
 PACE_SLACK_SECONDS = 10.0  # a step's sending stops at twice its planned time plus this
+ERROR_POLL_SECONDS = 1.0  # how often a burst's wait asks the system for errors
 PROBE_FAILED_START_RATE = 1.0  # messages/s where the search starts when a point's probe failed
 FULL_SIZES = ("100", "10K", "100K", "1M", "10M")
 FULL_COSTS = ("0", "10ms", "100ms", "1s")
@@ -473,7 +476,9 @@ class StepRunner:
         started, started_unix = time.monotonic(), time.time()
         send_errors = self._pace(tag, math.inf, count, started, [0], started + timeout)
         sent = time.monotonic() - started
-        finished = self.wait_finished(base, count, started + timeout)
+        # a failed send fails the burst: what was sent is counted, nothing more is waited for
+        deadline = time.monotonic() if send_errors else started + timeout
+        finished = self.wait_finished(base, count, deadline, errors_from=errors_before)
         seconds = time.monotonic() - started
         errors = self.system.errors()[errors_before:] + send_errors
         done = [f.done_unix for f in self.system.finished(tag)]
@@ -549,12 +554,23 @@ class StepRunner:
             reason = f"backlog grew by {growth:.0f} messages"
         return StepResult(rate, count, send_seconds, sent_rate, in_time, growth, not reason, reason, [], 0.0)
 
-    def wait_finished(self, base: int, count: int, deadline: float) -> int:
-        """Wait until ``count`` more messages are finished, or until ``deadline``; how many are."""
+    def wait_finished(self, base: int, count: int, deadline: float, errors_from: int | None = None) -> int:
+        """Wait until ``count`` more messages are finished, or until ``deadline``; how many are.
+
+        With ``errors_from`` (the system's error count before the wait), the wait also ends
+        at the system's next error, looked for every :data:`ERROR_POLL_SECONDS` (asking
+        costs some systems a call): a burst fails at its first error anyway, and a system
+        whose driver died would otherwise be waited for until ``deadline``."""
+        next_look = time.monotonic() + ERROR_POLL_SECONDS
         while True:
             finished = self.system.finished_count() - base
-            if finished >= count or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if finished >= count or now >= deadline:
                 return finished
+            if errors_from is not None and now >= next_look:
+                if len(self.system.errors()) > errors_from:
+                    return finished
+                next_look = now + ERROR_POLL_SECONDS
             time.sleep(0.05)
 
     def _drain(self, base: int, count: int) -> None:
@@ -1222,7 +1238,7 @@ class BenchRun:
                 fh.write(runner.generator.message(tag, seq, time.time()))
             os.rename(partial, folder / name)
         sent = time.monotonic() - started
-        finished = runner.wait_finished(base, count, started + timeout)
+        finished = runner.wait_finished(base, count, started + timeout, errors_from=errors_before)
         return Burst(count, finished, sent, time.monotonic() - started, system.errors()[errors_before:][:5], [])
 
     # -- the steps CSV

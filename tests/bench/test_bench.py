@@ -343,6 +343,50 @@ def test_sending_stops_at_the_first_failed_send_and_when_the_steps_time_runs_out
     assert slow.sends < 40 and time.monotonic() - started < 5
 
 
+class SystemWhoseDriverDies:
+    """A benchmarked system that stores ``stored`` messages of a burst, then reports an error
+    and stores nothing more, as Spark's socket source does when a batch exhausts its driver's
+    heap (with ``send_fails``: its source refuses the sends after that)."""
+
+    sender_threads = 2
+
+    def __init__(self, stored: int, send_fails: bool = False) -> None:
+        self.stored, self.send_fails = stored, send_fails
+        self.sent = 0
+        self.error_asks = 0
+
+    def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
+        if self.send_fails and self.sent >= self.stored:
+            raise ConnectionResetError("connection reset by peer")
+        self.sent += 1
+
+    def finished_count(self) -> int:
+        return min(self.sent, self.stored)
+
+    def finished(self, tag: str) -> list[object]:
+        return []
+
+    def errors(self) -> list[str]:
+        self.error_asks += 1
+        return ["Java heap exhausted: spark batch 5"] if self.sent > self.stored else []
+
+
+def test_a_burst_ends_at_the_systems_first_error_not_at_its_timeout() -> None:
+    dying = SystemWhoseDriverDies(stored=30)
+    runner = StepRunner(dying, MessageGenerator(100, text=False), 0.0, BenchConfig())  # type: ignore[arg-type]  # its burst side only
+    started = time.monotonic()
+    burst = runner.burst(100, timeout=900.0)
+    assert time.monotonic() - started < 10, "the wait went on after the system's error"
+    assert burst.finished == 30 and burst.errors == ["Java heap exhausted: spark batch 5"]
+    assert dying.error_asks < 20, "errors are asked for about once a second, not at every look at the count"
+    refusing = SystemWhoseDriverDies(stored=30, send_fails=True)
+    runner = StepRunner(refusing, MessageGenerator(100, text=False), 0.0, BenchConfig())  # type: ignore[arg-type]  # its burst side only
+    started = time.monotonic()
+    burst = runner.burst(100, timeout=900.0)
+    assert time.monotonic() - started < 5 and burst.finished == 30
+    assert burst.errors and burst.errors[0] == "send: connection reset by peer"
+
+
 def test_a_backlog_rising_and_falling_by_a_micro_batch_is_not_growth() -> None:
     """Spark's backlog at 879/s with batches of about 0.3 s: a slope of 190 messages over the
     step is one batch, not a system falling behind; without a latency seen, it fails."""
