@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import os
 import queue
 import sys
@@ -343,6 +344,7 @@ class _BatchStorer:
         self._in_flight = 0
         self._closed = False
         self._last_submit = 0.0
+        self._submit_gap = math.inf  # seconds between the last two records submitted
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="feature-storer", daemon=True)
         self._thread.start()
@@ -358,7 +360,8 @@ class _BatchStorer:
             if self.error is not None:
                 raise self.error
             self._waiting.append(slot)
-            self._last_submit = time.monotonic()
+            now = time.monotonic()
+            self._submit_gap, self._last_submit = now - self._last_submit, now
             if len(self._waiting) == 1:  # the storer thread waits only for an empty queue
                 self._cond.notify_all()
 
@@ -374,9 +377,12 @@ class _BatchStorer:
         """While records arrive fast (small tuples), let a small batch wait a few ms for more (lock held).
 
         Why: at thousands of small tuples a second, a PutFeatures per few records
-        costs more gRPC work on both ends than storing them. Records that come slower
-        than one a millisecond (costly or large tuples) never wait.
+        costs more gRPC work on both ends than storing them. A record that came more
+        than :data:`STORE_GAP` after the one before it (costly or large tuples, the
+        first of a stream) does not wait: nothing says another follows soon.
         """
+        if self._submit_gap > STORE_GAP:
+            return
         deadline = time.monotonic() + STORE_LINGER
         while not self._closed and len(self._waiting) < min(STORE_FULL, self._max_records):
             now = time.monotonic()

@@ -74,15 +74,20 @@ def test_a_refused_record_fails_alone_and_the_others_are_stored(repo: Repo) -> N
     link.close()
 
 
-def _batches_of_three(repo: Repo, pause: float) -> list[list[int]]:
+def _batches_of_three(repo: Repo, pause: float) -> tuple[list[list[int]], list[float]]:
     """Submit records 1, 2, 3 ``pause`` s apart to a storer on the real repository; the ids of
-    each PutFeatures it made."""
+    each PutFeatures it made, and for each record the seconds from its submit to the
+    PutFeatures that carried it."""
     link = ClusterLink(engine_config(master=f"127.0.0.1:{free_port()}", repository=repo.address), rpc_deadline=5)
     batches: list[list[int]] = []
+    submitted: dict[int, float] = {}
+    waited: dict[int, float] = {}
     done = threading.Event()
 
     def store_many(records: list[tuple[int, bytes]]) -> list[bool]:
         batches.append([tuple_id for tuple_id, _ in records])
+        now = time.monotonic()
+        waited.update((tuple_id, now - submitted[tuple_id]) for tuple_id, _ in records)
         return link.store_many(records)
 
     def on_stored(slots: list[_Slot], duplicates: list[bool]) -> None:
@@ -100,22 +105,27 @@ def _batches_of_three(repo: Repo, pause: float) -> list[list[int]]:
     )
     try:
         for n in (1, 2, 3):
+            submitted[n] = time.monotonic()
             storer.submit(_slot(n - 1, n))
             time.sleep(pause)
         assert done.wait(10)
     finally:
         storer.close(1)
         link.close()
-    return batches
+    return batches, [waited[n] for n in (1, 2, 3)]
 
 
 def test_records_that_arrive_fast_wait_for_each_other_and_slow_ones_go_at_once(
     repo: Repo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Small tuples: one PutFeatures for records that come close together (the gRPC work of a call
-    costs more than storing a few records); records that come apart are not held back."""
+    costs more than storing a few records); a record that came apart from the one before it (the
+    first of a stream too) is not held back, not even for the gap that tells the two apart."""
     monkeypatch.setattr(engine_module, "STORE_GAP", 0.5)  # "close together": within 0.5 s
     monkeypatch.setattr(engine_module, "STORE_LINGER", 3.0)
-    assert _batches_of_three(repo, pause=0.1) == [[1, 2, 3]]
-    monkeypatch.setattr(engine_module, "STORE_GAP", 0.02)
-    assert _batches_of_three(repo, pause=0.3) == [[1], [2], [3]]
+    batches, waited = _batches_of_three(repo, pause=0.1)
+    assert batches == [[1], [2, 3]]
+    assert waited[0] < 0.3, waited  # the first goes at once; the second waits for the third
+    batches, waited = _batches_of_three(repo, pause=0.7)
+    assert batches == [[1], [2], [3]]
+    assert max(waited) < 0.3, waited  # none waited the 0.5 s gap to learn that nothing followed
