@@ -389,7 +389,8 @@ def supervise(
     query (the repository down for longer than ``rpc_deadline``, a Python
     worker that did not start, a driver JVM that died) is restarted from its
     checkpoint after ``restart_delay``, on a new Spark session if the old one
-    is dead; a ``--once`` run gives up after ``max_failures`` in a row. Without
+    is dead (a new session that does not start is tried again the same way);
+    a ``--once`` run gives up after ``max_failures`` in a row. Without
     ``once`` a query that ends by itself is a failure too: KD runs until told
     to stop."""
     readiness = readiness or Readiness()
@@ -407,9 +408,22 @@ def supervise(
         if config.once and failures >= config.max_failures:
             return 1
         stop.wait(config.restart_delay)
-        if not stop.is_set() and session.renew_if_dead():
+        if not stop.is_set() and _renew(session, readiness, config.restart_delay):
             job.spark = session.spark
     return 0
+
+
+def _renew(session: SparkSessionKeeper, readiness: Readiness, delay: float) -> bool:
+    """A new session if the old one is dead; whether there is a new one. A driver JVM that did
+    not start (it exited before it answered: memory, a port, a machine under load) is a failure
+    like the query's: the next round, after ``delay``, tries again instead of ending KD."""
+    try:
+        return session.renew_if_dead()
+    except Exception as exc:  # noqa: BLE001 - whatever stopped the JVM, KD carries on and says so
+        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        log.error("a new Spark session did not start; trying again", extra={"error": reason})
+        readiness.not_ready = f"a new Spark session did not start ({reason}); trying again in {delay:g} s"
+        return False
 
 
 def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None) -> int:
