@@ -402,7 +402,7 @@ def supervise(
             return 0
         failures += 1
         job.failures += 1
-        reason = "the query ended by itself" if error is None else str(error).strip().splitlines()[0][:300]
+        reason = "the query ended by itself" if error is None else _first_line(error)
         log.error("KD query failed; restarting it", extra={"failures": failures, "error": reason})
         readiness.not_ready = f"its query failed ({reason}); restarting it in {config.restart_delay:g} s"
         if config.once and failures >= config.max_failures:
@@ -413,6 +413,12 @@ def supervise(
     return 0
 
 
+def _first_line(exc: BaseException) -> str:
+    """An error in one line for the log and the readiness (its type when it has no words)."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
 def _renew(session: SparkSessionKeeper, readiness: Readiness, delay: float) -> bool:
     """A new session if the old one is dead; whether there is a new one. A driver JVM that did
     not start (it exited before it answered: memory, a port, a machine under load) is a failure
@@ -420,7 +426,7 @@ def _renew(session: SparkSessionKeeper, readiness: Readiness, delay: float) -> b
     try:
         return session.renew_if_dead()
     except Exception as exc:  # noqa: BLE001 - whatever stopped the JVM, KD carries on and says so
-        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        reason = _first_line(exc)
         log.error("a new Spark session did not start; trying again", extra={"error": reason})
         readiness.not_ready = f"a new Spark session did not start ({reason}); trying again in {delay:g} s"
         return False

@@ -20,6 +20,7 @@ from hio.kd.job import build_session, run
 from hio.kd.report import format_knowledge
 from tests.harness import HioProcess, free_port, health_of, wait_for
 from tests.kd.helpers import Repo, blobs_records, record, repository, simulation_records
+from tests.kd.standalone import spark_home
 
 pytestmark = pytest.mark.spark
 
@@ -236,7 +237,34 @@ def _after_kill(repo: Repo, kd: HioProcess) -> str:
 
 
 @pytest.mark.slow
+def _spark_home_whose_second_driver_fails(root: Path) -> tuple[Path, Path]:
+    """A SPARK_HOME that is the pyspark package's, except that the second driver launched
+    from it (the replacement of a killed one) exits before it answers, as a JVM that cannot
+    start does; and the file that counts the launches (a line each)."""
+    real = spark_home()
+    home, launches = root / "spark-home", root / "spark-launches"
+    (home / "bin").mkdir(parents=True)
+    for entry in real.iterdir():
+        if entry.name != "bin":
+            (home / entry.name).symlink_to(entry)
+    for entry in (real / "bin").iterdir():
+        if entry.name != "spark-submit":
+            (home / "bin" / entry.name).symlink_to(entry)
+    submit = home / "bin" / "spark-submit"
+    submit.write_text(
+        "#!/bin/sh\n"
+        f'echo launch >> "{launches}"\n'
+        f'if [ "$(wc -l < "{launches}")" -eq 2 ]; then echo "this driver does not start" >&2; exit 1; fi\n'
+        f'exec "{real}/bin/spark-submit" "$@"\n'
+    )
+    submit.chmod(0o755)
+    return home, launches
+
+
 def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """The driver JVM is killed; the first one started in its place exits before it answers:
+    KD tries again, carries on from its checkpoint, and stops cleanly."""
+    spark_home_, launches = _spark_home_whose_second_driver_fails(tmp_path)
     with repository(tmp_path / "repo") as repo:
         repo.put(blobs_records(1, 150)[0])
         args = [
@@ -253,7 +281,7 @@ def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(t
             "--restart-delay",
             "1",
         ]
-        with HioProcess("kd", args, tmp_path) as kd:
+        with HioProcess("kd", args, tmp_path, env={"SPARK_HOME": str(spark_home_)}) as kd:
             wait_for(
                 lambda: (k := repo.knowledge()) and k.tuple_count == 150,
                 timeout=180,
@@ -262,12 +290,16 @@ def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(t
             first_jvm = _driver_jvm(kd)
             os.kill(first_jvm, signal.SIGKILL)  # the driver dies (OOM killer, operator): KD must carry on
             repo.put(blobs_records(151, 150)[0])
-            wait_for(
-                lambda: (k := repo.knowledge()) and k.tuple_count == 300,
-                timeout=240,
-                what=lambda: _after_kill(repo, kd),
-            )
+
+            def all_known() -> bool:
+                assert kd.alive(), _after_kill(repo, kd)  # a KD that ended fails at once, not in 240 s
+                knowledge = repo.knowledge()
+                return knowledge is not None and knowledge.tuple_count == 300
+
+            wait_for(all_known, timeout=240, what=lambda: _after_kill(repo, kd))
             assert kd.alive() and _driver_jvm(kd) != first_jvm
             assert "the Spark session is dead; starting a new one" in kd.output()
+            assert "a new Spark session did not start; trying again" in kd.output()
+            assert len(launches.read_text().splitlines()) == 3  # the first, the one that failed, its retry
             code = kd.stop(timeout=60)
         assert code == 0, kd.output()
