@@ -389,27 +389,28 @@ def supervise(
     query (the repository down for longer than ``rpc_deadline``, a Python
     worker that did not start, a driver JVM that died) is restarted from its
     checkpoint after ``restart_delay``, on a new Spark session if the old one
-    is dead (a new session that does not start is tried again the same way);
-    a ``--once`` run gives up after ``max_failures`` in a row. Without
+    is dead (a new session that does not start is a failure too, tried again
+    the same way); a ``--once`` run gives up after ``max_failures`` in a row. Without
     ``once`` a query that ends by itself is a failure too: KD runs until told
     to stop."""
     readiness = readiness or Readiness()
     failures = 0
+    not_started: Exception | None = None  # why the last new session did not start
     while not stop.is_set():
-        error = _run_query_once(session.spark, config, job, stop, readiness)
+        error = not_started or _run_query_once(session.spark, config, job, stop, readiness)
         if error is None and (config.once or stop.is_set()):
             job.finish()
             return 0
         failures += 1
         job.failures += 1
         reason = "the query ended by itself" if error is None else _first_line(error)
-        log.error("KD query failed; restarting it", extra={"failures": failures, "error": reason})
-        readiness.not_ready = f"its query failed ({reason}); restarting it in {config.restart_delay:g} s"
+        what = "a new Spark session did not start" if not_started else "its query failed"
+        log.error("%s; trying again", what, extra={"failures": failures, "error": reason})
+        readiness.not_ready = f"{what} ({reason}); trying again in {config.restart_delay:g} s"
         if config.once and failures >= config.max_failures:
             return 1
         stop.wait(config.restart_delay)
-        if not stop.is_set() and _renew(session, readiness, config.restart_delay):
-            job.spark = session.spark
+        not_started = None if stop.is_set() else _renew(session, job)
     return 0
 
 
@@ -419,17 +420,16 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
-def _renew(session: SparkSessionKeeper, readiness: Readiness, delay: float) -> bool:
-    """A new session if the old one is dead; whether there is a new one. A driver JVM that did
-    not start (it exited before it answered: memory, a port, a machine under load) is a failure
-    like the query's: the next round, after ``delay``, tries again instead of ending KD."""
+def _renew(session: SparkSessionKeeper, job: KnowledgeJob) -> Exception | None:
+    """A new session for ``job`` if the old one is dead; why a new one did not start (its
+    driver JVM exited before it answered: memory, a port, a machine under load), else None.
+    A session that did not start is the next round's failure: no query runs on a dead one."""
     try:
-        return session.renew_if_dead()
+        if session.renew_if_dead():
+            job.spark = session.spark
     except Exception as exc:  # noqa: BLE001 - whatever stopped the JVM, KD carries on and says so
-        reason = _first_line(exc)
-        log.error("a new Spark session did not start; trying again", extra={"error": reason})
-        readiness.not_ready = f"a new Spark session did not start ({reason}); trying again in {delay:g} s"
-        return False
+        return exc
+    return None
 
 
 def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None) -> int:

@@ -236,7 +236,6 @@ def _after_kill(repo: Repo, kd: HioProcess) -> str:
     )
 
 
-@pytest.mark.slow
 def _spark_home_whose_second_driver_fails(root: Path) -> tuple[Path, Path]:
     """A SPARK_HOME that is the pyspark package's, except that the second driver launched
     from it (the replacement of a killed one) exits before it answers, as a JVM that cannot
@@ -261,6 +260,7 @@ def _spark_home_whose_second_driver_fails(root: Path) -> tuple[Path, Path]:
     return home, launches
 
 
+@pytest.mark.slow
 def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     """The driver JVM is killed; the first one started in its place exits before it answers:
     KD tries again, carries on from its checkpoint, and stops cleanly."""
@@ -300,6 +300,7 @@ def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(t
             assert kd.alive() and _driver_jvm(kd) != first_jvm
             assert "the Spark session is dead; starting a new one" in kd.output()
             assert "a new Spark session did not start; trying again" in kd.output()
+            assert "not ready reason=a new Spark session did not start" in kd.output()  # its health said why
             assert len(launches.read_text().splitlines()) == 3  # the first, the one that failed, its retry
             code = kd.stop(timeout=60)
         assert code == 0, kd.output()
