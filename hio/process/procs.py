@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -133,6 +134,16 @@ def children(pid: int) -> list[int]:
 
 
 _GIVEN_PORTS: set[int] = set()  # ports free_port returned: the roles given them may not have bound yet
+PORT_FLOOR = 10_000  # free_port's lowest port: below it, well-known and registered services
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's default when unknown)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -140,11 +151,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     The kernel may hand out a port again once its probe socket is closed: two roles
     told the same port would have the second fail to bind while a health probe of
-    its address is answered by the first.
+    its address is answered by the first. The port is taken below the kernel's
+    ephemeral range, from which outgoing connections take their local ports: a role
+    started again on its port (after a crash, a kill) would otherwise fail to bind
+    whenever some connection had taken that port meanwhile.
     """
-    for _ in range(100):
+    low = ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(PORT_FLOOR, low) if low > PORT_FLOOR + 1000 else 0
+        if port in _GIVEN_PORTS:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
+            try:
+                sock.bind((host, port))
+            except OSError:  # in use (or waiting out a closed connection's TIME_WAIT)
+                continue
             port = int(sock.getsockname()[1])
         if port not in _GIVEN_PORTS:
             _GIVEN_PORTS.add(port)

@@ -1,5 +1,6 @@
 """Tokens, roles and TLS as every role's server and channel apply them."""
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -265,6 +266,19 @@ def test_a_probe_naming_its_service_is_not_fooled_by_another_server_on_the_port(
 def test_free_port_never_gives_one_process_the_same_port_twice() -> None:
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
+
+
+def test_free_ports_are_below_the_ports_outgoing_connections_take() -> None:
+    """A role started again on its port must find it free: outgoing connections take their local
+    ports from the ephemeral range, so a port from there may be held by one when it restarts."""
+    from hio.process.procs import PORT_FLOOR, ephemeral_low
+
+    low = ephemeral_low()
+    assert low > PORT_FLOOR + 1000  # this machine leaves room below its ephemeral range
+    ports = [free_port() for _ in range(200)]
+    assert all(PORT_FLOOR <= port < low for port in ports), [p for p in ports if not PORT_FLOOR <= p < low]
+    with socket.create_server(("127.0.0.1", ports[0])):  # each one free when given
+        pass
 
 
 def _idle_then_call(monkeypatch: pytest.MonkeyPatch, *, client_ms: int, server_ms: int) -> list[str]:
