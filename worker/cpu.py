@@ -29,7 +29,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from hio.process.procs import children
+from hio.process.procs import children, read_proc
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -40,10 +40,10 @@ def process_cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of one process (all its threads) and of the children it
     waited for; None when it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = read_proc(f"/proc/{pid}/stat")
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
+    fields = stat.rsplit(b")", 1)[1].split()  # the command name may hold spaces and parentheses
     utime, stime, cutime, cstime = (int(v) for v in fields[11:15])
     return (utime + stime + cutime + cstime) / _TICKS
 
@@ -66,7 +66,7 @@ def process_wait_seconds(pid: int) -> float | None:
         return None
     for task in tasks:
         try:
-            fields = Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()
+            fields = read_proc(f"/proc/{pid}/task/{task}/schedstat").split()
         except OSError:  # the thread ended meanwhile, or no schedstat in this kernel
             continue
         if len(fields) >= 2:
@@ -95,11 +95,13 @@ def tree_cpu_seconds(pid: int) -> float | None:
 
 def tree_usage(pid: int) -> CpuUsage | None:
     """CPU and wait seconds of ``pid``'s process tree; None when ``pid`` is gone."""
-    if process_cpu_seconds(pid) is None:
+    own = process_cpu_seconds(pid)
+    if own is None:
         return None
-    cpu, wait, known = 0.0, 0.0, False
+    cpu, wait, known = own, 0.0, False
     for member in process_tree(pid):
-        cpu += process_cpu_seconds(member) or 0.0
+        if member != pid:
+            cpu += process_cpu_seconds(member) or 0.0
         waited = process_wait_seconds(member)
         if waited is not None:
             wait, known = wait + waited, True

@@ -117,35 +117,49 @@ class Watchdog:
     def __init__(self, timeout: float, on_timeout: Callable[[_Job], None]) -> None:
         self._timeout = timeout
         self._on_timeout = on_timeout
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._job: _Job | None = None
+        self._idle = False  # the watchdog waits for a job: the next begin() wakes it
         if timeout > 0:
             threading.Thread(target=self._run, name="watchdog", daemon=True).start()
 
     def begin(self, meta: TupleMeta, data: bytes, from_queue: bool) -> _Job:
         job = _Job(meta=meta, data=data, from_queue=from_queue, started=time.monotonic())
-        with self._lock:
+        with self._cond:
             self._job = job
+            if self._idle:  # else it wakes at the deadline it waits for and looks again
+                self._idle = False
+                self._cond.notify()
         return job
 
     def end(self, job: _Job) -> None:
         """Mark ``job`` finished; if the watchdog already took it, wait for the exit."""
-        with self._lock:
+        with self._cond:
             taken = job.taken
             self._job = None
         if taken:
             threading.Event().wait()  # the watchdog is handing it back and will end the process
 
     def _run(self) -> None:
-        interval = min(0.1, self._timeout / 10)
         while True:
-            time.sleep(interval)
-            with self._lock:
+            self._on_timeout(self._overdue())
+
+    def _overdue(self) -> _Job:
+        """The job at hand once it has run past the timeout, taken. Waits without polling: an
+        idle engine's watchdog sleeps until a job begins, a busy one until the deadline of
+        the job it saw (a job begun since has a later one), so it costs no CPU between."""
+        with self._cond:
+            while True:
                 job = self._job
-                if job is None or job.taken or time.monotonic() - job.started < self._timeout:
+                if job is None or job.taken:
+                    self._idle = job is None
+                    self._cond.wait()
                     continue
-                job.taken = True
-            self._on_timeout(job)
+                left = job.started + self._timeout - time.monotonic()
+                if left <= 0:
+                    job.taken = True
+                    return job
+                self._cond.wait(left)
 
 
 class _Prefetcher:

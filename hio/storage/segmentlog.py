@@ -118,6 +118,7 @@ class SegmentLog:
         self._closed = False
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._work = threading.Event()  # 'batch': something waits for a round (set with the count)
 
     def open(self, scan: Callable[[Segment, bool], int]) -> list[Segment]:
         """Scan the segments oldest first; ``scan(segment, last)`` applies a segment's records
@@ -183,6 +184,7 @@ class SegmentLog:
             segment = Segment(seg_id, path, fd=fd, sealed=False)
             self.segments[seg_id] = segment
             self._folder_dirty = True
+            self._work.set()
         try:
             write_all(fd, self.header)
             segment.size = len(self.header)
@@ -277,6 +279,7 @@ class SegmentLog:
             with self.lock:
                 segment.unsynced += nbytes
                 self.unsynced += nbytes - admitted
+                self._work.set()
 
     def cut(self, segment: Segment, start: int) -> None:
         """Cut a record that is not to stay off ``segment``. If even that fails, the part
@@ -349,6 +352,7 @@ class SegmentLog:
         with self.lock:
             self._files.append((path, nbytes))
             self._folder_dirty = True
+            self._work.set()
 
     def flush(self) -> None:
         """One round: fsync what was appended (segments, sealed ones then closed, tracked
@@ -375,6 +379,7 @@ class SegmentLog:
                 with self.lock:
                     self._files.extend(failed)
                     self._folder_dirty = self._folder_dirty or folder
+                    self._work.set()  # what failed is tried again next round
                 raise errors[0]
 
     def _sync_segment(self, segment: Segment, fd: int, covered: int, sealed: bool) -> OSError | None:
@@ -430,7 +435,13 @@ class SegmentLog:
         self._flusher.start()
 
     def _flush_loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
+        """A round ``interval`` after the first append since the last round: a store at rest
+        costs no wake-up, and one being written syncs about every ``interval``."""
+        while True:
+            self._work.wait()
+            if self._stop.wait(interval):
+                return
+            self._work.clear()  # before the round takes its work: what comes after is the next's
             self.flush_round()
 
     def flush_round(self) -> None:
@@ -453,6 +464,7 @@ class SegmentLog:
         a store's writer still appends to outside the active one (closed when it seals them)."""
         self._closed = True
         self._stop.set()
+        self._work.set()  # the flusher's wait for work ends
         with self.lock:  # an append waiting for the disk goes on; the flush below syncs it
             self.lock.notify_all()
         flusher, self._flusher = self._flusher, None

@@ -117,6 +117,9 @@ def _all_free(cluster: Cluster) -> dict[str, master_pb2.ChannelInfo] | None:
 
 
 def _route_and_deliver(cluster: Cluster, data: bytes, **attributes: str) -> tuple[int, list[TupleReceipt]]:
+    # the module's tests may run apart (pytest -n without --dist loadfile): on a fresh
+    # cluster, a route asked for before the engines serve goes to the master's queue
+    wait_for(lambda: _all_free(cluster), timeout=60, what="two FREE channels")
     route = cluster.stub.RouteTuples(
         master_pb2.RouteTuplesRequest(source="test", image=TEST_IMAGE, items=[master_pb2.RouteItem(size=len(data))]),
         timeout=5,
