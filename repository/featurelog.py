@@ -101,7 +101,8 @@ class FeatureLog:
         self._folder = folder
         self._segment_bytes = segment_bytes
         self._mode = fsync
-        self._lock = threading.Lock()  # the index and every append
+        # the index and every append; notified when what readers may see grows (wait_beyond)
+        self._lock = threading.Condition(threading.Lock())
         self._index = OffsetIndex()
         self._closed = False
         self._disk = disk
@@ -225,6 +226,7 @@ class FeatureLog:
                     self._durable = self._index.latest
                 if self._mode != "batch":  # 'always': synced now; 'never': readable now
                     self._durable_times.add(self._index.latest, time.time())
+                    self._lock.notify_all()
         highest = max((r.offset for r in results), default=0)
         if self._mode != "never":
             self._wait_durable(highest)
@@ -252,6 +254,7 @@ class FeatureLog:
                 with self._lock:
                     self._durable = max(self._durable, covered)
                     self._durable_times.add(covered, time.time())
+                    self._lock.notify_all()
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -329,6 +332,19 @@ class FeatureLog:
         written."""
         with self._lock:
             return self._readable_locked()
+
+    def wait_beyond(self, offset: int, seconds: float) -> int:
+        """:attr:`latest` once it passes ``offset``, or when ``seconds`` pass or the log
+        closes: a follower's long poll, woken by the append or fsync round that makes a
+        record readable."""
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            while (latest := self._readable_locked()) <= offset and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
+            return latest
 
     def _readable_locked(self) -> int:
         if self._mode == "never":
@@ -408,6 +424,7 @@ class FeatureLog:
             if self._mode != "never" and not self._disk.failure:
                 self._durable = self._index.latest
                 self._durable_times.add(self._durable, time.time())
+            self._lock.notify_all()  # a wait_beyond ends with the log
 
 
 def _runs(first: int, locations: list[Location]) -> Iterator[tuple[int, list[Location]]]:

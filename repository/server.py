@@ -23,7 +23,10 @@ log = logging.getLogger("hio.repository")
 def _build(config: RepositoryConfig) -> tuple[grpc.Server, int, RoleHealth, FeatureStore]:
     store = FeatureStore.from_config(config)
     service = RepositoryService(
-        store, read_batch_records=config.read_batch_records, read_batch_bytes=config.read_batch_bytes
+        store,
+        read_batch_records=config.read_batch_records,
+        read_batch_bytes=config.read_batch_bytes,
+        max_waiters=max(1, config.max_workers // 4),
     )
     try:
         server, port, health_servicer = create_server(

@@ -6,6 +6,8 @@ Every method is wrapped with ``@grpc_errors`` so domain errors become statuses.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -29,13 +31,24 @@ POLICY: dict[str, set[str]] = {
 }
 
 
+MAX_OFFSETS_WAIT_SECONDS = 60.0  # GetOffsets' longest wait for a new record
+WAIT_SLICE_SECONDS = 1.0  # a waiting GetOffsets looks this often whether its caller is gone
+
+
 class RepositoryService(repository_pb2_grpc.RepositoryServicer):
     """Thin servicer over a :class:`FeatureStore`."""
 
-    def __init__(self, store: FeatureStore, *, read_batch_records: int, read_batch_bytes: int) -> None:
+    def __init__(
+        self, store: FeatureStore, *, read_batch_records: int, read_batch_bytes: int, max_waiters: int = 8
+    ) -> None:
         self._store = store
         self._batch_records = read_batch_records
         self._batch_bytes = read_batch_bytes
+        # GetOffsets calls waiting for a record at once: each holds a server thread, and
+        # PutFeatures must always find one
+        self._max_waiters = max_waiters
+        self._waiters = 0
+        self._waiters_lock = threading.Lock()
 
     @grpc_errors
     def PutFeatures(self, request: pb.PutFeaturesRequest, context: grpc.ServicerContext) -> pb.PutFeaturesResponse:
@@ -48,8 +61,32 @@ class RepositoryService(repository_pb2_grpc.RepositoryServicer):
 
     @grpc_errors
     def GetOffsets(self, request: pb.GetOffsetsRequest, context: grpc.ServicerContext) -> pb.GetOffsetsResponse:
+        if not 0.0 <= request.wait_seconds <= MAX_OFFSETS_WAIT_SECONDS:  # NaN too
+            raise InvalidArgument(
+                f"wait_seconds must be from 0 to {MAX_OFFSETS_WAIT_SECONDS:g}, got {request.wait_seconds}"
+            )
         latest = self._store.latest()
+        if request.wait_seconds and latest <= request.wait_after:
+            latest = self._wait_beyond(request.wait_after, request.wait_seconds, context)
         return pb.GetOffsetsResponse(latest=latest, committed=self._store.committed(request.consumer), records=latest)
+
+    def _wait_beyond(self, offset: int, seconds: float, context: grpc.ServicerContext) -> int:
+        """The latest offset once past ``offset`` or after ``seconds``; at once when
+        :attr:`_max_waiters` calls wait already, or when the caller has gone."""
+        with self._waiters_lock:
+            if self._waiters >= self._max_waiters:
+                return self._store.latest()
+            self._waiters += 1
+        try:
+            deadline = time.monotonic() + seconds
+            while True:
+                left = deadline - time.monotonic()
+                latest = self._store.wait_beyond(offset, min(left, WAIT_SLICE_SECONDS))
+                if latest > offset or left <= WAIT_SLICE_SECONDS or not context.is_active():
+                    return latest
+        finally:
+            with self._waiters_lock:
+                self._waiters -= 1
 
     @grpc_errors
     def ReadFeatures(

@@ -100,6 +100,10 @@ class FeatureStore:
         """Highest offset stored (0 = nothing yet); offsets are dense, so also how many records."""
         return self._features.latest
 
+    def wait_beyond(self, offset: int, seconds: float) -> int:
+        """:meth:`latest` once it passes ``offset``, or after ``seconds`` (or at close)."""
+        return self._features.wait_beyond(offset, seconds)
+
     def offset_of(self, tuple_id: int) -> int:
         """Offset of a stored tuple id, 0 if not stored."""
         return self._features.offset_of(tuple_id)

@@ -164,12 +164,54 @@ def test_argument_errors(repo: Running) -> None:
         (lambda: stub.CommitOffset(pb.CommitOffsetRequest(consumer="no/slash", offset=0), timeout=10), "name"),
         (lambda: list(stub.ReadFeatures(pb.ReadFeaturesRequest(after=5, until=1), timeout=10)), "until"),
         (lambda: stub.PutKnowledge(pb.PutKnowledgeRequest(knowledge=b"\xff\xff"), timeout=10), "Knowledge"),
+        (lambda: stub.GetOffsets(pb.GetOffsetsRequest(wait_seconds=-1), timeout=10), "wait_seconds"),
+        (lambda: stub.GetOffsets(pb.GetOffsetsRequest(wait_seconds=61), timeout=10), "wait_seconds"),
+        (lambda: stub.GetOffsets(pb.GetOffsetsRequest(wait_seconds=float("nan")), timeout=10), "wait_seconds"),
     ]
     for call, text in cases:
         with pytest.raises(grpc.RpcError) as info:
             call()
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, text
         assert text in info.value.details()
+
+
+def test_get_offsets_waits_for_a_record_beyond_the_one_named(repo: Running) -> None:
+    """A follower's long poll: answered when a put makes a record beyond ``wait_after``
+    readable (its fsync done), at once when one is already, else after ``wait_seconds``."""
+    stub = repo.stub()
+    stub.PutFeatures(put_request(1), timeout=10)
+    started = time.monotonic()
+    assert stub.GetOffsets(pb.GetOffsetsRequest(wait_after=0, wait_seconds=30), timeout=40).records == 1
+    assert time.monotonic() - started < 5, "a record is there already: no wait"
+    started = time.monotonic()
+    assert stub.GetOffsets(pb.GetOffsetsRequest(wait_after=1, wait_seconds=0.3), timeout=10).records == 1
+    assert time.monotonic() - started >= 0.3, "nothing new: the whole wait"
+
+    waiting = stub.GetOffsets.future(pb.GetOffsetsRequest(wait_after=1, wait_seconds=30), timeout=40)
+    time.sleep(0.3)
+    assert not waiting.done(), "nothing beyond offset 1 yet"
+    put_at = time.monotonic()
+    stub.PutFeatures(put_request(2, 3), timeout=10)
+    assert waiting.result(timeout=10).records == 3
+    assert time.monotonic() - put_at < 5, "answered by the put, not by its wait_seconds"
+
+
+def test_get_offsets_waiters_are_bounded(tmp_path: Path) -> None:
+    """Beyond a quarter of the server's threads, a waiting GetOffsets answers at once: the
+    threads PutFeatures needs are never all held by followers."""
+    running = Running(config_for(tmp_path, max_workers=8))  # two may wait
+    try:
+        stub = running.stub()
+        request = pb.GetOffsetsRequest(wait_after=0, wait_seconds=30)
+        held = [stub.GetOffsets.future(request, timeout=40) for _ in range(2)]
+        time.sleep(0.3)
+        started = time.monotonic()
+        assert stub.GetOffsets(request, timeout=10).records == 0
+        assert time.monotonic() - started < 5, "two wait already: the third answers at once"
+        stub.PutFeatures(put_request(1), timeout=10)
+        assert [f.result(timeout=10).records for f in held] == [1, 1]
+    finally:
+        running.close()
 
 
 def test_knowledge_and_preview(repo: Running) -> None:
