@@ -37,6 +37,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -435,11 +436,13 @@ class SegmentLog:
         self._flusher.start()
 
     def _flush_loop(self, interval: float) -> None:
-        """A round ``interval`` after the first append since the last round: a store at rest
-        costs no wake-up, and one being written syncs about every ``interval``."""
+        """A round every ``interval`` seconds, on a fixed beat, skipping the beats with nothing
+        appended since the last round: a store at rest costs no wake-up, and an append waits
+        for the disk half an interval on average, as with a round at every beat."""
+        beat, interval = time.monotonic(), max(interval, 0.001)
         while True:
             self._work.wait()
-            if self._stop.wait(interval):
+            if self._stop.wait(interval - (time.monotonic() - beat) % interval):
                 return
             self._work.clear()  # before the round takes its work: what comes after is the next's
             self.flush_round()
