@@ -193,13 +193,27 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
 
     grpc answers a request deserializer that raises with INTERNAL before any
     servicer code runs; a client's bug would then look like a server crash.
+    A method's wrapped handler is made once and kept (the server's methods are
+    fixed): building it costs about as much as a small call's own work.
     """
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, _Handler] = {}  # method -> its wrapped handler; only served methods
 
     def intercept_service(
         self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
     ) -> _Handler | None:
-        handler = continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
+        method = handler_call_details.method
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
+            handler = continuation(handler_call_details)
+            if handler is None:  # no such method: not kept, so callers cannot grow the table
+                return None
+            wrapped = self._wrapped[method] = self._wrap(handler)
+        return wrapped
+
+    def _wrap(self, handler: _Handler) -> _Handler:
+        if handler.request_deserializer is None:
             return handler
         parse = handler.request_deserializer
         type_name = getattr(getattr(parse, "__self__", None), "__name__", "request")
