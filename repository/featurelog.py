@@ -334,12 +334,14 @@ class FeatureLog:
             return self._readable_locked()
 
     def wait_beyond(self, offset: int, seconds: float) -> int:
-        """:attr:`latest` once it passes ``offset``, or when ``seconds`` pass or the log
-        closes: a follower's long poll, woken by the append or fsync round that makes a
-        record readable."""
+        """:attr:`latest` once it passes ``offset``, or when ``seconds`` pass: a follower's
+        long poll, woken by the append or fsync round that makes a record readable.
+        Unavailable when the log closes first."""
         deadline = time.monotonic() + seconds
         with self._lock:
-            while (latest := self._readable_locked()) <= offset and not self._closed:
+            while (latest := self._readable_locked()) <= offset:
+                if self._closed:
+                    raise Unavailable("the repository is shutting down")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

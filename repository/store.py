@@ -101,7 +101,7 @@ class FeatureStore:
         return self._features.latest
 
     def wait_beyond(self, offset: int, seconds: float) -> int:
-        """:meth:`latest` once it passes ``offset``, or after ``seconds`` (or at close)."""
+        """:meth:`latest` once it passes ``offset``, or after ``seconds``; Unavailable at close."""
         return self._features.wait_beyond(offset, seconds)
 
     def offset_of(self, tuple_id: int) -> int:

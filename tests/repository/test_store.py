@@ -83,6 +83,29 @@ def test_durable_times_keep_the_latest_rounds_and_forget_the_oldest() -> None:
     assert times.of(20) == 0.0 and times.of(12) == 0.0  # forgotten: older than the latest rounds kept
 
 
+def test_a_wait_for_new_records_ends_with_the_store(store: FeatureStore) -> None:
+    """A follower's wait returns at once when a record is beyond its offset, and is told
+    Unavailable (not left to spin or wait out its time) when the store closes under it."""
+    store.put([upload(1)])
+    assert store.wait_beyond(0, 30.0) == 1
+    failed: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            store.wait_beyond(1, 30.0)
+        except Unavailable as exc:
+            failed.append(exc)
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    store.close()
+    follower.join(10)
+    assert not follower.is_alive() and time.monotonic() - started < 5
+    assert failed and "shutting down" in str(failed[0])
+
+
 def test_read_ranges(store: FeatureStore) -> None:
     store.put([upload(100 + i) for i in range(1, 51)])
 
