@@ -304,15 +304,25 @@ class SparkSessionKeeper:
     again when its driver JVM died (killed, out of memory): KD then carries on
     from its checkpoint and store instead of ending, since nothing (not even
     ``hio up``) would restart it. A session handed in (tests, notebooks) is
-    never replaced or stopped."""
+    never replaced or stopped. A first session that does not start (its JVM
+    exited before it answered) leaves ``spark`` None and says why in
+    ``not_started``: :func:`supervise` takes that as its first failure."""
 
     def __init__(self, config: KDConfig, spark: Any = None) -> None:
         self.config = config
         self.owned = spark is None
-        self.spark = build_session(config) if spark is None else spark
+        self.spark = spark
+        self.not_started: Exception | None = None
+        if spark is None:
+            try:
+                self.spark = build_session(config)
+            except Exception as exc:  # noqa: BLE001 - whatever stopped the JVM, KD carries on and says so
+                self.not_started = exc
 
     def _state(self) -> str:
         """'running'; 'stopped' (the JVM answers, its SparkContext has shut down); 'gone' (no JVM)."""
+        if self.spark is None:  # never started
+            return "gone"
         try:
             return "stopped" if self.spark.sparkContext._jsc.sc().isStopped() else "running"
         except Exception:  # noqa: BLE001 - Py4J cannot reach a dead JVM
@@ -395,7 +405,7 @@ def supervise(
     to stop."""
     readiness = readiness or Readiness()
     failures = 0
-    not_started: Exception | None = None  # why the last new session did not start
+    not_started = session.not_started  # why the last new session did not start
     while not stop.is_set():
         error = not_started or _run_query_once(session.spark, config, job, stop, readiness)
         if error is None and (config.once or stop.is_set()):

@@ -236,10 +236,10 @@ def _after_kill(repo: Repo, kd: HioProcess) -> str:
     )
 
 
-def _spark_home_whose_second_driver_fails(root: Path) -> tuple[Path, Path]:
-    """A SPARK_HOME that is the pyspark package's, except that the second driver launched
-    from it (the replacement of a killed one) exits before it answers, as a JVM that cannot
-    start does; and the file that counts the launches (a line each)."""
+def _spark_home_whose_driver_fails(root: Path, launch: int) -> tuple[Path, Path]:
+    """A SPARK_HOME that is the pyspark package's, except that the ``launch``-th driver
+    started from it exits before it answers, as a JVM that cannot start does; and the
+    file that counts the launches (a line each)."""
     real = spark_home()
     home, launches = root / "spark-home", root / "spark-launches"
     (home / "bin").mkdir(parents=True)
@@ -253,18 +253,47 @@ def _spark_home_whose_second_driver_fails(root: Path) -> tuple[Path, Path]:
     submit.write_text(
         "#!/bin/sh\n"
         f'echo launch >> "{launches}"\n'
-        f'if [ "$(wc -l < "{launches}")" -eq 2 ]; then echo "this driver does not start" >&2; exit 1; fi\n'
+        f'if [ "$(wc -l < "{launches}")" -eq {launch} ]; then echo "this driver does not start" >&2; exit 1; fi\n'
         f'exec "{real}/bin/spark-submit" "$@"\n'
     )
     submit.chmod(0o755)
     return home, launches
 
 
+def test_hio_kd_whose_first_spark_driver_does_not_start_tries_again(tmp_path: Path) -> None:
+    """The first driver exits before it answers (a machine under load; `make test` saw it):
+    a --once run counts it as a failure, starts another after restart_delay, and learns."""
+    spark_home_, launches = _spark_home_whose_driver_fails(tmp_path, launch=1)
+    with repository(tmp_path / "repo") as repo:
+        repo.put(blobs_records(1, 150)[0])
+        args = [
+            "--repository-address",
+            repo.address,
+            "--data-dir",
+            str(tmp_path / "var"),
+            "--k",
+            "3",
+            "--log-level",
+            "info",
+            "--restart-delay",
+            "1",
+            "--once",
+        ]
+        with HioProcess("kd", args, tmp_path, env={"SPARK_HOME": str(spark_home_)}) as kd:
+            assert kd.proc is not None
+            code = kd.proc.wait(timeout=300)
+            assert code == 0, kd.output()
+            assert "a new Spark session did not start; trying again" in kd.output()
+        assert len(launches.read_text().splitlines()) == 2  # the one that failed, its retry
+        knowledge = repo.knowledge()
+        assert knowledge is not None and knowledge.tuple_count == 150
+
+
 @pytest.mark.slow
 def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     """The driver JVM is killed; the first one started in its place exits before it answers:
     KD tries again, carries on from its checkpoint, and stops cleanly."""
-    spark_home_, launches = _spark_home_whose_second_driver_fails(tmp_path)
+    spark_home_, launches = _spark_home_whose_driver_fails(tmp_path, launch=2)  # the killed one's replacement
     with repository(tmp_path / "repo") as repo:
         repo.put(blobs_records(1, 150)[0])
         args = [
