@@ -260,25 +260,21 @@ def _spark_home_whose_driver_fails(root: Path, launch: int) -> tuple[Path, Path]
     return home, launches
 
 
+def _kd_args(repo: Repo, data: Path, *more: str) -> list[str]:
+    """``hio kd``'s arguments for a driver-failure test: k 3, info logs, a retry after 1 s."""
+    return [
+        *("--repository-address", repo.address, "--data-dir", str(data)),
+        *("--k", "3", "--log-level", "info", "--restart-delay", "1", *more),
+    ]
+
+
 def test_hio_kd_whose_first_spark_driver_does_not_start_tries_again(tmp_path: Path) -> None:
     """The first driver exits before it answers (a machine under load; `make test` saw it):
     a --once run counts it as a failure, starts another after restart_delay, and learns."""
     spark_home_, launches = _spark_home_whose_driver_fails(tmp_path, launch=1)
     with repository(tmp_path / "repo") as repo:
         repo.put(blobs_records(1, 150)[0])
-        args = [
-            "--repository-address",
-            repo.address,
-            "--data-dir",
-            str(tmp_path / "var"),
-            "--k",
-            "3",
-            "--log-level",
-            "info",
-            "--restart-delay",
-            "1",
-            "--once",
-        ]
+        args = _kd_args(repo, tmp_path / "var", "--once")
         with HioProcess("kd", args, tmp_path, env={"SPARK_HOME": str(spark_home_)}) as kd:
             assert kd.proc is not None
             code = kd.proc.wait(timeout=300)
@@ -296,20 +292,7 @@ def test_hio_kd_process_outlives_its_spark_driver_and_stops_cleanly_on_sigterm(t
     spark_home_, launches = _spark_home_whose_driver_fails(tmp_path, launch=2)  # the killed one's replacement
     with repository(tmp_path / "repo") as repo:
         repo.put(blobs_records(1, 150)[0])
-        args = [
-            "--repository-address",
-            repo.address,
-            "--data-dir",
-            str(tmp_path / "var"),
-            "--interval",
-            "1",
-            "--k",
-            "3",
-            "--log-level",
-            "info",
-            "--restart-delay",
-            "1",
-        ]
+        args = _kd_args(repo, tmp_path / "var", "--interval", "1")
         with HioProcess("kd", args, tmp_path, env={"SPARK_HOME": str(spark_home_)}) as kd:
             wait_for(
                 lambda: (k := repo.knowledge()) and k.tuple_count == 150,
