@@ -313,10 +313,9 @@ def features_line(body: bytes | str, cost_s: float) -> bytes:
 class StoredFollower:
     """How many records the repository holds, followed in a thread with waiting GetOffsets
     calls (one per change, at most one every :data:`FOLLOW_INTERVAL_SECONDS`). The other
-    systems count finished messages in-process for free; asking the repository at every
-    look (the step runner looks 20 times a second, its sampler 5) cost this system's
-    repository and the benchmark's process about 2 ms of CPU each per call, charged to the
-    system's result."""
+    systems count finished messages in-process for free; a call at every look (the step
+    runner looks 20 times a second, its sampler 5) would spend CPU of this system's
+    repository and of the benchmark's process, charged to the system's result."""
 
     def __init__(self, stub: Any, on_error: Callable[[str], None]) -> None:
         self._stub = stub

@@ -304,9 +304,9 @@ class SparkSessionKeeper:
     again when its driver JVM died (killed, out of memory): KD then carries on
     from its checkpoint and store instead of ending, since nothing (not even
     ``hio up``) would restart it. A session handed in (tests, notebooks) is
-    never replaced or stopped. A first session that does not start (its JVM
-    exited before it answered) leaves ``spark`` None and says why in
-    ``not_started``: :func:`supervise` takes that as its first failure."""
+    never replaced or stopped. When the session KD starts with does not come up
+    (its JVM exited before it answered), ``spark`` stays None and ``not_started``
+    says why: :func:`supervise` counts that as a failed round and tries again."""
 
     def __init__(self, config: KDConfig, spark: Any = None) -> None:
         self.config = config

@@ -101,8 +101,8 @@ class FeatureLog:
         self._folder = folder
         self._segment_bytes = segment_bytes
         self._mode = fsync
-        # the index and every append; notified when what readers may see grows (wait_beyond)
-        self._lock = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # the index and every append
+        self._grew = threading.Condition(self._lock)  # what readers may see grew (wait_beyond)
         self._index = OffsetIndex()
         self._closed = False
         self._disk = disk
@@ -226,7 +226,7 @@ class FeatureLog:
                     self._durable = self._index.latest
                 if self._mode != "batch":  # 'always': synced now; 'never': readable now
                     self._durable_times.add(self._index.latest, time.time())
-                    self._lock.notify_all()
+                    self._grew.notify_all()
         highest = max((r.offset for r in results), default=0)
         if self._mode != "never":
             self._wait_durable(highest)
@@ -254,7 +254,7 @@ class FeatureLog:
                 with self._lock:
                     self._durable = max(self._durable, covered)
                     self._durable_times.add(covered, time.time())
-                    self._lock.notify_all()
+                    self._grew.notify_all()
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -345,7 +345,7 @@ class FeatureLog:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._lock.wait(left)
+                self._grew.wait(left)
             return latest
 
     def _readable_locked(self) -> int:
@@ -426,7 +426,7 @@ class FeatureLog:
             if self._mode != "never" and not self._disk.failure:
                 self._durable = self._index.latest
                 self._durable_times.add(self._durable, time.time())
-            self._lock.notify_all()  # a wait_beyond ends with the log
+            self._grew.notify_all()  # a wait_beyond ends with the log
 
 
 def _runs(first: int, locations: list[Location]) -> Iterator[tuple[int, list[Location]]]:

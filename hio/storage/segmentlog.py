@@ -185,7 +185,7 @@ class SegmentLog:
             segment = Segment(seg_id, path, fd=fd, sealed=False)
             self.segments[seg_id] = segment
             self._folder_dirty = True
-            self._work.set()
+            self._wake_flusher()
         try:
             write_all(fd, self.header)
             segment.size = len(self.header)
@@ -280,7 +280,7 @@ class SegmentLog:
             with self.lock:
                 segment.unsynced += nbytes
                 self.unsynced += nbytes - admitted
-                self._work.set()
+                self._wake_flusher()
 
     def cut(self, segment: Segment, start: int) -> None:
         """Cut a record that is not to stay off ``segment``. If even that fails, the part
@@ -353,6 +353,12 @@ class SegmentLog:
         with self.lock:
             self._files.append((path, nbytes))
             self._folder_dirty = True
+            self._wake_flusher()
+
+    def _wake_flusher(self) -> None:
+        """A round has work ('batch'). The flag is read first: appends call this per record,
+        and setting a set Event still takes its lock."""
+        if not self._work.is_set():
             self._work.set()
 
     def flush(self) -> None:
@@ -380,7 +386,7 @@ class SegmentLog:
                 with self.lock:
                     self._files.extend(failed)
                     self._folder_dirty = self._folder_dirty or folder
-                    self._work.set()  # what failed is tried again next round
+                    self._wake_flusher()  # what failed is tried again next round
                 raise errors[0]
 
     def _sync_segment(self, segment: Segment, fd: int, covered: int, sealed: bool) -> OSError | None:

@@ -269,8 +269,8 @@ def _kd_args(repo: Repo, data: Path, *more: str) -> list[str]:
 
 
 def test_hio_kd_whose_first_spark_driver_does_not_start_tries_again(tmp_path: Path) -> None:
-    """The first driver exits before it answers (a machine under load; `make test` saw it):
-    a --once run counts it as a failure, starts another after restart_delay, and learns."""
+    """The driver KD starts with exits before it answers (as on a machine under load): a
+    --once run counts it as a failure, starts another after restart_delay, and learns."""
     spark_home_, launches = _spark_home_whose_driver_fails(tmp_path, launch=1)
     with repository(tmp_path / "repo") as repo:
         repo.put(blobs_records(1, 150)[0])
