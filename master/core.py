@@ -52,7 +52,8 @@ MAX_PULL_WAIT = 30.0
 MAX_PULL_TUPLES = 1024  # tuples one PullTuple may lease
 MAX_PULL_BYTES = 64 * 1024 * 1024
 PULL_PACK_BYTES = 1024 * 1024  # small pulled tuples travel packed, this much per message
-EXPIRY_EVERY = 0.25  # maintenance: worker expiry, reservations, leases
+MAINTENANCE_EVERY = (0.05, 1.0)  # maintenance (expiry of workers, reservations, leases) every tenth of the
+# shortest of those timeouts, within these bounds: late by at most 10%, and no busier than that needs
 QUEUE_FULL_WARNING = 0.9
 
 
@@ -188,7 +189,9 @@ class Master:
             self._lock_fd = None
 
     def _maintain(self) -> None:
-        while not self._stop.wait(EXPIRY_EVERY):
+        shortest = min(self.config.expiry_seconds, self.config.reservation_seconds, self.config.lease_seconds)
+        every = min(max(shortest / 10, MAINTENANCE_EVERY[0]), MAINTENANCE_EVERY[1])
+        while not self._stop.wait(every):
             try:
                 self.expire()
                 with self._cond:

@@ -50,7 +50,8 @@ from hio.worker.runtimes import select_launcher
 
 log = logging.getLogger("hio.worker")
 
-SUPERVISE_INTERVAL = 0.2  # seconds between engine polls
+SUPERVISE_INTERVAL = 0.2  # seconds between engine polls while an engine starts, restarts or stops
+SETTLED_INTERVAL = 1.0  # ... while every engine serves and the plan wants no change (an exit is seen within it)
 RESTART_BACKOFF_MIN = 0.5  # first restart delay; doubles up to restart_backoff_max
 HEALTHY_RESET = 60.0  # seconds of healthy running that reset the backoff
 NEW_PORT_AFTER = 3  # failed starts in a row before an engine gets a new port
@@ -535,11 +536,20 @@ class Controller:
         try:
             while not stop.is_set():
                 self.tick(time.monotonic())
-                stop.wait(SUPERVISE_INTERVAL)
+                stop.wait(SETTLED_INTERVAL if self._settled() else SUPERVISE_INTERVAL)
         finally:
             self._session.stop()
             self.stop_engines(self._config.grace_seconds)
         return 0
+
+    def _settled(self) -> bool:
+        """Every engine that can run serves and the master's plan asks for nothing: the
+        supervisor may look less often (an idle worker's polls are CPU spent for nothing)."""
+        with self._lock:
+            if self._to_stop or any(slot.stopping or not (slot.up or slot.unavailable) for slot in self._slots):
+                return False
+            running = collections.Counter(slot.image for slot in self._slots)
+            return not any(running[image] < count for image, count in (self._wanted or {}).items())
 
     def tick(self, now: float) -> None:
         """One supervision pass over every slot. A slot the runtime cannot answer for just

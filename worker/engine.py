@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import queue
+import select
 import sys
 import threading
 import time
@@ -1250,16 +1251,37 @@ def watch_parent(parent_pid: int, stop: threading.Event, interval: float = PAREN
 
     An engine must not outlive a worker killed with SIGKILL: a new worker
     would start engines for the same channels while the orphans keep pulling.
+    The thread sleeps on a process descriptor of the parent, which becomes
+    readable when it exits; where the kernel has none (before Linux 5.3) it
+    looks every ``interval``.
     """
 
-    def run() -> None:
+    def gone() -> None:
+        log.warning("the worker that started this engine is gone; stopping", extra={"parent_pid": parent_pid})
+        stop.set()
+
+    def poll_parent() -> None:
         while not stop.wait(interval):
             if os.getppid() != parent_pid:
-                log.warning("the worker that started this engine is gone; stopping", extra={"parent_pid": parent_pid})
-                stop.set()
+                gone()
                 return
 
-    threading.Thread(target=run, name="parent-watch", daemon=True).start()
+    def wait_parent(pidfd: int) -> None:
+        try:
+            if os.getppid() == parent_pid:  # opened after a re-parenting: it names someone else
+                select.select([pidfd], [], [])
+            gone()
+        finally:
+            os.close(pidfd)
+
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):  # no pidfd_open here, or the parent is already gone
+        target: Callable[..., None] = poll_parent
+        args: tuple[int, ...] = ()
+    else:
+        target, args = wait_parent, (pidfd,)
+    threading.Thread(target=target, args=args, name="parent-watch", daemon=True).start()
 
 
 def _pipeline_failed(why: str) -> int:

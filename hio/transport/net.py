@@ -346,7 +346,7 @@ ROLE_SERVICES = {  # the gRPC service each role's server is for (proto/hio/proto
 #: The health service name of liveness: SERVING from a role's start to its stop, whatever
 #: its readiness ("" and the role's service name) says.
 LIVENESS = "liveness"
-READINESS_SECONDS = 0.5  # how often a role's readiness is looked at
+READINESS_SECONDS = 2.0  # how often a role's readiness is looked at between probes (a Check looks at once)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -375,6 +375,7 @@ class RoleHealth(health.HealthServicer):
         self.service = service
         self.not_ready = "not started"  # why the role is not ready; '' when it is
         self._readiness: Callable[[], str] = lambda: ""
+        self._watched = False  # started with a readiness to look at
         self._changing = threading.Lock()  # not _lock: the servicer has one
         self._stopped = threading.Event()
         for name in (*self._readiness_names(), LIVENESS):
@@ -389,8 +390,15 @@ class RoleHealth(health.HealthServicer):
         self.set(LIVENESS, _SERVING)
         if readiness is not None:
             self._readiness = readiness
+            self._watched = True
             _READINESS_WATCH.add(self)
         self.refresh()
+
+    def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> Any:
+        """A probe is answered with readiness as it is now, not as last looked at."""
+        if self._watched:
+            self.refresh()
+        return super().Check(request, context)
 
     def refresh(self) -> None:
         """Look at readiness now; publish and log a change."""
