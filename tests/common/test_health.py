@@ -37,6 +37,9 @@ def test_readiness_follows_the_role_and_liveness_runs_from_start_to_stop() -> No
         wait_for(lambda: health_of(address) == "SERVING", timeout=5, what="readiness back to SERVING")
         assert health_of(address, "hio.proto.Repository") == "SERVING"
         wait_healthy(address, settings, timeout=5, service="hio.proto.Repository")
+        problem[0] = "the disk is full again"  # a probe sees it at once, not at the next look
+        assert health_of(address, "hio.proto.Repository") == "NOT_SERVING"
+        assert health.not_ready == "the disk is full again"
         health.stop()
         assert [health_of(address, name) for name in names] == ["NOT_SERVING"] * 3
         assert health_of(address, "hio.proto.Master") == "NOT_FOUND"  # another role's name
