@@ -405,6 +405,14 @@ class Burst:
         return achieved_rate(self.done_unix, self.started_unix)
 
 
+def burst_time(system: System, tag: str, count: int, started_unix: float, waited: float) -> tuple[float, list[float]]:
+    """A burst's seconds from its first send until its last message finished, by that
+    message's own finish time (the count a wait looks at can be seen a look later), and the
+    finish times; ``waited`` (the wait's own end) when not all finished."""
+    done = [f.done_unix for f in system.finished(tag)]
+    return (max(done) - started_unix if len(done) >= count else waited), done
+
+
 class StepRunner:
     """Runs steps of one grid point on one system, by the pass rules in the module doc."""
 
@@ -481,7 +489,7 @@ class StepRunner:
         finished = self.wait_finished(base, count, deadline, errors_from=errors_before)
         seconds = time.monotonic() - started
         errors = self.system.errors()[errors_before:] + send_errors
-        done = [f.done_unix for f in self.system.finished(tag)]
+        seconds, done = burst_time(self.system, tag, count, started_unix, seconds)
         return Burst(count, finished, sent, seconds, errors[:5], done, started_unix)
 
     def _pace(self, tag: str, rate: float, count: int, t0: float, sent: list[int], deadline: float) -> list[str]:
@@ -1230,7 +1238,7 @@ class BenchRun:
         tag = f"{runner.prefix}f{runner.counter}"
         errors_before = len(system.errors())
         base = system.finished_count()
-        started = time.monotonic()
+        started, started_unix = time.monotonic(), time.time()
         for seq in range(count):
             name = f"{tag}-{seq:07d}.bin"
             partial = folder / f".{name}.part"
@@ -1239,7 +1247,8 @@ class BenchRun:
             os.rename(partial, folder / name)
         sent = time.monotonic() - started
         finished = runner.wait_finished(base, count, started + timeout, errors_from=errors_before)
-        return Burst(count, finished, sent, time.monotonic() - started, system.errors()[errors_before:][:5], [])
+        seconds, _done = burst_time(system, tag, count, started_unix, time.monotonic() - started)
+        return Burst(count, finished, sent, seconds, system.errors()[errors_before:][:5], [])
 
     # -- the steps CSV
     def _log_step(

@@ -9,7 +9,9 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -385,6 +387,42 @@ def test_a_burst_ends_at_the_systems_first_error_not_at_its_timeout() -> None:
     burst = runner.burst(100, timeout=900.0)
     assert time.monotonic() - started < 5 and burst.finished == 30
     assert burst.errors and burst.errors[0] == "send: connection reset by peer"
+
+
+class SystemSeenLate:
+    """A benchmarked system whose finished count is seen ``lag`` seconds late (as a count
+    followed with long polls is), each message finishing 10 ms after it is sent."""
+
+    sender_threads = 2
+
+    def __init__(self, lag: float) -> None:
+        self.lag = lag
+        self.done: list[tuple[str, float]] = []
+        self.lock = threading.Lock()
+
+    def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
+        with self.lock:
+            self.done.append((tag, time.time() + 0.01))
+
+    def finished_count(self) -> int:
+        now = time.time()
+        with self.lock:
+            return sum(1 for _, done in self.done if done + self.lag <= now)
+
+    def finished(self, tag: str) -> list[types.SimpleNamespace]:
+        with self.lock:
+            return [types.SimpleNamespace(done_unix=t, sent_unix=t - 0.01) for g, t in self.done if g == tag]
+
+    def errors(self) -> list[str]:
+        return []
+
+
+def test_a_bursts_time_ends_at_its_last_finish_not_when_its_count_was_seen() -> None:
+    system = SystemSeenLate(lag=1.0)
+    runner = StepRunner(system, MessageGenerator(100, text=False), 0.0, BenchConfig())  # type: ignore[arg-type]  # its burst side only
+    burst = runner.burst(50, timeout=60.0)
+    assert burst.finished == 50
+    assert burst.seconds < 0.5, f"{burst.seconds:.2f} s: the burst's time included the count's lag of 1 s"
 
 
 def test_a_backlog_rising_and_falling_by_a_micro_batch_is_not_growth() -> None:
