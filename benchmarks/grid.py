@@ -68,6 +68,7 @@ it fails.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import dataclasses
 import logging
@@ -443,12 +444,17 @@ class StepRunner:
         errors_before = len(self.system.errors())
         base = self.system.finished_count()
         sent = [0]
+        sent_times: list[float] = []
         samples: list[tuple[float, float]] = []
         t0 = time.monotonic() + 0.05
         stop_sampling = threading.Event()
-        sampler = threading.Thread(target=self._sample, args=(t0, base, sent, samples, stop_sampling), daemon=True)
+        sampler = threading.Thread(
+            target=self._sample, args=(t0, base, sent_times, samples, stop_sampling), daemon=True
+        )
         sampler.start()
-        send_errors = self._pace(tag, rate, count, t0, sent, t0 + 2 * count / rate + PACE_SLACK_SECONDS)
+        send_errors = self._pace(
+            tag, rate, count, t0, sent, t0 + 2 * count / rate + PACE_SLACK_SECONDS, sent_times=sent_times
+        )
         send_end = time.monotonic()
         stop_sampling.set()
         sampler.join()
@@ -492,8 +498,18 @@ class StepRunner:
         seconds, done = burst_time(self.system, tag, count, started_unix, seconds)
         return Burst(count, finished, sent, seconds, errors[:5], done, started_unix)
 
-    def _pace(self, tag: str, rate: float, count: int, t0: float, sent: list[int], deadline: float) -> list[str]:
-        """Send ``count`` messages, message i at t0 + i/rate, from the system's sender threads.
+    def _pace(
+        self,
+        tag: str,
+        rate: float,
+        count: int,
+        t0: float,
+        sent: list[int],
+        deadline: float,
+        sent_times: list[float] | None = None,
+    ) -> list[str]:
+        """Send ``count`` messages, message i at t0 + i/rate, from the system's sender threads
+        (``sent_times``: when each send returned, in order).
 
         Sending stops at the first failed send and at ``deadline``: a source that stopped
         reading (a send that times out after minutes) fails its step once, instead of once
@@ -522,6 +538,8 @@ class StepRunner:
                         errors.append(f"send: {exc}")
                 with lock:
                     sent[0] += 1
+                    if sent_times is not None:
+                        sent_times.append(time.monotonic())
 
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(self.system.sender_threads)]
         for thread in threads:
@@ -531,11 +549,13 @@ class StepRunner:
         return errors[:5]
 
     def _sample(
-        self, t0: float, base: int, sent: list[int], samples: list[tuple[float, float]], stop: threading.Event
+        self, t0: float, base: int, sent_times: list[float], samples: list[tuple[float, float]], stop: threading.Event
     ) -> None:
+        """The backlog every 0.2 s: what had been sent when the finished count was true, less
+        that count (a count learnt by a call is as old as its answer)."""
         while not stop.wait(0.2):
-            now = time.monotonic()
-            samples.append((now - t0, sent[0] - (self.system.finished_count() - base)))
+            finished, as_of = self.system.finished_as_of()
+            samples.append((as_of - t0, bisect.bisect_right(sent_times, as_of) - (finished - base)))
 
     def _growth(self, samples: list[tuple[float, float]], t0: float, send_end: float) -> float:
         """Backlog growth once the pipeline is full: least-squares slope over the

@@ -52,7 +52,9 @@ HEADER_BYTES = 48  # "<tag>|<seq>|<sent_unix>|" padded with '.'; ASCII
 SLOTS = 2  # processing slots every system gets
 HIO_IMAGE = "hio/synthetic"
 FOLLOW_WAIT_SECONDS = 1.0  # how long one of StoredFollower's calls waits for a new record
-FOLLOW_INTERVAL_SECONDS = 0.05  # its calls' least spacing: at most 20 a second, however fast records come
+FOLLOW_INTERVAL_SECONDS = 0.25  # its calls' least spacing: at most 4 a second, however fast records come
+# (a count is then up to this old: the step's backlog samples pair it with the sends of its time,
+# the judgement uses each message's own finish time, and a burst's time its last finish's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +253,12 @@ class System(abc.ABC):
     def finished_count(self) -> int:
         """Messages finished since the system (or point) started; cheap, monotonic."""
 
+    def finished_as_of(self) -> tuple[int, float]:
+        """:meth:`finished_count` and the monotonic time it was true at: a count learnt from
+        the system by a call is as old as that call's answer (the step's backlog samples pair
+        it with what had been sent by then)."""
+        return self.finished_count(), time.monotonic()
+
     @abc.abstractmethod
     def finished(self, tag: str) -> list[Finished]:
         """Every message of step ``tag`` finished so far."""
@@ -321,6 +329,7 @@ class StoredFollower:
         self._stub = stub
         self._on_error = on_error
         self._count = 0
+        self._as_of = time.monotonic()
         self._known = threading.Event()  # a first answer came (or failed)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stored-follower", daemon=True)
@@ -328,8 +337,12 @@ class StoredFollower:
 
     def count(self) -> int:
         """The latest count (at most one call old); waits for the first answer."""
+        return self.count_as_of()[0]
+
+    def count_as_of(self) -> tuple[int, float]:
+        """The latest count and the monotonic time its answer came; waits for the first answer."""
         self._known.wait(FOLLOW_WAIT_SECONDS + 10)
-        return self._count
+        return self._count, self._as_of
 
     def _run(self) -> None:
         from hio.proto import repository_pb2
@@ -338,7 +351,7 @@ class StoredFollower:
             request = repository_pb2.GetOffsetsRequest(wait_after=self._count, wait_seconds=FOLLOW_WAIT_SECONDS)
             try:
                 reply = self._stub.GetOffsets(request, timeout=FOLLOW_WAIT_SECONDS + 5)
-                self._count = max(self._count, int(reply.records))
+                self._count, self._as_of = max(self._count, int(reply.records)), time.monotonic()
             except Exception as exc:  # noqa: BLE001 - an error of the system under test is a result, recorded
                 if self._stop.is_set():
                     return
@@ -517,6 +530,9 @@ class HioSystem(System):
 
     def finished_count(self) -> int:
         return self._stored.count() if self._stored is not None else 0
+
+    def finished_as_of(self) -> tuple[int, float]:
+        return self._stored.count_as_of() if self._stored is not None else (0, time.monotonic())
 
     def _record_error(self, error: str) -> None:
         with self._lock:

@@ -425,6 +425,49 @@ def test_a_bursts_time_ends_at_its_last_finish_not_when_its_count_was_seen() -> 
     assert burst.seconds < 0.5, f"{burst.seconds:.2f} s: the burst's time included the count's lag of 1 s"
 
 
+class SystemWhoseCountIsLateAWhile:
+    """A benchmarked system that keeps up (each message finishes 10 ms after it is sent) but
+    whose finished count, from 1.0 s to 1.8 s after the first send, is the one of 1.0 s: as a
+    count learnt by a call is, while the call is slow to answer."""
+
+    sender_threads = 2
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.first = 0.0
+        self.done: list[tuple[str, float, float]] = []  # (tag, done monotonic, done unix)
+
+    def send(self, tag: str, seq: int, payload: bytes, cost_s: float) -> None:
+        with self.lock:
+            self.first = self.first or time.monotonic()
+            self.done.append((tag, time.monotonic() + 0.01, time.time() + 0.01))
+
+    def finished_as_of(self) -> tuple[int, float]:
+        now = time.monotonic()
+        with self.lock:
+            late = self.first and self.first + 1.0 <= now < self.first + 1.8
+            as_of = self.first + 1.0 if late else now
+            return sum(1 for _, done, _unix in self.done if done <= as_of), as_of
+
+    def finished_count(self) -> int:
+        return self.finished_as_of()[0]
+
+    def finished(self, tag: str) -> list[types.SimpleNamespace]:
+        with self.lock:
+            return [types.SimpleNamespace(done_unix=u, sent_unix=u - 0.01) for g, _, u in self.done if g == tag]
+
+    def errors(self) -> list[str]:
+        return []
+
+
+def test_a_late_count_is_paired_with_the_sends_of_its_time_not_taken_for_backlog_growth() -> None:
+    config = BenchConfig(min_step_seconds=2.0, max_step_seconds=2.0, grace_seconds=1.0, drain_seconds=0.0)
+    runner = StepRunner(SystemWhoseCountIsLateAWhile(), MessageGenerator(100, text=False), 0.0, config)  # type: ignore[arg-type]  # its step side only
+    result = runner.run(100.0)
+    assert result.passed, result.reason
+    assert abs(result.backlog_growth) < 5, result.backlog_growth
+
+
 def test_a_backlog_rising_and_falling_by_a_micro_batch_is_not_growth() -> None:
     """Spark's backlog at 879/s with batches of about 0.3 s: a slope of 190 messages over the
     step is one batch, not a system falling behind; without a latency seen, it fails."""
