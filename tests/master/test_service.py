@@ -180,7 +180,7 @@ def test_cancelled_pull_voids_the_lease(tmp_path: Path) -> None:
         call = m.stub.PullTuple(master_pb2.PullTupleRequest(channel_id=ch, wait_seconds=1), timeout=10)
         assert next(call).meta.tuple_id == tuple_id
         call.cancel()
-        wait_for(lambda: status(m.stub).queues[0].leased == 0, timeout=5, what="lease voided")
+        wait_for(lambda: status(m.stub).queues[0].leased == 0, timeout=20, what="lease voided")
         meta, data = pull(m.stub, ch)
         assert meta is not None and meta.attempt == 2 and len(data) == 4_000_000
 
