@@ -443,7 +443,6 @@ class StepRunner:
         _seconds, count = self.duration(rate, min_messages or self.config.min_step_messages)
         errors_before = len(self.system.errors())
         base = self.system.finished_count()
-        sent = [0]
         sent_times: list[float] = []
         samples: list[tuple[float, float]] = []
         t0 = time.monotonic() + 0.05
@@ -452,9 +451,7 @@ class StepRunner:
             target=self._sample, args=(t0, base, sent_times, samples, stop_sampling), daemon=True
         )
         sampler.start()
-        send_errors = self._pace(
-            tag, rate, count, t0, sent, t0 + 2 * count / rate + PACE_SLACK_SECONDS, sent_times=sent_times
-        )
+        send_errors = self._pace(tag, rate, count, t0, sent_times, t0 + 2 * count / rate + PACE_SLACK_SECONDS)
         send_end = time.monotonic()
         stop_sampling.set()
         sampler.join()
@@ -488,7 +485,7 @@ class StepRunner:
         errors_before = len(self.system.errors())
         base = self.system.finished_count()
         started, started_unix = time.monotonic(), time.time()
-        send_errors = self._pace(tag, math.inf, count, started, [0], started + timeout)
+        send_errors = self._pace(tag, math.inf, count, started, [], started + timeout)
         sent = time.monotonic() - started
         # a failed send fails the burst: what was sent is counted, nothing more is waited for
         deadline = time.monotonic() if send_errors else started + timeout
@@ -504,12 +501,11 @@ class StepRunner:
         rate: float,
         count: int,
         t0: float,
-        sent: list[int],
+        sent_times: list[float],
         deadline: float,
-        sent_times: list[float] | None = None,
     ) -> list[str]:
-        """Send ``count`` messages, message i at t0 + i/rate, from the system's sender threads
-        (``sent_times``: when each send returned, in order).
+        """Send ``count`` messages, message i at t0 + i/rate, from the system's sender threads;
+        ``sent_times`` gets when each send returned, in order (its length: how many were sent).
 
         Sending stops at the first failed send and at ``deadline``: a source that stopped
         reading (a send that times out after minutes) fails its step once, instead of once
@@ -537,9 +533,7 @@ class StepRunner:
                     with lock:
                         errors.append(f"send: {exc}")
                 with lock:
-                    sent[0] += 1
-                    if sent_times is not None:
-                        sent_times.append(time.monotonic())
+                    sent_times.append(time.monotonic())
 
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(self.system.sender_threads)]
         for thread in threads:

@@ -334,13 +334,13 @@ def test_sending_stops_at_the_first_failed_send_and_when_the_steps_time_runs_out
     failing = SourceThatStopsReading(good=5, block=0.2)
     runner = StepRunner(failing, MessageGenerator(100, text=False), 0.0, BenchConfig())  # type: ignore[arg-type]  # only its sending side
     started = time.monotonic()
-    errors = runner._pace("s1", 1000.0, 10_000, started, [0], started + 60)
+    errors = runner._pace("s1", 1000.0, 10_000, started, [], started + 60)
     assert errors and errors[0] == "send: timed out"
     assert failing.sends <= 5 + failing.sender_threads and time.monotonic() - started < 5
     slow = SourceThatStopsReading(good=5, block=0.1, fails=False)
     runner = StepRunner(slow, MessageGenerator(100, text=False), 0.0, BenchConfig())  # type: ignore[arg-type]  # only its sending side
     started = time.monotonic()
-    errors = runner._pace("s1", 1000.0, 10_000, started, [0], started + 0.5)
+    errors = runner._pace("s1", 1000.0, 10_000, started, [], started + 0.5)
     assert errors and "of 10000 sent: the step's time ran out" in errors[0]
     assert slow.sends < 40 and time.monotonic() - started < 5
 
