@@ -160,30 +160,40 @@ def ephemeral_low() -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now, and not one this process was given before.
+    """A TCP port free on ``host`` right now, with the port after it, and neither given before.
 
     The kernel may hand out a port again once its probe socket is closed: two roles
     told the same port would have the second fail to bind while a health probe of
-    its address is answered by the first. The port is taken below the kernel's
-    ephemeral range, from which outgoing connections take their local ports: a role
-    started again on its port (after a crash, a kill) would otherwise fail to bind
-    whenever some connection had taken that port meanwhile.
+    its address is answered by the first. A server's payload lane listens on its
+    port + 1 by default (``lane_address``), so that port is kept from other roles
+    too. The port is taken below the kernel's ephemeral range, from which outgoing
+    connections take their local ports: a role started again on its port (after a
+    crash, a kill) would otherwise fail to bind whenever some connection had taken
+    that port meanwhile.
     """
     low = ephemeral_low()
     for _ in range(200):
-        port = random.randrange(PORT_FLOOR, low) if low > PORT_FLOOR + 1000 else 0
-        if port in _GIVEN_PORTS:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:  # in use (or waiting out a closed connection's TIME_WAIT)
-                continue
-            port = int(sock.getsockname()[1])
-        if port not in _GIVEN_PORTS:
-            _GIVEN_PORTS.add(port)
+        if low > PORT_FLOOR + 1000:
+            port = random.randrange(PORT_FLOOR, low - 1)
+        else:  # no room below the ephemeral range: the kernel's choice
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                port = int(sock.getsockname()[1])
+        pair = (port, port + 1)
+        if port < 65535 and not any(p in _GIVEN_PORTS for p in pair) and all(_bindable(host, p) for p in pair):
+            _GIVEN_PORTS.update(pair)
             return port
     raise RuntimeError(f"no fresh free port on {host}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether ``port`` can be bound on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:  # in use (or waiting out a closed connection's TIME_WAIT)
+            return False
+    return True
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -268,6 +268,13 @@ def test_free_port_never_gives_one_process_the_same_port_twice() -> None:
     assert len(set(ports)) == len(ports)
 
 
+def test_free_port_keeps_the_port_after_each_for_its_lane() -> None:
+    """A server's lane listens on its port + 1 by default: no other role may be given that port."""
+    ports = [free_port() for _ in range(500)]
+    lanes = {port + 1 for port in ports}
+    assert not lanes & set(ports), sorted(lanes & set(ports))
+
+
 def test_free_ports_are_below_the_ports_outgoing_connections_take() -> None:
     """A role started again on its port must find it free: outgoing connections take their local
     ports from the ephemeral range, so a port from there may be held by one when it restarts."""
