@@ -4,7 +4,10 @@ Starts a repository, a master and a worker with synthetic engines, then
 streams N tuples of each size through a gateway, directly to the channels and
 forced through the backlog queue, and prints tuples/s and MB/s from the first
 submit until every tuple's features are stored, and the CPU each role spent
-per tuple (from ``/proc``; the gateway is this process). By default the
+per tuple (from ``/proc``; the gateway is this process). N is what takes about
+``--seconds``: where the loopback bound allows more than ``CALIBRATION_TUPLES``
+in that time (small tuples), a first run of that many, not reported, measures
+the rate N is taken from (and warms the roles up). By default the
 tuples are submitted all at once and cost nothing to process; ``--rate``
 paces them and ``--cost-ms`` makes each burn CPU, which shows what a tuple
 costs at moderate rates, where batches are small. Also prints the loopback
@@ -29,7 +32,7 @@ from hio.settings import ClusterSettings
 class CoreBenchConfig(ClusterSettings):
     sizes: tuple[str, ...] = setting(None, "tuple sizes to measure", factory=lambda: ("1M", "10M"))
     seconds: float = setting(10.0, "approximate time to spend per measurement")
-    max_tuples: int = setting(2000, "at most this many tuples per measurement")
+    max_tuples: int = setting(300_000, "at most this many tuples per measurement")
     engines: int = setting(2, "synthetic engines on the worker")
     streams: int = setting(4, "gateway delivery streams")
     modes: tuple[str, ...] = setting(None, "paths to measure", factory=lambda: ("direct", "queue"))
@@ -64,6 +67,10 @@ class CoreBenchConfig(ClusterSettings):
 
 Secured = TypeVar("Secured", bound=ClusterSettings)
 
+# Tuples of the first, unreported run that measures the rate small tuples' count is taken
+# from: their bound-based count would be far too many, and a run this short too noisy.
+CALIBRATION_TUPLES = 2000
+
 
 def _parse_size(text: str) -> int:
     from hio.config import scaled
@@ -71,14 +78,25 @@ def _parse_size(text: str) -> int:
     return scaled(text)
 
 
-def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str) -> dict[str, Any]:
-    """Stream tuples of ``size`` bytes; tuples/s and MB/s until all are stored."""
+def tuple_count(config: CoreBenchConfig, size: int, measured_rate: float = 0.0) -> int:
+    """Tuples of ``size`` bytes that take about ``config.seconds``: at the paced rate; else at
+    ``measured_rate`` (tuples/s of a calibration run); else at 400 MB/s, a loopback bound.
+    At least 8, at most ``max_tuples``."""
+    rate = config.rate or measured_rate or 400e6 / max(size, 1)
+    return max(8, min(config.max_tuples, int(config.seconds * rate)))
+
+
+def needs_calibration(config: CoreBenchConfig, size: int) -> bool:
+    """Whether the bound-based count of ``size`` would be more than a calibration run's: then
+    the tuples are too small for the bound to say how many take ``seconds``."""
+    return config.rate <= 0 and tuple_count(config, size) > CALIBRATION_TUPLES
+
+
+def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str, count: int) -> dict[str, Any]:
+    """Stream ``count`` tuples of ``size`` bytes; tuples/s and MB/s until all are stored."""
     from hio.gateway import Gateway
 
     payload = os.urandom(size)
-    count = max(8, min(config.max_tuples, int(config.seconds * 400e6 / max(size, 1)) or 8))
-    if config.rate > 0:
-        count = max(8, min(config.max_tuples, int(config.seconds * config.rate)))
     attributes = {"cost_ms": f"{config.cost_ms:g}"}
     started = time.perf_counter()
     with Gateway(
@@ -299,10 +317,14 @@ def run_core_bench(config: CoreBenchConfig) -> int:
         for text in config.sizes:
             size = _parse_size(text)
             for mode in config.modes:
+                count = tuple_count(config, size)
+                if needs_calibration(config, size):
+                    calibration = measure(bench, data_dir, size, mode, CALIBRATION_TUPLES)
+                    count = tuple_count(config, size, calibration["tuples_per_s"])
                 before, disk_before = role_cpu(pids), role_disk_bytes(pids)
                 interval = config.scrape_seconds if config.metrics else 0.0
                 with Scraper(config, [a for a in cluster.http.values() if a], interval) as scraper:
-                    r = measure(bench, data_dir, size, mode)
+                    r = measure(bench, data_dir, size, mode, count)
                 print(
                     f"{text:>8} {mode:>7} {r['tuples']:>7.0f} {r['seconds']:>8.2f} {r['tuples_per_s']:>9.1f}"
                     f" {r['mb_per_s']:>8.1f} {r['mb_per_s'] * 1e6 / bound:>8.1%}",

@@ -700,6 +700,20 @@ def test_steal_is_read_from_the_machine_and_sets_the_cpu_left_bound() -> None:
     assert math.isnan(cpu_left_fraction({**row, "cost_ms": 0.0}))
 
 
+def test_core_bench_takes_small_tuples_count_from_a_measured_rate_not_the_loopback_bound() -> None:
+    """At 100 B the loopback bound would allow millions of tuples in ``seconds``: a calibration
+    run's rate sets the count, so the measurement lasts about ``seconds`` (not a fraction of one)."""
+    from benchmarks.core import CALIBRATION_TUPLES, CoreBenchConfig, needs_calibration, tuple_count
+
+    config = CoreBenchConfig(seconds=10.0)
+    assert needs_calibration(config, 100) and tuple_count(config, 100, measured_rate=5000.0) == 50_000
+    assert tuple_count(config, 100, measured_rate=1e9) == config.max_tuples
+    assert not needs_calibration(config, 10_000_000) and tuple_count(config, 10_000_000) == 400
+    assert tuple_count(config, 1_000_000) > CALIBRATION_TUPLES  # 1 MB: calibrated too (4,000 at the bound)
+    paced = CoreBenchConfig(seconds=10.0, rate=40.0)
+    assert not needs_calibration(paced, 100) and tuple_count(paced, 100) == 400
+
+
 def test_core_bench_paces_tuples_and_prints_each_roles_cpu_per_tuple(tmp_path: Path) -> None:
     """`hio bench-core` for real: a paced run through both paths, with the CPU line per measurement."""
     args = [
