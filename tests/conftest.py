@@ -10,6 +10,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.harness import free_port
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Each parallel worker (pytest-xdist's gw0, gw1, ...) gives its roles ports from a share of
+    its own: two workers' clusters never race for one port."""
+    from hio.process import procs
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        procs.PORT_SHARE = (int(worker[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+
+
 @pytest.fixture
 def port() -> int:
     return free_port()

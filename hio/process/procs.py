@@ -139,15 +139,23 @@ def children(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux: /proc/<pid>/task/*/children); [] once it is gone."""
     found: list[int] = []
     try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            found += [int(c) for c in read_proc(f"/proc/{pid}/task/{task}/children").split()]
+        tasks = os.listdir(f"/proc/{pid}/task")
     except (FileNotFoundError, ProcessLookupError):
         return []
+    for task in tasks:
+        try:
+            found += [int(c) for c in read_proc(f"/proc/{pid}/task/{task}/children").split()]
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended since the listing
+            continue
     return sorted(set(found))
 
 
 _GIVEN_PORTS: set[int] = set()  # ports free_port returned: the roles given them may not have bound yet
 PORT_FLOOR = 10_000  # free_port's lowest port: below it, well-known and registered services
+# The share of free_port's ports this process draws from, (index, count): processes that place
+# roles on one machine side by side (a test run's parallel workers) each take their own share, so
+# that none gives a port another gave whose role has not bound it yet.
+PORT_SHARE = (0, 1)
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
@@ -169,12 +177,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     too. The port is taken below the kernel's ephemeral range, from which outgoing
     connections take their local ports: a role started again on its port (after a
     crash, a kill) would otherwise fail to bind whenever some connection had taken
-    that port meanwhile.
+    that port meanwhile. The port and its port + 1 lie in this process's :data:`PORT_SHARE`.
     """
-    low = ephemeral_low()
+    index, count = PORT_SHARE
+    span = (ephemeral_low() - PORT_FLOOR) // count
+    first = PORT_FLOOR + index * span
     for _ in range(200):
-        if low > PORT_FLOOR + 1000:
-            port = random.randrange(PORT_FLOOR, low - 1)
+        if span > 1000:
+            port = random.randrange(first, first + span - 1)
         else:  # no room below the ephemeral range: the kernel's choice
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind((host, 0))

@@ -275,6 +275,20 @@ def test_free_port_keeps_the_port_after_each_for_its_lane() -> None:
     assert not lanes & set(ports), sorted(lanes & set(ports))
 
 
+def test_free_ports_lie_in_this_process_share_lanes_included(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parallel test workers each draw from their own share: one worker's ports, and the lane
+    ports beside them, are never another's. Here: the two halves of this process's share."""
+    from hio.process import procs
+
+    index, count = procs.PORT_SHARE
+    span = (procs.ephemeral_low() - procs.PORT_FLOOR) // (2 * count)
+    for half in (2 * index, 2 * index + 1):
+        monkeypatch.setattr(procs, "PORT_SHARE", (half, 2 * count))
+        first = procs.PORT_FLOOR + half * span
+        ports = [procs.free_port() for _ in range(200)]
+        assert all(first <= port and port + 1 < first + span for port in ports), (first, span, ports)
+
+
 def test_free_ports_are_below_the_ports_outgoing_connections_take() -> None:
     """A role started again on its port must find it free: outgoing connections take their local
     ports from the ephemeral range, so a port from there may be held by one when it restarts."""

@@ -110,3 +110,34 @@ input()
             os.kill(pid, signal.SIGKILL)
         proc.kill()
         proc.wait()
+
+
+# A parent with one sleeping child whose threads start and end all the time.
+CHURNING_PARENT = """
+import subprocess, sys, threading
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(child.pid, flush=True)
+while True:
+    threads = [threading.Thread(target=lambda: None) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+"""
+
+
+def test_a_process_keeps_its_children_while_its_threads_come_and_go() -> None:
+    """A thread that ends between the listing of the process's threads and the reading of its
+    children file does not hide the process's children."""
+    proc = subprocess.Popen([sys.executable, "-c", CHURNING_PARENT], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    child = 0
+    try:
+        child = int(proc.stdout.readline())
+        seen = [children(proc.pid) for _ in range(3000)]
+        assert all(found == [child] for found in seen), f"{sum(found != [child] for found in seen)} of 3000 missed it"
+    finally:
+        proc.kill()
+        proc.wait()
+        if child:
+            os.kill(child, signal.SIGKILL)
