@@ -86,10 +86,10 @@ def tuple_count(config: CoreBenchConfig, size: int, measured_rate: float = 0.0) 
     return max(8, min(config.max_tuples, int(config.seconds * rate)))
 
 
-def needs_calibration(config: CoreBenchConfig, size: int) -> bool:
-    """Whether the bound-based count of ``size`` would be more than a calibration run's: then
-    the tuples are too small for the bound to say how many take ``seconds``."""
-    return config.rate <= 0 and tuple_count(config, size) > CALIBRATION_TUPLES
+def needs_calibration(config: CoreBenchConfig, count: int) -> bool:
+    """Whether ``count``, a bound-based :func:`tuple_count`, is more than a calibration run's:
+    then the tuples are too small for the bound to say how many take ``seconds``."""
+    return config.rate <= 0 and count > CALIBRATION_TUPLES
 
 
 def measure(config: CoreBenchConfig, data_dir: Path, size: int, mode: str, count: int) -> dict[str, Any]:
@@ -318,7 +318,7 @@ def run_core_bench(config: CoreBenchConfig) -> int:
             size = _parse_size(text)
             for mode in config.modes:
                 count = tuple_count(config, size)
-                if needs_calibration(config, size):
+                if needs_calibration(config, count):
                     calibration = measure(bench, data_dir, size, mode, CALIBRATION_TUPLES)
                     count = tuple_count(config, size, calibration["tuples_per_s"])
                 before, disk_before = role_cpu(pids), role_disk_bytes(pids)

@@ -177,7 +177,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     too. The port is taken below the kernel's ephemeral range, from which outgoing
     connections take their local ports: a role started again on its port (after a
     crash, a kill) would otherwise fail to bind whenever some connection had taken
-    that port meanwhile. The port and its port + 1 lie in this process's :data:`PORT_SHARE`.
+    that port meanwhile. Where the range below the ephemeral one leaves each share more
+    than 1,000 ports, the port and its port + 1 lie in this process's :data:`PORT_SHARE`;
+    else the kernel chooses.
     """
     index, count = PORT_SHARE
     span = (ephemeral_low() - PORT_FLOOR) // count

@@ -706,12 +706,12 @@ def test_core_bench_takes_small_tuples_count_from_a_measured_rate_not_the_loopba
     from benchmarks.core import CALIBRATION_TUPLES, CoreBenchConfig, needs_calibration, tuple_count
 
     config = CoreBenchConfig(seconds=10.0)
-    assert needs_calibration(config, 100) and tuple_count(config, 100, measured_rate=5000.0) == 50_000
+    assert needs_calibration(config, tuple_count(config, 100)) and tuple_count(config, 100, measured_rate=5000.0) == 50_000
     assert tuple_count(config, 100, measured_rate=1e9) == config.max_tuples
-    assert not needs_calibration(config, 10_000_000) and tuple_count(config, 10_000_000) == 400
+    assert not needs_calibration(config, tuple_count(config, 10_000_000)) and tuple_count(config, 10_000_000) == 400
     assert tuple_count(config, 1_000_000) > CALIBRATION_TUPLES  # 1 MB: calibrated too (4,000 at the bound)
     paced = CoreBenchConfig(seconds=10.0, rate=40.0)
-    assert not needs_calibration(paced, 100) and tuple_count(paced, 100) == 400
+    assert not needs_calibration(paced, tuple_count(paced, 100)) and tuple_count(paced, 100) == 400
 
 
 def test_core_bench_paces_tuples_and_prints_each_roles_cpu_per_tuple(tmp_path: Path) -> None:
