@@ -10,7 +10,7 @@ PROTOS  := $(wildcard proto/hio/proto/*.proto)
 GEN     := $(PROTOS:.proto=_pb2.py)
 PYTEST_ARGS ?=
 
-.PHONY: setup proto run lint test test-quick topology images docker bench bench-kd bench-scale soak clean
+.PHONY: setup proto run lint test test-bench test-quick topology images docker bench bench-kd bench-scale soak clean
 
 setup: $(VENV)/.installed proto
 
@@ -52,14 +52,25 @@ lint: setup
 	if grep -rnE '$(SUPPRESSION_WITHOUT_REASON)' --include='*.py' --exclude='*_pb2*.py' $(PRODUCT); then status=1; fi; \
 	exit $$status
 
-# Two processes run the tests (pytest-xdist, a module's tests in one process; each starts its
-# own servers on free ports), then one process those marked alone: they measure what a test
-# beside them would change (the phases experiment's worker-seconds) or run a Spark cluster.
+# The tests of a marker expression: two processes (pytest-xdist, a module's tests in one
+# process; each starts its own servers on free ports), then one process those marked alone: they
+# measure what a test beside them would change (the phases experiment's worker-seconds) or run
+# a Spark cluster.
+define run_tests
+@status=0; \
+$(BIN)/python -m pytest -n 2 --dist loadfile -m "not alone and ($(1))" $(PYTEST_ARGS) || status=1; \
+$(BIN)/python -m pytest -m "alone and ($(1))" $(PYTEST_ARGS) || status=1; \
+exit $$status
+endef
+
+# Everything but the benchmark harness's runs of real systems (test-bench).
 test: setup
-	@status=0; \
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not alone" $(PYTEST_ARGS) || status=1; \
-	$(BIN)/python -m pytest -m alone $(PYTEST_ARGS) || status=1; \
-	exit $$status
+	$(call run_tests,not harness)
+
+# The benchmark harness's own runs of real systems, small (a smoke run of every system, the
+# scale curves, bench-core, bench-floor, the phases experiment): the benchmarks run them first.
+test-bench: setup
+	$(call run_tests,harness)
 
 test-quick: setup
 	$(BIN)/python -m pytest -n 2 -m "not slow and not spark and not docker" $(PYTEST_ARGS)
@@ -80,7 +91,7 @@ docker: setup
 
 # The full grid and the bursts as one run (resumed where it stopped; --fresh starts a new run);
 # regenerates docs/benchmarks.md and the README's performance section from its CSV.
-bench: setup
+bench: setup test-bench
 	$(BIN)/hio bench --readme README.md
 
 bench-kd: setup
@@ -89,7 +100,7 @@ bench-kd: setup
 # The master's routes/s by channels, the repository's restart and index by records, KD's interval
 # by records stored: CSVs, plots and docs/benchmarks/scale.md (benchmarks/scale.py). The 10 M
 # record stores take minutes to fill; they are kept under var/bench-scale for later runs.
-bench-scale: setup
+bench-scale: setup test-bench
 	$(BIN)/hio bench-scale
 
 # Hours of steady load in minutes, checking memory, files and threads stay flat (benchmarks/soak.py).

@@ -533,6 +533,7 @@ def test_the_readme_section_is_written_between_its_markers(tmp_path: Path) -> No
     assert "| cell | hio-direct | spark-file | spark-socket |" in section
 
 
+@pytest.mark.harness
 @pytest.mark.slow
 @pytest.mark.spark
 def test_a_spark_system_whose_jvm_died_says_so_and_is_reset_onto_a_new_jvm(tmp_path: Path) -> None:
@@ -565,6 +566,7 @@ def test_a_spark_system_whose_jvm_died_says_so_and_is_reset_onto_a_new_jvm(tmp_p
         system.stop()
 
 
+@pytest.mark.harness
 @pytest.mark.slow
 @pytest.mark.spark
 def test_smoke_every_system_one_cell_and_bursts_in_one_run_then_resume(tmp_path: Path) -> None:
@@ -575,7 +577,7 @@ def test_smoke_every_system_one_cell_and_bursts_in_one_run_then_resume(tmp_path:
 
     pytest.importorskip("pika")
     if not glob.glob("/usr/lib/rabbitmq/lib/rabbitmq_server-*/sbin/rabbitmq-server"):
-        pytest.skip("RabbitMQ is not installed (Debian's rabbitmq-server; .ci/run installs it)")
+        pytest.skip("RabbitMQ is not installed (Debian's rabbitmq-server: apt-get install rabbitmq-server)")
     out = tmp_path / "docs"
     readme = tmp_path / "README.md"
     from benchmarks.report import README_END, README_START, readme_section
@@ -706,7 +708,9 @@ def test_core_bench_takes_small_tuples_count_from_a_measured_rate_not_the_loopba
     from benchmarks.core import CALIBRATION_TUPLES, CoreBenchConfig, needs_calibration, tuple_count
 
     config = CoreBenchConfig(seconds=10.0)
-    assert needs_calibration(config, tuple_count(config, 100)) and tuple_count(config, 100, measured_rate=5000.0) == 50_000
+    assert (
+        needs_calibration(config, tuple_count(config, 100)) and tuple_count(config, 100, measured_rate=5000.0) == 50_000
+    )
     assert tuple_count(config, 100, measured_rate=1e9) == config.max_tuples
     assert not needs_calibration(config, tuple_count(config, 10_000_000)) and tuple_count(config, 10_000_000) == 400
     assert tuple_count(config, 1_000_000) > CALIBRATION_TUPLES  # 1 MB: calibrated too (4,000 at the bound)
@@ -714,6 +718,7 @@ def test_core_bench_takes_small_tuples_count_from_a_measured_rate_not_the_loopba
     assert not needs_calibration(paced, tuple_count(paced, 100)) and tuple_count(paced, 100) == 400
 
 
+@pytest.mark.harness
 def test_core_bench_paces_tuples_and_prints_each_roles_cpu_per_tuple(tmp_path: Path) -> None:
     """`hio bench-core` for real: a paced run through both paths, with the CPU line per measurement."""
     args = [
@@ -753,6 +758,7 @@ def test_core_bench_paces_tuples_and_prints_each_roles_cpu_per_tuple(tmp_path: P
     assert refused.returncode != 0 and "rate must be 0 (all at once) or positive" in refused.stderr + refused.stdout
 
 
+@pytest.mark.harness
 def test_floor_bench_streams_both_paths_and_cleans_up_after_itself(tmp_path: Path) -> None:
     """`hio bench-floor` for real: a row per path with tuples moved and the CPU they cost,
     the disk measured, and nothing of its spool left in the data folder; a wrong path is named."""

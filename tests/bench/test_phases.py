@@ -77,6 +77,7 @@ def test_drain_is_the_time_until_what_was_offered_by_the_overload_s_end_is_store
     assert (summary["stored"], summary["lost"], summary["duplicated"]) == (14, 0, 1)
 
 
+@pytest.mark.harness
 @pytest.mark.slow
 @pytest.mark.alone
 def test_a_short_schedule_runs_fixed_and_elastic_loses_nothing_and_elastic_uses_fewer_workers(tmp_path: Path) -> None:

@@ -101,6 +101,7 @@ def _rows(tmp_path: Path, curve: str) -> list[dict[str, str]]:
     return rows
 
 
+@pytest.mark.harness
 def test_a_real_master_routes_for_fake_workers_and_gateways_and_its_cpu_per_route_is_measured(
     tmp_path: Path,
 ) -> None:
@@ -117,6 +118,7 @@ def test_a_real_master_routes_for_fake_workers_and_gateways_and_its_cpu_per_rout
     assert list((tmp_path / "var" / "bench-scale").iterdir()) == []  # the masters' folders are removed
 
 
+@pytest.mark.harness
 def test_a_repository_store_is_filled_once_and_restarts_are_timed_warm_and_cold(tmp_path: Path) -> None:
     first = _run(tmp_path, "--curves", "repository", "--records", "10k", "--restarts", "1")
     assert "filling 10k records" in first.stdout
@@ -130,6 +132,7 @@ def test_a_repository_store_is_filled_once_and_restarts_are_timed_warm_and_cold(
     assert [r["fill_seconds"] for r in _rows(tmp_path, "repository")] == [r["fill_seconds"] for r in rows]
 
 
+@pytest.mark.harness
 @pytest.mark.slow
 @pytest.mark.spark
 def test_kd_intervals_are_timed_over_an_empty_and_a_stored_store(tmp_path: Path) -> None:
