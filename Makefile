@@ -73,7 +73,7 @@ test-bench: setup
 	$(call run_tests,harness)
 
 test-quick: setup
-	$(BIN)/python -m pytest -n 2 -m "not slow and not spark and not docker" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 -m "not slow and not spark and not docker and not harness" $(PYTEST_ARGS)
 
 # As root: the edge, public and private networks of docs/deploy.md as network namespaces behind
 # a router whose firewall is deploy.md's table; real roles in them, tuples streamed through, a
