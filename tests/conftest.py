@@ -9,12 +9,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.harness import free_port
 
+#: Every JVM the tests start (Spark drivers, executors, a standalone cluster's daemons, and the
+#: launcher each spark-submit runs first) compiles with the quick JIT only and collects with the
+#: serial collector: the tests' JVMs live seconds to minutes, where the optimising JIT's warm-up
+#: costs more CPU than it gives back on two cores. What Spark computes does not change.
+TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Each parallel worker (pytest-xdist's gw0, gw1, ...) gives its roles ports from a share of
-    its own: two workers' clusters never race for one port."""
+    its own: two workers' clusters never race for one port. JVMs start with
+    :data:`TEST_JVM_OPTIONS` unless the caller set ``JAVA_TOOL_OPTIONS``."""
     from hio.process import procs
 
+    os.environ.setdefault("JAVA_TOOL_OPTIONS", TEST_JVM_OPTIONS)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw"):
         procs.PORT_SHARE = (int(worker[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
