@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Make Docker usable for the docker tests, and build the engine images.
 #
-# Idempotent; runs as root without a terminal (CI). Steps, each skipped when
+# Idempotent; runs as root without a terminal (CI). With --missing-packages it
+# only prints the Debian packages it would install. Steps, each skipped when
 # already done:
 #   1. install Debian's docker.io (and debootstrap, for the offline base) if missing;
 #   2. start dockerd in the background if no engine answers (log:
@@ -34,11 +35,15 @@ no_docker() {
 }
 engine_answers() { timeout 10 docker info >/dev/null 2>&1; }
 
+# Debian's packages this script needs and this machine lacks, one a line.
+missing_packages() {
+    { command -v dockerd && command -v docker; } >/dev/null 2>&1 || echo docker.io
+    command -v debootstrap >/dev/null 2>&1 || echo debootstrap
+}
+
 install_packages() {
-    local missing=()
-    command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
-    command -v docker >/dev/null 2>&1 || missing+=(docker.io)
-    command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
+    local missing
+    mapfile -t missing < <(missing_packages)
     [[ ${#missing[@]} -eq 0 ]] && return 0
     [[ $(id -u) -eq 0 ]] || no_docker "need root to install ${missing[*]}"
     say "installing ${missing[*]}"
@@ -74,6 +79,10 @@ build_images() {
     "$PY" -m hio.cli images list || fail "an image is missing after the build"
 }
 
+if [[ "${1:-}" == "--missing-packages" ]]; then  # for .ci/run, which installs them with the rest
+    missing_packages
+    exit 0
+fi
 install_packages
 start_engine
 build_images
