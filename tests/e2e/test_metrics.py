@@ -358,7 +358,7 @@ def test_kd_shows_its_intervals_the_records_they_took_in_and_its_lag(tmp_path: P
         wait_for(lambda: kd_settled(27), timeout=120, what=lambda: f"KD caught up again; logs:\n{cluster.output()}")
         k = scrape(cluster.http["kd"])
         assert value(k, "hio_kd_interval_records_count") == value(k, "hio_kd_interval_seconds_count") >= 2
-        assert value(k, "hio_kd_query_failures_total") == 0
+        assert value(k, "hio_kd_query_failures_total") == 0, cluster.output(20_000, "kd")
         assert_documented(cluster.http["kd"])
         assert value(scrape(cluster.http["repository"]), "hio_repository_consumer_lag_records", consumer="kd") == 0
     finally:
