@@ -20,7 +20,7 @@ from tests.harness import HioProcess, hio_env, wait_for
 from tests.kd.helpers import Repo, blobs_records, repository, simulation_records
 from tests.kd.standalone import SparkStandalone
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.alone]  # three JVMs and faults timed against them
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
