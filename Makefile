@@ -58,7 +58,7 @@ lint: setup
 # status 5 is pytest's "no test selected": an expression may select none of one kind.
 define run_tests
 @status=0; \
-$(BIN)/python -m pytest -n 2 --dist loadfile -m "not alone and ($(1))" $(PYTEST_ARGS) || status=1; \
+$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not alone and ($(1))" $(PYTEST_ARGS) || status=1; \
 $(BIN)/python -m pytest -m "alone and ($(1))" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=1; \
 exit $$status
 endef

@@ -30,8 +30,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The files with slow tests first, each file's tests together and in their order:
-    pytest-xdist hands its workers a file at a time in this order, so the long files start
-    early, the short ones fill in at the end, and the workers finish near each other."""
+    pytest-xdist hands its workers a file at a time in this order (make's
+    ``--no-loadscope-reorder``: by default it orders the files by their number of tests, which
+    puts the longest files, of one to five tests, last), so the long files start early, the
+    short ones fill in at the end, and the workers finish near each other."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)
 
