@@ -17,8 +17,13 @@ container's own), ``/run`` and ``/run/lock`` as tmpfs, and no AppArmor profile (
 mounts). ``--privileged`` is not needed, and does not start where dockerd lacks a capability.
 
 Containers and networks carry the label ``io.harmonicio.test-hosts=<pid>-<start ticks>`` of the
-run that made them, and its folder of keys is ``<tmp>/hio-hosts-<pid>-<start ticks>-*``: a run
-removes its own at the end, and those of runs that were killed (:func:`remove_stale`).
+run that made them, and its folder of keys is ``<tmp>/hio-hosts-<pid>-<start ticks>-*``. A run
+removes its own at the end. A run that is killed (SIGKILL included) cannot, so each run starts a
+reaper first (``python -m tests.ansible.hosts --reap <run>``, in a session of its own, so that a
+Ctrl-C does not reach it): it waits for the end of its standard input, which the kernel closes
+when the run's process ends in any way, and then removes what that run made, so no host's roles
+(KD's Spark driver among them) outlive a stopped test run. What a reaper could not remove, the
+next run does (:func:`remove_stale`).
 """
 
 from __future__ import annotations
@@ -141,22 +146,50 @@ def _gone(owner: str) -> bool:
     return not pid.isdigit() or run_id(int(pid)) != owner
 
 
+def remove_run(client: Any, run: str) -> list[str]:
+    """Remove the containers, network and key folder of run ``run``, whatever their state; their names."""
+    removed = []
+    for container in client.containers.list(all=True, filters={"label": f"{LABEL}={run}"}):
+        container.remove(force=True)
+        removed.append(container.name)
+    for network in client.networks.list(filters={"label": f"{LABEL}={run}"}):
+        network.remove()
+        removed.append(network.name)
+    for folder in Path(tempfile.gettempdir()).glob(f"{KEYS_PREFIX}{run}-*"):
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(str(folder))
+    return removed
+
+
 def remove_stale(client: Any) -> list[str]:
     """Remove the containers, networks and key folders of runs whose process is gone; their names."""
-    removed = []
-    for container in client.containers.list(all=True, filters={"label": LABEL}):
-        if _gone(container.labels.get(LABEL, "")):
-            container.remove(force=True)
-            removed.append(container.name)
-    for network in client.networks.list(filters={"label": LABEL}):
-        if _gone(network.attrs.get("Labels", {}).get(LABEL, "")):
-            network.remove()
-            removed.append(network.name)
-    for folder in Path(tempfile.gettempdir()).glob(f"{KEYS_PREFIX}*-*-*"):
-        if _gone("-".join(folder.name.removeprefix(KEYS_PREFIX).split("-")[:2])):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(str(folder))
-    return removed
+    labelled = {"label": LABEL}
+    owners = {container.labels.get(LABEL, "") for container in client.containers.list(all=True, filters=labelled)}
+    owners |= {network.attrs.get("Labels", {}).get(LABEL, "") for network in client.networks.list(filters=labelled)}
+    owners |= {
+        "-".join(folder.name.removeprefix(KEYS_PREFIX).split("-")[:2])
+        for folder in Path(tempfile.gettempdir()).glob(f"{KEYS_PREFIX}*-*-*")
+    }
+    return [name for owner in sorted(owners) if _gone(owner) for name in remove_run(client, owner)]
+
+
+def start_reaper(run: str) -> subprocess.Popen[bytes]:
+    """The reaper of run ``run`` (see the module docstring); closing its standard input ends it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.ansible.hosts", "--reap", run],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def reap(run: str) -> None:
+    """Wait for the end of standard input, then remove what run ``run`` made."""
+    sys.stdin.buffer.read()
+    removed = remove_run(docker_client(), run)
+    if removed:
+        print(f"hosts: removed what run {run} left: {', '.join(removed)}", file=sys.stderr)
 
 
 class Hosts:
@@ -167,6 +200,7 @@ class Hosts:
         self.client = client
         self.image = image
         self.run = run_id()
+        self.reaper = start_reaper(self.run)  # before anything it would remove is made
         # Short: ssh's control sockets live here.
         self.dir = Path(tempfile.mkdtemp(prefix=f"{KEYS_PREFIX}{self.run}-"))
         self.key = self.dir / "id_ed25519"
@@ -284,12 +318,19 @@ class Hosts:
             self.network.remove()
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
+            if self.reaper.stdin is not None:
+                self.reaper.stdin.close()  # nothing is left to reap: it looks, and ends
+            self.reaper.wait(timeout=60)
 
 
 def main() -> int:
     """``python -m tests.ansible.hosts``: build the host image ahead of the tests (CI does, while
     it lints), so that the site.yml test does not build it inside the test run. Where it cannot
-    be built here, say why and succeed: the test skips with the same reason."""
+    be built here, say why and succeed: the test skips with the same reason. With ``--reap RUN``:
+    a run's reaper (:func:`start_reaper`)."""
+    if sys.argv[1:2] == ["--reap"]:
+        reap(sys.argv[2])
+        return 0
     try:
         print(f"hosts: image {ensure_image(docker_client())} ready", flush=True)
     except HostsUnavailable as exc:

@@ -17,11 +17,15 @@ import dataclasses
 import io
 import re
 import shlex
+import subprocess
+import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf import json_format
@@ -40,7 +44,16 @@ from tests.ansible.helpers import (
     run_playbook,
     write_inventory,
 )
-from tests.ansible.hosts import Hosts, HostsUnavailable, docker_client, ensure_image, remove_stale, require_tools
+from tests.ansible.hosts import (
+    KEYS_PREFIX,
+    LABEL,
+    Hosts,
+    HostsUnavailable,
+    docker_client,
+    ensure_image,
+    remove_stale,
+    require_tools,
+)
 from tests.harness import wait_for, wait_names_stored
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
@@ -214,18 +227,24 @@ def documented_limit() -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """The hosts booted and site.yml run once over all of them."""
-    require_collections()
-    if not any(WHEELHOUSE.glob("grpcio-*.whl")) or not any(WHEELHOUSE.glob("kd/pyspark-*.whl")):
-        pytest.skip(f"{WHEELHOUSE} lacks the hosts' wheels (grpcio, kd/pyspark): run `make images`")
+def host_image() -> tuple[Any, str]:
+    """A Docker client and the host image, what killed runs left removed; or the tests skip."""
     try:
         require_tools()
         client = docker_client()
         remove_stale(client)
-        image = ensure_image(client)
+        return client, ensure_image(client)
     except HostsUnavailable as exc:
         pytest.skip(f"no hosts for site.yml here: {exc}")
+
+
+@pytest.fixture(scope="module")
+def cluster(host_image: tuple[Any, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The hosts booted and site.yml run once over all of them."""
+    require_collections()
+    if not any(WHEELHOUSE.glob("grpcio-*.whl")) or not any(WHEELHOUSE.glob("kd/pyspark-*.whl")):
+        pytest.skip(f"{WHEELHOUSE} lacks the hosts' wheels (grpcio, kd/pyspark): run `make images`")
+    client, image = host_image
     tmp = tmp_path_factory.mktemp("site")
     hosts = Hosts(client, image)
     try:
@@ -254,6 +273,44 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         print("\n" + "\n".join(run.line() for run in deployed.runs))
     finally:
         hosts.close()
+
+
+# A run of the hosts that is killed once its host serves: it prints its run's name, then waits.
+KILLED_RUN = """
+import sys, time
+from tests.ansible.hosts import Hosts, docker_client
+hosts = Hosts(docker_client(), sys.argv[1])
+hosts.add("hio-killed")
+print(hosts.run, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_hosts_of_a_run_killed_with_sigkill_go_with_it(host_image: tuple[Any, str]) -> None:
+    """No teardown runs in a process killed with SIGKILL: its reaper removes its running host,
+    the network and the keys at once, not the next run."""
+    client, image = host_image
+    run = subprocess.Popen(
+        [sys.executable, "-c", KILLED_RUN, image], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert run.stdout is not None and run.stderr is not None
+        name = run.stdout.readline().strip()
+        assert name, f"the run ended before its host served:\n{run.stderr.read()[-3000:]}"
+        label = {"label": f"{LABEL}={name}"}
+        assert [c.status for c in client.containers.list(filters=label)] == ["running"]
+    finally:
+        run.kill()
+        run.wait()
+
+    def left() -> list[str]:
+        return [
+            *(c.name for c in client.containers.list(all=True, filters=label)),
+            *(n.name for n in client.networks.list(filters=label)),
+            *(str(f) for f in Path(tempfile.gettempdir()).glob(f"{KEYS_PREFIX}{name}-*")),
+        ]
+
+    wait_for(lambda: not left(), timeout=60, what=lambda: f"what the killed run left: {left()}")
 
 
 def test_site_yml_runs_every_role_as_a_systemd_service_on_hosts_reached_over_ssh(cluster: Cluster) -> None:
