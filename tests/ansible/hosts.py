@@ -146,19 +146,23 @@ def _gone(owner: str) -> bool:
     return not pid.isdigit() or run_id(int(pid)) != owner
 
 
+def made_by(client: Any, run: str) -> tuple[list[Any], list[Any], list[Path]]:
+    """The containers (running or not), networks and key folders of run ``run``."""
+    labelled = {"label": f"{LABEL}={run}"}
+    folders = list(Path(tempfile.gettempdir()).glob(f"{KEYS_PREFIX}{run}-*"))
+    return client.containers.list(all=True, filters=labelled), client.networks.list(filters=labelled), folders
+
+
 def remove_run(client: Any, run: str) -> list[str]:
     """Remove the containers, network and key folder of run ``run``, whatever their state; their names."""
-    removed = []
-    for container in client.containers.list(all=True, filters={"label": f"{LABEL}={run}"}):
+    containers, networks, folders = made_by(client, run)
+    for container in containers:
         container.remove(force=True)
-        removed.append(container.name)
-    for network in client.networks.list(filters={"label": f"{LABEL}={run}"}):
+    for network in networks:
         network.remove()
-        removed.append(network.name)
-    for folder in Path(tempfile.gettempdir()).glob(f"{KEYS_PREFIX}{run}-*"):
+    for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
-        removed.append(str(folder))
-    return removed
+    return [*(c.name for c in containers), *(n.name for n in networks), *map(str, folders)]
 
 
 def remove_stale(client: Any) -> list[str]:

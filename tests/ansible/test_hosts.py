@@ -20,7 +20,6 @@ import shlex
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,12 +44,11 @@ from tests.ansible.helpers import (
     write_inventory,
 )
 from tests.ansible.hosts import (
-    KEYS_PREFIX,
-    LABEL,
     Hosts,
     HostsUnavailable,
     docker_client,
     ensure_image,
+    made_by,
     remove_stale,
     require_tools,
 )
@@ -297,18 +295,15 @@ def test_the_hosts_of_a_run_killed_with_sigkill_go_with_it(host_image: tuple[Any
         assert run.stdout is not None and run.stderr is not None
         name = run.stdout.readline().strip()
         assert name, f"the run ended before its host served:\n{run.stderr.read()[-3000:]}"
-        label = {"label": f"{LABEL}={name}"}
-        assert [c.status for c in client.containers.list(filters=label)] == ["running"]
+        containers, _, _ = made_by(client, name)
+        assert [c.status for c in containers] == ["running"]
     finally:
         run.kill()
         run.wait()
 
     def left() -> list[str]:
-        return [
-            *(c.name for c in client.containers.list(all=True, filters=label)),
-            *(n.name for n in client.networks.list(filters=label)),
-            *(str(f) for f in Path(tempfile.gettempdir()).glob(f"{KEYS_PREFIX}{name}-*")),
-        ]
+        containers, networks, folders = made_by(client, name)
+        return [*(c.name for c in containers), *(n.name for n in networks), *map(str, folders)]
 
     wait_for(lambda: not left(), timeout=60, what=lambda: f"what the killed run left: {left()}")
 
