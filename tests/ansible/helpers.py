@@ -218,14 +218,13 @@ def start_from_unit(unit_path: Path, log: Path) -> subprocess.Popen[bytes]:
     env = child_env({**dict(item.split("=", 1) for item in assignments), LIFELINE_ENV: str(os.getpid())})
     with open(log, "wb") as out:
         return subprocess.Popen(
-            shlex.split(unit["ExecStart"][0]),
+            die_with_starter(shlex.split(unit["ExecStart"][0])),
             cwd=unit["WorkingDirectory"][0],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=die_with_starter,  # noqa: PLW1509 - only prctl, no locks taken
         )
 
 

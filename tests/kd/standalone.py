@@ -74,13 +74,12 @@ class SparkStandalone:
         command = [str(spark_home() / "bin" / "spark-class"), main_class, "--host", "127.0.0.1", *args]
         return spawn(
             lambda: subprocess.Popen(
-                command,
+                die_with_starter(command),
                 cwd=self.root / name,
                 env=self._env(name),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_starter,  # noqa: PLW1509 - only prctl, no locks taken
             )
         )
 
@@ -91,18 +90,18 @@ class SparkStandalone:
         )
         for index in range(len(self.workers)):
             self.start_worker(index, wait=False)
-        self.wait_workers(len(self.workers), timeout)
+        self.wait_workers(timeout)
         return self
 
     def start_worker(self, index: int, wait: bool = True, timeout: float = 120.0) -> None:
         """Start worker ``index`` (again, after ``kill_worker``); wait until the master has it."""
-        assert self.workers[index] is None or self.workers[index].poll() is not None, f"worker {index} runs"
+        assert self.workers[index] is None, f"worker {index} runs"
         name = f"worker-{index}"
         args = ["--port", str(free_port()), "--webui-port", str(free_port()), "--cores", str(self.cores)]
         args += ["--memory", self.memory, "--work-dir", str(self.root / name / "work"), self.url]
         self.workers[index] = self._launch(name, WORKER_CLASS, args)
         if wait:
-            self.wait_workers(sum(1 for w in self.workers if w is not None and w.poll() is None), timeout)
+            self.wait_workers(timeout)
 
     def kill_worker(self, index: int) -> None:
         """SIGKILL worker ``index`` with the executors it started and their Python workers, at
@@ -118,6 +117,7 @@ class SparkStandalone:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         worker.wait(30)
+        self.workers[index] = None
 
     def running_tasks(self, index: int) -> set[int]:
         """Tasks (ids) the newest executor of worker ``index`` started and has not finished, from its
@@ -143,16 +143,21 @@ class SparkStandalone:
         except OSError:
             return 0
 
-    def wait_workers(self, count: int, timeout: float = 120.0) -> None:
-        """Wait until the master counts ``count`` workers ALIVE; raise with the logs if not."""
+    def wait_workers(self, timeout: float = 120.0) -> None:
+        """Wait until the master counts every worker started and not killed ALIVE; raise with
+        the logs if not, at once if one of them (or the master) has exited."""
+        started = [(index, w) for index, w in enumerate(self.workers) if w is not None]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.alive_workers() == count:
-                return
+            gone = [f"worker {i} (exit {w.returncode})" for i, w in started if w.poll() is not None]
             if self.master is not None and self.master.poll() is not None:
-                break
+                gone.append(f"the master (exit {self.master.returncode})")
+            if gone:
+                raise RuntimeError(f"the Spark daemons {', '.join(gone)} exited:\n{self.output()}")
+            if self.alive_workers() == len(started):
+                return
             time.sleep(0.5)
-        raise RuntimeError(f"the Spark master did not count {count} live workers:\n{self.output()}")
+        raise RuntimeError(f"the Spark master did not count {len(started)} live workers:\n{self.output()}")
 
     def output(self, limit: int = 3000) -> str:
         """The tail of every daemon's log."""

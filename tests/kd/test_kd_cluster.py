@@ -160,7 +160,11 @@ def test_each_record_counts_once_across_a_spark_worker_restart_and_a_kd_restart(
         kd = HioProcess("kd", args, tmp_path, name="kd-first").start()
         try:
             wait_for(lambda: committed(repo) >= 1000, timeout=240, what=lambda: f"a first interval:\n{kd.output()}")
-            wait_for(lambda: app_cores(spark_cluster) == 2, timeout=60, what="executors on both workers")
+            wait_for(
+                lambda: app_cores(spark_cluster) == 2,
+                timeout=60,
+                what=lambda: f"executors on both workers:\n{spark_cluster.output()}",
+            )
             wait_busy(spark_cluster, [0])
             spark_cluster.kill_worker(0)  # with its executor, mid-task
             assert spark_cluster.running_tasks(0), "the task ended before the kill: nothing was cut off"
@@ -172,7 +176,11 @@ def test_each_record_counts_once_across_a_spark_worker_restart_and_a_kd_restart(
             )
             assert app_cores(spark_cluster) == 1 and "Lost executor" in kd.output()
             spark_cluster.start_worker(0)
-            wait_for(lambda: app_cores(spark_cluster) == 2, timeout=120, what="an executor on the returned worker")
+            wait_for(
+                lambda: app_cores(spark_cluster) == 2,
+                timeout=120,
+                what=lambda: f"an executor on the returned worker:\n{spark_cluster.output()}",
+            )
             repo.put(second)
             wait_for(lambda: committed(repo) > 4000, timeout=240, what=lambda: f"catching up:\n{kd.output()}")
             assert kd.alive()
