@@ -20,10 +20,10 @@ from typing import Any
 # second while a client retries; our own logs say it once, with what to fix. Before any
 # import of grpc; GRPC_VERBOSITY set by the user still wins (and reaches child processes).
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-# No hio process uses gRPC in a forked child (every child execs), and gRPC's fork support
-# harms one that forks with Python code in the child, as pyspark does to start KD's driver
-# JVM (a preexec_fn): while other threads are in gRPC calls, gRPC skips its fork handlers and
-# its poller aborts about one such child in a hundred before exec. Off unless the user says.
+# No hio process uses gRPC in a forked child, and gRPC's fork support harms one that forks
+# with Python code in the child, as pyspark does to start KD's driver JVM (a preexec_fn):
+# while other threads are in gRPC calls, gRPC skips its fork handlers and its poller aborts
+# about one such child in a hundred before exec. Off unless the user says.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 from hio import __version__, commands

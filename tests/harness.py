@@ -47,16 +47,16 @@ FREE_HTTP = {f"HIO_{role.upper()}_HTTP_LISTEN": "127.0.0.1:0" for role in HTTP_R
 def die_with_starter(command: Sequence[str]) -> list[str]:
     """``command`` for a child that is no ``hio`` command (a JVM), run so that the kernel
     sends it SIGTERM when the thread that started it ends, as :data:`LIFELINE_ENV` does for
-    a role: ``setpriv --pdeathsig`` sets ``PR_SET_PDEATHSIG`` (kept across exec), then a
-    shell execs ``command`` only if its parent is still this process (one that died before
-    the prctl sent nothing). So a test run killed with -9 leaves none behind.
+    a role: ``setpriv --pdeathsig`` (util-linux) sets ``PR_SET_PDEATHSIG`` (kept across
+    exec), then a shell execs ``command`` only if its parent is still this process (one that
+    died before the prctl sent nothing). So a test run killed with -9 leaves none behind.
 
     Not a ``preexec_fn``: that makes Python fork and run code in the child, and while
     other threads of the test call into gRPC, gRPC skips its fork handlers; its poller
     then aborts about one such child in a hundred before exec (SIGABRT, "epoll_wait
     error: Bad file descriptor"), and Popen returns a process already dead."""
-    alive = 'test "$PPID" = "$0" && exec "$@"'
-    return ["setpriv", "--pdeathsig", "TERM", "--", "sh", "-c", alive, str(os.getpid()), *command]
+    alive = 'test "$PPID" = "$1" && shift && exec "$@"'
+    return ["setpriv", "--pdeathsig", "TERM", "--", "sh", "-c", alive, "die-with-starter", str(os.getpid()), *command]
 
 
 def hio_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -95,7 +95,7 @@ class SparkStandalone:
 
     def start_worker(self, index: int, wait: bool = True, timeout: float = 120.0) -> None:
         """Start worker ``index`` (again, after ``kill_worker``); wait until the master has it."""
-        assert self.workers[index] is None, f"worker {index} runs"
+        assert self.workers[index] is None, f"worker {index} was started and not killed"
         name = f"worker-{index}"
         args = ["--port", str(free_port()), "--webui-port", str(free_port()), "--cores", str(self.cores)]
         args += ["--memory", self.memory, "--work-dir", str(self.root / name / "work"), self.url]
@@ -105,7 +105,8 @@ class SparkStandalone:
 
     def kill_worker(self, index: int) -> None:
         """SIGKILL worker ``index`` with the executors it started and their Python workers, at
-        once, as when its host goes down: whatever task ran there is cut off."""
+        once, as when its host goes down: whatever task ran there is cut off. The worker is
+        then forgotten (``wait_workers`` and ``stop`` leave it out) until ``start_worker``."""
         worker = self.workers[index]
         assert worker is not None, f"worker {index} was never started"
         tree, todo = [], [worker.pid]
