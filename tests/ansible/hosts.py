@@ -19,11 +19,10 @@ mounts). ``--privileged`` is not needed, and does not start where dockerd lacks 
 Containers and networks carry the label ``io.harmonicio.test-hosts=<pid>-<start ticks>`` of the
 run that made them, and its folder of keys is ``<tmp>/hio-hosts-<pid>-<start ticks>-*``. A run
 removes its own at the end. A run that is killed (SIGKILL included) cannot, so each run starts a
-reaper first (``python -m tests.ansible.hosts --reap <run>``, in a session of its own, so that a
-Ctrl-C does not reach it): it waits for the end of its standard input, which the kernel closes
-when the run's process ends in any way, and then removes what that run made, so no host's roles
-(KD's Spark driver among them) outlive a stopped test run. What a reaper could not remove, the
-next run does (:func:`remove_stale`).
+reaper first (:class:`tests.reaper.Reaper`, ``python -m tests.ansible.hosts --reap <run>``),
+which removes what that run made when the run ends, so no host's roles (KD's Spark driver among
+them) outlive a stopped test run. What a reaper could not remove, the next run does
+(:func:`remove_stale`).
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from typing import Any
 import yaml
 
 from hio.process.procs import start_ticks
+from tests.reaper import Reaper, reap
 
 REPO = Path(__file__).resolve().parents[2]
 HOST_DIR = Path(__file__).resolve().parent / "host"
@@ -177,25 +177,6 @@ def remove_stale(client: Any) -> list[str]:
     return [name for owner in sorted(owners) if _gone(owner) for name in remove_run(client, owner)]
 
 
-def start_reaper(run: str) -> subprocess.Popen[bytes]:
-    """The reaper of run ``run`` (see the module docstring); closing its standard input ends it."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.ansible.hosts", "--reap", run],
-        cwd=REPO,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-
-
-def reap(run: str) -> None:
-    """Wait for the end of standard input, then remove what run ``run`` made."""
-    sys.stdin.buffer.read()
-    removed = remove_run(docker_client(), run)
-    if removed:
-        print(f"hosts: removed what run {run} left: {', '.join(removed)}", file=sys.stderr)
-
-
 class Hosts:
     """The hosts of one run: a network, a key pair, a container per host. ``close()`` removes
     them all, whatever state they are in."""
@@ -204,7 +185,7 @@ class Hosts:
         self.client = client
         self.image = image
         self.run = run_id()
-        self.reaper = start_reaper(self.run)  # before anything it would remove is made
+        self.reaper = Reaper("tests.ansible.hosts", self.run)  # before anything it would remove is made
         # Short: ssh's control sockets live here.
         self.dir = Path(tempfile.mkdtemp(prefix=f"{KEYS_PREFIX}{self.run}-"))
         self.key = self.dir / "id_ed25519"
@@ -322,18 +303,16 @@ class Hosts:
             self.network.remove()
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
-            if self.reaper.stdin is not None:
-                self.reaper.stdin.close()  # nothing is left to reap: it looks, and ends
-            self.reaper.wait(timeout=60)
+            self.reaper.close()
 
 
 def main() -> int:
     """``python -m tests.ansible.hosts``: build the host image ahead of the tests (CI does, while
     it lints), so that the site.yml test does not build it inside the test run. Where it cannot
     be built here, say why and succeed: the test skips with the same reason. With ``--reap RUN``:
-    a run's reaper (:func:`start_reaper`)."""
+    a run's reaper (:class:`tests.reaper.Reaper`)."""
     if sys.argv[1:2] == ["--reap"]:
-        reap(sys.argv[2])
+        reap(sys.argv[2], lambda run: remove_run(docker_client(), run))
         return 0
     try:
         print(f"hosts: image {ensure_image(docker_client())} ready", flush=True)

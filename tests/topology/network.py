@@ -8,9 +8,12 @@ pair of hosts and one for its answers back (ESTABLISHED), each with a comment th
 a byte counter (:meth:`Topology.counters`). Nothing is linked to this machine's own network, and
 the router has no route out: what the roles send stays in the namespaces.
 
-The namespaces are named ``hiotopo-<pid>-<start ticks>-<host>``: names no other run uses, and
-the namespaces of a run that was killed are recognised (their process is gone) and removed by
-the next (:func:`remove_stale`). Removing a namespace removes its links and the router's rules.
+The namespaces are named ``hiotopo-<pid>-<start ticks>-<host>``: names no other run uses.
+:meth:`Topology.build` first starts a reaper (:class:`tests.reaper.Reaper`, ``python -m
+tests.topology.network --reap <tag>``), so the namespaces of a run that is killed, SIGKILL
+included, go when it ends; what a reaper could not remove, the next run recognises (its process
+is gone) and removes (:func:`remove_stale`). Removing a namespace removes its links and the
+router's rules; the roles in it end with the run that started them.
 
 This process reaches an address inside a namespace through a :class:`~tests.harness.CuttingProxy`
 on its own loopback whose connections are opened from inside the namespace
@@ -26,6 +29,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -33,6 +37,7 @@ from typing import TypeVar
 
 from hio.process.procs import start_ticks
 from tests.harness import CuttingProxy
+from tests.reaper import Reaper, reap
 
 T = TypeVar("T")
 
@@ -151,19 +156,28 @@ def our_namespaces() -> list[str]:
         return []
 
 
+def made_by(tag: str) -> list[str]:
+    """The namespaces of the run tagged ``tag`` (:attr:`Topology.tag`)."""
+    return [name for name in our_namespaces() if name.startswith(f"{tag}-")]
+
+
+def remove_run(tag: str) -> list[str]:
+    """Delete the namespaces of the run tagged ``tag``; their names."""
+    removed = made_by(tag)
+    for name in removed:
+        run(["ip", "netns", "del", name], check=False)
+    return removed
+
+
 def remove_stale() -> list[str]:
     """Remove the namespaces of runs whose process is gone (killed before it cleaned up);
     those of runs still going are theirs. Returns the names removed."""
-    removed = []
+    tags = set()
     for name in our_namespaces():
-        match = re.fullmatch(rf"{PREFIX}-(\d+)-(\d+)-.+", name)
-        if match is None:
-            continue
-        pid, ticks = int(match[1]), int(match[2])
-        if start_ticks(pid) != ticks:
-            run(["ip", "netns", "del", name], check=False)
-            removed.append(name)
-    return removed
+        match = re.fullmatch(rf"({PREFIX}-(\d+)-(\d+))-.+", name)
+        if match is not None and start_ticks(int(match[2])) != int(match[3]):
+            tags.add(match[1])
+    return [name for tag in sorted(tags) for name in remove_run(tag)]
 
 
 def in_netns(netns: str, make: Callable[[], T]) -> T:
@@ -210,6 +224,7 @@ class Topology:
         self.tag = f"{PREFIX}-{pid}-{start_ticks(pid)}"
         self._relays: dict[tuple[str, str], CuttingProxy] = {}
         self._lock = threading.Lock()
+        self._reaper: Reaper | None = None
 
     # -- names and addresses -----------------------------------------------------------
 
@@ -249,6 +264,7 @@ class Topology:
 
     def build(self) -> None:
         """The router, every host and its link, routes, and the firewall."""
+        self._reaper = Reaper("tests.topology.network", self.tag)  # before anything it would remove
         run(["ip", "netns", "add", self.router])
         self._quiet(self.router)
         run(["ip", "netns", "exec", self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
@@ -284,6 +300,9 @@ class Topology:
                 done = run(["ip", "netns", "del", name], check=False)
                 if done.returncode != 0:
                     left.append(f"{name}: {done.stderr.strip()}")
+        if self._reaper is not None:
+            self._reaper.close()
+            self._reaper = None
         return left
 
     # -- the firewall --------------------------------------------------------------------
@@ -386,3 +405,8 @@ def _connect(address: str, timeout: float) -> socket.socket:
     sock = socket.create_connection((host, int(port)), timeout=timeout)
     sock.settimeout(None)
     return sock
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--reap"]:  # a run's reaper (Topology.build)
+        reap(sys.argv[2], remove_run)

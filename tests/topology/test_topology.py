@@ -19,7 +19,8 @@ gateway's watched folder and cross the networks. The tests show:
 
 Run it with ``make topology`` (as root). Skipped, saying why, without root, ``ip netns`` or
 iptables. Everything it makes goes again, even when it fails: roles, namespaces (their links
-and the router's rules), files.
+and the router's rules), files; and when the test run is killed, SIGKILL included, the roles
+(with their starter) and the namespaces (with the run's reaper, tests/reaper.py).
 """
 
 from __future__ import annotations
@@ -46,10 +47,19 @@ from hio.transport.net import create_channel
 from hio.up import read_features
 from hio.worker.pipelines.samples import SimulationSize, generate_microscopy, generate_simulation
 from tests.harness import hio_env, local_cluster, wait_for, wait_names_stored
-from tests.topology.network import ENGINE_PORTS, Topology, deploy_flows, remove_stale, unavailable
+from tests.topology.network import (
+    ENGINE_PORTS,
+    Topology,
+    default_hosts,
+    deploy_flows,
+    made_by,
+    remove_stale,
+    unavailable,
+)
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[2]
 ENGINE_PORT_RANGE = (41000, 41015)
 ENGINES = ["hio/microscopy=1", "hio/simulation=1"]
 WORKERS = ("worker1", "worker2")
@@ -475,3 +485,34 @@ def test_kd_on_its_host_learns_from_the_stored_tuples_across_the_router(deployme
         f"\nKD learned from {learned()} of {len(deployment.dropped)} tuples so far, reading "
         f"{router['kd<repository:7100'] / MB:.2f} MB of features and writing {router['kd>repository:7100'] / MB:.2f} MB"
     )
+
+
+#: A test run that builds a topology, says its tag, and waits to be killed.
+KILLED_RUN = """
+import time
+from tests.topology.network import Topology, deploy_flows
+topology = Topology(deploy_flows(), (41000, 41015))
+topology.build()
+print(topology.tag, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_namespaces_of_a_run_killed_with_sigkill_go_with_it() -> None:
+    """No teardown runs in a process killed with SIGKILL: its reaper deletes its namespaces at
+    once, not the next run."""
+    why = unavailable()
+    if why:
+        pytest.skip(f"the deployment topology test {why}")
+    run = subprocess.Popen(
+        [sys.executable, "-c", KILLED_RUN], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert run.stdout is not None and run.stderr is not None
+        tag = run.stdout.readline().strip()
+        assert tag, f"the run ended before its topology was built:\n{run.stderr.read()[-3000:]}"
+        assert len(made_by(tag)) == 1 + len(default_hosts()), made_by(tag)  # the router and each host
+    finally:
+        run.kill()
+        run.wait()
+    wait_for(lambda: not made_by(tag), timeout=60, what=lambda: f"the killed run's namespaces: {made_by(tag)}")
