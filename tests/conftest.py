@@ -7,10 +7,10 @@ import pytest
 # Tests run from a checkout; make `tests.harness` importable without installing tests.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# As `hio` does (hio/cli.py), before grpc is imported: gRPC's fork support off, so the Spark
-# driver JVMs pyspark starts here (a fork with a preexec_fn) are not aborted by it.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
-
+# The gRPC settings every `hio` command runs with (hio/cli.py), before grpc is imported: among
+# them fork support off, so the Spark driver JVMs pyspark starts here (a fork with a
+# preexec_fn) are not aborted by it.
+import hio.cli  # noqa: F401 - imported for those settings
 from tests.harness import free_port
 
 #: Every JVM the tests start (Spark drivers, executors, a standalone cluster's daemons, and the

@@ -41,8 +41,7 @@ from typing import Any
 
 import yaml
 
-from hio.process.procs import start_ticks
-from tests.reaper import Reaper, reap
+from tests.reaper import Reaper, reap, run_gone, run_id
 
 REPO = Path(__file__).resolve().parents[2]
 HOST_DIR = Path(__file__).resolve().parent / "host"
@@ -78,12 +77,6 @@ def image_name() -> str:
     for path in (HOST_DIR / "Dockerfile", MAKE_BASE):
         recipe.update(path.read_bytes())
     return f"{IMAGE}:{recipe.hexdigest()[:12]}"
-
-
-def run_id(pid: int | None = None) -> str:
-    """``<pid>-<start ticks>``: names this process for good (pids are reused)."""
-    pid = os.getpid() if pid is None else pid
-    return f"{pid}-{start_ticks(pid)}"
 
 
 def docker_client() -> Any:
@@ -140,12 +133,6 @@ def ensure_image(client: Any) -> str:
     return name
 
 
-def _gone(owner: str) -> bool:
-    """Whether the run ``<pid>-<start ticks>`` has ended."""
-    pid = owner.split("-")[0]
-    return not pid.isdigit() or run_id(int(pid)) != owner
-
-
 def made_by(client: Any, run: str) -> tuple[list[Any], list[Any], list[Path]]:
     """The containers (running or not), networks and key folders of run ``run``."""
     labelled = {"label": f"{LABEL}={run}"}
@@ -174,7 +161,7 @@ def remove_stale(client: Any) -> list[str]:
         "-".join(folder.name.removeprefix(KEYS_PREFIX).split("-")[:2])
         for folder in Path(tempfile.gettempdir()).glob(f"{KEYS_PREFIX}*-*-*")
     }
-    return [name for owner in sorted(owners) if _gone(owner) for name in remove_run(client, owner)]
+    return [name for owner in sorted(owners) if run_gone(owner) for name in remove_run(client, owner)]
 
 
 class Hosts:
@@ -293,16 +280,12 @@ class Hosts:
         return out.stdout + out.stderr
 
     def close(self) -> None:
-        for container in self.containers.values():
-            try:
-                container.remove(force=True)
-            except Exception as exc:  # noqa: BLE001 - removing the rest matters more; said below
-                print(f"could not remove container {container.name}: {exc}")
+        """Remove every container, the network and the keys; what that could not remove, the
+        reaper does as it ends (and an error here says what failed)."""
         self.containers.clear()
         try:
-            self.network.remove()
+            remove_run(self.client, self.run)
         finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
             self.reaper.close()
 
 

@@ -17,8 +17,6 @@ import dataclasses
 import io
 import re
 import shlex
-import subprocess
-import sys
 import tarfile
 import time
 from collections.abc import Iterator
@@ -53,6 +51,7 @@ from tests.ansible.hosts import (
     require_tools,
 )
 from tests.harness import wait_for, wait_names_stored
+from tests.reaper import kill_a_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -288,18 +287,12 @@ def test_the_hosts_of_a_run_killed_with_sigkill_go_with_it(host_image: tuple[Any
     """No teardown runs in a process killed with SIGKILL: its reaper removes its running host,
     the network and the keys at once, not the next run."""
     client, image = host_image
-    run = subprocess.Popen(
-        [sys.executable, "-c", KILLED_RUN, image], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert run.stdout is not None and run.stderr is not None
-        name = run.stdout.readline().strip()
-        assert name, f"the run ended before its host served:\n{run.stderr.read()[-3000:]}"
+
+    def serving(name: str) -> None:
         containers, _, _ = made_by(client, name)
         assert [c.status for c in containers] == ["running"]
-    finally:
-        run.kill()
-        run.wait()
+
+    name = kill_a_run(KILLED_RUN, image, before=serving)
 
     def left() -> list[str]:
         containers, networks, folders = made_by(client, name)

@@ -35,9 +35,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from hio.process.procs import start_ticks
 from tests.harness import CuttingProxy
-from tests.reaper import Reaper, reap
+from tests.reaper import Reaper, reap, run_gone, run_id
 
 T = TypeVar("T")
 
@@ -162,22 +161,15 @@ def made_by(tag: str) -> list[str]:
 
 
 def remove_run(tag: str) -> list[str]:
-    """Delete the namespaces of the run tagged ``tag``; their names."""
-    removed = made_by(tag)
-    for name in removed:
-        run(["ip", "netns", "del", name], check=False)
-    return removed
+    """Delete the namespaces of the run tagged ``tag``; the names of those deleted."""
+    return [name for name in made_by(tag) if run(["ip", "netns", "del", name], check=False).returncode == 0]
 
 
 def remove_stale() -> list[str]:
     """Remove the namespaces of runs whose process is gone (killed before it cleaned up);
     those of runs still going are theirs. Returns the names removed."""
-    tags = set()
-    for name in our_namespaces():
-        match = re.fullmatch(rf"({PREFIX}-(\d+)-(\d+))-.+", name)
-        if match is not None and start_ticks(int(match[2])) != int(match[3]):
-            tags.add(match[1])
-    return [name for tag in sorted(tags) for name in remove_run(tag)]
+    runs = {match[1] for name in our_namespaces() if (match := re.fullmatch(rf"{PREFIX}-(\d+-\d+)-.+", name))}
+    return [name for owner in sorted(runs) if run_gone(owner) for name in remove_run(f"{PREFIX}-{owner}")]
 
 
 def in_netns(netns: str, make: Callable[[], T]) -> T:
@@ -220,8 +212,7 @@ class Topology:
         self.flows = list(flows)
         self.engine_ports = engine_ports
         self.hosts = {h.name: h for h in (hosts or default_hosts())}
-        pid = os.getpid()
-        self.tag = f"{PREFIX}-{pid}-{start_ticks(pid)}"
+        self.tag = f"{PREFIX}-{run_id()}"
         self._relays: dict[tuple[str, str], CuttingProxy] = {}
         self._lock = threading.Lock()
         self._reaper: Reaper | None = None
@@ -289,17 +280,13 @@ class Topology:
 
     def remove(self) -> list[str]:
         """Close the relays and delete every namespace of this topology (their links and the
-        router's rules go with them). Returns what could not be removed."""
+        router's rules go with them). Returns those still there."""
         with self._lock:
             relays, self._relays = list(self._relays.values()), {}
         for relay in relays:
             relay.close()
-        left = []
-        for name in [self.router, *(self.netns(h) for h in self.hosts)]:
-            if (NETNS_DIR / name).exists():
-                done = run(["ip", "netns", "del", name], check=False)
-                if done.returncode != 0:
-                    left.append(f"{name}: {done.stderr.strip()}")
+        remove_run(self.tag)
+        left = made_by(self.tag)
         if self._reaper is not None:
             self._reaper.close()
             self._reaper = None

@@ -47,6 +47,7 @@ from hio.transport.net import create_channel
 from hio.up import read_features
 from hio.worker.pipelines.samples import SimulationSize, generate_microscopy, generate_simulation
 from tests.harness import hio_env, local_cluster, wait_for, wait_names_stored
+from tests.reaper import kill_a_run
 from tests.topology.network import (
     ENGINE_PORTS,
     Topology,
@@ -59,7 +60,6 @@ from tests.topology.network import (
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 ENGINE_PORT_RANGE = (41000, 41015)
 ENGINES = ["hio/microscopy=1", "hio/simulation=1"]
 WORKERS = ("worker1", "worker2")
@@ -504,15 +504,9 @@ def test_the_namespaces_of_a_run_killed_with_sigkill_go_with_it() -> None:
     why = unavailable()
     if why:
         pytest.skip(f"the deployment topology test {why}")
-    run = subprocess.Popen(
-        [sys.executable, "-c", KILLED_RUN], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert run.stdout is not None and run.stderr is not None
-        tag = run.stdout.readline().strip()
-        assert tag, f"the run ended before its topology was built:\n{run.stderr.read()[-3000:]}"
+
+    def built(tag: str) -> None:
         assert len(made_by(tag)) == 1 + len(default_hosts()), made_by(tag)  # the router and each host
-    finally:
-        run.kill()
-        run.wait()
+
+    tag = kill_a_run(KILLED_RUN, before=built)
     wait_for(lambda: not made_by(tag), timeout=60, what=lambda: f"the killed run's namespaces: {made_by(tag)}")
