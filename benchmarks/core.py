@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from benchmarks.measure import loopback_bandwidth
+from benchmarks.measure import loopback_bandwidth, role_pids
 from hio.config import ConfigError, setting
 from hio.settings import ClusterSettings
 
@@ -312,7 +312,7 @@ def run_core_bench(config: CoreBenchConfig) -> int:
         f"; metrics {'on' if config.metrics else 'off'}"
     )
     with cluster:
-        pids = cluster.pids()
+        pids = role_pids(cluster)
         print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}")
         for text in config.sizes:
             size = _parse_size(text)

@@ -9,6 +9,34 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hio.cluster import LocalCluster
+
+
+def role_pids(cluster: LocalCluster) -> dict[str, int]:
+    """The pids of a cluster's running roles, by name."""
+    return {name: proc.pid for name, proc in cluster.procs.items() if proc.alive()}
+
+
+def worker_processes(root: Path) -> dict[str, int]:
+    """Every live ``hio worker`` process whose data folder is ``root`` (a cluster's own and those
+    its master's local provisioner started): worker id -> pid."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "Z" or b"hio.cli" not in argv or b"worker" not in argv or str(root).encode() not in argv:
+            continue
+        named = argv.index(b"--worker-id") + 1 if b"--worker-id" in argv else 0
+        found[argv[named].decode() if named else f"{socket.gethostname()}-{entry.name}"] = int(entry.name)
+    return found
 
 
 def loopback_bandwidth(seconds: float = 1.0, block: int = 1 << 20) -> float:

@@ -50,7 +50,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from benchmarks.measure import machine_description, source_commit
+from benchmarks.measure import machine_description, source_commit, worker_processes
 from hio.config import ConfigError, one_of, setting
 from hio.settings import ClusterSettings
 
@@ -362,7 +362,6 @@ class Sampler:
     def _worker_cpu(self) -> dict[str, float]:
         """Cores each worker's process tree (the worker and its engines) used since the last
         sample; a worker seen for the first time counts 0."""
-        from hio.cluster import worker_processes
         from hio.worker.cpu import tree_cpu_seconds
 
         now = time.monotonic()

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import Usage, proc_usage, total
+from benchmarks.measure import Usage, proc_usage, role_pids, total
 from hio import config as cfg
 from hio.config import ConfigError, positive, setting
 from hio.process.procs import children
@@ -111,7 +111,7 @@ class SoakCluster:
         from hio.gateway import Gateway
 
         self._cluster.start()
-        self.pids = self._cluster.pids()
+        self.pids = role_pids(self._cluster)
         self.gateway = Gateway(
             master_address=self.master,
             repository_address=self.repository,

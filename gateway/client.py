@@ -100,6 +100,7 @@ class GatewayStatus:
     enqueued: int
     failed: int
     retries: int
+    #: seconds the master has been failing every call (0 when reachable)
     master_unreachable_seconds: float
     #: images the master knows no engine for: image -> (seconds refused so far, the master's message)
     unserved_images: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
@@ -311,30 +312,23 @@ class Gateway:
             try:
                 return int(future.result(0.25 if left is None else min(left, 0.25)))
             except concurrent.futures.TimeoutError:
-                unserved = self._dispatcher.unserved_images().get(future.image)
+                delivery = self._dispatcher.snapshot()
+                unserved = delivery.unserved_images.get(future.image)
                 if unserved is not None and unserved[0] > self.config.image_wait_seconds:
                     why = f"no engine serves image '{future.image}' after {unserved[0]:.0f}s (master: {unserved[1]})"
-                    raise DeliveryTimeout(
-                        f"tuple '{future.name}' not delivered (it stays spooled, and goes "
-                        f"once an engine serves its image): {why}",
-                        name=future.name,
-                        reason=why,
-                    ) from None
-                if left is not None and left <= 0.25:
+                    fate = "not delivered (it stays spooled, and goes once an engine serves its image)"
                     break
-        seq = getattr(future, "seq", 0)
-        last = self._dispatcher.last_error(seq) if seq else ""
-        down = self._dispatcher.master_unreachable_for()
-        why = last or (
-            f"master {self.config.master_address} unreachable for {down:.0f}s"
-            if down
-            else "still waiting for a channel or the queue"
-        )
-        raise DeliveryTimeout(
-            f"tuple '{future.name}' not delivered within {timeout:.0f}s (it stays spooled): {why}",
-            name=future.name,
-            reason=why,
-        )
+                if left is not None and left <= 0.25:
+                    seq = getattr(future, "seq", 0)
+                    down = delivery.master_unreachable_seconds
+                    why = (self._dispatcher.last_error(seq) if seq else "") or (
+                        f"master {self.config.master_address} unreachable for {down:.0f}s"
+                        if down
+                        else "still waiting for a channel or the queue"
+                    )
+                    fate = f"not delivered within {timeout:.0f}s (it stays spooled)"
+                    break
+        raise DeliveryTimeout(f"tuple '{future.name}' {fate}: {why}", name=future.name, reason=why)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every spooled tuple is delivered (or failed); False on timeout."""
@@ -377,22 +371,14 @@ class Gateway:
     def status(self) -> GatewayStatus:
         """Counters and spool usage. Non-blocking, thread-safe."""
         oldest = self.spool.oldest()
-        attempts, refusals = self._dispatcher.delivery_counts()
         return GatewayStatus(
             spooled_tuples=len(self.spool),
             spooled_bytes=self.spool.used_bytes,
             spool_bytes_limit=self.spool.limit,
-            **dataclasses.asdict(self._dispatcher.stats),  # sent_direct, sent_queue, stored, ...
-            master_unreachable_seconds=self._dispatcher.master_unreachable_for(),
-            unserved_images=self._dispatcher.unserved_images(),
-            master_refusal=self._dispatcher.master_refusal(),
             spool_failure=self.spool.disk_failure,
-            master_queue_refusal=self._dispatcher.queue_refusal(),
             oldest_spooled_seconds=max(0.0, time.time() - oldest.meta.accepted_unix) if oldest else 0.0,
-            attempts=attempts,
-            refusals=refusals,
             master_address=self.config.master_address,
-            master_error=self._dispatcher.master_error(),
+            **dataclasses.asdict(self._dispatcher.snapshot()),  # the counters, what keeps tuples waiting
         )
 
     def _meta(

@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import ClassVar
 
-from hio.config import FSYNC_POLICIES, ConfigError, check_address, one_of, positive, same_port, setting
+from hio.config import FSYNC_POLICIES, ConfigError, between, check_address, one_of, positive, same_port, setting
 from hio.settings import SERVER_SETTINGS, ClusterSettings, MiB
 
 HTTP_LISTEN = "127.0.0.1:7380"  # where the role's HTTP endpoint listens by default
@@ -143,7 +143,6 @@ class GatewayConfig(ClusterSettings):
         self.validate_cluster()
         for name in (
             "spool_bytes",
-            "streams",
             "batch_tuples",
             "batch_bytes",
             "max_attempts",
@@ -155,12 +154,9 @@ class GatewayConfig(ClusterSettings):
             "image_wait_seconds",
         ):
             positive(name, getattr(self, name))
-        if self.grace_seconds < 0:
-            raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
-        if self.streams > 256:
-            raise ConfigError(f"streams must be at most 256, got {self.streams}")
-        if not 0 <= self.route_wait_seconds <= 30:
-            raise ConfigError(f"route_wait_seconds must be between 0 and 30, got {self.route_wait_seconds}")
+        between("streams", self.streams, 1, 256)
+        between("grace_seconds", self.grace_seconds, 0, unit=" s")
+        between("route_wait_seconds", self.route_wait_seconds, 0, 30, unit=" s")
         one_of("spool_fsync", self.spool_fsync, FSYNC_POLICIES)
         if not 0 <= self.pack_bytes <= 8 * MiB:
             raise ConfigError(f"pack_bytes must be between 0 and 8 MiB, got {self.pack_bytes}")

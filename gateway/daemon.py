@@ -11,17 +11,15 @@ import logging
 import threading
 import time
 
-import grpc
-
 from hio.gateway.client import Gateway
 from hio.gateway.config import GatewayConfig
-from hio.gateway.ingest import POLICY, IngestReceiver, IngestServicer
+from hio.gateway.ingest import POLICY, IngestServicer
 from hio.gateway.metrics import gateway_registry
 from hio.gateway.watch import DirectoryWatcher
 from hio.process.log import NOTICE
 from hio.proto import ingest_pb2_grpc
 from hio.transport.http import serve_http
-from hio.transport.net import ROLE_SERVICES, RoleHealth, create_server, stop_on_signals, wait_for_stop
+from hio.transport.net import ROLE_SERVICES, create_server, stop_on_signals, wait_for_stop
 
 log = logging.getLogger("hio.gateway")
 
@@ -31,16 +29,13 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
     stop = stop_event or threading.Event()
     stop_on_signals(stop)
     gateway = Gateway(config)
-    receiver = IngestReceiver(gateway)
-    server = health = None
-    watcher = None
-    http = None
+    servicer = server = health = watcher = http = None
     try:
         http = serve_http(
             config, config.http_listen, gateway_registry(gateway) if config.metrics else None, name="gateway"
         )
         if config.ingest_listen:
-            servicer = IngestServicer(gateway, receiver)
+            servicer = IngestServicer(gateway)
             server, _port, health = create_server(
                 config,
                 config.ingest_listen,
@@ -72,29 +67,18 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
             },
         )
         wait_for_stop(stop)
-    finally:
-        _shutdown(config, gateway, receiver, server, health, watcher)
+    finally:  # stop taking tuples, finish in-flight work within the grace period, keep the spool
+        start = time.monotonic()
+        grace = config.grace_seconds
+        log.info("stopping", extra={"grace_s": grace})
+        if watcher is not None:
+            watcher.stop()
+        if servicer is not None:
+            servicer.stop_accepting()
+        if server is not None and health is not None:
+            health.stop()
+            server.stop(grace / 2).wait(grace / 2 + 1.0)
+        gateway.close(max(0.0, grace - (time.monotonic() - start)), drain=False)
         if http is not None:
             http.close()
     return 0
-
-
-def _shutdown(
-    config: GatewayConfig,
-    gateway: Gateway,
-    receiver: IngestReceiver,
-    server: grpc.Server | None,
-    health: RoleHealth | None,
-    watcher: DirectoryWatcher | None,
-) -> None:
-    """Stop taking tuples, finish in-flight work within the grace period, keep the spool."""
-    start = time.monotonic()
-    grace = config.grace_seconds
-    log.info("stopping", extra={"grace_s": grace})
-    if watcher is not None:
-        watcher.stop()
-    receiver.stop_accepting()
-    if server is not None and health is not None:
-        health.stop()
-        server.stop(grace / 2).wait(grace / 2 + 1.0)
-    gateway.close(max(0.0, grace - (time.monotonic() - start)), drain=False)

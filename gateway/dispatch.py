@@ -46,7 +46,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import BinaryIO
 
 import grpc
@@ -65,7 +65,7 @@ from hio.transport.payload import GrpcPayload, LanePayload, PayloadPeers, Upload
 log = logging.getLogger("hio.gateway")
 
 LAST_ERROR_ATTRIBUTE = "hio.last_error"
-QUEUE_REFUSAL_SHOWN_SECONDS = 60.0  # how long the status shows the master's queue refusing
+QUEUE_REFUSAL_SHOWN_SECONDS = 60.0  # how long the status shows the master's queue refusing (then all may go direct)
 _QUEUE_REFUSED = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE})
 _MASTER_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 UNREACHABLE_LOG_SECONDS = 60.0  # an unreachable engine is logged at most once in this long
@@ -111,6 +111,20 @@ class DispatchStats:
     retries: int = 0
 
 
+@dataclass
+class DeliveryState(DispatchStats):
+    """The counters and what keeps tuples from delivery, as :class:`~hio.gateway.client.GatewayStatus`
+    names them (and says what each is)."""
+
+    master_unreachable_seconds: float = 0.0
+    master_error: str = ""
+    unserved_images: dict[str, tuple[float, str]] = field(default_factory=dict)
+    master_refusal: str = ""
+    master_queue_refusal: str = ""
+    attempts: dict[str, int] = field(default_factory=dict)
+    refusals: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
 class Dispatcher:
     """Delivers spooled tuples with ``config.streams`` threads. Thread-safe.
 
@@ -130,7 +144,7 @@ class Dispatcher:
         on_complete: CompletionHook,
     ) -> None:
         self._config = config
-        self._persist_entries = persist
+        self._persist = persist  # ids and attempts into the spool (one append): any redelivery keeps them
         self._open_payload = open_payload
         self._payload_damage = payload_damage
         self._on_complete = on_complete
@@ -168,7 +182,7 @@ class Dispatcher:
         )
         self._unreachable_logged: dict[str, float] = {}  # engine address -> when last logged
         self._master_down_since: float | None = None
-        self._master_error = ""  # why the master's last call failed while it is unreachable
+        self._master_error = ""  # while the master is unreachable: how its last call failed
         self._queue_full_logged = False
         self._queue_refusal = (0.0, "")  # (when, the master's words): its queue refused
         self._unserved: dict[str, tuple[float, str]] = {}  # image -> (since, the master's words)
@@ -197,38 +211,22 @@ class Dispatcher:
         with self._cond:
             return self._errors.get(seq, "")
 
-    def master_unreachable_for(self) -> float:
-        """Seconds the master has been failing every call (0 when reachable)."""
-        with self._cond:
-            since = self._master_down_since
-        return 0.0 if since is None else time.monotonic() - since
-
-    def master_error(self) -> str:
-        """While the master is unreachable: how its last call failed ('CODE: details'), else ''."""
-        with self._cond:
-            return self._master_error if self._master_down_since is not None else ""
-
-    def unserved_images(self) -> dict[str, tuple[float, str]]:
-        """Images the master knows no engine for: image -> (seconds since first refused, its words)."""
+    def snapshot(self) -> DeliveryState:
+        """The counters and what keeps tuples from delivery, in one look under the lock."""
         now = time.monotonic()
         with self._cond:
-            return {image: (now - since, words) for image, (since, words) in self._unserved.items()}
-
-    def master_refusal(self) -> str:
-        """The master's words while it refuses this gateway (a token or certificate), else ''."""
-        return self._refusal
-
-    def queue_refusal(self) -> str:
-        """The master's words while its queue takes no tuples (its disk failed to sync), else ''
-        (also once a minute passed without such a refusal: tuples may all go direct now)."""
-        when, words = self._queue_refusal
-        return words if time.monotonic() - when < QUEUE_REFUSAL_SHOWN_SECONDS else ""
-
-    def delivery_counts(self) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
-        """Tuples streamed by route (direct, queue; every try counts), and calls that failed
-        by peer (master, engine) and gRPC status code."""
-        with self._cond:
-            return dict(self._attempts), dict(self._refusals)
+            down = self._master_down_since
+            when, words = self._queue_refusal
+            return DeliveryState(
+                **asdict(self.stats),
+                master_unreachable_seconds=0.0 if down is None else now - down,
+                master_error=self._master_error,
+                unserved_images={image: (now - since, said) for image, (since, said) in self._unserved.items()},
+                master_refusal=self._refusal,
+                master_queue_refusal=words if now - when < QUEUE_REFUSAL_SHOWN_SECONDS else "",
+                attempts=dict(self._attempts),
+                refusals=dict(self._refusals),
+            )
 
     def _refused(self, peer: str, code: grpc.StatusCode | None) -> None:
         with self._cond:
@@ -331,17 +329,17 @@ class Dispatcher:
         except grpc.RpcError as exc:
             self._route_failed(batch, exc)
             return
-        self._master_reachable()
+        self._master_state()
         self._refusal = ""
         if self._unserved:
-            self._image_served(batch[0].entry.meta.image)
+            self._image_state(batch[0].entry.meta.image)
         direct = route.HasField("channel") and not dead
         for pending, tuple_id, ticket in zip(batch, route.tuple_ids, route.tickets, strict=True):
             meta = pending.entry.meta
             meta.tuple_id, meta.ticket = tuple_id, ticket
             if pending.failure and not direct:  # the reason the master gives if it keeps a dead letter
                 meta.attributes[LAST_ERROR_ATTRIBUTE] = pending.failure[:1000]
-        self._persist(batch)
+        self._persist([p.entry for p in batch])
         if direct:
             self._stream(batch, route.channel.address, direct=True, lane=route.channel.lane_address)
         else:
@@ -365,10 +363,6 @@ class Dispatcher:
         if len(response.tuple_ids) != len(batch) or len(response.tickets) != len(batch):
             raise _Protocol(f"master answered {len(response.tuple_ids)} ids for {len(batch)} tuples")
         return response
-
-    def _persist(self, batch: list[_Pending]) -> None:
-        """Record ids and attempts in the spool (one append), so any redelivery keeps them."""
-        self._persist_entries([p.entry for p in batch])
 
     def _stream(self, batch: list[_Pending], address: str, *, direct: bool, lane: str = "") -> None:
         """One Deliver/Enqueue stream for the batch on the peer's payload channel (its lane
@@ -400,7 +394,12 @@ class Dispatcher:
                 self._read_failed(_unsettled(batch, sent, settled, skipped), sent[-1], reading.failure)
                 return
             if getattr(exc, "transport", False) and not settled:
-                self._lane_broken(batch, skipped, address, lane, direct=direct)
+                # The peer's lane broke before it answered anything (closed, garbage, or a kept
+                # connection the server had closed): not the tuples' fault. The same route (its
+                # reservation is ours) is streamed again at once, uncharged, on the peer's channel
+                # now (gRPC when the lane was found broken, else a new lane connection).
+                if unsent := [p for p in batch if p.seq not in skipped]:
+                    self._stream(unsent, address, direct=direct, lane=lane)
                 return
             self._stream_failed(_unsettled(batch, sent, settled, skipped), exc, address, direct=direct)
             return
@@ -414,15 +413,6 @@ class Dispatcher:
         left = _unsettled(batch, sent, settled, skipped)
         if left:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
-
-    def _lane_broken(self, batch: list[_Pending], skipped: set[int], address: str, lane: str, *, direct: bool) -> None:
-        """The peer's lane broke before it answered anything (closed, garbage, or a kept
-        connection the server had closed): not the tuples' fault. The same route (its
-        reservation is ours) is streamed again at once, uncharged, on the peer's channel now
-        (gRPC when the lane was found broken, else a new lane connection)."""
-        unsent = [p for p in batch if p.seq not in skipped]
-        if unsent:
-            self._stream(unsent, address, direct=direct, lane=lane)
 
     def _payloads(
         self, batch: list[_Pending], sent: list[_Pending], skipped: set[int], abandoned: threading.Event | None = None
@@ -502,24 +492,22 @@ class Dispatcher:
         self._complete_many([(pending, outcome, detail)], direct=direct)
 
     def _complete_many(self, done: list[tuple[_Pending, Outcome, str]], *, direct: bool = False) -> None:
+        sizes = [p.entry.size for p, outcome, _ in done if outcome in (Outcome.STORED, Outcome.ENQUEUED)]
+        stored = sum(outcome is Outcome.STORED for _, outcome, _ in done)
         with self._cond:
-            stats = self.stats
-            for pending, outcome, _ in done:
+            for pending, _, _ in done:
                 pending.taken = False
                 self._errors.pop(pending.seq, None)
-                if outcome in (Outcome.STORED, Outcome.ENQUEUED):
-                    if direct:
-                        stats.sent_direct += 1
-                        stats.bytes_sent_direct += pending.entry.size
-                    else:
-                        stats.sent_queue += 1
-                        stats.bytes_sent_queue += pending.entry.size
-                    if outcome is Outcome.STORED:
-                        stats.stored += 1
-                    else:
-                        stats.enqueued += 1
-                else:
-                    stats.failed += 1
+            stats = self.stats
+            if direct:
+                stats.sent_direct += len(sizes)
+                stats.bytes_sent_direct += sum(sizes)
+            else:
+                stats.sent_queue += len(sizes)
+                stats.bytes_sent_queue += sum(sizes)
+            stats.stored += stored
+            stats.enqueued += len(sizes) - stored
+            stats.failed += len(done) - len(sizes)
         for pending, outcome, detail in done:
             if outcome is Outcome.DEAD_LETTERED:
                 log.warning(
@@ -546,7 +534,7 @@ class Dispatcher:
                     pending.failure = error
                     self.stats.retries += 1
             try:
-                self._persist(batch)
+                self._persist([p.entry for p in batch])
             except OSError as exc:  # the count lives on in memory; it is only lost if the gateway stops
                 log.error("cannot record the attempt in the spool", extra={"error": str(exc)})
         now = time.monotonic()
@@ -570,12 +558,12 @@ class Dispatcher:
         why = rpc_error_text(exc, self._config)
         error = f"master {self._config.master_address}: {why}"
         if code in _MASTER_DOWN:
-            self._master_unreachable(why)
+            self._master_state(unreachable=why)
             self._retry(batch, error, count_attempt=False, delay=self._master_delay())
         elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._retry(batch, error, count_attempt=False, delay=_hinted(exc))
         elif code == grpc.StatusCode.NOT_FOUND:
-            self._image_unserved(batch[0].entry.meta.image, details)
+            self._image_state(batch[0].entry.meta.image, unserved=details)
             self._retry(batch, error, count_attempt=False, delay=random.uniform(2.0, 4.0))
         elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             # A token or certificate problem does not mend itself, but an operator may mend it:
@@ -605,7 +593,7 @@ class Dispatcher:
             extra={"tuple_id": meta.tuple_id, "tuple": meta.name, "error": details},
         )
         meta.tuple_id, meta.ticket = 0, b""
-        self._persist([pending])
+        self._persist([pending.entry])
         self._retry([pending], details, count_attempt=False, delay=0.0, solo=True)
 
     def _stream_failed(self, left: list[_Pending], exc: grpc.RpcError, address: str, *, direct: bool) -> None:
@@ -650,7 +638,7 @@ class Dispatcher:
                 )
             self._retry(left, error, count_attempt=False, delay=_hinted(exc))
         elif not direct and code in _MASTER_DOWN:
-            self._master_unreachable(why)
+            self._master_state(unreachable=why)
             self._retry(left, error, count_attempt=False, delay=self._master_delay())
         elif code == grpc.StatusCode.DATA_LOSS:
             self._check_spooled(left, error)
@@ -704,41 +692,41 @@ class Dispatcher:
 
     # -- master health -------------------------------------------------------------
 
-    def _master_unreachable(self, why: str) -> None:
-        """The master's call failed as an unreachable master's do; ``why``: 'CODE: details'."""
-        with self._cond:
-            first = self._master_down_since is None
-            if first:
-                self._master_down_since = time.monotonic()
-            self._master_error = why
-        if first:
-            log.warning("master unreachable; retrying", extra={"master": self._config.master_address, "error": why})
-
-    def _master_reachable(self) -> None:
+    def _master_state(self, unreachable: str = "") -> None:
+        """The master answered (``unreachable`` ''), or its call failed as an unreachable master's
+        do (``unreachable``: 'CODE: details'); each change between the two is logged once."""
         with self._cond:
             was_down = self._master_down_since is not None
-            self._master_down_since = None
-        if was_down:
+            if not unreachable:
+                self._master_down_since = None
+            elif not was_down:
+                self._master_down_since = time.monotonic()
+            self._master_error = unreachable
+        if unreachable and not was_down:
+            log.warning(
+                "master unreachable; retrying", extra={"master": self._config.master_address, "error": unreachable}
+            )
+        elif was_down and not unreachable:
             log.warning("master reachable again", extra={"master": self._config.master_address})
 
-    def _image_unserved(self, image: str, details: str) -> None:
+    def _image_state(self, image: str, unserved: str | None = None) -> None:
+        """The master routed ``image`` (``unserved`` None), or knows no channel for it (``unserved``:
+        its words, the first kept while that lasts); each change between the two is logged once."""
         with self._cond:
-            first = image not in self._unserved
-            if first:
-                self._unserved[image] = (time.monotonic(), details)
-        if first:
+            was_unserved = image in self._unserved
+            if unserved is None:
+                self._unserved.pop(image, None)
+            elif not was_unserved:
+                self._unserved[image] = (time.monotonic(), unserved)
+        if unserved is not None and not was_unserved:
             log.warning(
-                "no channel serves this image; tuples wait in the spool", extra={"image": image, "error": details}
+                "no channel serves this image; tuples wait in the spool", extra={"image": image, "error": unserved}
             )
-
-    def _image_served(self, image: str) -> None:
-        with self._cond:
-            was = self._unserved.pop(image, None)
-        if was is not None:
+        elif was_unserved and unserved is None:
             log.warning("a channel serves this image now", extra={"image": image})
 
     def _master_delay(self) -> float:
-        down = self.master_unreachable_for()
+        down = self.snapshot().master_unreachable_seconds
         return random.uniform(0.5, 1.0) * min(5.0, 0.2 + down / 2)
 
     def _channel(self, address: str) -> grpc.Channel:

@@ -1,9 +1,8 @@
 """The local ingest API (``hio.proto.Ingest``) for instrument software in any language.
 
-:class:`IngestReceiver` is the domain side (no grpc): it verifies incoming
-tuples with :class:`~hio.transport.frames.FrameReader`, spools them chunk by chunk
-and reports ACCEPTED, then (when the metadata asks ``hio.wait = stored``) the
-final outcome. :class:`IngestServicer` only translates to and from gRPC.
+:class:`IngestServicer` verifies incoming tuples with
+:class:`~hio.transport.frames.FrameReader`, spools them chunk by chunk and reports
+ACCEPTED, then (when the metadata asks ``hio.wait = stored``) the final outcome.
 """
 
 from __future__ import annotations
@@ -29,8 +28,13 @@ WAIT_ATTRIBUTE = "hio.wait"
 _POLL = 0.5
 
 
-class IngestReceiver:
-    """Spools tuples arriving as frames; yields receipts. Thread-safe (one call per stream)."""
+# Who may call what on the ingest API (an `admin` token may call anything).
+POLICY = {"Submit": {"instrument", "gateway"}, "GetGatewayStatus": {"instrument", "gateway", "viewer"}}
+
+
+class IngestServicer(ingest_pb2_grpc.IngestServicer):
+    """gRPC face of the gateway: spools tuples arriving as frames and yields receipts
+    (:meth:`receive`, which knows no gRPC), and tells its status. Thread-safe (one call per stream)."""
 
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
@@ -40,6 +44,27 @@ class IngestReceiver:
     def stop_accepting(self) -> None:
         """New streams and tuples are refused with UNAVAILABLE from now on."""
         self._accepting.clear()
+
+    @grpc_errors
+    def Submit(self, request_iterator: Iterator[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
+        frames = idle_bounded(request_iterator, self._gateway.config.stream_idle_seconds)
+        yield from self.receive(frames, still_wanted=context.is_active)
+
+    @grpc_errors
+    def GetGatewayStatus(
+        self, request: ingest_pb2.GetGatewayStatusRequest, context: grpc.ServicerContext
+    ) -> ingest_pb2.GetGatewayStatusResponse:
+        s = self._gateway.status()
+        wire = ingest_pb2.GetGatewayStatusResponse.DESCRIPTOR.fields_by_name  # the counters it carries
+        figures = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name in wire}
+        config = self._gateway.config
+        return ingest_pb2.GetGatewayStatusResponse(
+            **figures,
+            warnings=s.warnings(),
+            chunk_bytes=config.chunk_bytes,
+            max_tuple_bytes=config.max_tuple_bytes,
+            stream_idle_seconds=config.stream_idle_seconds,
+        )
 
     def receive(
         self, frames: Iterable[TupleFrame], still_wanted: Callable[[], bool] = lambda: True
@@ -132,36 +157,3 @@ def _final_receipt(index: int, future: TupleFuture) -> TupleReceipt:
         receipt.state, receipt.message = TupleReceipt.FAILED, str(error)[:2000]
         receipt.tuple_id = error.tuple_id if isinstance(error, DeliveryError) else 0
     return receipt
-
-
-# Who may call what on the ingest API (an `admin` token may call anything).
-POLICY = {"Submit": {"instrument", "gateway"}, "GetGatewayStatus": {"instrument", "gateway", "viewer"}}
-
-
-class IngestServicer(ingest_pb2_grpc.IngestServicer):
-    """gRPC face of the gateway: decode, call the receiver or the gateway, encode."""
-
-    def __init__(self, gateway: Gateway, receiver: IngestReceiver) -> None:
-        self._gateway = gateway
-        self._receiver = receiver
-
-    @grpc_errors
-    def Submit(self, request_iterator: Iterator[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
-        frames = idle_bounded(request_iterator, self._gateway.config.stream_idle_seconds)
-        yield from self._receiver.receive(frames, still_wanted=context.is_active)
-
-    @grpc_errors
-    def GetGatewayStatus(
-        self, request: ingest_pb2.GetGatewayStatusRequest, context: grpc.ServicerContext
-    ) -> ingest_pb2.GetGatewayStatusResponse:
-        s = self._gateway.status()
-        wire = ingest_pb2.GetGatewayStatusResponse.DESCRIPTOR.fields_by_name  # the counters it carries
-        figures = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name in wire}
-        config = self._gateway.config
-        return ingest_pb2.GetGatewayStatusResponse(
-            **figures,
-            warnings=s.warnings(),
-            chunk_bytes=config.chunk_bytes,
-            max_tuple_bytes=config.max_tuple_bytes,
-            stream_idle_seconds=config.stream_idle_seconds,
-        )

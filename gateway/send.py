@@ -173,9 +173,8 @@ class _Sender:
         start = time.monotonic()
         futures = self._resumed(gateway)
         resumed = {label for label in futures.values() if isinstance(label, Path)}  # files among them
-        total = sum(_size(p) for p in self.files if p not in resumed) + sum(
-            f.size for f in futures
-        )  # a file gone by now is reported by its submit
+        sizes = [st.st_size for p in self.files if p not in resumed and (st := _stat(p)) is not None]
+        total = sum(sizes) + sum(f.size for f in futures)  # a file gone by now is reported by its submit
         self.bar = _progress(self.config, total, self.tuples)
         for future in futures:  # after the bar exists, so one settled already counts on it
             future.add_done_callback(self._tick)
@@ -385,11 +384,6 @@ def _same_file(future: TupleFuture, candidates: list[Path]) -> Path | None:
             candidates.remove(path)
             return path
     return None
-
-
-def _size(path: Path) -> int:
-    st = _stat(path)
-    return st.st_size if st is not None else 0
 
 
 def _stat(path: Path) -> os.stat_result | None:

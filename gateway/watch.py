@@ -19,7 +19,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from hio.config import ConfigError
@@ -29,13 +28,6 @@ from hio.gateway.spool import SpoolFull
 from hio.transport.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("hio.gateway")
-
-
-@dataclass
-class _Seen:
-    size: int
-    mtime_ns: int
-    since: float
 
 
 class DirectoryWatcher:
@@ -57,7 +49,7 @@ class DirectoryWatcher:
         self._settle = settle_seconds
         self._poll = poll_seconds
         self._image = image
-        self._seen: dict[Path, _Seen] = {}
+        self._seen: dict[Path, tuple[int, int, float]] = {}  # path -> (size, mtime_ns, unchanged since)
         self._refused: dict[Path, tuple[int, int]] = {}  # files we cannot send, until they change
         self._spool_full_logged = False
         self._stop = threading.Event()
@@ -117,12 +109,12 @@ class DirectoryWatcher:
         except FileNotFoundError:
             return False
         seen = self._seen.get(path)
-        if seen is None or (seen.size, seen.mtime_ns) != (st.st_size, st.st_mtime_ns):
-            self._seen[path] = _Seen(st.st_size, st.st_mtime_ns, now)
+        if seen is None or seen[:2] != (st.st_size, st.st_mtime_ns):
+            self._seen[path] = (st.st_size, st.st_mtime_ns, now)
             return False
-        if self._refused.get(path) == (st.st_size, st.st_mtime_ns):
+        if self._refused.get(path) == seen[:2]:
             return False
-        return now - seen.since >= self._settle
+        return now - seen[2] >= self._settle
 
     def _take(self, path: Path) -> str:
         """Spool one file: "taken", "refused" (cannot be sent as is), or "full" (spool)."""
@@ -141,8 +133,7 @@ class DirectoryWatcher:
                 )
             return "full"
         except (ConfigError, InvalidArgument) as exc:
-            seen = self._seen[path]
-            self._refused[path] = (seen.size, seen.mtime_ns)
+            self._refused[path] = self._seen[path][:2]
             log.warning("file not sent", extra={"path": str(path), "error": str(exc)})
             return "refused"
         except FileNotFoundError:

@@ -79,30 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     cls_path, section, run_path, _help = commands.COMMANDS[name]
     try:
         cls = commands.load(cls_path)
-    except (cfg.ConfigError, commands.CommandUnavailable) as exc:
-        print(f"hio {name}: {exc}", file=sys.stderr)
-        return 2
-    args = command_parser(name, cls).parse_args(rest)
-    try:
+        args = command_parser(name, cls).parse_args(rest)
         overrides: dict[str, Any] = {}
         positional = getattr(cls, "POSITIONAL", None)
         if positional and getattr(args, positional[0], None):
             overrides[positional[0]] = tuple(getattr(args, positional[0]))
         config = cfg.build(cls, section, args, overrides=overrides)
-    except cfg.ConfigError as exc:
-        print(f"hio {name}: {exc}", file=sys.stderr)
-        return 2
-    from hio.process.log import setup_logging
+        from hio.process.log import setup_logging
+        from hio.process.memory import tune_process
 
-    setup_logging(getattr(config, "log_level", "warning"), getattr(config, "log_json", False))
-    _stacks_on_sigusr1()
-    run: Callable[[Any], int] = commands.load(run_path)
-    from hio.process.memory import tune_process
-
-    tune_process()  # tuple buffers reused instead of faulted in per copy; start-up objects out of the GC's way
-    try:
+        setup_logging(getattr(config, "log_level", "warning"), getattr(config, "log_json", False))
+        _stacks_on_sigusr1()
+        run: Callable[[Any], int] = commands.load(run_path)
+        tune_process()  # tuple buffers reused instead of faulted in per copy; start-up objects out of the GC's way
         return int(run(config) or 0)
-    except cfg.ConfigError as exc:
+    except (cfg.ConfigError, commands.CommandUnavailable) as exc:
         print(f"hio {name}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

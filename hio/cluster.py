@@ -11,21 +11,11 @@ Used by `hio up`, the benchmarks, the soak and every test that starts roles::
 
 Every role runs ``python -m hio.cli <role>`` with ``--data-dir root`` (each
 role keeps its state in a folder of its own under it), the cluster's addresses,
-and the shared settings given (tokens, TLS, chunk size, log level: every
-:class:`ClusterSettings` field that differs from its default; the token goes
-in the environment, not on the command line). A role that serves HTTP (its
-``/metrics``: master, repository, worker, gateway, kd) gets a free loopback port for
-it too, unless ``http`` names its address; :attr:`LocalCluster.http` says where each
-is. Arguments given for one role come after those, so they override them
-(``--master-address PROXY``).
-Logs are ``root/logs/<name>.log``; a role that fails to come up raises with
-its log. Every role dies with this process, even one killed with -9
-(:mod:`hio.process.procs`).
-
-Roles may run on hosts of their own that share this machine's files, such as
-network namespaces (``tests/topology``): ``prefixes`` gives a role the command
-it is started through (``ip netns exec NS``), and ``reach`` maps a role's
-address to the one this process dials for its own look at it (health, status).
+and every shared setting that differs from its default (the token goes in the
+environment, not on the command line). Arguments given for one role come after
+those, so they override them (``--master-address PROXY``). Logs are
+``root/logs/<name>.log``; a role that fails to come up raises with its log.
+Every role dies with this process, even one killed with -9 (:mod:`hio.process.procs`).
 """
 
 from __future__ import annotations
@@ -39,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from hio.process.procs import RoleProcess, children, free_port
+from hio.process.procs import RoleProcess, free_port
 from hio.settings import ClusterSettings, settings_flags
 
 #: Exit codes of a role that stopped as asked (None: killed after the timeout; -SIGKILL: killed
@@ -56,25 +46,6 @@ def expected_engines(engines: Sequence[str], cpus: int | None = None) -> int:
     return sum(count for _, count in engine_counts(tuple(engines), cpus or os.cpu_count() or 1))
 
 
-def worker_processes(root: Path) -> dict[str, int]:
-    """Every live ``hio worker`` process whose data folder is ``root`` (a cluster's own and those
-    its master's local provisioner started): worker id -> pid."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state == "Z" or b"hio.cli" not in argv or b"worker" not in argv or str(root).encode() not in argv:
-            continue
-        named = argv.index(b"--worker-id") + 1 if b"--worker-id" in argv else 0
-        found[argv[named].decode() if named else f"{socket.gethostname()}-{entry.name}"] = int(entry.name)
-    return found
-
-
 class LocalCluster:
     """A repository, a master and ``workers`` (:meth:`start`); more roles added to them.
 
@@ -86,10 +57,11 @@ class LocalCluster:
     ``workers``: worker id ('' = the worker's default) -> its ``--engines`` entries, started
     with ``runtime`` and ``worker_args``; :meth:`start` returns once their engines are FREE.
     ``env``: variables for every role. ``process``: the class of each role's process
-    (tests use one whose failures are test failures). ``prefixes``: role name -> the
-    command that role is started through (:class:`RoleProcess`'s ``prefix``). ``reach``:
-    the address this process dials to reach a role's address (by default that address),
-    for roles listening where this process cannot connect (another network namespace).
+    (tests use one whose failures are test failures). Roles may run on hosts of their own
+    that share this machine's files, such as network namespaces (``tests/topology``):
+    ``prefixes``: role name -> the command that role is started through (``ip netns exec
+    NS``, :class:`RoleProcess`'s ``prefix``); ``reach``: the address this process dials to
+    reach a role's address for its own look at it (health, status; by default that address).
     """
 
     def __init__(
@@ -154,19 +126,11 @@ class LocalCluster:
             if "master" not in self.procs:
                 self.add("master", ["--listen", self.master, *self.master_args], health=self.master)
             started = [
-                (
-                    self.add_worker(worker_id, engines, args=self.worker_args, wait=False),
-                    worker_id,
-                    engines,
-                )
+                (self.add_worker(worker_id, engines, args=self.worker_args, wait=False), worker_id, engines)
                 for worker_id, engines in self.workers.items()
                 if (worker_id or "worker") not in self.procs
             ]
-            deadline = time.monotonic() + self.worker_timeout
-            for proc, worker_id, engines in started:  # started together, so their waits overlap
-                self.wait_channels(
-                    expected_engines(engines), worker_id or self.worker_id(proc), max(1.0, deadline - time.monotonic())
-                )
+            self._wait_engines(started, self.worker_timeout)  # started together, so their waits overlap
         except BaseException:
             self.stop()
             raise
@@ -228,10 +192,15 @@ class LocalCluster:
             flags += ["--engines", entry]
         proc = self.add("worker", [*flags, *args], name=name or worker_id or "worker", env=env, health=listen)
         if wait:
-            self.wait_channels(
-                expected_engines(engines), worker_id or self.worker_id(proc), timeout or self.worker_timeout
-            )
+            self._wait_engines([(proc, worker_id, engines)], timeout or self.worker_timeout)
         return proc
+
+    def _wait_engines(self, started: Iterable[tuple[RoleProcess, str, Sequence[str]]], timeout: float) -> None:
+        """Wait until the engines of each worker started are FREE, all within ``timeout`` (1 s each at least)."""
+        deadline = time.monotonic() + timeout
+        for proc, worker_id, engines in started:
+            left = max(1.0, deadline - time.monotonic())
+            self.wait_channels(expected_engines(engines), worker_id or self.worker_id(proc), left)
 
     def restart(self, name: str) -> RoleProcess:
         """Start ``name`` again (after it stopped or was killed), as it was first started."""
@@ -261,7 +230,6 @@ class LocalCluster:
         return f"{socket.gethostname()}-{proc.pid}"
 
     def status(self, timeout: float = 10.0) -> Any:
-        """The master's GetStatus."""
         from hio.proto import master_pb2, master_pb2_grpc
         from hio.transport.net import create_channel
 
@@ -297,19 +265,6 @@ class LocalCluster:
             f"{self.output(command='worker')}"
         )
 
-    def pids(self) -> dict[str, int]:
-        """Running roles' pids, by name."""
-        return {name: proc.pid for name, proc in self.procs.items() if proc.alive()}
-
-    def engine_pids(self, name: str = "") -> list[int]:
-        """Processes the workers (or worker ``name``) started: their engines."""
-        return [
-            pid
-            for worker, proc in self.procs.items()
-            if proc.command == "worker" and proc.alive() and (not name or worker == name)
-            for pid in children(proc.pid)
-        ]
-
     def output(self, limit: int = 3000, command: str = "") -> str:
         """The end of every role's log (of each ``command`` role, if given), the workers the
         master's local provisioner started counted as workers: what to show when something
@@ -344,19 +299,16 @@ class LocalCluster:
                 continue
             if code not in CLEAN_EXITS:
                 problems.append(f"{name} exited with {code}; its log {proc.log_path}:\n{proc.output(3000)}")
-        self._stop_provisioned()
+        # workers the master's local provisioner started outlive the master (a restarted master
+        # adopts them), not the cluster: stopped once the master is
+        from hio.master.provisioners.local import stop_recorded_workers
+
+        stop_recorded_workers(self.root / "master", self.stop_timeout)
         self.procs.clear()
         self.health.clear()
         self.http.clear()
         self.problems += problems
         return problems
-
-    def _stop_provisioned(self) -> None:
-        """Workers the master's local provisioner started outlive the master (a restarted master
-        adopts them), not the cluster: stop them once the master is stopped."""
-        from hio.master.provisioners.local import stop_recorded_workers
-
-        stop_recorded_workers(self.root / "master", self.stop_timeout)
 
     def __enter__(self) -> Self:
         return self.start()

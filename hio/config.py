@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -50,7 +51,6 @@ class ConfigError(ValueError):
 
 
 def setting(default: Any, help_text: str, *, factory: Any = None) -> Any:
-    """Declare a configuration field with its help text."""
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={"help": help_text})
     return dataclasses.field(default=default, metadata={"help": help_text})
@@ -391,8 +391,16 @@ def only_this_host(address: str) -> bool:
 
 def positive(name: str, value: float) -> None:
     """Refuse a bound that must be positive."""
-    if value <= 0:
+    if not value > 0:  # NaN too
         raise ConfigError(f"{name} must be positive, got {value}")
+
+
+def between(name: str, value: float, low: float, high: float = math.inf, unit: str = "") -> None:
+    """Refuse a value outside ``low``..``high`` (NaN too), naming the setting; ``unit`` follows the bounds."""
+    if not low <= value <= high:
+        shown = [f"{bound:,}" if isinstance(bound, int) else f"{bound:g}" for bound in (low, high)]
+        bounds = f"at least {shown[0]}" if high == math.inf else f"between {shown[0]} and {shown[1]}"
+        raise ConfigError(f"{name} must be {bounds}{unit}, got {value}")
 
 
 def one_of(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -229,18 +229,13 @@ def build_project_wheel(root: Path, wheelhouse: Path, timeout: float) -> Path:
     wheels = sorted(wheelhouse.glob(f"{PROJECT_WHEEL}-*.whl"))
     if not wheels:
         raise ImageBuildError(f"pip wheel made no {PROJECT_WHEEL} wheel in {wheelhouse}")
-    check_project_wheel(wheels[-1])
-    return wheels[-1]
-
-
-def check_project_wheel(wheel: Path) -> None:
-    """Refuse a project wheel without generated gRPC code: engines could not start."""
-    with zipfile.ZipFile(wheel) as zf:
+    with zipfile.ZipFile(wheels[-1]) as zf:  # without the generated gRPC code engines could not start
         names = set(zf.namelist())
     needed = ["hio/proto/engine_pb2.py", "hio/proto/engine_pb2_grpc.py", "hio/worker/__init__.py"]
     missing = [n for n in needed if n not in names]
     if missing:
-        raise ImageBuildError(f"{wheel.name} lacks {', '.join(missing)}; run `make proto` and build again")
+        raise ImageBuildError(f"{wheels[-1].name} lacks {', '.join(missing)}; run `make proto` and build again")
+    return wheels[-1]
 
 
 def ensure_wheelhouse(config: ImagesConfig, root: Path) -> Path:
@@ -283,8 +278,12 @@ def ensure_base(client: Any, config: ImagesConfig, root: Path) -> str:
     fallback, created with images/make-base.sh when missing."""
     if has_image(client, config.base_image):
         return config.base_image
-    if config.pull_base and _try_pull(client, config.base_image):
-        return config.base_image
+    if config.pull_base:
+        try:
+            client.images.pull(config.base_image)
+            return config.base_image
+        except Exception as exc:  # noqa: BLE001 - an unreachable registry is expected offline
+            log.info("pull failed", extra={"image": config.base_image, "error": str(exc)[:200]})
     if not has_image(client, config.fallback_base):
         print(
             f"hio images: {config.base_image} is not available; creating {config.fallback_base} "
@@ -296,15 +295,6 @@ def ensure_base(client: Any, config: ImagesConfig, root: Path) -> str:
         if result.returncode != 0:
             raise ImageBuildError(f"{script} failed:\n{result.stderr[-3000:]}")
     return config.fallback_base
-
-
-def _try_pull(client: Any, name: str) -> bool:
-    try:
-        client.images.pull(name)
-        return True
-    except Exception as exc:  # noqa: BLE001 - an unreachable registry is expected offline
-        log.info("pull failed", extra={"image": name, "error": str(exc)[:200]})
-        return False
 
 
 def stage_context(folder: Path, wheelhouse: Path | None, requirements: list[str], dest: Path) -> Path:
@@ -361,15 +351,6 @@ def build_image(
     return image_id
 
 
-def keep_build_stage(client: Any, context: Path, name: str, buildargs: dict[str, str]) -> None:
-    """Tag the base's build stage (``<name>-build``) so the next build reuses its
-    layers and older untagged build stages can go (only ours: they carry
-    ``io.harmonicio.stage=build``, see :func:`prune_superseded`). All layers are
-    cached: this takes a moment."""
-    repo, _, tag = name.rpartition(":")
-    build_image(client, context, f"{repo}-build:{tag}", buildargs, nocache=False, target="build")
-
-
 def prune_superseded(client: Any) -> None:
     """Remove untagged images left by earlier builds: only ours (labelled), only
     unused ones (Docker keeps images that containers still run)."""
@@ -409,7 +390,11 @@ def build_all(config: ImagesConfig) -> list[tuple[str, str]]:
             buildargs = {"BASE_IMAGE": from_image}
             image_id = build_image(client, ctx, name, buildargs, config.no_cache)
             if folder == "base":
-                keep_build_stage(client, ctx, name, buildargs)
+                # the build stage tagged <name>-build: the next build reuses its layers, and older
+                # untagged build stages can go (only ours: they carry io.harmonicio.stage=build, see
+                # prune_superseded); all its layers are cached, so this takes a moment
+                repo, _, tag = name.rpartition(":")
+                build_image(client, ctx, f"{repo}-build:{tag}", buildargs, nocache=False, target="build")
         built.append((name, image_id.split(":")[-1][:12]))
     prune_superseded(client)
     return built
@@ -435,7 +420,6 @@ def _print_rows(rows: Iterable[tuple[str, str]]) -> None:
 
 
 def run_images(config: ImagesConfig) -> int:
-    """Entry point of `hio images`."""
     action = config.action[0] if config.action else "build"
     try:
         if action == "build":

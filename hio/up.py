@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import signal
-import socket
 import sys
 import time
 from collections import Counter, defaultdict
@@ -23,12 +22,12 @@ from pathlib import Path
 import zstandard
 
 from hio.cluster import LocalCluster
-from hio.config import ConfigError, check_address, one_of, setting
+from hio.config import ConfigError, check_address, one_of, setting, split_address
 from hio.gateway.config import HTTP_LISTEN as GATEWAY_HTTP
 from hio.kd.config import HTTP_LISTEN as KD_HTTP
 from hio.master.config import HTTP_LISTEN as MASTER_HTTP
 from hio.master.config import SCALING_MODES
-from hio.process.procs import RoleProcess
+from hio.process.procs import bindable
 from hio.proto import features_pb2, repository_pb2, repository_pb2_grpc
 from hio.repository.config import HTTP_LISTEN as REPOSITORY_HTTP
 from hio.settings import ClusterSettings
@@ -75,7 +74,8 @@ class UpConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
-        for name in ("http_listen", "http_listen_master", "http_listen_worker", "http_listen_kd"):
+        addresses = ("http_listen", "http_listen_master", "http_listen_worker", "http_listen_kd", "http_listen_gateway")
+        for name in (*addresses, "ingest_listen"):
             check_address(name, getattr(self, name), allow_empty=True)
         one_of("runtime", self.runtime, RUNTIMES)
         one_of("scaling", self.scaling, SCALING_MODES)
@@ -163,10 +163,6 @@ def format_summary(records: list[features_pb2.FeatureRecord]) -> str:
     return "\n".join(lines)
 
 
-def _run_kd(cluster: LocalCluster, config: UpConfig, once: bool) -> RoleProcess:
-    return cluster.add("kd", ["--once"] if once else ["--interval", str(config.kd_interval)])
-
-
 def _http(config: UpConfig) -> dict[str, str]:
     """Where the HTTP endpoint of each role hio up starts listens (elastic workers, which the
     master starts, serve theirs on free ports)."""
@@ -180,45 +176,14 @@ def _http(config: UpConfig) -> dict[str, str]:
     return http
 
 
-def _start_gateway(cluster: LocalCluster, ingest_listen: str) -> None:
-    """A gateway daemon whose ingest API instrument software in any language streams to. Its
-    source names its spool, which hio send (the host's name) then does not share."""
-    cluster.add("gateway", ["--ingest-listen", ingest_listen, "--source", "hio-up"], health=ingest_listen)
-    _say(f"gateway ingest API at {ingest_listen} (gRPC service hio.proto.Ingest; docs/ingest.md)")
-
-
 def _ports_in_use(config: UpConfig) -> list[str]:
     """The addresses hio up would listen on that something already holds (another hio up?):
     its roles would fail to start, while the health checks found the other system's."""
-    from hio.config import split_address
-
     wanted = [("repository", config.repository_address), ("master", config.master_address)]
     wanted += [(f"{role}'s HTTP endpoint", address) for role, address in _http(config).items() if address]
     if config.keep and config.ingest_listen:
         wanted.append(("gateway's ingest API", config.ingest_listen))
-    taken = []
-    for what, address in wanted:
-        host, port = split_address(address)
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host or "0.0.0.0", port))
-            except OSError:
-                taken.append(f"{address} ({what})")
-    return taken
-
-
-def _elastic_args(config: UpConfig) -> list[str]:
-    """The master's flags for elastic scaling with workers on this machine."""
-    return [
-        "--scaling",
-        "elastic",
-        "--provisioner",
-        "local",
-        "--provisioner-options",
-        f"runtime={config.runtime}",
-        "--max-workers",
-        str(config.max_workers),
-    ]
+    return [f"{address} ({what})" for what, address in wanted if not bindable(*split_address(address))]
 
 
 def _interrupt(*_: object) -> None:
@@ -244,6 +209,8 @@ def run_up(config: UpConfig) -> int:
     files = generate_demo_dataset(samples_dir)
     shared = dataclasses.replace(config, log_level=config.log_level if config.log_level != "warning" else "info")
     elastic = config.scaling == "elastic"
+    # the master's flags for elastic scaling with workers on this machine
+    elastic_args = ["--scaling", "elastic", "--provisioner", "local", "--max-workers", str(config.max_workers)]
     cluster = LocalCluster(
         data_dir,
         shared,
@@ -251,7 +218,7 @@ def run_up(config: UpConfig) -> int:
         repository_address=config.repository_address,
         http=_http(config),
         workers={} if elastic else {"": config.engines},
-        master_args=_elastic_args(config) if elastic else (),
+        master_args=[*elastic_args, "--provisioner-options", f"runtime={config.runtime}"] if elastic else (),
         runtime=config.runtime,
         worker_timeout=config.timeout,
     )
@@ -273,7 +240,7 @@ def run_up(config: UpConfig) -> int:
         print(format_summary(records))
         if config.kd:
             _say("running knowledge discovery on Spark (local) over the stored features")
-            kd = _run_kd(cluster, config, once=True)
+            kd = cluster.add("kd", ["--once"])
             assert kd.proc is not None
             code = kd.proc.wait(max(30.0, deadline - time.monotonic()))
             cluster.remove("kd")
@@ -296,9 +263,12 @@ def run_up(config: UpConfig) -> int:
                 )
         if config.keep:
             if config.kd:
-                _run_kd(cluster, config, once=False)
-            if config.ingest_listen:
-                _start_gateway(cluster, config.ingest_listen)
+                cluster.add("kd", ["--interval", str(config.kd_interval)])
+            if ingest := config.ingest_listen:
+                # whose ingest API instrument software in any language streams to; its source
+                # names its spool, which hio send (the host's name) then does not share
+                cluster.add("gateway", ["--ingest-listen", ingest, "--source", "hio-up"], health=ingest)
+                _say(f"gateway ingest API at {ingest} (gRPC service hio.proto.Ingest; docs/ingest.md)")
             metrics = ", ".join(f"{role} http://{address}/metrics" for role, address in cluster.http.items() if address)
             _say(f"Prometheus metrics (docs/monitoring.md): {metrics}")
             if config.http_listen_master:

@@ -65,13 +65,12 @@ class RepositoryClient:
     def _call(self, fn: Callable[[], T]) -> T:
         return call_with_retry(fn, deadline=self.deadline)
 
-    def offsets(self, consumer: str = "") -> repository_pb2.GetOffsetsResponse:
+    def offsets(self, consumer: str = "", timeout: float | None = None) -> repository_pb2.GetOffsetsResponse:
+        """GetOffsets, retried; with ``timeout``, one call within it, not retried (a metrics scrape's)."""
         request = repository_pb2.GetOffsetsRequest(consumer=consumer)
+        if timeout is not None:
+            return self._stub.GetOffsets(request, timeout=timeout)
         return self._call(lambda: self._stub.GetOffsets(request, timeout=10.0))
-
-    def offsets_now(self, consumer: str, timeout: float) -> repository_pb2.GetOffsetsResponse:
-        """One GetOffsets within ``timeout`` seconds, not retried (a metrics scrape's look)."""
-        return self._stub.GetOffsets(repository_pb2.GetOffsetsRequest(consumer=consumer), timeout=timeout)
 
     def read(self, after: int, until: int) -> Iterator[repository_pb2.StoredRecord]:
         """Records with after < offset <= until, in order. A stream broken by an

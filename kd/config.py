@@ -7,7 +7,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from hio.config import ConfigError, check_address, only_this_host, positive, setting
+from hio.config import ConfigError, between, check_address, only_this_host, positive, setting
 from hio.settings import ClusterSettings
 
 HTTP_LISTEN = "127.0.0.1:7480"  # where the role's HTTP endpoint listens by default
@@ -76,12 +76,9 @@ class KDConfig(ClusterSettings):
         positive("max_groups", self.max_groups)
         positive("fit_parallelism", self.fit_parallelism)
         positive("max_failures", self.max_failures)
-        if self.k < 1 or self.k > 1000:
-            raise ConfigError(f"k must be between 1 and 1000, got {self.k}")
-        if self.max_assignments < 0:
-            raise ConfigError(f"max_assignments must not be negative, got {self.max_assignments}")
-        if self.restart_delay < 0:
-            raise ConfigError(f"restart_delay must not be negative, got {self.restart_delay}")
+        between("k", self.k, 1, 1000)
+        between("max_assignments", self.max_assignments, 0)
+        between("restart_delay", self.restart_delay, 0, unit=" s")
         if not self.consumer.strip():
             raise ConfigError("consumer must not be empty")
         check_address("http_listen", self.http_listen, allow_empty=True)

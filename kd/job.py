@@ -17,6 +17,7 @@ again. A crash before (2) replays it in full. Nothing is counted twice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -32,7 +33,7 @@ from hio.kd.config import KDConfig
 from hio.kd.metrics import KDMetrics
 from hio.kd.model import cluster_groups, plan, to_knowledge
 from hio.kd.preview import render
-from hio.kd.store import AccumulatedStore, Appended
+from hio.kd.store import AccumulatedStore
 from hio.process.log import NOTICE
 from hio.proto import features_pb2
 from hio.storage.files import atomic_write
@@ -138,7 +139,15 @@ class KnowledgeJob:
         if table.num_rows == 0:
             return  # an empty range (a query's first batch over an empty repository)
         appended = self.store.append(table, time.time())
-        self._report_malformed(appended)
+        if appended.malformed:
+            log.warning(
+                "skipped malformed feature records",
+                extra={
+                    "count": appended.malformed,
+                    "total_malformed": self.store.malformed,
+                    "examples": "; ".join(appended.examples),
+                },
+            )
         end_offset = int(pc.max(table.column("offset")).as_py())
         # The store now holds everything up to the batch's last offset, so the
         # consumer offset may move now (Spark's own source commit comes later,
@@ -178,17 +187,6 @@ class KnowledgeJob:
         if self._unpublished is not None:
             self.publish(time.monotonic(), {})
 
-    def _report_malformed(self, appended: Appended) -> None:
-        if appended.malformed:
-            log.warning(
-                "skipped malformed feature records",
-                extra={
-                    "count": appended.malformed,
-                    "total_malformed": self.store.malformed,
-                    "examples": "; ".join(appended.examples),
-                },
-            )
-
     def publish(self, started: float, timings: dict[str, float]) -> features_pb2.Knowledge:
         """Cluster every group (the largest ``max_groups``), write the preview
         file, send both to the repository. Returns the knowledge published."""
@@ -196,16 +194,7 @@ class KnowledgeJob:
         mark = time.monotonic()
         groups = self.store.ordered()
         main, chosen = plan(groups, config.image, config.max_groups)
-        results = cluster_groups(
-            self.spark,
-            groups,
-            chosen,
-            k=config.k,
-            sample_size=config.sample_size,
-            seed=config.seed,
-            max_iter=config.max_iterations,
-            parallelism=config.fit_parallelism,
-        )
+        results = cluster_groups(self.spark, groups, chosen, config)
         timings["cluster"] = time.monotonic() - mark
         mark = time.monotonic()
         png = render(
@@ -277,28 +266,6 @@ def start_query(spark: Any, config: KDConfig, job: KnowledgeJob) -> Any:
     return writer.start()
 
 
-def _await(query: Any, stop: threading.Event) -> Exception | None:
-    """Wait until the query ends (None) or fails (its error), or ``stop`` is set."""
-    from pyspark.errors import StreamingQueryException
-
-    try:
-        while not stop.is_set():
-            if query.awaitTermination(0.5):
-                return None
-    except StreamingQueryException as exc:
-        return exc
-    return None
-
-
-def _stop_query(query: Any) -> None:
-    """Stop a query still running; one on a dead JVM is gone anyway."""
-    try:
-        if query.isActive:
-            query.stop()
-    except Exception as exc:  # noqa: BLE001 - Py4J errors when the driver JVM died
-        log.debug("could not stop the query", extra={"error": str(exc)[:200]})
-
-
 class SparkSessionKeeper:
     """The Spark session KD runs on. One KD built itself (``owned``) is built
     again when its driver JVM died (killed, out of memory): KD then carries on
@@ -362,30 +329,38 @@ def _forget_dead_session(jvm_gone: bool) -> None:
     SparkSession._activeSession = None
 
 
+@dataclasses.dataclass
 class Readiness:
     """What KD's health reports as its readiness: why it cannot do its job just now, ''
     while its query runs."""
 
-    def __init__(self) -> None:
-        self.not_ready = "starting Spark"
+    not_ready: str = "starting Spark"
 
 
 def _run_query_once(
     spark: Any, config: KDConfig, job: KnowledgeJob, stop: threading.Event, readiness: Readiness
 ) -> Exception | None:
     """Start the query and wait for it: None when it ended or ``stop`` was set, else
-    why it failed (a query error, or the driver JVM unreachable)."""
+    why it failed (a query error, or the driver JVM unreachable). A query still running
+    then is stopped; one on a dead JVM is gone anyway."""
     try:
         query = start_query(spark, config, job)
     except Exception as exc:  # noqa: BLE001 - a JVM that died, a checkpoint it cannot read
         return exc
     readiness.not_ready = ""
     try:
-        return _await(query, stop)
-    except Exception as exc:  # noqa: BLE001 - Py4J errors: the driver JVM died under the query
+        while not stop.is_set():
+            if query.awaitTermination(0.5):
+                break
+        return None
+    except Exception as exc:  # noqa: BLE001 - the query's error, or Py4J's: the driver JVM died under the query
         return exc
     finally:
-        _stop_query(query)
+        try:
+            if query.isActive:
+                query.stop()
+        except Exception as exc:  # noqa: BLE001 - Py4J errors when the driver JVM died
+            log.debug("could not stop the query", extra={"error": str(exc)[:200]})
 
 
 def supervise(

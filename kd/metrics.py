@@ -43,7 +43,7 @@ class KDMetrics:
             "hio_kd_query_failures", "Times KD's streaming query failed and was started again", self._failures()
         )
         try:
-            offsets = self._client.offsets_now(self._consumer, LAG_TIMEOUT)
+            offsets = self._client.offsets(self._consumer, LAG_TIMEOUT)
         except grpc.RpcError:
             return
         yield gauge(

@@ -25,12 +25,15 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hio.kd.store import Group
 from hio.proto import features_pb2
+
+if TYPE_CHECKING:
+    from hio.kd.config import KDConfig
 
 
 @dataclass(frozen=True)
@@ -107,14 +110,16 @@ def ward_linkage(centres: np.ndarray) -> np.ndarray:
     return linkage(centres, method="ward")
 
 
-def cluster(spark: Any, group: Group, *, k: int, sample_size: int, seed: int, max_iter: int) -> Clustering:
-    """Cluster every tuple of ``group`` (see the module docstring)."""
+def cluster(spark: Any, group: Group, config: KDConfig) -> Clustering:
+    """Cluster every tuple of ``group`` with ``config``'s k, sample size, seed and
+    iterations (see the module docstring)."""
+    k, seed = config.k, config.seed
     values = group.values
     mean, std = group.mean_std()
-    sample = _sample(len(values), sample_size, seed)
+    sample = _sample(len(values), config.sample_size, seed)
     points = (values[sample] - mean) / std
     k_eff = min(k, _distinct_rows(points))
-    centres = _fit_centres(spark, points, k_eff, seed, max_iter)
+    centres = _fit_centres(spark, points, k_eff, seed, config.max_iterations)
     labels = assign(values, centres, mean, std)
     counts = np.bincount(labels, minlength=len(centres))
     algorithm = (
@@ -142,27 +147,18 @@ def plan(groups: list[Group], image: str, max_groups: int) -> tuple[Group | None
     return main, ([main] if main is not None else []) + others
 
 
-def cluster_groups(
-    spark: Any,
-    groups: list[Group],
-    chosen: list[Group],
-    *,
-    k: int,
-    sample_size: int,
-    seed: int,
-    max_iter: int,
-    parallelism: int = 1,
-) -> list[GroupResult]:
+def cluster_groups(spark: Any, groups: list[Group], chosen: list[Group], config: KDConfig) -> list[GroupResult]:
     """A result per group (in ``groups`` order); only ``chosen`` ones are clustered.
 
     A fit on a bounded sample costs Spark job overhead far more than arithmetic
-    and runs on one partition, so fitting ``parallelism`` groups at once (one
+    and runs on one partition, so fitting ``fit_parallelism`` groups at once (one
     driver thread each; Spark schedules concurrent jobs) makes an interval with
     two groups cost about what one group does."""
 
     def fit(group: Group) -> Clustering:
-        return cluster(spark, group, k=k, sample_size=sample_size, seed=seed, max_iter=max_iter)
+        return cluster(spark, group, config)
 
+    parallelism = config.fit_parallelism
     if parallelism > 1 and len(chosen) > 1:
         with ThreadPoolExecutor(max_workers=min(parallelism, len(chosen)), thread_name_prefix="hio-kd-fit") as pool:
             fitted = dict(zip(map(id, chosen), pool.map(fit, chosen), strict=True))

@@ -103,20 +103,19 @@ def _group(k: features_pb2.Knowledge, index: int, group: features_pb2.KnowledgeG
     lines = ["", title, f"algorithm:     {group.algorithm or '-'}"]
     if not group.feature_mean:
         lines.append(f"features:      {', '.join(group.feature_names) or '-'}")
-    return lines + _features(group) + _clusters(group) + _dendrogram(group) + _assignments(group)
+    return lines + _clustering(group)
+
+
+def _clustering(k: Clustered) -> list[str]:
+    return _features(k) + _clusters(k) + _dendrogram(k) + _assignments(k)
 
 
 def format_knowledge(knowledge: features_pb2.Knowledge) -> str:
     """A readable multi-line summary of ``knowledge``: every group, or (knowledge
     without groups) the one group in the top-level fields."""
-    lines = ["knowledge discovery"]
-    lines += _header(knowledge)
-    if knowledge.groups:
-        for index, group in enumerate(knowledge.groups):
-            lines += _group(knowledge, index, group)
-        return "\n".join(lines)
-    lines += _features(knowledge)
-    lines += _clusters(knowledge)
-    lines += _dendrogram(knowledge)
-    lines += _assignments(knowledge)
+    lines = ["knowledge discovery", *_header(knowledge)]
+    if not knowledge.groups:
+        lines += _clustering(knowledge)
+    for index, group in enumerate(knowledge.groups):
+        lines += _group(knowledge, index, group)
     return "\n".join(lines)

@@ -114,8 +114,6 @@ class Appended:
     accepted: int
     malformed: int
     duplicates: int
-    first_offset: int
-    last_offset: int
     examples: tuple[str, ...] = ()  # a few malformed records: "offset N tuple T: why"
 
 
@@ -196,13 +194,12 @@ class AccumulatedStore:
         fresh, duplicates = self._fresh(table)
         malformed = int(fresh.column("error").is_valid().to_numpy(zero_copy_only=False).sum()) if fresh.num_rows else 0
         if fresh.num_rows == 0:
-            return Appended(0, 0, duplicates, 0, 0)
+            return Appended(0, 0, duplicates)
         fresh = fresh.append_column("interval_unix", pa.array(np.full(fresh.num_rows, interval_unix)))
         offsets = fresh.column("offset").to_numpy()
-        first, last = int(offsets.min()), int(offsets.max())
-        self._write(fresh, first, last)
+        self._write(fresh, int(offsets.min()), int(offsets.max()))
         self._ingest(fresh)
-        return Appended(fresh.num_rows - malformed, malformed, duplicates, first, last, _examples(fresh))
+        return Appended(fresh.num_rows - malformed, malformed, duplicates, _examples(fresh))
 
     def _fresh(self, table: pa.Table) -> tuple[pa.Table, int]:
         """Rows above the high-water offset whose ids are new, first of each id."""

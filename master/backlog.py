@@ -407,14 +407,9 @@ class BacklogQueue:
     def lease_many(
         self, image: str, channel_id: str, lease_seconds: float, *, max_tuples: int = 1, max_bytes: int = 0
     ) -> list[Lease]:
-        """Lease the first waiting tuples of ``image`` to ``channel_id``, in order.
-
-        The head always; after it, more while there are at most ``max_tuples``
-        and their payloads add up to at most ``max_bytes``. A tuple delivered
-        before (attempt above 1) comes alone: if it failed because it kills its
-        engine, the voided leases of its batch-mates would otherwise be charged
-        with it every time. Empty if none waits.
-        """
+        """Lease the first waiting tuples of ``image`` to ``channel_id``, in order: the head
+        always, more while at most ``max_tuples`` of at most ``max_bytes`` in all, a tuple
+        delivered before alone (docs/architecture.md, "Queue", says why). Empty if none waits."""
         leases: list[Lease] = []
         with self._cond:
             ready = self._ready.get(image)

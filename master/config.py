@@ -11,6 +11,7 @@ from pathlib import Path
 from hio.config import (
     FSYNC_POLICIES,
     ConfigError,
+    between,
     check_address,
     lane_listen_address,
     one_of,
@@ -31,10 +32,38 @@ PROVISIONERS = ("local", "openstack")
 MAX_EXPIRY_SECONDS = 10.0
 
 
-def finite_positive(name: str, value: float) -> None:
-    if not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value}")
-    positive(name, value)
+#: Settings that must be finite and positive, and those that must be finite and zero or more.
+POSITIVE = (
+    "queue_bytes",
+    "segment_bytes",
+    "heartbeat_interval",
+    "expiry_seconds",
+    "reservation_seconds",
+    "lease_seconds",
+    "max_attempts",
+    "server_threads",
+    "pull_waiters",
+    "dead_list_limit",
+    "forget_seconds",
+    "profile_seconds",
+    "default_share",
+    "predict_interval",
+    "packing_interval",
+    "engine_idle_seconds",
+    "large_step",
+    "small_step",
+)
+NON_NEGATIVE = (
+    "queue_memory_bytes",
+    "upper_rate",
+    "lower_rate",
+    "queue_limit",
+    "cooldown_seconds",
+    "min_workers",
+    "worker_grace_seconds",
+    "provision_timeout",
+    "worker_cpus",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,38 +195,29 @@ class MasterConfig(ClusterSettings):
         return lane_listen_address(self.listen, self.lane_listen, offered=self.lanes)
 
     def validate(self) -> None:
-        """Refuse settings the master cannot run with; each message names the setting."""
+        """Refuse settings the master cannot run with; each message names the setting. The
+        elastic settings are checked in fixed mode too: a file switched to elastic later must
+        not fail then."""
         self.validate_cluster()
         self.validate_serving()
         check_address("listen", self.listen)
         check_address("lane_listen", self.lane_listen, allow_empty=True)
-        self.lane_address()  # refuses a listen port without a port + 1 for the lane
+        lane = self.lane_address()  # refuses a listen port without a port + 1 for the lane
         if self.lane_listen and same_port(self.lane_listen, self.listen):
             raise ConfigError(f"lane_listen {self.lane_listen} takes listen's port: choose another")
         check_address("http_listen", self.http_listen, allow_empty=True)
-        lane = self.lane_address()
         for other, address in (("listen", self.listen), ("the lane", lane)):
             if self.http_listen and address and same_port(self.http_listen, address):
                 raise ConfigError(f"http_listen {self.http_listen} takes {other}'s port ({address}): choose another")
-        for name in (
-            "queue_bytes",
-            "segment_bytes",
-            "heartbeat_interval",
-            "expiry_seconds",
-            "reservation_seconds",
-            "lease_seconds",
-            "max_attempts",
-            "server_threads",
-            "pull_waiters",
-            "dead_list_limit",
-            "forget_seconds",
-            "profile_seconds",
-            "default_share",
-        ):
+        for name in POSITIVE:
             value = getattr(self, name)
-            finite_positive(name, value)
-        if self.queue_memory_bytes < 0:
-            raise ConfigError(f"queue_memory_bytes must not be negative, got {self.queue_memory_bytes}")
+            if not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value}")
+            positive(name, value)
+        for name in NON_NEGATIVE:
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number, zero or more, got {value}")
         if not MiB <= self.segment_bytes <= GiB:
             raise ConfigError(f"segment_bytes must be between 1 MiB and 1 GiB, got {self.segment_bytes}")
         one_of("fsync", self.fsync, FSYNC_POLICIES)
@@ -208,8 +228,7 @@ class MasterConfig(ClusterSettings):
                 f"expiry_seconds ({self.expiry_seconds}) must exceed heartbeat_interval "
                 f"({self.heartbeat_interval}), or live workers expire"
             )
-        if self.grace_seconds < 0:
-            raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
+        between("grace_seconds", self.grace_seconds, 0)
         if self.pull_waiters >= self.server_threads:
             raise ConfigError(
                 f"pull_waiters ({self.pull_waiters}) must be below server_threads "
@@ -218,42 +237,22 @@ class MasterConfig(ClusterSettings):
         for image in self.images:
             if not image or len(image) > 256:
                 raise ConfigError(f"images: invalid image name {image!r}")
-        self.validate_scaling()
-
-    def validate_scaling(self) -> None:
-        """The elastic settings (checked in fixed mode too: a file switched to elastic later
-        must not fail then)."""
+        between("default_share", self.default_share, 0, 64, " cores per engine")
         one_of("scaling", self.scaling, SCALING_MODES)
-        for name in ("predict_interval", "packing_interval", "engine_idle_seconds", "large_step", "small_step"):
-            finite_positive(name, getattr(self, name))
-        for name in ("upper_rate", "lower_rate", "queue_limit", "cooldown_seconds"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{name} must be a finite number, zero or more, got {value}")
         if self.lower_rate > self.upper_rate:
             raise ConfigError(f"lower_rate ({self.lower_rate}) must not exceed upper_rate ({self.upper_rate})")
         if not math.isfinite(self.slowdown_rate) or self.slowdown_rate > 0:
             raise ConfigError(f"slowdown_rate must be zero or negative (a shrinking backlog), got {self.slowdown_rate}")
         if self.small_step > self.large_step:
             raise ConfigError(f"small_step ({self.small_step}) must not exceed large_step ({self.large_step})")
-        if not (math.isfinite(self.pack_margin) and 0 <= self.pack_margin <= 0.9):
-            raise ConfigError(
-                f"pack_margin must be between 0 and 0.9 (a share of a worker's vCPUs), got {self.pack_margin}"
-            )
+        between("pack_margin", self.pack_margin, 0, 0.9, " (a share of a worker's vCPUs)")
         if self.provisioner:
             one_of("provisioner", self.provisioner, PROVISIONERS)
         if self.provisioner and self.scaling != "elastic":
             raise ConfigError(f"provisioner {self.provisioner!r} needs scaling = elastic (it is {self.scaling!r})")
-        if self.min_workers < 0:
-            raise ConfigError(f"min_workers must be zero or more, got {self.min_workers}")
-        if self.max_workers < 1:
-            raise ConfigError(f"max_workers must be at least 1, got {self.max_workers}")
+        between("max_workers", self.max_workers, 1)
         if self.min_workers > self.max_workers:
             raise ConfigError(f"min_workers ({self.min_workers}) must not exceed max_workers ({self.max_workers})")
-        for name in ("worker_grace_seconds", "provision_timeout"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{name} must be a finite number, zero or more, got {value}")
         check_address("advertise_address", self.advertise_address, allow_empty=True)
         if not self.worker_prefix or "/" in self.worker_prefix or any(c.isspace() for c in self.worker_prefix):
             raise ConfigError(f"worker_prefix {self.worker_prefix!r} must be a name without '/' or spaces")
@@ -262,7 +261,3 @@ class MasterConfig(ClusterSettings):
                 "worker_token_file is needed with a provisioner and a tokens_file: the workers it starts "
                 "must present a worker token"
             )
-        if self.worker_cpus < 0:
-            raise ConfigError(f"worker_cpus must be 0 (this machine's) or positive, got {self.worker_cpus}")
-        if self.default_share > 64:
-            raise ConfigError(f"default_share is in cores per engine, at most 64, got {self.default_share}")

@@ -11,6 +11,8 @@ after the lock is released.
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -22,17 +24,15 @@ from typing import TYPE_CHECKING, BinaryIO, cast
 from hio.config import ConfigError, state_dir
 from hio.master.backlog import BacklogQueue, Lease, Stored
 from hio.master.config import MasterConfig
-from hio.master.deadletters import DeadLetter, DeadLetterStore
+from hio.master.deadletters import DeadLetterStore
 from hio.master.demand import ImageLoad
-from hio.master.history import History, Sample
 from hio.master.ids import TupleIdAllocator
-from hio.master.metrics import MasterFigures, MasterMetrics
+from hio.master.metrics import MasterMetrics
 from hio.master.profile import Profile
 from hio.master.provisioners import open_provisioner
 from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelState, Worker
-from hio.master.routing import PendingEnqueues, Route, route_tuples
 from hio.master.scaler import Scaler, worker_plans
-from hio.master.stats import Stats
+from hio.master.stats import History, Sample, Stats
 from hio.master.storage import Durability
 from hio.proto import master_pb2
 from hio.proto.master_pb2 import RouteItem, TupleOutcome
@@ -81,9 +81,29 @@ class Pulled:
             yield item
 
     def abandon(self, reason: str = "pull stream ended early", *, charge: bool = True) -> None:
-        """The stream broke before the channel got the tuples: requeue them now, not at lease expiry.
-        ``charge=False``: nothing was sent, so no attempt is counted."""
-        self._master.abandon(self, reason, charge=charge)
+        """The stream broke before the channel got the tuples: requeue them now (to the head of
+        their queue), not at lease expiry. Only those the stream had started to send are charged
+        (``charge=False``: nothing was sent): the rest never left the master."""
+        master = self._master
+        voided = [
+            lease
+            for n, lease in reversed(list(enumerate(self.leases)))
+            if master.queue.void_lease(lease, reason, charge=charge and n < self.started)
+        ]
+        if not voided:
+            return
+        log.info(
+            "lease voided",
+            extra={
+                "tuple_id": self.lease.tuple_id,
+                "tuples": len(voided),
+                "channel": self.lease.channel_id,
+                "reason": reason,
+            },
+        )
+        with master.lock:
+            master._free_if_unleased(master.registry.channel(self.lease.channel_id))
+            master.lock.notify_all()
 
 
 class Master:
@@ -94,15 +114,16 @@ class Master:
         self.lane: LaneServer | None = None  # the payload lane the server module starts; stopped by close()
         self.root = state_dir(config.data_dir, "master")
         self._ticket_key = load_ticket_key(config.ticket_key_file)
-        self._lock_fd: int | None = lock_folder(
+        lock_fd = lock_folder(
             self.root, ConfigError(f"another master uses {self.root} (data_dir); stop it or choose another data_dir")
         )  # two masters must never share a backlog
+        self._lock_fd: int | None = lock_fd
         self._cond = threading.Condition(threading.RLock())
-        try:
-            durability = Durability(config.fsync)
+        with contextlib.ExitStack() as undo:  # nothing stays open when a part fails (a driver refusing its options)
+            undo.callback(os.close, lock_fd)
+            self.durability = durability = Durability(config.fsync)
             self.ids = TupleIdAllocator(self.root / "ids")
             self.dead = DeadLetterStore(self.root / "dead", durability)
-            self._durability = durability
             self.queue = BacklogQueue(
                 self.root / "queue",
                 dead=self.dead,
@@ -113,33 +134,27 @@ class Master:
                 max_attempts=config.max_attempts,
                 cond=self._cond,
             )
-        except BaseException:
-            os.close(self._lock_fd)
-            raise
-        self.registry = ChannelRegistry(
-            expiry_seconds=config.expiry_seconds,
-            reservation_seconds=config.reservation_seconds,
-            forget_seconds=config.forget_seconds,
-            concentrate=config.scaling == "elastic",
-        )
-        self.registry.offered_images.update(self.queue.images())
-        self.pending = PendingEnqueues(config.reservation_seconds)
-        self.stats = Stats()
-        self.history = History()
-        self.profile = Profile(config.profile_seconds, config.default_share)
-        self.metrics = MasterMetrics(self.figures) if config.metrics else None
-        self._waiters = 0
-        self._route_waiters: dict[str, collections.deque[_RouteWait]] = {}
-        self._stopping = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.listen_port = 0  # the port the server bound (set by the server module)
-        try:
+            undo.callback(self.queue.close)
+            self.registry = ChannelRegistry(
+                expiry_seconds=config.expiry_seconds,
+                reservation_seconds=config.reservation_seconds,
+                forget_seconds=config.forget_seconds,
+                concentrate=config.scaling == "elastic",
+            )
+            self.registry.offered_images.update(self.queue.images())
+            self.pending = PendingEnqueues(config.reservation_seconds)
+            self.stats = Stats()
+            self.history = History()
+            self.profile = Profile(config.profile_seconds, config.default_share)
+            self.metrics = MasterMetrics(self) if config.metrics else None
+            self._waiters = 0
+            self._route_waiters: dict[str, collections.deque[_RouteWait]] = {}
+            self._stopping = False
+            self._stop = threading.Event()
+            self._thread: threading.Thread | None = None
+            self.listen_port = 0  # the port the server bound (set by the server module)
             self.scaler = Scaler(self, open_provisioner(config, self.root)) if config.scaling == "elastic" else None
-        except BaseException:  # a driver that refuses its options: nothing may stay open
-            self.queue.close()
-            os.close(self._lock_fd)
-            raise
+            undo.pop_all()
 
     def start(self) -> Master:
         """Start the maintenance thread (expiry of workers, reservations and leases)."""
@@ -200,7 +215,7 @@ class Master:
                 log.exception("maintenance pass failed")
 
     def history_samples(self) -> list[Sample]:
-        """Throughput and latency over the last hour (:mod:`hio.master.history`), oldest first."""
+        """Throughput and latency over the last hour (:class:`~hio.master.stats.History`), oldest first."""
         with self._cond:
             return self.history.samples()
 
@@ -234,11 +249,11 @@ class Master:
         """Add or replace a worker; leases of its previous channels go back to the queue.
         ``elastic``: it runs the engines the plan gives it."""
         with self._cond:
-            if self.scaler is not None and not self.scaler.admits(worker_id):
+            if self.scaler is not None and not self.scaler.pool.admits(worker_id):
                 raise FailedPrecondition(f"worker {worker_id} was given back by the elastic scaler and is stopping")
             replaced = self.registry.register(worker_id, host, cpus, channels, elastic=elastic)
             if self.scaler is not None:
-                self.scaler.registered(worker_id)
+                self.scaler.pool.registered(worker_id)
             self._cond.notify_all()
         for channel_id in replaced:
             self.queue.void_leases(channel_id, "worker registered again")
@@ -289,12 +304,8 @@ class Master:
         force_queue: bool = False,
         wait_seconds: float = 0.0,
     ) -> master_pb2.RouteTuplesResponse:
-        """Assign ids (keeping those already routed) and decide where the batch goes.
-
-        With ``wait_seconds``, a batch that finds every channel busy (and
-        nothing of its image queued) waits for one, first come first served
-        among waiting batches, before it is sent to the queue.
-        """
+        """Assign ids (keeping those already routed) and decide where the batch goes, after
+        waiting up to ``wait_seconds`` for a busy channel (docs/architecture.md, "The data path")."""
         self._check_route(image, items)
         if not math.isfinite(wait_seconds) or not 0 <= wait_seconds <= MAX_PULL_WAIT:
             raise InvalidArgument(f"wait_seconds must be between 0 and {MAX_PULL_WAIT:g}, got {wait_seconds}")
@@ -327,37 +338,40 @@ class Master:
             reply.queue.lane_port = self.lane_port
         return reply
 
-    def _route_waiting(self, image: str, tuple_ids: list[int], force_queue: bool, wait_seconds: float) -> Route:
-        """The route, after waiting (lock held; the wait releases it) for a channel if allowed."""
+    def _route_waiting(
+        self, image: str, tuple_ids: list[int], force_queue: bool, wait_seconds: float
+    ) -> master_pb2.ChannelRoute | master_pb2.QueueRoute:
+        """The route, after waiting (lock held; the wait releases it) for a channel if allowed.
+        Direct only when nothing of the image is queued or on its way there: a newcomer must not
+        overtake tuples that arrived first; nor a waiting batch one that waits longer."""
         deadline = time.monotonic() + wait_seconds
         waiters = self._route_waiters.setdefault(image, collections.deque())
         token = _RouteWait(len(tuple_ids))
         waiters.append(token)
         try:
             while True:
-                first = waiters[0] is token
+                ready, on_the_way = self.queue.ready_count(image), self.pending.count(image)
                 decide_now = (
                     force_queue
                     or self._stopping
                     or time.monotonic() >= deadline
-                    or self.queue.ready_count(image) > 0
-                    or self.pending.count(image) > 0
+                    or ready > 0
+                    or on_the_way > 0
                     or not self.registry.serves(image)
                     or len(waiters) > self.config.pull_waiters
                 )
-                if first or decide_now:
-                    route = route_tuples(
-                        self.registry,
-                        self.pending,
-                        image=image,
-                        tuple_ids=tuple_ids,
-                        queue_waiting=self.queue.ready_count(image),
-                        queue_length=self.queue.length(image),
-                        force_queue=force_queue,
-                        may_wait=not decide_now,
-                    )
-                    if route is not None:
-                        return route
+                if waiters[0] is token or decide_now:
+                    channel = None if force_queue or ready or on_the_way else self.registry.reserve_free(image)
+                    if channel is not None:
+                        return master_pb2.ChannelRoute(
+                            channel_id=channel.channel_id,
+                            address=channel.address,
+                            reservation_seconds=self.registry.reservation_seconds,
+                            lane_address=channel.lane_address,
+                        )
+                    if decide_now:
+                        self.pending.add(image, tuple_ids)
+                        return master_pb2.QueueRoute(queue_length=self.queue.length(image) + on_the_way)
                 self._cond.wait(max(0.0, min(deadline - time.monotonic(), 1.0)))
         finally:
             waiters.remove(token)
@@ -435,10 +449,8 @@ class Master:
     ) -> Pulled | None:
         """Lease the head of the channel's image queue (and up to ``max_tuples`` tuples of at
         most ``max_bytes`` in all after it), waiting up to ``wait_seconds``; None if nothing.
-
-        ``alive`` is asked before leasing: a waiting pull whose caller has gone (its engine
-        died, its deadline passed) must not take a tuple it cannot deliver.
-        """
+        ``alive`` is asked before leasing: a waiting pull whose caller has gone (its engine died,
+        its deadline passed) must not take a tuple it cannot deliver."""
         if not math.isfinite(wait_seconds) or not 0 <= wait_seconds <= MAX_PULL_WAIT:
             raise InvalidArgument(f"wait_seconds must be between 0 and {MAX_PULL_WAIT:g}, got {wait_seconds}")
         if not 0 <= max_tuples <= MAX_PULL_TUPLES:
@@ -501,30 +513,6 @@ class Master:
         idle, which would otherwise wait for a tuple held by a busy one. Lock held."""
         return self.queue.has_lease(channel.channel_id) and self.registry.idle_elsewhere(channel, self.queue.has_lease)
 
-    def abandon(self, pulled: Pulled, reason: str, *, charge: bool = True) -> None:
-        """Void the leases of a pull whose stream broke; the tuples go back to the head of their
-        queue. Only those the stream had started to send are charged (``charge``): the rest
-        never left the master."""
-        voided = [
-            lease
-            for n, lease in reversed(list(enumerate(pulled.leases)))
-            if self.queue.void_lease(lease, reason, charge=charge and n < pulled.started)
-        ]
-        if not voided:
-            return
-        log.info(
-            "lease voided",
-            extra={
-                "tuple_id": pulled.lease.tuple_id,
-                "tuples": len(voided),
-                "channel": pulled.lease.channel_id,
-                "reason": reason,
-            },
-        )
-        with self._cond:
-            self._free_if_unleased(self.registry.channel(pulled.lease.channel_id))
-            self._cond.notify_all()
-
     def _free_if_unleased(self, channel: Channel | None) -> None:
         """A QUEUE channel that holds no lease (its pull ended, or its leases did) is FREE
         again. Lock held."""
@@ -541,12 +529,9 @@ class Master:
         pull_done: bool = False,
     ) -> bool:
         """Record outcomes, settle queued tuples, release the channel; True: pull the queue next.
-
-        ``processing`` is whether the channel is processing a tuple as it
-        reports: routing prefers free channels that are not. ``pull_done``
-        (with ``release``): the tuples the channel pulled and did not report
-        go back to the head of the queue, not charged.
-        """
+        ``processing``: the channel processes a tuple as it reports (routing prefers free channels
+        that do not). ``pull_done`` (with ``release``): what it pulled and did not report goes back
+        to the head of the queue, not charged."""
         if len(outcomes) > MAX_OUTCOMES:
             raise InvalidArgument(f"at most {MAX_OUTCOMES} outcomes per report, got {len(outcomes)}")
         for n, outcome in enumerate(outcomes):
@@ -635,7 +620,7 @@ class Master:
     def scaling(self) -> master_pb2.Scaling:
         """The plan, the workers, each image's engines and profile, the latest decisions."""
         with self._cond:
-            images = self._engines(self.queue.status())
+            images = self.engines(self.queue.status())
             if self.scaler is not None:
                 return self.scaler.report(images)
             return master_pb2.Scaling(
@@ -687,12 +672,6 @@ class Master:
             for image in images
         }
 
-    def dead_letters(self) -> list[DeadLetter]:
-        return self.dead.list(self.config.dead_list_limit)
-
-    def retry_dead_letter(self, tuple_id: int) -> None:
-        self.queue.retry_dead(tuple_id)
-
     def status(self) -> master_pb2.GetStatusResponse:
         """A consistent snapshot of everything an operator looks at."""
         with self._cond:
@@ -718,44 +697,12 @@ class Master:
                 dead_letters=dead,
                 warnings=self._warnings(queues, self.queue.used_bytes, dead),
                 last_tuple_id=self.ids.last_issued,
-                engines=self._engines(queues),
+                engines=self.engines(queues),
                 bytes_routed_direct=self.stats.bytes_routed_direct,
                 bytes_enqueued=self.stats.bytes_enqueued,
             )
 
-    def figures(self) -> MasterFigures:
-        """What the metrics show, in one short look under the lock (no disk, no network)."""
-        with self._cond:
-            queues = self.queue.status()
-            channels: collections.Counter[tuple[str, str]] = collections.Counter()
-            workers: collections.Counter[str] = collections.Counter()
-            for worker in self.registry.workers():
-                workers["live" if worker.live else "expired"] += 1
-                for channel in worker.channels.values():
-                    state = channel.state.name.lower() if worker.live else "down"
-                    channels[channel.image, state] += 1
-            engines = self._engines(queues)
-            return MasterFigures(
-                images=tuple(sorted({*self.config.images, *self.registry.offered_images, *self.queue.images()})),
-                routed=dict(self.stats.routed_by),
-                done=dict(self.stats.done_by),
-                failed=dict(self.stats.failed_by),
-                done_bytes=dict(self.stats.bytes_by),
-                queued={q.image: q.length for q in queues},
-                queued_bytes={q.image: q.bytes for q in queues},
-                leased={q.image: q.leased for q in queues},
-                queue_limit_bytes=self.config.queue_bytes,
-                dead_letters=len(self.dead),
-                channels=dict(channels),
-                workers=dict(workers),
-                engines_running={e.image: e.running for e in engines},
-                engines_wanted={e.image: e.wanted for e in engines},
-                workers_wanted=self.scaler.pool.wanted if self.scaler is not None else None,
-                workers_present=self.scaler.pool.present if self.scaler is not None else None,
-                sync_failed=bool(self._durability.disk.failure),
-            )
-
-    def _engines(self, queues: list[master_pb2.QueueStatus]) -> list[master_pb2.ImageEngines]:
+    def engines(self, queues: list[master_pb2.QueueStatus]) -> list[master_pb2.ImageEngines]:
         """Per image with engines, a profile, a queue or a wanted count: running and wanted
         engines (fixed sizing: wanted is what the workers run). Lock held."""
         running: collections.Counter[str] = collections.Counter()
@@ -792,8 +739,8 @@ class Master:
         its backlog's disk failed to sync, or no worker runs an engine for any image while
         nothing will start one (with elastic scaling the master starts workers as tuples
         come, so it is ready without any)."""
-        if self._durability.disk.failure:
-            return self._durability.disk.failure
+        if self.durability.disk.failure:
+            return self.durability.disk.failure
         with self._cond:
             if self.scaler is None and not self.registry.serves():
                 return "no worker runs an engine for any image (start a worker: hio worker)"
@@ -816,11 +763,16 @@ class Master:
             )
         if dead:
             warnings.append(f"{dead} dead letters (see `hio dead-letters`)")
-        if self._durability.disk.failure:
+        if self.durability.disk.failure:
             warnings.append(
-                f"{self._durability.disk.failure}; tuples with no free channel wait in their gateways' spools meanwhile"
+                f"{self.durability.disk.failure}; tuples with no free channel wait in their gateways' spools meanwhile"
             )
         return warnings
+
+
+# What a status tells of a channel: every field the registry's Channel and ChannelInfo share (and its state)
+_CHANNEL_FIELDS = {f.name for f in dataclasses.fields(Channel)} & set(master_pb2.ChannelInfo.DESCRIPTOR.fields_by_name)
+_CHANNEL_FIELDS.remove("state")
 
 
 def _worker_status(worker: Worker, age: float) -> master_pb2.WorkerStatus:
@@ -830,28 +782,50 @@ def _worker_status(worker: Worker, age: float) -> master_pb2.WorkerStatus:
         last_heartbeat_age_seconds=age,
         channels=[
             master_pb2.ChannelInfo(
-                channel_id=c.channel_id,
-                image=c.image,
-                address=c.address,
-                lane_address=c.lane_address,
-                # the registry's ChannelState has the proto enum's numbers
-                state=cast("master_pb2.ChannelState", int(c.state)),
-                detail=c.detail,
-                tuples_done=c.tuples_done,
-                bytes_direct=c.bytes_direct,
-                bytes_pulled=c.bytes_pulled,
-                processing=c.processing,
-                retiring=c.retiring,
+                **{name: getattr(c, name) for name in _CHANNEL_FIELDS},
+                state=cast("master_pb2.ChannelState", int(c.state)),  # the registry's has the proto enum's numbers
             )
             for c in worker.channels.values()
         ],
     )
 
 
+@dataclasses.dataclass(eq=False)  # found among the waiting ones by identity
 class _RouteWait:
     """A route request waiting for a channel (the predictor counts its tuples as backlog)."""
 
-    __slots__ = ("tuples",)
+    tuples: int
 
-    def __init__(self, tuples: int) -> None:
-        self.tuples = tuples
+
+class PendingEnqueues:
+    """Tuples routed to the queue that have not arrived there yet: image -> tuple id -> deadline.
+    An entry ends when its tuple is enqueued, or after ``ttl`` seconds (its sender gave up or
+    will route it again), so a lost sender cannot keep an image off direct routing for long.
+    Lock held."""
+
+    def __init__(self, ttl: float) -> None:
+        self._ttl = ttl
+        self._pending: dict[str, dict[int, float]] = {}
+
+    def add(self, image: str, tuple_ids: list[int]) -> None:
+        self._pending.setdefault(image, {}).update(dict.fromkeys(tuple_ids, time.monotonic() + self._ttl))
+
+    def arrived(self, image: str, tuple_id: int) -> None:
+        table = self._pending.get(image, {})
+        table.pop(tuple_id, None)
+        if not table:
+            self._pending.pop(image, None)
+
+    def count(self, image: str) -> int:
+        self.expire(image)
+        return len(self._pending.get(image, ()))
+
+    def expire(self, *images: str) -> None:
+        """Drop the entries past their deadline, of ``images`` (none: of every image)."""
+        now = time.monotonic()
+        for image in images or list(self._pending):
+            table = self._pending.get(image, {})
+            for tuple_id in [t for t, deadline in table.items() if deadline <= now]:
+                del table[tuple_id]
+            if not table:
+                self._pending.pop(image, None)

@@ -102,16 +102,10 @@ class DeadLetterStore:
             out.abort()
             raise
 
-    def latest(self, limit: int) -> list[DeadLetter]:
-        """At most ``limit`` dead letters, latest failure first."""
+    def list(self, limit: int, *, latest: bool = False) -> list[DeadLetter]:
+        """At most ``limit`` dead letters, oldest failure first (``latest``: latest first)."""
         with self._lock:
-            letters = sorted(self._letters.values(), key=lambda d: (d.failed_unix, d.tuple_id), reverse=True)
-        return letters[:limit]
-
-    def list(self, limit: int) -> list[DeadLetter]:
-        """At most ``limit`` dead letters, oldest failure first."""
-        with self._lock:
-            letters = sorted(self._letters.values(), key=lambda d: (d.failed_unix, d.tuple_id))
+            letters = sorted(self._letters.values(), key=lambda d: (d.failed_unix, d.tuple_id), reverse=latest)
         return letters[:limit]
 
     def get(self, tuple_id: int) -> DeadLetter | None:

@@ -1,24 +1,10 @@
 """Where engines run: online first-fit bin packing of engines onto workers (the seeds' IRM).
 
-Items are engines, sized by their image's profiled CPU share (cores); bins are
-workers in rank order (the order they joined), sized by their vCPUs less a
-safety margin. Packing is *online*: the last plan is where engines run, and a
-new plan changes it as little as it can, since every move stops one engine
-(drained) and starts another:
-
-1. Engines an image no longer wants come off the highest-ranked workers first.
-2. Engines it wants and lacks go to the first worker, in rank order, with room
-   for them (an empty worker always has room, so an engine larger than a whole
-   worker still runs somewhere). What fits nowhere is *unplaced*, and says how
-   many new workers of ``new_capacity`` would hold it.
-3. Then at most one worker is emptied: the highest-ranked one whose engines all
-   fit on lower-ranked workers moves them there, so it can be given back.
-
-Load thus concentrates on the lowest-ranked workers and the highest-ranked
-ones empty first. A worker that runs engines of its own (started with fixed
-``--engines``) is a bin whose contents count but never change.
-
-Pure logic: no clock, no I/O.
+As docs/elasticity.md ("The loop", step 3) says: the last plan is where engines run and the
+new one changes it as little as it can (every move stops one engine and starts another):
+surplus engines come off the highest-ranked workers, missing ones go to the first worker with
+room, largest first, then at most one worker is emptied onto lower-ranked ones. A worker with
+engines of its own is a bin whose contents count but never change. Pure logic: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -72,76 +58,68 @@ class Packer:
         for b in bins:
             source = b.fixed if b.fixed is not None else current.get(b.worker_id, {})
             placed[b.worker_id] = {image: n for image, n in source.items() if n > 0}
-        by_id = {b.worker_id: b for b in bins}
         elastic = [b for b in bins if b.fixed is None]
 
-        def load(worker: str) -> float:
-            return sum(sizes.get(image, 0.0) * n for image, n in placed[worker].items())
+        def count(image: str) -> int:
+            return sum(engines.get(image, 0) for engines in placed.values())
 
         images = sorted(set(wanted) | {image for engines in placed.values() for image in engines})
-        for image in images:  # 1. surplus off the highest-ranked workers
-            surplus = sum(engines.get(image, 0) for engines in placed.values()) - wanted.get(image, 0)
+        for image in images:  # surplus off the highest-ranked workers
+            surplus = count(image) - wanted.get(image, 0)
             for b in reversed(elastic):
                 if surplus <= 0:
                     break
                 take = min(surplus, placed[b.worker_id].get(image, 0))
                 _add(placed[b.worker_id], image, -take)
                 surplus -= take
-        unplaced: dict[str, int] = {}
-        for image in sorted(images, key=lambda i: (-sizes.get(i, 0.0), i)):  # 2. first fit, largest first
-            size = sizes.get(image, 0.0)
-            missing = wanted.get(image, 0) - sum(engines.get(image, 0) for engines in placed.values())
-            for _ in range(max(0, missing)):
-                target = next((b for b in elastic if _fits(load(b.worker_id), size, b.capacity)), None)
-                if target is None:
-                    unplaced[image] = unplaced.get(image, 0) + 1
-                else:
-                    _add(placed[target.worker_id], image, 1)
-        self._empty_one(placed, elastic, sizes)  # 3.
+        missing = {image: n for image in images if (n := wanted.get(image, 0) - count(image)) > 0}
+        unplaced = _first_fit(missing, sizes, [placed[b.worker_id] for b in elastic], [b.capacity for b in elastic])
+        for n in range(len(elastic) - 1, 0, -1):  # empty the highest-ranked worker in use if lower ones take it all
+            source = placed[elastic[n].worker_id]
+            if not source:
+                continue
+            lower = [dict(placed[b.worker_id]) for b in elastic[:n]]
+            if not _first_fit(source, sizes, lower, [b.capacity for b in elastic[:n]], onto_empty=False):
+                placed.update(zip([b.worker_id for b in elastic[:n]], lower, strict=True))
+                placed[elastic[n].worker_id] = {}
+            break  # only the highest-ranked worker in use is tried: emptying one lower would not free it
+        new_bins: list[dict[str, int]] = [{} for _ in range(sum(unplaced.values()))]
+        _first_fit(unplaced, sizes, new_bins, [new_capacity] * len(new_bins))
         return Plan(
             engines={b.worker_id: placed[b.worker_id] for b in bins},
-            load={worker: round(load(worker), 6) for worker in by_id},
+            load={
+                b.worker_id: round(sum(sizes.get(i, 0.0) * c for i, c in placed[b.worker_id].items()), 6) for b in bins
+            },
             unplaced=unplaced,
-            new_bins=_bins_for(unplaced, sizes, new_capacity),
+            new_bins=sum(1 for engines in new_bins if engines),
         )
 
-    @staticmethod
-    def _empty_one(placed: dict[str, dict[str, int]], elastic: list[Bin], sizes: Mapping[str, float]) -> None:
-        """Move the engines of the highest-ranked worker whose engines all fit on lower-ranked
-        workers onto them (first fit), if there is such a worker."""
-        for n in range(len(elastic) - 1, 0, -1):
-            source = elastic[n]
-            items = sorted(
-                ((image, count) for image, count in placed[source.worker_id].items() if count),
-                key=lambda item: -sizes.get(item[0], 0.0),
+
+def _first_fit(
+    engines: Mapping[str, int],
+    sizes: Mapping[str, float],
+    bins: list[dict[str, int]],
+    capacities: list[float],
+    onto_empty: bool = True,
+) -> dict[str, int]:
+    """Place ``engines`` (image -> count), largest first (ties in their order), each onto the
+    first of ``bins`` (changed in place) with room for it; an empty bin has room unless
+    ``onto_empty`` is false. The engines that fit nowhere, per image."""
+    loads = [sum(sizes.get(image, 0.0) * n for image, n in engines_of.items()) for engines_of in bins]
+    unplaced: dict[str, int] = {}
+    for image in sorted(engines, key=lambda i: -sizes.get(i, 0.0)):
+        size = sizes.get(image, 0.0)
+        for _ in range(engines[image]):
+            target = next(
+                (n for n, load in enumerate(loads) if (onto_empty or load > 0) and _fits(load, size, capacities[n])),
+                None,
             )
-            if not items:
-                continue
-            trial = {b.worker_id: dict(placed[b.worker_id]) for b in elastic[:n]}
-            loads = {w: sum(sizes.get(i, 0.0) * c for i, c in engines.items()) for w, engines in trial.items()}
-            ok = True
-            for image, count in items:
-                size = sizes.get(image, 0.0)
-                for _ in range(count):
-                    target = next(
-                        (
-                            b
-                            for b in elastic[:n]
-                            if loads[b.worker_id] > 0 and _fits(loads[b.worker_id], size, b.capacity)
-                        ),
-                        None,
-                    )
-                    if target is None:
-                        ok = False
-                        break
-                    _add(trial[target.worker_id], image, 1)
-                    loads[target.worker_id] += size
-                if not ok:
-                    break
-            if ok:
-                placed.update(trial)
-                placed[source.worker_id] = {}
-            return  # only the highest-ranked worker in use is tried: emptying one lower would not free it
+            if target is None:
+                unplaced[image] = unplaced.get(image, 0) + 1
+            else:
+                _add(bins[target], image, 1)
+                loads[target] += size
+    return unplaced
 
 
 def _fits(load: float, size: float, capacity: float) -> bool:
@@ -153,21 +131,6 @@ def _add(engines: dict[str, int], image: str, n: int) -> None:
     engines[image] = engines.get(image, 0) + n
     if engines[image] <= 0:
         del engines[image]
-
-
-def _bins_for(unplaced: Mapping[str, int], sizes: Mapping[str, float], capacity: float) -> int:
-    """How many empty workers of ``capacity`` first fit needs for the unplaced engines."""
-    loads: list[float] = []
-    for image in sorted(unplaced, key=lambda i: (-sizes.get(i, 0.0), i)):
-        size = sizes.get(image, 0.0)
-        for _ in range(unplaced[image]):
-            for n, used in enumerate(loads):
-                if _fits(used, size, capacity):
-                    loads[n] = used + size
-                    break
-            else:
-                loads.append(size)
-    return len(loads)
 
 
 def headroom(workers: int) -> int:

@@ -1,14 +1,7 @@
-"""The knowledge preview the master's status page shows: what KD last wrote to the
-repository (a summary of the knowledge and its preview image), asked of the repository over
-gRPC (``GetKnowledge``, and ``GetPreview`` when the knowledge changed) with a short timeout.
-
-A look at the preview never waits for the repository: it answers what is cached, and when
-that is older than :data:`REFRESH_SECONDS` starts one fetch on a thread of its own. So the
-repository is asked only while someone looks, at most once per interval, and a repository
-that does not answer costs a page nothing but the words that say so.
-
-The master presents its own token (``token_file`` or ``token``) to the repository: one
-of a role that may read the knowledge (``viewer``, or ``admin``).
+"""The knowledge preview the master's status page shows: what KD last wrote to the repository,
+fetched on a thread of its own and cached (docs/monitoring.md, "The master's status page"). A
+look never waits for the repository, and the repository is asked only while someone looks, at
+most once per :data:`REFRESH_SECONDS`, with the master's own token.
 """
 
 from __future__ import annotations

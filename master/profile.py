@@ -1,20 +1,9 @@
-"""What one engine of each image costs: its CPU share, and its processing rate.
+"""What one engine of each image costs: its CPU share, and its processing rate
+(docs/elasticity.md, "The loop", step 1).
 
-Workers report each engine's cumulative CPU seconds in every heartbeat, with
-the seconds its threads waited for a CPU (on a crowded worker an engine gets
-less than it would use: the sum is what it would have used with the cores to
-itself, :mod:`hio.worker.cpu`); the difference between two heartbeats over the
-time between them is the share of a core the engine used. An image's share is the mean over its engines within the
-profiling window (CPU seconds of all its engines over the engine-seconds they
-were watched), so one busy and one idle engine count as half a core each: the
-size the packer gives each engine of the image. An image not measured yet has
-the default share (0.125 in the seeds' resource manager: eight to a core, until
-the profile knows better).
-
-The engines' per-tuple ``processing_seconds`` give each image's rate: CPU
-seconds per tuple and tuples per second over the same window.
-
-Not thread-safe: the master calls it under its lock.
+An image's share is its engines' CPU seconds (used and waited for) over the engine-seconds they
+were watched within the window, so one busy and one idle engine count as half a core each; an
+image not measured yet has the default share. Not thread-safe: the master calls it under its lock.
 """
 
 from __future__ import annotations
@@ -34,13 +23,6 @@ class ImageProfile:
     tuples_per_second: float
 
 
-@dataclasses.dataclass
-class _Reading:
-    image: str
-    cpu_seconds: float
-    at: float
-
-
 class Profile:
     """CPU shares and processing rates per image over a moving window of ``window`` seconds."""
 
@@ -48,7 +30,7 @@ class Profile:
         self.window = window
         self.default_share = default_share
         self._clock = clock
-        self._last: dict[str, _Reading] = {}  # channel -> its previous reading
+        self._last: dict[str, tuple[str, float, float]] = {}  # channel -> its previous (image, cpu s, at)
         self._cpu: dict[str, collections.deque[tuple[float, float, float]]] = {}  # image -> (at, cpu s, wall s)
         self._done: dict[str, collections.deque[tuple[float, float]]] = {}  # image -> (at, processing s)
         self._known: dict[str, float] = {}  # image -> last measured share (outlives the window)
@@ -59,10 +41,10 @@ class Profile:
         engine process (restarted, or a channel id used again): only the next difference counts."""
         now = self._clock()
         last = self._last.get(channel_id)
-        self._last[channel_id] = _Reading(image, cpu_seconds, now)
-        if last is None or last.image != image:
+        self._last[channel_id] = (image, cpu_seconds, now)
+        if last is None or last[0] != image:
             return
-        used, wall = cpu_seconds - last.cpu_seconds, now - last.at
+        used, wall = cpu_seconds - last[1], now - last[2]
         if used < 0 or wall <= 0:
             return
         samples = self._cpu.setdefault(image, collections.deque())

@@ -151,19 +151,11 @@ class ChannelRegistry:
             self._channels.pop(channel_id, None)
         channels: dict[str, Channel] = {}
         for spec in specs:
-            previous = self._channels.pop(spec.channel_id, None)  # taken over from an expired worker
-            if previous is not None:
-                self._workers[previous.worker_id].channels.pop(spec.channel_id, None)
-                replaced.append(spec.channel_id)
             kept = old.channels.get(spec.channel_id) if old else None  # its counters live on
-            channel = self._new_channel(worker_id, spec, now)
+            channel = channels[spec.channel_id] = self._new_channel(worker_id, spec, now, replaced)
             if kept is not None:
-                channel.tuples_done, channel.bytes_direct, channel.bytes_pulled = (
-                    kept.tuples_done,
-                    kept.bytes_direct,
-                    kept.bytes_pulled,
-                )
-            channels[spec.channel_id] = channel
+                for name in ("tuples_done", "bytes_direct", "bytes_pulled"):
+                    setattr(channel, name, getattr(kept, name))
         self._workers[worker_id] = Worker(
             worker_id=worker_id,
             host=host[:MAX_NAME],
@@ -194,8 +186,13 @@ class ChannelRegistry:
             if other is not None and other.worker_id != worker_id and self._workers[other.worker_id].live:
                 raise AlreadyExists(f"channel {spec.channel_id} belongs to live worker {other.worker_id}")
 
-    def _new_channel(self, worker_id: str, spec: master_pb2.ChannelInfo, now: float) -> Channel:
-        """A channel as announced, entered in the index (not yet in its worker's table)."""
+    def _new_channel(self, worker_id: str, spec: master_pb2.ChannelInfo, now: float, replaced: list[str]) -> Channel:
+        """A channel as announced, entered in the index (not yet in its worker's table); one of an
+        expired worker's it takes over goes from that worker, its id to ``replaced``."""
+        previous = self._channels.get(spec.channel_id)
+        if previous is not None:
+            self._workers[previous.worker_id].channels.pop(spec.channel_id, None)
+            replaced.append(spec.channel_id)
         self._next_seq += 1
         channel = Channel(
             channel_id=spec.channel_id,
@@ -230,11 +227,7 @@ class ChannelRegistry:
         for spec in specs:
             known = worker.channels.get(spec.channel_id)
             if known is None:
-                previous = self._channels.get(spec.channel_id)  # of an expired worker: taken over
-                if previous is not None:
-                    self._workers[previous.worker_id].channels.pop(spec.channel_id, None)
-                    removed.append(spec.channel_id)
-                channel = worker.channels[spec.channel_id] = self._new_channel(worker_id, spec, now)
+                channel = worker.channels[spec.channel_id] = self._new_channel(worker_id, spec, now, removed)
                 self._offer(channel)
                 added.append(spec.channel_id)
             elif known.address != spec.address or known.lane_address != spec.lane_address:

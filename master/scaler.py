@@ -1,34 +1,12 @@
 """The elastic control loop (``scaling = "elastic"``): how many engines of each image run,
-and where.
+and where (docs/elasticity.md, "The loop" and "Restarts").
 
-Every ``predict_interval`` the scaler looks at each image's backlog and idle
-engines under the master's lock, and the :class:`DemandPredictor` changes the
-image's wanted engine count (an operator's pinned count overrides it). Every
-``packing_interval`` the :class:`Packer` places the wanted engines onto the live
-workers, each engine sized by its image's profiled CPU share, each worker by
-its vCPUs less ``pack_margin``: the plan.
-
-An elastic worker learns its part of the plan in each heartbeat answer and
-starts engines until it runs that many. Engines the plan no longer has are
-*retired*: routing and pulls pass them by, and once one holds nothing (no
-reservation or direct stream, no lease, no tuple in progress) the heartbeat
-answer tells its worker to stop it, which the engine does gracefully. A
-worker that runs engines of its own (fixed ``--engines``) is packed around,
-never changed.
-
-After each packing the :class:`~hio.master.workers.WorkerPool` sizes the
-cluster: workers the plan uses plus headroom, within min and max, through the
-provisioner (``provisioner``).
-
-Every decision is logged on one line with its reason and kept, the latest
-:data:`MAX_DECISIONS`, for ``hio scale``. The scaler's state is the master's:
-it is read and changed under the master's lock, so a heartbeat answer and a
-status snapshot see one consistent plan. What must survive a restart (wanted
-and pinned counts, the plan, worker ranks, the workers asked for, the bounds
-an operator set, the images' last measured shares) is saved in
-``<data_dir>/master/scaling.json`` with an atomic write whenever it changes; a
-restarted master reads it, adopts the provisioner's workers, and waits
-``expiry_seconds`` for live workers to register again before it packs.
+Each look the :class:`DemandPredictor` changes the wanted counts (an operator's pinned count
+wins), the :class:`Packer` places them onto the live workers (the plan), channels the plan no
+longer has are retired, and the :class:`~hio.master.workers.WorkerPool` sizes the cluster. The
+scaler's state is the master's: read and changed under the master's lock, so a heartbeat answer
+and a status snapshot see one consistent plan; what must survive a restart is saved in
+``<data_dir>/master/scaling.json``.
 """
 
 from __future__ import annotations
@@ -41,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from hio.master.demand import DemandPredictor, ImageLoad, PredictorPolicy, engines_word
+from hio.master.demand import DemandPredictor, ImageLoad, engines_word
 from hio.master.packer import Bin, Packer, Plan
 from hio.master.provisioners import Provisioner
 from hio.master.registry import Channel, ChannelRegistry, ChannelState, Worker
@@ -51,7 +29,6 @@ from hio.storage.files import atomic_write
 from hio.transport.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from hio.master.config import MasterConfig
     from hio.master.core import Master
 
 log = logging.getLogger("hio.master.scaler")
@@ -105,19 +82,6 @@ def worker_plans(
     return sorted(plans, key=lambda p: p.rank)
 
 
-def predictor_policy(config: MasterConfig) -> PredictorPolicy:
-    return PredictorPolicy(
-        upper_rate=config.upper_rate,
-        lower_rate=config.lower_rate,
-        slowdown_rate=config.slowdown_rate,
-        queue_limit=config.queue_limit,
-        large_step=config.large_step,
-        small_step=config.small_step,
-        cooldown_seconds=config.cooldown_seconds,
-        idle_seconds=config.engine_idle_seconds,
-    )
-
-
 class Scaler:
     """Wanted engines per image, decided from the load (see the module's words)."""
 
@@ -129,7 +93,7 @@ class Scaler:
     ) -> None:
         self._master = master
         self.config = master.config
-        self.predictor = DemandPredictor(predictor_policy(self.config), clock)
+        self.predictor = DemandPredictor(self.config, clock)
         self.wanted: dict[str, int] = {}  # the predictor's counts
         self.pinned: dict[str, int] = {}  # an operator's counts, which win
         self.decisions: collections.deque[master_pb2.ScalingDecision] = collections.deque(maxlen=MAX_DECISIONS)
@@ -173,7 +137,7 @@ class Scaler:
         packing is due (not while workers may still be registering after a restart)."""
         actions: list[Action] = []
         with self._master.lock:
-            loads = self._master.image_loads(self.predictor.policy.idle_seconds)
+            loads = self._master.image_loads(self.config.engine_idle_seconds)
             self._predict(loads)
             now = self._clock()
             if now >= self._settle_until and now - self._packed_at >= self.config.packing_interval:
@@ -189,7 +153,6 @@ class Scaler:
         self._carry_out(actions)
 
     def _replan(self) -> list[Action]:
-        """Lock held."""
         self._packed_at = self._clock()
         plan = self.pack()
         self._retire()
@@ -203,7 +166,6 @@ class Scaler:
             self.pool.act(actions, self._master.worker_master_address(), self.config.worker_token())
 
     def _predict(self, loads: dict[str, ImageLoad]) -> None:
-        """Lock held."""
         for image, load in sorted(loads.items()):
             if image in self.pinned:
                 continue
@@ -363,14 +325,6 @@ class Scaler:
     def _full(self, image: str) -> bool:
         """Engines of ``image`` already wait for room and no more workers can come. Lock held."""
         return bool(self.last_plan and self.last_plan.unplaced.get(image)) and not self.pool.room()
-
-    def admits(self, worker_id: str) -> bool:
-        """False for a worker given back a moment ago (it is being stopped). Lock held."""
-        return self.pool.admits(worker_id)
-
-    def registered(self, worker_id: str) -> None:
-        """A worker registered (again). Lock held."""
-        self.pool.registered(worker_id)
 
     def state(self) -> dict[str, Any]:
         """What a restarted master needs (lock held)."""

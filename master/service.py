@@ -192,7 +192,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.ListDeadLettersRequest, context: grpc.ServicerContext
     ) -> master_pb2.ListDeadLettersResponse:
         return master_pb2.ListDeadLettersResponse(
-            dead_letters=[dead_letter_message(d) for d in self._master.dead_letters()]
+            dead_letters=[dead_letter_message(d) for d in self._master.dead.list(self._master.config.dead_list_limit)]
         )
 
     @grpc_errors
@@ -218,7 +218,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def RetryDeadLetter(
         self, request: master_pb2.RetryDeadLetterRequest, context: grpc.ServicerContext
     ) -> master_pb2.RetryDeadLetterResponse:
-        self._master.retry_dead_letter(request.tuple_id)
+        self._master.queue.retry_dead(request.tuple_id)
         return master_pb2.RetryDeadLetterResponse()
 
 

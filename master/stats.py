@@ -1,4 +1,6 @@
-"""Counters and throughput over the last minute. Not thread-safe (master lock)."""
+"""Counters, throughput over the last minute, and the last hour's throughput and latency for
+the status page's charts (:class:`History`: one sample every :data:`SAMPLE_SECONDS`, the latest
+:data:`SAMPLES`, taken from the counters). Not thread-safe (master lock)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,14 @@ import time
 from collections.abc import Callable
 
 WINDOW_SECONDS = 60
+SAMPLE_SECONDS = 10.0
+SAMPLES = 360  # one hour
 
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
     tuples_per_second: float
     bytes_per_second: float
-    mean_latency_seconds: float  # accepted at a gateway -> features stored, last minute (0 if unknown)
 
 
 class Stats:
@@ -37,8 +40,7 @@ class Stats:
         self.done_by: collections.Counter[str] = collections.Counter()  # image -> tuples stored
         self.failed_by: collections.Counter[str] = collections.Counter()  # image -> tuples failed
         self.bytes_by: collections.Counter[str] = collections.Counter()  # image -> bytes of tuples stored
-        # second -> [tuples, bytes, latency sum, latency count]
-        self._buckets: collections.OrderedDict[int, list[float]] = collections.OrderedDict()
+        self._buckets: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # second -> [tuples, bytes]
 
     def routed(self, *, direct: bool, count: int, size: int, image: str = "") -> None:
         """A route for ``count`` tuples of ``image`` and ``size`` payload bytes in all."""
@@ -67,34 +69,27 @@ class Stats:
         bucket[0] += 1
         bucket[1] += size
         if latency is not None and latency >= 0:
-            bucket[2] += latency
-            bucket[3] += 1
             self.latency_sum += latency
             self.latency_count += 1
 
     def rates(self) -> Rates:
         now = self._clock()
         self._trim(now)
-        tuples = sum(b[0] for b in self._buckets.values())
-        size = sum(b[1] for b in self._buckets.values())
-        lat_sum = sum(b[2] for b in self._buckets.values())
-        lat_n = sum(b[3] for b in self._buckets.values())
         span = min(float(WINDOW_SECONDS), max(1.0, now - self.started))
         return Rates(
-            tuples_per_second=tuples / span,
-            bytes_per_second=size / span,
-            mean_latency_seconds=lat_sum / lat_n if lat_n else 0.0,
+            tuples_per_second=sum(b[0] for b in self._buckets.values()) / span,
+            bytes_per_second=sum(b[1] for b in self._buckets.values()) / span,
         )
 
     def uptime(self) -> float:
         return self._clock() - self.started
 
-    def _bucket(self) -> list[float]:
+    def _bucket(self) -> list[int]:
         now = self._clock()
         second = int(now)
         bucket = self._buckets.get(second)
         if bucket is None:
-            bucket = self._buckets[second] = [0.0, 0.0, 0.0, 0.0]
+            bucket = self._buckets[second] = [0, 0]
             self._trim(now)
         return bucket
 
@@ -102,3 +97,43 @@ class Stats:
         oldest = int(now) - WINDOW_SECONDS
         while self._buckets and next(iter(self._buckets)) <= oldest:
             self._buckets.popitem(last=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One interval's figures."""
+
+    unix: float  # when the interval ended
+    tuples_per_second: float  # tuples stored
+    latency_seconds: float | None  # mean acceptance-to-stored of those tuples; None: no tuple told it
+
+
+class History:
+    """A ring of :class:`Sample`; :meth:`observe` is called often and samples when due."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._wall = wall
+        self._samples: collections.deque[Sample] = collections.deque(maxlen=SAMPLES)
+        self._last: tuple[float, int, float, int] | None = None  # (clock, done, latency sum, latency count)
+
+    def observe(self, stats: Stats) -> None:
+        """Take a sample if :data:`SAMPLE_SECONDS` passed since the last one (the first call
+        only marks the start)."""
+        now = self._clock()
+        totals = (now, stats.tuples_done, stats.latency_sum, stats.latency_count)
+        if self._last is None:
+            self._last = totals
+            return
+        elapsed = now - self._last[0]
+        if elapsed < SAMPLE_SECONDS:
+            return
+        done = totals[1] - self._last[1]
+        timed = totals[3] - self._last[3]
+        latency = (totals[2] - self._last[2]) / timed if timed else None
+        self._samples.append(Sample(self._wall(), done / elapsed, latency))
+        self._last = totals
+
+    def samples(self) -> list[Sample]:
+        """Oldest first."""
+        return list(self._samples)

@@ -1,24 +1,12 @@
-"""The master's live status page, served by its HTTP endpoint (:mod:`hio.transport.http`)
-beside ``/metrics``::
-
-    /               the page: HTML with its CSS, script and charts inline, nothing from
-                    elsewhere (its Content-Security-Policy says so to the browser); it asks
-                    for /status.json every few seconds and redraws itself
-    /status.json    one look at the master: ``status`` (as ``hio status --json`` prints it),
-                    ``scaling`` (as ``hio scale --json``; null with fixed scaling), the
-                    ``history`` of the last hour, the latest ``dead_letters``, the knowledge
-                    ``preview``'s state and summary
-    /preview.png    the repository's preview image as the master last fetched it
-
-Readers are those of ``/metrics`` (``viewer``, ``admin``); a browser signs in once with its
-token (:func:`hio.transport.http.login_form`). A look never holds up the data path: the
-master's lock is held only to copy the status, the plan and the history (the same short looks
-``GetStatus`` and ``GetScaling`` take), everything is encoded after, and the repository is
-asked on a thread of its own (:class:`~hio.master.preview.KnowledgePreview`).
+"""The master's live status page, served by its HTTP endpoint beside ``/metrics``: ``/`` (the
+page, everything inline), ``/status.json`` (what it polls) and ``/preview.png``. What each holds,
+who may read them, and why a look never holds up the data path (the master's lock is held only
+to copy the status, the plan and the history): docs/monitoring.md, "The master's status page".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -30,9 +18,9 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from hio.master.core import Master
-from hio.master.history import SAMPLE_SECONDS
 from hio.master.preview import KnowledgePreview, Preview
 from hio.master.service import dead_letter_message
+from hio.master.stats import SAMPLE_SECONDS
 from hio.transport.http import METRICS_ROLES, Reply, Route, html_page, text
 
 LATEST_DEAD_LETTERS = 10
@@ -81,7 +69,7 @@ class StatusPage:
         status = master.status()
         scaling = master.scaling() if master.scaler is not None else None
         samples = master.history_samples()
-        dead = master.dead.latest(LATEST_DEAD_LETTERS)
+        dead = master.dead.list(LATEST_DEAD_LETTERS, latest=True)
         if scaling is not None:
             del scaling.decisions[:-LATEST_DECISIONS]
         return {
@@ -98,12 +86,5 @@ class StatusPage:
 
 
 def _preview_json(preview: Preview, address: str) -> dict[str, Any]:
-    return {
-        "repository": address,
-        "state": preview.state,
-        "message": preview.message,
-        "checked_unix": preview.checked_unix,
-        "since_unix": preview.since_unix,
-        "summary": preview.summary,
-        "version": preview.version if preview.png is not None else "",
-    }
+    shown = {name: value for name, value in dataclasses.asdict(preview).items() if name not in ("png", "digest")}
+    return {"repository": address, **shown, "version": preview.version if preview.png is not None else ""}

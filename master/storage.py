@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from hio.config import FSYNC_POLICIES
 from hio.storage.files import DiskFailure
 from hio.storage.segmentlog import UNSYNCED_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
 class Durability:
-    """The master's fsync policy: 'always', 'batch' or 'never' (see :mod:`hio.storage.segmentlog`;
-    'batch' rounds every ``interval`` seconds, with at most ``unsynced_limit`` bytes waiting for
-    one), and its :class:`DiskFailure`: the final refusal after a failed fsync of any of them."""
+    """The master's fsync policy: 'always', 'batch' or 'never' (see :mod:`hio.storage.segmentlog`,
+    which refuses others; 'batch' rounds every ``interval`` seconds, with at most
+    ``unsynced_limit`` bytes waiting for one), and its :class:`DiskFailure`: the final refusal
+    after a failed fsync of any of them."""
 
     policy: str
     interval: float = 0.1
@@ -22,10 +22,6 @@ class Durability:
     disk: DiskFailure = dataclasses.field(
         default_factory=lambda: DiskFailure(disk="the backlog's disk", owner="master")
     )
-
-    def __post_init__(self) -> None:
-        if self.policy not in FSYNC_POLICIES:
-            raise ValueError(f"unknown fsync policy {self.policy!r}")
 
     @property
     def syncs(self) -> bool:

@@ -1,26 +1,8 @@
 """How many workers the elastic cluster has: asked for, adopted and given back through a
-:class:`~hio.master.provisioners.Provisioner`.
-
-The target is the workers the plan uses (engines placed, plus new workers for
-the engines that fit nowhere) and some headroom for load that arrives before a
-new worker could boot (:func:`hio.master.packer.headroom`), within
-``min_workers`` and ``max_workers``. Workers started by hand count as present
-but are never given back. Below the target the pool asks the provisioner for
-more; above it, it gives back the highest-ranked worker it asked for that has
-run no engine for ``worker_grace_seconds`` (the plan moved its engines away
-and they were stopped drained, so giving it back loses nothing).
-
-A worker asked for is recorded before the provisioner is asked (the scaler's
-saved state), so a master that restarts knows it; the provisioner's
-:meth:`adopt` lists what really exists, and anything it finds that the record
-lacks is adopted too: a worker is adopted or given back, never leaked. One
-that fails to boot, does not register within ``provision_timeout``, or
-vanishes is given back and, if still needed, asked for again.
-
-A driver call its cloud refuses or fails (:class:`ProvisionError`: a quota,
-an image deleted since start-up, a cloud that does not answer) is logged and
-the loop goes on; after a creation that failed no worker is asked for during a
-back-off that doubles with each failure in a row (:data:`RETRY_SECONDS` up to
+:class:`~hio.master.provisioners.Provisioner` (docs/elasticity.md, "The loop" step 5 and
+"Restarts"). A worker asked for is recorded before the provisioner is asked, so a worker is
+adopted or given back, never leaked; after a creation that failed no worker is asked for
+during a back-off (:data:`RETRY_SECONDS`, doubled with each failure in a row up to
 :data:`MAX_RETRY_SECONDS`), so a full quota is not asked again every poll.
 """
 
@@ -52,7 +34,7 @@ class Provisioned:
 
     worker_id: str
     rank: int
-    created_unix: float
+    created_unix: float = dataclasses.field(default_factory=time.time)
     registered: bool = False
     empty_since: float | None = None  # monotonic: since when it runs no engine (not saved)
     lost_since: float | None = None  # monotonic: since when it is not a live worker (not saved)
@@ -148,9 +130,7 @@ class WorkerPool:
         worker_id = f"{self.config.worker_prefix}-{self.next_worker}"
         self.next_worker += 1
         rank = self.registry.rank(worker_id)  # after every worker known so far
-        self.provisioned[worker_id] = Provisioned(
-            worker_id=worker_id, rank=rank, created_unix=time.time(), lost_since=self._clock()
-        )
+        self.provisioned[worker_id] = Provisioned(worker_id=worker_id, rank=rank, lost_since=self._clock())
         self._decide(worker_id, "create worker", why)
         return Action("create", worker_id)
 
@@ -255,10 +235,7 @@ class WorkerPool:
                 self._decide(worker_id, "forget worker", "the provisioner has no such worker any more")
             for worker_id in sorted(there - set(self.provisioned)):
                 self.provisioned[worker_id] = Provisioned(
-                    worker_id=worker_id,
-                    rank=self.registry.rank(worker_id),
-                    created_unix=time.time(),
-                    lost_since=self._clock(),
+                    worker_id=worker_id, rank=self.registry.rank(worker_id), lost_since=self._clock()
                 )
                 self._decide(worker_id, "adopt worker", "the provisioner runs it, the saved state did not have it")
             for worker_id in sorted(there & set(self.provisioned)):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hio.config import FSYNC_POLICIES, ConfigError, check_address, one_of, positive, same_port, setting
+from hio.config import FSYNC_POLICIES, ConfigError, between, check_address, one_of, positive, same_port, setting
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, ClusterSettings, MiB
 
 HTTP_LISTEN = "127.0.0.1:7180"  # where the role's HTTP endpoint listens by default
@@ -56,21 +56,11 @@ class RepositoryConfig(ClusterSettings):
         if self.http_listen and same_port(self.http_listen, self.listen):
             raise ConfigError(f"http_listen {self.http_listen} takes listen's port: choose another")
         one_of("fsync", self.fsync, FSYNC_POLICIES)
-        if self.fsync_interval_ms < 0 or self.fsync_interval_ms > 10_000:
-            raise ConfigError(f"fsync_interval_ms must be between 0 and 10000, got {self.fsync_interval_ms}")
-        for name in (
-            "segment_bytes",
-            "max_record_bytes",
-            "max_decompressed_bytes",
-            "read_batch_records",
-            "read_batch_bytes",
-            "max_consumers",
-            "max_workers",
-        ):
+        between("fsync_interval_ms", self.fsync_interval_ms, 0, 10_000)
+        between("segment_bytes", self.segment_bytes, 64 * 1024, unit=" bytes")
+        for name in ("max_record_bytes", "max_decompressed_bytes", "read_batch_bytes", "max_consumers", "max_workers"):
             positive(name, getattr(self, name))
-        self._validate_sizes()
-
-    def _validate_sizes(self) -> None:
+        between("read_batch_records", self.read_batch_records, 1, 100_000)
         # Imported here: hio.transport.net imports grpc, which the CLI should not pay for to parse flags.
         from hio.transport.net import message_limit
 
@@ -82,7 +72,3 @@ class RepositoryConfig(ClusterSettings):
             )
         if self.read_batch_bytes > limit:
             raise ConfigError(f"read_batch_bytes ({self.read_batch_bytes}) must be at most {limit}")
-        if self.segment_bytes < 64 * 1024:
-            raise ConfigError(f"segment_bytes must be at least 64 KiB, got {self.segment_bytes}")
-        if self.read_batch_records > 100_000:
-            raise ConfigError(f"read_batch_records must be at most 100000, got {self.read_batch_records}")

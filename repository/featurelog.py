@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from hio.repository.index import Location, OffsetIndex
@@ -42,6 +42,7 @@ log = logging.getLogger("hio.repository")
 
 _LOOKUP_CHUNK = 1024  # offsets resolved per lock acquisition when reading
 _READ_RUN_BYTES = 4 * 1024 * 1024  # adjacent records fetched with one pread, up to this much
+WANTED_CHECK_SECONDS = 1.0  # a waiting wait_beyond asks this often whether its caller still wants the answer
 
 
 class CorruptSegment(DataLoss):
@@ -208,8 +209,9 @@ class FeatureLog:
             raise Unavailable(f"the repository cannot start a new segment: {exc.strerror}") from None
         self._index.begin_segment(first)
 
-    def append(self, items: Sequence[tuple[int, bytes]]) -> list[Appended]:
-        """Append (tuple_id, payload) records whose ids are not stored yet.
+    def _append(self, items: Sequence[tuple[int, bytes]]) -> list[Appended]:
+        """Append (tuple_id, payload) records whose ids are not stored yet (checked by
+        :meth:`~hio.repository.store.FeatureStore.put` first).
 
         Ids already stored (or repeated within ``items``) get their existing
         offset and ``duplicate=True``; nothing is written for them. Returns
@@ -321,7 +323,6 @@ class FeatureLog:
             raise Unavailable(f"the repository cannot persist features: {exc.strerror}") from None
         return target
 
-    @property
     def latest(self) -> int:
         """Highest offset readers may see; 0 when empty.
 
@@ -333,19 +334,20 @@ class FeatureLog:
         with self._lock:
             return self._readable_locked()
 
-    def wait_beyond(self, offset: int, seconds: float) -> int:
-        """:attr:`latest` once it passes ``offset``, or when ``seconds`` pass: a follower's
-        long poll, woken by the append or fsync round that makes a record readable.
-        Unavailable when the log closes first."""
+    def wait_beyond(self, offset: int, seconds: float, wanted: Callable[[], bool] = lambda: True) -> int:
+        """:meth:`latest` once it passes ``offset``, when ``seconds`` pass, or once ``wanted()``
+        (asked every :data:`WANTED_CHECK_SECONDS`) says the caller has gone: a follower's long
+        poll, woken by the append or fsync round that makes a record readable. Unavailable when
+        the log closes first."""
         deadline = time.monotonic() + seconds
         with self._lock:
             while (latest := self._readable_locked()) <= offset:
                 if self._closed:
                     raise Unavailable("the repository is shutting down")
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or not wanted():
                     break
-                self._grew.wait(left)
+                self._grew.wait(min(left, WANTED_CHECK_SECONDS))
             return latest
 
     def _readable_locked(self) -> int:
@@ -377,7 +379,7 @@ class FeatureLog:
                 "duplicates": self.duplicates,
             }
 
-    def read(self, after: int, until: int = 0, max_records: int = 0) -> Iterator[tuple[int, int, bytes]]:
+    def read(self, after: int = 0, until: int = 0, max_records: int = 0) -> Iterator[tuple[int, int, bytes]]:
         """(offset, tuple_id, payload) for ``after < offset <= until`` (0 = latest), in
         order, at most ``max_records`` (0 = no limit). Arguments are checked now;
         records are read from disk as the iterator advances."""

@@ -37,9 +37,10 @@ def pages(store: FeatureStore) -> dict[str, Route]:
         return text(404, "no preview yet") if png is None else Reply(200, png, "image/png")
 
     def knowledge_json(query: Mapping[str, list[str]]) -> Reply:
-        knowledge = _knowledge(store)
-        if knowledge is None:
+        data = store.get_knowledge_and_preview()[0]
+        if data is None:
             return text(404, "no knowledge yet")
+        knowledge = features_pb2.Knowledge.FromString(data)  # validated when it was put
         if query.get("assignments", ["0"])[-1] not in ("1", "true", "yes"):
             knowledge.ClearField("assignments")
             for group in knowledge.groups:
@@ -59,19 +60,9 @@ def pages(store: FeatureStore) -> dict[str, Route]:
     }
 
 
-def _knowledge(store: FeatureStore) -> features_pb2.Knowledge | None:
-    data = store.get_knowledge_and_preview()[0]
-    if data is None:
-        return None
-    knowledge = features_pb2.Knowledge()
-    knowledge.ParseFromString(data)  # validated when it was put
-    return knowledge
-
-
 def render_page(store: FeatureStore) -> str:
-    """The HTML summary page."""
-    parsed = _knowledge(store) or features_pb2.Knowledge()
-    knowledge, preview = store.get_knowledge_and_preview()
+    knowledge, preview = store.get_knowledge_and_preview()  # one read: the two belong together
+    parsed = features_pb2.Knowledge.FromString(knowledge or b"")
     rows = [("records stored", str(store.latest()))]
     if knowledge is None:
         rows.append(("knowledge", "none yet"))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -32,7 +31,6 @@ POLICY: dict[str, set[str]] = {
 
 
 MAX_OFFSETS_WAIT_SECONDS = 60.0  # GetOffsets' longest wait for a new record
-WAIT_SLICE_SECONDS = 1.0  # a waiting GetOffsets looks this often whether its caller is gone
 
 
 class RepositoryService(repository_pb2_grpc.RepositoryServicer):
@@ -78,12 +76,7 @@ class RepositoryService(repository_pb2_grpc.RepositoryServicer):
                 return self._store.latest()
             self._waiters += 1
         try:
-            deadline = time.monotonic() + seconds
-            while True:
-                left = deadline - time.monotonic()
-                latest = self._store.wait_beyond(offset, min(left, WAIT_SLICE_SECONDS))
-                if latest > offset or left <= WAIT_SLICE_SECONDS or not context.is_active():
-                    return latest
+            return self._store.wait_beyond(offset, seconds, context.is_active)
         finally:
             with self._waiters_lock:
                 self._waiters -= 1

@@ -6,26 +6,57 @@ Layout under the repository folder (``data_dir/repository/``)::
     consumers/  one committed offset per consumer name
     knowledge/  knowledge.pb and preview.png
 
+A record is stored only if its bytes arrived intact (CRC-32), it is a single zstd frame
+that decompresses within the bound, and it holds a ``FeatureRecord`` for the tuple id it
+is uploaded under. Damaged bytes are ``DATA_LOSS`` (the sender should resend); anything
+else is the sender's bug, ``INVALID_ARGUMENT``.
+
+A consumer's offset file is replaced atomically on every commit, so a restart resumes
+each consumer where it last committed. A commit may move an offset backwards: that is how
+a consumer deliberately re-reads (after changing its algorithm, say). It may never point
+past the latest stored record.
+
+The knowledge and its preview are each replaced atomically, the preview first, and both
+are cached in memory under one lock, so callers always see a matching pair. A put without
+a preview removes the previous one: a stale picture of other clusters would mislead.
+
 No gRPC here: errors are ``hio.transport.errors`` classes the servicer maps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator
+import logging
+import re
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
-from hio.repository.consumers import ConsumerOffsets
+import zstandard
+from google.protobuf.message import DecodeError
+
+from hio.proto import features_pb2
 from hio.repository.featurelog import Appended, FeatureLog
-from hio.repository.knowledge import KnowledgeFiles
-from hio.repository.records import RecordLimits, verify_upload
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB
-from hio.storage.files import DiskFailure
+from hio.storage.files import DiskFailure, atomic_write, clean_temporaries, fsync_dir
+from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument
+from hio.transport.frames import crc32
 
 if TYPE_CHECKING:
-    from hio.proto import features_pb2
     from hio.repository.config import RepositoryConfig
+
+log = logging.getLogger("hio.repository")
+
+MAX_TUPLE_ID = 2**64 - 1
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_CONSUMER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_OFFSET_SUFFIX = ".offset"
+_KNOWLEDGE = "knowledge.pb"
+_PREVIEW = "preview.png"
+
+_local = threading.local()  # a decompressor per thread: creating one costs more than a small record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,18 +72,18 @@ class StoreOptions:
     max_knowledge_bytes: int = 16 * MiB
 
 
-class FeatureStore:
+class FeatureStore(FeatureLog):
     """Idempotent feature store with named consumers and knowledge. Thread safe.
 
-    Open it with a folder; it rebuilds its index from disk. Close it when done.
+    Open it with a folder; it rebuilds its index from disk. Close it when done. Reads,
+    waits, offsets and stats are the :class:`FeatureLog`'s; :meth:`put` checks records first.
     """
 
     def __init__(self, root: str | Path, options: StoreOptions | None = None) -> None:
         self.root = Path(root)
         self.options = options or StoreOptions()
-        self._limits = RecordLimits(self.options.max_record_bytes, self.options.max_decompressed_bytes)
         disk = self.disk = DiskFailure(disk="the repository's disk", owner="repository")  # every fsync is final
-        self._features = FeatureLog(
+        super().__init__(
             self.root / "features",
             disk,
             segment_bytes=self.options.segment_bytes,
@@ -61,10 +92,10 @@ class FeatureStore:
         )
         try:
             self._consumers = ConsumerOffsets(self.root / "consumers", disk, max_consumers=self.options.max_consumers)
-            self._consumers.clamp(self._features.latest)
+            self._consumers.clamp(self.latest())
             self._knowledge = KnowledgeFiles(self.root / "knowledge", disk, max_bytes=self.options.max_knowledge_bytes)
         except BaseException:
-            self._features.close()  # release the folder lock
+            self.close()  # release the folder lock
             raise
 
     @property
@@ -93,35 +124,8 @@ class FeatureStore:
         """
         batch = [(tuple_id, bytes(data), crc) for tuple_id, data, crc in records]
         for tuple_id, data, crc in batch:
-            verify_upload(tuple_id, data, crc, self._limits)
-        return self._features.append([(tuple_id, data) for tuple_id, data, _ in batch])
-
-    def latest(self) -> int:
-        """Highest offset stored (0 = nothing yet); offsets are dense, so also how many records."""
-        return self._features.latest
-
-    def wait_beyond(self, offset: int, seconds: float) -> int:
-        """:meth:`latest` once it passes ``offset``, or after ``seconds``; Unavailable at close."""
-        return self._features.wait_beyond(offset, seconds)
-
-    def offset_of(self, tuple_id: int) -> int:
-        """Offset of a stored tuple id, 0 if not stored."""
-        return self._features.offset_of(tuple_id)
-
-    def read(self, after: int = 0, until: int = 0, max_records: int = 0) -> Iterator[tuple[int, int, bytes]]:
-        """(offset, tuple_id, record_zstd) with ``after < offset <= until`` (until 0 = latest),
-        at most ``max_records`` (0 = all), in offset order, read lazily from disk."""
-        return self._features.read(after, until, max_records)
-
-    def durable_unix(self, offsets: list[int]) -> list[float]:
-        """When each stored offset became durable (Unix seconds); 0.0 where not known
-        (:meth:`FeatureLog.durable_unix`)."""
-        return self._features.durable_unix(offsets)
-
-    def stats(self) -> dict[str, int]:
-        """records, segments, bytes on disk; records readable, appended by this process and
-        put as duplicates (:meth:`FeatureLog.stats`)."""
-        return self._features.stats()
+            verify_upload(tuple_id, data, crc, self.options)
+        return self._append([(tuple_id, data) for tuple_id, data, _ in batch])
 
     def consumers(self) -> dict[str, int]:
         """Every named consumer's committed offset."""
@@ -144,12 +148,201 @@ class FeatureStore:
         guaranteed to belong together."""
         return self._knowledge.get()
 
-    def close(self) -> None:
-        """Flush and close; further writes are refused."""
-        self._features.close()
-
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_consumer_name(name: str) -> None:
+    """Refuse names that are not 1..128 of [A-Za-z0-9_.-] (they become file names)."""
+    if not _CONSUMER_NAME.match(name) or name in (".", ".."):
+        raise InvalidArgument(
+            f"consumer name {name[:140]!r} is invalid: use 1..128 characters of letters, digits, '_', '.', '-'"
+        )
+
+
+class ConsumerOffsets:
+    """name -> committed offset, persisted. Thread safe."""
+
+    def __init__(self, folder: Path, disk: DiskFailure, *, max_consumers: int) -> None:
+        self._folder = folder
+        self._disk = disk
+        self._max = max_consumers
+        self._lock = threading.Lock()
+        folder.mkdir(parents=True, exist_ok=True)
+        clean_temporaries(folder)
+        self._offsets = self._load()
+
+    def _load(self) -> dict[str, int]:
+        offsets: dict[str, int] = {}
+        for path in self._folder.glob(f"*{_OFFSET_SUFFIX}"):
+            name = path.name.removesuffix(_OFFSET_SUFFIX)
+            try:
+                offsets[name] = int(path.read_text().strip())
+            except (OSError, ValueError) as exc:
+                # Written atomically, so this is outside damage; do not guess an offset.
+                raise FailedPrecondition(
+                    f"consumer offset file {path} is unreadable ({exc}); fix or remove it"
+                ) from None
+        return offsets
+
+    def clamp(self, latest: int) -> None:
+        """Bring offsets past ``latest`` back to it (persisted), with a warning.
+
+        Records a consumer read can be lost after it committed (a power loss with
+        ``fsync = "never"``, a torn tail cut off); the next records then get those
+        offsets again, and a consumer left past them would skip them for good.
+        """
+        with self._lock:
+            ahead = {name: offset for name, offset in self._offsets.items() if offset > latest}
+            for name, offset in ahead.items():
+                atomic_write(self._folder / f"{name}{_OFFSET_SUFFIX}", f"{latest}\n".encode(), disk=self._disk)
+                self._offsets[name] = latest
+                log.warning(
+                    "consumer offset past the latest stored record; moved back to it "
+                    "(records it had read were lost: see the log above)",
+                    extra={"consumer": name, "committed": offset, "latest": latest},
+                )
+
+    def committed(self, name: str) -> int:
+        """The consumer's committed offset; 0 for an unknown or empty name."""
+        if not name:
+            return 0
+        check_consumer_name(name)
+        with self._lock:
+            return self._offsets.get(name, 0)
+
+    def all(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._offsets)
+
+    def commit(self, name: str, offset: int, latest: int) -> None:
+        """Persist ``offset`` for ``name``; refuse offsets past ``latest``."""
+        check_consumer_name(name)
+        if offset < 0 or offset > latest:
+            raise InvalidArgument(
+                f"consumer {name}: cannot commit offset {offset}; the latest stored offset is {latest}"
+            )
+        with self._lock:
+            if name not in self._offsets and len(self._offsets) >= self._max:
+                raise FailedPrecondition(
+                    f"consumer {name}: already {self._max} consumers (max_consumers); reuse a name"
+                )
+            if self._offsets.get(name) == offset and (self._folder / f"{name}{_OFFSET_SUFFIX}").exists():
+                return
+            atomic_write(self._folder / f"{name}{_OFFSET_SUFFIX}", f"{offset}\n".encode(), disk=self._disk)
+            previous = self._offsets.get(name, 0)
+            self._offsets[name] = offset
+        if offset < previous:
+            log.info("consumer rewound", extra={"consumer": name, "from": previous, "to": offset})
+
+
+def parse_knowledge(data: bytes) -> features_pb2.Knowledge:
+    """The Knowledge message in ``data``, or InvalidArgument."""
+    if not data:
+        raise InvalidArgument("knowledge is empty: send a serialized hio.proto.Knowledge")
+    knowledge = features_pb2.Knowledge()
+    try:
+        knowledge.ParseFromString(data)
+    except DecodeError:
+        raise InvalidArgument("knowledge is not a serialized hio.proto.Knowledge") from None
+    return knowledge
+
+
+class KnowledgeFiles:
+    """The latest knowledge bytes and preview PNG, on disk and cached. Thread safe."""
+
+    def __init__(self, folder: Path, disk: DiskFailure, *, max_bytes: int) -> None:
+        self._folder = folder
+        self._disk = disk
+        self._max = max_bytes
+        self._lock = threading.Lock()
+        folder.mkdir(parents=True, exist_ok=True)
+        clean_temporaries(folder)
+        self._knowledge = _read_optional(folder / _KNOWLEDGE)
+        self._preview = _read_optional(folder / _PREVIEW)
+
+    def put(self, knowledge: bytes, preview_png: bytes | None) -> features_pb2.Knowledge:
+        """Replace the knowledge (validated) and the preview (PNG, or None to drop it)."""
+        parsed = parse_knowledge(knowledge)
+        if preview_png is not None and not preview_png.startswith(PNG_SIGNATURE):
+            raise InvalidArgument("preview_png is not a PNG image (wrong signature)")
+        for what, data in (("knowledge", knowledge), ("preview_png", preview_png or b"")):
+            if len(data) > self._max:
+                raise InvalidArgument(f"{what} of {len(data)} bytes is over the limit of {self._max}")
+        with self._lock:
+            self._disk.check()  # before either file changes: the two stay a pair
+            if preview_png is None:
+                with contextlib.suppress(FileNotFoundError):  # the deletion too must survive a crash
+                    (self._folder / _PREVIEW).unlink()
+                    fsync_dir(self._folder, self._disk)
+            else:
+                atomic_write(self._folder / _PREVIEW, preview_png, disk=self._disk)
+            atomic_write(self._folder / _KNOWLEDGE, knowledge, disk=self._disk)
+            self._knowledge, self._preview = knowledge, preview_png
+        return parsed
+
+    def get(self) -> tuple[bytes | None, bytes | None]:
+        """(knowledge, preview), each None when there is none."""
+        with self._lock:
+            return self._knowledge, self._preview
+
+
+def _read_optional(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "decompressor", None)
+    if d is None:
+        d = _local.decompressor = zstandard.ZstdDecompressor()
+    return d
+
+
+def verify_upload(tuple_id: int, record_zstd: bytes, crc: int, limits: StoreOptions) -> features_pb2.FeatureRecord:
+    """The decoded record within ``limits``' record bounds, or an error naming the tuple and what is wrong."""
+    what = f"tuple {tuple_id}"
+    if not 0 < tuple_id <= MAX_TUPLE_ID:
+        raise InvalidArgument(f"tuple id {tuple_id} is not a valid id (1..2^64-1)")
+    if not record_zstd:
+        raise InvalidArgument(f"{what}: record_zstd is empty")
+    if len(record_zstd) > limits.max_record_bytes:
+        raise InvalidArgument(
+            f"{what}: compressed record of {len(record_zstd)} bytes is over the limit of {limits.max_record_bytes}"
+        )
+    actual = crc32(record_zstd)
+    if actual != crc:
+        raise DataLoss(f"{what}: record checksum mismatch (CRC-32 {actual:08x}, expected {crc:08x}); resend it")
+    record = features_pb2.FeatureRecord()
+    try:
+        record.ParseFromString(_decompress(what, record_zstd, limits.max_decompressed_bytes))
+    except DecodeError:
+        raise InvalidArgument(f"{what}: record_zstd does not hold a serialized FeatureRecord") from None
+    if record.tuple_id != tuple_id:
+        raise InvalidArgument(
+            f"{what}: the FeatureRecord inside names tuple {record.tuple_id}, "
+            f"not the id {tuple_id} it was uploaded under"
+        )
+    return record
+
+
+def _decompress(what: str, data: bytes, limit: int) -> bytes:
+    """One zstd frame, at most ``limit`` bytes once decompressed, nothing after it."""
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        raise InvalidArgument(f"{what}: record_zstd is not zstd-compressed data") from None
+    if declared > limit:  # -1 = not declared; then max_output_size below bounds it
+        raise InvalidArgument(f"{what}: record decompresses to {declared} bytes, over the limit of {limit}")
+    try:
+        return _decompressor().decompress(data, max_output_size=limit, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise InvalidArgument(
+            f"{what}: record_zstd does not decompress ({exc}); "
+            f"it must be one zstd frame of at most {limit} bytes decompressed"
+        ) from None

@@ -24,12 +24,14 @@ import pytest
 
 from hio.cluster import HTTP_ROLES, LocalCluster
 from hio.gateway import Gateway
-from hio.process.procs import LIFELINE_ENV, RoleProcess, child_env, free_port
+from hio.process.procs import LIFELINE_ENV, RoleProcess, child_env, children, free_port
 
 __all__ = [
     "FsyncDisk",
     "HioProcess",
+    "cluster_engines",
     "die_with_starter",
+    "engine_pids",
     "free_port",
     "health_of",
     "hio_env",
@@ -120,6 +122,30 @@ def stop_cleanly(cluster: LocalCluster) -> None:
     """Stop every role of ``cluster``; one that did not exit cleanly fails the test, with its log."""
     problems = cluster.stop()
     assert not problems, "\n".join(problems)
+
+
+def engine_pids(worker_pid: int) -> dict[str, int]:
+    """The engine processes a worker started, by channel id (Linux /proc)."""
+    found = {}
+    for pid in children(worker_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone since the listing
+            continue
+        for item in environ:
+            if item.startswith(b"HIO_ENGINE_CHANNEL_ID="):
+                found[item.split(b"=", 1)[1].decode()] = pid
+    return found
+
+
+def cluster_engines(cluster: LocalCluster, worker: str = "") -> list[int]:
+    """The engine processes of the cluster's running workers (or of worker ``worker``)."""
+    return [
+        pid
+        for name, proc in cluster.procs.items()
+        if proc.command == "worker" and proc.alive() and (not worker or name == worker)
+        for pid in engine_pids(proc.pid).values()
+    ]
 
 
 def wait_for(

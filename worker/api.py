@@ -105,8 +105,8 @@ def pipeline_for_image(image: str, extra_mappings: tuple[str, ...] | list[str] =
     """
     for mapping in extra_mappings:
         name, sep, spec = mapping.partition("=")
-        if not sep or ":" not in spec:
-            raise ConfigError(f"pipeline mapping {mapping!r} must look like IMAGE=module:function")
+        if not sep or not name.strip() or ":" not in spec:
+            raise ConfigError(f"pipelines entry {mapping!r} must look like IMAGE=module:function")
         if name.strip() == image:
             return spec.strip()
     if not builtin:

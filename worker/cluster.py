@@ -31,23 +31,6 @@ log = logging.getLogger("hio.worker")
 
 T = TypeVar("T")
 
-_BY_CODE: dict[grpc.StatusCode, type[errors.HioError]] = {
-    cls.code: cls
-    for cls in (
-        errors.InvalidArgument,
-        errors.NotFound,
-        errors.AlreadyExists,
-        errors.FailedPrecondition,
-        errors.ResourceExhausted,
-        errors.DataLoss,
-        errors.Unavailable,
-        errors.Unauthenticated,
-        errors.PermissionDenied,
-        errors.Aborted,
-        errors.DeadlineExceeded,
-    )
-}
-
 CALL_TIMEOUT = 30.0  # seconds one attempt of a unary call may take
 
 
@@ -55,9 +38,7 @@ def translate(exc: grpc.RpcError, peer: str, settings: ClusterSettings) -> error
     """The domain error for a failed call to ``peer`` ('master', 'repository'); a call that
     never connected says why in words (a TLS mistake is not a server that is down)."""
     code = rpc_status(exc)[0] or grpc.StatusCode.UNKNOWN
-    cls = _BY_CODE.get(code, errors.HioError)
-    if code == grpc.StatusCode.CANCELLED:
-        cls = errors.Unavailable
+    cls = errors.Unavailable if code == grpc.StatusCode.CANCELLED else errors.BY_CODE.get(code, errors.HioError)
     return cls(f"{peer}: {rpc_error_text(exc, settings)}", retry_after=errors.retry_after(exc))
 
 
@@ -126,10 +107,6 @@ class ClusterLink:
             return call_with_retry(fn, deadline=self._deadline if deadline is None else deadline)
         except grpc.RpcError as exc:
             raise translate(exc, peer, self._settings) from None
-
-    def store(self, tuple_id: int, record_zstd: bytes) -> bool:
-        """PutFeatures for one record; True when the id was already stored (idempotent)."""
-        return self.store_many([(tuple_id, record_zstd)])[0]
 
     def store_many(self, records: Sequence[tuple[int, bytes]]) -> list[bool]:
         """One PutFeatures for (tuple_id, record_zstd) records; per record, whether it was a duplicate.

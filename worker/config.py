@@ -16,19 +16,29 @@ environment fill (and, for settings only engines have, ``[cluster]`` and
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import socket
 from typing import ClassVar
 
-from hio.config import ConfigError, PassedOn, as_text, check_address, one_of, parse_assignments, positive, setting
+from hio.config import (
+    ConfigError,
+    PassedOn,
+    as_text,
+    between,
+    check_address,
+    one_of,
+    parse_assignments,
+    positive,
+    setting,
+)
 from hio.settings import BUILTIN_IMAGES, ClusterSettings
+from hio.worker.api import pipeline_for_image
 
 HTTP_LISTEN = "127.0.0.1:7280"  # where the role's HTTP endpoint listens by default
 
 RUNTIMES = ("auto", "process", "docker")
 # Engine settings the worker decides for each engine it starts (not passed on from [engine]).
-ENGINE_SLOT_SETTINGS = ("channel_id", "image", "pipeline", "listen", "lane_listen", "parent_pid")
+ENGINE_SLOT_SETTINGS = ("channel_id", "image", "pipeline", "listen", "lane_listen")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,20 +69,21 @@ class EngineSettings(ClusterSettings):
         "the next pull, so its slot does not wait for the transfer; off = pull only "
         "once idle",
     )
+    lanes: bool = setting(
+        True,
+        "engines serve a payload lane (Deliver over TCP, TLS as gRPC's, on a second port "
+        "from engine_ports) that gateways use for payloads, and pull over the "
+        "master's lane when it offers one; off = gRPC only",
+    )
 
     def validate_shared(self) -> None:
         """The checks of these settings, the worker's and each engine's."""
         positive("pull_wait", self.pull_wait)
         positive("max_attempts", self.max_attempts)
         positive("grace_seconds", self.grace_seconds)
-        if self.tuple_timeout < 0:
-            raise ConfigError(f"tuple_timeout must be 0 (no limit) or positive, got {self.tuple_timeout}")
-        if not (math.isfinite(self.pull_batch_seconds) and 0 <= self.pull_batch_seconds <= 3600):
-            raise ConfigError(
-                f"pull_batch_seconds must be 0 (one at a time) or up to 3600, got {self.pull_batch_seconds}"
-            )
-        if not 1 <= self.pull_batch_tuples <= 1024:
-            raise ConfigError(f"pull_batch_tuples must be between 1 and 1024, got {self.pull_batch_tuples}")
+        between("tuple_timeout", self.tuple_timeout, 0, unit=" (0: no limit)")
+        between("pull_batch_seconds", self.pull_batch_seconds, 0, 3600, " (0: one at a time)")
+        between("pull_batch_tuples", self.pull_batch_tuples, 1, 1024)
         if not 0 <= self.pull_batch_bytes <= 64 * 1024 * 1024:
             raise ConfigError(f"pull_batch_bytes must be between 0 and 64 MiB, got {self.pull_batch_bytes}")
 
@@ -103,12 +114,6 @@ class WorkerConfig(EngineSettings):
     engine_memory_bytes: int = setting(0, "memory limit per engine (docker runtime); 0 = no limit")
     engine_cpus: float = setting(1.0, "CPUs per engine (docker runtime)")
     restart_backoff_max: float = setting(30.0, "longest wait, in seconds, before restarting a crashed engine")
-    lanes: bool = setting(
-        True,
-        "engines serve a payload lane (Deliver over TCP, TLS as gRPC's, on a second port "
-        "from engine_ports) that gateways use for payloads, and pull from the "
-        "master's lane; off = gRPC only",
-    )
     elastic: bool = setting(
         False,
         "run the engines the master's plan gives this worker (a master with scaling = elastic) "
@@ -170,16 +175,10 @@ class WorkerConfig(EngineSettings):
         if not self.engines:
             raise ConfigError("engines is empty: name at least one IMAGE or IMAGE=COUNT")
         engine_counts(self.engines, self.effective_cpus())
-        for mapping in self.pipelines:
-            image, sep, spec = mapping.partition("=")
-            if not sep or not image.strip() or ":" not in spec:
-                raise ConfigError(f"pipelines entry {mapping!r} must look like IMAGE=module:function")
-        if self.cpus < 0:
-            raise ConfigError(f"cpus must be 0 (all) or positive, got {self.cpus}")
-        if self.owner_pid < 0:
-            raise ConfigError(f"owner_pid must be 0 (none) or a process id, got {self.owner_pid}")
-        if self.engine_memory_bytes < 0:
-            raise ConfigError(f"engine_memory_bytes must be 0 (no limit) or positive, got {self.engine_memory_bytes}")
+        pipeline_for_image("", self.pipelines, builtin=False)  # no entry names image '': each is checked
+        between("cpus", self.cpus, 0, unit=" (0: all)")
+        between("owner_pid", self.owner_pid, 0, unit=" (0: none)")
+        between("engine_memory_bytes", self.engine_memory_bytes, 0, unit=" (0: no limit)")
         positive("engine_cpus", self.engine_cpus)
         positive("restart_backoff_max", self.restart_backoff_max)
         self.validate_shared()
@@ -260,14 +259,12 @@ class EngineConfig(EngineSettings):
         "host:port of the payload lane (Deliver over TCP, TLS as gRPC's, for large "
         "payloads without gRPC's copies); empty = none",
     )
-    lanes: bool = setting(True, "pull over the master's payload lane when it offers one; off = over gRPC only")
     store_batch_records: int = setting(256, "most feature records stored in one repository call")
     store_pending_records: int = setting(
         1024, "processed tuples whose features may wait to be stored before processing pauses"
     )
     reservation_seconds: float = setting(15.0, "the master's reservation time; keep-alive reports every third of it")
     rpc_deadline: float = setting(60.0, "seconds to keep retrying the repository or master while unavailable")
-    parent_pid: int = setting(0, "stop when this process (the worker that started us) is gone; 0 = never")
 
     def validate(self) -> None:
         self.validate_cluster()

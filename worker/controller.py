@@ -44,9 +44,8 @@ from hio.transport.retry import Backoff
 from hio.worker.api import PIPELINE_EXIT_CODE, pipeline_for_image
 from hio.worker.config import EngineSettings, WorkerConfig, engine_counts
 from hio.worker.cpu import CpuUsage
-from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec, ProcessLauncher
+from hio.worker.launcher import EngineHandle, EngineLauncher, EngineSpec, ProcessLauncher, select_launcher
 from hio.worker.metrics import WorkerMetrics
-from hio.worker.runtimes import select_launcher
 
 log = logging.getLogger("hio.worker")
 
@@ -80,9 +79,8 @@ def free_port(host: str, port_range: tuple[int, int] | None = None, exclude: fro
             port = int(sock.getsockname()[1])
             if port not in exclude:
                 return port
-    if port_range is None:
-        raise RuntimeError(f"no free port for an engine on {host}")
-    raise RuntimeError(f"no free port for an engine in {port_range[0]}-{port_range[1]} on {host}")
+    where = "" if port_range is None else f" in {port_range[0]}-{port_range[1]}"
+    raise RuntimeError(f"no free port for an engine{where} on {host}")
 
 
 def _engine_health(stub: health_pb2_grpc.HealthStub, channel_id: str) -> health_pb2.HealthCheckResponse:
@@ -125,7 +123,6 @@ def engine_env(
         HIO_ENGINE_CHANNEL_ID=channel_id,
         HIO_ENGINE_IMAGE=image,
         HIO_ENGINE_LISTEN=f"{config.engine_listen_host}:{port}",
-        HIO_ENGINE_LANES=as_text(config.lanes),
     )
     env.update((f"HIO_ENGINE_{name.upper()}", value) for name, value in config.engine_overrides().items())
     if lane_port:
@@ -136,18 +133,6 @@ def engine_env(
     if token:
         env["HIO_TOKEN"] = token
     return env
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineView:
-    """One engine, as the worker's metrics see it; ``ident`` '' while it does not run."""
-
-    channel_id: str
-    image: str
-    up: bool
-    restarts: int
-    ident: str
-    address: str
 
 
 @dataclasses.dataclass
@@ -170,8 +155,9 @@ class EngineSlot:
     unavailable: str = ""  # why this engine cannot start at all (no pipeline for its image): never started
     stopping: bool = False  # drained for the master's plan: being stopped, then dropped
 
-    def on_exit(self, code: int, now: float, backoff_max: float, last_line: str = "") -> str:
-        """Record a crash; schedule the restart; the operator-facing reason.
+    def on_exit(self, code: int, now: float, backoff_max: float, last_line: str = "", reason: str = "") -> str:
+        """Record a crash; schedule the restart; the operator-facing detail, which starts with
+        ``reason`` when given.
 
         An engine that cannot load its pipeline says why on its last line: that is the
         reason shown, and it does not count towards moving the engine to a new port."""
@@ -183,8 +169,9 @@ class EngineSlot:
         delay = self.backoff
         self.next_start = now + delay
         self.backoff = min(self.backoff * 2, backoff_max)
-        why = last_line.removeprefix("hio engine: ") if pipeline and last_line else f"exited with code {code}"
-        self.detail = f"{why}; restart {self.restarts} in {delay:.1f}s"
+        if not reason:
+            reason = last_line.removeprefix("hio engine: ") if pipeline and last_line else f"exited with code {code}"
+        self.detail = f"{reason}; restart {self.restarts} in {delay:.1f}s"
         return self.detail
 
     def on_healthy(self, now: float) -> None:
@@ -254,22 +241,16 @@ class MasterSession:
             except grpc.RpcError as exc:
                 wait = backoff.delay()
                 failures += 1
-                self.problem = f"the master does not answer ({getattr(exc.code(), 'name', '?')}: {exc.details()})"
+                code, reason = getattr(exc.code(), "name", "?"), exc.details()
+                self.problem = f"the master does not answer ({code}: {reason})"
+                extra = {"worker": self._worker_id, "code": code, "reason": reason, "retry_in_s": round(wait, 2)}
+                if hint := connect_hint(reason or "", speaks_tls=self._config.speaks_tls):
+                    extra["hint"] = hint  # a TLS mistake, not a master that is down
                 # the first failure of a streak is a warning; the rest would only repeat it
-                extra = {
-                    "worker": self._worker_id,
-                    "code": getattr(exc.code(), "name", "?"),
-                    "reason": exc.details(),
-                    "retry_in_s": round(wait, 2),
-                    "failures": failures,
-                }
-                hint = connect_hint(exc.details() or "", speaks_tls=self._config.speaks_tls)
-                if hint:  # a TLS mistake, not a master that is down
-                    extra["hint"] = hint
                 log.log(
                     logging.WARNING if failures == 1 else logging.DEBUG,
                     "master unreachable" if not self._registered else "heartbeat failed",
-                    extra=extra,
+                    extra={**extra, "failures": failures},
                 )
             self._poke.wait(wait)
             self._poke.clear()
@@ -326,22 +307,27 @@ class Controller:
 
     def _plan(self, counts: list[tuple[str, int]]) -> list[EngineSlot]:
         """One slot per engine, pipelines resolved now so a bad image fails at start."""
-        local = isinstance(self._launcher, ProcessLauncher)
         slots: list[EngineSlot] = []
         for image, count in counts:
-            pipeline = pipeline_for_image(image, self._config.pipelines, builtin=local)
             for _ in range(count):
-                port = self._free_port(slots)
-                slots.append(
-                    EngineSlot(
-                        channel_id=f"{self._worker_id}/{len(slots)}",
-                        image=image,
-                        pipeline=pipeline,
-                        port=port,
-                        lane_port=self._lane_port(slots, port),
-                    )
-                )
+                slots.append(self._new_slot(f"{self._worker_id}/{len(slots)}", image, slots, strict=True))
         return slots
+
+    def _new_slot(self, channel_id: str, image: str, slots: list[EngineSlot], *, strict: bool) -> EngineSlot:
+        """A channel for ``image``, its pipeline resolved and its ports none of ``slots`` has. One
+        that cannot run (no pipeline, no free port) raises if ``strict``, else stays DOWN with
+        the reason."""
+        slot = EngineSlot(channel_id=channel_id, image=image, pipeline="", port=0)
+        try:
+            local = isinstance(self._launcher, ProcessLauncher)
+            slot.pipeline = pipeline_for_image(image, self._config.pipelines, builtin=local)
+            slot.port = self._free_port(slots)
+            slot.lane_port = self._lane_port(slots, slot.port)
+        except (ConfigError, RuntimeError) as exc:
+            if strict:
+                raise
+            slot.unavailable = slot.detail = f"cannot run: {exc}"
+        return slot
 
     def _on_answer(self, reply: master_pb2.HeartbeatResponse) -> None:
         """A heartbeat answer (the master session's thread): the plan and the channels to stop,
@@ -368,20 +354,12 @@ class Controller:
                 self._add_slot(image)
 
     def _add_slot(self, image: str) -> None:
-        """A new channel for ``image``, its engine started by the next supervision pass; one
-        that cannot run (no pipeline, no free port) stays DOWN with the reason."""
+        """A new channel for ``image`` (:meth:`_new_slot`), its engine started by the next supervision pass."""
         with self._lock:
             channel_id = f"{self._worker_id}/{self._next_index}"
             self._next_index += 1
             slots = list(self._slots)
-        slot = EngineSlot(channel_id=channel_id, image=image, pipeline="", port=0)
-        try:
-            local = isinstance(self._launcher, ProcessLauncher)
-            slot.pipeline = pipeline_for_image(image, self._config.pipelines, builtin=local)
-            slot.port = self._free_port(slots)
-            slot.lane_port = self._lane_port(slots, slot.port)
-        except (ConfigError, RuntimeError) as exc:
-            slot.unavailable = slot.detail = f"cannot run: {exc}"
+        slot = self._new_slot(channel_id, image, slots, strict=False)
         with self._lock:
             self._slots.append(slot)
         log.info("engine added for the master's plan", extra={"channel": channel_id, "image": image})
@@ -513,22 +491,15 @@ class Controller:
         self._cpu_last = {engine: (used, now) for engine, used in seconds.items()}
         self.cpu_shares = shares
 
-    def engine_views(self) -> tuple[list[EngineView], dict[str, int]]:
-        """Every engine as the metrics see it, and the restarts of engines no longer kept."""
-        host = local_host(self._config.engine_listen_host)
+    def engine_slots(self) -> tuple[list[EngineSlot], dict[str, int]]:
+        """Every slot (for the metrics, which read its fields at once), and the restarts of
+        engines no longer kept."""
         with self._lock:
-            views = [
-                EngineView(
-                    channel_id=slot.channel_id,
-                    image=slot.image,
-                    up=slot.up,
-                    restarts=slot.restarts,
-                    ident=slot.handle.ident if slot.handle is not None else "",
-                    address=f"{host}:{slot.port}",
-                )
-                for slot in self._slots
-            ]
-            return views, dict(self._restarts_gone)
+            return list(self._slots), dict(self._restarts_gone)
+
+    def engine_address(self, slot: EngineSlot) -> str:
+        """Where this worker reaches the slot's engine."""
+        return f"{local_host(self._config.engine_listen_host)}:{slot.port}"
 
     def run(self, stop: threading.Event) -> int:
         """Supervise until ``stop`` is set; then stop every engine. Exit code 0."""
@@ -618,8 +589,9 @@ class Controller:
         except Exception as exc:  # noqa: BLE001 - a launcher failure is one more crash to back off from
             log.error("cannot start engine", extra={"channel": slot.channel_id, "reason": str(exc)})
             with self._lock:
-                slot.on_exit(-1, time.monotonic(), self._config.restart_backoff_max)
-                slot.detail = f"cannot start: {str(exc)[:200]}; " + slot.detail.split("; ", 1)[1]
+                slot.on_exit(
+                    -1, time.monotonic(), self._config.restart_backoff_max, reason=f"cannot start: {str(exc)[:200]}"
+                )
             self._session.poke()
             return
         with self._lock:
@@ -642,7 +614,7 @@ class Controller:
         self._session.poke()
 
     def _check_health(self, slot: EngineSlot, now: float) -> None:
-        address = f"{local_host(self._config.engine_listen_host)}:{slot.port}"
+        address = self.engine_address(slot)
         try:
             with create_channel(address, self._config) as channel:
                 reply = _engine_health(health_pb2_grpc.HealthStub(channel), slot.channel_id)

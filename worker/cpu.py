@@ -1,21 +1,13 @@
 """How much CPU an engine has used, and wanted: what the master's profile of each image is
-built from.
+built from (docs/elasticity.md, "The loop": why the wait counts too).
 
-A process engine is a process tree: the engine, its threads, and whatever its
-pipeline starts (a pool of processes, an external tool). Its CPU time is the
-sum of user and system time of every live process in the tree, plus what the
-kernel has already charged to each of them for children they waited for
-(``cutime``/``cstime``), read from ``/proc``. A container engine's CPU time is
-its cgroup's usage counter (cgroup v2 ``cpu.stat``, or v1 ``cpuacct.usage``),
-which counts every process in the container.
-
-CPU time alone underestimates an engine on a crowded worker: six busy engines
-on two cores each get a third of a core, and packing them by that would put
-still more beside them. So the worker also reports how long the engine's
-threads were ready to run and waited for a CPU (the scheduler's run delay,
-``/proc/<pid>/task/<tid>/schedstat``; for a container, of the processes under
-its main process, which the host sees). CPU time plus that wait is what the
-engine would have used with the cores to itself.
+A process engine's CPU time is that of its process tree (the engine, its threads,
+whatever its pipeline starts): user and system time of every live process, plus what
+the kernel charged each for children it waited for (``cutime``/``cstime``), from
+``/proc``. A container's is its cgroup's counter (v2 ``cpu.stat``, or v1
+``cpuacct.usage``). The wait is the scheduler's run delay of the threads
+(``/proc/<pid>/task/<tid>/schedstat``; for a container, of the processes under its
+main process, which the host sees).
 
 All are cumulative seconds since the engine started; the master turns the
 differences between heartbeats into a share of a core. A value can drop when a
@@ -98,24 +90,16 @@ def tree_usage(pid: int) -> CpuUsage | None:
     own = process_cpu_seconds(pid)
     if own is None:
         return None
-    cpu, wait, known = own, 0.0, False
-    for member in process_tree(pid):
-        if member != pid:
-            cpu += process_cpu_seconds(member) or 0.0
-        waited = process_wait_seconds(member)
-        if waited is not None:
-            wait, known = wait + waited, True
-    return CpuUsage(cpu_seconds=cpu, wait_seconds=wait if known else None)
+    members = process_tree(pid)  # pid first
+    cpu = sum((process_cpu_seconds(member) or 0.0 for member in members[1:]), own)
+    return CpuUsage(cpu_seconds=cpu, wait_seconds=tree_wait_seconds(pid, members))
 
 
-def tree_wait_seconds(pid: int) -> float | None:
-    """Seconds the threads of ``pid``'s process tree waited for a CPU; None when unknown."""
-    total, known = 0.0, False
-    for member in process_tree(pid):
-        waited = process_wait_seconds(member)
-        if waited is not None:
-            total, known = total + waited, True
-    return total if known else None
+def tree_wait_seconds(pid: int, members: list[int] | None = None) -> float | None:
+    """Seconds the threads of ``pid``'s process tree (``members``, when already listed) waited
+    for a CPU; None when unknown."""
+    waits = [waited for member in members or process_tree(pid) if (waited := process_wait_seconds(member)) is not None]
+    return sum(waits) if waits else None
 
 
 def cgroup_of(pid: int) -> Path | None:

@@ -1,35 +1,18 @@
-"""Processing engines as Docker containers (the worker's ``docker`` runtime).
-
-Each engine runs as one container of the image its tuples name
-("hio/microscopy"), through the docker SDK:
-
-* host networking, so gateways reach the engine peer to peer at the address
-  the worker advertises, and master/repository on 127.0.0.1 stay reachable;
-* labels ``io.harmonicio.managed=true``, ``io.harmonicio.worker=<id>``,
-  ``io.harmonicio.channel=<channel>`` and a name derived from the channel, so
-  we only ever touch our own containers;
-* CPU (``nano_cpus``) and memory limits per container, bounded logs and pids,
-  no new privileges, all capabilities dropped;
-* the image's HEALTHCHECK; a container that was healthy and that Docker then
-  marks unhealthy is killed, so the controller sees it exit and restarts it
-  with backoff (the controller owns restarts: no Docker restart policy
-  competes with it);
-* the engine's settings in its environment; a token file is passed as
-  ``HIO_TOKEN``, TLS and tokens files are copied into the container (owned by
-  the image's user, mode 0400) because host paths do not exist inside it;
-* an image is never pulled: a missing image is a clear error naming
-  ``make images``.
+"""Processing engines as Docker containers (the worker's ``docker`` runtime): each engine
+is one container of the image its tuples name, through the docker SDK, with host
+networking, our labels, limits, the image's HEALTHCHECK, its settings and credentials,
+and an image never pulled. docs/containers.md ("The docker runtime") says each in full.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import math
 import re
 import tarfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +46,6 @@ _FILE_SETTINGS = ("tls_cert", "tls_key", "tls_ca", "tokens_file", "ticket_key_fi
 # runs that one whatever the worker's process-runtime mappings say.
 _IMAGE_OWNED = ("data_dir",)
 
-_client_lock = threading.Lock()
-_client: Any = None
-
 
 class ImageMissing(RuntimeError):
     """The engine image is not in the local image store (we never pull)."""
@@ -75,13 +55,10 @@ class ImageMissing(RuntimeError):
         self.image = image
 
 
+@functools.cache
 def _shared_client() -> Any:
     """One Docker client per process, created on first use."""
-    global _client
-    with _client_lock:
-        if _client is None:
-            _client = docker.from_env(timeout=API_TIMEOUT)
-        return _client
+    return docker.from_env(timeout=API_TIMEOUT)
 
 
 def docker_available(timeout: float = PING_TIMEOUT) -> bool:
@@ -127,7 +104,10 @@ class DockerLauncher(EngineLauncher):
 
     def start(self, spec: EngineSpec) -> EngineHandle:
         """Create and start the channel's container; ImageMissing if the image is not local."""
-        image = self._local_image(spec.image)
+        try:
+            image = self._client.images.get(spec.image)
+        except docker.errors.ImageNotFound:
+            raise ImageMissing(spec.image) from None
         name = container_name(self._worker_id, spec.channel_id)
         self._remove_stale(name)
         env, files = self._container_env(spec.env, image_pipeline(image) is not None)
@@ -137,7 +117,12 @@ class DockerLauncher(EngineLauncher):
             name=name,
             detach=True,
             environment=env,
-            labels=self._labels(spec),
+            labels={
+                LABEL_MANAGED: "true",
+                LABEL_WORKER: self._worker_id,
+                LABEL_CHANNEL: spec.channel_id,
+                "io.harmonicio.image": spec.image,
+            },
             network_mode="host",
             init=True,
             nano_cpus=int(spec.cpus * 1e9) if spec.cpus > 0 else None,
@@ -160,20 +145,6 @@ class DockerLauncher(EngineLauncher):
             extra={"channel": spec.channel_id, "image": spec.image, "container": container.short_id, "port": spec.port},
         )
         return EngineHandle(spec=spec, ident=container.short_id, native=container)
-
-    def _local_image(self, image: str) -> Any:
-        try:
-            return self._client.images.get(image)
-        except docker.errors.ImageNotFound:
-            raise ImageMissing(image) from None
-
-    def _labels(self, spec: EngineSpec) -> dict[str, str]:
-        return {
-            LABEL_MANAGED: "true",
-            LABEL_WORKER: self._worker_id,
-            LABEL_CHANNEL: spec.channel_id,
-            "io.harmonicio.image": spec.image,
-        }
 
     def _remove_stale(self, name: str) -> None:
         """A container of ours with this name is a leftover (a crash, a restart): remove it.
@@ -282,16 +253,15 @@ class DockerLauncher(EngineLauncher):
         return CpuUsage(cpu_seconds=cpu, wait_seconds=tree_wait_seconds(pid) if pid > 0 else None)
 
     def cleanup(self) -> None:
-        """Remove exited containers carrying our labels and this worker's id.
-        Running containers and anyone else's are left alone."""
+        """Remove exited containers carrying our labels and this worker's id (the Docker API's
+        filters, which must all match). Running containers and anyone else's are left alone."""
         filters = {
             "label": [f"{LABEL_MANAGED}=true", f"{LABEL_WORKER}={self._worker_id}"],
-            "status": ["exited", "dead", "created"],
+            "status": [*EXITED_STATES, "created"],
         }
         for container in self._client.containers.list(all=True, filters=filters):
-            if self._is_ours(container) and container.status in (*EXITED_STATES, "created"):
-                log.info("removing exited engine container", extra={"container": container.name})
-                _remove_quietly(container)
+            log.info("removing exited engine container", extra={"container": container.name})
+            _remove_quietly(container)
 
 
 def _stats_cpu_seconds(container: Any) -> float | None:

@@ -1,17 +1,11 @@
-"""One processing engine: a persistent micro-batch around a user's pipeline.
+"""One processing engine: a persistent micro-batch around a user's pipeline
+(docs/architecture.md, "The data path", steps 3-5).
 
-The engine loads its pipeline once, then processes tuples that reach it two
-ways: a gateway's ``Deliver`` stream (direct, peer to peer) or ``PullTuple``
-from the master's backlog while it is idle. For each tuple it calls
-``process(data, info)``, stores the features in the repository, answers
-STORED, and reports the outcome. A pipeline failure hands the tuple back to
-the master (retry policy lives there). One tuple is processed at a time; at
-most one more is being received meanwhile, also across streams: a Deliver
-stream hands the channel back (:class:`_Handover`) once its input has ended
-and its last tuple has started processing, so the master can route the next
-stream here while that tuple is processed and its features are stored.
-
-The same module runs as a local process and inside a container (``hio engine``).
+Tuples reach it on a gateway's ``Deliver`` stream or by ``PullTuple`` from the
+master's queue. One is processed at a time; at most one more is being received
+meanwhile, also across streams (:class:`_Prefetcher` hands a stream's channel
+back early). The same module runs as a local process and inside a container
+(``hio engine``).
 """
 
 from __future__ import annotations
@@ -25,13 +19,12 @@ import logging
 import math
 import os
 import queue
-import select
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import zstandard
 
@@ -63,6 +56,7 @@ from hio.worker.features import build_record
 from hio.worker.reporter import Reporter
 
 log = logging.getLogger("hio.worker.engine")
+T = TypeVar("T")
 
 LAST_ERROR_KEY = "hio.last_error"
 LAST_ERROR_BYTES = 1024
@@ -74,7 +68,6 @@ HANDOFF_DEADLINE = 10.0  # seconds the watchdog may spend handing a hung tuple b
 RECORD_HEADROOM = 64 * 1024  # bytes of a PutFeatures message beyond the record itself
 MIN_EMPTY_PULL = 0.1  # seconds between long-polls the master answers at once
 AHEAD_MAX_SECONDS = 1.0  # queue tuples that take longer are not pulled ahead (_worth_pulling_ahead)
-PARENT_CHECK_SECONDS = 0.5
 STORER_JOIN_SECONDS = 5.0  # how long a stream's end waits for a PutFeatures still in flight
 ANSWER_DELAY = 0.02  # seconds a ready receipt may wait while tuples are still being processed
 STORE_LINGER = 0.004  # seconds a small batch of records may wait for more while they arrive fast
@@ -85,13 +78,8 @@ STORE_FULL = 64  # ... until this many wait
 ENGINE_STATE_RETRY = 1.0
 
 
-def error_text(exc: BaseException) -> str:
-    """``<ExceptionType>: message`` cut to 1 KiB (UTF-8), for the tuple's hio.last_error."""
-    text = f"{type(exc).__name__}: {exc}"
-    return truncate(text)
-
-
 def truncate(text: str, limit: int = LAST_ERROR_BYTES) -> str:
+    """``text`` cut to ``limit`` bytes (UTF-8), for a tuple's hio.last_error."""
     data = text.encode("utf-8")
     return text if len(data) <= limit else data[:limit].decode("utf-8", errors="ignore")
 
@@ -164,24 +152,38 @@ class Watchdog:
 
 
 class _Prefetcher:
-    """Receives the next tuple of a stream while the caller processes the current one.
+    """Receives the next tuple of a stream while the caller processes the current one, and
+    hands the stream's channel back before the stream ends.
 
     Publishes into the stream's event queue: ``("tuple", (meta, data))``, then
     ``("end", None)`` or ``("error", exc)`` (DATA_LOSS, INVALID_ARGUMENT,
     cancellation) after the tuples before it. Receives at most one tuple the
-    caller has not taken (:meth:`taken`), so memory stays at two tuples;
+    caller has not taken (:meth:`started`), so memory stays at two tuples;
     tuples packed in a message already received are published at once (they
     are in memory anyway, and a thread hand-off per small tuple costs more
     than the tuple).
+
+    ``hand_over`` runs once the stream's input has ended and its last tuple has
+    started processing (docs/architecture.md, "The data path", 3): nothing more
+    of this stream needs the slot, so the next stream is received while that
+    tuple is processed and stored, one tuple ahead, never more. A channel held
+    until the last receipt would idle while the release, the next route and the
+    next stream's first bytes travel: for a cheap tuple, most of its cost.
     """
 
-    def __init__(self, reader: FrameReader, publish: Callable[[tuple[str, Any]], None], handover: _Handover) -> None:
+    def __init__(
+        self, reader: FrameReader, publish: Callable[[tuple[str, Any]], None], hand_over: Callable[[], None]
+    ) -> None:
         self._reader = reader
         self._publish = publish
-        self._handover = handover
+        self._hand_over = hand_over
         self._cond = threading.Condition()
         self._untaken = 0
         self._closed = False
+        self._received = 0
+        self._started = 0
+        self._ended = False
+        self._handed_over = False
         threading.Thread(target=self._run, name="receiver", daemon=True).start()
 
     def _run(self) -> None:
@@ -197,128 +199,89 @@ class _Prefetcher:
                 if not self._closed:
                     self._publish(("error", exc))
                 return
-            if self._closed:  # the stream ended meanwhile (gRPC ends a handler's input cleanly)
-                return
+            with self._cond:
+                if self._closed:  # the stream ended meanwhile (gRPC ends a handler's input cleanly)
+                    return
+                if item is None:
+                    self._ended = True
+                    self._hand_over_if_due()
+                else:
+                    self._received += 1
+            self._publish(("end", None) if item is None else ("tuple", item))
             if item is None:
-                self._handover.input_ended()
-                self._publish(("end", None))
                 return
-            self._handover.received()
-            self._publish(("tuple", item))
 
-    def taken(self) -> None:
-        """The caller took the tuple it was given: receive the next one."""
+    def started(self) -> None:
+        """The caller took the tuple it was given and it holds the processing slot now:
+        receive the next one."""
         with self._cond:
             self._untaken -= 1
+            self._started += 1
             if self._untaken == 0:  # the receiver waits for nothing else from us; waking it
                 self._cond.notify()  # for every packed tuple cost a futile thread switch each
+            self._hand_over_if_due()
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """The stream is over: receive nothing more, no hand-over from now on. True if it had handed over."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-
-
-class _Background:
-    """Calls run beside the processing of pulled tuples, on two threads kept for it.
-
-    The queue path runs two things beside the processing of a pull: fetching
-    the next pull (pulling only once idle would leave the slot idle for a
-    release, a pull and the transfer), and storing the last pull's features
-    (the answer waits for the repository's fsync, time the slot would
-    otherwise spend idle). Kept threads: starting one waits until it
-    runs, a time slice on a loaded machine. A failure is logged and gives
-    the call's ``failed`` value.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=name)
-
-    def submit(self, call: Callable[[], Any], failed: Any) -> concurrent.futures.Future[Any]:
-        try:
-            return self._pool.submit(self._run, call, failed)
-        except RuntimeError:  # closed: the engine is stopping
-            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            future.set_result(failed)
-            return future
-
-    @staticmethod
-    def _run(call: Callable[[], Any], failed: Any) -> Any:
-        try:
-            return call()
-        except HioError as exc:  # the caller goes on as after the failure it stands for
-            log.debug("background call failed", extra={"reason": exc.message})
-        except BaseException:  # must not stop the puller
-            log.exception("background call failed unexpectedly")
-        return failed
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)
-
-
-class _Handover:
-    """Hands a Deliver stream's channel back before the stream ends.
-
-    Why: a channel held until the last STORED receipt idles while its
-    features are stored and while the release, the next route and the next
-    stream's first bytes travel, which for a cheap tuple is most of its cost.
-    Once the stream's input has ended and its last tuple has started
-    processing, nothing more of this stream will need the processing
-    slot, so the next stream may be received while that tuple is processed:
-    one tuple ahead, as within a stream, never more (a stream still waiting
-    for the slot does not hand over).
-    """
-
-    def __init__(self, hand_over: Callable[[], None]) -> None:
-        self._hand_over = hand_over
-        self._lock = threading.Lock()
-        self._received = 0
-        self._started = 0
-        self._ended = False
-        self._done = False
-
-    def received(self) -> None:
-        with self._lock:
-            self._received += 1
-
-    def started(self) -> None:
-        """A tuple of this stream holds the processing slot now."""
-        with self._lock:
-            self._started += 1
-            self._fire_if_due()
-
-    def input_ended(self) -> None:
-        with self._lock:
-            self._ended = True
-            self._fire_if_due()
-
-    def close(self) -> bool:
-        """The stream is over: no hand-over from now on. True if it had handed over."""
-        with self._lock:
-            handed_over = self._done
-            self._done = True
+            handed_over = self._handed_over
+            self._handed_over = True
             return handed_over
 
-    def _fire_if_due(self) -> None:
+    def _hand_over_if_due(self) -> None:
         """Hand over (lock held, so :meth:`close` sees it complete) once due."""
-        if self._done or not self._ended or self._started < self._received:
+        if self._handed_over or not self._ended or self._started < self._received:
             return
-        self._done = True
+        self._handed_over = True
         self._hand_over()
 
 
 @dataclasses.dataclass(eq=False)
 class _Slot:
-    """One tuple of a Deliver stream, from processing until its receipt is final."""
+    """One processed tuple (of a Deliver stream, or pulled), until its record is stored and its receipt final."""
 
     index: int
     meta: TupleMeta
     blob: bytes = b""
     cpu: float = 0.0
     receipt: TupleReceipt | None = None  # set once final (STORED after its batch is stored)
+    from_queue: bool = False
 
 
 StoreMany = Callable[[Sequence[tuple[int, bytes]]], list[bool]]
+OnStored = Callable[[list[_Slot], list[bool]], None]
+OnRefused = Callable[[_Slot, str], None]
+Pulled = tuple[list[tuple[TupleMeta, bytes]], bool]  # a pull's tuples, and whether it came full (_pull)
+
+
+def take_batch(waiting: collections.deque[_Slot], max_records: int, max_bytes: int) -> list[_Slot]:
+    """The next records for one PutFeatures, taken from ``waiting``: the first whatever its
+    size, then up to ``max_records`` in all and ``max_bytes`` of records."""
+    batch = [waiting.popleft()]
+    size = len(batch[0].blob)
+    while waiting and len(batch) < max_records and size + len(waiting[0].blob) <= max_bytes:
+        size += len(waiting[0].blob)
+        batch.append(waiting.popleft())
+    return batch
+
+
+def store_batch(store_many: StoreMany, batch: list[_Slot], on_stored: OnStored, on_refused: OnRefused) -> None:
+    """One PutFeatures for ``batch``; ``on_stored`` once the repository has stored it. A batch
+    the repository refuses is stored record by record, so only the bad record fails
+    (``on_refused`` with the repository's words). Any other failure (the repository
+    unreachable) raises."""
+    try:
+        duplicates = store_many([(slot.meta.tuple_id, slot.blob) for slot in batch])
+    except (InvalidArgument, DataLoss) as exc:
+        if len(batch) == 1:
+            on_refused(batch[0], exc.message)
+        else:  # find the refused record; the others are stored
+            for slot in batch:
+                store_batch(store_many, [slot], on_stored, on_refused)
+        return
+    on_stored(batch, duplicates)
 
 
 class _BatchStorer:
@@ -327,25 +290,22 @@ class _BatchStorer:
     Why: PutFeatures returns after the repository's fsync, so storing tuple by
     tuple puts a round trip and an fsync between every two tuples. Here the
     stream keeps processing while the records processed meanwhile ride on the
-    next PutFeatures (at most ``max_records`` of them, ``max_bytes`` in all).
-    ``on_stored`` runs for a batch only once the repository has stored it; it
-    sets the receipts. A batch the repository refuses is stored record by
-    record, so only the bad record fails (``on_refused`` with the repository's
-    words), as without batching, and the stream goes on. Any other failure (the
-    repository unreachable) stops the storer; :attr:`error` holds it and nothing
-    after it is stored.
+    next PutFeatures (at most ``max_records`` of them, ``max_bytes`` in all;
+    :func:`store_batch`, so a refused record fails alone and the stream goes
+    on). Any other failure (the repository unreachable) stops the storer;
+    :attr:`error` holds it and nothing after it is stored.
     """
 
     def __init__(
         self,
         store_many: StoreMany,
-        on_stored: Callable[[list[_Slot], list[bool]], None],
+        on_stored: OnStored,
         wake: Callable[[], None],
         *,
         max_records: int,
         max_bytes: int,
         max_pending: int,
-        on_refused: Callable[[_Slot, str], None],
+        on_refused: OnRefused,
     ) -> None:
         self._store_many = store_many
         self._on_stored = on_stored
@@ -405,15 +365,6 @@ class _BatchStorer:
                 return
             self._cond.wait(min(STORE_GAP, deadline - now))
 
-    def _take(self) -> list[_Slot]:
-        batch = [self._waiting.popleft()]
-        size = len(batch[0].blob)
-        while self._waiting and len(batch) < self._max_records and size + len(self._waiting[0].blob) <= self._max_bytes:
-            size += len(self._waiting[0].blob)
-            batch.append(self._waiting.popleft())
-        self._in_flight = len(batch)
-        return batch
-
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -421,38 +372,26 @@ class _BatchStorer:
                 self._linger()
                 if self._closed:
                     return
-                batch = self._take()
+                batch = take_batch(self._waiting, self._max_records, self._max_bytes)
+                self._in_flight = len(batch)
+            error: BaseException | None = None
             try:
-                self._store(batch)
+                store_batch(self._store_many, batch, self._on_stored, self._on_refused)
             except BaseException as exc:  # noqa: BLE001 - handed to the stream, which ends with it
+                error = exc
                 if isinstance(exc, (Unavailable, DeadlineExceeded)):  # the repository's state, not the tuples'
-                    exc = Unavailable(f"repository unreachable: {exc.message}", retry_after=ENGINE_STATE_RETRY)
+                    error = Unavailable(f"repository unreachable: {exc.message}", retry_after=ENGINE_STATE_RETRY)
                 elif isinstance(exc, FailedPrecondition) and exc.retry_after is not None:
                     # a refusal with a hint is the repository's state too (its disk failed to
                     # sync, until it restarts): the senders hold the tuples uncharged that long
-                    exc = Unavailable(f"repository refuses records: {exc.message}", retry_after=exc.retry_after)
-                with self._cond:
-                    self.error = exc
-                    self._in_flight = 0
-                    self._cond.notify_all()
-                self._wake()
-                return
+                    error = Unavailable(f"repository refuses records: {exc.message}", retry_after=exc.retry_after)
             with self._cond:
+                self.error = error
                 self._in_flight = 0
                 self._cond.notify_all()
             self._wake()
-
-    def _store(self, batch: list[_Slot]) -> None:
-        try:
-            duplicates = self._store_many([(slot.meta.tuple_id, slot.blob) for slot in batch])
-        except (InvalidArgument, DataLoss) as exc:
-            if len(batch) == 1:
-                self._on_refused(batch[0], exc.message)
-            else:  # find the refused record; the others are stored
-                for slot in batch:
-                    self._store([slot])
-            return
-        self._on_stored(batch, duplicates)
+            if error is not None:
+                return
 
 
 class Engine:
@@ -491,21 +430,17 @@ class Engine:
         self._small_compressor = zstandard.ZstdCompressor(level=ZSTD_SMALL_LEVEL)
         self._ticket_key = load_ticket_key(config.ticket_key_file)
         self.idle_seconds = config.stream_idle_seconds
-        self.lane: LaneServer | None = None  # the payload lane, when it serves one (create_lane)
+        self.lane: LaneServer | None = None  # the payload lane, when it serves one (create_engine_server)
         self._max_record = message_limit(config) - RECORD_HEADROOM
-        self._store_batch_records = config.store_batch_records
-        self._store_pending_records = config.store_pending_records
         self._watchdog = Watchdog(config.tuple_timeout, self._on_timeout)
         self._process_seconds = (  # what its worker's metrics show (GetEngineStats)
             histogram("hio_engine_process_seconds", "process() seconds", PROCESS_BUCKETS) if config.metrics else None
         )
         self._queue_tuple_seconds: float | None = None  # moving average of a queue tuple's processing time
         self._puller = threading.Thread(target=self._pull_loop, name="puller", daemon=True)
-        self._background = _Background("beside-pull")
-
-    @property
-    def pipeline_spec(self) -> str:
-        return self._pipeline.spec
+        # Two threads kept to run beside the processing of pulled tuples (:meth:`_beside`): starting
+        # one waits until it runs, a time slice on a loaded machine.
+        self._background = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="beside-pull")
 
     def stats(self) -> engine_pb2.GetEngineStatsResponse:
         """What this engine measured since it started (empty with ``metrics`` off)."""
@@ -535,7 +470,7 @@ class Engine:
                 log.warning("stopping with a tuple still in progress", extra={"channel": self._channel})
         self._reporter.stop(timeout=min(2.0, grace))
         self._puller.join(1.0)
-        self._background.close()
+        self._background.shutdown(wait=False)
 
     def _claim(self, kind: str) -> None:
         with self._cond:
@@ -594,7 +529,7 @@ class Engine:
         Tuples are processed one at a time while the next one is received and
         the records of earlier ones are stored (:class:`_BatchStorer`); a
         STORED receipt is sent only once its record is stored. The channel is
-        handed back before the last receipt (:class:`_Handover`). Raises
+        handed back before the last receipt (:class:`_Prefetcher`). Raises
         ResourceExhausted when the channel is busy, FailedPrecondition for a
         tuple of another image, DataLoss/InvalidArgument for a damaged stream
         (after the receipts of the tuples before it). ``max_chunk_bytes``: the
@@ -603,23 +538,22 @@ class Engine:
         self._claim("deliver")
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         reader = self._reader(frames, max_chunk_bytes)
-        handover = _Handover(self._hand_over)
-        prefetch = _Prefetcher(reader, events.put, handover)
+        prefetch = _Prefetcher(reader, events.put, self._hand_over)
         storer = _BatchStorer(
             self._cluster.store_many,
             self._stored,
             lambda: events.put(("wake", None)),
-            max_records=self._store_batch_records,
+            max_records=self._config.store_batch_records,
             max_bytes=self._max_record,
-            max_pending=self._store_pending_records,
+            max_pending=self._config.store_pending_records,
             on_refused=self._refused,
         )
         try:
-            yield from self._serve(prefetch, storer, events, handover, reader)
+            yield from self._serve(prefetch, storer, events, reader)
         finally:
-            prefetch.close()
+            handed_over = prefetch.close()
             storer.close(STORER_JOIN_SECONDS)
-            if handover.close():
+            if handed_over:
                 self._tail_settled()
             else:
                 self._unclaim()
@@ -629,7 +563,6 @@ class Engine:
         prefetch: _Prefetcher,
         storer: _BatchStorer,
         events: queue.SimpleQueue[tuple[str, Any]],
-        handover: _Handover,
         reader: FrameReader,
     ) -> Iterator[TupleReceipt]:
         """The stream's loop: take events (a tuple, the end, an error, a stored batch), answer in order.
@@ -644,11 +577,6 @@ class Engine:
         processing it.
         """
         slots: collections.deque[_Slot] = collections.deque()
-
-        def started() -> None:  # the next tuple is received only once this one holds the slot
-            prefetch.taken()
-            handover.started()
-
         failure: BaseException | None = None
         ended = False
         index = 0
@@ -676,7 +604,7 @@ class Engine:
             kind, value = events.get()
             if kind == "tuple" and not ended:
                 try:
-                    slots.append(self._take_tuple(index, value[0], value[1], storer, started))  # (meta, data)
+                    slots.append(self._take_tuple(index, value[0], value[1], storer, prefetch.started))  # (meta, data)
                 except BaseException as exc:  # noqa: BLE001 - sent after the earlier receipts
                     ended, failure = True, exc
                 value = None  # the payload must not outlive its processing (memory: two tuples a channel)
@@ -701,7 +629,13 @@ class Engine:
             try:
                 dead = self._hand_back(meta, data, result)
             except HioError as exc:
-                return self._not_taken_back(slot, result, exc)
+                # The master's queue did not take it back (unreachable, or its disk failed to sync): the
+                # tuple fails to its sender, which counts the attempt and sends it again, and the stream
+                # goes on, so the tuples after it are not charged an attempt.
+                message = truncate(f"{result}; the master's queue did not take it back: {exc.message}")
+                return self._fail(
+                    slot, message, "failed tuple not taken back by the master; its sender retries it", exc.message
+                )
             self._report(meta, ok=False, from_queue=False, message=result)
             slot.receipt = TupleReceipt(
                 index=index,
@@ -719,15 +653,16 @@ class Engine:
     def _stored(self, slots: list[_Slot], duplicates: list[bool]) -> None:
         """A batch is in the repository: report each tuple and make its receipt STORED."""
         self._reporter.outcomes(
-            [self._outcome(slot.meta, ok=True, from_queue=False, seconds=slot.cpu) for slot in slots]
+            [self._outcome(slot.meta, ok=True, from_queue=slot.from_queue, seconds=slot.cpu) for slot in slots]
         )
         for slot, duplicate in zip(slots, duplicates, strict=True):
             self._log_stored(slot.meta, slot.blob, duplicate, slot.cpu)
             slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.STORED)
 
     def _refused(self, slot: _Slot, message: str) -> None:
-        """The repository refused this tuple's record: the tuple fails (the gateway counts an
-        attempt and, if it keeps failing, it ends in the dead letters with this reason)."""
+        """The repository refused this tuple's record: the tuple fails (its sender, or the master
+        for a queued one, counts an attempt and, if it keeps failing, it ends in the dead letters
+        with this reason)."""
         error = truncate(f"cannot store features: {message}")
         self._fail(slot, error, "features refused by the repository", error)
 
@@ -744,19 +679,10 @@ class Engine:
                 "only tuples routed by this cluster's master are accepted"
             )
 
-    def _not_taken_back(self, slot: _Slot, error: str, refusal: HioError) -> _Slot:
-        """The master's queue did not take a failed tuple back (unreachable, or its disk failed
-        to sync): the tuple fails to its sender, which counts the attempt and sends it again,
-        and the stream goes on, so the tuples after it are not charged an attempt."""
-        message = truncate(f"{error}; the master's queue did not take it back: {refusal.message}")
-        return self._fail(
-            slot, message, "failed tuple not taken back by the master; its sender retries it", refusal.message
-        )
-
     def _fail(self, slot: _Slot, message: str, what: str, reason: str) -> _Slot:
         """The tuple fails to its sender with ``message`` (``what`` and ``reason`` for the log)."""
         log.warning(what, extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": reason})
-        self._report(slot.meta, ok=False, from_queue=False, message=message)
+        self._report(slot.meta, ok=False, from_queue=slot.from_queue, message=message)
         slot.receipt = TupleReceipt(
             index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED, message=message
         )
@@ -819,10 +745,9 @@ class Engine:
                 processing_seconds=cpu,
             )
         except BaseException as exc:  # noqa: BLE001 - user code may raise anything (CancelledError, a Timeout)
-            log.info(
-                "pipeline failed", extra={"channel": self._channel, "tuple_id": meta.tuple_id, "error": error_text(exc)}
-            )
-            return error_text(exc)
+            error = truncate(f"{type(exc).__name__}: {exc}")
+            log.info("pipeline failed", extra={"channel": self._channel, "tuple_id": meta.tuple_id, "error": error})
+            return error
         finally:
             self._watchdog.end(job)
             if self._process_seconds is not None:
@@ -855,7 +780,7 @@ class Engine:
             )
 
     def _report(self, meta: TupleMeta, *, ok: bool, from_queue: bool, message: str = "", seconds: float = 0.0) -> None:
-        self._reporter.outcome(self._outcome(meta, ok=ok, from_queue=from_queue, message=message, seconds=seconds))
+        self._reporter.outcomes([self._outcome(meta, ok=ok, from_queue=from_queue, message=message, seconds=seconds)])
 
     @staticmethod
     def _outcome(
@@ -929,20 +854,17 @@ class Engine:
         """One long-poll; process the tuples it brings, then the pulls fetched meanwhile.
 
         While the last tuple of a pull is processed the next pull is fetched
-        (``pull_ahead``), if this one came full (a pull that came short
-        drained the queue: the next waits for tuples as a long-poll, and they
-        come in batches rather than one by one as they arrive) and its tuples
-        are known to be short (:meth:`_worth_pulling_ahead`). It takes only
-        tuples ready now, and the master gives it none while a channel of the
-        image is idle. Meanwhile the last pull's features are stored; both
-        run on the engine's two background threads (:class:`_Background`).
-        Whatever is held and not reported when this ends (stopping, a pull cut
-        short, the repository unreachable) goes back to the queue with the
-        release, not charged; when the repository could not store, Unavailable
-        with a hint then holds the puller back a while. False when the
-        long-poll brought nothing.
+        (``pull_ahead``; docs/architecture.md, "The data path", 4) if this one
+        came full (one that came short drained the queue: the next waits as a
+        long-poll, so tuples come in batches rather than one by one as they
+        arrive) and :meth:`_worth_pulling_ahead`; meanwhile the last pull's
+        features are stored (:meth:`_beside`). Whatever is held and not
+        reported when this ends goes back to the queue with the release, not
+        charged; when the repository could not store, Unavailable with a hint
+        then holds the puller back a while. False when the long-poll brought
+        nothing.
         """
-        got = self._pull_and_claim()
+        got = self._pull(self._config.pull_wait, claim=True)
         if got is None:
             return False
         pulled, full = got
@@ -954,8 +876,8 @@ class Engine:
                 if storing is not None and not storing.result():
                     complete = False  # the repository cannot store: these go back unreported
                 else:
-                    storing = self._background.submit(functools.partial(self._store_pulled, done), False)
-                pulled, full = ahead.result() if ahead is not None else ([], False)
+                    storing = self._beside(functools.partial(self._store_pulled, done), False)
+                pulled, full = (ahead.result() if ahead is not None else None) or ([], False)
                 if not complete or self._stopping:
                     break
         finally:
@@ -966,79 +888,82 @@ class Engine:
             raise Unavailable("the repository cannot store features", retry_after=ENGINE_STATE_RETRY)
         return True
 
-    def _pull_and_claim(self) -> tuple[list[tuple[TupleMeta, bytes]], bool] | None:
-        """Long-poll the queue; once tuples come, claim the channel and read them all
-        (:meth:`_read_pull`). None when nothing came (or the engine is stopping)."""
+    def _pull(self, wait: float, *, claim: bool) -> Pulled | None:
+        """Pull from the queue (waiting up to ``wait`` s for tuples) and read the pull whole: its
+        tuples, and whether it came full (as many as asked, or another like the last would not
+        have fitted in the bytes: then more are likely waiting). None when nothing came or the
+        engine is stopping.
+
+        ``claim``: a long-poll; the engine's stop cancels it, and once tuples come
+        it waits for a Deliver stream that raced it to end and takes the channel.
+        Otherwise a pull ahead, for a channel already claimed: never cancelled (it
+        waits for nothing, and a pull cut off while its tuples are sent would charge
+        them, as the master cannot tell a broken stream from an engine that died on
+        them); read whole, they go back uncharged with the release.
+        """
+        if self._stopping:
+            return None
         max_tuples, max_bytes = self._pull_size()
-        call = self._cluster.pull(self._channel, self._config.pull_wait, max_tuples=max_tuples, max_bytes=max_bytes)
-        with self._cond:
-            if self._stopping:
-                call.cancel()
-                return None
-            self._pull_call = call
+        call = self._cluster.pull(self._channel, wait, max_tuples=max_tuples, max_bytes=max_bytes)
+        if claim:
+            with self._cond:
+                if self._stopping:
+                    call.cancel()
+                    return None
+                self._pull_call = call
         try:
             frames = call.frames()
             first = next(frames, None)
             if first is None:
                 return None
-            if not self._claim_for_queue():
+            if claim and not self._claim_for_queue():
                 call.cancel()
                 return None
             try:
-                return self._read_pull(call, first, frames, max_tuples, max_bytes)
+                pulled = self._read_pulled(
+                    itertools.chain([first], frames), first.meta, max_chunk_bytes=call.max_chunk_bytes
+                )
             except BaseException:
-                self._unclaim(pull_done=True)
+                if claim:
+                    self._unclaim(pull_done=True)
                 raise
         finally:
             with self._cond:
                 self._pull_call = None
-
-    def _fetch_ahead(self) -> tuple[list[tuple[TupleMeta, bytes]], bool]:
-        """The next pull, asked without waiting (only tuples ready now), read whole.
-
-        Not cancelled when the engine stops: it waits for nothing, and a pull
-        cut off while its tuples are sent would charge them (the master cannot
-        tell a broken stream from an engine that died on them); read whole, they
-        go back uncharged with the release."""
-        if self._stopping:
-            return [], False
-        max_tuples, max_bytes = self._pull_size()
-        call = self._cluster.pull(self._channel, 0.0, max_tuples=max_tuples, max_bytes=max_bytes)
-        frames = call.frames()
-        first = next(frames, None)
-        if first is None:
-            return [], False
-        return self._read_pull(call, first, frames, max_tuples, max_bytes)
-
-    def _read_pull(
-        self,
-        call: PullCall,
-        first: TupleFrame | ChunkFrame,
-        frames: Iterator[TupleFrame | ChunkFrame],
-        max_tuples: int,
-        max_bytes: int,
-    ) -> tuple[list[tuple[TupleMeta, bytes]], bool]:
-        """The pulled tuples, and whether the pull came full: as many as asked, or another
-        like the last would not have fitted in the bytes (then more are likely waiting)."""
-        pulled = self._read_pulled(itertools.chain([first], frames), first.meta, max_chunk_bytes=call.max_chunk_bytes)
         size = sum(len(data) for _, data in pulled)
-        full = bool(pulled) and (len(pulled) >= max_tuples or size + len(pulled[-1][1]) > max_bytes)
-        return pulled, full
+        return pulled, bool(pulled) and (len(pulled) >= max_tuples or size + len(pulled[-1][1]) > max_bytes)
+
+    def _beside(self, call: Callable[[], T], failed: T) -> concurrent.futures.Future[T]:
+        """Run ``call`` beside the processing of pulled tuples: fetching the next pull (pulling
+        only once idle would leave the slot idle for a release, a pull and the transfer), and
+        storing the last pull's features (the answer waits for the repository's fsync, time the
+        slot would otherwise spend idle). A failure is logged and gives ``failed``."""
+
+        def run() -> T:
+            try:
+                return call()
+            except HioError as exc:  # the caller goes on as after the failure it stands for
+                log.debug("background call failed", extra={"reason": exc.message})
+            except BaseException:  # must not stop the puller
+                log.exception("background call failed unexpectedly")
+            return failed
+
+        try:
+            return self._background.submit(run)
+        except RuntimeError:  # shut down: the engine is stopping
+            future: concurrent.futures.Future[T] = concurrent.futures.Future()
+            future.set_result(failed)
+            return future
 
     def _worth_pulling_ahead(self) -> bool:
-        """Pull ahead only for tuples known to take at most ``AHEAD_MAX_SECONDS``: a tuple held
-        ahead waits for the one processed, and behind a long one it would be kept from a
-        channel that frees up meanwhile; beside a long one, the gap a pull leaves is small."""
+        """Pull ahead only for tuples known to take at most ``AHEAD_MAX_SECONDS`` (why:
+        docs/architecture.md, "The data path", 4)."""
         seconds = self._queue_tuple_seconds
         return self._config.pull_ahead and seconds is not None and seconds <= AHEAD_MAX_SECONDS
 
     def _pull_size(self) -> tuple[int, int]:
-        """How many queued tuples (and bytes) to ask for: about ``pull_batch_seconds`` of work.
-
-        One at a time until a tuple's cost is known, and for costly tuples,
-        so other channels get their share; cheap ones come in batches, which
-        spares a pull, a store and a report round trip per tuple.
-        """
+        """How many queued tuples (and bytes) to ask for: about ``pull_batch_seconds`` of work,
+        one at a time until a tuple's cost is known (docs/architecture.md, "The data path", 4)."""
         seconds = self._queue_tuple_seconds
         budget = self._config.pull_batch_seconds
         if seconds is None or budget <= 0:
@@ -1058,29 +983,24 @@ class Engine:
 
     def _process_pulled(
         self, pulled: list[tuple[TupleMeta, bytes]], *, ahead: bool
-    ) -> tuple[list[tuple[TupleMeta, bytes, float]], bool, concurrent.futures.Future[tuple[list[Any], bool]] | None]:
+    ) -> tuple[list[_Slot], bool, concurrent.futures.Future[Pulled | None] | None]:
         """Process the pulled tuples in order; their records (for :meth:`_store_pulled`), True
         when every one was processed, and the next pull when ``ahead`` (fetched beside the
-        last tuple's processing). A tuple that fails is reported at once.
-
-        The whole pull was read first (its size is bounded by the request), so
-        the master's stream ends at once whatever the processing takes. Tuples
-        not processed here go back to the head of the queue, not charged, with
-        the release (``pull_done``): those left when stopping, and the rest of a
-        pull that has taken three times ``pull_batch_seconds`` (its tuples cost
-        more than the last ones did; other channels may take them).
+        last tuple's processing). A tuple that fails is reported at once. Stops early when
+        stopping, or once the pull has taken three times ``pull_batch_seconds``; what is not
+        processed goes back with the release (docs/architecture.md, "The data path", 4).
         """
         started = time.monotonic()
         limit = 3 * self._config.pull_batch_seconds
-        done: list[tuple[TupleMeta, bytes, float]] = []
-        fetching: concurrent.futures.Future[tuple[list[Any], bool]] | None = None
+        done: list[_Slot] = []
+        fetching: concurrent.futures.Future[Pulled | None] | None = None
         processed = 0
         for meta, data in pulled:
             if self._stopping or (processed and time.monotonic() - started > limit):
                 break
             processed += 1
             if ahead and processed == len(pulled):
-                fetching = self._background.submit(self._fetch_ahead, ([], False))
+                fetching = self._beside(functools.partial(self._pull, 0.0, claim=False), None)
             if meta.image != self._config.image:
                 self._report(
                     meta,
@@ -1093,7 +1013,7 @@ class Engine:
             if isinstance(result, str):
                 self._report(meta, ok=False, from_queue=True, message=result)
             else:
-                done.append((meta, *result))
+                done.append(_Slot(len(done), meta, *result, from_queue=True))
         if processed:
             self._learn_cost((time.monotonic() - started) / processed)
         return done, processed == len(pulled), fetching
@@ -1117,50 +1037,22 @@ class Engine:
                 )
         return pulled
 
-    def _store_pulled(self, done: list[tuple[TupleMeta, bytes, float]]) -> bool:
-        """Store the records in batches of the repository call's bounds, then report them;
-        False when the repository could not be reached.
-
-        When the repository stays unreachable (past ``rpc_deadline``), the
-        rest is not reported: it goes back to the queue with the release, not
-        charged, since it is not the tuples' fault.
-        """
-        start = 0
-        while start < len(done):
-            end, size = start, 0
-            while (
-                end < len(done)
-                and end - start < self._store_batch_records
-                and (end == start or size + len(done[end][1]) <= self._max_record)
-            ):
-                size += len(done[end][1])
-                end += 1
+    def _store_pulled(self, done: list[_Slot]) -> bool:
+        """Store the records in batches of the repository call's bounds (:func:`store_batch`),
+        reporting them; False when the repository could not be reached (past
+        ``rpc_deadline``): the rest, not reported, goes back with the release, not charged."""
+        waiting = collections.deque(done)
+        while waiting:
+            batch = take_batch(waiting, self._config.store_batch_records, self._max_record)
             try:
-                self._store_and_report(done[start:end])
+                store_batch(self._cluster.store_many, batch, self._stored, self._refused)
             except HioError as exc:
                 log.warning(
                     "cannot store features; the pulled tuples go back to the queue",
-                    extra={"channel": self._channel, "tuples": len(done) - start, "reason": exc.message},
+                    extra={"channel": self._channel, "tuples": len(batch) + len(waiting), "reason": exc.message},
                 )
                 return False
-            start = end
         return True
-
-    def _store_and_report(self, batch: list[tuple[TupleMeta, bytes, float]]) -> None:
-        """One PutFeatures for the batch and its reports. A record the repository refuses is
-        reported failed (charged); an unreachable repository raises."""
-        try:
-            duplicates = self._cluster.store_many([(meta.tuple_id, blob) for meta, blob, _ in batch])
-        except (InvalidArgument, DataLoss) as exc:
-            if len(batch) > 1:  # one record was refused: find it, store the others
-                for one in batch:
-                    self._store_and_report([one])
-                return
-            self._report(batch[0][0], ok=False, from_queue=True, message=f"cannot store features: {exc.message}")
-            return
-        self._reporter.outcomes([self._outcome(meta, ok=True, from_queue=True, seconds=cpu) for meta, _, cpu in batch])
-        for (meta, blob, cpu), duplicate in zip(batch, duplicates, strict=True):
-            self._log_stored(meta, blob, duplicate, cpu)
 
     def _learn_cost(self, seconds: float) -> None:
         previous = self._queue_tuple_seconds
@@ -1211,10 +1103,31 @@ def create_engine_server(
     )
     engine = Engine(config, pipeline, cluster, reporter, exit_process=exit_process)
     reporter.start()
+
+    def lane(table: TokenTable | None) -> LaneServer | None:
+        """The engine's payload lane (Deliver over TCP, TLS with the gRPC server's certificates
+        when configured), started; None when not configured."""
+        return start_lane_server(  # the worker chose the port: one that cannot be had is an error
+            config.lane_listen,
+            lambda listen: LaneServer(
+                listen,
+                service="Engine",
+                uploads={"Deliver": lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes)},
+                table=table,
+                policy=POLICY,
+                idle_seconds=engine.idle_seconds,
+                max_head_bytes=message_limit(config),
+                max_data_bytes=config.max_tuple_bytes,
+                tls=server_context(config),
+            ),
+            chosen=True,
+            logger=log,
+        )
+
     server, port, health, engine.lane = create_server_with_lane(
         config,
         config.listen,
-        lane=lambda table: create_lane(config, engine, table),
+        lane=lane,
         max_workers=8,
         policy=POLICY,
         service=ROLE_SERVICES["engine"],
@@ -1224,66 +1137,6 @@ def create_engine_server(
     return server, port, health, engine
 
 
-def create_lane(config: EngineConfig, engine: Engine, table: TokenTable | None) -> LaneServer | None:
-    """The engine's payload lane (Deliver over TCP, TLS with the gRPC server's certificates
-    when configured), started; None when not configured."""
-    tls = server_context(config)
-    return start_lane_server(  # the worker chose the port: one that cannot be had is an error
-        config.lane_listen,
-        lambda listen: LaneServer(
-            listen,
-            service="Engine",
-            uploads={"Deliver": lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes)},
-            table=table,
-            policy=POLICY,
-            idle_seconds=engine.idle_seconds,
-            max_head_bytes=message_limit(config),
-            max_data_bytes=config.max_tuple_bytes,
-            tls=tls,
-        ),
-        chosen=True,
-        logger=log,
-    )
-
-
-def watch_parent(parent_pid: int, stop: threading.Event, interval: float = PARENT_CHECK_SECONDS) -> None:
-    """Set ``stop`` once ``parent_pid`` is no longer our parent (it died; we were re-parented).
-
-    An engine must not outlive a worker killed with SIGKILL: a new worker
-    would start engines for the same channels while the orphans keep pulling.
-    The thread sleeps on a process descriptor of the parent, which becomes
-    readable when it exits; where the kernel has none (before Linux 5.3) it
-    looks every ``interval``.
-    """
-
-    def gone() -> None:
-        log.warning("the worker that started this engine is gone; stopping", extra={"parent_pid": parent_pid})
-        stop.set()
-
-    def poll_parent() -> None:
-        while not stop.wait(interval):
-            if os.getppid() != parent_pid:
-                gone()
-                return
-
-    def wait_parent(pidfd: int) -> None:
-        try:
-            if os.getppid() == parent_pid:  # opened after a re-parenting: it names someone else
-                select.select([pidfd], [], [])
-            gone()
-        finally:
-            os.close(pidfd)
-
-    try:
-        pidfd = os.pidfd_open(parent_pid)
-    except (AttributeError, OSError):  # no pidfd_open here, or the parent is already gone
-        target: Callable[..., None] = poll_parent
-        args: tuple[int, ...] = ()
-    else:
-        target, args = wait_parent, (pidfd,)
-    threading.Thread(target=target, args=args, name="parent-watch", daemon=True).start()
-
-
 def _pipeline_failed(why: str) -> int:
     """Say why on the last line (its worker shows that line); the exit code that says it."""
     print(f"hio engine: cannot load the pipeline: {why}", file=sys.stderr, flush=True)
@@ -1291,7 +1144,7 @@ def _pipeline_failed(why: str) -> int:
 
 
 def run_engine(config: EngineConfig) -> int:
-    """`hio engine`: serve one channel until SIGTERM (or its worker's death); exit 0 after a clean stop.
+    """`hio engine`: serve one channel until SIGTERM (its worker's death sends one); exit 0 after a clean stop.
 
     A pipeline that cannot be loaded exits with :data:`PIPELINE_EXIT_CODE` and says why on
     its last line: the worker shows that line as the channel's state."""
@@ -1305,12 +1158,9 @@ def run_engine(config: EngineConfig) -> int:
     server, port, health, engine = create_engine_server(config, pipeline=pipeline)
     server.start()
     engine.start()
-    stop_event = threading.Event()
-    if config.parent_pid > 0:
-        watch_parent(config.parent_pid, stop_event)
     log.info(
         "engine serving",
-        extra={"channel": config.channel_id, "image": config.image, "port": port, "pipeline": engine.pipeline_spec},
+        extra={"channel": config.channel_id, "image": config.image, "port": port, "pipeline": pipeline.spec},
     )
 
     def stop() -> None:
@@ -1319,4 +1169,4 @@ def run_engine(config: EngineConfig) -> int:
         if engine.lane is not None:
             engine.lane.stop()
 
-    return run_until_signal(server, grace=1.0, on_stop=[stop], stop_event=stop_event)
+    return run_until_signal(server, grace=1.0, on_stop=[stop])

@@ -1,5 +1,5 @@
-"""Starting and stopping processing engines: the launcher interface and its
-local-process implementation.
+"""Starting and stopping processing engines: the launcher interface, its
+local-process implementation, and the choice of runtime (:func:`select_launcher`).
 
 The controller only talks to :class:`EngineLauncher`; ``ProcessLauncher`` runs
 an engine as a child process (``python -m hio.cli engine``), the Docker
@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from hio.process.procs import child_env
-from hio.worker.config import WorkerConfig
+from hio.config import ConfigError
+from hio.process.procs import LIFELINE_ENV, child_env, spawn
+from hio.settings import BUILTIN_IMAGES
+from hio.worker.config import WorkerConfig, engine_counts
 from hio.worker.cpu import CpuUsage, tree_usage
 
 log = logging.getLogger("hio.worker")
@@ -50,7 +52,6 @@ class EngineHandle:
     ident: str
     native: Any = None
     log_path: str = ""
-    started_monotonic: float = dataclasses.field(default_factory=time.monotonic)
     cpu_source: Any = None  # where the launcher reads the engine's CPU time (found once, then kept)
 
 
@@ -126,15 +127,16 @@ class ProcessLauncher(EngineLauncher):
 
     @staticmethod
     def _spawn(spec: EngineSpec, out: IO[bytes]) -> subprocess.Popen[bytes]:
-        env = child_env(spec.env)
-        env["HIO_ENGINE_PARENT_PID"] = str(os.getpid())  # a worker killed with -9 takes its engines along
-        return subprocess.Popen(
-            [sys.executable, "-m", "hio.cli", "engine"],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            close_fds=True,
+        env = {**child_env(spec.env), LIFELINE_ENV: str(os.getpid())}  # a worker killed with -9 takes its engines along
+        return spawn(
+            lambda: subprocess.Popen(
+                [sys.executable, "-m", "hio.cli", "engine"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                close_fds=True,
+            )
         )
 
     def poll(self, handle: EngineHandle) -> int | None:
@@ -176,3 +178,44 @@ class ProcessLauncher(EngineLauncher):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(5.0)
+
+
+def select_launcher(config: WorkerConfig, worker_id: str | None = None) -> EngineLauncher:
+    """The launcher for ``config.runtime``, chosen once at the worker's start.
+
+    ``process``: local processes. ``docker``: containers, or ConfigError when
+    Docker is not usable. ``auto``: containers when the docker launcher
+    imports (the docker SDK is installed), the daemon answers and every
+    configured image exists locally (an elastic worker, whose images come from
+    the master's plan later: the built-in ones); else local processes.
+    """
+    if config.runtime == "process":
+        return ProcessLauncher(config, worker_id)
+    try:
+        from hio.worker import docker_launcher
+    except ImportError as exc:
+        if config.runtime == "docker":
+            raise ConfigError(
+                "runtime is 'docker' but the Docker launcher cannot be imported (pip install 'harmonicio[docker]')"
+            ) from None
+        log.debug("docker launcher unavailable", extra={"reason": str(exc)})
+        return ProcessLauncher(config, worker_id)
+    if config.runtime == "docker":
+        if not docker_launcher.docker_available():
+            raise ConfigError(
+                "runtime is 'docker' but no Docker engine answers (is the daemon running "
+                "and may this user reach its socket?)"
+            )
+        return docker_launcher.DockerLauncher(config, worker_id)
+    counts = engine_counts(BUILTIN_IMAGES if config.elastic else config.engines, config.effective_cpus())
+    try:
+        usable = docker_launcher.docker_available() and all(
+            docker_launcher.DockerLauncher.has_image(image) for image, _ in counts
+        )
+    except Exception as exc:  # noqa: BLE001 - "auto" must fall back, whatever docker says
+        log.info("docker not usable; running engines as processes", extra={"reason": str(exc)})
+        usable = False
+    if not usable:
+        return ProcessLauncher(config, worker_id)
+    log.info("engines run in docker containers")
+    return docker_launcher.DockerLauncher(config, worker_id)

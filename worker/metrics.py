@@ -26,7 +26,7 @@ from hio.settings import ClusterSettings
 from hio.transport.net import create_channel
 
 if TYPE_CHECKING:
-    from hio.worker.controller import Controller, EngineView
+    from hio.worker.controller import Controller, EngineSlot
 
 log = logging.getLogger("hio.worker")
 
@@ -52,18 +52,18 @@ class WorkerMetrics:
             self._stubs.clear()
 
     def _families(self) -> Iterator[Metric]:
-        engines, restarts_gone = self._controller.engine_views()
+        slots, restarts_gone = self._controller.engine_slots()
         with self._lock:
-            self._read_engines(engines)
+            self._read_engines(slots)
             process = self._process.totals()
-        images = {engine.image for engine in engines} | set(restarts_gone) | set(process)
+        images = {slot.image for slot in slots} | set(restarts_gone) | set(process)
         states: collections.Counter[tuple[str, str]] = collections.Counter(
             {(image, state): 0 for image in images for state in ("up", "down")}
         )
         restarts = collections.Counter({(image,): count for image, count in restarts_gone.items()})
-        for engine in engines:
-            states[engine.image, "up" if engine.up else "down"] += 1
-            restarts[(engine.image,)] += engine.restarts
+        for slot in slots:
+            states[slot.image, "up" if slot.up else "down"] += 1
+            restarts[(slot.image,)] += slot.restarts
         yield gauges(
             "hio_worker_engines",
             "Engines by image and state: up (serving), down (starting, restarting, or unable to start)",
@@ -95,16 +95,17 @@ class WorkerMetrics:
             {(image,): counts for image, counts in process.items() if counts.bounds},
         )
 
-    def _read_engines(self, engines: list[EngineView]) -> None:
+    def _read_engines(self, slots: list[EngineSlot]) -> None:
         """Ask every running engine for its figures at once; one that does not answer in
         time keeps its last figures."""
-        running = [engine for engine in engines if engine.ident]
-        calls = {}
-        for engine in running:
-            stub = self._stub(engine.address)
-            calls[engine.channel_id, engine.ident] = stub.GetEngineStats.future(
+        addresses = {slot.channel_id: self._controller.engine_address(slot) for slot in slots}
+        running = {(slot.channel_id, handle.ident): slot.image for slot in slots if (handle := slot.handle) is not None}
+        calls = {
+            key: self._stub(addresses[key[0]]).GetEngineStats.future(
                 engine_pb2.GetEngineStatsRequest(), timeout=ENGINE_STATS_TIMEOUT
             )
+            for key in running
+        }
         figures: dict[tuple[str, str], BucketCounts] = {}
         for key, call in calls.items():
             try:
@@ -115,8 +116,8 @@ class WorkerMetrics:
             if tuple(reply.process_bucket_bounds) == BOUNDS and len(reply.process_bucket_counts) == len(BOUNDS):
                 counts = tuple(map(float, reply.process_bucket_counts))
                 figures[key] = BucketCounts(BOUNDS, counts, reply.process_seconds_sum)
-        self._process.update({(e.channel_id, e.ident): e.image for e in running}, figures)
-        for address in set(self._stubs) - {engine.address for engine in engines}:
+        self._process.update(running, figures)
+        for address in set(self._stubs) - set(addresses.values()):
             self._stubs.pop(address)[0].close()
 
     def _stub(self, address: str) -> engine_pb2_grpc.EngineStub:

@@ -87,13 +87,9 @@ class Reporter:
         self._thread.start()
         return self
 
-    def outcome(self, outcome: master_pb2.TupleOutcome) -> None:
-        """Queue one tuple's outcome: a queued tuple's within ~flush_interval, a direct one's
-        with the channel's next report (at most ~direct_interval)."""
-        self.outcomes((outcome,))
-
     def outcomes(self, outcomes: Iterable[master_pb2.TupleOutcome]) -> None:
-        """Queue several outcomes at once (one lock; see :meth:`outcome`).
+        """Queue tuples' outcomes: a queued tuple's goes within ~flush_interval, a direct one's
+        with the channel's next report (at most ~direct_interval).
 
         The thread is woken only when these make a report due sooner than it
         planned: the first item, or the first queued tuple's outcome. Waking it
@@ -226,12 +222,16 @@ class Reporter:
         while True:
             try:
                 reply = self._send(request)
+                holds = [t for t in (reply.reservation_seconds, reply.lease_seconds) if t > 0]
                 with self._cond:
                     self._last_sent = time.monotonic()
-                    self._adopt_master_times(reply)
+                    if holds:  # keep alive at least every third of the master's shorter hold time
+                        self._keepalive = min(self._configured_keepalive, min(holds) / 3)
                 return bool(reply.pull_queue)
             except RETRYABLE as exc:
-                if self._give_up():
+                with self._cond:
+                    give_up = self._stopping and time.monotonic() >= self._stop_deadline
+                if give_up:
                     log.warning(
                         "report not delivered before stopping",
                         extra={"channel": self._channel_id, "reason": exc.message},
@@ -251,13 +251,3 @@ class Reporter:
                 with self._cond:
                     self._last_sent = time.monotonic()
                 return False
-
-    def _adopt_master_times(self, reply: master_pb2.ReportTuplesResponse) -> None:
-        """Keep alive at least every third of the master's shorter hold time (lock held)."""
-        holds = [t for t in (reply.reservation_seconds, reply.lease_seconds) if t > 0]
-        if holds:
-            self._keepalive = min(self._configured_keepalive, min(holds) / 3)
-
-    def _give_up(self) -> bool:
-        with self._cond:
-            return self._stopping and time.monotonic() >= self._stop_deadline

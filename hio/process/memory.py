@@ -16,12 +16,12 @@ events, protobuf wrappers, frames); with the default threshold of 700 the
 cyclic collector runs hundreds of times a second, and each older-generation
 pass walks every object the imported libraries made at start (grpc,
 protobuf, numpy: ~10^5), so at high tuple rates the collector takes a
-visible share of a core. :func:`freeze_startup_objects` moves what
-exists after start-up out of the collector's sight (``gc.freeze``) and the
-first threshold is raised, so collections are rarer and only look at new objects.
+visible share of a core. :func:`tune_process` moves what exists after
+start-up out of the collector's sight (``gc.freeze``) and raises the first
+threshold, so collections are rarer and only look at new objects.
 
-``hio <role>`` calls both (:func:`tune_process`); a program embedding the
-gateway library may call :func:`tune_process` itself.
+``hio <role>`` calls :func:`tune_process`, which applies both; a program
+embedding the gateway library may call it itself.
 """
 
 from __future__ import annotations
@@ -64,14 +64,10 @@ def tune_malloc() -> bool:
     return _tuned
 
 
-def freeze_startup_objects() -> None:
-    """Exempt every object alive now from future collections and make collections rarer."""
+def tune_process() -> None:
+    """Both tunings (every object alive now exempt from future collections, which become
+    rarer); call once the role's modules are imported, before it serves."""
+    tune_malloc()
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
-
-
-def tune_process() -> None:
-    """Both tunings; call once the role's modules are imported, before it serves."""
-    tune_malloc()
-    freeze_startup_objects()

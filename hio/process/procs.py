@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import queue
 import random
 import signal
 import socket
@@ -26,9 +25,9 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from hio.settings import ClusterSettings
@@ -93,33 +92,18 @@ def watch_process(pid: int, on_gone: Callable[[], None], interval: float = 1.0) 
     threading.Thread(target=run, name=f"watch-{pid}", daemon=True).start()
 
 
-_spawn_jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-_spawner: list[threading.Thread] = []
-_spawner_lock = threading.Lock()
-
-
-def _spawn_forever() -> None:
-    while True:
-        job, future = _spawn_jobs.get()
-        try:
-            future.set_result(job())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            future.set_exception(exc)
+# One thread, alive until interpreter shutdown joins it (before atexit's stop_all): children it
+# started get SIGTERM from their lifeline then, stop_all's own a moment later.
+_SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="hio-spawner")
 
 
 def spawn(start: Callable[[], T]) -> T:
     """Run ``start`` (which starts a child process) on a thread that lives as long as this
-    process: the main thread if we are on it, else a daemon thread kept for this. A
-    child's death signal follows the thread that started it, not the process."""
+    process: the main thread if we are on it, else one kept for this. A child's death
+    signal follows the thread that started it, not the process."""
     if threading.current_thread() is threading.main_thread():
         return start()
-    with _spawner_lock:
-        if not _spawner:
-            _spawner.append(threading.Thread(target=_spawn_forever, name="hio-spawner", daemon=True))
-            _spawner[0].start()
-    future: Future[T] = Future()
-    _spawn_jobs.put((start, future))
-    return future.result()
+    return _SPAWNER.submit(start).result()
 
 
 def read_proc(path: str) -> bytes:
@@ -192,17 +176,17 @@ def free_port(host: str = "127.0.0.1") -> int:
                 sock.bind((host, 0))
                 port = int(sock.getsockname()[1])
         pair = (port, port + 1)
-        if port < 65535 and not any(p in _GIVEN_PORTS for p in pair) and all(_bindable(host, p) for p in pair):
+        if port < 65535 and not any(p in _GIVEN_PORTS for p in pair) and all(bindable(host, p) for p in pair):
             _GIVEN_PORTS.update(pair)
             return port
     raise RuntimeError(f"no fresh free port on {host}")
 
 
-def _bindable(host: str, port: int) -> bool:
-    """Whether ``port`` can be bound on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+def bindable(host: str, port: int) -> bool:
+    """Whether ``port`` can be bound on ``host`` (IPv4 or IPv6; empty = every interface) right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
-            sock.bind((host, port))
+            sock.bind((host or "0.0.0.0", port))
         except OSError:  # in use (or waiting out a closed connection's TIME_WAIT)
             return False
     return True
@@ -218,7 +202,6 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 _RUNNING: set[RoleProcess] = set()  # started and not stopped: stop_all's work
 _RUNNING_LOCK = threading.Lock()
-_AT_EXIT: list[bool] = []
 
 
 def stop_all(timeout: float = 10.0) -> list[str]:
@@ -230,6 +213,9 @@ def stop_all(timeout: float = 10.0) -> list[str]:
     for proc in left:
         proc.stop(timeout)
     return running
+
+
+atexit.register(stop_all)
 
 
 class RoleProcess:
@@ -279,9 +265,6 @@ class RoleProcess:
             )
         )
         with _RUNNING_LOCK:
-            if not _AT_EXIT:
-                atexit.register(stop_all)
-                _AT_EXIT.append(True)
             _RUNNING.add(self)
         return self
 

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, NoReturn
+from typing import BinaryIO
 
 from hio.transport.errors import FailedPrecondition
 
@@ -169,29 +169,23 @@ class DiskFailure:
         """``os.fsync(fd)`` for the role. A failure is final (:meth:`fail`) and raised: as
         the OSError, or with ``refuse`` (the caller's tuple waits on it) as the refusal
         that names it, FailedPrecondition."""
-        started = time.perf_counter()
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            self._failed(exc, refuse)
-        if self.observe is not None:
-            self.observe(time.perf_counter() - started)
+        self._timed(lambda: os.fsync(fd), refuse)
 
     def sync_folder(self, path: Path, *, refuse: bool = False) -> None:
         """fsync a folder for the role, its failure handled as in :meth:`sync`."""
+        self._timed(lambda: _fsync_folder(path), refuse)
+
+    def _timed(self, fsync: Callable[[], None], refuse: bool) -> None:
         started = time.perf_counter()
         try:
-            _fsync_folder(path)
+            fsync()
         except OSError as exc:
-            self._failed(exc, refuse)
+            self.fail(exc.strerror or str(exc))
+            if refuse:
+                self.check()
+            raise
         if self.observe is not None:
             self.observe(time.perf_counter() - started)
-
-    def _failed(self, exc: OSError, refuse: bool) -> NoReturn:
-        self.fail(exc.strerror or str(exc))
-        if refuse:
-            self.check()
-        raise exc
 
     def fail(self, error: str) -> None:
         """An fsync of the role's files failed: no new tuple until restart (see the class)."""

@@ -31,6 +31,14 @@ class HioError(Exception):
         self.message = message
         self.retry_after = retry_after
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "code" in cls.__dict__:  # a class of its own code, not a kind of one (gateway.spool.SpoolFull)
+            BY_CODE.setdefault(cls.code, cls)
+
+
+BY_CODE: dict[grpc.StatusCode, type[HioError]] = {}  # the class of each code (a failed call's error, as ours)
+
 
 class InvalidArgument(HioError):
     code = grpc.StatusCode.INVALID_ARGUMENT
@@ -110,7 +118,10 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, float | None]:
     return grpc.StatusCode.INTERNAL, f"internal error (ref {ref}); see the server log", None
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    """End the call with ``exc``'s status; gRPC's own signal that it was aborted passes on."""
+    if _is_abort(exc, context):
+        raise exc
     code, message, retry = status_of(exc)
     if retry is not None:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{retry:.3f}"),))
@@ -136,9 +147,7 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
             try:
                 yield from method(self, request, context)
-            except Exception as exc:  # this is the one place that maps errors
-                if _is_abort(exc, context):
-                    raise
+            except Exception as exc:  # noqa: BLE001 - the one place that maps errors (_abort passes gRPC's abort on)
                 _abort(context, exc)
 
         return stream_wrapper
@@ -147,9 +156,7 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     def unary_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
-        except Exception as exc:
-            if _is_abort(exc, context):
-                raise
+        except Exception as exc:  # noqa: BLE001 - the one place that maps errors (_abort passes gRPC's abort on)
             _abort(context, exc)
 
     return unary_wrapper

@@ -5,8 +5,8 @@ Every role that sends tuples uses :func:`frames_for_bytes` or
 :class:`FrameReader`, which checks the metadata, bounds each chunk and the
 tuple, and verifies the size and CRC-32 as bytes arrive, so a damaged tuple is
 refused (``DATA_LOSS``) before anyone acts on it. Small tuples may travel
-packed, several in one message (:class:`PackingFrames`); readers spread them
-out again (:class:`UnpackedFrames`). Large chunks are encoded by hand and read
+packed, several in one message (:func:`pack_small`); the reader spreads them
+out again. Large chunks are encoded by hand and read
 in place (:func:`encode_frame`, :func:`parse_frame`): the same wire bytes,
 without the copies Python protobuf makes of every payload.
 """
@@ -257,59 +257,39 @@ def check_meta(meta: TupleMeta, max_tuple_bytes: int, *, need_id: bool) -> None:
         raise InvalidArgument(f"{what()}: too many or too large attributes (at most 256, 64 KiB)")
 
 
-class PackingFrames:
-    """Small tuples as one message: collects one-frame tuples into a frame with ``packed``.
-
-    ``add`` returns a message to send when the next tuple would not fit
-    (``pack_bytes`` of serialized frames), ``flush`` the rest.
-    """
-
-    def __init__(self, pack_bytes: int, chunk_bytes: int) -> None:
-        self.pack_bytes = pack_bytes
-        self._largest = min(pack_bytes // 4, chunk_bytes)  # a packed tuple is one frame: within a chunk
-        self._frames: list[TupleFrame] = []
-        self._size = 0
-
-    def packable(self, size: int) -> bool:
-        """Small enough to ride with others: at most a quarter of a packed message and one chunk."""
-        return size <= self._largest
-
-    def add(self, frame: TupleFrame) -> TupleFrame | None:
-        size = frame.ByteSize() + 8
-        out = self.flush() if self._frames and self._size + size > self.pack_bytes else None
-        self._frames.append(frame)
-        self._size += size
-        return out
-
-    def flush(self) -> TupleFrame | None:
-        if not self._frames:
-            return None
-        message = packed(self._frames)
-        self._frames, self._size = [], 0
-        return message
-
-
 def pack_small(
     tuples: Iterable[tuple[TupleMeta, bytes | BinaryIO]], chunk_bytes: int, pack_bytes: int
 ) -> Iterator[TupleFrame | tuple[TupleMeta, bytes | BinaryIO]]:
-    """The tuples in order: small ones gathered into packed messages (``TupleFrame``,
-    :class:`PackingFrames`; a small spooled file is read and closed here), every
-    other one as given, ``(meta, payload)``. Shared by the gRPC and the lane framing."""
-    packing = PackingFrames(pack_bytes, chunk_bytes)
+    """The tuples in order: small ones gathered into packed messages (``TupleFrame``, each up
+    to ``pack_bytes`` of serialized frames; a small spooled file is read and closed here),
+    every other one as given, ``(meta, payload)``. Shared by the gRPC and the lane framing.
+
+    Small: at most a quarter of a packed message, and within a chunk (a packed tuple is
+    one frame, and the receiver bounds a frame's data by its chunk limit).
+    """
+    largest = min(pack_bytes // 4, chunk_bytes)
+    gathered: list[TupleFrame] = []
+    size = 0
     for meta, payload in tuples:
-        if packing.packable(meta.size):
-            data = payload
-            if not isinstance(data, bytes):
-                with data:
-                    data = data.read(meta.size)
-            if (message := packing.add(TupleFrame(meta=meta, data=data, last=True))) is not None:
-                yield message
+        if meta.size > largest:
+            if gathered:
+                yield packed(gathered)
+                gathered, size = [], 0
+            yield meta, payload
             continue
-        if (message := packing.flush()) is not None:
-            yield message
-        yield meta, payload
-    if (message := packing.flush()) is not None:
-        yield message
+        data = payload
+        if not isinstance(data, bytes):
+            with data:
+                data = data.read(meta.size)
+        frame = TupleFrame(meta=meta, data=data, last=True)
+        frame_size = frame.ByteSize() + 8
+        if gathered and size + frame_size > pack_bytes:
+            yield packed(gathered)
+            gathered, size = [], 0
+        gathered.append(frame)
+        size += frame_size
+    if gathered:
+        yield packed(gathered)
 
 
 def tuple_frames(
@@ -344,44 +324,6 @@ def packed(messages: list[Packable]) -> Packable:
     return first
 
 
-class UnpackedFrames:
-    """A frame stream with packed tuples spread out, as if each had come as a frame of its own.
-
-    Checks the packing rules; ``packed`` tells whether the sender packed at
-    all (a receiver may then pack its receipts), ``buffered`` whether the
-    next frame is already in memory.
-    """
-
-    def __init__(self, frames: Iterable[TupleFrame]) -> None:
-        self._frames = iter(frames)
-        self._pending: collections.deque[TupleFrame] = collections.deque()
-        self.packed = False
-
-    def __iter__(self) -> UnpackedFrames:
-        return self
-
-    @property
-    def buffered(self) -> bool:
-        return bool(self._pending)
-
-    def __next__(self) -> TupleFrame:
-        if self._pending:
-            return self._pending.popleft()
-        frame = next(self._frames)
-        if not frame.packed:
-            return frame
-        if not frame.last:
-            raise InvalidArgument("a frame carrying packed tuples must end its own tuple (set last)")
-        for n, inner in enumerate(frame.packed):
-            if not inner.HasField("meta") or not inner.last or inner.packed:
-                raise InvalidArgument(
-                    f"packed tuple {n}: must be one whole tuple in one frame (metadata, last set, nothing packed in it)"
-                )
-        self.packed = True
-        self._pending.extend(frame.packed)
-        return TupleFrame(meta=frame.meta, data=frame.data, last=True)
-
-
 class FrameReader:
     """Reads tuples one after the other from a stream of frames, verifying each.
 
@@ -393,22 +335,38 @@ class FrameReader:
     def __init__(
         self, frames: Iterable[TupleFrame], *, max_tuple_bytes: int, max_chunk_bytes: int, need_id: bool = True
     ) -> None:
-        self._frames = frames if isinstance(frames, UnpackedFrames) else UnpackedFrames(frames)
+        self._frames = iter(frames)
+        self._unpacked: collections.deque[TupleFrame] = collections.deque()  # packed tuples not read yet
         self._max_tuple = max_tuple_bytes
         self._max_chunk = max_chunk_bytes
         self._need_id = need_id
         self.index = 0
         self.reading: TupleMeta | None = None  # the tuple being read; left set when reading it failed
-
-    @property
-    def packed(self) -> bool:
-        """The sender packs small tuples: it understands packed receipts."""
-        return self._frames.packed
+        self.packed = False  # the sender packs small tuples: it understands packed receipts
 
     @property
     def buffered(self) -> bool:
         """The next tuple's first frame is already in memory (packed with an earlier one)."""
-        return self._frames.buffered
+        return bool(self._unpacked)
+
+    def _next_frame(self) -> TupleFrame:
+        """The next frame, a packed tuple as a frame of its own (the packing rules checked);
+        StopIteration at the stream's end."""
+        if self._unpacked:
+            return self._unpacked.popleft()
+        frame = next(self._frames)
+        if not frame.packed:
+            return frame
+        if not frame.last:
+            raise InvalidArgument("a frame carrying packed tuples must end its own tuple (set last)")
+        for n, inner in enumerate(frame.packed):
+            if not inner.HasField("meta") or not inner.last or inner.packed:
+                raise InvalidArgument(
+                    f"packed tuple {n}: must be one whole tuple in one frame (metadata, last set, nothing packed in it)"
+                )
+        self.packed = True
+        self._unpacked.extend(frame.packed)
+        return TupleFrame(meta=frame.meta, data=frame.data, last=True)
 
     def next_tuple(
         self, sink: Callable[[bytes | memoryview], None], begin: Callable[[TupleMeta], None] | None = None
@@ -425,7 +383,7 @@ class FrameReader:
         not publish before this returns.
         """
         try:
-            frame = next(self._frames)
+            frame = self._next_frame()
         except StopIteration:
             return None
         if not frame.HasField("meta"):
@@ -452,7 +410,7 @@ class FrameReader:
             if frame.last:
                 break
             try:
-                frame = next(self._frames)
+                frame = self._next_frame()
             except StopIteration:
                 raise DataLoss(f"{self._label(meta)}: stream ended after {received} of {meta.size} bytes") from None
             if frame.HasField("meta"):

@@ -109,17 +109,9 @@ def html_page(status: int, document: str, *, scripts: tuple[str, ...] = (), styl
     nothing from outside the cluster is loaded, even when a shown name holds markup."""
     allowed_scripts = " ".join(map(script_hash, scripts)) or "'none'"
     allowed_styles = " ".join(map(script_hash, styles)) or "'none'"
-    policy = "; ".join(
-        [
-            "default-src 'none'",
-            f"script-src {allowed_scripts}",
-            f"style-src {allowed_styles}",
-            "img-src 'self'",
-            "connect-src 'self'",
-            "form-action 'self'",
-            "base-uri 'none'",
-            "frame-ancestors 'none'",
-        ]
+    policy = (
+        f"default-src 'none'; script-src {allowed_scripts}; style-src {allowed_styles}; img-src 'self'; "
+        "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
     )
     headers = (
         ("Content-Security-Policy", policy),
@@ -190,28 +182,19 @@ def text(status: int, words: str) -> Reply:
     return Reply(status, (words.rstrip("\n") + "\n").encode())
 
 
-def healthz(_query: Mapping[str, list[str]]) -> Reply:
-    """The process serves HTTP: it is alive."""
-    return text(200, "ok")
-
-
-def metrics_page(registry: CollectorRegistry | None) -> Page:
-    """``/metrics``: the registry in Prometheus' text format; 404 when metrics are off."""
+def role_routes(registry: CollectorRegistry | None, pages: Mapping[str, Route] | None = None) -> dict[str, Route]:
+    """``/metrics`` (``registry`` in Prometheus' text format; None = metrics off, 404),
+    ``/healthz`` (the process serves HTTP: it is alive), and a role's own ``pages``."""
     from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-    def page(_query: Mapping[str, list[str]]) -> Reply:
+    def metrics(_query: Mapping[str, list[str]]) -> Reply:
         if registry is None:
             return text(404, "metrics are off in this role (metrics = false)")
         return Reply(200, generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4)  # what every Prometheus reads
 
-    return page
-
-
-def role_routes(registry: CollectorRegistry | None, pages: Mapping[str, Route] | None = None) -> dict[str, Route]:
-    """``/metrics`` (``registry``; None = metrics off), ``/healthz``, and a role's own ``pages``."""
     return {
-        "/metrics": Route(metrics_page(registry), METRICS_ROLES),
-        "/healthz": Route(healthz, None),
+        "/metrics": Route(metrics, METRICS_ROLES),
+        "/healthz": Route(lambda _query: text(200, "ok"), None),
         **(pages or {}),
     }
 
@@ -419,8 +402,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.server.endpoint.answer(self)
 
-    def do_HEAD(self) -> None:
-        self.server.endpoint.answer(self)
+    do_HEAD = do_GET  # noqa: N815 - the name BaseHTTPRequestHandler looks up
 
     def do_POST(self) -> None:
         self.server.endpoint.sign_in(self)

@@ -1,4 +1,6 @@
-"""The payload lane: ``Engine.Deliver`` (or ``Master.Enqueue``) over a kept TCP connection.
+"""The payload lane: ``Engine.Deliver``, ``Master.Enqueue`` and ``Master.PullTuple`` over kept
+TCP connections (TLS: :mod:`hio.transport.lanetls`). ``docs/lane.md`` specifies the protocol;
+its wire format is declared here, once.
 
 Why: Python gRPC copies a payload four times on its way (into the message,
 into gRPC's buffer, out of it, into the joined tuple); at 10 MB a tuple spent
@@ -6,20 +8,7 @@ about two thirds of its 32 ms of CPU in the gateway's and the engine's gRPC
 layers. On the lane a payload goes from the spool file to the socket with
 ``sendfile`` (or from memory with one ``send``) and is received straight into
 the one ``bytes`` object the pipeline gets. Frames, receipts, checks and
-statuses are exactly Deliver's: the engine runs the same ``deliver`` on both.
-The master serves ``Enqueue`` the same way (its receipts, checks and statuses
-are Enqueue's), and ``PullTuple`` the other way round. Every other call is gRPC's.
-The protocol is specified in ``docs/lane.md``; its wire format is declared in
-:mod:`hio.transport.lanewire`.
-
-A connection carries calls one after another (each opened by its own hello, its
-token checked each time): a client keeps the connections whose calls ended
-cleanly (:class:`hio.transport.payload.LanePayload`), so a call pays no connect,
-accept, server thread or TLS handshake of its own.
-
-With TLS configured (``tls_cert``), a server's lane speaks TLS with the certificates and
-CA its gRPC server uses (:mod:`hio.transport.lanetls`); a payload is then read from its
-file and encrypted in pieces instead of going out with ``sendfile``.
+statuses are exactly the gRPC calls': the engine runs the same ``deliver`` on both.
 """
 
 from __future__ import annotations
@@ -30,6 +19,7 @@ import logging
 import select
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -54,30 +44,42 @@ from hio.transport.errors import (
     status_of,
 )
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
-from hio.transport.lanetls import TLSSocket, accept_tls, connect_tls
-from hio.transport.lanewire import (
-    DRAIN_SECONDS,
-    END_OF_INPUT,
-    HELLO,
-    HELLO_SECONDS,
-    KEEP_SECONDS,
-    MAGIC,
-    MAGIC_PREFIX,
-    MAX_HELLO_BYTES,
-    MAX_REPLY_BYTES,
-    MAX_STATUS_BYTES,
-    RECEIPT,
-    STATUS,
-    TLS_RECORD_TYPES,
-    VERSIONS,
-    magic,
-)
-from hio.transport.lanewire import FRAME_PREFIX as _FRAME_PREFIX
-from hio.transport.lanewire import REPLY_PREFIX as _REPLY_PREFIX
+from hio.transport.lanetls import TLSSocket, connect_tls
 from hio.transport.net import RoleHealth, TokenTable, create_server, refuse_caller
 
 M = TypeVar("M", bound=Message)
 log = logging.getLogger("hio.lane")
+
+# The wire format (docs/lane.md), declared once: every integer is unsigned and big-endian.
+VERSION = 2  # the lane version this code's clients propose: calls one after another on a connection
+VERSIONS = (1, VERSION)  # every version a server here accepts in a hello (1: one call, then it closes)
+MAGIC_PREFIX = b"HIOLANE"  # a hello's first 7 bytes; the 8th is the version as an ASCII digit
+
+
+def magic(version: int = VERSION) -> bytes:
+    """The 8 bytes that open a connection proposing ``version`` (1-9)."""
+    return MAGIC_PREFIX + str(version).encode("ascii")
+
+
+MAGIC = magic()  # b"HIOLANE2"
+# client -> server, opening each call: (magic, size) of the LaneHello that follows
+HELLO = struct.Struct(">8sI")
+# a frame, either way (uploads: client -> server; downloads: server -> client): (head_size, data_size), then head, data
+FRAME_PREFIX = struct.Struct(">IQ")
+END_OF_INPUT = FRAME_PREFIX.pack(0, 0)  # no frame is empty: this prefix ends the frames
+# server -> client, receipts and the final status: (kind, size), then the body
+REPLY_PREFIX = struct.Struct(">BI")
+RECEIPT, STATUS = 1, 2  # a reply's kind: TupleReceipt, LaneStatus (3 is reserved)
+TLS_RECORD_TYPES = (0x15, 0x16)  # a TLS record's first byte (alert, handshake): what a plaintext peer of TLS reads
+
+# Limits a peer may rely on (docs/lane.md, "Limits")
+MAX_HELLO_BYTES = 64 * 1024  # a LaneHello
+MAX_STATUS_BYTES = 64 * 1024  # a LaneStatus that ends a download
+MAX_REPLY_BYTES = 64 * 1024 * 1024  # any other reply body
+HELLO_SECONDS = 10.0  # the TLS handshake and the whole hello arrive within this
+DRAIN_SECONDS = 1.0  # after an error status the server reads on this long, then closes
+KEEP_SECONDS = 60.0  # a server keeps a connection idle between calls this long (less only when crowded)
+REUSE_SECONDS = 20.0  # a client starts a call only on a connection idle for less than this
 
 MAX_CONNECTIONS = 16  # an engine serves one call at a time; more connections make room or are closed at once
 READ_BUFFER = 256 * 1024  # larger reads go straight into their destination
@@ -227,16 +229,16 @@ def read_frames(
     holds one piece in memory, not a whole tuple).
     """
     while True:
-        prefix = _read(reader, _FRAME_PREFIX.size)
+        prefix = _read(reader, FRAME_PREFIX.size)
         if not prefix:  # gone without ending its input: cancelled, as a gRPC call would be
             raise Cancelled("payload lane: the sender went away before ending its input")
         if prefix[0] in TLS_RECORD_TYPES:  # a head of 350 MB or more: no frame, a TLS record
             raise DataLoss(_SPEAKS_TLS)
-        if len(prefix) != _FRAME_PREFIX.size:
+        if len(prefix) != FRAME_PREFIX.size:
             raise DataLoss("payload lane: connection ended inside a frame prefix")
         if prefix == END_OF_INPUT:
             return
-        head_size, data_size = _FRAME_PREFIX.unpack(prefix)
+        head_size, data_size = FRAME_PREFIX.unpack(prefix)
         if head_size > max_head_bytes:
             raise InvalidArgument(
                 f"payload lane: frame head of {head_size} bytes is over the limit of {max_head_bytes}"
@@ -284,25 +286,15 @@ def _pieces(reader: BinaryIO, frame: TupleFrame, size: int, piece_bytes: int) ->
 
 
 class LaneServer:
-    """Serves calls of ``service`` on a TCP port, a thread per connection: ``uploads``
-    take frames and answer receipts (the engine's Deliver, the master's Enqueue);
+    """Serves calls of ``service`` on a TCP port (``docs/lane.md``), a thread per connection:
+    ``uploads`` take frames and answer receipts (the engine's Deliver, the master's Enqueue);
     ``downloads`` take the hello's request and send frames (the master's PullTuple).
 
-    A connection carries calls one after another: after an OK status the server
-    waits up to :data:`KEEP_SECONDS` for the client's next hello, so a client pays
-    its connect, this thread and its TLS handshake once, not per call. A version-1
-    client is served one call and closed, as version 1 says. Kept connections count
-    against ``max_connections``; when a new one finds the server full, the
-    connection idle the longest is closed to make room (its client opens another
-    when it next calls), so kept connections never lock a client out.
-
-    Callers are authenticated like gRPC callers (each hello carries the
-    token; the same table and policy); statuses are the errors' gRPC codes.
-    With ``tls`` (:func:`lanetls.server_context`) every connection speaks TLS,
-    its handshake made within the first hello's time on the connection's own
-    thread. The idle bound is the socket's timeout: it runs only while the engine
-    waits for bytes, and any byte restarts it (a large frame may take long
-    on a slow link without counting as a stall).
+    Callers are refused as gRPC refuses them (the same ``table`` and ``policy``). With
+    ``tls`` (:func:`lanetls.server_context`) every connection speaks TLS, its handshake
+    made on the connection's own thread. The idle bound is the socket's timeout: it runs
+    only while the server waits for bytes, and any byte restarts it (a large frame may
+    take long on a slow link without counting as a stall).
     """
 
     def __init__(
@@ -409,8 +401,10 @@ class LaneServer:
                 log.warning("payload lane cannot accept", extra={"error": str(exc)})
                 time.sleep(0.1)  # e.g. out of file descriptors: do not spin
                 continue
+            with contextlib.suppress(OSError):  # a connection already gone: its thread finds that out
+                tune(conn)
             if self._tls is not None:  # no I/O yet: the handshake is the connection thread's
-                conn = accept_tls(conn, self._tls)  # type: ignore[assignment]  # a TLSSocket is used as a socket
+                conn = TLSSocket(conn, self._tls, server_side=True)  # type: ignore[assignment]  # a TLSSocket is used as a socket
             with self._lock:
                 stopping = self._stopping
                 if len(self._conns) >= self._max_connections and not stopping:
@@ -443,9 +437,8 @@ class LaneServer:
         _shutdown(oldest)
 
     def _serve(self, conn: socket.socket) -> None:
-        readers: list[BinaryIO] = []
+        readers: list[BinaryIO] = []  # an upload's reader while its call runs (else closed after the shutdown below)
         try:
-            tune(conn)
             deadline = time.monotonic() + HELLO_SECONDS  # the TLS handshake and the first hello
             if isinstance(conn, TLSSocket):
                 try:
@@ -468,12 +461,29 @@ class LaneServer:
 
     def _serve_call(self, conn: socket.socket, readers: list[BinaryIO], deadline: float) -> bool:
         """Serve one call, its status included (its hello due by ``deadline``); whether the
-        connection may carry another."""
-        status, download, again = self._run(conn, readers, deadline)
-        if status is None:
+        connection may carry another: the client speaks version 2, and the call ended OK
+        (an upload's input read to its end-of-input mark)."""
+        download: Download | None = None
+        try:
+            hello, version = self._hello(conn, deadline)
+            download = self._downloads.get(hello.method)
+            self._check_caller(hello.method, hello.token)
+            with self._lock:
+                self.methods[hello.method] += 1
+            if download is None:
+                again = self._upload(conn, readers, self._uploads[hello.method]) and version > 1
+            elif self._download(conn, download, hello.request):
+                again = version > 1
+            else:  # cut inside a frame: the connection closes without a status
+                return False
+            status = LaneStatus(code=0)
+        except _Lost:
             return False
+        except Exception as exc:  # noqa: BLE001 - mapped as gRPC's servicers map theirs (a disk error: INTERNAL)
+            code, message, retry = status_of(exc)  # logs an unexpected error, from here
+            status, again = LaneStatus(code=code.value[0], message=message, retry_after_seconds=retry or 0.0), False
         conn.settimeout(DRAIN_SECONDS)
-        if download:  # a download's status always follows its frames and the end-of-input mark
+        if download is not None:  # a download's status always follows its frames and the end-of-input mark
             _send(conn, END_OF_INPUT)
         _reply(conn, STATUS, status.SerializeToString())
         if status.code:
@@ -492,53 +502,35 @@ class LaneServer:
                 return False
             self._kept[conn] = time.monotonic()
         try:
-            poller = select.poll()  # not select(): it fails for descriptors above 1023
-            poller.register(conn, select.POLLIN)
-            ready = bool(poller.poll(KEEP_SECONDS * 1000))
+            ready = _readable(conn, KEEP_SECONDS)
         except OSError:
             ready = False
         with self._lock:
             kept = self._kept.pop(conn, None) is not None
             return ready and kept and not self._stopping
 
-    def _run(
-        self, conn: socket.socket, readers: list[BinaryIO], deadline: float
-    ) -> tuple[LaneStatus | None, bool, bool]:
-        """Serve one call: its final status (None when the connection is lost or cut), whether
-        the call was a download, and whether the connection may carry another call (the
-        client speaks version 2 and the call read its input to the end-of-input mark)."""
-        download: Download | None = None
+    def _upload(self, conn: socket.socket, readers: list[BinaryIO], handler: Handler) -> bool:
+        """Send an upload's receipts as its handler gives them; whether it read the input to
+        its end-of-input mark. Its reader goes to ``readers`` (a reader of its own, so that
+        no connection waiting for its next call holds a buffer)."""
+        reader = _reader(conn)
+        readers.append(reader)
+        ended = False
+
+        def frames() -> Iterator[TupleFrame | ChunkFrame]:
+            nonlocal ended
+            yield from read_frames(
+                reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data, piece_bytes=self._piece
+            )
+            ended = True
+
+        receipts = handler(frames())
         try:
-            hello, version = self._hello(conn, deadline)
-            download = self._downloads.get(hello.method)
-            self._check_caller(hello.method, hello.token)
-            with self._lock:
-                self.methods[hello.method] += 1
-            if download is not None:
-                done = self._download(conn, download, hello.request)
-                return (LaneStatus(code=0) if done else None), True, version > 1
-            reader = _reader(conn)
-            readers.append(reader)
-            ended = False
-
-            def frames() -> Iterator[TupleFrame | ChunkFrame]:
-                nonlocal ended
-                yield from read_frames(
-                    reader, max_head_bytes=self._max_head, max_data_bytes=self._max_data, piece_bytes=self._piece
-                )
-                ended = True
-
-            receipts = self._uploads[hello.method](frames())
-            try:
-                for message in receipts:
-                    _reply(conn, RECEIPT, message.SerializeToString())
-            finally:
-                receipts.close()  # type: ignore[attr-defined]  # a generator, typed as an iterator
-        except _Lost:
-            return None, download is not None, False
-        except Exception as exc:  # noqa: BLE001 - mapped as gRPC's servicers map theirs (a disk error: INTERNAL)
-            return _error_status(exc), download is not None, False
-        return LaneStatus(code=0), False, version > 1 and ended
+            for message in receipts:
+                _reply(conn, RECEIPT, message.SerializeToString())
+        finally:
+            receipts.close()  # type: ignore[attr-defined]  # a generator, typed as an iterator
+        return ended
 
     def _download(self, conn: socket.socket, download: Download, request: bytes) -> bool:
         """Send the frames of a download (:meth:`_serve_call` then sends the end-of-input mark
@@ -584,7 +576,7 @@ class LaneServer:
             )
         if len(head) != HELLO.size or version is None:
             raise InvalidArgument(f"payload lane: no whole hello within {HELLO_SECONDS:g} s")
-        size = HELLO.unpack(head).size
+        _magic, size = HELLO.unpack(head)
         if size > MAX_HELLO_BYTES:
             raise InvalidArgument(f"payload lane: hello of {size} bytes is over {MAX_HELLO_BYTES}")
         body = _recv_before(conn, size, deadline)
@@ -612,50 +604,49 @@ class LaneServer:
 _SPOKEN = {magic(version): version for version in VERSIONS}  # a hello's first 8 bytes -> its version
 
 
-def _error_status(exc: BaseException) -> LaneStatus:
-    """The status a lane caller is told for ``exc`` (:func:`errors.status_of`, as gRPC's
-    servicers; call it from the ``except`` block: an unexpected error is logged there)."""
-    code, message, retry = status_of(exc)
-    return LaneStatus(code=code.value[0], message=message, retry_after_seconds=retry or 0.0)
+def _readable(sock: socket.socket, seconds: float) -> bool:
+    """Whether ``sock`` has bytes or its end to read within ``seconds``; OSError or
+    ValueError when it is closed."""
+    poller = select.poll()  # not select(): it fails for descriptors above 1023
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(seconds * 1000))
 
 
 def _peer_open(conn: socket.socket) -> bool:
     """Whether the client is still connected (a download's caller that went away while
     the server waited must not be given tuples it cannot take)."""
-    try:
-        poller = select.poll()  # not select(): it fails for descriptors above 1023
-        poller.register(conn, select.POLLIN)
-        if not poller.poll(0):
-            return True
-        return conn.recv(1, socket.MSG_PEEK) != b""  # readable: end of stream, or bytes
+    try:  # readable: the end of the stream, or bytes
+        return not _readable(conn, 0) or conn.recv(1, socket.MSG_PEEK) != b""
     except OSError:
         return False
 
 
 def write_frame(sock: socket.socket, head: bytes, payload: Payload, size: int) -> None:
-    """One frame: its prefix, head and payload (bytes with one send; an open file, from
-    its position, with ``sendfile``, then closed). DataLoss when the file is short;
-    socket errors propagate."""
-    prefix = _FRAME_PREFIX.pack(len(head), size)
-    if not size:
-        if not isinstance(payload, (bytes, memoryview)):
-            payload.close()
-        sock.sendall(prefix + head)
-    elif isinstance(payload, (bytes, memoryview)):
+    """One frame: its prefix, head and payload. A small one goes in one send; an open file,
+    from its position, with ``sendfile`` (over TLS: read and encrypted in pieces,
+    :meth:`lanetls.TLSSocket.sendfile`), then closed. DataLoss when the file is shorter;
+    an OSError is taken as the socket's (a spool read error after the file opened is rare,
+    and the receiver then ends the call for a cut frame)."""
+    start = FRAME_PREFIX.pack(len(head), size) + head
+    if isinstance(payload, (bytes, memoryview)):
         if size <= SMALL_SEND:
-            sock.sendall(b"".join((prefix, head, payload)))
+            sock.sendall(b"".join((start, payload)))
         else:
-            sock.sendall(prefix + head)
+            sock.sendall(start)
             sock.sendall(payload)
-    else:
-        with payload:
-            sock.sendall(prefix + head)
-            _send_file(sock, payload, size)
+        return
+    with payload:
+        sock.sendall(start)
+        # socket.sendfile waits as the socket's timeout says (os.sendfile would not); a count
+        # of 0 would send the whole file
+        sent = sock.sendfile(payload, payload.tell(), size) if size else 0
+        if sent != size:
+            raise DataLoss(f"payload file ended after {sent} of {size} bytes")
 
 
 def _reply(conn: socket.socket, kind: int, body: bytes) -> None:
     """A reply to a client that may have gone: :class:`_Lost` instead of the socket's error."""
-    _send(conn, _REPLY_PREFIX.pack(kind, len(body)) + body)
+    _send(conn, REPLY_PREFIX.pack(kind, len(body)) + body)
 
 
 def _send(conn: socket.socket, data: bytes) -> None:
@@ -749,24 +740,6 @@ def start_lane_server(
         return started(lane_beside(address, 0))
 
 
-def connect_lane(address: str, *, connect_seconds: float, tls: ssl.SSLContext | None = None) -> socket.socket:
-    """A connected lane socket, no call begun. With ``tls`` (:func:`lanetls.client_context`),
-    a :class:`lanetls.TLSSocket` whose handshake (the server verified for the address's
-    host) took at most ``connect_seconds``. Raises OSError when unreachable, and
-    ssl.SSLError (an OSError) when refused."""
-    host, port = split_address(address)
-    sock = socket.create_connection((host, port), timeout=connect_seconds)
-    try:
-        tune(sock)
-        if tls is not None:
-            sock = connect_tls(sock, tls, host, connect_seconds)  # type: ignore[assignment]  # a TLSSocket is used as a socket
-        sock.settimeout(None)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 def lane_hello(token: str, method: str, request: bytes = b"") -> bytes:
     """The bytes that begin a call of ``method`` (with its ``request``: PullTuple's)."""
     hello = LaneHello(method=method, token=token, request=request).SerializeToString()
@@ -774,20 +747,20 @@ def lane_hello(token: str, method: str, request: bytes = b"") -> bytes:
 
 
 def open_lane(
-    address: str,
-    token: str,
-    *,
-    connect_seconds: float,
-    method: str,
-    request: bytes = b"",
-    tls: ssl.SSLContext | None = None,
+    address: str, hello: bytes, *, connect_seconds: float, tls: ssl.SSLContext | None = None
 ) -> socket.socket:
-    """A new lane connection (:func:`connect_lane`), its first call begun: the hello sent
-    for ``method`` (Deliver to an engine; Enqueue or PullTuple, with its ``request``, to
-    the master)."""
-    sock = connect_lane(address, connect_seconds=connect_seconds, tls=tls)
+    """A new lane connection, its first call begun with ``hello`` (:func:`lane_hello`). With
+    ``tls`` (:func:`lanetls.client_context`), a :class:`lanetls.TLSSocket` whose handshake
+    (the server verified for the address's host) took at most ``connect_seconds``. Raises
+    OSError when unreachable, and ssl.SSLError (an OSError) when refused."""
+    host, port = split_address(address)
+    sock = socket.create_connection((host, port), timeout=connect_seconds)
     try:
-        sock.sendall(lane_hello(token, method, request))
+        tune(sock)
+        if tls is not None:
+            sock = connect_tls(sock, tls, host, connect_seconds)  # type: ignore[assignment]  # a TLSSocket is used as a socket
+        sock.settimeout(None)
+        sock.sendall(hello)
     except BaseException:
         sock.close()
         raise
@@ -798,9 +771,7 @@ def quiet(sock: socket.socket) -> bool:
     """Whether a connection kept between calls is still open and silent: a server sends
     nothing between calls, so anything to read (its close above all) means it is done."""
     try:
-        poller = select.poll()  # not select(): it fails for descriptors above 1023
-        poller.register(sock, select.POLLIN)
-        return not poller.poll(0)
+        return not _readable(sock, 0)
     except (OSError, ValueError):  # closed already
         return False
 
@@ -808,16 +779,51 @@ def quiet(sock: socket.socket) -> bool:
 Keep = Callable[[socket.socket], None]  # takes a connection whose call ended cleanly, for the next call
 
 
-class LaneCall:
-    """One Deliver (or Enqueue) over a lane socket, used like a gRPC streaming call: iterate
-    the receipt messages; :meth:`cancel` ends it; a failure raises :class:`LaneError`
-    with the server's status, or UNAVAILABLE (``transport``) when the lane broke,
-    DEADLINE_EXCEEDED, CANCELLED, or the reason the gateway could not send.
+class _ClientCall:
+    """What an upload and a download share: the socket, the reason the call was ended early
+    (cancelled, its deadline passed), which is its failure rather than the broken lane its
+    shut socket then looks like, and whether the call is over (no cancel touches the socket
+    then: it is kept for the next call, or closed)."""
 
-    When the call ends cleanly (the server's OK read, every frame and the end-of-input
-    mark sent, not cancelled, no deadline passed) the socket goes to ``keep`` for the
-    next call; otherwise it is closed. ``broke`` hears why the lane broke under the call
-    and whether the server had answered anything before."""
+    def __init__(self, sock: socket.socket, keep: Keep | None) -> None:
+        self._sock = sock
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._ended: LaneError | None = None  # why the call ended early
+        self._ok = False  # the server's OK status was read
+        self._done = False
+
+    def cancel(self) -> None:
+        self._end(LaneError(grpc.StatusCode.CANCELLED, "cancelled by the caller"))
+
+    def _end(self, error: LaneError) -> None:
+        with self._lock:
+            if self._ended is not None or self._done:
+                return
+            self._ended = error
+            _shutdown(self._sock)
+
+    def _failure(self, message: str) -> LaneError:
+        """Why the call failed: the reason it was ended early, else the lane broke (``message``)."""
+        with self._lock:
+            ended = self._ended
+        return ended or LaneError(grpc.StatusCode.UNAVAILABLE, message, transport=True)
+
+    def _over(self) -> bool:
+        """The call is over; whether the server's OK status ended it, not ended early."""
+        with self._lock:
+            self._done = True
+            return self._ok and self._ended is None
+
+
+class LaneCall(_ClientCall):
+    """One upload (Deliver, Enqueue) over a lane socket, used like a gRPC stream-stream call:
+    iterate the receipt messages; :meth:`cancel` ends it; a failure raises :class:`LaneError`
+    with the server's status, or UNAVAILABLE (``transport``) when the lane broke,
+    DEADLINE_EXCEEDED, CANCELLED, or the reason the gateway could not send. A thread of the
+    call's own sends the frames. The socket goes to ``keep`` when the call ended cleanly
+    (``docs/lane.md``, section 7), else it is closed. ``broke`` hears why the lane broke
+    under the call and whether the server had answered anything before."""
 
     def __init__(
         self,
@@ -828,15 +834,10 @@ class LaneCall:
         keep: Keep | None = None,
         broke: Callable[[str, bool], None] | None = None,
     ) -> None:
-        self._sock = sock
+        super().__init__(sock, keep)
         self._frames = frames
         self._replies = _Replies(sock)
-        self._keep = keep
         self._broke = broke
-        self._lock = threading.Lock()
-        self._ended: LaneError | None = None  # why the call ended early (cancel, deadline, sender)
-        self._ok = False  # the server's OK status was read
-        self._finished = False
         self._close_by_sender = False  # the sender outlived the call: it closes the socket
         self._input_ended = False  # every frame and the end-of-input mark were sent
         self._sender_done = False
@@ -847,9 +848,6 @@ class LaneCall:
             self._timer.start()
         self._sender = threading.Thread(target=self._send, name="lane-sender", daemon=True)
         self._sender.start()
-
-    def cancel(self) -> None:
-        self._end(LaneError(grpc.StatusCode.CANCELLED, "cancelled by the sender"))
 
     def __iter__(self) -> Iterator[TupleReceipt]:
         answered = False
@@ -875,10 +873,10 @@ class LaneCall:
     def _reply(self) -> tuple[int, bytes]:
         """The next reply (what arrived past it waits in ``self._replies`` for the next)."""
         try:
-            prefix = self._replies.take(_REPLY_PREFIX.size)
-            if len(prefix) != _REPLY_PREFIX.size:
+            prefix = self._replies.take(REPLY_PREFIX.size)
+            if len(prefix) != REPLY_PREFIX.size:
                 raise self._failure("lane connection closed without a status")
-            kind, size = _REPLY_PREFIX.unpack(prefix)
+            kind, size = REPLY_PREFIX.unpack(prefix)
             if kind in TLS_RECORD_TYPES:
                 raise LaneError(grpc.StatusCode.UNAVAILABLE, _SPEAKS_TLS, transport=True)
             if size > MAX_REPLY_BYTES or kind not in (RECEIPT, STATUS):
@@ -893,11 +891,6 @@ class LaneCall:
             return kind, body
         except OSError as exc:  # reset, timed out (keepalive)
             raise self._failure(f"lane connection failed: {exc}") from None
-
-    def _failure(self, message: str) -> LaneError:
-        with self._lock:
-            ended = self._ended
-        return ended or LaneError(grpc.StatusCode.UNAVAILABLE, message, transport=True)
 
     def _send(self) -> None:
         """Send every frame, then end the input. A payload that cannot be read ends the
@@ -915,7 +908,10 @@ class LaneCall:
                 except Exception as exc:  # noqa: BLE001 - the payload's fault, not the lane's
                     self._payload_failed(exc)
                     return
-                if not self._send_frame(sock, head, payload, size):
+                try:
+                    write_frame(sock, head, payload, size)
+                except DataLoss as exc:  # a payload file shorter than its tuple (socket errors: below)
+                    self._payload_failed(exc)
                     return
             sock.sendall(END_OF_INPUT)
             ended = True
@@ -929,16 +925,6 @@ class LaneCall:
             if close:
                 sock.close()
 
-    def _send_frame(self, sock: socket.socket, head: bytes, payload: Payload, size: int) -> bool:
-        """One frame; False when its payload could not be read (the call is ended).
-        Socket errors propagate."""
-        try:
-            write_frame(sock, head, payload, size)
-        except DataLoss as exc:
-            self._payload_failed(exc)
-            return False
-        return True
-
     def _payload_failed(self, exc: BaseException) -> None:
         log.warning("gateway cannot read a tuple to send", extra={"error": str(exc)})
         code = exc.code if isinstance(exc, HioError) else grpc.StatusCode.UNKNOWN
@@ -947,21 +933,12 @@ class LaneCall:
     def _expire(self) -> None:
         self._end(LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
 
-    def _end(self, error: LaneError) -> None:
-        with self._lock:
-            if self._ended is not None or self._finished:
-                return
-            self._ended = error
-            _shutdown(self._sock)
-
     def _finish(self) -> None:
         """The call is over: keep the socket for the next call when it ended cleanly (its
         sender is done at once then: the server answered OK after the end-of-input mark);
         else stop the sender (the socket is shut) and close the socket once the sender no
         longer uses it."""
-        with self._lock:
-            self._finished = True  # from here no cancel or deadline touches the socket
-            clean = self._ok and self._ended is None
+        clean = self._over()
         if self._timer is not None:
             self._timer.cancel()
         if clean:
@@ -1006,29 +983,15 @@ class _Replies:
         return len(self._buffer)
 
 
-def _send_file(sock: socket.socket, fh: BinaryIO, size: int) -> None:
-    """``size`` bytes of an open file from its position, kernel to kernel (over TLS: read
-    and encrypted in pieces, :meth:`lanetls.TLSSocket.sendfile`). DataLoss when the
-    file is shorter; an OSError is taken as the socket's (a spool read error after the
-    file opened is rare, and the engine then ends the call for a cut frame)."""
-    sent = sock.sendfile(fh, fh.tell(), size)  # waits as the socket's timeout says (os.sendfile would not)
-    if sent != size:
-        raise DataLoss(f"payload file ended after {sent} of {size} bytes")
-
-
-class LaneDownload:
-    """A download over a lane socket (the master's PullTuple), used like a gRPC
-    server-streaming call: :meth:`frames` yields the frames, then raises
-    :class:`LaneError` if the server's status is an error or the lane broke;
-    :meth:`cancel` ends it from another thread. ``timeout``: the longest wait for
-    any byte (the server's long-poll included).
-
-    When the server's OK status is read and the call was not cancelled, the socket goes
-    to ``keep`` for the next call; otherwise it is closed. ``reconnect`` (given for a
-    socket kept from an earlier call) opens a new connection, its hello sent, for one
-    more try when this one breaks before any answer: the server had closed it
-    between calls, and the request can be sent again as it is. ``broke`` hears of a
-    lane that broke or stayed silent before its first frame or status otherwise."""
+class LaneDownload(_ClientCall):
+    """One download (PullTuple) over a lane socket, used like a gRPC server-streaming call:
+    :meth:`frames` yields the frames, then raises :class:`LaneError` if the server's status
+    is an error or the lane broke. ``timeout``: the longest wait for any byte (the server's
+    long-poll included). The socket goes to ``keep`` when the server's OK status was read
+    and the call was not cancelled, else it is closed. ``reconnect`` (given for a socket
+    kept from an earlier call) opens a new connection, its hello sent, for one more try
+    when this one breaks before any answer (``docs/lane.md``, section 7). ``broke`` hears of
+    a lane that broke or stayed silent before its first frame or status otherwise."""
 
     def __init__(
         self,
@@ -1041,18 +1004,13 @@ class LaneDownload:
         broke: Callable[[str], None] | None = None,
         reconnect: Callable[[], socket.socket] | None = None,
     ) -> None:
-        self._sock = sock
+        super().__init__(sock, keep)
         self._timeout = timeout
         self._max_head = max_head_bytes
         self._max_data = max_data_bytes
-        self._keep = keep
         self._broke = broke
         self._reconnect = reconnect
-        self._lock = threading.Lock()
-        self._cancelled = False
         self._started = False
-        self._ok = False  # the server's OK status was read
-        self._done = False  # the socket is kept or closed: cancel() no longer touches it
 
     def __iter__(self) -> Iterator[TupleFrame | ChunkFrame]:
         return self.frames()
@@ -1061,10 +1019,10 @@ class LaneDownload:
         """The frames, then the server's verdict (an error status raised)."""
         with self._lock:
             self._started = True
-            cancelled = self._cancelled
+            ended = self._ended
         try:
-            if cancelled:
-                raise LaneError(grpc.StatusCode.CANCELLED, "cancelled by the caller")
+            if ended is not None:
+                raise ended
             outcome = yield from self._read()
             while outcome is None:
                 outcome = yield from self._read()
@@ -1076,7 +1034,18 @@ class LaneDownload:
                 raise error
             self._ok = True
         finally:
-            self._release()
+            if self._over() and self._keep is not None:
+                self._keep(self._sock)
+            else:
+                self._sock.close()
+
+    def cancel(self) -> None:
+        super().cancel()
+        with self._lock:  # frames() never ran: nothing else will close the socket
+            unstarted = not self._started and not self._done
+            self._done = self._done or unstarted
+        if unstarted:
+            self._sock.close()
 
     def _read(self) -> Generator[TupleFrame | ChunkFrame, None, tuple[LaneStatus, bool] | None]:
         """The frames of one try, then its status and whether any frame came before it;
@@ -1090,16 +1059,16 @@ class LaneDownload:
                 answered = frames = True
                 yield frame
             answered = True
-            prefix = _read(reader, _REPLY_PREFIX.size)
-            if len(prefix) != _REPLY_PREFIX.size:
+            prefix = _read(reader, REPLY_PREFIX.size)
+            if len(prefix) != REPLY_PREFIX.size:
                 raise Cancelled("closed without a status")
-            kind, size = _REPLY_PREFIX.unpack(prefix)
+            kind, size = REPLY_PREFIX.unpack(prefix)
             if kind != STATUS or size > MAX_STATUS_BYTES:
                 raise DataLoss(f"an unreadable reply (kind {kind}, {size} bytes)")
             status = LaneStatus.FromString(_read_exact(reader, size, "a status"))
         except (HioError, OSError, DecodeError) as exc:
-            if self._cancelled:
-                raise LaneError(grpc.StatusCode.CANCELLED, "cancelled by the caller") from None
+            if self._ended is not None:  # cancelled: its shut socket is no broken lane
+                raise self._ended from None
             message = exc.message if isinstance(exc, HioError) else str(exc)
             silent = isinstance(exc, (DeadlineExceeded, TimeoutError))  # a server alive but mute: no retry
             if not answered and not silent and self._try_again():
@@ -1127,29 +1096,8 @@ class LaneDownload:
             raise
         with self._lock:
             old, self._sock = self._sock, sock
-            cancelled = self._cancelled
+            ended = self._ended
         old.close()
-        if cancelled:
-            raise LaneError(grpc.StatusCode.CANCELLED, "cancelled by the caller")
+        if ended is not None:
+            raise ended
         return True
-
-    def _release(self) -> None:
-        with self._lock:
-            self._done = True
-            keep = self._ok and not self._cancelled and self._keep is not None
-        if keep:
-            assert self._keep is not None
-            self._keep(self._sock)
-        else:
-            self._sock.close()
-
-    def cancel(self) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self._cancelled = True
-            _shutdown(self._sock)
-            if self._started:
-                return
-            self._done = True  # frames() never ran: nothing else will close the socket
-        self._sock.close()

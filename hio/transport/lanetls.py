@@ -24,7 +24,6 @@ from typing import Any, BinaryIO
 
 from hio.config import ConfigError
 from hio.settings import ClusterSettings
-from hio.transport.lanewire import HELLO_SECONDS
 
 PIECE_BYTES = 256 * 1024  # bytes encrypted (and read from the socket) at a time
 # A fatal protocol_version alert in a plaintext TLS record: what a server tells a peer whose
@@ -77,7 +76,8 @@ def client_context(settings: ClusterSettings) -> ssl.SSLContext | None:
 class TLSSocket:
     """A connected TCP socket speaking TLS; used like the socket (``sendall``, ``sendfile``,
     ``recv_into``, ``makefile('rb')``, ``settimeout``, ``shutdown``, ``close``). One thread
-    may send while another receives. Build it with :func:`connect_tls` or :func:`accept_tls`.
+    may send while another receives. A client builds it with :func:`connect_tls`; a server
+    with ``server_side=True``, then makes the handshake on the connection's own thread.
 
     The end of the TCP stream is the end of the TLS stream (no ``close_notify`` is sent
     or required): the lane's frames carry their own end (``END_OF_INPUT``, the final
@@ -143,9 +143,6 @@ class TLSSocket:
             first = first or bytes(self._buffer[:1])
             with self._lock:
                 self._in.write(memoryview(self._buffer)[:received])
-
-    def version(self) -> str | None:
-        return self._tls.version()
 
     # -- sending ------------------------------------------------------------------------
 
@@ -246,18 +243,6 @@ class TLSSocket:
     def settimeout(self, seconds: float | None) -> None:
         self.raw.settimeout(seconds)
 
-    def gettimeout(self) -> float | None:
-        return self.raw.gettimeout()
-
-    def setsockopt(self, *args: Any) -> None:
-        self.raw.setsockopt(*args)
-
-    def getsockname(self) -> Any:
-        return self.raw.getsockname()
-
-    def getpeername(self) -> Any:
-        return self.raw.getpeername()
-
     def shutdown(self, how: int) -> None:
         self.raw.shutdown(how)
 
@@ -276,16 +261,10 @@ class _Reader(io.RawIOBase):
         return self._sock.recv_into(buffer)
 
 
-def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str, seconds: float = HELLO_SECONDS) -> TLSSocket:
+def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str, seconds: float) -> TLSSocket:
     """A connected socket's client end of TLS, the server verified for ``host`` (the host
     of the lane's address: as gRPC checks the host of its target). A lane client keeps
     its connections from call to call, so it makes this handshake once per connection."""
     tls = TLSSocket(sock, context, server_side=False, server_hostname=host)
     tls.handshake(seconds)
     return tls
-
-
-def accept_tls(sock: socket.socket, context: ssl.SSLContext) -> TLSSocket:
-    """An accepted socket's server end of TLS; the handshake is :meth:`TLSSocket.handshake`'s
-    (the server makes it on the connection's own thread, within the hello's time)."""
-    return TLSSocket(sock, context, server_side=True)

@@ -257,8 +257,8 @@ def _refusal(code: grpc.StatusCode, message: str) -> _Handler:
 KEEPALIVE_MS = 20_000
 
 
-def _channel_options(settings: ClusterSettings) -> list[tuple[str, int]]:
-    """Message bounds and keepalive, the same for every client and server."""
+def _options(settings: ClusterSettings, *more: tuple[str, int]) -> list[tuple[str, int]]:
+    """Message bounds and keepalive, the same for every client and server, then ``more``."""
     limit = message_limit(settings)
     return [
         ("grpc.max_receive_message_length", limit),
@@ -267,14 +267,7 @@ def _channel_options(settings: ClusterSettings) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-    ]
-
-
-def _server_options(settings: ClusterSettings) -> list[tuple[str, int]]:
-    return [
-        *_channel_options(settings),
-        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
-        ("grpc.so_reuseport", 0),
+        *more,
     ]
 
 
@@ -309,7 +302,9 @@ def create_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
-        options=_server_options(settings),
+        options=_options(
+            settings, ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2), ("grpc.so_reuseport", 0)
+        ),
     )
     for add in register:
         add(server)
@@ -352,23 +347,11 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class RoleHealth(health.HealthServicer):
-    """The standard health service of one role's server: readiness and liveness.
-
-    Readiness: the server as a whole ("") and the role's gRPC service by name
-    (``hio.proto.Master``) are SERVING while the role can do its job, and NOT_SERVING
-    before it started, while it cannot (a failed fsync, a master with no worker; the
-    role's ``readiness`` says why, and the change is logged) and once it stops. A
-    load balancer or a readiness probe sends it work only while it is ready.
-
-    Liveness: :data:`LIVENESS` is SERVING from :meth:`start` to :meth:`stop`, whatever
-    readiness says: a role that is up but not ready (a master waiting for its first
-    worker) has started, and restarting it would not help. Start-up waits
-    (``wait_healthy(ready=False)``, ``hio up``, :class:`hio.cluster.LocalCluster`) wait for it.
-
-    A probe that names the service it expects (``wait_healthy(service=...)``) is not
-    fooled by another server on the port: a repository answers "" too, but
-    ``hio.proto.Master`` as NOT_FOUND.
-    """
+    """The standard health service of one role's server: readiness ("" and the role's gRPC
+    service by name: SERVING while the role can do its job; its ``readiness`` says why not,
+    and a change is logged) and liveness (:data:`LIVENESS`: SERVING from :meth:`start` to
+    :meth:`stop`, whatever readiness says). ``docs/architecture.md`` ("Health and
+    reflection") says what each means to probes, and why there are two."""
 
     def __init__(self, service: str = "") -> None:
         super().__init__(experimental_non_blocking=True)
@@ -378,11 +361,9 @@ class RoleHealth(health.HealthServicer):
         self._watched = False  # started with a readiness to look at
         self._changing = threading.Lock()  # not _lock: the servicer has one
         self._stopped = threading.Event()
-        for name in (*self._readiness_names(), LIVENESS):
+        self._readiness_names = ("", service) if service else ("",)
+        for name in (*self._readiness_names, LIVENESS):
             self.set(name, _NOT_SERVING)  # gRPC's servicer starts with "" SERVING
-
-    def _readiness_names(self) -> tuple[str, ...]:
-        return ("", self.service) if self.service else ("",)
 
     def start(self, readiness: Callable[[], str] | None = None) -> None:
         """The role serves: live until :meth:`stop`; ready while ``readiness()`` returns ''
@@ -391,7 +372,7 @@ class RoleHealth(health.HealthServicer):
         if readiness is not None:
             self._readiness = readiness
             self._watched = True
-            _READINESS_WATCH.add(self)
+            _watch_readiness(self)
         self.refresh()
 
     def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> Any:
@@ -412,7 +393,7 @@ class RoleHealth(health.HealthServicer):
             if reason == self.not_ready:
                 return
             was, self.not_ready = self.not_ready, reason
-            for name in self._readiness_names():
+            for name in self._readiness_names:
                 self.set(name, _NOT_SERVING if reason else _SERVING)
         if reason:  # a warning when it was ready (a master waiting for its first worker is no news)
             log.log(logging.WARNING if not was else logging.INFO, "not ready", extra={"reason": reason})
@@ -424,37 +405,33 @@ class RoleHealth(health.HealthServicer):
         with self._changing:
             self._stopped.set()
             self.not_ready = "stopping"
-            for name in (*self._readiness_names(), LIVENESS):
+            for name in (*self._readiness_names, LIVENESS):
                 self.set(name, _NOT_SERVING)
 
 
-class _ReadinessWatch:
-    """One thread per process that refreshes every started role's readiness. It holds
-    them weakly: a server dropped without :meth:`RoleHealth.stop` (tests, in-process
-    roles) is not kept, nor watched, for ever."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._healths: weakref.WeakSet[RoleHealth] = weakref.WeakSet()
-        self._thread: threading.Thread | None = None
-
-    def add(self, role_health: RoleHealth) -> None:
-        with self._lock:
-            self._healths.add(role_health)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="readiness", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(READINESS_SECONDS)
-            with self._lock:
-                healths = list(self._healths)
-            for role_health in healths:
-                role_health.refresh()
+# The started roles' health, refreshed by one thread per process. Held weakly: a server
+# dropped without RoleHealth.stop (tests, in-process roles) is not kept, nor watched, for ever.
+_WATCHED: weakref.WeakSet[RoleHealth] = weakref.WeakSet()
+_WATCHED_LOCK = threading.Lock()
+_watching = False
 
 
-_READINESS_WATCH = _ReadinessWatch()
+def _watch_readiness(role_health: RoleHealth) -> None:
+    global _watching
+    with _WATCHED_LOCK:
+        _WATCHED.add(role_health)
+        if not _watching:
+            threading.Thread(target=_refresh_watched, name="readiness", daemon=True).start()
+            _watching = True
+
+
+def _refresh_watched() -> None:
+    while True:
+        time.sleep(READINESS_SECONDS)
+        with _WATCHED_LOCK:
+            healths = list(_WATCHED)
+        for role_health in healths:
+            role_health.refresh()
 
 
 class _TokenClientInterceptor(
@@ -513,8 +490,8 @@ def _method_path(service: str, method: str) -> str:
 
 def create_channel(address: str, settings: ClusterSettings, token: str | None = None) -> grpc.Channel:
     """A channel to another role with our bounds, TLS if configured, and the token."""
-    options = [
-        *_channel_options(settings),
+    options = _options(
+        settings,
         ("grpc.enable_retries", 0),
         # Each channel its own connections: with gRPC's process-wide pool, a channel to an
         # address another channel failed to reach (a role that was down, a port reused by a
@@ -523,7 +500,7 @@ def create_channel(address: str, settings: ClusterSettings, token: str | None = 
         # A restarted role is reached again within seconds, not gRPC's default of up to 2 min.
         ("grpc.initial_reconnect_backoff_ms", 250),
         ("grpc.max_reconnect_backoff_ms", 5_000),
-    ]
+    )
     if settings.speaks_tls:
         creds = grpc.ssl_channel_credentials(
             root_certificates=_read(settings.tls_ca, "TLS CA") if settings.tls_ca else None,

@@ -1,32 +1,12 @@
 """Payload bytes to and from one peer: one interface, two adapters, chosen per peer.
 
-A :class:`PayloadChannel` carries the calls that move payloads: the uploads
-``Engine.Deliver`` and ``Master.Enqueue`` (frames in, receipts out) and the
-download ``Master.PullTuple``. Its adapters are :class:`LanePayload` (the
-peer's payload lane, ``hio.transport.lane``: a payload goes from the spool file
-with ``sendfile``, one frame a tuple, on connections kept from call to call)
-and :class:`GrpcPayload` (gRPC chunks). Every other call (routes, reports,
-heartbeats, feature stores, status) is a gRPC call on the peer's kept channel.
-
-:class:`PayloadPeers` makes the calls: on the peer's lane when it offers one
-and lanes are on, else on gRPC. A lane that cannot be opened (no connection
-within ``LANE_CONNECT_SECONDS``, a TLS handshake refused) moves the peer to
-gRPC, where the same call goes at once (nothing of it was sent). A lane that
-breaks under a call before the peer answered (it closes, it sends garbage, it
-speaks another lane version) moves the peer to gRPC too, and so does a break
-after some answers; the call fails with a ``transport`` error and its caller
-sends what was left unanswered again, uncharged, on the peer's channel then
-chosen. The next call after ``LANE_RETRY_SECONDS`` tries the lane again. No
-tuple is lost on the way: the gateway keeps what a broken call left
-unanswered in its spool; a pull that breaks voids its lease at the master,
-which hands the tuples out again.
-
-A kept connection that the server closed between calls (it restarted, or made
-room for another client) is no broken lane: it is found closed before use and
-another is opened; one that breaks as it is used, before any answer, is retried
-once on a new connection where the call can be sent again as it is (a
-download), and otherwise fails the call as ``transport`` without moving the
-peer, whose caller then sends it again on the lane.
+A :data:`PayloadChannel` carries the calls that move payloads (``Engine.Deliver``,
+``Master.Enqueue``, ``Master.PullTuple``): :class:`LanePayload` on the peer's payload lane
+(:mod:`hio.transport.lane`), or :class:`GrpcPayload` in gRPC chunks. :class:`PayloadPeers`
+chooses per peer, and when a lane that cannot be opened or breaks moves the peer to gRPC:
+``docs/architecture.md`` ("One transport per peer"), ``docs/lane.md`` (sections 7 and 10).
+A break after some answers moves the peer too; one of a kept connection before any answer
+does not (:meth:`LanePayload._broke`).
 """
 
 from __future__ import annotations
@@ -46,22 +26,23 @@ from hio.proto.master_pb2 import PullTupleRequest
 from hio.transport.frames import TupleMeta, TupleReceipt, WireFrame, tuple_frames
 from hio.transport.lane import (
     LANE_CONNECT_SECONDS,
+    REUSE_SECONDS,
     LaneCall,
     LaneDownload,
     LaneError,
     LaneFrame,
-    connect_lane,
     lane_frames,
     lane_hello,
+    open_lane,
     quiet,
 )
-from hio.transport.lanewire import REUSE_SECONDS
 from hio.transport.net import pull_frames, send_frames
 
 LANE_RETRY_SECONDS = 60.0  # a peer moved to gRPC (its lane unreachable or broken) tries its lane again after this
 KEPT_CONNECTIONS = 4  # idle connections a lane client keeps per lane (a gateway's streams, by default)
 Payloads = Iterator[tuple[TupleMeta, "bytes | BinaryIO"]]
 _SERVICES = {"Deliver": "Engine", "Enqueue": "Master"}
+T = TypeVar("T")
 
 
 class Upload(Protocol):
@@ -78,23 +59,6 @@ class Download(Protocol):
     def __iter__(self) -> Iterator[object]: ...
 
     def cancel(self) -> object: ...
-
-
-class PayloadChannel(Protocol):
-    """How payload bytes travel between this process and one peer."""
-
-    kind: str  # "lane" or "grpc"
-    max_chunk_bytes: int  # the largest frame payload a download may bring
-
-    def upload(self, method: str, payloads: Payloads, *, timeout: float) -> tuple[Upload, GuardedFrames[object]]:
-        """Stream ``payloads`` to ``method`` ("Deliver" or "Enqueue"); the call and its frames
-        (whose ``failure`` says why a payload could not be read)."""
-
-    def download(self, request: PullTupleRequest, *, timeout: float) -> Download:
-        """Open a PullTuple."""
-
-    def close(self) -> None:
-        """Let go of what the channel keeps for later calls."""
 
 
 class GrpcPayload:
@@ -124,7 +88,7 @@ class GrpcPayload:
 class LanePayload:
     """Payloads on the peer's payload lane, calls one after another on kept connections
     (each call introduced with ``token``; at most :data:`KEPT_CONNECTIONS` idle at once,
-    none reused after :data:`lanewire.REUSE_SECONDS` idle). ``on_broken`` hears why the
+    none reused after :data:`lane.REUSE_SECONDS` idle). ``on_broken`` hears why the
     lane broke under a call (:meth:`PayloadPeers.broken`). Thread-safe."""
 
     kind = "lane"
@@ -204,20 +168,13 @@ class LanePayload:
     def _open(self, hello: bytes) -> socket.socket:
         """A new connection, ``hello`` sent; the lane's failure as a ``transport`` LaneError."""
         try:
-            sock = connect_lane(self.lane, connect_seconds=LANE_CONNECT_SECONDS, tls=self._tls)
+            sock = open_lane(self.lane, hello, connect_seconds=LANE_CONNECT_SECONDS, tls=self._tls)
         except (OSError, ValueError) as exc:
             raise LaneError(
                 grpc.StatusCode.UNAVAILABLE, f"payload lane {self.lane} unreachable: {exc}", transport=True
             ) from None
         with self._lock:
             self.opened += 1
-        try:
-            sock.sendall(hello)
-        except OSError as exc:
-            sock.close()
-            raise LaneError(
-                grpc.StatusCode.UNAVAILABLE, f"payload lane {self.lane} closed at once: {exc}", transport=True
-            ) from None
         return sock
 
     def _take(self) -> socket.socket | None:
@@ -256,8 +213,11 @@ class LanePayload:
         self._on_broken(why)
 
 
+PayloadChannel = GrpcPayload | LanePayload  # how payload bytes travel between this process and one peer
+
+
 class PayloadPeers:
-    """The payload calls to each peer, on its :class:`PayloadChannel` (see the module's words).
+    """The payload calls to each peer, on its :data:`PayloadChannel`.
     ``lane(address, on_broken)`` and ``grpc(address)`` make the adapters; ``lanes`` false
     (turned off) chooses gRPC for every peer. Thread-safe."""
 
@@ -281,23 +241,25 @@ class PayloadPeers:
     def upload(
         self, address: str, lane: str, method: str, payloads: Payloads, *, timeout: float
     ) -> tuple[Upload, GuardedFrames[object]]:
-        """Stream ``payloads`` to ``method`` of the peer at ``address`` (its gRPC address) whose
-        lane is ``lane`` ('' = none): the call and its frames (:meth:`PayloadChannel.upload`)."""
-        try:
-            return self.get(address, lane).upload(method, payloads, timeout=timeout)
-        except LaneError as exc:  # the lane cannot be opened: nothing was sent
-            self._move(address, lane, "payload lane unreachable; this peer uses gRPC", exc.details())
-        return self.get(address, lane).upload(method, payloads, timeout=timeout)
+        """Stream ``payloads`` to ``method`` ("Deliver" or "Enqueue") of the peer at ``address``
+        (its gRPC address) whose lane is ``lane`` ('' = none): the call and its frames (whose
+        ``failure`` says why a payload could not be read)."""
+        return self._call(address, lane, lambda channel: channel.upload(method, payloads, timeout=timeout))
 
     def download(self, address: str, lane: str, request: PullTupleRequest, *, timeout: float) -> tuple[Download, int]:
         """Open a PullTuple from the peer: the call, and the largest frame payload it may bring."""
-        channel = self.get(address, lane)
+        return self._call(
+            address, lane, lambda channel: (channel.download(request, timeout=timeout), channel.max_chunk_bytes)
+        )
+
+    def _call(self, address: str, lane: str, call: Callable[[PayloadChannel], T]) -> T:
+        """``call`` on the peer's channel; on gRPC at once when its lane cannot be opened
+        (nothing was sent)."""
         try:
-            return channel.download(request, timeout=timeout), channel.max_chunk_bytes
-        except LaneError as exc:  # the lane cannot be opened: nothing was sent
+            return call(self.get(address, lane))
+        except LaneError as exc:
             self._move(address, lane, "payload lane unreachable; this peer uses gRPC", exc.details())
-        channel = self.get(address, lane)
-        return channel.download(request, timeout=timeout), channel.max_chunk_bytes
+        return call(self.get(address, lane))
 
     def get(self, address: str, lane: str) -> PayloadChannel:
         """The channel of the peer at ``address`` whose lane is ``lane`` ('' = none): its lane

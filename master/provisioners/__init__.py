@@ -1,34 +1,15 @@
-"""Machines that run ``hio worker``, asked for and given back by the master's scaler.
+"""Machines that run ``hio worker``, asked for and given back by the master's scaler
+(docs/elasticity.md: the ``local`` and ``openstack`` drivers).
 
-A :class:`Provisioner` is the one door between the elastic control loop and
-whatever hosts workers: ``local`` starts ``hio worker`` processes on the
-master's machine (tests, the demo, the experiment); ``openstack`` creates
-servers whose cloud-init installs and starts the worker. The scaler decides
-*when* (bins in use + headroom, within min and max, drained before deleted);
-a driver only does *what* it is told and reports what exists, so that a
-master that restarts can adopt the workers it asked for instead of leaking
-them.
-
-Every call returns promptly: ``create`` asks for a worker and answers
-``BUILDING``; the scaler sees it become a registered worker through the
-master's own registry (a worker registers itself under ``worker_id``), and
-polls :meth:`Provisioner.state` for failures (a server that failed to boot).
-The scaler calls a driver from one thread, never under the master's lock,
-except :meth:`Provisioner.worker_cpus`, which answers from what the driver
-already knows. A call the driver's cloud refuses or fails raises
-:class:`ProvisionError`: the scaler logs it and goes on (what exists is asked
-again at the next poll), so one error type covers every driver.
-
-A driver is a module named in :data:`DRIVERS` with a function
-``create_provisioner(config, state_dir, options) -> Provisioner``: ``config``
-is the master's :class:`~hio.master.config.MasterConfig` (addresses, TLS,
-``worker_cpus``, ``worker_prefix``), ``state_dir`` the master's folder (a
-driver keeps its own files in a subfolder of it), ``options`` the
-``provisioner_options`` setting as a dict (``NAME=VALUE`` items), whose
-unknown names the driver refuses with a :class:`~hio.config.ConfigError`
-naming ``provisioner_options``: the master then refuses to start. A driver
-that can tell at once that its options will not work (a cloud that does not
-know the flavor) refuses them there too.
+A driver is a module named in :data:`DRIVERS` with ``create_provisioner(config, state_dir,
+options) -> Provisioner``: the master's :class:`~hio.master.config.MasterConfig`, the master's
+folder (the driver keeps its files in a subfolder of it) and ``provisioner_options`` as a dict,
+whose unknown names the driver refuses with a :class:`~hio.config.ConfigError` naming
+``provisioner_options``. Every call returns promptly (``create`` answers ``BUILDING``: the
+worker registers itself under ``worker_id``, and the scaler polls :meth:`Provisioner.state` for
+failures) and is made from one thread, never under the master's lock, except
+:meth:`Provisioner.worker_cpus`, which answers from what the driver knows. A call the cloud
+refuses or fails raises :class:`ProvisionError`: the scaler logs it and goes on.
 """
 
 from __future__ import annotations
@@ -126,10 +107,8 @@ def parse_options(items: tuple[str, ...]) -> dict[str, str]:
 
 
 def open_provisioner(config: MasterConfig, state_dir: Path) -> Provisioner | None:
-    """The driver ``config.provisioner`` names, made from ``provisioner_options``; None for
-    none. ``state_dir`` is the master's folder: a driver keeps what it must remember under
-    it (a folder of its own name). A driver refuses options it does not know with a
-    ConfigError naming ``provisioner_options``, so a typo stops the master at start."""
+    """The driver ``config.provisioner`` names, made from ``provisioner_options`` (a driver
+    refuses options it does not know: a typo stops the master at start); None for none."""
     if not config.provisioner:
         return None
     module_name = DRIVERS.get(config.provisioner)

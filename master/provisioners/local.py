@@ -1,25 +1,7 @@
-"""The ``local`` driver: workers as ``hio worker`` processes on the master's machine.
-
-For tests, the demo (``hio up --scaling elastic``) and trying elasticity out on
-one machine. Each worker is started in a session of its own with
-``--elastic``, the master's cluster settings and ``--cpus worker_cpus``; its
-log is ``<data_dir>/master/local-workers/<worker_id>.log``, and a record beside
-it (``<worker_id>.json``: pid, start time, when it was asked for) lets a
-restarted master adopt it: a record is trusted only when its pid still runs
-the process it recorded (same start time, same worker id on its command
-line), and forgotten otherwise.
-
-The workers do not die with the master (a restarted master adopts them), but
-they end with the process the master's cluster ends with (the test run or
-``hio up`` that started the master: ``--owner-pid``), and
-:func:`stop_recorded_workers` stops them when that cluster is stopped.
-
-Each serves its HTTP endpoint (``/metrics``) on a free loopback port, which its log's
-"worker starting" line names.
-
-Options (``provisioner_options``): ``runtime`` (``process``, ``docker`` or
-``auto``, default ``process``), ``worker_args`` (more ``hio worker`` flags, as
-a shell would split them, e.g. ``--grace-seconds 1``).
+"""The ``local`` driver: workers as ``hio worker --elastic`` processes on the master's machine,
+for tests, the demo and trying elasticity out. As docs/elasticity.md ("Restarts") says, they
+outlive the master and end with the process its cluster ends with (``--owner-pid``); a record
+beside each one's log (``<worker_id>.json``) lets a restarted master adopt it.
 """
 
 from __future__ import annotations
@@ -212,12 +194,7 @@ class LocalProvisioner:
 def read_record(path: Path) -> _Record | None:
     try:
         data: dict[str, Any] = json.loads(path.read_text())
-        return _Record(
-            worker_id=str(data["worker_id"]),
-            pid=int(data["pid"]),
-            started=int(data["started"]),
-            created_unix=float(data["created_unix"]),
-        )
+        return _Record(str(data["worker_id"]), int(data["pid"]), int(data["started"]), float(data["created_unix"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -1,29 +1,9 @@
 """The ``openstack`` driver: workers are servers on an OpenStack cloud (SNIC Science Cloud
-and alike), asked for and given back through the compute API with openstacksdk.
-
-Chosen with ``provisioner = "openstack"`` and configured, as every driver is, by
-``provisioner_options`` (``NAME=VALUE`` items, :class:`OpenStackSettings` lists each):
-at least ``image``, and the cloud (``cloud``, ``clouds_file``) unless the ``OS_*``
-variables of an OpenStack RC file name it. The master's own elastic settings apply as
-for any driver: workers are named ``<worker_prefix>-<n>``, reach the master at
-``advertise_address``, present the token of ``worker_token_file``, offer
-``worker_cpus`` vCPUs (0: the flavor's), and one that has not registered within
-``provision_timeout`` is deleted, whatever its server's status (BUILD included).
-
-A server is named ``hio-worker-<worker id>`` and carries two metadata keys,
-``hio_cluster`` and ``hio_worker_id``; the metadata, not the name, says which servers
-are this cluster's, so a master that restarts finds (:meth:`OpenStackProvisioner.adopt`)
-exactly the workers it asked for, and two clusters in one project leave each other's
-servers alone. The server's user data is a cloud-init document that installs
-HarmonicIO (or finds it in the image), writes the worker's token to a root-only file
-and runs ``hio worker --elastic`` under systemd; the token is in that file only, never
-in metadata, the server's name or the worker's command line.
-
-At start-up (:func:`create_provisioner`) the driver logs in and looks up the flavor,
-image, network, security groups and key pair, so a name the cloud does not know stops
-the master with the option to change; a cloud that does not answer then is logged and
-asked again by the scaler. openstacksdk is imported when a driver connects, so a master
-with another driver never imports it (``pip install 'harmonicio[openstack]'``).
+and alike), asked for and given back through the compute API with openstacksdk, which is
+imported only when a driver connects. docs/deploy.md ("Elastic workers on OpenStack") says what
+each option does, how a server is named and marked as this cluster's (its metadata decides,
+not its name), what its cloud-init runs (the token in a root-only file only), and what the
+driver checks at start-up.
 """
 
 from __future__ import annotations
@@ -94,13 +74,8 @@ _STATES = {
     "ACTIVE": WorkerState.RUNNING,
     "ERROR": WorkerState.FAILED,
     # stopped by someone or something: the worker will not come back by itself
-    "SHUTOFF": WorkerState.FAILED,
-    "SUSPENDED": WorkerState.FAILED,
-    "PAUSED": WorkerState.FAILED,
-    "SHELVED": WorkerState.FAILED,
-    "SHELVED_OFFLOADED": WorkerState.FAILED,
-    "DELETED": WorkerState.GONE,
-    "SOFT_DELETED": WorkerState.GONE,
+    **dict.fromkeys(("SHUTOFF", "SUSPENDED", "PAUSED", "SHELVED", "SHELVED_OFFLOADED"), WorkerState.FAILED),
+    **dict.fromkeys(("DELETED", "SOFT_DELETED"), WorkerState.GONE),
 }
 
 
@@ -111,10 +86,9 @@ def option(name: str) -> str:
 
 def create_provisioner(config: MasterConfig, state_dir: Path, options: dict[str, str]) -> OpenStackProvisioner:
     """The driver the master's ``provisioner_options`` describe, checked against the master's
-    settings and then against the cloud (a name the cloud does not know, or credentials it
-    refuses, is a ConfigError naming the option). A cloud that cannot be reached or fails
-    now is logged, and the master starts: the scaler asks it again with each call.
-    ``state_dir`` is not used: the servers' metadata is the driver's record."""
+    settings and then against the cloud (a name it does not know, or credentials it refuses:
+    a ConfigError naming the option; a cloud that does not answer is logged, and the master
+    starts). ``state_dir`` is not used: the servers' metadata is the driver's record."""
     settings = OpenStackSettings.from_options(options)
     check_master_settings(config, settings)
     driver = OpenStackProvisioner(
@@ -358,8 +332,10 @@ class OpenStackProvisioner:
         with self._lock:
             try:
                 self._resolve()
-                self._check_security_groups()
-                self._check_key_pair()
+                for group in self.settings.security_groups:
+                    self._lookup("security_groups", "security group", "network", "find_security_group", group)
+                if self.settings.key_name:
+                    self._lookup("key_name", "key pair", "compute", "find_keypair")
             except ProvisionError as exc:
                 if exc.setting:
                     raise ConfigError(str(exc)) from None
@@ -478,14 +454,6 @@ class OpenStackProvisioner:
                     f"{named}: the cloud has more than one {kind} named {wanted!r}: give its id", setting=named
                 ) from None
 
-    def _check_security_groups(self) -> None:
-        for group in self.settings.security_groups:
-            self._lookup("security_groups", "security group", "network", "find_security_group", group)
-
-    def _check_key_pair(self) -> None:
-        if self.settings.key_name:
-            self._lookup("key_name", "key pair", "compute", "find_keypair")
-
     def _server_attributes(self, worker_id: str, placement: _Placement, user_data: str) -> dict[str, Any]:
         """The body of Nova's create-server call."""
         settings = self.settings
@@ -578,24 +546,12 @@ def worker_user_data(
     the unit, find the server's own address, start ``hio worker --elastic`` (offering
     ``cpus`` vCPUs; 0 = the server's)."""
     files = [
-        {
-            "path": CONFIG_FILE,
-            "owner": "root:root",
-            "permissions": "0644",
-            "content": worker_toml(settings, repository_address),
-        },
-        {"path": ADVERTISE_SCRIPT, "owner": "root:root", "permissions": "0755", "content": ADVERTISE_HOST_SCRIPT},
-        {
-            "path": UNIT_FILE,
-            "owner": "root:root",
-            "permissions": "0644",
-            "content": worker_unit(request, settings, cpus),
-        },
+        _root_file(CONFIG_FILE, worker_toml(settings, repository_address)),
+        _root_file(ADVERTISE_SCRIPT, ADVERTISE_HOST_SCRIPT, "0755"),
+        _root_file(UNIT_FILE, worker_unit(request, settings, cpus)),
     ]
     if request.token:
-        files.insert(
-            0, {"path": TOKEN_FILE, "owner": "root:root", "permissions": "0600", "content": request.token + "\n"}
-        )
+        files.insert(0, _root_file(TOKEN_FILE, request.token + "\n", "0600"))
     commands: list[list[str]] = []
     document: dict[str, Any] = {}
     if settings.pip_install:
@@ -620,6 +576,11 @@ def worker_user_data(
     ]
     document.update(write_files=files, runcmd=commands)
     return "#cloud-config\n" + json.dumps(document, indent=2) + "\n"
+
+
+def _root_file(path: str, content: str, permissions: str = "0644") -> dict[str, str]:
+    """One of cloud-init's ``write_files``, owned by root."""
+    return {"path": path, "owner": "root:root", "permissions": permissions, "content": content}
 
 
 def worker_toml(settings: OpenStackSettings, repository_address: str) -> str:

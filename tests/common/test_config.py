@@ -193,6 +193,9 @@ def test_a_mistyped_address_is_refused_with_its_setting_named(value: str) -> Non
         ("kd", "--http-listen"),
         ("engine", "--listen"),
         ("engine", "--lane-listen"),
+        ("up", "--http-listen-kd"),
+        ("up", "--http-listen-gateway"),
+        ("up", "--ingest-listen"),
     ],
 )
 def test_every_serving_role_checks_its_addresses_the_same_way(command, flag, tmp_path, capsys) -> None:

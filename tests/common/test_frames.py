@@ -81,16 +81,11 @@ def test_oversized_chunk_and_missing_meta_are_refused() -> None:
 
 
 def _packed(payloads: list[bytes], pack_bytes: int = 1 << 20) -> list[TupleFrame]:
-    from hio.transport.frames import PackingFrames
+    from hio.transport.frames import pack_small
 
-    packing, out = PackingFrames(pack_bytes, 1 << 20), []
-    for i, p in enumerate(payloads):
-        assert packing.packable(len(p))
-        if (message := packing.add(TupleFrame(meta=meta_for(p, i + 1), data=p, last=True))) is not None:
-            out.append(message)
-    if (message := packing.flush()) is not None:
-        out.append(message)
-    return out
+    out = list(pack_small([(meta_for(p, i + 1), p) for i, p in enumerate(payloads)], 1 << 20, pack_bytes))
+    assert all(isinstance(message, TupleFrame) for message in out), "every tuple is packed"
+    return out  # type: ignore[return-value]  # TupleFrames only, as asserted
 
 
 def test_packed_small_tuples_read_as_if_each_came_alone() -> None:
@@ -132,11 +127,16 @@ def test_packing_rules_are_enforced(breakage: str) -> None:
 
 
 def test_only_tuples_within_a_chunk_and_a_quarter_message_are_packed() -> None:
-    from hio.transport.frames import PackingFrames
+    from hio.transport.frames import pack_small
 
-    assert PackingFrames(1 << 20, 1 << 20).packable(256 * 1024)
-    assert not PackingFrames(1 << 20, 1 << 20).packable(256 * 1024 + 1)
-    assert not PackingFrames(1 << 20, 64 * 1024).packable(64 * 1024 + 1)  # the receiver's chunk limit
+    def packs(size: int, chunk_bytes: int) -> bool:
+        data = bytes(size)
+        (item,) = pack_small([(meta_for(data), data)], chunk_bytes, 1 << 20)
+        return isinstance(item, TupleFrame)
+
+    assert packs(256 * 1024, 1 << 20)
+    assert not packs(256 * 1024 + 1, 1 << 20)
+    assert not packs(64 * 1024 + 1, 64 * 1024)  # the receiver's chunk limit
 
 
 def test_reader_names_the_tuple_it_failed_to_read() -> None:

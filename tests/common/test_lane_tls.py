@@ -18,9 +18,20 @@ from hio.proto.engine_pb2 import LaneHello, LaneStatus
 from hio.settings import ClusterSettings
 from hio.transport.certs import generate
 from hio.transport.frames import TupleMeta, TupleReceipt, crc32
-from hio.transport.lane import LaneCall, LaneError, LaneServer, lane_frames, open_lane
+from hio.transport.lane import (
+    HELLO,
+    MAGIC_PREFIX,
+    REPLY_PREFIX,
+    STATUS,
+    LaneCall,
+    LaneError,
+    LaneServer,
+    lane_frames,
+    lane_hello,
+    magic,
+    open_lane,
+)
 from hio.transport.lanetls import client_context, server_context
-from hio.transport.lanewire import HELLO, MAGIC_PREFIX, REPLY_PREFIX, STATUS, magic
 from hio.transport.net import TokenTable
 
 TOKEN = "tls-s3cret"
@@ -102,7 +113,7 @@ def deliver(
     host: str = "127.0.0.1",
 ) -> list[TupleReceipt]:
     tls = client_context(settings) if settings else None
-    sock = open_lane(f"{host}:{port}", token, connect_seconds=5, method="Deliver", tls=tls)
+    sock = open_lane(f"{host}:{port}", lane_hello(token, "Deliver"), connect_seconds=5, tls=tls)
     call = LaneCall(sock, lane_frames(iter(tuples), chunk_bytes=1 << 20, pack_bytes=0), timeout=60)
     return list(call)
 
@@ -168,7 +179,10 @@ def test_a_client_that_cannot_verify_the_server_refuses_it(certs: dict[str, Path
         for settings in (client_settings(certs, ca="named-ca"), client_settings(certs, ca=None)):
             with pytest.raises(ssl.SSLCertVerificationError, match="certificate verify failed"):
                 open_lane(
-                    f"127.0.0.1:{server.port}", "", connect_seconds=5, method="Deliver", tls=client_context(settings)
+                    f"127.0.0.1:{server.port}",
+                    lane_hello("", "Deliver"),
+                    connect_seconds=5,
+                    tls=client_context(settings),
                 )
     finally:
         server.stop()
@@ -177,9 +191,8 @@ def test_a_client_that_cannot_verify_the_server_refuses_it(certs: dict[str, Path
         with pytest.raises(ssl.SSLCertVerificationError, match="IP address mismatch"):
             open_lane(
                 f"127.0.0.1:{named.port}",
-                "",
+                lane_hello("", "Deliver"),
                 connect_seconds=5,
-                method="Deliver",
                 tls=client_context(client_settings(certs, name=None, ca="named-ca")),
             )
         assert named.calls == 0
@@ -226,9 +239,8 @@ def test_a_tls_client_of_a_plain_lane_fails_its_handshake(certs: dict[str, Path]
         with pytest.raises(ssl.SSLError):
             open_lane(
                 f"127.0.0.1:{server.port}",
-                "",
+                lane_hello("", "Deliver"),
                 connect_seconds=5,
-                method="Deliver",
                 tls=client_context(client_settings(certs)),
             )
         assert server.calls == 0
@@ -271,10 +283,10 @@ def test_lane_tls_follows_the_grpc_settings(certs: dict[str, Path]) -> None:
 
 
 def test_the_headers_are_laid_out_as_docs_lane_md_says() -> None:
-    from hio.transport.lanewire import END_OF_INPUT, FRAME_PREFIX, MAGIC
+    from hio.transport.lane import END_OF_INPUT, FRAME_PREFIX, MAGIC
 
     assert MAGIC == b"HIOLANE2" and HELLO.pack(MAGIC, 3) == b"HIOLANE2\x00\x00\x00\x03"
     assert HELLO.unpack(b"HIOLANE1\x00\x01\x00\x00") == (b"HIOLANE1", 65536)
     assert FRAME_PREFIX.pack(5, 2**40) == b"\x00\x00\x00\x05" + (2**40).to_bytes(8, "big")
-    assert FRAME_PREFIX.unpack(bytes(12)).data_size == 0 and bytes(12) == END_OF_INPUT
+    assert FRAME_PREFIX.unpack(bytes(12)) == (0, 0) and bytes(12) == END_OF_INPUT
     assert REPLY_PREFIX.pack(STATUS, 258) == b"\x02\x00\x00\x01\x02" and REPLY_PREFIX.size == 5

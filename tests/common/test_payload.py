@@ -25,9 +25,19 @@ from hio.transport import payload
 from hio.transport.certs import generate
 from hio.transport.errors import DataLoss
 from hio.transport.frames import TupleFrame, TupleMeta, TupleReceipt, crc32
-from hio.transport.lane import LaneError, LaneFrame, LaneServer, lane_frames
+from hio.transport.lane import (
+    END_OF_INPUT,
+    FRAME_PREFIX,
+    HELLO,
+    REPLY_PREFIX,
+    STATUS,
+    LaneError,
+    LaneFrame,
+    LaneServer,
+    lane_frames,
+    magic,
+)
 from hio.transport.lanetls import client_context, server_context
-from hio.transport.lanewire import END_OF_INPUT, FRAME_PREFIX, HELLO, REPLY_PREFIX, STATUS, magic
 from hio.transport.net import create_channel
 from hio.transport.payload import GrpcPayload, LanePayload, PayloadPeers
 from tests.harness import free_port, wait_for
@@ -356,7 +366,7 @@ class _ChattyServer:
             self.accepted += 1
             self._conns.append(conn)
             reader = conn.makefile("rb")
-            size = HELLO.unpack(reader.read(HELLO.size)).size
+            _magic, size = HELLO.unpack(reader.read(HELLO.size))
             reader.read(size)
             replies = b""
             while (prefix := reader.read(FRAME_PREFIX.size)) != END_OF_INPUT:

@@ -24,7 +24,7 @@ from hio.kd.client import RepositoryClient
 from hio.proto import features_pb2
 from hio.tools import fetch_knowledge
 from hio.up import read_features
-from tests.harness import CuttingProxy, HioProcess, free_port, wait_for
+from tests.harness import CuttingProxy, HioProcess, cluster_engines, free_port, wait_for
 
 pytestmark = [pytest.mark.slow]
 
@@ -99,7 +99,7 @@ class FaultCluster(LocalCluster):
         self.restart(name)
 
     def kill_an_engine(self) -> bool:
-        engines = self.engine_pids()
+        engines = cluster_engines(self)
         if not engines:
             return False
         os.kill(random.choice(engines), signal.SIGKILL)

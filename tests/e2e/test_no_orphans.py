@@ -28,12 +28,16 @@ PARENT = """
 import json, sys, time
 from pathlib import Path
 from hio.cluster import LocalCluster
+from hio.process.procs import children
 
 root, worker_id, runtime = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 try:
     with LocalCluster(root) as cluster:
         cluster.add_worker(worker_id, ["hio/synthetic=2"], runtime=runtime, args=["--grace-seconds", "1"])
-        print(json.dumps({"roles": cluster.pids(), "engines": cluster.engine_pids()}), flush=True)
+        live = {name: proc for name, proc in cluster.procs.items() if proc.alive()}
+        roles = {name: proc.pid for name, proc in live.items()}
+        engines = [pid for proc in live.values() if proc.command == "worker" for pid in children(proc.pid)]
+        print(json.dumps({"roles": roles, "engines": engines}), flush=True)
         time.sleep(600)
 except KeyboardInterrupt:
     print(json.dumps({"problems": cluster.problems}), flush=True)
@@ -144,7 +148,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import local_cluster
+from tests.harness import cluster_engines, local_cluster
 
 REPORT = Path(os.environ["REPORT"])
 
@@ -154,7 +158,8 @@ def cluster(tmp_path_factory):
     c = local_cluster(tmp_path_factory.mktemp("c"), workers={"w": ["hio/synthetic=1"]})
     try:
         with c:
-            REPORT.write_text(json.dumps({"roles": list(c.pids().values()), "engines": c.engine_pids()}))
+            roles = [proc.pid for proc in c.procs.values() if proc.alive()]
+            REPORT.write_text(json.dumps({"roles": roles, "engines": cluster_engines(c)}))
             os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C while the fixture is being set up
             yield c
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hio.cluster import worker_processes
+from benchmarks.measure import worker_processes
 from hio.proto import master_pb2
 from tests.elastic.helpers import (
     IMAGE,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hio.cluster import worker_processes
+from benchmarks.measure import worker_processes
 from hio.process.procs import children
 from tests.elastic.helpers import (
     IMAGE,

@@ -257,7 +257,7 @@ class HostileCluster:
         from hio.gateway.client import Gateway
         from hio.gateway.config import GatewayConfig
         from hio.gateway.ingest import POLICY as INGEST_POLICY
-        from hio.gateway.ingest import IngestReceiver, IngestServicer
+        from hio.gateway.ingest import IngestServicer
 
         values: dict[str, Any] = {
             "master_address": self.master_address,
@@ -276,8 +276,7 @@ class HostileCluster:
         config = GatewayConfig(**values)
         config.validate()
         gateway = Gateway(config)
-        receiver = IngestReceiver(gateway)
-        servicer = IngestServicer(gateway, receiver)
+        servicer = IngestServicer(gateway)
         server, port, health = create_server(
             config,
             "127.0.0.1:0",
@@ -289,7 +288,7 @@ class HostileCluster:
         address = f"127.0.0.1:{port}"
 
         def stop() -> None:
-            receiver.stop_accepting()
+            servicer.stop_accepting()
             server.stop(0).wait(5)
             gateway.close(1.0, drain=False)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hio.master.demand import DemandPredictor, ImageLoad, PredictorPolicy
+from hio.master.config import MasterConfig
+from hio.master.demand import DemandPredictor, ImageLoad
 
 
 class Clock:
@@ -18,7 +19,7 @@ class Clock:
 
 def predictor(**policy: float) -> tuple[DemandPredictor, Clock]:
     clock = Clock()
-    return DemandPredictor(PredictorPolicy(**policy), clock), clock  # type: ignore[arg-type]
+    return DemandPredictor(MasterConfig(**policy), clock), clock  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 from hio.transport.errors import Unavailable
 from hio.transport.frames import TupleReceipt, unpacked_receipts
-from hio.transport.lane import END_OF_INPUT, MAGIC, LaneCall, LaneDownload, lane_frames, open_lane
+from hio.transport.lane import END_OF_INPUT, MAGIC, LaneCall, LaneDownload, lane_frames, lane_hello, open_lane
 from tests.harness import wait_for
 from tests.worker import conftest as worker_conftest
 from tests.worker.conftest import TEST_IMAGE, Master, Repo, RunningEngine, engine_config, make_tuple, register_channel
@@ -104,7 +104,7 @@ def test_the_lane_answers_with_enqueues_receipts_and_checks(master: Master) -> N
     (good_id, good_ticket), (bad_id, _) = routed(master, 2)
     good = make_tuple(good_id, b"x" * 5000)
     good[0].ticket = good_ticket
-    sock = open_lane(lane_of(master), "", connect_seconds=5, method="Enqueue")
+    sock = open_lane(lane_of(master), lane_hello("", "Enqueue"), connect_seconds=5)
     call = LaneCall(sock, lane_frames(iter([good]), chunk_bytes=1024, pack_bytes=0), timeout=30)
     receipts = [r for message in call for r in unpacked_receipts(message)]
     assert [(r.tuple_id, r.state) for r in receipts] == [(good_id, TupleReceipt.ENQUEUED)]
@@ -112,7 +112,7 @@ def test_the_lane_answers_with_enqueues_receipts_and_checks(master: Master) -> N
 
     meta, data = make_tuple(bad_id, b"y" * 5000)
     meta.crc32 ^= 1  # damaged on the way
-    sock = open_lane(lane_of(master), "", connect_seconds=5, method="Enqueue")
+    sock = open_lane(lane_of(master), lane_hello("", "Enqueue"), connect_seconds=5)
     call = LaneCall(sock, lane_frames(iter([(meta, data)]), chunk_bytes=1024, pack_bytes=0), timeout=30)
     with pytest.raises(grpc.RpcError) as failed:
         list(call)
@@ -135,7 +135,7 @@ def _status_for(address: str, hello: LaneHello, *, end: bool = False) -> LaneSta
 def _pull_status(address: str, token: str, request: master_pb2.PullTupleRequest) -> str:
     """The outcome of a PullTuple on the lane: 'OK: n frames' or the error's code name."""
     call = LaneDownload(
-        open_lane(address, token, connect_seconds=5, method="PullTuple", request=request.SerializeToString()),
+        open_lane(address, lane_hello(token, "PullTuple", request.SerializeToString()), connect_seconds=5),
         timeout=20,
         max_head_bytes=1 << 20,
         max_data_bytes=1 << 26,
@@ -251,7 +251,7 @@ def test_a_full_queue_answers_with_the_retry_hint_gRPC_would_carry(tmp_path: Pat
         (first, first_ticket), (second, second_ticket) = routed(m, 2)
         tuples = [make_tuple(first, os.urandom(600_000)), make_tuple(second, os.urandom(600_000))]
         tuples[0][0].ticket, tuples[1][0].ticket = first_ticket, second_ticket
-        sock = open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue")
+        sock = open_lane(lane_of(m), lane_hello("", "Enqueue"), connect_seconds=5)
         call = LaneCall(sock, lane_frames(iter(tuples), chunk_bytes=1024, pack_bytes=0), timeout=30)
         receipts = []
         with pytest.raises(grpc.RpcError) as full:
@@ -280,14 +280,14 @@ def test_a_pull_over_the_lane_brings_each_queued_tuple_intact_from_memory_or_dis
             meta.ticket = ticket
             tuples.append((meta, data))
         call = LaneCall(
-            open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue"),
+            open_lane(lane_of(m), lane_hello("", "Enqueue"), connect_seconds=5),
             lane_frames(iter(tuples), chunk_bytes=1024, pack_bytes=64 * 1024),
             timeout=30,
         )
         assert len([r for message in call for r in unpacked_receipts(message)]) == 3
         request = master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=1.0, max_tuples=3, max_bytes=10_000_000)
         download = LaneDownload(
-            open_lane(lane_of(m), "", connect_seconds=5, method="PullTuple", request=request.SerializeToString()),
+            open_lane(lane_of(m), lane_hello("", "PullTuple", request.SerializeToString()), connect_seconds=5),
             timeout=20,
             max_head_bytes=1 << 20,
             max_data_bytes=1 << 26,
@@ -308,14 +308,14 @@ def test_a_pull_whose_engine_went_away_while_waiting_takes_nothing(tmp_path: Pat
     try:
         register_channel(m, "127.0.0.1:1")
         request = master_pb2.PullTupleRequest(channel_id="w1/0", wait_seconds=5.0, max_tuples=1)
-        sock = open_lane(lane_of(m), "", connect_seconds=5, method="PullTuple", request=request.SerializeToString())
+        sock = open_lane(lane_of(m), lane_hello("", "PullTuple", request.SerializeToString()), connect_seconds=5)
         wait_for(lambda: m.domain.lane.methods["PullTuple"] == 1, timeout=5, what="the pull waiting")
         sock.close()  # the engine is gone while its pull waits
         [(tuple_id, ticket)] = routed(m, 1)
         meta, data = make_tuple(tuple_id, b"z" * 1000)
         meta.ticket = ticket
         call = LaneCall(
-            open_lane(lane_of(m), "", connect_seconds=5, method="Enqueue"),
+            open_lane(lane_of(m), lane_hello("", "Enqueue"), connect_seconds=5),
             lane_frames(iter([(meta, data)]), chunk_bytes=1024, pack_bytes=0),
             timeout=30,
         )
@@ -354,7 +354,7 @@ def test_a_handlers_own_error_is_internal_with_a_log_reference_not_a_lost_client
     )
     server.start()
     try:
-        sock = open_lane(f"127.0.0.1:{server.port}", "", connect_seconds=5, method="Enqueue")
+        sock = open_lane(f"127.0.0.1:{server.port}", lane_hello("", "Enqueue"), connect_seconds=5)
         call = LaneCall(
             sock, lane_frames(iter([make_tuple(7, os.urandom(5000))]), chunk_bytes=1024, pack_bytes=0), timeout=30
         )

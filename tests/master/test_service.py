@@ -295,16 +295,13 @@ def test_roles_are_enforced(tmp_path: Path) -> None:
 
 
 def test_packed_tuples_are_queued_each_and_pulled_alone(tmp_path: Path) -> None:
-    from hio.transport.frames import PackingFrames
+    from hio.transport.frames import packed
 
     with running_master(tmp_path) as m:
         ch = register(m.stub, "w1")[0]
         ids = list(route(m.stub, [5, 5, 5], force_queue=True).tuple_ids)
-        packing = PackingFrames(1 << 20, 1 << 20)
-        for n, tuple_id in enumerate(ids):
-            (frame,) = frames(tuple_id, f"tup{n}-".encode())
-            assert packing.add(frame) is None
-        receipts = enqueue(m.stub, [packing.flush()])
+        singles = [frames(tuple_id, f"tup{n}-".encode()) for n, tuple_id in enumerate(ids)]
+        receipts = enqueue(m.stub, [packed([frame for (frame,) in singles])])
         assert [(r.index, r.tuple_id, r.state) for r in receipts] == [
             (n, tuple_id, TupleReceipt.ENQUEUED) for n, tuple_id in enumerate(ids)
         ]

@@ -20,8 +20,7 @@ from google.protobuf import json_format
 
 from hio.master import preview as preview_module
 from hio.master.core import Master
-from hio.master.history import SAMPLE_SECONDS, SAMPLES, History
-from hio.master.stats import Stats
+from hio.master.stats import SAMPLE_SECONDS, SAMPLES, History, Stats
 from hio.master.statuspage import PAGE, StatusPage
 from hio.proto import repository_pb2
 from hio.proto.master_pb2 import ChannelInfo, RouteItem
@@ -105,7 +104,7 @@ def test_the_history_samples_throughput_and_mean_latency_every_interval_for_an_h
 
 
 def test_the_master_takes_history_samples_on_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("hio.master.history.SAMPLE_SECONDS", 0.3)
+    monkeypatch.setattr("hio.master.stats.SAMPLE_SECONDS", 0.3)
     master = Master(config(tmp_path)).start()
     try:
         deadline = time.monotonic() + 10

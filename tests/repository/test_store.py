@@ -364,7 +364,7 @@ def test_a_consumer_past_the_latest_record_is_moved_back_so_new_records_are_read
     raw = last.read_bytes()
     ends = []
     with FeatureStore(store_dir, SMALL) as s:  # where records 4 and 5 start: cut them off
-        ends = [s._features._index.locations(4, 4)[0].position]
+        ends = [s._index.locations(4, 4)[0].position]
     last.write_bytes(raw[: ends[0]])
     with FeatureStore(store_dir, SMALL) as s:
         assert s.latest() == 3 and s.committed("kd") == 3

@@ -299,14 +299,14 @@ def test_idle_engine_pulls_a_queued_tuple_and_stores_it(master: Master, repo: Re
 
 
 def test_packed_stream_is_answered_with_packed_receipts(engine: RunningEngine, repo: Repo) -> None:
-    from hio.transport.frames import PackingFrames, TupleFrame, unpacked_receipts
+    from hio.transport.frames import TupleFrame, packed, unpacked_receipts
 
-    packing = PackingFrames(1 << 20, 1 << 20)
+    singles = []
     for tuple_id in range(71, 91):
         meta, data = make_tuple(tuple_id, bytes([tuple_id]) * 50)
-        assert packing.add(TupleFrame(meta=meta, data=data, last=True)) is None
-    message = packing.flush()
-    assert message is not None and len(message.packed) == 19
+        singles.append(TupleFrame(meta=meta, data=data, last=True))
+    message = packed(singles)
+    assert len(message.packed) == 19
     answers = list(engine.stub.Deliver(iter([message]), timeout=30))
     receipts = [r for a in answers for r in unpacked_receipts(a)]
     assert len(answers) < len(receipts)  # several receipts per message

@@ -20,7 +20,7 @@ import pytest
 from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 from hio.transport.frames import TupleReceipt, unpacked_receipts
-from hio.transport.lane import MAGIC, LaneCall, LaneError, lane_frames, open_lane
+from hio.transport.lane import MAGIC, LaneCall, LaneError, lane_frames, lane_hello, open_lane
 from tests.harness import free_port, wait_for
 from tests.worker.conftest import (
     TEST_IMAGE,
@@ -60,7 +60,7 @@ def deliver(
     engine: RunningEngine, tuples: list[tuple[Any, Any]], *, token: str = "", timeout: float = 30
 ) -> list[TupleReceipt]:
     """Send tuples (payload: bytes or an open file at its offset) over the lane; the receipts."""
-    sock = open_lane(lane_address(engine), token, connect_seconds=5, method="Deliver")
+    sock = open_lane(lane_address(engine), lane_hello(token, "Deliver"), connect_seconds=5)
     call = LaneCall(sock, lane_frames(iter(tuples), chunk_bytes=1024, pack_bytes=64 * 1024), timeout=timeout)
     return [r for message in call for r in unpacked_receipts(message)]
 
@@ -107,7 +107,7 @@ def test_lane_stores_tuples_of_every_size_in_order(engine: RunningEngine, repo: 
 def test_corrupt_tuple_ends_the_call_with_data_loss_after_the_good_ones(engine: RunningEngine, repo: Repo) -> None:
     bad_meta, bad = make_tuple(12, os.urandom(100_000))
     bad_meta.crc32 ^= 1
-    sock = open_lane(lane_address(engine), "", connect_seconds=5, method="Deliver")
+    sock = open_lane(lane_address(engine), lane_hello("", "Deliver"), connect_seconds=5)
     call = LaneCall(sock, lane_frames(iter([make_tuple(11, b"fine"), (bad_meta, bad)]), 1024, 64 * 1024), timeout=30)
     got: list[TupleReceipt] = []
     with pytest.raises(LaneError) as err:
@@ -218,7 +218,7 @@ def test_the_lane_checks_the_token_like_grpc(repo: Repo) -> None:
 
 
 def test_a_busy_channel_refuses_a_second_call_with_resource_exhausted(engine: RunningEngine) -> None:
-    first = open_lane(lane_address(engine), "", connect_seconds=5, method="Deliver")
+    first = open_lane(lane_address(engine), lane_hello("", "Deliver"), connect_seconds=5)
     first.sendall(struct.pack(">IQ", len(make_head(make_tuple(61, b"z" * 10)[0])), 10))  # a frame begun, not ended
     try:
         wait_for(lambda: engine.engine._active == "deliver", timeout=10, what="the first call to hold the channel")
@@ -234,7 +234,7 @@ def test_a_stopped_lane_accepts_no_more_calls(repo: Repo) -> None:
     address = lane_address(e)
     e.close()
     with pytest.raises(OSError):
-        open_lane(address, "", connect_seconds=2, method="Deliver")
+        open_lane(address, lane_hello("", "Deliver"), connect_seconds=2)
 
 
 @needs_master

@@ -14,8 +14,7 @@ from hio.transport.net import wait_healthy
 from hio.worker.api import PIPELINE_EXIT_CODE
 from hio.worker.config import WorkerConfig
 from hio.worker.controller import engine_env
-from hio.worker.launcher import EngineSpec, ProcessLauncher
-from hio.worker.runtimes import select_launcher
+from hio.worker.launcher import EngineSpec, ProcessLauncher, select_launcher
 from tests.harness import free_port, wait_for
 from tests.worker.conftest import REPO_ROOT, TEST_IMAGE, TEST_PIPELINE
 

@@ -55,9 +55,9 @@ def test_outcomes_are_batched_and_a_release_closes_a_request() -> None:
     reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.2).start()
     answers: list[bool] = []
     for i in range(1, 4):
-        reporter.outcome(_outcome(i))
+        reporter.outcomes([_outcome(i)])
     reporter.release(answers.append)
-    reporter.outcome(_outcome(4))
+    reporter.outcomes([_outcome(4)])
     wait_for(lambda: answers, timeout=5, what="the release callback")
     reporter.stop(timeout=2)
     assert answers == [True]
@@ -69,7 +69,7 @@ def test_outcomes_are_batched_and_a_release_closes_a_request() -> None:
 def test_unavailable_master_is_retried_in_order() -> None:
     send = Recorder(fail_first=3)
     reporter = Reporter("w/0", send, keepalive=60.0, flush_interval=0.01).start()
-    reporter.outcome(_outcome(1))
+    reporter.outcomes([_outcome(1)])
     done = threading.Event()
     reporter.release(lambda _pull: done.set())
     assert done.wait(10)
@@ -122,13 +122,13 @@ def test_a_direct_outcome_waits_for_the_next_release_and_a_queued_one_goes_withi
     with _running(send) as reporter:
         reporter.release()
         wait_for(lambda: len(send.requests) == 1, timeout=5, what="the first release")
-        reporter.outcome(_outcome(1))  # a direct tuple: only the master's figures need it
+        reporter.outcomes([_outcome(1)])  # a direct tuple: only the master's figures need it
         time.sleep(0.5)
         assert len(send.requests) == 1, "a direct outcome alone does not cost a report"
         reporter.release()
         wait_for(lambda: len(send.requests) == 2, timeout=5, what="the next release")
         assert [o.tuple_id for o in send.requests[1].outcomes] == [1] and send.requests[1].release
-        reporter.outcome(_outcome(2, from_queue=True))
+        reporter.outcomes([_outcome(2, from_queue=True)])
         wait_for(lambda: len(send.requests) == 3, timeout=5, what="the queued tuple's outcome")
         assert [o.tuple_id for o in send.requests[2].outcomes] == [2] and not send.requests[2].release
 
@@ -136,7 +136,7 @@ def test_a_direct_outcome_waits_for_the_next_release_and_a_queued_one_goes_withi
 def test_a_direct_outcome_is_sent_after_direct_interval_when_nothing_else_goes() -> None:
     send = Recorder()
     with _running(send, direct_interval=0.3) as reporter:
-        reporter.outcome(_outcome(1))
+        reporter.outcomes([_outcome(1)])
         wait_for(lambda: send.requests, timeout=5, what="the lone direct outcome")
         assert [o.tuple_id for o in send.requests[0].outcomes] == [1]
 

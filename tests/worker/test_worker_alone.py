@@ -8,9 +8,8 @@ from pathlib import Path
 
 from hio.settings import ClusterSettings
 from hio.transport.net import wait_healthy
-from tests.harness import HioProcess, free_port, health_of, wait_for
+from tests.harness import HioProcess, engine_pids, free_port, health_of, wait_for
 from tests.worker.conftest import REPO_ROOT, TEST_IMAGE, TEST_PIPELINE
-from tests.worker.test_worker_process import _engine_pids
 
 
 def test_worker_without_master_runs_engines_and_exits_cleanly(tmp_path: Path) -> None:
@@ -45,7 +44,7 @@ def test_worker_without_master_runs_engines_and_exits_cleanly(tmp_path: Path) ->
     try:
         assert worker.proc is not None
         pids = wait_for(
-            lambda: len(p := _engine_pids(worker.proc.pid)) == 2 and p,
+            lambda: len(p := engine_pids(worker.proc.pid)) == 2 and p,
             timeout=30,  # type: ignore[union-attr]
             what="two engine processes",
         )
@@ -92,7 +91,7 @@ def test_engines_stop_when_their_worker_is_killed(tmp_path: Path) -> None:
     worker.start()
     try:
         assert worker.proc is not None
-        pids = wait_for(lambda: _engine_pids(worker.proc.pid), timeout=30, what="the engine process")  # type: ignore[union-attr]
+        pids = wait_for(lambda: engine_pids(worker.proc.pid), timeout=30, what="the engine process")  # type: ignore[union-attr]
         engine_pid = pids["orphan/0"]
         time.sleep(1.0)  # let the engine reach its serving loop
         worker.proc.send_signal(signal.SIGKILL)  # the controller alone, not its process group

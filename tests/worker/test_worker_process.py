@@ -19,7 +19,7 @@ from hio.cluster import LocalCluster
 from hio.proto import engine_pb2_grpc, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 from hio.transport.frames import TupleReceipt, frames_for_bytes
 from hio.transport.net import create_channel
-from tests.harness import HioProcess, health_of, wait_for
+from tests.harness import HioProcess, engine_pids, health_of, wait_for
 from tests.worker.conftest import REPO_ROOT, SETTINGS, TEST_IMAGE, TEST_PIPELINE, make_tuple, master_available
 
 pytestmark = pytest.mark.skipif(not master_available(), reason="hio.master.create_master_server not built yet")
@@ -90,26 +90,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             raise
 
 
-def _engine_pids(worker_pid: int) -> dict[str, int]:
-    """Child processes of the worker by channel id (Linux /proc)."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid != worker_pid:
-                continue
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        for item in env:
-            if item.startswith(b"HIO_ENGINE_CHANNEL_ID="):
-                found[item.split(b"=", 1)[1].decode()] = int(entry)
-    return found
-
-
 def _all_free(cluster: Cluster) -> dict[str, master_pb2.ChannelInfo] | None:
     channels = cluster.channels()
     ok = len(channels) == 2 and all(c.state == master_pb2.FREE for c in channels.values())
@@ -156,7 +136,7 @@ def test_gateway_like_client_gets_stored(cluster: Cluster) -> None:
 
 def test_killed_engine_is_reported_down_and_restarted(cluster: Cluster) -> None:
     wait_for(lambda: _all_free(cluster), timeout=30, what="FREE channels")
-    pids = _engine_pids(cluster.worker.proc.pid)  # type: ignore[union-attr]
+    pids = engine_pids(cluster.worker.proc.pid)  # type: ignore[union-attr]
     victim = f"{WORKER_ID}/1"
     os.kill(pids[victim], signal.SIGKILL)
     down = wait_for(
@@ -168,7 +148,7 @@ def test_killed_engine_is_reported_down_and_restarted(cluster: Cluster) -> None:
     # The next heartbeat (about a second later) already says it is restarting.
     assert "exited with code -9" in down.detail or "restart" in down.detail, down.detail
     wait_for(lambda: _all_free(cluster), timeout=30, what="the channel FREE again")
-    assert _engine_pids(cluster.worker.proc.pid)[victim] != pids[victim]  # type: ignore[union-attr]
+    assert engine_pids(cluster.worker.proc.pid)[victim] != pids[victim]  # type: ignore[union-attr]
 
 
 def test_hung_tuple_times_out_and_goes_to_the_master(cluster: Cluster) -> None:
@@ -187,7 +167,7 @@ def test_hung_tuple_times_out_and_goes_to_the_master(cluster: Cluster) -> None:
 
 
 def test_sigterm_stops_worker_and_engines(cluster: Cluster) -> None:
-    pids = _engine_pids(cluster.worker.proc.pid)  # type: ignore[union-attr]
+    pids = engine_pids(cluster.worker.proc.pid)  # type: ignore[union-attr]
     assert len(pids) == 2
     started = time.monotonic()
     cluster.worker.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]

@@ -80,16 +80,12 @@ AREA_BIN_EDGES: tuple[float, ...] = (0.0, *(float(2**k) for k in range(5, 17)), 
 """Object-area histogram edges in pixels: [0,32), [32,64), ..., [32768,65536), [65536,inf)."""
 
 _LUMA = np.array([0.299, 0.587, 0.114])
-_GRAY_FULL_SCALE = {
-    "1": 1.0,
-    "L": 255.0,
-    "I;16": 65535.0,
-    "I;16L": 65535.0,
-    "I;16B": 65535.0,
-    "I;16N": 65535.0,
-    "F": 1.0,
+_GRAY: dict[str, tuple[float, int]] = {  # grayscale mode -> (full scale, bits)
+    "1": (1.0, 1),
+    "L": (255.0, 8),
+    **dict.fromkeys(("I;16", "I;16L", "I;16B", "I;16N"), (65535.0, 16)),
+    "F": (1.0, 32),
 }
-_GRAY_BITS = {"1": 1, "L": 8, "I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16, "F": 32}
 _COLOUR_MODES = ("RGB", "RGBA", "RGBX", "P", "PA", "LA", "CMYK", "YCbCr", "LAB", "HSV")
 
 
@@ -126,8 +122,8 @@ class DecodedImage:
 def _page_pixels(page: Image.Image) -> tuple[np.ndarray, float, int]:
     """(float pixels, full scale, bits) of one page, colour reduced to luminance."""
     mode = page.mode
-    if mode in _GRAY_FULL_SCALE:
-        return np.asarray(page, dtype=np.float64), _GRAY_FULL_SCALE[mode], _GRAY_BITS[mode]
+    if mode in _GRAY:
+        return np.asarray(page, dtype=np.float64), *_GRAY[mode]
     if mode == "I":
         pixels = np.asarray(page, dtype=np.float64)
         if pixels.size and (pixels.min() < 0 or pixels.max() > 65535):
