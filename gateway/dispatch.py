@@ -58,9 +58,8 @@ from hio.proto import master_pb2, master_pb2_grpc
 from hio.proto.tuple_pb2 import TupleReceipt
 from hio.transport.errors import retry_after
 from hio.transport.frames import TupleMeta, unpacked_receipts
-from hio.transport.lanetls import client_context
-from hio.transport.net import NEVER_CONNECTED, create_channel, message_limit, rpc_error_text, rpc_status
-from hio.transport.payload import GrpcPayload, LanePayload, PayloadPeers, Upload
+from hio.transport.net import NEVER_CONNECTED, create_channel, rpc_error_text, rpc_status
+from hio.transport.payload import PayloadPeers, Upload
 
 log = logging.getLogger("hio.gateway")
 
@@ -158,27 +157,8 @@ class Dispatcher:
         self._calls: set[Upload] = set()
         self._channels: dict[str, grpc.Channel] = {}
         self._route_call = master_pb2_grpc.MasterStub(self._channel(config.master_address)).RouteTuples
-        token = config.presented_token()  # read once, as for the gRPC channels
-        tls = client_context(config)  # the lanes' TLS, as the channels'
         self._payload = PayloadPeers(
-            lanes=config.lanes,
-            logger=log,
-            lane=lambda lane, on_broken: LanePayload(
-                lane,
-                token,
-                chunk_bytes=config.chunk_bytes,
-                pack_bytes=config.pack_bytes,
-                max_head_bytes=message_limit(config),
-                max_data_bytes=config.max_tuple_bytes,
-                tls=tls,
-                on_broken=on_broken,
-            ),
-            grpc=lambda address: GrpcPayload(
-                self._channel(address),
-                chunk_bytes=config.chunk_bytes,
-                pack_bytes=config.pack_bytes,
-                max_chunk_bytes=message_limit(config),
-            ),
+            config, lanes=config.lanes, channel=self._channel, pack_bytes=config.pack_bytes, logger=log
         )
         self._unreachable_logged: dict[str, float] = {}  # engine address -> when last logged
         self._master_down_since: float | None = None

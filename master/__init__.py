@@ -7,127 +7,28 @@ durable backlog queue with leases and dead letters, status.
     ...
     server.stop(None); master.close()
 
-``hio master`` runs :func:`run_master`.
+``hio master`` runs :func:`run_master`. Names are imported on first use, so that
+importing the config (the CLI does, to build flags) does not import gRPC.
 """
 
 from __future__ import annotations
 
-import logging
+from typing import TYPE_CHECKING
 
-import grpc
+from hio import lazy_exports
 
-from hio.master.config import MasterConfig
-from hio.master.core import Master
-from hio.master.service import POLICY, MasterService
-from hio.master.statuspage import StatusPage
-from hio.process.log import NOTICE
-from hio.proto import master_pb2_grpc
-from hio.transport.http import serve_http
-from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
-from hio.transport.lanetls import server_context
-from hio.transport.net import ROLE_SERVICES, RoleHealth, TokenTable, message_limit, run_until_signal
-from hio.transport.tickets import make_ticket
+_WHERE = {
+    "Master": "core",
+    "MasterConfig": "config",
+    "POLICY": "service",
+    "create_master_server": "server",
+    "run_master": "server",
+}
+__all__ = ["POLICY", "Master", "MasterConfig", "create_master_server", "run_master"]
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
 
-__all__ = ["POLICY", "Master", "MasterConfig", "create_master_server", "make_ticket", "run_master"]
-
-log = logging.getLogger("hio.master")
-
-# Connections at once on the lane, kept ones included: Enqueue (gateways' delivery threads) and
-# PullTuple (each idle engine holds one). One beyond it closes the connection kept idle the
-# longest; with none idle it is closed at once, and its caller uses gRPC for a while.
-LANE_CONNECTIONS = 512
-
-
-def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, RoleHealth]:
-    master = Master(config)
-    try:
-        service = MasterService(master)
-        server, port, health_servicer, master.lane = create_server_with_lane(
-            config,
-            config.listen,
-            lane=lambda table: _start_lane(config, service, table),
-            max_workers=config.server_threads,
-            policy=POLICY,
-            service=ROLE_SERVICES["master"],
-            register=[lambda s: master_pb2_grpc.add_MasterServicer_to_server(service, s)],
-        )
-    except BaseException:
-        master.close()
-        raise
-    master.listen_port = port
-    master.start()
-    return server, port, master, health_servicer
-
-
-def _start_lane(config: MasterConfig, service: MasterService, table: TokenTable | None) -> LaneServer | None:
-    """The master's payload lane (Enqueue and PullTuple over plain TCP), started; None when
-    there is none."""
-    return start_lane_server(
-        config.lane_address(),
-        lambda listen: LaneServer(
-            listen,
-            service="Master",
-            uploads={"Enqueue": service.enqueue},  # uploads arrive in pieces of chunk_bytes
-            downloads={"PullTuple": service.pull_for_lane},
-            table=table,
-            policy=POLICY,
-            idle_seconds=config.stream_idle_seconds,
-            max_head_bytes=message_limit(config),
-            max_data_bytes=config.max_tuple_bytes,
-            max_connections=LANE_CONNECTIONS,
-            piece_bytes=config.chunk_bytes,
-            tls=server_context(config),
-        ),
-        chosen=bool(config.lane_listen),
-        logger=log,
-    )
-
-
-def create_master_server(config: MasterConfig) -> tuple[grpc.Server, int, Master]:
-    """The master's gRPC server (not started), its bound port, and the domain object.
-
-    The caller starts the server, and stops it before ``master.close()``.
-    """
-    server, port, master, health = _build(config)
-    health.start(master.not_ready)
-    return server, port, master
-
-
-def run_master(config: MasterConfig) -> int:
-    """Serve until SIGTERM/SIGINT, then drain for ``grace_seconds`` and seal the backlog; exit 0."""
-    server, port, master, health_servicer = _build(config)
-    page = StatusPage(master)
-    try:
-        registry = master.metrics.registry if master.metrics else None
-        http = serve_http(config, config.http_listen, registry, name="master", pages=page.routes())
-    except BaseException:
-        master.close()
-        raise
-    server.start()
-    health_servicer.start(master.not_ready)
-    host = config.listen.rsplit(":", 1)[0]
-    log.log(
-        NOTICE,
-        "master listening",
-        extra={
-            "address": f"{host}:{port}",
-            "data_dir": config.data_dir,
-            "lane_port": master.lane_port,
-            "http": http.address if http else "off",
-            "queued": master.queue.length(),
-        },
-    )
-
-    def draining() -> None:
-        health_servicer.stop()
-        master.begin_shutdown()  # first: a pull waiting on the lane returns now, so stop() need not wait for it
-        if master.lane is not None:  # its calls end now (senders send again); pulls void their leases
-            master.lane.stop()
-
-    try:
-        return run_until_signal(server, grace=config.grace_seconds, on_stop=[draining])
-    finally:
-        if http is not None:
-            http.close()
-        page.close()
-        master.close()
+if TYPE_CHECKING:
+    from hio.master.config import MasterConfig
+    from hio.master.core import Master
+    from hio.master.server import create_master_server, run_master
+    from hio.master.service import POLICY

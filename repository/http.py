@@ -20,17 +20,22 @@ from google.protobuf import json_format
 from hio.proto import features_pb2
 from hio.repository.service import POLICY
 from hio.repository.store import FeatureStore
-from hio.transport.http import Reply, Route, text
+from hio.transport.http import Reply, Route, html_page, text
 
 REFRESH_SECONDS = 10
 PAGE_ROLES = frozenset(POLICY["GetKnowledge"])
+# The page's one inline style: its Content-Security-Policy allows exactly this text (html_page)
+STYLE = (
+    "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+    "th,td{text-align:left;padding:2px 12px 2px 0}img{max-width:100%}"
+)
 
 
 def pages(store: FeatureStore) -> dict[str, Route]:
     """The repository's pages, for :func:`hio.transport.http.serve_http`."""
 
     def index(_query: Mapping[str, list[str]]) -> Reply:
-        return Reply(200, render_page(store).encode(), "text/html; charset=utf-8")
+        return html_page(200, render_page(store), styles=(STYLE,))
 
     def preview(_query: Mapping[str, list[str]]) -> Reply:
         png = store.get_knowledge_and_preview()[1]
@@ -86,16 +91,11 @@ def render_page(store: FeatureStore) -> str:
             "<h2>Groups (image + feature set, each clustered on its own)</h2><table><tr><th>image</th>"
             f"<th>features</th><th>tuples</th><th>clusters</th></tr>{groups}</table>"
         )
-    image = (
-        '<img src="/preview.png" alt="knowledge preview" style="max-width:100%">'
-        if preview is not None
-        else "<p>No preview yet.</p>"
-    )
+    image = '<img src="/preview.png" alt="knowledge preview">' if preview is not None else "<p>No preview yet.</p>"
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_SECONDS}">
 <title>HarmonicIO repository</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
-th,td{{text-align:left;padding:2px 12px 2px 0}}</style></head>
+<style>{STYLE}</style></head>
 <body><h1>HarmonicIO repository</h1>
 {image}
 <h2>Summary</h2><table>{table}</table>

@@ -22,9 +22,8 @@ from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb
 from hio.settings import ClusterSettings
 from hio.transport import errors
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32
-from hio.transport.lanetls import client_context
-from hio.transport.net import create_channel, message_limit, rpc_error_text, rpc_status
-from hio.transport.payload import Download, GrpcPayload, LanePayload, PayloadPeers
+from hio.transport.net import create_channel, rpc_error_text, rpc_status
+from hio.transport.payload import Download, PayloadPeers
 from hio.transport.retry import call_with_retry
 
 log = logging.getLogger("hio.worker")
@@ -76,26 +75,7 @@ class ClusterLink:
         self._master = master_pb2_grpc.MasterStub(self._master_channel)
         self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)
         self._master_lane_port = 0  # learnt from report answers
-        token = settings.presented_token()  # read once, as for the gRPC channels
-        limit = message_limit(settings)
-        tls = client_context(settings)  # the lanes' TLS, as the channels'
-        self._payload = PayloadPeers(
-            lanes=lanes,
-            logger=log,
-            lane=lambda lane, on_broken: LanePayload(
-                lane,
-                token,
-                chunk_bytes=settings.chunk_bytes,
-                pack_bytes=0,
-                max_head_bytes=limit,
-                max_data_bytes=settings.max_tuple_bytes,
-                tls=tls,
-                on_broken=on_broken,
-            ),
-            grpc=lambda _address: GrpcPayload(
-                self._master_channel, chunk_bytes=settings.chunk_bytes, pack_bytes=0, max_chunk_bytes=limit
-            ),
-        )
+        self._payload = PayloadPeers(settings, lanes=lanes, channel=lambda _address: self._master_channel, logger=log)
 
     def close(self) -> None:
         self._payload.close()

@@ -44,9 +44,8 @@ from hio.transport.errors import (
     grpc_errors,
 )
 from hio.transport.frames import ChunkFrame, FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
-from hio.transport.lane import LaneServer, create_server_with_lane, start_lane_server
-from hio.transport.lanetls import server_context
-from hio.transport.net import ROLE_SERVICES, TokenTable, message_limit, run_until_signal
+from hio.transport.lane import LaneServer, create_server_with_lane
+from hio.transport.net import ROLE_SERVICES, message_limit, run_until_signal
 from hio.transport.retry import Backoff
 from hio.transport.tickets import load_ticket_key, verify_ticket
 from hio.worker.api import PIPELINE_EXIT_CODE, Pipeline, TupleInfo, load_pipeline, pipeline_for_image
@@ -1104,30 +1103,17 @@ def create_engine_server(
     engine = Engine(config, pipeline, cluster, reporter, exit_process=exit_process)
     reporter.start()
 
-    def lane(table: TokenTable | None) -> LaneServer | None:
-        """The engine's payload lane (Deliver over TCP, TLS with the gRPC server's certificates
-        when configured), started; None when not configured."""
-        return start_lane_server(  # the worker chose the port: one that cannot be had is an error
-            config.lane_listen,
-            lambda listen: LaneServer(
-                listen,
-                service="Engine",
-                uploads={"Deliver": lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes)},
-                table=table,
-                policy=POLICY,
-                idle_seconds=engine.idle_seconds,
-                max_head_bytes=message_limit(config),
-                max_data_bytes=config.max_tuple_bytes,
-                tls=server_context(config),
-            ),
-            chosen=True,
-            logger=log,
-        )
-
     server, port, health, engine.lane = create_server_with_lane(
         config,
         config.listen,
-        lane=lane,
+        lane_listen=config.lane_listen,  # the worker chose the port: one that cannot be had is an error
+        lane=lambda table: LaneServer(
+            config,
+            service="Engine",
+            uploads={"Deliver": lambda frames: engine.deliver(frames, max_chunk_bytes=config.max_tuple_bytes)},
+            table=table,
+            policy=POLICY,
+        ),
         max_workers=8,
         policy=POLICY,
         service=ROLE_SERVICES["engine"],

@@ -44,8 +44,8 @@ from hio.transport.errors import (
     status_of,
 )
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
-from hio.transport.lanetls import TLSSocket, connect_tls
-from hio.transport.net import RoleHealth, TokenTable, create_server, refuse_caller
+from hio.transport.lanetls import TLSSocket, connect_tls, server_context
+from hio.transport.net import RoleHealth, TokenTable, create_server, message_limit, refuse_caller
 
 M = TypeVar("M", bound=Message)
 log = logging.getLogger("hio.lane")
@@ -290,31 +290,27 @@ class LaneServer:
     ``uploads`` take frames and answer receipts (the engine's Deliver, the master's Enqueue);
     ``downloads`` take the hello's request and send frames (the master's PullTuple).
 
-    Callers are refused as gRPC refuses them (the same ``table`` and ``policy``). With
-    ``tls`` (:func:`lanetls.server_context`) every connection speaks TLS, its handshake
-    made on the connection's own thread. The idle bound is the socket's timeout: it runs
-    only while the server waits for bytes, and any byte restarts it (a large frame may
-    take long on a slow link without counting as a stall).
+    Callers are refused as gRPC refuses them (the same ``table`` and ``policy``), and bounds
+    and TLS are its (``settings``: :func:`net.message_limit` per head, ``max_tuple_bytes`` per
+    frame's data; with ``tls_cert`` every connection speaks TLS, its handshake made on the
+    connection's own thread). The idle bound ``stream_idle_seconds`` is the socket's
+    timeout: it runs only while the server waits for bytes, and any byte restarts it (a
+    large frame may take long on a slow link without counting as a stall).
     """
 
     def __init__(
         self,
-        listen: str,
+        settings: ClusterSettings,
         *,
         service: str,
         uploads: dict[str, Handler],
         downloads: dict[str, Download] | None = None,
         table: TokenTable | None,
         policy: dict[str, set[str]],
-        idle_seconds: float,
-        max_head_bytes: int,
-        max_data_bytes: int,
         max_connections: int = MAX_CONNECTIONS,
         piece_bytes: int = 0,
-        tls: ssl.SSLContext | None = None,
     ) -> None:
-        self._listen = listen
-        self._tls = tls
+        self._tls = server_context(settings)
         self._piece = piece_bytes
         self._uploads = uploads
         self._downloads = downloads or {}
@@ -322,9 +318,9 @@ class LaneServer:
         self._max_connections = max_connections
         self._table = table
         self._policy = policy
-        self._idle = idle_seconds
-        self._max_head = max_head_bytes
-        self._max_data = max_data_bytes
+        self._idle = settings.stream_idle_seconds
+        self._max_head = message_limit(settings)
+        self._max_data = settings.max_tuple_bytes
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._kept: dict[socket.socket, float] = {}  # connections waiting for their next call -> since (monotonic)
@@ -352,9 +348,9 @@ class LaneServer:
         with self._lock:
             return len(self._kept)
 
-    def start(self) -> int:
-        """Bind and accept in the background; returns the bound port."""
-        host, port = split_address(self._listen)
+    def start(self, listen: str) -> int:
+        """Bind ``listen`` and accept in the background; returns the bound port."""
+        host, port = split_address(listen)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -698,46 +694,41 @@ def create_server_with_lane(
     settings: ClusterSettings,
     listen: str,
     *,
-    lane: Callable[[TokenTable | None], LaneServer | None],
+    lane_listen: str,
+    lane: Callable[[TokenTable | None], LaneServer],
+    derived: bool = False,
+    logger: logging.Logger = log,
     **server_args: Any,
 ) -> tuple[grpc.Server, int, RoleHealth, LaneServer | None]:
-    """A role's gRPC server (:func:`create_server`, not started) and the lane beside it (from
-    ``lane(table)``, started; None when there is none): one read of the tokens for both, and
-    the server stopped (its port freed) when the lane cannot start."""
-    table = TokenTable.from_settings(settings)
-    server, port, health = create_server(settings, listen, table=table, **server_args)
-    try:
-        return server, port, health, lane(table)
-    except BaseException:
-        server.stop(None)
-        raise
-
-
-def start_lane_server(
-    address: str, make: Callable[[str], LaneServer], *, chosen: bool, logger: logging.Logger
-) -> LaneServer | None:
-    """``make(address)``, started; None when ``address`` is '' (the server offers no lane).
-    A port only derived from ``listen`` (not ``chosen``) that is taken gives way to any free
+    """A role's gRPC server (:func:`create_server`, not started) and the lane beside it:
+    ``lane(table)`` started on ``lane_listen`` (None when that is '': the role offers no lane).
+    One read of the tokens for both; the server is stopped (its port freed) when the lane
+    cannot start. A port only ``derived`` from ``listen`` that is taken gives way to any free
     one, with a warning (the server's answers name the port it got; a firewall that opens
     only listen's port + 1 then makes callers use gRPC); a chosen one that cannot be had is
     a ConfigError naming ``lane_listen``."""
-
-    def started(listen: str) -> LaneServer:
-        lane = make(listen)
-        lane.start()
-        return lane
-
-    if not address:
-        return None
+    table = TokenTable.from_settings(settings)
+    server, port, health = create_server(settings, listen, table=table, **server_args)
     try:
-        return started(address)
-    except OSError as exc:
-        if chosen:
-            raise ConfigError(
-                f"cannot listen for the payload lane on {address}: {exc} (set another lane_listen, or lanes = false)"
-            ) from None
-        logger.warning("payload lane port taken; using any free port", extra={"wanted": address, "error": str(exc)})
-        return started(lane_beside(address, 0))
+        if not lane_listen:
+            return server, port, health, None
+        started = lane(table)
+        try:
+            started.start(lane_listen)
+        except OSError as exc:
+            if not derived:
+                raise ConfigError(
+                    f"cannot listen for the payload lane on {lane_listen}: {exc} "
+                    "(set another lane_listen, or lanes = false)"
+                ) from None
+            logger.warning(
+                "payload lane port taken; using any free port", extra={"wanted": lane_listen, "error": str(exc)}
+            )
+            started.start(lane_beside(lane_listen, 0))
+        return server, port, health, started
+    except BaseException:
+        server.stop(None)
+        raise
 
 
 def lane_hello(token: str, method: str, request: bytes = b"") -> bytes:

@@ -23,6 +23,7 @@ from typing import BinaryIO, Generic, Protocol, TypeVar
 import grpc
 
 from hio.proto.master_pb2 import PullTupleRequest
+from hio.settings import ClusterSettings
 from hio.transport.frames import TupleMeta, TupleReceipt, WireFrame, tuple_frames
 from hio.transport.lane import (
     LANE_CONNECT_SECONDS,
@@ -36,7 +37,8 @@ from hio.transport.lane import (
     open_lane,
     quiet,
 )
-from hio.transport.net import pull_frames, send_frames
+from hio.transport.lanetls import client_context
+from hio.transport.net import message_limit, pull_frames, send_frames
 
 LANE_RETRY_SECONDS = 60.0  # a peer moved to gRPC (its lane unreachable or broken) tries its lane again after this
 KEPT_CONNECTIONS = 4  # idle connections a lane client keeps per lane (a gateway's streams, by default)
@@ -217,21 +219,35 @@ PayloadChannel = GrpcPayload | LanePayload  # how payload bytes travel between t
 
 
 class PayloadPeers:
-    """The payload calls to each peer, on its :data:`PayloadChannel`.
-    ``lane(address, on_broken)`` and ``grpc(address)`` make the adapters; ``lanes`` false
-    (turned off) chooses gRPC for every peer. Thread-safe."""
+    """The payload calls to each peer, on its :data:`PayloadChannel`, as ``settings`` say
+    (the token and the lanes' TLS read once, as for the gRPC channels; chunks, packs of
+    ``pack_bytes`` and bounds as gRPC's). ``channel(address)`` is the peer's kept gRPC channel;
+    ``lanes`` false (turned off) chooses gRPC for every peer. Thread-safe."""
 
     def __init__(
         self,
+        settings: ClusterSettings,
         *,
         lanes: bool,
-        lane: Callable[[str, Callable[[str], None]], LanePayload],
-        grpc: Callable[[str], GrpcPayload],
+        channel: Callable[[str], grpc.Channel],
+        pack_bytes: int = 0,
         logger: logging.Logger,
     ) -> None:
         self._lanes = lanes
-        self._make_lane = lane
-        self._make_grpc = grpc
+        self._channel = channel
+        limit = message_limit(settings)
+        self._make_lane = functools.partial(
+            LanePayload,
+            token=settings.presented_token(),
+            chunk_bytes=settings.chunk_bytes,
+            pack_bytes=pack_bytes,
+            max_head_bytes=limit,
+            max_data_bytes=settings.max_tuple_bytes,
+            tls=client_context(settings),
+        )
+        self._make_grpc = functools.partial(
+            GrpcPayload, chunk_bytes=settings.chunk_bytes, pack_bytes=pack_bytes, max_chunk_bytes=limit
+        )
         self._log = logger
         self._lock = threading.Lock()
         self._lane_channels: dict[tuple[str, str], LanePayload] = {}  # (peer, lane) -> its lane's adapter
@@ -273,11 +289,11 @@ class PayloadPeers:
             )
         if channel is not None:
             return channel
-        if on_lane:  # made outside the lock: the makers may take their owners' locks
-            made_lane = self._make_lane(lane, functools.partial(self.broken, address, lane))
+        if on_lane:
+            made_lane = self._make_lane(lane, on_broken=functools.partial(self.broken, address, lane))
             with self._lock:
                 return self._lane_channels.setdefault(key, made_lane)
-        made_grpc = self._make_grpc(address)
+        made_grpc = self._make_grpc(self._channel(address))  # outside the lock: channel() may take its owner's
         with self._lock:
             return self._grpc_channels.setdefault(address, made_grpc)
 

@@ -4,6 +4,7 @@ servers the client must not), plaintext against TLS, tokens, and version negotia
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import ssl
@@ -86,17 +87,13 @@ class Received:
 
 def serve(settings: ClusterSettings | None, handler: Received, *, table: TokenTable | None = None) -> LaneServer:
     server = LaneServer(
-        "127.0.0.1:0",
+        dataclasses.replace(settings or ClusterSettings(), stream_idle_seconds=10, max_tuple_bytes=64 << 20),
         service="Engine",
         uploads={"Deliver": handler},
         table=table,
         policy=POLICY,
-        idle_seconds=10,
-        max_head_bytes=1 << 20,
-        max_data_bytes=64 << 20,
-        tls=server_context(settings) if settings else None,
     )
-    server.start()
+    server.start("127.0.0.1:0")
     return server
 
 

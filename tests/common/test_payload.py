@@ -7,6 +7,7 @@ breaks, or speaks another version moves the peer to gRPC, and the lane is tried 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -37,9 +38,8 @@ from hio.transport.lane import (
     lane_frames,
     magic,
 )
-from hio.transport.lanetls import client_context, server_context
 from hio.transport.net import create_channel
-from hio.transport.payload import GrpcPayload, LanePayload, PayloadPeers
+from hio.transport.payload import LanePayload, PayloadPeers
 from tests.harness import free_port, wait_for
 
 PEER = "peer:1"  # the peer's gRPC address: only a key here, as no call goes to gRPC unless said
@@ -79,48 +79,35 @@ def lane_server(
     handler: Stored, *, port: int = 0, max_connections: int = 16, tls: ClusterSettings | None = None
 ) -> LaneServer:
     server = LaneServer(
-        f"127.0.0.1:{port}",
+        dataclasses.replace(tls or ClusterSettings(), stream_idle_seconds=10, max_tuple_bytes=1 << 26),
         service="Master",
         uploads={"Enqueue": handler},
         downloads={"PullTuple": pulled},
         table=None,
         policy={},
-        idle_seconds=10,
-        max_head_bytes=1 << 20,
-        max_data_bytes=1 << 26,
         max_connections=max_connections,
-        tls=server_context(tls) if tls else None,
     )
-    server.start()
+    server.start(f"127.0.0.1:{port}")
     return server
 
 
-def _no_grpc(address: str) -> GrpcPayload:
+def _no_grpc(address: str) -> grpc.Channel:
     raise AssertionError(f"the peer {address} was moved to gRPC")
 
 
-def _grpc_nowhere(address: str) -> GrpcPayload:
-    """The peer's gRPC adapter, on a channel to a port nothing listens on (calls: UNAVAILABLE)."""
-    channel = create_channel(f"127.0.0.1:{free_port()}", ClusterSettings())
-    return GrpcPayload(channel, chunk_bytes=1 << 20, pack_bytes=0, max_chunk_bytes=1 << 20)
+def _grpc_nowhere(address: str) -> grpc.Channel:
+    """The peer's gRPC channel, to a port nothing listens on (calls: UNAVAILABLE)."""
+    return create_channel(f"127.0.0.1:{free_port()}", ClusterSettings())
 
 
-def peers(*, tls: ClusterSettings | None = None, grpc_channel: Callable[[str], GrpcPayload] = _no_grpc) -> PayloadPeers:
-    context = client_context(tls) if tls else None
+def peers(
+    *, tls: ClusterSettings | None = None, grpc_channel: Callable[[str], grpc.Channel] = _no_grpc
+) -> PayloadPeers:
     return PayloadPeers(
+        dataclasses.replace(tls or ClusterSettings(), max_tuple_bytes=1 << 26),
         lanes=True,
+        channel=grpc_channel,
         logger=logging.getLogger("test.payload"),
-        lane=lambda lane, on_broken: LanePayload(
-            lane,
-            "",
-            chunk_bytes=1 << 20,
-            pack_bytes=0,
-            max_head_bytes=1 << 20,
-            max_data_bytes=1 << 26,
-            tls=context,
-            on_broken=on_broken,
-        ),
-        grpc=grpc_channel,
     )
 
 
@@ -468,7 +455,7 @@ def test_a_lane_that_cannot_be_opened_sends_the_call_over_grpc_at_once(
     lane = f"127.0.0.1:{port}"
     grpc_calls: list[str] = []
 
-    def grpc_channel(address: str) -> GrpcPayload:
+    def grpc_channel(address: str) -> grpc.Channel:
         grpc_calls.append(address)
         return _grpc_nowhere(address)
 
@@ -533,10 +520,10 @@ def test_the_peer_of_a_lane_that_closes_every_connection_moves_to_grpc(caplog: p
 def test_lanes_off_choose_grpc_for_every_peer() -> None:
     made: list[str] = []
 
-    def grpc_channel(address: str) -> GrpcPayload:
+    def grpc_channel(address: str) -> grpc.Channel:
         made.append(address)
         return _grpc_nowhere(address)
 
-    off = PayloadPeers(lanes=False, logger=logging.getLogger("test"), lane=lambda lane, why: None, grpc=grpc_channel)  # type: ignore[arg-type,return-value]  # no lane is made
+    off = PayloadPeers(ClusterSettings(), lanes=False, channel=grpc_channel, logger=logging.getLogger("test"))
     assert off.get(PEER, "127.0.0.1:9").kind == "grpc" and off.get(PEER, "").kind == "grpc"
     assert made == [PEER], "one gRPC adapter per peer"

@@ -18,6 +18,7 @@ from hio.config import ConfigError, build
 from hio.master import MasterConfig
 from hio.proto import master_pb2
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
+from hio.settings import ClusterSettings
 from hio.transport.errors import Unavailable
 from hio.transport.frames import TupleReceipt, unpacked_receipts
 from hio.transport.lane import END_OF_INPUT, MAGIC, LaneCall, LaneDownload, lane_frames, lane_hello, open_lane
@@ -342,17 +343,14 @@ def test_a_handlers_own_error_is_internal_with_a_log_reference_not_a_lost_client
         yield  # a generator, like the real handlers
 
     server = LaneServer(
-        "127.0.0.1:0",
+        ClusterSettings(stream_idle_seconds=10, max_tuple_bytes=1 << 24),
         service="Master",
         uploads={"Enqueue": failing},
         table=None,
         policy={},
-        idle_seconds=10,
-        max_head_bytes=1 << 20,
-        max_data_bytes=1 << 24,
         piece_bytes=1024,
     )
-    server.start()
+    server.start("127.0.0.1:0")
     try:
         sock = open_lane(f"127.0.0.1:{server.port}", lane_hello("", "Enqueue"), connect_seconds=5)
         call = LaneCall(

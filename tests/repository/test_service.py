@@ -19,11 +19,11 @@ import pytest
 from hio.proto import features_pb2, repository_pb2_grpc
 from hio.proto import repository_pb2 as pb
 from hio.repository import RepositoryConfig, create_repository_server
-from hio.repository.http import pages
+from hio.repository.http import STYLE, pages
 from hio.repository.store import FeatureStore
 from hio.settings import ClusterSettings
 from hio.transport.frames import crc32
-from hio.transport.http import serve_http
+from hio.transport.http import script_hash, serve_http
 from hio.transport.net import create_channel
 from tests.harness import FsyncDisk, health_of, wait_for
 from tests.repository.records import compress, decode, knowledge, png_bytes, upload
@@ -303,6 +303,10 @@ def test_http_shows_knowledge(http: tuple[FeatureStore, str]) -> None:
     assert (status, ctype, body) == (200, "image/png", png_bytes())
     page = fetch(base + "/")[2].decode()
     assert '<img src="/preview.png"' in page
+    with urllib.request.urlopen(base + "/", timeout=10) as reply:  # the page's policy: its one inline style, no more
+        policy = reply.headers["Content-Security-Policy"]
+    assert f"<style>{STYLE}</style>" in page and " style=" not in page and "<script" not in page
+    assert f"script-src 'none'; style-src {script_hash(STYLE)}; img-src 'self';" in policy
     assert "<th>records stored</th><td>3</td>" in page and "<th>tuples clustered</th><td>30</td>" in page
     assert page.count("<tr><td>") == 3  # one row per cluster
     doc = json.loads(fetch(base + "/knowledge.json")[2])
