@@ -340,15 +340,18 @@ class FeatureLog:
         poll, woken by the append or fsync round that makes a record readable. Unavailable when
         the log closes first."""
         deadline = time.monotonic() + seconds
-        with self._lock:
-            while (latest := self._readable_locked()) <= offset:
+        while True:
+            with self._lock:  # wanted() is asked outside it: the caller's check takes gRPC's locks
+                if (latest := self._readable_locked()) > offset:
+                    return latest
                 if self._closed:
                     raise Unavailable("the repository is shutting down")
                 left = deadline - time.monotonic()
-                if left <= 0 or not wanted():
-                    break
-                self._grew.wait(min(left, WANTED_CHECK_SECONDS))
-            return latest
+                if left > 0:
+                    self._grew.wait(min(left, WANTED_CHECK_SECONDS))
+                latest = self._readable_locked()
+            if latest > offset or left <= 0 or not wanted():
+                return latest
 
     def _readable_locked(self) -> int:
         if self._mode == "never":

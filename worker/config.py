@@ -71,8 +71,8 @@ class EngineSettings(ClusterSettings):
     )
     lanes: bool = setting(
         True,
-        "engines serve a payload lane (Deliver over TCP, TLS as gRPC's, on a second port "
-        "from engine_ports) that gateways use for payloads, and pull over the "
+        "payload lanes (TCP, TLS as gRPC's): a worker's engines serve one (Deliver, on a second "
+        "port from engine_ports) that gateways use for payloads; an engine pulls over the "
         "master's lane when it offers one; off = gRPC only",
     )
 

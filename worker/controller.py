@@ -492,10 +492,10 @@ class Controller:
         self.cpu_shares = shares
 
     def engine_slots(self) -> tuple[list[EngineSlot], dict[str, int]]:
-        """Every slot (for the metrics, which read its fields at once), and the restarts of
-        engines no longer kept."""
+        """A copy of every slot as it is now (for the metrics: the supervisor changes the slots
+        meanwhile), and the restarts of engines no longer kept."""
         with self._lock:
-            return list(self._slots), dict(self._restarts_gone)
+            return [dataclasses.replace(slot) for slot in self._slots], dict(self._restarts_gone)
 
     def engine_address(self, slot: EngineSlot) -> str:
         """Where this worker reaches the slot's engine."""

@@ -253,15 +253,17 @@ class DockerLauncher(EngineLauncher):
         return CpuUsage(cpu_seconds=cpu, wait_seconds=tree_wait_seconds(pid) if pid > 0 else None)
 
     def cleanup(self) -> None:
-        """Remove exited containers carrying our labels and this worker's id (the Docker API's
-        filters, which must all match). Running containers and anyone else's are left alone."""
+        """Remove exited containers carrying our labels and this worker's id. Running
+        containers and anyone else's are left alone: asked of the API's filters, and checked
+        again here, so that an API that reads the filters otherwise cannot make us remove one."""
         filters = {
             "label": [f"{LABEL_MANAGED}=true", f"{LABEL_WORKER}={self._worker_id}"],
             "status": [*EXITED_STATES, "created"],
         }
         for container in self._client.containers.list(all=True, filters=filters):
-            log.info("removing exited engine container", extra={"container": container.name})
-            _remove_quietly(container)
+            if self._is_ours(container) and container.status in (*EXITED_STATES, "created"):
+                log.info("removing exited engine container", extra={"container": container.name})
+                _remove_quietly(container)
 
 
 def _stats_cpu_seconds(container: Any) -> float | None:

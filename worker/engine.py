@@ -656,7 +656,8 @@ class Engine:
         )
         for slot, duplicate in zip(slots, duplicates, strict=True):
             self._log_stored(slot.meta, slot.blob, duplicate, slot.cpu)
-            slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.STORED)
+            if not slot.from_queue:  # a pulled tuple's answer is its report
+                slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.STORED)
 
     def _refused(self, slot: _Slot, message: str) -> None:
         """The repository refused this tuple's record: the tuple fails (its sender, or the master
@@ -927,8 +928,9 @@ class Engine:
                     self._unclaim(pull_done=True)
                 raise
         finally:
-            with self._cond:
-                self._pull_call = None
+            if claim:  # a pull ahead never registered itself
+                with self._cond:
+                    self._pull_call = None
         size = sum(len(data) for _, data in pulled)
         return pulled, bool(pulled) and (len(pulled) >= max_tuples or size + len(pulled[-1][1]) > max_bytes)
 

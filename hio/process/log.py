@@ -47,8 +47,12 @@ class _Formatter(logging.Formatter):
 
 def setup_logging(level: str = "warning", as_json: bool = False) -> None:
     """Configure the root logger once: one handler on stderr."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Formatter(as_json))
+    root.addHandler(handler)
     wanted = getattr(logging, level.upper(), logging.WARNING)
-    logging.basicConfig(handlers=[handler], level=NOTICE if wanted == logging.WARNING else wanted, force=True)
+    root.setLevel(NOTICE if wanted == logging.WARNING else wanted)
     logging.getLogger("py4j").setLevel(logging.WARNING)

@@ -5,8 +5,8 @@ Every child a :class:`RoleProcess` starts gets ``HIO_DIE_WITH_PARENT=<our
 pid>``; ``hio.cli`` then asks the kernel for SIGTERM when its parent dies
 (``PR_SET_PDEATHSIG``) and checks that the parent is still the one named,
 closing the race with a parent that died first. So a test run that is killed,
-or a `hio up` killed with -9, takes its roles along (a worker's engines stop
-once they see their worker gone). The kernel sends that signal when the
+or a `hio up` killed with -9, takes its roles along (a worker starts its
+process engines the same way, so they go with it). The kernel sends that signal when the
 *thread* that started the child ends, so children are started from a thread
 that lives as long as the process (the main thread, else :func:`spawn`'s own).
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import queue
 import random
 import signal
 import socket
@@ -25,9 +26,9 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from hio.settings import ClusterSettings
@@ -92,18 +93,35 @@ def watch_process(pid: int, on_gone: Callable[[], None], interval: float = 1.0) 
     threading.Thread(target=run, name=f"watch-{pid}", daemon=True).start()
 
 
-# One thread, alive until interpreter shutdown joins it (before atexit's stop_all): children it
-# started get SIGTERM from their lifeline then, stop_all's own a moment later.
-_SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="hio-spawner")
+_spawn_jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+_spawner_lock = threading.Lock()
+_spawner: list[threading.Thread] = []
+
+
+def _spawn_forever() -> None:
+    while True:
+        job, future = _spawn_jobs.get()
+        try:
+            future.set_result(job())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
 
 
 def spawn(start: Callable[[], T]) -> T:
     """Run ``start`` (which starts a child process) on a thread that lives as long as this
-    process: the main thread if we are on it, else one kept for this. A child's death
-    signal follows the thread that started it, not the process."""
+    process: the main thread if we are on it, else a daemon thread kept for this. A
+    child's death signal follows the thread that started it, not the process. (Not a
+    thread pool's: interpreter shutdown joins those as soon as the main thread returns,
+    which would end their children while other threads still use them.)"""
     if threading.current_thread() is threading.main_thread():
         return start()
-    return _SPAWNER.submit(start).result()
+    with _spawner_lock:
+        if not _spawner:
+            _spawner.append(threading.Thread(target=_spawn_forever, name="hio-spawner", daemon=True))
+            _spawner[0].start()
+    future: Future[T] = Future()
+    _spawn_jobs.put((start, future))
+    return future.result()
 
 
 def read_proc(path: str) -> bytes:

@@ -356,10 +356,10 @@ class LaneServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host or "0.0.0.0", port))
+            sock.listen(64)
         except OSError:  # the callers say which lane (and the master's derived one gives way)
             sock.close()
             raise
-        sock.listen(64)
         self._sock = sock
         self.port = sock.getsockname()[1]
         threading.Thread(target=self._accept, name="lane-accept", daemon=True).start()
