@@ -11,8 +11,8 @@ the machine's state; each system is started for its point and stopped after it.
 A system's point:
 
 1. **Machine state.** Right before the system starts: the CPU slots the
-   machine gives (:class:`CpuProbe`) and the loopback bandwidth (one TCP
-   stream). Measured while no system runs, so that a system's own idle work
+   machine gives and how fast they run (:class:`CpuProbe`), and the loopback
+   bandwidth (one TCP stream). Measured while no system runs, so that a system's own idle work
    (Spark's streaming query polls its source without pause) is not taken
    for the machine's state, which is what the cell's systems must share.
 2. **Probe.** A few messages sent at once (the first step of a freshly started
@@ -45,7 +45,7 @@ A system's point:
    features are durably stored (:data:`benchmarks.systems.ABOUT`).
 
 After every system's point of a cell, the cell's machine state is compared: a
-cell whose CPU slots or loopback differ by more than ``agreement`` between its
+cell whose CPU slots, CPU speed or loopback differ by more than ``agreement`` between its
 systems is run again, up to ``cell_attempts`` times; the report publishes only
 a cell that agreed and says which never did.
 
@@ -80,6 +80,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from benchmarks.report import cost_label, size_label
 from benchmarks.systems import SLOTS, SYSTEMS, MessageGenerator, System, make_system
@@ -88,7 +89,7 @@ from hio.settings import ClusterSettings
 
 log = logging.getLogger("hio.bench")
 
-MACHINE_SAMPLES = 5  # samples of the CPU slots and of the loopback before a point; the best counts
+MACHINE_SAMPLES = 5  # samples of the CPU slots and speed and of the loopback before a point; the best counts
 MACHINE_TRIES = 3  # measurements before a point at most, while it disagrees with the cell's
 MACHINE_PAUSE_SECONDS = 10.0  # between those measurements
 PACE_SLACK_SECONDS = 10.0  # a step's sending stops at twice its planned time plus this
@@ -110,6 +111,7 @@ RESULT_FIELDS = (
     "bound",
     "fraction",
     "cpu_slots",
+    "cpu_speed",
     "loopback_mb_s",
     "probe_rate",
     "steps",
@@ -159,6 +161,7 @@ BURST_FIELDS = (
     "mb_s",
     "disk_mb_s",
     "cpu_slots",
+    "cpu_speed",
     "loopback_mb_s",
     "failure",
     "finished_at",
@@ -210,7 +213,8 @@ class BenchConfig(ClusterSettings):
     spark_conf: tuple[str, ...] = setting((), "extra Spark settings KEY=VALUE", factory=tuple)
     point_seconds: float = setting(300.0, "give up bisecting a point after this long (keep the best so far)")
     agreement: float = setting(
-        0.15, "a cell is published only if its systems' CPU slots and loopback differ by at most this fraction"
+        0.15,
+        "a cell is published only if its systems' CPU slots, CPU speed and loopback differ by at most this fraction",
     )
     cell_attempts: int = setting(3, "runs of a cell at most, until its machine state agrees")
     loopback_seconds: float = setting(2.0, "time of each loopback measurement (its samples in all)")
@@ -721,32 +725,61 @@ def steal_between(before: tuple[int, int], after: tuple[int, int]) -> float:
     return (after[0] - before[0]) / total if total > 0 else math.nan
 
 
-def _burn(seconds: float) -> float:
-    from hio.worker.pipelines.synthetic import burn_cpu
+def _steps(count: int) -> float:
+    """``count`` steps of the integer work ``burn_cpu`` loops on; the CPU seconds they took."""
+    start = time.thread_time()
+    state = 0x9E3779B9
+    for _ in range(count):
+        state = (state * 1103515245 + 12345) & 0x7FFFFFFF
+    return time.thread_time() - start
 
-    return burn_cpu(seconds)
+
+class MachineState(NamedTuple):
+    """What a point's machine gives, measured right before it; a cell's systems must share it."""
+
+    slots: float  # CPU slots: CPU seconds the probe's processes got per wall second (2.0: both cores)
+    speed: float  # how fast a slot runs: millions of probe steps per CPU second
+    loopback: float  # one TCP stream's bytes/s
+
+    def fields(self) -> dict[str, str]:
+        """The result row's columns."""
+        return {
+            "cpu_slots": _fmt(self.slots),
+            "cpu_speed": _fmt(self.speed),
+            "loopback_mb_s": _fmt(self.loopback / 1e6),
+        }
+
+    def __str__(self) -> str:
+        return f"CPU slots {self.slots:.2f} at {self.speed:.1f} M steps/s; loopback {self.loopback / 1e6:,.0f} MB/s"
 
 
 class CpuProbe:
-    """How many of the two processing slots the machine gives right now.
+    """How many of the two processing slots the machine gives right now, and how fast they run.
 
-    Two processes each burn ``seconds`` of CPU with the benchmark's own burn
-    function; ``2 * seconds / wall`` is the slots available (2.0 on an idle
-    2-core machine, less when others load it). It tells a result hurt by a
-    shared machine from one hurt by the system.
+    Two processes each do the same fixed work (about ``seconds`` of CPU on an
+    idle machine). The CPU seconds they got per wall second are the slots
+    available (2.0 on an idle 2-core machine, less when others load it); the
+    steps per CPU second are the slots' speed, which falls where a host runs a
+    virtual machine's cores slower under sustained load without taking them
+    away, which the slots alone do not see. Both tell a result hurt by a shared
+    machine from one hurt by the system.
     """
+
+    CALIBRATION_STEPS = 1_000_000
 
     def __init__(self, seconds: float = 0.2) -> None:
         import multiprocessing
 
-        self.seconds = seconds
         self._pool = multiprocessing.get_context("spawn").Pool(SLOTS)
-        self._pool.map(_burn, [0.0] * SLOTS)  # pay the start-up once
+        took = max(self._pool.map(_steps, [self.CALIBRATION_STEPS] * SLOTS))  # pays the start-up too
+        self.steps = max(1, round(self.CALIBRATION_STEPS * seconds / max(took, 1e-9)))
 
-    def slots(self) -> float:
+    def measure(self) -> tuple[float, float]:
+        """(slots, speed) of one sample."""
         start = time.monotonic()
-        self._pool.map(_burn, [self.seconds] * SLOTS, chunksize=1)
-        return min(float(SLOTS), SLOTS * self.seconds / max(time.monotonic() - start, 1e-9))
+        cpu = sum(self._pool.map(_steps, [self.steps] * SLOTS, chunksize=1))
+        wall = max(time.monotonic() - start, 1e-9)
+        return min(float(SLOTS), cpu / wall), SLOTS * self.steps / max(cpu, 1e-9) / 1e6
 
     def close(self) -> None:
         self._pool.terminate()
@@ -765,6 +798,11 @@ def append_row(path: Path, fields: Iterable[str], row: Mapping[str, object]) -> 
     """Append one row (header first if the file is new), flushed to disk at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        with open(path, newline="") as fh:
+            header = next(csv.reader(fh), [])
+        if header != list(fields):
+            raise ConfigError(f"{path} has other columns than this benchmark writes; start a new run with --fresh")
     with open(path, "a", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(fields))
         if new:
@@ -890,7 +928,7 @@ class BenchRun:
 
     # -- one cell, every system
     def _run_cell(self, size: int, cost: float, rows: list[dict[str, str]]) -> None:
-        from benchmarks.report import machine_spread
+        from benchmarks.report import machine_spread, spread_text
 
         label = f"{size_label(size)} x {cost_label(cost * 1000)}"
         attempts = self._attempts(size, cost, rows)
@@ -906,22 +944,21 @@ class BenchRun:
             for name in wanted:
                 if name not in done:
                     rows.append(self._point(name, size, cost, attempt, cell_rows(rows, size, cost, attempt)))
-            slots, loopback = machine_spread(cell_rows(rows, size, cost, attempt))
-            if max(slots, loopback) <= self.config.agreement:
-                print(
-                    f"hio bench: {label}: machine state agreed (CPU slots {slots:.0%}, loopback {loopback:.0%} apart)"
-                )
+            spread = machine_spread(cell_rows(rows, size, cost, attempt))
+            apart = spread_text(spread)
+            if max(spread) <= self.config.agreement:
+                print(f"hio bench: {label}: machine state agreed ({apart})")
                 return
             if attempt >= self.config.cell_attempts:
                 print(
-                    f"hio bench: {label}: machine state never agreed in {attempt} attempts (CPU slots {slots:.0%}, "
-                    f"loopback {loopback:.0%} apart); the report leaves the cell out",
+                    f"hio bench: {label}: machine state never agreed in {attempt} attempts ({apart}); "
+                    "the report leaves the cell out",
                     flush=True,
                 )
                 return
             print(
-                f"hio bench: {label}: machine state differed (CPU slots {slots:.0%}, loopback {loopback:.0%} apart, "
-                f"more than {self.config.agreement:.0%}); measuring the cell again",
+                f"hio bench: {label}: machine state differed ({apart}, more than {self.config.agreement:.0%}); "
+                "measuring the cell again",
                 flush=True,
             )
             attempt += 1
@@ -956,20 +993,20 @@ class BenchRun:
         finally:
             shutil.rmtree(self.work / where, ignore_errors=True)
 
-    def _machine(self) -> tuple[float, float]:
-        """CPU slots the machine gives and loopback bytes/s, right now: the best of
-        ``MACHINE_SAMPLES`` short samples of each. One sample is at the mercy of a blip (on
-        an idle machine single samples spread 30% in loopback and 0.8 to 1.95 in slots); a
-        machine loaded for the point's minutes lowers every sample, which is what the cell's
-        agreement is there to catch."""
+    def _machine(self) -> MachineState:
+        """The machine state right now: the best of ``MACHINE_SAMPLES`` short samples of
+        each figure. One sample is at the mercy of a blip (on an idle machine single samples
+        spread 30% in loopback and 0.8 to 1.95 in slots); a machine loaded for the point's
+        minutes lowers every sample, which is what the cell's agreement is there to catch."""
         from benchmarks.measure import loopback_bandwidth
 
         each = self.config.loopback_seconds / MACHINE_SAMPLES
-        slots = max(self.probe.slots() for _ in range(MACHINE_SAMPLES)) if self.probe is not None else math.nan
-        return slots, max(loopback_bandwidth(seconds=each) for _ in range(MACHINE_SAMPLES))
+        cpu = [self.probe.measure() for _ in range(MACHINE_SAMPLES)] if self.probe is not None else [(math.nan,) * 2]
+        loopback = max(loopback_bandwidth(seconds=each) for _ in range(MACHINE_SAMPLES))
+        return MachineState(max(s for s, _ in cpu), max(v for _, v in cpu), loopback)
 
     # -- one system's point
-    def _settled_machine(self, earlier: list[dict[str, str]]) -> tuple[float, float]:
+    def _settled_machine(self, earlier: list[dict[str, str]]) -> MachineState:
         """The machine state before a point, measured again (after a pause) up to
         ``MACHINE_TRIES`` times while it is further than ``agreement`` from what the cell's
         earlier systems had: a passing disturbance (the previous system's processes still
@@ -977,19 +1014,19 @@ class BenchRun:
         another run; a lasting one still shows."""
         from benchmarks.report import machine_spread
 
-        slots, loopback = self._machine()
+        machine = self._machine()
         for _ in range(MACHINE_TRIES - 1):
-            spread = max(machine_spread([*earlier, {"cpu_slots": slots, "loopback_mb_s": loopback / 1e6}]))
+            spread = max(machine_spread([*earlier, machine.fields()]))
             if spread <= self.config.agreement:
                 break
             print(
-                f"hio bench: machine state {slots:.2f} slots, {loopback / 1e6:,.0f} MB/s loopback is "
-                f"{spread:.0%} from the cell's; measuring again in {MACHINE_PAUSE_SECONDS:.0f} s",
+                f"hio bench: machine state ({machine}) is {spread:.0%} from the cell's; "
+                f"measuring again in {MACHINE_PAUSE_SECONDS:.0f} s",
                 flush=True,
             )
             time.sleep(MACHINE_PAUSE_SECONDS)
-            slots, loopback = self._machine()
-        return slots, loopback
+            machine = self._machine()
+        return machine
 
     def _point(self, name: str, size: int, cost: float, attempt: int, earlier: list[dict[str, str]]) -> dict[str, str]:
         config = self.config
@@ -1000,7 +1037,7 @@ class BenchRun:
         point: PointResult | None = None
         latency: StepResult | None = None
         print(f"hio bench: {name}: {size_label(size)} x {cost_label(cost * 1000)} (attempt {attempt})", flush=True)
-        slots, loopback = self._settled_machine(earlier)
+        machine = self._settled_machine(earlier)
         try:
             system = self._start(name, size, cost, where)
         except Exception as exc:  # noqa: BLE001 - a system that cannot start is that cell's result, not the run's end
@@ -1029,7 +1066,7 @@ class BenchRun:
                     estimate = PROBE_FAILED_START_RATE
                 else:
                     probe_rate = estimate
-                point, latency, steal = self._search(runner, name, size, cost, attempt, estimate, loopback)
+                point, latency, steal = self._search(runner, name, size, cost, attempt, estimate, machine.loopback)
                 if point.best is None:
                     ff = point.first_fail
                     found = failure_of(ff.reason, ff.rate) if ff else "no step ran within the point's time"
@@ -1038,9 +1075,7 @@ class BenchRun:
                 failure = f"errors: {in_one_line(exc)}"
             finally:
                 self._stop(system, where)
-        return self._record(
-            name, size, cost, attempt, started, failure, probe_rate, slots, loopback, steal, point, latency
-        )
+        return self._record(name, size, cost, attempt, started, failure, probe_rate, machine, steal, point, latency)
 
     def _probe(self, runner: StepRunner, name: str, size: int, cost: float, attempt: int) -> Burst:
         """A few messages at once: warms the fresh system and gives the search its start."""
@@ -1108,15 +1143,14 @@ class BenchRun:
         started: float,
         failure: str,
         probe_rate: float,
-        slots: float,
-        loopback: float,
+        machine: MachineState,
         steal: float,
         point: PointResult | None,
         latency: StepResult | None,
     ) -> dict[str, str]:
         best = point.best if point is not None else None
         first_fail = point.first_fail if point is not None else None
-        bound = bound_rate(size, cost, loopback, SLOTS) if not math.isnan(loopback) else math.nan
+        bound = bound_rate(size, cost, machine.loopback, SLOTS) if not math.isnan(machine.loopback) else math.nan
         achieved = best.achieved_rate if best is not None else 0.0
         row = {
             "run": self.run_id,
@@ -1128,8 +1162,7 @@ class BenchRun:
             "target_rate": _fmt(best.rate) if best is not None else "",
             "bound": _fmt(bound),
             "fraction": _fmt(achieved / bound) if bound and not math.isnan(bound) else "",
-            "cpu_slots": _fmt(slots),
-            "loopback_mb_s": _fmt(loopback / 1e6),
+            **machine.fields(),
             "probe_rate": _fmt(probe_rate),
             "steps": str(len(point.steps) if point is not None else 0),
             "seconds": _fmt(time.monotonic() - started),
@@ -1149,7 +1182,7 @@ class BenchRun:
         target = f" (target {best.rate:.4g}/s)" if best is not None else ""
         print(
             f"{name:>13} {size_label(size):>7} {cost_label(cost * 1000):>7}: {achieved:>10.4g}/s{target}  "
-            f"bound {bound:.4g}/s; CPU slots {slots:.2f}; loopback {loopback / 1e6:,.0f} MB/s; steal {steal:.0%}"
+            f"bound {bound:.4g}/s; {machine}; steal {steal:.0%}"
             + (f"; FAILED: {failure}" if failure else "")
             + (
                 f"  p50 {latency.percentile(0.5) * 1000:.0f} ms p99 {latency.percentile(0.99) * 1000:.0f} ms"
@@ -1180,7 +1213,7 @@ class BenchRun:
         self.points += 1
         where = f"{name}-burst{self.points}"
         results: dict[str, tuple[Burst | None, str]] = {}
-        slots, loopback = self._machine()
+        machine = self._machine()
         try:
             system = self._start(name, size, 0.0, where)
         except Exception as exc:  # noqa: BLE001 - a system that cannot start is its rows' result
@@ -1214,8 +1247,7 @@ class BenchRun:
                 "seconds": _fmt(seconds) if not failure else "",
                 "mb_s": _fmt(count * size / seconds / 1e6) if not failure else "",
                 "disk_mb_s": _fmt(disk / 1e6),
-                "cpu_slots": _fmt(slots),
-                "loopback_mb_s": _fmt(loopback / 1e6),
+                **machine.fields(),
                 "failure": failure,
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "commit": self.commit,

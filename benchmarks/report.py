@@ -4,7 +4,7 @@ targets and the cells another system wins, and the README's performance section.
 
 Reads only the CSVs of one run, so the report can be regenerated from the committed CSVs
 without measuring again (``hio bench`` on a run whose points are all done does exactly
-that). A cell is published only if the CPU slots and loopback measured before each of its
+that). A cell is published only if the CPU slots, CPU speed and loopback measured before each of its
 systems' points agree within ``agreement`` (:func:`published`).
 """
 
@@ -47,7 +47,7 @@ def read_bursts(path: Path) -> list[Row]:
     with open(path, newline="") as fh:
         rows: list[Row] = [dict(raw) for raw in csv.DictReader(fh)]
     for row in rows:
-        for key in ("messages", "stored", "seconds", "mb_s", "disk_mb_s", "cpu_slots", "loopback_mb_s"):
+        for key in ("messages", "stored", "seconds", "mb_s", "disk_mb_s", "cpu_slots", "cpu_speed", "loopback_mb_s"):
             row[key] = _number(row.get(key))
         row["size"] = int(row["size"])
     return rows
@@ -68,13 +68,20 @@ def _spread(values: list[float]) -> float:
     return max(finite) / min(finite) - 1 if min(finite) > 0 else math.inf
 
 
-def machine_spread(rows: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
-    """How far apart the CPU slots and the loopback bandwidth measured before each row's point
-    are (max / min - 1 of each); rows of a system that never got to measure are left out."""
-    return (
-        _spread([_number(r.get("cpu_slots")) for r in rows]),
-        _spread([_number(r.get("loopback_mb_s")) for r in rows]),
-    )
+MACHINE_FIGURES = ("cpu_slots", "cpu_speed", "loopback_mb_s")
+
+
+def machine_spread(rows: Sequence[Mapping[str, Any]]) -> tuple[float, ...]:
+    """How far apart the CPU slots, the CPU speed and the loopback bandwidth measured before
+    each row's point are (max / min - 1 of each); rows of a system that never got to measure
+    a figure (or of a run that did not record it) are left out of that figure."""
+    return tuple(_spread([_number(r.get(figure)) for r in rows]) for figure in MACHINE_FIGURES)
+
+
+def spread_text(spread: Sequence[float]) -> str:
+    """A :func:`machine_spread` in words."""
+    slots, speed, loopback = spread
+    return f"CPU slots {slots:.0%}, CPU speed {speed:.0%}, loopback {loopback:.0%} apart"
 
 
 def published(rows: list[Row], agreement: float = AGREEMENT) -> tuple[list[Row], list[list[Row]]]:
@@ -135,6 +142,7 @@ def read_rows(path: Path) -> list[Row]:
                 "load_avg",
                 "seconds",
                 "cpu_slots",
+                "cpu_speed",
                 "steal",
             ):
                 try:
@@ -520,7 +528,7 @@ def _table(rows: list[Row], systems: list[str], refused: list[list[Row]]) -> lis
 
 
 def _machine_table(rows: list[Row], refused: list[list[Row]], systems: list[str]) -> list[str]:
-    """Per cell: the CPU slots and loopback measured right before each system's point."""
+    """Per cell: the CPU slots, CPU speed and loopback measured right before each system's point."""
     attempts: dict[tuple[int, float], list[Row]] = {(r["size"], r["cost_ms"]): [] for r in rows}
     for row in rows:
         attempts[(row["size"], row["cost_ms"])].append(row)
@@ -528,7 +536,7 @@ def _machine_table(rows: list[Row], refused: list[list[Row]], systems: list[str]
         attempts[(attempt[0]["size"], attempt[0]["cost_ms"])] = attempt
     never = {(a[0]["size"], a[0]["cost_ms"]) for a in refused}
     lines = [
-        "| cell | attempt | " + " | ".join(systems) + " | apart (slots, loopback) | published |",
+        "| cell | attempt | " + " | ".join(systems) + " | apart (slots, speed, loopback) | published |",
         "|---|---|" + "---|" * len(systems) + "---|---|",
     ]
     for (size, cost), group in sorted(attempts.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -539,12 +547,16 @@ def _machine_table(rows: list[Row], refused: list[list[Row]], systems: list[str]
             if r is None or math.isnan(r["cpu_slots"]):
                 cells.append("–")
             else:
-                cells.append(f"{r['cpu_slots']:.2f} / {r['loopback_mb_s']:,.0f}")
-        slots, loopback = machine_spread(group)
+                speed = "–" if math.isnan(r["cpu_speed"]) else f"{r['cpu_speed']:.1f}"
+                cells.append(f"{r['cpu_slots']:.2f} / {speed} / {r['loopback_mb_s']:,.0f}")
+        apart = ", ".join(
+            f"{spread:.0%}" if any(math.isfinite(_number(r.get(figure))) for r in group) else "–"
+            for figure, spread in zip(MACHINE_FIGURES, machine_spread(group), strict=True)
+        )
         lines.append(
             f"| {size_label(size)} x {cost_label(cost)} | {group[0]['attempt']} | "
             + " | ".join(cells)
-            + f" | {slots:.0%}, {loopback:.0%} | {'no: never agreed' if (size, cost) in never else 'yes'} |"
+            + f" | {apart} | {'no: never agreed' if (size, cost) in never else 'yes'} |"
         )
     return lines
 
@@ -740,8 +752,10 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
         (
             "The bound is `min(loopback bandwidth / size, 2 / cost)`, with the loopback bandwidth (one "
             "TCP stream, best of 5 samples) measured right before each system's point, while no system "
-            "runs. Then too, two processes burned 0.2 s of CPU each (best of 5): the CPU slots the machine "
-            "gave of the 2 the bound assumes. Where these were further than the agreement below from the "
+            "runs. Then too, two processes each did about 0.2 s of CPU work (best of 5): the CPU slots the "
+            "machine gave of the 2 the bound assumes (CPU seconds per wall second) and, where the run "
+            "recorded it, how fast a slot ran (the same steps per CPU second, which falls where the host "
+            "slows a core it does not take away). Where these were further than the agreement below from the "
             "cell's earlier systems', they were measured again after 10 s, up to 3 times. "
             f"A cell is published only if these differ by at most {agreement:.0%} between its systems; "
             "otherwise the cell was measured again (a bounded number of times), and a cell that never "
@@ -763,7 +777,10 @@ def write_report(results: Path, out_dir: Path, config: Any = None) -> Path:
         "",
         "## Machine state per cell",
         "",
-        "CPU slots / loopback (MB/s) measured right before each system's point, in the attempt shown:",
+        (
+            "CPU slots / CPU speed (million probe steps per CPU second; – where the run did not record it) / "
+            "loopback (MB/s), measured right before each system's point, in the attempt shown:"
+        ),
         "",
         *_machine_table(rows, refused, systems),
         "",

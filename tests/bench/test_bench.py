@@ -141,6 +141,7 @@ def _write_results(path: Path, run: str = "20260101T000000") -> None:
                     "bound": bound,
                     "fraction": rate / bound,
                     "cpu_slots": 1.9,
+                    "cpu_speed": 30,
                     "loopback_mb_s": 500,
                     "steps": 5,
                     "seconds": 30,
@@ -185,7 +186,7 @@ def test_report_has_tables_plots_targets_durability_and_other_systems_wins(tmp_p
     assert "run `20260101T000000`, commit `abc1234`, Some CPU x86_64, 2 cores, 8 GiB, 2026-01-01" in text
     for system in ("hio-direct", "spark-file", "spark-socket"):  # what its latency ends at, what survives
         assert f"| {system} | {ABOUT[system].latency_end} | {ABOUT[system].durability} |" in text
-    assert "| 1 MB x 0 | 1 | 1.90 / 500 | 1.90 / 500 | 1.90 / 500 | 0%, 0% | yes |" in text
+    assert "| 1 MB x 0 | 1 | 1.90 / 30.0 / 500 | 1.90 / 30.0 / 500 | 1.90 / 30.0 / 500 | 0%, 0%, 0% | yes |" in text
 
 
 def _row(system: str, size: int, cost_ms: float, rate: float) -> dict[str, object]:
@@ -240,6 +241,9 @@ def test_a_cell_whose_machine_state_differs_is_published_only_from_an_attempt_th
     for row in rows:  # 100 B x 100 ms: never agreed (the loopback halved for one system)
         if row["size"] == "100" and row["cost_ms"] == "100" and row["system"] == "spark-socket":
             row["loopback_mb_s"] = "250"
+    for row in rows:  # 1 MB x 100 ms: never agreed (both slots given, one of them run 40% slower)
+        if row["size"] == "1000000" and row["cost_ms"] == "100" and row["system"] == "hio-direct":
+            row["cpu_speed"] = "18"
     with open(results, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -250,14 +254,48 @@ def test_a_cell_whose_machine_state_differs_is_published_only_from_an_attempt_th
         ("spark-file", 60.0),
         ("spark-socket", 10.0),
     }
-    assert [(a[0]["size"], a[0]["cost_ms"]) for a in refused] == [(100, 100.0)]
+    assert sorted((a[0]["size"], a[0]["cost_ms"]) for a in refused) == [(100, 100.0), (10**6, 100.0)]
+    # a run that did not record a figure (an empty column) is left out of that figure only
     assert machine_spread([{"cpu_slots": "2.0", "loopback_mb_s": "500"}, {"cpu_slots": 1.0, "loopback_mb_s": ""}]) == (
         1.0,
+        0.0,
         0.0,
     )
     text = write_report(results, tmp_path / "docs").read_text()
     assert "| spark-file | 100 ms | not published |" in text
-    assert "| 100 B x 100 ms | 1 | 1.90 / 500 | 1.90 / 500 | 1.90 / 250 | 0%, 100% | no: never agreed |" in text
+    assert (
+        "| 100 B x 100 ms | 1 | 1.90 / 30.0 / 500 | 1.90 / 30.0 / 500 | 1.90 / 30.0 / 250 | 0%, 0%, 100% "
+        "| no: never agreed |"
+    ) in text
+    assert "| 1 MB x 100 ms | 1 | 1.90 / 18.0 / 500 | 1.90 / 30.0 / 500 | 1.90 / 30.0 / 500 | 0%, 67%, 0% " in text
+
+
+def test_the_cpu_probe_gives_slots_and_their_speed() -> None:
+    from benchmarks.grid import SLOTS, CpuProbe
+
+    probe = CpuProbe(seconds=0.05)
+    try:
+        samples = [probe.measure() for _ in range(3)]
+    finally:
+        probe.close()
+    for slots, speed in samples:
+        assert 0 < slots <= SLOTS and speed > 0
+    speeds = [speed for _, speed in samples]
+    assert max(speeds) < 4 * min(speeds)  # the same fixed work: its rate is a property of the machine
+
+
+def test_a_results_file_of_other_columns_is_not_appended_to(tmp_path: Path) -> None:
+    from benchmarks.grid import RESULT_FIELDS, append_row
+
+    path = tmp_path / "r.csv"
+    append_row(path, RESULT_FIELDS, {"run": "x"})
+    append_row(path, RESULT_FIELDS, {"run": "y"})
+    assert [r["run"] for r in csv.DictReader(path.read_text().splitlines())] == ["x", "y"]
+    older = [f for f in RESULT_FIELDS if f != "cpu_speed"]
+    path.write_text(",".join(older) + "\n")
+    with pytest.raises(ConfigError, match=r"other columns .* --fresh"):
+        append_row(path, RESULT_FIELDS, {"run": "z"})
+    assert path.read_text() == ",".join(older) + "\n"
 
 
 def test_achieved_rate_counts_finishes_at_the_sink_without_crediting_a_batch_it_waited_for() -> None:
@@ -645,7 +683,7 @@ def test_smoke_every_system_one_cell_and_bursts_in_one_run_then_resume(tmp_path:
             ("backlog grew", "timeout", "source below", "probe: timeout")
         ), row
         assert row["bound"] == pytest.approx(20.0)  # 2 slots / 100 ms
-        assert row["cpu_slots"] > 0 and row["loopback_mb_s"] > 0  # measured right before its point
+        assert row["cpu_slots"] > 0 and row["cpu_speed"] > 0 and row["loopback_mb_s"] > 0  # right before its point
         assert int(row["steps"]) == 1  # --max-steps bounds the search
     passed = [r for r in rows if not r["failure"]]
     assert passed, rows
