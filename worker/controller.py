@@ -129,8 +129,7 @@ def engine_env(
         env["HIO_ENGINE_LANE_LISTEN"] = f"{config.engine_listen_host}:{lane_port}"
     if pipeline:  # empty: the engine falls back to $HIO_PIPELINE of its image, then the built-in
         env["HIO_ENGINE_PIPELINE"] = pipeline
-    token = config.presented_token()
-    if token:
+    if token := config.presented_token():
         env["HIO_TOKEN"] = token
     return env
 
@@ -220,7 +219,7 @@ class MasterSession:
         self._poke.set()
 
     def reregister(self) -> None:
-        """Channel addresses changed: register again."""
+        """Register again (channel addresses changed, or the master forgot this worker)."""
         self._registered = False
         self._poke.set()
 
@@ -276,10 +275,9 @@ class MasterSession:
         request = master_pb2.HeartbeatRequest(worker_id=self._worker_id, channels=self._channels(False), complete=True)
         reply = self._stub.Heartbeat(request, timeout=MASTER_CALL_TIMEOUT)
         if not reply.known:
-            log.warning("the master does not know this worker; registering again", extra={"worker": self._worker_id})
             self.problem = "the master does not know this worker; registering again"
-            self._registered = False
-            self._poke.set()
+            log.warning(self.problem, extra={"worker": self._worker_id})
+            self.reregister()
             return
         self._on_answer(reply)
 
@@ -439,20 +437,19 @@ class Controller:
         infos = []
         with self._lock:
             for slot, _handle in slots:
-                info = master_pb2.ChannelInfo(
-                    channel_id=slot.channel_id,
-                    image=slot.image,
-                    address=f"{host}:{slot.port}",
-                    lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
-                    state=master_pb2.FREE if slot.up else master_pb2.DOWN,
-                    detail=slot.detail,
-                )
                 usage = cpu.get(slot.channel_id)
-                if usage is not None:
-                    info.cpu_seconds = usage.cpu_seconds
-                    if usage.wait_seconds is not None:
-                        info.cpu_wait_seconds = usage.wait_seconds
-                infos.append(info)
+                infos.append(
+                    master_pb2.ChannelInfo(
+                        channel_id=slot.channel_id,
+                        image=slot.image,
+                        address=f"{host}:{slot.port}",
+                        lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
+                        state=master_pb2.FREE if slot.up else master_pb2.DOWN,
+                        detail=slot.detail,
+                        cpu_seconds=None if usage is None else usage.cpu_seconds,  # None: left unset, not measured
+                        cpu_wait_seconds=None if usage is None else usage.wait_seconds,
+                    )
+                )
         return infos
 
     def _cpu_usage(self, slots: list[tuple[EngineSlot, EngineHandle | None]]) -> dict[str, CpuUsage]:
@@ -477,11 +474,7 @@ class Controller:
         engines used since the last reading, for the worker's metrics."""
         now = time.monotonic()
         live = {(slot.channel_id, handle.ident): slot.image for slot, handle in slots if handle is not None}
-        seconds = {
-            (slot.channel_id, handle.ident): cpu[slot.channel_id].cpu_seconds
-            for slot, handle in slots
-            if handle is not None and slot.channel_id in cpu
-        }
+        seconds = {engine: cpu[engine[0]].cpu_seconds for engine in live if engine[0] in cpu}
         self.cpu.update(live, seconds)
         shares: dict[str, float] = {}
         for engine, used in seconds.items():

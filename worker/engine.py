@@ -654,8 +654,19 @@ class Engine:
         self._reporter.outcomes(
             [self._outcome(slot.meta, ok=True, from_queue=slot.from_queue, seconds=slot.cpu) for slot in slots]
         )
+        debug = log.isEnabledFor(logging.DEBUG)  # else no log record is built per tuple
         for slot, duplicate in zip(slots, duplicates, strict=True):
-            self._log_stored(slot.meta, slot.blob, duplicate, slot.cpu)
+            if debug:
+                log.debug(
+                    "tuple stored",
+                    extra={
+                        "channel": self._channel,
+                        "tuple_id": slot.meta.tuple_id,
+                        "bytes": len(slot.blob),
+                        "duplicate": duplicate,
+                        "cpu_s": round(slot.cpu, 4),
+                    },
+                )
             if not slot.from_queue:  # a pulled tuple's answer is its report
                 slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.STORED)
 
@@ -765,19 +776,6 @@ class Engine:
                 f"FeatureError: compressed features of {len(blob)} bytes are over the limit of {self._max_record}"
             )
         return blob, cpu
-
-    def _log_stored(self, meta: TupleMeta, blob: bytes, duplicate: bool, cpu: float) -> None:
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "tuple stored",
-                extra={
-                    "channel": self._channel,
-                    "tuple_id": meta.tuple_id,
-                    "bytes": len(blob),
-                    "duplicate": duplicate,
-                    "cpu_s": round(cpu, 4),
-                },
-            )
 
     def _report(self, meta: TupleMeta, *, ok: bool, from_queue: bool, message: str = "", seconds: float = 0.0) -> None:
         self._reporter.outcomes([self._outcome(meta, ok=ok, from_queue=from_queue, message=message, seconds=seconds)])
@@ -920,9 +918,7 @@ class Engine:
                 call.cancel()
                 return None
             try:
-                pulled = self._read_pulled(
-                    itertools.chain([first], frames), first.meta, max_chunk_bytes=call.max_chunk_bytes
-                )
+                pulled = self._read_pulled(itertools.chain([first], frames), first.meta, call.max_chunk_bytes)
             except BaseException:
                 if claim:
                     self._unclaim(pull_done=True)
@@ -1020,7 +1016,7 @@ class Engine:
         return done, processed == len(pulled), fetching
 
     def _read_pulled(
-        self, frames: Iterable[TupleFrame | ChunkFrame], first_meta: TupleMeta, *, max_chunk_bytes: int | None = None
+        self, frames: Iterable[TupleFrame | ChunkFrame], first_meta: TupleMeta, max_chunk_bytes: int
     ) -> list[tuple[TupleMeta, bytes]]:
         reader = self._reader(frames, max_chunk_bytes)
         pulled: list[tuple[TupleMeta, bytes]] = []
