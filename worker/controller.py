@@ -160,11 +160,10 @@ class EngineSlot:
 
         An engine that cannot load its pipeline says why on its last line: that is the
         reason shown, and it does not count towards moving the engine to a new port."""
-        was_up = self.up
+        pipeline = code == PIPELINE_EXIT_CODE
+        self.failed_starts = 0 if self.up or pipeline else self.failed_starts + 1
         self.handle, self.up = None, False
         self.restarts += 1
-        pipeline = code == PIPELINE_EXIT_CODE
-        self.failed_starts = 0 if was_up or pipeline else self.failed_starts + 1
         delay = self.backoff
         self.next_start = now + delay
         self.backoff = min(self.backoff * 2, backoff_max)

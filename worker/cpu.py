@@ -109,12 +109,11 @@ def cgroup_of(pid: int) -> Path | None:
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
         return None
-    for line in lines:
-        _number, controllers, path = line.split(":", 2)
+    entries = [line.split(":", 2)[1:] for line in lines]  # (controllers, path)
+    for controllers, path in entries:
         if controllers == "" and (CGROUP_ROOT / path.lstrip("/") / "cpu.stat").is_file():
             return CGROUP_ROOT / path.lstrip("/")
-    for line in lines:
-        _number, controllers, path = line.split(":", 2)
+    for controllers, path in entries:
         if "cpuacct" in controllers.split(","):
             for mount in ("cpuacct", "cpu,cpuacct", "cpuacct,cpu"):
                 folder = CGROUP_ROOT / mount / path.lstrip("/")

@@ -998,15 +998,11 @@ class Engine:
             processed += 1
             if ahead and processed == len(pulled):
                 fetching = self._beside(functools.partial(self._pull, 0.0, claim=False), None)
-            if meta.image != self._config.image:
-                self._report(
-                    meta,
-                    ok=False,
-                    from_queue=True,
-                    message=f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}",
-                )
-                continue
-            result = self._compute(meta, data, from_queue=True)
+            result = (
+                self._compute(meta, data, from_queue=True)
+                if meta.image == self._config.image
+                else f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}"
+            )
             if isinstance(result, str):
                 self._report(meta, ok=False, from_queue=True, message=result)
             else:

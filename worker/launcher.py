@@ -89,8 +89,7 @@ def tail(path: str | os.PathLike[str], lines: int) -> str:
     """The last ``lines`` lines of a text file (reads at most its last 64 KiB)."""
     try:
         with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
+            size = fh.seek(0, os.SEEK_END)
             fh.seek(max(0, size - LOG_TAIL_BYTES))
             data = fh.read()
     except OSError:

@@ -178,8 +178,6 @@ def decode_image(data: bytes, pages: str = "first") -> DecodedImage:
         with Image.open(io.BytesIO(data), formats=FORMATS) as image:
             fmt = image.format or "?"
             pixels, scale, bits, count = _read_pages(image, pages)
-    except ValueError:
-        raise
     except (UnidentifiedImageError, Image.DecompressionBombError) as exc:
         raise ValueError(
             f"microscopy: tuple of {len(data)} bytes is not a decodable TIFF or PNG image ({type(exc).__name__}: {exc})"

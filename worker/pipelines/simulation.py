@@ -109,11 +109,8 @@ def _load_npz(data: bytes) -> dict[str, np.ndarray]:
         unpacked = sum(item.file_size for item in archive.infolist())
     if unpacked > MAX_UNPACKED_BYTES:
         raise ValueError(f"simulation: .npz expands to {unpacked} bytes; at most {MAX_UNPACKED_BYTES} allowed")
-    arrays: dict[str, np.ndarray] = {}
     with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-        for key in ("t", "x", "species"):
-            if key in npz.files:
-                arrays[key] = _load_member(npz, key)
+        arrays = {key: _load_member(npz, key) for key in ("t", "x", "species") if key in npz.files}
     if "x" not in arrays:
         raise ValueError("simulation: .npz has no array 'x' (species x [voxels x] time)")
     return arrays
@@ -268,18 +265,14 @@ def _peak_shares(power: np.ndarray, min_cycles: float) -> tuple[np.ndarray, np.n
 def dominant_period(t: np.ndarray, series: np.ndarray, params: Params = Params()) -> float:
     """The dominant period in units of ``t``, or 0 when the spectrum has no clear peak."""
     values, step = _uniform(t, series)
-    detrended = _detrend(values)
-    n = len(detrended)
-    power = _power(detrended)
+    power = _power(_detrend(values))
     if float(power[1:].sum()) <= 0 or len(power) < 3:
         return 0.0
     k = int(np.argmax(power[1:])) + 1
-    if k < params.min_cycles:
-        return 0.0
     share = float(power[max(1, k - 1) : k + 2].sum() / power[1:].sum())
-    if share < params.min_peak_power:
+    if k < params.min_cycles or share < params.min_peak_power:
         return 0.0
-    return n * step / _refine_peak(power, k)
+    return len(values) * step / _refine_peak(power, k)
 
 
 def red_noise(detrended: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
