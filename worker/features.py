@@ -26,11 +26,7 @@ class FeatureError(ValueError):
 
 def _number(value: Any) -> float | None:
     """The value as a float if it is a real number (bools count as 0/1), else None."""
-    if isinstance(value, bool):
-        return 1.0 if value else 0.0
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return None
+    return float(value) if isinstance(value, numbers.Real) else None  # a bool is one too
 
 
 def _array(name: str, value: Any) -> list[float]:

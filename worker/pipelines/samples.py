@@ -116,13 +116,9 @@ def _cached(out_dir: Path, request: dict[str, Any]) -> list[Path] | None:
         return None
     if manifest.get("request") != request:
         return None
-    paths = []
-    for name, size in manifest.get("files", []):
-        path = out_dir / name
-        if not path.is_file() or path.stat().st_size != size:
-            return None
-        paths.append(path)
-    return paths
+    files = [(out_dir / name, size) for name, size in manifest.get("files", [])]
+    intact = all(path.is_file() and path.stat().st_size == size for path, size in files)
+    return [path for path, _ in files] if intact else None
 
 
 def _previous_files(out_dir: Path) -> set[str]:
@@ -148,14 +144,11 @@ def _generate(out_dir: Path, request: dict[str, Any], make_files: Callable[[], l
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in _previous_files(out_dir) - {name for name, _ in files}:
         (out_dir / stale).unlink(missing_ok=True)
-    paths = []
     for name, data in files:
-        path = out_dir / name
-        atomic_write(path, data, durable=False)  # a reader never sees half a file
-        paths.append(path)
+        atomic_write(out_dir / name, data, durable=False)  # a reader never sees half a file
     manifest = {"request": request, "files": [[name, len(data)] for name, data in files]}
     atomic_write(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode(), durable=False)
-    return paths
+    return [out_dir / name for name, _ in files]
 
 
 def _place_cells(
