@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import operator
 import random
@@ -291,8 +292,8 @@ class Controller:
         self._lock = threading.Lock()
         counts = [] if config.elastic else engine_counts(self._config.engines, self._config.effective_cpus())
         self._lanes = self._lanes_fit(sum(count for _, count in counts))
+        self._indexes = itertools.count()  # of the channels this worker names "<worker_id>/<index>"
         self._slots = self._plan(counts)
-        self._next_index = len(self._slots)
         self._wanted: dict[str, int] | None = None  # the master's plan for this worker (elastic)
         self._to_stop: set[str] = set()  # channels the master drained for its plan
         self._stoppers: list[threading.Thread] = []
@@ -307,7 +308,7 @@ class Controller:
         slots: list[EngineSlot] = []
         for image, count in counts:
             for _ in range(count):
-                slots.append(self._new_slot(f"{self._worker_id}/{len(slots)}", image, slots, strict=True))
+                slots.append(self._new_slot(f"{self._worker_id}/{next(self._indexes)}", image, slots, strict=True))
         return slots
 
     def _new_slot(self, channel_id: str, image: str, slots: list[EngineSlot], *, strict: bool) -> EngineSlot:
@@ -318,8 +319,7 @@ class Controller:
         try:
             local = isinstance(self._launcher, ProcessLauncher)
             slot.pipeline = pipeline_for_image(image, self._config.pipelines, builtin=local)
-            slot.port = self._free_port(slots)
-            slot.lane_port = self._lane_port(slots, slot.port)
+            slot.port, slot.lane_port = self._ports(slots)
         except (ConfigError, RuntimeError) as exc:
             if strict:
                 raise
@@ -352,9 +352,8 @@ class Controller:
 
     def _add_slot(self, image: str) -> None:
         """A new channel for ``image`` (:meth:`_new_slot`), its engine started by the next supervision pass."""
+        channel_id = f"{self._worker_id}/{next(self._indexes)}"
         with self._lock:
-            channel_id = f"{self._worker_id}/{self._next_index}"
-            self._next_index += 1
             slots = list(self._slots)
         slot = self._new_slot(channel_id, image, slots, strict=False)
         with self._lock:
@@ -387,15 +386,13 @@ class Controller:
         self._stoppers.append(thread)
         thread.start()
 
-    def _free_port(self, slots: list[EngineSlot], *also: int) -> int:
-        """A free port no other engine of ours was given (they bind later)."""
+    def _ports(self, slots: list[EngineSlot], *also: int) -> tuple[int, int]:
+        """Free ports for an engine and its payload lane (0 = none: lanes off, or an engine_ports
+        range without two ports per engine), none that ``slots`` were given (they bind later) or ``also``."""
         taken = frozenset({p for slot in slots for p in (slot.port, slot.lane_port)} | set(also))
-        return free_port(self._config.engine_listen_host, self._config.engine_port_range(), exclude=taken)
-
-    def _lane_port(self, slots: list[EngineSlot], port: int, *also: int) -> int:
-        """A port for the engine's payload lane (0 = none: lanes off, or an engine_ports
-        range without two ports per engine)."""
-        return self._free_port(slots, port, *also) if self._lanes else 0
+        host, span = self._config.engine_listen_host, self._config.engine_port_range()
+        port = free_port(host, span, exclude=taken)
+        return port, free_port(host, span, exclude=taken | {port}) if self._lanes else 0
 
     def _lanes_fit(self, engines: int) -> bool:
         """Lanes on unless turned off, or engine_ports cannot give each engine two ports."""
@@ -550,8 +547,7 @@ class Controller:
         if slot.failed_starts >= NEW_PORT_AFTER:
             others = [other for other in self._slots if other is not slot]
             try:  # not the ports that kept failing either
-                port = self._free_port(others, slot.port, slot.lane_port)
-                lane_port = self._lane_port(others, port, slot.port, slot.lane_port)
+                port, lane_port = self._ports(others, slot.port, slot.lane_port)
             except RuntimeError:  # a range with no other free port: keep trying the ones it has
                 port, lane_port = slot.port, slot.lane_port
             with self._lock:
