@@ -635,7 +635,7 @@ class Engine:
                 return self._fail(
                     slot, message, "failed tuple not taken back by the master; its sender retries it", exc.message
                 )
-            self._report(meta, ok=False, from_queue=False, message=result)
+            self._report_failed(meta, result, from_queue=False)
             slot.receipt = TupleReceipt(
                 index=index,
                 tuple_id=meta.tuple_id,
@@ -693,7 +693,7 @@ class Engine:
     def _fail(self, slot: _Slot, message: str, what: str, reason: str) -> _Slot:
         """The tuple fails to its sender with ``message`` (``what`` and ``reason`` for the log)."""
         log.warning(what, extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": reason})
-        self._report(slot.meta, ok=False, from_queue=slot.from_queue, message=message)
+        self._report_failed(slot.meta, message, from_queue=slot.from_queue)
         slot.receipt = TupleReceipt(
             index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED, message=message
         )
@@ -777,8 +777,8 @@ class Engine:
             )
         return blob, cpu
 
-    def _report(self, meta: TupleMeta, *, ok: bool, from_queue: bool, message: str = "", seconds: float = 0.0) -> None:
-        self._reporter.outcomes([self._outcome(meta, ok=ok, from_queue=from_queue, message=message, seconds=seconds)])
+    def _report_failed(self, meta: TupleMeta, message: str, *, from_queue: bool) -> None:
+        self._reporter.outcomes([self._outcome(meta, ok=False, from_queue=from_queue, message=message)])
 
     @staticmethod
     def _outcome(
@@ -1004,7 +1004,7 @@ class Engine:
                 else f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}"
             )
             if isinstance(result, str):
-                self._report(meta, ok=False, from_queue=True, message=result)
+                self._report_failed(meta, result, from_queue=True)
             else:
                 done.append(_Slot(len(done), meta, *result, from_queue=True))
         if processed:
@@ -1022,7 +1022,7 @@ class Engine:
         except HioError as exc:
             damaged = reader.reading or (first_meta if not pulled else None)
             if damaged is not None:  # charged: the master requeues it, or dead-letters it when exhausted
-                self._report(damaged, ok=False, from_queue=True, message=f"damaged queue tuple: {exc.message}")
+                self._report_failed(damaged, f"damaged queue tuple: {exc.message}", from_queue=True)
             else:
                 log.warning(
                     "damaged pull; what follows goes back to the queue",

@@ -331,9 +331,7 @@ def _simulation_group(seed: int, group: int, size: SimulationSize) -> list[tuple
     params = np.array([[rng.uniform(*g.a), rng.uniform(*g.b), rng.uniform(*g.d)] for g in regimes])
     t, counts = simulate_brusselator(
         rng,
-        params[:, 0],
-        params[:, 1],
-        params[:, 2],
+        *params.T,  # a, b, d
         omega=size.omega,
         voxels=size.voxels,
         timepoints=size.timepoints,

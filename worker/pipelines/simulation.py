@@ -292,8 +292,7 @@ def red_noise(detrended: np.ndarray, count: int, rng: np.random.Generator) -> np
 
 def period_p_value(t: np.ndarray, series: np.ndarray, params: Params) -> float:
     """The red-noise p-value of the series' strongest peak (see the module docstring)."""
-    values, _step = _uniform(t, series)
-    detrended = _detrend(values)
+    detrended = _detrend(_uniform(t, series)[0])
     _k, observed = _peak_shares(_power(detrended), params.min_cycles)
     if float(observed) <= 0.0:
         return 1.0
