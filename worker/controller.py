@@ -537,7 +537,7 @@ class Controller:
             return
         code = self._launcher.poll(slot.handle)
         if code is not None:
-            self._on_exit(slot, code, now)
+            self._on_exit(slot, slot.handle, code, now)
         elif not slot.up:
             self._check_health(slot, now)
         else:
@@ -591,9 +591,8 @@ class Controller:
             extra={"channel": slot.channel_id, "image": slot.image, "port": slot.port, "id": handle.ident},
         )
 
-    def _on_exit(self, slot: EngineSlot, code: int, now: float) -> None:
-        handle = slot.handle
-        lines = self._launcher.logs(handle, 3).strip().splitlines() if handle is not None else []
+    def _on_exit(self, slot: EngineSlot, handle: EngineHandle, code: int, now: float) -> None:
+        lines = self._launcher.logs(handle, 3).strip().splitlines()
         with self._lock:
             detail = slot.on_exit(code, now, self._config.restart_backoff_max, lines[-1].strip() if lines else "")
         log.warning(
