@@ -138,11 +138,7 @@ class DockerLauncher(EngineLauncher):
         except Exception:
             _remove_quietly(container)
             raise
-        log.info(
-            "engine container started",
-            extra={"channel": spec.channel_id, "image": spec.image, "container": container.short_id, "port": spec.port},
-        )
-        return EngineHandle(spec=spec, ident=container.short_id, native=container)
+        return EngineHandle(spec=spec, ident=container.short_id, native=container)  # the controller logs the start
 
     def _remove_stale(self, name: str) -> None:
         """A container of ours with this name is a leftover (a crash, a restart): remove it.
