@@ -148,15 +148,10 @@ def _counts(x: np.ndarray) -> tuple[np.ndarray, int]:
     """(S, T) float counts from a (T,), (S, T) or (S, V, T) array, and the voxel count."""
     if x.dtype.kind not in "biuf":
         raise ValueError(f"simulation: 'x' has dtype {x.dtype}; a real numeric array is needed")
-    if x.ndim == 1:
-        x, voxels = x[np.newaxis, :], 1
-    elif x.ndim == 2:
-        voxels = 1
-    elif x.ndim == 3:
-        voxels = x.shape[1]
-        x = x.sum(axis=1, dtype=np.float64)
-    else:
+    if x.ndim not in (1, 2, 3):
         raise ValueError(f"simulation: 'x' has shape {x.shape}; expected (T,), (S, T) or (S, V, T)")
+    voxels = x.shape[1] if x.ndim == 3 else 1
+    x = x.sum(axis=1, dtype=np.float64) if x.ndim == 3 else np.atleast_2d(x)  # to (S, T)
     if not 1 <= x.shape[0] <= MAX_SPECIES:
         raise ValueError(f"simulation: 'x' has {x.shape[0]} species; 1..{MAX_SPECIES} allowed")
     if x.shape[1] < MIN_TIMEPOINTS:
