@@ -225,8 +225,7 @@ class _Prefetcher:
         with self._cond:
             self._closed = True
             self._cond.notify()
-            handed_over = self._handed_over
-            self._handed_over = True
+            handed_over, self._handed_over = self._handed_over, True
             return handed_over
 
     def _hand_over_if_due(self) -> None:

@@ -88,8 +88,7 @@ class Reporter:
         return self
 
     def outcomes(self, outcomes: Iterable[master_pb2.TupleOutcome]) -> None:
-        """Queue tuples' outcomes: a queued tuple's goes within ~flush_interval, a direct one's
-        with the channel's next report (at most ~direct_interval).
+        """Queue tuples' outcomes (when each goes: the module docstring).
 
         The thread is woken only when these make a report due sooner than it
         planned: the first item, or the first queued tuple's outcome. Waking it

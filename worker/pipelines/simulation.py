@@ -181,8 +181,7 @@ def _species(names: np.ndarray | None, count: int) -> tuple[str, ...]:
     if names.dtype.kind not in "US" or names.ndim != 1 or names.shape[0] != count:
         raise ValueError(f"simulation: 'species' must be a ({count},) string array, not {names.dtype} {names.shape}")
     result = tuple(n.decode("ascii", "replace") if isinstance(n, bytes) else str(n) for n in names.tolist())
-    bad = [n for n in result if not _NAME.match(n)]
-    if bad:
+    if bad := [n for n in result if not _NAME.match(n)]:
         raise ValueError(f"simulation: invalid species name {bad[0]!r} (letters, digits, _ . -; 1..64 chars)")
     if len(set(result)) != len(result):
         raise ValueError("simulation: species names are not unique")
