@@ -66,8 +66,7 @@ class Reporter:
         self._channel_id = channel_id
         self._send = send
         self._processing = processing
-        self._keepalive = keepalive
-        self._configured_keepalive = keepalive
+        self._keepalive = self._configured_keepalive = keepalive
         self._flush_interval = flush_interval
         self._direct_interval = max(flush_interval, direct_interval)
         self._queue_outcomes = 0  # outcomes pending that settle a lease: these go within flush_interval
