@@ -125,10 +125,8 @@ def cgroup_of(pid: int) -> Path | None:
 def container_cgroup(container_id: str, pid: int = 0) -> Path | None:
     """The cgroup folder of a Docker container: from its main process's /proc entry when
     that pid is known, else the places the systemd and cgroupfs drivers put it."""
-    if pid > 0:
-        found = cgroup_of(pid)
-        if found is not None and found != CGROUP_ROOT:
-            return found
+    if pid > 0 and (found := cgroup_of(pid)) not in (None, CGROUP_ROOT):
+        return found
     candidates = (
         CGROUP_ROOT / "system.slice" / f"docker-{container_id}.scope",
         CGROUP_ROOT / "docker" / container_id,

@@ -65,11 +65,8 @@ def _shared_client() -> Any:
 def docker_available(timeout: float = PING_TIMEOUT) -> bool:
     """Does a Docker engine answer within ``timeout`` seconds?"""
     try:
-        client = docker.from_env(timeout=max(1, math.ceil(timeout)))
-        try:
+        with contextlib.closing(docker.from_env(timeout=max(1, math.ceil(timeout)))) as client:
             return bool(client.ping())
-        finally:
-            client.close()
     except Exception as exc:  # noqa: BLE001 - any failure means "not available"
         log.debug("docker not available", extra={"reason": str(exc)[:200]})
         return False
