@@ -1,9 +1,6 @@
-"""What a processing pipeline sees, and how an image name finds its pipeline.
-
-A pipeline is a module with ``process(data, info) -> mapping`` and optionally
-``setup()`` (called once per engine) and ``KD_FEATURES`` (the numeric features
-knowledge discovery clusters on). Engines are persistent: a pipeline is
-loaded once and then called for every tuple.
+"""What a processing pipeline sees (the contract: :mod:`hio.worker.pipelines`), and how an
+image name finds its pipeline. Engines are persistent: a pipeline is loaded once and then
+called for every tuple.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import operator
 import random
@@ -129,8 +130,7 @@ def engine_env(
         env["HIO_ENGINE_LANE_LISTEN"] = f"{config.engine_listen_host}:{lane_port}"
     if pipeline:  # empty: the engine falls back to $HIO_PIPELINE of its image, then the built-in
         env["HIO_ENGINE_PIPELINE"] = pipeline
-    token = config.presented_token()
-    if token:
+    if token := config.presented_token():
         env["HIO_TOKEN"] = token
     return env
 
@@ -161,11 +161,10 @@ class EngineSlot:
 
         An engine that cannot load its pipeline says why on its last line: that is the
         reason shown, and it does not count towards moving the engine to a new port."""
-        was_up = self.up
+        pipeline = code == PIPELINE_EXIT_CODE
+        self.failed_starts = 0 if self.up or pipeline else self.failed_starts + 1
         self.handle, self.up = None, False
         self.restarts += 1
-        pipeline = code == PIPELINE_EXIT_CODE
-        self.failed_starts = 0 if was_up or pipeline else self.failed_starts + 1
         delay = self.backoff
         self.next_start = now + delay
         self.backoff = min(self.backoff * 2, backoff_max)
@@ -220,7 +219,7 @@ class MasterSession:
         self._poke.set()
 
     def reregister(self) -> None:
-        """Channel addresses changed: register again."""
+        """Register again (channel addresses changed, or the master forgot this worker)."""
         self._registered = False
         self._poke.set()
 
@@ -276,10 +275,9 @@ class MasterSession:
         request = master_pb2.HeartbeatRequest(worker_id=self._worker_id, channels=self._channels(False), complete=True)
         reply = self._stub.Heartbeat(request, timeout=MASTER_CALL_TIMEOUT)
         if not reply.known:
-            log.warning("the master does not know this worker; registering again", extra={"worker": self._worker_id})
             self.problem = "the master does not know this worker; registering again"
-            self._registered = False
-            self._poke.set()
+            log.warning(self.problem, extra={"worker": self._worker_id})
+            self.reregister()
             return
         self._on_answer(reply)
 
@@ -294,8 +292,8 @@ class Controller:
         self._lock = threading.Lock()
         counts = [] if config.elastic else engine_counts(self._config.engines, self._config.effective_cpus())
         self._lanes = self._lanes_fit(sum(count for _, count in counts))
+        self._indexes = itertools.count()  # of the channels this worker names "<worker_id>/<index>"
         self._slots = self._plan(counts)
-        self._next_index = len(self._slots)
         self._wanted: dict[str, int] | None = None  # the master's plan for this worker (elastic)
         self._to_stop: set[str] = set()  # channels the master drained for its plan
         self._stoppers: list[threading.Thread] = []
@@ -310,7 +308,7 @@ class Controller:
         slots: list[EngineSlot] = []
         for image, count in counts:
             for _ in range(count):
-                slots.append(self._new_slot(f"{self._worker_id}/{len(slots)}", image, slots, strict=True))
+                slots.append(self._new_slot(f"{self._worker_id}/{next(self._indexes)}", image, slots, strict=True))
         return slots
 
     def _new_slot(self, channel_id: str, image: str, slots: list[EngineSlot], *, strict: bool) -> EngineSlot:
@@ -321,8 +319,7 @@ class Controller:
         try:
             local = isinstance(self._launcher, ProcessLauncher)
             slot.pipeline = pipeline_for_image(image, self._config.pipelines, builtin=local)
-            slot.port = self._free_port(slots)
-            slot.lane_port = self._lane_port(slots, slot.port)
+            slot.port, slot.lane_port = self._ports(slots)
         except (ConfigError, RuntimeError) as exc:
             if strict:
                 raise
@@ -355,9 +352,8 @@ class Controller:
 
     def _add_slot(self, image: str) -> None:
         """A new channel for ``image`` (:meth:`_new_slot`), its engine started by the next supervision pass."""
+        channel_id = f"{self._worker_id}/{next(self._indexes)}"
         with self._lock:
-            channel_id = f"{self._worker_id}/{self._next_index}"
-            self._next_index += 1
             slots = list(self._slots)
         slot = self._new_slot(channel_id, image, slots, strict=False)
         with self._lock:
@@ -390,15 +386,13 @@ class Controller:
         self._stoppers.append(thread)
         thread.start()
 
-    def _free_port(self, slots: list[EngineSlot], *also: int) -> int:
-        """A free port no other engine of ours was given (they bind later)."""
+    def _ports(self, slots: list[EngineSlot], *also: int) -> tuple[int, int]:
+        """Free ports for an engine and its payload lane (0 = none: lanes off, or an engine_ports
+        range without two ports per engine), none that ``slots`` were given (they bind later) or ``also``."""
         taken = frozenset({p for slot in slots for p in (slot.port, slot.lane_port)} | set(also))
-        return free_port(self._config.engine_listen_host, self._config.engine_port_range(), exclude=taken)
-
-    def _lane_port(self, slots: list[EngineSlot], port: int, *also: int) -> int:
-        """A port for the engine's payload lane (0 = none: lanes off, or an engine_ports
-        range without two ports per engine)."""
-        return self._free_port(slots, port, *also) if self._lanes else 0
+        host, span = self._config.engine_listen_host, self._config.engine_port_range()
+        port = free_port(host, span, exclude=taken)
+        return port, free_port(host, span, exclude=taken | {port}) if self._lanes else 0
 
     def _lanes_fit(self, engines: int) -> bool:
         """Lanes on unless turned off, or engine_ports cannot give each engine two ports."""
@@ -439,20 +433,19 @@ class Controller:
         infos = []
         with self._lock:
             for slot, _handle in slots:
-                info = master_pb2.ChannelInfo(
-                    channel_id=slot.channel_id,
-                    image=slot.image,
-                    address=f"{host}:{slot.port}",
-                    lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
-                    state=master_pb2.FREE if slot.up else master_pb2.DOWN,
-                    detail=slot.detail,
-                )
                 usage = cpu.get(slot.channel_id)
-                if usage is not None:
-                    info.cpu_seconds = usage.cpu_seconds
-                    if usage.wait_seconds is not None:
-                        info.cpu_wait_seconds = usage.wait_seconds
-                infos.append(info)
+                infos.append(
+                    master_pb2.ChannelInfo(
+                        channel_id=slot.channel_id,
+                        image=slot.image,
+                        address=f"{host}:{slot.port}",
+                        lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
+                        state=master_pb2.FREE if slot.up else master_pb2.DOWN,
+                        detail=slot.detail,
+                        cpu_seconds=None if usage is None else usage.cpu_seconds,  # None: left unset, not measured
+                        cpu_wait_seconds=None if usage is None else usage.wait_seconds,
+                    )
+                )
         return infos
 
     def _cpu_usage(self, slots: list[tuple[EngineSlot, EngineHandle | None]]) -> dict[str, CpuUsage]:
@@ -477,11 +470,7 @@ class Controller:
         engines used since the last reading, for the worker's metrics."""
         now = time.monotonic()
         live = {(slot.channel_id, handle.ident): slot.image for slot, handle in slots if handle is not None}
-        seconds = {
-            (slot.channel_id, handle.ident): cpu[slot.channel_id].cpu_seconds
-            for slot, handle in slots
-            if handle is not None and slot.channel_id in cpu
-        }
+        seconds = {engine: cpu[engine[0]].cpu_seconds for engine in live if engine[0] in cpu}
         self.cpu.update(live, seconds)
         shares: dict[str, float] = {}
         for engine, used in seconds.items():
@@ -548,7 +537,7 @@ class Controller:
             return
         code = self._launcher.poll(slot.handle)
         if code is not None:
-            self._on_exit(slot, code, now)
+            self._on_exit(slot, slot.handle, code, now)
         elif not slot.up:
             self._check_health(slot, now)
         else:
@@ -558,8 +547,7 @@ class Controller:
         if slot.failed_starts >= NEW_PORT_AFTER:
             others = [other for other in self._slots if other is not slot]
             try:  # not the ports that kept failing either
-                port = self._free_port(others, slot.port, slot.lane_port)
-                lane_port = self._lane_port(others, port, slot.port, slot.lane_port)
+                port, lane_port = self._ports(others, slot.port, slot.lane_port)
             except RuntimeError:  # a range with no other free port: keep trying the ones it has
                 port, lane_port = slot.port, slot.lane_port
             with self._lock:
@@ -603,9 +591,8 @@ class Controller:
             extra={"channel": slot.channel_id, "image": slot.image, "port": slot.port, "id": handle.ident},
         )
 
-    def _on_exit(self, slot: EngineSlot, code: int, now: float) -> None:
-        handle = slot.handle
-        lines = self._launcher.logs(handle, 3).strip().splitlines() if handle is not None else []
+    def _on_exit(self, slot: EngineSlot, handle: EngineHandle, code: int, now: float) -> None:
+        lines = self._launcher.logs(handle, 3).strip().splitlines()
         with self._lock:
             detail = slot.on_exit(code, now, self._config.restart_backoff_max, lines[-1].strip() if lines else "")
         log.warning(

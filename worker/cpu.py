@@ -109,12 +109,11 @@ def cgroup_of(pid: int) -> Path | None:
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
         return None
-    for line in lines:
-        _number, controllers, path = line.split(":", 2)
+    entries = [line.split(":", 2)[1:] for line in lines]  # (controllers, path)
+    for controllers, path in entries:
         if controllers == "" and (CGROUP_ROOT / path.lstrip("/") / "cpu.stat").is_file():
             return CGROUP_ROOT / path.lstrip("/")
-    for line in lines:
-        _number, controllers, path = line.split(":", 2)
+    for controllers, path in entries:
         if "cpuacct" in controllers.split(","):
             for mount in ("cpuacct", "cpu,cpuacct", "cpuacct,cpu"):
                 folder = CGROUP_ROOT / mount / path.lstrip("/")
@@ -126,10 +125,8 @@ def cgroup_of(pid: int) -> Path | None:
 def container_cgroup(container_id: str, pid: int = 0) -> Path | None:
     """The cgroup folder of a Docker container: from its main process's /proc entry when
     that pid is known, else the places the systemd and cgroupfs drivers put it."""
-    if pid > 0:
-        found = cgroup_of(pid)
-        if found is not None and found != CGROUP_ROOT:
-            return found
+    if pid > 0 and (found := cgroup_of(pid)) not in (None, CGROUP_ROOT):
+        return found
     candidates = (
         CGROUP_ROOT / "system.slice" / f"docker-{container_id}.scope",
         CGROUP_ROOT / "docker" / container_id,

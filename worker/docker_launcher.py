@@ -37,6 +37,7 @@ LOG_MAX_SIZE = "10m"  # json-file log rotation per container
 LOG_MAX_FILES = "3"
 SECRETS_DIR = "/run/hio"  # where credential files are copied inside the container
 EXITED_STATES = ("exited", "dead")
+REMOVABLE_STATES = (*EXITED_STATES, "created")  # what cleanup() removes of ours
 
 # Settings that name files on the worker's host. Inside the container they are
 # copied in; the token file is read and passed as HIO_TOKEN instead.
@@ -64,11 +65,8 @@ def _shared_client() -> Any:
 def docker_available(timeout: float = PING_TIMEOUT) -> bool:
     """Does a Docker engine answer within ``timeout`` seconds?"""
     try:
-        client = docker.from_env(timeout=max(1, math.ceil(timeout)))
-        try:
+        with contextlib.closing(docker.from_env(timeout=max(1, math.ceil(timeout)))) as client:
             return bool(client.ping())
-        finally:
-            client.close()
     except Exception as exc:  # noqa: BLE001 - any failure means "not available"
         log.debug("docker not available", extra={"reason": str(exc)[:200]})
         return False
@@ -82,11 +80,8 @@ def container_name(worker_id: str, channel_id: str) -> str:
 
 def _env_key(key: str) -> str | None:
     """The setting an HIO_* variable sets (``HIO_ENGINE_TLS_KEY`` -> ``tls_key``)."""
-    if key.startswith("HIO_ENGINE_"):
-        return key[len("HIO_ENGINE_") :].lower()
-    if key.startswith("HIO_"):
-        return key[len("HIO_") :].lower()
-    return None
+    prefix = next((p for p in ("HIO_ENGINE_", "HIO_") if key.startswith(p)), None)
+    return None if prefix is None else key[len(prefix) :].lower()
 
 
 class DockerLauncher(EngineLauncher):
@@ -140,11 +135,7 @@ class DockerLauncher(EngineLauncher):
         except Exception:
             _remove_quietly(container)
             raise
-        log.info(
-            "engine container started",
-            extra={"channel": spec.channel_id, "image": spec.image, "container": container.short_id, "port": spec.port},
-        )
-        return EngineHandle(spec=spec, ident=container.short_id, native=container)
+        return EngineHandle(spec=spec, ident=container.short_id, native=container)  # the controller logs the start
 
     def _remove_stale(self, name: str) -> None:
         """A container of ours with this name is a leftover (a crash, a restart): remove it.
@@ -258,10 +249,10 @@ class DockerLauncher(EngineLauncher):
         again here, so that an API that reads the filters otherwise cannot make us remove one."""
         filters = {
             "label": [f"{LABEL_MANAGED}=true", f"{LABEL_WORKER}={self._worker_id}"],
-            "status": [*EXITED_STATES, "created"],
+            "status": list(REMOVABLE_STATES),
         }
         for container in self._client.containers.list(all=True, filters=filters):
-            if self._is_ours(container) and container.status in (*EXITED_STATES, "created"):
+            if self._is_ours(container) and container.status in REMOVABLE_STATES:
                 log.info("removing exited engine container", extra={"container": container.name})
                 _remove_quietly(container)
 

@@ -225,8 +225,7 @@ class _Prefetcher:
         with self._cond:
             self._closed = True
             self._cond.notify()
-            handed_over = self._handed_over
-            self._handed_over = True
+            handed_over, self._handed_over = self._handed_over, True
             return handed_over
 
     def _hand_over_if_due(self) -> None:
@@ -635,7 +634,7 @@ class Engine:
                 return self._fail(
                     slot, message, "failed tuple not taken back by the master; its sender retries it", exc.message
                 )
-            self._report(meta, ok=False, from_queue=False, message=result)
+            self._report_failed(meta, result, from_queue=False)
             slot.receipt = TupleReceipt(
                 index=index,
                 tuple_id=meta.tuple_id,
@@ -654,8 +653,19 @@ class Engine:
         self._reporter.outcomes(
             [self._outcome(slot.meta, ok=True, from_queue=slot.from_queue, seconds=slot.cpu) for slot in slots]
         )
+        debug = log.isEnabledFor(logging.DEBUG)  # else no log record is built per tuple
         for slot, duplicate in zip(slots, duplicates, strict=True):
-            self._log_stored(slot.meta, slot.blob, duplicate, slot.cpu)
+            if debug:
+                log.debug(
+                    "tuple stored",
+                    extra={
+                        "channel": self._channel,
+                        "tuple_id": slot.meta.tuple_id,
+                        "bytes": len(slot.blob),
+                        "duplicate": duplicate,
+                        "cpu_s": round(slot.cpu, 4),
+                    },
+                )
             if not slot.from_queue:  # a pulled tuple's answer is its report
                 slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.STORED)
 
@@ -682,7 +692,7 @@ class Engine:
     def _fail(self, slot: _Slot, message: str, what: str, reason: str) -> _Slot:
         """The tuple fails to its sender with ``message`` (``what`` and ``reason`` for the log)."""
         log.warning(what, extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": reason})
-        self._report(slot.meta, ok=False, from_queue=slot.from_queue, message=message)
+        self._report_failed(slot.meta, message, from_queue=slot.from_queue)
         slot.receipt = TupleReceipt(
             index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED, message=message
         )
@@ -766,21 +776,8 @@ class Engine:
             )
         return blob, cpu
 
-    def _log_stored(self, meta: TupleMeta, blob: bytes, duplicate: bool, cpu: float) -> None:
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "tuple stored",
-                extra={
-                    "channel": self._channel,
-                    "tuple_id": meta.tuple_id,
-                    "bytes": len(blob),
-                    "duplicate": duplicate,
-                    "cpu_s": round(cpu, 4),
-                },
-            )
-
-    def _report(self, meta: TupleMeta, *, ok: bool, from_queue: bool, message: str = "", seconds: float = 0.0) -> None:
-        self._reporter.outcomes([self._outcome(meta, ok=ok, from_queue=from_queue, message=message, seconds=seconds)])
+    def _report_failed(self, meta: TupleMeta, message: str, *, from_queue: bool) -> None:
+        self._reporter.outcomes([self._outcome(meta, ok=False, from_queue=from_queue, message=message)])
 
     @staticmethod
     def _outcome(
@@ -920,9 +917,7 @@ class Engine:
                 call.cancel()
                 return None
             try:
-                pulled = self._read_pulled(
-                    itertools.chain([first], frames), first.meta, max_chunk_bytes=call.max_chunk_bytes
-                )
+                pulled = self._read_pulled(itertools.chain([first], frames), first.meta, call.max_chunk_bytes)
             except BaseException:
                 if claim:
                     self._unclaim(pull_done=True)
@@ -1002,17 +997,13 @@ class Engine:
             processed += 1
             if ahead and processed == len(pulled):
                 fetching = self._beside(functools.partial(self._pull, 0.0, claim=False), None)
-            if meta.image != self._config.image:
-                self._report(
-                    meta,
-                    ok=False,
-                    from_queue=True,
-                    message=f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}",
-                )
-                continue
-            result = self._compute(meta, data, from_queue=True)
+            result = (
+                self._compute(meta, data, from_queue=True)
+                if meta.image == self._config.image
+                else f"channel {self._channel} runs {self._config.image!r}, not {meta.image!r}"
+            )
             if isinstance(result, str):
-                self._report(meta, ok=False, from_queue=True, message=result)
+                self._report_failed(meta, result, from_queue=True)
             else:
                 done.append(_Slot(len(done), meta, *result, from_queue=True))
         if processed:
@@ -1020,7 +1011,7 @@ class Engine:
         return done, processed == len(pulled), fetching
 
     def _read_pulled(
-        self, frames: Iterable[TupleFrame | ChunkFrame], first_meta: TupleMeta, *, max_chunk_bytes: int | None = None
+        self, frames: Iterable[TupleFrame | ChunkFrame], first_meta: TupleMeta, max_chunk_bytes: int
     ) -> list[tuple[TupleMeta, bytes]]:
         reader = self._reader(frames, max_chunk_bytes)
         pulled: list[tuple[TupleMeta, bytes]] = []
@@ -1030,7 +1021,7 @@ class Engine:
         except HioError as exc:
             damaged = reader.reading or (first_meta if not pulled else None)
             if damaged is not None:  # charged: the master requeues it, or dead-letters it when exhausted
-                self._report(damaged, ok=False, from_queue=True, message=f"damaged queue tuple: {exc.message}")
+                self._report_failed(damaged, f"damaged queue tuple: {exc.message}", from_queue=True)
             else:
                 log.warning(
                     "damaged pull; what follows goes back to the queue",

@@ -26,11 +26,7 @@ class FeatureError(ValueError):
 
 def _number(value: Any) -> float | None:
     """The value as a float if it is a real number (bools count as 0/1), else None."""
-    if isinstance(value, bool):
-        return 1.0 if value else 0.0
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return None
+    return float(value) if isinstance(value, numbers.Real) else None  # a bool is one too
 
 
 def _array(name: str, value: Any) -> list[float]:
@@ -58,7 +54,7 @@ def feature_value(name: str, value: Any) -> features_pb2.FeatureValue:
     number = _number(value)
     if number is not None:
         return features_pb2.FeatureValue(number=number)
-    if hasattr(value, "ndim") and getattr(value, "ndim", None) == 0:  # numpy 0-d array / scalar
+    if getattr(value, "ndim", None) == 0:  # numpy 0-d array / scalar
         number = _number(value.item())
         if number is not None:
             return features_pb2.FeatureValue(number=number)
@@ -66,8 +62,6 @@ def feature_value(name: str, value: Any) -> features_pb2.FeatureValue:
         if len(value) > MAX_TEXT_CHARS:
             raise FeatureError(f"feature {name!r}: text of {len(value)} characters is over {MAX_TEXT_CHARS}")
         return features_pb2.FeatureValue(text=value)
-    if isinstance(value, (bytes, bytearray, memoryview, Mapping, set, frozenset)):
-        raise FeatureError(f"feature {name!r}: {type(value).__name__} is not a number, string or list of numbers")
     if isinstance(value, (list, tuple)) or (hasattr(value, "__array__") and hasattr(value, "ndim")):
         return features_pb2.FeatureValue(array=features_pb2.DoubleArray(values=_array(name, value)))
     raise FeatureError(f"feature {name!r}: {type(value).__name__} is not a number, string or list of numbers")

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from hio.config import ConfigError
 from hio.process.procs import LIFELINE_ENV, child_env, spawn
@@ -89,8 +89,7 @@ def tail(path: str | os.PathLike[str], lines: int) -> str:
     """The last ``lines`` lines of a text file (reads at most its last 64 KiB)."""
     try:
         with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
+            size = fh.seek(0, os.SEEK_END)
             fh.seek(max(0, size - LOG_TAIL_BYTES))
             data = fh.read()
     except OSError:
@@ -120,24 +119,20 @@ class ProcessLauncher(EngineLauncher):
                 f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting engine {spec.channel_id} "
                 f"({spec.image}) on port {spec.port}\n".encode()
             )
-            proc = self._spawn(spec, fh)
+            env = {**child_env(spec.env), LIFELINE_ENV: str(os.getpid())}  # a worker killed with -9 takes its engines
+            proc = spawn(
+                lambda: subprocess.Popen(
+                    [sys.executable, "-m", "hio.cli", "engine"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    close_fds=True,
+                )
+            )
         with self._lock:
             self._running[proc.pid] = proc
         return EngineHandle(spec=spec, ident=str(proc.pid), native=proc, log_path=str(log_path))
-
-    @staticmethod
-    def _spawn(spec: EngineSpec, out: IO[bytes]) -> subprocess.Popen[bytes]:
-        env = {**child_env(spec.env), LIFELINE_ENV: str(os.getpid())}  # a worker killed with -9 takes its engines along
-        return spawn(
-            lambda: subprocess.Popen(
-                [sys.executable, "-m", "hio.cli", "engine"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                close_fds=True,
-            )
-        )
 
     def poll(self, handle: EngineHandle) -> int | None:
         code = handle.native.poll()

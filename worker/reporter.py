@@ -66,8 +66,7 @@ class Reporter:
         self._channel_id = channel_id
         self._send = send
         self._processing = processing
-        self._keepalive = keepalive
-        self._configured_keepalive = keepalive
+        self._keepalive = self._configured_keepalive = keepalive
         self._flush_interval = flush_interval
         self._direct_interval = max(flush_interval, direct_interval)
         self._queue_outcomes = 0  # outcomes pending that settle a lease: these go within flush_interval
@@ -88,8 +87,7 @@ class Reporter:
         return self
 
     def outcomes(self, outcomes: Iterable[master_pb2.TupleOutcome]) -> None:
-        """Queue tuples' outcomes: a queued tuple's goes within ~flush_interval, a direct one's
-        with the channel's next report (at most ~direct_interval).
+        """Queue tuples' outcomes (when each goes: the module docstring).
 
         The thread is woken only when these make a report due sooner than it
         planned: the first item, or the first queued tuple's outcome. Waking it

@@ -18,16 +18,10 @@ engine reports that tuple as failed, and the message is what an operator
 sees. Built-ins use only numpy, Pillow and the standard library (scipy, when
 installed, only speeds up connected-component labelling).
 
-Built-in pipelines (image name -> module, whose ``process`` it calls:
-:func:`hio.worker.api.pipeline_for_image`):
-
-* ``hio/microscopy``: :mod:`hio.worker.pipelines.microscopy`, TIFF/PNG
-  fluorescence images: intensity statistics, focus measures, segmented objects.
-* ``hio/simulation``: :mod:`hio.worker.pipelines.simulation`, ``.npz``/``.npy``
-  realizations of stochastic reaction-diffusion models: per-species mean,
-  variance, CV, lag-1 autocorrelation, dominant period.
-* ``hio/synthetic``: :mod:`hio.worker.pipelines.synthetic`, benchmark load with
-  a CPU cost and output size set per tuple (``cost_ms``, ``features``).
+Built-in pipelines, each described in its module: image ``hio/<name>`` runs
+``hio.worker.pipelines.<name>:process`` (:func:`hio.worker.api.pipeline_for_image`)
+for ``microscopy`` (TIFF/PNG fluorescence images), ``simulation`` (``.npz``/``.npy``
+reaction-diffusion realizations) and ``synthetic`` (benchmark load).
 
 :mod:`hio.worker.pipelines.samples` generates the deterministic sample
 dataset (``generate_demo_dataset``) that the demo and the benchmarks stream.

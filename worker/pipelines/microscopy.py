@@ -178,8 +178,6 @@ def decode_image(data: bytes, pages: str = "first") -> DecodedImage:
         with Image.open(io.BytesIO(data), formats=FORMATS) as image:
             fmt = image.format or "?"
             pixels, scale, bits, count = _read_pages(image, pages)
-    except ValueError:
-        raise
     except (UnidentifiedImageError, Image.DecompressionBombError) as exc:
         raise ValueError(
             f"microscopy: tuple of {len(data)} bytes is not a decodable TIFF or PNG image ({type(exc).__name__}: {exc})"
@@ -261,17 +259,16 @@ def object_features(pixels: np.ndarray, sigma: float, min_area: int) -> dict[str
 def analyse(image: DecodedImage, params: Params) -> dict[str, float | str | list[float]]:
     """All features of a decoded image."""
     pixels = image.pixels
-    features: dict[str, float | str | list[float]] = {
+    return {
         "width": float(pixels.shape[1]),
         "height": float(pixels.shape[0]),
         "pages": float(image.pages),
         "bit_depth": float(image.bit_depth),
         "format": image.format,
+        **intensity_features(pixels),
+        **focus_features(pixels, params.focus_sigma),
+        **object_features(pixels, params.segment_sigma, params.min_object_area),
     }
-    features.update(intensity_features(pixels))
-    features.update(focus_features(pixels, params.focus_sigma))
-    features.update(object_features(pixels, params.segment_sigma, params.min_object_area))
-    return features
 
 
 def process(data: bytes, info: Any) -> dict[str, float | str | list[float]]:

@@ -21,8 +21,7 @@ def attributes_of(info: Any) -> Mapping[str, str]:
 
 def attr_float(attributes: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
     """A finite float attribute in ``[low, high]``; ``default`` when absent."""
-    raw = attributes.get(name)
-    if raw is None or raw == "":
+    if not (raw := attributes.get(name)):
         return default
     try:
         value = float(raw)
@@ -35,8 +34,7 @@ def attr_float(attributes: Mapping[str, str], name: str, default: float, low: fl
 
 def attr_int(attributes: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
     """An integer attribute in ``[low, high]``; ``default`` when absent."""
-    raw = attributes.get(name)
-    if raw is None or raw == "":
+    if not (raw := attributes.get(name)):
         return default
     try:
         value = int(raw)
@@ -49,8 +47,7 @@ def attr_int(attributes: Mapping[str, str], name: str, default: int, low: int, h
 
 def attr_choice(attributes: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
     """One of ``choices``; ``default`` when absent."""
-    raw = attributes.get(name)
-    if raw is None or raw == "":
+    if not (raw := attributes.get(name)):
         return default
     if raw not in choices:
         raise ValueError(f"attribute {name}={raw!r} must be one of {', '.join(choices)}")

@@ -44,6 +44,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -115,13 +116,9 @@ def _cached(out_dir: Path, request: dict[str, Any]) -> list[Path] | None:
         return None
     if manifest.get("request") != request:
         return None
-    paths = []
-    for name, size in manifest.get("files", []):
-        path = out_dir / name
-        if not path.is_file() or path.stat().st_size != size:
-            return None
-        paths.append(path)
-    return paths
+    files = [(out_dir / name, size) for name, size in manifest.get("files", [])]
+    intact = all(path.is_file() and path.stat().st_size == size for path, size in files)
+    return [path for path, _ in files] if intact else None
 
 
 def _previous_files(out_dir: Path) -> set[str]:
@@ -133,23 +130,25 @@ def _previous_files(out_dir: Path) -> set[str]:
         return set()
 
 
-def _generate(out_dir: Path, request: dict[str, Any], files: list[tuple[str, bytes]]) -> list[Path]:
-    """Write the files, then the manifest that makes them a cache hit.
+def _generate(out_dir: Path, request: dict[str, Any], make_files: Callable[[], list[tuple[str, bytes]]]) -> list[Path]:
+    """The files of a previous identical generation (:func:`_cached`), else those of
+    ``make_files`` written, then the manifest that makes them a cache hit.
 
     Files of an earlier, different generation that this one does not rewrite
     are removed, so a folder watcher never streams a stale mix.
     """
+    if (paths := _cached(out_dir, request)) is not None:
+        return paths
+    files = make_files()
+    log.info("generated samples", extra={"kind": request["kind"], "dir": str(out_dir), "count": len(files)})
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in _previous_files(out_dir) - {name for name, _ in files}:
         (out_dir / stale).unlink(missing_ok=True)
-    paths = []
     for name, data in files:
-        path = out_dir / name
-        atomic_write(path, data, durable=False)  # a reader never sees half a file
-        paths.append(path)
+        atomic_write(out_dir / name, data, durable=False)  # a reader never sees half a file
     manifest = {"request": request, "files": [[name, len(data)] for name, data in files]}
     atomic_write(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode(), durable=False)
-    return paths
+    return [out_dir / name for name, _ in files]
 
 
 def _place_cells(
@@ -242,13 +241,8 @@ def generate_microscopy(
     """Write ``count`` sample images (size x size) into ``out_dir``; return their paths."""
     if count < 0 or size < 64:
         raise ValueError(f"generate_microscopy: need count >= 0 and size >= 64 (got {count}, {size})")
-    out = Path(out_dir)
     request = {"kind": "microscopy", "version": FORMAT_VERSION, "count": count, "seed": seed, "size": size}
-    if (paths := _cached(out, request)) is not None:
-        return paths
-    files = [_microscopy_file(seed, i, size) for i in range(count)]
-    log.info("generated microscopy samples", extra={"dir": str(out), "count": count})
-    return _generate(out, request, files)
+    return _generate(Path(out_dir), request, lambda: [_microscopy_file(seed, i, size) for i in range(count)])
 
 
 def _shift(values: np.ndarray, step: int) -> np.ndarray:
@@ -337,9 +331,7 @@ def _simulation_group(seed: int, group: int, size: SimulationSize) -> list[tuple
     params = np.array([[rng.uniform(*g.a), rng.uniform(*g.b), rng.uniform(*g.d)] for g in regimes])
     t, counts = simulate_brusselator(
         rng,
-        params[:, 0],
-        params[:, 1],
-        params[:, 2],
+        *params.T,  # a, b, d
         omega=size.omega,
         voxels=size.voxels,
         timepoints=size.timepoints,
@@ -372,15 +364,11 @@ def generate_simulation(
         raise ValueError(f"generate_simulation: invalid count {count} or size {size}")
     if not 0 < size.dt <= 0.1:
         raise ValueError(f"generate_simulation: dt={size.dt} must be in (0, 0.1] for tau-leaping")
-    out = Path(out_dir)
     request = {"kind": "simulation", "version": FORMAT_VERSION, "count": count, "seed": seed, "size": asdict(size)}
-    if (paths := _cached(out, request)) is not None:
-        return paths
-    files: list[tuple[str, bytes]] = []
-    for group in range(-(-count // SIM_GROUP)):
-        files.extend(_simulation_group(seed, group, size))
-    log.info("generated simulation samples", extra={"dir": str(out), "count": count})
-    return _generate(out, request, files[:count])
+    groups = range(-(-count // SIM_GROUP))
+    return _generate(
+        Path(out_dir), request, lambda: [f for g in groups for f in _simulation_group(seed, g, size)][:count]
+    )
 
 
 def generate_demo_dataset(out_dir: str | os.PathLike[str], seed: int = 7) -> list[tuple[Path, str]]:

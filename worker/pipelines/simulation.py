@@ -109,11 +109,8 @@ def _load_npz(data: bytes) -> dict[str, np.ndarray]:
         unpacked = sum(item.file_size for item in archive.infolist())
     if unpacked > MAX_UNPACKED_BYTES:
         raise ValueError(f"simulation: .npz expands to {unpacked} bytes; at most {MAX_UNPACKED_BYTES} allowed")
-    arrays: dict[str, np.ndarray] = {}
     with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-        for key in ("t", "x", "species"):
-            if key in npz.files:
-                arrays[key] = _load_member(npz, key)
+        arrays = {key: _load_member(npz, key) for key in ("t", "x", "species") if key in npz.files}
     if "x" not in arrays:
         raise ValueError("simulation: .npz has no array 'x' (species x [voxels x] time)")
     return arrays
@@ -151,15 +148,10 @@ def _counts(x: np.ndarray) -> tuple[np.ndarray, int]:
     """(S, T) float counts from a (T,), (S, T) or (S, V, T) array, and the voxel count."""
     if x.dtype.kind not in "biuf":
         raise ValueError(f"simulation: 'x' has dtype {x.dtype}; a real numeric array is needed")
-    if x.ndim == 1:
-        x, voxels = x[np.newaxis, :], 1
-    elif x.ndim == 2:
-        voxels = 1
-    elif x.ndim == 3:
-        voxels = x.shape[1]
-        x = x.sum(axis=1, dtype=np.float64)
-    else:
+    if x.ndim not in (1, 2, 3):
         raise ValueError(f"simulation: 'x' has shape {x.shape}; expected (T,), (S, T) or (S, V, T)")
+    voxels = x.shape[1] if x.ndim == 3 else 1
+    x = x.sum(axis=1, dtype=np.float64) if x.ndim == 3 else np.atleast_2d(x)  # to (S, T)
     if not 1 <= x.shape[0] <= MAX_SPECIES:
         raise ValueError(f"simulation: 'x' has {x.shape[0]} species; 1..{MAX_SPECIES} allowed")
     if x.shape[1] < MIN_TIMEPOINTS:
@@ -189,8 +181,7 @@ def _species(names: np.ndarray | None, count: int) -> tuple[str, ...]:
     if names.dtype.kind not in "US" or names.ndim != 1 or names.shape[0] != count:
         raise ValueError(f"simulation: 'species' must be a ({count},) string array, not {names.dtype} {names.shape}")
     result = tuple(n.decode("ascii", "replace") if isinstance(n, bytes) else str(n) for n in names.tolist())
-    bad = [n for n in result if not _NAME.match(n)]
-    if bad:
+    if bad := [n for n in result if not _NAME.match(n)]:
         raise ValueError(f"simulation: invalid species name {bad[0]!r} (letters, digits, _ . -; 1..64 chars)")
     if len(set(result)) != len(result):
         raise ValueError("simulation: species names are not unique")
@@ -268,18 +259,14 @@ def _peak_shares(power: np.ndarray, min_cycles: float) -> tuple[np.ndarray, np.n
 def dominant_period(t: np.ndarray, series: np.ndarray, params: Params = Params()) -> float:
     """The dominant period in units of ``t``, or 0 when the spectrum has no clear peak."""
     values, step = _uniform(t, series)
-    detrended = _detrend(values)
-    n = len(detrended)
-    power = _power(detrended)
+    power = _power(_detrend(values))
     if float(power[1:].sum()) <= 0 or len(power) < 3:
         return 0.0
     k = int(np.argmax(power[1:])) + 1
-    if k < params.min_cycles:
-        return 0.0
     share = float(power[max(1, k - 1) : k + 2].sum() / power[1:].sum())
-    if share < params.min_peak_power:
+    if k < params.min_cycles or share < params.min_peak_power:
         return 0.0
-    return n * step / _refine_peak(power, k)
+    return len(values) * step / _refine_peak(power, k)
 
 
 def red_noise(detrended: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -299,8 +286,7 @@ def red_noise(detrended: np.ndarray, count: int, rng: np.random.Generator) -> np
 
 def period_p_value(t: np.ndarray, series: np.ndarray, params: Params) -> float:
     """The red-noise p-value of the series' strongest peak (see the module docstring)."""
-    values, _step = _uniform(t, series)
-    detrended = _detrend(values)
+    detrended = _detrend(_uniform(t, series)[0])
     _k, observed = _peak_shares(_power(detrended), params.min_cycles)
     if float(observed) <= 0.0:
         return 1.0

@@ -74,9 +74,8 @@ def process(data: bytes, info: Any) -> dict[str, float | str | list[float]]:
     count = attr_int(attrs, "features", DEFAULT_FEATURES, 0, MAX_FEATURES)
     burn_cpu(cost_ms / 1000.0)
     head = zlib.crc32(bytes(data[:HEAD_BYTES])) & 0xFFFFFFFF
-    features: dict[str, float | str | list[float]] = {
+    return {
         "size_bytes": float(len(data)),
         "crc32_head": float(head),
+        **derived_features((head << 32) ^ len(data), count),
     }
-    features.update(derived_features((head << 32) ^ len(data), count))
-    return features
