@@ -119,24 +119,19 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, float | None]:
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
-    """End the call with ``exc``'s status; gRPC's own signal that it was aborted passes on."""
-    if _is_abort(exc, context):
+    """End the call with ``exc``'s status; gRPC's own signal that it was aborted passes on
+    (depending on the version, abort raises a private exception class or a bare
+    ``Exception()``; the context's state says for sure)."""
+    if (
+        getattr(getattr(context, "_state", None), "aborted", False)
+        or type(exc).__name__ == "_AbortionException"
+        or isinstance(exc, grpc.RpcError)
+    ):
         raise exc
     code, message, retry = status_of(exc)
     if retry is not None:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{retry:.3f}"),))
     context.abort(code, message)
-
-
-def _is_abort(exc: BaseException, context: grpc.ServicerContext) -> bool:
-    """True when ``exc`` is grpc's own signal that ``context.abort`` was called.
-
-    Depending on the version, abort raises a private exception class or a bare
-    ``Exception()``; the context's state says for sure.
-    """
-    if getattr(getattr(context, "_state", None), "aborted", False):
-        return True
-    return type(exc).__name__ == "_AbortionException" or isinstance(exc, grpc.RpcError)
 
 
 def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:

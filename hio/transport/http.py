@@ -212,7 +212,9 @@ class HttpEndpoint:
         self.tls = server_context(settings)
         self.sessions = Sessions()
         # refuse_caller's policy is keyed by a call's last path segment: a path's own, here
-        self.policy = {_key(path): set(route.roles) for path, route in self.routes.items() if route.roles is not None}
+        self.policy = {
+            path.rsplit("/", 1)[-1]: set(route.roles) for path, route in self.routes.items() if route.roles is not None
+        }
         try:
             host, port = split_address(listen)
             self._server = _Server((host or "0.0.0.0", port), self)
@@ -311,10 +313,6 @@ class HttpEndpoint:
         cookie = f"{self.cookie}={self.sessions.open(token)}; Path=/; Max-Age={SESSION_SECONDS:.0f}; HttpOnly"
         cookie += "; SameSite=Strict" + ("; Secure" if self.tls is not None else "")
         request.reply(Reply(303, b"", headers=(("Location", target), ("Set-Cookie", cookie))))
-
-
-def _key(path: str) -> str:
-    return path.rsplit("/", 1)[-1]
 
 
 class _Server(ThreadingHTTPServer):

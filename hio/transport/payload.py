@@ -45,22 +45,19 @@ KEPT_CONNECTIONS = 4  # idle connections a lane client keeps per lane (a gateway
 Payloads = Iterator[tuple[TupleMeta, "bytes | BinaryIO"]]
 _SERVICES = {"Deliver": "Engine", "Enqueue": "Master"}
 T = TypeVar("T")
+R = TypeVar("R", covariant=True)
 
 
-class Upload(Protocol):
-    """An upload in progress, used like a gRPC stream-stream call."""
+class Call(Protocol[R]):
+    """A call in progress, used like a gRPC streaming call: its replies, and ``cancel``."""
 
-    def __iter__(self) -> Iterator[TupleReceipt]: ...
-
-    def cancel(self) -> object: ...
-
-
-class Download(Protocol):
-    """A download in progress, used like a gRPC server-streaming call."""
-
-    def __iter__(self) -> Iterator[object]: ...
+    def __iter__(self) -> Iterator[R]: ...
 
     def cancel(self) -> object: ...
+
+
+Upload = Call[TupleReceipt]  # a stream-stream call: frames in, receipts out
+Download = Call[object]  # a server-streaming call: frames out
 
 
 class GrpcPayload:
