@@ -44,7 +44,7 @@ from hio.transport.errors import (
     status_of,
 )
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
-from hio.transport.lanetls import TLSSocket, connect_tls, server_context
+from hio.transport.lanetls import TLSSocket, server_context
 from hio.transport.net import RoleHealth, TokenTable, create_server, message_limit, refuse_caller
 
 M = TypeVar("M", bound=Message)
@@ -239,14 +239,9 @@ def read_frames(
         if prefix == END_OF_INPUT:
             return
         head_size, data_size = FRAME_PREFIX.unpack(prefix)
-        if head_size > max_head_bytes:
-            raise InvalidArgument(
-                f"payload lane: frame head of {head_size} bytes is over the limit of {max_head_bytes}"
-            )
-        if data_size > max_data_bytes:
-            raise InvalidArgument(
-                f"payload lane: frame data of {data_size} bytes is over the limit of {max_data_bytes}"
-            )
+        for part, size, limit in (("head", head_size, max_head_bytes), ("data", data_size, max_data_bytes)):
+            if size > limit:
+                raise InvalidArgument(f"payload lane: frame {part} of {size} bytes is over the limit of {limit}")
         try:
             frame = TupleFrame.FromString(_read_exact(reader, head_size, "a frame head"))
         except DecodeError as exc:
@@ -275,12 +270,8 @@ def _pieces(reader: BinaryIO, frame: TupleFrame, size: int, piece_bytes: int) ->
     done, last = 0, frame.last
     while done < size:
         step = min(piece_bytes, size - done)
-        ends = last and done + step == size
-        if done == 0:  # the frame is ours (just parsed): it becomes the first piece's head
-            head = frame
-            head.last = ends
-        else:
-            head = TupleFrame(last=ends)
+        head = frame if done == 0 else TupleFrame()  # the frame is ours (just parsed): the first piece's head
+        head.last = last and done + step == size
         yield ChunkFrame(head, _read_exact(reader, step, "a frame's data"))
         done += step
 
@@ -658,13 +649,7 @@ def _drain(conn: socket.socket) -> None:
     has read the status."""
     _shutdown(conn, socket.SHUT_WR)
     deadline = time.monotonic() + DRAIN_SECONDS
-    sink = bytearray(READ_BUFFER)
-    try:
-        while (left := deadline - time.monotonic()) > 0:
-            conn.settimeout(left)
-            if not conn.recv_into(sink):
-                return
-    except OSError:
+    while len(_recv_before(conn, READ_BUFFER, deadline)) == READ_BUFFER:  # fewer: its end, an error, or the deadline
         pass
 
 
@@ -748,8 +733,10 @@ def open_lane(
     sock = socket.create_connection((host, port), timeout=connect_seconds)
     try:
         tune(sock)
-        if tls is not None:
-            sock = connect_tls(sock, tls, host, connect_seconds)  # type: ignore[assignment]  # a TLSSocket is used as a socket
+        if tls is not None:  # the server verified for the address's host, as gRPC checks its target's
+            secure = TLSSocket(sock, tls, server_side=False, server_hostname=host)
+            secure.handshake(connect_seconds)
+            sock = secure  # type: ignore[assignment]  # a TLSSocket is used as a socket
         sock.settimeout(None)
         sock.sendall(hello)
     except BaseException:

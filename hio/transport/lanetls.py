@@ -76,8 +76,8 @@ def client_context(settings: ClusterSettings) -> ssl.SSLContext | None:
 class TLSSocket:
     """A connected TCP socket speaking TLS; used like the socket (``sendall``, ``sendfile``,
     ``recv_into``, ``makefile('rb')``, ``settimeout``, ``shutdown``, ``close``). One thread
-    may send while another receives. A client builds it with :func:`connect_tls`; a server
-    with ``server_side=True``, then makes the handshake on the connection's own thread.
+    may send while another receives. It makes its handshake (:meth:`handshake`) once: a lane
+    keeps its connections from call to call (a server on the connection's own thread).
 
     The end of the TCP stream is the end of the TLS stream (no ``close_notify`` is sent
     or required): the lane's frames carry their own end (``END_OF_INPUT``, the final
@@ -259,12 +259,3 @@ class _Reader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         return self._sock.recv_into(buffer)
-
-
-def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str, seconds: float) -> TLSSocket:
-    """A connected socket's client end of TLS, the server verified for ``host`` (the host
-    of the lane's address: as gRPC checks the host of its target). A lane client keeps
-    its connections from call to call, so it makes this handshake once per connection."""
-    tls = TLSSocket(sock, context, server_side=False, server_hostname=host)
-    tls.handshake(seconds)
-    return tls

@@ -293,15 +293,12 @@ def create_server(
     ``service``: the role's gRPC service (``hio.proto.Master``), for which the
     health service answers too, so a probe can tell which role holds a port.
     """
-    interceptors: list[grpc.ServerInterceptor] = []
     if table is _FROM_SETTINGS:
         table = TokenTable.from_settings(settings)
-    if table is not None:
-        interceptors.append(_AuthInterceptor(table, policy))
-    interceptors.append(_ParsingInterceptor())
+    auth = [_AuthInterceptor(table, policy)] if table is not None else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=interceptors,
+        interceptors=[*auth, _ParsingInterceptor()],
         options=_options(
             settings, ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2), ("grpc.so_reuseport", 0)
         ),
@@ -571,14 +568,14 @@ def wait_healthy(
     raise TimeoutError(f"{address} did not become {what} within {timeout:.0f}s ({last})")
 
 
-def wait_for_stop(stop: threading.Event, tick: float = 1.0) -> None:
-    """Wait until ``stop`` is set, waking every ``tick`` seconds.
+def wait_for_stop(stop: threading.Event) -> None:
+    """Wait until ``stop`` is set, waking every second.
 
     Why: Python runs a signal handler only when the main thread runs. A
     signal the kernel hands to another thread (gRPC has many) does not
     interrupt an untimed wait, so SIGTERM could go unanswered.
     """
-    while not stop.wait(tick):
+    while not stop.wait(1.0):
         pass
 
 
