@@ -162,9 +162,6 @@ def retry_after(error: grpc.RpcError) -> float | None:
     try:
         # (key, value) pairs: grpc's namedtuples or the lane's tuples (the stubs say objects)
         metadata = cast("Iterable[tuple[str, str | bytes]]", error.trailing_metadata() or ())
-        for key, value in metadata:
-            if key == RETRY_AFTER_KEY:
-                return float(value)
+        return next((float(value) for key, value in metadata if key == RETRY_AFTER_KEY), None)
     except Exception:  # noqa: BLE001 - not every RpcError carries metadata
         return None
-    return None

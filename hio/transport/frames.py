@@ -313,14 +313,13 @@ def tuple_frames(
 
 def unpacked_receipts(receipt: TupleReceipt) -> list[TupleReceipt]:
     """A receipt message's receipts in order (itself, then those packed on it)."""
-    return [receipt, *receipt.packed] if receipt.packed else [receipt]
+    return [receipt, *receipt.packed]
 
 
 def packed(messages: list[Packable]) -> Packable:
     """One message carrying ``messages`` (frames or receipts) in order: the first, the rest packed on it."""
     first = messages[0]
-    if len(messages) > 1:
-        first.packed.extend(messages[1:])
+    first.packed.extend(messages[1:])
     return first
 
 

@@ -1,10 +1,5 @@
-"""Every role's one HTTP endpoint: ``/metrics`` (Prometheus text format), ``/healthz``,
-and the pages a role adds (the repository's preview page and its files).
-
-    endpoint = HttpEndpoint(config, config.http_listen, role_routes(registry, pages), name="master")
-    endpoint.start()          # serves from daemon threads
-    ...
-    endpoint.close()
+"""Every role's one HTTP endpoint (:func:`serve_http`): ``/metrics`` (Prometheus text
+format), ``/healthz``, and the pages a role adds (the repository's preview page and its files).
 
 A stdlib server (:class:`http.server.ThreadingHTTPServer`): a thread per connection, at
 most :data:`MAX_CONNECTIONS` at once (one more is closed at once), each idle for at most

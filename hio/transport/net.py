@@ -133,9 +133,7 @@ class TokenTable:
                 entries.append((parts[0], parts[1], parts[2] if len(parts) > 2 else parts[1]))
             return cls(entries)
         shared = settings.presented_token()
-        if shared:
-            return cls([(shared, "any", "cluster")])
-        return None
+        return cls([(shared, "any", "cluster")]) if shared else None
 
     def lookup(self, token: str) -> tuple[str, str] | None:
         """(role, name) for a known token, else None. Every entry is compared."""
