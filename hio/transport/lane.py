@@ -470,9 +470,8 @@ class LaneServer:
             code, message, retry = status_of(exc)  # logs an unexpected error, from here
             status, again = LaneStatus(code=code.value[0], message=message, retry_after_seconds=retry or 0.0), False
         conn.settimeout(DRAIN_SECONDS)
-        if download is not None:  # a download's status always follows its frames and the end-of-input mark
-            _send(conn, END_OF_INPUT)
-        _reply(conn, STATUS, status.SerializeToString())
+        # a download's status always follows its frames and the end-of-input mark
+        _reply(conn, STATUS, status.SerializeToString(), after=END_OF_INPUT if download is not None else b"")
         if status.code:
             _drain(conn)
             return False
@@ -631,14 +630,11 @@ def write_frame(sock: socket.socket, head: bytes, payload: Payload, size: int) -
             raise DataLoss(f"payload file ended after {sent} of {size} bytes")
 
 
-def _reply(conn: socket.socket, kind: int, body: bytes) -> None:
-    """A reply to a client that may have gone: :class:`_Lost` instead of the socket's error."""
-    _send(conn, REPLY_PREFIX.pack(kind, len(body)) + body)
-
-
-def _send(conn: socket.socket, data: bytes) -> None:
+def _reply(conn: socket.socket, kind: int, body: bytes, *, after: bytes = b"") -> None:
+    """A reply (sent ``after`` those bytes) to a client that may have gone: :class:`_Lost`
+    instead of the socket's error."""
     try:
-        conn.sendall(data)
+        conn.sendall(after + REPLY_PREFIX.pack(kind, len(body)) + body)
     except OSError as exc:
         raise _Lost(str(exc)) from None
 
@@ -820,7 +816,8 @@ class LaneCall(_ClientCall):
         self._input_ended = False  # every frame and the end-of-input mark were sent
         self._sender_done = False
         sock.settimeout(None)  # a kept socket may come from a download's timeout
-        self._timer = threading.Timer(timeout, self._expire) if timeout else None
+        expired = LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        self._timer = threading.Timer(timeout, self._end, (expired,)) if timeout else None
         if self._timer is not None:
             self._timer.daemon = True
             self._timer.start()
@@ -907,9 +904,6 @@ class LaneCall(_ClientCall):
         log.warning("gateway cannot read a tuple to send", extra={"error": str(exc)})
         code = exc.code if isinstance(exc, HioError) else grpc.StatusCode.UNKNOWN
         self._end(LaneError(code, f"gateway could not send: {exc}"))
-
-    def _expire(self) -> None:
-        self._end(LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
 
     def _finish(self) -> None:
         """The call is over: keep the socket for the next call when it ended cleanly (its

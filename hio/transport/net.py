@@ -547,16 +547,11 @@ def wait_healthy(
                 last = "the process exited"
                 break
             try:
-                if ready:
-                    if status(service) == _SERVING:
-                        return
-                    last = "it reports NOT_SERVING"
-                else:
-                    if service:
-                        status(service)  # NOT_FOUND: the server there is another role's
-                    if status(LIVENESS) == _SERVING:
-                        return
-                    last = "not started yet"
+                if service and not ready:
+                    status(service)  # NOT_FOUND: the server there is another role's
+                if status(service if ready else LIVENESS) == _SERVING:
+                    return
+                last = "it reports NOT_SERVING" if ready else "not started yet"
             except grpc.RpcError as exc:
                 last = exc
                 if service and exc.code() == grpc.StatusCode.NOT_FOUND:
