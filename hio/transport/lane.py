@@ -179,9 +179,9 @@ def _decoded(message: type[M], body: bytes) -> M:
         ) from None
 
 
-def _reader(sock: socket.socket, buffering: int = READ_BUFFER) -> BinaryIO:
+def _reader(sock: socket.socket) -> BinaryIO:
     """A buffered reader of ``sock`` (of a :class:`lanetls.TLSSocket`: of what it decrypts)."""
-    return cast(BinaryIO, sock.makefile("rb", buffering=buffering))
+    return cast(BinaryIO, sock.makefile("rb", buffering=READ_BUFFER))
 
 
 def _read_exact(reader: BinaryIO, size: int, what: str) -> bytes:
@@ -356,9 +356,9 @@ class LaneServer:
         threading.Thread(target=self._accept, name="lane-accept", daemon=True).start()
         return self.port
 
-    def stop(self, wait: float = STOP_WAIT_SECONDS) -> None:
+    def stop(self) -> None:
         """Accept no more; end the connections in progress (their senders deliver again) and
-        the kept ones, and wait up to ``wait`` seconds for their handlers to finish."""
+        the kept ones, and wait up to :data:`STOP_WAIT_SECONDS` for their handlers to finish."""
         sock, self._sock = self._sock, None
         if sock is not None:
             _shutdown(sock)
@@ -368,7 +368,7 @@ class LaneServer:
             conns = list(self._conns)
         for conn in conns:
             _shutdown(conn)
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + STOP_WAIT_SECONDS
         while time.monotonic() < deadline:
             with self._lock:
                 if not self._conns:

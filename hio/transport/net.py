@@ -594,14 +594,13 @@ def run_until_signal(
     *,
     grace: float = 5.0,
     on_stop: Sequence[Callable[[], None]] = (),
-    stop_event: threading.Event | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT (or ``stop_event``); drain within ``grace`` seconds.
+    """Serve until SIGTERM/SIGINT; drain within ``grace`` seconds.
 
     Exit code 0 after a clean stop. ``on_stop`` callbacks run before the server
     stops accepting, so roles can deregister and flush.
     """
-    stop = stop_event or threading.Event()
+    stop = threading.Event()
     stop_on_signals(stop)
     wait_for_stop(stop)
     log.info("stopping", extra={"grace_s": grace})
