@@ -120,10 +120,9 @@ class TokenTable:
         if settings.tokens_file:
             entries = []
             for n, raw in enumerate(_read(settings.tokens_file, "tokens file").decode().splitlines(), 1):
-                line = raw.split("#", 1)[0].strip()
-                if not line:
+                parts = raw.split("#", 1)[0].split()
+                if not parts:
                     continue
-                parts = line.split()
                 if len(parts) < 2:
                     raise ConfigError(f"{settings.tokens_file}:{n}: expected 'token role [name]'")
                 if parts[1] not in TOKEN_ROLES:  # a typo would refuse that client on every call

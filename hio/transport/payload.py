@@ -45,7 +45,7 @@ KEPT_CONNECTIONS = 4  # idle connections a lane client keeps per lane (a gateway
 Payloads = Iterator[tuple[TupleMeta, "bytes | BinaryIO"]]
 _SERVICES = {"Deliver": "Engine", "Enqueue": "Master"}
 T = TypeVar("T")
-R = TypeVar("R", covariant=True)
+R = TypeVar("R", covariant=True)  # read only: a call's replies, a channel's frames (objects to its callers)
 
 
 class Call(Protocol[R]):
@@ -319,16 +319,13 @@ class PayloadPeers:
             self._log.warning(message, extra={"peer": address, "lane": lane, "error": why})
 
 
-F = TypeVar("F", covariant=True)  # read only: a channel's frames are objects to its callers
-
-
-class GuardedFrames(Generic[F]):
+class GuardedFrames(Generic[R]):
     """A stream's frames, read from the spool, keeping the reason in ``failure`` when a
     payload cannot be read. Attached to a gRPC call, it cancels the call, where gRPC
     would log a traceback and end it with nothing but "Exception iterating requests!";
     unattached (the lane), it raises on, and the lane call ends with the error."""
 
-    def __init__(self, frames: Iterable[F], *, cancels: bool) -> None:
+    def __init__(self, frames: Iterable[R], *, cancels: bool) -> None:
         self._frames = frames
         self._cancels = cancels
         self._cancel: Callable[[], object] | None = None
@@ -339,7 +336,7 @@ class GuardedFrames(Generic[F]):
         self._cancel = cancel
         self._attached.set()
 
-    def __iter__(self) -> Iterator[F]:
+    def __iter__(self) -> Iterator[R]:
         try:
             yield from self._frames
         except OSError as exc:
