@@ -351,8 +351,7 @@ class RoleHealth(health.HealthServicer):
         super().__init__(experimental_non_blocking=True)
         self.service = service
         self.not_ready = "not started"  # why the role is not ready; '' when it is
-        self._readiness: Callable[[], str] = lambda: ""
-        self._watched = False  # started with a readiness to look at
+        self._readiness: Callable[[], str] | None = None  # given to start: looked at
         self._changing = threading.Lock()  # not _lock: the servicer has one
         self._stopped = threading.Event()
         self._readiness_names = ("", service) if service else ("",)
@@ -365,13 +364,12 @@ class RoleHealth(health.HealthServicer):
         self.set(LIVENESS, _SERVING)
         if readiness is not None:
             self._readiness = readiness
-            self._watched = True
             _watch_readiness(self)
         self.refresh()
 
     def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> Any:
         """A probe is answered with readiness as it is now, not as last looked at."""
-        if self._watched:
+        if self._readiness is not None:
             self.refresh()
         return super().Check(request, context)
 
@@ -381,7 +379,7 @@ class RoleHealth(health.HealthServicer):
             if self._stopped.is_set():
                 return
             try:
-                reason = self._readiness()
+                reason = self._readiness() if self._readiness is not None else ""
             except Exception as exc:  # noqa: BLE001 - a check that fails says so instead of stopping probes
                 reason = f"readiness cannot be told: {type(exc).__name__}: {exc}"
             if reason == self.not_ready:
