@@ -351,7 +351,7 @@ class RoleHealth(health.HealthServicer):
         super().__init__(experimental_non_blocking=True)
         self.service = service
         self.not_ready = "not started"  # why the role is not ready; '' when it is
-        self._readiness: Callable[[], str] | None = None  # given to start: looked at
+        self._readiness: Callable[[], str] | None = None  # start's, if given: then looked at
         self._changing = threading.Lock()  # not _lock: the servicer has one
         self._stopped = threading.Event()
         self._readiness_names = ("", service) if service else ("",)
