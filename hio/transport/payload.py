@@ -3,10 +3,9 @@
 A :data:`PayloadChannel` carries the calls that move payloads (``Engine.Deliver``,
 ``Master.Enqueue``, ``Master.PullTuple``): :class:`LanePayload` on the peer's payload lane
 (:mod:`hio.transport.lane`), or :class:`GrpcPayload` in gRPC chunks. :class:`PayloadPeers`
-chooses per peer, and when a lane that cannot be opened or breaks moves the peer to gRPC:
-``docs/architecture.md`` ("One transport per peer"), ``docs/lane.md`` (sections 7 and 10).
-A break after some answers moves the peer too; one of a kept connection before any answer
-does not (:meth:`LanePayload._broke`).
+chooses per peer, and when a lane that cannot be opened or breaks moves the peer to gRPC
+(:meth:`LanePayload._broke` says which breaks do not): ``docs/architecture.md`` ("One
+transport per peer"), ``docs/lane.md`` (sections 7 and 10).
 """
 
 from __future__ import annotations
