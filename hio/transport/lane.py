@@ -806,7 +806,7 @@ class LaneCall(_ClientCall):
         *,
         timeout: float | None,
         keep: Keep | None = None,
-        broke: Callable[[str, bool], None] | None = None,
+        broke: Callable[[str, bool], None] = lambda why, answered: None,
     ) -> None:
         super().__init__(sock, keep)
         self._frames = frames
@@ -839,7 +839,7 @@ class LaneCall(_ClientCall):
                 self._ok = not self._replies.unread  # bytes past the status: not a connection to keep
                 return
         except LaneError as exc:
-            if exc.transport and self._broke is not None:
+            if exc.transport:
                 self._broke(exc.details(), answered)
             raise
         finally:
@@ -973,7 +973,7 @@ class LaneDownload(_ClientCall):
         max_head_bytes: int,
         max_data_bytes: int,
         keep: Keep | None = None,
-        broke: Callable[[str], None] | None = None,
+        broke: Callable[[str], None] = lambda why: None,
         reconnect: Callable[[], socket.socket] | None = None,
     ) -> None:
         super().__init__(sock, keep)
@@ -1001,7 +1001,7 @@ class LaneDownload(_ClientCall):
             status, framed = outcome
             error = _status_error(status, answered=framed)
             if error is not None:
-                if error.transport and self._broke is not None:
+                if error.transport:
                     self._broke(error.details())
                 raise error
             self._ok = True
@@ -1045,7 +1045,7 @@ class LaneDownload(_ClientCall):
             silent = isinstance(exc, (DeadlineExceeded, TimeoutError))  # a server alive but mute: no retry
             if not answered and not silent and self._try_again():
                 return None
-            if not answered and self._broke is not None:
+            if not answered:
                 self._broke(message)
             if silent:
                 raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
@@ -1063,8 +1063,7 @@ class LaneDownload(_ClientCall):
         try:
             sock = reconnect()
         except LaneError as exc:  # the lane cannot be opened now
-            if self._broke is not None:
-                self._broke(exc.details())
+            self._broke(exc.details())
             raise
         with self._lock:
             old, self._sock = self._sock, sock

@@ -202,9 +202,8 @@ class TLSSocket:
                     except ssl.SSLWantReadError:
                         break
                     except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                        ended = True
-                        break
-                    if not n:
+                        n = 0
+                    if not n:  # the end of the stream
                         ended = True
                         break
                     got += n

@@ -164,9 +164,7 @@ class _AuthInterceptor(grpc.ServerInterceptor):
             if key == AUTH_HEADER and isinstance(value, str) and value.startswith("Bearer "):
                 token = value[len("Bearer ") :]
         refusal = refuse_caller(self._table, self._policy, method, token)
-        if refusal is not None:
-            return _refusal(*refusal)
-        return continuation(handler_call_details)
+        return _refusal(*refusal) if refusal is not None else continuation(handler_call_details)
 
 
 def refuse_caller(
