@@ -248,11 +248,10 @@ class HttpEndpoint:
             refusal = refuse_caller(self.table, self.policy, url.path, self._token(request))  # keyed by last segment
             if refusal is not None:
                 code, words = refusal
-                status = _STATUS[code]
                 if route.login:
-                    request.reply(login_form(status, words, url.path, self.name, secure=self.tls is not None))
+                    request.reply(login_form(_STATUS[code], words, url.path, self.name, secure=self.tls is not None))
                 else:
-                    request.reply(text(status, words), bearer=code == grpc.StatusCode.UNAUTHENTICATED)
+                    request.reply(text(_STATUS[code], words), bearer=code == grpc.StatusCode.UNAUTHENTICATED)
                 return
         try:
             reply = route.page(parse_qs(url.query))
