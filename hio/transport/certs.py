@@ -38,10 +38,6 @@ class CertsConfig:
             raise ConfigError("days must be positive")
 
 
-def _write(path: Path, data: bytes, private: bool = False) -> None:
-    atomic_write(path, data, mode=0o600 if private else 0o644)
-
-
 def generate(out: Path, names: tuple[str, ...], hosts: tuple[str, ...], days: int = 825) -> dict[str, Path]:
     """Write a CA and one certificate per name; returns the paths written."""
     from cryptography import x509
@@ -51,22 +47,32 @@ def generate(out: Path, names: tuple[str, ...], hosts: tuple[str, ...], days: in
 
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
+    paths: dict[str, Path] = {}
 
-    def pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
-        return k.private_bytes(
+    def certificate(name: x509.Name, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+        )
+
+    def save(name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+        """``<name>.pem`` and ``<name>-key.pem`` (the key readable by its owner only)."""
+        paths[name], paths[f"{name}-key"] = out / f"{name}.pem", out / f"{name}-key.pem"
+        atomic_write(paths[name], cert.public_bytes(serialization.Encoding.PEM), mode=0o644)
+        key_pem = key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
+        atomic_write(paths[f"{name}-key"], key_pem, mode=0o600)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "HarmonicIO CA")])
     ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=days))
+        certificate(ca_name, ca_key)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
@@ -84,9 +90,7 @@ def generate(out: Path, names: tuple[str, ...], hosts: tuple[str, ...], days: in
         )
         .sign(ca_key, hashes.SHA256())
     )
-    paths = {"ca": out / "ca.pem", "ca-key": out / "ca-key.pem"}
-    _write(paths["ca"], ca.public_bytes(serialization.Encoding.PEM))
-    _write(paths["ca-key"], pem_key(ca_key), private=True)
+    save("ca", ca, ca_key)
     alt: list[x509.GeneralName] = []
     for host in hosts:
         try:
@@ -96,13 +100,7 @@ def generate(out: Path, names: tuple[str, ...], hosts: tuple[str, ...], days: in
     for name in names:
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
+            certificate(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]), key)
             .add_extension(x509.SubjectAlternativeName(alt), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
@@ -111,10 +109,7 @@ def generate(out: Path, names: tuple[str, ...], hosts: tuple[str, ...], days: in
             )
             .sign(ca_key, hashes.SHA256())
         )
-        paths[name] = out / f"{name}.pem"
-        paths[f"{name}-key"] = out / f"{name}-key.pem"
-        _write(paths[name], cert.public_bytes(serialization.Encoding.PEM))
-        _write(paths[f"{name}-key"], pem_key(key), private=True)
+        save(name, cert, key)
     return paths
 
 

@@ -119,24 +119,19 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, float | None]:
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
-    """End the call with ``exc``'s status; gRPC's own signal that it was aborted passes on."""
-    if _is_abort(exc, context):
+    """End the call with ``exc``'s status; gRPC's own signal that it was aborted passes on
+    (depending on the version, abort raises a private exception class or a bare
+    ``Exception()``; the context's state says for sure)."""
+    if (
+        getattr(getattr(context, "_state", None), "aborted", False)
+        or type(exc).__name__ == "_AbortionException"
+        or isinstance(exc, grpc.RpcError)
+    ):
         raise exc
     code, message, retry = status_of(exc)
     if retry is not None:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{retry:.3f}"),))
     context.abort(code, message)
-
-
-def _is_abort(exc: BaseException, context: grpc.ServicerContext) -> bool:
-    """True when ``exc`` is grpc's own signal that ``context.abort`` was called.
-
-    Depending on the version, abort raises a private exception class or a bare
-    ``Exception()``; the context's state says for sure.
-    """
-    if getattr(getattr(context, "_state", None), "aborted", False):
-        return True
-    return type(exc).__name__ == "_AbortionException" or isinstance(exc, grpc.RpcError)
 
 
 def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -167,9 +162,6 @@ def retry_after(error: grpc.RpcError) -> float | None:
     try:
         # (key, value) pairs: grpc's namedtuples or the lane's tuples (the stubs say objects)
         metadata = cast("Iterable[tuple[str, str | bytes]]", error.trailing_metadata() or ())
-        for key, value in metadata:
-            if key == RETRY_AFTER_KEY:
-                return float(value)
+        return next((float(value) for key, value in metadata if key == RETRY_AFTER_KEY), None)
     except Exception:  # noqa: BLE001 - not every RpcError carries metadata
         return None
-    return None

@@ -1,14 +1,12 @@
 """Tuples on the wire: cutting them into frames and reading them back, verified.
 
-Every role that sends tuples uses :func:`frames_for_bytes` or
-:func:`frames_for_file`; every role that receives them uses
-:class:`FrameReader`, which checks the metadata, bounds each chunk and the
-tuple, and verifies the size and CRC-32 as bytes arrive, so a damaged tuple is
-refused (``DATA_LOSS``) before anyone acts on it. Small tuples may travel
-packed, several in one message (:func:`pack_small`); the reader spreads them
-out again. Large chunks are encoded by hand and read
-in place (:func:`encode_frame`, :func:`parse_frame`): the same wire bytes,
-without the copies Python protobuf makes of every payload.
+Senders cut tuples with :func:`tuple_frames` (one: :func:`frames_for_bytes`,
+:func:`frames_for_file`); receivers read them with :class:`FrameReader`, which checks the
+metadata, bounds each chunk and the tuple, and verifies the size and CRC-32 as bytes arrive,
+so a damaged tuple is refused (``DATA_LOSS``) before anyone acts on it. Small tuples may
+travel packed, several in one message (:func:`pack_small`); the reader spreads them out
+again. Large chunks are encoded by hand and read in place (:func:`encode_frame`,
+:func:`parse_frame`): the same wire bytes, without the copies Python protobuf makes of a payload.
 """
 
 from __future__ import annotations
@@ -313,14 +311,13 @@ def tuple_frames(
 
 def unpacked_receipts(receipt: TupleReceipt) -> list[TupleReceipt]:
     """A receipt message's receipts in order (itself, then those packed on it)."""
-    return [receipt, *receipt.packed] if receipt.packed else [receipt]
+    return [receipt, *receipt.packed]
 
 
 def packed(messages: list[Packable]) -> Packable:
     """One message carrying ``messages`` (frames or receipts) in order: the first, the rest packed on it."""
     first = messages[0]
-    if len(messages) > 1:
-        first.packed.extend(messages[1:])
+    first.packed.extend(messages[1:])
     return first
 
 

@@ -1,10 +1,5 @@
-"""Every role's one HTTP endpoint: ``/metrics`` (Prometheus text format), ``/healthz``,
-and the pages a role adds (the repository's preview page and its files).
-
-    endpoint = HttpEndpoint(config, config.http_listen, role_routes(registry, pages), name="master")
-    endpoint.start()          # serves from daemon threads
-    ...
-    endpoint.close()
+"""Every role's one HTTP endpoint (:func:`serve_http`): ``/metrics`` (Prometheus text
+format), ``/healthz``, and the pages a role adds (the repository's preview page and its files).
 
 A stdlib server (:class:`http.server.ThreadingHTTPServer`): a thread per connection, at
 most :data:`MAX_CONNECTIONS` at once (one more is closed at once), each idle for at most
@@ -212,7 +207,9 @@ class HttpEndpoint:
         self.tls = server_context(settings)
         self.sessions = Sessions()
         # refuse_caller's policy is keyed by a call's last path segment: a path's own, here
-        self.policy = {_key(path): set(route.roles) for path, route in self.routes.items() if route.roles is not None}
+        self.policy = {
+            path.rsplit("/", 1)[-1]: set(route.roles) for path, route in self.routes.items() if route.roles is not None
+        }
         try:
             host, port = split_address(listen)
             self._server = _Server((host or "0.0.0.0", port), self)
@@ -251,11 +248,10 @@ class HttpEndpoint:
             refusal = refuse_caller(self.table, self.policy, url.path, self._token(request))  # keyed by last segment
             if refusal is not None:
                 code, words = refusal
-                status = _STATUS[code]
                 if route.login:
-                    request.reply(login_form(status, words, url.path, self.name, secure=self.tls is not None))
+                    request.reply(login_form(_STATUS[code], words, url.path, self.name, secure=self.tls is not None))
                 else:
-                    request.reply(text(status, words), bearer=code == grpc.StatusCode.UNAUTHENTICATED)
+                    request.reply(text(_STATUS[code], words), bearer=code == grpc.StatusCode.UNAUTHENTICATED)
                 return
         try:
             reply = route.page(parse_qs(url.query))
@@ -311,10 +307,6 @@ class HttpEndpoint:
         cookie = f"{self.cookie}={self.sessions.open(token)}; Path=/; Max-Age={SESSION_SECONDS:.0f}; HttpOnly"
         cookie += "; SameSite=Strict" + ("; Secure" if self.tls is not None else "")
         request.reply(Reply(303, b"", headers=(("Location", target), ("Set-Cookie", cookie))))
-
-
-def _key(path: str) -> str:
-    return path.rsplit("/", 1)[-1]
 
 
 class _Server(ThreadingHTTPServer):

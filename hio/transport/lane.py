@@ -44,7 +44,7 @@ from hio.transport.errors import (
     status_of,
 )
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
-from hio.transport.lanetls import TLSSocket, connect_tls, server_context
+from hio.transport.lanetls import TLSSocket, server_context
 from hio.transport.net import RoleHealth, TokenTable, create_server, message_limit, refuse_caller
 
 M = TypeVar("M", bound=Message)
@@ -179,9 +179,9 @@ def _decoded(message: type[M], body: bytes) -> M:
         ) from None
 
 
-def _reader(sock: socket.socket, buffering: int = READ_BUFFER) -> BinaryIO:
+def _reader(sock: socket.socket) -> BinaryIO:
     """A buffered reader of ``sock`` (of a :class:`lanetls.TLSSocket`: of what it decrypts)."""
-    return cast(BinaryIO, sock.makefile("rb", buffering=buffering))
+    return cast(BinaryIO, sock.makefile("rb", buffering=READ_BUFFER))
 
 
 def _read_exact(reader: BinaryIO, size: int, what: str) -> bytes:
@@ -239,14 +239,9 @@ def read_frames(
         if prefix == END_OF_INPUT:
             return
         head_size, data_size = FRAME_PREFIX.unpack(prefix)
-        if head_size > max_head_bytes:
-            raise InvalidArgument(
-                f"payload lane: frame head of {head_size} bytes is over the limit of {max_head_bytes}"
-            )
-        if data_size > max_data_bytes:
-            raise InvalidArgument(
-                f"payload lane: frame data of {data_size} bytes is over the limit of {max_data_bytes}"
-            )
+        for part, size, limit in (("head", head_size, max_head_bytes), ("data", data_size, max_data_bytes)):
+            if size > limit:
+                raise InvalidArgument(f"payload lane: frame {part} of {size} bytes is over the limit of {limit}")
         try:
             frame = TupleFrame.FromString(_read_exact(reader, head_size, "a frame head"))
         except DecodeError as exc:
@@ -275,12 +270,8 @@ def _pieces(reader: BinaryIO, frame: TupleFrame, size: int, piece_bytes: int) ->
     done, last = 0, frame.last
     while done < size:
         step = min(piece_bytes, size - done)
-        ends = last and done + step == size
-        if done == 0:  # the frame is ours (just parsed): it becomes the first piece's head
-            head = frame
-            head.last = ends
-        else:
-            head = TupleFrame(last=ends)
+        head = frame if done == 0 else TupleFrame()  # the frame is ours (just parsed): the first piece's head
+        head.last = last and done + step == size
         yield ChunkFrame(head, _read_exact(reader, step, "a frame's data"))
         done += step
 
@@ -365,9 +356,9 @@ class LaneServer:
         threading.Thread(target=self._accept, name="lane-accept", daemon=True).start()
         return self.port
 
-    def stop(self, wait: float = STOP_WAIT_SECONDS) -> None:
+    def stop(self) -> None:
         """Accept no more; end the connections in progress (their senders deliver again) and
-        the kept ones, and wait up to ``wait`` seconds for their handlers to finish."""
+        the kept ones, and wait up to :data:`STOP_WAIT_SECONDS` for their handlers to finish."""
         sock, self._sock = self._sock, None
         if sock is not None:
             _shutdown(sock)
@@ -377,7 +368,7 @@ class LaneServer:
             conns = list(self._conns)
         for conn in conns:
             _shutdown(conn)
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + STOP_WAIT_SECONDS
         while time.monotonic() < deadline:
             with self._lock:
                 if not self._conns:
@@ -479,9 +470,8 @@ class LaneServer:
             code, message, retry = status_of(exc)  # logs an unexpected error, from here
             status, again = LaneStatus(code=code.value[0], message=message, retry_after_seconds=retry or 0.0), False
         conn.settimeout(DRAIN_SECONDS)
-        if download is not None:  # a download's status always follows its frames and the end-of-input mark
-            _send(conn, END_OF_INPUT)
-        _reply(conn, STATUS, status.SerializeToString())
+        # a download's status always follows its frames and the end-of-input mark
+        _reply(conn, STATUS, status.SerializeToString(), after=END_OF_INPUT if download is not None else b"")
         if status.code:
             _drain(conn)
             return False
@@ -640,14 +630,11 @@ def write_frame(sock: socket.socket, head: bytes, payload: Payload, size: int) -
             raise DataLoss(f"payload file ended after {sent} of {size} bytes")
 
 
-def _reply(conn: socket.socket, kind: int, body: bytes) -> None:
-    """A reply to a client that may have gone: :class:`_Lost` instead of the socket's error."""
-    _send(conn, REPLY_PREFIX.pack(kind, len(body)) + body)
-
-
-def _send(conn: socket.socket, data: bytes) -> None:
+def _reply(conn: socket.socket, kind: int, body: bytes, *, after: bytes = b"") -> None:
+    """A reply (sent ``after`` those bytes) to a client that may have gone: :class:`_Lost`
+    instead of the socket's error."""
     try:
-        conn.sendall(data)
+        conn.sendall(after + REPLY_PREFIX.pack(kind, len(body)) + body)
     except OSError as exc:
         raise _Lost(str(exc)) from None
 
@@ -658,13 +645,7 @@ def _drain(conn: socket.socket) -> None:
     has read the status."""
     _shutdown(conn, socket.SHUT_WR)
     deadline = time.monotonic() + DRAIN_SECONDS
-    sink = bytearray(READ_BUFFER)
-    try:
-        while (left := deadline - time.monotonic()) > 0:
-            conn.settimeout(left)
-            if not conn.recv_into(sink):
-                return
-    except OSError:
+    while len(_recv_before(conn, READ_BUFFER, deadline)) == READ_BUFFER:  # fewer: its end, an error, or the deadline
         pass
 
 
@@ -748,8 +729,10 @@ def open_lane(
     sock = socket.create_connection((host, port), timeout=connect_seconds)
     try:
         tune(sock)
-        if tls is not None:
-            sock = connect_tls(sock, tls, host, connect_seconds)  # type: ignore[assignment]  # a TLSSocket is used as a socket
+        if tls is not None:  # the server verified for the address's host, as gRPC checks its target's
+            secure = TLSSocket(sock, tls, server_side=False, server_hostname=host)
+            secure.handshake(connect_seconds)
+            sock = secure  # type: ignore[assignment]  # a TLSSocket is used as a socket
         sock.settimeout(None)
         sock.sendall(hello)
     except BaseException:
@@ -823,7 +806,7 @@ class LaneCall(_ClientCall):
         *,
         timeout: float | None,
         keep: Keep | None = None,
-        broke: Callable[[str, bool], None] | None = None,
+        broke: Callable[[str, bool], None] = lambda why, answered: None,
     ) -> None:
         super().__init__(sock, keep)
         self._frames = frames
@@ -833,7 +816,8 @@ class LaneCall(_ClientCall):
         self._input_ended = False  # every frame and the end-of-input mark were sent
         self._sender_done = False
         sock.settimeout(None)  # a kept socket may come from a download's timeout
-        self._timer = threading.Timer(timeout, self._expire) if timeout else None
+        expired = LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        self._timer = threading.Timer(timeout, self._end, (expired,)) if timeout else None
         if self._timer is not None:
             self._timer.daemon = True
             self._timer.start()
@@ -855,7 +839,7 @@ class LaneCall(_ClientCall):
                 self._ok = not self._replies.unread  # bytes past the status: not a connection to keep
                 return
         except LaneError as exc:
-            if exc.transport and self._broke is not None:
+            if exc.transport:
                 self._broke(exc.details(), answered)
             raise
         finally:
@@ -920,9 +904,6 @@ class LaneCall(_ClientCall):
         log.warning("gateway cannot read a tuple to send", extra={"error": str(exc)})
         code = exc.code if isinstance(exc, HioError) else grpc.StatusCode.UNKNOWN
         self._end(LaneError(code, f"gateway could not send: {exc}"))
-
-    def _expire(self) -> None:
-        self._end(LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
 
     def _finish(self) -> None:
         """The call is over: keep the socket for the next call when it ended cleanly (its
@@ -992,7 +973,7 @@ class LaneDownload(_ClientCall):
         max_head_bytes: int,
         max_data_bytes: int,
         keep: Keep | None = None,
-        broke: Callable[[str], None] | None = None,
+        broke: Callable[[str], None] = lambda why: None,
         reconnect: Callable[[], socket.socket] | None = None,
     ) -> None:
         super().__init__(sock, keep)
@@ -1020,7 +1001,7 @@ class LaneDownload(_ClientCall):
             status, framed = outcome
             error = _status_error(status, answered=framed)
             if error is not None:
-                if error.transport and self._broke is not None:
+                if error.transport:
                     self._broke(error.details())
                 raise error
             self._ok = True
@@ -1064,7 +1045,7 @@ class LaneDownload(_ClientCall):
             silent = isinstance(exc, (DeadlineExceeded, TimeoutError))  # a server alive but mute: no retry
             if not answered and not silent and self._try_again():
                 return None
-            if not answered and self._broke is not None:
+            if not answered:
                 self._broke(message)
             if silent:
                 raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
@@ -1082,8 +1063,7 @@ class LaneDownload(_ClientCall):
         try:
             sock = reconnect()
         except LaneError as exc:  # the lane cannot be opened now
-            if self._broke is not None:
-                self._broke(exc.details())
+            self._broke(exc.details())
             raise
         with self._lock:
             old, self._sock = self._sock, sock

@@ -14,7 +14,6 @@ wait outside it. A payload is read from its file and encrypted in pieces
 from __future__ import annotations
 
 import io
-import os
 import socket
 import ssl
 import threading
@@ -76,8 +75,8 @@ def client_context(settings: ClusterSettings) -> ssl.SSLContext | None:
 class TLSSocket:
     """A connected TCP socket speaking TLS; used like the socket (``sendall``, ``sendfile``,
     ``recv_into``, ``makefile('rb')``, ``settimeout``, ``shutdown``, ``close``). One thread
-    may send while another receives. A client builds it with :func:`connect_tls`; a server
-    with ``server_side=True``, then makes the handshake on the connection's own thread.
+    may send while another receives. A client makes its handshake once per connection (a lane
+    keeps its connections from call to call); a server, on the connection's own thread.
 
     The end of the TCP stream is the end of the TLS stream (no ``close_notify`` is sent
     or required): the lane's frames carry their own end (``END_OF_INPUT``, the final
@@ -155,12 +154,12 @@ class TLSSocket:
                     out = self._out.read()
                 self.raw.sendall(out)
 
-    def sendfile(self, fh: BinaryIO, offset: int = 0, count: int | None = None) -> int:
+    def sendfile(self, fh: BinaryIO, offset: int, count: int) -> int:
         """``count`` bytes of ``fh`` from ``offset``, read and encrypted in pieces (the
         file's position is left after them, as ``socket.sendfile`` leaves it); fewer
         when the file ends first."""
         fh.seek(offset)
-        left = count if count is not None else os.fstat(fh.fileno()).st_size - offset
+        left = count
         piece = bytearray(min(PIECE_BYTES, max(left, 1)))
         view, sent = memoryview(piece), 0
         while left > 0:
@@ -203,9 +202,8 @@ class TLSSocket:
                     except ssl.SSLWantReadError:
                         break
                     except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                        ended = True
-                        break
-                    if not n:
+                        n = 0
+                    if not n:  # the end of the stream
                         ended = True
                         break
                     got += n
@@ -259,12 +257,3 @@ class _Reader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         return self._sock.recv_into(buffer)
-
-
-def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str, seconds: float) -> TLSSocket:
-    """A connected socket's client end of TLS, the server verified for ``host`` (the host
-    of the lane's address: as gRPC checks the host of its target). A lane client keeps
-    its connections from call to call, so it makes this handshake once per connection."""
-    tls = TLSSocket(sock, context, server_side=False, server_hostname=host)
-    tls.handshake(seconds)
-    return tls

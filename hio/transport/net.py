@@ -120,10 +120,9 @@ class TokenTable:
         if settings.tokens_file:
             entries = []
             for n, raw in enumerate(_read(settings.tokens_file, "tokens file").decode().splitlines(), 1):
-                line = raw.split("#", 1)[0].strip()
-                if not line:
+                parts = raw.split("#", 1)[0].split()
+                if not parts:
                     continue
-                parts = line.split()
                 if len(parts) < 2:
                     raise ConfigError(f"{settings.tokens_file}:{n}: expected 'token role [name]'")
                 if parts[1] not in TOKEN_ROLES:  # a typo would refuse that client on every call
@@ -133,9 +132,7 @@ class TokenTable:
                 entries.append((parts[0], parts[1], parts[2] if len(parts) > 2 else parts[1]))
             return cls(entries)
         shared = settings.presented_token()
-        if shared:
-            return cls([(shared, "any", "cluster")])
-        return None
+        return cls([(shared, "any", "cluster")]) if shared else None
 
     def lookup(self, token: str) -> tuple[str, str] | None:
         """(role, name) for a known token, else None. Every entry is compared."""
@@ -167,9 +164,7 @@ class _AuthInterceptor(grpc.ServerInterceptor):
             if key == AUTH_HEADER and isinstance(value, str) and value.startswith("Bearer "):
                 token = value[len("Bearer ") :]
         refusal = refuse_caller(self._table, self._policy, method, token)
-        if refusal is not None:
-            return _refusal(*refusal)
-        return continuation(handler_call_details)
+        return _refusal(*refusal) if refusal is not None else continuation(handler_call_details)
 
 
 def refuse_caller(
@@ -293,15 +288,12 @@ def create_server(
     ``service``: the role's gRPC service (``hio.proto.Master``), for which the
     health service answers too, so a probe can tell which role holds a port.
     """
-    interceptors: list[grpc.ServerInterceptor] = []
     if table is _FROM_SETTINGS:
         table = TokenTable.from_settings(settings)
-    if table is not None:
-        interceptors.append(_AuthInterceptor(table, policy))
-    interceptors.append(_ParsingInterceptor())
+    auth = [_AuthInterceptor(table, policy)] if table is not None else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=interceptors,
+        interceptors=[*auth, _ParsingInterceptor()],
         options=_options(
             settings, ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2), ("grpc.so_reuseport", 0)
         ),
@@ -357,8 +349,7 @@ class RoleHealth(health.HealthServicer):
         super().__init__(experimental_non_blocking=True)
         self.service = service
         self.not_ready = "not started"  # why the role is not ready; '' when it is
-        self._readiness: Callable[[], str] = lambda: ""
-        self._watched = False  # started with a readiness to look at
+        self._readiness: Callable[[], str] | None = None  # start's, if given: then looked at
         self._changing = threading.Lock()  # not _lock: the servicer has one
         self._stopped = threading.Event()
         self._readiness_names = ("", service) if service else ("",)
@@ -371,13 +362,12 @@ class RoleHealth(health.HealthServicer):
         self.set(LIVENESS, _SERVING)
         if readiness is not None:
             self._readiness = readiness
-            self._watched = True
             _watch_readiness(self)
         self.refresh()
 
     def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> Any:
         """A probe is answered with readiness as it is now, not as last looked at."""
-        if self._watched:
+        if self._readiness is not None:
             self.refresh()
         return super().Check(request, context)
 
@@ -387,7 +377,7 @@ class RoleHealth(health.HealthServicer):
             if self._stopped.is_set():
                 return
             try:
-                reason = self._readiness()
+                reason = self._readiness() if self._readiness is not None else ""
             except Exception as exc:  # noqa: BLE001 - a check that fails says so instead of stopping probes
                 reason = f"readiness cannot be told: {type(exc).__name__}: {exc}"
             if reason == self.not_ready:
@@ -552,16 +542,11 @@ def wait_healthy(
                 last = "the process exited"
                 break
             try:
-                if ready:
-                    if status(service) == _SERVING:
-                        return
-                    last = "it reports NOT_SERVING"
-                else:
-                    if service:
-                        status(service)  # NOT_FOUND: the server there is another role's
-                    if status(LIVENESS) == _SERVING:
-                        return
-                    last = "not started yet"
+                if service and not ready:
+                    status(service)  # NOT_FOUND: the server there is another role's
+                if status(service if ready else LIVENESS) == _SERVING:
+                    return
+                last = "it reports NOT_SERVING" if ready else "not started yet"
             except grpc.RpcError as exc:
                 last = exc
                 if service and exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -571,14 +556,14 @@ def wait_healthy(
     raise TimeoutError(f"{address} did not become {what} within {timeout:.0f}s ({last})")
 
 
-def wait_for_stop(stop: threading.Event, tick: float = 1.0) -> None:
-    """Wait until ``stop`` is set, waking every ``tick`` seconds.
+def wait_for_stop(stop: threading.Event) -> None:
+    """Wait until ``stop`` is set, waking every second.
 
     Why: Python runs a signal handler only when the main thread runs. A
     signal the kernel hands to another thread (gRPC has many) does not
     interrupt an untimed wait, so SIGTERM could go unanswered.
     """
-    while not stop.wait(tick):
+    while not stop.wait(1.0):
         pass
 
 
@@ -604,14 +589,13 @@ def run_until_signal(
     *,
     grace: float = 5.0,
     on_stop: Sequence[Callable[[], None]] = (),
-    stop_event: threading.Event | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT (or ``stop_event``); drain within ``grace`` seconds.
+    """Serve until SIGTERM/SIGINT; drain within ``grace`` seconds.
 
     Exit code 0 after a clean stop. ``on_stop`` callbacks run before the server
     stops accepting, so roles can deregister and flush.
     """
-    stop = stop_event or threading.Event()
+    stop = threading.Event()
     stop_on_signals(stop)
     wait_for_stop(stop)
     log.info("stopping", extra={"grace_s": grace})

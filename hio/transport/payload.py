@@ -3,10 +3,9 @@
 A :data:`PayloadChannel` carries the calls that move payloads (``Engine.Deliver``,
 ``Master.Enqueue``, ``Master.PullTuple``): :class:`LanePayload` on the peer's payload lane
 (:mod:`hio.transport.lane`), or :class:`GrpcPayload` in gRPC chunks. :class:`PayloadPeers`
-chooses per peer, and when a lane that cannot be opened or breaks moves the peer to gRPC:
-``docs/architecture.md`` ("One transport per peer"), ``docs/lane.md`` (sections 7 and 10).
-A break after some answers moves the peer too; one of a kept connection before any answer
-does not (:meth:`LanePayload._broke`).
+chooses per peer, and when a lane that cannot be opened or breaks moves the peer to gRPC
+(:meth:`LanePayload._broke` says which breaks do not): ``docs/architecture.md`` ("One
+transport per peer"), ``docs/lane.md`` (sections 7 and 10).
 """
 
 from __future__ import annotations
@@ -45,22 +44,19 @@ KEPT_CONNECTIONS = 4  # idle connections a lane client keeps per lane (a gateway
 Payloads = Iterator[tuple[TupleMeta, "bytes | BinaryIO"]]
 _SERVICES = {"Deliver": "Engine", "Enqueue": "Master"}
 T = TypeVar("T")
+R = TypeVar("R", covariant=True)  # read only: a call's replies, a channel's frames (objects to its callers)
 
 
-class Upload(Protocol):
-    """An upload in progress, used like a gRPC stream-stream call."""
+class Call(Protocol[R]):
+    """A call in progress, used like a gRPC streaming call: its replies, and ``cancel``."""
 
-    def __iter__(self) -> Iterator[TupleReceipt]: ...
-
-    def cancel(self) -> object: ...
-
-
-class Download(Protocol):
-    """A download in progress, used like a gRPC server-streaming call."""
-
-    def __iter__(self) -> Iterator[object]: ...
+    def __iter__(self) -> Iterator[R]: ...
 
     def cancel(self) -> object: ...
+
+
+Upload = Call[TupleReceipt]  # a stream-stream call: frames in, receipts out
+Download = Call[object]  # a server-streaming call: frames out
 
 
 class GrpcPayload:
@@ -322,16 +318,13 @@ class PayloadPeers:
             self._log.warning(message, extra={"peer": address, "lane": lane, "error": why})
 
 
-F = TypeVar("F", covariant=True)  # read only: a channel's frames are objects to its callers
-
-
-class GuardedFrames(Generic[F]):
+class GuardedFrames(Generic[R]):
     """A stream's frames, read from the spool, keeping the reason in ``failure`` when a
     payload cannot be read. Attached to a gRPC call, it cancels the call, where gRPC
     would log a traceback and end it with nothing but "Exception iterating requests!";
     unattached (the lane), it raises on, and the lane call ends with the error."""
 
-    def __init__(self, frames: Iterable[F], *, cancels: bool) -> None:
+    def __init__(self, frames: Iterable[R], *, cancels: bool) -> None:
         self._frames = frames
         self._cancels = cancels
         self._cancel: Callable[[], object] | None = None
@@ -342,7 +335,7 @@ class GuardedFrames(Generic[F]):
         self._cancel = cancel
         self._attached.set()
 
-    def __iter__(self) -> Iterator[F]:
+    def __iter__(self) -> Iterator[R]:
         try:
             yield from self._frames
         except OSError as exc:
