@@ -376,7 +376,8 @@ class BacklogQueue:
         entry.meta.attempt = attempt
 
     def _requeue(self, entry: Entry, *, head: bool, reason: str, charge: bool = True) -> None:
-        """Put an entry back (attempt + 1 if ``charge``), or on its way to the dead letters when exhausted."""
+        """Take a lease back and requeue (attempt + 1 if ``charge``), or mark for the dead letters when exhausted."""
+        self._unlease(entry)
         attempt = max(entry.meta.attempt, 1) + (1 if charge else 0)
         self._set_attempt(entry, attempt)
         if attempt > self.max_attempts:
@@ -473,7 +474,6 @@ class BacklogQueue:
                 (self._leased[t] for t in self._by_channel.get(channel_id, ())), key=lambda e: e.order, reverse=True
             )
             for entry in voided:
-                self._unlease(entry)
                 self._requeue(entry, head=True, reason=reason, charge=charge)
         if settle:
             self.settle()
@@ -492,7 +492,6 @@ class BacklogQueue:
             current = entry is not None and entry.lease_token == lease.token
             if current:
                 assert entry is not None
-                self._unlease(entry)
                 self._requeue(entry, head=True, reason=reason, charge=charge)
         self.settle()
         return current
@@ -505,7 +504,6 @@ class BacklogQueue:
             channels = sorted({e.leased_to for e in expired})
             for entry in expired:
                 log.warning("lease expired", extra={"tuple_id": entry.tuple_id, "channel": entry.leased_to})
-                self._unlease(entry)
                 self._requeue(entry, head=True, reason="lease expired")
         self.settle()
         return channels
@@ -540,7 +538,6 @@ class BacklogQueue:
             entry = self._leased.get(tuple_id)
             if entry is None or entry.leased_to != channel_id:
                 return False
-            self._unlease(entry)
             self._requeue(entry, head=False, reason=reason or "processing failed")
         self.settle()
         return True

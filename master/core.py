@@ -311,16 +311,7 @@ class Master:
             raise InvalidArgument(f"wait_seconds must be between 0 and {MAX_PULL_WAIT:g}, got {wait_seconds}")
         arrived = time.monotonic()
         with self._cond:
-            for item in items:
-                if item.tuple_id and not self.ids.issued(item.tuple_id):
-                    raise InvalidArgument(
-                        f"tuple id {item.tuple_id} was never issued by this master (last issued {self.ids.last_issued})"
-                    )
-            if not self._known_image(image):
-                raise NotFound(
-                    f"image '{image}': no worker offers it and it is not in the master's images "
-                    f"({self._images_known()})"
-                )
+            self._check_known(image, [item.tuple_id for item in items if item.tuple_id])
             fresh = iter(self.ids.allocate(sum(1 for i in items if not i.tuple_id)))
             tuple_ids = [item.tuple_id or next(fresh) for item in items]
             route = self._route_waiting(image, tuple_ids, force_queue, wait_seconds)
@@ -393,16 +384,19 @@ class Master:
                     f"item {n}: {item.size} bytes is over max_tuple_bytes ({self.config.max_tuple_bytes})"
                 )
 
-    def _known_image(self, image: str) -> bool:
-        return image in self.config.images or image in self.registry.offered_images
-
-    def _images_known(self) -> str:
-        """For a refusal: the images this master does know, so a misspelt one is plain to see."""
-        known = sorted(set(self.config.images) | set(self.registry.offered_images))
-        if not known:
-            return "no worker has registered an image yet"
-        more = f" and {len(known) - 10} more" if len(known) > 10 else ""
-        return f"known: {', '.join(known[:10])}{more}"
+    def _check_known(self, image: str, tuple_ids: Iterable[int]) -> None:
+        """Refuse an id this master never issued, or an image it does not know (naming those it
+        knows, so a misspelt one is plain to see). Lock held."""
+        for tuple_id in tuple_ids:
+            if not self.ids.issued(tuple_id):
+                raise InvalidArgument(
+                    f"tuple id {tuple_id} was never issued by this master (last issued {self.ids.last_issued})"
+                )
+        if image not in self.config.images and image not in self.registry.offered_images:
+            known = sorted(set(self.config.images) | self.registry.offered_images)
+            more = f" and {len(known) - 10} more" if len(known) > 10 else ""
+            names = f"known: {', '.join(known[:10])}{more}" if known else "no worker has registered an image yet"
+            raise NotFound(f"image '{image}': no worker offers it and it is not in the master's images ({names})")
 
     def enqueue(self, frames: Iterable[TupleFrame]) -> Iterator[Stored]:
         """Store a stream of tuples in the backlog; one receipt each (see BacklogQueue.receive)."""
@@ -413,30 +407,18 @@ class Master:
             admit=self._admit,
         )
         for stored in stored_any:
+            meta = stored.meta
             with self._cond:
-                self.pending.arrived(stored.meta.image, stored.meta.tuple_id)
-                self.stats.enqueued(stored.meta.size)
+                self.pending.arrived(meta.image, meta.tuple_id)
+                self.stats.enqueued(meta.size)
             log.debug(
-                "enqueued",
-                extra={
-                    "tuple_id": stored.meta.tuple_id,
-                    "image": stored.meta.image,
-                    "placement": stored.placement.value,
-                },
+                "enqueued", extra={"tuple_id": meta.tuple_id, "image": meta.image, "placement": stored.placement.value}
             )
             yield stored
 
     def _admit(self, meta: TupleMeta) -> None:
         with self._cond:
-            if not self.ids.issued(meta.tuple_id):
-                raise InvalidArgument(
-                    f"tuple {meta.tuple_id}: id was never issued by this master "
-                    f"(last issued {self.ids.last_issued}); route it first"
-                )
-            if not self._known_image(meta.image):
-                raise NotFound(
-                    f"tuple {meta.tuple_id}: image '{meta.image}' is neither configured nor offered by any worker"
-                )
+            self._check_known(meta.image, [meta.tuple_id])
 
     def pull(
         self,
@@ -580,12 +562,8 @@ class Master:
             channel = self.registry.channel(channel_id)
             if channel is None or not self.registry.routable(channel):
                 return False
-            if channel.retiring:  # released for good: it takes no more work, and its engine may stop
-                if not self.queue.has_lease(channel_id):
-                    self.registry.set_free(channel)
-                self._cond.notify_all()
-                return False
-            pull = self.queue.ready_count(channel.image) > 0
+            # a retiring channel is released for good: it takes no more work, and its engine may stop
+            pull = not channel.retiring and self.queue.ready_count(channel.image) > 0
             if pull:
                 self.registry.set_queue(channel, leased=self.queue.has_lease(channel_id))
             elif not self.queue.has_lease(channel_id):
@@ -718,21 +696,19 @@ class Master:
         if self.scaler is not None:
             images |= self.scaler.images()
             wanted = collections.Counter({image: self.scaler.wanted_count(image) for image in images})
-        result = []
-        for image in sorted(images):
-            profile = self.profile.image(image)
-            result.append(
-                master_pb2.ImageEngines(
-                    image=image,
-                    running=running[image],
-                    wanted=wanted[image],
-                    pinned=self.scaler is not None and image in self.scaler.pinned,
-                    cpu_share=profile.cpu_share or 0.0,  # 0: not measured yet
-                    seconds_per_tuple=profile.seconds_per_tuple or 0.0,
-                    tuples_per_second=profile.tuples_per_second,
-                )
+        profiles = {image: self.profile.image(image) for image in images}
+        return [
+            master_pb2.ImageEngines(
+                image=image,
+                running=running[image],
+                wanted=wanted[image],
+                pinned=self.scaler is not None and image in self.scaler.pinned,
+                cpu_share=profiles[image].cpu_share or 0.0,  # 0: not measured yet
+                seconds_per_tuple=profiles[image].seconds_per_tuple or 0.0,
+                tuples_per_second=profiles[image].tuples_per_second,
             )
-        return result
+            for image in sorted(images)
+        ]
 
     def not_ready(self) -> str:
         """Why the master cannot do its job just now, '' when it can (its health's readiness):
@@ -811,10 +787,8 @@ class PendingEnqueues:
         self._pending.setdefault(image, {}).update(dict.fromkeys(tuple_ids, time.monotonic() + self._ttl))
 
     def arrived(self, image: str, tuple_id: int) -> None:
-        table = self._pending.get(image, {})
-        table.pop(tuple_id, None)
-        if not table:
-            self._pending.pop(image, None)
+        self._pending.get(image, {}).pop(tuple_id, None)
+        self.expire(image)  # the image's entry goes with its last tuple
 
     def count(self, image: str) -> int:
         self.expire(image)

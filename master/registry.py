@@ -276,9 +276,7 @@ class ChannelRegistry:
                 continue
             for channel in worker.channels.values():
                 if channel.state in (ChannelState.DIRECT, ChannelState.QUEUE) and channel.deadline <= now:
-                    channel.state = ChannelState.FREE
-                    channel.deadline = NEVER
-                    self._offer(channel)
+                    self.set_free(channel)
                     lapsed.append(channel.channel_id)
         return Expiry(expired_workers=expired, down_channels=down, lapsed_channels=lapsed)
 
@@ -428,13 +426,11 @@ class ChannelRegistry:
     def worker(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
 
-    def forget_worker(self, worker_id: str) -> list[str]:
-        """Remove a worker given back (its channels go with it); their ids."""
+    def forget_worker(self, worker_id: str) -> None:
+        """Remove a worker given back (its channels go with it)."""
         worker = self._workers.get(worker_id)
-        if worker is None:
-            return []
-        self._forget(worker)
-        return list(worker.channels)
+        if worker is not None:
+            self._forget(worker)
 
     def counts(self) -> tuple[int, int, int]:
         """(free, busy, down) channels of live workers; an expired worker's channels count as down."""
