@@ -181,13 +181,10 @@ class BacklogQueue:
         max_chunk_bytes: int,
         admit: Callable[[TupleMeta], None] = lambda meta: None,
     ) -> Iterator[Stored]:
-        """Store the tuples of a frame stream one after the other; yield one receipt each.
-
-        ``admit`` sees each tuple's metadata before any payload is stored and
-        may refuse it by raising. A tuple is visible to :meth:`lease` only once
-        its bytes are on disk and verified; on any error the partial record is
-        discarded and the error propagates (the stream ends).
-        """
+        """Store the tuples of a frame stream one after the other; yield one receipt each. ``admit``
+        sees each tuple's metadata before any payload is stored and may refuse it by raising. A tuple
+        is visible to :meth:`lease_many` only once its bytes are on disk and verified; on any error
+        the partial record is discarded and the error propagates (the stream ends)."""
         reader = FrameReader(frames, max_tuple_bytes=max_tuple_bytes, max_chunk_bytes=max_chunk_bytes, need_id=True)
         while True:
             index = reader.index
@@ -509,11 +506,8 @@ class BacklogQueue:
         return channels
 
     def ack(self, tuple_id: int, channel_id: str) -> bool:
-        """``channel_id`` processed the tuple: remove it for good.
-
-        False (nothing changes) if it is not queued, or if that channel never
-        held it: only a holder's word removes a tuple.
-        """
+        """``channel_id`` processed the tuple: remove it for good. False (nothing changes) if it is
+        not queued, or if that channel never held it: only a holder's word removes a tuple."""
         with self._cond:
             entry = self._entries.get(tuple_id)
             if entry is None or tuple_id in self._settling or any(e is entry for e, _ in self._to_dead):
@@ -530,10 +524,8 @@ class BacklogQueue:
 
     def fail(self, tuple_id: int, channel_id: str, reason: str) -> bool:
         """Processing failed on ``channel_id``: requeue at the tail, or dead-letter when exhausted.
-
-        Ignored (False) unless the tuple is leased to that channel: after a
-        redelivery only the current holder's word counts.
-        """
+        Ignored (False) unless the tuple is leased to that channel: after a redelivery only the
+        current holder's word counts."""
         with self._cond:
             entry = self._leased.get(tuple_id)
             if entry is None or entry.leased_to != channel_id:

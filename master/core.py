@@ -183,16 +183,17 @@ class Master:
         return self.lane.port if self.lane is not None else 0
 
     def begin_shutdown(self) -> None:
-        """Wake every waiting pull (they return empty) and refuse new waits."""
+        """Wake every waiting pull (they return empty), refuse new waits, and stop the payload lane
+        (its calls end now: senders send again, pulls void their leases)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        if self.lane is not None:  # after: waiting pulls have returned, so its stop() need not wait for them
+            self.lane.stop()
 
     def close(self) -> None:
         """Stop the payload lane and maintenance, seal the backlog; idempotent."""
-        self.begin_shutdown()  # first: waiting pulls return, so the lane's stop() need not wait for them
-        if self.lane is not None:
-            self.lane.stop()
+        self.begin_shutdown()
         if self.scaler is not None:
             self.scaler.close()
         self._stop.set()
@@ -266,11 +267,10 @@ class Master:
         cpu: dict[str, float] | None = None,
         channels: list[master_pb2.ChannelInfo] | None = None,
     ) -> master_pb2.HeartbeatResponse:
-        """Refresh a worker; unknown (it must register again) or what it is to do.
-
-        ``cpu``: each engine's CPU seconds so far (used and waited for), for the
-        profile of its image. ``channels``: every channel the worker has, when it
-        says so (channels it started or stopped come or go)."""
+        """Refresh a worker; unknown (it must register again) or what it is to do. ``cpu``: each
+        engine's CPU seconds so far (used and waited for), for the profile of its image.
+        ``channels``: every channel the worker has, when it says so (channels it started or
+        stopped come or go)."""
         with self._cond:
             removed: list[str] = []
             if channels is not None:

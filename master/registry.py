@@ -309,12 +309,7 @@ class ChannelRegistry:
         )
 
     def reserve_free(self, image: str) -> Channel | None:
-        """Reserve a FREE channel of ``image`` (now DIRECT), if any.
-
-        One with nothing in progress before one still processing its last
-        tuple (that one would make the new tuple wait); then, concentrating, the
-        lowest-ranked worker's first channel, else the least recently used.
-        """
+        """Reserve the first FREE channel of ``image`` by :meth:`_rank_key` (now DIRECT), if any."""
         heap = self._free.get(image)
         while heap:
             key, _, channel = heapq.heappop(heap)
@@ -327,7 +322,10 @@ class ChannelRegistry:
         return None
 
     def _rank_key(self, channel: Channel) -> tuple[object, ...]:
-        """Where a FREE channel stands among its image's: the lowest is routed to first."""
+        """Where a FREE channel stands among its image's, the lowest routed to first: one with nothing
+        in progress before one still processing its last tuple (that one would make the new tuple
+        wait); then, concentrating, the lowest-ranked worker's first channel, else the least
+        recently used."""
         if self.concentrate:
             return (channel.processing, self._workers[channel.worker_id].rank, channel.seq)
         return (channel.processing, channel.last_used, channel.channel_id)

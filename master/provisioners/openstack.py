@@ -468,11 +468,8 @@ class OpenStackProvisioner:
         }
         if settings.security_groups:
             attributes["security_groups"] = [{"name": group} for group in settings.security_groups]
-        if settings.key_name:
-            attributes["key_name"] = settings.key_name
-        if settings.availability_zone:
-            attributes["availability_zone"] = settings.availability_zone
-        return attributes
+        optional = {"key_name": settings.key_name, "availability_zone": settings.availability_zone}
+        return attributes | {name: value for name, value in optional.items() if value}
 
     def _find(self, worker_id: str) -> Server | None:
         """This cluster's server of ``worker_id``: by its id when this driver knows it
