@@ -92,17 +92,13 @@ class Pulled:
         ]
         if not voided:
             return
+        head = self.lease
         log.info(
             "lease voided",
-            extra={
-                "tuple_id": self.lease.tuple_id,
-                "tuples": len(voided),
-                "channel": self.lease.channel_id,
-                "reason": reason,
-            },
+            extra={"tuple_id": head.tuple_id, "tuples": len(voided), "channel": head.channel_id, "reason": reason},
         )
         with master.lock:
-            master._free_if_unleased(master.registry.channel(self.lease.channel_id))
+            master._free_if_unleased(master.registry.channel(head.channel_id))
             master.lock.notify_all()
 
 
@@ -539,20 +535,14 @@ class Master:
                     else:
                         channel.bytes_direct += outcome.size
                     self.profile.outcome(channel.image, outcome.processing_seconds)
-        for outcome in outcomes:
-            if not outcome.from_queue:
+        for outcome in (o for o in outcomes if o.from_queue):
+            if outcome.ok and not self.queue.ack(outcome.tuple_id, channel_id):
+                ignored = "success report ignored: tuple not queued or never held by this channel"
+            elif not outcome.ok and not self.queue.fail(outcome.tuple_id, channel_id, outcome.message):
+                ignored = "failure report ignored: tuple not leased to this channel"
+            else:
                 continue
-            if outcome.ok:
-                if not self.queue.ack(outcome.tuple_id, channel_id):
-                    log.info(
-                        "success report ignored: tuple not queued or never held by this channel",
-                        extra={"tuple_id": outcome.tuple_id, "channel": channel_id},
-                    )
-            elif not self.queue.fail(outcome.tuple_id, channel_id, outcome.message):
-                log.info(
-                    "failure report ignored: tuple not leased to this channel",
-                    extra={"tuple_id": outcome.tuple_id, "channel": channel_id},
-                )
+            log.info(ignored, extra={"tuple_id": outcome.tuple_id, "channel": channel_id})
         if not release:
             self._after_outcomes(channel_id)
             return False

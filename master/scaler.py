@@ -86,10 +86,7 @@ class Scaler:
     """Wanted engines per image, decided from the load (see the module's words)."""
 
     def __init__(
-        self,
-        master: Master,
-        driver: Provisioner | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        self, master: Master, driver: Provisioner | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._master = master
         self.config = master.config
