@@ -181,13 +181,10 @@ class BacklogQueue:
         max_chunk_bytes: int,
         admit: Callable[[TupleMeta], None] = lambda meta: None,
     ) -> Iterator[Stored]:
-        """Store the tuples of a frame stream one after the other; yield one receipt each.
-
-        ``admit`` sees each tuple's metadata before any payload is stored and
-        may refuse it by raising. A tuple is visible to :meth:`lease` only once
-        its bytes are on disk and verified; on any error the partial record is
-        discarded and the error propagates (the stream ends).
-        """
+        """Store the tuples of a frame stream one after the other; yield one receipt each. ``admit``
+        sees each tuple's metadata before any payload is stored and may refuse it by raising. A tuple
+        is visible to :meth:`lease_many` only once its bytes are on disk and verified; on any error
+        the partial record is discarded and the error propagates (the stream ends)."""
         reader = FrameReader(frames, max_tuple_bytes=max_tuple_bytes, max_chunk_bytes=max_chunk_bytes, need_id=True)
         while True:
             index = reader.index
@@ -376,7 +373,8 @@ class BacklogQueue:
         entry.meta.attempt = attempt
 
     def _requeue(self, entry: Entry, *, head: bool, reason: str, charge: bool = True) -> None:
-        """Put an entry back (attempt + 1 if ``charge``), or on its way to the dead letters when exhausted."""
+        """Take a lease back and requeue (attempt + 1 if ``charge``), or mark for the dead letters when exhausted."""
+        self._unlease(entry)
         attempt = max(entry.meta.attempt, 1) + (1 if charge else 0)
         self._set_attempt(entry, attempt)
         if attempt > self.max_attempts:
@@ -473,7 +471,6 @@ class BacklogQueue:
                 (self._leased[t] for t in self._by_channel.get(channel_id, ())), key=lambda e: e.order, reverse=True
             )
             for entry in voided:
-                self._unlease(entry)
                 self._requeue(entry, head=True, reason=reason, charge=charge)
         if settle:
             self.settle()
@@ -492,7 +489,6 @@ class BacklogQueue:
             current = entry is not None and entry.lease_token == lease.token
             if current:
                 assert entry is not None
-                self._unlease(entry)
                 self._requeue(entry, head=True, reason=reason, charge=charge)
         self.settle()
         return current
@@ -505,17 +501,13 @@ class BacklogQueue:
             channels = sorted({e.leased_to for e in expired})
             for entry in expired:
                 log.warning("lease expired", extra={"tuple_id": entry.tuple_id, "channel": entry.leased_to})
-                self._unlease(entry)
                 self._requeue(entry, head=True, reason="lease expired")
         self.settle()
         return channels
 
     def ack(self, tuple_id: int, channel_id: str) -> bool:
-        """``channel_id`` processed the tuple: remove it for good.
-
-        False (nothing changes) if it is not queued, or if that channel never
-        held it: only a holder's word removes a tuple.
-        """
+        """``channel_id`` processed the tuple: remove it for good. False (nothing changes) if it is
+        not queued, or if that channel never held it: only a holder's word removes a tuple."""
         with self._cond:
             entry = self._entries.get(tuple_id)
             if entry is None or tuple_id in self._settling or any(e is entry for e, _ in self._to_dead):
@@ -532,15 +524,12 @@ class BacklogQueue:
 
     def fail(self, tuple_id: int, channel_id: str, reason: str) -> bool:
         """Processing failed on ``channel_id``: requeue at the tail, or dead-letter when exhausted.
-
-        Ignored (False) unless the tuple is leased to that channel: after a
-        redelivery only the current holder's word counts.
-        """
+        Ignored (False) unless the tuple is leased to that channel: after a redelivery only the
+        current holder's word counts."""
         with self._cond:
             entry = self._leased.get(tuple_id)
             if entry is None or entry.leased_to != channel_id:
                 return False
-            self._unlease(entry)
             self._requeue(entry, head=False, reason=reason or "processing failed")
         self.settle()
         return True

@@ -92,17 +92,13 @@ class Pulled:
         ]
         if not voided:
             return
+        head = self.lease
         log.info(
             "lease voided",
-            extra={
-                "tuple_id": self.lease.tuple_id,
-                "tuples": len(voided),
-                "channel": self.lease.channel_id,
-                "reason": reason,
-            },
+            extra={"tuple_id": head.tuple_id, "tuples": len(voided), "channel": head.channel_id, "reason": reason},
         )
         with master.lock:
-            master._free_if_unleased(master.registry.channel(self.lease.channel_id))
+            master._free_if_unleased(master.registry.channel(head.channel_id))
             master.lock.notify_all()
 
 
@@ -183,16 +179,17 @@ class Master:
         return self.lane.port if self.lane is not None else 0
 
     def begin_shutdown(self) -> None:
-        """Wake every waiting pull (they return empty) and refuse new waits."""
+        """Wake every waiting pull (they return empty), refuse new waits, and stop the payload lane
+        (its calls end now: senders send again, pulls void their leases)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        if self.lane is not None:  # after: waiting pulls have returned, so its stop() need not wait for them
+            self.lane.stop()
 
     def close(self) -> None:
         """Stop the payload lane and maintenance, seal the backlog; idempotent."""
-        self.begin_shutdown()  # first: waiting pulls return, so the lane's stop() need not wait for them
-        if self.lane is not None:
-            self.lane.stop()
+        self.begin_shutdown()
         if self.scaler is not None:
             self.scaler.close()
         self._stop.set()
@@ -266,11 +263,10 @@ class Master:
         cpu: dict[str, float] | None = None,
         channels: list[master_pb2.ChannelInfo] | None = None,
     ) -> master_pb2.HeartbeatResponse:
-        """Refresh a worker; unknown (it must register again) or what it is to do.
-
-        ``cpu``: each engine's CPU seconds so far (used and waited for), for the
-        profile of its image. ``channels``: every channel the worker has, when it
-        says so (channels it started or stopped come or go)."""
+        """Refresh a worker; unknown (it must register again) or what it is to do. ``cpu``: each
+        engine's CPU seconds so far (used and waited for), for the profile of its image.
+        ``channels``: every channel the worker has, when it says so (channels it started or
+        stopped come or go)."""
         with self._cond:
             removed: list[str] = []
             if channels is not None:
@@ -311,16 +307,7 @@ class Master:
             raise InvalidArgument(f"wait_seconds must be between 0 and {MAX_PULL_WAIT:g}, got {wait_seconds}")
         arrived = time.monotonic()
         with self._cond:
-            for item in items:
-                if item.tuple_id and not self.ids.issued(item.tuple_id):
-                    raise InvalidArgument(
-                        f"tuple id {item.tuple_id} was never issued by this master (last issued {self.ids.last_issued})"
-                    )
-            if not self._known_image(image):
-                raise NotFound(
-                    f"image '{image}': no worker offers it and it is not in the master's images "
-                    f"({self._images_known()})"
-                )
+            self._check_known(image, [item.tuple_id for item in items if item.tuple_id])
             fresh = iter(self.ids.allocate(sum(1 for i in items if not i.tuple_id)))
             tuple_ids = [item.tuple_id or next(fresh) for item in items]
             route = self._route_waiting(image, tuple_ids, force_queue, wait_seconds)
@@ -393,16 +380,19 @@ class Master:
                     f"item {n}: {item.size} bytes is over max_tuple_bytes ({self.config.max_tuple_bytes})"
                 )
 
-    def _known_image(self, image: str) -> bool:
-        return image in self.config.images or image in self.registry.offered_images
-
-    def _images_known(self) -> str:
-        """For a refusal: the images this master does know, so a misspelt one is plain to see."""
-        known = sorted(set(self.config.images) | set(self.registry.offered_images))
-        if not known:
-            return "no worker has registered an image yet"
-        more = f" and {len(known) - 10} more" if len(known) > 10 else ""
-        return f"known: {', '.join(known[:10])}{more}"
+    def _check_known(self, image: str, tuple_ids: Iterable[int]) -> None:
+        """Refuse an id this master never issued, or an image it does not know (naming those it
+        knows, so a misspelt one is plain to see). Lock held."""
+        for tuple_id in tuple_ids:
+            if not self.ids.issued(tuple_id):
+                raise InvalidArgument(
+                    f"tuple id {tuple_id} was never issued by this master (last issued {self.ids.last_issued})"
+                )
+        if image not in self.config.images and image not in self.registry.offered_images:
+            known = sorted(set(self.config.images) | self.registry.offered_images)
+            more = f" and {len(known) - 10} more" if len(known) > 10 else ""
+            names = f"known: {', '.join(known[:10])}{more}" if known else "no worker has registered an image yet"
+            raise NotFound(f"image '{image}': no worker offers it and it is not in the master's images ({names})")
 
     def enqueue(self, frames: Iterable[TupleFrame]) -> Iterator[Stored]:
         """Store a stream of tuples in the backlog; one receipt each (see BacklogQueue.receive)."""
@@ -413,30 +403,18 @@ class Master:
             admit=self._admit,
         )
         for stored in stored_any:
+            meta = stored.meta
             with self._cond:
-                self.pending.arrived(stored.meta.image, stored.meta.tuple_id)
-                self.stats.enqueued(stored.meta.size)
+                self.pending.arrived(meta.image, meta.tuple_id)
+                self.stats.enqueued(meta.size)
             log.debug(
-                "enqueued",
-                extra={
-                    "tuple_id": stored.meta.tuple_id,
-                    "image": stored.meta.image,
-                    "placement": stored.placement.value,
-                },
+                "enqueued", extra={"tuple_id": meta.tuple_id, "image": meta.image, "placement": stored.placement.value}
             )
             yield stored
 
     def _admit(self, meta: TupleMeta) -> None:
         with self._cond:
-            if not self.ids.issued(meta.tuple_id):
-                raise InvalidArgument(
-                    f"tuple {meta.tuple_id}: id was never issued by this master "
-                    f"(last issued {self.ids.last_issued}); route it first"
-                )
-            if not self._known_image(meta.image):
-                raise NotFound(
-                    f"tuple {meta.tuple_id}: image '{meta.image}' is neither configured nor offered by any worker"
-                )
+            self._check_known(meta.image, [meta.tuple_id])
 
     def pull(
         self,
@@ -557,20 +535,14 @@ class Master:
                     else:
                         channel.bytes_direct += outcome.size
                     self.profile.outcome(channel.image, outcome.processing_seconds)
-        for outcome in outcomes:
-            if not outcome.from_queue:
+        for outcome in (o for o in outcomes if o.from_queue):
+            if outcome.ok and not self.queue.ack(outcome.tuple_id, channel_id):
+                ignored = "success report ignored: tuple not queued or never held by this channel"
+            elif not outcome.ok and not self.queue.fail(outcome.tuple_id, channel_id, outcome.message):
+                ignored = "failure report ignored: tuple not leased to this channel"
+            else:
                 continue
-            if outcome.ok:
-                if not self.queue.ack(outcome.tuple_id, channel_id):
-                    log.info(
-                        "success report ignored: tuple not queued or never held by this channel",
-                        extra={"tuple_id": outcome.tuple_id, "channel": channel_id},
-                    )
-            elif not self.queue.fail(outcome.tuple_id, channel_id, outcome.message):
-                log.info(
-                    "failure report ignored: tuple not leased to this channel",
-                    extra={"tuple_id": outcome.tuple_id, "channel": channel_id},
-                )
+            log.info(ignored, extra={"tuple_id": outcome.tuple_id, "channel": channel_id})
         if not release:
             self._after_outcomes(channel_id)
             return False
@@ -580,12 +552,8 @@ class Master:
             channel = self.registry.channel(channel_id)
             if channel is None or not self.registry.routable(channel):
                 return False
-            if channel.retiring:  # released for good: it takes no more work, and its engine may stop
-                if not self.queue.has_lease(channel_id):
-                    self.registry.set_free(channel)
-                self._cond.notify_all()
-                return False
-            pull = self.queue.ready_count(channel.image) > 0
+            # a retiring channel is released for good: it takes no more work, and its engine may stop
+            pull = not channel.retiring and self.queue.ready_count(channel.image) > 0
             if pull:
                 self.registry.set_queue(channel, leased=self.queue.has_lease(channel_id))
             elif not self.queue.has_lease(channel_id):
@@ -718,21 +686,19 @@ class Master:
         if self.scaler is not None:
             images |= self.scaler.images()
             wanted = collections.Counter({image: self.scaler.wanted_count(image) for image in images})
-        result = []
-        for image in sorted(images):
-            profile = self.profile.image(image)
-            result.append(
-                master_pb2.ImageEngines(
-                    image=image,
-                    running=running[image],
-                    wanted=wanted[image],
-                    pinned=self.scaler is not None and image in self.scaler.pinned,
-                    cpu_share=profile.cpu_share or 0.0,  # 0: not measured yet
-                    seconds_per_tuple=profile.seconds_per_tuple or 0.0,
-                    tuples_per_second=profile.tuples_per_second,
-                )
+        profiles = {image: self.profile.image(image) for image in images}
+        return [
+            master_pb2.ImageEngines(
+                image=image,
+                running=running[image],
+                wanted=wanted[image],
+                pinned=self.scaler is not None and image in self.scaler.pinned,
+                cpu_share=profiles[image].cpu_share or 0.0,  # 0: not measured yet
+                seconds_per_tuple=profiles[image].seconds_per_tuple or 0.0,
+                tuples_per_second=profiles[image].tuples_per_second,
             )
-        return result
+            for image in sorted(images)
+        ]
 
     def not_ready(self) -> str:
         """Why the master cannot do its job just now, '' when it can (its health's readiness):
@@ -811,10 +777,8 @@ class PendingEnqueues:
         self._pending.setdefault(image, {}).update(dict.fromkeys(tuple_ids, time.monotonic() + self._ttl))
 
     def arrived(self, image: str, tuple_id: int) -> None:
-        table = self._pending.get(image, {})
-        table.pop(tuple_id, None)
-        if not table:
-            self._pending.pop(image, None)
+        self._pending.get(image, {}).pop(tuple_id, None)
+        self.expire(image)  # the image's entry goes with its last tuple
 
     def count(self, image: str) -> int:
         self.expire(image)

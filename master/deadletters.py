@@ -113,12 +113,9 @@ class DeadLetterStore:
             return self._letters.get(tuple_id)
 
     def origins(self) -> set[tuple[int, int]]:
-        """(backlog sequence number, tuple id) of dead letters that came from the backlog.
-
-        Recovery drops these records from the queue (a crash may come between
-        writing the dead letter and acknowledging its record) and numbers new
-        records above every sequence number listed here.
-        """
+        """(backlog sequence number, tuple id) of dead letters that came from the backlog. Recovery
+        drops these records from the queue (a crash may come between writing the dead letter and
+        acknowledging its record) and numbers new records above every sequence number listed here."""
         with self._lock:
             return {(d.seq, d.tuple_id) for d in self._letters.values() if d.seq}
 

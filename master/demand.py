@@ -53,14 +53,11 @@ class DemandPredictor:
         """The change of ``image``'s wanted count (``wanted`` now) this look calls for, if any."""
         now = self._clock()
         seen = self._seen.get(image)
-        if seen is None:  # a rate needs two looks: the first only counts, unless nothing serves the image
+        first = seen is None  # a rate needs two looks: the first only counts, unless nothing serves the image
+        if seen is None:
             seen = self._seen[image] = _Seen(backlog=load.backlog, at=now)
-            first = True
-            rate = 0.0
-        else:
-            first = False
-            rate = (load.backlog - seen.backlog) / max(now - seen.at, 1e-3)
-            seen.backlog, seen.at = load.backlog, now
+        rate = (load.backlog - seen.backlog) / max(now - seen.at, 1e-3)  # 0 at the first look
+        seen.backlog, seen.at = load.backlog, now
         cooling = first or now - seen.changed < self.config.cooldown_seconds
         change = self._decide(image, load, wanted, rate, cooling=cooling)
         if change is not None:

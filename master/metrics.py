@@ -16,16 +16,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
-from hio.metrics import (
-    LATENCY_BUCKETS,
-    ROUTE_WAIT_BUCKETS,
-    Scraped,
-    counters,
-    gauge,
-    gauges,
-    histogram,
-    role_registry,
-)
+from hio.metrics import LATENCY_BUCKETS, ROUTE_WAIT_BUCKETS, Scraped, counters, gauge, gauges, histogram, role_registry
 
 if TYPE_CHECKING:
     from hio.master.core import Master

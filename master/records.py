@@ -172,12 +172,9 @@ def _entry(kind: int, seq: int, order: int, attempt: int) -> bytes:
 
 def scan_segment(path: Path) -> tuple[list[tuple[int, TupleMeta, int]], int]:
     """The complete records of a segment, and where the last one ends (the segment log cuts
-    off what follows: a torn tail).
-
-    A damaged record with good ones after it (a flipped bit, not a crash: a crash
-    only tears the end) costs only itself: the scan finds the next record by its
-    magic and checks, and says which bytes it skipped. Only what follows the
-    last good record is cut off."""
+    off what follows: a torn tail). A damaged record with good ones after it (a flipped bit,
+    not a crash: a crash only tears the end) costs only itself: the scan finds the next record
+    by its magic and checks, and says which bytes it skipped."""
     records: list[tuple[int, TupleMeta, int]] = []
     total = path.stat().st_size
     pos = 0

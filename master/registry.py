@@ -276,9 +276,7 @@ class ChannelRegistry:
                 continue
             for channel in worker.channels.values():
                 if channel.state in (ChannelState.DIRECT, ChannelState.QUEUE) and channel.deadline <= now:
-                    channel.state = ChannelState.FREE
-                    channel.deadline = NEVER
-                    self._offer(channel)
+                    self.set_free(channel)
                     lapsed.append(channel.channel_id)
         return Expiry(expired_workers=expired, down_channels=down, lapsed_channels=lapsed)
 
@@ -311,12 +309,7 @@ class ChannelRegistry:
         )
 
     def reserve_free(self, image: str) -> Channel | None:
-        """Reserve a FREE channel of ``image`` (now DIRECT), if any.
-
-        One with nothing in progress before one still processing its last
-        tuple (that one would make the new tuple wait); then, concentrating, the
-        lowest-ranked worker's first channel, else the least recently used.
-        """
+        """Reserve the first FREE channel of ``image`` by :meth:`_rank_key` (now DIRECT), if any."""
         heap = self._free.get(image)
         while heap:
             key, _, channel = heapq.heappop(heap)
@@ -329,7 +322,10 @@ class ChannelRegistry:
         return None
 
     def _rank_key(self, channel: Channel) -> tuple[object, ...]:
-        """Where a FREE channel stands among its image's: the lowest is routed to first."""
+        """Where a FREE channel stands among its image's, the lowest routed to first: one with nothing
+        in progress before one still processing its last tuple (that one would make the new tuple
+        wait); then, concentrating, the lowest-ranked worker's first channel, else the least
+        recently used."""
         if self.concentrate:
             return (channel.processing, self._workers[channel.worker_id].rank, channel.seq)
         return (channel.processing, channel.last_used, channel.channel_id)
@@ -428,13 +424,11 @@ class ChannelRegistry:
     def worker(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
 
-    def forget_worker(self, worker_id: str) -> list[str]:
-        """Remove a worker given back (its channels go with it); their ids."""
+    def forget_worker(self, worker_id: str) -> None:
+        """Remove a worker given back (its channels go with it)."""
         worker = self._workers.get(worker_id)
-        if worker is None:
-            return []
-        self._forget(worker)
-        return list(worker.channels)
+        if worker is not None:
+            self._forget(worker)
 
     def counts(self) -> tuple[int, int, int]:
         """(free, busy, down) channels of live workers; an expired worker's channels count as down."""

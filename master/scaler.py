@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from hio.master.demand import DemandPredictor, ImageLoad, engines_word
 from hio.master.packer import Bin, Packer, Plan
 from hio.master.provisioners import Provisioner
-from hio.master.registry import Channel, ChannelRegistry, ChannelState, Worker
+from hio.master.registry import Channel, ChannelRegistry, ChannelState
 from hio.master.workers import Action, WorkerPool
 from hio.proto import master_pb2
 from hio.storage.files import atomic_write
@@ -56,7 +56,7 @@ def worker_plans(
     planned, load = planned or {}, load or {}
     plans = []
     for worker in registry.workers():
-        up = [c for c in worker.channels.values() if registry.routable(c) and not c.retiring]
+        up = [c for c in worker.channels.values() if registry.takes_work(c)]
         plans.append(
             master_pb2.WorkerPlan(
                 worker_id=worker.worker_id,
@@ -86,10 +86,7 @@ class Scaler:
     """Wanted engines per image, decided from the load (see the module's words)."""
 
     def __init__(
-        self,
-        master: Master,
-        driver: Provisioner | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        self, master: Master, driver: Provisioner | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._master = master
         self.config = master.config
@@ -190,7 +187,9 @@ class Scaler:
             if b.worker_id in self.plan or worker is None:
                 current[b.worker_id] = self.plan.get(b.worker_id, {})
             else:  # a worker new to the plan: what it runs is where the plan starts
-                current[b.worker_id] = dict(collections.Counter(c.image for c in _active(worker)))
+                current[b.worker_id] = dict(
+                    collections.Counter(c.image for c in worker.channels.values() if not c.retiring)
+                )
         images = self.images() | {image for engines in current.values() for image in engines}
         wanted = {image: self.wanted_count(image) for image in images}
         sizes = {image: self.size(image) for image in images}
@@ -299,8 +298,7 @@ class Scaler:
             if not 0 <= count <= MAX_PINNED:
                 raise InvalidArgument(f"pin {image}: count must be between 0 and {MAX_PINNED}, got {count}")
         with self._master.lock:
-            low = self.pool.min_workers if not reset_bounds else None
-            high = self.pool.max_workers if not reset_bounds else None
+            low, high = (None, None) if reset_bounds else (self.pool.min_workers, self.pool.max_workers)
             low = min_workers if min_workers is not None else low
             high = max_workers if max_workers is not None else high
             eff_low = self.config.min_workers if low is None else low
@@ -391,7 +389,3 @@ class Scaler:
             master_pb2.ScalingDecision(unix=time.time(), subject=subject, action=action, reason=reason)
         )
         log.info("scaling", extra={"subject": subject, "action": action, "reason": reason})
-
-
-def _active(worker: Worker) -> list[Channel]:
-    return [c for c in worker.channels.values() if not c.retiring]

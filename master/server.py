@@ -58,10 +58,8 @@ def _build(config: MasterConfig) -> tuple[grpc.Server, int, Master, RoleHealth]:
 
 
 def create_master_server(config: MasterConfig) -> tuple[grpc.Server, int, Master]:
-    """The master's gRPC server (not started), its bound port, and the domain object.
-
-    The caller starts the server, and stops it before ``master.close()``.
-    """
+    """The master's gRPC server (not started), its bound port, and the domain object; the
+    caller starts the server, and stops it before ``master.close()``."""
     server, port, master, health = _build(config)
     health.start(master.not_ready)
     return server, port, master
@@ -94,9 +92,7 @@ def run_master(config: MasterConfig) -> int:
 
     def draining() -> None:
         health_servicer.stop()
-        master.begin_shutdown()  # first: a pull waiting on the lane returns now, so stop() need not wait for it
-        if master.lane is not None:  # its calls end now (senders send again); pulls void their leases
-            master.lane.stop()
+        master.begin_shutdown()  # waiting pulls return and the lane stops, before the gRPC server drains
 
     try:
         return run_until_signal(server, grace=config.grace_seconds, on_stop=[draining])

@@ -127,13 +127,11 @@ class MasterService(master_pb2_grpc.MasterServicer):
         if not alive():
             pulled.abandon("pull call already ended", charge=False)
             return
-        finished = False
         try:
             yield from lane_frames(pulled.payloads(), self._master.config.chunk_bytes, PULL_PACK_BYTES)
-            finished = True
-        finally:
-            if not finished:
-                pulled.abandon("pull stream cancelled")
+        except BaseException:  # the stream broke, or its reader closed it (GeneratorExit)
+            pulled.abandon("pull stream cancelled")
+            raise
 
     def _pull(self, request: master_pb2.PullTupleRequest, alive: Callable[[], bool]) -> Pulled | None:
         return self._master.pull(

@@ -100,13 +100,12 @@ class WorkerPool:
         now = self._clock()
         # A worker asked for and not (or no longer) serving counts until the provisioner says
         # it failed or it takes too long (poll): a replacement comes only then.
-        waiting = [p for p in self.provisioned.values() if p.worker_id not in live_ids]
         for record in self.provisioned.values():
             if record.worker_id in live_ids:
                 record.lost_since = None
             elif record.lost_since is None:
                 record.lost_since = now
-        self.present = len(live) + len(waiting)
+        self.present = len(live) + sum(1 for p in self.provisioned.values() if p.worker_id not in live_ids)
         for worker in live:
             mine = self.provisioned.get(worker.worker_id)
             if mine is None:

@@ -26,10 +26,7 @@ if TYPE_CHECKING:
     from hio.master.config import MasterConfig
 
 #: driver name -> its module; each module has ``create_provisioner(config, state_dir, options)``
-DRIVERS = {
-    "local": "hio.master.provisioners.local",
-    "openstack": "hio.master.provisioners.openstack",
-}
+DRIVERS = {"local": "hio.master.provisioners.local", "openstack": "hio.master.provisioners.openstack"}
 
 
 class WorkerState(enum.Enum):

@@ -215,9 +215,8 @@ class OpenStackSettings:
             raise ConfigError(
                 f"{option('cluster')} must be 1-63 letters, digits, '.', '_' or '-', got {self.cluster!r}"
             )
-        for group in self.security_groups:
-            if not group.strip():
-                raise ConfigError(f"{option('security_groups')} names an empty group")
+        if any(not group.strip() for group in self.security_groups):
+            raise ConfigError(f"{option('security_groups')} names an empty group")
         if self.clouds_file and not Path(self.clouds_file).expanduser().is_file():
             raise ConfigError(f"{option('clouds_file')} {self.clouds_file} is not a file")
         if self.pip_install and not re.match(r"^python3(\.\d+)?$", self.python):
@@ -246,15 +245,12 @@ class _Placement:
 
 
 class OpenStackProvisioner:
-    """Worker servers on one OpenStack project (see the module's words).
-
-    ``repository_address`` is where workers reach the repository (the master's own
-    ``repository_address`` when both are on the cluster's private network; a
-    ``repository_address`` in the ``worker_settings`` option wins). ``worker_cpus`` is
-    what each worker offers (``--cpus``); 0 = its flavor's vCPUs. Nothing is sent to the
-    cloud until the first call; :meth:`check` makes that call at once so a master can
-    refuse to start with a cloud that will not work.
-    """
+    """Worker servers on one OpenStack project (see the module's words). ``repository_address``
+    is where workers reach the repository (the master's own ``repository_address`` when both are
+    on the cluster's private network; a ``repository_address`` in the ``worker_settings`` option
+    wins). ``worker_cpus`` is what each worker offers (``--cpus``); 0 = its flavor's vCPUs.
+    Nothing is sent to the cloud until the first call; :meth:`check` makes that call at once so
+    a master can refuse to start with a cloud that will not work."""
 
     name = "openstack"
 
@@ -468,11 +464,8 @@ class OpenStackProvisioner:
         }
         if settings.security_groups:
             attributes["security_groups"] = [{"name": group} for group in settings.security_groups]
-        if settings.key_name:
-            attributes["key_name"] = settings.key_name
-        if settings.availability_zone:
-            attributes["availability_zone"] = settings.availability_zone
-        return attributes
+        optional = {"key_name": settings.key_name, "availability_zone": settings.availability_zone}
+        return attributes | {name: value for name, value in optional.items() if value}
 
     def _find(self, worker_id: str) -> Server | None:
         """This cluster's server of ``worker_id``: by its id when this driver knows it
