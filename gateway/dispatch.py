@@ -58,6 +58,7 @@ from hio.proto import master_pb2, master_pb2_grpc
 from hio.proto.tuple_pb2 import TupleReceipt
 from hio.transport.errors import retry_after
 from hio.transport.frames import TupleMeta, unpacked_receipts
+from hio.transport.lane import LaneError
 from hio.transport.net import NEVER_CONNECTED, create_channel, rpc_error_text, rpc_status
 from hio.transport.payload import PayloadPeers, Upload
 
@@ -88,12 +89,12 @@ class _Pending:
     """A spooled tuple waiting for (or in) delivery."""
 
     seq: int
-    entry: SpoolEntry = field(compare=False)
-    not_before: float = field(default=0.0, compare=False)
-    last_error: str = field(default="", compare=False)  # the latest problem (shown on timeouts)
-    failure: str = field(default="", compare=False)  # the last counted failure (dead-letter reason)
-    solo: bool = field(default=False, compare=False)  # route alone (its batch was refused)
-    taken: bool = field(default=False, compare=False)  # a delivery thread holds it (not queued, not settled)
+    entry: SpoolEntry
+    not_before: float = 0.0
+    last_error: str = ""  # the latest problem (shown on timeouts)
+    failure: str = ""  # the last counted failure (dead-letter reason)
+    solo: bool = False  # route alone (its batch was refused)
+    taken: bool = False  # a delivery thread holds it (not queued, not settled)
 
 
 @dataclass
@@ -112,15 +113,22 @@ class DispatchStats:
 
 @dataclass
 class DeliveryState(DispatchStats):
-    """The counters and what keeps tuples from delivery, as :class:`~hio.gateway.client.GatewayStatus`
-    names them (and says what each is)."""
+    """The counters and what keeps tuples from delivery; :class:`~hio.gateway.client.GatewayStatus`
+    adds the spool's figures."""
 
+    #: seconds the master has been failing every call (0 when reachable)
     master_unreachable_seconds: float = 0.0
+    #: while the master is unreachable, how its last call failed
     master_error: str = ""
+    #: images the master knows no engine for: image -> (seconds refused so far, the master's message)
     unserved_images: dict[str, tuple[float, str]] = field(default_factory=dict)
+    #: the master's words while it refuses this gateway (missing or wrong token, certificate), else ''
     master_refusal: str = ""
+    #: the master's words while its queue takes no tuples (its disk failed to sync), else ''
     master_queue_refusal: str = ""
+    #: tuples streamed by route ("direct", "queue"); each try of a tuple counts
     attempts: dict[str, int] = field(default_factory=dict)
+    #: failed calls by peer ("master", "engine") and gRPC status code name
     refusals: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
@@ -207,10 +215,6 @@ class Dispatcher:
                 attempts=dict(self._attempts),
                 refusals=dict(self._refusals),
             )
-
-    def _refused(self, peer: str, code: grpc.StatusCode | None) -> None:
-        with self._cond:
-            self._refusals[peer, code.name if code is not None else "UNKNOWN"] += 1
 
     def waiting(self) -> int:
         with self._cond:
@@ -341,7 +345,10 @@ class Dispatcher:
         timeout = self._config.route_timeout_seconds + request.wait_seconds
         response = self._route_call(request, timeout=timeout)
         if len(response.tuple_ids) != len(batch) or len(response.tickets) != len(batch):
-            raise _Protocol(f"master answered {len(response.tuple_ids)} ids for {len(batch)} tuples")
+            # an answer the contract does not allow, failed like a call (LaneError reads as one)
+            raise LaneError(
+                grpc.StatusCode.INTERNAL, f"master answered {len(response.tuple_ids)} ids for {len(batch)} tuples"
+            )
         return response
 
     def _stream(self, batch: list[_Pending], address: str, *, direct: bool, lane: str = "") -> None:
@@ -490,14 +497,9 @@ class Dispatcher:
             stats.failed += len(done) - len(sizes)
         for pending, outcome, detail in done:
             if outcome is Outcome.DEAD_LETTERED:
-                log.warning(
-                    "tuple dead-lettered at the master",
-                    extra={
-                        "tuple_id": pending.entry.meta.tuple_id,
-                        "tuple_name": pending.entry.meta.name,
-                        "error": detail,
-                    },
-                )
+                meta = pending.entry.meta
+                extra = {"tuple_id": meta.tuple_id, "tuple_name": meta.name, "error": detail}
+                log.warning("tuple dead-lettered at the master", extra=extra)
         try:
             self._on_complete([(pending.entry, outcome, detail) for pending, outcome, detail in done])
         except Exception:  # the hook's failure must not stop delivery of others
@@ -533,13 +535,9 @@ class Dispatcher:
         )
 
     def _route_failed(self, batch: list[_Pending], exc: grpc.RpcError) -> None:
-        code, details = rpc_status(exc)
-        self._refused("master", code)
-        why = rpc_error_text(exc, self._config)
-        error = f"master {self._config.master_address}: {why}"
+        code, details, why, error = self._failed_call(exc, "master", self._config.master_address)
         if code in _MASTER_DOWN:
-            self._master_state(unreachable=why)
-            self._retry(batch, error, count_attempt=False, delay=self._master_delay())
+            self._master_down(batch, why, error)
         elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._retry(batch, error, count_attempt=False, delay=_hinted(exc))
         elif code == grpc.StatusCode.NOT_FOUND:
@@ -562,6 +560,20 @@ class Dispatcher:
             log.warning("routing failed", extra={"error": error})
             self._retry(batch, error, count_attempt=False, delay=random.uniform(1.0, 3.0))
 
+    def _failed_call(self, exc: grpc.RpcError, peer: str, address: str) -> tuple[grpc.StatusCode | None, str, str, str]:
+        """(code, details, 'CODE: details', the error naming the peer) of a failed call, counted
+        among the refusals."""
+        code, details = rpc_status(exc)
+        with self._cond:
+            self._refusals[peer, code.name if code is not None else "UNKNOWN"] += 1
+        why = rpc_error_text(exc, self._config)
+        return code, details, why, f"{peer} {address}: {why}"
+
+    def _master_down(self, batch: list[_Pending], why: str, error: str) -> None:
+        """The master is unreachable: the tuples wait, uncounted, longer the longer that lasts."""
+        self._master_state(unreachable=why)
+        self._retry(batch, error, count_attempt=False, delay=self._master_delay())
+
     def _forget_id(self, pending: _Pending, details: str) -> None:
         """The master refused a tuple that carries an id: most likely the id is not its own (its
         state was reset, or this spool was pointed at another cluster). That is no fault of the
@@ -577,10 +589,7 @@ class Dispatcher:
         self._retry([pending], details, count_attempt=False, delay=0.0, solo=True)
 
     def _stream_failed(self, left: list[_Pending], exc: grpc.RpcError, address: str, *, direct: bool) -> None:
-        code, details = rpc_status(exc)
-        self._refused("engine" if direct else "master", code)
-        why = rpc_error_text(exc, self._config)
-        error = f"{'engine' if direct else 'master'} {address}: {why}"
+        code, details, why, error = self._failed_call(exc, "engine" if direct else "master", address)
         if not left:
             return
         if code == grpc.StatusCode.CANCELLED and self._stopping:
@@ -618,8 +627,7 @@ class Dispatcher:
                 )
             self._retry(left, error, count_attempt=False, delay=_hinted(exc))
         elif not direct and code in _MASTER_DOWN:
-            self._master_state(unreachable=why)
-            self._retry(left, error, count_attempt=False, delay=self._master_delay())
+            self._master_down(left, why, error)
         elif code == grpc.StatusCode.DATA_LOSS:
             self._check_spooled(left, error)
         else:
@@ -716,20 +724,6 @@ class Dispatcher:
                 channel = create_channel(address, self._config)
                 self._channels[address] = channel
             return channel
-
-
-class _Protocol(grpc.RpcError):
-    """A peer answered something the contract does not allow."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self._message = message
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.INTERNAL
-
-    def details(self) -> str:
-        return self._message
 
 
 def _unsettled(batch: list[_Pending], sent: list[_Pending], settled: set[int], skipped: set[int]) -> list[_Pending]:
