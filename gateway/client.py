@@ -288,9 +288,8 @@ class Gateway:
                     fate = "not delivered (it stays spooled, and goes once an engine serves its image)"
                     break
                 if left is not None and left <= 0.25:
-                    seq = getattr(future, "seq", 0)
                     down = delivery.master_unreachable_seconds
-                    why = (self._dispatcher.last_error(seq) if seq else "") or (
+                    why = self._dispatcher.last_error(future.seq) or (
                         f"master {self.config.master_address} unreachable for {down:.0f}s"
                         if down
                         else "still waiting for a channel or the queue"

@@ -90,8 +90,6 @@ class _Pending:
 
     seq: int
     entry: SpoolEntry
-    not_before: float = 0.0
-    last_error: str = ""  # the latest problem (shown on timeouts)
     failure: str = ""  # the last counted failure (dead-letter reason)
     solo: bool = False  # route alone (its batch was refused)
     taken: bool = False  # a delivery thread holds it (not queued, not settled)
@@ -402,13 +400,13 @@ class Dispatcher:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
 
     def _payloads(
-        self, batch: list[_Pending], sent: list[_Pending], skipped: set[int], abandoned: threading.Event | None = None
+        self, batch: list[_Pending], sent: list[_Pending], skipped: set[int], abandoned: threading.Event
     ) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
         """Each tuple's metadata and payload (kept in memory, else its spooled file), in order;
         a tuple whose spooled payload is gone is rejected and skipped. Stops once ``abandoned``
         is set (its stream was settled without it: the tuples left are retried elsewhere)."""
         for pending in batch:
-            if abandoned is not None and abandoned.is_set():
+            if abandoned.is_set():
                 return
             entry = pending.entry
             try:
@@ -523,12 +521,10 @@ class Dispatcher:
         with self._cond:
             for pending in batch:
                 pending.taken = False
-                pending.last_error = error
                 pending.solo = pending.solo or solo
                 self._errors[pending.seq] = error
                 wait = delay if delay is not None else _jitter(pending.entry.meta.attempt)
-                pending.not_before = now + wait
-                heapq.heappush(self._delayed, (pending.not_before, next(self._counter), pending))
+                heapq.heappush(self._delayed, (now + wait, next(self._counter), pending))
             self._cond.notify_all()
         log.info(
             "tuples back for redelivery", extra={"tuples": len(batch), "error": error, "attempt_counted": count_attempt}

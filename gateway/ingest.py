@@ -81,7 +81,8 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         )
         waiting: dict[TupleFuture, int] = {}
         while True:
-            self._check_accepting()
+            if not self._accepting.is_set():
+                raise Unavailable("the gateway is stopping; submit again to its next start")
             index = reader.index
             future, wait = self._receive_one(reader)
             if future is None:
@@ -92,10 +93,6 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
             yield from self._finished(waiting, timeout=0)
         while waiting and still_wanted():
             yield from self._finished(waiting, timeout=_POLL)
-
-    def _check_accepting(self) -> None:
-        if not self._accepting.is_set():
-            raise Unavailable("the gateway is stopping; submit again to its next start")
 
     def _receive_one(self, reader: FrameReader) -> tuple[TupleFuture | None, bool]:
         holder: list[SpoolWriter] = []
