@@ -302,8 +302,7 @@ class Gateway:
         """Block until every spooled tuple is delivered (or failed); False on timeout."""
         with self._lock:
             pending = list(self._futures.values())
-        _done, not_done = concurrent.futures.wait(pending, timeout=timeout)
-        return not not_done
+        return not concurrent.futures.wait(pending, timeout=timeout).not_done
 
     def close(self, timeout: float | None = None, *, drain: bool = True) -> None:
         """Stop delivering; blocks at most about ``timeout`` s (default ``grace_seconds``).

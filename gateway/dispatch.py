@@ -681,10 +681,7 @@ class Dispatcher:
         do (``unreachable``: 'CODE: details'); each change between the two is logged once."""
         with self._cond:
             was_down = self._master_down_since is not None
-            if not unreachable:
-                self._master_down_since = None
-            elif not was_down:
-                self._master_down_since = time.monotonic()
+            self._master_down_since = (self._master_down_since or time.monotonic()) if unreachable else None
             self._master_error = unreachable
         if unreachable and not was_down:
             log.warning(
@@ -715,11 +712,9 @@ class Dispatcher:
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._cond:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = create_channel(address, self._config)
-                self._channels[address] = channel
-            return channel
+            if address not in self._channels:
+                self._channels[address] = create_channel(address, self._config)
+            return self._channels[address]
 
 
 def _unsettled(batch: list[_Pending], sent: list[_Pending], settled: set[int], skipped: set[int]) -> list[_Pending]:

@@ -235,11 +235,8 @@ class _Sender:
                 if gateway.status().master_unreachable_seconds > self.config.connect_seconds:
                     self.failures.append(f"{path}: not spooled: spool full and the master is unreachable")
                     return None
-            except (OSError, ConfigError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - the file is reported as failed (hio's errors say why)
                 self.failures.append(f"{path}: {exc}")
-                return None
-            except Exception as exc:  # noqa: BLE001 - hio errors (InvalidArgument) carry a message
-                self.failures.append(f"{path}: {getattr(exc, 'message', exc)}")
                 return None
 
     def _tick(self, future: concurrent.futures.Future[int]) -> None:
