@@ -38,12 +38,11 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
 
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
-        self._accepting = threading.Event()
-        self._accepting.set()
+        self._stopping = threading.Event()
 
     def stop_accepting(self) -> None:
         """New streams and tuples are refused with UNAVAILABLE from now on."""
-        self._accepting.clear()
+        self._stopping.set()
 
     @grpc_errors
     def Submit(self, request_iterator: Iterator[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
@@ -81,7 +80,7 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         )
         waiting: dict[TupleFuture, int] = {}
         while True:
-            if not self._accepting.is_set():
+            if self._stopping.is_set():
                 raise Unavailable("the gateway is stopping; submit again to its next start")
             index = reader.index
             future, wait = self._receive_one(reader)
