@@ -31,7 +31,7 @@ from typing import Any, Self
 from hio import config as cfg
 from hio.config import state_dir
 from hio.gateway.config import GatewayConfig, infer_image
-from hio.gateway.dispatch import Completion, Dispatcher, Outcome
+from hio.gateway.dispatch import Completion, DeliveryState, Dispatcher, Outcome
 from hio.gateway.spool import MoveOnDone, Spool, SpoolEntry, SpoolFull, safe_name
 from hio.proto.tuple_pb2 import TupleMeta
 from hio.storage.files import atomic_write
@@ -85,40 +85,20 @@ class TupleFuture(concurrent.futures.Future[int]):
         self.seq = 0  # the spool's sequence number, set when tracked
 
 
-@dataclasses.dataclass(frozen=True)
-class GatewayStatus:
-    """A snapshot of the gateway's counters (since this Gateway started)."""
+@dataclasses.dataclass(kw_only=True)
+class GatewayStatus(DeliveryState):
+    """A snapshot of the gateway's counters (since this Gateway started) and of what keeps
+    tuples from delivery."""
 
     spooled_tuples: int
     spooled_bytes: int
     spool_bytes_limit: int
-    sent_direct: int
-    sent_queue: int
-    bytes_sent_direct: int
-    bytes_sent_queue: int
-    stored: int
-    enqueued: int
-    failed: int
-    retries: int
-    #: seconds the master has been failing every call (0 when reachable)
-    master_unreachable_seconds: float
-    #: images the master knows no engine for: image -> (seconds refused so far, the master's message)
-    unserved_images: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
-    #: the master's words while it refuses this gateway (missing or wrong token, certificate), else ''
-    master_refusal: str = ""
     #: the spool's failed fsync that stops new tuples until the gateway is restarted, else ''
     spool_failure: str = ""
-    #: the master's words while its queue takes no tuples (its disk failed to sync), else ''
-    master_queue_refusal: str = ""
     #: seconds since the oldest spooled tuple was accepted (0 when none is spooled)
     oldest_spooled_seconds: float = 0.0
-    #: tuples streamed by route ("direct", "queue"); each try of a tuple counts
-    attempts: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: failed calls by peer ("master", "engine") and gRPC status code name
-    refusals: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
-    #: where this gateway reaches the master, and while it is unreachable how its last call failed
+    #: where this gateway reaches the master
     master_address: str = ""
-    master_error: str = ""
 
     def warnings(self) -> list[str]:
         """What keeps spooled tuples from delivery, in words (empty when nothing does)."""
@@ -245,17 +225,8 @@ class Gateway:
         entry = self.spool.put_file(path, meta, move=move, timeout=timeout)
         return self._track(entry)
 
-    def send(
-        self,
-        data: bytes,
-        *,
-        image: str | None = None,
-        name: str = "",
-        attributes: Mapping[str, str] | None = None,
-        created_unix: float | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
-    ) -> int:
-        """Send one tuple and block until it is STORED or ENQUEUED; return its id.
+    def send(self, data: bytes, *, timeout: float | None = DEFAULT_TIMEOUT, **kwargs: Any) -> int:
+        """:meth:`submit` one tuple and block until it is STORED or ENQUEUED; return its id.
 
         Retries as the delivery policy says (re-routing, ``max_attempts``).
         Raises :class:`DeliveryError` when it was dead-lettered or refused,
@@ -265,9 +236,7 @@ class Gateway:
         id (the master's queue retries it). Thread-safe.
         """
         start = time.monotonic()
-        future = self.submit(
-            data, image=image, name=name, attributes=attributes, created_unix=created_unix, timeout=timeout
-        )
+        future = self.submit(data, timeout=timeout, **kwargs)
         return self.result(future, _left(start, timeout))
 
     def send_file(self, path: str | os.PathLike[str], *, timeout: float | None = DEFAULT_TIMEOUT, **kwargs: Any) -> int:
@@ -319,9 +288,8 @@ class Gateway:
                     fate = "not delivered (it stays spooled, and goes once an engine serves its image)"
                     break
                 if left is not None and left <= 0.25:
-                    seq = getattr(future, "seq", 0)
                     down = delivery.master_unreachable_seconds
-                    why = (self._dispatcher.last_error(seq) if seq else "") or (
+                    why = self._dispatcher.last_error(future.seq) or (
                         f"master {self.config.master_address} unreachable for {down:.0f}s"
                         if down
                         else "still waiting for a channel or the queue"
@@ -334,8 +302,7 @@ class Gateway:
         """Block until every spooled tuple is delivered (or failed); False on timeout."""
         with self._lock:
             pending = list(self._futures.values())
-        _done, not_done = concurrent.futures.wait(pending, timeout=timeout)
-        return not not_done
+        return not concurrent.futures.wait(pending, timeout=timeout).not_done
 
     def close(self, timeout: float | None = None, *, drain: bool = True) -> None:
         """Stop delivering; blocks at most about ``timeout`` s (default ``grace_seconds``).
@@ -461,12 +428,7 @@ class Gateway:
         """Write the unmoved originals (with each file's identity) atomically beside the spool."""
         with self._lock:
             records = [
-                {
-                    "source": move.source,
-                    "target": move.target,
-                    "outcome": outcome.value,
-                    "identity": _identity(move.source),
-                }
+                {**dataclasses.asdict(move), "outcome": outcome.value, "identity": _identity(move.source)}
                 for move, outcome in self._unmoved.values()
             ]
         try:
@@ -536,23 +498,15 @@ def _closed_first(future: TupleFuture) -> None:
 
 
 def _resolve(future: TupleFuture, entry: SpoolEntry, outcome: Outcome, detail: str) -> None:
-    future.outcome, future.tuple_id, future.detail = outcome.value, int(entry.meta.tuple_id), detail
+    name, tuple_id = entry.meta.name, int(entry.meta.tuple_id)
+    future.outcome, future.tuple_id, future.detail = outcome.value, tuple_id, detail
     if outcome in (Outcome.STORED, Outcome.ENQUEUED):
-        future.set_result(int(entry.meta.tuple_id))
-    else:
-        label = (
-            f"tuple '{entry.meta.name}' (id {entry.meta.tuple_id})"
-            if entry.meta.name
-            else f"tuple {entry.meta.tuple_id}"
-        )
-        future.set_exception(
-            DeliveryError(
-                f"{label} {outcome.value}: {detail}",
-                tuple_id=int(entry.meta.tuple_id),
-                reason=detail,
-                name=entry.meta.name,
-            )
-        )
+        future.set_result(tuple_id)
+        return
+    label = f"tuple '{name}' (id {tuple_id})" if name else f"tuple {tuple_id}"
+    future.set_exception(
+        DeliveryError(f"{label} {outcome.value}: {detail}", tuple_id=tuple_id, reason=detail, name=name)
+    )
 
 
 def _move(move: MoveOnDone, outcome: Outcome, *, quiet: bool = False) -> bool:

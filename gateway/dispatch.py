@@ -58,6 +58,7 @@ from hio.proto import master_pb2, master_pb2_grpc
 from hio.proto.tuple_pb2 import TupleReceipt
 from hio.transport.errors import retry_after
 from hio.transport.frames import TupleMeta, unpacked_receipts
+from hio.transport.lane import LaneError
 from hio.transport.net import NEVER_CONNECTED, create_channel, rpc_error_text, rpc_status
 from hio.transport.payload import PayloadPeers, Upload
 
@@ -88,12 +89,10 @@ class _Pending:
     """A spooled tuple waiting for (or in) delivery."""
 
     seq: int
-    entry: SpoolEntry = field(compare=False)
-    not_before: float = field(default=0.0, compare=False)
-    last_error: str = field(default="", compare=False)  # the latest problem (shown on timeouts)
-    failure: str = field(default="", compare=False)  # the last counted failure (dead-letter reason)
-    solo: bool = field(default=False, compare=False)  # route alone (its batch was refused)
-    taken: bool = field(default=False, compare=False)  # a delivery thread holds it (not queued, not settled)
+    entry: SpoolEntry
+    failure: str = ""  # the last counted failure (dead-letter reason)
+    solo: bool = False  # route alone (its batch was refused)
+    taken: bool = False  # a delivery thread holds it (not queued, not settled)
 
 
 @dataclass
@@ -112,15 +111,22 @@ class DispatchStats:
 
 @dataclass
 class DeliveryState(DispatchStats):
-    """The counters and what keeps tuples from delivery, as :class:`~hio.gateway.client.GatewayStatus`
-    names them (and says what each is)."""
+    """The counters and what keeps tuples from delivery; :class:`~hio.gateway.client.GatewayStatus`
+    adds the spool's figures."""
 
+    #: seconds the master has been failing every call (0 when reachable)
     master_unreachable_seconds: float = 0.0
+    #: while the master is unreachable, how its last call failed
     master_error: str = ""
+    #: images the master knows no engine for: image -> (seconds refused so far, the master's message)
     unserved_images: dict[str, tuple[float, str]] = field(default_factory=dict)
+    #: the master's words while it refuses this gateway (missing or wrong token, certificate), else ''
     master_refusal: str = ""
+    #: the master's words while its queue takes no tuples (its disk failed to sync), else ''
     master_queue_refusal: str = ""
+    #: tuples streamed by route ("direct", "queue"); each try of a tuple counts
     attempts: dict[str, int] = field(default_factory=dict)
+    #: failed calls by peer ("master", "engine") and gRPC status code name
     refusals: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
@@ -207,10 +213,6 @@ class Dispatcher:
                 attempts=dict(self._attempts),
                 refusals=dict(self._refusals),
             )
-
-    def _refused(self, peer: str, code: grpc.StatusCode | None) -> None:
-        with self._cond:
-            self._refusals[peer, code.name if code is not None else "UNKNOWN"] += 1
 
     def waiting(self) -> int:
         with self._cond:
@@ -341,7 +343,10 @@ class Dispatcher:
         timeout = self._config.route_timeout_seconds + request.wait_seconds
         response = self._route_call(request, timeout=timeout)
         if len(response.tuple_ids) != len(batch) or len(response.tickets) != len(batch):
-            raise _Protocol(f"master answered {len(response.tuple_ids)} ids for {len(batch)} tuples")
+            # an answer the contract does not allow, failed like a call (LaneError reads as one)
+            raise LaneError(
+                grpc.StatusCode.INTERNAL, f"master answered {len(response.tuple_ids)} ids for {len(batch)} tuples"
+            )
         return response
 
     def _stream(self, batch: list[_Pending], address: str, *, direct: bool, lane: str = "") -> None:
@@ -395,13 +400,13 @@ class Dispatcher:
             self._retry(left, f"{address}: stream ended without a receipt", count_attempt=True)
 
     def _payloads(
-        self, batch: list[_Pending], sent: list[_Pending], skipped: set[int], abandoned: threading.Event | None = None
+        self, batch: list[_Pending], sent: list[_Pending], skipped: set[int], abandoned: threading.Event
     ) -> Iterator[tuple[TupleMeta, bytes | BinaryIO]]:
         """Each tuple's metadata and payload (kept in memory, else its spooled file), in order;
         a tuple whose spooled payload is gone is rejected and skipped. Stops once ``abandoned``
         is set (its stream was settled without it: the tuples left are retried elsewhere)."""
         for pending in batch:
-            if abandoned is not None and abandoned.is_set():
+            if abandoned.is_set():
                 return
             entry = pending.entry
             try:
@@ -490,14 +495,9 @@ class Dispatcher:
             stats.failed += len(done) - len(sizes)
         for pending, outcome, detail in done:
             if outcome is Outcome.DEAD_LETTERED:
-                log.warning(
-                    "tuple dead-lettered at the master",
-                    extra={
-                        "tuple_id": pending.entry.meta.tuple_id,
-                        "tuple_name": pending.entry.meta.name,
-                        "error": detail,
-                    },
-                )
+                meta = pending.entry.meta
+                extra = {"tuple_id": meta.tuple_id, "tuple_name": meta.name, "error": detail}
+                log.warning("tuple dead-lettered at the master", extra=extra)
         try:
             self._on_complete([(pending.entry, outcome, detail) for pending, outcome, detail in done])
         except Exception:  # the hook's failure must not stop delivery of others
@@ -521,25 +521,19 @@ class Dispatcher:
         with self._cond:
             for pending in batch:
                 pending.taken = False
-                pending.last_error = error
                 pending.solo = pending.solo or solo
                 self._errors[pending.seq] = error
                 wait = delay if delay is not None else _jitter(pending.entry.meta.attempt)
-                pending.not_before = now + wait
-                heapq.heappush(self._delayed, (pending.not_before, next(self._counter), pending))
+                heapq.heappush(self._delayed, (now + wait, next(self._counter), pending))
             self._cond.notify_all()
         log.info(
             "tuples back for redelivery", extra={"tuples": len(batch), "error": error, "attempt_counted": count_attempt}
         )
 
     def _route_failed(self, batch: list[_Pending], exc: grpc.RpcError) -> None:
-        code, details = rpc_status(exc)
-        self._refused("master", code)
-        why = rpc_error_text(exc, self._config)
-        error = f"master {self._config.master_address}: {why}"
+        code, details, why, error = self._failed_call(exc, "master", self._config.master_address)
         if code in _MASTER_DOWN:
-            self._master_state(unreachable=why)
-            self._retry(batch, error, count_attempt=False, delay=self._master_delay())
+            self._master_down(batch, why, error)
         elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._retry(batch, error, count_attempt=False, delay=_hinted(exc))
         elif code == grpc.StatusCode.NOT_FOUND:
@@ -562,6 +556,20 @@ class Dispatcher:
             log.warning("routing failed", extra={"error": error})
             self._retry(batch, error, count_attempt=False, delay=random.uniform(1.0, 3.0))
 
+    def _failed_call(self, exc: grpc.RpcError, peer: str, address: str) -> tuple[grpc.StatusCode | None, str, str, str]:
+        """(code, details, 'CODE: details', the error naming the peer) of a failed call, counted
+        among the refusals."""
+        code, details = rpc_status(exc)
+        with self._cond:
+            self._refusals[peer, code.name if code is not None else "UNKNOWN"] += 1
+        why = rpc_error_text(exc, self._config)
+        return code, details, why, f"{peer} {address}: {why}"
+
+    def _master_down(self, batch: list[_Pending], why: str, error: str) -> None:
+        """The master is unreachable: the tuples wait, uncounted, longer the longer that lasts."""
+        self._master_state(unreachable=why)
+        self._retry(batch, error, count_attempt=False, delay=self._master_delay())
+
     def _forget_id(self, pending: _Pending, details: str) -> None:
         """The master refused a tuple that carries an id: most likely the id is not its own (its
         state was reset, or this spool was pointed at another cluster). That is no fault of the
@@ -577,10 +585,7 @@ class Dispatcher:
         self._retry([pending], details, count_attempt=False, delay=0.0, solo=True)
 
     def _stream_failed(self, left: list[_Pending], exc: grpc.RpcError, address: str, *, direct: bool) -> None:
-        code, details = rpc_status(exc)
-        self._refused("engine" if direct else "master", code)
-        why = rpc_error_text(exc, self._config)
-        error = f"{'engine' if direct else 'master'} {address}: {why}"
+        code, details, why, error = self._failed_call(exc, "engine" if direct else "master", address)
         if not left:
             return
         if code == grpc.StatusCode.CANCELLED and self._stopping:
@@ -618,8 +623,7 @@ class Dispatcher:
                 )
             self._retry(left, error, count_attempt=False, delay=_hinted(exc))
         elif not direct and code in _MASTER_DOWN:
-            self._master_state(unreachable=why)
-            self._retry(left, error, count_attempt=False, delay=self._master_delay())
+            self._master_down(left, why, error)
         elif code == grpc.StatusCode.DATA_LOSS:
             self._check_spooled(left, error)
         else:
@@ -677,10 +681,7 @@ class Dispatcher:
         do (``unreachable``: 'CODE: details'); each change between the two is logged once."""
         with self._cond:
             was_down = self._master_down_since is not None
-            if not unreachable:
-                self._master_down_since = None
-            elif not was_down:
-                self._master_down_since = time.monotonic()
+            self._master_down_since = (self._master_down_since or time.monotonic()) if unreachable else None
             self._master_error = unreachable
         if unreachable and not was_down:
             log.warning(
@@ -711,25 +712,9 @@ class Dispatcher:
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._cond:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = create_channel(address, self._config)
-                self._channels[address] = channel
-            return channel
-
-
-class _Protocol(grpc.RpcError):
-    """A peer answered something the contract does not allow."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self._message = message
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.INTERNAL
-
-    def details(self) -> str:
-        return self._message
+            if address not in self._channels:
+                self._channels[address] = create_channel(address, self._config)
+            return self._channels[address]
 
 
 def _unsettled(batch: list[_Pending], sent: list[_Pending], settled: set[int], skipped: set[int]) -> list[_Pending]:

@@ -38,12 +38,11 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
 
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
-        self._accepting = threading.Event()
-        self._accepting.set()
+        self._stopping = threading.Event()
 
     def stop_accepting(self) -> None:
         """New streams and tuples are refused with UNAVAILABLE from now on."""
-        self._accepting.clear()
+        self._stopping.set()
 
     @grpc_errors
     def Submit(self, request_iterator: Iterator[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
@@ -81,7 +80,8 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         )
         waiting: dict[TupleFuture, int] = {}
         while True:
-            self._check_accepting()
+            if self._stopping.is_set():
+                raise Unavailable("the gateway is stopping; submit again to its next start")
             index = reader.index
             future, wait = self._receive_one(reader)
             if future is None:
@@ -92,10 +92,6 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
             yield from self._finished(waiting, timeout=0)
         while waiting and still_wanted():
             yield from self._finished(waiting, timeout=_POLL)
-
-    def _check_accepting(self) -> None:
-        if not self._accepting.is_set():
-            raise Unavailable("the gateway is stopping; submit again to its next start")
 
     def _receive_one(self, reader: FrameReader) -> tuple[TupleFuture | None, bool]:
         holder: list[SpoolWriter] = []

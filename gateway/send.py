@@ -50,25 +50,26 @@ def run_send(config: SendConfig) -> int:
         files = _collect(config.files)
         images = {path: infer_image(path, config.image) for path in files}
     except ConfigError as exc:
-        print(f"hio send: {exc}", file=sys.stderr)
-        return 2
+        return _unusable(str(exc))
     if config.files and not files:
-        print("hio send: no files to send (hidden and .part/.tmp files are skipped)", file=sys.stderr)
-        return 2
+        return _unusable("no files to send (hidden and .part/.tmp files are skipped)")
     if not config.wait:
         return _hand_over(config, files, images)
     if not files and not spooled_metas(send_spool(config)):
-        print(
-            f"hio send: nothing to send: no FILE named, and no earlier hio send (source "
-            f"'{config.resolved_source()}') left tuples spooled",
-            file=sys.stderr,
+        return _unusable(
+            f"nothing to send: no FILE named, and no earlier hio send (source "
+            f"'{config.resolved_source()}') left tuples spooled"
         )
-        return 2
     problem = _master_problem(config)
     if problem:
-        print(f"hio send: {problem}", file=sys.stderr)
-        return 2
+        return _unusable(problem)
     return _Sender(config, files, images).run()
+
+
+def _unusable(problem: str) -> int:
+    """Say why ``hio send`` cannot start; the exit code."""
+    print(f"hio send: {problem}", file=sys.stderr)
+    return 2
 
 
 def _collect(names: tuple[str, ...]) -> list[Path]:
@@ -94,12 +95,10 @@ def send_spool(config: SendConfig) -> Path:
 
 def _spool_in_use(config: SendConfig) -> int:
     """Say that a running ``hio send`` of this source holds its spool; the exit code."""
-    print(
-        f"hio send: another hio send of source '{config.resolved_source()}' is running and holds its "
-        "spool; wait for it to finish (or stop it), or give this one its own --source",
-        file=sys.stderr,
+    return _unusable(
+        f"another hio send of source '{config.resolved_source()}' is running and holds its "
+        "spool; wait for it to finish (or stop it), or give this one its own --source"
     )
-    return 2
 
 
 def _spool_name(config: SendConfig) -> str:
@@ -168,14 +167,13 @@ class _Sender:
         except SpoolInUse:
             return _spool_in_use(self.config)
         except ConfigError as exc:
-            print(f"hio send: {exc}", file=sys.stderr)
-            return 2
+            return _unusable(str(exc))
         start = time.monotonic()
         futures = self._resumed(gateway)
         resumed = {label for label in futures.values() if isinstance(label, Path)}  # files among them
         sizes = [st.st_size for p in self.files if p not in resumed and (st := _stat(p)) is not None]
         total = sum(sizes) + sum(f.size for f in futures)  # a file gone by now is reported by its submit
-        self.bar = _progress(self.config, total, self.tuples)
+        self.bar = _progress(self.config, total)
         for future in futures:  # after the bar exists, so one settled already counts on it
             future.add_done_callback(self._tick)
         try:
@@ -237,11 +235,8 @@ class _Sender:
                 if gateway.status().master_unreachable_seconds > self.config.connect_seconds:
                     self.failures.append(f"{path}: not spooled: spool full and the master is unreachable")
                     return None
-            except (OSError, ConfigError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - the file is reported as failed (hio's errors say why)
                 self.failures.append(f"{path}: {exc}")
-                return None
-            except Exception as exc:  # noqa: BLE001 - hio errors (InvalidArgument) carry a message
-                self.failures.append(f"{path}: {getattr(exc, 'message', exc)}")
                 return None
 
     def _tick(self, future: concurrent.futures.Future[int]) -> None:
@@ -325,7 +320,7 @@ class _Sender:
         return 0 if not self.failures and not gave_up else 1
 
 
-def _progress(config: SendConfig, total_bytes: int, tuples: int) -> tqdm[NoReturn] | None:
+def _progress(config: SendConfig, total_bytes: int) -> tqdm[NoReturn] | None:
     if not (config.progress and sys.stderr.isatty()):
         return None
     from tqdm import tqdm

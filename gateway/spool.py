@@ -418,7 +418,7 @@ class Spool:
             meta_bytes = _meta_bytes(meta)
             admitted = self._log.admit(size)
             with self._append_lock:
-                seq = self._take_seq()
+                seq, self._next_seq = self._next_seq, self._next_seq + 1
                 head = _record(ADD, seq, meta_bytes, b"", size)
                 segment, start = self._append([head, data], admitted)
                 admitted = 0  # appended: the segment's count holds them now
@@ -496,7 +496,7 @@ class Spool:
             move_bytes = _move_bytes(move)
             admitted = self._log.admit(meta.size)
             with self._append_lock:
-                seq = self._take_seq()
+                seq, self._next_seq = self._next_seq, self._next_seq + 1
                 data_path = self._data_path(seq)
                 os.replace(tmp, data_path)
                 try:
@@ -516,11 +516,6 @@ class Spool:
             self._release(reserved)
             raise
         return entry
-
-    def _take_seq(self) -> int:
-        seq = self._next_seq
-        self._next_seq += 1
-        return seq
 
     def _admit(self, entry: SpoolEntry, segment: Segment, reserved: int) -> None:
         with self._cond:

@@ -54,7 +54,6 @@ class DirectoryWatcher:
         self._spool_full_logged = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.taken = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="hio-gateway-watch", daemon=True)
@@ -92,7 +91,6 @@ class DirectoryWatcher:
             took += result == "taken"
         for gone in set(self._seen) - present:
             del self._seen[gone]
-        self.taken += took
         return took
 
     def _files(self) -> Iterator[Path]:

@@ -143,7 +143,12 @@ class FeatureLog:
         )
 
     def _load_segment(self, segment: Segment, last: bool) -> int:
-        """Index one segment's records; where its last whole record ends."""
+        """Index one segment's records; where its last whole record ends.
+
+        A torn tail of the last segment is kept aside for the log to cut off; damage
+        anywhere else stops the start, as does damage in the last segment with good records
+        after it (a flipped bit, not a crash: cutting there would throw away features
+        already answered STORED)."""
         first, path = segment.id, segment.path
         if first != self._index.latest + 1:
             raise CorruptSegment(
@@ -151,42 +156,33 @@ class FeatureLog:
                 f"end at {self._index.latest}: a segment is missing or misnamed"
             )
         scan = scan_segment(path, first)
-        if scan.problem:
-            damaged = first + len(scan.tuple_ids)  # the next good record is one of the few after it
-            follows = last and record_follows(path, scan.valid_end, range(damaged + 1, damaged + 9))
-            self._handle_damage(path, scan.problem, scan.valid_end, scan.torn_bytes, last=last, records_follow=follows)
-        self._index.begin_segment(first)
-        self._index.extend(scan.tuple_ids, scan.positions, scan.lengths)
-        return scan.valid_end
-
-    def _handle_damage(
-        self, path: Path, problem: str, valid_end: int, torn: int, *, last: bool, records_follow: bool = False
-    ) -> None:
-        """A torn tail of the last segment is kept aside for the log to cut off; damage
-        anywhere else stops the start, as does damage in the last segment with good records
-        after it (a flipped bit, not a crash: cutting there would throw away features
-        already answered STORED)."""
-        if records_follow:
+        problem, at = scan.problem, scan.valid_end
+        damaged = first + len(scan.tuple_ids)  # the next good record is one of the few after it
+        if problem and last and record_follows(path, at, range(damaged + 1, damaged + 9)):
             raise CorruptSegment(
-                f"segment {path} is damaged at byte {valid_end} ({problem}), and stored "
+                f"segment {path} is damaged at byte {at} ({problem}), and stored "
                 "records follow the damage, so it is not a torn tail; not cutting them "
                 "off. Restore the segment from a backup, or move it aside"
             )
-        if not last or (valid_end == 0 and path.stat().st_size >= len(MAGIC)):
+        if problem and (not last or (at == 0 and scan.file_size >= len(MAGIC))):
             raise CorruptSegment(
-                f"segment {path} is damaged at byte {valid_end} ({problem}); restore it from a backup or move it aside"
+                f"segment {path} is damaged at byte {at} ({problem}); restore it from a backup or move it aside"
             )
-        kept = self._keep_torn_tail(path, valid_end)
-        log.warning(
-            "truncating torn tail of feature segment",
-            extra={
-                "segment": path.name,
-                "at_byte": valid_end,
-                "dropped_bytes": torn,
-                "problem": problem,
-                "kept_in": kept,
-            },
-        )
+        if problem:
+            kept = self._keep_torn_tail(path, at)
+            log.warning(
+                "truncating torn tail of feature segment",
+                extra={
+                    "segment": path.name,
+                    "at_byte": at,
+                    "dropped_bytes": scan.file_size - at,
+                    "problem": problem,
+                    "kept_in": kept,
+                },
+            )
+        self._index.begin_segment(first)
+        self._index.extend(scan.tuple_ids, scan.positions, scan.lengths)
+        return at
 
     def _keep_torn_tail(self, path: Path, valid_end: int) -> str:
         """Copy the bytes about to be cut to ``torn/`` so an operator can inspect them."""
@@ -435,9 +431,8 @@ class FeatureLog:
 
 
 def _runs(first: int, locations: list[Location]) -> Iterator[tuple[int, list[Location]]]:
-    """Group adjacent records of one segment so each group is one pread."""
+    """Group adjacent records of one segment so each group is one pread: (its first offset, the group)."""
     run: list[Location] = []
-    run_first = first
     run_bytes = 0
     for offset, loc in enumerate(locations, first):
         if run and (
@@ -445,14 +440,12 @@ def _runs(first: int, locations: list[Location]) -> Iterator[tuple[int, list[Loc
             or loc.position != run[-1].position + run[-1].length
             or run_bytes + loc.length > _READ_RUN_BYTES
         ):
-            yield run_first, run
+            yield offset - len(run), run
             run, run_bytes = [], 0
-        if not run:
-            run_first = offset
         run.append(loc)
         run_bytes += loc.length
     if run:
-        yield run_first, run
+        yield first + len(locations) - len(run), run
 
 
 def _read_run(fd: int, path: Path, first: int, run: list[Location]) -> Iterator[tuple[int, int, bytes]]:

@@ -107,6 +107,4 @@ def render_page(store: FeatureStore) -> str:
 
 
 def _when(unix: float) -> str:
-    if not unix:
-        return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix))
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix)) if unix else "-"

@@ -67,10 +67,6 @@ class ScanResult:
     lengths: array[int]  # array('I') of whole record lengths (header + payload)
     problem: str = ""  # why scanning stopped before the end, if it did
 
-    @property
-    def torn_bytes(self) -> int:
-        return self.file_size - self.valid_end
-
 
 def scan_segment(path: Path, first_offset: int) -> ScanResult:
     """Read every valid record of a segment, in order, stopping at the first

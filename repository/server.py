@@ -62,14 +62,8 @@ def run_repository(config: RepositoryConfig) -> int:
         return 1
     http = None
     try:
-        metrics = RepositoryMetrics(store) if config.metrics else None
-        http = serve_http(
-            config,
-            config.http_listen,
-            metrics.registry if metrics else None,
-            name="repository",
-            pages=pages(store),
-        )
+        registry = RepositoryMetrics(store).registry if config.metrics else None
+        http = serve_http(config, config.http_listen, registry, name="repository", pages=pages(store))
         server.start()
         health_servicer.start(lambda: store.disk_failure)
         log.log(

@@ -239,18 +239,6 @@ class ConsumerOffsets:
             log.info("consumer rewound", extra={"consumer": name, "from": previous, "to": offset})
 
 
-def parse_knowledge(data: bytes) -> features_pb2.Knowledge:
-    """The Knowledge message in ``data``, or InvalidArgument."""
-    if not data:
-        raise InvalidArgument("knowledge is empty: send a serialized hio.proto.Knowledge")
-    knowledge = features_pb2.Knowledge()
-    try:
-        knowledge.ParseFromString(data)
-    except DecodeError:
-        raise InvalidArgument("knowledge is not a serialized hio.proto.Knowledge") from None
-    return knowledge
-
-
 class KnowledgeFiles:
     """The latest knowledge bytes and preview PNG, on disk and cached. Thread safe."""
 
@@ -266,7 +254,12 @@ class KnowledgeFiles:
 
     def put(self, knowledge: bytes, preview_png: bytes | None) -> features_pb2.Knowledge:
         """Replace the knowledge (validated) and the preview (PNG, or None to drop it)."""
-        parsed = parse_knowledge(knowledge)
+        if not knowledge:
+            raise InvalidArgument("knowledge is empty: send a serialized hio.proto.Knowledge")
+        try:
+            parsed = features_pb2.Knowledge.FromString(knowledge)
+        except DecodeError:
+            raise InvalidArgument("knowledge is not a serialized hio.proto.Knowledge") from None
         if preview_png is not None and not preview_png.startswith(PNG_SIGNATURE):
             raise InvalidArgument("preview_png is not a PNG image (wrong signature)")
         for what, data in (("knowledge", knowledge), ("preview_png", preview_png or b"")):
