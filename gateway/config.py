@@ -12,11 +12,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from hio.config import FSYNC_POLICIES, ConfigError, between, check_address, one_of, positive, same_port, setting
-from hio.settings import SERVER_SETTINGS, ClusterSettings, MiB
+from hio.settings import SERVER_SETTINGS, ClusterSettings, GiB, MiB
 
 HTTP_LISTEN = "127.0.0.1:7380"  # where the role's HTTP endpoint listens by default
-
-GiB = 1024 * MiB
 
 # File extension -> engine image, used when no image is given.
 IMAGE_BY_EXTENSION: dict[str, str] = {

@@ -429,8 +429,7 @@ def run_images(config: ImagesConfig) -> int:
             _print_rows(rows)
             return 1 if any(ident == "missing" for _, ident in rows) else 0
         elif action == "base":
-            root = project_root(config)
-            print(ensure_base(docker_client(config.docker_timeout), config, root))
+            print(ensure_base(docker_client(config.docker_timeout), config, project_root(config)))
         else:
             print(ensure_wheelhouse(config, project_root(config)))
     except ImageBuildError as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 from hio.config import ConfigError, check_peer, setting
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 # The repository's default bound on one feature record decompressed; an engine refuses
 # features over it before compressing them (the repository would refuse the record).
 FEATURE_RECORD_DECOMPRESSED_BYTES = 64 * MiB

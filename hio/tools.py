@@ -139,17 +139,17 @@ def _counts(items: Iterable[master_pb2.ImageCount]) -> str:
 def format_scaling(s: master_pb2.Scaling, decisions: int = 15) -> str:
     """The plan for people: workers wanted and present, engines per image and per worker, and
     the latest decisions with their reasons."""
+    engines = [f"  {format_engines(e)}" for e in s.images]
     if s.mode != "elastic":
-        lines = ["scaling fixed: each worker runs the engines it was started with (scaling = elastic changes that)"]
-        lines += [f"  {format_engines(e)}" for e in s.images]
-        return "\n".join(lines)
+        fixed = "scaling fixed: each worker runs the engines it was started with (scaling = elastic changes that)"
+        return "\n".join([fixed, *engines])
     bounds = f"min {s.min_workers}, max {s.max_workers}" + (" (set with hio scale)" if s.bounds_set else "")
     lines = [
         f"scaling elastic, provisioner {s.provisioner or 'none (workers started by hand)'}",
         f"workers     {s.workers_wanted} wanted, {s.workers_present} present ({bounds})",
         "engines",
+        *engines,
     ]
-    lines += [f"  {format_engines(e)}" for e in s.images]
     if s.unplaced:
         lines.append(f"  waiting for room on a worker: {_counts(s.unplaced)}")
     lines.append("workers (rank order: the lowest are filled first)")

@@ -236,34 +236,29 @@ class KnowledgeJob:
         )
 
 
-def _source_options(config: KDConfig, store: AccumulatedStore) -> dict[str, str]:
-    options = connection_options(config, config.rpc_deadline)
-    options.update(
-        consumer=config.consumer,
-        max_records=str(config.max_records_per_interval),
-        partitions=str(config.read_partitions),
-        max_record_bytes=str(config.max_record_bytes),
-        start_after=str(store.max_offset),
-    )
-    return options
-
-
 def start_query(spark: Any, config: KDConfig, job: KnowledgeJob) -> Any:
     """Start the streaming query (checkpointed) over the repository source."""
     from hio.kd.source import NAME, RepositoryDataSource
 
     spark.dataSource.register(RepositoryDataSource)
-    frame = spark.readStream.format(NAME).options(**_source_options(config, job.store)).load()
-    writer = (
-        frame.writeStream.queryName("hio_kd")
+    options = connection_options(config, config.rpc_deadline) | {
+        "consumer": config.consumer,
+        "max_records": str(config.max_records_per_interval),
+        "partitions": str(config.read_partitions),
+        "max_record_bytes": str(config.max_record_bytes),
+        "start_after": str(job.store.max_offset),
+    }
+    trigger = {"availableNow": True} if config.once else {"processingTime": f"{config.interval} seconds"}
+    return (
+        spark.readStream.format(NAME)
+        .options(**options)
+        .load()
+        .writeStream.queryName("hio_kd")
         .foreachBatch(job.process_batch)
         .option("checkpointLocation", str(config.checkpoint_dir))
+        .trigger(**trigger)
+        .start()
     )
-    if config.once:
-        writer = writer.trigger(availableNow=True)
-    else:
-        writer = writer.trigger(processingTime=f"{config.interval} seconds")
-    return writer.start()
 
 
 class SparkSessionKeeper:

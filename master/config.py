@@ -19,13 +19,9 @@ from hio.config import (
     same_port,
     setting,
 )
-from hio.settings import BUILTIN_IMAGES, ClusterSettings
+from hio.settings import BUILTIN_IMAGES, ClusterSettings, GiB, MiB
 
 HTTP_LISTEN = "127.0.0.1:7080"  # where the role's HTTP endpoint listens by default
-
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
 
 SCALING_MODES = ("fixed", "elastic")
 PROVISIONERS = ("local", "openstack")

@@ -295,8 +295,7 @@ class RoleProcess:
         """Wait until this role has started at ``address`` (dialled from this process): its
         health's liveness SERVING and its service known there (not whatever else answers at
         ``address``); it need not be ready (a master without workers is not). If the process
-        dies or time runs out, raise
-        with its log."""
+        dies or time runs out, raise with its log."""
         from hio.settings import ClusterSettings
         from hio.transport.net import ROLE_SERVICES, wait_healthy
 
