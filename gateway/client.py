@@ -225,7 +225,16 @@ class Gateway:
         entry = self.spool.put_file(path, meta, move=move, timeout=timeout)
         return self._track(entry)
 
-    def send(self, data: bytes, *, timeout: float | None = DEFAULT_TIMEOUT, **kwargs: Any) -> int:
+    def send(
+        self,
+        data: bytes,
+        *,
+        image: str | None = None,
+        name: str = "",
+        attributes: Mapping[str, str] | None = None,
+        created_unix: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> int:
         """:meth:`submit` one tuple and block until it is STORED or ENQUEUED; return its id.
 
         Retries as the delivery policy says (re-routing, ``max_attempts``).
@@ -236,7 +245,9 @@ class Gateway:
         id (the master's queue retries it). Thread-safe.
         """
         start = time.monotonic()
-        future = self.submit(data, timeout=timeout, **kwargs)
+        future = self.submit(
+            data, image=image, name=name, attributes=attributes, created_unix=created_unix, timeout=timeout
+        )
         return self.result(future, _left(start, timeout))
 
     def send_file(self, path: str | os.PathLike[str], *, timeout: float | None = DEFAULT_TIMEOUT, **kwargs: Any) -> int:
