@@ -380,19 +380,26 @@ class Master:
                     f"item {n}: {item.size} bytes is over max_tuple_bytes ({self.config.max_tuple_bytes})"
                 )
 
-    def _check_known(self, image: str, tuple_ids: Iterable[int]) -> None:
+    def _check_known(self, image: str, tuple_ids: Sequence[int], *, enqueued: bool = False) -> None:
         """Refuse an id this master never issued, or an image it does not know (naming those it
-        knows, so a misspelt one is plain to see). Lock held."""
+        knows, so a misspelt one is plain to see); an enqueued tuple's refusal names the tuple
+        and says how to get an id. Lock held."""
         for tuple_id in tuple_ids:
             if not self.ids.issued(tuple_id):
+                last = f"(last issued {self.ids.last_issued})"
                 raise InvalidArgument(
-                    f"tuple id {tuple_id} was never issued by this master (last issued {self.ids.last_issued})"
+                    f"tuple {tuple_id}: id was never issued by this master {last}; route it first"
+                    if enqueued
+                    else f"tuple id {tuple_id} was never issued by this master {last}"
                 )
         if image not in self.config.images and image not in self.registry.offered_images:
             known = sorted(set(self.config.images) | self.registry.offered_images)
             more = f" and {len(known) - 10} more" if len(known) > 10 else ""
             names = f"known: {', '.join(known[:10])}{more}" if known else "no worker has registered an image yet"
-            raise NotFound(f"image '{image}': no worker offers it and it is not in the master's images ({names})")
+            which = f"tuple {tuple_ids[0]}: " if enqueued else ""
+            raise NotFound(
+                f"{which}image '{image}': no worker offers it and it is not in the master's images ({names})"
+            )
 
     def enqueue(self, frames: Iterable[TupleFrame]) -> Iterator[Stored]:
         """Store a stream of tuples in the backlog; one receipt each (see BacklogQueue.receive)."""
@@ -414,7 +421,7 @@ class Master:
 
     def _admit(self, meta: TupleMeta) -> None:
         with self._cond:
-            self._check_known(meta.image, [meta.tuple_id])
+            self._check_known(meta.image, [meta.tuple_id], enqueued=True)
 
     def pull(
         self,
@@ -777,8 +784,10 @@ class PendingEnqueues:
         self._pending.setdefault(image, {}).update(dict.fromkeys(tuple_ids, time.monotonic() + self._ttl))
 
     def arrived(self, image: str, tuple_id: int) -> None:
-        self._pending.get(image, {}).pop(tuple_id, None)
-        self.expire(image)  # the image's entry goes with its last tuple
+        table = self._pending.get(image, {})
+        table.pop(tuple_id, None)
+        if not table:  # the image's entry goes with its last tuple
+            self._pending.pop(image, None)
 
     def count(self, image: str) -> int:
         self.expire(image)

@@ -14,6 +14,7 @@ wait outside it. A payload is read from its file and encrypted in pieces
 from __future__ import annotations
 
 import io
+import os
 import socket
 import ssl
 import threading
@@ -154,12 +155,12 @@ class TLSSocket:
                     out = self._out.read()
                 self.raw.sendall(out)
 
-    def sendfile(self, fh: BinaryIO, offset: int, count: int) -> int:
+    def sendfile(self, fh: BinaryIO, offset: int = 0, count: int | None = None) -> int:
         """``count`` bytes of ``fh`` from ``offset``, read and encrypted in pieces (the
         file's position is left after them, as ``socket.sendfile`` leaves it); fewer
         when the file ends first."""
         fh.seek(offset)
-        left = count
+        left = count if count is not None else os.fstat(fh.fileno()).st_size - offset
         piece = bytearray(min(PIECE_BYTES, max(left, 1)))
         view, sent = memoryview(piece), 0
         while left > 0:

@@ -38,7 +38,11 @@ try:
         roles = {name: proc.pid for name, proc in live.items()}
         engines = [pid for proc in live.values() if proc.command == "worker" for pid in children(proc.pid)]
         print(json.dumps({"roles": roles, "engines": engines}), flush=True)
-        time.sleep(600)
+        # short sleeps: a SIGINT that lands between the print and a sleep's system call (the test
+        # sends it as soon as it reads the line) is only noticed when Python next checks for
+        # signals, which one long sleep would put off for its whole length
+        for _ in range(6000):
+            time.sleep(0.1)
 except KeyboardInterrupt:
     print(json.dumps({"problems": cluster.problems}), flush=True)
 """
