@@ -39,13 +39,6 @@ _OWN = ("master_address", "repository_address", "data_dir", "token")
 HTTP_ROLES = ("master", "repository", "worker", "gateway", "kd")  # the commands with an http_listen
 
 
-def expected_engines(engines: Sequence[str], cpus: int | None = None) -> int:
-    """How many engines a worker starts for ``--engines`` entries on this machine."""
-    from hio.worker.config import engine_counts
-
-    return sum(count for _, count in engine_counts(tuple(engines), cpus or os.cpu_count() or 1))
-
-
 class LocalCluster:
     """A repository, a master and ``workers`` (:meth:`start`); more roles added to them.
 
@@ -144,7 +137,6 @@ class LocalCluster:
         name: str | None = None,
         env: dict[str, str] | None = None,
         health: str | None = None,
-        health_timeout: float = 60.0,
     ) -> RoleProcess:
         """Start one more role (``hio <command>``); with ``health``, wait until it serves there."""
         name = name or command
@@ -165,7 +157,7 @@ class LocalCluster:
         self.procs[name] = proc
         if health:
             self.health[name] = health
-        self._start(name, health_timeout)
+        self._start(name)
         return proc
 
     def add_worker(
@@ -197,21 +189,24 @@ class LocalCluster:
 
     def _wait_engines(self, started: Iterable[tuple[RoleProcess, str, Sequence[str]]], timeout: float) -> None:
         """Wait until the engines of each worker started are FREE, all within ``timeout`` (1 s each at least)."""
+        from hio.worker.config import engine_counts
+
         deadline = time.monotonic() + timeout
         for proc, worker_id, engines in started:
             left = max(1.0, deadline - time.monotonic())
-            self.wait_channels(expected_engines(engines), worker_id or self.worker_id(proc), left)
+            count = sum(n for _, n in engine_counts(tuple(engines), os.cpu_count() or 1))  # as the worker counts them
+            self.wait_channels(count, worker_id or self.worker_id(proc), left)
 
     def restart(self, name: str) -> RoleProcess:
         """Start ``name`` again (after it stopped or was killed), as it was first started."""
         self._start(name)
         return self.procs[name]
 
-    def _start(self, name: str, health_timeout: float = 60.0) -> None:
+    def _start(self, name: str) -> None:
         proc = self.procs[name]
         proc.start()
         if name in self.health:
-            proc.wait_started(self.reach(self.health[name]), timeout=health_timeout, settings=self.settings)
+            proc.wait_started(self.reach(self.health[name]), timeout=60.0, settings=self.settings)
 
     def common_args(self) -> list[str]:
         return [
