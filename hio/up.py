@@ -22,7 +22,7 @@ from pathlib import Path
 import zstandard
 
 from hio.cluster import LocalCluster
-from hio.config import ConfigError, check_address, one_of, setting, split_address
+from hio.config import between, check_address, one_of, setting, split_address
 from hio.gateway.config import HTTP_LISTEN as GATEWAY_HTTP
 from hio.kd.config import HTTP_LISTEN as KD_HTTP
 from hio.master.config import HTTP_LISTEN as MASTER_HTTP
@@ -79,8 +79,7 @@ class UpConfig(ClusterSettings):
             check_address(name, getattr(self, name), allow_empty=True)
         one_of("runtime", self.runtime, RUNTIMES)
         one_of("scaling", self.scaling, SCALING_MODES)
-        if self.max_workers < 1:
-            raise ConfigError(f"max_workers must be at least 1, got {self.max_workers}")
+        between("max_workers", self.max_workers, 1)
 
 
 def _say(message: str) -> None:
