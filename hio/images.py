@@ -145,7 +145,9 @@ def runtime_requirements(root: Path, image_dir: Path | None = None) -> list[str]
     """The project's runtime dependencies (names only) plus an image's extras
     (its requirements.txt; by default the base image's)."""
     names = _names(_project(root)["dependencies"])
-    extra = _requirement_lines((image_dir or root / "images" / "base") / "requirements.txt")
+    path = (image_dir or root / "images" / "base") / "requirements.txt"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    extra = [ln.split("#", 1)[0].strip() for ln in lines if ln.split("#", 1)[0].strip()]
     return list(dict.fromkeys(n for n in names + extra if n != PROJECT_WHEEL))
 
 
@@ -162,11 +164,6 @@ def _project(root: Path) -> dict[str, Any]:
 
 def _names(specs: list[str]) -> list[str]:
     return [re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0] for spec in specs]
-
-
-def _requirement_lines(path: Path) -> list[str]:
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [ln.split("#", 1)[0].strip() for ln in lines if ln.split("#", 1)[0].strip()]
 
 
 def _run(
@@ -351,13 +348,6 @@ def build_image(
     return image_id
 
 
-def prune_superseded(client: Any) -> None:
-    """Remove untagged images left by earlier builds: only ours (labelled), only
-    unused ones (Docker keeps images that containers still run)."""
-    for label in (f"{IMAGE_LABEL}=true", f"{STAGE_LABEL}=build"):
-        client.images.prune(filters={"dangling": True, "label": label})
-
-
 def build_all(config: ImagesConfig) -> list[tuple[str, str]]:
     """Build the selected images in order; (name:tag, short id) of each."""
     root = project_root(config)
@@ -392,11 +382,14 @@ def build_all(config: ImagesConfig) -> list[tuple[str, str]]:
             if folder == "base":
                 # the build stage tagged <name>-build: the next build reuses its layers, and older
                 # untagged build stages can go (only ours: they carry io.harmonicio.stage=build, see
-                # prune_superseded); all its layers are cached, so this takes a moment
+                # the prune below); all its layers are cached, so this takes a moment
                 repo, _, tag = name.rpartition(":")
                 build_image(client, ctx, f"{repo}-build:{tag}", buildargs, nocache=False, target="build")
         built.append((name, image_id.split(":")[-1][:12]))
-    prune_superseded(client)
+    # untagged images left by earlier builds go: only ours (labelled), only unused ones
+    # (Docker keeps images that containers still run)
+    for label in (f"{IMAGE_LABEL}=true", f"{STAGE_LABEL}=build"):
+        client.images.prune(filters={"dangling": True, "label": label})
     return built
 
 
