@@ -17,20 +17,20 @@ from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2,
 from hio.settings import SERVER_SETTINGS, ClusterSettings
 from hio.transport.net import create_channel, rpc_error_text
 
-# A tool only calls a role: the settings of servers and of tuple streams are not its own.
-_TOOL_UNLISTED = SERVER_SETTINGS | {"data_dir", "chunk_bytes", "max_tuple_bytes"}
+
+class _ToolSettings(ClusterSettings):
+    # A tool only calls a role: the settings of servers and of tuple streams are not its own.
+    UNLISTED: ClassVar[frozenset[str]] = SERVER_SETTINGS | {"data_dir", "chunk_bytes", "max_tuple_bytes"}
 
 
 @dataclasses.dataclass(frozen=True)
-class StatusConfig(ClusterSettings):
-    UNLISTED: ClassVar[frozenset[str]] = _TOOL_UNLISTED
+class StatusConfig(_ToolSettings):
     json: bool = setting(False, "print the status as JSON")
     watch: float = setting(0.0, "refresh every N seconds (0 = once)")
 
 
 @dataclasses.dataclass(frozen=True)
-class ScaleConfig(ClusterSettings):
-    UNLISTED: ClassVar[frozenset[str]] = _TOOL_UNLISTED
+class ScaleConfig(_ToolSettings):
     # set_*: not min_workers / max_workers, which a [cluster] table or HIO_MAX_WORKERS gives the
     # master: a tool reading them would change the bounds on every call
     set_min_workers: int = setting(-1, "set the fewest workers the provisioner keeps (-1 = unchanged)")
@@ -65,14 +65,12 @@ class ScaleConfig(ClusterSettings):
 
 
 @dataclasses.dataclass(frozen=True)
-class KnowledgeConfig(ClusterSettings):
-    UNLISTED: ClassVar[frozenset[str]] = _TOOL_UNLISTED
+class KnowledgeConfig(_ToolSettings):
     json: bool = setting(False, "print the knowledge as JSON (assignments included)")
 
 
 @dataclasses.dataclass(frozen=True)
-class DeadLettersConfig(ClusterSettings):
-    UNLISTED: ClassVar[frozenset[str]] = _TOOL_UNLISTED
+class DeadLettersConfig(_ToolSettings):
     retry: int = setting(0, "send the dead letter with this tuple id again (ids: hio dead-letters)")
     json: bool = setting(False, "print as JSON")
 
