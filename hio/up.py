@@ -185,10 +185,6 @@ def _ports_in_use(config: UpConfig) -> list[str]:
     return [f"{address} ({what})" for what, address in wanted if not bindable(*split_address(address))]
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
-
-
 def run_up(config: UpConfig) -> int:
     taken = _ports_in_use(config)
     if taken:
@@ -221,7 +217,7 @@ def run_up(config: UpConfig) -> int:
         runtime=config.runtime,
         worker_timeout=config.timeout,
     )
-    signal.signal(signal.SIGTERM, _interrupt)  # stops the demo too, as Ctrl-C does
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stops the demo too, as Ctrl-C does
     try:
         workers = "workers as the load asks (hio scale shows them)" if elastic else "a worker"
         _say(
