@@ -390,7 +390,6 @@ def only_this_host(address: str) -> bool:
 
 
 def positive(name: str, value: float) -> None:
-    """Refuse a bound that must be positive."""
     if not value > 0:  # NaN too
         raise ConfigError(f"{name} must be positive, got {value}")
 
@@ -404,7 +403,6 @@ def between(name: str, value: float, low: float, high: float = math.inf, unit: s
 
 
 def one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
-    """Refuse a value that is none of ``choices``."""
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
