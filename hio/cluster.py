@@ -206,7 +206,7 @@ class LocalCluster:
         proc = self.procs[name]
         proc.start()
         if name in self.health:
-            proc.wait_started(self.reach(self.health[name]), timeout=60.0, settings=self.settings)
+            proc.wait_started(self.reach(self.health[name]), settings=self.settings)
 
     def common_args(self) -> list[str]:
         return [
