@@ -195,7 +195,8 @@ class LocalCluster:
         for proc, worker_id, engines in started:
             left = max(1.0, deadline - time.monotonic())
             count = sum(n for _, n in engine_counts(tuple(engines), os.cpu_count() or 1))  # as the worker counts them
-            self.wait_channels(count, worker_id or self.worker_id(proc), left)
+            default_id = f"{socket.gethostname()}-{proc.pid}"  # the id of a worker started without one
+            self.wait_channels(count, worker_id or default_id, left)
 
     def restart(self, name: str) -> RoleProcess:
         """Start ``name`` again (after it stopped or was killed), as it was first started."""
@@ -218,11 +219,6 @@ class LocalCluster:
             str(self.root),
             *settings_flags(self.settings, omit=_OWN),
         ]
-
-    @staticmethod
-    def worker_id(proc: RoleProcess) -> str:
-        """The id of a worker started without one (the worker's default)."""
-        return f"{socket.gethostname()}-{proc.pid}"
 
     def status(self, timeout: float = 10.0) -> Any:
         from hio.proto import master_pb2, master_pb2_grpc
