@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
         die_with_parent()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands.COMMANDS:
+    if not argv or argv[0] not in commands.COMMANDS:
         parser = build_parser()
         if argv and argv[0] not in ("-h", "--help", "--version"):
             parser.print_usage(sys.stderr)
