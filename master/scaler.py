@@ -384,7 +384,6 @@ class Scaler:
         return {image for image, count in self.wanted.items() if count} | set(self.pinned)
 
     def decide(self, subject: str, action: str, reason: str) -> None:
-        """Record and log one decision."""
         self.decisions.append(
             master_pb2.ScalingDecision(unix=time.time(), subject=subject, action=action, reason=reason)
         )
