@@ -48,7 +48,7 @@ def summarize(knowledge: features_pb2.Knowledge) -> dict[str, Any]:
     groups: list[features_pb2.Knowledge | features_pb2.KnowledgeGroup] = [*knowledge.groups] or [knowledge]
     return {
         "computed_unix": knowledge.computed_unix,
-        "tuples": sum(g.tuple_count for g in knowledge.groups) if knowledge.groups else knowledge.tuple_count,
+        "tuples": sum(g.tuple_count for g in groups),
         "up_to_offset": knowledge.up_to_offset,
         "new_records": knowledge.new_records,
         "interval_seconds": knowledge.interval_seconds,
