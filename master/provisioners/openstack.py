@@ -358,7 +358,6 @@ class OpenStackProvisioner:
     def _connection(self) -> Connection:
         """The connection, made on first use: openstacksdk is imported here, not before."""
         if self._conn is None:
-            # here, not at the top: only a master that uses this driver loads openstacksdk
             import openstack.config
             import openstack.connection
 
