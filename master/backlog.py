@@ -628,7 +628,6 @@ class BacklogQueue:
             return self._used
 
     def images(self) -> list[str]:
-        """Images with tuples in the queue."""
         with self._cond:
             return sorted(self._image_len)
 

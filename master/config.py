@@ -14,6 +14,7 @@ from hio.config import (
     between,
     check_address,
     lane_listen_address,
+    local_host,
     one_of,
     positive,
     same_port,
@@ -175,7 +176,7 @@ class MasterConfig(ClusterSettings):
         if self.advertise_address:
             return self.advertise_address
         host, _, port = self.listen.rpartition(":")
-        return f"{'127.0.0.1' if host in ('', '0.0.0.0', '[::]', '::') else host}:{port}"
+        return f"{local_host(host)}:{port}"
 
     def worker_token(self) -> str:
         """The token workers the provisioner starts present ('' for none)."""

@@ -67,7 +67,6 @@ class Pulled:
 
     @property
     def lease(self) -> Lease:
-        """The head's lease."""
         return self.leases[0]
 
     def frames(self) -> Iterator[WireFrame]:
@@ -413,7 +412,7 @@ class Master:
             meta = stored.meta
             with self._cond:
                 self.pending.arrived(meta.image, meta.tuple_id)
-                self.stats.enqueued(meta.size)
+                self.stats.bytes_enqueued += meta.size
             log.debug(
                 "enqueued", extra={"tuple_id": meta.tuple_id, "image": meta.image, "placement": stored.placement.value}
             )

@@ -11,7 +11,6 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -49,7 +48,7 @@ def summarize(knowledge: features_pb2.Knowledge) -> dict[str, Any]:
     groups: list[features_pb2.Knowledge | features_pb2.KnowledgeGroup] = [*knowledge.groups] or [knowledge]
     return {
         "computed_unix": knowledge.computed_unix,
-        "tuples": sum(g.tuple_count for g in knowledge.groups) if knowledge.groups else knowledge.tuple_count,
+        "tuples": sum(g.tuple_count for g in groups),
         "up_to_offset": knowledge.up_to_offset,
         "new_records": knowledge.new_records,
         "interval_seconds": knowledge.interval_seconds,
@@ -69,10 +68,9 @@ def summarize(knowledge: features_pb2.Knowledge) -> dict[str, Any]:
 class KnowledgePreview:
     """The cached :class:`Preview` of the repository at ``address`` (see the module's doc)."""
 
-    def __init__(self, settings: ClusterSettings, address: str, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: ClusterSettings, address: str) -> None:
         self.address = address
         self._settings = settings
-        self._clock = clock
         self._lock = threading.Lock()
         self._preview = Preview("waiting", f"asking the repository at {address}")
         self._fetched = -REFRESH_SECONDS  # clock of the last fetch's end
@@ -83,7 +81,7 @@ class KnowledgePreview:
     def current(self) -> Preview:
         """The cached preview; starts a fetch (on its own thread) when it is stale."""
         with self._lock:
-            due = self._clock() - self._fetched >= REFRESH_SECONDS
+            due = time.monotonic() - self._fetched >= REFRESH_SECONDS
             if due and self._fetching is None and not self._closed:
                 self._fetching = threading.Thread(target=self._fetch, name="hio-master-preview", daemon=True)
                 self._fetching.start()
@@ -115,7 +113,7 @@ class KnowledgePreview:
             fetched = dataclasses.replace(previous, state="unreachable", message=f"fetching the preview failed: {exc}")
         with self._lock:
             self._preview = fetched
-            self._fetched = self._clock()
+            self._fetched = time.monotonic()
             self._fetching = None
 
     def _stub(self) -> repository_pb2_grpc.RepositoryStub:

@@ -291,7 +291,6 @@ class ChannelRegistry:
         return self._channels.get(channel_id)
 
     def routable(self, channel: Channel) -> bool:
-        """True if the channel belongs to a live worker and is not DOWN."""
         return channel.state != ChannelState.DOWN and self._workers[channel.worker_id].live
 
     def takes_work(self, channel: Channel) -> bool:

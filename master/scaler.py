@@ -192,7 +192,7 @@ class Scaler:
                 )
         images = self.images() | {image for engines in current.values() for image in engines}
         wanted = {image: self.wanted_count(image) for image in images}
-        sizes = {image: self.size(image) for image in images}
+        sizes = {image: max(MIN_SHARE, self._master.profile.share(image)) for image in images}
         capacity = self.pool.new_worker_cpus() * (1 - self.config.pack_margin)
         plan = self.packer.pack(current, wanted, sizes, bins, capacity)
         for b in bins:
@@ -204,10 +204,6 @@ class Scaler:
         self.plan = {b.worker_id: plan.engines[b.worker_id] for b in bins if b.fixed is None}
         self.last_plan = plan
         return plan
-
-    def size(self, image: str) -> float:
-        """Cores one engine of ``image`` is packed as: its profiled share."""
-        return max(MIN_SHARE, self._master.profile.share(image))
 
     def _bins(self) -> list[Bin]:
         """Live workers in rank order, each with the cores it offers engines."""
@@ -384,7 +380,6 @@ class Scaler:
         return {image for image, count in self.wanted.items() if count} | set(self.pinned)
 
     def decide(self, subject: str, action: str, reason: str) -> None:
-        """Record and log one decision."""
         self.decisions.append(
             master_pb2.ScalingDecision(unix=time.time(), subject=subject, action=action, reason=reason)
         )

@@ -51,10 +51,6 @@ class Stats:
             self.routed_queue += count
         self.routed_by["direct" if direct else "queue", image] += count
 
-    def enqueued(self, size: int) -> None:
-        """A tuple's payload received into the queue."""
-        self.bytes_enqueued += size
-
     def outcome(self, *, ok: bool, size: int, latency: float | None = None, image: str = "") -> None:
         """One finished tuple; ``latency`` in seconds when the tuple carried its acceptance time."""
         if not ok:

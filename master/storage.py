@@ -25,5 +25,4 @@ class Durability:
 
     @property
     def syncs(self) -> bool:
-        """True unless the policy is 'never'."""
         return self.policy != "never"

@@ -68,8 +68,6 @@ class Provisioner(Protocol):
     thread-safe and idempotent: deleting what is gone, or creating an id that exists,
     is not an error."""
 
-    name: str
-
     def create(self, request: WorkerRequest) -> ProvisionedWorker:
         """Ask for a worker; returns at once (``BUILDING``), never waits for it to boot."""
 

@@ -74,8 +74,6 @@ class _Record:
 class LocalProvisioner:
     """Starts and stops ``hio worker`` processes on this machine (see the module's words)."""
 
-    name = "local"
-
     def __init__(self, config: MasterConfig, folder: Path, *, runtime: str, worker_args: list[str]) -> None:
         self._config = config
         self._folder = folder

@@ -252,8 +252,6 @@ class OpenStackProvisioner:
     Nothing is sent to the cloud until the first call; :meth:`check` makes that call at once so
     a master can refuse to start with a cloud that will not work."""
 
-    name = "openstack"
-
     def __init__(self, settings: OpenStackSettings, *, repository_address: str, worker_cpus: int = 0) -> None:
         settings.validate()
         self.settings = settings
@@ -360,7 +358,6 @@ class OpenStackProvisioner:
     def _connection(self) -> Connection:
         """The connection, made on first use: openstacksdk is imported here, not before."""
         if self._conn is None:
-            # here, not at the top: only a master that uses this driver loads openstacksdk
             import openstack.config
             import openstack.connection
 
@@ -422,7 +419,6 @@ class OpenStackProvisioner:
         return f"the default cloud{where} ({option('cloud')} is not set: $OS_CLOUD, else the OS_* variables)"
 
     def _resolve(self) -> _Placement:
-        """Flavor, image and network names as ids, looked up once."""
         if self._placement is None:
             flavor = self._lookup("flavor", "flavor", "compute", "find_flavor")
             image = self._lookup("image", "image", "image", "find_image")
