@@ -451,9 +451,8 @@ class Engine:
             process_seconds_sum=counts.total,
         )
 
-    def start(self) -> Engine:
+    def start(self) -> None:
         self._puller.start()
-        return self
 
     def stop(self, grace: float) -> None:
         """Refuse new work, let the current tuple finish (up to ``grace`` s), flush reports."""
@@ -1007,7 +1006,9 @@ class Engine:
             else:
                 done.append(_Slot(len(done), meta, *result, from_queue=True))
         if processed:
-            self._learn_cost((time.monotonic() - started) / processed)
+            seconds = (time.monotonic() - started) / processed
+            previous = self._queue_tuple_seconds
+            self._queue_tuple_seconds = seconds if previous is None else 0.7 * previous + 0.3 * seconds
         return done, processed == len(pulled), fetching
 
     def _read_pulled(
@@ -1045,10 +1046,6 @@ class Engine:
                 )
                 return False
         return True
-
-    def _learn_cost(self, seconds: float) -> None:
-        previous = self._queue_tuple_seconds
-        self._queue_tuple_seconds = seconds if previous is None else 0.7 * previous + 0.3 * seconds
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
