@@ -58,7 +58,6 @@ class ImageMissing(RuntimeError):
 
 @functools.cache
 def _shared_client() -> Any:
-    """One Docker client per process, created on first use."""
     return docker.from_env(timeout=API_TIMEOUT)
 
 
@@ -87,9 +86,9 @@ def _env_key(key: str) -> str | None:
 class DockerLauncher(EngineLauncher):
     """Runs each engine as a labelled container of its image on this host."""
 
-    def __init__(self, config: WorkerConfig, worker_id: str | None = None, client: Any = None) -> None:
+    def __init__(self, config: WorkerConfig, worker_id: str | None = None) -> None:
         self._worker_id = worker_id or config.effective_worker_id()
-        self._client = client or _shared_client()
+        self._client = _shared_client()
         self._seen_healthy: set[str] = set()  # container ids Docker has reported healthy
 
     @classmethod
