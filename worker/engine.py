@@ -469,7 +469,7 @@ class Engine:
         self._puller.join(1.0)
         self._background.shutdown(wait=False)
 
-    def _claim(self, kind: str) -> None:
+    def _claim(self) -> None:
         with self._cond:
             if self._stopping:
                 raise Unavailable(
@@ -477,7 +477,7 @@ class Engine:
                 )
             if self._active is not None:
                 raise ResourceExhausted(f"channel {self._channel} busy", retry_after=0.05)
-            self._active = kind
+            self._active = "deliver"
         self._reporter.set_busy(True)
 
     def _unclaim(self, *, pull_done: bool = False) -> None:
@@ -495,11 +495,6 @@ class Engine:
         with self._cond:
             self._tails += 1
         self._unclaim()
-
-    def _tail_settled(self) -> None:
-        with self._cond:
-            self._tails -= 1
-            self._cond.notify_all()
 
     def _released(self, pull_queue: bool) -> None:
         with self._cond:
@@ -532,7 +527,7 @@ class Engine:
         (after the receipts of the tuples before it). ``max_chunk_bytes``: the
         largest frame payload (the payload lane sends a tuple as one frame).
         """
-        self._claim("deliver")
+        self._claim()
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         reader = self._reader(frames, max_chunk_bytes)
         prefetch = _Prefetcher(reader, events.put, self._hand_over)
@@ -550,8 +545,10 @@ class Engine:
         finally:
             handed_over = prefetch.close()
             storer.close(STORER_JOIN_SECONDS)
-            if handed_over:
-                self._tail_settled()
+            if handed_over:  # its last tuple is settled
+                with self._cond:
+                    self._tails -= 1
+                    self._cond.notify_all()
             else:
                 self._unclaim()
 
