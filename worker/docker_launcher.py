@@ -61,10 +61,10 @@ def _shared_client() -> Any:
     return docker.from_env(timeout=API_TIMEOUT)
 
 
-def docker_available(timeout: float = PING_TIMEOUT) -> bool:
-    """Does a Docker engine answer within ``timeout`` seconds?"""
+def docker_available() -> bool:
+    """Does a Docker engine answer within :data:`PING_TIMEOUT` seconds?"""
     try:
-        with contextlib.closing(docker.from_env(timeout=max(1, math.ceil(timeout)))) as client:
+        with contextlib.closing(docker.from_env(timeout=max(1, math.ceil(PING_TIMEOUT)))) as client:
             return bool(client.ping())
     except Exception as exc:  # noqa: BLE001 - any failure means "not available"
         log.debug("docker not available", extra={"reason": str(exc)[:200]})

@@ -77,10 +77,10 @@ STORE_FULL = 64  # ... until this many wait
 ENGINE_STATE_RETRY = 1.0
 
 
-def truncate(text: str, limit: int = LAST_ERROR_BYTES) -> str:
-    """``text`` cut to ``limit`` bytes (UTF-8), for a tuple's hio.last_error."""
+def truncate(text: str) -> str:
+    """``text`` cut to :data:`LAST_ERROR_BYTES` bytes (UTF-8), for a tuple's hio.last_error."""
     data = text.encode("utf-8")
-    return text if len(data) <= limit else data[:limit].decode("utf-8", errors="ignore")
+    return text if len(data) <= LAST_ERROR_BYTES else data[:LAST_ERROR_BYTES].decode("utf-8", errors="ignore")
 
 
 @dataclasses.dataclass
