@@ -77,12 +77,6 @@ def container_name(worker_id: str, channel_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", "hio-" + scoped.replace("/", "-"))[:200]
 
 
-def _env_key(key: str) -> str | None:
-    """The setting an HIO_* variable sets (``HIO_ENGINE_TLS_KEY`` -> ``tls_key``)."""
-    prefix = next((p for p in ("HIO_ENGINE_", "HIO_") if key.startswith(p)), None)
-    return None if prefix is None else key[len(prefix) :].lower()
-
-
 class DockerLauncher(EngineLauncher):
     """Runs each engine as a labelled container of its image on this host."""
 
@@ -162,7 +156,8 @@ class DockerLauncher(EngineLauncher):
         files: dict[str, bytes] = {}
         owned = (*_IMAGE_OWNED, "pipeline") if image_names_pipeline else _IMAGE_OWNED
         for key, value in spec_env.items():
-            setting = _env_key(key)
+            prefix = next((p for p in ("HIO_ENGINE_", "HIO_") if key.startswith(p)), None)
+            setting = None if prefix is None else key[len(prefix) :].lower()  # HIO_ENGINE_TLS_KEY: tls_key
             if setting in owned:
                 continue
             if setting == "token_file" and value:
