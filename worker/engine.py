@@ -827,21 +827,20 @@ class Engine:
             try:
                 got = self._pull_once()
                 backoff.reset()
-                if not got and time.monotonic() - started < MIN_EMPTY_PULL:
-                    with self._cond:  # the master answered "nothing" at once: do not spin
-                        self._cond.wait_for(lambda: self._stopping, timeout=MIN_EMPTY_PULL)
+                if got or time.monotonic() - started >= MIN_EMPTY_PULL:
+                    continue
+                delay = MIN_EMPTY_PULL  # the master answered "nothing" at once: do not spin
             except HioError as exc:
                 delay = backoff.delay(exc.retry_after)
                 log.info(
                     "pulling from the queue failed; retrying",
                     extra={"channel": self._channel, "reason": exc.message, "retry_in_s": round(delay, 2)},
                 )
-                with self._cond:
-                    self._cond.wait_for(lambda: self._stopping, timeout=delay)
             except BaseException:  # the puller must outlive any one tuple
                 log.exception("pulling from the queue failed unexpectedly", extra={"channel": self._channel})
-                with self._cond:
-                    self._cond.wait_for(lambda: self._stopping, timeout=backoff.delay())
+                delay = backoff.delay()
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping, timeout=delay)
 
     def _pull_once(self) -> bool:
         """One long-poll; process the tuples it brings, then the pulls fetched meanwhile.
