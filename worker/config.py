@@ -141,7 +141,6 @@ class WorkerConfig(EngineSettings):
         check them: only those a worker does not decide itself, each valid."""
         where = "engine_settings ([engine], HIO_ENGINE_*)"
         refused = dict.fromkeys(ENGINE_SLOT_SETTINGS, "the worker sets it for each engine")
-        engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
         refused.update(
             (
                 f.name,
@@ -150,8 +149,7 @@ class WorkerConfig(EngineSettings):
                     "it passes its value on to its engines"
                 ),
             )
-            for f in dataclasses.fields(WorkerConfig)
-            if f.name in engine_fields and f.name not in ENGINE_SLOT_SETTINGS
+            for f in dataclasses.fields(EngineSettings)
         )
         values = parse_assignments(self.engine_settings, EngineConfig, where, refused=refused)
         try:  # an engine refusing its settings would only restart, again and again
@@ -200,7 +198,6 @@ class WorkerConfig(EngineSettings):
         return low, high
 
     def effective_cpus(self) -> int:
-        """The CPUs this worker offers: the setting, else the machine's count."""
         return self.cpus or os.cpu_count() or 1
 
     def effective_worker_id(self) -> str:

@@ -190,7 +190,7 @@ class MasterSession:
         config: WorkerConfig,
         worker_id: str,
         channels: Callable[[bool], list[master_pb2.ChannelInfo]],
-        on_answer: Callable[[master_pb2.HeartbeatResponse], None] = lambda _reply: None,
+        on_answer: Callable[[master_pb2.HeartbeatResponse], None],
     ) -> None:
         self._config = config
         self._worker_id = worker_id
@@ -308,14 +308,14 @@ class Controller:
         slots: list[EngineSlot] = []
         for image, count in counts:
             for _ in range(count):
-                slots.append(self._new_slot(f"{self._worker_id}/{next(self._indexes)}", image, slots, strict=True))
+                slots.append(self._new_slot(image, slots, strict=True))
         return slots
 
-    def _new_slot(self, channel_id: str, image: str, slots: list[EngineSlot], *, strict: bool) -> EngineSlot:
+    def _new_slot(self, image: str, slots: list[EngineSlot], *, strict: bool) -> EngineSlot:
         """A channel for ``image``, its pipeline resolved and its ports none of ``slots`` has. One
         that cannot run (no pipeline, no free port) raises if ``strict``, else stays DOWN with
         the reason."""
-        slot = EngineSlot(channel_id=channel_id, image=image, pipeline="", port=0)
+        slot = EngineSlot(channel_id=f"{self._worker_id}/{next(self._indexes)}", image=image, pipeline="", port=0)
         try:
             local = isinstance(self._launcher, ProcessLauncher)
             slot.pipeline = pipeline_for_image(image, self._config.pipelines, builtin=local)
@@ -352,13 +352,12 @@ class Controller:
 
     def _add_slot(self, image: str) -> None:
         """A new channel for ``image`` (:meth:`_new_slot`), its engine started by the next supervision pass."""
-        channel_id = f"{self._worker_id}/{next(self._indexes)}"
         with self._lock:
             slots = list(self._slots)
-        slot = self._new_slot(channel_id, image, slots, strict=False)
+        slot = self._new_slot(image, slots, strict=False)
         with self._lock:
             self._slots.append(slot)
-        log.info("engine added for the master's plan", extra={"channel": channel_id, "image": image})
+        log.info("engine added for the master's plan", extra={"channel": slot.channel_id, "image": image})
         self._session.poke()
 
     def _stop_drained(self, slot: EngineSlot) -> None:

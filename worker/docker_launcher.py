@@ -58,14 +58,13 @@ class ImageMissing(RuntimeError):
 
 @functools.cache
 def _shared_client() -> Any:
-    """One Docker client per process, created on first use."""
     return docker.from_env(timeout=API_TIMEOUT)
 
 
-def docker_available(timeout: float = PING_TIMEOUT) -> bool:
-    """Does a Docker engine answer within ``timeout`` seconds?"""
+def docker_available() -> bool:
+    """Does a Docker engine answer within :data:`PING_TIMEOUT` seconds?"""
     try:
-        with contextlib.closing(docker.from_env(timeout=max(1, math.ceil(timeout)))) as client:
+        with contextlib.closing(docker.from_env(timeout=max(1, math.ceil(PING_TIMEOUT)))) as client:
             return bool(client.ping())
     except Exception as exc:  # noqa: BLE001 - any failure means "not available"
         log.debug("docker not available", extra={"reason": str(exc)[:200]})
@@ -78,18 +77,12 @@ def container_name(worker_id: str, channel_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", "hio-" + scoped.replace("/", "-"))[:200]
 
 
-def _env_key(key: str) -> str | None:
-    """The setting an HIO_* variable sets (``HIO_ENGINE_TLS_KEY`` -> ``tls_key``)."""
-    prefix = next((p for p in ("HIO_ENGINE_", "HIO_") if key.startswith(p)), None)
-    return None if prefix is None else key[len(prefix) :].lower()
-
-
 class DockerLauncher(EngineLauncher):
     """Runs each engine as a labelled container of its image on this host."""
 
-    def __init__(self, config: WorkerConfig, worker_id: str | None = None, client: Any = None) -> None:
+    def __init__(self, config: WorkerConfig, worker_id: str | None = None) -> None:
         self._worker_id = worker_id or config.effective_worker_id()
-        self._client = client or _shared_client()
+        self._client = _shared_client()
         self._seen_healthy: set[str] = set()  # container ids Docker has reported healthy
 
     @classmethod
@@ -163,7 +156,8 @@ class DockerLauncher(EngineLauncher):
         files: dict[str, bytes] = {}
         owned = (*_IMAGE_OWNED, "pipeline") if image_names_pipeline else _IMAGE_OWNED
         for key, value in spec_env.items():
-            setting = _env_key(key)
+            prefix = next((p for p in ("HIO_ENGINE_", "HIO_") if key.startswith(p)), None)
+            setting = None if prefix is None else key[len(prefix) :].lower()  # HIO_ENGINE_TLS_KEY: tls_key
             if setting in owned:
                 continue
             if setting == "token_file" and value:

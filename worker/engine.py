@@ -77,10 +77,10 @@ STORE_FULL = 64  # ... until this many wait
 ENGINE_STATE_RETRY = 1.0
 
 
-def truncate(text: str, limit: int = LAST_ERROR_BYTES) -> str:
-    """``text`` cut to ``limit`` bytes (UTF-8), for a tuple's hio.last_error."""
+def truncate(text: str) -> str:
+    """``text`` cut to :data:`LAST_ERROR_BYTES` bytes (UTF-8), for a tuple's hio.last_error."""
     data = text.encode("utf-8")
-    return text if len(data) <= limit else data[:limit].decode("utf-8", errors="ignore")
+    return text if len(data) <= LAST_ERROR_BYTES else data[:LAST_ERROR_BYTES].decode("utf-8", errors="ignore")
 
 
 @dataclasses.dataclass
@@ -451,9 +451,8 @@ class Engine:
             process_seconds_sum=counts.total,
         )
 
-    def start(self) -> Engine:
+    def start(self) -> None:
         self._puller.start()
-        return self
 
     def stop(self, grace: float) -> None:
         """Refuse new work, let the current tuple finish (up to ``grace`` s), flush reports."""
@@ -470,7 +469,7 @@ class Engine:
         self._puller.join(1.0)
         self._background.shutdown(wait=False)
 
-    def _claim(self, kind: str) -> None:
+    def _claim(self) -> None:
         with self._cond:
             if self._stopping:
                 raise Unavailable(
@@ -478,7 +477,7 @@ class Engine:
                 )
             if self._active is not None:
                 raise ResourceExhausted(f"channel {self._channel} busy", retry_after=0.05)
-            self._active = kind
+            self._active = "deliver"
         self._reporter.set_busy(True)
 
     def _unclaim(self, *, pull_done: bool = False) -> None:
@@ -496,11 +495,6 @@ class Engine:
         with self._cond:
             self._tails += 1
         self._unclaim()
-
-    def _tail_settled(self) -> None:
-        with self._cond:
-            self._tails -= 1
-            self._cond.notify_all()
 
     def _released(self, pull_queue: bool) -> None:
         with self._cond:
@@ -533,7 +527,7 @@ class Engine:
         (after the receipts of the tuples before it). ``max_chunk_bytes``: the
         largest frame payload (the payload lane sends a tuple as one frame).
         """
-        self._claim("deliver")
+        self._claim()
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         reader = self._reader(frames, max_chunk_bytes)
         prefetch = _Prefetcher(reader, events.put, self._hand_over)
@@ -551,8 +545,10 @@ class Engine:
         finally:
             handed_over = prefetch.close()
             storer.close(STORER_JOIN_SECONDS)
-            if handed_over:
-                self._tail_settled()
+            if handed_over:  # its last tuple is settled
+                with self._cond:
+                    self._tails -= 1
+                    self._cond.notify_all()
             else:
                 self._unclaim()
 
@@ -831,21 +827,20 @@ class Engine:
             try:
                 got = self._pull_once()
                 backoff.reset()
-                if not got and time.monotonic() - started < MIN_EMPTY_PULL:
-                    with self._cond:  # the master answered "nothing" at once: do not spin
-                        self._cond.wait_for(lambda: self._stopping, timeout=MIN_EMPTY_PULL)
+                if got or time.monotonic() - started >= MIN_EMPTY_PULL:
+                    continue
+                delay = MIN_EMPTY_PULL  # the master answered "nothing" at once: do not spin
             except HioError as exc:
                 delay = backoff.delay(exc.retry_after)
                 log.info(
                     "pulling from the queue failed; retrying",
                     extra={"channel": self._channel, "reason": exc.message, "retry_in_s": round(delay, 2)},
                 )
-                with self._cond:
-                    self._cond.wait_for(lambda: self._stopping, timeout=delay)
             except BaseException:  # the puller must outlive any one tuple
                 log.exception("pulling from the queue failed unexpectedly", extra={"channel": self._channel})
-                with self._cond:
-                    self._cond.wait_for(lambda: self._stopping, timeout=backoff.delay())
+                delay = backoff.delay()
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping, timeout=delay)
 
     def _pull_once(self) -> bool:
         """One long-poll; process the tuples it brings, then the pulls fetched meanwhile.
@@ -1007,7 +1002,9 @@ class Engine:
             else:
                 done.append(_Slot(len(done), meta, *result, from_queue=True))
         if processed:
-            self._learn_cost((time.monotonic() - started) / processed)
+            seconds = (time.monotonic() - started) / processed
+            previous = self._queue_tuple_seconds
+            self._queue_tuple_seconds = seconds if previous is None else 0.7 * previous + 0.3 * seconds
         return done, processed == len(pulled), fetching
 
     def _read_pulled(
@@ -1045,10 +1042,6 @@ class Engine:
                 )
                 return False
         return True
-
-    def _learn_cost(self, seconds: float) -> None:
-        previous = self._queue_tuple_seconds
-        self._queue_tuple_seconds = seconds if previous is None else 0.7 * previous + 0.3 * seconds
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):

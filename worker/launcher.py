@@ -161,7 +161,6 @@ class ProcessLauncher(EngineLauncher):
         return tail(handle.log_path, lines)
 
     def cpu_usage(self, handle: EngineHandle) -> CpuUsage | None:
-        """The engine's process tree: the engine, its threads, and whatever its pipeline started."""
         return tree_usage(handle.native.pid)
 
     def cleanup(self) -> None:

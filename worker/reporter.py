@@ -31,6 +31,7 @@ log = logging.getLogger("hio.worker")
 Send = Callable[[master_pb2.ReportTuplesRequest], master_pb2.ReportTuplesResponse]
 RETRYABLE = (errors.Unavailable, errors.ResourceExhausted, errors.DeadlineExceeded)
 MAX_BATCH = 1000  # outcomes per request, well under the master's bound
+MAX_PENDING = 10_000  # outcomes kept while the master is unreachable
 
 
 @dataclasses.dataclass
@@ -60,7 +61,6 @@ class Reporter:
         keepalive: float,
         flush_interval: float = 0.05,
         direct_interval: float = 1.0,
-        max_pending: int = 10_000,
         processing: Callable[[], bool] = lambda: False,
     ) -> None:
         self._channel_id = channel_id
@@ -71,7 +71,6 @@ class Reporter:
         self._direct_interval = max(flush_interval, direct_interval)
         self._queue_outcomes = 0  # outcomes pending that settle a lease: these go within flush_interval
         self._releases = 0  # releases pending: they go at once
-        self._max_pending = max_pending
         self._cond = threading.Condition()
         self._items: collections.deque[_Item] = collections.deque()
         self._busy = False
@@ -145,7 +144,7 @@ class Reporter:
 
     def _drop_excess(self) -> None:
         """Bound memory while the master is unreachable: forget the oldest outcomes."""
-        excess = len(self._items) - self._max_pending
+        excess = len(self._items) - MAX_PENDING
         if excess <= 0:
             return
         kept: collections.deque[_Item] = collections.deque()

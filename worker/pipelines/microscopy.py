@@ -227,12 +227,6 @@ def focus_features(pixels: np.ndarray, sigma: float) -> dict[str, float]:
     }
 
 
-def area_histogram(areas: np.ndarray) -> list[float]:
-    """Object counts per fixed log-spaced area bin (:data:`AREA_BIN_EDGES`)."""
-    counts, _ = np.histogram(areas, bins=np.asarray(AREA_BIN_EDGES))
-    return [float(c) for c in counts]
-
-
 def object_features(pixels: np.ndarray, sigma: float, min_area: int) -> dict[str, float | list[float]]:
     """Otsu segmentation, connected components, small-object removal, object statistics."""
     smooth = imaging.gaussian_blur(pixels, sigma)
@@ -243,6 +237,7 @@ def object_features(pixels: np.ndarray, sigma: float, min_area: int) -> dict[str
     keep = areas >= min_area
     areas, sums = areas[keep].astype(np.float64), sums[keep]
     found = len(areas) > 0
+    area_counts, _ = np.histogram(areas, bins=np.asarray(AREA_BIN_EDGES))
     return {
         "object_count": float(len(areas)),
         "object_area_mean": float(areas.mean()) if found else 0.0,
@@ -252,12 +247,11 @@ def object_features(pixels: np.ndarray, sigma: float, min_area: int) -> dict[str
         "foreground_fraction": float(areas.sum() / pixels.size),
         "otsu_threshold": threshold,
         "otsu_effectiveness": effectiveness,
-        "object_area_hist": area_histogram(areas),
+        "object_area_hist": [float(c) for c in area_counts],
     }
 
 
 def analyse(image: DecodedImage, params: Params) -> dict[str, float | str | list[float]]:
-    """All features of a decoded image."""
     pixels = image.pixels
     return {
         "width": float(pixels.shape[1]),

@@ -98,11 +98,6 @@ class Realization:
     voxels: int
 
 
-def default_species_names(count: int) -> tuple[str, ...]:
-    """A, B, ..., Z, then S26, S27, ..."""
-    return tuple(chr(ord("A") + i) if i < 26 else f"S{i}" for i in range(count))
-
-
 def _load_npz(data: bytes) -> dict[str, np.ndarray]:
     """The arrays of an .npz tuple, refusing pickles and oversized expansion."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
@@ -175,9 +170,9 @@ def _times(t: np.ndarray | None, count: int) -> np.ndarray:
 
 
 def _species(names: np.ndarray | None, count: int) -> tuple[str, ...]:
-    """Checked species names, or the defaults."""
+    """Checked species names, or the defaults: A, B, ..., Z, then S26, S27, ..."""
     if names is None:
-        return default_species_names(count)
+        return tuple(chr(ord("A") + i) if i < 26 else f"S{i}" for i in range(count))
     if names.dtype.kind not in "US" or names.ndim != 1 or names.shape[0] != count:
         raise ValueError(f"simulation: 'species' must be a ({count},) string array, not {names.dtype} {names.shape}")
     result = tuple(n.decode("ascii", "replace") if isinstance(n, bytes) else str(n) for n in names.tolist())
@@ -315,7 +310,6 @@ def series_features(name: str, t: np.ndarray, series: np.ndarray, params: Params
 
 
 def analyse(realization: Realization, params: Params) -> dict[str, float | str | list[float]]:
-    """All features of a decoded realization."""
     t = realization.t
     features: dict[str, float | str | list[float]] = {
         "species_count": float(len(realization.species)),

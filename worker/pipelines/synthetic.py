@@ -61,12 +61,6 @@ def _mix(value: int) -> int:
     return value ^ (value >> 31)
 
 
-def derived_features(seed: int, count: int) -> dict[str, float]:
-    """``count`` deterministic features in [0, 1) derived from ``seed``."""
-    base = _mix(seed & _MASK64)
-    return {f"f{i}": _mix((base + i) & _MASK64) / 2.0**64 for i in range(count)}
-
-
 def process(data: bytes, info: Any) -> dict[str, float | str | list[float]]:
     """Pipeline entry point: burn ``cost_ms`` of CPU, output ``features`` numbers."""
     attrs = attributes_of(info)
@@ -74,8 +68,9 @@ def process(data: bytes, info: Any) -> dict[str, float | str | list[float]]:
     count = attr_int(attrs, "features", DEFAULT_FEATURES, 0, MAX_FEATURES)
     burn_cpu(cost_ms / 1000.0)
     head = zlib.crc32(bytes(data[:HEAD_BYTES])) & 0xFFFFFFFF
+    base = _mix(((head << 32) ^ len(data)) & _MASK64)
     return {
         "size_bytes": float(len(data)),
         "crc32_head": float(head),
-        **derived_features((head << 32) ^ len(data), count),
+        **{f"f{i}": _mix((base + i) & _MASK64) / 2.0**64 for i in range(count)},  # in [0, 1)
     }
