@@ -30,7 +30,7 @@ import grpc
 
 from hio.config import ConfigError, state_dir
 from hio.gateway.client import Gateway, TupleFuture
-from hio.gateway.config import SendConfig, infer_image, is_ignored
+from hio.gateway.config import SendConfig, infer_image, walk_files
 from hio.gateway.spool import Spool, SpoolFull, SpoolInUse, safe_name, spooled_metas
 from hio.proto.tuple_pb2 import TupleMeta, TupleReceipt
 from hio.transport.frames import WireFrame, crc32_of_file, frames_for_file
@@ -78,9 +78,7 @@ def _collect(names: tuple[str, ...]) -> list[Path]:
     for name in names:
         path = Path(name)
         if path.is_dir():
-            for folder, dirs, entries in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                files += [Path(folder) / e for e in sorted(entries) if not is_ignored(e)]
+            files += walk_files(path)
         elif path.is_file():
             files.append(path)
         else:
