@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TextIO, cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import grpc
 
@@ -295,18 +295,16 @@ class _Sender:
                 self.failures.append(f"{path}: not delivered (stays spooled for the next hio send)")
         status = gateway.status()
         mbytes = sum(f.size for f in ok) / MB
-        out: TextIO = sys.stdout
         again = f", {len(retrying)} queued again after their processing failed" if retrying else ""
         print(
             f"sent {len(ok)} of {self.tuples} tuples ({mbytes:.1f} MB) in {seconds:.1f} s: "
             f"{status.sent_direct} direct, {status.sent_queue} queued{again}, {len(self.failures)} failed; "
             f"{mbytes / max(seconds, 1e-9):.1f} MB/s",
-            file=out,
         )
         for line in retrying:
-            print(f"RETRYING {line}", file=out)
+            print(f"RETRYING {line}")
         for line in self.failures:
-            print(f"FAILED {line}", file=out)
+            print(f"FAILED {line}")
         if gave_up and self.refusal:
             print(f"hio send: {self.refusal}; the files not sent stay spooled for the next hio send", file=sys.stderr)
         elif gave_up:
