@@ -187,7 +187,6 @@ def listed_counts(results: list[GroupResult], max_assignments: int) -> list[int]
         return [r.group.count if r.clustering is not None else 0 for r in results]
     if max_assignments <= 0:
         return [0] * len(results)
-    # A group's offsets increase: the most recent over all groups are among each one's last.
     everything = np.concatenate([o[-max_assignments:] for o in offsets])
     cut = len(everything) - max_assignments
     threshold = np.partition(everything, cut)[cut]
