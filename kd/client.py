@@ -42,7 +42,6 @@ class RepositoryClient:
         self._channel = create_channel(settings.repository_address, settings)
         self._stub = repository_pb2_grpc.RepositoryStub(self._channel)
         self.deadline = deadline
-        self.address = settings.repository_address
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> RepositoryClient:
