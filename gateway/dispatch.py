@@ -81,7 +81,6 @@ class Outcome(enum.Enum):
 
 
 Completion = tuple[SpoolEntry, Outcome, str]  # a tuple that left delivery: how, and why (if it failed)
-CompletionHook = Callable[[list[Completion]], None]
 
 
 @dataclass(eq=False)
@@ -146,7 +145,7 @@ class Dispatcher:
         persist: Callable[[list[SpoolEntry]], None],
         open_payload: Callable[[SpoolEntry], BinaryIO],
         payload_damage: Callable[[SpoolEntry], str],
-        on_complete: CompletionHook,
+        on_complete: Callable[[list[Completion]], None],
     ) -> None:
         self._config = config
         self._persist = persist  # ids and attempts into the spool (one append): any redelivery keeps them
@@ -568,7 +567,8 @@ class Dispatcher:
     def _master_down(self, batch: list[_Pending], why: str, error: str) -> None:
         """The master is unreachable: the tuples wait, uncounted, longer the longer that lasts."""
         self._master_state(unreachable=why)
-        self._retry(batch, error, count_attempt=False, delay=self._master_delay())
+        down = self.snapshot().master_unreachable_seconds
+        self._retry(batch, error, count_attempt=False, delay=random.uniform(0.5, 1.0) * min(5.0, 0.2 + down / 2))
 
     def _forget_id(self, pending: _Pending, details: str) -> None:
         """The master refused a tuple that carries an id: most likely the id is not its own (its
@@ -705,10 +705,6 @@ class Dispatcher:
             )
         elif was_unserved and unserved is None:
             log.warning("a channel serves this image now", extra={"image": image})
-
-    def _master_delay(self) -> float:
-        down = self.snapshot().master_unreachable_seconds
-        return random.uniform(0.5, 1.0) * min(5.0, 0.2 + down / 2)
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._cond:
