@@ -412,7 +412,7 @@ class Dispatcher:
                 payload = entry.payload if entry.payload is not None else self._open_payload(entry)
             except FileNotFoundError:
                 skipped.add(pending.seq)
-                self._complete(pending, Outcome.REJECTED, f"spooled payload {entry.data_path} is missing")
+                self._reject(pending, f"spooled payload {entry.data_path} is missing")
                 continue
             except OSError:
                 sent.append(pending)  # last in ``sent``: the tuple _read_failed blames
@@ -472,8 +472,8 @@ class Dispatcher:
 
     # -- outcomes ----------------------------------------------------------------
 
-    def _complete(self, pending: _Pending, outcome: Outcome, detail: str, *, direct: bool = False) -> None:
-        self._complete_many([(pending, outcome, detail)], direct=direct)
+    def _reject(self, pending: _Pending, detail: str) -> None:
+        self._complete_many([(pending, Outcome.REJECTED, detail)])
 
     def _complete_many(self, done: list[tuple[_Pending, Outcome, str]], *, direct: bool = False) -> None:
         sizes = [p.entry.size for p, outcome, _ in done if outcome in (Outcome.STORED, Outcome.ENQUEUED)]
@@ -550,7 +550,7 @@ class Dispatcher:
         elif code == grpc.StatusCode.INVALID_ARGUMENT and batch[0].entry.meta.tuple_id:
             self._forget_id(batch[0], details)
         elif code == grpc.StatusCode.INVALID_ARGUMENT:
-            self._complete(batch[0], Outcome.REJECTED, error)
+            self._reject(batch[0], error)
         else:
             log.warning("routing failed", extra={"error": error})
             self._retry(batch, error, count_attempt=False, delay=random.uniform(1.0, 3.0))
@@ -656,7 +656,7 @@ class Dispatcher:
                     "spooled payload damaged; tuple rejected",
                     extra={"tuple": pending.entry.meta.name, "path": str(pending.entry.data_path), "error": why},
                 )
-                self._complete(pending, Outcome.REJECTED, why)
+                self._reject(pending, why)
             else:
                 retry.append(pending)
         if retry:
