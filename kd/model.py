@@ -116,17 +116,17 @@ def cluster(spark: Any, group: Group, config: KDConfig) -> Clustering:
     k, seed = config.k, config.seed
     values = group.values
     mean, std = group.mean_std()
-    picked = sample_indices(len(values), config.sample_size, seed)
-    points = (values[picked] - mean) / std
+    sample = sample_indices(len(values), config.sample_size, seed)
+    points = (values[sample] - mean) / std
     k_eff = min(k, _distinct_rows(points))
     centres = _fit_centres(spark, points, k_eff, seed, config.max_iterations)
     labels = assign(values, centres, mean, std)
     counts = np.bincount(labels, minlength=len(centres))
     algorithm = (
-        f"BisectingKMeans(k={k}, fitted on {len(picked)} of {len(values)} tuples, seed={seed}); "
+        f"BisectingKMeans(k={k}, fitted on {len(sample)} of {len(values)} tuples, seed={seed}); "
         f"nearest-centre assignment; Ward linkage of centres; group image='{group.image}'"
     )
-    return Clustering(mean, std, centres, labels, counts, ward_linkage(centres), picked, algorithm)
+    return Clustering(mean, std, centres, labels, counts, ward_linkage(centres), sample, algorithm)
 
 
 @dataclass(frozen=True)
