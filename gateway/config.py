@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -31,14 +32,15 @@ IMAGE_BY_EXTENSION: dict[str, str] = {
 IGNORED_SUFFIXES = (".part", ".tmp", ".partial")
 
 
-def default_source() -> str:
-    """The host name: who produced the tuples, unless told otherwise."""
-    return socket.gethostname() or "gateway"
-
-
-def is_ignored(name: str) -> bool:
-    """True for hidden files and files an instrument is still writing."""
-    return name.startswith(".") or name.lower().endswith(IGNORED_SUFFIXES)
+def walk_files(root: Path, skip: Path | None = None) -> Iterator[Path]:
+    """The files under ``root`` in name order, but for hidden ones and those an instrument is
+    still writing; hidden folders (and the resolved folder ``skip``) are not entered."""
+    for folder, dirs, files in os.walk(root):
+        base = Path(folder)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (skip is None or (base / d).resolve() != skip))
+        for name in sorted(files):
+            if not name.startswith(".") and not name.lower().endswith(IGNORED_SUFFIXES):
+                yield base / name
 
 
 def infer_image(path: str | os.PathLike[str], image: str = "") -> str:
@@ -130,7 +132,7 @@ class GatewayConfig(ClusterSettings):
     )
 
     def resolved_source(self) -> str:
-        return self.source or default_source()
+        return self.source or socket.gethostname() or "gateway"
 
     def resolved_done_dir(self) -> str:
         if self.done_dir:

@@ -81,7 +81,6 @@ class Outcome(enum.Enum):
 
 
 Completion = tuple[SpoolEntry, Outcome, str]  # a tuple that left delivery: how, and why (if it failed)
-CompletionHook = Callable[[list[Completion]], None]
 
 
 @dataclass(eq=False)
@@ -146,7 +145,7 @@ class Dispatcher:
         persist: Callable[[list[SpoolEntry]], None],
         open_payload: Callable[[SpoolEntry], BinaryIO],
         payload_damage: Callable[[SpoolEntry], str],
-        on_complete: CompletionHook,
+        on_complete: Callable[[list[Completion]], None],
     ) -> None:
         self._config = config
         self._persist = persist  # ids and attempts into the spool (one append): any redelivery keeps them
@@ -413,7 +412,7 @@ class Dispatcher:
                 payload = entry.payload if entry.payload is not None else self._open_payload(entry)
             except FileNotFoundError:
                 skipped.add(pending.seq)
-                self._complete(pending, Outcome.REJECTED, f"spooled payload {entry.data_path} is missing")
+                self._reject(pending, f"spooled payload {entry.data_path} is missing")
                 continue
             except OSError:
                 sent.append(pending)  # last in ``sent``: the tuple _read_failed blames
@@ -473,8 +472,8 @@ class Dispatcher:
 
     # -- outcomes ----------------------------------------------------------------
 
-    def _complete(self, pending: _Pending, outcome: Outcome, detail: str, *, direct: bool = False) -> None:
-        self._complete_many([(pending, outcome, detail)], direct=direct)
+    def _reject(self, pending: _Pending, detail: str) -> None:
+        self._complete_many([(pending, Outcome.REJECTED, detail)])
 
     def _complete_many(self, done: list[tuple[_Pending, Outcome, str]], *, direct: bool = False) -> None:
         sizes = [p.entry.size for p, outcome, _ in done if outcome in (Outcome.STORED, Outcome.ENQUEUED)]
@@ -551,7 +550,7 @@ class Dispatcher:
         elif code == grpc.StatusCode.INVALID_ARGUMENT and batch[0].entry.meta.tuple_id:
             self._forget_id(batch[0], details)
         elif code == grpc.StatusCode.INVALID_ARGUMENT:
-            self._complete(batch[0], Outcome.REJECTED, error)
+            self._reject(batch[0], error)
         else:
             log.warning("routing failed", extra={"error": error})
             self._retry(batch, error, count_attempt=False, delay=random.uniform(1.0, 3.0))
@@ -568,7 +567,8 @@ class Dispatcher:
     def _master_down(self, batch: list[_Pending], why: str, error: str) -> None:
         """The master is unreachable: the tuples wait, uncounted, longer the longer that lasts."""
         self._master_state(unreachable=why)
-        self._retry(batch, error, count_attempt=False, delay=self._master_delay())
+        down = self.snapshot().master_unreachable_seconds
+        self._retry(batch, error, count_attempt=False, delay=random.uniform(0.5, 1.0) * min(5.0, 0.2 + down / 2))
 
     def _forget_id(self, pending: _Pending, details: str) -> None:
         """The master refused a tuple that carries an id: most likely the id is not its own (its
@@ -656,7 +656,7 @@ class Dispatcher:
                     "spooled payload damaged; tuple rejected",
                     extra={"tuple": pending.entry.meta.name, "path": str(pending.entry.data_path), "error": why},
                 )
-                self._complete(pending, Outcome.REJECTED, why)
+                self._reject(pending, why)
             else:
                 retry.append(pending)
         if retry:
@@ -705,10 +705,6 @@ class Dispatcher:
             )
         elif was_unserved and unserved is None:
             log.warning("a channel serves this image now", extra={"image": image})
-
-    def _master_delay(self) -> float:
-        down = self.snapshot().master_unreachable_seconds
-        return random.uniform(0.5, 1.0) * min(5.0, 0.2 + down / 2)
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._cond:

@@ -24,13 +24,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TextIO, cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import grpc
 
 from hio.config import ConfigError, state_dir
 from hio.gateway.client import Gateway, TupleFuture
-from hio.gateway.config import SendConfig, infer_image, is_ignored
+from hio.gateway.config import SendConfig, infer_image, walk_files
 from hio.gateway.spool import Spool, SpoolFull, SpoolInUse, safe_name, spooled_metas
 from hio.proto.tuple_pb2 import TupleMeta, TupleReceipt
 from hio.transport.frames import WireFrame, crc32_of_file, frames_for_file
@@ -78,9 +78,7 @@ def _collect(names: tuple[str, ...]) -> list[Path]:
     for name in names:
         path = Path(name)
         if path.is_dir():
-            for folder, dirs, entries in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                files += [Path(folder) / e for e in sorted(entries) if not is_ignored(e)]
+            files += walk_files(path)
         elif path.is_file():
             files.append(path)
         else:
@@ -297,18 +295,16 @@ class _Sender:
                 self.failures.append(f"{path}: not delivered (stays spooled for the next hio send)")
         status = gateway.status()
         mbytes = sum(f.size for f in ok) / MB
-        out: TextIO = sys.stdout
         again = f", {len(retrying)} queued again after their processing failed" if retrying else ""
         print(
             f"sent {len(ok)} of {self.tuples} tuples ({mbytes:.1f} MB) in {seconds:.1f} s: "
             f"{status.sent_direct} direct, {status.sent_queue} queued{again}, {len(self.failures)} failed; "
             f"{mbytes / max(seconds, 1e-9):.1f} MB/s",
-            file=out,
         )
         for line in retrying:
-            print(f"RETRYING {line}", file=out)
+            print(f"RETRYING {line}")
         for line in self.failures:
-            print(f"FAILED {line}", file=out)
+            print(f"FAILED {line}")
         if gave_up and self.refusal:
             print(f"hio send: {self.refusal}; the files not sent stay spooled for the next hio send", file=sys.stderr)
         elif gave_up:

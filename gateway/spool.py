@@ -95,7 +95,6 @@ MAX_META_BYTES = 1024 * 1024
 # rolling (a file made and later deleted) is rare: every 160 tuples of 100 KB.
 SEGMENT_BYTES = 16 * 1024 * 1024
 BATCH_FSYNC_SECONDS = 0.1
-MEMORY_BYTES = 64 * 1024 * 1024  # payloads kept in memory besides the disk copy (Spool memory_bytes)
 
 
 class SpoolInUse(ConfigError):
@@ -215,7 +214,7 @@ class Spool:
         root: str | os.PathLike[str],
         limit_bytes: int,
         fsync: str = "always",
-        memory_bytes: int = MEMORY_BYTES,
+        memory_bytes: int = 64 * 1024 * 1024,
         segment_bytes: int = SEGMENT_BYTES,
         unsynced_bytes: int = UNSYNCED_BYTES,
     ) -> None:
@@ -230,8 +229,6 @@ class Spool:
         )
         self.memory_limit = int(memory_bytes)
         self._memory_used = 0
-        self.fsync = fsync
-        self.segment_bytes = int(segment_bytes)
         self.root.mkdir(parents=True, exist_ok=True)
         self.limit = int(limit_bytes)
         self._cond = threading.Condition()  # the bound, the entries, the segments' live sets
@@ -490,7 +487,7 @@ class Spool:
         Releases ``reserved`` on failure."""
         admitted = 0
         try:
-            if self.fsync == "always":
+            if self._log.fsync == "always":
                 self._log.sync_path(tmp, refuse=True)  # the payload is on disk before a record names it
             meta_bytes = _meta_bytes(meta)
             move_bytes = _move_bytes(move)
@@ -500,13 +497,13 @@ class Spool:
                 data_path = self._data_path(seq)
                 os.replace(tmp, data_path)
                 try:
-                    if self.fsync == "always":  # its name too is on disk before a record names it
+                    if self._log.fsync == "always":  # its name too is on disk before a record names it
                         self._disk.sync_folder(self.root, refuse=True)
                     segment, _ = self._append([_record(ADD_FILE, seq, meta_bytes, move_bytes)])
                 except BaseException:
                     data_path.unlink(missing_ok=True)
                     raise
-                if self.fsync == "batch":
+                if self._log.fsync == "batch":
                     self._log.track(data_path, meta.size)  # the file's sync settles them
                 admitted = 0
                 entry = SpoolEntry(seq, meta, data_path, move, offset=0, segment=segment.id)
@@ -563,7 +560,7 @@ class Spool:
         segments = self._log.segments
         while (oldest := segments.get(min(segments, default=0))) not in (None, self._log.active):
             if oldest.live:
-                if self._log.bytes_on_disk() <= 2 * max(self.limit, self.segment_bytes):
+                if self._log.bytes_on_disk() <= 2 * max(self.limit, self._log.segment_bytes):
                     break
                 with self._cond:
                     carry = [self._entries[s] for s in sorted(oldest.live)]
@@ -571,7 +568,7 @@ class Spool:
                     self._carry_forward(entry)
                 if oldest.live:  # a record could not be carried (a read error): keep the segment
                     break
-                if self.fsync == "batch":  # the copies are on disk before the originals go
+                if self._log.fsync == "batch":  # the copies are on disk before the originals go
                     self._log.flush()
             deleted.append(self._log.delete(oldest))
         return deleted
@@ -705,34 +702,28 @@ def _move_bytes(move: MoveOnDone | None) -> bytes:
 
 
 def _records(fh: BinaryIO) -> Iterator[tuple[int, int, bytes, bytes, int, int]]:
-    """A segment's whole records in order; stops at its end or at a torn or damaged record."""
+    """A segment's whole records in order, each (kind, seq, meta, move, payload offset, end);
+    stops at its end or at a torn or damaged record."""
     pos = 0
-    while (record := _read_record(fh, pos)) is not None:
-        yield record
-        pos = record[-1]
-
-
-def _read_record(fh: BinaryIO, pos: int) -> tuple[int, int, bytes, bytes, int, int] | None:
-    """(kind, seq, meta, move, payload offset, end) of the record at ``pos``; None at the end
-    or where a record is torn or damaged."""
-    fh.seek(pos)
-    head = fh.read(_HEAD.size)
-    if len(head) < _HEAD.size:
-        return None
-    magic, kind, seq, meta_len, move_len, payload_len, check = _HEAD.unpack(head)
-    if magic != _MAGIC or kind not in _KINDS or meta_len > MAX_META_BYTES or move_len > MAX_META_BYTES:
-        return None
-    meta = fh.read(meta_len)
-    move = fh.read(move_len)
-    if len(meta) < meta_len or len(move) < move_len:
-        return None
-    if crc32(move, crc32(meta, crc32(head[: _HEAD_BODY.size]))) != check:
-        return None
-    payload_at = pos + _HEAD.size + meta_len + move_len
-    end = payload_at + payload_len
-    if end > os.fstat(fh.fileno()).st_size:
-        return None
-    return kind, seq, meta, move, payload_at, end
+    while True:
+        fh.seek(pos)
+        head = fh.read(_HEAD.size)
+        if len(head) < _HEAD.size:
+            return
+        magic, kind, seq, meta_len, move_len, payload_len, check = _HEAD.unpack(head)
+        if magic != _MAGIC or kind not in _KINDS or meta_len > MAX_META_BYTES or move_len > MAX_META_BYTES:
+            return
+        meta = fh.read(meta_len)
+        move = fh.read(move_len)
+        if len(meta) < meta_len or len(move) < move_len:
+            return
+        if crc32(move, crc32(meta, crc32(head[: _HEAD_BODY.size]))) != check:
+            return
+        payload_at = pos + _HEAD.size + meta_len + move_len
+        pos = payload_at + payload_len
+        if pos > os.fstat(fh.fileno()).st_size:
+            return
+        yield kind, seq, meta, move, payload_at, pos
 
 
 def _read_at(path: Path, offset: int, size: int) -> bytes:

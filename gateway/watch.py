@@ -18,12 +18,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from hio.config import ConfigError
 from hio.gateway.client import Gateway
-from hio.gateway.config import infer_image, is_ignored
+from hio.gateway.config import infer_image, walk_files
 from hio.gateway.spool import SpoolFull
 from hio.transport.errors import FailedPrecondition, InvalidArgument
 
@@ -81,7 +80,7 @@ class DirectoryWatcher:
         taken_before = self._gateway.spool.move_sources() | self._gateway.unmoved_sources()
         present: set[Path] = set()
         took = 0
-        for path in self._files():
+        for path in walk_files(self.watch, self.done_dir):
             present.add(path)
             if str(path) in taken_before or not self._settled(path, now):
                 continue
@@ -92,14 +91,6 @@ class DirectoryWatcher:
         for gone in set(self._seen) - present:
             del self._seen[gone]
         return took
-
-    def _files(self) -> Iterator[Path]:
-        for folder, dirs, files in os.walk(self.watch):
-            base = Path(folder)
-            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (base / d).resolve() != self.done_dir)
-            for name in sorted(files):
-                if not is_ignored(name):
-                    yield base / name
 
     def _settled(self, path: Path, now: float) -> bool:
         try:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Self, TypeVar
+from collections.abc import Iterator, Mapping
+from typing import Any, Self
 
 import grpc
 
@@ -22,8 +22,6 @@ from hio.settings import ClusterSettings
 from hio.transport.errors import retry_after
 from hio.transport.net import create_channel
 from hio.transport.retry import RETRYABLE, Backoff, call_with_retry
-
-T = TypeVar("T")
 
 _OPTION_FIELDS = ("repository_address", "token", "token_file", "tls_ca", "tls_cert", "tls_key", "chunk_bytes")
 
@@ -44,7 +42,6 @@ class RepositoryClient:
         self._channel = create_channel(settings.repository_address, settings)
         self._stub = repository_pb2_grpc.RepositoryStub(self._channel)
         self.deadline = deadline
-        self.address = settings.repository_address
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> RepositoryClient:
@@ -62,15 +59,12 @@ class RepositoryClient:
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        return call_with_retry(fn, deadline=self.deadline)
-
     def offsets(self, consumer: str = "", timeout: float | None = None) -> repository_pb2.GetOffsetsResponse:
         """GetOffsets, retried; with ``timeout``, one call within it, not retried (a metrics scrape's)."""
         request = repository_pb2.GetOffsetsRequest(consumer=consumer)
         if timeout is not None:
             return self._stub.GetOffsets(request, timeout=timeout)
-        return self._call(lambda: self._stub.GetOffsets(request, timeout=10.0))
+        return call_with_retry(lambda: self._stub.GetOffsets(request, timeout=10.0), deadline=self.deadline)
 
     def read(self, after: int, until: int) -> Iterator[repository_pb2.StoredRecord]:
         """Records with after < offset <= until, in order. A stream broken by an
@@ -96,8 +90,8 @@ class RepositoryClient:
 
     def commit(self, consumer: str, offset: int) -> None:
         request = repository_pb2.CommitOffsetRequest(consumer=consumer, offset=offset)
-        self._call(lambda: self._stub.CommitOffset(request, timeout=10.0))
+        call_with_retry(lambda: self._stub.CommitOffset(request, timeout=10.0), deadline=self.deadline)
 
     def put_knowledge(self, knowledge: bytes, preview_png: bytes) -> None:
         request = repository_pb2.PutKnowledgeRequest(knowledge=knowledge, preview_png=preview_png)
-        self._call(lambda: self._stub.PutKnowledge(request, timeout=30.0))
+        call_with_retry(lambda: self._stub.PutKnowledge(request, timeout=30.0), deadline=self.deadline)

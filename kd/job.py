@@ -290,9 +290,6 @@ class SparkSessionKeeper:
         except Exception:  # noqa: BLE001 - Py4J cannot reach a dead JVM
             return "gone"
 
-    def alive(self) -> bool:
-        return self._state() == "running"
-
     def renew_if_dead(self) -> bool:
         """A new session if this one is dead (and KD owns it); whether it was renewed."""
         if not self.owned:
@@ -306,7 +303,7 @@ class SparkSessionKeeper:
         return True
 
     def stop(self) -> None:
-        if self.owned and self.alive():
+        if self.owned and self._state() == "running":
             self.spark.stop()
 
 

@@ -48,7 +48,7 @@ class Clustering:
     algorithm: str
 
 
-def _sample(n: int, size: int, seed: int) -> np.ndarray:
+def sample_indices(n: int, size: int, seed: int) -> np.ndarray:
     if n <= size:
         return np.arange(n)
     return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
@@ -116,7 +116,7 @@ def cluster(spark: Any, group: Group, config: KDConfig) -> Clustering:
     k, seed = config.k, config.seed
     values = group.values
     mean, std = group.mean_std()
-    sample = _sample(len(values), config.sample_size, seed)
+    sample = sample_indices(len(values), config.sample_size, seed)
     points = (values[sample] - mean) / std
     k_eff = min(k, _distinct_rows(points))
     centres = _fit_centres(spark, points, k_eff, seed, config.max_iterations)
@@ -187,7 +187,6 @@ def listed_counts(results: list[GroupResult], max_assignments: int) -> list[int]
         return [r.group.count if r.clustering is not None else 0 for r in results]
     if max_assignments <= 0:
         return [0] * len(results)
-    # A group's offsets increase: the most recent over all groups are among each one's last.
     everything = np.concatenate([o[-max_assignments:] for o in offsets])
     cut = len(everything) - max_assignments
     threshold = np.partition(everything, cut)[cut]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hio.kd.model import Clustering, GroupResult
+from hio.kd.model import Clustering, GroupResult, sample_indices
 from hio.kd.store import Group
 
 if TYPE_CHECKING:
@@ -31,9 +31,7 @@ def pca_2d(points: np.ndarray, extra: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def _scatter(ax: Axes, group: Group, result: Clustering, max_points: int, seed: int) -> None:
-    pick = result.sample
-    if len(pick) > max_points:
-        pick = np.sort(np.random.default_rng(seed).choice(pick, size=max_points, replace=False))
+    pick = result.sample[sample_indices(len(result.sample), max_points, seed)]
     scaled = (group.values[pick] - result.mean) / result.std
     xy, centres = pca_2d(scaled, result.centres)
     ax.scatter(

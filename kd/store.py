@@ -181,9 +181,7 @@ class AccumulatedStore:
         parts = self._parts()
         if len(parts) < COMPACT_AT_FILES:
             return
-        table = pa.concat_tables([pq.read_table(p) for p in parts])
-        offsets = table.column("offset").to_numpy()
-        self._write(table, int(offsets.min()), int(offsets.max()))
+        self._write(pa.concat_tables([pq.read_table(p) for p in parts]))
         for part in parts:
             part.unlink()
         fsync_dir(self.path, self._disk)
@@ -196,8 +194,7 @@ class AccumulatedStore:
         if fresh.num_rows == 0:
             return Appended(0, 0, duplicates)
         fresh = fresh.append_column("interval_unix", pa.array(np.full(fresh.num_rows, interval_unix)))
-        offsets = fresh.column("offset").to_numpy()
-        self._write(fresh, int(offsets.min()), int(offsets.max()))
+        self._write(fresh)
         self._ingest(fresh)
         return Appended(fresh.num_rows - malformed, malformed, duplicates, _examples(fresh))
 
@@ -224,9 +221,10 @@ class AccumulatedStore:
         pos = np.searchsorted(self._known, ids).clip(max=len(self._known) - 1)
         return self._known[pos] == ids
 
-    def _write(self, table: pa.Table, first: int, last: int) -> None:
+    def _write(self, table: pa.Table) -> None:
+        offsets = table.column("offset").to_numpy()
         atomic_write(
-            self.path / f"part-{first:020d}-{last:020d}.parquet",
+            self.path / f"part-{int(offsets.min()):020d}-{int(offsets.max()):020d}.parquet",
             lambda fh: pq.write_table(table, fh, compression="zstd"),
             disk=self._disk,
         )

@@ -99,9 +99,7 @@ class FeatureLog:
     def __init__(
         self, folder: Path, disk: DiskFailure, *, segment_bytes: int, fsync: str = "batch", fsync_interval: float = 0.0
     ) -> None:
-        self._folder = folder
         self._segment_bytes = segment_bytes
-        self._mode = fsync
         self._lock = threading.Lock()  # the index and every append
         self._grew = threading.Condition(self._lock)  # what readers may see grew (wait_beyond)
         self._index = OffsetIndex()
@@ -186,7 +184,7 @@ class FeatureLog:
 
     def _keep_torn_tail(self, path: Path, valid_end: int) -> str:
         """Copy the bytes about to be cut to ``torn/`` so an operator can inspect them."""
-        folder = self._folder / "torn"
+        folder = self._log.folder / "torn"
         folder.mkdir(exist_ok=True)
         target = folder / f"{path.name}.{int(time.time())}.{valid_end}.tail"
         with open(path, "rb") as src, open(target, "wb") as dst:
@@ -220,13 +218,13 @@ class FeatureLog:
             self.duplicates += len(results) - len(fresh)
             if fresh:
                 self._write(fresh)
-                if self._mode == "always":
+                if self._log.fsync == "always":
                     self._durable = self._index.latest
-                if self._mode != "batch":  # 'always': synced now; 'never': readable now
+                if self._log.fsync != "batch":  # 'always': synced now; 'never': readable now
                     self._durable_times.add(self._index.latest, time.time())
                     self._grew.notify_all()
         highest = max((r.offset for r in results), default=0)
-        if self._mode != "never":
+        if self._log.fsync != "never":
             self._wait_durable(highest)
         return results
 
@@ -350,7 +348,7 @@ class FeatureLog:
                 return latest
 
     def _readable_locked(self) -> int:
-        if self._mode == "never":
+        if self._log.fsync == "never":
             return self._index.latest
         return min(self._index.latest, self._durable)
 
@@ -403,7 +401,7 @@ class FeatureLog:
                 with self._lock:
                     locations = self._index.locations(start, stop)
                 for run_first, run in _runs(start, locations):
-                    path = self._folder / NAMING.name(run[0].segment)
+                    path = self._log.folder / NAMING.name(run[0].segment)
                     fd = fds.get(run[0].segment)
                     if fd is None:
                         fd = fds[run[0].segment] = os.open(path, os.O_RDONLY)
@@ -424,7 +422,7 @@ class FeatureLog:
                 log.error("fsync at close failed", extra={"error": exc.strerror})
             finally:
                 os.close(self._lock_fd)  # releases the folder lock
-            if self._mode != "never" and not self._disk.failure:
+            if self._log.fsync != "never" and not self._disk.failure:
                 self._durable = self._index.latest
                 self._durable_times.add(self._durable, time.time())
             self._grew.notify_all()  # a wait_beyond ends with the log

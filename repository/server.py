@@ -49,7 +49,7 @@ def create_repository_server(config: RepositoryConfig) -> tuple[grpc.Server, int
     The caller starts the server, and stops it and closes the store when done.
     """
     server, port, health_servicer, store = _build(config)
-    health_servicer.start(lambda: store.disk_failure)
+    health_servicer.start(lambda: store.disk.failure)
     return server, port, store
 
 
@@ -65,7 +65,7 @@ def run_repository(config: RepositoryConfig) -> int:
         registry = RepositoryMetrics(store).registry if config.metrics else None
         http = serve_http(config, config.http_listen, registry, name="repository", pages=pages(store))
         server.start()
-        health_servicer.start(lambda: store.disk_failure)
+        health_servicer.start(lambda: store.disk.failure)
         log.log(
             NOTICE,
             "repository serving",

@@ -98,12 +98,6 @@ class FeatureStore(FeatureLog):
             self.close()  # release the folder lock
             raise
 
-    @property
-    def disk_failure(self) -> str:
-        """'' while no fsync failed; else the failed fsync that stopped new records until the
-        repository is restarted (:class:`DiskFailure`)."""
-        return self.disk.failure
-
     @classmethod
     def from_config(cls, config: RepositoryConfig) -> FeatureStore:
         """The store under ``config.data_dir/repository`` with the config's bounds."""
@@ -207,7 +201,6 @@ class ConsumerOffsets:
                 )
 
     def committed(self, name: str) -> int:
-        """The consumer's committed offset; 0 for an unknown or empty name."""
         if not name:
             return 0
         check_consumer_name(name)
@@ -253,7 +246,6 @@ class KnowledgeFiles:
         self._preview = _read_optional(folder / _PREVIEW)
 
     def put(self, knowledge: bytes, preview_png: bytes | None) -> features_pb2.Knowledge:
-        """Replace the knowledge (validated) and the preview (PNG, or None to drop it)."""
         if not knowledge:
             raise InvalidArgument("knowledge is empty: send a serialized hio.proto.Knowledge")
         try:
@@ -278,7 +270,6 @@ class KnowledgeFiles:
         return parsed
 
     def get(self) -> tuple[bytes | None, bytes | None]:
-        """(knowledge, preview), each None when there is none."""
         with self._lock:
             return self._knowledge, self._preview
 
