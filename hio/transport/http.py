@@ -386,7 +386,6 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
     timeout = IDLE_SECONDS
-    sys_version = ""
 
     def version_string(self) -> str:
         return f"hio-{self.server.endpoint.name}"
