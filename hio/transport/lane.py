@@ -816,12 +816,11 @@ class LaneCall(_ClientCall):
         self._input_ended = False  # every frame and the end-of-input mark were sent
         self._sender_done = False
         sock.settimeout(None)  # a kept socket may come from a download's timeout
-        self._timer = (
-            threading.Timer(timeout, self._end, (LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"),))
-            if timeout
-            else None
-        )
-        if self._timer is not None:
+        self._timer: threading.Timer | None = None
+        if timeout:
+            self._timer = threading.Timer(
+                timeout, self._end, (LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"),)
+            )
             self._timer.daemon = True
             self._timer.start()
         self._sender = threading.Thread(target=self._send, name="lane-sender", daemon=True)
