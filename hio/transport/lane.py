@@ -32,14 +32,13 @@ from hio.config import ConfigError, lane_beside, split_address
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 from hio.settings import ClusterSettings
 from hio.transport.errors import (
+    BY_CODE,
     RETRY_AFTER_KEY,
     Cancelled,
     DataLoss,
     DeadlineExceeded,
     HioError,
     InvalidArgument,
-    PermissionDenied,
-    Unauthenticated,
     Unimplemented,
     status_of,
 )
@@ -584,7 +583,7 @@ class LaneServer:
             refusal = refuse_caller(self._table, self._policy, f"/hio.proto.{self._service}/{method}", token)
             if refusal is not None:
                 code, message = refusal
-                raise (Unauthenticated if code == grpc.StatusCode.UNAUTHENTICATED else PermissionDenied)(message)
+                raise BY_CODE[code](message)
 
 
 _SPOKEN = {magic(version): version for version in VERSIONS}  # a hello's first 8 bytes -> its version
