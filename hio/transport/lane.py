@@ -578,7 +578,6 @@ class LaneServer:
         return hello, version
 
     def _check_caller(self, method: str, token: str) -> None:
-        """Refuse a caller as gRPC would: the same tokens and role policy."""
         if self._table is not None:
             refusal = refuse_caller(self._table, self._policy, f"/hio.proto.{self._service}/{method}", token)
             if refusal is not None:
@@ -720,10 +719,9 @@ def lane_hello(token: str, method: str, request: bytes = b"") -> bytes:
 def open_lane(
     address: str, hello: bytes, *, connect_seconds: float, tls: ssl.SSLContext | None = None
 ) -> socket.socket:
-    """A new lane connection, its first call begun with ``hello`` (:func:`lane_hello`). With
-    ``tls`` (:func:`lanetls.client_context`), a :class:`lanetls.TLSSocket` whose handshake
-    (the server verified for the address's host) took at most ``connect_seconds``. Raises
-    OSError when unreachable, and ssl.SSLError (an OSError) when refused."""
+    """A new lane connection, its first call begun with ``hello`` (:func:`lane_hello`). With ``tls``
+    (:func:`lanetls.client_context`), a :class:`lanetls.TLSSocket` whose handshake took at most
+    ``connect_seconds``. Raises OSError when unreachable, and ssl.SSLError (an OSError) when refused."""
     host, port = split_address(address)
     sock = socket.create_connection((host, port), timeout=connect_seconds)
     try:
