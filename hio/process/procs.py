@@ -109,10 +109,9 @@ def _spawn_forever() -> None:
 
 def spawn(start: Callable[[], T]) -> T:
     """Run ``start`` (which starts a child process) on a thread that lives as long as this
-    process: the main thread if we are on it, else a daemon thread kept for this. A
-    child's death signal follows the thread that started it, not the process. (Not a
-    thread pool's: interpreter shutdown joins those as soon as the main thread returns,
-    which would end their children while other threads still use them.)"""
+    process (see the module's doc): the main thread if we are on it, else a daemon thread
+    kept for this. (Not a thread pool's: interpreter shutdown joins those as soon as the main
+    thread returns, which would end their children while other threads still use them.)"""
     if threading.current_thread() is threading.main_thread():
         return start()
     with _spawner_lock:

@@ -101,13 +101,11 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view = view[written:]
 
 
-def copy_exact(
-    source: BinaryIO, write: Callable[[bytes], object], size: int, what: str, block: int = 1024 * 1024
-) -> None:
-    """Copy exactly ``size`` bytes from ``source`` to ``write``; OSError if it ends early."""
+def copy_exact(source: BinaryIO, write: Callable[[bytes], object], size: int, what: str) -> None:
+    """Copy exactly ``size`` bytes from ``source`` to ``write``, a MiB at a time; OSError if it ends early."""
     remaining = size
     while remaining:
-        chunk = source.read(min(block, remaining))
+        chunk = source.read(min(1024 * 1024, remaining))
         if not chunk:
             raise OSError(f"{what}: payload ends {remaining} bytes early")
         write(chunk)
@@ -147,22 +145,17 @@ class DiskFailure:
         self.name = disk  # "the spool's disk": how a refusal names it
         self._owner = owner  # "gateway": the role to restart after a failed fsync
         self._lock = threading.Lock()
-        self._failure = ""  # the first failed fsync, for good ('' if none failed)
+        self.failure = ""  # the first failed fsync, for good: what failed, when, and what follows
         self.observe: Callable[[float], None] | None = None  # given each fsync's seconds (metrics)
-
-    @property
-    def failure(self) -> str:
-        """'' while no fsync failed; else what failed, when, and what follows."""
-        return self._failure
 
     def check(self) -> None:
         """Raise FailedPrecondition once an fsync has failed (before a tuple costs any I/O):
         gRPC's code for "do not retry until the system's state is fixed" (here: a restart),
         where UNAVAILABLE would have clients retry at once; it carries a retry hint all the
         same, for senders that wait for the restart (the gateway keeps such tuples spooled)."""
-        if self._failure:
+        if self.failure:
             raise FailedPrecondition(
-                f"{self._failure}; nothing of this tuple was written", retry_after=FAILED_DISK_RETRY_SECONDS
+                f"{self.failure}; nothing of this tuple was written", retry_after=FAILED_DISK_RETRY_SECONDS
             )
 
     def sync(self, fd: int, *, refuse: bool = False) -> None:
@@ -190,10 +183,10 @@ class DiskFailure:
     def fail(self, error: str) -> None:
         """An fsync of the role's files failed: no new tuple until restart (see the class)."""
         with self._lock:
-            if self._failure:
+            if self.failure:
                 return
             when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-            self._failure = (
+            self.failure = (
                 f"{self.name} failed to sync at {when} ({error}), so it takes no new tuples "
                 f"until the {self._owner} is restarted: after a failed fsync, a later one can "
                 "report success for bytes that never reached the disk. Tuples taken before "

@@ -112,11 +112,9 @@ def _frame(meta: TupleMeta | None, data: bytes | memoryview, last: bool, encode:
 
 # -- large chunks on the wire without copies -----------------------------------------
 #
-# Python protobuf copies a payload into the message, again to serialize it, and
-# the receiver copies it out of the message twice more; at 1-10 MB per tuple
-# these copies would be most of the gateway's CPU. The wire bytes are exactly
-# those of ``TupleFrame``: any gRPC client or server, in any language, sends
-# and reads them as such.
+# At 1-10 MB per tuple, protobuf's copies of a payload (into the message, to serialize it,
+# twice out of it at the receiver) would be most of the gateway's CPU. The bytes are a
+# ``TupleFrame``'s: any gRPC peer, in any language, sends and reads them as such.
 
 _META_KEY, _DATA_KEY, _LAST_KEY = 0x0A, 0x12, 0x18  # (field << 3) | wire type
 _PLAIN_FIELDS = 4  # meta, data, last, and one repeat (a sender may write meta in two parts)

@@ -146,8 +146,7 @@ def login_form(status: int, why: str, target: str, name: str, *, secure: bool) -
 
 
 class Sessions:
-    """Browsers signed in at one endpoint: a random id -> the token it stands for, until it
-    expires; at most :data:`MAX_SESSIONS` (one more ends the oldest). Thread-safe."""
+    """Browsers signed in at one endpoint: a random id -> the token it stands for, until it expires. Thread-safe."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -386,7 +385,6 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
     timeout = IDLE_SECONDS
-    sys_version = ""
 
     def version_string(self) -> str:
         return f"hio-{self.server.endpoint.name}"

@@ -32,14 +32,13 @@ from hio.config import ConfigError, lane_beside, split_address
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
 from hio.settings import ClusterSettings
 from hio.transport.errors import (
+    BY_CODE,
     RETRY_AFTER_KEY,
     Cancelled,
     DataLoss,
     DeadlineExceeded,
     HioError,
     InvalidArgument,
-    PermissionDenied,
-    Unauthenticated,
     Unimplemented,
     status_of,
 )
@@ -579,12 +578,11 @@ class LaneServer:
         return hello, version
 
     def _check_caller(self, method: str, token: str) -> None:
-        """Refuse a caller as gRPC would: the same tokens and role policy."""
         if self._table is not None:
             refusal = refuse_caller(self._table, self._policy, f"/hio.proto.{self._service}/{method}", token)
             if refusal is not None:
                 code, message = refusal
-                raise (Unauthenticated if code == grpc.StatusCode.UNAUTHENTICATED else PermissionDenied)(message)
+                raise BY_CODE[code](message)
 
 
 _SPOKEN = {magic(version): version for version in VERSIONS}  # a hello's first 8 bytes -> its version
@@ -721,10 +719,9 @@ def lane_hello(token: str, method: str, request: bytes = b"") -> bytes:
 def open_lane(
     address: str, hello: bytes, *, connect_seconds: float, tls: ssl.SSLContext | None = None
 ) -> socket.socket:
-    """A new lane connection, its first call begun with ``hello`` (:func:`lane_hello`). With
-    ``tls`` (:func:`lanetls.client_context`), a :class:`lanetls.TLSSocket` whose handshake
-    (the server verified for the address's host) took at most ``connect_seconds``. Raises
-    OSError when unreachable, and ssl.SSLError (an OSError) when refused."""
+    """A new lane connection, its first call begun with ``hello`` (:func:`lane_hello`). With ``tls``
+    (:func:`lanetls.client_context`), a :class:`lanetls.TLSSocket` whose handshake took at most
+    ``connect_seconds``. Raises OSError when unreachable, and ssl.SSLError (an OSError) when refused."""
     host, port = split_address(address)
     sock = socket.create_connection((host, port), timeout=connect_seconds)
     try:
@@ -816,12 +813,11 @@ class LaneCall(_ClientCall):
         self._input_ended = False  # every frame and the end-of-input mark were sent
         self._sender_done = False
         sock.settimeout(None)  # a kept socket may come from a download's timeout
-        self._timer = (
-            threading.Timer(timeout, self._end, (LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"),))
-            if timeout
-            else None
-        )
-        if self._timer is not None:
+        self._timer: threading.Timer | None = None
+        if timeout:
+            self._timer = threading.Timer(
+                timeout, self._end, (LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"),)
+            )
             self._timer.daemon = True
             self._timer.start()
         self._sender = threading.Thread(target=self._send, name="lane-sender", daemon=True)

@@ -11,6 +11,7 @@ from typing import TypeVar
 import grpc
 
 from hio.transport.errors import retry_after
+from hio.transport.net import rpc_status
 
 T = TypeVar("T")
 
@@ -45,7 +46,7 @@ def call_with_retry(fn: Callable[[], T], *, deadline: float = 60.0) -> T:
         try:
             return fn()
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
+            code, _details = rpc_status(exc)
             left = end - time.monotonic()
             if code not in RETRYABLE or left <= 0:
                 raise
