@@ -73,7 +73,7 @@ class KnowledgePreview:
         self._settings = settings
         self._lock = threading.Lock()
         self._preview = Preview("waiting", f"asking the repository at {address}")
-        self._fetched = -REFRESH_SECONDS  # clock of the last fetch's end
+        self._fetched = -REFRESH_SECONDS  # time.monotonic() at the last fetch's end
         self._fetching: threading.Thread | None = None
         self._closed = False
         self._channel: grpc.Channel | None = None
