@@ -78,7 +78,7 @@ import shutil
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -726,11 +726,11 @@ def steal_between(before: tuple[int, int], after: tuple[int, int]) -> float:
 
 
 def _steps(count: int) -> float:
-    """``count`` steps of the integer work ``burn_cpu`` loops on; the CPU seconds they took."""
+    """The CPU seconds ``count`` steps of ``burn_cpu``'s work took."""
+    from hio.worker.pipelines.synthetic import spin
+
     start = time.thread_time()
-    state = 0x9E3779B9
-    for _ in range(count):
-        state = (state * 1103515245 + 12345) & 0x7FFFFFFF
+    spin(count)
     return time.thread_time() - start
 
 
@@ -794,15 +794,21 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
+def check_columns(path: Path, fields: Sequence[str]) -> None:
+    """Refuse a results file of other columns than ``fields`` (rows appended to it would be
+    read under the wrong names); an absent or empty file is fine."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, newline="") as fh:
+        header = next(csv.reader(fh), [])
+    if header != list(fields):
+        raise ConfigError(f"{path} has other columns than this benchmark writes; start a new run with --fresh")
+
+
 def append_row(path: Path, fields: Iterable[str], row: Mapping[str, object]) -> None:
     """Append one row (header first if the file is new), flushed to disk at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
-    if not new:
-        with open(path, newline="") as fh:
-            header = next(csv.reader(fh), [])
-        if header != list(fields):
-            raise ConfigError(f"{path} has other columns than this benchmark writes; start a new run with --fresh")
     with open(path, "a", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(fields))
         if new:
@@ -853,6 +859,12 @@ class BenchRun:
         rows = read_csv(self.results)
         bursts = read_csv(self.burst_path)
         self.run_id = self._run_id(rows + bursts)
+        for path, fields in (
+            (self.results, RESULT_FIELDS),
+            (self.steps_path, STEP_FIELDS),
+            (self.burst_path, BURST_FIELDS),
+        ):
+            check_columns(path, fields)  # before any point runs: a point's minutes are not lost to it
         cells = [(size, cost) for cost in self.costs for size in self.sizes]
         pending = [cell for cell in cells if not self._cell_done(cell, rows)]
         burst_sizes = [parse_size(s) for s in self.config.burst_sizes]
@@ -1001,7 +1013,8 @@ class BenchRun:
         from benchmarks.measure import loopback_bandwidth
 
         each = self.config.loopback_seconds / MACHINE_SAMPLES
-        cpu = [self.probe.measure() for _ in range(MACHINE_SAMPLES)] if self.probe is not None else [(math.nan,) * 2]
+        assert self.probe is not None, "run() starts the probe before any point"
+        cpu = [self.probe.measure() for _ in range(MACHINE_SAMPLES)]
         loopback = max(loopback_bandwidth(seconds=each) for _ in range(MACHINE_SAMPLES))
         return MachineState(max(s for s, _ in cpu), max(v for _, v in cpu), loopback)
 

@@ -47,7 +47,7 @@ def read_bursts(path: Path) -> list[Row]:
     with open(path, newline="") as fh:
         rows: list[Row] = [dict(raw) for raw in csv.DictReader(fh)]
     for row in rows:
-        for key in ("messages", "stored", "seconds", "mb_s", "disk_mb_s", "cpu_slots", "cpu_speed", "loopback_mb_s"):
+        for key in ("messages", "stored", "seconds", "mb_s", "disk_mb_s"):
             row[key] = _number(row.get(key))
         row["size"] = int(row["size"])
     return rows
@@ -547,8 +547,7 @@ def _machine_table(rows: list[Row], refused: list[list[Row]], systems: list[str]
             if r is None or math.isnan(r["cpu_slots"]):
                 cells.append("–")
             else:
-                speed = "–" if math.isnan(r["cpu_speed"]) else f"{r['cpu_speed']:.1f}"
-                cells.append(f"{r['cpu_slots']:.2f} / {speed} / {r['loopback_mb_s']:,.0f}")
+                cells.append(f"{r['cpu_slots']:.2f} / {_fixed(r['cpu_speed'], 1)} / {r['loopback_mb_s']:,.0f}")
         apart = ", ".join(
             f"{spread:.0%}" if any(math.isfinite(_number(r.get(figure))) for r in group) else "–"
             for figure, spread in zip(MACHINE_FIGURES, machine_spread(group), strict=True)

@@ -566,8 +566,7 @@ class Dispatcher:
 
     def _master_down(self, batch: list[_Pending], why: str, error: str) -> None:
         """The master is unreachable: the tuples wait, uncounted, longer the longer that lasts."""
-        self._master_state(unreachable=why)
-        down = self.snapshot().master_unreachable_seconds
+        down = self._master_state(unreachable=why)
         self._retry(batch, error, count_attempt=False, delay=random.uniform(0.5, 1.0) * min(5.0, 0.2 + down / 2))
 
     def _forget_id(self, pending: _Pending, details: str) -> None:
@@ -676,19 +675,23 @@ class Dispatcher:
 
     # -- master health -------------------------------------------------------------
 
-    def _master_state(self, unreachable: str = "") -> None:
+    def _master_state(self, unreachable: str = "") -> float:
         """The master answered (``unreachable`` ''), or its call failed as an unreachable master's
-        do (``unreachable``: 'CODE: details'); each change between the two is logged once."""
+        do (``unreachable``: 'CODE: details'); each change between the two is logged once. The
+        seconds it has been unreachable (0 when it answered)."""
         with self._cond:
             was_down = self._master_down_since is not None
-            self._master_down_since = (self._master_down_since or time.monotonic()) if unreachable else None
+            now = time.monotonic()
+            self._master_down_since = (self._master_down_since or now) if unreachable else None
             self._master_error = unreachable
+            down = 0.0 if self._master_down_since is None else now - self._master_down_since
         if unreachable and not was_down:
             log.warning(
                 "master unreachable; retrying", extra={"master": self._config.master_address, "error": unreachable}
             )
         elif was_down and not unreachable:
             log.warning("master reachable again", extra={"master": self._config.master_address})
+        return down
 
     def _image_state(self, image: str, unserved: str | None = None) -> None:
         """The master routed ``image`` (``unserved`` None), or knows no channel for it (``unserved``:

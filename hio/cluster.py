@@ -194,7 +194,8 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         for proc, worker_id, engines in started:
             left = max(1.0, deadline - time.monotonic())
-            count = sum(n for _, n in engine_counts(tuple(engines), os.cpu_count() or 1))  # as the worker counts them
+            # the engines as a worker without --cpus counts them
+            count = sum(n for _, n in engine_counts(tuple(engines), os.cpu_count() or 1))
             default_id = f"{socket.gethostname()}-{proc.pid}"  # the id of a worker started without one
             self.wait_channels(count, worker_id or default_id, left)
 

@@ -49,8 +49,9 @@ class Clustering:
 
 
 def sample_indices(n: int, size: int, seed: int) -> np.ndarray:
-    """``size`` of ``range(n)`` drawn with ``seed``, sorted (all of them when ``n <= size``):
-    the fit and the preview draw the same points, in the same order."""
+    """``size`` of ``range(n)`` drawn with ``seed``, in ascending order (all of them when
+    ``n <= size``): the fit's sample, and the preview's pick from that sample, both keep
+    the rows' order."""
     if n <= size:
         return np.arange(n)
     return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))

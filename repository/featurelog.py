@@ -104,7 +104,6 @@ class FeatureLog:
         self._grew = threading.Condition(self._lock)  # what readers may see grew (wait_beyond)
         self._index = OffsetIndex()
         self._closed = False
-        self._disk = disk
         self._log = SegmentLog(folder, NAMING, fsync=fsync, disk=disk, header=MAGIC)
         self._durable = 0  # the highest offset an fsync covers (under the lock)
         self.appended = 0  # records this process appended (under the lock)
@@ -255,7 +254,7 @@ class FeatureLog:
     def _check_writable(self) -> None:
         if self._closed:
             raise Unavailable("the repository is shutting down")
-        self._disk.check()  # after a failed fsync: no new record until restart (DiskFailure)
+        self._log.disk.check()  # after a failed fsync: no new record until restart (DiskFailure)
 
     def _plan(self, items: Sequence[tuple[int, bytes]]) -> tuple[list[Appended], list[tuple[int, int, bytes]]]:
         """Offsets for each item; the (offset, tuple_id, payload) list of those to write."""
@@ -313,7 +312,7 @@ class FeatureLog:
         try:
             self._log.flush()
         except OSError as exc:
-            self._disk.check()  # the fsync failed: the refusal that names it
+            self._log.disk.check()  # the fsync failed: the refusal that names it
             raise Unavailable(f"the repository cannot persist features: {exc.strerror}") from None
         return target
 
@@ -422,7 +421,7 @@ class FeatureLog:
                 log.error("fsync at close failed", extra={"error": exc.strerror})
             finally:
                 os.close(self._lock_fd)  # releases the folder lock
-            if self._log.fsync != "never" and not self._disk.failure:
+            if self._log.fsync != "never" and not self._log.disk.failure:
                 self._durable = self._index.latest
                 self._durable_times.add(self._durable, time.time())
             self._grew.notify_all()  # a wait_beyond ends with the log

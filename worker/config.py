@@ -239,9 +239,9 @@ def engine_own_settings() -> frozenset[str]:
     """An engine's tunables that the worker has no setting of its own for (``rpc_deadline``,
     ``store_batch_records``, ...): a ``[cluster]`` value or ``HIO_<NAME>`` of the worker's
     environment reaches the engines, as it would any role that has the setting."""
-    worker = {f.name for f in dataclasses.fields(WorkerConfig)}
+    shared = {f.name for f in dataclasses.fields(EngineSettings)}  # the worker's, which it passes on
     return frozenset(
-        f.name for f in dataclasses.fields(EngineConfig) if f.name not in worker and f.name not in ENGINE_SLOT_SETTINGS
+        f.name for f in dataclasses.fields(EngineConfig) if f.name not in shared and f.name not in ENGINE_SLOT_SETTINGS
     )
 
 

@@ -30,7 +30,7 @@ LABEL_MANAGED = "io.harmonicio.managed"
 LABEL_WORKER = "io.harmonicio.worker"
 LABEL_CHANNEL = "io.harmonicio.channel"
 ENGINE_COMMAND = ["engine"]  # the base image's ENTRYPOINT is the `hio` command
-PING_TIMEOUT = 2.0  # docker_available(): a daemon that answers slower is not usable
+PING_TIMEOUT = 2  # seconds; docker_available(): a daemon that answers slower is not usable
 API_TIMEOUT = 60  # seconds one Docker API call may take
 PIDS_LIMIT = 4096  # processes/threads per engine container
 LOG_MAX_SIZE = "10m"  # json-file log rotation per container
@@ -64,7 +64,7 @@ def _shared_client() -> Any:
 def docker_available() -> bool:
     """Does a Docker engine answer within :data:`PING_TIMEOUT` seconds?"""
     try:
-        with contextlib.closing(docker.from_env(timeout=max(1, math.ceil(PING_TIMEOUT)))) as client:
+        with contextlib.closing(docker.from_env(timeout=PING_TIMEOUT)) as client:
             return bool(client.ping())
     except Exception as exc:  # noqa: BLE001 - any failure means "not available"
         log.debug("docker not available", extra={"reason": str(exc)[:200]})

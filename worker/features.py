@@ -62,7 +62,8 @@ def feature_value(name: str, value: Any) -> features_pb2.FeatureValue:
         if len(value) > MAX_TEXT_CHARS:
             raise FeatureError(f"feature {name!r}: text of {len(value)} characters is over {MAX_TEXT_CHARS}")
         return features_pb2.FeatureValue(text=value)
-    if isinstance(value, (list, tuple)) or (hasattr(value, "__array__") and hasattr(value, "ndim")):
+    array_like = hasattr(value, "__array__") and hasattr(value, "ndim") and not isinstance(value, bytes)  # np.bytes_
+    if isinstance(value, (list, tuple)) or array_like:
         return features_pb2.FeatureValue(array=features_pb2.DoubleArray(values=_array(name, value)))
     raise FeatureError(f"feature {name!r}: {type(value).__name__} is not a number, string or list of numbers")
 

@@ -1,8 +1,9 @@
 """Tuples on the wire: cutting them into frames and reading them back, verified.
 
-Senders cut tuples with :func:`tuple_frames` (one: :func:`frames_for_bytes`,
-:func:`frames_for_file`); receivers read them with :class:`FrameReader`, which checks the
-metadata, bounds each chunk and the tuple, and verifies the size and CRC-32 as bytes arrive,
+gRPC senders cut tuples with :func:`tuple_frames` (one: :func:`frames_for_bytes`,
+:func:`frames_for_file`; the lane's senders with ``lane.lane_frames``); receivers read them
+with :class:`FrameReader`, which checks the metadata, bounds each chunk and the tuple, and
+verifies the size and CRC-32 as bytes arrive,
 so a damaged tuple is refused (``DATA_LOSS``) before anyone acts on it. Small tuples may
 travel packed, several in one message (:func:`pack_small`); the reader spreads them out
 again. Large chunks are encoded by hand and read in place (:func:`encode_frame`,

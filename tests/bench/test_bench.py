@@ -271,7 +271,7 @@ def test_a_cell_whose_machine_state_differs_is_published_only_from_an_attempt_th
 
 
 def test_the_cpu_probe_gives_slots_and_their_speed() -> None:
-    from benchmarks.grid import SLOTS, CpuProbe
+    from benchmarks.grid import SLOTS, CpuProbe, _steps
 
     probe = CpuProbe(seconds=0.05)
     try:
@@ -282,20 +282,27 @@ def test_the_cpu_probe_gives_slots_and_their_speed() -> None:
         assert 0 < slots <= SLOTS and speed > 0
     speeds = [speed for _, speed in samples]
     assert max(speeds) < 4 * min(speeds)  # the same fixed work: its rate is a property of the machine
+    here = probe.steps / _steps(probe.steps) / 1e6  # the same work timed in this process's CPU time
+    assert here / 2 < max(speeds) < here * 2, (here, speeds)  # steps per CPU second, not per wall second
 
 
-def test_a_results_file_of_other_columns_is_not_appended_to(tmp_path: Path) -> None:
-    from benchmarks.grid import RESULT_FIELDS, append_row
+@pytest.mark.parametrize("which", ["results", "steps", "burst"])
+def test_a_run_refuses_files_of_other_columns_before_any_point(tmp_path: Path, which: str) -> None:
+    from benchmarks.grid import BURST_FIELDS, RESULT_FIELDS, STEP_FIELDS, BenchRun
 
-    path = tmp_path / "r.csv"
-    append_row(path, RESULT_FIELDS, {"run": "x"})
-    append_row(path, RESULT_FIELDS, {"run": "y"})
-    assert [r["run"] for r in csv.DictReader(path.read_text().splitlines())] == ["x", "y"]
-    older = [f for f in RESULT_FIELDS if f != "cpu_speed"]
-    path.write_text(",".join(older) + "\n")
+    run = BenchRun(BenchConfig(out_dir=str(tmp_path), results_name="r.csv"))
+    path, fields = {
+        "results": (run.results, RESULT_FIELDS),
+        "steps": (run.steps_path, STEP_FIELDS),
+        "burst": (run.burst_path, BURST_FIELDS),
+    }[which]
+    older = ",".join(fields[:-1]) + "\n"  # a file of another format
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(older)
     with pytest.raises(ConfigError, match=r"other columns .* --fresh"):
-        append_row(path, RESULT_FIELDS, {"run": "z"})
-    assert path.read_text() == ",".join(older) + "\n"
+        run.run()
+    assert path.read_text() == older
+    assert run.probe is None  # refused before the machine was probed or any point ran
 
 
 def test_achieved_rate_counts_finishes_at_the_sink_without_crediting_a_batch_it_waited_for() -> None:

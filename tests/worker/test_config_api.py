@@ -357,6 +357,7 @@ def test_feature_conversion_of_supported_types() -> None:
     "value, needle",
     [
         (b"raw", "bytes"),
+        (np.bytes_(b"raw"), "bytes_ is not a number"),
         ({"x": 1}, "dict"),
         (None, "NoneType"),
         ([1, "x"], "item 1 is str"),
