@@ -765,17 +765,19 @@ def test_core_bench_takes_small_tuples_count_from_a_measured_rate_not_the_loopba
 
 @pytest.mark.harness
 def test_core_bench_direct_counts_a_tuple_the_queue_took_once_it_is_done(tmp_path: Path) -> None:
-    """More costly tuples at once than one engine takes: the ones no free channel took go
-    through the master's queue, and resolve ENQUEUED before processing. The direct row's time
-    runs until the master counts them done, so its rate stays within what the engine can do."""
+    """More costly tuples at once than one engine takes, and a gateway that queues a batch at once
+    when every channel is busy: those batches go through the master's queue and resolve ENQUEUED
+    before they are processed. The direct row's time runs until the master counts them done, so
+    its rate stays within what the engine can do."""
     args = [sys.executable, "-m", "hio.cli", "bench-core", "--data-dir", str(tmp_path / "var")]
-    args += ["--sizes", "1K", "--modes", "direct", "--engines", "1", "--max-tuples", "200", "--cost-ms", "50"]
-    run = subprocess.run(args, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    args += ["--sizes", "1K", "--modes", "direct", "--engines", "1", "--max-tuples", "60", "--cost-ms", "50"]
+    env = {**os.environ, "HIO_GATEWAY_ROUTE_WAIT_SECONDS": "0"}
+    run = subprocess.run(args, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines() if line.split()[:2] == ["1K", "direct"]]
-    assert len(rows) == 1 and rows[0][2] == "200", run.stdout
-    assert float(rows[0][4]) <= 1 / 0.050 * 1.05, f"one engine burns 50 ms a tuple: {run.stdout}"
+    assert len(rows) == 1 and rows[0][2] == "60", run.stdout
     assert "went through the master's queue (no channel free)" in run.stdout
+    assert float(rows[0][4]) <= 1 / 0.050 * 1.05, f"one engine burns 50 ms a tuple: {run.stdout}"
 
 
 @pytest.mark.harness
