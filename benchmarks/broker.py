@@ -14,10 +14,15 @@ this system's engines (:func:`hio.worker.pipelines.synthetic.process`), appendin
 features of what it has taken to a feature log of its own, fsyncing it, and only then
 acknowledging (at least once: a crash between the fsync and the ack processes a message
 again).
+
+What any broker's row shares is here too: :class:`ConsumerSystem` (the consumer processes,
+their results and the prefetch per message size), :func:`store_batch` (store, then ack),
+:func:`apt_install` and :func:`free_port`; :mod:`benchmarks.jetstream` builds on them.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import glob
 import logging
@@ -43,32 +48,41 @@ PREFETCH_BYTES = 32 * 10**6  # unacknowledged bytes a consumer may hold at most
 MAX_PREFETCH = 256  # ... and messages
 
 
+def apt_install(package: str) -> None:
+    """Install Debian's ``package`` for the benchmark, as root with apt-get; nothing elsewhere.
+    Whether it worked, the caller checks (and names the package in its error)."""
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return
+    log.warning("installing Debian's %s for the benchmark", package)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", package],
+        env=env,
+        capture_output=True,
+        timeout=900,
+    )
+
+
 def server_script() -> Path:
     """The broker's start script, installed with apt-get as root when it is missing."""
     found = sorted(glob.glob(SERVER_GLOB))
-    if not found and os.geteuid() == 0 and shutil.which("apt-get"):
-        log.warning("installing Debian's rabbitmq-server for the benchmark")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
-        subprocess.run(
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "rabbitmq-server"],
-            env=env,
-            capture_output=True,
-            timeout=900,
-        )
+    if not found:
+        apt_install("rabbitmq-server")
         found = sorted(glob.glob(SERVER_GLOB))
     if not found or not Path(EPMD).exists():
         raise RuntimeError(
             "RabbitMQ is not installed (Debian's rabbitmq-server): as root, "
-            "apt-get install rabbitmq-server (.ci/run does)"
+            "apt-get install rabbitmq-server (hio bench does when run as root)"
         )
     return Path(found[-1])
 
 
-def _free_port() -> int:
-    from hio.process.procs import free_port
+def free_port() -> int:
+    """A loopback port free now (:func:`hio.process.procs.free_port`)."""
+    from hio.process.procs import free_port as _free
 
-    return free_port()
+    return _free()
 
 
 class RabbitBroker:
@@ -95,8 +109,8 @@ class RabbitBroker:
         (self.root / "enabled_plugins").write_text("[].\n")
         (self.root / "rabbitmq.conf").write_text("log.console = false\nlog.file.level = warning\n")
         (self.root / "rabbitmq-env.conf").write_text("")
-        self.port = _free_port()
-        epmd_port = _free_port()
+        self.port = free_port()
+        epmd_port = free_port()
         env = {
             **os.environ,
             "HOME": str(self.root),  # the Erlang cookie goes here
@@ -105,7 +119,7 @@ class RabbitBroker:
             "RABBITMQ_NODENAME": f"hio-bench-{os.getpid()}-{self.port}@localhost",
             "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
             "RABBITMQ_NODE_PORT": str(self.port),
-            "RABBITMQ_DIST_PORT": str(_free_port()),
+            "RABBITMQ_DIST_PORT": str(free_port()),
             "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
             "RABBITMQ_MNESIA_BASE": str(self.root / "mnesia"),
             "RABBITMQ_LOG_BASE": str(self.root / "logs"),
@@ -191,6 +205,20 @@ class RabbitBroker:
 # -- the consumer process ------------------------------------------------------------
 
 
+def prefetch_for(size: int) -> int:
+    """Messages of ``size`` bytes a consumer may hold unacknowledged: :data:`PREFETCH_BYTES`
+    of them, between 1 and :data:`MAX_PREFETCH`."""
+    return max(1, min(MAX_PREFETCH, PREFETCH_BYTES // max(size, 1)))
+
+
+def store_batch(store: FeatureFile, lines: list[bytes]) -> list[tuple[str, int, float, float]]:
+    """Append a batch's features lines to ``store`` and fsync it, before the batch is
+    acknowledged; the messages it finished, ``(tag, seq, sent, done)``, to report once acked."""
+    done = store.append(lines)
+    heads = [parse_header(line) for line in lines]
+    return [(*head, done) for head in heads if head is not None]
+
+
 def consume(parameters: Any, features: str, prefetch: int, results: Any, stop: Any) -> None:
     """One consumer process: take, process (the engines' pipeline), store, ack (see the module doc).
 
@@ -215,10 +243,9 @@ def consume(parameters: Any, features: str, prefetch: int, results: Any, stop: A
                 if len(batch) < prefetch and channel.get_waiting_message_count() > 0:
                     continue
             if batch:
-                done = store.append([line for _, line in batch])
+                finished = store_batch(store, [line for _, line in batch])
                 channel.basic_ack(delivery_tag=batch[-1][0], multiple=True)
-                heads = [parse_header(line) for _, line in batch]
-                results.put([(*head, done) for head in heads if head is not None])
+                results.put(finished)
                 batch = []
     except Exception as exc:  # noqa: BLE001 - reported to the benchmark, which records it as the step's error
         results.put(("error", f"consumer: {exc}"))
@@ -228,66 +255,69 @@ def consume(parameters: Any, features: str, prefetch: int, results: Any, stop: A
         store.close()
 
 
-# -- the system ------------------------------------------------------------------------
+# -- the systems -----------------------------------------------------------------------
 
 
-class RabbitSystem(LoggedSystem):
-    """RabbitMQ: durable queue, persistent messages, publisher confirms, two consumers with manual acks."""
-
-    name = "rabbitmq"
-    sender_threads = 4
+class ConsumerSystem(LoggedSystem):
+    """A broker's row: :data:`SLOTS` consumer processes (spawned) that report what they
+    stored to one results queue, drained into the :class:`FinishLog` by a thread. A
+    subclass says how its consumers start (:meth:`_consumer`), and may prepare the broker
+    for them first (:meth:`_prepare_consumers`); consumers are new at each point, with a
+    prefetch that suits its message size (:func:`prefetch_for`)."""
 
     def __init__(self, data_dir: Path) -> None:
         self.root = data_dir
-        self.broker = RabbitBroker(data_dir / "broker")
         self._context = multiprocessing.get_context("spawn")
         self._results: Any = None
         self._stop: Any = None
         self._consumers: list[Any] = []
         self._drainer: threading.Thread | None = None
-        self._idle_channels: queue.SimpleQueue[Any] = queue.SimpleQueue()  # publishing channels not in use
-        self._connections: list[Any] = []
-        self._lock = threading.Lock()  # the publishers' connections
         self._finishes = FinishLog()
         self._prefetch = 1
+        self._cost_s = 0.0
 
-    def start(self) -> None:
-        import pika
+    @abc.abstractmethod
+    def _consumer(self, n: int, prefetch: int) -> tuple[Any, tuple[Any, ...]]:
+        """Consumer ``n``'s target and its arguments before ``(results, stop)``."""
 
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.broker.start()
-        with contextlib.closing(pika.BlockingConnection(self.broker.parameters())) as connection:
-            connection.channel().queue_declare(QUEUE, durable=True)
+    def _prepare_consumers(self) -> None:
+        """Called with no consumer running, before new ones start."""
+
+    def _start_results(self) -> None:
         self._results = self._context.Queue()
         self._stop = self._context.Event()
-        self._drainer = threading.Thread(target=self._drain, name="rabbit-results", daemon=True)
+        self._drainer = threading.Thread(target=self._drain, name=f"{self.name}-results", daemon=True)
         self._drainer.start()
+
+    def _stop_results(self) -> None:
+        if self._results is not None:
+            self._results.put(None)  # ends the drainer
+            if self._drainer is not None:
+                self._drainer.join(10)
+            self._results = None
 
     def begin_point(self, size: int, cost_s: float) -> None:
         """Consumers whose prefetch suits this size (unacknowledged messages held at most)."""
-        self._prefetch = max(1, min(MAX_PREFETCH, PREFETCH_BYTES // max(size, 1)))
+        self._prefetch = prefetch_for(size)
+        self._cost_s = cost_s
         self._start_consumers()
         self._finishes.clear()
 
     def _start_consumers(self) -> None:
         self._stop_consumers()
-        prefetch = self._prefetch
+        self._prepare_consumers()
         self._stop = self._context.Event()
-        self._consumers = [
-            self._context.Process(
-                target=consume,
-                args=(
-                    self.broker.parameters(),
-                    str(self.root / f"features-{n}.log"),
-                    prefetch,
-                    self._results,
-                    self._stop,
-                ),
-                name=f"rabbit-consumer-{n}",
-                daemon=True,
+        self._consumers = []
+        for n in range(SLOTS):
+            target, args = self._consumer(n, self._prefetch)
+            self._consumers.append(
+                self._context.Process(
+                    target=target,
+                    args=(*args, self._results, self._stop),
+                    name=f"{self.name}-consumer-{n}",
+                    daemon=True,
+                )
             )
-            for n in range(SLOTS)
-        ]
         for process in self._consumers:
             process.start()
 
@@ -304,30 +334,6 @@ class RabbitSystem(LoggedSystem):
                 process.join(5)
         self._consumers = []
 
-    def stop(self) -> None:
-        self._stop_consumers()
-        for connection in self._connections:
-            with contextlib.suppress(Exception):
-                connection.close()
-        self._connections = []
-        self._idle_channels = queue.SimpleQueue()
-        if self._results is not None:
-            self._results.put(None)  # ends the drainer
-            if self._drainer is not None:
-                self._drainer.join(10)
-            self._results = None
-        self.broker.stop()
-
-    def reset(self) -> None:
-        """Drop the backlog: stop the consumers (what they hold unacknowledged goes back to the
-        queue), purge the queue, start new consumers; nothing of the old step finishes later."""
-        import pika
-
-        self._stop_consumers()
-        with contextlib.closing(pika.BlockingConnection(self.broker.parameters())) as connection:
-            connection.channel().queue_purge(QUEUE)
-        self._start_consumers()
-
     def _drain(self) -> None:
         while True:
             try:
@@ -342,6 +348,57 @@ class RabbitSystem(LoggedSystem):
                 self._finishes.error(str(item[1]))
             else:
                 self._finishes.add(item)
+
+    def errors(self) -> list[str]:
+        found = super().errors()
+        dead = [p.name for p in self._consumers if not p.is_alive()]
+        return found + [f"{name} exited" for name in dead]
+
+
+class RabbitSystem(ConsumerSystem):
+    """RabbitMQ: durable queue, persistent messages, publisher confirms, two consumers with manual acks."""
+
+    name = "rabbitmq"
+    sender_threads = 4
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(data_dir)
+        self.broker = RabbitBroker(data_dir / "broker")
+        self._idle_channels: queue.SimpleQueue[Any] = queue.SimpleQueue()  # publishing channels not in use
+        self._connections: list[Any] = []
+        self._lock = threading.Lock()  # the publishers' connections
+
+    def start(self) -> None:
+        import pika
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.broker.start()
+        with contextlib.closing(pika.BlockingConnection(self.broker.parameters())) as connection:
+            connection.channel().queue_declare(QUEUE, durable=True)
+        self._start_results()
+
+    def _consumer(self, n: int, prefetch: int) -> tuple[Any, tuple[Any, ...]]:
+        return consume, (self.broker.parameters(), str(self.root / f"features-{n}.log"), prefetch)
+
+    def stop(self) -> None:
+        self._stop_consumers()
+        for connection in self._connections:
+            with contextlib.suppress(Exception):
+                connection.close()
+        self._connections = []
+        self._idle_channels = queue.SimpleQueue()
+        self._stop_results()
+        self.broker.stop()
+
+    def reset(self) -> None:
+        """Drop the backlog: stop the consumers (what they hold unacknowledged goes back to the
+        queue), purge the queue, start new consumers; nothing of the old step finishes later."""
+        import pika
+
+        self._stop_consumers()
+        with contextlib.closing(pika.BlockingConnection(self.broker.parameters())) as connection:
+            connection.channel().queue_purge(QUEUE)
+        self._start_consumers()
 
     def _channel(self) -> Any:
         """A publishing channel with confirms that no other sender uses meanwhile (pika is not
@@ -372,8 +429,3 @@ class RabbitSystem(LoggedSystem):
             mandatory=True,
         )
         self._idle_channels.put(channel)  # a channel whose publish failed is not used again
-
-    def errors(self) -> list[str]:
-        found = super().errors()
-        dead = [p.name for p in self._consumers if not p.is_alive()]
-        return found + [f"{name} exited" for name in dead]

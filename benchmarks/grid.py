@@ -1,9 +1,9 @@
-"""`hio bench`: maximum sustained frequency against Spark Structured Streaming and a durable broker.
+"""`hio bench`: maximum sustained frequency against Spark Structured Streaming and durable brokers.
 
 Over a grid of message size x CPU cost per message (the paper's: 100 B .. 10 MB
 x 0 .. 1 s), for each system of :mod:`benchmarks.systems` (this system direct,
 forced through the queue and with TLS and tokens on every hop; Spark with the
-file and the socket source; RabbitMQ), find the highest rate the system
+file and the socket source; RabbitMQ; NATS JetStream), find the highest rate the system
 sustains. One run measures every system's row of a cell, interleaved per cell
 (all systems at cell A, then all at cell B, ...), so the rows of a cell share
 the machine's state; each system is started for its point and stopped after it.

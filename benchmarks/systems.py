@@ -22,6 +22,7 @@ its latency ends and what survives a crash.
 * ``spark-socket``: Structured Streaming over the ``socket`` source (lines of
   text, so the payload is text-safe); we are the server Spark connects to.
 * ``rabbitmq``: :mod:`benchmarks.broker`.
+* ``nats``: :mod:`benchmarks.jetstream`.
 
 For Spark, ``foreachBatch`` appends the micro-batch's features to a feature log
 and fsyncs it; latency is that moment minus the send time the message carries
@@ -116,6 +117,18 @@ ABOUT = {
         "a publish returns once the broker confirmed it, after writing it to disk; it survives a crash "
         "of the broker or a consumer; a consumer acks only after its features are fsynced (at least "
         "once: a crash between the two processes a message again)",
+    ),
+    "nats": About(
+        "NATS JetStream (Debian's nats-server 2.9), a stream with file storage, publishes acknowledged "
+        "by JetStream, two consumer processes on a durable pull consumer with explicit acks running "
+        "the same pipeline",
+        "as rabbitmq",
+        "a publish returns once JetStream acknowledged it (PubAck), after its file store wrote it to "
+        "the OS, not to disk: nats-server 2.9 fsyncs its store every 2 minutes and has no setting to "
+        "fsync each write (`sync_interval: always` came with 2.10). It survives a crash of the broker "
+        "or a consumer; a crash of the machine may lose up to the last 2 minutes of acknowledged "
+        "messages. A consumer acks only after its features are fsynced (at least once: a crash "
+        "between the two processes a message again)",
     ),
 }
 
@@ -277,7 +290,7 @@ class System(abc.ABC):
 
 class LoggedSystem(System):
     """A system whose own threads record its finished messages in a :class:`FinishLog` as
-    they happen (Spark's batches, RabbitMQ's consumers), not read back from a store."""
+    they happen (Spark's batches, the brokers' consumers), not read back from a store."""
 
     _finishes: FinishLog
 
@@ -907,4 +920,8 @@ def make_system(
         from benchmarks.broker import RabbitSystem
 
         return RabbitSystem(data_dir)
+    if name == "nats":
+        from benchmarks.jetstream import NatsSystem
+
+        return NatsSystem(data_dir)
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")

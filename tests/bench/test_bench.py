@@ -36,7 +36,7 @@ from benchmarks.report import (
     read_rows,
     write_report,
 )
-from benchmarks.systems import ABOUT, HEADER_BYTES, SYSTEMS, MessageGenerator, parse_header
+from benchmarks.systems import ABOUT, HEADER_BYTES, SYSTEMS, MessageGenerator, System, parse_header
 from hio.config import ConfigError
 
 
@@ -623,6 +623,7 @@ def test_smoke_every_system_one_cell_and_bursts_in_one_run_then_resume(tmp_path:
     pytest.importorskip("pika")
     if not glob.glob("/usr/lib/rabbitmq/lib/rabbitmq_server-*/sbin/rabbitmq-server"):
         pytest.skip("RabbitMQ is not installed (Debian's rabbitmq-server: apt-get install rabbitmq-server)")
+    _need_nats()
     out = tmp_path / "docs"
     readme = tmp_path / "README.md"
     from benchmarks.report import README_END, README_START, readme_section
@@ -702,19 +703,128 @@ def test_smoke_every_system_one_cell_and_bursts_in_one_run_then_resume(tmp_path:
     assert {(b["system"], b["path"]) for b in bursts} == {(s, p) for s in SYSTEMS for p in ("library", "folder")}
     for burst in bursts:
         assert burst["messages"] == "12" and float(burst["disk_mb_s"]) > 0
-        if burst["system"] in ("spark-socket", "rabbitmq") and burst["path"] == "folder":
+        if burst["system"] in ("spark-socket", "rabbitmq", "nats") and burst["path"] == "folder":
             assert burst["failure"] == "no watched-folder source"
-        elif burst["system"].startswith("hio") or burst["system"] == "rabbitmq":
+        elif burst["system"].startswith("hio") or burst["system"] in ("rabbitmq", "nats"):
             assert burst["failure"] == "" and burst["stored"] == "12", burst
     text = (out / "benchmarks.md").read_text()
     assert "## Targets" in text and "## Bursts: a plate dumped at once" in text
-    assert "| rabbitmq |" in readme_section(readme)
+    assert "| rabbitmq |" in readme_section(readme) and "| nats |" in readme_section(readme)
     assert list((tmp_path / "var" / "bench").iterdir()) == []  # everything it wrote is removed
     assert not _processes_under(tmp_path), "the run left processes behind"
     again = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "1 of 1 cells done earlier" in again.stdout
     assert len(read_rows(out / "benchmarks" / "smoke.csv")) == len(SYSTEMS)
+
+
+def _need_nats() -> None:
+    """Skip unless NATS JetStream can run here: nats-py and Debian's nats-server."""
+    import shutil
+
+    pytest.importorskip("nats")
+    if shutil.which("nats-server") is None and shutil.which("nats-server", path="/usr/sbin:/usr/bin") is None:
+        pytest.skip("NATS is not installed (Debian's nats-server: apt-get install nats-server)")
+
+
+def _wait_finished(system: System, tag: str, count: int, seconds: float) -> int:
+    deadline = time.monotonic() + seconds
+    while len(system.finished(tag)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(system.finished(tag))
+
+
+@pytest.mark.harness
+def test_the_nats_broker_runs_on_loopback_in_its_folder_and_stop_removes_it(tmp_path: Path) -> None:
+    _need_nats()
+    from benchmarks.jetstream import MAX_PAYLOAD, NatsBroker
+
+    broker = NatsBroker(tmp_path / "broker")
+    broker.start()
+    try:
+        config = (tmp_path / "broker" / "nats-server.conf").read_text()
+        assert f'listen: "127.0.0.1:{broker.port}"' in config and f"max_payload: {MAX_PAYLOAD}" in config
+        assert MAX_PAYLOAD > 10 * 10**6 + HEADER_BYTES  # a 10 MB message, its header and headers
+        assert (tmp_path / "broker" / "store").is_dir()
+        assert _processes_under(tmp_path)  # the server, with its configuration in the folder
+    finally:
+        broker.stop()
+    assert not (tmp_path / "broker").exists()
+    assert not _processes_under(tmp_path), "the broker left its server behind"
+    broker.stop()  # idempotent
+
+
+def test_the_nats_system_refuses_a_message_size_its_server_would_not_take(tmp_path: Path) -> None:
+    pytest.importorskip("nats")
+    from benchmarks.jetstream import MAX_MESSAGE, NatsSystem
+
+    assert MAX_MESSAGE > 10 * 10**6  # the grid's largest size
+    with pytest.raises(ValueError, match=r"above the \d+ bytes this system's server takes"):
+        NatsSystem(tmp_path / "nats").begin_point(MAX_MESSAGE + 1, 0.0)
+    assert not (tmp_path / "nats").exists()  # refused before anything started
+
+
+@pytest.mark.harness
+def test_a_nats_server_that_cannot_start_says_why_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _need_nats()
+    import socket
+
+    import benchmarks.jetstream as jetstream
+
+    broker = jetstream.NatsBroker(tmp_path / "broker")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(jetstream, "free_port", lambda: port)  # in use: the real server fails to bind
+        with pytest.raises(RuntimeError, match="nats-server exited at start"):
+            broker.start(timeout=30)
+    assert not (tmp_path / "broker").exists()
+    assert not _processes_under(tmp_path)
+
+
+@pytest.mark.harness
+def test_the_nats_system_stores_acknowledged_messages_resets_its_backlog_and_stops_clean(tmp_path: Path) -> None:
+    """Real nats-server and consumer processes: 1 KB and 10 MB messages are stored (features
+    fsynced, then acked) by the two consumers; a reset drops a backlog (nothing of it finishes
+    later) and the next messages finish; stop leaves no process and no broker folder."""
+    _need_nats()
+    from benchmarks.jetstream import NatsSystem
+
+    system = NatsSystem(tmp_path / "nats")
+    try:
+        system.start()
+        for size, count in ((1000, 40), (10**7, 4)):
+            system.begin_point(size, 0.0)
+            generator = MessageGenerator(size, text=False)
+            tag = f"s{size}"
+            for seq in range(count):
+                system.send(tag, seq, generator.message(tag, seq, time.time()), 0.0)
+            assert _wait_finished(system, tag, count, 60) == count, system.errors()
+            assert sorted(f.seq for f in system.finished(tag)) == list(range(count))  # each once
+            system.end_point()
+        stored = b"".join(p.read_bytes() for p in (tmp_path / "nats").glob("features-*.log"))
+        assert stored.count(b"\n") == 44
+        system.begin_point(1000, 0.05)  # 50 ms of CPU each: a backlog builds
+        generator = MessageGenerator(1000, text=False)
+        for seq in range(200):
+            system.send("backlog", seq, generator.message("backlog", seq, time.time()), 0.05)
+        system.reset()
+        left = len(system.finished("backlog"))
+        assert left < 200
+        for seq in range(5):
+            system.send("after", seq, generator.message("after", seq, time.time()), 0.05)
+        assert _wait_finished(system, "after", 5, 60) == 5, system.errors()
+        time.sleep(1.0)
+        assert len(system.finished("backlog")) == left  # purged, not redelivered
+        assert system.errors() == []
+    finally:
+        system.end_point()
+        system.stop()
+    assert not (tmp_path / "nats" / "broker").exists()
+    assert not _processes_under(tmp_path), "the system left processes behind"
 
 
 def _processes_under(folder: Path) -> list[str]:
