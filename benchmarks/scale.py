@@ -147,6 +147,8 @@ class ScaleBenchConfig(ClusterSettings):
             raise ConfigError("records: every size must be at least 1")
         if any(n < self.kd_new for n in self.kd_sizes()):
             raise ConfigError(f"kd_stored: every size must be at least kd_new ({self.kd_new})")
+        if self.profile and "master" in self.curves and not py_spy():
+            raise ConfigError("profile: py-spy is not installed here (pip install py-spy), nor on PATH")
 
     def channel_counts(self) -> list[int]:
         return sorted({parse_count(c, "channels") for c in self.channels})
@@ -321,12 +323,17 @@ def gateway_process(
     results.put({**counts, "latencies": latencies, "cpu": proc_cpu_seconds(os.getpid())})
 
 
+def py_spy() -> str:
+    """The py-spy executable: on PATH, else beside this interpreter; '' when neither has it."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return shutil.which("py-spy") or (str(beside) if beside.is_file() else "")
+
+
 def _profile(pid: int, seconds: float, path: Path) -> subprocess.Popen[bytes]:
     """py-spy sampling ``pid`` for ``seconds`` into ``path`` (collapsed stacks: one line per
     stack, its frames from the root, and its sample count)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    command = [spy, "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "200", "--gil"]
+    command = [py_spy(), "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "200", "--gil"]
     return subprocess.Popen(
         [*command, "--format", "raw", "--nonblocking", "-o", str(path)],
         stdout=subprocess.DEVNULL,

@@ -49,6 +49,20 @@ def test_config_refuses_unknown_curves_and_impossible_sizes() -> None:
     assert ScaleBenchConfig(channels=("5000", "10", "1k")).channel_counts() == [10, 1000, 5000]
 
 
+def test_profiling_the_master_without_py_spy_is_refused_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(ConfigError, match=r"profile: py-spy is not installed here \(pip install py-spy\)"):
+        ScaleBenchConfig(curves=("master",), profile=True).validate()
+    ScaleBenchConfig(curves=("repository",), profile=True).validate()  # only the master's curve profiles
+    spy = tmp_path / "py-spy"
+    spy.write_text("#!/bin/sh\n")
+    spy.chmod(0o755)
+    ScaleBenchConfig(curves=("master",), profile=True).validate()
+
+
 def test_a_point_measured_again_replaces_its_row_and_the_others_stay(tmp_path: Path) -> None:
     path = csv_path(tmp_path, "repository")
     merge_rows(path, "repository", [_repository_row(10_000_000, "warm", 40.0), _repository_row(1_000_000, "warm", 4.0)])
