@@ -17,7 +17,7 @@ again).
 
 What any broker's row shares is here too: :class:`ConsumerSystem` (the consumer processes,
 their results and the prefetch per message size), :func:`store_batch` (store, then ack),
-:func:`apt_install` and :func:`free_port`; :mod:`benchmarks.jetstream` builds on them.
+:func:`apt_install`; :mod:`benchmarks.jetstream` builds on them.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.systems import SLOTS, FeatureFile, FinishLog, LoggedSystem, features_line, parse_header
+from hio.process.procs import free_port
 
 log = logging.getLogger("hio.bench")
 
@@ -76,13 +77,6 @@ def server_script() -> Path:
             "apt-get install rabbitmq-server (hio bench does when run as root)"
         )
     return Path(found[-1])
-
-
-def free_port() -> int:
-    """A loopback port free now (:func:`hio.process.procs.free_port`)."""
-    from hio.process.procs import free_port as _free
-
-    return _free()
 
 
 class RabbitBroker:

@@ -44,8 +44,9 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from benchmarks.broker import ConsumerSystem, apt_install, free_port, store_batch
+from benchmarks.broker import ConsumerSystem, apt_install, store_batch
 from benchmarks.systems import SLOTS, FeatureFile, features_line
+from hio.process.procs import free_port
 
 log = logging.getLogger("hio.bench")
 
@@ -65,10 +66,13 @@ T = TypeVar("T")
 
 def server_binary() -> str:
     """The server's executable, installed with apt-get as root when it is missing."""
-    found = shutil.which(SERVER) or shutil.which(SERVER, path="/usr/sbin:/usr/bin")
-    if found is None:
+
+    def which() -> str | None:
+        return shutil.which(SERVER) or shutil.which(SERVER, path="/usr/sbin:/usr/bin")
+
+    if (found := which()) is None:
         apt_install("nats-server")
-        found = shutil.which(SERVER) or shutil.which(SERVER, path="/usr/sbin:/usr/bin")
+        found = which()
     if found is None:
         raise RuntimeError(
             "NATS is not installed (Debian's nats-server): as root, apt-get install nats-server "
