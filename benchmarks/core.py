@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from benchmarks.measure import loopback_bandwidth, role_pids
-from hio.config import ConfigError, setting
+from hio.config import ConfigError, setting, size_setting
 from hio.settings import ClusterSettings
 
 
@@ -60,6 +60,9 @@ class CoreBenchConfig(ClusterSettings):
             raise ConfigError(f"cost_ms must be between 0 and 60000, got {self.cost_ms}")
         if not self.scrape_seconds >= 0:
             raise ConfigError(f"scrape_seconds must be 0 (never) or positive, got {self.scrape_seconds}")
+        for text in self.sizes:
+            if size_setting("sizes", text) <= 0:
+                raise ConfigError(f"sizes: {text!r} is not a size of one byte or more")
         unknown = sorted(set(self.modes) - {"direct", "queue"})
         if unknown:
             raise ConfigError(f"modes must be direct or queue, got {', '.join(unknown)}")
@@ -70,12 +73,6 @@ Secured = TypeVar("Secured", bound=ClusterSettings)
 # Tuples of the first, unreported run that measures the rate small tuples' count is taken
 # from: their bound-based count would be far too many, and a run this short too noisy.
 CALIBRATION_TUPLES = 2000
-
-
-def _parse_size(text: str) -> int:
-    from hio.config import scaled
-
-    return scaled(text)
 
 
 def tuple_count(config: CoreBenchConfig, size: int, measured_rate: float = 0.0) -> int:
@@ -317,7 +314,7 @@ def run_core_bench(config: CoreBenchConfig) -> int:
         pids = role_pids(cluster)
         print(f"{'size':>8} {'path':>7} {'tuples':>7} {'seconds':>8} {'tuples/s':>9} {'MB/s':>8} {'of bound':>8}")
         for text in config.sizes:
-            size = _parse_size(text)
+            size = size_setting("sizes", text)
             for mode in config.modes:
                 count = tuple_count(config, size)
                 if needs_calibration(config, count):

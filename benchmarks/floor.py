@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.measure import loopback_bandwidth, proc_cpu_seconds
-from hio.config import ConfigError, scaled, setting
+from hio.config import ConfigError, setting, size_setting
 from hio.gateway.spool import Spool
 from hio.proto.tuple_pb2 import TupleMeta
 from hio.settings import MiB
@@ -65,10 +65,10 @@ class FloorConfig:
             raise ConfigError(f"seconds must be between 0 and 600, got {self.seconds}")
         if not 1 <= self.streams <= 16:
             raise ConfigError(f"streams must be between 1 and 16, got {self.streams}")
-        if scaled(self.disk_probe) < 0:
+        if size_setting("disk_probe", self.disk_probe) < 0:
             raise ConfigError(f"disk_probe must be 0 or more bytes, got {self.disk_probe!r}")
         for text in self.sizes:
-            if scaled(text) <= HEADER_BYTES:
+            if size_setting("sizes", text) <= HEADER_BYTES:
                 raise ConfigError(f"sizes: {text!r} is too small; a tuple here is more than {HEADER_BYTES} bytes")
 
 
@@ -182,7 +182,7 @@ def run_floor(config: FloorConfig) -> int:
     root = Path(config.data_dir).expanduser().resolve() / "bench-floor"
     root.mkdir(parents=True, exist_ok=True)
     bound = loopback_bandwidth()
-    probe = scaled(config.disk_probe)
+    probe = size_setting("disk_probe", config.disk_probe)
     disk = f"{disk_write_bandwidth(root, probe) / 1e6:,.0f} MB/s" if probe else "not measured"
     print(
         f"loopback bandwidth (one TCP stream): {bound / 1e6:,.0f} MB/s; disk, written and fdatasynced: {disk}; "
@@ -195,7 +195,7 @@ def run_floor(config: FloorConfig) -> int:
         flush=True,
     )
     for text in config.sizes:
-        size = scaled(text)
+        size = size_setting("sizes", text)
         for path in config.paths:
             r = stream(size, path, config.seconds, config.streams, root)
             print(

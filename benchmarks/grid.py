@@ -231,9 +231,14 @@ class BenchConfig(ClusterSettings):
         for name in self.systems:
             if name not in SYSTEMS:
                 raise ConfigError(f"systems: unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
-        for text in self.grid_sizes() + tuple(self.latency_sizes) + tuple(self.burst_sizes):
-            if parse_size(text) < 64:
-                raise ConfigError(f"sizes: {text!r} is below 64 bytes (the message header needs 48)")
+        for name, texts in (
+            ("sizes", self.grid_sizes()),
+            ("latency_sizes", self.latency_sizes),
+            ("burst_sizes", self.burst_sizes),
+        ):
+            for text in texts:
+                if parse_size(text, name) < 64:
+                    raise ConfigError(f"{name}: {text!r} is below 64 bytes (the message header needs 48)")
         for text in self.grid_costs():
             parse_cost(text)
         for path in self.burst_paths:
@@ -259,7 +264,7 @@ class BenchConfig(ClusterSettings):
         ):
             positive(name, getattr(self, name))
         for name in ("probe_bytes", "burst_bytes", "disk_probe"):
-            if parse_size(getattr(self, name)) <= 0:
+            if parse_size(getattr(self, name), name) <= 0:
                 raise ConfigError(f"{name} must be a positive size (examples: 200M, 2G), got {getattr(self, name)!r}")
         if self.min_step_seconds < 0 or self.max_step_seconds < 0 or self.grace_seconds < 0:
             raise ConfigError("min_step_seconds, max_step_seconds and grace_seconds must not be negative")
@@ -285,15 +290,16 @@ class BenchConfig(ClusterSettings):
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9}
 
 
-def parse_size(text: str) -> int:
-    """'100', '10K', '1M', '10MB' -> bytes (decimal units, as the paper's grid)."""
+def parse_size(text: str, name: str = "sizes") -> int:
+    """'100', '10K', '1M', '10MB' -> bytes (decimal units, as the paper's grid); ConfigError
+    naming the setting ``name`` when ``text`` is no size."""
     t = str(text).strip().lower().removesuffix("b")
     try:
         if t and t[-1] in _DECIMAL:
             return int(float(t[:-1]) * _DECIMAL[t[-1]])
         return int(t)
     except ValueError:
-        raise ConfigError(f"sizes: cannot read {text!r} as a size (examples: 100, 10K, 1M)") from None
+        raise ConfigError(f"{name}: cannot read {text!r} as a size (examples: 100, 10K, 1M)") from None
 
 
 def parse_cost(text: str) -> float:

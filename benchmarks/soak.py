@@ -88,10 +88,7 @@ class SoakConfig(ClusterSettings):
             raise ConfigError(f"size {self.size} is over max_tuple_bytes ({self.max_tuple_bytes})")
 
     def tuple_bytes(self) -> int:
-        try:
-            return cfg.scaled(self.size)
-        except ValueError:
-            raise ConfigError(f"size must look like 64K or 1M, got {self.size!r}") from None
+        return cfg.size_setting("size", self.size)
 
 
 class SoakCluster:

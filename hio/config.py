@@ -125,6 +125,14 @@ def scaled(text: str) -> int:
     return int(t)
 
 
+def size_setting(name: str, text: str) -> int:
+    """A setting's size (:func:`scaled`); ConfigError naming the setting when ``text`` is none."""
+    try:
+        return scaled(str(text))
+    except ValueError:
+        raise ConfigError(f"{name}: cannot read {text!r} as a size (examples: 512K, 64M, 1G)") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type, role: str) -> None:
     """Add one flag per field of ``cls``; the help shows the environment fallback."""
     parser.add_argument("--config", default=None, help=f"TOML configuration file (env {CONFIG_ENV})")

@@ -57,6 +57,28 @@ def test_config_refuses_unknown_system_and_tiny_size() -> None:
     assert BenchConfig(quick=True).grid_sizes() == ("100", "1M")
 
 
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["bench-core", "--sizes", "abc"], "sizes: cannot read 'abc' as a size"),
+        (["bench-core", "--sizes", "0"], "sizes: '0' is not a size of one byte or more"),
+        (["bench-floor", "--disk-probe", "abc"], "disk_probe: cannot read 'abc' as a size"),
+        (["bench-floor", "--sizes", "1X"], "sizes: cannot read '1X' as a size"),
+        (["bench", "--disk-probe", "abc"], "disk_probe: cannot read 'abc' as a size"),
+        (["bench", "--burst-sizes", "10"], "burst_sizes: '10' is below 64 bytes"),
+    ],
+)
+def test_a_benchmark_names_the_setting_whose_size_it_cannot_read(command: list[str], message: str) -> None:
+    """A size that is none is refused at start, by the setting's name, before anything starts
+    (not a traceback from deep inside the run)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "hio.cli", *command], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode != 0
+    assert message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_bound_is_the_tighter_of_network_and_cpu() -> None:
     assert bound_rate(10**6, 0.0, 500e6, 2) == pytest.approx(500)
     assert bound_rate(100, 1.0, 500e6, 2) == pytest.approx(2)
