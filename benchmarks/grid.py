@@ -85,6 +85,7 @@ from typing import NamedTuple
 from benchmarks.report import cost_label, size_label
 from benchmarks.systems import SLOTS, SYSTEMS, MessageGenerator, System, make_system
 from hio.config import ConfigError, positive, setting
+from hio.kd.config import check_spark_conf
 from hio.settings import ClusterSettings
 
 log = logging.getLogger("hio.bench")
@@ -241,6 +242,7 @@ class BenchConfig(ClusterSettings):
                     raise ConfigError(f"{name}: {text!r} is below 64 bytes (the message header needs 48)")
         for text in self.grid_costs():
             parse_cost(text)
+        check_spark_conf(self.spark_conf)
         for path in self.burst_paths:
             if path not in BURST_PATHS:
                 raise ConfigError(f"burst_paths: unknown path {path!r}; choose from {', '.join(BURST_PATHS)}")

@@ -44,10 +44,28 @@ def command_parser(name: str, cls: type) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"hio {name}", description=help_text)
     positional = getattr(cls, "POSITIONAL", None)
     if positional:
-        field, metavar, help_pos = positional
-        parser.add_argument(field, metavar=metavar, nargs="*", help=help_pos)
+        _field, metavar, help_pos = positional
+        # A destination of its own: sharing the flag's, the empty positional list would
+        # replace what ``--<field>`` gave (``hio send --files a.txt`` would send nothing).
+        parser.add_argument(POSITIONAL_DEST, metavar=metavar, nargs="*", help=help_pos)
     cfg.add_arguments(parser, cls, section)
     return parser
+
+
+POSITIONAL_DEST = "positional_values"
+
+
+def positional_override(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The command's positional values as its setting (``POSITIONAL``), after the values its
+    flag gave: ``hio send a.txt --files b.txt`` sends both. Empty when none was given, so the
+    flag, the environment or the file says it."""
+    positional = getattr(cls, "POSITIONAL", None)
+    given = getattr(args, POSITIONAL_DEST, None)
+    if not positional or not given:
+        return {}
+    field = positional[0]
+    flagged = [v.strip() for item in getattr(args, field) or () for v in str(item).split(",") if v.strip()]
+    return {field: (*flagged, *given)}
 
 
 def _stacks_on_sigusr1() -> None:
@@ -80,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cls = commands.load(cls_path)
         args = command_parser(name, cls).parse_args(rest)
-        overrides: dict[str, Any] = {}
-        positional = getattr(cls, "POSITIONAL", None)
-        if positional and getattr(args, positional[0], None):
-            overrides[positional[0]] = tuple(getattr(args, positional[0]))
-        config = cfg.build(cls, section, args, overrides=overrides)
+        config = cfg.build(cls, section, args, overrides=positional_override(cls, args))
         from hio.process.log import setup_logging
         from hio.process.memory import tune_process
 

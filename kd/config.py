@@ -82,9 +82,7 @@ class KDConfig(ClusterSettings):
         if not self.consumer.strip():
             raise ConfigError("consumer must not be empty")
         check_address("http_listen", self.http_listen, allow_empty=True)
-        for item in self.spark_conf:
-            if "=" not in item:
-                raise ConfigError(f"spark_conf entry '{item}' is not key=value")
+        check_spark_conf(self.spark_conf)
         self._validate_spark_master()
 
     def _validate_spark_master(self) -> None:
@@ -133,3 +131,11 @@ class KDConfig(ClusterSettings):
     @property
     def preview_file(self) -> Path:
         return self._under_data_dir(self.preview_path, "preview.png")
+
+
+def check_spark_conf(items: tuple[str, ...]) -> None:
+    """Each extra Spark setting is KEY=VALUE (KD's and the benchmarks' Spark sessions)."""
+    for item in items:
+        key, eq, _value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"spark_conf entry '{item}' is not key=value")

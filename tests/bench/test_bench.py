@@ -66,11 +66,12 @@ def test_config_refuses_unknown_system_and_tiny_size() -> None:
         (["bench-floor", "--sizes", "1X"], "sizes: cannot read '1X' as a size"),
         (["bench", "--disk-probe", "abc"], "disk_probe: cannot read 'abc' as a size"),
         (["bench", "--burst-sizes", "10"], "burst_sizes: '10' is below 64 bytes"),
+        (["bench", "--spark-conf", "abc"], "spark_conf entry 'abc' is not key=value"),
     ],
 )
-def test_a_benchmark_names_the_setting_whose_size_it_cannot_read(command: list[str], message: str) -> None:
-    """A size that is none is refused at start, by the setting's name, before anything starts
-    (not a traceback from deep inside the run)."""
+def test_a_benchmark_refuses_a_setting_it_cannot_read_by_its_name(command: list[str], message: str) -> None:
+    """A size that is none, or a Spark setting without '=', is refused at start by the setting's
+    name, before anything starts (not a traceback from deep inside the run)."""
     done = subprocess.run(
         [sys.executable, "-m", "hio.cli", *command], capture_output=True, text=True, timeout=60, check=False
     )

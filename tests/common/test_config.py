@@ -286,3 +286,35 @@ def test_the_tools_kept_out_of_the_cluster_table_are_commands() -> None:
 
     assert set(COMMANDS) >= TOOLS
     assert {"max_attempts", "watch", "spark_master", "engines"} <= cluster_setting_names()
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "setting", "expected"),
+    [
+        ("send", ["--files", "a.txt"], "files", ("a.txt",)),
+        ("send", ["b.txt"], "files", ("b.txt",)),
+        ("send", ["--files", "a.txt,c.txt", "b,x.txt"], "files", ("a.txt", "c.txt", "b,x.txt")),
+        ("images", ["--action", "list"], "action", ("list",)),
+        ("images", ["list"], "action", ("list",)),
+    ],
+)
+def test_a_commands_list_comes_from_its_flag_and_its_positional_arguments(command, argv, setting, expected) -> None:
+    """``hio send --files a.txt`` sends a.txt (the positional list, empty, once replaced the
+    flag's, and the send finished only what an earlier run left); a positional value is taken
+    as given, a comma in a file name included."""
+    from hio import commands
+    from hio.cli import command_parser, positional_override
+
+    cls_path, section, _run, _help = commands.COMMANDS[command]
+    cls = commands.load(cls_path)
+    args = command_parser(command, cls).parse_args(argv)
+    built = cfg.build(cls, section, args, overrides=positional_override(cls, args), file_data={})
+    assert getattr(built, setting) == expected
+
+
+def test_an_unknown_action_given_by_flag_is_refused_not_replaced_by_the_default(capsys) -> None:
+    """``hio images --action nope`` is refused (it once built every image, the default action)."""
+    from hio.cli import main
+
+    assert main(["images", "--action", "nope"]) == 2
+    assert "action must be one of build, list, base, wheelhouse; got nope" in capsys.readouterr().err
