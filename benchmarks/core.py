@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from benchmarks.measure import loopback_bandwidth, role_pids
-from hio.config import ConfigError, setting, size_setting
+from hio.config import ConfigError, between, positive, setting, size_setting
 from hio.settings import ClusterSettings
 
 
@@ -54,6 +54,10 @@ class CoreBenchConfig(ClusterSettings):
 
     def validate(self) -> None:
         self.validate_cluster()
+        positive("seconds", self.seconds)
+        between("max_tuples", self.max_tuples, 1)
+        between("engines", self.engines, 1, 1024)
+        between("streams", self.streams, 1, 256)
         if not self.rate >= 0:
             raise ConfigError(f"rate must be 0 (all at once) or positive, got {self.rate}")
         if not 0 <= self.cost_ms <= 60_000:

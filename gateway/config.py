@@ -155,6 +155,7 @@ class GatewayConfig(ClusterSettings):
         ):
             positive(name, getattr(self, name))
         between("streams", self.streams, 1, 256)
+        between("spool_memory_bytes", self.spool_memory_bytes, 0)
         between("grace_seconds", self.grace_seconds, 0, unit=" s")
         between("route_wait_seconds", self.route_wait_seconds, 0, 30, unit=" s")
         one_of("spool_fsync", self.spool_fsync, FSYNC_POLICIES)

@@ -79,6 +79,8 @@ class ClusterSettings:
             raise ConfigError(f"chunk_bytes must be between 1 KiB and 64 MiB, got {self.chunk_bytes}")
         if self.max_tuple_bytes < 1:
             raise ConfigError("max_tuple_bytes must be positive")
+        if not self.stream_idle_seconds >= 0:  # NaN too
+            raise ConfigError(f"stream_idle_seconds must be 0 (never) or positive, got {self.stream_idle_seconds}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key go together")
         if self.tls_client_auth and not self.tls_ca:

@@ -12,7 +12,7 @@ from typing import ClassVar
 import grpc
 from google.protobuf import json_format
 
-from hio.config import ConfigError, setting
+from hio.config import ConfigError, between, setting
 from hio.proto import features_pb2, master_pb2, master_pb2_grpc, repository_pb2, repository_pb2_grpc
 from hio.settings import SERVER_SETTINGS, ClusterSettings
 from hio.transport.net import create_channel, rpc_error_text
@@ -73,6 +73,10 @@ class KnowledgeConfig(_ToolSettings):
 class DeadLettersConfig(_ToolSettings):
     retry: int = setting(0, "send the dead letter with this tuple id again (ids: hio dead-letters)")
     json: bool = setting(False, "print as JSON")
+
+    def validate(self) -> None:
+        self.validate_cluster()
+        between("retry", self.retry, 0, 2**64 - 1)  # a tuple id (0: list them)
 
 
 _STATE = {master_pb2.FREE: "free", master_pb2.DIRECT: "direct", master_pb2.QUEUE: "queue", master_pb2.DOWN: "DOWN"}

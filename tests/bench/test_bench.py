@@ -67,11 +67,16 @@ def test_config_refuses_unknown_system_and_tiny_size() -> None:
         (["bench", "--disk-probe", "abc"], "disk_probe: cannot read 'abc' as a size"),
         (["bench", "--burst-sizes", "10"], "burst_sizes: '10' is below 64 bytes"),
         (["bench", "--spark-conf", "abc"], "spark_conf entry 'abc' is not key=value"),
+        (["bench-core", "--seconds=-1"], "seconds must be positive"),
+        (["bench-core", "--max-tuples=0"], "max_tuples must be at least 1"),
+        (["bench-core", "--engines=-1"], "engines must be between 1 and 1,024"),
+        (["bench-core", "--streams=0"], "streams must be between 1 and 256"),
     ],
 )
 def test_a_benchmark_refuses_a_setting_it_cannot_read_by_its_name(command: list[str], message: str) -> None:
-    """A size that is none, or a Spark setting without '=', is refused at start by the setting's
-    name, before anything starts (not a traceback from deep inside the run)."""
+    """A size that is none, a Spark setting without '=', a count or time out of range, is refused
+    at start by the setting's name, before anything starts (not a traceback from deep inside
+    the run, nor a run that measures nothing)."""
     done = subprocess.run(
         [sys.executable, "-m", "hio.cli", *command], capture_output=True, text=True, timeout=60, check=False
     )

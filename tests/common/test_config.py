@@ -318,3 +318,21 @@ def test_an_unknown_action_given_by_flag_is_refused_not_replaced_by_the_default(
 
     assert main(["images", "--action", "nope"]) == 2
     assert "action must be one of build, list, base, wheelhouse; got nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["master", "--stream-idle-seconds=-1"], "stream_idle_seconds must be 0 (never) or positive, got -1"),
+        (["kd", "--stream-idle-seconds=nan"], "stream_idle_seconds must be 0 (never) or positive, got nan"),
+        (["gateway", "--spool-memory-bytes=-1"], "spool_memory_bytes must be at least 0, got -1"),
+        (["dead-letters", "--retry=-1"], "retry must be between 0 and"),
+    ],
+)
+def test_a_value_out_of_range_is_refused_by_name_before_the_command_runs(argv, message, tmp_path, capsys) -> None:
+    """Each of these once ran (a negative idle bound read as none) or raised from deep inside
+    (the spool's ValueError, protobuf's 'Value out of range')."""
+    from hio.cli import main
+
+    assert main([*argv, "--data-dir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
