@@ -268,7 +268,7 @@ class BenchConfig(ClusterSettings):
         for name in ("probe_bytes", "burst_bytes", "disk_probe"):
             if parse_size(getattr(self, name), name) <= 0:
                 raise ConfigError(f"{name} must be a positive size (examples: 200M, 2G), got {getattr(self, name)!r}")
-        if self.min_step_seconds < 0 or self.max_step_seconds < 0 or self.grace_seconds < 0:
+        if not all(v >= 0 for v in (self.min_step_seconds, self.max_step_seconds, self.grace_seconds)):  # NaN too
             raise ConfigError("min_step_seconds, max_step_seconds and grace_seconds must not be negative")
         if not 0 < self.tolerance < 1:
             raise ConfigError(f"tolerance must be between 0 and 1, got {self.tolerance}")

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from benchmarks.measure import machine_description, source_commit, worker_processes
-from hio.config import ConfigError, one_of, setting
+from hio.config import ConfigError, one_of, positive, setting
 from hio.settings import ClusterSettings
 
 log = logging.getLogger("hio.experiment")
@@ -155,6 +155,7 @@ class PhasesConfig(ClusterSettings):
         for run in self.runs:
             one_of("runs", run, RUNS)
         one_of("runtime", self.runtime, ("process", "docker"))
+        positive("drain_timeout", self.drain_timeout)
         schedule = self.schedule()
         if not schedule:
             raise ConfigError("phases: give at least one phase")

@@ -139,7 +139,7 @@ class ScaleBenchConfig(ClusterSettings):
             )
         if not 0 <= self.route_wait_seconds <= 30:
             raise ConfigError(f"route_wait_seconds must be between 0 and 30, got {self.route_wait_seconds}")
-        if self.warmup_seconds < 0:
+        if not self.warmup_seconds >= 0:  # NaN too
             raise ConfigError(f"warmup_seconds must be 0 or more, got {self.warmup_seconds}")
         if any(n < 1 for n in self.channel_counts()):
             raise ConfigError("channels: every count must be at least 1")

@@ -104,7 +104,7 @@ class ImagesConfig:
         unknown = [a for a in self.action if a not in ACTIONS]
         if unknown or len(self.action) > 1:
             raise ConfigError(f"action must be one of {', '.join(ACTIONS)}; got {' '.join(self.action)}")
-        if self.docker_timeout <= 0 or self.step_timeout <= 0:
+        if not (self.docker_timeout > 0 and self.step_timeout > 0):  # NaN too
             raise ConfigError("docker_timeout and step_timeout must be positive")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", self.tag):
             raise ConfigError(f"tag is not a valid Docker tag: {self.tag!r}")

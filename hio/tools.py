@@ -28,6 +28,10 @@ class StatusConfig(_ToolSettings):
     json: bool = setting(False, "print the status as JSON")
     watch: float = setting(0.0, "refresh every N seconds (0 = once)")
 
+    def validate(self) -> None:
+        self.validate_cluster()
+        between("watch", self.watch, 0, unit=" s")
+
 
 @dataclasses.dataclass(frozen=True)
 class ScaleConfig(_ToolSettings):
@@ -46,6 +50,7 @@ class ScaleConfig(_ToolSettings):
         for name in ("set_min_workers", "set_max_workers"):
             if getattr(self, name) < -1:
                 raise ConfigError(f"{name} must be -1 (unchanged) or zero or more, got {getattr(self, name)}")
+        between("decisions", self.decisions, 0)
         self.pins()
 
     def pins(self) -> dict[str, int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import zstandard
 
 from hio.cluster import LocalCluster
-from hio.config import between, check_address, one_of, setting, split_address
+from hio.config import between, check_address, one_of, positive, setting, split_address
 from hio.gateway.config import HTTP_LISTEN as GATEWAY_HTTP
 from hio.kd.config import HTTP_LISTEN as KD_HTTP
 from hio.master.config import HTTP_LISTEN as MASTER_HTTP
@@ -80,6 +80,8 @@ class UpConfig(ClusterSettings):
         one_of("runtime", self.runtime, RUNTIMES)
         one_of("scaling", self.scaling, SCALING_MODES)
         between("max_workers", self.max_workers, 1)
+        positive("kd_interval", self.kd_interval)
+        positive("timeout", self.timeout)
 
 
 def _say(message: str) -> None:

@@ -1,5 +1,6 @@
 import argparse
 import dataclasses
+import os
 import re
 
 import pytest
@@ -336,3 +337,51 @@ def test_a_value_out_of_range_is_refused_by_name_before_the_command_runs(argv, m
 
     assert main([*argv, "--data-dir", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+# The numeric settings for which -1 means something (a rate that falls, a seed, "unchanged").
+NEGATIVE_MEANS_SOMETHING = {
+    ("master", "slowdown_rate"),
+    ("kd", "seed"),
+    ("bench-kd", "seed"),
+    ("scale", "set_min_workers"),
+    ("scale", "set_max_workers"),
+}
+
+
+def _numeric_settings() -> list[tuple[str, str, str]]:
+    import typing
+
+    from hio import commands
+
+    found = []
+    for command, (cls_path, *_rest) in commands.COMMANDS.items():
+        cls = commands.load(cls_path)
+        types = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            if types[field.name] is float:
+                found += [(command, field.name, "nan"), (command, field.name, "-1")]
+            elif types[field.name] is int:
+                found.append((command, field.name, "-1"))
+    return found
+
+
+@pytest.mark.parametrize(("command", "name", "value"), _numeric_settings())
+def test_every_numeric_setting_refuses_nan_and_negatives_by_name(command, name, value, monkeypatch) -> None:
+    """NaN is never a setting, nor is -1 but where it means something: each is refused by the
+    setting's name when the configuration is built, before anything runs (not read as 'no
+    bound', not a ValueError from deep inside, not an empty run)."""
+    from hio import commands
+    from hio.cli import command_parser, positional_override
+
+    for variable in [v for v in os.environ if v.startswith("HIO_")]:
+        monkeypatch.delenv(variable)
+    cls_path, section, _run, _help = commands.COMMANDS[command]
+    cls = commands.load(cls_path)
+    needed = ["--channel-id", "w/0", "--image", "hio/synthetic"] if command == "engine" else []  # the worker gives them
+    args = command_parser(command, cls).parse_args([*needed, f"--{name.replace('_', '-')}={value}"])
+    if value == "-1" and (command, name) in NEGATIVE_MEANS_SOMETHING:
+        cfg.build(cls, section, args, overrides=positional_override(cls, args), file_data={})
+        return
+    with pytest.raises(cfg.ConfigError, match=name):
+        cfg.build(cls, section, args, overrides=positional_override(cls, args), file_data={})
