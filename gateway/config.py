@@ -168,6 +168,7 @@ class GatewayConfig(ClusterSettings):
         if len(self.resolved_source()) > 256:
             raise ConfigError("source must be at most 256 characters")
         check_address("http_listen", self.http_listen, allow_empty=True)
+        check_address("ingest_listen", self.ingest_listen, allow_empty=True)
         if self.http_listen and self.ingest_listen and same_port(self.http_listen, self.ingest_listen):
             raise ConfigError(f"http_listen {self.http_listen} takes ingest_listen's port: choose another")
 

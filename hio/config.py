@@ -276,6 +276,8 @@ def build(
             raise ConfigError(f"unknown setting '{name}' for {role}")
         values[name] = value
     config = cls(**values)
+    if "log_level" in names:  # every command's: one check, not one per config class
+        one_of("log_level", str(values.get("log_level", "warning")).lower(), LOG_LEVELS)
     validate = getattr(config, "validate", None)
     if callable(validate):
         validate()
@@ -415,8 +417,22 @@ def one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def state_dir(base: str, role: str) -> Path:
     """The folder where ``role`` keeps its files under the data directory."""
-    path = Path(base).expanduser() / role
-    path.mkdir(parents=True, exist_ok=True)
+    return make_folder("data_dir", Path(base).expanduser() / role)
+
+
+def make_folder(name: str, path: Path) -> Path:
+    """``path``, made if missing, for the setting ``name``; ConfigError naming the setting
+    when it cannot be made or written (a data folder on a path that does not exist, or
+    another user's), not an OSError from the first file a role writes."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot create {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}: {path} is not writable by this user")
     return path

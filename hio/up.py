@@ -22,7 +22,7 @@ from pathlib import Path
 import zstandard
 
 from hio.cluster import LocalCluster
-from hio.config import between, check_address, one_of, positive, setting, split_address
+from hio.config import between, check_address, make_folder, one_of, positive, setting, split_address
 from hio.gateway.config import HTTP_LISTEN as GATEWAY_HTTP
 from hio.kd.config import HTTP_LISTEN as KD_HTTP
 from hio.master.config import HTTP_LISTEN as MASTER_HTTP
@@ -197,7 +197,7 @@ def run_up(config: UpConfig) -> int:
         )
         return 2
     data_dir = Path(config.data_dir).expanduser().resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    make_folder("data_dir", data_dir)
     deadline = time.monotonic() + config.timeout
     from hio.worker.pipelines.samples import generate_demo_dataset
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
+from hio.config import make_folder
 from hio.kd.client import RepositoryClient, connection_options
 from hio.kd.config import KDConfig
 from hio.kd.metrics import KDMetrics
@@ -416,6 +417,12 @@ def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None
     running, and no signal handlers are installed.
     """
     stop = stop or threading.Event()
+    for name, folder in (
+        ("parquet_path", config.parquet_dir),
+        ("checkpoint_path", config.checkpoint_dir),
+        ("preview_path", config.preview_file.parent),
+    ):
+        make_folder(name if getattr(config, name) else "data_dir", folder)
     readiness = Readiness()
     server, port, health = create_server(config, config.listen, max_workers=2)
     server.start()

@@ -20,6 +20,7 @@ from hio.config import (
     same_port,
     setting,
 )
+from hio.master.provisioners import parse_options
 from hio.settings import BUILTIN_IMAGES, ClusterSettings, GiB, MiB
 
 HTTP_LISTEN = "127.0.0.1:7080"  # where the role's HTTP endpoint listens by default
@@ -196,6 +197,7 @@ class MasterConfig(ClusterSettings):
         elastic settings are checked in fixed mode too: a file switched to elastic later must
         not fail then."""
         self.validate_cluster()
+        parse_options(self.provisioner_options)  # refused even while no provisioner reads them
         self.validate_serving()
         check_address("listen", self.listen)
         check_address("lane_listen", self.lane_listen, allow_empty=True)

@@ -385,3 +385,57 @@ def test_every_numeric_setting_refuses_nan_and_negatives_by_name(command, name, 
         return
     with pytest.raises(cfg.ConfigError, match=name):
         cfg.build(cls, section, args, overrides=positional_override(cls, args), file_data={})
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["master", "--log-level", "bogus"], "log_level must be one of debug, info, warning, error, got 'bogus'"),
+        (["gateway", "--log-level", "loud"], "log_level must be one of debug, info, warning, error, got 'loud'"),
+        (["master", "--provisioner-options", "flavor"], "provisioner_options: 'flavor' must look like NAME=VALUE"),
+        (["gateway", "--ingest-listen", "nowhere"], "ingest_listen must be host:port, got 'nowhere'"),
+    ],
+)
+def test_a_setting_a_role_cannot_use_is_refused_by_name(argv, message, tmp_path, capsys) -> None:
+    """A log level no logger has (once read as 'warning'), options no provisioner could parse
+    (once refused only when elastic scaling started), an ingest address that is none (once a
+    ValueError traceback)."""
+    from hio.cli import main
+
+    assert main([*argv, "--data-dir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["master", "--data-dir", "{blocked}"], "data_dir: cannot create {blocked}/master"),
+        (["repository", "--data-dir", "{blocked}"], "data_dir: cannot create {blocked}/repository"),
+        (["gateway", "--data-dir", "{blocked}"], "data_dir: cannot create {blocked}/gateway"),
+        (["up", "--data-dir", "{blocked}"], "data_dir: cannot create {blocked}"),
+        (
+            ["kd", "--data-dir", "{free}", "--checkpoint-path", "{blocked}/checkpoint"],
+            "checkpoint_path: cannot create {blocked}/checkpoint",
+        ),
+    ],
+)
+def test_a_data_folder_that_cannot_be_made_is_named_and_nothing_starts(argv, message, tmp_path) -> None:
+    """A data folder under a file (or on a path that does not exist) is an operator's mistake:
+    one line naming the setting and the folder, exit 2, not an OSError traceback."""
+    import subprocess
+    import sys
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    args = [a.format(blocked=blocked, free=tmp_path / "free") for a in argv]
+    done = subprocess.run(
+        [sys.executable, "-m", "hio.cli", *args, "--http-listen", ""],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr
+    assert message.format(blocked=blocked) in done.stderr
+    assert "Traceback" not in done.stderr
