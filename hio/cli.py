@@ -64,8 +64,7 @@ def positional_override(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     if not positional or not given:
         return {}
     field = positional[0]
-    flagged = [v.strip() for item in getattr(args, field) or () for v in str(item).split(",") if v.strip()]
-    return {field: (*flagged, *given)}
+    return {field: (*cfg.flag_items(getattr(args, field) or []), *given)}
 
 
 def _stacks_on_sigusr1() -> None:

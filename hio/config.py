@@ -125,6 +125,11 @@ def scaled(text: str) -> int:
     return int(t)
 
 
+def flag_items(given: list[Any]) -> list[str]:
+    """The items of a repeatable flag: each value given, split at commas (``--sizes 1M,10M``)."""
+    return [v.strip() for item in given for v in str(item).split(",") if v.strip()]
+
+
 def size_setting(name: str, text: str) -> int:
     """A setting's size (:func:`scaled`); ConfigError naming the setting when ``text`` is none."""
     try:
@@ -264,7 +269,7 @@ def build(
             value = getattr(args, name, None)
             if value is not None:
                 if isinstance(value, list) and typing.get_origin(types[name]) is tuple:
-                    value = [v for item in value for v in str(item).split(",") if v.strip()]
+                    value = flag_items(value)
                 values[name] = _convert(value, types[name], "--" + name.replace("_", "-"))
     if passed:
         given: tuple[Any, ...] = ()
@@ -277,7 +282,7 @@ def build(
         values[name] = value
     config = cls(**values)
     if "log_level" in names:  # every command's: one check, not one per config class
-        one_of("log_level", str(values.get("log_level", "warning")).lower(), LOG_LEVELS)
+        one_of("log_level", str(typing.cast(Any, config).log_level).lower(), LOG_LEVELS)
     validate = getattr(config, "validate", None)
     if callable(validate):
         validate()

@@ -429,7 +429,6 @@ def run(config: KDConfig, stop: threading.Event | None = None, spark: Any = None
     health.start(lambda: readiness.not_ready)
     try:
         store = AccumulatedStore(config.parquet_dir).open()
-        config.checkpoint_dir.parent.mkdir(parents=True, exist_ok=True)
         session = SparkSessionKeeper(config, spark)
     except BaseException:
         server.stop(0)

@@ -67,37 +67,6 @@ def test_a_port_in_use_is_named_not_a_traceback(tmp_path: Path) -> None:
             assert f"cannot listen on {listen}" in second.stderr and "Traceback" not in second.stderr, second.stderr
 
 
-@pytest.mark.parametrize("role", ["master", "repository"])
-def test_a_data_dir_that_cannot_be_used_is_named_not_a_traceback(tmp_path: Path, role: str) -> None:
-    """A data dir that is a file (as a full or read-only disk would): one line naming the path."""
-    import subprocess
-    import sys
-
-    from tests.harness import hio_env
-
-    not_a_folder = tmp_path / "var"
-    not_a_folder.write_text("a file, not a folder")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hio.cli",
-            role,
-            "--listen",
-            f"127.0.0.1:{free_port()}",
-            "--data-dir",
-            str(not_a_folder),
-        ],
-        capture_output=True,
-        text=True,
-        env=hio_env(),
-        timeout=60,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.strip() == f"hio {role}: {not_a_folder / role}: Not a directory", proc.stderr
-
-
 def test_a_master_told_a_port_another_role_holds_is_not_taken_for_healthy(tmp_path: Path) -> None:
     """The repository answers health on the port too; the wait names the master's own
     service, so it reports the master's refusal instead of passing."""
