@@ -96,6 +96,8 @@ def record_follows(path: Path, start: int, offsets: range) -> bool:
     """True when a valid record numbered one of ``offsets`` lies somewhere after byte
     ``start``: the damage before it is not a torn tail (a crash tears only the end), so
     cutting the file there would throw stored records away."""
+    if path.stat().st_size < start + HEADER_SIZE:  # no whole header after ``start`` (an empty file too)
+        return False
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         size = len(mm)
         for offset in offsets:
@@ -103,6 +105,8 @@ def record_follows(path: Path, start: int, offsets: range) -> bool:
             hit = mm.find(needle, start + 8)
             while hit != -1:
                 pos = hit - 8  # the offset follows length and CRC in the header
+                if pos + HEADER_SIZE > size:  # the bytes found end the file: no whole header
+                    break
                 length, crc, found, _ = HEADER.unpack_from(mm, pos)
                 end = pos + HEADER_SIZE + length
                 if found == offset and end <= size and crc32(memoryview(mm)[pos + 8 : end]) == crc:

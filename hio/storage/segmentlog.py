@@ -135,7 +135,7 @@ class SegmentLog:
             self.segments[seg_id] = segment
             self._top = seg_id
             end = scan(segment, n == len(found))
-            if end < segment.size:
+            if end < segment.size or end < len(self.header):  # an empty file has a torn header too
                 self._cut_tail(segment, end)
         return list(self.segments.values())
 

@@ -372,10 +372,26 @@ def test_a_consumer_past_the_latest_record_is_moved_back_so_new_records_are_read
         assert [t for _, t, _ in s.read(after=s.committed("kd"))] == [6, 7]
 
 
-def test_segment_torn_at_creation_is_repaired(store_dir: Path) -> None:
+def test_a_torn_header_whose_last_bytes_are_a_later_offset_is_cut(store: FeatureStore, store_dir: Path) -> None:
+    """The search for good records after the damage finds a later offset in the torn header's
+    own last bytes, with no whole header after it: a torn tail, cut as any other."""
+    store.put([upload(i) for i in range(1, 4)])
+    store.close()
+    last = segments(store_dir)[-1]
+    good_size = last.stat().st_size
+    with open(last, "ab") as fh:  # record 4's header, torn: its tuple id (5) is a later offset's bytes
+        fh.write(struct.pack("<IIQQ", 100, 0, 4, 5) + b"ab")
+    with FeatureStore(store_dir, SMALL) as s:
+        assert s.latest() == 3
+        assert last.stat().st_size == good_size
+
+
+@pytest.mark.parametrize("torn", [b"", MAGIC[:3]], ids=["empty", "part-of-the-magic"])
+def test_segment_torn_at_creation_is_repaired(store_dir: Path, torn: bytes) -> None:
+    """A crash between creating a segment and writing its header leaves it empty or short."""
     features = store_dir / "features"
     features.mkdir(parents=True)
-    (features / f"{1:020d}.seg").write_bytes(MAGIC[:3])
+    (features / f"{1:020d}.seg").write_bytes(torn)
     with FeatureStore(store_dir, SMALL) as s:
         assert s.latest() == 0
         assert s.put([upload(1)])[0].offset == 1
