@@ -166,10 +166,12 @@ class SegmentLog:
         return segment
 
     def roll(self, seg_id: int | None = None) -> Segment:
-        """Seal the active segment and start a new one, ``seg_id`` or the next number."""
+        """Start a new segment, ``seg_id`` or the next number, and seal the active one. When
+        the new one cannot be made (a full disk), the active one stays as it was, so the next
+        append tries again rather than finding the log closed."""
+        segment = self.create(seg_id)
         if self.active is not None:
             self.seal(self.active)
-        segment = self.create(seg_id)
         with self.lock:
             self.active = segment
         return segment

@@ -536,6 +536,39 @@ def test_bad_knowledge_refused_and_old_kept(
 
 
 @pytest.mark.parametrize("mode", ["batch", "always"])
+def test_a_segment_that_cannot_be_made_refuses_that_put_and_the_next_tries_again(
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk when a segment is full: the put is refused, naming why; once there is room
+    again puts are taken (the full segment stayed the active one), and nothing is lost."""
+    real_open = os.open
+    full = {"on": False}
+
+    def open_(path: Any, flags: int, *args: Any) -> int:
+        if full["on"] and flags & os.O_CREAT and str(path).endswith(".seg"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_)
+    options = StoreOptions(segment_bytes=4096, fsync=mode)
+    s = FeatureStore(tmp_path / "s", options)
+    stored = 0
+    while len(segments(tmp_path / "s")) == 1:  # fill the first segment to its bound
+        stored += 1
+        s.put([upload(stored)])
+    full["on"] = True
+    with pytest.raises(Unavailable, match="cannot start a new segment: No space left on device"):
+        while True:
+            s.put([upload(stored + 1)])
+            stored += 1
+    full["on"] = False
+    assert s.put([upload(stored + 1)])[0].offset == stored + 1
+    s.close()
+    with FeatureStore(tmp_path / "s", options) as again:
+        assert [t for _, t, _ in again.read()] == list(range(1, stored + 2))
+
+
+@pytest.mark.parametrize("mode", ["batch", "always"])
 def test_a_failed_fsync_refuses_every_later_put_until_restart(
     tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
