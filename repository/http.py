@@ -45,7 +45,7 @@ def pages(store: FeatureStore) -> dict[str, Route]:
         data = store.get_knowledge_and_preview()[0]
         if data is None:
             return text(404, "no knowledge yet")
-        knowledge = features_pb2.Knowledge.FromString(data)  # validated when it was put
+        knowledge = features_pb2.Knowledge.FromString(data)  # validated when it was put, and at start
         if query.get("assignments", ["0"])[-1] not in ("1", "true", "yes"):
             knowledge.ClearField("assignments")
             for group in knowledge.groups:

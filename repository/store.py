@@ -175,6 +175,8 @@ class ConsumerOffsets:
             name = path.name.removesuffix(_OFFSET_SUFFIX)
             try:
                 offsets[name] = int(path.read_text().strip())
+                if offsets[name] < 0:
+                    raise ValueError(f"{offsets[name]} is below 0")
             except (OSError, ValueError) as exc:
                 # Written atomically, so this is outside damage; do not guess an offset.
                 raise FailedPrecondition(
@@ -244,6 +246,23 @@ class KnowledgeFiles:
         clean_temporaries(folder)
         self._knowledge = _read_optional(folder / _KNOWLEDGE)
         self._preview = _read_optional(folder / _PREVIEW)
+        self._check_loaded()
+
+    def _check_loaded(self) -> None:
+        """The files as put checks them: they are written atomically, so a file that fails is
+        damage from outside, and serving it would hand every reader a decode error."""
+        problem = ""
+        if self._knowledge is not None:
+            try:
+                features_pb2.Knowledge.FromString(self._knowledge)
+            except DecodeError:
+                problem = f"{self._folder / _KNOWLEDGE} is not a serialized hio.proto.Knowledge"
+        if self._preview is not None and not self._preview.startswith(PNG_SIGNATURE):
+            problem = f"{self._folder / _PREVIEW} is not a PNG image"
+        if problem:
+            raise FailedPrecondition(
+                f"{problem}; remove the knowledge folder's files (KD writes them again at its next interval)"
+            )
 
     def put(self, knowledge: bytes, preview_png: bytes | None) -> features_pb2.Knowledge:
         if not knowledge:

@@ -483,6 +483,30 @@ def test_commit_refuses_bad_names(store: FeatureStore, name: str) -> None:
         store.commit(name, 0)
 
 
+@pytest.mark.parametrize(
+    ("folder", "name", "data", "match"),
+    [
+        ("consumers", "kd.offset", b"-5\n", r"kd.offset is unreadable \(-5 is below 0\)"),
+        ("consumers", "kd.offset", b"five\n", r"kd.offset is unreadable"),
+        ("knowledge", "knowledge.pb", b"\xff\xff\xff", r"knowledge.pb is not a serialized hio.proto.Knowledge"),
+        ("knowledge", "preview.png", b"GIF89a", r"preview.png is not a PNG image"),
+    ],
+    ids=["negative-offset", "no-number", "knowledge", "preview"],
+)
+def test_a_damaged_consumer_or_knowledge_file_stops_the_start_naming_it(
+    store: FeatureStore, store_dir: Path, folder: str, name: str, data: bytes, match: str
+) -> None:
+    """These files are written atomically: one that does not read back is damage from outside,
+    named at start, not served to readers as an internal error or a decode failure."""
+    store.put([upload(1)])
+    store.put_knowledge(knowledge().SerializeToString(), png_bytes())
+    store.commit("kd", 1)
+    store.close()
+    (store_dir / folder / name).write_bytes(data)
+    with pytest.raises(FailedPrecondition, match=match):
+        FeatureStore(store_dir, SMALL)
+
+
 def test_consumer_count_is_bounded(tmp_path: Path) -> None:
     with FeatureStore(tmp_path, StoreOptions(max_consumers=2)) as s:
         s.commit("a", 0)
