@@ -39,6 +39,7 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
             server, _port, health = create_server(
                 config,
                 config.ingest_listen,
+                max_workers=80,  # Submit streams, each for its life: 60 at once, the rest for status and health
                 policy=POLICY,
                 register=[lambda s: ingest_pb2_grpc.add_IngestServicer_to_server(servicer, s)],
                 service=ROLE_SERVICES["gateway"],

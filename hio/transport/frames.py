@@ -362,6 +362,8 @@ class FrameReader:
                 )
         self.packed = True
         self._unpacked.extend(frame.packed)
+        if not frame.HasField("meta"):  # the last frame of a tuple of several frames
+            return TupleFrame(data=frame.data, last=True)
         return TupleFrame(meta=frame.meta, data=frame.data, last=True)
 
     def next_tuple(

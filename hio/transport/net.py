@@ -238,6 +238,66 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
         return make(lambda raw, ctx: inner(read(raw, ctx), ctx), response_serializer=serialize)
 
 
+class _StreamLimit(grpc.ServerInterceptor):
+    """At most ``streams`` streaming calls at once; the one past it is refused at once with
+    RESOURCE_EXHAUSTED. A stream holds a thread of the server's pool for its whole life (a
+    client waiting for its receipts, a long poll), so without a bound, open streams would take
+    every thread and leave unary calls, health checks included, waiting unanswered; the pool
+    keeps threads beyond the bound for them."""
+
+    def __init__(self, streams: int) -> None:
+        self._streams = streams
+        self._open = threading.BoundedSemaphore(streams)
+        self._wrapped: dict[str, _Handler] = {}  # method -> its wrapped handler; only served methods
+
+    def intercept_service(
+        self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> _Handler | None:
+        method = handler_call_details.method
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
+            handler = continuation(handler_call_details)
+            if handler is None or not (handler.request_streaming or handler.response_streaming):
+                return handler
+            wrapped = self._wrapped[method] = self._wrap(handler)
+        return wrapped
+
+    def _admit(self, context: grpc.ServicerContext) -> None:
+        if not self._open.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this server has {self._streams} streams open, the most it serves at once; "
+                "retry once one has ended (with backoff)",
+            )
+
+    def _wrap(self, handler: _Handler) -> _Handler:
+        def unary_result(request: Any, context: grpc.ServicerContext) -> Any:
+            self._admit(context)
+            try:
+                return handler.stream_unary(request, context)  # type: ignore[misc]  # set for this kind
+            finally:
+                self._open.release()
+
+        def streamed_result(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            self._admit(context)
+            try:
+                yield from (handler.unary_stream or handler.stream_stream)(request, context)  # type: ignore[misc]  # one is set for this kind
+            finally:
+                self._open.release()
+
+        make = {
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        body = streamed_result if handler.response_streaming else unary_result
+        return make(
+            body,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
 def _refusal(code: grpc.StatusCode, message: str) -> _Handler:
     def deny(request_or_iterator: object, context: grpc.ServicerContext) -> None:
         context.abort(code, message)
@@ -287,13 +347,15 @@ def create_server(
     authenticates elsewhere (the engine's payload lane) passes the one it read.
     ``service``: the role's gRPC service (``hio.proto.Master``), for which the
     health service answers too, so a probe can tell which role holds a port.
+    ``max_workers``: the server's threads; streams may hold all but a quarter of them
+    (:class:`_StreamLimit`), which are kept for unary calls.
     """
     if table is _FROM_SETTINGS:
         table = TokenTable.from_settings(settings)
     auth = [_AuthInterceptor(table, policy)] if table is not None else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[*auth, _ParsingInterceptor()],
+        interceptors=[*auth, _StreamLimit(max_workers - max(1, max_workers // 4)), _ParsingInterceptor()],
         options=_options(
             settings, ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2), ("grpc.so_reuseport", 0)
         ),

@@ -101,6 +101,21 @@ def test_packed_small_tuples_read_as_if_each_came_alone() -> None:
     assert r.packed and r.index == 200
 
 
+def test_tuples_packed_on_the_last_frame_of_a_tuple_of_several_frames_follow_it() -> None:
+    """tuple.proto: packed tuples may ride on any frame that ends its own tuple."""
+    big, small = os.urandom(10), [b"b" * 3, b"c" * 4]
+    first = TupleFrame(meta=meta_for(big, 1), data=big[:5])
+    last = TupleFrame(data=big[5:], last=True)
+    for n, p in enumerate(small, 2):
+        last.packed.add(meta=meta_for(p, n), data=p, last=True)
+    r = reader([first, last])
+    got = [r.next_tuple_bytes() for _ in range(3)]
+    assert [(m.tuple_id, d) for m, d in got] == [(1, big), (2, small[0]), (3, small[1])]
+    assert r.next_tuple_bytes() is None
+    with pytest.raises(InvalidArgument, match="must carry its metadata"):  # a first frame without meta
+        reader([last]).next_tuple_bytes()
+
+
 def test_packed_tuple_that_is_damaged_is_refused_by_id() -> None:
     payloads = [b"a" * 10, b"b" * 10, b"c" * 10]
     (message,) = _packed(payloads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -115,3 +116,50 @@ def test_reflection_asks_for_a_token_where_the_server_does(served: tuple[str, Cl
         ProtoReflectionDescriptorDatabase(channel).get_services()
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert health_of(address, LIVENESS, anonymous) == "SERVING"  # health stays open for probes
+
+
+def test_streams_past_the_bound_are_refused_and_unary_calls_are_still_answered() -> None:
+    """Open streams hold a server thread each for their life: the one past the bound is
+    refused at once, naming the bound, and health checks (unary) are answered meanwhile; a
+    stream that ends makes room for the next."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    settings = ClusterSettings()
+    server, port, health = create_server(
+        settings, "127.0.0.1:0", max_workers=3
+    )  # 2 streams, a thread kept for unary calls
+    server.start()
+    health.start(lambda: "")
+    try:
+        with create_channel(f"127.0.0.1:{port}", settings) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            watches = [stub.Watch(health_pb2.HealthCheckRequest(service=LIVENESS)) for _ in range(2)]
+            for watch in watches:  # each stream answers its first status and stays open
+                assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                next(stub.Watch(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=5))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "2 streams open, the most it serves at once" in str(refused.value.details())
+            for _ in range(40):  # more unary calls than the server's threads: none waits for a stream
+                assert (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                )
+            watches[0].cancel()
+            wait_for(lambda: _watch_opens(stub), timeout=10, what="a stream once another ended")
+            watches[1].cancel()
+    finally:
+        server.stop(None)
+
+
+def _watch_opens(stub: Any) -> bool:
+    from grpc_health.v1 import health_pb2
+
+    watch = stub.Watch(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=5)
+    try:
+        next(watch)
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        watch.cancel()
