@@ -22,6 +22,7 @@ from hio.config import (
 )
 from hio.master.provisioners import parse_options
 from hio.settings import BUILTIN_IMAGES, ClusterSettings, GiB, MiB
+from hio.transport.net import stream_bound
 
 HTTP_LISTEN = "127.0.0.1:7080"  # where the role's HTTP endpoint listens by default
 
@@ -87,7 +88,9 @@ class MasterConfig(ClusterSettings):
     max_attempts: int = setting(3, "processing attempts of a tuple before it becomes a dead letter")
     images: tuple[str, ...] = setting(BUILTIN_IMAGES, "images always accepted, even before a worker offers them")
     grace_seconds: float = setting(5.0, "on SIGTERM, seconds to let calls in flight finish")
-    server_threads: int = setting(64, "gRPC handler threads (long-polling PullTuple calls hold one each)")
+    server_threads: int = setting(
+        80, "gRPC handler threads; streams (long-polling PullTuple calls, Enqueue) may hold three quarters"
+    )
     pull_waiters: int = setting(
         48, "at most this many PullTuple calls wait at once; more are refused with RESOURCE_EXHAUSTED"
     )
@@ -228,10 +231,10 @@ class MasterConfig(ClusterSettings):
                 f"({self.heartbeat_interval}), or live workers expire"
             )
         between("grace_seconds", self.grace_seconds, 0)
-        if self.pull_waiters >= self.server_threads:
+        if self.pull_waiters >= stream_bound(self.server_threads):
             raise ConfigError(
-                f"pull_waiters ({self.pull_waiters}) must be below server_threads "
-                f"({self.server_threads}), or waiting pulls starve every other call"
+                f"pull_waiters ({self.pull_waiters}) must be below the {stream_bound(self.server_threads)} streams "
+                f"server_threads ({self.server_threads}) serve at once, or waiting pulls leave no room for Enqueue"
             )
         for image in self.images:
             if not image or len(image) > 256:

@@ -329,6 +329,12 @@ def _options(settings: ClusterSettings, *more: tuple[str, int]) -> list[tuple[st
 _FROM_SETTINGS: Any = object()
 
 
+def stream_bound(threads: int) -> int:
+    """Streams a server of ``threads`` threads serves at once: all but a quarter of them, kept
+    for unary calls (:class:`_StreamLimit`)."""
+    return threads - max(1, threads // 4)
+
+
 def create_server(
     settings: ClusterSettings,
     listen: str,
@@ -355,7 +361,7 @@ def create_server(
     auth = [_AuthInterceptor(table, policy)] if table is not None else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[*auth, _StreamLimit(max_workers - max(1, max_workers // 4)), _ParsingInterceptor()],
+        interceptors=[*auth, _StreamLimit(stream_bound(max_workers)), _ParsingInterceptor()],
         options=_options(
             settings, ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2), ("grpc.so_reuseport", 0)
         ),

@@ -262,8 +262,9 @@ def test_config_validation() -> None:
         MasterConfig(fsync="sometimes").validate()
     with pytest.raises(ConfigError, match="max_attempts must be positive"):
         MasterConfig(max_attempts=0).validate()
-    with pytest.raises(ConfigError, match="pull_waiters"):
-        MasterConfig(pull_waiters=64, server_threads=64).validate()
+    with pytest.raises(ConfigError, match=r"pull_waiters \(48\) must be below the 48 streams server_threads \(64\)"):
+        MasterConfig(pull_waiters=48, server_threads=64).validate()  # a quarter of the threads kept for unary calls
+    MasterConfig(pull_waiters=47, server_threads=64).validate()
     MasterConfig().validate()
 
 
