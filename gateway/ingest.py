@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -98,7 +99,7 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         try:
             meta = reader.next_tuple(
                 lambda chunk: holder[0].write(chunk),  # noqa: PLW0108 - holder[0] exists once begin (below) ran
-                lambda meta: holder.append(self._gateway.spool.writer(meta.size, timeout=0)),
+                lambda meta: holder.append(self._begin(meta)),
             )
             if meta is None:
                 return None, False
@@ -110,6 +111,13 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
             raise
         return self._gateway._track(entry), wait
 
+    def _begin(self, meta: TupleMeta) -> SpoolWriter:
+        """Room in the spool for a tuple whose metadata is checked. Fields this gateway does
+        not know are dropped before it is kept: the metadata's bounds hold for the fields
+        it knows, and unknown ones would be carried to every hop and stored unbounded."""
+        meta.DiscardUnknownFields()
+        return self._gateway.spool.writer(meta.size, timeout=0)
+
     def _prepare(self, meta: TupleMeta) -> bool:
         """Fill in what the gateway owns; True when the sender waits for the outcome."""
         if meta.tuple_id:
@@ -120,6 +128,8 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
                 f"tuple '{meta.name}': attribute {WAIT_ATTRIBUTE} must be 'stored' "
                 f"or 'accepted', got '{wait_value[:40]}'"
             )
+        if not math.isfinite(meta.created_unix):
+            raise InvalidArgument(f"tuple '{meta.name}': created_unix must be a time, got {meta.created_unix}")
         now = time.time()
         meta.source = meta.source or self._gateway.config.resolved_source()
         meta.created_unix = meta.created_unix or now

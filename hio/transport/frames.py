@@ -236,14 +236,15 @@ def check_meta(meta: TupleMeta, max_tuple_bytes: int, *, need_id: bool) -> None:
     """Refuse metadata that is missing, inconsistent or over the bounds (runs for every tuple)."""
 
     def what() -> str:
-        return f"tuple {meta.tuple_id}" if meta.tuple_id else f"tuple '{meta.name or '?'}'"
+        return f"tuple {meta.tuple_id}" if meta.tuple_id else f"tuple '{meta.name[:64] or '?'}'"
 
     if need_id and meta.tuple_id == 0:
         raise InvalidArgument(f"{what()}: no tuple id (ask the master for a route first)")
     if not meta.image:
         raise InvalidArgument(f"{what()}: metadata names no image")
-    if len(meta.image) > 256 or len(meta.source) > 256 or len(meta.name) > 1024:
-        raise InvalidArgument(f"{what()}: image, source or name too long")
+    for field, text, bound in (("image", meta.image, 256), ("source", meta.source, 256), ("name", meta.name, 1024)):
+        if len(text) > bound:
+            raise InvalidArgument(f"{what()}: its {field} of {len(text)} characters is over the limit of {bound}")
     if meta.size > max_tuple_bytes:
         raise InvalidArgument(f"{what()}: {meta.size} bytes is over the limit of {max_tuple_bytes}")
     attributes = meta.attributes

@@ -159,10 +159,19 @@ class _AuthInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         if method.startswith(self.OPEN_METHODS):
             return continuation(handler_call_details)
-        token = ""
+        token, malformed = "", False
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == AUTH_HEADER and isinstance(value, str) and value.startswith("Bearer "):
-                token = value[len("Bearer ") :]
+            if key == AUTH_HEADER and isinstance(value, str):
+                scheme, _, rest = value.partition(" ")
+                if scheme.lower() == "bearer" and rest.strip():  # the scheme is case-insensitive (RFC 7235)
+                    token = rest.strip()
+                else:
+                    malformed = True
+        if malformed and not token:
+            return _refusal(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"the {AUTH_HEADER} metadata is not 'Bearer <token>': present a valid token (--token-file)",
+            )
         refusal = refuse_caller(self._table, self._policy, method, token)
         return _refusal(*refusal) if refusal is not None else continuation(handler_call_details)
 

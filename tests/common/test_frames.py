@@ -65,6 +65,12 @@ def test_truncated_stream_and_size_lies_are_data_loss() -> None:
         (TupleMeta(tuple_id=0, image="x", size=1), "no tuple id"),
         (TupleMeta(tuple_id=1, image="", size=1), "names no image"),
         (TupleMeta(tuple_id=1, image="x", size=1 << 40), "over the limit"),
+        (TupleMeta(tuple_id=1, image="x" * 257, size=1), "its image of 257 characters is over the limit of 256"),
+        (TupleMeta(tuple_id=1, image="x", source="s" * 300, size=1), "its source of 300 characters"),
+        (
+            TupleMeta(tuple_id=1, image="x", name="n" * 1025, size=1),
+            "its name of 1025 characters is over the limit of 1024",
+        ),
     ],
 )
 def test_bad_metadata_is_invalid_argument(meta, message) -> None:

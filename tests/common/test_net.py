@@ -52,6 +52,14 @@ def test_calls_without_a_valid_token_are_unauthenticated(tokens: Path) -> None:
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert message in err.value.details()
         assert say(address, client, token="gw-secret") == b"hi"
+        with grpc.insecure_channel(address) as channel:  # the header as other clients write it
+            call = channel.unary_unary("/test.Echo/Say")
+            assert call(b"hi", metadata=[("authorization", "bearer gw-secret")], timeout=5) == b"hi"
+            for header in ("gw-secret", "Basic Z3c6c2VjcmV0", "Bearer "):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(b"hi", metadata=[("authorization", header)], timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "the authorization metadata is not 'Bearer <token>'" in err.value.details()
         wait_healthy(address, client, timeout=5)  # health stays open for probes
     finally:
         server.stop(0)

@@ -115,6 +115,29 @@ def test_ingest_refuses_missing_image(daemon: tuple[ingest_pb2_grpc.IngestStub, 
     assert "no image" in info.value.details()
 
 
+def test_ingest_drops_fields_it_does_not_know_and_refuses_a_creation_time_that_is_none(
+    daemon: tuple[ingest_pb2_grpc.IngestStub, Path],
+) -> None:
+    """The metadata's bounds hold for the fields the gateway knows: an unknown field of any size
+    (a newer or a broken client's) is not kept, carried or stored."""
+    stub, spool_dir = daemon
+    data = b"abc"
+    known = TupleMeta(image="hio/synthetic", name="u.bin", size=3, crc32=zlib.crc32(data) & 0xFFFFFFFF)
+    unknown = b"\x9a\x06" + bytes([0x80, 0x80, 0x04]) + b"z" * 65536  # field 99, 64 KiB
+    meta = TupleMeta.FromString(known.SerializeToString() + unknown)
+    assert meta.ByteSize() > 65536
+    receipts = list(stub.Submit(iter([TupleFrame(meta=meta, data=data, last=True)]), timeout=10))
+    assert [r.state for r in receipts] == [TupleReceipt.ACCEPTED]
+    [spooled] = spooled_metas(spool_dir)
+    assert spooled.name == "u.bin" and spooled.ByteSize() < 1024, "the unknown field was dropped"
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Submit(frames(data, image="hio/synthetic", name="t.bin", created_unix=bad), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tuple 't.bin': created_unix must be a time" in info.value.details()
+    assert len(spooled_metas(spool_dir)) == 1, "nothing kept of a refused tuple"
+
+
 def test_ingest_refuses_oversized_tuple(daemon: tuple[ingest_pb2_grpc.IngestStub, Path]) -> None:
     stub, spool_dir = daemon
     meta = TupleMeta(image="hio/synthetic", name="huge", size=2 << 20, crc32=0)
