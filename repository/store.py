@@ -16,9 +16,11 @@ each consumer where it last committed. A commit may move an offset backwards: th
 a consumer deliberately re-reads (after changing its algorithm, say). It may never point
 past the latest stored record.
 
-The knowledge and its preview are each replaced atomically, the preview first, and both
-are cached in memory under one lock, so callers always see a matching pair. A put without
-a preview removes the previous one: a stale picture of other clusters would mislead.
+The knowledge and its preview are each replaced atomically, and both are cached in memory
+under one lock, so callers always see a matching pair. On disk the old preview goes first,
+then the knowledge is written, then its preview: a crash in between leaves knowledge without
+a preview, never a preview of other knowledge. A put without a preview removes the previous
+one: a stale picture of other clusters would mislead.
 
 No gRPC here: errors are ``hio.transport.errors`` classes the servicer maps.
 """
@@ -278,13 +280,12 @@ class KnowledgeFiles:
                 raise InvalidArgument(f"{what} of {len(data)} bytes is over the limit of {self._max}")
         with self._lock:
             self._disk.check()  # before either file changes: the two stay a pair
-            if preview_png is None:
-                with contextlib.suppress(FileNotFoundError):  # the deletion too must survive a crash
-                    (self._folder / _PREVIEW).unlink()
-                    fsync_dir(self._folder, self._disk)
-            else:
-                atomic_write(self._folder / _PREVIEW, preview_png, disk=self._disk)
+            with contextlib.suppress(FileNotFoundError):  # the deletion too must survive a crash
+                (self._folder / _PREVIEW).unlink()
+                fsync_dir(self._folder, self._disk)
             atomic_write(self._folder / _KNOWLEDGE, knowledge, disk=self._disk)
+            if preview_png is not None:
+                atomic_write(self._folder / _PREVIEW, preview_png, disk=self._disk)
             self._knowledge, self._preview = knowledge, preview_png
         return parsed
 

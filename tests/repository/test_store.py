@@ -538,6 +538,29 @@ def test_knowledge_round_trip_and_restart(store: FeatureStore) -> None:
         assert not list((s.root / "knowledge").glob(".*.tmp"))
 
 
+def test_knowledge_whose_preview_was_not_written_reopens_without_a_preview(
+    store: FeatureStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put that stops between its two files (here the preview's fsync fails, as a crash
+    there would stop it) leaves the new knowledge without a preview, never the old one's."""
+    store.put_knowledge(knowledge(tuple_count=1).SerializeToString(), png_bytes())
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".preview.png"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    newer = knowledge(tuple_count=2).SerializeToString()
+    with pytest.raises(FailedPrecondition, match="Input/output error"):
+        store.put_knowledge(newer, png_bytes())
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    store.close()
+    with FeatureStore(store.root, SMALL) as s:
+        assert s.get_knowledge_and_preview() == (newer, None)
+
+
 @pytest.mark.parametrize(
     "payload, png, message",
     [
