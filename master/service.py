@@ -221,4 +221,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
 
 def dead_letter_message(letter: DeadLetter) -> master_pb2.DeadLetter:
-    return master_pb2.DeadLetter(meta=letter.meta, reason=letter.reason, failed_unix=letter.failed_unix)
+    return master_pb2.DeadLetter(
+        meta=letter.meta,
+        reason=letter.reason,
+        failed_unix=letter.failed_unix,
+        attempts=max(letter.meta.attempt - 1, 1),  # its attempt is the one it would have been next
+    )

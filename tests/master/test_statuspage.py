@@ -124,7 +124,9 @@ def test_status_json_holds_what_hio_status_json_prints_with_the_latest_dead_lett
         now = time.time()
         master.report("w1/0", [Outcome(tuple_id=1, ok=True, size=10, accepted_unix=now - 1)], release=True)
         for n in range(12):
-            master.dead.add(meta_for(100 + n, b"x"), f"failed {n}", b"x")
+            meta = meta_for(100 + n, b"x")
+            meta.attempt = 4 if n == 11 else 1  # the attempt it would have been next
+            master.dead.add(meta, f"failed {n}", b"x")
         data = served.json()
         expected = json_format.MessageToDict(master.status(), always_print_fields_with_no_presence=True)
         for moving in ("uptimeSeconds", "workers"):  # the clock moves between the two looks
@@ -135,6 +137,7 @@ def test_status_json_holds_what_hio_status_json_prints_with_the_latest_dead_lett
         letters = data["dead_letters"]
         assert [d["meta"]["tupleId"] for d in letters] == [str(111 - n) for n in range(10)], "the latest ten"
         assert letters[0]["reason"] == "failed 11"
+        assert (letters[0]["attempts"], letters[1]["attempts"]) == (3, 1), "the attempts made, not the next one"
         assert data["history"]["sample_seconds"] == SAMPLE_SECONDS
     finally:
         served.close()
