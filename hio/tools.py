@@ -286,8 +286,7 @@ def run_dead_letters(config: DeadLettersConfig) -> int:
         return 0
     for d in reply.dead_letters:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.failed_unix))
-        print(
-            f"{d.meta.tuple_id:>12}  {d.meta.image:<18} {d.meta.name or '-':<24} attempts {d.attempts}  {when}  {d.reason}"
-        )
+        name = d.meta.name or "-"
+        print(f"{d.meta.tuple_id:>12}  {d.meta.image:<18} {name:<24} attempts {d.attempts}  {when}  {d.reason}")
     print(f"{len(reply.dead_letters)} dead letters; send one again with: hio dead-letters --retry TUPLE_ID")
     return 0

@@ -216,6 +216,32 @@ def test_ingest_receipts_say_a_tuple_waits_in_the_queue(cluster: Cluster, tmp_pa
     assert cluster.wait_records([receipts[1].tuple_id])  # an idle engine pulled it
 
 
+def test_ingest_waiting_for_an_image_no_engine_serves_ends_at_the_clients_deadline(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """docs/ingest.md: the final receipt waits for an engine of the image; the gateway's status
+    names the image, the client's deadline ends the stream, and the tuple stays accepted."""
+    port = free_port()
+    with HioProcess("gateway", _gateway_args(cluster, tmp_path, port), tmp_path) as gateway:
+        gateway.wait_started(f"127.0.0.1:{port}")
+        frames = _ingest_frames(b"u" * 5000, "unserved")
+        frames[0].meta.image = "hio/served-by-nobody"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = ingest_pb2_grpc.IngestStub(channel)
+            stream = stub.Submit(iter(frames), timeout=4)
+            assert next(stream).state == TupleReceipt.ACCEPTED
+            with pytest.raises(grpc.RpcError) as ended:
+                next(stream)
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            status = wait_for(
+                lambda: (s := stub.GetGatewayStatus(ingest_pb2.GetGatewayStatusRequest(), timeout=5)).warnings and s,
+                timeout=20,
+                what="the unserved image in the gateway's status",
+            )
+    assert status.spooled_tuples == 1, "accepted, so kept for delivery"
+    assert any("no engine serves image 'hio/served-by-nobody'" in w for w in status.warnings), status.warnings
+
+
 def test_watch_takes_a_slowly_written_file_once_settled(cluster: Cluster, tmp_path: Path) -> None:
     watch = tmp_path / "instrument"
     (watch / "day1").mkdir(parents=True)

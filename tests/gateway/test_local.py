@@ -262,7 +262,7 @@ def test_library_blocks_then_raises_spool_full(tmp_path: Path) -> None:
             gw.send(b"z" * 10, image="hio/synthetic", timeout=1.0)
 
 
-def test_watcher_takes_a_file_only_once_it_settles(tmp_path: Path) -> None:
+def test_watcher_takes_a_file_only_once_it_settles(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     watch = tmp_path / "in"
     (watch / "plate").mkdir(parents=True)
     with Gateway(master_address=DEAD_MASTER, data_dir=str(tmp_path / "var"), grace_seconds=0.2) as gw:
@@ -284,6 +284,10 @@ def test_watcher_takes_a_file_only_once_it_settles(tmp_path: Path) -> None:
         assert (entry.meta.image, entry.meta.name, entry.meta.size) == ("hio/microscopy", "a.tif", 200)
         assert entry.move.target == str((watch / ".hio-done" / "plate" / "a.tif").resolve())
         assert growing.exists()  # moved only once delivered
+        [refused] = [r for r in caplog.records if r.getMessage() == "file not sent"]
+        assert "notes.txt: cannot tell the image from the extension '.txt'" in vars(refused)["error"]
+        assert (watch / "notes.txt").exists(), "a file it cannot send stays where the instrument put it"
+        assert not (watch / ".hio-done" / ".rejected").exists()
 
 
 def test_image_inference() -> None:
