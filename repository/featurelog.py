@@ -351,6 +351,11 @@ class FeatureLog:
             return self._index.latest
         return min(self._index.latest, self._durable)
 
+    def largest_payload(self) -> int:
+        """Bytes of the largest record stored (0 when empty)."""
+        with self._lock:
+            return max(self._index.longest() - HEADER.size, 0)
+
     def offset_of(self, tuple_id: int) -> int:
         """Offset of ``tuple_id``, 0 if not stored."""
         with self._lock:

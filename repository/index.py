@@ -63,6 +63,10 @@ class OffsetIndex:
     def segments(self) -> int:
         return len(self._segment_firsts)
 
+    def longest(self) -> int:
+        """Length of the longest record indexed (0 when empty)."""
+        return int(np.frombuffer(self._lengths, dtype=np.uint32).max()) if self._lengths else 0
+
     def begin_segment(self, first_offset: int) -> None:
         """Records added from now on live in a new segment starting at ``first_offset``."""
         if first_offset != self.latest + 1:

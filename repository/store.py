@@ -40,6 +40,7 @@ import zstandard
 from google.protobuf.message import DecodeError
 
 from hio.proto import features_pb2
+from hio.repository.config import RECORD_HEADROOM
 from hio.repository.featurelog import Appended, FeatureLog
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB
 from hio.storage.files import DiskFailure, atomic_write, clean_temporaries, fsync_dir
@@ -68,10 +69,11 @@ class StoreOptions:
     segment_bytes: int = 64 * MiB
     fsync: str = "batch"
     fsync_interval_ms: int = 0
-    max_record_bytes: int = 16 * MiB - 64 * 1024
+    max_record_bytes: int = 16 * MiB - RECORD_HEADROOM
     max_decompressed_bytes: int = FEATURE_RECORD_DECOMPRESSED_BYTES
     max_consumers: int = 1024
     max_knowledge_bytes: int = 16 * MiB
+    max_read_bytes: int = 16 * MiB - RECORD_HEADROOM  # the largest record one ReadFeatures message carries
 
 
 class FeatureStore(FeatureLog):
@@ -93,12 +95,25 @@ class FeatureStore(FeatureLog):
             fsync_interval=self.options.fsync_interval_ms / 1000.0,
         )
         try:
+            self._check_readable()
             self._consumers = ConsumerOffsets(self.root / "consumers", disk, max_consumers=self.options.max_consumers)
             self._consumers.clamp(self.latest())
             self._knowledge = KnowledgeFiles(self.root / "knowledge", disk, max_bytes=self.options.max_knowledge_bytes)
         except BaseException:
             self.close()  # release the folder lock
             raise
+
+    def _check_readable(self) -> None:
+        """Every stored record must fit one read message: one stored with a larger chunk_bytes
+        than this start's would fail every read past it, and stall each consumer there."""
+        largest = self.largest_payload()
+        if largest > self.options.max_read_bytes:
+            raise FailedPrecondition(
+                f"{self.root / 'features'} holds a record of {largest} bytes, more than one gRPC message "
+                f"carries with these settings ({self.options.max_read_bytes}); start the repository with "
+                "the chunk_bytes it stored that record with (a message holds chunk_bytes + 4 MiB, "
+                "at least 16 MiB)"
+            )
 
     @classmethod
     def from_config(cls, config: RepositoryConfig) -> FeatureStore:
@@ -107,7 +122,8 @@ class FeatureStore(FeatureLog):
         from hio.transport.net import message_limit
 
         bounds = {f.name: getattr(config, f.name) for f in dataclasses.fields(StoreOptions) if hasattr(config, f.name)}
-        options = StoreOptions(**{**bounds, "max_knowledge_bytes": message_limit(config)})  # a knowledge: one message
+        limit = message_limit(config)  # a knowledge, or a read record: one message
+        options = StoreOptions(**{**bounds, "max_knowledge_bytes": limit, "max_read_bytes": limit - RECORD_HEADROOM})
         return cls(state_dir(config.data_dir, "repository"), options)
 
     def put(self, records: Iterable[tuple[int, bytes, int]]) -> list[Appended]:

@@ -507,6 +507,20 @@ def test_a_damaged_consumer_or_knowledge_file_stops_the_start_naming_it(
         FeatureStore(store_dir, SMALL)
 
 
+def test_a_stored_record_larger_than_one_read_message_stops_the_start_naming_it(
+    store: FeatureStore, store_dir: Path
+) -> None:
+    """A record stored with a larger chunk_bytes than this start's would fail every read past it."""
+    record = upload(1)
+    store.put([record])
+    size = len(record[1])
+    store.close()
+    with pytest.raises(FailedPrecondition, match=rf"holds a record of {size} bytes.*start the repository with"):
+        FeatureStore(store_dir, StoreOptions(segment_bytes=4096, max_read_bytes=size - 1))
+    with FeatureStore(store_dir, StoreOptions(segment_bytes=4096, max_read_bytes=size)) as fits:
+        assert [tuple_id for _, tuple_id, _ in fits.read()] == [1]
+
+
 def test_consumer_count_is_bounded(tmp_path: Path) -> None:
     with FeatureStore(tmp_path, StoreOptions(max_consumers=2)) as s:
         s.commit("a", 0)
