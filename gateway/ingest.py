@@ -92,6 +92,11 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
                 waiting[future] = index
             yield from self._finished(waiting, timeout=0)
         while waiting and still_wanted():
+            if self._stopping.is_set():  # said here, not cut off by the server's stop
+                raise Unavailable(
+                    f"the gateway is stopping; the tuples this stream waits for ({len(waiting)}) are ACCEPTED, "
+                    "kept in its spool and delivered after its restart; their final receipts are not sent"
+                )
             yield from self._finished(waiting, timeout=_POLL)
 
     def _receive_one(self, reader: FrameReader) -> tuple[TupleFuture | None, bool]:

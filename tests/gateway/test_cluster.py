@@ -4,6 +4,7 @@ repository, each a real `hio` process on free loopback ports."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -216,11 +217,12 @@ def test_ingest_receipts_say_a_tuple_waits_in_the_queue(cluster: Cluster, tmp_pa
     assert cluster.wait_records([receipts[1].tuple_id])  # an idle engine pulled it
 
 
-def test_ingest_waiting_for_an_image_no_engine_serves_ends_at_the_clients_deadline(
+def test_ingest_waiting_for_an_image_no_engine_serves_ends_at_the_deadline_or_the_gateway_stop(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     """docs/ingest.md: the final receipt waits for an engine of the image; the gateway's status
-    names the image, the client's deadline ends the stream, and the tuple stays accepted."""
+    names the image; the client's deadline or the gateway's stop ends the stream (the stop
+    saying so), and the tuples stay accepted."""
     port = free_port()
     with HioProcess("gateway", _gateway_args(cluster, tmp_path, port), tmp_path) as gateway:
         gateway.wait_started(f"127.0.0.1:{port}")
@@ -238,8 +240,25 @@ def test_ingest_waiting_for_an_image_no_engine_serves_ends_at_the_clients_deadli
                 timeout=20,
                 what="the unserved image in the gateway's status",
             )
+            waiting = stub.Submit(iter(frames), timeout=60)
+            assert next(waiting).state == TupleReceipt.ACCEPTED
+            assert gateway.proc is not None
+            gateway.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as stopped:
+                next(waiting)
+    assert stopped.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "the gateway is stopping; the tuples this stream waits for (1) are ACCEPTED" in (
+        stopped.value.details() or ""
+    )
     assert status.spooled_tuples == 1, "accepted, so kept for delivery"
     assert any("no engine serves image 'hio/served-by-nobody'" in w for w in status.warnings), status.warnings
+    with HioProcess("gateway", _gateway_args(cluster, tmp_path, port), tmp_path) as gateway:
+        gateway.wait_started(f"127.0.0.1:{port}")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            after = ingest_pb2_grpc.IngestStub(channel).GetGatewayStatus(
+                ingest_pb2.GetGatewayStatusRequest(), timeout=5
+            )
+    assert after.spooled_tuples == 2, "both accepted tuples kept across the stop"
 
 
 def test_watch_takes_a_slowly_written_file_once_settled(cluster: Cluster, tmp_path: Path) -> None:
