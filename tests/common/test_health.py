@@ -107,6 +107,11 @@ def test_reflection_lists_the_role_s_services_and_resolves_their_methods(served:
         assert method.output_type.full_name == "hio.proto.TupleReceipt"
         assert method.client_streaming and method.server_streaming
         assert "queued" in method.output_type.fields_by_name  # the message as the server knows it
+        route = pool.FindServiceByName("hio.proto.Master").FindMethodByName("RouteTuples")  # docs/architecture.md
+        assert (route.input_type.full_name, route.output_type.full_name) == (
+            "hio.proto.RouteTuplesRequest",
+            "hio.proto.RouteTuplesResponse",
+        )
 
 
 def test_reflection_asks_for_a_token_where_the_server_does(served: tuple[str, ClusterSettings]) -> None:
