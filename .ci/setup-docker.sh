@@ -2,8 +2,9 @@
 # Make Docker usable for the docker tests, and build the engine images.
 #
 # Idempotent; runs as root without a terminal (CI). With --missing-packages it
-# only prints the Debian packages it would install. Steps, each skipped when
-# already done:
+# only prints the Debian packages it would install; with --engine it stops after
+# step 2 (CI builds the images beside other work once an engine answers). Steps,
+# each skipped when already done:
 #   1. install Debian's docker.io (and debootstrap, for the offline base) if missing;
 #   2. start dockerd in the background if no engine answers (log:
 #      $HIO_DOCKERD_LOG, default /var/log/hio-dockerd.log), wait until
@@ -85,5 +86,6 @@ if [[ "${1:-}" == "--missing-packages" ]]; then  # for .ci/run, which installs t
 fi
 install_packages
 start_engine
+[[ "${1:-}" == "--engine" ]] && exit 0
 build_images
 say "done"
