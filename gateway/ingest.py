@@ -82,7 +82,7 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         waiting: dict[TupleFuture, int] = {}
         while True:
             if self._stopping.is_set():
-                raise Unavailable("the gateway is stopping; submit again to its next start")
+                raise _stopping(waiting)
             index = reader.index
             future, wait = self._receive_one(reader)
             if future is None:
@@ -93,10 +93,7 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
             yield from self._finished(waiting, timeout=0)
         while waiting and still_wanted():
             if self._stopping.is_set():  # said here, not cut off by the server's stop
-                raise Unavailable(
-                    f"the gateway is stopping; the tuples this stream waits for ({len(waiting)}) are ACCEPTED, "
-                    "kept in its spool and delivered after its restart; their final receipts are not sent"
-                )
+                raise _stopping(waiting)
             yield from self._finished(waiting, timeout=_POLL)
 
     def _receive_one(self, reader: FrameReader) -> tuple[TupleFuture | None, bool]:
@@ -150,6 +147,18 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         )
         for future in cast("set[TupleFuture]", done):  # wait() hands back the futures it was given
             yield _final_receipt(waiting.pop(future), future)
+
+
+def _stopping(waiting: dict[TupleFuture, int]) -> Unavailable:
+    """Why a stream ends at the gateway's stop: what was not ACCEPTED is to be sent again, and
+    the ACCEPTED tuples still waiting for their final receipts are kept."""
+    kept = (
+        f"; the tuples this stream waits for ({len(waiting)}) are ACCEPTED, kept in its spool and "
+        "delivered after its restart; their final receipts are not sent"
+        if waiting
+        else ""
+    )
+    return Unavailable(f"the gateway is stopping; submit what it did not accept to its next start{kept}")
 
 
 def _final_receipt(index: int, future: TupleFuture) -> TupleReceipt:

@@ -41,6 +41,11 @@ class DeadLetter:
     def tuple_id(self) -> int:
         return self.meta.tuple_id
 
+    @property
+    def attempts(self) -> int:
+        """Processing attempts made; ``meta.attempt`` is the one it would have been next."""
+        return max(self.meta.attempt - 1, 1)
+
 
 class DeadWriter:
     """Streams one tuple's payload into the store; :meth:`commit` publishes it."""
@@ -156,7 +161,12 @@ class DeadLetterStore:
             self._letters[meta.tuple_id] = letter
         log.warning(
             "dead letter",
-            extra={"tuple_id": meta.tuple_id, "image": meta.image, "attempt": meta.attempt, "reason": letter.reason},
+            extra={
+                "tuple_id": meta.tuple_id,
+                "image": meta.image,
+                "attempts": letter.attempts,
+                "reason": letter.reason,
+            },
         )
         return letter
 

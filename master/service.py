@@ -225,5 +225,5 @@ def dead_letter_message(letter: DeadLetter) -> master_pb2.DeadLetter:
         meta=letter.meta,
         reason=letter.reason,
         failed_unix=letter.failed_unix,
-        attempts=max(letter.meta.attempt - 1, 1),  # its attempt is the one it would have been next
+        attempts=letter.attempts,
     )
