@@ -2,10 +2,13 @@
 // Submits files to a HarmonicIO gateway's ingest API (hio.proto.Ingest) and waits until each
 // is stored: a client written from proto/ and docs/ingest.md alone.
 //
-//   node submit.js --image hio/microscopy [--address HOST:PORT] [--token-file FILE] [--ca FILE] FILE...
+//   node submit.js --image hio/microscopy [--address HOST:PORT] [--token-file FILE] [--ca FILE]
+//                  [--wait-seconds N] FILE...
 //
 // Prints the gateway's limits, then one line per file: "NAME: STORED tuple ID", or how else it
 // ended. Exit 0 when every file was STORED or ENQUEUED, 1 otherwise, 2 for bad arguments.
+// --wait-seconds (default 600) bounds the whole call: a file whose image no engine serves has
+// no outcome until one does; the files the gateway ACCEPTED stay in its spool all the same.
 'use strict';
 
 const fs = require('node:fs');
@@ -16,7 +19,8 @@ const protoLoader = require('@grpc/proto-loader');
 
 // The contract: the .proto files of the repository, loaded as they are (no generated code).
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', 'proto');
-const USAGE = 'usage: node submit.js --image IMAGE [--address HOST:PORT] [--token-file FILE] [--ca FILE] FILE...';
+const USAGE =
+  'usage: node submit.js --image IMAGE [--address HOST:PORT] [--token-file FILE] [--ca FILE] [--wait-seconds N] FILE...';
 
 function parseArgs(argv) {
   const options = {
@@ -24,9 +28,16 @@ function parseArgs(argv) {
     image: '',
     tokenFile: '',
     ca: '',
+    waitSeconds: '600',
     files: [],
   };
-  const flags = { '--address': 'address', '--image': 'image', '--token-file': 'tokenFile', '--ca': 'ca' };
+  const flags = {
+    '--address': 'address',
+    '--image': 'image',
+    '--token-file': 'tokenFile',
+    '--ca': 'ca',
+    '--wait-seconds': 'waitSeconds',
+  };
   for (let i = 0; i < argv.length; i += 1) {
     const name = flags[argv[i]];
     if (name !== undefined) {
@@ -40,6 +51,8 @@ function parseArgs(argv) {
   }
   if (!options.image) throw new Error('--image is required (the engine image, e.g. hio/microscopy)');
   if (options.files.length === 0) throw new Error('name at least one FILE');
+  options.waitSeconds = Number(options.waitSeconds);
+  if (!(options.waitSeconds > 0)) throw new Error('--wait-seconds must be a number of seconds above 0');
   return options;
 }
 
@@ -91,16 +104,21 @@ function* tupleFrames(file, data, image, chunkBytes) {
   }
 }
 
-// Streams every file on one Submit call; resolves with the final receipt of each, by index.
+// Streams every file on one Submit call; resolves with the final receipt of each, by index,
+// and whether --wait-seconds ended the call first.
 function submit(client, metadata, options, limits) {
   return new Promise((resolve, reject) => {
     const finals = new Map();
-    const call = client.Submit(metadata);
+    const accepted = new Set();
+    const call = client.Submit(metadata, { deadline: Date.now() + options.waitSeconds * 1000 });
     call.on('data', (receipt) => {
-      if (receipt.state !== 'ACCEPTED') finals.set(receipt.index, receipt);
+      if (receipt.state === 'ACCEPTED') accepted.add(receipt.index);
+      else finals.set(receipt.index, receipt);
     });
-    call.on('error', reject);
-    call.on('end', () => resolve(finals));
+    call.on('error', (error) =>
+      error.code === grpc.status.DEADLINE_EXCEEDED ? resolve({ finals, accepted, timedOut: true }) : reject(error),
+    );
+    call.on('end', () => resolve({ finals, accepted, timedOut: false }));
     (async () => {
       for (const file of options.files) {
         const data = fs.readFileSync(file);
@@ -119,7 +137,10 @@ function submit(client, metadata, options, limits) {
   });
 }
 
-function describe(name, receipt) {
+function describe(name, receipt, accepted, waitSeconds) {
+  if (receipt === undefined && accepted) {
+    return [`${name}: ACCEPTED, no outcome within --wait-seconds ${waitSeconds} (kept in the gateway's spool)`, false];
+  }
   if (receipt === undefined) return [`${name}: no final receipt`, false];
   switch (receipt.state) {
     case 'STORED':
@@ -146,13 +167,17 @@ async function main() {
   try {
     const limits = await gatewayStatus(client, metadata);
     console.log(`gateway ${options.address}: chunk_bytes ${limits.chunk_bytes}, max_tuple_bytes ${limits.max_tuple_bytes}`);
-    const finals = await submit(client, metadata, options, limits);
+    const { finals, accepted, timedOut } = await submit(client, metadata, options, limits);
     let ok = true;
     options.files.forEach((file, index) => {
-      const [line, good] = describe(path.basename(file), finals.get(index));
+      const [line, good] = describe(path.basename(file), finals.get(index), accepted.has(index), options.waitSeconds);
       console.log(line);
       ok = ok && good;
     });
+    if (timedOut) {
+      const status = await gatewayStatus(client, metadata).catch(() => ({ warnings: [] }));
+      for (const warning of status.warnings) console.error(`submit.js: the gateway says: ${warning}`);
+    }
     return ok ? 0 : 1;
   } catch (error) {
     const code = error.code === undefined ? '' : `${grpc.status[error.code]}: `;

@@ -102,5 +102,28 @@ def test_the_node_example_submits_files_and_prints_the_ids_the_repository_stored
             timeout=60,
         )
         assert denied.returncode == 1 and "UNAUTHENTICATED: missing token" in denied.stderr, denied.stderr
+
+        unserved = subprocess.run(  # an image no engine serves: no outcome, so --wait-seconds ends the call
+            [
+                NODE or "node",
+                str(EXAMPLE / "submit.js"),
+                "--address",
+                ingest,
+                "--image",
+                "hio/served-by-nobody",
+                "--wait-seconds",
+                "3",
+                str(files[0]),
+            ],
+            capture_output=True,
+            text=True,
+            env=hio_env({"HIO_TOKEN": "node-example-token"}),
+            timeout=60,
+        )
+        assert unserved.returncode == 1, unserved.stdout + unserved.stderr
+        assert unserved.stdout.splitlines()[1] == (
+            f"{files[0].name}: ACCEPTED, no outcome within --wait-seconds 3 (kept in the gateway's spool)"
+        )
+        assert "the gateway says: no engine serves image 'hio/served-by-nobody'" in unserved.stderr, unserved.stderr
     finally:
         stop_cleanly(cluster)
