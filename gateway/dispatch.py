@@ -229,12 +229,18 @@ class Dispatcher:
             calls = list(self._calls)
         for call in calls:
             call.cancel()
+        self._close_channels()  # ends the unary calls too (a route to a master that does not answer)
         for thread in self._threads:
             thread.join(5.0)
         self._payload.close()
-        for channel in list(self._channels.values()):
+        self._close_channels()  # any a thread opened meanwhile
+
+    def _close_channels(self) -> None:
+        with self._cond:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for channel in channels:
             channel.close()
-        self._channels.clear()
 
     # -- batching ------------------------------------------------------------
 
@@ -685,7 +691,7 @@ class Dispatcher:
             self._master_down_since = (self._master_down_since or now) if unreachable else None
             self._master_error = unreachable
             down = 0.0 if self._master_down_since is None else now - self._master_down_since
-        if unreachable and not was_down:
+        if unreachable and not was_down and not self._stopping:  # a call the stop ended is no news
             log.warning(
                 "master unreachable; retrying", extra={"master": self._config.master_address, "error": unreachable}
             )

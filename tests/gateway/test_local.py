@@ -357,6 +357,32 @@ def test_send_refuses_a_file_without_image(tmp_path: Path) -> None:
     assert "notes.txt" in proc.stderr and "--image" in proc.stderr
 
 
+def test_close_ends_a_route_call_a_silent_master_never_answers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A master that takes the connection and never answers holds a RouteTuples call until its
+    deadline (15 s); closing the gateway ends it, and no delivery thread outlives the close."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # never accepted, never answered
+    before = set(threading.enumerate())
+    try:
+        gw = Gateway(master_address=f"127.0.0.1:{silent.getsockname()[1]}", data_dir=str(tmp_path), grace_seconds=0.2)
+        gw.submit(b"held", image="hio/synthetic")
+        time.sleep(0.5)  # the route call is on its way
+        started = time.monotonic()
+        gw.close(drain=False)
+        took = time.monotonic() - started
+        left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("hio-gateway-stream-")]
+    finally:
+        silent.close()
+    assert took < 4.0, f"close waited {took:.1f} s for a route call"
+    assert not left, f"delivery threads outlived the close: {left}"
+    assert not [r for r in caplog.records if r.getMessage() == "master unreachable; retrying"], "the stop is no news"
+
+
 def test_submit_after_close_says_the_gateway_is_closed(tmp_path: Path) -> None:
     from hio.gateway import DeliveryError
 
