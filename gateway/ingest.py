@@ -82,7 +82,7 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         waiting: dict[TupleFuture, int] = {}
         while True:
             if self._stopping.is_set():
-                raise _stopping(waiting)
+                raise _stopping_error(waiting)
             index = reader.index
             future, wait = self._receive_one(reader)
             if future is None:
@@ -93,7 +93,7 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
             yield from self._finished(waiting, timeout=0)
         while waiting and still_wanted():
             if self._stopping.is_set():  # said here, not cut off by the server's stop
-                raise _stopping(waiting)
+                raise _stopping_error(waiting)
             yield from self._finished(waiting, timeout=_POLL)
 
     def _receive_one(self, reader: FrameReader) -> tuple[TupleFuture | None, bool]:
@@ -149,7 +149,7 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
             yield _final_receipt(waiting.pop(future), future)
 
 
-def _stopping(waiting: dict[TupleFuture, int]) -> Unavailable:
+def _stopping_error(waiting: dict[TupleFuture, int]) -> Unavailable:
     """Why a stream ends at the gateway's stop: what was not ACCEPTED is to be sent again, and
     the ACCEPTED tuples still waiting for their final receipts are kept."""
     kept = (

@@ -14,6 +14,8 @@ GiB = 1024 * MiB
 # The repository's default bound on one feature record decompressed; an engine refuses
 # features over it before compressing them (the repository would refuse the record).
 FEATURE_RECORD_DECOMPRESSED_BYTES = 64 * MiB
+# Bytes of a PutFeatures or ReadFeatures message beyond the one feature record it carries.
+RECORD_HEADROOM = 64 * 1024
 #: The images hio's own pipelines process (``hio.worker.pipelines``): a master always accepts them.
 BUILTIN_IMAGES = ("hio/microscopy", "hio/simulation", "hio/synthetic")
 
@@ -116,3 +118,14 @@ def settings_flags(settings: ClusterSettings, *, omit: tuple[str, ...]) -> list[
         else:
             args += [flag, str(value)]
     return args
+
+
+def message_limit(settings: ClusterSettings) -> int:
+    """Largest gRPC message: one chunk plus headroom, never less than 16 MiB."""
+    return max(settings.chunk_bytes + 4 * MiB, 16 * MiB)
+
+
+def record_limit(settings: ClusterSettings) -> int:
+    """Largest feature record one message carries: what an engine may put, what the
+    repository accepts and what it can read back."""
+    return message_limit(settings) - RECORD_HEADROOM

@@ -8,11 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 from hio.config import FSYNC_POLICIES, ConfigError, between, check_address, one_of, positive, same_port, setting
-from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, ClusterSettings, MiB
+from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, RECORD_HEADROOM, ClusterSettings, MiB, record_limit
 
 HTTP_LISTEN = "127.0.0.1:7180"  # where the role's HTTP endpoint listens by default
 # Bytes of a PutFeatures/ReadFeatures message beyond the record itself (the engine keeps the same).
-RECORD_HEADROOM = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +60,7 @@ class RepositoryConfig(ClusterSettings):
         for name in ("max_record_bytes", "max_decompressed_bytes", "read_batch_bytes", "max_consumers", "max_workers"):
             positive(name, getattr(self, name))
         between("read_batch_records", self.read_batch_records, 1, 100_000)
-        # Imported here: hio.transport.net imports grpc, which the CLI should not pay for to parse flags.
-        from hio.transport.net import message_limit
-
-        limit = message_limit(self) - RECORD_HEADROOM
+        limit = record_limit(self)
         if self.max_record_bytes > limit:
             raise ConfigError(
                 f"max_record_bytes ({self.max_record_bytes}) must leave room in one gRPC message "

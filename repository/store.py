@@ -40,9 +40,8 @@ import zstandard
 from google.protobuf.message import DecodeError
 
 from hio.proto import features_pb2
-from hio.repository.config import RECORD_HEADROOM
 from hio.repository.featurelog import Appended, FeatureLog
-from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, MiB
+from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, RECORD_HEADROOM, MiB, message_limit, record_limit
 from hio.storage.files import DiskFailure, atomic_write, clean_temporaries, fsync_dir
 from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument
 from hio.transport.frames import crc32
@@ -119,11 +118,10 @@ class FeatureStore(FeatureLog):
     def from_config(cls, config: RepositoryConfig) -> FeatureStore:
         """The store under ``config.data_dir/repository`` with the config's bounds."""
         from hio.config import state_dir
-        from hio.transport.net import message_limit
 
         bounds = {f.name: getattr(config, f.name) for f in dataclasses.fields(StoreOptions) if hasattr(config, f.name)}
-        limit = message_limit(config)  # a knowledge, or a read record: one message
-        options = StoreOptions(**{**bounds, "max_knowledge_bytes": limit, "max_read_bytes": limit - RECORD_HEADROOM})
+        limits = {"max_knowledge_bytes": message_limit(config), "max_read_bytes": record_limit(config)}
+        options = StoreOptions(**{**bounds, **limits})
         return cls(state_dir(config.data_dir, "repository"), options)
 
     def put(self, records: Iterable[tuple[int, bytes, int]]) -> list[Appended]:

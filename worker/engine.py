@@ -31,7 +31,7 @@ import zstandard
 from hio.config import ConfigError
 from hio.metrics import PROCESS_BUCKETS, bucket_counts, histogram
 from hio.proto import engine_pb2, engine_pb2_grpc, master_pb2
-from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES
+from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, message_limit, record_limit
 from hio.transport.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -45,7 +45,7 @@ from hio.transport.errors import (
 )
 from hio.transport.frames import ChunkFrame, FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
 from hio.transport.lane import LaneServer, create_server_with_lane
-from hio.transport.net import ROLE_SERVICES, message_limit, run_until_signal
+from hio.transport.net import ROLE_SERVICES, run_until_signal
 from hio.transport.retry import Backoff
 from hio.transport.tickets import load_ticket_key, verify_ticket
 from hio.worker.api import PIPELINE_EXIT_CODE, Pipeline, TupleInfo, load_pipeline, pipeline_for_image
@@ -64,7 +64,6 @@ ZSTD_LEVEL = 3
 ZSTD_SMALL_LEVEL = -1  # records up to ZSTD_SMALL_BYTES: zstd's fast mode, cheaper per small
 ZSTD_SMALL_BYTES = 512  # record and a little larger than level 3
 HANDOFF_DEADLINE = 10.0  # seconds the watchdog may spend handing a hung tuple back
-RECORD_HEADROOM = 64 * 1024  # bytes of a PutFeatures message beyond the record itself
 MIN_EMPTY_PULL = 0.1  # seconds between long-polls the master answers at once
 AHEAD_MAX_SECONDS = 1.0  # queue tuples that take longer are not pulled ahead (_worth_pulling_ahead)
 STORER_JOIN_SECONDS = 5.0  # how long a stream's end waits for a PutFeatures still in flight
@@ -429,7 +428,7 @@ class Engine:
         self._ticket_key = load_ticket_key(config.ticket_key_file)
         self.idle_seconds = config.stream_idle_seconds
         self.lane: LaneServer | None = None  # the payload lane, when it serves one (create_engine_server)
-        self._max_record = message_limit(config) - RECORD_HEADROOM
+        self._max_record = record_limit(config)
         self._watchdog = Watchdog(config.tuple_timeout, self._on_timeout)
         self._process_seconds = (  # what its worker's metrics show (GetEngineStats)
             histogram("hio_engine_process_seconds", "process() seconds", PROCESS_BUCKETS) if config.metrics else None

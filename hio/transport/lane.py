@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError, Message
 
 from hio.config import ConfigError, lane_beside, split_address
 from hio.proto.engine_pb2 import LaneHello, LaneStatus
-from hio.settings import ClusterSettings
+from hio.settings import ClusterSettings, message_limit
 from hio.transport.errors import (
     BY_CODE,
     RETRY_AFTER_KEY,
@@ -44,7 +44,7 @@ from hio.transport.errors import (
 )
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, pack_small
 from hio.transport.lanetls import TLSSocket, server_context
-from hio.transport.net import RoleHealth, TokenTable, create_server, message_limit, refuse_caller
+from hio.transport.net import RoleHealth, TokenTable, create_server, refuse_caller
 
 M = TypeVar("M", bound=Message)
 log = logging.getLogger("hio.lane")

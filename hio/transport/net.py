@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hio.config import ConfigError
-from hio.settings import ClusterSettings
+from hio.settings import ClusterSettings, message_limit
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleReceipt, WireFrame, parse_frame, serialize_frame
 
 if TYPE_CHECKING:
@@ -90,11 +90,6 @@ def rpc_error_text(exc: grpc.RpcError, settings: ClusterSettings) -> str:
     hint = connect_hint(details, speaks_tls=settings.speaks_tls)
     text = f"{code.name if code else 'error'}: {details}"
     return f"{text} ({hint})" if hint else text
-
-
-def message_limit(settings: ClusterSettings) -> int:
-    """Largest gRPC message: one chunk plus headroom, never less than 16 MiB."""
-    return max(settings.chunk_bytes + 4 * 1024 * 1024, 16 * 1024 * 1024)
 
 
 #: The roles a tokens file may grant ("any": every call, as the shared --token does).

@@ -22,7 +22,7 @@ from typing import BinaryIO, Generic, Protocol, TypeVar
 import grpc
 
 from hio.proto.master_pb2 import PullTupleRequest
-from hio.settings import ClusterSettings
+from hio.settings import ClusterSettings, message_limit
 from hio.transport.frames import TupleMeta, TupleReceipt, WireFrame, tuple_frames
 from hio.transport.lane import (
     LANE_CONNECT_SECONDS,
@@ -37,7 +37,7 @@ from hio.transport.lane import (
     quiet,
 )
 from hio.transport.lanetls import client_context
-from hio.transport.net import message_limit, pull_frames, send_frames
+from hio.transport.net import pull_frames, send_frames
 
 LANE_RETRY_SECONDS = 60.0  # a peer moved to gRPC (its lane unreachable or broken) tries its lane again after this
 KEPT_CONNECTIONS = 4  # idle connections a lane client keeps per lane (a gateway's streams, by default)
