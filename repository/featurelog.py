@@ -34,7 +34,7 @@ from pathlib import Path
 
 from hio.repository.index import Location, OffsetIndex
 from hio.repository.segments import HEADER, MAGIC, NAMING, decode_record, encode_record, record_follows, scan_segment
-from hio.storage.files import DiskFailure, lock_folder
+from hio.storage.files import DiskFailure, atomic_write, clean_temporaries, lock_folder
 from hio.storage.segmentlog import Segment, SegmentLog
 from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 
@@ -43,6 +43,7 @@ log = logging.getLogger("hio.repository")
 _LOOKUP_CHUNK = 1024  # offsets resolved per lock acquisition when reading
 _READ_RUN_BYTES = 4 * 1024 * 1024  # adjacent records fetched with one pread, up to this much
 WANTED_CHECK_SECONDS = 1.0  # a waiting wait_beyond asks this often whether its caller still wants the answer
+NEWEST_SEGMENT = "newest-segment"  # beside the segments: the first offset of the newest one made
 
 
 class CorruptSegment(DataLoss):
@@ -105,6 +106,7 @@ class FeatureLog:
         self._index = OffsetIndex()
         self._closed = False
         self._log = SegmentLog(folder, NAMING, fsync=fsync, disk=disk, header=MAGIC)
+        self._disk = disk
         self._durable = 0  # the highest offset an fsync covers (under the lock)
         self.appended = 0  # records this process appended (under the lock)
         self.duplicates = 0  # records put whose id was stored already: nothing written (under the lock)
@@ -124,10 +126,16 @@ class FeatureLog:
     def _recover(self) -> None:
         """Rebuild the index from the segments (the log cuts a torn tail of the last one)."""
         started = time.monotonic()
+        clean_temporaries(self._log.folder)
+        made = self._newest_made()
         if not self._log.open(self._load_segment):
+            self._check_newest(made, 0)
             self._new_segment(1)
         else:
+            self._check_newest(made, max(self._log.segments))
             self._log.resume()
+            if made != max(self._log.segments):
+                self._mark_newest(max(self._log.segments))
         self._durable = self._index.latest
         self._durable_times = DurableTimes(self._durable)
         log.info(
@@ -201,6 +209,51 @@ class FeatureLog:
         except OSError as exc:
             raise Unavailable(f"the repository cannot start a new segment: {exc.strerror}") from None
         self._index.begin_segment(first)
+        self._mark_newest(first)
+
+    # -- the newest segment made ---------------------------------------------------------
+    #
+    # Segments are never deleted, so the newest one made must be there at the next start.
+    # The segments alone cannot show that ones at the end are gone (deleted, or the folder
+    # restored from an older copy): the log would end early, its next records would take
+    # offsets consumers have read past, and features answered STORED would be lost unseen.
+
+    def _newest_made(self) -> int:
+        """The first offset of the newest segment made, as marked; 0 without a mark."""
+        path = self._log.folder / NEWEST_SEGMENT
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise FailedPrecondition(f"{path} is unreadable ({exc.strerror}); fix or remove it") from None
+        if not text.strip().isdigit():  # written atomically: outside damage, so no guess
+            raise FailedPrecondition(f"{path} holds {text[:40]!r}, not an offset; fix or remove it")
+        return int(text)
+
+    def _check_newest(self, made: int, newest: int) -> None:
+        if made > newest:
+            path = self._log.folder / NEWEST_SEGMENT
+            found = f"the newest segment here starts at offset {newest}" if newest else "no segment is here"
+            raise CorruptSegment(
+                f"segments at the end of the feature log are missing: segment {NAMING.name(made)} was made "
+                f"({path} says so), but {found}, so the stored records from offset {self._index.latest + 1} "
+                f"on are gone. Restore the missing segments from a backup; to start without them, "
+                f"accepting the loss, remove {path}"
+            )
+
+    def _mark_newest(self, first: int) -> None:
+        """Mark the segment starting at ``first`` as the newest made. A failure weakens only
+        the check at the next start (the next roll or start marks again): logged, not raised."""
+        try:
+            atomic_write(
+                self._log.folder / NEWEST_SEGMENT,
+                f"{first}\n".encode(),
+                disk=self._disk,
+                durable=self._log.fsync != "never",
+            )
+        except (OSError, FailedPrecondition) as exc:
+            log.warning("the newest segment could not be marked", extra={"first_offset": first, "error": str(exc)})
 
     def _append(self, items: Sequence[tuple[int, bytes]]) -> list[Appended]:
         """Append (tuple_id, payload) records whose ids are not stored yet (checked by

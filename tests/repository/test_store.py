@@ -419,6 +419,57 @@ def test_missing_segment_stops_the_start(store: FeatureStore, store_dir: Path) -
         FeatureStore(store_dir, SMALL)
 
 
+@pytest.mark.parametrize("lost", ["the newest segment", "every segment"])
+def test_segments_missing_at_the_end_stop_the_start_until_the_loss_is_accepted(
+    store: FeatureStore, store_dir: Path, lost: str
+) -> None:
+    """Without the mark, a log cut short at a segment's edge looks whole: its next records would
+    take offsets a consumer has read past, and the lost features would go unseen."""
+    store.put([upload(i) for i in range(1, 200)])
+    store.commit("kd", store.latest())
+    store.close()
+    kept = segments(store_dir)
+    gone = kept[-1:] if lost == "the newest segment" else kept
+    first_gone = int(gone[0].stem)
+    for path in gone:
+        path.unlink()
+    mark = store_dir / "features" / "newest-segment"
+    with pytest.raises(CorruptSegment, match="are missing") as refused:
+        FeatureStore(store_dir, SMALL)
+    message = str(refused.value)
+    assert f"records from offset {first_gone} on are gone" in message
+    assert f"remove {mark}" in message
+    assert [p.name for p in segments(store_dir)] == [p.name for p in kept if p not in gone], "nothing changed"
+
+    mark.unlink()  # the operator accepts the loss
+    with FeatureStore(store_dir, SMALL) as s:
+        assert s.latest() == first_gone - 1
+        assert s.committed("kd") == first_gone - 1, "the consumer is moved back to what is stored"
+        assert s.put([upload(500)])[0].offset == first_gone
+    assert int(mark.read_text()) == int(segments(store_dir)[-1].stem)
+
+
+def test_the_newest_segment_is_marked_at_each_roll_and_a_store_without_the_mark_gets_one(
+    store: FeatureStore, store_dir: Path
+) -> None:
+    mark = store_dir / "features" / "newest-segment"
+    assert mark.read_text() == "1\n"
+    store.put([upload(i) for i in range(1, 200)])
+    assert int(mark.read_text()) == int(segments(store_dir)[-1].stem) > 1
+    store.close()
+    mark.unlink()
+    with FeatureStore(store_dir, SMALL) as s:
+        assert s.latest() == 199
+    assert int(mark.read_text()) == int(segments(store_dir)[-1].stem)
+
+
+def test_an_unreadable_mark_of_the_newest_segment_stops_the_start(store: FeatureStore, store_dir: Path) -> None:
+    store.close()
+    (store_dir / "features" / "newest-segment").write_text("x17\n")
+    with pytest.raises(FailedPrecondition, match="not an offset; fix or remove it"):
+        FeatureStore(store_dir, SMALL)
+
+
 def test_damage_found_on_read_is_data_loss(store: FeatureStore, store_dir: Path) -> None:
     store.put([upload(i) for i in range(1, 4)])
     path = segments(store_dir)[0]
