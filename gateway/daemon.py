@@ -74,8 +74,8 @@ def run_gateway(config: GatewayConfig, stop_event: threading.Event | None = None
         log.info("stopping", extra={"grace_s": grace})
         if watcher is not None:
             watcher.stop()
-        if servicer is not None:
-            servicer.stop_accepting()
+        if servicer is not None:  # a tuple arriving may finish; a second is left to say why it did not
+            servicer.stop_accepting(finish_seconds=max(0.0, grace / 2 - 1.0))
         if server is not None and health is not None:
             health.stop()
             server.stop(grace / 2).wait(grace / 2 + 1.0)

@@ -40,15 +40,18 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
         self._stopping = threading.Event()
+        self._cut_at = math.inf  # monotonic: a tuple still arriving then is cut off, not received
 
-    def stop_accepting(self) -> None:
-        """New streams and tuples are refused with UNAVAILABLE from now on."""
+    def stop_accepting(self, finish_seconds: float = 0.0) -> None:
+        """New streams and tuples are refused with UNAVAILABLE from now on; a tuple a stream
+        is sending now may arrive within ``finish_seconds``, then its stream ends the same way
+        (said by this servicer, before the server's stop cancels the call)."""
+        self._cut_at = time.monotonic() + finish_seconds
         self._stopping.set()
 
     @grpc_errors
     def Submit(self, request_iterator: Iterator[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
-        frames = idle_bounded(request_iterator, self._gateway.config.stream_idle_seconds)
-        yield from self.receive(frames, still_wanted=context.is_active)
+        yield from self.receive(request_iterator, still_wanted=context.is_active)
 
     @grpc_errors
     def GetGatewayStatus(
@@ -76,10 +79,11 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         Tuples accepted before an error stay accepted.
         """
         config = self._gateway.config
-        reader = FrameReader(
-            frames, max_tuple_bytes=config.max_tuple_bytes, max_chunk_bytes=config.chunk_bytes, need_id=False
-        )
         waiting: dict[TupleFuture, int] = {}
+        bounded = idle_bounded(frames, config.stream_idle_seconds, cut=lambda: self._cut(waiting))
+        reader = FrameReader(
+            bounded, max_tuple_bytes=config.max_tuple_bytes, max_chunk_bytes=config.chunk_bytes, need_id=False
+        )
         while True:
             if self._stopping.is_set():
                 raise _stopping_error(waiting)
@@ -95,6 +99,12 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
             if self._stopping.is_set():  # said here, not cut off by the server's stop
                 raise _stopping_error(waiting)
             yield from self._finished(waiting, timeout=_POLL)
+
+    def _cut(self, waiting: dict[TupleFuture, int]) -> Unavailable | None:
+        """The stopping error once a tuple still arriving is to be cut off (see stop_accepting)."""
+        if self._stopping.is_set() and time.monotonic() >= self._cut_at:
+            return _stopping_error(waiting)
+        return None
 
     def _receive_one(self, reader: FrameReader) -> tuple[TupleFuture | None, bool]:
         holder: list[SpoolWriter] = []

@@ -13,9 +13,11 @@ again. Large chunks are encoded by hand and read in place (:func:`encode_frame`,
 from __future__ import annotations
 
 import collections
+import math
 import os
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO, TypeVar, cast
@@ -439,11 +441,16 @@ class FrameReader:
 
 
 _ENDED = object()  # what the reader of an idle-bounded stream hands over when its input ends
+CUT_POLL = 0.2  # seconds: how often a waiting idle_bounded asks its cut
 
 
-def idle_bounded(frames: Iterable[TupleFrame], seconds: float) -> Iterator[TupleFrame]:
+def idle_bounded(
+    frames: Iterable[TupleFrame], seconds: float, cut: Callable[[], BaseException | None] | None = None
+) -> Iterator[TupleFrame]:
     """The frames of a stream, ended with DeadlineExceeded (naming ``seconds``) when its
-    sender sends nothing for ``seconds``; ``seconds`` <= 0: no bound.
+    sender sends nothing for ``seconds``; ``seconds`` <= 0: no bound. ``cut``, asked before
+    each frame and every :data:`CUT_POLL` seconds of waiting, ends the stream with the error
+    it returns (a server that stops says why, in the middle of a tuple too).
 
     A thread of the stream's own reads ``frames``, one frame ahead of the caller, and
     the caller's thread waits for it with the bound, so the error is raised where the
@@ -452,7 +459,7 @@ def idle_bounded(frames: Iterable[TupleFrame], seconds: float) -> Iterator[Tuple
     spent waiting for the sender counts, not time the caller spends on a frame. Once
     the caller's status is sent, gRPC ends the request iterator and the reader with it.
     """
-    if seconds <= 0:
+    if seconds <= 0 and cut is None:
         yield from frames
         return
     handoff: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -475,15 +482,23 @@ def idle_bounded(frames: Iterable[TupleFrame], seconds: float) -> Iterator[Tuple
             if item is _ENDED or isinstance(item, BaseException):
                 return
 
+    def next_item() -> object:
+        waited_until = time.monotonic() + seconds if seconds > 0 else math.inf
+        while True:
+            if cut is not None and (error := cut()) is not None:
+                raise error
+            try:
+                return handoff.get(timeout=min(CUT_POLL if cut else seconds, max(waited_until - time.monotonic(), 0)))
+            except queue.Empty:
+                if time.monotonic() >= waited_until:
+                    raise DeadlineExceeded(
+                        f"no frame for {seconds:g} s (stream_idle_seconds): the sender stalled; the stream is ended"
+                    ) from None
+
     threading.Thread(target=read, name="stream-reader", daemon=True).start()
     try:
         while True:
-            try:
-                item = handoff.get(timeout=seconds)
-            except queue.Empty:
-                raise DeadlineExceeded(
-                    f"no frame for {seconds:g} s (stream_idle_seconds): the sender stalled; the stream is ended"
-                ) from None
+            item = next_item()
             if item is _ENDED:
                 return
             if isinstance(item, BaseException):

@@ -220,3 +220,34 @@ def test_an_idle_bound_counts_only_the_time_spent_waiting_for_the_sender() -> No
         next(frames)
     assert 0.4 < time.monotonic() - started < 3
     release.set()
+
+
+def test_a_cut_ends_an_idle_bounded_stream_mid_way_with_its_error() -> None:
+    """A server that stops says why, to a sender stalled in the middle of a tuple (no idle bound
+    at all) and to one still sending, rather than leaving gRPC to cancel the call."""
+    from hio.transport.errors import Unavailable
+    from hio.transport.frames import idle_bounded
+
+    release = threading.Event()
+    cut_now = threading.Event()
+
+    def stalled() -> Iterator[TupleFrame]:
+        yield TupleFrame(data=b"a")
+        release.wait(10)
+        yield TupleFrame(data=b"never taken")
+
+    def cut() -> Unavailable | None:
+        return Unavailable("stopping") if cut_now.is_set() else None
+
+    frames = idle_bounded(stalled(), 0, cut=cut)
+    assert next(frames).data == b"a"
+    threading.Timer(0.3, cut_now.set).start()
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match="stopping"):
+        next(frames)
+    assert time.monotonic() - started < 2
+    release.set()
+
+    endless = idle_bounded(itertools.repeat(TupleFrame(data=b"b")), 5, cut=cut)
+    with pytest.raises(Unavailable, match="stopping"):
+        next(endless)  # cut before the first frame is handed over

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -258,6 +259,45 @@ def test_ingest_waiting_for_an_image_no_engine_serves_ends_at_the_deadline_or_th
                 ingest_pb2.GetGatewayStatusRequest(), timeout=5
             )
     assert after.spooled_tuples == 2, "both accepted tuples kept across the stop"
+
+
+def test_a_tuple_still_arriving_when_the_gateway_stops_is_cut_off_with_the_reason(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A sender stalled in the middle of a tuple has grace_seconds / 2 - 1 s to finish it once
+    the gateway stops; then the gateway ends the stream itself (UNAVAILABLE, saying what to send
+    again), not the server's stop with CANCELLED; the tuple cut off is not kept."""
+    port = free_port()
+    release = threading.Event()
+    frames = _ingest_frames(os.urandom(3 * 1024 * 1024), "half-sent")
+
+    def stalled_sender() -> Iterator[TupleFrame]:
+        yield frames[0]  # the metadata and the first of three chunks
+        release.wait(60)
+
+    args = _gateway_args(cluster, tmp_path, port, "--grace-seconds", "4")
+    with HioProcess("gateway", args, tmp_path) as gateway:
+        gateway.wait_started(f"127.0.0.1:{port}")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = ingest_pb2_grpc.IngestStub(channel).Submit(stalled_sender(), timeout=60)
+            time.sleep(0.5)  # the first frame arrives
+            assert gateway.proc is not None
+            stopped_at = time.monotonic()
+            gateway.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as stopped:
+                next(stream)
+            took = time.monotonic() - stopped_at
+        release.set()
+    assert stopped.value.code() == grpc.StatusCode.UNAVAILABLE, stopped.value
+    assert stopped.value.details() == "the gateway is stopping; submit what it did not accept to its next start"
+    assert 0.8 < took < 4, f"cut off {took:.1f} s after the stop; the tuple had 1 s to finish"
+    with HioProcess("gateway", args, tmp_path) as gateway:
+        gateway.wait_started(f"127.0.0.1:{port}")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            after = ingest_pb2_grpc.IngestStub(channel).GetGatewayStatus(
+                ingest_pb2.GetGatewayStatusRequest(), timeout=5
+            )
+    assert after.spooled_tuples == 0, "a tuple cut off is not accepted, so not kept"
 
 
 def test_watch_takes_a_slowly_written_file_once_settled(cluster: Cluster, tmp_path: Path) -> None:
