@@ -106,7 +106,6 @@ class FeatureLog:
         self._index = OffsetIndex()
         self._closed = False
         self._log = SegmentLog(folder, NAMING, fsync=fsync, disk=disk, header=MAGIC)
-        self._disk = disk
         self._durable = 0  # the highest offset an fsync covers (under the lock)
         self.appended = 0  # records this process appended (under the lock)
         self.duplicates = 0  # records put whose id was stored already: nothing written (under the lock)
@@ -249,7 +248,7 @@ class FeatureLog:
             atomic_write(
                 self._log.folder / NEWEST_SEGMENT,
                 f"{first}\n".encode(),
-                disk=self._disk,
+                disk=self._log.disk,
                 durable=self._log.fsync != "never",
             )
         except (OSError, FailedPrecondition) as exc:
