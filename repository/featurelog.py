@@ -46,6 +46,20 @@ WANTED_CHECK_SECONDS = 1.0  # a waiting wait_beyond asks this often whether its 
 NEWEST_SEGMENT = "newest-segment"  # beside the segments: the first offset of the newest one made
 
 
+def read_offset_file(path: Path, what: str) -> int | None:
+    """The offset a file written atomically holds; None when there is no such file. Anything
+    else is outside damage: the start stops, naming the file, rather than guess an offset."""
+    try:
+        offset = int(path.read_text().strip())
+        if offset < 0:
+            raise ValueError(f"{offset} is below 0")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise FailedPrecondition(f"{what} {path} is unreadable ({exc}); fix or remove it") from None
+    return offset
+
+
 class CorruptSegment(DataLoss):
     """A segment other than the last is damaged, or segments are missing: the
     repository refuses to start rather than serve or renumber wrong data."""
@@ -126,15 +140,16 @@ class FeatureLog:
         """Rebuild the index from the segments (the log cuts a torn tail of the last one)."""
         started = time.monotonic()
         clean_temporaries(self._log.folder)
-        made = self._newest_made()
-        if not self._log.open(self._load_segment):
-            self._check_newest(made, 0)
+        made = read_offset_file(self._log.folder / NEWEST_SEGMENT, "the newest segment's mark") or 0
+        found = self._log.open(self._load_segment)
+        newest = max(self._log.segments, default=0)
+        self._check_newest(made, newest)
+        if not found:
             self._new_segment(1)
         else:
-            self._check_newest(made, max(self._log.segments))
             self._log.resume()
-            if made != max(self._log.segments):
-                self._mark_newest(max(self._log.segments))
+            if made != newest:
+                self._mark_newest(newest)
         self._durable = self._index.latest
         self._durable_times = DurableTimes(self._durable)
         log.info(
@@ -216,19 +231,6 @@ class FeatureLog:
     # The segments alone cannot show that ones at the end are gone (deleted, or the folder
     # restored from an older copy): the log would end early, its next records would take
     # offsets consumers have read past, and features answered STORED would be lost unseen.
-
-    def _newest_made(self) -> int:
-        """The first offset of the newest segment made, as marked; 0 without a mark."""
-        path = self._log.folder / NEWEST_SEGMENT
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            return 0
-        except OSError as exc:
-            raise FailedPrecondition(f"{path} is unreadable ({exc.strerror}); fix or remove it") from None
-        if not text.strip().isdigit():  # written atomically: outside damage, so no guess
-            raise FailedPrecondition(f"{path} holds {text[:40]!r}, not an offset; fix or remove it")
-        return int(text)
 
     def _check_newest(self, made: int, newest: int) -> None:
         if made > newest:

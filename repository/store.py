@@ -40,7 +40,7 @@ import zstandard
 from google.protobuf.message import DecodeError
 
 from hio.proto import features_pb2
-from hio.repository.featurelog import Appended, FeatureLog
+from hio.repository.featurelog import Appended, FeatureLog, read_offset_file
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, RECORD_HEADROOM, MiB, message_limit, record_limit
 from hio.storage.files import DiskFailure, atomic_write, clean_temporaries, fsync_dir
 from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument
@@ -188,16 +188,9 @@ class ConsumerOffsets:
     def _load(self) -> dict[str, int]:
         offsets: dict[str, int] = {}
         for path in self._folder.glob(f"*{_OFFSET_SUFFIX}"):
-            name = path.name.removesuffix(_OFFSET_SUFFIX)
-            try:
-                offsets[name] = int(path.read_text().strip())
-                if offsets[name] < 0:
-                    raise ValueError(f"{offsets[name]} is below 0")
-            except (OSError, ValueError) as exc:
-                # Written atomically, so this is outside damage; do not guess an offset.
-                raise FailedPrecondition(
-                    f"consumer offset file {path} is unreadable ({exc}); fix or remove it"
-                ) from None
+            offset = read_offset_file(path, "consumer offset file")
+            if offset is not None:  # None: removed since the listing
+                offsets[path.name.removesuffix(_OFFSET_SUFFIX)] = offset
         return offsets
 
     def clamp(self, latest: int) -> None:

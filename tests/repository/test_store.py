@@ -466,7 +466,9 @@ def test_the_newest_segment_is_marked_at_each_roll_and_a_store_without_the_mark_
 def test_an_unreadable_mark_of_the_newest_segment_stops_the_start(store: FeatureStore, store_dir: Path) -> None:
     store.close()
     (store_dir / "features" / "newest-segment").write_text("x17\n")
-    with pytest.raises(FailedPrecondition, match="not an offset; fix or remove it"):
+    with pytest.raises(
+        FailedPrecondition, match=r"newest-segment is unreadable \(invalid literal .*'x17'\); fix or remove it"
+    ):
         FeatureStore(store_dir, SMALL)
 
 
