@@ -75,6 +75,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import statistics
 import threading
 import time
@@ -733,6 +734,13 @@ def steal_between(before: tuple[int, int], after: tuple[int, int]) -> float:
     return (after[0] - before[0]) / total if total > 0 else math.nan
 
 
+def _ignore_interrupts() -> None:
+    """A probe process's start: Ctrl-C (SIGINT to the terminal's process group) is for the run.
+    A pool worker it killed while waiting for work holds the pool's queue lock for ever, and
+    the run's clean-up then waits on that lock in ``Pool.terminate``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _steps(count: int) -> float:
     """The CPU seconds ``count`` steps of ``burn_cpu``'s work took."""
     from hio.worker.pipelines.synthetic import spin
@@ -778,7 +786,7 @@ class CpuProbe:
     def __init__(self, seconds: float = 0.2) -> None:
         import multiprocessing
 
-        self._pool = multiprocessing.get_context("spawn").Pool(SLOTS)
+        self._pool = multiprocessing.get_context("spawn").Pool(SLOTS, initializer=_ignore_interrupts)
         took = max(self._pool.map(_steps, [self.CALIBRATION_STEPS] * SLOTS))  # pays the start-up too
         self.steps = max(1, round(self.CALIBRATION_STEPS * seconds / max(took, 1e-9)))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -38,6 +39,8 @@ from benchmarks.report import (
 )
 from benchmarks.systems import ABOUT, HEADER_BYTES, SYSTEMS, MessageGenerator, System, parse_header
 from hio.config import ConfigError
+from tests.harness import wait_for
+from tests.reaper import REPO
 
 
 def test_sizes_and_costs_parse_in_the_papers_units() -> None:
@@ -312,6 +315,52 @@ def test_the_cpu_probe_gives_slots_and_their_speed() -> None:
     assert max(speeds) < 4 * min(speeds)  # the same fixed work: its rate is a property of the machine
     here = probe.steps / _steps(probe.steps) / 1e6  # the same work timed in this process's CPU time
     assert here / 2 < max(speeds) < here * 2, (here, speeds)  # steps per CPU second, not per wall second
+
+
+PROBE_UNTIL_INTERRUPTED = """
+import time
+from benchmarks.grid import CpuProbe
+probe = CpuProbe(seconds=0.05)
+try:
+    probe.measure()
+    print("measured", flush=True)
+    time.sleep(60)  # a system's point runs; the probe's processes wait for the next measurement
+finally:
+    probe.close()
+"""
+
+
+def test_ctrl_c_during_a_cpu_probe_ends_the_run_and_its_probe_processes() -> None:
+    """Ctrl-C reaches the terminal's whole process group, the probe's pool processes too, which
+    wait between measurements; the run's clean-up then ends them instead of waiting for ever on
+    the lock of its pool's queue (held by the one that was reading it when it died)."""
+    run = subprocess.Popen(
+        [sys.executable, "-c", PROBE_UNTIL_INTERRUPTED],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal gives a command
+    )
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "measured\n"
+        time.sleep(0.3)  # the probe's processes back to waiting for work
+        os.killpg(run.pid, signal.SIGINT)
+        _out, err = run.communicate(timeout=20)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    assert "KeyboardInterrupt" in err, err
+    wait_for(lambda: not group_alive(run.pid), timeout=10, what="the probe's processes ended")
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("which", ["results", "steps", "burst"])
