@@ -44,7 +44,11 @@ class RepositoryConfig(ClusterSettings):
         8 * MiB, "most record bytes per ReadFeatures response message (one larger record goes alone)"
     )
     max_consumers: int = setting(1024, "most named consumers whose offsets are kept")
-    max_workers: int = setting(32, "gRPC server threads")
+    max_workers: int = setting(
+        128,
+        "gRPC server threads: each engine storing features holds one for its open StoreFeatures stream "
+        "(three quarters of them may be streams; threads start as calls need them)",
+    )
 
     def validate(self) -> None:
         """Refuse settings the repository cannot honour; messages name the setting."""

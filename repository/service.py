@@ -21,6 +21,7 @@ log = logging.getLogger("hio.repository")
 # Which caller roles may call which method (see hio.transport.net: 'admin' and 'any' pass everywhere).
 POLICY: dict[str, set[str]] = {
     "PutFeatures": {"worker"},
+    "StoreFeatures": {"worker"},
     "ReadFeatures": {"kd"},
     "GetOffsets": {"kd"},
     "CommitOffset": {"kd"},
@@ -50,6 +51,16 @@ class RepositoryService(repository_pb2_grpc.RepositoryServicer):
 
     @grpc_errors
     def PutFeatures(self, request: pb.PutFeaturesRequest, context: grpc.ServicerContext) -> pb.PutFeaturesResponse:
+        return self._put(request)
+
+    @grpc_errors
+    def StoreFeatures(
+        self, requests: Iterator[pb.PutFeaturesRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.PutFeaturesResponse]:
+        for request in requests:
+            yield self._put(request)
+
+    def _put(self, request: pb.PutFeaturesRequest) -> pb.PutFeaturesResponse:
         if not request.records:
             raise InvalidArgument("PutFeatures carries no records")
         results = self._store.put((r.tuple_id, r.record_zstd, r.crc32) for r in request.records)

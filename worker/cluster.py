@@ -5,7 +5,9 @@ that raise ``hio.transport.errors`` classes, never ``grpc.RpcError``: the data
 path is testable and readable without the transport. Calls that may succeed
 later (``UNAVAILABLE``, ``RESOURCE_EXHAUSTED``) are retried here with
 jittered backoff up to ``rpc_deadline`` seconds. Every call is a gRPC call on
-one kept channel per peer; payloads (pulls, and tuples handed back to the
+one kept channel per peer; features go as messages of one kept StoreFeatures
+stream (:class:`~hio.transport.keptstream.KeptStream`: half a unary call's
+cost to the repository); payloads (pulls, and tuples handed back to the
 queue) travel on the master's :class:`~hio.transport.payload.PayloadChannel`.
 """
 
@@ -22,6 +24,7 @@ from hio.proto import master_pb2, master_pb2_grpc, repository_pb2, repository_pb
 from hio.settings import ClusterSettings
 from hio.transport import errors
 from hio.transport.frames import ChunkFrame, TupleFrame, TupleMeta, TupleReceipt, crc32
+from hio.transport.keptstream import KeptStream
 from hio.transport.net import create_channel, rpc_error_text, rpc_status
 from hio.transport.payload import Download, PayloadPeers
 from hio.transport.retry import call_with_retry
@@ -30,7 +33,8 @@ log = logging.getLogger("hio.worker")
 
 T = TypeVar("T")
 
-CALL_TIMEOUT = 30.0  # seconds one attempt of a unary call may take
+CALL_TIMEOUT = 30.0  # seconds one attempt of a unary call (or a stored batch's answer) may take
+STORE_IDLE_SECONDS = 10.0  # a features stream unused this long is closed (frees its repository thread)
 
 
 def translate(exc: grpc.RpcError, peer: str, settings: ClusterSettings) -> errors.HioError:
@@ -73,11 +77,15 @@ class ClusterLink:
         self._master_channel = create_channel(settings.master_address, settings)
         self._repo_channel = create_channel(settings.repository_address, settings)
         self._master = master_pb2_grpc.MasterStub(self._master_channel)
-        self._repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)
+        repo = repository_pb2_grpc.RepositoryStub(self._repo_channel)
+        self._features: KeptStream[repository_pb2.PutFeaturesRequest, repository_pb2.PutFeaturesResponse] = KeptStream(
+            repo.StoreFeatures, name="StoreFeatures", timeout=CALL_TIMEOUT, idle_seconds=STORE_IDLE_SECONDS
+        )
         self._master_lane_port = 0  # learnt from report answers
         self._payload = PayloadPeers(settings, lanes=lanes, channel=lambda _address: self._master_channel, logger=log)
 
     def close(self) -> None:
+        self._features.close()
         self._payload.close()
         self._master_channel.close()
         self._repo_channel.close()
@@ -89,7 +97,8 @@ class ClusterLink:
             raise translate(exc, peer, self._settings) from None
 
     def store_many(self, records: Sequence[tuple[int, bytes]]) -> list[bool]:
-        """One PutFeatures for (tuple_id, record_zstd) records; per record, whether it was a duplicate.
+        """Store (tuple_id, record_zstd) records as one request on the engine's kept
+        StoreFeatures stream; per record, whether it was a duplicate.
 
         The repository checks every record before storing any: a refused
         record (INVALID_ARGUMENT, DATA_LOSS) means none of the batch is stored.
@@ -100,7 +109,7 @@ class ClusterLink:
                 for tuple_id, blob in records
             ]
         )
-        reply = self._retry(lambda: self._repo.PutFeatures(request, timeout=CALL_TIMEOUT), "repository")
+        reply = self._retry(lambda: self._features.call(request), "repository")
         if len(reply.duplicate) != len(records):
             raise errors.HioError(
                 f"repository: PutFeatures answered {len(reply.duplicate)} results for {len(records)} records"

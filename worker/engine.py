@@ -66,7 +66,7 @@ ZSTD_SMALL_BYTES = 512  # record and a little larger than level 3
 HANDOFF_DEADLINE = 10.0  # seconds the watchdog may spend handing a hung tuple back
 MIN_EMPTY_PULL = 0.1  # seconds between long-polls the master answers at once
 AHEAD_MAX_SECONDS = 1.0  # queue tuples that take longer are not pulled ahead (_worth_pulling_ahead)
-STORER_JOIN_SECONDS = 5.0  # how long a stream's end waits for a PutFeatures still in flight
+STORER_JOIN_SECONDS = 5.0  # how long a stream's end waits for a store still in flight
 ANSWER_DELAY = 0.02  # seconds a ready receipt may wait while tuples are still being processed
 STORE_LINGER = 0.004  # seconds a small batch of records may wait for more while they arrive fast
 STORE_GAP = 0.001  # ... "fast": the next record came within this
@@ -254,7 +254,7 @@ Pulled = tuple[list[tuple[TupleMeta, bytes]], bool]  # a pull's tuples, and whet
 
 
 def take_batch(waiting: collections.deque[_Slot], max_records: int, max_bytes: int) -> list[_Slot]:
-    """The next records for one PutFeatures, taken from ``waiting``: the first whatever its
+    """The next records for one store request, taken from ``waiting``: the first whatever its
     size, then up to ``max_records`` in all and ``max_bytes`` of records."""
     batch = [waiting.popleft()]
     size = len(batch[0].blob)
@@ -265,7 +265,7 @@ def take_batch(waiting: collections.deque[_Slot], max_records: int, max_bytes: i
 
 
 def store_batch(store_many: StoreMany, batch: list[_Slot], on_stored: OnStored, on_refused: OnRefused) -> None:
-    """One PutFeatures for ``batch``; ``on_stored`` once the repository has stored it. A batch
+    """One store request for ``batch``; ``on_stored`` once the repository has stored it. A batch
     the repository refuses is stored record by record, so only the bad record fails
     (``on_refused`` with the repository's words). Any other failure (the repository
     unreachable) raises."""
@@ -284,10 +284,10 @@ def store_batch(store_many: StoreMany, batch: list[_Slot], on_stored: OnStored, 
 class _BatchStorer:
     """Stores one Deliver stream's feature records on its own thread, in batches, in order.
 
-    Why: PutFeatures returns after the repository's fsync, so storing tuple by
+    Why: a store returns after the repository's fsync, so storing tuple by
     tuple puts a round trip and an fsync between every two tuples. Here the
     stream keeps processing while the records processed meanwhile ride on the
-    next PutFeatures (at most ``max_records`` of them, ``max_bytes`` in all;
+    next store request (at most ``max_records`` of them, ``max_bytes`` in all;
     :func:`store_batch`, so a refused record fails alone and the stream goes
     on). Any other failure (the repository unreachable) stops the storer;
     :attr:`error` holds it and nothing after it is stored.
@@ -348,7 +348,7 @@ class _BatchStorer:
     def _linger(self) -> None:
         """While records arrive fast (small tuples), let a small batch wait a few ms for more (lock held).
 
-        Why: at thousands of small tuples a second, a PutFeatures per few records
+        Why: at thousands of small tuples a second, a store request per few records
         costs more gRPC work on both ends than storing them. A record that came more
         than :data:`STORE_GAP` after the one before it (costly or large tuples, the
         first of a stream) does not wait: nothing says another follows soon.

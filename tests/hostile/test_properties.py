@@ -452,6 +452,7 @@ METHODS = [
     ("gateway", "/hio.proto.Ingest/Submit", "bidi"),
     ("gateway", "/hio.proto.Ingest/GetGatewayStatus", "unary"),
     ("repository", "/hio.proto.Repository/PutFeatures", "unary"),
+    ("repository", "/hio.proto.Repository/StoreFeatures", "bidi"),
     ("repository", "/hio.proto.Repository/ReadFeatures", "server_stream"),
     ("repository", "/hio.proto.Repository/CommitOffset", "unary"),
     ("repository", "/hio.proto.Repository/PutKnowledge", "unary"),
@@ -496,7 +497,11 @@ def test_raw_bytes_to_every_method(
 
 @pytest.mark.parametrize(
     "server,method,kind",
-    [m for m in METHODS if m[1].rsplit("/", 1)[1] in ("RouteTuples", "Enqueue", "PutFeatures", "Submit", "Deliver")],
+    [
+        m
+        for m in METHODS
+        if m[1].rsplit("/", 1)[1] in ("RouteTuples", "Enqueue", "PutFeatures", "StoreFeatures", "Submit", "Deliver")
+    ],
 )
 def test_unparseable_request_is_invalid_argument(cluster: HostileCluster, server: str, method: str, kind: str) -> None:
     error = raw_call(cluster, server, method, kind, [b"\xff\xff\xff\xff"])  # a truncated varint field

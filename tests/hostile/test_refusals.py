@@ -450,6 +450,15 @@ def _calls(cluster: HostileCluster) -> dict[str, tuple[str, Callable[[grpc.Chann
             ),
             "gateway",
         ),
+        "Repository.StoreFeatures": (
+            cluster.repository_address,
+            lambda ch: list(
+                repository_pb2_grpc.RepositoryStub(ch).StoreFeatures(
+                    iter([repository_pb2.PutFeaturesRequest(records=[upload(9_000_001)])]), timeout=5
+                )
+            ),
+            "gateway",
+        ),
         "Repository.CommitOffset": (
             cluster.repository_address,
             lambda ch: repository_pb2_grpc.RepositoryStub(ch).CommitOffset(
@@ -480,6 +489,7 @@ CALLS = [
     "Engine.Deliver",
     "Engine.GetEngineStats",
     "Repository.PutFeatures",
+    "Repository.StoreFeatures",
     "Repository.CommitOffset",
     "Ingest.Submit",
     "Ingest.GetGatewayStatus",

@@ -430,7 +430,7 @@ def test_an_engine_told_not_to_use_lanes_pulls_over_grpc_though_the_master_offer
 def test_routes_and_reports_of_tuples_sent_one_at_a_time_are_grpc_calls_and_lose_nothing(
     master: Master, repo: Repo, tmp_path: Path
 ) -> None:
-    """RouteTuples (gateway), ReportTuples and PutFeatures (engine) are gRPC calls on each peer's
+    """RouteTuples (gateway), ReportTuples and the features stream (engine) are gRPC calls on each peer's
     kept channel; the lanes carry payloads only."""
     from hio.gateway import Gateway, GatewayConfig
 

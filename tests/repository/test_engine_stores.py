@@ -1,5 +1,5 @@
-"""An engine's PutFeatures, through its own ClusterLink: gRPC on one kept channel, the
-records of many tuples in one call. Real servers over loopback."""
+"""An engine's stores, through its own ClusterLink: requests on one kept StoreFeatures
+stream, the records of many tuples in one request. Real servers over loopback."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hio.proto import repository_pb2 as pb
 from hio.repository import RepositoryConfig
 from hio.settings import ClusterSettings
-from hio.transport.errors import DataLoss, PermissionDenied, Unauthenticated
+from hio.transport.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from hio.worker.cluster import ClusterLink
 from tests.harness import HioProcess, free_port
 from tests.repository.records import decode, upload
@@ -26,7 +25,7 @@ def repo(tmp_path: Path) -> Iterator[Running]:
 
 
 def engine_link(repo: Running, **settings: object) -> ClusterLink:
-    """The link an engine stores through (no master needed for PutFeatures)."""
+    """The link an engine stores through (no master needed to store)."""
     values: dict[str, object] = {"repository_address": repo.address, "master_address": "127.0.0.1:1"}
     values.update(settings)
     return ClusterLink(ClusterSettings(**values), rpc_deadline=10.0)  # type: ignore[arg-type] - settings' keywords, as objects
@@ -54,22 +53,21 @@ def test_an_engines_stores_are_kept_and_a_record_stored_again_is_a_duplicate(rep
     assert all(decode(data).tuple_id == tuple_id for tuple_id, data in held.items())
 
 
-def test_a_refused_record_refuses_its_batch_with_the_domain_error(repo: Running) -> None:
-    tuple_id, data, crc = upload(2)
-    bad = pb.PutFeaturesRequest(
-        records=[
-            pb.FeaturesUpload(tuple_id=1, record_zstd=records(1)[0][1]),
-            pb.FeaturesUpload(tuple_id=tuple_id, record_zstd=data, crc32=crc ^ 1),
-        ]
-    )
+def test_a_refused_record_refuses_its_batch_with_the_domain_error_and_the_next_store_goes_on(
+    repo: Running,
+) -> None:
+    """A refusal ends the engine's StoreFeatures stream with the refused batch's status; the
+    next store opens another stream and is stored."""
+    ((_id, other),) = records(9)
     link = engine_link(repo)
     try:
         link.store_many(records(3))
-        with pytest.raises(DataLoss, match="checksum mismatch"):
-            link._retry(lambda: link._repo.PutFeatures(bad, timeout=10), "repository")
+        with pytest.raises(InvalidArgument, match="names tuple 9, not the id 2 it was uploaded under"):
+            link.store_many([*records(1), (2, other)])
+        assert link.store_many(records(4)) == [False]
     finally:
         link.close()
-    assert sorted(stored(repo)) == [3], "the repository checks every record before storing any"
+    assert sorted(stored(repo)) == [3, 4], "the repository checks every record before storing any"
 
 
 def test_stores_are_authorized_by_token_and_role(tmp_path: Path) -> None:
@@ -115,7 +113,7 @@ def test_stores_go_on_after_the_repository_restarts(tmp_path: Path) -> None:
 
 
 def test_the_repository_has_no_lane_settings() -> None:
-    """PutFeatures is gRPC only: no lane, so no lane port (listen's last port leaves none free)."""
+    """Features go over gRPC only: no lane, so no lane port (listen's last port leaves none free)."""
     with pytest.raises(TypeError):
         RepositoryConfig(lane_listen="127.0.0.1:7101")  # type: ignore[call-arg] - the refusal under test
     RepositoryConfig(listen="127.0.0.1:65535", http_listen="").validate()
