@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import cast
@@ -23,7 +22,7 @@ from hio.gateway.spool import SpoolWriter
 from hio.proto import ingest_pb2, ingest_pb2_grpc
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
 from hio.transport.errors import InvalidArgument, Unavailable, grpc_errors
-from hio.transport.frames import FrameReader, idle_bounded
+from hio.transport.frames import FrameReader, StopDeadline, idle_bounded
 
 WAIT_ATTRIBUTE = "hio.wait"
 _POLL = 0.5
@@ -39,15 +38,13 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
 
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
-        self._stopping = threading.Event()
-        self._cut_at = math.inf  # monotonic: a tuple still arriving then is cut off, not received
+        self._stop = StopDeadline()
 
     def stop_accepting(self, finish_seconds: float = 0.0) -> None:
         """New streams and tuples are refused with UNAVAILABLE from now on; a tuple a stream
         is sending now may arrive within ``finish_seconds``, then its stream ends the same way
         (said by this servicer, before the server's stop cancels the call)."""
-        self._cut_at = time.monotonic() + finish_seconds
-        self._stopping.set()
+        self._stop.begin(finish_seconds)
 
     @grpc_errors
     def Submit(self, request_iterator: Iterator[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
@@ -80,12 +77,16 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         """
         config = self._gateway.config
         waiting: dict[TupleFuture, int] = {}
-        bounded = idle_bounded(frames, config.stream_idle_seconds, cut=lambda: self._cut(waiting))
+
+        def cut() -> Unavailable | None:  # a tuple still arriving once the stop's finish time is over
+            return _stopping_error(waiting) if self._stop.due() else None
+
+        bounded = idle_bounded(frames, config.stream_idle_seconds, cut=cut)
         reader = FrameReader(
             bounded, max_tuple_bytes=config.max_tuple_bytes, max_chunk_bytes=config.chunk_bytes, need_id=False
         )
         while True:
-            if self._stopping.is_set():
+            if self._stop.begun:
                 raise _stopping_error(waiting)
             index = reader.index
             future, wait = self._receive_one(reader)
@@ -96,15 +97,9 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
                 waiting[future] = index
             yield from self._finished(waiting, timeout=0)
         while waiting and still_wanted():
-            if self._stopping.is_set():  # said here, not cut off by the server's stop
+            if self._stop.begun:  # said here, not cut off by the server's stop
                 raise _stopping_error(waiting)
             yield from self._finished(waiting, timeout=_POLL)
-
-    def _cut(self, waiting: dict[TupleFuture, int]) -> Unavailable | None:
-        """The stopping error once a tuple still arriving is to be cut off (see stop_accepting)."""
-        if self._stopping.is_set() and time.monotonic() >= self._cut_at:
-            return _stopping_error(waiting)
-        return None
 
     def _receive_one(self, reader: FrameReader) -> tuple[TupleFuture | None, bool]:
         holder: list[SpoolWriter] = []

@@ -37,8 +37,8 @@ from hio.master.storage import Durability
 from hio.proto import master_pb2
 from hio.proto.master_pb2 import RouteItem, TupleOutcome
 from hio.storage.files import lock_folder
-from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from hio.transport.frames import TupleFrame, TupleMeta, WireFrame, tuple_frames
+from hio.transport.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from hio.transport.frames import StopDeadline, TupleFrame, TupleMeta, WireFrame, tuple_frames
 from hio.transport.tickets import load_ticket_key, make_ticket
 
 if TYPE_CHECKING:
@@ -145,6 +145,7 @@ class Master:
             self._waiters = 0
             self._route_waiters: dict[str, collections.deque[_RouteWait]] = {}
             self._stopping = False
+            self._stream_stop = StopDeadline()  # when Enqueue streams still open are cut off
             self._stop = threading.Event()
             self._thread: threading.Thread | None = None
             self.listen_port = 0  # the port the server bound (set by the server module)
@@ -177,9 +178,12 @@ class Master:
         """The payload lane's port, told to senders in queue routes and to engines; 0 = none."""
         return self.lane.port if self.lane is not None else 0
 
-    def begin_shutdown(self) -> None:
+    def begin_shutdown(self, finish_seconds: float = 0.0) -> None:
         """Wake every waiting pull (they return empty), refuse new waits, and stop the payload lane
-        (its calls end now: senders send again, pulls void their leases)."""
+        (its calls end now: senders send again, pulls void their leases). A tuple still arriving
+        on a gRPC Enqueue stream may finish within ``finish_seconds``; then its stream ends with
+        UNAVAILABLE, saying to send what was not ENQUEUED again (:meth:`enqueue_cut`)."""
+        self._stream_stop.begin(finish_seconds)
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -417,6 +421,15 @@ class Master:
                 "enqueued", extra={"tuple_id": meta.tuple_id, "image": meta.image, "placement": stored.placement.value}
             )
             yield stored
+
+    def enqueue_cut(self) -> Unavailable | None:
+        """The error an Enqueue stream still open ends with once the stop's finish time is over."""
+        if not self._stream_stop.due():
+            return None
+        return Unavailable(
+            "the master is stopping; send the tuples it did not answer ENQUEUED again once it is back",
+            retry_after=1.0,
+        )
 
     def _admit(self, meta: TupleMeta) -> None:
         with self._cond:

@@ -92,7 +92,9 @@ def run_master(config: MasterConfig) -> int:
 
     def draining() -> None:
         health_servicer.stop()
-        master.begin_shutdown()  # waiting pulls return and the lane stops, before the gRPC server drains
+        # waiting pulls return and the lane stops, before the gRPC server drains; a tuple still
+        # arriving over gRPC may finish, and a second is left to say why it did not
+        master.begin_shutdown(finish_seconds=max(0.0, config.grace_seconds - 1.0))
 
     try:
         return run_until_signal(server, grace=config.grace_seconds, on_stop=[draining])

@@ -96,7 +96,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     @grpc_errors
     def Enqueue(self, request_iterator: Iterable[TupleFrame], context: grpc.ServicerContext) -> Iterator[TupleReceipt]:
-        frames = idle_bounded(request_iterator, self._master.config.stream_idle_seconds)
+        frames = idle_bounded(request_iterator, self._master.config.stream_idle_seconds, cut=self._master.enqueue_cut)
         yield from self.enqueue(frames)
 
     def enqueue(self, frames: Iterable[TupleFrame | ChunkFrame]) -> Iterator[TupleReceipt]:

@@ -43,7 +43,16 @@ from hio.transport.errors import (
     Unavailable,
     grpc_errors,
 )
-from hio.transport.frames import ChunkFrame, FrameReader, TupleFrame, TupleMeta, TupleReceipt, idle_bounded, packed
+from hio.transport.frames import (
+    ChunkFrame,
+    FrameReader,
+    StopDeadline,
+    TupleFrame,
+    TupleMeta,
+    TupleReceipt,
+    idle_bounded,
+    packed,
+)
 from hio.transport.lane import LaneServer, create_server_with_lane
 from hio.transport.net import ROLE_SERVICES, run_until_signal
 from hio.transport.retry import Backoff
@@ -422,6 +431,7 @@ class Engine:
         self._processing_slot = threading.Lock()  # the one tuple processed at a time
         self.processing = False
         self._stopping = False
+        self._stream_stop = StopDeadline()  # when Deliver streams still open are cut off
         self._pull_call: PullCall | None = None
         self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self._small_compressor = zstandard.ZstdCompressor(level=ZSTD_SMALL_LEVEL)
@@ -454,7 +464,10 @@ class Engine:
         self._puller.start()
 
     def stop(self, grace: float) -> None:
-        """Refuse new work, let the current tuple finish (up to ``grace`` s), flush reports."""
+        """Refuse new work, let the current tuple finish (up to ``grace`` s), flush reports. A
+        tuple still arriving may finish within half of ``grace``; then its stream ends with
+        UNAVAILABLE, saying to send the rest elsewhere (:meth:`deliver_cut`)."""
+        self._stream_stop.begin(grace / 2)
         with self._cond:
             self._stopping = True
             call = self._pull_call
@@ -467,6 +480,13 @@ class Engine:
         self._reporter.stop(timeout=min(2.0, grace))
         self._puller.join(1.0)
         self._background.shutdown(wait=False)
+
+    def deliver_cut(self) -> Unavailable | None:
+        """The error a Deliver stream still open ends with once the stop's finish time is over."""
+        if not self._stream_stop.due():
+            return None
+        message = f"channel {self._channel} is stopping; send the rest elsewhere"
+        return Unavailable(message, retry_after=ENGINE_STATE_RETRY)
 
     def _claim(self) -> None:
         with self._cond:
@@ -1051,7 +1071,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     @grpc_errors
     def Deliver(self, request_iterator: Iterable[TupleFrame], context: Any) -> Iterator[TupleReceipt]:
-        yield from self._engine.deliver(idle_bounded(request_iterator, self._engine.idle_seconds))
+        frames = idle_bounded(request_iterator, self._engine.idle_seconds, cut=self._engine.deliver_cut)
+        yield from self._engine.deliver(frames)
 
     @grpc_errors
     def GetEngineStats(

@@ -440,6 +440,26 @@ class FrameReader:
         return meta, b"".join(chunks)  # one copy, also out of the received messages
 
 
+class StopDeadline:
+    """When a stopping server ends the streams it still serves. From :meth:`begin` on, the
+    server takes no new tuple; a tuple a stream is sending may finish within ``finish_seconds``,
+    then :meth:`due` says to cut the stream off, by its own servicer (an ``idle_bounded`` cut),
+    so the sender reads why it ended, not gRPC's 'Cancelling all calls' at the server's stop."""
+
+    def __init__(self) -> None:
+        self._at = math.inf  # monotonic
+
+    def begin(self, finish_seconds: float) -> None:
+        self._at = min(self._at, time.monotonic() + max(0.0, finish_seconds))
+
+    @property
+    def begun(self) -> bool:
+        return self._at < math.inf
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._at
+
+
 _ENDED = object()  # what the reader of an idle-bounded stream hands over when its input ends
 CUT_POLL = 0.2  # seconds: how often a waiting idle_bounded asks its cut
 

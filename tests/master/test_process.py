@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from hio.proto import master_pb2, master_pb2_grpc
 from hio.settings import ClusterSettings
+from hio.transport.frames import TupleFrame, TupleReceipt
 from hio.transport.net import create_channel
 from tests.harness import HioProcess, free_port
-from tests.master.helpers import frames, pull, register, route
+from tests.master.helpers import CHUNK, frames, pull, register, route
 
 
 def test_master_process_survives_kill_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -82,3 +88,44 @@ def test_a_master_told_a_port_another_role_holds_is_not_taken_for_healthy(tmp_pa
         finally:
             master.kill()
         assert master.proc is not None and master.proc.returncode == 2  # a configuration error
+
+
+def test_a_tuple_still_arriving_when_the_master_stops_is_cut_off_with_the_reason(tmp_path: Path) -> None:
+    """A gRPC Enqueue stalled in the middle of its second tuple has grace_seconds - 1 s to finish
+    once the master stops; then the master ends the stream itself (UNAVAILABLE, saying what to
+    send again), not the server's stop with CANCELLED. The first tuple, ENQUEUED, is kept; the
+    one cut off is not."""
+    address = f"127.0.0.1:{free_port()}"
+    args = ["--listen", address, "--data-dir", str(tmp_path / "data"), "--grace-seconds", "2"]
+    release = threading.Event()
+    with HioProcess("master", args, tmp_path, name="master-1") as first:
+        first.wait_started(address)
+        with create_channel(address, ClusterSettings()) as channel:
+            stub = master_pb2_grpc.MasterStub(channel)
+            ids = list(route(stub, [5, 3 * CHUNK], force_queue=True).tuple_ids)
+            second = frames(ids[1], os.urandom(3 * CHUNK))
+
+            def stalled_sender() -> Iterator[TupleFrame]:
+                yield from frames(ids[0], b"first")
+                yield second[0]  # the second tuple's metadata and first chunk of three
+                release.wait(60)
+
+            stream = stub.Enqueue(stalled_sender(), timeout=60)
+            assert next(stream).state == TupleReceipt.ENQUEUED
+            assert first.proc is not None
+            stopped_at = time.monotonic()
+            first.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as stopped:
+                next(stream)
+            took = time.monotonic() - stopped_at
+        release.set()
+    assert stopped.value.code() == grpc.StatusCode.UNAVAILABLE, stopped.value
+    assert stopped.value.details() == (
+        "the master is stopping; send the tuples it did not answer ENQUEUED again once it is back"
+    )
+    assert 0.8 < took < 2.5, f"cut off {took:.1f} s after the stop; the tuple had 1 s to finish"
+    with HioProcess("master", args, tmp_path, name="master-2") as again:
+        again.wait_started(address)
+        with create_channel(address, ClusterSettings()) as channel:
+            status = master_pb2_grpc.MasterStub(channel).GetStatus(master_pb2.GetStatusRequest(), timeout=5)
+    assert [(q.length, q.bytes) for q in status.queues] == [(1, 5)], "the ENQUEUED tuple only"

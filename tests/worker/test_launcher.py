@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from hio.config import ConfigError, build
+from hio.proto import engine_pb2_grpc
 from hio.settings import ClusterSettings
-from hio.transport.net import wait_healthy
+from hio.transport.frames import TupleFrame
+from hio.transport.net import create_channel, wait_healthy
 from hio.worker.api import PIPELINE_EXIT_CODE
 from hio.worker.config import WorkerConfig
 from hio.worker.controller import engine_env
 from hio.worker.launcher import EngineSpec, ProcessLauncher, select_launcher
 from tests.harness import free_port, wait_for
+from tests.master.helpers import CHUNK, frames
 from tests.worker.conftest import REPO_ROOT, TEST_IMAGE, TEST_PIPELINE
 
 
@@ -138,3 +145,39 @@ def test_a_runtime_that_cannot_answer_for_a_moment_does_not_stop_the_worker(
         assert all(slot.handle is not None and launcher.poll(slot.handle) is None for slot in slots)
     finally:
         controller.stop_engines(2.0)
+
+
+def test_a_tuple_still_arriving_when_the_engine_stops_is_cut_off_with_the_reason(tmp_path: Path) -> None:
+    """A Deliver stalled in the middle of a tuple has half of grace_seconds to finish once the
+    engine stops; then the engine ends the stream itself (UNAVAILABLE, saying to send the rest
+    elsewhere), not the server's stop with CANCELLED."""
+    config = _worker(tmp_path, grace_seconds=2.0)
+    launcher = ProcessLauncher(config)
+    release = threading.Event()
+    tuple_frames = frames(7, os.urandom(3 * CHUNK), image=TEST_IMAGE)
+
+    def stalled_sender() -> Iterator[TupleFrame]:
+        yield tuple_frames[0]  # the metadata and the first chunk of three
+        release.wait(60)
+
+    try:
+        handle = launcher.start(_spec(config))
+        address = f"127.0.0.1:{handle.spec.port}"
+        wait_healthy(address, ClusterSettings(), timeout=30)
+        with create_channel(address, ClusterSettings()) as channel:
+            stream = engine_pb2_grpc.EngineStub(channel).Deliver(stalled_sender(), timeout=60)
+            time.sleep(0.5)  # the first frame arrives
+            stopped_at = time.monotonic()
+            os.kill(int(handle.ident), signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as stopped:
+                next(stream)
+            took = time.monotonic() - stopped_at
+        release.set()
+        assert wait_for(lambda: launcher.poll(handle) is not None, timeout=10, what="the engine to exit")
+        assert launcher.poll(handle) == 0
+    finally:
+        release.set()
+        launcher.cleanup()
+    assert stopped.value.code() == grpc.StatusCode.UNAVAILABLE, stopped.value
+    assert stopped.value.details() == "channel wl/0 is stopping; send the rest elsewhere"
+    assert 0.8 < took < 2.5, f"cut off {took:.1f} s after the stop; the tuple had 1 s to finish"
