@@ -83,7 +83,7 @@ class KeptStream(Generic[Request, Answer]):
         self._due = math.inf  # when the call in flight must have its answer (monotonic)
         self._last = 0.0  # when the last call ended
         self._closed = False
-        self._tick = min(1.0, timeout / 4, idle_seconds / 4)  # how often the watcher looks
+        self._tick = max(0.01, min(1.0, timeout / 4, idle_seconds / 4))  # how often the watcher looks
         self._watcher = threading.Thread(target=self._watch, name=f"{name}-stream", daemon=True)
         self._watcher.start()
 
