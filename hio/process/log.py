@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import time
+from typing import TextIO
 
 _STD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
@@ -45,12 +46,27 @@ class _Formatter(logging.Formatter):
         return line
 
 
+class _StderrHandler(logging.StreamHandler[TextIO]):
+    """Writes to ``sys.stderr`` as it is when a record is logged, not as it was when logging was
+    set up: a program that replaces it (a test runner capturing output, an embedding
+    application) keeps the role's lines, and one that closed the old stream gets no
+    'I/O operation on closed file' from a thread still logging."""
+
+    @property  # read where logging.StreamHandler reads its attribute
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: TextIO) -> None:  # StreamHandler.__init__ sets it; the property decides
+        pass
+
+
 def setup_logging(level: str = "warning", as_json: bool = False) -> None:
-    """Configure the root logger once: one handler on stderr."""
+    """Configure the root logger once: one handler on (the current) stderr."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(_Formatter(as_json))
     root.addHandler(handler)
     wanted = getattr(logging, level.upper(), logging.WARNING)
