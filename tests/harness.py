@@ -168,6 +168,16 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
 
 
+def error_after_stop(stop: Callable[[], None], stream: Any) -> tuple[grpc.RpcError, float]:
+    """Stop a role (``stop``: send its process SIGTERM) while ``stream``, a call of it, waits
+    for its next answer: the error that answer is, and the seconds from the stop to it."""
+    stopped_at = time.monotonic()
+    stop()
+    with pytest.raises(grpc.RpcError) as stopped:
+        next(stream)
+    return stopped.value, time.monotonic() - stopped_at
+
+
 class CuttingProxy:
     """A loopback TCP proxy whose connections can all be cut at once.
 

@@ -30,7 +30,7 @@ from hio.proto import (
     repository_pb2_grpc,
 )
 from hio.proto.tuple_pb2 import TupleFrame, TupleMeta, TupleReceipt
-from tests.harness import HioProcess, free_port, hio_env, local_cluster, wait_for
+from tests.harness import HioProcess, error_after_stop, free_port, hio_env, local_cluster, wait_for
 
 if TYPE_CHECKING:
     from hio.gateway.watch import DirectoryWatcher
@@ -282,14 +282,10 @@ def test_a_tuple_still_arriving_when_the_gateway_stops_is_cut_off_with_the_reaso
             stream = ingest_pb2_grpc.IngestStub(channel).Submit(stalled_sender(), timeout=60)
             time.sleep(0.5)  # the first frame arrives
             assert gateway.proc is not None
-            stopped_at = time.monotonic()
-            gateway.proc.send_signal(signal.SIGTERM)
-            with pytest.raises(grpc.RpcError) as stopped:
-                next(stream)
-            took = time.monotonic() - stopped_at
+            error, took = error_after_stop(lambda: gateway.proc.send_signal(signal.SIGTERM), stream)
         release.set()
-    assert stopped.value.code() == grpc.StatusCode.UNAVAILABLE, stopped.value
-    assert stopped.value.details() == "the gateway is stopping; submit what it did not accept to its next start"
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    assert error.details() == "the gateway is stopping; submit what it did not accept to its next start"
     assert 0.8 < took < 4, f"cut off {took:.1f} s after the stop; the tuple had 1 s to finish"
     with HioProcess("gateway", args, tmp_path) as gateway:
         gateway.wait_started(f"127.0.0.1:{port}")
