@@ -144,8 +144,7 @@ class Master:
             self.metrics = MasterMetrics(self) if config.metrics else None
             self._waiters = 0
             self._route_waiters: dict[str, collections.deque[_RouteWait]] = {}
-            self._stopping = False
-            self._stream_stop = StopDeadline()  # when Enqueue streams still open are cut off
+            self._stop_deadline = StopDeadline()  # stopping began; when Enqueue streams still open are cut off
             self._stop = threading.Event()
             self._thread: threading.Thread | None = None
             self.listen_port = 0  # the port the server bound (set by the server module)
@@ -178,14 +177,18 @@ class Master:
         """The payload lane's port, told to senders in queue routes and to engines; 0 = none."""
         return self.lane.port if self.lane is not None else 0
 
+    @property
+    def _stopping(self) -> bool:
+        """Stopping began (:meth:`begin_shutdown`): pulls and route waits end, none start."""
+        return self._stop_deadline.begun
+
     def begin_shutdown(self, finish_seconds: float = 0.0) -> None:
         """Wake every waiting pull (they return empty), refuse new waits, and stop the payload lane
         (its calls end now: senders send again, pulls void their leases). A tuple still arriving
         on a gRPC Enqueue stream may finish within ``finish_seconds``; then its stream ends with
         UNAVAILABLE, saying to send what was not ENQUEUED again (:meth:`enqueue_cut`)."""
-        self._stream_stop.begin(finish_seconds)
         with self._cond:
-            self._stopping = True
+            self._stop_deadline.begin(finish_seconds)
             self._cond.notify_all()
         if self.lane is not None:  # after: waiting pulls have returned, so its stop() need not wait for them
             self.lane.stop()
@@ -424,7 +427,7 @@ class Master:
 
     def enqueue_cut(self) -> Unavailable | None:
         """The error an Enqueue stream still open ends with once the stop's finish time is over."""
-        if not self._stream_stop.due():
+        if not self._stop_deadline.due():
             return None
         return Unavailable(
             "the master is stopping; send the tuples it did not answer ENQUEUED again once it is back",

@@ -430,8 +430,7 @@ class Engine:
         self._tails = 0  # streams handed over whose last tuple is not settled yet
         self._processing_slot = threading.Lock()  # the one tuple processed at a time
         self.processing = False
-        self._stopping = False
-        self._stream_stop = StopDeadline()  # when Deliver streams still open are cut off
+        self._stop_deadline = StopDeadline()  # stopping began; when Deliver streams still open are cut off
         self._pull_call: PullCall | None = None
         self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self._small_compressor = zstandard.ZstdCompressor(level=ZSTD_SMALL_LEVEL)
@@ -463,13 +462,17 @@ class Engine:
     def start(self) -> None:
         self._puller.start()
 
+    @property
+    def _stopping(self) -> bool:
+        """Stopping began (:meth:`stop`): new work is refused."""
+        return self._stop_deadline.begun
+
     def stop(self, grace: float) -> None:
         """Refuse new work, let the current tuple finish (up to ``grace`` s), flush reports. A
         tuple still arriving may finish within half of ``grace``; then its stream ends with
         UNAVAILABLE, saying to send the rest elsewhere (:meth:`deliver_cut`)."""
-        self._stream_stop.begin(grace / 2)
         with self._cond:
-            self._stopping = True
+            self._stop_deadline.begin(grace / 2)
             call = self._pull_call
             self._cond.notify_all()
         if call is not None:
@@ -483,7 +486,7 @@ class Engine:
 
     def deliver_cut(self) -> Unavailable | None:
         """The error a Deliver stream still open ends with once the stop's finish time is over."""
-        if not self._stream_stop.due():
+        if not self._stop_deadline.due():
             return None
         message = f"channel {self._channel} is stopping; send the rest elsewhere"
         return Unavailable(message, retry_after=ENGINE_STATE_RETRY)
