@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import uuid
 from itertools import permutations
 from pathlib import Path
 
@@ -189,6 +190,26 @@ def test_restarts_never_count_a_tuple_twice(spark, tmp_path: Path) -> None:  # t
         assert (knowledge.tuple_count, knowledge.up_to_offset) == (1000, 1000)
         ids = [a.tuple_id for a in knowledge.assignments]
         assert len(ids) == len(set(ids)) == 1000
+
+
+def test_a_driver_killed_while_writing_its_first_batch_does_not_stop_kd_for_ever(  # type: ignore[no-untyped-def]
+    spark, tmp_path: Path
+) -> None:
+    """Spark writes a checkpoint entry to a hidden temporary and renames it; a driver
+    killed between the two leaves the temporary, which Spark refuses on batch 0."""
+    records, _ = blobs_records(1, 200)
+    with repository(tmp_path / "repo") as repo:
+        repo.put(records)
+        config = kd_config(tmp_path, repo, max_failures=2)
+        for log_folder in ("offsets", "commits"):
+            folder = config.checkpoint_dir / log_folder
+            folder.mkdir(parents=True)
+            (folder / f".0.{uuid.uuid4()}.tmp").write_text("v1\n")
+            (folder / f"..0.{uuid.uuid4()}.tmp.crc").write_bytes(b"crc")
+        assert run(config, spark=spark) == 0
+        assert repo.knowledge().tuple_count == 200
+        assert not list(config.checkpoint_dir.rglob("*.tmp*"))
+        assert (config.checkpoint_dir / "commits" / "0").is_file()
 
 
 def test_continuous_intervals_until_stopped(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
