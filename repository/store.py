@@ -40,6 +40,7 @@ import zstandard
 from google.protobuf.message import DecodeError
 
 from hio.proto import features_pb2
+from hio.repository.config import FSYNC_INTERVAL_MS
 from hio.repository.featurelog import Appended, FeatureLog, read_offset_file
 from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, RECORD_HEADROOM, MiB, message_limit, record_limit
 from hio.storage.files import DiskFailure, atomic_write, clean_temporaries, fsync_dir
@@ -67,7 +68,7 @@ class StoreOptions:
 
     segment_bytes: int = 64 * MiB
     fsync: str = "batch"
-    fsync_interval_ms: int = 0
+    fsync_interval_ms: int = FSYNC_INTERVAL_MS
     max_record_bytes: int = 16 * MiB - RECORD_HEADROOM
     max_decompressed_bytes: int = FEATURE_RECORD_DECOMPRESSED_BYTES
     max_consumers: int = 1024
