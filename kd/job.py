@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
@@ -38,7 +37,7 @@ from hio.kd.preview import render
 from hio.kd.store import AccumulatedStore
 from hio.process.log import NOTICE
 from hio.proto import features_pb2
-from hio.storage.files import atomic_write
+from hio.storage.files import atomic_write, clean_temporaries
 from hio.transport.http import serve_http
 from hio.transport.net import create_server, stop_on_signals
 
@@ -238,23 +237,16 @@ class KnowledgeJob:
         )
 
 
-def clear_torn_checkpoint_writes(checkpoint: Path) -> None:
-    """Remove what a driver killed mid-write left in its checkpoint: Spark writes each
-    log entry to a hidden temporary (``.0.<uuid>.tmp`` and its ``.crc``) and renames
-    it. A temporary left in a checkpoint with no batch yet makes every later start
-    fail (STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY), for ever; Spark never reads one
-    elsewhere. KD starts a query only when none runs, so nothing is writing them."""
-    for leftover in checkpoint.rglob(".*.tmp*"):
-        if leftover.is_file():
-            log.info("removed a torn checkpoint write", extra={"file": str(leftover)})
-            leftover.unlink(missing_ok=True)
-
-
 def start_query(spark: Any, config: KDConfig, job: KnowledgeJob) -> Any:
     """Start the streaming query (checkpointed) over the repository source."""
     from hio.kd.source import NAME, RepositoryDataSource
 
-    clear_torn_checkpoint_writes(config.checkpoint_dir)
+    # A driver killed mid-write leaves the hidden temporary Spark writes each checkpoint
+    # entry to before renaming it (``.0.<uuid>.tmp`` and its ``.crc``); one in a checkpoint
+    # with no batch yet makes every later start fail (STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY).
+    # Spark never reads them, and no query runs now, so nothing is writing them.
+    for leftover in clean_temporaries(config.checkpoint_dir, "**/.*.tmp*"):
+        log.info("removed a torn checkpoint write", extra={"file": str(leftover)})
     spark.dataSource.register(RepositoryDataSource)
     options = connection_options(config, config.rpc_deadline) | {
         "consumer": config.consumer,

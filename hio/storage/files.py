@@ -87,10 +87,13 @@ def atomic_write(
         fsync_dir(path.parent, disk)
 
 
-def clean_temporaries(folder: Path) -> None:
-    """Remove temporaries a crash left behind in ``folder``."""
-    for leftover in folder.glob("*.tmp"):
+def clean_temporaries(folder: Path, pattern: str = "*.tmp") -> list[Path]:
+    """Remove temporaries a crash left behind in ``folder`` (those ``pattern`` matches,
+    a glob that may reach into subfolders); returns them."""
+    removed = [leftover for leftover in folder.glob(pattern) if leftover.is_file()]
+    for leftover in removed:
         leftover.unlink(missing_ok=True)
+    return removed
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
