@@ -21,6 +21,7 @@ known ids, a memory copy). The whole store is read once, at start.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from dataclasses import dataclass
@@ -190,9 +191,9 @@ class AccumulatedStore:
         """Keep the rows not stored yet; persist them (atomic), then index them."""
         self._disk.check()
         fresh, duplicates = self._fresh(table)
-        malformed = int(fresh.column("error").is_valid().to_numpy(zero_copy_only=False).sum()) if fresh.num_rows else 0
         if fresh.num_rows == 0:
             return Appended(0, 0, duplicates)
+        malformed = fresh.num_rows - fresh.column("error").null_count
         fresh = fresh.append_column("interval_unix", pa.array(np.full(fresh.num_rows, interval_unix)))
         self._write(fresh)
         self._ingest(fresh)
@@ -234,14 +235,12 @@ class AccumulatedStore:
         table, _ = self._fresh(table)
         if table.num_rows == 0:
             return
-        ok_mask = table.column("error").is_null()
-        bad = table.num_rows - int(pc.sum(ok_mask.cast(pa.int64())).as_py() or 0)
-        ok = table.filter(ok_mask)
+        ok = table.filter(table.column("error").is_null())
         self._index_groups(ok)
         ids = table.column("tuple_id").to_numpy().view(np.uint64)
         self._known = _merge_sorted(self._known, ids)
         self.max_offset = max(self.max_offset, int(pc.max(table.column("offset")).as_py()))
-        self.malformed += bad
+        self.malformed += table.num_rows - ok.num_rows
         self.total += ok.num_rows
         if ok.num_rows and "interval_unix" in ok.column_names:
             when, counts = np.unique(ok.column("interval_unix").to_numpy(), return_counts=True)
@@ -273,8 +272,5 @@ class AccumulatedStore:
 
     def history(self) -> list[tuple[float, int]]:
         """(interval time, cumulative accepted records), oldest first."""
-        out, running = [], 0
-        for when in sorted(self._history):
-            running += self._history[when]
-            out.append((when, running))
-        return out
+        times = sorted(self._history)
+        return list(zip(times, itertools.accumulate(self._history[t] for t in times), strict=True))
