@@ -222,14 +222,9 @@ def group_message(result: GroupResult, listed: int) -> features_pb2.KnowledgeGro
 
 def _fill_main(knowledge: features_pb2.Knowledge, main: features_pb2.KnowledgeGroup) -> None:
     """Top-level fields = the main group (what readers of one group expect)."""
-    knowledge.tuple_count = main.tuple_count
-    knowledge.feature_names.extend(main.feature_names)
-    knowledge.feature_mean.extend(main.feature_mean)
-    knowledge.feature_std.extend(main.feature_std)
-    knowledge.clusters.extend(main.clusters)
-    knowledge.dendrogram.extend(main.dendrogram)
-    knowledge.assignments.extend(main.assignments)
-    knowledge.algorithm = main.algorithm
+    knowledge.tuple_count, knowledge.algorithm = main.tuple_count, main.algorithm
+    for name in ("feature_names", "feature_mean", "feature_std", "clusters", "dendrogram", "assignments"):
+        getattr(knowledge, name).extend(getattr(main, name))
 
 
 def to_knowledge(
