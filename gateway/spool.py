@@ -269,12 +269,8 @@ class Spool:
     def _load(self) -> None:
         """Replay the segments; remove leftovers of interrupted writes."""
         clean_temporaries(self.root)
-        data_files: dict[int, Path] = {}
-        for path in self.root.iterdir():
-            if path.name.startswith(".tmp-"):
-                path.unlink(missing_ok=True)
-            elif match := _DATA.match(path.name):
-                data_files[int(match.group(1))] = path
+        clean_temporaries(self.root, ".tmp-*")  # uploads and file copies a crash interrupted
+        data_files = {int(m.group(1)): path for path in self.root.iterdir() if (m := _DATA.match(path.name))}
         self._log.open(self._replay)
         for entry in list(self._entries.values()):
             if not entry.inline and not self._file_ok(entry):
