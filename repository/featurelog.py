@@ -26,6 +26,7 @@ import bisect
 import dataclasses
 import logging
 import os
+import shutil
 import threading
 import time
 from array import array
@@ -210,8 +211,7 @@ class FeatureLog:
         target = folder / f"{path.name}.{int(time.time())}.{valid_end}.tail"
         with open(path, "rb") as src, open(target, "wb") as dst:
             src.seek(valid_end)
-            while block := src.read(1024 * 1024):
-                dst.write(block)
+            shutil.copyfileobj(src, dst)
             dst.flush()
             os.fsync(dst.fileno())
         return str(target)
