@@ -6,21 +6,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from hio.metrics import FSYNC_BUCKETS, Scraped, counters, gauge, gauges, histogram, role_registry
 from hio.repository.store import FeatureStore
 
 
-class RepositoryMetrics:
+def repository_registry(store: FeatureStore) -> CollectorRegistry:
     """The repository's registry; its fsync histogram is observed by the store's disk."""
-
-    def __init__(self, store: FeatureStore) -> None:
-        self.fsync = histogram(
-            "hio_repository_fsync_seconds", "Seconds each fsync of the repository's files took", FSYNC_BUCKETS
-        )
-        store.disk.observe = self.fsync.observe
-        self.registry = role_registry(Scraped(lambda: families(store)), self.fsync)
+    fsync = histogram(
+        "hio_repository_fsync_seconds", "Seconds each fsync of the repository's files took", FSYNC_BUCKETS
+    )
+    store.disk.observe = fsync.observe
+    return role_registry(Scraped(lambda: families(store)), fsync)
 
 
 def families(store: FeatureStore) -> Iterator[Metric]:

@@ -10,7 +10,7 @@ from hio.process.log import NOTICE
 from hio.proto import repository_pb2_grpc
 from hio.repository.config import RepositoryConfig
 from hio.repository.http import pages
-from hio.repository.metrics import RepositoryMetrics
+from hio.repository.metrics import repository_registry
 from hio.repository.service import POLICY, RepositoryService
 from hio.repository.store import FeatureStore
 from hio.transport.errors import HioError
@@ -62,7 +62,7 @@ def run_repository(config: RepositoryConfig) -> int:
         return 1
     http = None
     try:
-        registry = RepositoryMetrics(store).registry if config.metrics else None
+        registry = repository_registry(store) if config.metrics else None
         http = serve_http(config, config.http_listen, registry, name="repository", pages=pages(store))
         server.start()
         health_servicer.start(lambda: store.disk.failure)

@@ -17,7 +17,7 @@ import pytest
 
 from hio.proto import features_pb2
 from hio.repository.featurelog import CorruptSegment
-from hio.repository.metrics import RepositoryMetrics
+from hio.repository.metrics import repository_registry
 from hio.repository.segments import HEADER_SIZE, MAGIC
 from hio.repository.store import FeatureStore, StoreOptions
 from hio.transport.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
@@ -692,7 +692,7 @@ def test_a_failed_fsync_refuses_every_later_put_until_restart(
     disk = FsyncDisk(monkeypatch)
     options = StoreOptions(segment_bytes=4096, fsync=mode)
     s = FeatureStore(tmp_path / "s", options)
-    metrics = RepositoryMetrics(s).registry  # its sync_failed gauge is what an alert watches
+    metrics = repository_registry(s)  # its sync_failed gauge is what an alert watches
     s.put([upload(1)])
     assert metrics.get_sample_value("hio_repository_sync_failed") == 0
     disk.error = OSError(errno.EIO, "Input/output error")
@@ -706,7 +706,7 @@ def test_a_failed_fsync_refuses_every_later_put_until_restart(
     s.close()
     with FeatureStore(tmp_path / "s", options) as again:  # the restart takes puts again
         assert again.put([upload(3)])[0].offset == again.latest()
-        assert RepositoryMetrics(again).registry.get_sample_value("hio_repository_sync_failed") == 0
+        assert repository_registry(again).get_sample_value("hio_repository_sync_failed") == 0
 
 
 def test_a_failed_folder_fsync_is_final_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
