@@ -15,6 +15,7 @@ Spark pickles the reader to its Python workers, so it holds only plain options.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -49,14 +50,9 @@ def split_range(after: int, until: int, parts: int, min_size: int = 500) -> list
     total = until - after
     if total <= 0:
         return []
-    parts = max(1, min(parts, total // min_size or 1))
-    step, extra = divmod(total, parts)
-    slices, start = [], after
-    for index in range(parts):
-        end = start + step + (1 if index < extra else 0)
-        slices.append(OffsetRange(start, end))
-        start = end
-    return slices
+    parts = max(1, min(parts, total // min_size))
+    bounds = [after + total * index // parts for index in range(parts + 1)]
+    return [OffsetRange(start, end) for start, end in itertools.pairwise(bounds)]
 
 
 class RepositoryDataSource(DataSource):
