@@ -117,11 +117,9 @@ class OffsetIndex:
         among the pairs, keeps its lowest offset."""
         if not ids.size:
             return
-        order = np.lexsort((offsets, ids))  # by id, then offset: the first of equal ids is kept
-        ids, offsets = ids[order], offsets[order]
-        first = np.ones(ids.size, dtype=bool)
-        first[1:] = ids[1:] != ids[:-1]
-        ids, offsets = ids[first], offsets[first]
+        order = np.lexsort((offsets, ids))  # by id, then offset: unique's first of equal ids is the lowest
+        ids, first = np.unique(ids[order], return_index=True)
+        offsets = offsets[order][first]
         known = self._sorted_ids
         at = known.searchsorted(ids)
         if known.size:
