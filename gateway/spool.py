@@ -218,10 +218,6 @@ class Spool:
         segment_bytes: int = SEGMENT_BYTES,
         unsynced_bytes: int = UNSYNCED_BYTES,
     ) -> None:
-        if memory_bytes < 0:
-            raise ValueError(f"memory_bytes must not be negative, got {memory_bytes}")
-        if segment_bytes <= 0:
-            raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
         self._disk = DiskFailure(disk="the spool's disk", owner="gateway")
         self.root = Path(root)
         self._log = SegmentLog(
@@ -421,17 +417,11 @@ class Spool:
             self._log.settle(admitted)
             self._release(size)
             raise
-        self._keep_in_memory(entry, data)
-        return entry
-
-    def _keep_in_memory(self, entry: SpoolEntry, data: bytes) -> None:
-        """Keep an immutable payload beside its disk copy while within ``memory_bytes``."""
-        if not isinstance(data, bytes):
-            return
-        with self._cond:
-            if entry.seq in self._entries and self._memory_used + len(data) <= self.memory_limit:
+        with self._cond:  # kept beside its disk copy too, while within ``memory_bytes``
+            if entry.seq in self._entries and self._memory_used + size <= self.memory_limit:
                 entry.payload = data
-                self._memory_used += len(data)
+                self._memory_used += size
+        return entry
 
     def put_file(
         self,
