@@ -329,13 +329,10 @@ class Dispatcher:
         self._persist([p.entry for p in batch])
         if direct:
             self._stream(batch, route.channel.address, direct=True, lane=route.channel.lane_address)
-        else:
-            self._stream(batch, self._config.master_address, direct=False, lane=self._master_lane(route))
-
-    def _master_lane(self, route: master_pb2.RouteTuplesResponse) -> str:
-        """The master's payload lane: its port on the host we reach the master at ('' = none)."""
-        port = route.queue.lane_port if route.HasField("queue") else 0
-        return lane_beside(self._config.master_address, port) if port else ""
+        else:  # the master's payload lane: its port on the host we reach the master at
+            port = route.queue.lane_port if route.HasField("queue") else 0
+            lane = lane_beside(self._config.master_address, port) if port else ""
+            self._stream(batch, self._config.master_address, direct=False, lane=lane)
 
     def _route(self, batch: list[_Pending], *, force_queue: bool) -> master_pb2.RouteTuplesResponse:
         request = master_pb2.RouteTuplesRequest(
