@@ -19,13 +19,8 @@ HTTP_LISTEN = "127.0.0.1:7380"  # where the role's HTTP endpoint listens by defa
 
 # File extension -> engine image, used when no image is given.
 IMAGE_BY_EXTENSION: dict[str, str] = {
-    ".tif": "hio/microscopy",
-    ".tiff": "hio/microscopy",
-    ".png": "hio/microscopy",
-    ".jpg": "hio/microscopy",
-    ".jpeg": "hio/microscopy",
-    ".npz": "hio/simulation",
-    ".npy": "hio/simulation",
+    **dict.fromkeys((".tif", ".tiff", ".png", ".jpg", ".jpeg"), "hio/microscopy"),
+    **dict.fromkeys((".npz", ".npy"), "hio/simulation"),
 }
 
 # Files a directory walk or watch never takes: still being written, or hidden.
