@@ -16,7 +16,6 @@ from hio.settings import FEATURE_RECORD_DECOMPRESSED_BYTES, RECORD_HEADROOM, Clu
 FSYNC_INTERVAL_MS = 3
 
 HTTP_LISTEN = "127.0.0.1:7180"  # where the role's HTTP endpoint listens by default
-# Bytes of a PutFeatures/ReadFeatures message beyond the record itself (the engine keeps the same).
 
 
 @dataclasses.dataclass(frozen=True)

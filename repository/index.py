@@ -11,7 +11,7 @@ much (an entry, a key object and a value object each): at ten million records,
 more than a gigabyte. Merging copies the arrays, so it waits until the dict
 holds an eighth of what they do (at least ``MERGE_MIN`` ids), and a put pays
 for it in proportion. Ids stored twice in the log (never written by the log
-itself) keep their first offset, as the dict's ``setdefault`` did.
+itself) keep their first offset, as ``dict.setdefault`` would.
 
 Not thread safe: the feature log guards it with its lock.
 """
