@@ -20,14 +20,13 @@ from hio.config import (
     same_port,
     setting,
 )
-from hio.master.provisioners import parse_options
+from hio.master.provisioners import DRIVERS, parse_options
 from hio.settings import BUILTIN_IMAGES, ClusterSettings, GiB, MiB
 from hio.transport.net import stream_bound
 
 HTTP_LISTEN = "127.0.0.1:7080"  # where the role's HTTP endpoint listens by default
 
 SCALING_MODES = ("fixed", "elastic")
-PROVISIONERS = ("local", "openstack")
 MAX_EXPIRY_SECONDS = 10.0
 
 
@@ -249,7 +248,7 @@ class MasterConfig(ClusterSettings):
             raise ConfigError(f"small_step ({self.small_step}) must not exceed large_step ({self.large_step})")
         between("pack_margin", self.pack_margin, 0, 0.9, " (a share of a worker's vCPUs)")
         if self.provisioner:
-            one_of("provisioner", self.provisioner, PROVISIONERS)
+            one_of("provisioner", self.provisioner, tuple(DRIVERS))
         if self.provisioner and self.scaling != "elastic":
             raise ConfigError(f"provisioner {self.provisioner!r} needs scaling = elastic (it is {self.scaling!r})")
         between("max_workers", self.max_workers, 1)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hio.config import ConfigError, one_of
-from hio.master.provisioners import ProvisionedWorker, WorkerRequest, WorkerState
+from hio.master.provisioners import ProvisionedWorker, WorkerRequest, WorkerState, check_options
 from hio.process.procs import child_env, lifeline_owner, start_ticks
 from hio.settings import settings_flags
 from hio.storage.files import atomic_write
@@ -39,11 +39,7 @@ _NOT_PASSED = ("master_address", "repository_address", "data_dir", "token", "tok
 
 
 def create_provisioner(config: MasterConfig, state_dir: Path, options: dict[str, str]) -> LocalProvisioner:
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ConfigError(
-            f"provisioner_options: the local driver has no option {', '.join(unknown)}; it has {', '.join(OPTIONS)}"
-        )
+    check_options("local", options, OPTIONS)
     runtime = options.get("runtime", "process")
     one_of("provisioner_options: runtime", runtime, RUNTIMES)
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hio.config import ConfigError, as_text, only_this_host, parse_assignments, setting
-from hio.master.provisioners import ProvisionedWorker, ProvisionError, WorkerRequest, WorkerState
+from hio.master.provisioners import ProvisionedWorker, ProvisionError, WorkerRequest, WorkerState, check_options
 from hio.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -180,12 +180,7 @@ class OpenStackSettings:
     def from_options(cls, options: dict[str, str]) -> OpenStackSettings:
         """The settings ``provisioner_options`` give (parsed into a dict), checked; an option
         the driver does not have is refused naming ``provisioner_options``."""
-        fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise ConfigError(
-                f"{OPTIONS}: the openstack driver has no option {', '.join(unknown)}; it has {', '.join(fields)}"
-            )
+        check_options("openstack", options, [f.name for f in dataclasses.fields(cls)])
         types = typing.get_type_hints(cls)
         values: dict[str, Any] = {}
         for name, text in options.items():
