@@ -30,7 +30,7 @@ from hio.master.ids import TupleIdAllocator
 from hio.master.metrics import MasterMetrics
 from hio.master.profile import Profile
 from hio.master.provisioners import open_provisioner
-from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelState, Worker
+from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelState, Worker, check_name
 from hio.master.scaler import Scaler, worker_plans
 from hio.master.stats import History, Sample, Stats
 from hio.master.storage import Durability
@@ -364,10 +364,7 @@ class Master:
                 del self._route_waiters[image]
 
     def _check_route(self, image: str, items: Sequence[RouteItem]) -> None:
-        if not image:
-            raise InvalidArgument("image must not be empty")
-        if len(image) > 256:
-            raise InvalidArgument("image name is longer than 256 characters")
+        check_name("image", image)
         if not 1 <= len(items) <= MAX_ROUTE_ITEMS:
             raise InvalidArgument(f"a route request carries 1 to {MAX_ROUTE_ITEMS} items, got {len(items)}")
         for n, item in enumerate(items):
