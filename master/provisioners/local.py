@@ -93,30 +93,12 @@ class LocalProvisioner:
 
     def _spawn(self, request: WorkerRequest) -> subprocess.Popen[bytes]:
         config = self._config
-        argv = [
-            sys.executable,
-            "-m",
-            "hio.cli",
-            "worker",
-            "--worker-id",
-            request.worker_id,
-            "--elastic",
-            "--master-address",
-            request.master_address,
-            "--repository-address",
-            config.repository_address,
-            "--data-dir",
-            config.data_dir,
-            "--cpus",
-            str(config.new_worker_cpus()),
-            "--runtime",
-            self._runtime,
-            "--http-listen",  # workers side by side on one machine: each on a free port (in its log)
-            "127.0.0.1:0",
-            *settings_flags(config, omit=_NOT_PASSED),
-        ]
-        owner = lifeline_owner()
-        if owner:
+        argv = [sys.executable, "-m", "hio.cli", "worker", "--worker-id", request.worker_id, "--elastic"]
+        argv += ["--master-address", request.master_address, "--repository-address", config.repository_address]
+        argv += ["--data-dir", config.data_dir, "--cpus", str(config.new_worker_cpus()), "--runtime", self._runtime]
+        # workers side by side on one machine: each on a free port (in its log)
+        argv += ["--http-listen", "127.0.0.1:0", *settings_flags(config, omit=_NOT_PASSED)]
+        if owner := lifeline_owner():
             argv += ["--owner-pid", str(owner)]
         argv += self._args
         env = child_env({"HIO_TOKEN": request.token} if request.token else {})
