@@ -786,10 +786,8 @@ class PendingEnqueues:
         self._pending.setdefault(image, {}).update(dict.fromkeys(tuple_ids, time.monotonic() + self._ttl))
 
     def arrived(self, image: str, tuple_id: int) -> None:
-        table = self._pending.get(image, {})
-        table.pop(tuple_id, None)
-        if not table:  # the image's entry goes with its last tuple
-            self._pending.pop(image, None)
+        self._pending.get(image, {}).pop(tuple_id, None)
+        self.expire(image)  # the image's entry goes with its last tuple
 
     def count(self, image: str) -> int:
         self.expire(image)
