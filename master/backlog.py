@@ -704,19 +704,17 @@ class BacklogQueue:
     ) -> bool:
         """True if a record found at start is queued again; else it is done (acknowledged,
         a dead letter, or damaged: acknowledged now). ``fh``: its segment, at its payload."""
-        if seq in acked:
-            self._acked.setdefault(segment.id, []).append(seq)
-            return False
-        if (seq, meta.tuple_id) in dead or crc32_of_file(fh, meta.size)[0] != meta.crc32:
+        if seq not in acked:
             if (seq, meta.tuple_id) not in dead:
+                if crc32_of_file(fh, meta.size)[0] == meta.crc32:
+                    return True
                 log.error(
                     "queued tuple damaged on disk, dropped",
                     extra={"tuple_id": meta.tuple_id, "segment": segment.path.name},
                 )
-            self._acked.setdefault(segment.id, []).append(seq)
             self._journal.append(ACK, seq, 0, 0)
-            return False
-        return True
+        self._acked.setdefault(segment.id, []).append(seq)
+        return False
 
     def _rebuild(self, records: list[tuple[int, TupleMeta, int, int]], moves: dict[int, tuple[int, int]]) -> None:
         entries = []

@@ -20,14 +20,13 @@ from hio.config import (
     same_port,
     setting,
 )
-from hio.master.provisioners import parse_options
+from hio.master.provisioners import DRIVERS, parse_options
 from hio.settings import BUILTIN_IMAGES, ClusterSettings, GiB, MiB
 from hio.transport.net import stream_bound
 
 HTTP_LISTEN = "127.0.0.1:7080"  # where the role's HTTP endpoint listens by default
 
 SCALING_MODES = ("fixed", "elastic")
-PROVISIONERS = ("local", "openstack")
 MAX_EXPIRY_SECONDS = 10.0
 
 
@@ -241,20 +240,17 @@ class MasterConfig(ClusterSettings):
                 raise ConfigError(f"images: invalid image name {image!r}")
         between("default_share", self.default_share, 0, 64, " cores per engine")
         one_of("scaling", self.scaling, SCALING_MODES)
-        if self.lower_rate > self.upper_rate:
-            raise ConfigError(f"lower_rate ({self.lower_rate}) must not exceed upper_rate ({self.upper_rate})")
         if not math.isfinite(self.slowdown_rate) or self.slowdown_rate > 0:
             raise ConfigError(f"slowdown_rate must be zero or negative (a shrinking backlog), got {self.slowdown_rate}")
-        if self.small_step > self.large_step:
-            raise ConfigError(f"small_step ({self.small_step}) must not exceed large_step ({self.large_step})")
         between("pack_margin", self.pack_margin, 0, 0.9, " (a share of a worker's vCPUs)")
         if self.provisioner:
-            one_of("provisioner", self.provisioner, PROVISIONERS)
+            one_of("provisioner", self.provisioner, tuple(DRIVERS))
         if self.provisioner and self.scaling != "elastic":
             raise ConfigError(f"provisioner {self.provisioner!r} needs scaling = elastic (it is {self.scaling!r})")
         between("max_workers", self.max_workers, 1)
-        if self.min_workers > self.max_workers:
-            raise ConfigError(f"min_workers ({self.min_workers}) must not exceed max_workers ({self.max_workers})")
+        for low, high in (("lower_rate", "upper_rate"), ("small_step", "large_step"), ("min_workers", "max_workers")):
+            if getattr(self, low) > getattr(self, high):
+                raise ConfigError(f"{low} ({getattr(self, low)}) must not exceed {high} ({getattr(self, high)})")
         check_address("advertise_address", self.advertise_address, allow_empty=True)
         if not self.worker_prefix or "/" in self.worker_prefix or any(c.isspace() for c in self.worker_prefix):
             raise ConfigError(f"worker_prefix {self.worker_prefix!r} must be a name without '/' or spaces")

@@ -30,7 +30,7 @@ from hio.master.ids import TupleIdAllocator
 from hio.master.metrics import MasterMetrics
 from hio.master.profile import Profile
 from hio.master.provisioners import open_provisioner
-from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelState, Worker
+from hio.master.registry import NEVER, Channel, ChannelRegistry, ChannelState, Worker, check_name
 from hio.master.scaler import Scaler, worker_plans
 from hio.master.stats import History, Sample, Stats
 from hio.master.storage import Durability
@@ -113,7 +113,7 @@ class Master:
             self.root, ConfigError(f"another master uses {self.root} (data_dir); stop it or choose another data_dir")
         )  # two masters must never share a backlog
         self._lock_fd: int | None = lock_fd
-        self._cond = threading.Condition(threading.RLock())
+        self.lock = threading.Condition(threading.RLock())  # the one lock over the state (the scaler's too)
         with contextlib.ExitStack() as undo:  # nothing stays open when a part fails (a driver refusing its options)
             undo.callback(os.close, lock_fd)
             self.durability = durability = Durability(config.fsync)
@@ -127,7 +127,7 @@ class Master:
                 memory_bytes=config.queue_memory_bytes,
                 segment_bytes=config.segment_bytes,
                 max_attempts=config.max_attempts,
-                cond=self._cond,
+                cond=self.lock,
             )
             undo.callback(self.queue.close)
             self.registry = ChannelRegistry(
@@ -168,28 +168,18 @@ class Master:
         return f"{host}:{self.listen_port}" if port == "0" and self.listen_port else address
 
     @property
-    def lock(self) -> threading.Condition:
-        """The one lock over the master's state (the scaler's included)."""
-        return self._cond
-
-    @property
     def lane_port(self) -> int:
         """The payload lane's port, told to senders in queue routes and to engines; 0 = none."""
         return self.lane.port if self.lane is not None else 0
-
-    @property
-    def _stopping(self) -> bool:
-        """Stopping began (:meth:`begin_shutdown`): pulls and route waits end, none start."""
-        return self._stop_deadline.begun
 
     def begin_shutdown(self, finish_seconds: float = 0.0) -> None:
         """Wake every waiting pull (they return empty), refuse new waits, and stop the payload lane
         (its calls end now: senders send again, pulls void their leases). A tuple still arriving
         on a gRPC Enqueue stream may finish within ``finish_seconds``; then its stream ends with
         UNAVAILABLE, saying to send what was not ENQUEUED again (:meth:`enqueue_cut`)."""
-        with self._cond:
+        with self.lock:
             self._stop_deadline.begin(finish_seconds)
-            self._cond.notify_all()
+            self.lock.notify_all()
         if self.lane is not None:  # after: waiting pulls have returned, so its stop() need not wait for them
             self.lane.stop()
 
@@ -212,33 +202,33 @@ class Master:
         while not self._stop.wait(every):
             try:
                 self.expire()
-                with self._cond:
+                with self.lock:
                     self.history.observe(self.stats)
             except Exception:  # the maintenance thread must survive anything
                 log.exception("maintenance pass failed")
 
     def history_samples(self) -> list[Sample]:
         """Throughput and latency over the last hour (:class:`~hio.master.stats.History`), oldest first."""
-        with self._cond:
+        with self.lock:
             return self.history.samples()
 
     def expire(self) -> None:
         """One maintenance pass: expire workers and reservations, void their leases, expire leases."""
-        with self._cond:
+        with self.lock:
             result = self.registry.expire()
             self.pending.expire()
             # Void under the same lock, so no status snapshot shows a channel DOWN still holding a lease.
             for channel_id in result.down_channels:
                 self.queue.void_leases(channel_id, "worker expired", settle=False)
             if result.expired_workers or result.lapsed_channels:
-                self._cond.notify_all()
+                self.lock.notify_all()
         self.queue.settle()  # dead-letter copies (up to a tuple's size of disk I/O) off the master lock
         for worker_id in result.expired_workers:
             log.warning("worker expired", extra={"worker": worker_id, "after_s": self.config.expiry_seconds})
         for channel_id in self.queue.expire_leases():
-            with self._cond:
+            with self.lock:
                 self._free_if_unleased(self.registry.channel(channel_id))
-                self._cond.notify_all()
+                self.lock.notify_all()
 
     def register_worker(
         self,
@@ -251,13 +241,13 @@ class Master:
     ) -> None:
         """Add or replace a worker; leases of its previous channels go back to the queue.
         ``elastic``: it runs the engines the plan gives it."""
-        with self._cond:
+        with self.lock:
             if self.scaler is not None and not self.scaler.pool.admits(worker_id):
                 raise FailedPrecondition(f"worker {worker_id} was given back by the elastic scaler and is stopping")
             replaced = self.registry.register(worker_id, host, cpus, channels, elastic=elastic)
             if self.scaler is not None:
                 self.scaler.pool.registered(worker_id)
-            self._cond.notify_all()
+            self.lock.notify_all()
         for channel_id in replaced:
             self.queue.void_leases(channel_id, "worker registered again")
         log.info("worker registered", extra={"worker": worker_id, "host": host, "elastic": elastic})
@@ -273,7 +263,7 @@ class Master:
         engine's CPU seconds so far (used and waited for), for the profile of its image.
         ``channels``: every channel the worker has, when it says so (channels it started or
         stopped come or go)."""
-        with self._cond:
+        with self.lock:
             removed: list[str] = []
             if channels is not None:
                 added, removed = self.registry.sync(worker_id, channels)
@@ -289,7 +279,7 @@ class Master:
             answer = master_pb2.HeartbeatResponse(known=known)
             if known and self.scaler is not None:
                 answer = self.scaler.answer(worker_id)
-            self._cond.notify_all()
+            self.lock.notify_all()
         for channel_id in went_down:
             log.info("channel down", extra={"channel": channel_id, "detail": down.get(channel_id, "")})
             self.queue.void_leases(channel_id, "channel down")
@@ -312,7 +302,7 @@ class Master:
         if not math.isfinite(wait_seconds) or not 0 <= wait_seconds <= MAX_PULL_WAIT:
             raise InvalidArgument(f"wait_seconds must be between 0 and {MAX_PULL_WAIT:g}, got {wait_seconds}")
         arrived = time.monotonic()
-        with self._cond:
+        with self.lock:
             self._check_known(image, [item.tuple_id for item in items if item.tuple_id])
             fresh = iter(self.ids.allocate(sum(1 for i in items if not i.tuple_id)))
             tuple_ids = [item.tuple_id or next(fresh) for item in items]
@@ -346,7 +336,7 @@ class Master:
                 ready, on_the_way = self.queue.ready_count(image), self.pending.count(image)
                 decide_now = (
                     force_queue
-                    or self._stopping
+                    or self._stop_deadline.begun
                     or time.monotonic() >= deadline
                     or ready > 0
                     or on_the_way > 0
@@ -365,19 +355,16 @@ class Master:
                     if decide_now:
                         self.pending.add(image, tuple_ids)
                         return master_pb2.QueueRoute(queue_length=self.queue.length(image) + on_the_way)
-                self._cond.wait(max(0.0, min(deadline - time.monotonic(), 1.0)))
+                self.lock.wait(max(0.0, min(deadline - time.monotonic(), 1.0)))
         finally:
             waiters.remove(token)
             if waiters:
-                self._cond.notify_all()  # the next batch waiting may be first now
+                self.lock.notify_all()  # the next batch waiting may be first now
             else:
                 del self._route_waiters[image]
 
     def _check_route(self, image: str, items: Sequence[RouteItem]) -> None:
-        if not image:
-            raise InvalidArgument("image must not be empty")
-        if len(image) > 256:
-            raise InvalidArgument("image name is longer than 256 characters")
+        check_name("image", image)
         if not 1 <= len(items) <= MAX_ROUTE_ITEMS:
             raise InvalidArgument(f"a route request carries 1 to {MAX_ROUTE_ITEMS} items, got {len(items)}")
         for n, item in enumerate(items):
@@ -417,7 +404,7 @@ class Master:
         )
         for stored in stored_any:
             meta = stored.meta
-            with self._cond:
+            with self.lock:
                 self.pending.arrived(meta.image, meta.tuple_id)
                 self.stats.bytes_enqueued += meta.size
             log.debug(
@@ -435,7 +422,7 @@ class Master:
         )
 
     def _admit(self, meta: TupleMeta) -> None:
-        with self._cond:
+        with self.lock:
             self._check_known(meta.image, [meta.tuple_id], enqueued=True)
 
     def pull(
@@ -459,11 +446,11 @@ class Master:
             raise InvalidArgument(f"max_bytes must be between 0 and {MAX_PULL_BYTES}, got {max_bytes}")
         deadline = time.monotonic() + wait_seconds
         waiting = False
-        with self._cond:
+        with self.lock:
             if self.registry.channel(channel_id) is None:
                 raise NotFound(f"unknown channel '{channel_id}' (its worker must register it)")
             try:
-                while not self._stopping:
+                while not self._stop_deadline.begun:
                     channel = self.registry.channel(channel_id)
                     if channel is None or not alive():
                         return None
@@ -501,7 +488,7 @@ class Master:
                             )
                         self._waiters += 1
                         waiting = True
-                    self._cond.wait(remaining)
+                    self.lock.wait(remaining)
                 return None
             finally:
                 if waiting:
@@ -537,7 +524,7 @@ class Master:
         for n, outcome in enumerate(outcomes):
             self._check_outcome(n, outcome)
         now = time.time()
-        with self._cond:
+        with self.lock:
             channel = self.registry.channel(channel_id)
             if channel is not None:
                 self.registry.touch(channel)
@@ -570,7 +557,7 @@ class Master:
             return False
         if pull_done:  # what it pulled and did not process goes back now, not at lease expiry
             self.queue.void_leases(channel_id, "returned unprocessed by the channel that pulled it", charge=False)
-        with self._cond:
+        with self.lock:
             channel = self.registry.channel(channel_id)
             if channel is None or not self.registry.routable(channel):
                 return False
@@ -580,7 +567,7 @@ class Master:
                 self.registry.set_queue(channel, leased=self.queue.has_lease(channel_id))
             elif not self.queue.has_lease(channel_id):
                 self.registry.set_free(channel)
-            self._cond.notify_all()
+            self.lock.notify_all()
             return pull
 
     def _check_outcome(self, n: int, outcome: TupleOutcome) -> None:
@@ -597,7 +584,7 @@ class Master:
 
     def _after_outcomes(self, channel_id: str) -> None:
         """A QUEUE channel whose tuple is settled but not released lapses to FREE unless it pulls again."""
-        with self._cond:
+        with self.lock:
             channel = self.registry.channel(channel_id)
             if (
                 channel is not None
@@ -609,7 +596,7 @@ class Master:
 
     def scaling(self) -> master_pb2.Scaling:
         """The plan, the workers, each image's engines and profile, the latest decisions."""
-        with self._cond:
+        with self.lock:
             images = self.engines(self.queue.status())
             if self.scaler is not None:
                 return self.scaler.report(images)
@@ -664,7 +651,7 @@ class Master:
 
     def status(self) -> master_pb2.GetStatusResponse:
         """A consistent snapshot of everything an operator looks at."""
-        with self._cond:
+        with self.lock:
             free, busy, down = self.registry.counts()
             queues = self.queue.status()
             rates = self.stats.rates()
@@ -729,7 +716,7 @@ class Master:
         come, so it is ready without any)."""
         if self.durability.disk.failure:
             return self.durability.disk.failure
-        with self._cond:
+        with self.lock:
             if self.scaler is None and not self.registry.serves():
                 return "no worker runs an engine for any image (start a worker: hio worker)"
         return ""
@@ -799,10 +786,8 @@ class PendingEnqueues:
         self._pending.setdefault(image, {}).update(dict.fromkeys(tuple_ids, time.monotonic() + self._ttl))
 
     def arrived(self, image: str, tuple_id: int) -> None:
-        table = self._pending.get(image, {})
-        table.pop(tuple_id, None)
-        if not table:  # the image's entry goes with its last tuple
-            self._pending.pop(image, None)
+        self._pending.get(image, {}).pop(tuple_id, None)
+        self.expire(image)  # the image's entry goes with its last tuple
 
     def count(self, image: str) -> int:
         self.expire(image)

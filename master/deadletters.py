@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from hio.master.storage import Durability
-from hio.storage.files import atomic_write, copy_exact, fsync_dir, write_all
+from hio.storage.files import atomic_write, clean_temporaries, copy_exact, fsync_dir, write_all
 from hio.transport.frames import TupleMeta
 
 log = logging.getLogger("hio.master")
@@ -171,8 +171,8 @@ class DeadLetterStore:
         return letter
 
     def _load(self) -> None:
-        for leftover in [*self.root.glob("*.part"), *self.root.glob("*.tmp")]:
-            leftover.unlink(missing_ok=True)
+        clean_temporaries(self.root, "*.part")  # payloads a crash left unpublished
+        clean_temporaries(self.root)
         for path in self.root.glob("*.json"):
             try:
                 doc = json.loads(path.read_text())

@@ -142,7 +142,7 @@ class ChannelRegistry:
         """Add or replace a worker and its channels (as the worker announces them: DOWN with why,
         or up); the ids of replaced channels (void their leases)."""
         specs = list(specs)
-        _check_name("worker_id", worker_id)
+        check_name("worker_id", worker_id)
         self._check_specs(worker_id, specs)
         now = self._clock()
         old = self._workers.pop(worker_id, None)
@@ -174,11 +174,11 @@ class ChannelRegistry:
             raise InvalidArgument(f"worker {worker_id}: {len(specs)} channels, at most {MAX_CHANNELS_PER_WORKER}")
         seen: set[str] = set()
         for spec in specs:
-            _check_name("channel_id", spec.channel_id)
-            _check_name(f"channel {spec.channel_id}: image", spec.image)
-            _check_name(f"channel {spec.channel_id}: address", spec.address)
+            check_name("channel_id", spec.channel_id)
+            check_name(f"channel {spec.channel_id}: image", spec.image)
+            check_name(f"channel {spec.channel_id}: address", spec.address)
             if spec.lane_address:
-                _check_name(f"channel {spec.channel_id}: lane address", spec.lane_address)
+                check_name(f"channel {spec.channel_id}: lane address", spec.lane_address)
             if spec.channel_id in seen:
                 raise InvalidArgument(f"worker {worker_id}: channel {spec.channel_id} listed twice")
             seen.add(spec.channel_id)
@@ -445,7 +445,7 @@ class ChannelRegistry:
         return max(0.0, self._clock() - worker.last_seen)
 
 
-def _check_name(what: str, value: str) -> None:
+def check_name(what: str, value: str) -> None:
     if not value:
         raise InvalidArgument(f"{what} must not be empty")
     if len(value) > MAX_NAME:

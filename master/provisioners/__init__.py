@@ -101,17 +101,21 @@ def parse_options(items: tuple[str, ...]) -> dict[str, str]:
     return options
 
 
+def check_options(driver: str, options: dict[str, str], known: list[str] | tuple[str, ...]) -> None:
+    """Refuse an option the driver does not have, naming those it has."""
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"provisioner_options: the {driver} driver has no option {', '.join(unknown)}; it has {', '.join(known)}"
+        )
+
+
 def open_provisioner(config: MasterConfig, state_dir: Path) -> Provisioner | None:
-    """The driver ``config.provisioner`` names, made from ``provisioner_options`` (a driver
-    refuses options it does not know: a typo stops the master at start); None for none."""
+    """The driver ``config.provisioner`` names (one of :data:`DRIVERS`, as the config's
+    validation holds), made from ``provisioner_options`` (a driver refuses options it does
+    not know: a typo stops the master at start); None for none."""
     if not config.provisioner:
         return None
-    module_name = DRIVERS.get(config.provisioner)
-    if module_name is None:
-        raise ConfigError(f"provisioner must be one of {', '.join(DRIVERS)} (or empty), got {config.provisioner!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"provisioner {config.provisioner!r} cannot be loaded: {exc}") from None
+    module = importlib.import_module(DRIVERS[config.provisioner])
     driver: Provisioner = module.create_provisioner(config, state_dir, parse_options(config.provisioner_options))
     return driver

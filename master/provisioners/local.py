@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hio.config import ConfigError, one_of
-from hio.master.provisioners import ProvisionedWorker, WorkerRequest, WorkerState
+from hio.master.provisioners import ProvisionedWorker, WorkerRequest, WorkerState, check_options
 from hio.process.procs import child_env, lifeline_owner, start_ticks
 from hio.settings import settings_flags
 from hio.storage.files import atomic_write
@@ -39,11 +39,7 @@ _NOT_PASSED = ("master_address", "repository_address", "data_dir", "token", "tok
 
 
 def create_provisioner(config: MasterConfig, state_dir: Path, options: dict[str, str]) -> LocalProvisioner:
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ConfigError(
-            f"provisioner_options: the local driver has no option {', '.join(unknown)}; it has {', '.join(OPTIONS)}"
-        )
+    check_options("local", options, OPTIONS)
     runtime = options.get("runtime", "process")
     one_of("provisioner_options: runtime", runtime, RUNTIMES)
     try:
@@ -97,30 +93,12 @@ class LocalProvisioner:
 
     def _spawn(self, request: WorkerRequest) -> subprocess.Popen[bytes]:
         config = self._config
-        argv = [
-            sys.executable,
-            "-m",
-            "hio.cli",
-            "worker",
-            "--worker-id",
-            request.worker_id,
-            "--elastic",
-            "--master-address",
-            request.master_address,
-            "--repository-address",
-            config.repository_address,
-            "--data-dir",
-            config.data_dir,
-            "--cpus",
-            str(config.new_worker_cpus()),
-            "--runtime",
-            self._runtime,
-            "--http-listen",  # workers side by side on one machine: each on a free port (in its log)
-            "127.0.0.1:0",
-            *settings_flags(config, omit=_NOT_PASSED),
-        ]
-        owner = lifeline_owner()
-        if owner:
+        argv = [sys.executable, "-m", "hio.cli", "worker", "--worker-id", request.worker_id, "--elastic"]
+        argv += ["--master-address", request.master_address, "--repository-address", config.repository_address]
+        argv += ["--data-dir", config.data_dir, "--cpus", str(config.new_worker_cpus()), "--runtime", self._runtime]
+        # workers side by side on one machine: each on a free port (in its log)
+        argv += ["--http-listen", "127.0.0.1:0", *settings_flags(config, omit=_NOT_PASSED)]
+        if owner := lifeline_owner():
             argv += ["--owner-pid", str(owner)]
         argv += self._args
         env = child_env({"HIO_TOKEN": request.token} if request.token else {})

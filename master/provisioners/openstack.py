@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hio.config import ConfigError, as_text, only_this_host, parse_assignments, setting
-from hio.master.provisioners import ProvisionedWorker, ProvisionError, WorkerRequest, WorkerState
+from hio.master.provisioners import ProvisionedWorker, ProvisionError, WorkerRequest, WorkerState, check_options
 from hio.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -180,27 +180,16 @@ class OpenStackSettings:
     def from_options(cls, options: dict[str, str]) -> OpenStackSettings:
         """The settings ``provisioner_options`` give (parsed into a dict), checked; an option
         the driver does not have is refused naming ``provisioner_options``."""
-        fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise ConfigError(
-                f"{OPTIONS}: the openstack driver has no option {', '.join(unknown)}; it has {', '.join(fields)}"
-            )
+        check_options("openstack", options, [f.name for f in dataclasses.fields(cls)])
         types = typing.get_type_hints(cls)
-        values: dict[str, Any] = {}
-        for name, text in options.items():
-            if types[name] is float:
-                try:
-                    values[name] = float(text)
-                except ValueError:
-                    raise ConfigError(f"{option(name)}: {text!r} is not a number") from None
-            elif typing.get_origin(types[name]) is tuple:
-                try:
-                    values[name] = tuple(shlex.split(text))
-                except ValueError as exc:
-                    raise ConfigError(f"{option(name)} cannot be split as a shell would: {exc}") from None
-            else:
-                values[name] = text
+        lists = [name for name in options if typing.get_origin(types[name]) is tuple]  # split as a shell would
+        plain = tuple(f"{name}={text}" for name, text in options.items() if name not in lists)
+        values = parse_assignments(plain, cls, OPTIONS, refused={})
+        for name in lists:
+            try:
+                values[name] = tuple(shlex.split(options[name]))
+            except ValueError as exc:
+                raise ConfigError(f"{option(name)} cannot be split as a shell would: {exc}") from None
         settings = cls(**values)
         settings.validate()
         return settings

@@ -280,7 +280,7 @@ def test_busy_channels_make_route_requests_wait_first_come_first_served(make_mas
         answers.append((name, route_of(route(master, wait_seconds=5.0))))
 
     def waiting() -> int:
-        with master._cond:
+        with master.lock:
             return len(master._route_waiters.get(IMAGE, ()))
 
     first = threading.Thread(target=ask, args=("first",))

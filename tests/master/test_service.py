@@ -190,7 +190,7 @@ def test_a_pull_whose_caller_has_gone_takes_nothing_and_charges_nothing(tmp_path
     tuple queued must not be leased to it and charged (found killing a container mid-tuple)."""
 
     def waiting_pulls() -> int:
-        with m.master._cond:  # type: ignore[attr-defined]
+        with m.master.lock:
             return m.master._waiters  # type: ignore[attr-defined]
 
     with running_master(tmp_path) as m:
