@@ -225,7 +225,7 @@ class _Prefetcher:
             self._untaken -= 1
             self._started += 1
             if self._untaken == 0:  # the receiver waits for nothing else from us; waking it
-                self._cond.notify()  # for every packed tuple cost a futile thread switch each
+                self._cond.notify()  # for every packed tuple would cost a futile thread switch each
             self._hand_over_if_due()
 
     def close(self) -> bool:
@@ -542,17 +542,11 @@ class Engine:
     def deliver(
         self, frames: Iterable[TupleFrame | ChunkFrame], *, max_chunk_bytes: int | None = None
     ) -> Iterator[TupleReceipt]:
-        """Serve one Deliver stream: a receipt per tuple, in order.
-
-        Tuples are processed one at a time while the next one is received and
-        the records of earlier ones are stored (:class:`_BatchStorer`); a
-        STORED receipt is sent only once its record is stored. The channel is
-        handed back before the last receipt (:class:`_Prefetcher`). Raises
-        ResourceExhausted when the channel is busy, FailedPrecondition for a
-        tuple of another image, DataLoss/InvalidArgument for a damaged stream
-        (after the receipts of the tuples before it). ``max_chunk_bytes``: the
-        largest frame payload (the payload lane sends a tuple as one frame).
-        """
+        """Serve one Deliver stream: a receipt per tuple, in order, a STORED one once its record is
+        stored (:class:`_BatchStorer`, :class:`_Prefetcher`). Raises ResourceExhausted when the
+        channel is busy, FailedPrecondition for a tuple of another image, DataLoss/InvalidArgument
+        for a damaged stream (after the receipts of the tuples before it). ``max_chunk_bytes``:
+        the largest frame payload (the payload lane sends a tuple as one frame)."""
         self._claim()
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         reader = self._reader(frames, max_chunk_bytes)
