@@ -137,12 +137,9 @@ class ClusterLink:
     def report(
         self, request: master_pb2.ReportTuplesRequest, timeout: float = CALL_TIMEOUT
     ) -> master_pb2.ReportTuplesResponse:
-        """One ReportTuples call (the reporter batches outcomes and decides on retries). Its
+        """One ReportTuples call, not retried (the reporter batches outcomes and decides on retries). Its
         answer names the master's payload lane, which pulls use from then on."""
-        try:
-            reply = self._master.ReportTuples(request, timeout=timeout)
-        except grpc.RpcError as exc:
-            raise translate(exc, "master", self._settings) from None
+        reply = self._retry(lambda: self._master.ReportTuples(request, timeout=timeout), "master", deadline=0)
         self._master_lane_port = reply.lane_port
         return reply
 

@@ -429,23 +429,21 @@ class Controller:
         with self._lock:
             slots = [(slot, slot.handle) for slot in self._slots]
         cpu = {} if registering else self._cpu_usage(slots)
-        infos = []
         with self._lock:
-            for slot, _handle in slots:
-                usage = cpu.get(slot.channel_id)
-                infos.append(
-                    master_pb2.ChannelInfo(
-                        channel_id=slot.channel_id,
-                        image=slot.image,
-                        address=f"{host}:{slot.port}",
-                        lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
-                        state=master_pb2.FREE if slot.up else master_pb2.DOWN,
-                        detail=slot.detail,
-                        cpu_seconds=None if usage is None else usage.cpu_seconds,  # None: left unset, not measured
-                        cpu_wait_seconds=None if usage is None else usage.wait_seconds,
-                    )
+            return [
+                master_pb2.ChannelInfo(
+                    channel_id=slot.channel_id,
+                    image=slot.image,
+                    address=f"{host}:{slot.port}",
+                    lane_address=f"{host}:{slot.lane_port}" if slot.lane_port else "",
+                    state=master_pb2.FREE if slot.up else master_pb2.DOWN,
+                    detail=slot.detail,
+                    # None (not measured) leaves the field unset
+                    cpu_seconds=getattr(cpu.get(slot.channel_id), "cpu_seconds", None),
+                    cpu_wait_seconds=getattr(cpu.get(slot.channel_id), "wait_seconds", None),
                 )
-        return infos
+                for slot, _handle in slots
+            ]
 
     def _cpu_usage(self, slots: list[tuple[EngineSlot, EngineHandle | None]]) -> dict[str, CpuUsage]:
         """CPU use of each running engine (read outside the lock: a container's may take a call

@@ -51,10 +51,6 @@ _IMAGE_OWNED = ("data_dir",)
 class ImageMissing(RuntimeError):
     """The engine image is not in the local image store (we never pull)."""
 
-    def __init__(self, image: str) -> None:
-        super().__init__(f"image {image} not found locally; build it with `make images`")
-        self.image = image
-
 
 @functools.cache
 def _shared_client() -> Any:
@@ -95,7 +91,7 @@ class DockerLauncher(EngineLauncher):
         try:
             image = self._client.images.get(spec.image)
         except docker.errors.ImageNotFound:
-            raise ImageMissing(spec.image) from None
+            raise ImageMissing(f"image {spec.image} not found locally; build it with `make images`") from None
         name = container_name(self._worker_id, spec.channel_id)
         self._remove_stale(name)
         env, files = self._container_env(spec.env, image_pipeline(image) is not None)

@@ -225,7 +225,7 @@ class _Prefetcher:
             self._untaken -= 1
             self._started += 1
             if self._untaken == 0:  # the receiver waits for nothing else from us; waking it
-                self._cond.notify()  # for every packed tuple cost a futile thread switch each
+                self._cond.notify()  # for every packed tuple would cost a futile thread switch each
             self._hand_over_if_due()
 
     def close(self) -> bool:
@@ -254,6 +254,11 @@ class _Slot:
     cpu: float = 0.0
     receipt: TupleReceipt | None = None  # set once final (STORED after its batch is stored)
     from_queue: bool = False
+
+    def answer(self, state: TupleReceipt.State, **fields: Any) -> _Slot:
+        """Make the receipt final with ``state``."""
+        self.receipt = TupleReceipt(index=self.index, tuple_id=self.meta.tuple_id, state=state, **fields)
+        return self
 
 
 StoreMany = Callable[[Sequence[tuple[int, bytes]]], list[bool]]
@@ -486,17 +491,16 @@ class Engine:
 
     def deliver_cut(self) -> Unavailable | None:
         """The error a Deliver stream still open ends with once the stop's finish time is over."""
-        if not self._stop_deadline.due():
-            return None
-        message = f"channel {self._channel} is stopping; send the rest elsewhere"
-        return Unavailable(message, retry_after=ENGINE_STATE_RETRY)
+        return self._stopping_error("the rest ") if self._stop_deadline.due() else None
+
+    def _stopping_error(self, what: str = "") -> Unavailable:
+        """UNAVAILABLE with a hint: the sender retries ``what`` on another channel, uncharged."""
+        return Unavailable(f"channel {self._channel} is stopping; send {what}elsewhere", retry_after=ENGINE_STATE_RETRY)
 
     def _claim(self) -> None:
         with self._cond:
             if self._stopping:
-                raise Unavailable(
-                    f"channel {self._channel} is stopping; send elsewhere", retry_after=ENGINE_STATE_RETRY
-                )
+                raise self._stopping_error()
             if self._active is not None:
                 raise ResourceExhausted(f"channel {self._channel} busy", retry_after=0.05)
             self._active = "deliver"
@@ -538,17 +542,11 @@ class Engine:
     def deliver(
         self, frames: Iterable[TupleFrame | ChunkFrame], *, max_chunk_bytes: int | None = None
     ) -> Iterator[TupleReceipt]:
-        """Serve one Deliver stream: a receipt per tuple, in order.
-
-        Tuples are processed one at a time while the next one is received and
-        the records of earlier ones are stored (:class:`_BatchStorer`); a
-        STORED receipt is sent only once its record is stored. The channel is
-        handed back before the last receipt (:class:`_Prefetcher`). Raises
-        ResourceExhausted when the channel is busy, FailedPrecondition for a
-        tuple of another image, DataLoss/InvalidArgument for a damaged stream
-        (after the receipts of the tuples before it). ``max_chunk_bytes``: the
-        largest frame payload (the payload lane sends a tuple as one frame).
-        """
+        """Serve one Deliver stream: a receipt per tuple, in order, a STORED one once its record is
+        stored (:class:`_BatchStorer`, :class:`_Prefetcher`). Raises ResourceExhausted when the
+        channel is busy, FailedPrecondition for a tuple of another image, DataLoss/InvalidArgument
+        for a damaged stream (after the receipts of the tuples before it). ``max_chunk_bytes``:
+        the largest frame payload (the payload lane sends a tuple as one frame)."""
         self._claim()
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         reader = self._reader(frames, max_chunk_bytes)
@@ -635,9 +633,7 @@ class Engine:
     ) -> _Slot:
         """Check and process one tuple of a stream; its record goes to ``storer``."""
         if self._stopping:
-            raise Unavailable(
-                f"channel {self._channel} is stopping; send the rest elsewhere", retry_after=ENGINE_STATE_RETRY
-            )
+            raise self._stopping_error("the rest ")
         self._check_image(meta)
         slot = _Slot(index, meta)
         result = self._compute(meta, data, from_queue=False, started=started)
@@ -653,10 +649,8 @@ class Engine:
                     slot, message, "failed tuple not taken back by the master; its sender retries it", exc.message
                 )
             self._report_failed(meta, result, from_queue=False)
-            slot.receipt = TupleReceipt(
-                index=index,
-                tuple_id=meta.tuple_id,
-                state=TupleReceipt.ENQUEUED,
+            slot.answer(
+                TupleReceipt.ENQUEUED,
                 message=result,
                 dead_lettered=dead,
                 queued=TupleReceipt.DEAD_LETTER if dead else TupleReceipt.RETRYING,
@@ -685,7 +679,7 @@ class Engine:
                     },
                 )
             if not slot.from_queue:  # a pulled tuple's answer is its report
-                slot.receipt = TupleReceipt(index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.STORED)
+                slot.answer(TupleReceipt.STORED)
 
     def _refused(self, slot: _Slot, message: str) -> None:
         """The repository refused this tuple's record: the tuple fails (its sender, or the master
@@ -711,10 +705,7 @@ class Engine:
         """The tuple fails to its sender with ``message`` (``what`` and ``reason`` for the log)."""
         log.warning(what, extra={"channel": self._channel, "tuple_id": slot.meta.tuple_id, "error": reason})
         self._report_failed(slot.meta, message, from_queue=slot.from_queue)
-        slot.receipt = TupleReceipt(
-            index=slot.index, tuple_id=slot.meta.tuple_id, state=TupleReceipt.FAILED, message=message
-        )
-        return slot
+        return slot.answer(TupleReceipt.FAILED, message=message)
 
     def _hand_back(self, meta: TupleMeta, data: bytes, error: str, deadline: float | None = None) -> bool:
         """Give a failed direct tuple to the master's queue with attempt+1 and the error;

@@ -30,16 +30,15 @@ def _number(value: Any) -> float | None:
 
 
 def _array(name: str, value: Any) -> list[float]:
-    if hasattr(value, "__array__") and hasattr(value, "ndim"):  # numpy array without importing numpy here
-        if value.ndim != 1:
-            raise FeatureError(f"feature {name!r}: array has {value.ndim} dimensions; return a flat (1-D) array")
-        if value.size > MAX_ARRAY_VALUES:
-            raise FeatureError(f"feature {name!r}: {value.size} values is over the limit of {MAX_ARRAY_VALUES}")
+    numpy = hasattr(value, "__array__") and hasattr(value, "ndim")  # a numpy array, without importing numpy here
+    if numpy and value.ndim != 1:
+        raise FeatureError(f"feature {name!r}: array has {value.ndim} dimensions; return a flat (1-D) array")
+    if (size := value.size if numpy else len(value)) > MAX_ARRAY_VALUES:
+        raise FeatureError(f"feature {name!r}: {size} values is over the limit of {MAX_ARRAY_VALUES}")
+    if numpy:
         if value.dtype.kind not in "biuf":
             raise FeatureError(f"feature {name!r}: array of {value.dtype} is not numeric")
         return [float(v) for v in value.tolist()]
-    if len(value) > MAX_ARRAY_VALUES:
-        raise FeatureError(f"feature {name!r}: {len(value)} values is over the limit of {MAX_ARRAY_VALUES}")
     values = []
     for i, item in enumerate(value):
         number = _number(item)

@@ -42,14 +42,14 @@ class WorkerMetrics:
         self._settings = settings
         self._lock = threading.Lock()  # one scrape at a time: the tally and the channels are shared
         self._process: Tally[tuple[str, str], BucketCounts] = Tally(BucketCounts.empty, operator.add)
-        self._stubs: dict[str, tuple[grpc.Channel, engine_pb2_grpc.EngineStub]] = {}
+        self._channels: dict[str, grpc.Channel] = {}  # engine address -> its channel, kept between scrapes
         self.registry = role_registry(Scraped(self._families))
 
     def close(self) -> None:
         with self._lock:
-            for channel, _stub in self._stubs.values():
+            for channel in self._channels.values():
                 channel.close()
-            self._stubs.clear()
+            self._channels.clear()
 
     def _families(self) -> Iterator[Metric]:
         slots, restarts_gone = self._controller.engine_slots()
@@ -117,12 +117,10 @@ class WorkerMetrics:
                 counts = tuple(map(float, reply.process_bucket_counts))
                 figures[key] = BucketCounts(BOUNDS, counts, reply.process_seconds_sum)
         self._process.update(running, figures)
-        for address in set(self._stubs) - set(addresses.values()):
-            self._stubs.pop(address)[0].close()
+        for address in set(self._channels) - set(addresses.values()):
+            self._channels.pop(address).close()
 
     def _stub(self, address: str) -> engine_pb2_grpc.EngineStub:
-        kept = self._stubs.get(address)
-        if kept is None:
-            channel = create_channel(address, self._settings)
-            kept = self._stubs[address] = (channel, engine_pb2_grpc.EngineStub(channel))
-        return kept[1]
+        if address not in self._channels:
+            self._channels[address] = create_channel(address, self._settings)
+        return engine_pb2_grpc.EngineStub(self._channels[address])

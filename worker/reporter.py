@@ -90,7 +90,7 @@ class Reporter:
 
         The thread is woken only when these make a report due sooner than it
         planned: the first item, or the first queued tuple's outcome. Waking it
-        for every small direct tuple cost a thread switch each.
+        for every small direct tuple would cost a thread switch each.
         """
         with self._cond:
             wake = not self._items

@@ -108,41 +108,30 @@ REGIMES = (
 )
 
 
-def _cached(out_dir: Path, request: dict[str, Any]) -> list[Path] | None:
-    """The files of a previous identical generation, if all are intact."""
+def _recorded(out_dir: Path) -> tuple[Any, list[tuple[str, int]]]:
+    """The request and the (name, size) files the folder's manifest records; (None, []) without one."""
     try:
         manifest = json.loads((out_dir / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    if manifest.get("request") != request:
-        return None
-    files = [(out_dir / name, size) for name, size in manifest.get("files", [])]
-    intact = all(path.is_file() and path.stat().st_size == size for path, size in files)
-    return [path for path, _ in files] if intact else None
-
-
-def _previous_files(out_dir: Path) -> set[str]:
-    """Names a previous generation in this folder recorded (only those are ever deleted)."""
-    try:
-        manifest = json.loads((out_dir / MANIFEST).read_text())
-        return {str(name) for name, _ in manifest.get("files", []) if "/" not in str(name)}
-    except (OSError, ValueError, TypeError):
-        return set()
+        return manifest.get("request"), [(str(name), int(size)) for name, size in manifest.get("files", [])]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None, []
 
 
 def _generate(out_dir: Path, request: dict[str, Any], make_files: Callable[[], list[tuple[str, bytes]]]) -> list[Path]:
-    """The files of a previous identical generation (:func:`_cached`), else those of
+    """The files of a previous identical generation, if all are intact, else those of
     ``make_files`` written, then the manifest that makes them a cache hit.
 
-    Files of an earlier, different generation that this one does not rewrite
-    are removed, so a folder watcher never streams a stale mix.
+    Files an earlier, different generation recorded (only those, never anything else)
+    that this one does not rewrite are removed, so a folder watcher never streams a
+    stale mix.
     """
-    if (paths := _cached(out_dir, request)) is not None:
-        return paths
+    recorded, before = _recorded(out_dir)
+    if recorded == request and all((out_dir / n).is_file() and (out_dir / n).stat().st_size == z for n, z in before):
+        return [out_dir / name for name, _ in before]
     files = make_files()
     log.info("generated samples", extra={"kind": request["kind"], "dir": str(out_dir), "count": len(files)})
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in _previous_files(out_dir) - {name for name, _ in files}:
+    for stale in {name for name, _ in before if "/" not in name} - {name for name, _ in files}:
         (out_dir / stale).unlink(missing_ok=True)
     for name, data in files:
         atomic_write(out_dir / name, data, durable=False)  # a reader never sees half a file
