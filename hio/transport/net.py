@@ -187,14 +187,9 @@ def refuse_caller(
     return None
 
 
-class _ParsingInterceptor(grpc.ServerInterceptor):
-    """Parses requests inside the handler, so unparseable bytes are INVALID_ARGUMENT.
-
-    grpc answers a request deserializer that raises with INTERNAL before any
-    servicer code runs; a client's bug would then look like a server crash.
-    A method's wrapped handler is made once and kept (the server's methods are
-    fixed), not built again on every call.
-    """
+class _Wrapping(grpc.ServerInterceptor):
+    """Serves each method by ``_wrap`` of its handler, made once and kept (the server's
+    methods are fixed), not built again on every call."""
 
     def __init__(self) -> None:
         self._wrapped: dict[str, _Handler] = {}  # method -> its wrapped handler; only served methods
@@ -210,6 +205,17 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
                 return None
             wrapped = self._wrapped[method] = self._wrap(handler)
         return wrapped
+
+    def _wrap(self, handler: _Handler) -> _Handler:
+        raise NotImplementedError
+
+
+class _ParsingInterceptor(_Wrapping):
+    """Parses requests inside the handler, so unparseable bytes are INVALID_ARGUMENT.
+
+    grpc answers a request deserializer that raises with INTERNAL before any
+    servicer code runs; a client's bug would then look like a server crash.
+    """
 
     def _wrap(self, handler: _Handler) -> _Handler:
         if handler.request_deserializer is None:
@@ -242,7 +248,7 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
         return make(lambda raw, ctx: inner(read(raw, ctx), ctx), response_serializer=serialize)
 
 
-class _StreamLimit(grpc.ServerInterceptor):
+class _StreamLimit(_Wrapping):
     """At most ``streams`` streaming calls at once; the one past it is refused at once with
     RESOURCE_EXHAUSTED. A stream holds a thread of the server's pool for its whole life (a
     client waiting for its receipts, a long poll), so without a bound, open streams would take
@@ -250,21 +256,9 @@ class _StreamLimit(grpc.ServerInterceptor):
     keeps threads beyond the bound for them."""
 
     def __init__(self, streams: int) -> None:
+        super().__init__()
         self._streams = streams
         self._open = threading.BoundedSemaphore(streams)
-        self._wrapped: dict[str, _Handler] = {}  # method -> its wrapped handler; only served methods
-
-    def intercept_service(
-        self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> _Handler | None:
-        method = handler_call_details.method
-        wrapped = self._wrapped.get(method)
-        if wrapped is None:
-            handler = continuation(handler_call_details)
-            if handler is None or not (handler.request_streaming or handler.response_streaming):
-                return handler
-            wrapped = self._wrapped[method] = self._wrap(handler)
-        return wrapped
 
     def _admit(self, context: grpc.ServicerContext) -> None:
         if not self._open.acquire(blocking=False):
@@ -275,6 +269,9 @@ class _StreamLimit(grpc.ServerInterceptor):
             )
 
     def _wrap(self, handler: _Handler) -> _Handler:
+        if not (handler.request_streaming or handler.response_streaming):
+            return handler
+
         def unary_result(request: Any, context: grpc.ServicerContext) -> Any:
             self._admit(context)
             try:
