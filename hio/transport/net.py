@@ -380,15 +380,13 @@ def create_server(
             root_certificates=_read(settings.tls_ca, "TLS CA") if settings.tls_ca else None,
             require_client_auth=settings.tls_client_auth,
         )
-    try:  # grpcio returns 0 for a port it cannot bind, or (newer) raises RuntimeError
+    try:
         port = server.add_secure_port(listen, creds) if settings.tls_cert else server.add_insecure_port(listen)
-    except RuntimeError:
-        port = 0
-    if port == 0:
+    except RuntimeError:  # grpcio's refusal of a port it cannot bind
         raise ConfigError(
             f"cannot listen on {listen}: the port is in use (another hio process there?) or the "
             "address is not this machine's; stop that process or choose another address"
-        )
+        ) from None
     return server, port, health_servicer
 
 
