@@ -638,19 +638,13 @@ def _reply(conn: socket.socket, kind: int, body: bytes, *, after: bytes = b"") -
 
 
 def _drain(conn: socket.socket) -> None:
-    """Read (from the socket itself) what the client still sends, for at most
+    """Read (from the socket itself) and throw away what the client still sends, for at most
     :data:`DRAIN_SECONDS`, so closing does not reset the connection before the client
     has read the status."""
     _shutdown(conn, socket.SHUT_WR)
     deadline = time.monotonic() + DRAIN_SECONDS
-    discard = memoryview(bytearray(READ_BUFFER))  # one buffer: what is read is thrown away
-    while (left := deadline - time.monotonic()) > 0:
-        conn.settimeout(left)
-        try:
-            if not conn.recv_into(discard):
-                return  # the client's end
-        except OSError:  # timed out, or the client is gone
-            return
+    while len(_recv_before(conn, READ_BUFFER, deadline)) == READ_BUFFER:  # fewer: its end, or the deadline
+        pass
 
 
 def _shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
