@@ -132,11 +132,8 @@ _ENVIRONMENT_ERRNOS = frozenset(
 
 def _quiet_stdout() -> None:
     """Point stdout at /dev/null, so flushing it at exit cannot fail again (the Python docs' recipe)."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout is not a file descriptor (called in-process)
-        pass
+    with contextlib.suppress(OSError, ValueError):  # stdout is not a file descriptor (called in-process)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -182,14 +182,12 @@ def run_scale(config: ScaleConfig) -> int:
         try:
             if config.changes():
                 request = master_pb2.SetScalingRequest(
+                    min_workers=config.set_min_workers if config.set_min_workers >= 0 else None,  # -1: unset
+                    max_workers=config.set_max_workers if config.set_max_workers >= 0 else None,
                     pin=[master_pb2.ImageCount(image=i, count=n) for i, n in config.pins().items()],
                     unpin=list(config.unpin),
                     reset_bounds=config.reset_bounds,
                 )
-                if config.set_min_workers >= 0:
-                    request.min_workers = config.set_min_workers
-                if config.set_max_workers >= 0:
-                    request.max_workers = config.set_max_workers
                 scaling = stub.SetScaling(request, timeout=30).scaling
             else:
                 scaling = stub.GetScaling(master_pb2.GetScalingRequest(), timeout=10).scaling

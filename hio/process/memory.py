@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 
@@ -39,18 +40,14 @@ GC_THRESHOLDS = (20_000, 20, 20)  # young-generation allocations before a collec
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
 
-_tuned = False
 
-
+@functools.cache
 def tune_malloc() -> bool:
-    """Raise glibc's mmap and trim thresholds for this process; False where libc is not glibc.
+    """Raise glibc's mmap and trim thresholds for this process (once); False where libc is not glibc.
 
-    Idempotent. An explicit ``GLIBC_TUNABLES``/``MALLOC_*_`` setting of the
+    An explicit ``GLIBC_TUNABLES``/``MALLOC_*_`` setting of the
     operator still applies to child processes started without ``hio``.
     """
-    global _tuned
-    if _tuned:
-        return True
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
         mallopt = libc.mallopt
@@ -58,10 +55,10 @@ def tune_malloc() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    if not _tuned:
+    tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    if not tuned:
         log.debug("mallopt refused the thresholds; large buffers stay mmap'd")
-    return _tuned
+    return tuned
 
 
 def tune_process() -> None:

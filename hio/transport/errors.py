@@ -120,13 +120,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, float | None]:
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     """End the call with ``exc``'s status; gRPC's own signal that it was aborted passes on
-    (depending on the version, abort raises a private exception class or a bare
-    ``Exception()``; the context's state says for sure)."""
-    if (
-        getattr(getattr(context, "_state", None), "aborted", False)
-        or type(exc).__name__ == "_AbortionException"
-        or isinstance(exc, grpc.RpcError)
-    ):
+    (abort raises a bare ``Exception()``; the context's state says it aborted)."""
+    if getattr(getattr(context, "_state", None), "aborted", False) or isinstance(exc, grpc.RpcError):
         raise exc
     code, message, retry = status_of(exc)
     if retry is not None:

@@ -365,9 +365,8 @@ class FrameReader:
                 )
         self.packed = True
         self._unpacked.extend(frame.packed)
-        if not frame.HasField("meta"):  # the last frame of a tuple of several frames
-            return TupleFrame(data=frame.data, last=True)
-        return TupleFrame(meta=frame.meta, data=frame.data, last=True)
+        # without meta: the last frame of a tuple of several frames
+        return TupleFrame(meta=frame.meta if frame.HasField("meta") else None, data=frame.data, last=True)
 
     def next_tuple(
         self, sink: Callable[[bytes | memoryview], None], begin: Callable[[TupleMeta], None] | None = None

@@ -638,19 +638,13 @@ def _reply(conn: socket.socket, kind: int, body: bytes, *, after: bytes = b"") -
 
 
 def _drain(conn: socket.socket) -> None:
-    """Read (from the socket itself) what the client still sends, for at most
+    """Read (from the socket itself) and throw away what the client still sends, for at most
     :data:`DRAIN_SECONDS`, so closing does not reset the connection before the client
     has read the status."""
     _shutdown(conn, socket.SHUT_WR)
     deadline = time.monotonic() + DRAIN_SECONDS
-    discard = memoryview(bytearray(READ_BUFFER))  # one buffer: what is read is thrown away
-    while (left := deadline - time.monotonic()) > 0:
-        conn.settimeout(left)
-        try:
-            if not conn.recv_into(discard):
-                return  # the client's end
-        except OSError:  # timed out, or the client is gone
-            return
+    while len(_recv_before(conn, READ_BUFFER, deadline)) == READ_BUFFER:  # fewer: its end, or the deadline
+        pass
 
 
 def _shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
@@ -813,7 +807,7 @@ class LaneCall(_ClientCall):
     ) -> None:
         super().__init__(sock, keep)
         self._frames = frames
-        self._replies = _Replies(sock)
+        self._unread = bytearray()  # replies read from the socket and not yet taken
         self._broke = broke
         self._close_by_sender = False  # the sender outlived the call: it closes the socket
         self._input_ended = False  # every frame and the end-of-input mark were sent
@@ -841,7 +835,7 @@ class LaneCall(_ClientCall):
                 error = _status_error(_decoded(LaneStatus, body), answered=answered)
                 if error is not None:
                     raise error
-                self._ok = not self._replies.unread  # bytes past the status: not a connection to keep
+                self._ok = not self._unread  # bytes past the status: not a connection to keep
                 return
         except LaneError as exc:
             if exc.transport:
@@ -851,9 +845,9 @@ class LaneCall(_ClientCall):
             self._finish()
 
     def _reply(self) -> tuple[int, bytes]:
-        """The next reply (what arrived past it waits in ``self._replies`` for the next)."""
+        """The next reply (what arrived past it waits in ``self._unread`` for the next)."""
         try:
-            prefix = self._replies.take(REPLY_PREFIX.size)
+            prefix = self._take(REPLY_PREFIX.size)
             if len(prefix) != REPLY_PREFIX.size:
                 raise self._failure("lane connection closed without a status")
             kind, size = REPLY_PREFIX.unpack(prefix)
@@ -865,12 +859,26 @@ class LaneCall(_ClientCall):
                     f"payload lane sent an unreadable reply (kind {kind}, {size} bytes)",
                     transport=True,
                 )
-            body = self._replies.take(size)
+            body = self._take(size)
             if len(body) != size:
                 raise self._failure(f"lane connection ended inside a reply ({len(body)} of {size} bytes)")
             return kind, body
         except OSError as exc:  # reset, timed out (keepalive)
             raise self._failure(f"lane connection failed: {exc}") from None
+
+    def _take(self, size: int) -> bytes:
+        """The next ``size`` bytes of the replies, fewer when the peer closes first; read from
+        the socket in as few reads as they come (a buffered reader cannot tell without blocking
+        whether it read past the status; the call can: ``_unread``, which must be empty for
+        the socket to carry the next call)."""
+        while len(self._unread) < size:
+            data = self._sock.recv(max(REPLY_READ, size - len(self._unread)))
+            if not data:
+                break
+            self._unread += data
+        taken = bytes(self._unread[:size])
+        del self._unread[:size]
+        return taken
 
     def _send(self) -> None:
         """Send every frame, then end the input. A payload that cannot be read ends the
@@ -933,31 +941,6 @@ class LaneCall(_ClientCall):
                 log.warning("lane sender still busy after its call ended")
                 return
         self._sock.close()
-
-
-class _Replies:
-    """A call's replies as they arrive, read from the socket in as few reads as they come (a
-    buffered reader cannot tell without blocking whether it read past the status; this one
-    can: :attr:`unread`, which must be 0 for the socket to carry the next call)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._buffer = bytearray()
-
-    def take(self, size: int) -> bytes:
-        """The next ``size`` bytes, fewer when the peer closes first."""
-        while len(self._buffer) < size:
-            data = self._sock.recv(max(REPLY_READ, size - len(self._buffer)))
-            if not data:
-                break
-            self._buffer += data
-        taken = bytes(self._buffer[:size])
-        del self._buffer[:size]
-        return taken
-
-    @property
-    def unread(self) -> int:
-        return len(self._buffer)
 
 
 class LaneDownload(_ClientCall):

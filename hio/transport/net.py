@@ -187,16 +187,12 @@ def refuse_caller(
     return None
 
 
-class _ParsingInterceptor(grpc.ServerInterceptor):
-    """Parses requests inside the handler, so unparseable bytes are INVALID_ARGUMENT.
+class _Wrapping(grpc.ServerInterceptor):
+    """Serves each method by ``wrap`` of its handler, made once and kept (the server's
+    methods are fixed), not built again on every call."""
 
-    grpc answers a request deserializer that raises with INTERNAL before any
-    servicer code runs; a client's bug would then look like a server crash.
-    A method's wrapped handler is made once and kept (the server's methods are
-    fixed), not built again on every call.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, wrap: Callable[[_Handler], _Handler]) -> None:
+        self._wrap = wrap
         self._wrapped: dict[str, _Handler] = {}  # method -> its wrapped handler; only served methods
 
     def intercept_service(
@@ -211,38 +207,44 @@ class _ParsingInterceptor(grpc.ServerInterceptor):
             wrapped = self._wrapped[method] = self._wrap(handler)
         return wrapped
 
-    def _wrap(self, handler: _Handler) -> _Handler:
-        if handler.request_deserializer is None:
-            return handler
-        parse = handler.request_deserializer
-        type_name = getattr(getattr(parse, "__self__", None), "__name__", "request")
-        if parse == TupleFrame.FromString:  # frame streams: large chunks read in place
-            parse = parse_frame
-        serialize = handler.response_serializer
-        if serialize == TupleFrame.SerializeToString:  # ... and sent as encoded by the sender
-            serialize = serialize_frame
 
-        def decode(raw: bytes, context: grpc.ServicerContext) -> Any:
-            try:
-                return parse(raw)
-            except Exception as exc:  # noqa: BLE001 - any parse failure is the client's
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {type_name}: {exc}")
+def _parsed_inside(handler: _Handler) -> _Handler:
+    """``handler`` parsing its requests itself, so unparseable bytes are INVALID_ARGUMENT.
 
-        def decode_all(raws: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
-            for raw in raws:
-                yield decode(raw, context)
+    grpc answers a request deserializer that raises with INTERNAL before any
+    servicer code runs; a client's bug would then look like a server crash.
+    """
+    if handler.request_deserializer is None:
+        return handler
+    parse = handler.request_deserializer
+    type_name = getattr(getattr(parse, "__self__", None), "__name__", "request")
+    if parse == TupleFrame.FromString:  # frame streams: large chunks read in place
+        parse = parse_frame
+    serialize = handler.response_serializer
+    if serialize == TupleFrame.SerializeToString:  # ... and sent as encoded by the sender
+        serialize = serialize_frame
 
-        kinds: list[tuple[Any, Any, Callable[[Any, grpc.ServicerContext], Any]]] = [
-            (handler.unary_unary, grpc.unary_unary_rpc_method_handler, decode),
-            (handler.unary_stream, grpc.unary_stream_rpc_method_handler, decode),
-            (handler.stream_unary, grpc.stream_unary_rpc_method_handler, decode_all),
-            (handler.stream_stream, grpc.stream_stream_rpc_method_handler, decode_all),
-        ]
-        inner, make, read = next(kind for kind in kinds if kind[0] is not None)  # a handler is of one kind
-        return make(lambda raw, ctx: inner(read(raw, ctx), ctx), response_serializer=serialize)
+    def decode(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            return parse(raw)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the client's
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {type_name}: {exc}")
+
+    def decode_all(raws: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+        for raw in raws:
+            yield decode(raw, context)
+
+    kinds: list[tuple[Any, Any, Callable[[Any, grpc.ServicerContext], Any]]] = [
+        (handler.unary_unary, grpc.unary_unary_rpc_method_handler, decode),
+        (handler.unary_stream, grpc.unary_stream_rpc_method_handler, decode),
+        (handler.stream_unary, grpc.stream_unary_rpc_method_handler, decode_all),
+        (handler.stream_stream, grpc.stream_stream_rpc_method_handler, decode_all),
+    ]
+    inner, make, read = next(kind for kind in kinds if kind[0] is not None)  # a handler is of one kind
+    return make(lambda raw, ctx: inner(read(raw, ctx), ctx), response_serializer=serialize)
 
 
-class _StreamLimit(grpc.ServerInterceptor):
+class _StreamLimit:
     """At most ``streams`` streaming calls at once; the one past it is refused at once with
     RESOURCE_EXHAUSTED. A stream holds a thread of the server's pool for its whole life (a
     client waiting for its receipts, a long poll), so without a bound, open streams would take
@@ -252,19 +254,6 @@ class _StreamLimit(grpc.ServerInterceptor):
     def __init__(self, streams: int) -> None:
         self._streams = streams
         self._open = threading.BoundedSemaphore(streams)
-        self._wrapped: dict[str, _Handler] = {}  # method -> its wrapped handler; only served methods
-
-    def intercept_service(
-        self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> _Handler | None:
-        method = handler_call_details.method
-        wrapped = self._wrapped.get(method)
-        if wrapped is None:
-            handler = continuation(handler_call_details)
-            if handler is None or not (handler.request_streaming or handler.response_streaming):
-                return handler
-            wrapped = self._wrapped[method] = self._wrap(handler)
-        return wrapped
 
     def _admit(self, context: grpc.ServicerContext) -> None:
         if not self._open.acquire(blocking=False):
@@ -274,7 +263,10 @@ class _StreamLimit(grpc.ServerInterceptor):
                 "retry once one has ended (with backoff)",
             )
 
-    def _wrap(self, handler: _Handler) -> _Handler:
+    def wrap(self, handler: _Handler) -> _Handler:
+        if not (handler.request_streaming or handler.response_streaming):
+            return handler
+
         def unary_result(request: Any, context: grpc.ServicerContext) -> Any:
             self._admit(context)
             try:
@@ -365,7 +357,7 @@ def create_server(
     auth = [_AuthInterceptor(table, policy)] if table is not None else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[*auth, _StreamLimit(stream_bound(max_workers)), _ParsingInterceptor()],
+        interceptors=[*auth, _Wrapping(_StreamLimit(stream_bound(max_workers)).wrap), _Wrapping(_parsed_inside)],
         options=_options(
             settings, ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2), ("grpc.so_reuseport", 0)
         ),
@@ -383,15 +375,13 @@ def create_server(
             root_certificates=_read(settings.tls_ca, "TLS CA") if settings.tls_ca else None,
             require_client_auth=settings.tls_client_auth,
         )
-    try:  # grpcio returns 0 for a port it cannot bind, or (newer) raises RuntimeError
+    try:
         port = server.add_secure_port(listen, creds) if settings.tls_cert else server.add_insecure_port(listen)
-    except RuntimeError:
-        port = 0
-    if port == 0:
+    except RuntimeError:  # grpcio's refusal of a port it cannot bind
         raise ConfigError(
             f"cannot listen on {listen}: the port is in use (another hio process there?) or the "
             "address is not this machine's; stop that process or choose another address"
-        )
+        ) from None
     return server, port, health_servicer
 
 

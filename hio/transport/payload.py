@@ -181,11 +181,8 @@ class LanePayload:
         while True:
             now = time.monotonic()
             with self._lock:
-                aged = 0
-                while aged < len(self._idle) and now - self._idle[aged][1] >= REUSE_SECONDS:
-                    aged += 1
-                closing = [sock for sock, _since in self._idle[:aged]]
-                del self._idle[:aged]
+                closing = [sock for sock, since in self._idle if now - since >= REUSE_SECONDS]
+                self._idle = [(sock, since) for sock, since in self._idle if now - since < REUSE_SECONDS]
                 sock = self._idle.pop()[0] if self._idle else None
             for old in closing:
                 old.close()
