@@ -12,7 +12,10 @@ load average) and a plot under ``out``, and all three as ``out/scale.md``:
   the batch stored and releases the channel at once (``ReportTuples``), so no engine runs.
   Never more routes are in flight than there are channels, so every route finds one (a route
   to the queue is counted, not enqueued; none is expected). Routes/s over a window after a
-  warm-up, the master's CPU per route from ``/proc``, and the route call's latency.
+  warm-up, the master's CPU per route from ``/proc``, and the route call's latency. Right
+  before each point, grpcio's floor: the CPU a synchronous server whose handlers do nothing
+  spends per unary call and per message of a kept stream (:func:`grpc_floor`), the part of a
+  route's cost that no change to the master's own code can remove.
 * ``repository``: restart time (process start to SERVING: the index rebuilt from the segments)
   and index memory (RSS after start less an empty repository's) with stores of ``records``
   small records, filled with real ``PutFeatures`` batches. Each store is kept under
@@ -36,6 +39,7 @@ import datetime
 import json
 import multiprocessing
 import os
+import queue
 import shutil
 import statistics
 import subprocess
@@ -43,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +172,100 @@ def _provenance() -> dict[str, Any]:
         "machine": machine_description(),
         "commit": source_commit(),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# grpcio's floor: what one call costs a server before any handler code runs
+
+FLOOR_CALLS = 2000  # calls (and stream messages) per client thread
+FLOOR_THREADS = 4  # client threads calling at once, as several gateways and workers do
+
+
+def _floor_handlers() -> Any:
+    import grpc
+
+    def unary(request: bytes, context: Any) -> bytes:
+        return request
+
+    def stream(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+        yield from requests
+
+    return grpc.method_handlers_generic_handler(
+        "floor.Floor",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Stream": grpc.stream_stream_rpc_method_handler(stream),
+        },
+    )
+
+
+def floor_server_process(port: Any, stop: Any) -> None:
+    """grpcio's synchronous server with the master's pool of threads, its handlers doing nothing."""
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+    server.add_generic_rpc_handlers((_floor_handlers(),))
+    port.value = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop.wait()
+    server.stop(0)
+
+
+def grpc_floor(calls: int = FLOOR_CALLS, threads: int = FLOOR_THREADS) -> dict[str, float]:
+    """The server's CPU (µs) per unary call and per message of a kept bidirectional stream, with
+    handlers that do nothing, measured in a process of its own right before a master point: the
+    part of the master's CPU per route that is grpcio's, whatever the master's code does, on this
+    machine in its state at that point (which moves by up to 2x between days here)."""
+    import grpc
+
+    context = multiprocessing.get_context("spawn")
+    port, stop = context.Value("i", 0), context.Event()
+    server = context.Process(target=floor_server_process, args=(port, stop), daemon=True)
+    server.start()
+    try:
+        deadline = time.monotonic() + 60
+        while port.value == 0:
+            if not server.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gRPC floor's server did not start")
+            time.sleep(0.05)
+        with grpc.insecure_channel(f"127.0.0.1:{port.value}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            unary: Any = channel.unary_unary("/floor.Floor/Unary")
+            stream: Any = channel.stream_stream("/floor.Floor/Stream")
+            message = bytes(64)
+
+            def unary_calls(n: int) -> None:
+                for _ in range(n):
+                    unary(message, timeout=30)
+
+            def stream_messages(n: int) -> None:
+                requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+                answers = stream(iter(requests.get, None), timeout=300)
+                for _ in range(n):
+                    requests.put(message)
+                    next(answers)
+                requests.put(None)
+
+            def server_us_per_call(work: Callable[[int], None]) -> float:
+                work(calls // 10)  # warm: channel, pool threads, code paths
+                before = proc_cpu_seconds(server.pid or 0)
+                clients = [threading.Thread(target=work, args=(calls,)) for _ in range(threads)]
+                for client in clients:
+                    client.start()
+                for client in clients:
+                    client.join()
+                return round((proc_cpu_seconds(server.pid or 0) - before) * 1e6 / (calls * threads), 1)
+
+            unary_us = server_us_per_call(unary_calls)
+            return {"grpc_unary_us": unary_us, "grpc_stream_us": server_us_per_call(stream_messages)}
+    finally:
+        stop.set()
+        server.join(10)
+        if server.is_alive():
+            server.kill()
+            server.join(10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,6 +479,7 @@ def measure_master(config: ScaleBenchConfig, root: Path, channels: int, profile:
     from hio.transport.net import wait_healthy
 
     shutil.rmtree(root, ignore_errors=True)
+    floor = grpc_floor()
     context = multiprocessing.get_context("spawn")
     cluster = LocalCluster(root, config)
     with contextlib.ExitStack() as stack:
@@ -449,6 +548,7 @@ def measure_master(config: ScaleBenchConfig, root: Path, channels: int, profile:
         "master_cpu_ms_per_route": round(cpu * 1000 / max(routes, 1), 4),
         "master_cores": round(cpu / config.seconds, 3),
         "routes_per_master_cpu_s": round(routes / cpu, 1) if cpu > 0 else "",
+        **floor,
         "route_p50_ms": round(_percentile(latencies, 0.5) * 1000, 3),
         "route_p99_ms": round(_percentile(latencies, 0.99) * 1000, 3),
         "generator_cpu_s": round(sum(p["cpu"] for p in parts), 2),
@@ -478,7 +578,9 @@ def run_master_curve(config: ScaleBenchConfig, root: Path) -> list[dict[str, Any
         print(
             f"master  {channels:>6} channels: {row['routes_per_s']:>9,.1f} routes/s, "
             f"{row['master_cpu_ms_per_route']:.3f} ms master CPU per route "
-            f"({row['routes_per_master_cpu_s'] or 0:,.0f} routes per CPU second), p50 {row['route_p50_ms']:.2f} ms, "
+            f"({row['routes_per_master_cpu_s'] or 0:,.0f} routes per CPU second; grpcio's floor "
+            f"{row['grpc_unary_us']:,.0f} µs a unary call, {row['grpc_stream_us']:,.0f} µs a stream message), "
+            f"p50 {row['route_p50_ms']:.2f} ms, "
             f"p99 {row['route_p99_ms']:.2f} ms, queued {row['queued']}, errors {row['errors']}, "
             f"heartbeats missed {row['heartbeats_missed']}, "
             f"load {row['load_avg']}",
@@ -880,6 +982,8 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("routes_per_s", "routes/s"),
         ("master_cpu_ms_per_route", "master CPU ms/route"),
         ("routes_per_master_cpu_s", "routes per master CPU s"),
+        ("grpc_unary_us", "gRPC floor µs/unary call"),
+        ("grpc_stream_us", "gRPC floor µs/stream message"),
         ("master_cores", "master cores"),
         ("route_p50_ms", "route p50 ms"),
         ("route_p99_ms", "route p99 ms"),
