@@ -13,9 +13,10 @@ load average) and a plot under ``out``, and all three as ``out/scale.md``:
   Never more routes are in flight than there are channels, so every route finds one (a route
   to the queue is counted, not enqueued; none is expected). Routes/s over a window after a
   warm-up, the master's CPU per route from ``/proc``, and the route call's latency. Right
-  before each point, grpcio's floor: the CPU a synchronous server whose handlers do nothing
-  spends per unary call and per message of a kept stream (:func:`grpc_floor`), the part of a
-  route's cost that no change to the master's own code can remove.
+  before each point, the gRPC floor: the CPU the roles' server (grpcio's synchronous server as
+  ``create_server`` builds it) spends per unary call and per message of a kept stream when its
+  handlers do nothing (:func:`grpc_floor`), the part of a route's cost that no change to the
+  master's own code can remove.
 * ``repository``: restart time (process start to SERVING: the index rebuilt from the segments)
   and index memory (RSS after start less an empty repository's) with stores of ``records``
   small records, filled with real ``PutFeatures`` batches. Each store is kept under
@@ -175,7 +176,7 @@ def _provenance() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# grpcio's floor: what one call costs a server before any handler code runs
+# The gRPC floor: what one call costs the roles' server before any handler code runs
 
 FLOOR_CALLS = 2000  # calls (and stream messages) per client thread
 FLOOR_THREADS = 4  # client threads calling at once, as several gateways and workers do
@@ -199,38 +200,40 @@ def _floor_handlers() -> Any:
     )
 
 
-def floor_server_process(port: Any, stop: Any) -> None:
-    """grpcio's synchronous server with the master's pool of threads, its handlers doing nothing."""
-    from concurrent import futures
+def floor_server_process(settings: ClusterSettings, port: Any, stop: Any) -> None:
+    """The roles' gRPC server (:func:`~hio.transport.net.create_server`: the master's pool of
+    threads, options and interceptors) serving only handlers that do nothing."""
+    from hio.transport.net import create_server
 
-    import grpc
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
-    server.add_generic_rpc_handlers((_floor_handlers(),))
-    port.value = server.add_insecure_port("127.0.0.1:0")
+    server, port.value, _ = create_server(
+        settings, "127.0.0.1:0", register=[lambda s: s.add_generic_rpc_handlers((_floor_handlers(),))]
+    )
     server.start()
     stop.wait()
     server.stop(0)
 
 
-def grpc_floor(calls: int = FLOOR_CALLS, threads: int = FLOOR_THREADS) -> dict[str, float]:
+def grpc_floor(settings: ClusterSettings, calls: int = FLOOR_CALLS, threads: int = FLOOR_THREADS) -> dict[str, float]:
     """The server's CPU (µs) per unary call and per message of a kept bidirectional stream, with
     handlers that do nothing, measured in a process of its own right before a master point: the
-    part of the master's CPU per route that is grpcio's, whatever the master's code does, on this
-    machine in its state at that point (which moves by up to 2x between days here)."""
+    part of the master's CPU per route that is its gRPC server's, whatever the master's code does,
+    on this machine in its state at that point (which moves by up to 2x between days here)."""
     import grpc
+
+    from hio.transport.net import create_channel
 
     context = multiprocessing.get_context("spawn")
     port, stop = context.Value("i", 0), context.Event()
-    server = context.Process(target=floor_server_process, args=(port, stop), daemon=True)
+    server = context.Process(target=floor_server_process, args=(settings, port, stop), daemon=True)
     server.start()
+    pid = server.pid or 0
     try:
         deadline = time.monotonic() + 60
         while port.value == 0:
             if not server.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the gRPC floor's server did not start")
             time.sleep(0.05)
-        with grpc.insecure_channel(f"127.0.0.1:{port.value}") as channel:
+        with create_channel(f"127.0.0.1:{port.value}", settings) as channel:
             grpc.channel_ready_future(channel).result(timeout=30)
             unary: Any = channel.unary_unary("/floor.Floor/Unary")
             stream: Any = channel.stream_stream("/floor.Floor/Stream")
@@ -250,13 +253,13 @@ def grpc_floor(calls: int = FLOOR_CALLS, threads: int = FLOOR_THREADS) -> dict[s
 
             def server_us_per_call(work: Callable[[int], None]) -> float:
                 work(calls // 10)  # warm: channel, pool threads, code paths
-                before = proc_cpu_seconds(server.pid or 0)
+                before = proc_cpu_seconds(pid)
                 clients = [threading.Thread(target=work, args=(calls,)) for _ in range(threads)]
                 for client in clients:
                     client.start()
                 for client in clients:
                     client.join()
-                return round((proc_cpu_seconds(server.pid or 0) - before) * 1e6 / (calls * threads), 1)
+                return round((proc_cpu_seconds(pid) - before) * 1e6 / (calls * threads), 1)
 
             unary_us = server_us_per_call(unary_calls)
             return {"grpc_unary_us": unary_us, "grpc_stream_us": server_us_per_call(stream_messages)}
@@ -479,7 +482,7 @@ def measure_master(config: ScaleBenchConfig, root: Path, channels: int, profile:
     from hio.transport.net import wait_healthy
 
     shutil.rmtree(root, ignore_errors=True)
-    floor = grpc_floor()
+    floor = grpc_floor(config)
     context = multiprocessing.get_context("spawn")
     cluster = LocalCluster(root, config)
     with contextlib.ExitStack() as stack:
@@ -578,7 +581,7 @@ def run_master_curve(config: ScaleBenchConfig, root: Path) -> list[dict[str, Any
         print(
             f"master  {channels:>6} channels: {row['routes_per_s']:>9,.1f} routes/s, "
             f"{row['master_cpu_ms_per_route']:.3f} ms master CPU per route "
-            f"({row['routes_per_master_cpu_s'] or 0:,.0f} routes per CPU second; grpcio's floor "
+            f"({row['routes_per_master_cpu_s'] or 0:,.0f} routes per CPU second; gRPC floor "
             f"{row['grpc_unary_us']:,.0f} µs a unary call, {row['grpc_stream_us']:,.0f} µs a stream message), "
             f"p50 {row['route_p50_ms']:.2f} ms, "
             f"p99 {row['route_p99_ms']:.2f} ms, queued {row['queued']}, errors {row['errors']}, "

@@ -128,7 +128,7 @@ def test_a_real_master_routes_for_fake_workers_and_gateways_and_its_cpu_per_rout
         assert (int(row["queued"]), int(row["errors"])) == (0, 0), row  # every route found a channel
         assert 0.01 < float(row["master_cpu_ms_per_route"]) < 50, row
         assert float(row["route_p50_ms"]) <= float(row["route_p99_ms"])
-        # grpcio's floor: a do-nothing call costs its server CPU, and less than the master's route
+        # the gRPC floor: a do-nothing call costs the server CPU, and less than the master's route
         unary, stream = float(row["grpc_unary_us"]), float(row["grpc_stream_us"])
         assert stream > 0
         assert 0 < unary < float(row["master_cpu_ms_per_route"]) * 1000, row
